@@ -1,0 +1,1 @@
+"""What a user runs: the ``specgate`` CLI and its commands."""

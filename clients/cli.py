@@ -1,0 +1,57 @@
+"""``specgate``: the one console script.
+
+    specgate worker --model MODEL [--backend transformers|llama.cpp] [--host H] [--port N]
+    specgate serve  [--config FILE] [--port N]
+    specgate bench worker [--json FILE] [--repeats N] [--quick]
+
+The CLI is the composition root: it starts servers as processes (``python -m workers``) and
+speaks HTTP to them, so it imports neither ``app/`` nor ``workers/`` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specgate", description="Distributed speculative decoding behind the OpenAI API.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser(
+        "worker", add_help=False, help="serve a target model over worker protocol v1 (see specgate worker --help)"
+    )
+    serve = commands.add_parser("serve", help="start the local workers (and the gateway) of a config")
+    serve.add_argument("--config", default="config/builtin.yaml", help="YAML config (default: config/builtin.yaml)")
+    serve.add_argument("--port", type=int, default=None, help="gateway port (default: the config's, 8000)")
+    serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every worker (default: 600)")
+    bench = commands.add_parser("bench", help="benchmarks that print figures and write JSON")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    worker = benches.add_parser("worker", help="verify latency over HTTP vs in-process; draft acceptance α")
+    worker.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    worker.add_argument("--repeats", type=int, default=20, help="timed calls per cell (default: 20)")
+    worker.add_argument("--backends", nargs="+", default=["llama.cpp", "transformers"], help="backends to measure")
+    worker.add_argument("--positions", nargs="+", type=int, default=[1, 4, 6, 9], help="positions scored per call")
+    worker.add_argument("--quick", action="store_true", help="fewer repeats and tokens: about a minute")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:
+        # the worker owns its flags (and their --help); run it in this process's place
+        os.execv(sys.executable, [sys.executable, "-m", "workers", *argv[1:]])
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from clients.serve import serve
+
+        return serve(args.config, args.port, args.startup_timeout)
+    if args.command == "bench" and args.bench == "worker":
+        from clients.bench_worker import bench_worker
+
+        return bench_worker(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Sampling parameters (DESIGN §3.2): the one definition of ``T(p)`` every mode uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How logits become the distribution a token is drawn from.
+
+    ``temperature == 0`` is greedy: the distribution is then ``softmax(logits)`` untruncated,
+    whose argmax is the token (DESIGN §3.2), so workers can be aggregated before the argmax.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be ≥ 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_sampling(
+    logits: torch.Tensor,  # [num_positions, V]
+    params: SamplingParams,
+) -> torch.Tensor:  # [num_positions, V] fp32, rows sum to 1
+    """``T(p)``: temperature, then top-k, then top-p, renormalised (vLLM's order)."""
+    logits = logits.float()
+    if params.is_greedy:
+        return torch.softmax(logits, dim=-1)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        logits = mask_top_k(logits, params.top_k)
+    if params.top_p < 1:
+        logits = mask_top_p(logits, params.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def mask_top_k(
+    logits: torch.Tensor,  # [num_positions, V]
+    k: int,
+) -> torch.Tensor:  # [num_positions, V], -inf outside the k largest
+    """Keep the ``k`` largest logits of each row; ties at the threshold are all kept."""
+    threshold = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def mask_top_p(
+    logits: torch.Tensor,  # [num_positions, V]
+    top_p: float,
+) -> torch.Tensor:  # [num_positions, V], -inf outside the nucleus
+    """Keep the smallest set of largest-probability tokens whose mass reaches ``top_p``."""
+    probs = torch.softmax(logits, dim=-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop_sorted = mass_before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))

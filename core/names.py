@@ -1,0 +1,30 @@
+"""The names of DESIGN §2–3 that travel on the wire and in configuration."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Mode(str, Enum):
+    """A decoding mode (DESIGN §3): what goes on the wire and where verification happens."""
+
+    AUTOREGRESSIVE = "autoregressive"
+    AGGREGATE = "aggregate"
+    SPLIT = "split"
+    EXACT = "exact"
+    TREE = "tree"
+    PIPELINE = "pipeline"
+
+
+class Backend(str, Enum):
+    """A model runner backend (DESIGN §7)."""
+
+    TRANSFORMERS = "transformers"
+    LLAMA_CPP = "llama.cpp"
+
+
+class ProbsDtype(str, Enum):
+    """How probabilities travel: fp32 wherever a mode claims to be exact."""
+
+    FP16 = "fp16"
+    FP32 = "fp32"

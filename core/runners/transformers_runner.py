@@ -1,0 +1,138 @@
+"""The ``transformers`` backend (DESIGN §7): any HF checkpoint or GGUF transformers can load,
+CPU or CUDA, and the tiny random-weight models of the tests. One DynamicCache per session."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.errors import ModelLoadError
+from core.names import Backend
+from core.runners.base import ModelRunner, RunnerInfo
+from core.runners.models import ModelSource, cache_dir, file_key
+from core.runners.tokenizer import eos_ids
+
+log = logging.getLogger(__name__)
+
+
+class TransformersRunner(ModelRunner):
+    def __init__(
+        self,
+        source: ModelSource,
+        tokenizer: Any,
+        max_context: int = 2048,
+        device: str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.model = _load_model(source, len(tokenizer)).to(self.device).eval()
+        config = self.model.config
+        self.info = RunnerInfo(
+            model_id=source.name,
+            backend=Backend.TRANSFORMERS.value,
+            vocab_size=int(config.vocab_size),
+            max_context=min(max_context, int(config.max_position_embeddings)),
+            eos_ids=eos_ids(tokenizer),
+        )
+        self._caches: dict[str, Any] = {}
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        elem = torch.finfo(self.model.dtype).bits // 8
+        self._kv_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * elem
+
+    def kv_bytes_per_token(self) -> int:
+        return self._kv_bytes
+
+    @torch.inference_mode()
+    def _forward(self, session_id: str, tokens: list[int], num_logits: int) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        cache = self._caches.setdefault(session_id, DynamicCache())
+        start = min(cache.get_seq_length(), len(tokens) - num_logits)
+        _crop(cache, start)
+        input_ids = torch.tensor([tokens[start:]], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
+        return out.logits[0, -num_logits:].float().cpu()
+
+    def _crop_cache(self, session_id: str, length: int) -> None:
+        cache = self._caches.get(session_id)
+        if cache is not None:
+            _crop(cache, length)
+
+    def _free_cache(self, session_id: str) -> None:
+        self._caches.pop(session_id, None)
+
+    @torch.inference_mode()
+    def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, use_cache=False)
+        return out.logits[0, -num_logits:].float().cpu()
+
+
+def _crop(cache: Any, length: int) -> None:
+    """Keep ``length`` positions; a negative count removes tokens in every transformers version."""
+    surplus = cache.get_seq_length() - length
+    if surplus > 0:
+        cache.crop(-surplus)
+
+
+def _load_model(source: ModelSource, vocab_size: int) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    if source.is_tiny_random:
+        return tiny_random_model(vocab_size, seed=source.seed)
+    try:
+        if source.is_gguf:
+            assert source.path is not None
+            return _load_gguf(source.path)
+        return AutoModelForCausalLM.from_pretrained(source.path or source.hub_id, dtype=torch.float32)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"transformers cannot load {source.path or source.hub_id}: {exc}") from exc
+
+
+def _load_gguf(path: Path) -> Any:
+    """Dequantize a GGUF to fp32 once, then reload the cached safetensors (seconds, not a minute)."""
+    from transformers import AutoModelForCausalLM
+
+    cached = cache_dir() / "dequantized" / file_key(path)
+    if (cached / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
+    log.info("dequantizing %s for transformers (first use, cached in %s)", path.name, cached)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+    model.save_pretrained(tmp)
+    try:
+        os.rename(tmp, cached)
+    except OSError:  # another process saved the same weights first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model
+
+
+def tiny_random_model(vocab_size: int, seed: int = 0) -> Any:
+    """A 2-layer random-weight Llama over the shared vocabulary (tests only)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        initializer_range=0.5,  # peaked distributions, so top-k and argmax tests mean something
+        tie_word_embeddings=True,
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    return model.float()

@@ -1,0 +1,34 @@
+"""Shared fixtures: real models loaded once per test session (they take seconds to load)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from core.runners import ModelRunner, load_runner
+
+
+@pytest.fixture(scope="session")
+def tiny_runner_shared() -> ModelRunner:
+    return load_runner("tiny-random", "transformers")
+
+
+@pytest.fixture
+def tiny_runner(tiny_runner_shared: ModelRunner) -> Iterator[ModelRunner]:
+    """The tiny random-weight model, with no sessions left over from another test."""
+    tiny_runner_shared.free_all()
+    yield tiny_runner_shared
+    tiny_runner_shared.free_all()
+
+
+@pytest.fixture(scope="session")
+def builtin_llama_shared() -> ModelRunner:
+    return load_runner("builtin", "llama.cpp", memory_cap_mb=512)
+
+
+@pytest.fixture
+def builtin_llama(builtin_llama_shared: ModelRunner) -> Iterator[ModelRunner]:
+    builtin_llama_shared.free_all()
+    yield builtin_llama_shared
+    builtin_llama_shared.free_all()

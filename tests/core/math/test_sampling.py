@@ -1,0 +1,65 @@
+"""T(p) (DESIGN §3.2) on hand-built logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from core.math.sampling import SamplingParams, apply_sampling, mask_top_k, mask_top_p
+
+LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+
+
+def test_temperature_one_is_softmax() -> None:
+    torch.testing.assert_close(apply_sampling(LOGITS, SamplingParams()), torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+
+
+def test_greedy_is_untruncated_softmax() -> None:
+    probs = apply_sampling(LOGITS, SamplingParams(temperature=0, top_k=1, top_p=0.1))
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+
+
+def test_temperature_sharpens() -> None:
+    probs = apply_sampling(LOGITS, SamplingParams(temperature=0.5))
+    expected = torch.tensor([0.25, 0.0625, 0.015625, 0.015625])
+    torch.testing.assert_close(probs[0], expected / expected.sum())
+
+
+def test_top_k_keeps_k_and_renormalises() -> None:
+    probs = apply_sampling(LOGITS, SamplingParams(top_k=2))
+    torch.testing.assert_close(probs, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+
+
+def test_top_k_keeps_ties_at_the_threshold() -> None:
+    masked = mask_top_k(LOGITS, 3)
+    assert torch.isfinite(masked).sum() == 4
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [(0.5, 1), (0.51, 2), (0.75, 2), (0.76, 3), (1.0, 4)],
+)
+def test_top_p_keeps_the_smallest_nucleus(top_p: float, kept: int) -> None:
+    masked = mask_top_p(LOGITS, top_p)
+    assert int(torch.isfinite(masked).sum()) == kept
+
+
+def test_top_k_then_top_p() -> None:
+    probs = apply_sampling(LOGITS, SamplingParams(top_k=3, top_p=0.6))
+    # after top-k 3: (0.571, 0.286, 0.143); nucleus 0.6 keeps the first two
+    torch.testing.assert_close(probs, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+
+
+def test_rows_sum_to_one_on_random_logits() -> None:
+    logits = torch.randn(7, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    for params in (SamplingParams(), SamplingParams(0.7, 50, 0.9), SamplingParams(0)):
+        sums = apply_sampling(logits, params).sum(-1)
+        assert torch.allclose(sums, torch.ones(7), atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_k": -1}, {"top_p": 0}, {"top_p": 1.5}, {"temperature": math.nan}])
+def test_bad_params_raise(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,267 @@
+"""The worker app in-process (httpx.ASGITransport) on tiny-random: protocol v1 end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from core.math.compression import compress_top_k
+from core.protocol import (
+    BINARY_CONTENT_TYPE,
+    JSON_CONTENT_TYPE,
+    InfoResponse,
+    VerifyRequest,
+    VerifyResponse,
+    decode,
+    encode,
+    prefix_hash,
+)
+from core.runners import ModelRunner
+from workers.server import create_app
+from workers.settings import WorkerSettings
+
+V = 49152
+PROMPT = [504, 3458, 28, 638, 359, 346, 1485, 1834, 47, 378, 253, 1097]
+
+
+def _settings(**overrides: Any) -> WorkerSettings:
+    return WorkerSettings(model="tiny-random", backend="transformers", **overrides)
+
+
+async def _client(runner: ModelRunner, **overrides: Any) -> httpx.AsyncClient:
+    app = create_app(_settings(**overrides), runner=runner)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker")
+
+
+@pytest.fixture
+async def client(tiny_runner: ModelRunner) -> AsyncIterator[httpx.AsyncClient]:
+    async with await _client(tiny_runner) as c:
+        yield c
+
+
+def _request(session: str, prefix: list[int], tokens: list[int], draft: list[int], **kw: Any) -> VerifyRequest:
+    return VerifyRequest(
+        session_id=session,
+        prefix_len=len(prefix),
+        prefix_hash=prefix_hash(prefix),
+        tokens=np.array(tokens, dtype=np.int64),
+        draft=np.array(draft, dtype=np.int64),
+        **kw,
+    )
+
+
+async def _verify(client: httpx.AsyncClient, req: VerifyRequest, as_json: bool = False) -> httpx.Response:
+    body, content_type = encode(req, V, as_json=as_json)
+    headers = {"content-type": content_type, "accept": content_type}
+    return await client.post("/v1/verify", content=body, headers=headers)
+
+
+async def _scores(client: httpx.AsyncClient, req: VerifyRequest) -> VerifyResponse:
+    resp = await _verify(client, req)
+    assert resp.status_code == 200, resp.text
+    return decode(VerifyResponse, resp.content, resp.headers["content-type"])
+
+
+def _reference(runner: ModelRunner, tokens: list[int], m: int) -> torch.Tensor:
+    return torch.softmax(runner.forward_full(tokens, m), dim=-1)
+
+
+async def test_info_describes_the_model(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    resp = await client.get("/v1/info")
+    info = decode(InfoResponse, resp.content, resp.headers["content-type"])
+    assert (info.protocol_version, info.vocab_size, info.backend) == (1, V, "transformers")
+    assert info.tokenizer_fingerprint == tiny_runner.fingerprint and len(info.tokenizer_fingerprint) == 64
+    assert 2 in info.eos_ids and info.modes == ["aggregate"]
+    assert (await client.get("/health")).json() == {"status": "ok"}
+
+
+async def test_scores_equal_a_direct_forward_pass(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    draft = [11, 22, 33]
+    resp = await _scores(client, _request("a", [], PROMPT, draft))
+    assert resp.held == len(PROMPT) + 3 and resp.ids is None
+    expected = _reference(tiny_runner, PROMPT + draft, 4)
+    np.testing.assert_allclose(resp.probs, expected.numpy(), atol=1e-5)
+    assert np.all(resp.tail_mass == 0)
+
+
+async def test_top_k_and_sampling_params_are_applied(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    resp = await _scores(client, _request("a", [], PROMPT, [7], k=8, temperature=0.7, probs_dtype="fp16"))
+    logits = tiny_runner.forward_full(PROMPT + [7], 2) / 0.7
+    top = compress_top_k(torch.softmax(logits, -1), 8)
+    assert resp.ids is not None and resp.ids.tolist() == top.ids.tolist()
+    np.testing.assert_allclose(resp.probs, top.probs.numpy(), atol=1e-3)  # fp16 on the wire
+    np.testing.assert_allclose(resp.tail_mass, top.tail_mass.numpy(), atol=1e-6)
+
+
+async def test_json_encoding_both_ways(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    resp = await _verify(client, _request("j", [], PROMPT, [5, 6], k=4), as_json=True)
+    assert resp.headers["content-type"].startswith(JSON_CONTENT_TYPE)
+    body = orjson.loads(resp.content)
+    assert len(body["ids"]) == 3 and len(body["probs"][0]) == 4
+
+
+async def test_crop_and_append_equal_a_fresh_prefill(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    await _scores(client, _request("s", [], PROMPT, [100, 101, 102]))
+    # the draft was rejected after one token: keep PROMPT + [100], append a recovered token
+    agreed = PROMPT + [100]
+    resp = await _scores(client, _request("s", agreed, [555], [9, 8]))
+    assert resp.held == len(agreed) + 3
+    expected = _reference(tiny_runner, agreed + [555, 9, 8], 3)
+    np.testing.assert_allclose(resp.probs, expected.numpy(), atol=1e-5)
+
+
+async def test_empty_tokens_rescore_the_last_agreed_position(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    await _scores(client, _request("e", [], PROMPT, [1, 2]))
+    resp = await _scores(client, _request("e", PROMPT, [], [3]))
+    np.testing.assert_allclose(resp.probs, _reference(tiny_runner, PROMPT + [3], 2).numpy(), atol=1e-5)
+
+
+async def test_session_short_when_the_worker_holds_less_or_other(client: httpx.AsyncClient) -> None:
+    resp = await _verify(client, _request("lost", PROMPT, [1], [2]))
+    assert resp.status_code == 409
+    assert resp.json()["error"]["code"] == "session_short" and resp.json()["held"] == 0
+
+    await _scores(client, _request("s", [], PROMPT, [4]))  # holds PROMPT + [4]
+    resp = await _verify(client, _request("s", PROMPT + [4, 5], [6], [7]))
+    assert resp.status_code == 409 and resp.json()["held"] == len(PROMPT) + 1
+
+    other = PROMPT[:-1] + [999]
+    resp = await _verify(client, _request("s", other, [6], [7]))
+    assert resp.status_code == 409 and resp.json()["held"] == 0
+    # the gateway resends from what the worker holds, and carries on
+    await _scores(client, _request("s", PROMPT + [4], [6], [7]))
+
+
+async def test_delete_frees_the_session(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    await _scores(client, _request("d", [], PROMPT, [4]))
+    assert (await client.delete("/v1/sessions/d")).status_code == 204
+    assert not tiny_runner.has_session("d")
+    assert (await _verify(client, _request("d", PROMPT, [1], [2]))).status_code == 409
+    assert (await client.delete("/v1/sessions/never-was")).status_code == 204
+
+
+async def test_lru_eviction_beyond_the_session_cap(tiny_runner: ModelRunner) -> None:
+    async with await _client(tiny_runner, max_sessions=2) as client:
+        for name in ("a", "b", "c"):
+            await _scores(client, _request(name, [], PROMPT, [1]))
+        assert (await _verify(client, _request("a", PROMPT, [2], [3]))).status_code == 409
+        await _scores(client, _request("c", PROMPT, [2], [3]))
+        metrics = (await client.get("/metrics")).text
+        assert "specgate_worker_sessions_evicted_total 1" in metrics
+
+
+async def test_idle_sessions_expire(tiny_runner: ModelRunner) -> None:
+    async with await _client(tiny_runner, session_ttl_s=0.2) as client:
+        await _scores(client, _request("old", [], PROMPT, [1]))
+        await asyncio.sleep(0.3)
+        await _scores(client, _request("new", [], PROMPT, [1]))
+        assert (await _verify(client, _request("old", PROMPT, [2], [3]))).status_code == 409
+
+
+async def test_memory_cap_evicts_the_least_recent(tiny_runner: ModelRunner) -> None:
+    per_token = tiny_runner.kv_bytes_per_token()
+    long_prompt = (PROMPT * 200)[: int(2**20 * 0.6) // per_token]  # 60 % of a 1 MiB cap each
+    async with await _client(tiny_runner, memory_cap_mb=1) as client:
+        await _scores(client, _request("m1", [], long_prompt, [1]))
+        await _scores(client, _request("m2", [], long_prompt, [1]))
+        assert not tiny_runner.has_session("m1") and tiny_runner.has_session("m2")
+
+
+def _raw(body: bytes, content_type: str = BINARY_CONTENT_TYPE) -> dict[str, str]:
+    return {"content": body, "headers": {"content-type": content_type}}  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    "mutate, status, param",
+    [
+        (lambda b: b[:-3], 400, None),  # truncated binary
+        (lambda b: b"SGv1garbage", 400, None),
+        (lambda b: b"", 400, None),
+    ],
+)
+async def test_malformed_bodies_get_400(client: httpx.AsyncClient, mutate: Any, status: int, param: str | None) -> None:
+    body, _ = encode(_request("x", [], PROMPT, [1]), V)
+    resp = await client.post("/v1/verify", **_raw(mutate(body)))
+    assert resp.status_code == status
+    assert resp.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"tokens": [V + 5], "draft": [1]}, "tokens"),
+        ({"tokens": [1], "draft": [-3]}, "draft"),
+        ({"tokens": [1], "draft": [1], "prefix_len": -2}, "prefix_len"),
+        ({"tokens": [1], "draft": [1], "k": 0}, "k"),
+        ({"tokens": [1], "draft": [1], "k": V + 1}, "k"),
+        ({"tokens": [1], "draft": list(range(65))}, "draft"),
+        ({"tokens": [], "draft": [1]}, "tokens"),
+    ],
+)
+async def test_bad_values_get_400_naming_the_field(client: httpx.AsyncClient, fields: dict[str, Any], param: str) -> None:
+    body = {"session_id": "x", "prefix_len": 0, "prefix_hash": "", **fields}
+    resp = await client.post("/v1/verify", **_raw(orjson.dumps(body), JSON_CONTENT_TYPE))
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+async def test_a_draft_beyond_the_context_is_refused(tiny_runner: ModelRunner) -> None:
+    async with await _client(tiny_runner, max_context=64) as client:
+        await _scores(client, _request("c", [], PROMPT * 4, [1]))  # holds 49 of 64
+        resp = await _verify(client, _request("c", PROMPT * 4, [2], list(range(20))))
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+        await _scores(client, _request("c", PROMPT * 4, [2], [3, 4]))  # the session still works
+
+
+async def test_oversize_bodies_get_413(tiny_runner: ModelRunner) -> None:
+    async with await _client(tiny_runner, max_body_bytes=256) as client:
+        resp = await _verify(client, _request("big", [], PROMPT * 20, [1]))
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "payload_too_large"
+        await _scores(client, _request("small", [], PROMPT[:4], [1]))
+
+
+async def test_every_bad_input_leaves_other_sessions_served(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    await _scores(client, _request("keep", [], PROMPT, [1]))
+    for body in (b"junk", orjson.dumps({"session_id": "keep", "prefix_len": 0})):
+        await client.post("/v1/verify", **_raw(body, JSON_CONTENT_TYPE))
+    resp = await _scores(client, _request("keep", PROMPT + [1], [2], [3]))
+    np.testing.assert_allclose(resp.probs, _reference(tiny_runner, PROMPT + [1, 2, 3], 2).numpy(), atol=1e-5)
+
+
+class _BlockingRunner:
+    """Wraps a runner so a verify blocks until released: proves the loop stays free."""
+
+    def __init__(self, inner: ModelRunner) -> None:
+        self._inner = inner
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def append(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.entered.set()
+        self.release.wait(timeout=10)
+        return self._inner.append(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+async def test_health_answers_while_a_verify_runs(tiny_runner: ModelRunner) -> None:
+    blocking = _BlockingRunner(tiny_runner)
+    async with await _client(blocking) as client:  # type: ignore[arg-type]
+        pending = asyncio.create_task(_scores(client, _request("slow", [], PROMPT, [1])))
+        while not blocking.entered.is_set():
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        assert (await client.get("/health")).status_code == 200
+        assert time.monotonic() - started < 1.0
+        blocking.release.set()
+        assert (await pending).held == len(PROMPT) + 1

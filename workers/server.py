@@ -1,0 +1,249 @@
+"""The worker's FastAPI app (protocol v1, DESIGN §4). Route handlers parse, call, return;
+errors leave in the OpenAI envelope. Model calls run in a thread, one at a time, so
+``/health`` answers while a verify is running."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from core.errors import ContextOverflow, InvalidRequest, ProtocolError, SessionShort, SpecgateError
+from core.names import Mode
+from core.protocol import (
+    JSON_CONTENT_TYPE,
+    PROTOCOL_VERSION,
+    ErrorBody,
+    InfoResponse,
+    VerifyRequest,
+    check_verify_request,
+    decode,
+    encode,
+    encode_json,
+)
+from core.runners import ModelRunner, load_runner
+from workers.scoring import score
+from workers.sessions import SessionStore
+from workers.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class PayloadTooLarge(ProtocolError):
+    pass
+
+
+@dataclass
+class WorkerState:
+    """Everything one worker app owns; built by ``create_app``, never a module global."""
+
+    settings: WorkerSettings
+    runner: ModelRunner
+    sessions: SessionStore
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    counters: Counter[str] = field(default_factory=Counter)
+
+    @classmethod
+    def build(cls, settings: WorkerSettings, runner: ModelRunner) -> WorkerState:
+        sessions = SessionStore(
+            runner,
+            max_sessions=settings.max_sessions,
+            ttl_s=settings.session_ttl_s,
+            memory_cap_bytes=settings.memory_cap_mb * 2**20,
+        )
+        return cls(settings=settings, runner=runner, sessions=sessions)
+
+    @property
+    def max_context(self) -> int:
+        return min(self.settings.max_context, self.runner.info.max_context)
+
+    def info(self) -> InfoResponse:
+        info = self.runner.info
+        return InfoResponse(
+            protocol_version=PROTOCOL_VERSION,
+            modes=[Mode.AGGREGATE.value],
+            model_id=info.model_id,
+            vocab_size=info.vocab_size,
+            tokenizer_fingerprint=self.runner.fingerprint,
+            eos_ids=info.eos_ids,
+            max_context=self.max_context,
+            backend=info.backend,
+        )
+
+    def verify(self, req: VerifyRequest) -> Any:
+        """Crop, append, score: the body of ``POST /v1/verify`` (runs in a thread)."""
+        self.check_limits(req)
+        self.sessions.check_prefix(req.session_id, req.prefix_len, req.prefix_hash)
+        self.runner.crop(req.session_id, req.prefix_len)
+        started = time.perf_counter()
+        try:
+            logits = self.runner.append(
+                req.session_id, [*req.tokens.tolist(), *req.draft.tolist()], len(req.draft) + 1
+            )
+        finally:
+            self.sessions.touch(req.session_id)
+            self.sessions.evict(keep=req.session_id)
+        model_ms = (time.perf_counter() - started) * 1e3
+        self.counters["positions_scored_total"] += len(req.draft) + 1
+        self.counters["model_seconds_total"] += model_ms / 1e3
+        return score(logits, req, held=self.runner.length(req.session_id), model_ms=model_ms)
+
+    def check_limits(self, req: VerifyRequest) -> None:
+        check_verify_request(req, self.runner.info.vocab_size)
+        if len(req.draft) > self.settings.max_draft:
+            raise InvalidRequest(f"draft of {len(req.draft)} tokens exceeds max_draft {self.settings.max_draft}", param="draft")
+        if req.tokens.size == 0 and req.prefix_len == 0:
+            raise InvalidRequest("a draft needs at least one token before it", param="tokens")
+        total = req.prefix_len + len(req.tokens) + len(req.draft)
+        if total > self.max_context:
+            raise ContextOverflow(
+                f"prefix {req.prefix_len} + {len(req.tokens)} tokens + draft {len(req.draft)} "
+                f"exceeds the context of {self.max_context}",
+                param="draft",
+            )
+
+
+def create_app(settings: WorkerSettings, runner: ModelRunner | None = None) -> FastAPI:
+    """A worker app for ``settings``; loads the model at start-up unless ``runner`` is given."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if runner is None:
+            loaded = await asyncio.to_thread(
+                load_runner, settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb
+            )
+            await asyncio.to_thread(lambda: loaded.fingerprint)
+            app.state.worker = WorkerState.build(settings, loaded)
+        log.info("worker ready: %s on %s", settings.model, settings.backend.value)
+        yield
+        state: WorkerState | None = getattr(app.state, "worker", None)
+        if state is not None and runner is None:
+            async with state.lock:
+                state.runner.close()
+
+    app = FastAPI(title="specgate worker", lifespan=lifespan)
+    if runner is not None:
+        app.state.worker = WorkerState.build(settings, runner)
+    _add_routes(app)
+    _add_error_handlers(app)
+    return app
+
+
+def _state(request: Request) -> WorkerState:
+    return request.app.state.worker
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/info")
+    async def info(request: Request) -> Response:
+        return Response(encode_json(_state(request).info()), media_type=JSON_CONTENT_TYPE)
+
+    @app.post("/v1/verify")
+    async def verify(request: Request) -> Response:
+        state = _state(request)
+        body = await _read_body(request, state.settings.max_body_bytes)
+        req = decode(VerifyRequest, body, request.headers.get("content-type"))
+        async with state.lock:
+            resp = await asyncio.to_thread(state.verify, req)
+        as_json = JSON_CONTENT_TYPE in request.headers.get("accept", "")
+        payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=as_json)
+        state.counters["verify_requests_total"] += 1
+        state.counters["bytes_received_total"] += len(body)
+        state.counters["bytes_sent_total"] += len(payload)
+        return Response(payload, media_type=content_type)
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204)
+    async def delete_session(session_id: str, request: Request) -> Response:
+        state = _state(request)
+        async with state.lock:
+            await asyncio.to_thread(state.sessions.free, session_id)
+        return Response(status_code=204)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(_render_metrics(_state(request)), media_type="text/plain; version=0.0.4")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _render_metrics(state: WorkerState) -> str:
+    values = dict(state.counters)
+    values["sessions"] = len(state.sessions)
+    values["sessions_evicted_total"] = state.sessions.num_evicted
+    values["session_memory_bytes"] = state.runner.memory_bytes()
+    lines = [f"specgate_worker_{name} {value}" for name, value in sorted(values.items()) if "{" not in name]
+    lines += [f"specgate_worker_{name} {value}" for name, value in sorted(values.items()) if "{" in name]
+    return "\n".join(lines) + "\n"
+
+
+def _error(status: int, body: ErrorBody) -> Response:
+    return Response(body.to_json(), status_code=status, media_type=JSON_CONTENT_TYPE)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def count(request: Request, code: str) -> None:
+        state = getattr(request.app.state, "worker", None)
+        if state is not None:
+            state.counters[f'verify_errors_total{{code="{code}"}}'] += 1
+
+    @app.exception_handler(SessionShort)
+    async def session_short(request: Request, exc: SessionShort) -> Response:
+        count(request, "session_short")
+        body = ErrorBody(str(exc), "session_short", param="prefix_len", code="session_short", held=exc.held)
+        return _error(409, body)
+
+    @app.exception_handler(PayloadTooLarge)
+    async def too_large(request: Request, exc: PayloadTooLarge) -> Response:
+        count(request, "payload_too_large")
+        return _error(413, ErrorBody(str(exc), "invalid_request_error", code="payload_too_large"))
+
+    @app.exception_handler(ProtocolError)
+    async def bad_request(request: Request, exc: ProtocolError) -> Response:
+        code = "context_length_exceeded" if isinstance(exc, ContextOverflow) else "invalid_request"
+        count(request, code)
+        return _error(400, ErrorBody(str(exc), "invalid_request_error", param=exc.param, code=code))
+
+    @app.exception_handler(SpecgateError)
+    async def specgate_error(request: Request, exc: SpecgateError) -> Response:
+        count(request, "server_error")
+        return _error(500, ErrorBody(str(exc), "server_error", code="server_error"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error in %s", request.url.path)
+        count(request, "server_error")
+        return _error(500, ErrorBody(f"internal error: {type(exc).__name__}", "server_error", code="server_error"))
+
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, ErrorBody(str(exc.detail), kind, code=str(exc.status_code)))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error(400, ErrorBody(str(exc.errors()), "invalid_request_error", code="invalid_request"))

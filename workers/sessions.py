@@ -1,0 +1,73 @@
+"""The worker's sessions: which exist, and which to drop (LRU, session cap, TTL, memory cap).
+
+The KV caches themselves live in the runner; this store decides their lifetime.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from core.errors import SessionShort
+from core.protocol import prefix_hash
+from core.runners.base import ModelRunner
+
+
+class SessionStore:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_sessions: int,
+        ttl_s: float,
+        memory_cap_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runner = runner
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self.memory_cap_bytes = memory_cap_bytes
+        self.clock = clock
+        self.num_evicted = 0
+        self._last_used: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._last_used)
+
+    def check_prefix(self, session_id: str, prefix_len: int, expected_hash: str) -> None:
+        """Raise SessionShort unless the session holds ``prefix_len`` tokens hashing as given."""
+        if prefix_len == 0:
+            return
+        held = self.runner.tokens(session_id) if session_id in self._last_used else []
+        if prefix_len > len(held):
+            raise SessionShort(session_id, len(held), f"asked for a prefix of {prefix_len}")
+        if prefix_hash(held[:prefix_len]) != expected_hash:
+            raise SessionShort(session_id, 0, "the prefix hash differs")
+
+    def touch(self, session_id: str) -> None:
+        self._last_used[session_id] = self.clock()
+        self._last_used.move_to_end(session_id)
+
+    def free(self, session_id: str) -> bool:
+        existed = self._last_used.pop(session_id, None) is not None
+        self.runner.free(session_id)
+        return existed
+
+    def evict(self, keep: str | None = None) -> None:
+        """Drop idle sessions past their TTL, then LRU ones while over a cap."""
+        now = self.clock()
+        for session_id, last in list(self._last_used.items()):
+            if now - last > self.ttl_s and session_id != keep:
+                self._evict_one(session_id)
+        while self._over_caps():
+            victim = next((s for s in self._last_used if s != keep), None)
+            if victim is None:
+                break
+            self._evict_one(victim)
+
+    def _over_caps(self) -> bool:
+        return len(self._last_used) > self.max_sessions or self.runner.memory_bytes() > self.memory_cap_bytes
+
+    def _evict_one(self, session_id: str) -> None:
+        self.free(session_id)
+        self.num_evicted += 1

@@ -1,0 +1,23 @@
+"""Process settings of a worker: CLI flags, YAML or ``SPECGATE_WORKER_*`` environment."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from core.names import Backend
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECGATE_WORKER_", extra="forbid")
+
+    model: str = "builtin"  # builtin | builtin-draft | builtin-alt | tiny-random[:SEED] | path | hub id
+    backend: Backend = Backend.LLAMA_CPP
+    host: str = "127.0.0.1"
+    port: int = Field(default=8101, ge=0, le=65535)
+    max_context: int = Field(default=2048, gt=0)  # tokens one session may hold
+    memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of all sessions together
+    max_sessions: int = Field(default=64, gt=0)  # LRU eviction beyond this
+    session_ttl_s: float = Field(default=600.0, gt=0)  # idle sessions are dropped after this
+    max_body_bytes: int = Field(default=8 * 2**20, gt=0)  # larger request bodies get a 413
+    max_draft: int = Field(default=64, gt=0)  # draft tokens one verify call may carry
