@@ -13,6 +13,7 @@ from types import FrameType
 
 import httpx
 
+from clients.procs import is_healthy, stop_process, worker_command
 from core.config import SpecgateConfig, WorkerEntry, load_config
 from core.errors import SpecgateError
 
@@ -38,7 +39,7 @@ def serve(config_path: str, port: int | None, startup_timeout: float) -> int:
 
 
 def start_worker(entry: WorkerEntry) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "workers", "--model", entry.model, "--backend", entry.backend.value, "--port", str(entry.port), "--log-level", "warning"]
+    cmd = worker_command(entry.model, entry.backend.value, entry.port)
     print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}) on {entry.url}", flush=True)
     return subprocess.Popen(cmd)
 
@@ -53,7 +54,7 @@ def wait_ready(entries: list[WorkerEntry], procs: dict[str, subprocess.Popen[byt
                 if procs[name].poll() is not None:
                     print(f"specgate serve: worker {name} exited with {procs[name].returncode}", file=sys.stderr)
                     return False
-                if _healthy(client, entry.url):
+                if is_healthy(client, entry.url):
                     print(f"specgate serve: worker {name} ready", flush=True)
                     del pending[name]
             if time.monotonic() > deadline:
@@ -61,13 +62,6 @@ def wait_ready(entries: list[WorkerEntry], procs: dict[str, subprocess.Popen[byt
                 return False
             time.sleep(0.5)
     return not pending
-
-
-def _healthy(client: httpx.Client, url: str) -> bool:
-    try:
-        return client.get(f"{url}/health").status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def ready_message(config: SpecgateConfig, local: list[WorkerEntry]) -> str:
@@ -91,17 +85,12 @@ def watch(procs: dict[str, subprocess.Popen[bytes]], stop: _StopFlag) -> int:
     return 0
 
 
-def stop_all(procs: dict[str, subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+def stop_all(procs: dict[str, subprocess.Popen[bytes]]) -> None:
     for proc in procs.values():
         if proc.poll() is None:
-            proc.terminate()
-    deadline = time.monotonic() + grace_s
+            proc.terminate()  # all at once, then reap each
     for proc in procs.values():
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 class _StopFlag:

@@ -32,13 +32,13 @@ def load_runner(
         runner = LlamaCppRunner(source, tokenizer, max_context=max_context, memory_cap_mb=memory_cap_mb)
     else:
         raise ModelLoadError(f"unknown backend {backend!r}: use transformers or llama.cpp")
-    _check_vocab(runner, source)
+    check_vocab(len(runner.tokenizer), runner.info.vocab_size, str(source.path or source.name))
     return runner
 
 
-def _check_vocab(runner: ModelRunner, source: ModelSource) -> None:
-    if len(runner.tokenizer) > runner.info.vocab_size:
+def check_vocab(num_tokens: int, vocab_size: int, where: str) -> None:
+    """A tokenizer with more tokens than the model has rows cannot share ids with it."""
+    if num_tokens > vocab_size:
         raise ModelLoadError(
-            f"vocabulary mismatch in {source.path or source.name}: the tokenizer has "
-            f"{len(runner.tokenizer)} tokens, the model {runner.info.vocab_size} rows"
+            f"vocabulary mismatch in {where}: the tokenizer has {num_tokens} tokens, the model {vocab_size} rows"
         )

@@ -61,6 +61,7 @@ class LlamaCppRunner(ModelRunner):
         import llama_cpp
         from llama_cpp import _internals
 
+        quiet_llama_cpp()
         self._llama_cpp = llama_cpp
         self._internals = _internals
         self.tokenizer = tokenizer
@@ -73,7 +74,7 @@ class LlamaCppRunner(ModelRunner):
             max_context=min(max_context, int(self._model.n_ctx_train())),
             eos_ids=eos_ids(tokenizer, [int(self._model.token_eos())]),
         )
-        self.n_batch = max(2, min(n_batch, self.info.max_context))
+        self.n_batch = max(4, min(n_batch, self.info.max_context))  # ≥ 3 keeps _chunks free of ones
         self._n_threads = n_threads or os.cpu_count() or 1
         model = self._model.model
         self._kv_bytes = (
@@ -188,6 +189,13 @@ class LlamaCppRunner(ModelRunner):
         self._model.close()
 
 
+def quiet_llama_cpp() -> None:
+    """Route llama.cpp's own log lines (load, quantize, context sizes) to errors only."""
+    from llama_cpp._logger import set_verbose
+
+    set_verbose(False)
+
+
 def _load_model(internals: Any, llama_cpp: Any, path: str) -> Any:
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = 0
@@ -206,7 +214,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def _chunks(total: int, size: int) -> list[tuple[int, int]]:
-    """[begin, end) pieces of at most ``size``, none of length one unless ``total`` is one."""
+    """[begin, end) pieces of at most ``size`` (≥ 3), none of length one unless ``total`` is one."""
     bounds = [(b, min(b + size, total)) for b in range(0, total, size)]
     if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
         (b0, e0), (_, e1) = bounds[-2], bounds[-1]

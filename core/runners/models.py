@@ -138,6 +138,9 @@ def quantize_gguf(source: Path, target: Path, ftype: int) -> None:
     """Requantize ``source`` into ``target`` with llama.cpp's own quantizer."""
     import llama_cpp
 
+    from core.runners.llama_cpp_runner import quiet_llama_cpp
+
+    quiet_llama_cpp()
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.allow_requantize = True

@@ -105,6 +105,10 @@ def _load_gguf(path: Path) -> Any:
         return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
     log.info("dequantizing %s for transformers (first use, cached in %s)", path.name, cached)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # the weights are plain fp32 now: drop the GGUF quantizer marks that block save_pretrained
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
     model.save_pretrained(tmp)
     try:

@@ -1,0 +1,188 @@
+"""``specgate bench worker``: what a verify call costs, and how often the built-in draft wins.
+
+For each backend on the built-in model it starts a real worker (``python -m workers``) on
+127.0.0.1, and times ``POST /v1/verify`` scoring m positions (a session in steady state:
+crop to the agreed prefix, append one token and m − 1 draft tokens) next to the same forward
+pass called in-process. Then it measures the acceptance α = E[Σ_x min(p, q)] of the built-in
+draft against the built-in target along sequences sampled from the target (T = 1).
+Figures are medians; everything runs side by side in one process, one cell after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from core.math.sampling import SamplingParams, apply_sampling
+from core.protocol import VerifyRequest, VerifyResponse, decode, encode, prefix_hash
+from clients.procs import WorkerProcess
+from core.runners import ModelRunner, load_runner
+
+PROMPTS = [
+    "Explain in two sentences why the sky is blue.",
+    "Write a short poem about a lighthouse keeper.",
+    "List three tips for learning a new programming language.",
+    "What is the capital of France, and what is it known for?",
+]
+_K_SETTINGS: list[int | None] = [None, 32]
+
+
+def bench_worker(args: argparse.Namespace) -> int:
+    repeats = 5 if args.quick else args.repeats
+    results: dict[str, Any] = {"model": "builtin", "repeats": repeats, "latency": [], "acceptance": {}}
+    for backend in args.backends:
+        _progress(f"[{backend}] loading the built-in model in-process")
+        runner = load_runner("builtin", backend)
+        prompt = _chat_ids(runner, PROMPTS[0])
+        _progress(f"[{backend}] starting a real worker on 127.0.0.1")
+        with WorkerProcess("builtin", backend) as url:
+            results["latency"] += _latency_rows(runner, url, prompt, args.positions, repeats, backend)
+        runner.close()
+    results["acceptance"] = _acceptance(num_tokens=16 if args.quick else 48)
+    _print_tables(results)
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(results, indent=2))
+        _progress(f"wrote {args.json_path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- latency
+
+
+def _latency_rows(runner: ModelRunner, url: str, prompt: list[int], positions: list[int], repeats: int, backend: str) -> list[dict[str, Any]]:
+    rows = []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for m in positions:
+            draft = prompt[1 : m]  # any real tokens will do; m − 1 of them
+            local = _median_ms(lambda: _in_process(runner, prompt, draft), repeats)
+            row: dict[str, Any] = {"backend": backend, "positions": m, "in_process_ms": local}
+            for k in _K_SETTINGS:
+                ms, up, down = _http_cell(client, prompt, draft, k, repeats, runner.info.vocab_size)
+                label = "full" if k is None else f"k{k}"
+                row.update({f"http_{label}_ms": ms, f"bytes_up_{label}": up, f"bytes_down_{label}": down})
+            rows.append(row)
+            _progress(f"[{backend}] m={m}: in-process {local:.1f} ms, HTTP full {row['http_full_ms']:.1f} ms, HTTP k32 {row['http_k32_ms']:.1f} ms")
+    return rows
+
+
+def _in_process(runner: ModelRunner, prompt: list[int], draft: list[int]) -> None:
+    session = "bench"
+    if runner.length(session) < len(prompt):
+        runner.prefill(session, prompt)
+    runner.crop(session, len(prompt) - 1)
+    runner.append(session, [prompt[-1], *draft], len(draft) + 1)
+
+
+def _http_cell(client: httpx.Client, prompt: list[int], draft: list[int], k: int | None, repeats: int, vocab_size: int) -> tuple[float, int, int]:
+    session = f"bench-{len(draft)}-{k}"
+    agreed = prompt[:-1]
+    _post(client, _request(session, [], prompt, [], k), vocab_size)  # prefill, untimed
+    req = _request(session, agreed, [prompt[-1]], draft, k)
+    sizes: list[tuple[int, int]] = []
+    ms = _median_ms(lambda: sizes.append(_post(client, req, vocab_size)), repeats)
+    client.delete(f"/v1/sessions/{session}")
+    return ms, sizes[-1][0], sizes[-1][1]
+
+
+def _request(session: str, agreed: list[int], tokens: list[int], draft: list[int], k: int | None) -> VerifyRequest:
+    return VerifyRequest(
+        session_id=session,
+        prefix_len=len(agreed),
+        prefix_hash=prefix_hash(agreed),
+        tokens=np.array(tokens, dtype=np.int64),
+        draft=np.array(draft, dtype=np.int64),
+        k=k,
+    )
+
+
+def _post(client: httpx.Client, req: VerifyRequest, vocab_size: int) -> tuple[int, int]:
+    body, content_type = encode(req, vocab_size)
+    resp = client.post("/v1/verify", content=body, headers={"content-type": content_type})
+    resp.raise_for_status()
+    decode(VerifyResponse, resp.content, resp.headers["content-type"])
+    return len(body), len(resp.content)
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------- acceptance
+
+
+def _acceptance(num_tokens: int, seed: int = 0) -> dict[str, Any]:
+    """α of builtin-draft vs builtin (llama.cpp, T = 1) along target-sampled continuations."""
+    _progress("[acceptance] loading builtin (target) and builtin-draft (draft)")
+    target, draft = load_runner("builtin", "llama.cpp"), load_runner("builtin-draft", "llama.cpp")
+    generator = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=1.0)
+    betas: list[float] = []
+    per_prompt = []
+    for i, text in enumerate(PROMPTS):
+        ids = _chat_ids(target, text)
+        prompt_betas = _prompt_betas(target, draft, ids, num_tokens, params, generator)
+        per_prompt.append({"prompt": text, "alpha": float(np.mean(prompt_betas))})
+        betas += prompt_betas
+        _progress(f"[acceptance] prompt {i + 1}/{len(PROMPTS)}: α = {per_prompt[-1]['alpha']:.3f}")
+    target.close()
+    draft.close()
+    return {"temperature": 1.0, "tokens_per_prompt": num_tokens, "alpha": float(np.mean(betas)), "per_prompt": per_prompt}
+
+
+def _prompt_betas(target: ModelRunner, draft: ModelRunner, ids: list[int], num_tokens: int, params: SamplingParams, generator: torch.Generator) -> list[float]:
+    p = apply_sampling(target.prefill("alpha", ids), params)[0]
+    q = apply_sampling(draft.prefill("alpha", ids), params)[0]
+    betas = []
+    for _ in range(num_tokens):
+        betas.append(float(torch.minimum(p, q).sum()))
+        token = int(torch.multinomial(p, 1, generator=generator))
+        if token in target.info.eos_ids:
+            break
+        p = apply_sampling(target.append("alpha", [token], 1), params)[0]
+        q = apply_sampling(draft.append("alpha", [token], 1), params)[0]
+    target.free("alpha")
+    draft.free("alpha")
+    return betas
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _chat_ids(runner: ModelRunner, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return list(runner.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _print_tables(results: dict[str, Any]) -> None:
+    print("\nverify latency, median ms (one call, m positions scored; bytes per call up/down)")
+    print(f"{'backend':<13}{'m':>3}{'in-process':>12}{'HTTP full':>11}{'HTTP k32':>10}{'overhead':>10}{'up B':>7}{'down full B':>13}{'down k32 B':>12}")
+    for r in results["latency"]:
+        overhead = r["http_k32_ms"] - r["in_process_ms"]
+        print(
+            f"{r['backend']:<13}{r['positions']:>3}{r['in_process_ms']:>12.1f}{r['http_full_ms']:>11.1f}"
+            f"{r['http_k32_ms']:>10.1f}{overhead:>10.1f}{r['bytes_up_k32']:>7}{r['bytes_down_full']:>13}{r['bytes_down_k32']:>12}"
+        )
+    acc = results["acceptance"]
+    print(f"\nacceptance of builtin-draft vs builtin at T = 1: α = {acc['alpha']:.3f} "
+          f"({len(acc['per_prompt'])} prompts × ≤ {acc['tokens_per_prompt']} tokens)")

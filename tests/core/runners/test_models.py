@@ -1,0 +1,83 @@
+"""Model resolution, the built-in requantizations and one-line load errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.errors import ModelLoadError
+from core.runners import check_vocab, load_runner, resolve_model
+from core.runners.models import BUILTIN_DRAFT, builtin_gguf, requantized
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_builtin_is_found_in_site_packages() -> None:
+    source = resolve_model("builtin")
+    assert source.is_gguf and source.path == builtin_gguf() and source.path.stat().st_size > 50e6
+
+
+def test_requantized_builtins_share_the_builtin_tokenizer() -> None:
+    for name in ("builtin-draft", "builtin-alt"):
+        source = resolve_model(name)
+        assert source.is_gguf and source.path != builtin_gguf()
+        assert source.tokenizer_path == builtin_gguf()
+
+
+def test_tiny_random_seeds() -> None:
+    assert resolve_model("tiny-random").seed == 0
+    assert resolve_model("tiny-random:3").seed == 3
+    with pytest.raises(ModelLoadError, match="seed"):
+        resolve_model("tiny-random:x")
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("/nonexistent/model.gguf", "model not found: /nonexistent/model.gguf"),
+        ("./no-such-folder", "model not found"),
+    ],
+)
+def test_missing_models_are_one_line_errors(name: str, message: str) -> None:
+    with pytest.raises(ModelLoadError, match=message) as info:
+        resolve_model(name)
+    assert "\n" not in str(info.value)
+
+
+def test_a_folder_without_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_a_corrupt_gguf_is_a_one_line_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(1000))
+    with pytest.raises(ModelLoadError, match="bad.gguf") as info:
+        load_runner(str(bad), "llama.cpp")
+    assert "\n" not in str(info.value)
+
+
+def test_vocabulary_mismatch_names_the_file() -> None:
+    check_vocab(49152, 49152, "m.gguf")
+    with pytest.raises(ModelLoadError, match="vocabulary mismatch in m.gguf"):
+        check_vocab(50000, 49152, "m.gguf")
+
+
+def test_requantization_is_safe_under_two_processes(tmp_path: Path) -> None:
+    env = {**os.environ, "SPECGATE_CACHE_DIR": str(tmp_path)}
+    code = "from core.runners.models import requantized; print(requantized('builtin-draft'))"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    paths = {out.decode().strip() for out, _ in outputs}
+    assert len(paths) == 1
+    made = Path(paths.pop())
+    assert made.is_file() and list(tmp_path.glob("*.tmp")) == []
+    assert made.stat().st_size == requantized(BUILTIN_DRAFT).stat().st_size  # the same file as the user cache's
