@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from core.math.sampling import SamplingParams, apply_sampling
-from core.protocol import VerifyRequest, VerifyResponse, decode, encode, prefix_hash
+from core.protocol import VerifyRequest, VerifyResponse, decode, encode
 from clients.procs import WorkerProcess
 from core.runners import ModelRunner, load_runner
 
@@ -61,49 +61,55 @@ def bench_worker(args: argparse.Namespace) -> int:
 
 
 def _latency_rows(runner: ModelRunner, url: str, prompt: list[int], positions: list[int], repeats: int, backend: str) -> list[dict[str, Any]]:
+    """One row per m; the in-process and HTTP calls alternate, so noise hits them alike."""
     rows = []
+    vocab_size = runner.info.vocab_size
     with httpx.Client(base_url=url, timeout=60) as client:
         for m in positions:
-            draft = prompt[1 : m]  # any real tokens will do; m − 1 of them
-            local = _median_ms(lambda: _in_process(runner, prompt, draft), repeats)
-            row: dict[str, Any] = {"backend": backend, "positions": m, "in_process_ms": local}
+            draft = prompt[1:m]  # any real tokens will do; m − 1 of them
+            cells: dict[str, Callable[[], tuple[int, int]]] = {"in_process": lambda: _in_process(runner, prompt, draft)}
             for k in _K_SETTINGS:
-                ms, up, down = _http_cell(client, prompt, draft, k, repeats, runner.info.vocab_size)
                 label = "full" if k is None else f"k{k}"
-                row.update({f"http_{label}_ms": ms, f"bytes_up_{label}": up, f"bytes_down_{label}": down})
+                cells[f"http_{label}"] = _http_call(client, prompt, draft, k, vocab_size)
+            times, sizes = _alternate(cells, repeats)
+            row: dict[str, Any] = {"backend": backend, "positions": m}
+            row.update({f"{name}_ms": statistics.median(ts) for name, ts in times.items()})
+            for name, (up, down) in sizes.items():
+                if name.startswith("http_"):
+                    row[f"bytes_up_{name[5:]}"], row[f"bytes_down_{name[5:]}"] = up, down
             rows.append(row)
-            _progress(f"[{backend}] m={m}: in-process {local:.1f} ms, HTTP full {row['http_full_ms']:.1f} ms, HTTP k32 {row['http_k32_ms']:.1f} ms")
+            _progress(f"[{backend}] m={m}: in-process {row['in_process_ms']:.1f} ms, HTTP full {row['http_full_ms']:.1f} ms, HTTP k32 {row['http_k32_ms']:.1f} ms")
     return rows
 
 
-def _in_process(runner: ModelRunner, prompt: list[int], draft: list[int]) -> None:
+def _alternate(cells: dict[str, Callable[[], tuple[int, int]]], repeats: int) -> tuple[dict[str, list[float]], dict[str, tuple[int, int]]]:
+    times: dict[str, list[float]] = {name: [] for name in cells}
+    sizes = {name: fn() for name, fn in cells.items()}  # warm-up, and the payload sizes
+    for _ in range(repeats):
+        for name, fn in cells.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - started) * 1e3)
+    return times, sizes
+
+
+def _in_process(runner: ModelRunner, prompt: list[int], draft: list[int]) -> tuple[int, int]:
+    """The forward pass a verify call makes: crop to the agreed prefix, append, score."""
     session = "bench"
-    if runner.length(session) < len(prompt):
-        runner.prefill(session, prompt)
+    if runner.length(session) < len(prompt) - 1:
+        runner.prefill(session, prompt[:-1])
     runner.crop(session, len(prompt) - 1)
     runner.append(session, [prompt[-1], *draft], len(draft) + 1)
+    return 0, 0
 
 
-def _http_cell(client: httpx.Client, prompt: list[int], draft: list[int], k: int | None, repeats: int, vocab_size: int) -> tuple[float, int, int]:
+def _http_call(client: httpx.Client, prompt: list[int], draft: list[int], k: int | None, vocab_size: int) -> Callable[[], tuple[int, int]]:
+    """A steady-state verify call of a session that holds ``prompt[:-1]``."""
     session = f"bench-{len(draft)}-{k}"
     agreed = prompt[:-1]
-    _post(client, _request(session, [], prompt, [], k), vocab_size)  # prefill, untimed
-    req = _request(session, agreed, [prompt[-1]], draft, k)
-    sizes: list[tuple[int, int]] = []
-    ms = _median_ms(lambda: sizes.append(_post(client, req, vocab_size)), repeats)
-    client.delete(f"/v1/sessions/{session}")
-    return ms, sizes[-1][0], sizes[-1][1]
-
-
-def _request(session: str, agreed: list[int], tokens: list[int], draft: list[int], k: int | None) -> VerifyRequest:
-    return VerifyRequest(
-        session_id=session,
-        prefix_len=len(agreed),
-        prefix_hash=prefix_hash(agreed),
-        tokens=np.array(tokens, dtype=np.int64),
-        draft=np.array(draft, dtype=np.int64),
-        k=k,
-    )
+    _post(client, VerifyRequest.after(session, [], agreed, [], k=k), vocab_size)  # prefill, untimed
+    req = VerifyRequest.after(session, agreed, [prompt[-1]], draft, k=k)
+    return lambda: _post(client, req, vocab_size)
 
 
 def _post(client: httpx.Client, req: VerifyRequest, vocab_size: int) -> tuple[int, int]:
@@ -112,16 +118,6 @@ def _post(client: httpx.Client, req: VerifyRequest, vocab_size: int) -> tuple[in
     resp.raise_for_status()
     decode(VerifyResponse, resp.content, resp.headers["content-type"])
     return len(body), len(resp.content)
-
-
-def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
 
 
 # --------------------------------------------------------------------------- acceptance

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -124,6 +124,18 @@ class VerifyRequest(Message):
     k: int | None = None  # entries per position to return; None = the full distribution
     probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of the returned probabilities
     mode: str = Mode.AGGREGATE.value  # what to return; v1 workers serve "aggregate"
+
+    @classmethod
+    def after(cls, session_id: str, agreed: list[int], tokens: list[int], draft: list[int], **params: Any) -> VerifyRequest:
+        """The request that appends ``tokens`` + ``draft`` to a session holding ``agreed``."""
+        return cls(
+            session_id=session_id,
+            prefix_len=len(agreed),
+            prefix_hash=prefix_hash(agreed),
+            tokens=np.asarray(tokens, dtype=np.int64),
+            draft=np.asarray(draft, dtype=np.int64),
+            **params,
+        )
 
     def __eq__(self, other: object) -> bool:
         return _messages_equal(self, other)
@@ -333,8 +345,6 @@ def _build(cls: type[M], values: dict[str, Any], arrays: dict[str, np.ndarray]) 
 
 
 def _required(f: Any) -> bool:
-    from dataclasses import MISSING
-
     return f.default is MISSING and f.default_factory is MISSING
 
 

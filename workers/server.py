@@ -189,13 +189,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _render_metrics(state: WorkerState) -> str:
-    values = dict(state.counters)
-    values["sessions"] = len(state.sessions)
-    values["sessions_evicted_total"] = state.sessions.num_evicted
-    values["session_memory_bytes"] = state.runner.memory_bytes()
-    lines = [f"specgate_worker_{name} {value}" for name, value in sorted(values.items()) if "{" not in name]
-    lines += [f"specgate_worker_{name} {value}" for name, value in sorted(values.items()) if "{" in name]
-    return "\n".join(lines) + "\n"
+    values = {
+        **state.counters,
+        "sessions": len(state.sessions),
+        "sessions_evicted_total": state.sessions.num_evicted,
+        "session_memory_bytes": state.runner.memory_bytes(),
+    }
+    return "".join(f"specgate_worker_{name} {value}\n" for name, value in sorted(values.items()))
 
 
 def _error(status: int, body: ErrorBody) -> Response:

@@ -20,9 +20,28 @@ def compress_top_k(
     probs: torch.Tensor,  # [num_positions, V]
     k: int,
 ) -> TopK:
-    """Top-k of each row; ``σ`` is summed directly over the rest, not taken as ``1 − ρ``."""
+    """Top-k of each row; ``σ`` is summed directly over the rest, not taken as ``1 − ρ``.
+
+    O(V) per row (no full sort): everything above the k-th largest value, then the
+    lowest ids among the entries equal to it, then those k ordered by falling probability.
+    """
     if not 0 < k <= probs.shape[-1]:
         raise ValueError(f"k must lie in [1, {probs.shape[-1]}], got {k}")
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    tail = sorted_probs[:, k:].sum(dim=-1, dtype=torch.float64).float()
-    return TopK(ids=order[:, :k], probs=sorted_probs[:, :k].float(), tail_mass=tail)
+    kept = top_k_mask(probs, k)
+    ids = kept.nonzero()[:, 1].view(probs.shape[0], k)  # [num_positions, k], ascending ids
+    values = probs.gather(-1, ids)
+    values, order = torch.sort(values, dim=-1, descending=True, stable=True)  # ties keep id order
+    tail = probs.masked_fill(kept, 0).sum(dim=-1, dtype=torch.float64).float()
+    return TopK(ids=ids.gather(-1, order), probs=values.float(), tail_mass=tail)
+
+
+def top_k_mask(
+    probs: torch.Tensor,  # [num_positions, V]
+    k: int,
+) -> torch.Tensor:  # [num_positions, V] bool, exactly k True per row
+    """The k largest entries of each row, ties at the threshold broken to the lowest id."""
+    threshold = torch.topk(probs, k, dim=-1).values[:, -1:]
+    above = probs > threshold
+    tied = probs == threshold
+    room = k - above.sum(dim=-1, keepdim=True)
+    return above | (tied & (torch.cumsum(tied, dim=-1) <= room))

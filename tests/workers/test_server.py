@@ -23,7 +23,6 @@ from core.protocol import (
     VerifyResponse,
     decode,
     encode,
-    prefix_hash,
 )
 from core.runners import ModelRunner
 from workers.server import create_app
@@ -48,15 +47,7 @@ async def client(tiny_runner: ModelRunner) -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
-def _request(session: str, prefix: list[int], tokens: list[int], draft: list[int], **kw: Any) -> VerifyRequest:
-    return VerifyRequest(
-        session_id=session,
-        prefix_len=len(prefix),
-        prefix_hash=prefix_hash(prefix),
-        tokens=np.array(tokens, dtype=np.int64),
-        draft=np.array(draft, dtype=np.int64),
-        **kw,
-    )
+_request = VerifyRequest.after
 
 
 async def _verify(client: httpx.AsyncClient, req: VerifyRequest, as_json: bool = False) -> httpx.Response:

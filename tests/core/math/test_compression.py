@@ -35,3 +35,21 @@ def test_tail_is_summed_directly_not_one_minus_rho() -> None:
 def test_k_out_of_range(k: int) -> None:
     with pytest.raises(ValueError):
         compress_top_k(torch.full((1, 4), 0.25), k)
+
+
+def test_ties_at_the_threshold_go_to_the_lowest_ids() -> None:
+    probs = torch.tensor([[0.1, 0.2, 0.1, 0.2, 0.1, 0.3]])
+    top = compress_top_k(probs, 4)
+    assert top.ids.tolist() == [[5, 1, 3, 0]]
+    torch.testing.assert_close(top.tail_mass, torch.tensor([0.2]))
+
+
+def test_matches_a_stable_full_sort_on_random_rows() -> None:
+    generator = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(6, 5000, generator=generator) * 4, -1)
+    probs[0, :100] = probs[0, 0]  # a block of ties
+    for k in (1, 7, 32, 256):
+        top = compress_top_k(probs, k)
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        assert torch.equal(top.ids, order[:, :k])
+        assert torch.equal(top.probs, sorted_probs[:, :k])
