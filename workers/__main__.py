@@ -15,13 +15,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specgate worker",
         description="Serve a target model over worker protocol v1 (DESIGN §4).",
     )
-    parser.add_argument("--model", default="builtin", help="builtin | builtin-draft | builtin-alt | tiny-random[:SEED] | GGUF file | HF folder (default: builtin)")
-    parser.add_argument("--backend", default=Backend.LLAMA_CPP.value, choices=[b.value for b in Backend], help="model runner backend (default: llama.cpp)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8101, help="port to bind (default: 8101)")
-    parser.add_argument("--max-context", type=int, default=2048, help="tokens one session may hold (default: 2048)")
-    parser.add_argument("--memory-cap-mb", type=int, default=1024, help="memory for KV caches, all sessions (default: 1024)")
-    parser.add_argument("--max-sessions", type=int, default=64, help="sessions kept before LRU eviction (default: 64)")
+    # defaults live in WorkerSettings, so SPECGATE_WORKER_* variables apply to unset flags
+    parser.add_argument("--model", help="builtin | builtin-draft | builtin-alt | tiny-random[:SEED] | GGUF file | HF folder (default: builtin)")
+    parser.add_argument("--backend", choices=[b.value for b in Backend], help="model runner backend (default: llama.cpp)")
+    parser.add_argument("--host", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to bind (default: 8101)")
+    parser.add_argument("--max-context", type=int, help="tokens one session may hold (default: 2048)")
+    parser.add_argument("--memory-cap-mb", type=int, help="memory for KV caches, all sessions (default: 1024)")
+    parser.add_argument("--max-sessions", type=int, help="sessions kept before LRU eviction (default: 64)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -30,24 +31,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
+    from pydantic import ValidationError
 
     from core.runners import load_runner
     from workers.server import create_app
     from workers.settings import WorkerSettings
 
     try:
-        settings = WorkerSettings(
-            model=args.model,
-            backend=Backend(args.backend),
-            host=args.host,
-            port=args.port,
-            max_context=args.max_context,
-            memory_cap_mb=args.memory_cap_mb,
-            max_sessions=args.max_sessions,
-        )
+        flags = ("model", "backend", "host", "port", "max_context", "memory_cap_mb", "max_sessions")
+        settings = WorkerSettings(**{f: getattr(args, f) for f in flags if getattr(args, f) is not None})
         # load before binding, so a bad model is a one-line error and not a traceback
         runner = load_runner(settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb)
         runner.fingerprint  # computed once, before the first /v1/info
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        print(f"specgate worker: error: {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)
+        return 2
     except (SpecgateError, ValueError) as exc:
         print(f"specgate worker: error: {exc}", file=sys.stderr)
         return 2

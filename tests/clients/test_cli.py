@@ -81,3 +81,9 @@ def _read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> l
 def _read_lines(proc: subprocess.Popen[str], count: int) -> list[str]:
     assert proc.stdout is not None
     return [proc.stdout.readline() for _ in range(count)]
+
+
+def test_worker_settings_from_the_environment_are_validated() -> None:
+    env = {**os.environ, "SPECGATE_WORKER_MAX_CONTEXT": "lots"}
+    out = subprocess.run([*SPECGATE, "worker", "--model", "tiny-random"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 2 and "max_context" in out.stderr and "Traceback" not in out.stderr
