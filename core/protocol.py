@@ -257,7 +257,7 @@ def decode(cls: type[M], body: bytes, content_type: str | None) -> M:
 
 
 def is_json(content_type: str | None) -> bool:
-    return bool(content_type) and content_type.split(";")[0].strip() == JSON_CONTENT_TYPE
+    return content_type is not None and content_type.split(";")[0].strip() == JSON_CONTENT_TYPE
 
 
 def _loads(body: bytes) -> Any:
@@ -361,7 +361,8 @@ def _check_scalar(name: str, value: Any, annotation: str) -> Any:
         return value
     if isinstance(value, bool) and base != "bool" or not isinstance(value, types):
         raise ProtocolError(f"field {name!r} must be {base}, got {type(value).__name__}", param=name)
-    return float(value) if base == "float" else value
+    number: Any = value
+    return float(number) if base == "float" else value
 
 
 # --------------------------------------------------------------------------- validation

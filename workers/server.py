@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import defaultdict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -48,7 +48,7 @@ class WorkerState:
     runner: ModelRunner
     sessions: SessionStore
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    counters: Counter[str] = field(default_factory=Counter)
+    counters: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     @classmethod
     def build(cls, settings: WorkerSettings, runner: ModelRunner) -> WorkerState:

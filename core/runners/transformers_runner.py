@@ -91,7 +91,7 @@ def _load_model(source: ModelSource, vocab_size: int) -> Any:
         if source.is_gguf:
             assert source.path is not None
             return _load_gguf(source.path)
-        return AutoModelForCausalLM.from_pretrained(source.path or source.hub_id, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(str(source.path or source.hub_id), dtype=torch.float32)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelLoadError(f"transformers cannot load {source.path or source.hub_id}: {exc}") from exc
 
@@ -106,7 +106,7 @@ def _load_gguf(path: Path) -> Any:
     log.info("dequantizing %s for transformers (first use, cached in %s)", path.name, cached)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     # the weights are plain fp32 now: drop the GGUF quantizer marks that block save_pretrained
-    model.hf_quantizer = None
+    setattr(model, "hf_quantizer", None)
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
