@@ -1,0 +1,78 @@
+"""Counter-based random streams (DESIGN §3.2).
+
+Every random number is a pure function of (request seed, choice index, absolute position,
+purpose, worker): Philox-4x32-10 keyed by a hash of (seed, choice, purpose, worker), with
+the position as its counter. No two purposes share a stream, and a retried or
+failed-over round draws the same numbers again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from enum import IntEnum
+
+import torch
+
+
+class Purpose(IntEnum):
+    """What a random number is for; each purpose is its own stream."""
+
+    DRAFT_SAMPLE = 1  # the draft's x_j ~ q̂_j
+    ACCEPT = 2  # r_j of the accept test r_j < min(1, p/q)
+    RESIDUAL = 3  # the recovered token from norm(max(0, p − q))
+    BONUS = 4  # the bonus token from p_{γ+1} (drawn at the gateway)
+    WORKER_SAMPLE = 5  # a worker's own sample z_n ~ T(p_n) (autoregressive)
+    WORKER_COMPLEMENT = 6  # a worker's y_n ~ p_n(· | x ∉ S_j) (exact)
+    WORKER_BONUS = 7  # a worker's bonus sample (exact)
+    WORKER_CHOICE = 8  # which worker's sample to emit, n ~ w
+
+
+def uniform(seed: int, choice: int, position: int, purpose: Purpose, worker: int = 0) -> float:
+    """One U[0, 1) number of the stream (seed, choice, purpose, worker) at ``position``."""
+    return float(uniforms(seed, choice, [position], purpose, worker)[0])
+
+
+def uniforms(seed: int, choice: int, positions: list[int], purpose: Purpose, worker: int = 0) -> torch.Tensor:
+    """U[0, 1) numbers for several positions of one stream: ``[len(positions)]`` float64."""
+    key = _stream_key(seed, choice, purpose, worker)
+    values = []
+    for position in positions:
+        w0, w1, _, _ = philox4x32((position & _MASK32, position >> 32, 0, 0), key)
+        values.append(((w0 | (w1 << 32)) >> 11) * 2.0**-53)  # 53 random bits
+    return torch.tensor(values, dtype=torch.float64)
+
+
+def _stream_key(seed: int, choice: int, purpose: Purpose, worker: int) -> tuple[int, int]:
+    digest = hashlib.blake2b(f"{seed}:{choice}:{int(purpose)}:{worker}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def philox4x32(counter: tuple[int, int, int, int], key: tuple[int, int], rounds: int = 10) -> tuple[int, int, int, int]:
+    """Philox-4x32-10 (Salmon et al., SC'11): four 32-bit words of a counter under a key."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(rounds):
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & _MASK32, (p0 >> 32) ^ c3 ^ k1, p0 & _MASK32
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    return c0, c1, c2, c3
+
+
+def sample_index(
+    probs: torch.Tensor,  # [V], ≥ 0, need not be normalised
+    u: float,  # U[0, 1)
+) -> int:
+    """Inverse-CDF draw: the first index whose cumulative mass exceeds ``u · total``."""
+    cdf = torch.cumsum(probs.double(), dim=0)
+    total = float(cdf[-1])
+    if not total > 0:
+        raise ValueError("cannot sample from a distribution with no mass")
+    index = int(torch.searchsorted(cdf, u * total, right=True))
+    index = min(index, probs.shape[0] - 1)
+    while probs[index] <= 0 and index > 0:  # float edge: never land on a zero-mass entry
+        index -= 1
+    return index
+
