@@ -28,3 +28,10 @@ class ProbsDtype(str, Enum):
 
     FP16 = "fp16"
     FP32 = "fp32"
+
+
+class Reconstruction(str, Enum):
+    """How the gateway rebuilds p̂_n from a top-k payload (DESIGN §3.3)."""
+
+    RENORMALIZE = "renormalize"  # eq. 5: p_n / ρ_n on S_n, 0 elsewhere (the default)
+    RESIDUAL = "residual"  # eq. 6: p_n on S_n, σ_n / (|V| − k) elsewhere

@@ -32,7 +32,7 @@ import numpy as np
 import orjson
 
 from core.errors import InvalidRequest, ProtocolError
-from core.names import Mode, ProbsDtype
+from core.names import Mode, ProbsDtype, Reconstruction
 
 PROTOCOL_VERSION = 1
 BINARY_CONTENT_TYPE = "application/x-specgate-v1"
@@ -48,6 +48,8 @@ _DTYPES: dict[str, np.dtype] = {
     "f32": np.dtype("<f4"),
 }
 _MAX_HEADER_BYTES = 64 * 1024
+SERVED_MODES = (Mode.AGGREGATE.value, Mode.AUTOREGRESSIVE.value)
+RECONSTRUCTIONS = tuple(r.value for r in Reconstruction)
 _MAX_NDIM = 2
 
 
@@ -107,8 +109,13 @@ class VerifyRequest(Message):
     """``POST /v1/verify``: append tokens to a session and score the draft.
 
     The worker crops the session to ``prefix_len`` (checking ``prefix_hash``), appends
-    ``tokens`` then ``draft``, and returns the target distribution at the γ+1 positions
-    that predict ``draft[0..γ-1]`` and the bonus token (DESIGN §3.1).
+    ``tokens`` then ``draft``, and answers for the γ+1 positions that predict ``draft[0..γ-1]``
+    and the bonus token (DESIGN §3.1), by ``mode``:
+
+    - ``aggregate``: T(p_n) at each position, full or top-k, with σ_n and e_n;
+    - ``autoregressive`` (γ = 0): at T > 0 one token z_n ~ T(p_n) drawn from the stream
+      (seed, choice, position, WORKER_SAMPLE, worker); at T = 0 the top-k of softmax(l_n)
+      for the gateway's certification. ``return_probs`` adds the distribution to a sample.
     """
 
     ARRAYS: ClassVar[dict[str, str]] = {"tokens": "ids", "draft": "ids"}
@@ -123,7 +130,12 @@ class VerifyRequest(Message):
     top_p: float = 1.0  # (0, 1]; 1 = no nucleus truncation
     k: int | None = None  # entries per position to return; None = the full distribution
     probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of the returned probabilities
-    mode: str = Mode.AGGREGATE.value  # what to return; v1 workers serve "aggregate"
+    mode: str = Mode.AGGREGATE.value  # "aggregate" or "autoregressive"
+    reconstruction: str = Reconstruction.RENORMALIZE.value  # how the gateway rebuilds p̂_n from top-k: e_n depends on it
+    seed: int = 0  # the request's seed, 0 ≤ seed < 2**63: keys the worker's random streams
+    choice: int = 0  # the choice index (of n) this session generates
+    worker: int = 0  # this worker's index in the gateway's federation
+    return_probs: bool = True  # autoregressive at T > 0: also send the distribution
 
     @classmethod
     def after(cls, session_id: str, agreed: list[int], tokens: list[int], draft: list[int], **params: Any) -> VerifyRequest:
@@ -143,14 +155,18 @@ class VerifyRequest(Message):
 
 @dataclass(frozen=True, eq=False)
 class VerifyResponse(Message):
-    """The target's distributions at the γ+1 scored positions, compressed as asked."""
+    """The worker's answer at the γ+1 scored positions, compressed as asked."""
 
-    ARRAYS: ClassVar[dict[str, str]] = {"ids": "ids", "probs": "probs", "tail_mass": "f32"}
+    ARRAYS: ClassVar[dict[str, str]] = {
+        "ids": "ids", "probs": "probs", "tail_mass": "f32", "recon_error": "f32", "samples": "i32"
+    }
 
     held: int  # tokens the worker holds after the call: prefix_len + num_new + γ
-    probs: np.ndarray  # [γ+1, k] (with ids) or [γ+1, V] (k = full): T(p) per position
-    tail_mass: np.ndarray  # [γ+1] f32: σ = mass outside the sent ids; 0 for full
+    probs: np.ndarray | None = None  # [γ+1, k] (with ids) or [γ+1, V] (k = full): T(p_n)
+    tail_mass: np.ndarray | None = None  # [γ+1] f32: σ_n, mass outside the sent ids; 0 for full
     ids: np.ndarray | None = None  # [γ+1, k] int: token ids of ``probs``, by falling prob
+    recon_error: np.ndarray | None = None  # [γ+1] f32: e_n = TV(p̂_n, p_n) for the asked reconstruction
+    samples: np.ndarray | None = None  # [γ+1] i32: z_n ~ T(p_n) (autoregressive, T > 0)
     probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of ``probs``
     model_ms: float = 0.0  # milliseconds the worker spent in its model for this call
 
@@ -161,7 +177,8 @@ class VerifyResponse(Message):
 
     @property
     def num_positions(self) -> int:
-        return int(self.probs.shape[0])
+        present = self.probs if self.probs is not None else self.samples
+        return 0 if present is None else int(present.shape[0])
 
     def __eq__(self, other: object) -> bool:
         return _messages_equal(self, other)
@@ -398,20 +415,45 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         raise InvalidRequest("top_p must lie in (0, 1]", param="top_p")
     if req.probs_dtype not in {d.value for d in ProbsDtype}:
         raise InvalidRequest(f"probs_dtype must be fp16 or fp32, got {req.probs_dtype!r}", param="probs_dtype")
-    if req.mode != Mode.AGGREGATE.value:
-        raise InvalidRequest(f"mode {req.mode!r} is not served by protocol v1 workers", param="mode")
+    if req.mode not in SERVED_MODES:
+        raise InvalidRequest(f"mode {req.mode!r} is not served: use one of {list(SERVED_MODES)}", param="mode")
+    if req.mode == Mode.AUTOREGRESSIVE.value and req.draft.size:
+        raise InvalidRequest("autoregressive scores one position: the draft must be empty", param="draft")
+    if req.reconstruction not in RECONSTRUCTIONS:
+        raise InvalidRequest(f"reconstruction must be one of {list(RECONSTRUCTIONS)}", param="reconstruction")
+    if not 0 <= req.seed < 2**63 or req.choice < 0 or req.worker < 0:
+        raise InvalidRequest("seed must lie in [0, 2**63); choice and worker must be ≥ 0", param="seed")
 
 
-def check_verify_response(resp: VerifyResponse, vocab_size: int, num_positions: int) -> None:
+def check_verify_response(
+    resp: VerifyResponse, vocab_size: int, num_positions: int, want_probs: bool, want_samples: bool
+) -> None:
     """Raise ProtocolError unless ``resp`` is a well-formed answer for ``num_positions``."""
+    if want_probs:
+        _check_probs(resp, vocab_size, num_positions)
+    if want_samples:
+        if resp.samples is None or resp.samples.shape != (num_positions,):
+            raise ProtocolError(f"samples missing or of the wrong shape, expected {(num_positions,)}")
+        check_ids(np.asarray(resp.samples), vocab_size, "samples")
+
+
+def _check_probs(resp: VerifyResponse, vocab_size: int, num_positions: int) -> None:
+    if resp.probs is None or resp.tail_mass is None:
+        raise ProtocolError("probs and tail_mass are missing")
     probs = np.asarray(resp.probs)
     width = vocab_size if resp.ids is None else resp.ids.shape[-1]
     if probs.shape != (num_positions, width):
         raise ProtocolError(f"probs shape {probs.shape}, expected {(num_positions, width)}")
     if resp.ids is not None:
         check_ids(np.asarray(resp.ids), vocab_size, "ids")
-    if resp.tail_mass.shape != (num_positions,):
-        raise ProtocolError(f"tail_mass shape {resp.tail_mass.shape}, expected {(num_positions,)}")
-    for name, arr in (("probs", probs), ("tail_mass", resp.tail_mass)):
+    checked = [("probs", probs), ("tail_mass", resp.tail_mass)]
+    if resp.recon_error is not None:
+        checked.append(("recon_error", resp.recon_error))
+    for name, arr in checked[1:]:
+        if arr.shape != (num_positions,):
+            raise ProtocolError(f"{name} shape {arr.shape}, expected {(num_positions,)}")
+    for name, arr in checked:
         if not np.all(np.isfinite(arr)) or arr.min(initial=0) < 0 or arr.max(initial=0) > 1 + 1e-3:
             raise ProtocolError(f"{name}: values must be finite probabilities in [0, 1]")
+    if not np.all(probs.sum(axis=-1) <= 1 + 1e-2):
+        raise ProtocolError("probs: a position sums to more than 1")

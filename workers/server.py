@@ -20,6 +20,7 @@ from core.names import Mode
 from core.protocol import (
     JSON_CONTENT_TYPE,
     PROTOCOL_VERSION,
+    SERVED_MODES,
     ErrorBody,
     InfoResponse,
     VerifyRequest,
@@ -68,7 +69,7 @@ class WorkerState:
         info = self.runner.info
         return InfoResponse(
             protocol_version=PROTOCOL_VERSION,
-            modes=[Mode.AGGREGATE.value],
+            modes=list(SERVED_MODES),
             model_id=info.model_id,
             vocab_size=info.vocab_size,
             tokenizer_fingerprint=self.runner.fingerprint,

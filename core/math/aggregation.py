@@ -3,14 +3,9 @@ the quantities the evaluation reports (eqs. 5–10, 21–23)."""
 
 from __future__ import annotations
 
-from enum import Enum
-
 import torch
 
-
-class Reconstruction(str, Enum):
-    RENORMALIZE = "renormalize"  # eq. 5: p_n / ρ_n on S_n, 0 elsewhere (the default)
-    RESIDUAL = "residual"  # eq. 6: p_n on S_n, σ_n / (|V| − k) elsewhere
+from core.names import Reconstruction
 
 
 def reconstruct(

@@ -46,6 +46,12 @@ def verify_requests(draw: st.DrawFn) -> VerifyRequest:
         top_p=draw(st.floats(0.01, 1)),
         k=draw(st.none() | st.integers(1, 64)),
         probs_dtype=draw(st.sampled_from(["fp16", "fp32"])),
+        mode=draw(st.sampled_from(["aggregate", "autoregressive"])),
+        reconstruction=draw(st.sampled_from(["renormalize", "residual"])),
+        seed=draw(st.integers(0, 2**63 - 1)),
+        choice=draw(st.integers(0, 16)),
+        worker=draw(st.integers(0, 16)),
+        return_probs=draw(st.booleans()),
     )
 
 
@@ -59,11 +65,15 @@ def verify_responses(draw: st.DrawFn) -> VerifyResponse:
     if dtype == "fp16":
         probs = probs.astype(np.float16).astype(np.float32)  # what survives the wire
     ids = None if full else draw(hnp.arrays(np.int64, (m, width), elements=st.integers(0, VOCAB_SMALL - 1)))
+    per_position = hnp.arrays(np.float32, (m,), elements=floats01)
+    samples = hnp.arrays(np.int32, (m,), elements=st.integers(0, VOCAB_SMALL - 1))
     return VerifyResponse(
         held=draw(st.integers(0, 10_000)),
-        probs=probs,
-        tail_mass=draw(hnp.arrays(np.float32, (m,), elements=floats01)),
+        probs=draw(st.none() | st.just(probs)),
+        tail_mass=draw(st.none() | per_position),
         ids=ids,
+        recon_error=draw(st.none() | per_position),
+        samples=draw(st.none() | samples),
         probs_dtype=dtype,
         model_ms=draw(st.floats(0, 1e4)),
     )
@@ -130,8 +140,8 @@ def test_fp16_probs_halve_the_payload() -> None:
     probs = np.full((5, 32), 0.01, dtype=np.float32)
     ids = np.zeros((5, 32), dtype=np.int64)
     tail = np.zeros(5, dtype=np.float32)
-    fp32 = encode_binary(VerifyResponse(1, probs, tail, ids, "fp32"), VOCAB_SMALL)
-    fp16 = encode_binary(VerifyResponse(1, probs, tail, ids, "fp16"), VOCAB_SMALL)
+    fp32 = encode_binary(VerifyResponse(1, probs, tail, ids, probs_dtype="fp32"), VOCAB_SMALL)
+    fp16 = encode_binary(VerifyResponse(1, probs, tail, ids, probs_dtype="fp16"), VOCAB_SMALL)
     assert len(fp32) - len(fp16) == 5 * 32 * 2
 
 
@@ -194,6 +204,9 @@ def _req(**overrides: object) -> VerifyRequest:
         ({"tokens": np.array([], dtype=np.int64), "draft": np.array([], dtype=np.int64)}, "draft"),
         ({"probs_dtype": "bf16"}, "probs_dtype"),
         ({"mode": "tree"}, "mode"),
+        ({"mode": "autoregressive"}, "draft"),
+        ({"reconstruction": "guess"}, "reconstruction"),
+        ({"seed": -1}, "seed"),
     ],
 )
 def test_out_of_range_requests_name_the_field(overrides: dict[str, object], param: str) -> None:
@@ -204,17 +217,24 @@ def test_out_of_range_requests_name_the_field(overrides: dict[str, object], para
 
 def test_response_check_rejects_garbage() -> None:
     good = VerifyResponse(1, np.full((2, 2), 0.5, np.float32), np.zeros(2, np.float32), np.array([[0, 1], [2, 3]]))
-    check_verify_response(good, VOCAB_SMALL, 2)
+    check_verify_response(good, VOCAB_SMALL, 2, want_probs=True, want_samples=False)
     for bad in (
         VerifyResponse(1, np.full((2, 2), np.nan, np.float32), np.zeros(2, np.float32), good.ids),
         VerifyResponse(1, np.full((2, 2), -0.1, np.float32), np.zeros(2, np.float32), good.ids),
+        VerifyResponse(1, np.full((2, 2), 0.9, np.float32), np.zeros(2, np.float32), good.ids),
         VerifyResponse(1, good.probs, np.zeros(2, np.float32), np.array([[0, VOCAB_SMALL], [2, 3]])),
         VerifyResponse(1, good.probs, np.zeros(3, np.float32), good.ids),
+        VerifyResponse(1, None, None),
     ):
         with pytest.raises(ProtocolError):
-            check_verify_response(bad, VOCAB_SMALL, 2)
+            check_verify_response(bad, VOCAB_SMALL, 2, want_probs=True, want_samples=False)
     with pytest.raises(ProtocolError, match="shape"):
-        check_verify_response(good, VOCAB_SMALL, 3)
+        check_verify_response(good, VOCAB_SMALL, 3, want_probs=True, want_samples=False)
+    sampled = VerifyResponse(1, samples=np.array([7], np.int32))
+    check_verify_response(sampled, VOCAB_SMALL, 1, want_probs=False, want_samples=True)
+    for samples in (None, np.array([VOCAB_SMALL], np.int32), np.array([-1], np.int32), np.array([1, 2], np.int32)):
+        with pytest.raises(ProtocolError):
+            check_verify_response(VerifyResponse(1, samples=samples), VOCAB_SMALL, 1, want_probs=False, want_samples=True)
 
 
 @settings(max_examples=50)

@@ -14,7 +14,10 @@ import orjson
 import pytest
 import torch
 
+from core.math.aggregation import reconstruct, tv_distance
 from core.math.compression import compress_top_k
+from core.math.random import Purpose, sample_index, uniform
+from core.names import Reconstruction
 from core.protocol import (
     BINARY_CONTENT_TYPE,
     JSON_CONTENT_TYPE,
@@ -71,7 +74,7 @@ async def test_info_describes_the_model(client: httpx.AsyncClient, tiny_runner: 
     info = decode(InfoResponse, resp.content, resp.headers["content-type"])
     assert (info.protocol_version, info.vocab_size, info.backend) == (1, V, "transformers")
     assert info.tokenizer_fingerprint == tiny_runner.fingerprint and len(info.tokenizer_fingerprint) == 64
-    assert 2 in info.eos_ids and info.modes == ["aggregate"]
+    assert 2 in info.eos_ids and info.modes == ["aggregate", "autoregressive"]
     assert (await client.get("/health")).json() == {"status": "ok"}
 
 
@@ -91,6 +94,29 @@ async def test_top_k_and_sampling_params_are_applied(client: httpx.AsyncClient, 
     assert resp.ids is not None and resp.ids.tolist() == top.ids.tolist()
     np.testing.assert_allclose(resp.probs, top.probs.numpy(), atol=1e-3)  # fp16 on the wire
     np.testing.assert_allclose(resp.tail_mass, top.tail_mass.numpy(), atol=1e-6)
+
+
+async def test_recon_error_is_tv_of_the_asked_reconstruction(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    probs = _reference(tiny_runner, PROMPT + [7], 2)
+    for method in ("renormalize", "residual"):
+        resp = await _scores(client, _request(f"r-{method}", [], PROMPT, [7], k=16, reconstruction=method))
+        assert resp.ids is not None and resp.recon_error is not None and resp.tail_mass is not None
+        rebuilt = reconstruct(torch.tensor(resp.ids), torch.tensor(resp.probs), V, Reconstruction(method), torch.tensor(resp.tail_mass))
+        np.testing.assert_allclose(resp.recon_error, tv_distance(rebuilt, probs).numpy(), atol=1e-5)
+    assert np.all(resp.recon_error <= resp.tail_mass + 1e-6)
+
+
+async def test_autoregressive_sample_follows_its_stream(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    params = dict(mode="autoregressive", temperature=0.8, seed=1234, choice=1, worker=2, return_probs=False)
+    resp = await _scores(client, _request("ar", [], PROMPT, [], **params))
+    assert resp.probs is None and resp.samples is not None and resp.samples.shape == (1,)
+    probs = torch.softmax(tiny_runner.forward_full(PROMPT, 1)[0] / 0.8, -1)
+    u = uniform(1234, 1, len(PROMPT), Purpose.WORKER_SAMPLE, 2)
+    assert int(resp.samples[0]) == sample_index(probs, u)
+    again = await _scores(client, _request("ar", PROMPT[:-2], PROMPT[-2:], [], **params))
+    assert again.samples is not None and int(again.samples[0]) == int(resp.samples[0])  # a retried round draws the same
+    body, _ = encode(_request("ar2", [], PROMPT, [], **params), V)
+    assert len((await _verify(client, _request("ar2", [], PROMPT, [], **params))).content) < 150
 
 
 async def test_json_encoding_both_ways(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
@@ -214,7 +240,7 @@ async def test_a_draft_beyond_the_context_is_refused(tiny_runner: ModelRunner) -
 
 
 async def test_oversize_bodies_get_413(tiny_runner: ModelRunner) -> None:
-    async with await _client(tiny_runner, max_body_bytes=256) as client:
+    async with await _client(tiny_runner, max_body_bytes=512) as client:
         resp = await _verify(client, _request("big", [], PROMPT * 20, [1]))
         assert resp.status_code == 413 and resp.json()["error"]["code"] == "payload_too_large"
         await _scores(client, _request("small", [], PROMPT[:4], [1]))
