@@ -7,7 +7,7 @@ STAMP := $(VENV)/.specgate-installed
 .PHONY: run test setup clean
 
 run: setup
-	$(BIN)/specgate serve --config config/builtin.yaml
+	$(BIN)/specgate serve
 
 test: setup
 	$(BIN)/python -m pytest

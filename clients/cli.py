@@ -1,11 +1,12 @@
 """``specgate``: the one console script.
 
     specgate worker --model MODEL [--backend transformers|llama.cpp] [--host H] [--port N]
+    specgate gateway [--config FILE] [--host H] [--port N]
     specgate serve  [--config FILE] [--port N]
     specgate bench worker [--json FILE] [--repeats N] [--quick]
 
-The CLI is the composition root: it starts servers as processes (``python -m workers``) and
-speaks HTTP to them, so it imports neither ``app/`` nor ``workers/`` itself.
+The CLI is the composition root: it starts servers as processes (``python -m workers``,
+``python -m app``) and speaks HTTP to them, so it imports neither ``app/`` nor ``workers/``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "worker", add_help=False, help="serve a target model over worker protocol v1 (see specgate worker --help)"
     )
-    serve = commands.add_parser("serve", help="start the local workers (and the gateway) of a config")
-    serve.add_argument("--config", default="config/builtin.yaml", help="YAML config (default: config/builtin.yaml)")
+    commands.add_parser("gateway", add_help=False, help="serve the OpenAI API; workers run elsewhere (see specgate gateway --help)")
+    serve = commands.add_parser("serve", help="start the gateway and a local worker for each config entry with a model")
+    serve.add_argument("--config", default=None, help="YAML config (default: the built-in one: two local workers, builtin and builtin-alt)")
     serve.add_argument("--port", type=int, default=None, help="gateway port (default: the config's, 8000)")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every worker (default: 600)")
     bench = commands.add_parser("bench", help="benchmarks that print figures and write JSON")
@@ -38,9 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:
-        # the worker owns its flags (and their --help); run it in this process's place
-        os.execv(sys.executable, [sys.executable, "-m", "workers", *argv[1:]])
+    servers = {"worker": "workers", "gateway": "app"}
+    if argv[:1] and argv[0] in servers:
+        # each server owns its flags (and their --help); run it in this process's place
+        os.execv(sys.executable, [sys.executable, "-m", servers[argv[0]], *argv[1:]])
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from clients.serve import serve

@@ -1,4 +1,4 @@
-"""``specgate serve``: start the local workers of a config, wait until each answers, report.
+"""``specgate serve``: the local workers of a config, then the gateway; report when ready.
 
 Every process it starts is stopped by pid when it exits (Ctrl-C, SIGTERM, or a child dying).
 """
@@ -8,70 +8,91 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from types import FrameType
 
 import httpx
 
-from clients.procs import is_healthy, stop_process, worker_command
-from core.config import SpecgateConfig, WorkerEntry, load_config
+from clients.procs import stop_process, worker_command
+from core.config import SpecgateConfig, WorkerEntry, dump_config, load_config
 from core.errors import SpecgateError
 
 
-def serve(config_path: str, port: int | None, startup_timeout: float) -> int:
+def serve(config_path: str | None, port: int | None, startup_timeout: float) -> int:
     try:
-        config = load_config(config_path)
+        config = load_config(config_path).with_local_urls()
     except SpecgateError as exc:
         print(f"specgate serve: error: {exc}", file=sys.stderr)
         return 2
     if port is not None:
-        config.gateway.port = port
-    local = [w for w in config.workers if w.launch]
-    procs = {w.name: start_worker(w) for w in local}
+        config.port = port
     stop = _StopFlag()
-    try:
-        if not wait_ready(local, procs, startup_timeout, stop):
-            return 1
-        print(ready_message(config, local), flush=True)
-        return watch(procs, stop)
-    finally:
-        stop_all(procs)
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    with tempfile.TemporaryDirectory(prefix="specgate-") as tmp:
+        try:
+            for worker in (w for w in config.workers if w.is_local):
+                procs[worker.name or ""] = start_worker(config, worker)
+            resolved = Path(tmp) / "config.yaml"
+            resolved.write_text(dump_config(config))
+            print(f"specgate serve: starting the gateway on http://{config.host}:{config.port}", flush=True)
+            procs["gateway"] = subprocess.Popen([sys.executable, "-m", "app", "--config", str(resolved), "--log-level", "warning"])
+            if not wait_ready(_ready_urls(config), procs, startup_timeout, stop):
+                return 1
+            print(ready_message(config), flush=True)
+            return watch(procs, stop)
+        finally:
+            stop_all(procs)
 
 
-def start_worker(entry: WorkerEntry) -> subprocess.Popen[bytes]:
-    cmd = worker_command(entry.model, entry.backend.value, entry.port)
-    print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}) on {entry.url}", flush=True)
-    return subprocess.Popen(cmd)
+def start_worker(config: SpecgateConfig, entry: WorkerEntry) -> subprocess.Popen[bytes]:
+    assert entry.model is not None and entry.port is not None
+    url = config.worker_url(entry)
+    print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}) on {url}", flush=True)
+    return subprocess.Popen(worker_command(entry.model, entry.backend.value, entry.port))
 
 
-def wait_ready(entries: list[WorkerEntry], procs: dict[str, subprocess.Popen[bytes]], timeout: float, stop: _StopFlag) -> bool:
-    """Poll each worker's /health until it answers; False on timeout, a dead child or a signal."""
+def _ready_urls(config: SpecgateConfig) -> dict[str, str]:
+    """What to poll: each local worker's /health, then the gateway's /health/ready."""
+    urls = {w.name or "": f"{config.worker_url(w)}/health" for w in config.workers if w.is_local}
+    urls["gateway"] = f"http://{config.host}:{config.port}/health/ready"
+    return urls
+
+
+def wait_ready(urls: dict[str, str], procs: dict[str, subprocess.Popen[bytes]], timeout: float, stop: _StopFlag) -> bool:
+    """Poll until each URL answers 200, in order; False on timeout, a dead child or a signal."""
     deadline = time.monotonic() + timeout
-    pending = {w.name: w for w in entries}
     with httpx.Client(timeout=2.0) as client:
-        while pending and not stop.is_set:
-            for name, entry in list(pending.items()):
-                if procs[name].poll() is not None:
-                    print(f"specgate serve: worker {name} exited with {procs[name].returncode}", file=sys.stderr)
+        for name, url in urls.items():
+            while not _answers(client, url):
+                dead = [n for n, p in procs.items() if p.poll() is not None]
+                if dead:
+                    print(f"specgate serve: {dead[0]} exited with {procs[dead[0]].returncode}", file=sys.stderr)
                     return False
-                if is_healthy(client, entry.url):
-                    print(f"specgate serve: worker {name} ready", flush=True)
-                    del pending[name]
-            if time.monotonic() > deadline:
-                print(f"specgate serve: workers not ready after {timeout:.0f} s: {sorted(pending)}", file=sys.stderr)
-                return False
-            time.sleep(0.5)
-    return not pending
+                if stop.is_set or time.monotonic() > deadline:
+                    print(f"specgate serve: {name} not ready after {timeout:.0f} s", file=sys.stderr)
+                    return False
+                time.sleep(0.5)
+            print(f"specgate serve: {name} ready", flush=True)
+    return True
 
 
-def ready_message(config: SpecgateConfig, local: list[WorkerEntry]) -> str:
-    workers = ", ".join(f"{w.name}={w.model}@{w.url}" for w in local)
-    first = local[0].url if local else "http://127.0.0.1:8101"
+def _answers(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def ready_message(config: SpecgateConfig) -> str:
+    base = f"http://{config.host}:{config.port}"
+    workers = ", ".join(f"{w.name}={w.model or w.url}" for w in config.workers)
     return (
-        f"specgate: ready — workers {workers}\n"
-        f"  The OpenAI gateway (http://{config.gateway.host}:{config.gateway.port}) lands with issue 4;"
-        " until then `serve` runs the workers only.\n"
-        f"  Try: curl -s {first}/v1/info"
+        f"specgate: ready on {base} — model {config.model!r}, mode {config.speculative.mode.value}, "
+        f"draft {config.draft.model}, workers {workers}\n"
+        f"  Try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{config.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Say hello\"}}], \"max_tokens\": 32}}'"
     )
 
 

@@ -1,8 +1,18 @@
-"""The YAML configuration (DESIGN §6), shared by ``specgate serve`` and the gateway.
+"""The YAML configuration (DESIGN §6), shared by the gateway and ``specgate serve``.
 
 Values come from the YAML file, overridden by ``SPECGATE_<SECTION>__<KEY>`` environment
-variables (e.g. ``SPECGATE_GATEWAY__PORT=9000``); a bad key or value is a ConfigError that
-names it.
+variables (e.g. ``SPECGATE_SPECULATIVE__MODE=autoregressive``, ``SPECGATE_PORT=9000``); a
+bad key or value is a ConfigError that names it.
+
+    model: specgate            # the id clients pass and /v1/models lists
+    host: 127.0.0.1
+    port: 8000
+    draft: {model: builtin-draft, backend: llama.cpp}
+    speculative: {mode: aggregate, num_draft_tokens: 4, k: full, reconstruction: renormalize}
+    workers:
+      - {url: http://10.0.0.5:8101, weight: 0.7}           # a worker running elsewhere
+      - {model: builtin-alt, weight: 0.3, port: 8102}      # started by `specgate serve`
+    limits: {max_tokens: 512, max_prompt_tokens: 1536, max_concurrent_requests: 16}
 """
 
 from __future__ import annotations
@@ -11,57 +21,108 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from core.errors import ConfigError
-from core.names import Backend
+from core.names import Backend, Mode, Reconstruction
+
+FIRST_LOCAL_PORT = 8101
+SERVED_MODES = (Mode.AUTOREGRESSIVE, Mode.AGGREGATE)  # what the gateway runs today
 
 
-class GatewayConfig(BaseModel):
+class DraftConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    draft: str = "builtin-draft"  # the draft model, any --model value
-    draft_backend: Backend = Backend.LLAMA_CPP
+    model: str = "builtin-draft"  # any --model value
+    backend: Backend = Backend.LLAMA_CPP
+    memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of the draft, all sessions
+
+
+class SpeculativeConfig(BaseModel):
+    """The default decoding mode; a request's ``speculative`` object overrides it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Mode = Mode.AGGREGATE
+    num_draft_tokens: int = Field(default=4, ge=1, le=32)  # γ
+    k: int | None = None  # top-k per position on the wire; None ("full") = whole distributions
+    reconstruction: Reconstruction = Reconstruction.RENORMALIZE
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _full(cls, value: Any) -> Any:
+        return None if value == "full" else value
+
+    @field_validator("k")
+    @classmethod
+    def _positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("k must be ≥ 1 or 'full'")
+        return value
+
+    @field_validator("mode")
+    @classmethod
+    def _served(cls, value: Mode) -> Mode:
+        if value not in SERVED_MODES:
+            raise ValueError(f"mode {value.value!r} is not available yet: use one of {[m.value for m in SERVED_MODES]}")
+        return value
 
 
 class WorkerEntry(BaseModel):
-    """One target in the federation; ``launch: true`` makes ``specgate serve`` start it."""
+    """One target: ``url`` (a worker running elsewhere) or ``model`` (started by ``serve``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
-    url: str  # base URL of the worker, e.g. http://127.0.0.1:8101
+    url: str | None = None  # base URL, e.g. http://127.0.0.1:8101
+    model: str | None = None  # what a local worker loads
     weight: float = Field(default=1.0, ge=0)  # w_n before normalisation
-    model: str = "builtin"  # what a launched worker loads
-    backend: Backend = Backend.LLAMA_CPP
-    launch: bool = True
+    name: str | None = None  # shown in errors and metrics; defaults to w<index>
+    backend: Backend = Backend.LLAMA_CPP  # a local worker's backend
+    port: int | None = Field(default=None, ge=1, le=65535)  # a local worker's port
+
+    @model_validator(mode="after")
+    def _one_source(self) -> WorkerEntry:
+        if (self.url is None) == (self.model is None):
+            raise ValueError("give a worker either a url (remote) or a model (local), not both")
+        return self
 
     @property
-    def port(self) -> int:
-        from urllib.parse import urlparse
+    def is_local(self) -> bool:
+        return self.model is not None
 
-        port = urlparse(self.url).port
-        if port is None:
-            raise ConfigError(f"workers.{self.name}.url needs an explicit port to be launched: {self.url}")
-        return port
+
+class LimitsConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(default=512, gt=0)  # the default and the cap of max_tokens
+    max_prompt_tokens: int = Field(default=1536, gt=0)  # longer prompts get a 400
+    max_concurrent_requests: int = Field(default=16, gt=0)
+    request_timeout_s: float = Field(default=30.0, gt=0)  # one worker call
 
 
 class SpecgateConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_", env_nested_delimiter="__", extra="forbid")
 
-    gateway: GatewayConfig = GatewayConfig()
+    model: str = "specgate"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    draft: DraftConfig = DraftConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     workers: list[WorkerEntry] = Field(default_factory=list)
+    limits: LimitsConfig = LimitsConfig()
 
     @model_validator(mode="after")
     def _check(self) -> SpecgateConfig:
+        if not self.workers:
+            raise ValueError("workers: at least one worker is needed")
+        if sum(w.weight for w in self.workers) <= 0:
+            raise ValueError("workers: weights must not all be 0")
+        for index, worker in enumerate(self.workers):
+            worker.name = worker.name or f"w{index}"
         names = [w.name for w in self.workers]
         if len(set(names)) != len(names):
-            raise ValueError(f"worker names must be unique, got {names}")
-        if self.workers and sum(w.weight for w in self.workers) <= 0:
-            raise ValueError("worker weights must not all be 0")
+            raise ValueError(f"workers: names must be unique, got {names}")
         return self
 
     @classmethod
@@ -70,9 +131,29 @@ class SpecgateConfig(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return env_settings, init_settings  # environment over the YAML file
 
+    def with_local_urls(self) -> SpecgateConfig:
+        """A copy in which each local worker has the URL ``serve`` starts it on."""
+        workers = []
+        for index, worker in enumerate(self.workers):
+            if worker.is_local:
+                port = worker.port or FIRST_LOCAL_PORT + index
+                worker = worker.model_copy(update={"port": port})
+            workers.append(worker)
+        return self.model_copy(update={"workers": workers})
 
-def load_config(path: str | Path) -> SpecgateConfig:
-    """Read, merge with the environment, validate. Raises ConfigError naming the bad key."""
+    def worker_url(self, worker: WorkerEntry) -> str:
+        return worker.url or f"http://127.0.0.1:{worker.port}"
+
+
+def builtin_config() -> SpecgateConfig:
+    """The built-in default: draft builtin-draft, local workers builtin and builtin-alt (0.5 / 0.5)."""
+    return parse_config({"workers": [{"model": "builtin", "weight": 0.5}, {"model": "builtin-alt", "weight": 0.5}]})
+
+
+def load_config(path: str | Path | None) -> SpecgateConfig:
+    """Read (or take the built-in default), merge with the environment, validate."""
+    if path is None:
+        return builtin_config()
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -82,9 +163,18 @@ def load_config(path: str | Path) -> SpecgateConfig:
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping at the top")
+    return parse_config(data, str(path))
+
+
+def parse_config(data: dict[str, Any], where: str = "config") -> SpecgateConfig:
     try:
         return SpecgateConfig(**data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        key = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"config {path}: {key}: {first['msg']}") from exc
+        key = ".".join(str(p) for p in first["loc"]) or "(top)"
+        raise ConfigError(f"{where}: {key}: {first['msg']}") from exc
+
+
+def dump_config(config: SpecgateConfig) -> str:
+    """YAML that ``load_config`` reads back to ``config``."""
+    return yaml.safe_dump(config.model_dump(mode="json", exclude_none=True), sort_keys=False)

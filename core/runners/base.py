@@ -127,3 +127,12 @@ class ModelRunner(ABC):
     @abstractmethod
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
         """A fresh, sessionless forward pass over ``tokens``: the reference for tests/bench."""
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

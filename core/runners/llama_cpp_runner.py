@@ -25,7 +25,7 @@ import torch
 
 from core.errors import ModelLoadError
 from core.names import Backend
-from core.runners.base import ModelRunner, RunnerInfo
+from core.runners.base import ModelRunner, RunnerInfo, common_prefix
 from core.runners.models import ModelSource
 from core.runners.tokenizer import eos_ids
 
@@ -97,7 +97,7 @@ class LlamaCppRunner(ModelRunner):
 
     def _forward(self, session_id: str, tokens: list[int], num_logits: int) -> torch.Tensor:
         slot = self._slot_for(session_id)
-        start = min(_common_prefix(slot.kv_tokens, tokens), len(tokens) - num_logits)
+        start = min(common_prefix(slot.kv_tokens, tokens), len(tokens) - num_logits)
         if len(tokens) >= 2:
             start = min(start, len(tokens) - 2)  # never a batch of one
         slot.ctx.kv_cache_seq_rm(0, start, -1)
@@ -203,14 +203,6 @@ def _load_model(internals: Any, llama_cpp: Any, path: str) -> Any:
         return internals.LlamaModel(path_model=path, params=params, verbose=False)
     except ValueError as exc:
         raise ModelLoadError(f"llama.cpp cannot load {path}: {exc}") from exc
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _chunks(total: int, size: int) -> list[tuple[int, int]]:

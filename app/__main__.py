@@ -1,0 +1,49 @@
+"""``python -m app`` (what ``specgate gateway`` runs): the gateway alone under uvicorn; its
+workers run elsewhere (or were started by ``specgate serve``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specgate gateway", description="Serve the OpenAI API, drafting locally and verifying on the configured workers.")
+    parser.add_argument("--config", default=None, help="YAML config (default: the built-in one, workers on 127.0.0.1:8101/8102)")
+    parser.add_argument("--host", default=None, help="address to bind (default: the config's, 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port to bind (default: the config's, 8000)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from app.server import create_app
+    from core.config import load_config
+    from core.errors import SpecgateError
+    from core.runners import load_runner
+
+    try:
+        config = load_config(args.config).with_local_urls()
+        if args.host:
+            config.host = args.host
+        if args.port is not None:
+            config.port = args.port
+        draft = load_runner(config.draft.model, config.draft.backend.value, 2048, config.draft.memory_cap_mb)
+        draft.fingerprint  # computed before the first request
+    except SpecgateError as exc:
+        print(f"specgate gateway: error: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(config, draft_runner=draft)
+    print(f"specgate gateway: {config.model} on http://{config.host}:{config.port} (draft {config.draft.model}, mode {config.speculative.mode.value})", flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    draft.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The draft model at the gateway: proposes γ tokens per round from q̂ (DESIGN §3.1–3.2).
+
+One runner serves every request; its calls run in a thread, one at a time, so the event loop
+keeps streaming other requests while a draft is computed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import torch
+
+from core.math.random import Purpose, sample_index, uniforms
+from core.math.sampling import SamplingParams, apply_sampling
+from core.runners import ModelRunner
+from core.runners.base import common_prefix
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]  # [γ'] x_j, γ' ≤ γ (drafting stops after an EOS)
+    probs: torch.Tensor  # [γ', V] q̂_j the tokens were drawn from (empty rows at T = 0 are unused)
+
+
+class DraftModel:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self._lock = asyncio.Lock()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.info.vocab_size
+
+    async def propose(self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int) -> Draft:
+        """Draft ``gamma`` tokens after ``sequence`` (the agreed tokens of the session)."""
+        async with self._lock:
+            return await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice)
+
+    async def free(self, session_id: str) -> None:
+        async with self._lock:
+            await asyncio.to_thread(self.runner.free, session_id)
+
+    def _propose(self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int) -> Draft:
+        held = self.runner.tokens(session_id)
+        common = common_prefix(held, sequence)
+        self.runner.crop(session_id, common)
+        logits = self.runner.append(session_id, sequence[common:], 1)[0]
+        draws = uniforms(seed, choice, list(range(len(sequence), len(sequence) + gamma)), Purpose.DRAFT_SAMPLE)
+        tokens, rows = [], []
+        for j in range(gamma):
+            q = apply_sampling(logits[None], params)[0]
+            token = int(torch.argmax(q)) if params.is_greedy else sample_index(q, float(draws[j]))
+            tokens.append(token)
+            rows.append(q)
+            if token in self.runner.info.eos_ids or j == gamma - 1:
+                break
+            logits = self.runner.append(session_id, [token], 1)[0]
+        return Draft(tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size))
+

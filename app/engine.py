@@ -1,0 +1,296 @@
+"""The decoding engine: one loop for every mode (DESIGN §3).
+
+A round: the draft proposes γ tokens (none in ``autoregressive``), the mode decides what goes on
+the wire and which pure function of ``core.math`` verifies, and the round emits
+``accepted + 1`` tokens (accepted draft tokens, then the recovered or bonus token). The gateway
+owns the token sequence; a worker's KV cache is a cache it resends to when the worker lost it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from app.draft import Draft, DraftModel
+from app.pool import Traffic, WorkerPool
+from core.math.aggregation import aggregate, bias_bound, normalise_weights, reconstruct
+from core.math.greedy import certify_argmax
+from core.math.random import Purpose, sample_index, uniform, uniforms
+from core.math.sampling import SamplingParams
+from core.math.speculative import argmax_lowest, verify_greedy, verify_sampled
+from core.names import Mode, Reconstruction
+from core.protocol import VerifyRequest, VerifyResponse
+
+log = logging.getLogger(__name__)
+
+_CERTIFY_K = 8  # first top-k asked for a greedy autoregressive step over several workers
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """The speculative settings of one request (config defaults, overridden per request)."""
+
+    mode: Mode
+    num_draft_tokens: int
+    k: int | None  # None = full distributions
+    reconstruction: Reconstruction
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError("num_draft_tokens must be ≥ 1")
+        if self.k is not None and self.k < 1:
+            raise ValueError("k must be ≥ 1 or None (full)")
+
+    @property
+    def is_lossless(self) -> bool:
+        return self.mode is Mode.AUTOREGRESSIVE or self.k is None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    seed: int
+    choice: int
+    spec: SpecOptions
+    top_logprobs: int | None = None  # None: no logprobs; n ≥ 0: the token's and n alternatives
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RoundResult:
+    """What one round emitted, and what it cost."""
+
+    tokens: list[int]
+    drafted: int
+    accepted: int
+    traffic: Traffic
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" (EOS) or "length"; None while generating
+    bound: list[float] = field(default_factory=list)  # Σ w_n σ_n per consumed position (lossy only)
+    error: list[float] = field(default_factory=list)  # Σ w_n e_n per consumed position (lossy only)
+
+
+@dataclass
+class _Round:
+    """What a mode sees of the round in progress."""
+
+    engine: Engine
+    req: GenerationRequest
+    session_id: str
+    sequence: list[int]  # agreed tokens so far (prompt + generated)
+    agreed: list[int]  # per worker: tokens of ``sequence`` it holds
+    draft: Draft
+    traffic: Traffic
+
+    @property
+    def positions(self) -> list[int]:
+        """Absolute index of the token decided at each of the γ+1 positions."""
+        start = len(self.sequence)
+        return list(range(start, start + len(self.draft.tokens) + 1))
+
+    async def call(self, want_probs: bool, want_samples: bool, **wire: object) -> list[VerifyResponse]:
+        """Every worker at once; after it, each holds ``sequence`` + draft."""
+        pool, req = self.engine.pool, self.req
+        requests = [
+            VerifyRequest.after(
+                self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.tokens,
+                temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p,
+                seed=req.seed, choice=req.choice, worker=n, **wire,  # type: ignore[arg-type]
+            )
+            for n in range(len(pool.workers))
+        ]
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(w.verify(r, self.sequence, want_probs, want_samples)) for w, r in zip(pool.workers, requests)]
+        results = [t.result() for t in tasks]
+        for n, (_, traffic) in enumerate(results):
+            self.agreed[n] = len(self.sequence)
+            self.traffic.sent += traffic.sent
+            self.traffic.received += traffic.received
+            self.traffic.calls += traffic.calls
+        return [resp for resp, _ in results]
+
+
+class Engine:
+    def __init__(self, draft: DraftModel, pool: WorkerPool, eos_ids: list[int], max_context: int) -> None:
+        self.draft = draft
+        self.pool = pool
+        self.eos_ids = set(eos_ids)
+        self.max_context = max_context
+        self.vocab_size = draft.vocab_size
+        self.weights = torch.tensor(pool.weights, dtype=torch.float64)
+
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[RoundResult, None]:
+        """Rounds of one choice until EOS or a length limit; the caller may stop early."""
+        session_id = f"{req.request_id}-{req.choice}"
+        mode = _MODES[req.spec.mode]
+        sequence = list(req.prompt)
+        agreed = [0] * len(self.pool.workers)
+        try:
+            while True:
+                room = min(req.max_tokens - (len(sequence) - len(req.prompt)), self.max_context - len(sequence))
+                if room <= 0:
+                    yield RoundResult([], drafted=0, accepted=0, traffic=Traffic(), finish_reason="length")
+                    return
+                gamma = min(req.spec.num_draft_tokens, room - 1) if mode.drafts else 0
+                draft = await self._draft(session_id, sequence, gamma, req)
+                result = await mode.run(_Round(self, req, session_id, sequence, agreed, draft, Traffic()))
+                agreed[:] = [len(sequence) + result.accepted] * len(agreed)  # they hold sequence + draft
+                sequence.extend(result.tokens)
+                result.finish_reason = self._finish(result, len(sequence) - len(req.prompt), req, len(sequence))
+                yield result
+                if result.finish_reason:
+                    return
+        finally:
+            await asyncio.shield(self._free(session_id))
+
+    async def _draft(self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest) -> Draft:
+        if gamma <= 0:
+            return Draft([], torch.empty(0, self.vocab_size))
+        return await self.draft.propose(session_id, sequence, gamma, req.params, req.seed, req.choice)
+
+    def _finish(self, result: RoundResult, generated: int, req: GenerationRequest, length: int) -> str | None:
+        for i, token in enumerate(result.tokens):
+            if token in self.eos_ids:
+                del result.tokens[i + 1 :]
+                if result.logprobs is not None:
+                    del result.logprobs[i + 1 :]
+                return "stop"
+        if generated >= req.max_tokens or length >= self.max_context:
+            return "length"
+        return None
+
+    async def _free(self, session_id: str) -> None:
+        await asyncio.gather(self.pool.delete_sessions(session_id), self.draft.free(session_id), return_exceptions=True)
+
+
+# ----------------------------------------------------------------------------- modes
+
+
+class _Mode:
+    drafts = True
+
+    async def run(self, rnd: _Round) -> RoundResult:
+        raise NotImplementedError
+
+
+class AutoregressiveMode(_Mode):
+    """The baseline: one target position per round. At T > 0 each worker sends its own sample
+    z_n ~ T(p_n) and the gateway emits z_n with n ~ w (lossless, 4 bytes); at T = 0 workers
+    send top-k and the gateway certifies the mixture's argmax, asking again with a larger k."""
+
+    drafts = False
+
+    async def run(self, rnd: _Round) -> RoundResult:
+        req = rnd.req
+        want_logprobs = req.top_logprobs is not None
+        if req.params.is_greedy:
+            token, target = await self._greedy(rnd, want_logprobs)
+        else:
+            responses = await rnd.call(want_logprobs, True, mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs)
+            u = uniform(req.seed, req.choice, rnd.positions[0], Purpose.WORKER_CHOICE)
+            chosen = sample_index(normalise_weights(rnd.engine.weights), u)
+            token = int(_array(responses[chosen].samples)[0])
+            target = _mixture(responses, rnd.engine) if want_logprobs else None
+        logprobs = token_logprobs(target, [token], req.top_logprobs) if target is not None else None
+        return RoundResult([token], drafted=0, accepted=0, traffic=rnd.traffic, logprobs=logprobs)
+
+    async def _greedy(self, rnd: _Round, want_logprobs: bool) -> tuple[int, torch.Tensor | None]:
+        vocab, single = rnd.engine.vocab_size, len(rnd.engine.pool.workers) == 1
+        k: int | None = None if want_logprobs else 1 if single else _CERTIFY_K
+        while True:
+            responses = await rnd.call(True, False, mode=Mode.AUTOREGRESSIVE.value, k=k)
+            if k is None:
+                target = _mixture(responses, rnd.engine)
+                return argmax_lowest(target[:1])[0], target
+            if single:  # its top-1, ties to the lowest id, is the argmax
+                return int(_array(responses[0].ids)[0, 0]), None
+            ids = [torch.from_numpy(np.array(_array(r.ids)[0], dtype=np.int64)) for r in responses]
+            probs = [torch.tensor(_array(r.probs)[0]) for r in responses]
+            token = certify_argmax(ids, probs, rnd.engine.weights, vocab)
+            if token is not None:
+                return token, None
+            k = None if k * 8 >= vocab else k * 8
+
+
+class AggregateMode(_Mode):
+    """SpecFed (DESIGN §3.3): every worker sends T(p_n) at the γ+1 positions, full or top-k;
+    the gateway reconstructs p̂_n, aggregates p̂ = Σ w_n p̂_n and verifies the draft with it."""
+
+    async def run(self, rnd: _Round) -> RoundResult:
+        req, spec, engine = rnd.req, rnd.req.spec, rnd.engine
+        responses = await rnd.call(True, False, mode=Mode.AGGREGATE.value, k=spec.k, reconstruction=spec.reconstruction.value)
+        target = _mixture(responses, engine, spec.reconstruction)
+        draft = rnd.draft
+        if req.params.is_greedy:
+            verdict = verify_greedy(target, draft.tokens)
+        else:
+            verdict = verify_sampled(target, draft.probs, draft.tokens, *_round_uniforms(rnd))
+        tokens = verdict.output(draft.tokens)
+        used = len(tokens)
+        logprobs = token_logprobs(target[:used], tokens, req.top_logprobs) if req.top_logprobs is not None else None
+        result = RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic, logprobs=logprobs)
+        if not spec.is_lossless:
+            sigma = torch.stack([torch.tensor(_array(r.tail_mass)) for r in responses])[:, :used]
+            error = torch.stack([torch.tensor(_array(r.recon_error)) for r in responses])[:, :used]
+            result.bound = bias_bound(sigma, engine.weights).tolist()
+            result.error = bias_bound(error, engine.weights).tolist()
+        return result
+
+
+def _round_uniforms(rnd: _Round) -> tuple[torch.Tensor, torch.Tensor]:
+    """r_j for the accept tests; the residual draw at each draft position, the bonus draw last."""
+    req, positions = rnd.req, rnd.positions
+    accept = uniforms(req.seed, req.choice, positions[:-1], Purpose.ACCEPT)
+    final = torch.cat([
+        uniforms(req.seed, req.choice, positions[:-1], Purpose.RESIDUAL),
+        uniforms(req.seed, req.choice, positions[-1:], Purpose.BONUS),
+    ])
+    return accept, final
+
+
+def _mixture(responses: list[VerifyResponse], engine: Engine, method: Reconstruction = Reconstruction.RENORMALIZE) -> torch.Tensor:
+    """p̂ = Σ w_n p̂_n over the positions of the responses: ``[γ+1, V]`` float64."""
+    dists = []
+    for resp in responses:
+        probs = torch.tensor(_array(resp.probs), dtype=torch.float64)
+        if resp.ids is None:
+            dists.append(probs)  # as sent: greedy compares the same numbers in every mode
+        else:
+            ids = torch.from_numpy(np.array(resp.ids, dtype=np.int64))
+            dists.append(reconstruct(ids, probs, engine.vocab_size, method, torch.tensor(_array(resp.tail_mass))))
+    return aggregate(torch.stack(dists), engine.weights)
+
+
+def token_logprobs(
+    target: torch.Tensor,  # [m, V]: the distribution each token was decided by
+    tokens: list[int],  # [m]
+    top_n: int | None,
+) -> list[TokenLogprob]:
+    out = []
+    for row, token in zip(target, tokens):
+        logs = torch.log(row.double().clamp(min=1e-45))
+        top = torch.topk(row, top_n).indices.tolist() if top_n else []
+        out.append(TokenLogprob(token, float(logs[token]), [(int(t), float(logs[t])) for t in top]))
+    return out
+
+
+def _array(value: np.ndarray | None) -> np.ndarray:
+    assert value is not None  # the pool checked the response carries it
+    return value
+
+
+_MODES: dict[Mode, _Mode] = {Mode.AUTOREGRESSIVE: AutoregressiveMode(), Mode.AGGREGATE: AggregateMode()}

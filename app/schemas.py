@@ -1,0 +1,136 @@
+"""The OpenAI request bodies the gateway accepts (DESIGN §5), and the ``speculative``
+extension. Pydantic lives here, at the HTTP boundary, and nowhere deeper."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from core.names import Mode, Reconstruction
+
+# Known OpenAI parameters that this gateway does not implement: a 400 names them.
+UNSUPPORTED = {
+    "suffix", "best_of", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "service_tier",
+}
+
+
+class SpeculativeParams(BaseModel):
+    """``"speculative": {...}`` in a request: overrides the configured decoding for it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Mode | None = None
+    num_draft_tokens: int | None = Field(default=None, ge=1, le=32)
+    k: int | Literal["full"] | None = None
+    reconstruction: Reconstruction | None = None
+
+    @field_validator("k")
+    @classmethod
+    def _k(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("k must be ≥ 1 or 'full'")
+        return value
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")  # extras are reported as unsupported, by name
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
+    n: int = Field(default=1, ge=1, le=8)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    speculative: SpeculativeParams | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return value
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(param, why) for every parameter set to something this gateway does not do."""
+        found = [(name, "is not supported") for name in sorted(self.model_extra or {})]
+        if self.presence_penalty != 0:
+            found.append(("presence_penalty", "is supported only as 0"))
+        if self.frequency_penalty != 0:
+            found.append(("frequency_penalty", "is supported only as 0"))
+        if self.logit_bias:
+            found.append(("logit_bias", "is supported only empty"))
+        if self.response_format is not None and self.response_format.type != "text":
+            found.append(("response_format", "is supported only as {'type': 'text'}"))
+        if self.stream_options is not None and not self.stream:
+            found.append(("stream_options", "is only allowed with stream: true"))
+        return found
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, value: str | list[int]) -> str | list[int]:
+        if isinstance(value, list) and any(t < 0 for t in value):
+            raise ValueError("token ids must be ≥ 0")
+        return value
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        role = {"developer": "system"}
+        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]

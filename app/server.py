@@ -1,0 +1,284 @@
+"""The gateway's FastAPI app (DESIGN §5): OpenAI routes, SSE streaming, errors in the envelope.
+Route handlers parse, call the service, return."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException
+
+from app.draft import DraftModel
+from app.pool import WorkerError, WorkerPool
+from app.schemas import ChatCompletionRequest, CompletionRequest
+from app.service import ApiError, ChoiceEvent, Gateway, Job
+from core.config import SpecgateConfig
+from core.runners import ModelRunner, load_runner
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    config: SpecgateConfig,
+    draft_runner: ModelRunner | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
+    """The gateway for ``config``. ``draft_runner`` and ``transport`` replace the draft model
+    and the HTTP transport to the workers (tests)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
+        runner = draft_runner
+        if runner is None:
+            draft = config.draft
+            runner = await asyncio.to_thread(load_runner, draft.model, draft.backend.value, 2048, draft.memory_cap_mb)
+            await asyncio.to_thread(lambda: runner.fingerprint)
+        workers = [(w.name or "", config.worker_url(w), w.weight) for w in config.workers]
+        pool = WorkerPool(workers, config.limits.request_timeout_s, transport)
+        gateway = Gateway(config, DraftModel(runner), pool)
+        app.state.gateway = gateway
+        for entry in await gateway.check_workers():
+            if not entry["ready"]:
+                log.warning("worker %s not ready at start-up: %s", entry["name"], entry["error"])
+        yield
+        await pool.close()
+        if draft_runner is None:
+            runner.close()
+
+    app = FastAPI(title="specgate", lifespan=lifespan)
+    app.state.counters = defaultdict(float)
+    _add_routes(app)
+    _add_error_handlers(app)
+    return app
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/health/ready")
+    async def ready(request: Request) -> Response:
+        report = await _gateway(request).check_workers()
+        ok = all(e["ready"] for e in report)
+        body = {"status": "ready" if ok else "not_ready", "draft": "loaded", "workers": report}
+        return JSONResponse(body, status_code=200 if ok else 503, headers=None if ok else {"Retry-After": "5"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        gateway = _gateway(request)
+        return {"object": "list", "data": [{"id": gateway.config.model, "object": "model", "created": 0, "owned_by": "specgate"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        gateway = _gateway(request)
+        job = gateway.completion_job(body)
+        return await _respond(request, job, body.stream, _include_usage(body), _completion_chunks(gateway, job), _completion_body(gateway, job))
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        gateway = _gateway(request)
+        job = gateway.chat_job(body)
+        return await _respond(request, job, body.stream, _include_usage(body), _chat_chunks(gateway, job), _chat_body(gateway, job))
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        counters = request.app.state.counters
+        gateway: Gateway | None = getattr(request.app.state, "gateway", None)
+        lines = [f"specgate_{name} {value}" for name, value in sorted(counters.items())]
+        if gateway is not None:
+            for w in gateway.pool.workers:
+                lines.append(f'specgate_worker_bytes_sent_total{{worker="{w.name}"}} {w.traffic.sent}')
+                lines.append(f'specgate_worker_bytes_received_total{{worker="{w.name}"}} {w.traffic.received}')
+                lines.append(f'specgate_worker_calls_total{{worker="{w.name}"}} {w.traffic.calls}')
+        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+async def _respond(
+    request: Request,
+    job: Job,
+    stream: bool,
+    include_usage: bool,
+    chunks: Callable[[ChoiceEvent | None], list[dict[str, Any]]],
+    whole: Callable[[list[ChoiceEvent]], dict[str, Any]],
+) -> Response:
+    gateway = _gateway(request)
+    if gateway.slots.locked():
+        raise ApiError(429, "too many concurrent requests; retry shortly", code="rate_limit_exceeded", kind="rate_limit_error")
+    await gateway.ensure_workers()
+    counters = request.app.state.counters
+    counters["requests_total"] += 1
+    if not stream:
+        async with gateway.slots:
+            events = await gateway.collect(job)
+        _count(counters, job)
+        return JSONResponse(whole(events))
+    return EventSourceResponse(_sse(request, job, include_usage, chunks), ping=15, sep="\n")
+
+
+async def _sse(request: Request, job: Job, include_usage: bool, chunks: Callable[[ChoiceEvent | None], list[dict[str, Any]]]) -> AsyncGenerator[dict[str, str], None]:
+    """``data: {chunk}`` … ``data: [DONE]``; a failure mid-stream is an error event, then [DONE]."""
+    gateway = _gateway(request)
+    usage_field = {"usage": None} if include_usage else {}
+    async with gateway.slots:
+        try:
+            for chunk in chunks(None):
+                yield _data({**chunk, **usage_field})
+            async with aclosing(gateway.events(job)) as events:
+                async for event in events:
+                    for chunk in chunks(event):
+                        yield _data({**chunk, **usage_field})
+            if include_usage:
+                yield _data({**_envelope(job, chunks), "choices": [], "usage": job.usage.to_dict()})
+            _count(request.app.state.counters, job)
+        except WorkerError as exc:
+            log.warning("stream %s failed: %s", job.id, exc)
+            yield _data(ApiError(exc.status, str(exc), code="worker_error", kind="server_error").body())
+        except ApiError as exc:
+            yield _data(exc.body())
+    yield {"data": "[DONE]"}
+
+
+def _data(payload: dict[str, Any]) -> dict[str, str]:
+    return {"data": orjson.dumps(payload).decode()}
+
+
+def _envelope(job: Job, chunks: Callable[..., Any]) -> dict[str, Any]:
+    kind = "chat.completion.chunk" if job.id.startswith("chatcmpl") else "text_completion"
+    return {"id": job.id, "object": kind, "created": job.created, "model": job.model}
+
+
+def _count(counters: defaultdict[str, float], job: Job) -> None:
+    usage = job.usage
+    counters["spec_decode_num_drafts_total"] += usage.rounds if usage.draft_tokens else 0
+    counters["spec_decode_num_draft_tokens_total"] += usage.draft_tokens
+    counters["spec_decode_num_accepted_tokens_total"] += usage.accepted_tokens
+    counters["generation_tokens_total"] += usage.completion_tokens
+    counters["prompt_tokens_total"] += usage.prompt_tokens
+
+
+# ----------------------------------------------------------------------------- bodies
+
+
+def _completion_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]], dict[str, Any]]:
+    def build(events: list[ChoiceEvent]) -> dict[str, Any]:
+        choices = [
+            {
+                "index": e.index,
+                "text": job.prompt_text + e.text,
+                "logprobs": gateway.completion_logprobs(e.logprobs, len(job.prompt_text)),
+                "finish_reason": e.finish_reason,
+            }
+            for e in events
+        ]
+        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model, "choices": choices, "usage": job.usage.to_dict()}
+
+    return build
+
+
+def _chat_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]], dict[str, Any]]:
+    def build(events: list[ChoiceEvent]) -> dict[str, Any]:
+        choices = [
+            {
+                "index": e.index,
+                "message": {"role": "assistant", "content": e.text},
+                "logprobs": gateway.chat_logprobs(e.logprobs),
+                "finish_reason": e.finish_reason,
+            }
+            for e in events
+        ]
+        return {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model, "choices": choices, "usage": job.usage.to_dict()}
+
+    return build
+
+
+def _completion_chunks(gateway: Gateway, job: Job) -> Callable[[ChoiceEvent | None], list[dict[str, Any]]]:
+    offsets = {c.choice: len(job.prompt_text) for c in job.choices}
+    head = {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model}
+
+    def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
+        if event is None:  # the echoed prompt, before any token
+            return [{**head, "choices": [{"index": c.choice, "text": job.prompt_text, "logprobs": None, "finish_reason": None}]} for c in job.choices] if job.prompt_text else []
+        logprobs = gateway.completion_logprobs(event.logprobs, offsets[event.index])
+        offsets[event.index] += len(event.text)
+        if not event.text and not event.finish_reason and not event.logprobs:
+            return []
+        choice = {"index": event.index, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
+        return [{**head, "choices": [choice]}]
+
+    return build
+
+
+def _chat_chunks(gateway: Gateway, job: Job) -> Callable[[ChoiceEvent | None], list[dict[str, Any]]]:
+    head = {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": job.model}
+
+    def choice(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
+        if event is None:  # one role delta per choice index, first
+            return [choice(c.choice, {"role": "assistant", "content": ""}) for c in job.choices]
+        out = []
+        if event.text or event.logprobs:
+            out.append(choice(event.index, {"content": event.text}, gateway.chat_logprobs(event.logprobs)))
+        if event.finish_reason:
+            out.append(choice(event.index, {}, None, event.finish_reason))
+        return out
+
+    return build
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(ApiError(status, message, param, code, kind).body(), status_code=status, headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return _error(exc.status, exc.message, exc.param, exc.code, exc.kind, headers)
+
+    @app.exception_handler(WorkerError)
+    async def worker_error(request: Request, exc: WorkerError) -> Response:
+        headers = {"Retry-After": "5"} if exc.status == 503 else None
+        return _error(exc.status, str(exc), None, "worker_error", "server_error", headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ())]
+        if first.get("type") == "json_invalid":
+            return _error(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
+        param = ".".join(loc)
+        return _error(400, f"{param}: {first.get('msg')}", param, "invalid_value")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, str(exc.detail), None, None, kind)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error in %s", request.url.path)
+        return _error(500, f"internal error: {type(exc).__name__}", None, "internal_error", "server_error")

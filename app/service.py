@@ -1,0 +1,322 @@
+"""Between the routes and the engine: prompts to token ids, choices to text events, usage.
+
+Route handlers parse and call this; the engine does the decoding; this turns rounds into
+final text (incremental detokenisation, stop strings) and counts what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.draft import DraftModel
+from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions, TokenLogprob
+from app.pool import WorkerError, WorkerPool
+from app.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeParams
+from app.text import IncrementalDetokenizer, StopMatcher
+from core.config import SERVED_MODES, SpecgateConfig
+from core.math.sampling import SamplingParams
+from core.names import Mode
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An error for the client, in the OpenAI envelope."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# which fields of the ``speculative`` object each mode accepts (DESIGN §3)
+_MODE_FIELDS = {
+    Mode.AUTOREGRESSIVE: {"mode"},
+    Mode.AGGREGATE: {"mode", "num_draft_tokens", "k", "reconstruction"},
+}
+
+
+@dataclass
+class Usage:
+    """Token counts and the ``speculative`` block of one response (DESIGN §5)."""
+
+    spec: SpecOptions
+    prompt_tokens: int
+    completion_tokens: int = 0
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bound: list[float] = field(default_factory=list)
+    error: list[float] = field(default_factory=list)
+
+    def add(self, result: RoundResult) -> None:
+        self.completion_tokens += len(result.tokens)
+        self.rounds += 1 if result.tokens else 0
+        self.draft_tokens += result.drafted
+        self.accepted_tokens += result.accepted
+        self.bytes_sent += result.traffic.sent
+        self.bytes_received += result.traffic.received
+        self.bound += result.bound
+        self.error += result.error
+
+    def to_dict(self) -> dict[str, Any]:
+        spec = self.spec
+        block: dict[str, Any] = {
+            "mode": spec.mode.value,
+            "num_draft_tokens": 0 if spec.mode is Mode.AUTOREGRESSIVE else spec.num_draft_tokens,
+            "k": "full" if spec.k is None else spec.k,
+            "rounds": self.rounds,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+            "mean_accepted_length": self.completion_tokens / self.rounds if self.rounds else None,
+            "bytes_to_workers": self.bytes_sent,
+            "bytes_from_workers": self.bytes_received,
+            "lossless": spec.is_lossless,
+            "logprobs_source": "target" if spec.is_lossless else "reconstruction",
+        }
+        if not spec.is_lossless:
+            block["reconstruction"] = spec.reconstruction.value
+            block["bias_bound_mean"] = sum(self.bound) / len(self.bound) if self.bound else None
+            block["reconstruction_error_mean"] = sum(self.error) / len(self.error) if self.error else None
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "speculative": block,
+        }
+
+
+@dataclass
+class ChoiceEvent:
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class Job:
+    """One parsed request, ready to run: its choices and how to report them."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[GenerationRequest]
+    stops: list[str]
+    usage: Usage
+    prompt_text: str = ""
+
+
+class Gateway:
+    """What the gateway app holds: config, draft, workers, engine. Built by ``create_app``."""
+
+    def __init__(self, config: SpecgateConfig, draft: DraftModel, pool: WorkerPool) -> None:
+        self.config = config
+        self.draft = draft
+        self.pool = pool
+        self.tokenizer = draft.runner.tokenizer
+        self.engine = Engine(draft, pool, draft.runner.info.eos_ids, draft.runner.info.max_context)
+        self.slots = asyncio.Semaphore(config.limits.max_concurrent_requests)
+        self._workers_checked = False
+
+    # ----------------------------------------------------------------- workers
+
+    async def check_workers(self) -> list[dict[str, Any]]:
+        """/v1/info of every worker against the draft's vocabulary and tokenizer."""
+        report = []
+        for worker, info in zip(self.pool.workers, await self.pool.fetch_infos()):
+            entry: dict[str, Any] = {"name": worker.name, "url": worker.url, "weight": worker.weight}
+            if isinstance(info, WorkerError):
+                entry.update(ready=False, error=str(info))
+            elif info.tokenizer_fingerprint != self.draft.runner.fingerprint or info.vocab_size != self.draft.vocab_size:
+                entry.update(ready=False, error=f"worker {worker.name} serves another tokenizer/vocabulary ({info.model_id}, V={info.vocab_size})")
+            else:
+                entry.update(ready=True, model=info.model_id, max_context=info.max_context)
+            report.append(entry)
+        if all(e["ready"] for e in report):
+            self.engine.max_context = min([self.draft.runner.info.max_context] + [e["max_context"] for e in report])
+            self._workers_checked = True
+        return report
+
+    async def ensure_workers(self) -> None:
+        if self._workers_checked:
+            return
+        for entry in await self.check_workers():
+            if not entry["ready"]:
+                raise WorkerError(entry["name"], entry["error"], 503)
+
+    # ----------------------------------------------------------------- requests
+
+    def completion_job(self, body: CompletionRequest) -> Job:
+        self._check_common(body)
+        if body.echo and body.logprobs is not None:
+            raise ApiError(400, "echo together with logprobs is not supported", "echo")
+        prompt = list(self.tokenizer.encode(body.prompt)) if isinstance(body.prompt, str) else list(body.prompt)
+        if any(t >= self.draft.vocab_size for t in prompt):
+            raise ApiError(400, f"prompt token ids must be < {self.draft.vocab_size}", "prompt")
+        job = self._job(body, prompt, "cmpl", body.max_tokens, body.logprobs)
+        if body.echo:
+            job.prompt_text = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt)
+        return job
+
+    def chat_job(self, body: ChatCompletionRequest) -> Job:
+        self._check_common(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        prompt = list(self.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True, tokenize=True, return_dict=False))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        return self._job(body, prompt, "chatcmpl", body.max_completion_tokens or body.max_tokens, top)
+
+    def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.model != self.config.model:
+            raise ApiError(404, f"model {body.model!r} does not exist; this gateway serves {self.config.model!r}", "model", "model_not_found")
+        for param, why in body.unsupported():
+            raise ApiError(400, f"{param} {why}", param, "unsupported_parameter")
+
+    def _job(self, body: CompletionRequest | ChatCompletionRequest, prompt: list[int], prefix: str, max_tokens: int | None, top_logprobs: int | None) -> Job:
+        limits = self.config.limits
+        if not prompt:
+            raise ApiError(400, "the prompt must not be empty", "prompt")
+        if len(prompt) > limits.max_prompt_tokens:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than max_prompt_tokens {limits.max_prompt_tokens}", "prompt", "context_length_exceeded")
+        if len(prompt) >= self.engine.max_context:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens, the context is {self.engine.max_context}", "prompt", "context_length_exceeded")
+        max_tokens = min(max_tokens or limits.max_tokens, limits.max_tokens)
+        spec = self._spec(body.speculative)
+        params = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        choices = [
+            GenerationRequest(request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs)
+            for index in range(body.n)
+        ]
+        return Job(request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt)))
+
+    def _spec(self, override: SpeculativeParams | None) -> SpecOptions:
+        base = self.config.speculative
+        given = override.model_dump(exclude_none=True) if override else {}
+        mode = Mode(given.get("mode", base.mode))
+        if mode not in SERVED_MODES:
+            raise ApiError(400, f"speculative.mode {mode.value!r} is not available: use one of {[m.value for m in SERVED_MODES]}", "speculative.mode")
+        extra = sorted(set(given) - _MODE_FIELDS[mode])
+        if extra:
+            raise ApiError(400, f"mode {mode.value!r} does not take {extra}", f"speculative.{extra[0]}")
+        k = given.get("k", base.k)
+        return SpecOptions(
+            mode=mode,
+            num_draft_tokens=given.get("num_draft_tokens", base.num_draft_tokens),
+            k=None if k == "full" else k,
+            reconstruction=given.get("reconstruction", base.reconstruction),
+        )
+
+    # ----------------------------------------------------------------- running
+
+    async def events(self, job: Job) -> AsyncGenerator[ChoiceEvent, None]:
+        """Events of every choice as they come; n > 1 choices run side by side."""
+        if len(job.choices) == 1:
+            async with aclosing(self._choice_events(job, job.choices[0])) as events:
+                async for event in events:
+                    yield event
+            return
+        queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
+
+        async def pump(choice: GenerationRequest) -> None:
+            try:
+                async with aclosing(self._choice_events(job, choice)) as events:
+                    async for event in events:
+                        await queue.put(event)
+            except Exception as exc:  # handed to the consumer, which raises it
+                await queue.put(exc)
+            finally:
+                await queue.put(None)
+
+        tasks = [asyncio.create_task(pump(choice)) for choice in job.choices]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _choice_events(self, job: Job, choice: GenerationRequest) -> AsyncGenerator[ChoiceEvent, None]:
+        detok, matcher = IncrementalDetokenizer(self.tokenizer), StopMatcher(job.stops)
+        async with aclosing(self.engine.generate(choice)) as rounds:
+            async for result in rounds:
+                job.usage.add(result)
+                text = matcher.push(detok.push(result.tokens))
+                finish = "stop" if matcher.stopped else result.finish_reason
+                if finish and not matcher.stopped:
+                    text += matcher.push(detok.flush())
+                    finish = "stop" if matcher.stopped else finish
+                    text += matcher.flush()
+                yield ChoiceEvent(choice.choice, text, result.logprobs, finish)
+                if finish:
+                    return
+
+    async def collect(self, job: Job) -> list[ChoiceEvent]:
+        """Run a job to the end: one event per choice with all its text."""
+        merged = [ChoiceEvent(c.choice, "", [] if c.top_logprobs is not None else None) for c in job.choices]
+        async with aclosing(self.events(job)) as events:
+            async for event in events:
+                into = merged[event.index]
+                into.text += event.text
+                if event.logprobs is not None and into.logprobs is not None:
+                    into.logprobs.extend(event.logprobs)
+                into.finish_reason = event.finish_reason or into.finish_reason
+        return merged
+
+    # ----------------------------------------------------------------- formatting
+
+    def completion_logprobs(self, logprobs: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        tokens = [self._piece(lp.token) for lp in logprobs]
+        offsets, at = [], offset
+        for piece in tokens:
+            offsets.append(at)
+            at += len(piece)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{self._piece(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        return {"content": [
+            {
+                **self._token_entry(lp.token, lp.logprob),
+                "top_logprobs": [self._token_entry(t, v) for t, v in lp.top],
+            }
+            for lp in logprobs
+        ]}
+
+    def _token_entry(self, token: int, logprob: float) -> dict[str, Any]:
+        piece = self._piece(token)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+
+    def _piece(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))

@@ -1,0 +1,68 @@
+"""Incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from app.text import IncrementalDetokenizer, StopMatcher
+from core.runners import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_runner_shared: ModelRunner) -> Any:
+    return tiny_runner_shared.tokenizer
+
+
+def test_pieces_add_up_to_the_whole_text(tokenizer: Any) -> None:
+    text = "Héllo wörld — naïve café, 東京タワー 🗼 done."
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push([t]) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert sum(1 for p in pieces if p) > 5  # it really streams
+
+
+def test_multibyte_characters_are_never_split(tokenizer: Any) -> None:
+    ids = tokenizer.encode("🗼🗼")
+    assert len(ids) > 2  # byte-level BPE spreads an emoji over several tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push([t]) for t in ids]
+    assert "".join(pieces) == "🗼🗼" and all(p in ("", "🗼", "🗼🗼") for p in pieces)
+
+
+def test_special_tokens_are_not_shown(tokenizer: Any) -> None:
+    detok = IncrementalDetokenizer(tokenizer)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert detok.push(tokenizer.encode("Hi") + [eos]) + detok.flush() == "Hi"
+
+
+@pytest.mark.parametrize(
+    "chunks, stops, expected, stopped",
+    [
+        (["Hello wor", "ld. END here"], ["END"], ["Hello wor", "ld. "], True),
+        (["abc E", "N", "D more"], ["END"], ["abc ", "", ""], True),
+        (["abc E", "N", "X"], ["END"], ["abc ", "", "ENX"], False),
+        (["xx\n\n", "yy"], ["\n\n"], ["xx"], True),
+        (["one", "two"], [], ["one", "two"], False),
+        (["a STO", "P b"], ["STOP", "TOP!"], ["a ", ""], True),
+    ],
+)
+def test_stop_strings_never_leak(chunks: list[str], stops: list[str], expected: list[str], stopped: bool) -> None:
+    matcher = StopMatcher(stops)
+    out = []
+    for chunk in chunks:
+        out.append(matcher.push(chunk))
+        if matcher.stopped:
+            break
+    assert out == expected and matcher.stopped is stopped
+    tail = matcher.flush()
+    assert all(s not in "".join(out) + tail for s in stops)
+
+
+def test_held_back_text_comes_out_at_the_end() -> None:
+    matcher = StopMatcher(["</end>"])
+    assert matcher.push("result </e") == "result "
+    assert matcher.flush() == "</e"
