@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from app.draft import Draft, DraftModel
-from app.pool import Traffic, WorkerPool
+from app.pool import Traffic, WorkerError, WorkerPool
 from core.math.aggregation import aggregate, bias_bound, normalise_weights, reconstruct
 from core.math.greedy import certify_argmax
 from core.math.random import Purpose, sample_index, uniform, uniforms
@@ -113,8 +113,11 @@ class _Round:
             )
             for n in range(len(pool.workers))
         ]
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(w.verify(r, self.sequence, want_probs, want_samples)) for w, r in zip(pool.workers, requests)]
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure cancels the other calls
+                tasks = [group.create_task(w.verify(r, self.sequence, want_probs, want_samples)) for w, r in zip(pool.workers, requests)]
+        except BaseExceptionGroup as failures:
+            raise _first_worker_error(failures) from None
         results = [t.result() for t in tasks]
         for n, (_, traffic) in enumerate(results):
             self.agreed[n] = len(self.sequence)
@@ -210,7 +213,7 @@ class AutoregressiveMode(_Mode):
 
     async def _greedy(self, rnd: _Round, want_logprobs: bool) -> tuple[int, torch.Tensor | None]:
         vocab, single = rnd.engine.vocab_size, len(rnd.engine.pool.workers) == 1
-        k: int | None = None if want_logprobs else 1 if single else _CERTIFY_K
+        k: int | None = None if want_logprobs else 1 if single else min(_CERTIFY_K, vocab)
         while True:
             responses = await rnd.call(True, False, mode=Mode.AUTOREGRESSIVE.value, k=k)
             if k is None:
@@ -218,7 +221,7 @@ class AutoregressiveMode(_Mode):
                 return argmax_lowest(target[:1])[0], target
             if single:  # its top-1, ties to the lowest id, is the argmax
                 return int(_array(responses[0].ids)[0, 0]), None
-            ids = [torch.from_numpy(np.array(_array(r.ids)[0], dtype=np.int64)) for r in responses]
+            ids = [_first_ids(r, vocab) for r in responses]
             probs = [torch.tensor(_array(r.probs)[0]) for r in responses]
             token = certify_argmax(ids, probs, rnd.engine.weights, vocab)
             if token is not None:
@@ -286,6 +289,19 @@ def token_logprobs(
         top = torch.topk(row, top_n).indices.tolist() if top_n else []
         out.append(TokenLogprob(token, float(logs[token]), [(int(t), float(logs[t])) for t in top]))
     return out
+
+
+def _first_worker_error(failures: BaseExceptionGroup) -> BaseException:
+    """The first WorkerError of a group (what the client is told), else the first failure."""
+    errors = failures.subgroup(WorkerError)
+    return (errors or failures).exceptions[0]
+
+
+def _first_ids(resp: VerifyResponse, vocab_size: int) -> torch.Tensor:
+    """The ids of the first position's probabilities (all of V when sent in full)."""
+    if resp.ids is None:
+        return torch.arange(vocab_size)
+    return torch.from_numpy(np.array(resp.ids[0], dtype=np.int64))
 
 
 def _array(value: np.ndarray | None) -> np.ndarray:

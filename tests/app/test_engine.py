@@ -1,0 +1,216 @@
+"""The engine end to end over small vocabularies: the output law of `autoregressive` and
+`aggregate` (chi-square on the first two tokens, N = 1 and N = 3 weighted workers), acceptance,
+greedy, seeds, EOS and limits. Draft and workers are Markov chains behind the real DraftModel,
+worker state and scoring code."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+from scipy import stats
+
+from app.engine import Engine, GenerationRequest, SpecOptions
+from core.math.sampling import SamplingParams
+from core.math import speculative
+from core.names import Mode, Reconstruction
+from tests.app.fakes import MarkovRunner, make_engine, random_table
+
+V = 6
+PROMPT = [3, 1]
+SAMPLES = 20_000
+SIGNIFICANCE = 1e-3  # chi-square rejects below this p-value; seeds are fixed
+
+DRAFT = MarkovRunner(random_table(V, 100), name="draft")
+TARGETS = [MarkovRunner(random_table(V, 200 + i), name=f"t{i}") for i in range(3)]
+WEIGHTS_3 = [0.5, 0.3, 0.2]
+
+
+def _spec(mode: Mode, gamma: int = 3, k: int | None = None) -> SpecOptions:
+    return SpecOptions(mode=mode, num_draft_tokens=gamma, k=k, reconstruction=Reconstruction.RENORMALIZE)
+
+
+def _request(seed: int, spec: SpecOptions, max_tokens: int = 2, temperature: float = 1.0, choice: int = 0) -> GenerationRequest:
+    return GenerationRequest(f"r{seed}", PROMPT, max_tokens, SamplingParams(temperature=temperature), seed, choice, spec)
+
+
+async def _tokens(engine: Engine, req: GenerationRequest) -> tuple[list[int], int, int]:
+    tokens, drafted, first_accepted = [], 0, -1
+    async for result in engine.generate(req):
+        if first_accepted < 0 and result.drafted:
+            first_accepted = int(result.accepted > 0)
+        tokens += result.tokens
+        drafted += result.drafted
+    return tokens, drafted, first_accepted
+
+
+def _target_joint(workers: list[tuple[MarkovRunner, float]], temperature: float = 1.0) -> torch.Tensor:
+    """p(a, b) = p(a | prompt) p(b | a) with p = Σ w_n T(p_n) at each position."""
+    w = torch.tensor([x for _, x in workers], dtype=torch.float64)
+    w /= w.sum()
+
+    def mix(last: int) -> torch.Tensor:
+        return sum(wn * r.next_probs(last, temperature) for (r, _), wn in zip(workers, w))  # type: ignore[return-value]
+
+    first = mix(PROMPT[-1])
+    return torch.stack([first[a] * mix(a) for a in range(V)])  # [V, V]
+
+
+def _chi_square(engine: Engine, spec: SpecOptions, joint: torch.Tensor, num: int = SAMPLES) -> tuple[float, float]:
+    async def run() -> list[tuple[list[int], int, int]]:
+        return [await _tokens(engine, _request(seed, spec)) for seed in range(num)]
+
+    draws = asyncio.run(run())
+    counts = torch.zeros(V, V)
+    for tokens, _, _ in draws:
+        counts[tokens[0], tokens[1]] += 1
+    result = stats.chisquare(counts.flatten().numpy(), (joint.flatten() * num).numpy())
+    firsts = [f for _, _, f in draws if f >= 0]
+    return float(result.pvalue), sum(firsts) / max(len(firsts), 1)
+
+
+CASES = {
+    "autoregressive, 1 worker": (Mode.AUTOREGRESSIVE, [(TARGETS[0], 1.0)]),
+    "autoregressive, 3 weighted workers": (Mode.AUTOREGRESSIVE, list(zip(TARGETS, WEIGHTS_3))),
+    "aggregate k full, 1 worker": (Mode.AGGREGATE, [(TARGETS[0], 1.0)]),
+    "aggregate k full, 3 weighted workers": (Mode.AGGREGATE, list(zip(TARGETS, WEIGHTS_3))),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_first_two_tokens_follow_the_target(case: str) -> None:
+    mode, workers = CASES[case]
+    engine = make_engine(DRAFT, workers)
+    pvalue, first_accept = _chi_square(engine, _spec(mode), _target_joint(workers))
+    assert pvalue > SIGNIFICANCE
+    if mode is Mode.AGGREGATE:
+        # the first draft token is accepted at rate β = Σ min(p, q̂): a verifier that ignored
+        # the draft would pass the chi-square test but not this
+        p = _target_joint(workers).sum(dim=1)
+        q = DRAFT.next_probs(PROMPT[-1])
+        beta = float(torch.minimum(p, q).sum())
+        assert first_accept == pytest.approx(beta, abs=4 * (0.25 / SAMPLES) ** 0.5)
+
+
+def test_negative_control_a_verifier_without_the_residual_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The classic bug (resample from p, not norm(max(0, p − q)), at a rejection): rejected."""
+    workers = list(zip(TARGETS, WEIGHTS_3))
+    monkeypatch.setattr(speculative, "residual", lambda p, q: p.double() / p.double().sum())
+    pvalue, _ = _chi_square(make_engine(DRAFT, workers), _spec(Mode.AGGREGATE), _target_joint(workers))
+    assert pvalue < SIGNIFICANCE
+
+
+def _greedy_chain(workers: list[tuple[MarkovRunner, float]], length: int) -> list[int]:
+    w = torch.tensor([x for _, x in workers], dtype=torch.float64)
+    w /= w.sum()
+    seq = list(PROMPT)
+    for _ in range(length):
+        mix = sum(wn * torch.softmax(r.table[seq[-1]].float(), -1).double() for (r, _), wn in zip(workers, w))
+        seq.append(int(torch.argmax(mix)))  # type: ignore[call-overload]
+    return seq[len(PROMPT):]
+
+
+@pytest.mark.parametrize("num_workers", [1, 3])
+def test_greedy_is_the_mixture_argmax_in_both_modes(num_workers: int) -> None:
+    workers = list(zip(TARGETS, WEIGHTS_3))[:num_workers]
+    expected = _greedy_chain(workers, 12)
+
+    async def run(mode: Mode) -> list[int]:
+        engine = make_engine(DRAFT, workers)
+        tokens, _, _ = await _tokens(engine, _request(0, _spec(mode), max_tokens=12, temperature=0))
+        return tokens
+
+    assert asyncio.run(run(Mode.AUTOREGRESSIVE)) == expected
+    assert asyncio.run(run(Mode.AGGREGATE)) == expected
+
+
+def test_greedy_follows_the_mixture_not_the_vote() -> None:
+    # after token 0: workers 0 and 1 prefer token 1 by a hair, worker 2 is sure of token 2
+    tables = [torch.full((V, V), -5.0, dtype=torch.float64) for _ in range(3)]
+    for table in tables[:2]:
+        table[:, 1], table[:, 2] = 2.0, 1.9
+    tables[2][:, 2] = 9.0
+    workers = [(MarkovRunner(t), 1.0) for t in tables]
+
+    async def run(mode: Mode) -> list[int]:
+        tokens, _, _ = await _tokens(make_engine(DRAFT, workers), _request(0, _spec(mode), max_tokens=3, temperature=0))
+        return tokens
+
+    assert asyncio.run(run(Mode.AUTOREGRESSIVE)) == [2, 2, 2]
+    assert asyncio.run(run(Mode.AGGREGATE)) == [2, 2, 2]
+
+
+def test_a_seed_reproduces_and_choices_differ() -> None:
+    workers = list(zip(TARGETS, WEIGHTS_3))
+
+    async def run(seed: int, choice: int) -> list[int]:
+        tokens, _, _ = await _tokens(make_engine(DRAFT, workers), _request(seed, _spec(Mode.AGGREGATE), 30, choice=choice))
+        return tokens
+
+    assert asyncio.run(run(7, 0)) == asyncio.run(run(7, 0))
+    assert asyncio.run(run(7, 0)) != asyncio.run(run(7, 1))
+
+
+def test_eos_ends_the_round_and_max_tokens_the_request() -> None:
+    table = random_table(V, 5)
+    table[:, 4] += 3.0  # token 4 (EOS here) is likely everywhere
+    workers = [(MarkovRunner(table, eos_ids=[4]), 1.0)]
+    engine = make_engine(DRAFT, workers, eos_ids=[4])
+
+    async def run() -> None:
+        for seed in range(30):
+            results = [r async for r in engine.generate(_request(seed, _spec(Mode.AGGREGATE, 4), max_tokens=9))]
+            tokens = list(itertools.chain.from_iterable(r.tokens for r in results))
+            assert len(tokens) <= 9
+            if 4 in tokens:
+                assert tokens.index(4) == len(tokens) - 1 and results[-1].finish_reason == "stop"
+            else:
+                assert len(tokens) == 9 and results[-1].finish_reason == "length"
+
+    asyncio.run(run())
+
+
+def test_sessions_are_freed_when_the_caller_stops_early() -> None:
+    workers = list(zip(TARGETS, WEIGHTS_3))
+    engine = make_engine(DRAFT, workers)
+
+    async def run() -> None:
+        generator = engine.generate(_request(1, _spec(Mode.AGGREGATE), max_tokens=50))
+        await anext(generator)
+        await generator.aclose()
+
+    asyncio.run(run())
+    assert all(len(w.state.sessions) == 0 for w in engine.pool.workers)
+    assert DRAFT.session_ids() == []
+
+
+def test_workers_receive_only_what_they_lack() -> None:
+    workers = [(TARGETS[0], 1.0)]
+    engine = make_engine(DRAFT, workers)
+
+    async def run() -> list[int]:
+        tokens, _, _ = await _tokens(engine, _request(3, _spec(Mode.AGGREGATE, 3), max_tokens=20))
+        return tokens
+
+    tokens = asyncio.run(run())
+    calls = engine.pool.workers[0].calls
+    assert calls[0].prefix_len == 0 and calls[0].tokens.tolist() == PROMPT
+    for call in calls[1:]:
+        assert len(call.tokens) == 1  # the recovered / bonus token of the round before
+    full = PROMPT + tokens
+    for call in calls:
+        assert full[call.prefix_len : call.prefix_len + len(call.tokens)] == call.tokens.tolist()
+
+
+def test_top_k_reports_a_bound_that_covers_the_error() -> None:
+    workers = list(zip(TARGETS, WEIGHTS_3))
+    engine = make_engine(DRAFT, workers)
+
+    async def run() -> list[tuple[list[float], list[float]]]:
+        return [(r.bound, r.error) async for r in engine.generate(_request(2, _spec(Mode.AGGREGATE, 3, k=2), max_tokens=20))]
+
+    for bound, error in asyncio.run(run()):
+        assert bound and len(bound) == len(error)
+        assert all(0 <= e <= b + 1e-6 for b, e in zip(bound, error))

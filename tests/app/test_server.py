@@ -1,0 +1,305 @@
+"""The gateway in-process (ASGITransport) with fake workers (httpx.MockTransport) and the
+tiny-random draft: the OpenAI surface, streaming, errors in the envelope."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from app.server import create_app
+from core.config import parse_config
+from core.protocol import (
+    BINARY_CONTENT_TYPE,
+    ErrorBody,
+    InfoResponse,
+    VerifyRequest,
+    decode,
+    encode,
+    encode_json,
+)
+from core.runners import ModelRunner
+from workers.scoring import score
+
+V = 49152
+FAVOURITE = 1000  # the fake target's most likely next token, after any context
+
+
+class FakeWorkerTransport:
+    """Answers protocol v1 for several fake workers (by host); ``behaviour`` breaks one."""
+
+    def __init__(self, fingerprint: str, behaviour: dict[str, str] | None = None) -> None:
+        self.fingerprint = fingerprint
+        self.behaviour = behaviour or {}
+        self.requests: list[tuple[str, VerifyRequest]] = []
+        self.deleted: list[str] = []
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handle)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        mode = self.behaviour.get(host, "")
+        if mode == "down":
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/v1/info":
+            info = InfoResponse(1, ["aggregate", "autoregressive"], host, V, "other" if mode == "other-tokenizer" else self.fingerprint, [2], 2048, "fake")
+            return httpx.Response(200, content=encode_json(info), headers={"content-type": "application/json"})
+        if request.method == "DELETE":
+            self.deleted.append(request.url.path)
+            return httpx.Response(204)
+        req = decode(VerifyRequest, request.content, request.headers["content-type"])
+        self.requests.append((host, req))
+        if mode == "500":
+            return httpx.Response(500, content=ErrorBody("boom", "server_error").to_json())
+        if mode == "garbage":
+            return httpx.Response(200, content=b"SGv1\x05\x00\x00\x00{oops", headers={"content-type": BINARY_CONTENT_TYPE})
+        if mode == "short-once" and req.prefix_len > 0:
+            self.behaviour[host] = ""
+            return httpx.Response(409, content=ErrorBody("lost", "session_short", code="session_short", held=0).to_json())
+        logits = torch.full((len(req.draft) + 1, V), -10.0)
+        logits[:, FAVOURITE] = 3.0
+        logits[:, FAVOURITE + 1] = 2.0
+        resp = score(logits, req, held=req.prefix_len + len(req.tokens) + len(req.draft), model_ms=0.1)
+        body, content_type = encode(resp, V)
+        return httpx.Response(200, content=body, headers={"content-type": content_type})
+
+
+def _config(**overrides: Any) -> Any:
+    data: dict[str, Any] = {
+        "model": "test-model",
+        "workers": [{"url": "http://w0:1", "weight": 0.6}, {"url": "http://w1:1", "weight": 0.4}],
+        "speculative": {"mode": "aggregate", "num_draft_tokens": 3, "k": "full"},
+        "limits": {"max_tokens": 64, "max_prompt_tokens": 100},
+    }
+    data.update(overrides)
+    return parse_config(data)
+
+
+@pytest.fixture
+def fakes(tiny_runner: ModelRunner) -> FakeWorkerTransport:
+    return FakeWorkerTransport(tiny_runner.fingerprint)
+
+
+Gateway = Callable[..., Any]
+
+
+@pytest.fixture
+async def gateway(tiny_runner: ModelRunner, fakes: FakeWorkerTransport) -> AsyncIterator[Gateway]:
+    """``async with gateway(**config) as client`` — a started gateway app and its client."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def start(**overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
+        app = create_app(_config(**overrides), draft_runner=tiny_runner, transport=fakes.transport())
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+                yield client
+
+    yield start
+
+
+@pytest.fixture
+async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
+    async with gateway() as c:
+        yield c
+
+
+def _sse(text: str) -> list[Any]:
+    events = []
+    for block in text.strip().split("\n\n"):
+        data = "".join(line[len("data: "):] for line in block.splitlines() if line.startswith("data: "))
+        if data:
+            events.append(data if data == "[DONE]" else orjson.loads(data))
+    return events
+
+
+def _assert_error(resp: httpx.Response, status: int, param: str | None = None, contains: str = "") -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] is None or isinstance(error["code"], str)
+    if param is not None:
+        assert error["param"] == param
+    assert contains in error["message"]
+    return error
+
+
+CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}
+COMPLETION = {"model": "test-model", "prompt": "Once upon a time", "max_tokens": 6}
+
+
+async def test_models_health_and_ready(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/v1/models")).json()["data"][0]["id"] == "test-model"
+    assert (await client.get("/health")).json() == {"status": "ok"}
+    ready = await client.get("/health/ready")
+    assert ready.status_code == 200 and [w["ready"] for w in ready.json()["workers"]] == [True, True]
+
+
+async def test_ready_refuses_a_worker_with_another_tokenizer(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
+    fakes.behaviour["w1"] = "other-tokenizer"
+    async with gateway() as client:
+        ready = await client.get("/health/ready")
+        assert ready.status_code == 503 and "another tokenizer" in ready.json()["workers"][1]["error"]
+        _assert_error(await client.post("/v1/chat/completions", json=CHAT), 503, contains="w1")
+
+
+async def test_completion_with_usage(client: httpx.AsyncClient, fakes: FakeWorkerTransport) -> None:
+    body = (await client.post("/v1/completions", json={**COMPLETION, "temperature": 0})).json()
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 6 and usage["total_tokens"] == usage["prompt_tokens"] + 6
+    spec = usage["speculative"]
+    assert spec["mode"] == "aggregate" and spec["k"] == "full" and spec["lossless"] is True
+    assert spec["rounds"] >= 2 and spec["draft_tokens"] >= spec["accepted_tokens"] >= 0
+    assert spec["bytes_to_workers"] > 0 and spec["bytes_from_workers"] > 6 * V * 4
+    assert choice["text"].startswith(" " * 0)  # text, whatever the tiny draft proposed, is the target's
+    tokens = {r.draft.tolist()[0] if len(r.draft) else None for _, r in fakes.requests}
+    assert tokens  # the draft went to the workers
+
+
+async def test_greedy_output_is_the_targets_choice(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    body = (await client.post("/v1/completions", json={**COMPLETION, "temperature": 0, "max_tokens": 4})).json()
+    assert body["choices"][0]["text"] == tiny_runner.tokenizer.decode([FAVOURITE] * 4)
+
+
+async def test_chat_stream_shape(client: httpx.AsyncClient) -> None:
+    req = {**CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.8, "seed": 3}
+    resp = await client.post("/v1/chat/completions", json=req)
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = _sse(resp.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        finishes = [c for c in mine if c["finish_reason"]]
+        assert len(finishes) == 1 and finishes[0] is mine[-1] and finishes[0]["finish_reason"] == "length"
+        assert "".join(c["delta"].get("content", "") for c in mine)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+async def test_completion_stream_without_usage_has_no_usage_key(client: httpx.AsyncClient) -> None:
+    events = _sse((await client.post("/v1/completions", json={**COMPLETION, "stream": True})).text)
+    assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_seed_reproduces(client: httpx.AsyncClient) -> None:
+    req = {**CHAT, "temperature": 1.0, "seed": 11, "max_tokens": 8}
+    first = (await client.post("/v1/chat/completions", json=req)).json()["choices"][0]["message"]["content"]
+    second = (await client.post("/v1/chat/completions", json=req)).json()["choices"][0]["message"]["content"]
+    assert first == second
+
+
+async def test_stop_strings_and_echo(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    piece = tiny_runner.tokenizer.decode([FAVOURITE])
+    assert len(piece) >= 2
+    stop = piece[1:] + piece  # begins inside the first token, ends in the second
+    body = (await client.post("/v1/completions", json={**COMPLETION, "temperature": 0, "stop": ["never", stop]})).json()
+    assert body["choices"][0] == {"index": 0, "text": piece[:1], "logprobs": None, "finish_reason": "stop"}
+    body = (await client.post("/v1/completions", json={**COMPLETION, "temperature": 0, "echo": True, "max_tokens": 1})).json()
+    assert body["choices"][0]["text"] == COMPLETION["prompt"] + piece
+
+
+@pytest.mark.parametrize("mode", ["aggregate", "autoregressive"])
+async def test_logprobs_report_the_target(client: httpx.AsyncClient, mode: str) -> None:
+    spec = {"mode": mode}
+    body = (await client.post("/v1/completions", json={**COMPLETION, "temperature": 0, "logprobs": 2, "speculative": spec})).json()
+    lp = body["choices"][0]["logprobs"]
+    expected = float(torch.log_softmax(torch.tensor([3.0, 2.0] + [-10.0] * (V - 2)), 0)[0])
+    assert len(lp["tokens"]) == 6 and all(v == pytest.approx(expected, abs=1e-4) for v in lp["token_logprobs"])
+    assert all(len(top) == 2 for top in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    chat = (await client.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 1, "speculative": spec})).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 6 and all(len(c["top_logprobs"]) == 1 and isinstance(c["bytes"], list) for c in content)
+
+
+async def test_top_k_is_lossy_and_says_so(client: httpx.AsyncClient) -> None:
+    body = (await client.post("/v1/completions", json={**COMPLETION, "speculative": {"k": 1}})).json()
+    spec = body["usage"]["speculative"]
+    assert spec["lossless"] is False and spec["logprobs_source"] == "reconstruction"
+    assert spec["bias_bound_mean"] > 0 and 0 <= spec["reconstruction_error_mean"] <= spec["bias_bound_mean"] + 1e-6
+
+
+async def test_autoregressive_sends_four_byte_samples(client: httpx.AsyncClient, fakes: FakeWorkerTransport) -> None:
+    body = (await client.post("/v1/completions", json={**COMPLETION, "speculative": {"mode": "autoregressive"}})).json()
+    spec = body["usage"]["speculative"]
+    assert spec["mode"] == "autoregressive" and spec["rounds"] == 6 and spec["draft_tokens"] == 0
+    assert spec["bytes_from_workers"] < 6 * 2 * 200  # one int32 sample and a small header per call
+    assert all(r.mode == "autoregressive" and not r.return_probs for _, r in fakes.requests)
+
+
+async def test_a_worker_that_lost_its_session_gets_the_prefix_again(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
+    fakes.behaviour["w0"] = "short-once"
+    async with gateway() as client:
+        resp = await client.post("/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200, resp.text
+    w0 = [r for host, r in fakes.requests if host == "w0"]
+    resent = [r for r in w0 if r.prefix_len == 0][1]  # the first call, then the resend from zero
+    assert len(resent.tokens) > len(w0[0].tokens)
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({**CHAT, "model": "nope"}, 404, "model"),
+        ({**CHAT, "max_tokens": "many"}, 400, "body.max_tokens"),
+        ({**CHAT, "temperature": -1}, 400, "body.temperature"),
+        ({**CHAT, "messages": []}, 400, "body.messages"),
+        ({**CHAT, "suffix": "x"}, 400, "suffix"),
+        ({**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+        ({**CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({**CHAT, "logit_bias": {"12": 3}}, 400, "logit_bias"),
+        ({**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({**CHAT, "speculative": {"mode": "autoregressive", "num_draft_tokens": 3}}, 400, "speculative.num_draft_tokens"),
+        ({**CHAT, "speculative": {"mode": "exact"}}, 400, "speculative.mode"),
+        ({**CHAT, "speculative": {"k": 0}}, 400, None),
+        ({**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}, 400, "prompt"),
+    ],
+)
+async def test_bad_requests_get_the_envelope(client: httpx.AsyncClient, body: dict[str, Any], status: int, param: str | None) -> None:
+    _assert_error(await client.post("/v1/chat/completions", json=body), status, param)
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200  # still serving
+
+
+async def test_malformed_json_and_what_chat_uis_send(client: httpx.AsyncClient) -> None:
+    resp = await client.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    _assert_error(resp, 400, contains="malformed JSON")
+    accepted = {**CHAT, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "user": "u1", "response_format": {"type": "text"}}
+    assert (await client.post("/v1/chat/completions", json=accepted)).status_code == 200
+
+
+@pytest.mark.parametrize("behaviour, status", [("down", 503), ("500", 502), ("garbage", 502)])
+async def test_a_failing_worker_is_named(gateway: Gateway, fakes: FakeWorkerTransport, behaviour: str, status: int) -> None:
+    async with gateway() as client:
+        assert (await client.get("/health/ready")).status_code == 200
+        fakes.behaviour["w1"] = behaviour
+        error = _assert_error(await client.post("/v1/completions", json=COMPLETION), status, contains="w1")
+        assert error["type"] == "server_error"
+        events = _sse((await client.post("/v1/completions", json={**COMPLETION, "stream": True})).text)
+        assert events[-1] == "[DONE]" and "w1" in events[-2]["error"]["message"]
+        fakes.behaviour["w1"] = ""
+        assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200
+
+
+async def test_a_down_worker_at_first_use_gets_503_with_retry_after(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
+    fakes.behaviour["w0"] = "down"
+    async with gateway() as client:
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+        _assert_error(resp, 503, contains="w0")
+        assert resp.headers["retry-after"]
+
+
+async def test_sessions_are_freed_after_each_request(client: httpx.AsyncClient, fakes: FakeWorkerTransport) -> None:
+    await client.post("/v1/completions", json={**COMPLETION, "n": 2})
+    assert len(fakes.deleted) == 4  # two choices × two workers
