@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             config.host = args.host
         if args.port is not None:
             config.port = args.port
-        draft = load_runner(config.draft.model, config.draft.backend.value, 2048, config.draft.memory_cap_mb)
+        draft = load_runner(config.draft.model, config.draft.backend.value, 2048, config.draft.memory_cap_mb, config.draft.threads)
         draft.fingerprint  # computed before the first request
     except SpecgateError as exc:
         print(f"specgate gateway: error: {exc}", file=sys.stderr)

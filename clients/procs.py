@@ -17,15 +17,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def worker_command(model: str, backend: str, port: int, host: str = "127.0.0.1", log_level: str = "warning") -> list[str]:
-    return [sys.executable, "-m", "workers", "--model", model, "--backend", backend, "--host", host, "--port", str(port), "--log-level", log_level]
-
-
-def is_healthy(client: httpx.Client, url: str) -> bool:
-    try:
-        return client.get(f"{url}/health").status_code == 200
-    except httpx.HTTPError:
-        return False
+def worker_command(model: str, backend: str, port: int, threads: int | None = None, log_level: str = "warning") -> list[str]:
+    command = [sys.executable, "-m", "workers", "--model", model, "--backend", backend, "--host", "127.0.0.1", "--port", str(port), "--log-level", log_level]
+    return command + (["--threads", str(threads)] if threads else [])
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
@@ -39,31 +33,47 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
             proc.wait()
 
 
-class WorkerProcess:
-    """A real worker on 127.0.0.1 for the length of a ``with`` block.
+class ServerProcess:
+    """A server started from ``command`` for the length of a ``with`` block; ready when
+    ``url + ready_path`` answers 200. Stopped by pid.
 
     Usage: ``with WorkerProcess("builtin", "llama.cpp") as url: httpx.get(url + "/v1/info")``
     """
 
-    def __init__(self, model: str, backend: str, port: int | None = None, timeout_s: float = 300.0) -> None:
-        self.model, self.backend, self.timeout_s = model, backend, timeout_s
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, command: list[str], port: int, ready_path: str = "/health", timeout_s: float = 300.0) -> None:
+        self.command, self.port, self.ready_path, self.timeout_s = command, port, ready_path, timeout_s
+        self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> str:
-        self.proc = subprocess.Popen(worker_command(self.model, self.backend, self.port), stdout=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + self.timeout_s
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"worker {self.model} exited with {self.proc.returncode}")
-                if is_healthy(client, self.url):
-                    return self.url
+                    raise RuntimeError(f"{self.command[2]} exited with {self.proc.returncode}")
+                try:
+                    if client.get(f"{self.url}{self.ready_path}").status_code == 200:
+                        return self.url
+                except httpx.HTTPError:
+                    pass
                 time.sleep(0.3)
         self.__exit__()
-        raise RuntimeError(f"worker {self.model} not ready after {self.timeout_s:.0f} s")
+        raise RuntimeError(f"{' '.join(self.command[2:4])} not ready after {self.timeout_s:.0f} s")
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
             stop_process(self.proc)
+
+
+def WorkerProcess(model: str, backend: str, port: int | None = None, threads: int | None = None, timeout_s: float = 300.0) -> ServerProcess:
+    """A real worker on 127.0.0.1 (a free port unless given)."""
+    port = port or free_port()
+    return ServerProcess(worker_command(model, backend, port, threads), port, "/health", timeout_s)
+
+
+def GatewayProcess(config_path: str, port: int | None = None, timeout_s: float = 300.0) -> ServerProcess:
+    """A real gateway on 127.0.0.1 for a config file; ready when its workers are."""
+    port = port or free_port()
+    command = [sys.executable, "-m", "app", "--config", config_path, "--port", str(port), "--log-level", "warning"]
+    return ServerProcess(command, port, "/health/ready", timeout_s)

@@ -5,6 +5,7 @@ Every process it starts is stopped by pid when it exits (Ctrl-C, SIGTERM, or a c
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from core.errors import SpecgateError
 
 def serve(config_path: str | None, port: int | None, startup_timeout: float) -> int:
     try:
-        config = load_config(config_path).with_local_urls()
+        config = load_config(config_path).with_local_urls().with_split_cores(os.cpu_count() or 1)
     except SpecgateError as exc:
         print(f"specgate serve: error: {exc}", file=sys.stderr)
         return 2
@@ -49,8 +50,8 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
 def start_worker(config: SpecgateConfig, entry: WorkerEntry) -> subprocess.Popen[bytes]:
     assert entry.model is not None and entry.port is not None
     url = config.worker_url(entry)
-    print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}) on {url}", flush=True)
-    return subprocess.Popen(worker_command(entry.model, entry.backend.value, entry.port))
+    print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}, threads={entry.threads}) on {url}", flush=True)
+    return subprocess.Popen(worker_command(entry.model, entry.backend.value, entry.port, entry.threads))
 
 
 def _ready_urls(config: SpecgateConfig) -> dict[str, str]:

@@ -37,6 +37,7 @@ class DraftConfig(BaseModel):
     model: str = "builtin-draft"  # any --model value
     backend: Backend = Backend.LLAMA_CPP
     memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of the draft, all sessions
+    threads: int | None = Field(default=None, gt=0)  # CPU threads; None = every core (serve splits them)
 
 
 class SpeculativeConfig(BaseModel):
@@ -80,6 +81,7 @@ class WorkerEntry(BaseModel):
     name: str | None = None  # shown in errors and metrics; defaults to w<index>
     backend: Backend = Backend.LLAMA_CPP  # a local worker's backend
     port: int | None = Field(default=None, ge=1, le=65535)  # a local worker's port
+    threads: int | None = Field(default=None, gt=0)  # a local worker's CPU threads (serve splits the cores)
 
     @model_validator(mode="after")
     def _one_source(self) -> WorkerEntry:
@@ -140,6 +142,15 @@ class SpecgateConfig(BaseSettings):
                 worker = worker.model_copy(update={"port": port})
             workers.append(worker)
         return self.model_copy(update={"workers": workers})
+
+    def with_split_cores(self, cores: int) -> SpecgateConfig:
+        """A copy in which local workers and the draft that set no ``threads`` share ``cores``:
+        the local workers verify at the same time, so each gets an equal share."""
+        local = [w for w in self.workers if w.is_local]
+        share = max(1, cores // max(1, len(local)))
+        workers = [w.model_copy(update={"threads": w.threads or share}) if w.is_local else w for w in self.workers]
+        draft = self.draft.model_copy(update={"threads": self.draft.threads or (share if local else None)})
+        return self.model_copy(update={"workers": workers, "draft": draft})
 
     def worker_url(self, worker: WorkerEntry) -> str:
         return worker.url or f"http://127.0.0.1:{worker.port}"

@@ -118,7 +118,7 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None) -> F
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if runner is None:
             loaded = await asyncio.to_thread(
-                load_runner, settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb
+                load_runner, settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads
             )
             await asyncio.to_thread(lambda: loaded.fingerprint)
             app.state.worker = WorkerState.build(settings, loaded)

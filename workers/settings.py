@@ -21,3 +21,4 @@ class WorkerSettings(BaseSettings):
     session_ttl_s: float = Field(default=600.0, gt=0)  # idle sessions are dropped after this
     max_body_bytes: int = Field(default=8 * 2**20, gt=0)  # larger request bodies get a 413
     max_draft: int = Field(default=64, gt=0)  # draft tokens one verify call may carry
+    threads: int | None = Field(default=None, gt=0)  # CPU threads of the model; None = every core

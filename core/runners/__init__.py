@@ -16,8 +16,14 @@ def load_runner(
     backend: str = Backend.LLAMA_CPP.value,
     max_context: int = 2048,
     memory_cap_mb: int = 1024,
+    threads: int | None = None,
 ) -> ModelRunner:
-    """Load ``model`` (a builtin name, GGUF file, HF folder or hub id) on ``backend``."""
+    """Load ``model`` (a builtin name, GGUF file, HF folder or hub id) on ``backend``.
+
+    ``threads``: CPU threads for the model (default: every core). Processes that share a
+    machine must split the cores: llama.cpp's spinning threads slow down many-fold when
+    oversubscribed.
+    """
     source = resolve_model(model)
     if backend == Backend.LLAMA_CPP.value and source.is_tiny_random:
         raise ModelLoadError("tiny-random is built in code: use --backend transformers")
@@ -25,11 +31,15 @@ def load_runner(
     if backend == Backend.TRANSFORMERS.value:
         from core.runners.transformers_runner import TransformersRunner
 
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
         runner: ModelRunner = TransformersRunner(source, tokenizer, max_context=max_context)
     elif backend == Backend.LLAMA_CPP.value:
         from core.runners.llama_cpp_runner import LlamaCppRunner
 
-        runner = LlamaCppRunner(source, tokenizer, max_context=max_context, memory_cap_mb=memory_cap_mb)
+        runner = LlamaCppRunner(source, tokenizer, max_context=max_context, memory_cap_mb=memory_cap_mb, n_threads=threads)
     else:
         raise ModelLoadError(f"unknown backend {backend!r}: use transformers or llama.cpp")
     check_vocab(len(runner.tokenizer), runner.info.vocab_size, str(source.path or source.name))

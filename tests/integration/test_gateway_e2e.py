@@ -1,0 +1,146 @@
+"""End to end: a real uvicorn gateway (draft builtin-draft) and two real uvicorn workers
+(builtin, builtin-alt) on 127.0.0.1, spoken to by the official ``openai`` client and curl."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import openai
+import pytest
+
+from clients.procs import GatewayProcess, WorkerProcess
+from core.config import dump_config, parse_config
+
+pytestmark = pytest.mark.integration
+
+MODEL = "specgate-e2e"
+MESSAGES = [{"role": "user", "content": "Write two sentences about the sea."}]
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with ExitStack() as stack:
+        # one core each, as `specgate serve` splits them: oversubscribed llama.cpp threads crawl
+        urls = [stack.enter_context(WorkerProcess(model, "llama.cpp", threads=1)) for model in ("builtin", "builtin-alt")]
+        config = parse_config({
+            "model": MODEL,
+            "draft": {"model": "builtin-draft", "threads": 1},
+            "workers": [{"url": urls[0], "weight": 0.5}, {"url": urls[1], "weight": 0.5}],
+            "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": "full"},
+        })
+        path = tmp_path_factory.mktemp("gateway") / "config.yaml"
+        path.write_text(dump_config(config))
+        yield stack.enter_context(GatewayProcess(str(path)))
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_sync_chat_and_completion(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, seed=1)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage is not None and chat.usage.completion_tokens <= 24
+    spec = chat.usage.model_extra["speculative"]  # type: ignore[index]
+    assert spec["mode"] == "aggregate" and spec["rounds"] >= 1 and spec["bytes_from_workers"] > 0
+    completion = client.completions.create(model=MODEL, prompt="The three primary colours are", max_tokens=16, temperature=0)
+    assert completion.choices[0].text and completion.usage is not None
+
+
+def test_streaming_chat_arrives_over_several_chunks(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, stream=True)  # type: ignore[arg-type]
+    arrivals, text, roles, finishes = [], "", 0, []
+    for chunk in stream:
+        choice = chunk.choices[0]
+        roles += choice.delta.role == "assistant"
+        if choice.delta.content:
+            arrivals.append(time.monotonic())
+            text += choice.delta.content
+        if choice.finish_reason:
+            finishes.append(choice.finish_reason)
+    assert roles == 1 and len(finishes) == 1 and text
+    assert len(arrivals) >= 5
+    assert arrivals[-1] - arrivals[0] > 0.1  # tokens reached the client round by round, not at the end
+
+
+def test_async_streaming_completion(base_url: str) -> None:
+    async def run() -> str:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=20, stream=True, stream_options={"include_usage": True})
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            usage = chunk.usage or usage
+        await client.close()
+        assert usage is not None and usage.completion_tokens >= 1
+        return text
+
+    assert asyncio.run(run())
+
+
+def test_greedy_aggregate_equals_autoregressive(client: openai.OpenAI) -> None:
+    texts = {}
+    for mode in ("autoregressive", "aggregate"):
+        chat = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=48, temperature=0,  # type: ignore[arg-type]
+            extra_body={"speculative": {"mode": mode} if mode == "autoregressive" else {"mode": mode, "k": "full"}},
+        )
+        texts[mode] = chat.choices[0].message.content
+    assert texts["aggregate"] == texts["autoregressive"]
+
+
+def test_a_seed_makes_a_sampled_answer_reproducible(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str | None:
+        chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=1.0, seed=seed)  # type: ignore[arg-type]
+        return chat.choices[0].message.content
+
+    assert sample(42) == sample(42)
+
+
+def test_errors_reach_the_sdk_as_its_exceptions(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", suffix="y")
+    assert "suffix" in str(info.value)
+
+
+def test_curl_as_the_readme_shows(base_url: str) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("curl -s http://127.0.0.1:8000/v1/chat/completions"))
+    command = line.replace("http://127.0.0.1:8000", base_url).replace('"model": "specgate"', f'"model": "{MODEL}"')
+    out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    body = json.loads(out.stdout)
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
+
+
+def test_eight_concurrent_streams_all_finish_side_by_side(base_url: str) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[float, float, str]:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Count from {i} upwards."}], max_tokens=24, stream=True, seed=i,
+        )
+        first, text = 0.0, ""
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                first = first or time.monotonic()
+                text += chunk.choices[0].delta.content
+        return first, time.monotonic(), text
+
+    async def run() -> list[tuple[float, float, str]]:
+        client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+        results = await asyncio.gather(*(one(client, i) for i in range(8)))
+        await client.close()
+        return results
+
+    results = asyncio.run(run())
+    assert all(text for _, _, text in results)
+    first_tokens, ends = [r[0] for r in results], [r[1] for r in results]
+    assert max(first_tokens) < min(ends)  # every stream was producing before any of them ended
