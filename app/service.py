@@ -183,8 +183,10 @@ class Gateway:
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         if body.model != self.config.model:
             raise ApiError(404, f"model {body.model!r} does not exist; this gateway serves {self.config.model!r}", "model", "model_not_found")
-        for param, why in body.unsupported():
-            raise ApiError(400, f"{param} {why}", param, "unsupported_parameter")
+        unsupported = body.unsupported()
+        if unsupported:
+            message = "; ".join(f"{param} {why}" for param, why in unsupported)
+            raise ApiError(400, message, unsupported[0][0], "unsupported_parameter")
 
     def _job(self, body: CompletionRequest | ChatCompletionRequest, prompt: list[int], prefix: str, max_tokens: int | None, top_logprobs: int | None) -> Job:
         limits = self.config.limits

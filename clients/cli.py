@@ -3,6 +3,7 @@
     specgate worker --model MODEL [--backend transformers|llama.cpp] [--host H] [--port N]
     specgate gateway [--config FILE] [--host H] [--port N]
     specgate serve  [--config FILE] [--port N]
+    specgate bench [--json FILE] [--runs N] [--quick]
     specgate bench worker [--json FILE] [--repeats N] [--quick]
 
 The CLI is the composition root: it starts servers as processes (``python -m workers``,
@@ -27,8 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", default=None, help="YAML config (default: the built-in one: two local workers, builtin and builtin-alt)")
     serve.add_argument("--port", type=int, default=None, help="gateway port (default: the config's, 8000)")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every worker (default: 600)")
-    bench = commands.add_parser("bench", help="benchmarks that print figures and write JSON")
-    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    bench = commands.add_parser("bench", help="benchmarks that print figures and write JSON (default: the decoding modes)")
+    bench.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    bench.add_argument("--runs", type=int, default=3, help="runs per cell, ≥ 3 (default: 3)")
+    bench.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: 64)")
+    bench.add_argument("--gamma", type=int, default=4, help="num_draft_tokens of the aggregate cells (default: 4)")
+    bench.add_argument("--quick", action="store_true", help="one prompt, 24 tokens, T = 0 only: about a minute")
+    benches = bench.add_subparsers(dest="bench", metavar="BENCH")
     worker = benches.add_parser("worker", help="verify latency over HTTP vs in-process; draft acceptance α")
     worker.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     worker.add_argument("--repeats", type=int, default=20, help="timed calls per cell (default: 20)")
@@ -53,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         from clients.bench_worker import bench_worker
 
         return bench_worker(args)
+    if args.command == "bench":
+        from clients.bench_modes import bench_modes
+
+        return bench_modes(args)
     return 2
 
 

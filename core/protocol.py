@@ -403,8 +403,6 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         check_ids(arr, vocab_size, name)
     if req.prefix_len < 0:
         raise InvalidRequest(f"prefix_len must be ≥ 0, got {req.prefix_len}", param="prefix_len")
-    if req.tokens.size + req.draft.size == 0:
-        raise InvalidRequest("nothing to score: tokens and draft are both empty", param="draft")
     if req.k is not None and not 0 < req.k <= vocab_size:
         raise InvalidRequest(f"k must lie in [1, {vocab_size}], got {req.k}", param="k")
     if req.temperature < 0 or not np.isfinite(req.temperature):

@@ -101,7 +101,7 @@ class WorkerState:
         if len(req.draft) > self.settings.max_draft:
             raise InvalidRequest(f"draft of {len(req.draft)} tokens exceeds max_draft {self.settings.max_draft}", param="draft")
         if req.tokens.size == 0 and req.prefix_len == 0:
-            raise InvalidRequest("a draft needs at least one token before it", param="tokens")
+            raise InvalidRequest("a session starts with at least one token", param="tokens")
         total = req.prefix_len + len(req.tokens) + len(req.draft)
         if total > self.max_context:
             raise ContextOverflow(

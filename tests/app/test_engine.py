@@ -214,3 +214,22 @@ def test_top_k_reports_a_bound_that_covers_the_error() -> None:
     for bound, error in asyncio.run(run()):
         assert bound and len(bound) == len(error)
         assert all(0 <= e <= b + 1e-6 for b, e in zip(bound, error))
+
+
+def test_greedy_asks_again_with_a_larger_k_when_top_k_cannot_certify() -> None:
+    vocab = 50
+    sharp = torch.zeros(vocab, vocab, dtype=torch.float64)
+    sharp[:, 10], sharp[:, 11] = 3.0, 2.99  # 10 beats 11 by a hair
+    flat = torch.zeros(vocab, vocab, dtype=torch.float64)  # its top-8 are ids 0..7
+    workers = [(MarkovRunner(sharp), 1.0), (MarkovRunner(flat), 1.0)]
+    engine = make_engine(MarkovRunner(random_table(vocab, 1)), workers)
+
+    async def run() -> list[int]:
+        tokens, _, _ = await _tokens(engine, _request(0, _spec(Mode.AUTOREGRESSIVE), max_tokens=2, temperature=0))
+        return tokens
+
+    assert asyncio.run(run()) == [10, 10]
+    ks = [call.k for call in engine.pool.workers[0].calls]
+    assert ks == [8, None, 8, None]  # top-8 bounds overlap: asked again for everything
+    again = engine.pool.workers[0].calls[1]
+    assert len(again.tokens) == 0 and len(again.draft) == 0 and again.prefix_len == len(PROMPT)

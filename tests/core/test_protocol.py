@@ -201,7 +201,6 @@ def _req(**overrides: object) -> VerifyRequest:
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -2}, "top_k"),
-        ({"tokens": np.array([], dtype=np.int64), "draft": np.array([], dtype=np.int64)}, "draft"),
         ({"probs_dtype": "bf16"}, "probs_dtype"),
         ({"mode": "tree"}, "mode"),
         ({"mode": "autoregressive"}, "draft"),

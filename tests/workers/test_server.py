@@ -142,6 +142,15 @@ async def test_empty_tokens_rescore_the_last_agreed_position(client: httpx.Async
     np.testing.assert_allclose(resp.probs, _reference(tiny_runner, PROMPT + [3], 2).numpy(), atol=1e-5)
 
 
+async def test_nothing_new_rescores_the_last_position(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    """What a greedy autoregressive step asks again with a larger k."""
+    first = await _scores(client, _request("again", [], PROMPT, [], k=4))
+    again = await _scores(client, _request("again", PROMPT, [], [], k=64))
+    assert again.ids is not None and first.ids is not None and again.held == len(PROMPT)
+    assert again.ids[0, :4].tolist() == first.ids[0].tolist()
+    np.testing.assert_allclose(again.probs[0, :4], first.probs[0], atol=1e-6)
+
+
 async def test_session_short_when_the_worker_holds_less_or_other(client: httpx.AsyncClient) -> None:
     resp = await _verify(client, _request("lost", PROMPT, [1], [2]))
     assert resp.status_code == 409
