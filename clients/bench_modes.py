@@ -9,10 +9,8 @@ figure is the median over runs, and speed-ups are ratios to `autoregressive` in 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import ExitStack
@@ -21,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from clients.report import progress, write_json
 from clients.procs import GatewayProcess, WorkerProcess
 from core.config import builtin_config, dump_config
 
@@ -51,16 +50,13 @@ def bench_modes(args: argparse.Namespace) -> int:
                 rows += _summarise(samples, temperature, args.gamma)
     results = {"setup": _setup(args.gamma, runs, prompts, max_tokens), "cells": rows}
     _print_table(results)
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(results, indent=2))
-        _progress(f"wrote {args.json_path}")
+    write_json(args.json_path, results)
     return 0
 
 
 def _start_stack(stack: ExitStack, gamma: int) -> str:
     config = builtin_config().with_local_urls().with_split_cores(os.cpu_count() or 1)
-    _progress("starting two workers (builtin, builtin-alt) and the gateway on 127.0.0.1")
+    progress("starting two workers (builtin, builtin-alt) and the gateway on 127.0.0.1")
     workers = []
     for entry in config.workers:
         assert entry.model is not None
@@ -82,7 +78,7 @@ def _run_cells(client: httpx.Client, prompts: list[str], max_tokens: int, temper
             samples[name].append(_cell(client, prompts, max_tokens, temperature, spec, seed=run))
             done = run * len(CELLS) + i + 1
             tps = samples[name][-1]["tokens_per_s"]
-            _progress(f"[T={temperature:g}] run {run + 1}/{runs} {name}: {tps:.1f} tok/s  ({done}/{total})")
+            progress(f"[T={temperature:g}] run {run + 1}/{runs} {name}: {tps:.1f} tok/s  ({done}/{total})")
     return samples
 
 
@@ -147,10 +143,6 @@ def _setup(gamma: int, runs: int, prompts: list[str], max_tokens: int) -> dict[s
         "draft": "builtin-draft (llama.cpp)", "workers": ["builtin", "builtin-alt"], "weights": [0.5, 0.5],
         "num_draft_tokens": gamma, "runs": runs, "prompts": prompts, "max_tokens": max_tokens, "cpu_count": os.cpu_count(),
     }
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _print_table(results: dict[str, Any]) -> None:

@@ -11,12 +11,9 @@ Figures are medians; everything runs side by side in one process, one cell after
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +22,7 @@ import torch
 
 from core.math.sampling import SamplingParams, apply_sampling
 from core.protocol import VerifyRequest, VerifyResponse, decode, encode
+from clients.report import progress, write_json
 from clients.procs import WorkerProcess
 from core.runners import ModelRunner, load_runner
 
@@ -41,19 +39,16 @@ def bench_worker(args: argparse.Namespace) -> int:
     repeats = 5 if args.quick else args.repeats
     results: dict[str, Any] = {"model": "builtin", "repeats": repeats, "latency": [], "acceptance": {}}
     for backend in args.backends:
-        _progress(f"[{backend}] loading the built-in model in-process")
+        progress(f"[{backend}] loading the built-in model in-process")
         runner = load_runner("builtin", backend)
         prompt = _chat_ids(runner, PROMPTS[0])
-        _progress(f"[{backend}] starting a real worker on 127.0.0.1")
+        progress(f"[{backend}] starting a real worker on 127.0.0.1")
         with WorkerProcess("builtin", backend) as url:
             results["latency"] += _latency_rows(runner, url, prompt, args.positions, repeats, backend)
         runner.close()
     results["acceptance"] = _acceptance(num_tokens=16 if args.quick else 48)
     _print_tables(results)
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(results, indent=2))
-        _progress(f"wrote {args.json_path}")
+    write_json(args.json_path, results)
     return 0
 
 
@@ -78,7 +73,7 @@ def _latency_rows(runner: ModelRunner, url: str, prompt: list[int], positions: l
                 if name.startswith("http_"):
                     row[f"bytes_up_{name[5:]}"], row[f"bytes_down_{name[5:]}"] = up, down
             rows.append(row)
-            _progress(f"[{backend}] m={m}: in-process {row['in_process_ms']:.1f} ms, HTTP full {row['http_full_ms']:.1f} ms, HTTP k32 {row['http_k32_ms']:.1f} ms")
+            progress(f"[{backend}] m={m}: in-process {row['in_process_ms']:.1f} ms, HTTP full {row['http_full_ms']:.1f} ms, HTTP k32 {row['http_k32_ms']:.1f} ms")
     return rows
 
 
@@ -125,7 +120,7 @@ def _post(client: httpx.Client, req: VerifyRequest, vocab_size: int) -> tuple[in
 
 def _acceptance(num_tokens: int, seed: int = 0) -> dict[str, Any]:
     """α of builtin-draft vs builtin (llama.cpp, T = 1) along target-sampled continuations."""
-    _progress("[acceptance] loading builtin (target) and builtin-draft (draft)")
+    progress("[acceptance] loading builtin (target) and builtin-draft (draft)")
     target, draft = load_runner("builtin", "llama.cpp"), load_runner("builtin-draft", "llama.cpp")
     generator = torch.Generator().manual_seed(seed)
     params = SamplingParams(temperature=1.0)
@@ -136,7 +131,7 @@ def _acceptance(num_tokens: int, seed: int = 0) -> dict[str, Any]:
         prompt_betas = _prompt_betas(target, draft, ids, num_tokens, params, generator)
         per_prompt.append({"prompt": text, "alpha": float(np.mean(prompt_betas))})
         betas += prompt_betas
-        _progress(f"[acceptance] prompt {i + 1}/{len(PROMPTS)}: α = {per_prompt[-1]['alpha']:.3f}")
+        progress(f"[acceptance] prompt {i + 1}/{len(PROMPTS)}: α = {per_prompt[-1]['alpha']:.3f}")
     target.close()
     draft.close()
     return {"temperature": 1.0, "tokens_per_prompt": num_tokens, "alpha": float(np.mean(betas)), "per_prompt": per_prompt}
@@ -164,10 +159,6 @@ def _prompt_betas(target: ModelRunner, draft: ModelRunner, ids: list[int], num_t
 def _chat_ids(runner: ModelRunner, text: str) -> list[int]:
     messages = [{"role": "user", "content": text}]
     return list(runner.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
-
-
-def _progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _print_tables(results: dict[str, Any]) -> None:

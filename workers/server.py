@@ -13,10 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
 
 from core.errors import ContextOverflow, InvalidRequest, ProtocolError, SessionShort, SpecgateError
-from core.names import Mode
 from core.protocol import (
     JSON_CONTENT_TYPE,
     PROTOCOL_VERSION,

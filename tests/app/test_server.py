@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
-import numpy as np
 import orjson
 import pytest
 import torch
