@@ -29,17 +29,18 @@ class Purpose(IntEnum):
 
 def uniform(seed: int, choice: int, position: int, purpose: Purpose, worker: int = 0) -> float:
     """One U[0, 1) number of the stream (seed, choice, purpose, worker) at ``position``."""
-    return float(uniforms(seed, choice, [position], purpose, worker)[0])
+    return _uniform(_stream_key(seed, choice, purpose, worker), position)
 
 
 def uniforms(seed: int, choice: int, positions: list[int], purpose: Purpose, worker: int = 0) -> torch.Tensor:
     """U[0, 1) numbers for several positions of one stream: ``[len(positions)]`` float64."""
     key = _stream_key(seed, choice, purpose, worker)
-    values = []
-    for position in positions:
-        w0, w1, _, _ = philox4x32((position & _MASK32, position >> 32, 0, 0), key)
-        values.append(((w0 | (w1 << 32)) >> 11) * 2.0**-53)  # 53 random bits
-    return torch.tensor(values, dtype=torch.float64)
+    return torch.tensor([_uniform(key, position) for position in positions], dtype=torch.float64)
+
+
+def _uniform(key: tuple[int, int], position: int) -> float:
+    w0, w1, _, _ = philox4x32((position & _MASK32, position >> 32, 0, 0), key)
+    return ((w0 | (w1 << 32)) >> 11) * 2.0**-53  # 53 random bits
 
 
 def _stream_key(seed: int, choice: int, purpose: Purpose, worker: int) -> tuple[int, int]:
@@ -71,8 +72,7 @@ def sample_index(
     if not total > 0:
         raise ValueError("cannot sample from a distribution with no mass")
     index = int(torch.searchsorted(cdf, u * total, right=True))
-    index = min(index, probs.shape[0] - 1)
-    while probs[index] <= 0 and index > 0:  # float edge: never land on a zero-mass entry
-        index -= 1
-    return index
+    if index < probs.shape[0]:
+        return index  # cdf[index] > u·total ≥ cdf[index − 1]: an entry with mass
+    return int((probs > 0).nonzero()[-1, 0])  # u·total rounded up to the total: the last entry with mass
 

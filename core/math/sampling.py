@@ -68,3 +68,17 @@ def mask_top_p(
     drop_sorted = mass_before >= top_p
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def truncate(
+    probs: torch.Tensor,  # [..., V]: a distribution to sparsify (the draft's, TSLT)
+    top_k: int = 0,  # keep the k most likely (0 = off)
+    top_p: float = 1.0,  # keep the smallest nucleus of mass ≥ top_p (1 = off)
+) -> torch.Tensor:  # [..., V] renormalised; its support is what goes on the wire
+    """Draft-side sparsification: the draft samples from this, so lossless stays lossless."""
+    logits = torch.log(probs.double())
+    if 0 < top_k < probs.shape[-1]:
+        logits = mask_top_k(logits, top_k)
+    if top_p < 1:
+        logits = mask_top_p(logits, top_p)
+    return torch.softmax(logits, dim=-1)

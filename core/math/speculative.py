@@ -56,6 +56,19 @@ def beta(
     return torch.minimum(p.double(), q.double()).sum(dim=-1)
 
 
+def count_accepted(
+    p_draft: torch.Tensor,  # [γ]: p_j(x_j)
+    q_draft: torch.Tensor,  # [γ]: q̂_j(x_j)
+    accept_u: torch.Tensor,  # [γ]: r_j ~ U[0, 1)
+) -> int:
+    """Draft tokens kept: x_j is accepted while r_j < min(1, p_j(x_j) / q̂_j(x_j))."""
+    probs = acceptance_probs(p_draft, q_draft)
+    for j in range(len(probs)):
+        if not accept_u[j] < probs[j]:
+            return j
+    return len(probs)
+
+
 def verify_sampled(
     p: torch.Tensor,  # [γ+1, V]: target at each draft position and the bonus position
     q: torch.Tensor,  # [γ, V]: q̂ the draft sampled from
@@ -65,11 +78,10 @@ def verify_sampled(
 ) -> Verdict:
     """Accept x_j while r_j < min(1, p_j(x_j)/q̂_j(x_j)); resample at the first rejection."""
     gamma = len(draft)
-    index = torch.tensor(draft, dtype=torch.long)
-    probs = acceptance_probs(p[:gamma].gather(-1, index[:, None])[:, 0], q.gather(-1, index[:, None])[:, 0])
-    for j in range(gamma):
-        if not accept_u[j] < probs[j]:
-            return Verdict(j, sample_index(residual(p[j], q[j]), float(final_u[j])), is_bonus=False)
+    index = torch.tensor(draft, dtype=torch.long)[:, None]
+    accepted = count_accepted(p[:gamma].gather(-1, index)[:, 0], q.gather(-1, index)[:, 0], accept_u)
+    if accepted < gamma:
+        return Verdict(accepted, sample_index(residual(p[accepted], q[accepted]), float(final_u[accepted])), is_bonus=False)
     return Verdict(gamma, sample_index(p[gamma], float(final_u[gamma])), is_bonus=True)
 
 

@@ -1,0 +1,108 @@
+"""`exact` (DESIGN §3.5): lossless federated verification with sparse payloads.
+
+The draft samples x_j from its truncated q̂_j with support S_j. Worker n sends, per draft
+position, p_n(x) for x ∈ S_j, its complement mass c_n = Σ_{x∉S_j} p_n(x), and one sample
+y_n ~ p_n(· | x ∉ S_j); at the bonus position one sample z_n ~ p_n. From those the gateway
+runs §3.1 for p = Σ_n w_n p_n exactly: the residual is max(0, p − q̂_j) on S_j and p off S_j,
+whose off-S_j part is drawn by picking worker n with probability ∝ w_n c_n and emitting y_n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.math.aggregation import normalise_weights
+from core.math.random import sample_index
+from core.math.speculative import Verdict, acceptance_probs, count_accepted
+
+
+@dataclass(frozen=True)
+class ExactPosition:
+    """What the gateway holds for one draft position j."""
+
+    support: torch.Tensor  # [s] long: S_j, the ids of q̂_j's support
+    q: torch.Tensor  # [s]: q̂_j on S_j (sums to 1)
+    p: torch.Tensor  # [N, s]: p_n on S_j, per worker
+    complement: torch.Tensor  # [N]: c_n = Σ_{x∉S_j} p_n(x), per worker
+    samples: list[int]  # [N]: y_n ~ p_n(· | x ∉ S_j); −1 where c_n = 0
+
+
+def extended_residual(
+    p_mix: torch.Tensor,  # [s]: p(x) = Σ_n w_n p_n(x) on S_j
+    q: torch.Tensor,  # [s]: q̂_j on S_j
+    complement: torch.Tensor,  # [N]: c_n
+    weights: torch.Tensor,  # [N], normalised
+) -> torch.Tensor:  # [s + N] float64, unnormalised
+    """The residual max(0, p − q̂) on S_j, then the off-support mass w_n c_n of each worker.
+    Where that has no mass (p = q̂), p itself on the same extended support."""
+    on_support = torch.clamp(p_mix.double() - q.double(), min=0.0)
+    off_support = weights.double() * complement.double()
+    extended = torch.cat([on_support, off_support])
+    if extended.sum() > 0:
+        return extended
+    return torch.cat([p_mix.double(), off_support])
+
+
+def draw_extended(
+    position: ExactPosition,
+    extended: torch.Tensor,  # [s + N]
+    u: float,  # the residual draw
+) -> int:
+    """A token from the extended residual: an id of S_j, or worker n's complement sample."""
+    index = sample_index(extended, u)
+    size = position.support.shape[0]
+    if index < size:
+        return int(position.support[index])
+    return position.samples[index - size]
+
+
+def verify_exact(
+    positions: list[ExactPosition],  # [γ]
+    draft_index: list[int],  # [γ]: where x_j sits in S_j
+    bonus_samples: list[int],  # [N]: z_n ~ p_n at position γ+1
+    weights: torch.Tensor,  # [N]
+    accept_u: torch.Tensor,  # [γ]
+    residual_u: torch.Tensor,  # [γ]
+    bonus_choice_u: float,  # which worker's z_n is the bonus
+) -> Verdict:
+    w = normalise_weights(weights)
+    p_mix = [w @ pos.p.double() for pos in positions]  # [γ] × [s]
+    p_draft = torch.stack([pm[i] for pm, i in zip(p_mix, draft_index)]) if positions else torch.empty(0)
+    q_draft = torch.stack([pos.q.double()[i] for pos, i in zip(positions, draft_index)]) if positions else torch.empty(0)
+    accepted = count_accepted(p_draft, q_draft, accept_u)
+    if accepted < len(positions):
+        pos = positions[accepted]
+        extended = extended_residual(p_mix[accepted], pos.q, pos.complement, w)
+        return Verdict(accepted, draw_extended(pos, extended, float(residual_u[accepted])), is_bonus=False)
+    chosen = sample_index(w, bonus_choice_u)
+    return Verdict(accepted, bonus_samples[chosen], is_bonus=True)
+
+
+def exact_output_law(
+    p_n: torch.Tensor,  # [N, V]: each worker's T(p_n) at one position
+    weights: torch.Tensor,  # [N]
+    q_hat: torch.Tensor,  # [V]: the truncated draft distribution
+) -> torch.Tensor:  # [V] float64
+    """Closed-form law of the first token of an `exact` round, from the sampler's functions:
+    accepted draft mass, plus the rejection mass spread by the extended residual, whose
+    worker entries emit y_n ~ p_n(· | x ∉ S)."""
+    w = normalise_weights(weights)
+    support = (q_hat > 0).nonzero()[:, 0]
+    outside = torch.ones(q_hat.shape[0], dtype=torch.bool)
+    outside[support] = False
+    p_mix = w @ p_n.double()[:, support]
+    complement = (p_n.double() * outside).sum(dim=-1)
+    q = q_hat.double()[support]
+    kept = torch.zeros(q_hat.shape[0], dtype=torch.float64)
+    kept[support] = q * acceptance_probs(p_mix, q)
+    extended = extended_residual(p_mix, q, complement, w)
+    extended = extended / extended.sum()
+    law = kept.clone()
+    law[support] += (1 - kept.sum()) * extended[: support.shape[0]]
+    for n in range(p_n.shape[0]):
+        if complement[n] > 0:
+            conditional = p_n[n].double() * outside / complement[n]
+            law += (1 - kept.sum()) * extended[support.shape[0] + n] * conditional
+    return law
