@@ -102,7 +102,7 @@ class _Round:
         start = len(self.sequence)
         return list(range(start, start + len(self.draft.tokens) + 1))
 
-    async def call(self, want_probs: bool, want_samples: bool, **wire: object) -> list[VerifyResponse]:
+    async def call(self, **wire: object) -> list[VerifyResponse]:
         """Every worker at once; after it, each holds ``sequence`` + draft."""
         pool, req = self.engine.pool, self.req
         requests = [
@@ -115,7 +115,7 @@ class _Round:
         ]
         try:
             async with asyncio.TaskGroup() as group:  # one failure cancels the other calls
-                tasks = [group.create_task(w.verify(r, self.sequence, want_probs, want_samples)) for w, r in zip(pool.workers, requests)]
+                tasks = [group.create_task(w.verify(r, self.sequence)) for w, r in zip(pool.workers, requests)]
         except BaseExceptionGroup as failures:
             raise _first_worker_error(failures) from None
         results = [t.result() for t in tasks]
@@ -203,7 +203,7 @@ class AutoregressiveMode(_Mode):
         if req.params.is_greedy:
             token, target = await self._greedy(rnd, want_logprobs)
         else:
-            responses = await rnd.call(want_logprobs, True, mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs)
+            responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs)
             u = uniform(req.seed, req.choice, rnd.positions[0], Purpose.WORKER_CHOICE)
             chosen = sample_index(normalise_weights(rnd.engine.weights), u)
             token = int(_array(responses[chosen].samples)[0])
@@ -215,7 +215,7 @@ class AutoregressiveMode(_Mode):
         vocab, single = rnd.engine.vocab_size, len(rnd.engine.pool.workers) == 1
         k: int | None = None if want_logprobs else 1 if single else min(_CERTIFY_K, vocab)
         while True:
-            responses = await rnd.call(True, False, mode=Mode.AUTOREGRESSIVE.value, k=k)
+            responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, k=k)
             if k is None:
                 target = _mixture(responses, rnd.engine)
                 return argmax_lowest(target[:1])[0], target
@@ -235,7 +235,7 @@ class AggregateMode(_Mode):
 
     async def run(self, rnd: _Round) -> RoundResult:
         req, spec, engine = rnd.req, rnd.req.spec, rnd.engine
-        responses = await rnd.call(True, False, mode=Mode.AGGREGATE.value, k=spec.k, reconstruction=spec.reconstruction.value)
+        responses = await rnd.call(mode=Mode.AGGREGATE.value, k=spec.k, reconstruction=spec.reconstruction.value)
         target = _mixture(responses, engine, spec.reconstruction)
         draft = rnd.draft
         if req.params.is_greedy:

@@ -66,7 +66,7 @@ class WorkerClient:
         self.info, self.vocab_size = info, info.vocab_size
         return info
 
-    async def verify(self, req: VerifyRequest, agreed: list[int], want_probs: bool, want_samples: bool) -> tuple[VerifyResponse, Traffic]:
+    async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
         """One verify call; on ``session_short`` resend from what the worker holds (or zero).
 
         ``agreed`` is the whole token sequence the request's prefix is a part of: resending
@@ -76,7 +76,7 @@ class WorkerClient:
         for _ in range(_MAX_RESENDS + 1):
             status, body = await self._post(req, traffic)
             if status == 200:
-                resp = self._parse(body, req, want_probs, want_samples)
+                resp = self._parse(body, req)
                 return resp, traffic
             if status != 409:
                 raise WorkerError(self.name, _error_message(status, body))
@@ -104,10 +104,10 @@ class WorkerClient:
             t.calls += 1
         return resp.status_code, resp.content
 
-    def _parse(self, body: bytes, req: VerifyRequest, want_probs: bool, want_samples: bool) -> VerifyResponse:
+    def _parse(self, body: bytes, req: VerifyRequest) -> VerifyResponse:
         try:
             resp = decode(VerifyResponse, body, BINARY_CONTENT_TYPE)
-            check_verify_response(resp, self.vocab_size, len(req.draft) + 1, want_probs, want_samples)
+            check_verify_response(resp, req, self.vocab_size)
         except ProtocolError as exc:
             raise WorkerError(self.name, f"answered garbage: {exc}") from exc
         return resp
@@ -119,7 +119,7 @@ def _resend(req: VerifyRequest, agreed: list[int], prefix: int) -> VerifyRequest
         req.session_id, agreed[:prefix], agreed[prefix:held_until], req.draft.tolist(),
         temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, k=req.k, probs_dtype=req.probs_dtype,
         mode=req.mode, reconstruction=req.reconstruction, seed=req.seed, choice=req.choice, worker=req.worker,
-        return_probs=req.return_probs,
+        return_probs=req.return_probs, draft_probs=req.draft_probs, support_ids=req.support_ids, support_sizes=req.support_sizes,
     )
 
 

@@ -48,7 +48,7 @@ _DTYPES: dict[str, np.dtype] = {
     "f32": np.dtype("<f4"),
 }
 _MAX_HEADER_BYTES = 64 * 1024
-SERVED_MODES = (Mode.AGGREGATE.value, Mode.AUTOREGRESSIVE.value)
+SERVED_MODES = (Mode.AGGREGATE.value, Mode.AUTOREGRESSIVE.value, Mode.SPLIT.value, Mode.EXACT.value)
 RECONSTRUCTIONS = tuple(r.value for r in Reconstruction)
 _MAX_NDIM = 2
 
@@ -116,9 +116,19 @@ class VerifyRequest(Message):
     - ``autoregressive`` (γ = 0): at T > 0 one token z_n ~ T(p_n) drawn from the stream
       (seed, choice, position, WORKER_SAMPLE, worker); at T = 0 the top-k of softmax(l_n)
       for the gateway's certification. ``return_probs`` adds the distribution to a sample.
+    - ``split`` (DSSD): the worker runs the accept test with ``draft_probs`` and its own
+      stream, and returns the number accepted and the bonus token, or T(p) at the first
+      rejected position (full or top-k);
+    - ``exact``: per draft position, p_n on the draft's support S_j, the complement mass
+      c_n and one complement sample y_n ~ p_n(· | x ∉ S_j); and a bonus sample z_n ~ p_n.
+      At T = 0 it answers like ``aggregate`` (top-k, for certification).
+
+    Positions are absolute: the token decided at slot j has index prefix_len + num_new + j.
     """
 
-    ARRAYS: ClassVar[dict[str, str]] = {"tokens": "ids", "draft": "ids"}
+    ARRAYS: ClassVar[dict[str, str]] = {
+        "tokens": "ids", "draft": "ids", "draft_probs": "f32", "support_ids": "ids", "support_sizes": "i32"
+    }
 
     session_id: str  # the gateway's id of this session (request, choice, worker)
     prefix_len: int  # tokens, ≥ 0: the agreed prefix the worker must already hold
@@ -136,6 +146,9 @@ class VerifyRequest(Message):
     choice: int = 0  # the choice index (of n) this session generates
     worker: int = 0  # this worker's index in the gateway's federation
     return_probs: bool = True  # autoregressive at T > 0: also send the distribution
+    draft_probs: np.ndarray | None = None  # [γ] f32, split: q̂_j(x_j) of each draft token
+    support_ids: np.ndarray | None = None  # [Σ_j s_j] int, exact: S_j of every draft position, concatenated
+    support_sizes: np.ndarray | None = None  # [γ] i32, exact: s_j = |S_j|
 
     @classmethod
     def after(cls, session_id: str, agreed: list[int], tokens: list[int], draft: list[int], **params: Any) -> VerifyRequest:
@@ -158,7 +171,8 @@ class VerifyResponse(Message):
     """The worker's answer at the γ+1 scored positions, compressed as asked."""
 
     ARRAYS: ClassVar[dict[str, str]] = {
-        "ids": "ids", "probs": "probs", "tail_mass": "f32", "recon_error": "f32", "samples": "i32"
+        "ids": "ids", "probs": "probs", "tail_mass": "f32", "recon_error": "f32", "samples": "i32",
+        "support_probs": "f32", "complement": "f32", "complement_samples": "i32",
     }
 
     held: int  # tokens the worker holds after the call: prefix_len + num_new + γ
@@ -167,6 +181,11 @@ class VerifyResponse(Message):
     ids: np.ndarray | None = None  # [γ+1, k] int: token ids of ``probs``, by falling prob
     recon_error: np.ndarray | None = None  # [γ+1] f32: e_n = TV(p̂_n, p_n) for the asked reconstruction
     samples: np.ndarray | None = None  # [γ+1] i32: z_n ~ T(p_n) (autoregressive, T > 0)
+    num_accepted: int = -1  # split: draft tokens the worker accepted; -1 in other modes
+    bonus: int = -1  # split: the bonus token when all were accepted; exact: z_n ~ p_n at slot γ
+    support_probs: np.ndarray | None = None  # [Σ_j s_j] f32, exact: p_n on each S_j, as sent
+    complement: np.ndarray | None = None  # [γ] f32, exact: c_n = Σ_{x∉S_j} p_n(x), summed directly
+    complement_samples: np.ndarray | None = None  # [γ] i32, exact: y_n ~ p_n(· | x ∉ S_j); −1 if c_n = 0
     probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of ``probs``
     model_ms: float = 0.0  # milliseconds the worker spent in its model for this call
 
@@ -421,18 +440,72 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         raise InvalidRequest(f"reconstruction must be one of {list(RECONSTRUCTIONS)}", param="reconstruction")
     if not 0 <= req.seed < 2**63 or req.choice < 0 or req.worker < 0:
         raise InvalidRequest("seed must lie in [0, 2**63); choice and worker must be ≥ 0", param="seed")
+    if req.mode == Mode.SPLIT.value:
+        _check_draft_probs(req)
+    if req.mode == Mode.EXACT.value and req.temperature > 0:
+        _check_supports(req, vocab_size)
 
 
-def check_verify_response(
-    resp: VerifyResponse, vocab_size: int, num_positions: int, want_probs: bool, want_samples: bool
-) -> None:
-    """Raise ProtocolError unless ``resp`` is a well-formed answer for ``num_positions``."""
-    if want_probs:
-        _check_probs(resp, vocab_size, num_positions)
-    if want_samples:
-        if resp.samples is None or resp.samples.shape != (num_positions,):
-            raise ProtocolError(f"samples missing or of the wrong shape, expected {(num_positions,)}")
+def _check_draft_probs(req: VerifyRequest) -> None:
+    probs = req.draft_probs
+    if probs is None or probs.shape != req.draft.shape:
+        raise InvalidRequest("split needs draft_probs, one per draft token", param="draft_probs")
+    if probs.size and (not np.all(np.isfinite(probs)) or probs.min() <= 0 or probs.max() > 1 + 1e-6):
+        raise InvalidRequest("draft_probs must lie in (0, 1]: each is q̂_j of a token drawn from q̂_j", param="draft_probs")
+
+
+def _check_supports(req: VerifyRequest, vocab_size: int) -> None:
+    ids, sizes = req.support_ids, req.support_sizes
+    if ids is None or sizes is None or sizes.shape != req.draft.shape or ids.ndim != 1:
+        raise InvalidRequest("exact needs support_ids and support_sizes, one support per draft token", param="support_ids")
+    if sizes.size and sizes.min() < 1 or int(sizes.sum()) != ids.size:
+        raise InvalidRequest("support_sizes must be ≥ 1 and add up to len(support_ids)", param="support_sizes")
+    check_ids(ids, vocab_size, "support_ids")
+    for j, support in enumerate(np.split(ids, np.cumsum(sizes)[:-1]) if sizes.size else []):
+        if len(np.unique(support)) != len(support) or req.draft[j] not in support:
+            raise InvalidRequest(f"support {j} must hold distinct ids, the draft token among them", param="support_ids")
+
+
+def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    """Raise ProtocolError unless ``resp`` is a well-formed answer to ``req``."""
+    gamma, sampled = len(req.draft), req.temperature > 0
+    if req.mode == Mode.AUTOREGRESSIVE.value and sampled:
+        if resp.samples is None or resp.samples.shape != (1,):
+            raise ProtocolError("samples missing or of the wrong shape, expected (1,)")
         check_ids(np.asarray(resp.samples), vocab_size, "samples")
+        if req.return_probs:
+            _check_probs(resp, vocab_size, 1)
+    elif req.mode == Mode.SPLIT.value:
+        _check_split(resp, vocab_size, gamma)
+    elif req.mode == Mode.EXACT.value and sampled:
+        _check_exact(resp, req, vocab_size)
+    else:
+        _check_probs(resp, vocab_size, gamma + 1)
+
+
+def _check_split(resp: VerifyResponse, vocab_size: int, gamma: int) -> None:
+    if not 0 <= resp.num_accepted <= gamma:
+        raise ProtocolError(f"num_accepted {resp.num_accepted} outside [0, {gamma}]")
+    if resp.num_accepted == gamma:
+        check_ids(np.array([resp.bonus]), vocab_size, "bonus")
+    else:
+        _check_probs(resp, vocab_size, 1)
+
+
+def _check_exact(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    gamma = len(req.draft)
+    size = int(np.asarray(req.support_sizes).sum()) if gamma else 0
+    probs, mass, samples = resp.support_probs, resp.complement, resp.complement_samples
+    if probs is None or mass is None or samples is None:
+        raise ProtocolError("exact answers need support_probs, complement and complement_samples")
+    if probs.shape != (size,) or mass.shape != (gamma,) or samples.shape != (gamma,):
+        raise ProtocolError(f"exact arrays of shapes {probs.shape}, {mass.shape}, {samples.shape}; expected ({size},), ({gamma},), ({gamma},)")
+    for name, arr in (("support_probs", probs), ("complement", mass)):
+        if not np.all(np.isfinite(arr)) or arr.min(initial=0) < 0 or arr.max(initial=0) > 1 + 1e-3:
+            raise ProtocolError(f"{name}: values must be finite probabilities in [0, 1]")
+    if np.any((samples < 0) & (mass > 0)) or samples.max(initial=-1) >= vocab_size or samples.min(initial=-1) < -1:
+        raise ProtocolError("complement_samples must be token ids, −1 only where the complement is empty")
+    check_ids(np.array([resp.bonus]), vocab_size, "bonus")
 
 
 def _check_probs(resp: VerifyResponse, vocab_size: int, num_positions: int) -> None:

@@ -9,7 +9,7 @@ from app.draft import Draft, DraftModel
 from app.engine import Engine
 from app.pool import Traffic
 from core.math.sampling import SamplingParams
-from core.protocol import VerifyRequest, VerifyResponse
+from core.protocol import VerifyRequest, VerifyResponse, check_verify_response
 from core.runners.base import ModelRunner, RunnerInfo
 from workers.server import WorkerState
 from workers.settings import WorkerSettings
@@ -58,9 +58,11 @@ class FakeWorker:
         self.state = WorkerState.build(WorkerSettings(model=name, max_sessions=10_000), runner)
         self.calls: list[VerifyRequest] = []
 
-    async def verify(self, req: VerifyRequest, agreed: list[int], want_probs: bool, want_samples: bool) -> tuple[VerifyResponse, Traffic]:
+    async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
         self.calls.append(req)
-        return self.state.verify(req), Traffic(sent=1, received=1, calls=1)
+        resp = self.state.verify(req)
+        check_verify_response(resp, req, self.state.runner.info.vocab_size)
+        return resp, Traffic(sent=1, received=1, calls=1)
 
     async def delete_session(self, session_id: str) -> None:
         self.state.sessions.free(session_id)

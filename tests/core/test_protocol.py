@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from dataclasses import replace
 
 import numpy as np
 import orjson
@@ -206,6 +207,12 @@ def _req(**overrides: object) -> VerifyRequest:
         ({"mode": "autoregressive"}, "draft"),
         ({"reconstruction": "guess"}, "reconstruction"),
         ({"seed": -1}, "seed"),
+        ({"mode": "split"}, "draft_probs"),
+        ({"mode": "split", "draft_probs": np.array([0.0], np.float32)}, "draft_probs"),
+        ({"mode": "exact"}, "support_ids"),
+        ({"mode": "exact", "support_ids": np.array([4, 5]), "support_sizes": np.array([2], np.int32)}, "support_ids"),
+        ({"mode": "exact", "support_ids": np.array([3, 3]), "support_sizes": np.array([2], np.int32)}, "support_ids"),
+        ({"mode": "exact", "support_ids": np.array([3]), "support_sizes": np.array([2], np.int32)}, "support_sizes"),
     ],
 )
 def test_out_of_range_requests_name_the_field(overrides: dict[str, object], param: str) -> None:
@@ -215,8 +222,10 @@ def test_out_of_range_requests_name_the_field(overrides: dict[str, object], para
 
 
 def test_response_check_rejects_garbage() -> None:
+    two = VerifyRequest.after("s", [], [1], [2], temperature=0.0)  # aggregate, 2 positions
+    three = VerifyRequest.after("s", [], [1], [2, 3])
     good = VerifyResponse(1, np.full((2, 2), 0.5, np.float32), np.zeros(2, np.float32), np.array([[0, 1], [2, 3]]))
-    check_verify_response(good, VOCAB_SMALL, 2, want_probs=True, want_samples=False)
+    check_verify_response(good, two, VOCAB_SMALL)
     for bad in (
         VerifyResponse(1, np.full((2, 2), np.nan, np.float32), np.zeros(2, np.float32), good.ids),
         VerifyResponse(1, np.full((2, 2), -0.1, np.float32), np.zeros(2, np.float32), good.ids),
@@ -226,14 +235,37 @@ def test_response_check_rejects_garbage() -> None:
         VerifyResponse(1, None, None),
     ):
         with pytest.raises(ProtocolError):
-            check_verify_response(bad, VOCAB_SMALL, 2, want_probs=True, want_samples=False)
+            check_verify_response(bad, two, VOCAB_SMALL)
     with pytest.raises(ProtocolError, match="shape"):
-        check_verify_response(good, VOCAB_SMALL, 3, want_probs=True, want_samples=False)
-    sampled = VerifyResponse(1, samples=np.array([7], np.int32))
-    check_verify_response(sampled, VOCAB_SMALL, 1, want_probs=False, want_samples=True)
+        check_verify_response(good, three, VOCAB_SMALL)
+
+
+def test_sample_check() -> None:
+    req = VerifyRequest.after("s", [], [1], [], mode="autoregressive", return_probs=False)
+    check_verify_response(VerifyResponse(1, samples=np.array([7], np.int32)), req, VOCAB_SMALL)
     for samples in (None, np.array([VOCAB_SMALL], np.int32), np.array([-1], np.int32), np.array([1, 2], np.int32)):
         with pytest.raises(ProtocolError):
-            check_verify_response(VerifyResponse(1, samples=samples), VOCAB_SMALL, 1, want_probs=False, want_samples=True)
+            check_verify_response(VerifyResponse(1, samples=samples), req, VOCAB_SMALL)
+
+
+def test_split_and_exact_checks() -> None:
+    split = VerifyRequest.after("s", [], [1], [2, 3], mode="split", draft_probs=np.array([0.5, 0.5], np.float32))
+    check_verify_response(VerifyResponse(3, num_accepted=2, bonus=9), split, VOCAB_SMALL)
+    check_verify_response(VerifyResponse(3, probs=np.full((1, 2), 0.5, np.float32), tail_mass=np.zeros(1, np.float32), ids=np.array([[4, 5]]), num_accepted=1), split, VOCAB_SMALL)
+    for bad in (VerifyResponse(3, num_accepted=3), VerifyResponse(3, num_accepted=2, bonus=VOCAB_SMALL), VerifyResponse(3, num_accepted=0)):
+        with pytest.raises(ProtocolError):
+            check_verify_response(bad, split, VOCAB_SMALL)
+    exact = VerifyRequest.after("s", [], [1], [2], mode="exact", support_ids=np.array([2, 4]), support_sizes=np.array([2], np.int32))
+    good = VerifyResponse(3, support_probs=np.array([0.3, 0.2], np.float32), complement=np.array([0.5], np.float32), complement_samples=np.array([7], np.int32), bonus=1)
+    check_verify_response(good, exact, VOCAB_SMALL)
+    for bad in (
+        replace(good, support_probs=np.array([0.3], np.float32)),
+        replace(good, complement_samples=np.array([-1], np.int32)),
+        replace(good, bonus=-1),
+        replace(good, complement=np.array([np.inf], np.float32)),
+    ):
+        with pytest.raises(ProtocolError):
+            check_verify_response(bad, exact, VOCAB_SMALL)
 
 
 @settings(max_examples=50)
