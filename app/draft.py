@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from core.math.random import Purpose, sample_index, uniforms
-from core.math.sampling import SamplingParams, apply_sampling
+from core.math.sampling import SamplingParams, apply_sampling, truncate
 from core.runners import ModelRunner
 from core.runners.base import common_prefix
 
@@ -32,16 +32,17 @@ class DraftModel:
     def vocab_size(self) -> int:
         return self.runner.info.vocab_size
 
-    async def propose(self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int) -> Draft:
-        """Draft ``gamma`` tokens after ``sequence`` (the agreed tokens of the session)."""
+    async def propose(self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int, truncation: tuple[int, float] = (0, 1.0)) -> Draft:
+        """Draft ``gamma`` tokens after ``sequence`` (the agreed tokens of the session);
+        ``truncation`` = (draft_top_k, draft_top_p) sparsifies q̂ (TSLT), losslessly."""
         async with self._lock:
-            return await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice)
+            return await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice, truncation)
 
     async def free(self, session_id: str) -> None:
         async with self._lock:
             await asyncio.to_thread(self.runner.free, session_id)
 
-    def _propose(self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int) -> Draft:
+    def _propose(self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int, truncation: tuple[int, float] = (0, 1.0)) -> Draft:
         held = self.runner.tokens(session_id)
         common = common_prefix(held, sequence)
         self.runner.crop(session_id, common)
@@ -50,6 +51,8 @@ class DraftModel:
         tokens, rows = [], []
         for j in range(gamma):
             q = apply_sampling(logits[None], params)[0]
+            if not params.is_greedy and truncation != (0, 1.0):
+                q = truncate(q, *truncation)
             token = int(torch.argmax(q)) if params.is_greedy else sample_index(q, float(draws[j]))
             tokens.append(token)
             rows.append(q)

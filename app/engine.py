@@ -22,7 +22,8 @@ from core.math.aggregation import aggregate, bias_bound, normalise_weights, reco
 from core.math.greedy import certify_argmax
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import SamplingParams
-from core.math.speculative import argmax_lowest, verify_greedy, verify_sampled
+from core.math.exact import ExactPosition, verify_exact
+from core.math.speculative import argmax_lowest, residual, verify_greedy, verify_sampled
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
 
@@ -39,16 +40,26 @@ class SpecOptions:
     num_draft_tokens: int
     k: int | None  # None = full distributions
     reconstruction: Reconstruction
+    draft_top_k: int = 0  # TSLT draft truncation: keep the k most likely draft tokens (0 = off)
+    draft_top_p: float = 1.0  # ... or the smallest nucleus of mass ≥ draft_top_p (1 = off)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
             raise ValueError("num_draft_tokens must be ≥ 1")
         if self.k is not None and self.k < 1:
             raise ValueError("k must be ≥ 1 or None (full)")
+        if self.draft_top_k < 0 or not 0 < self.draft_top_p <= 1:
+            raise ValueError("draft_top_k must be ≥ 0 and draft_top_p in (0, 1]")
+        if self.mode is Mode.EXACT and self.draft_top_k == 0 and self.draft_top_p == 1:
+            raise ValueError("exact needs draft truncation (draft_top_k or draft_top_p)")
 
     @property
     def is_lossless(self) -> bool:
-        return self.mode is Mode.AUTOREGRESSIVE or self.k is None
+        return self.mode in (Mode.AUTOREGRESSIVE, Mode.EXACT) or self.k is None
+
+    @property
+    def truncation(self) -> tuple[int, float]:
+        return self.draft_top_k, self.draft_top_p
 
 
 @dataclass(frozen=True)
@@ -163,7 +174,7 @@ class Engine:
     async def _draft(self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest) -> Draft:
         if gamma <= 0:
             return Draft([], torch.empty(0, self.vocab_size))
-        return await self.draft.propose(session_id, sequence, gamma, req.params, req.seed, req.choice)
+        return await self.draft.propose(session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation)
 
     def _finish(self, result: RoundResult, generated: int, req: GenerationRequest, length: int) -> str | None:
         for i, token in enumerate(result.tokens):
@@ -221,7 +232,7 @@ class AutoregressiveMode(_Mode):
                 return argmax_lowest(target[:1])[0], target
             if single:  # its top-1, ties to the lowest id, is the argmax
                 return int(_array(responses[0].ids)[0, 0]), None
-            ids = [_first_ids(r, vocab) for r in responses]
+            ids = [_row_ids(r, 0, vocab) for r in responses]
             probs = [torch.tensor(_array(r.probs)[0]) for r in responses]
             token = certify_argmax(ids, probs, rnd.engine.weights, vocab)
             if token is not None:
@@ -252,6 +263,83 @@ class AggregateMode(_Mode):
             result.bound = bias_bound(sigma, engine.weights).tolist()
             result.error = bias_bound(error, engine.weights).tolist()
         return result
+
+
+class SplitMode(_Mode):
+    """DSSD (DESIGN §3.4), one worker: it runs the accept test with q̂_j(x_j) and its own
+    stream; the gateway draws the recovered token from norm(max(0, p − q̂)) with its own q̂."""
+
+    async def run(self, rnd: _Round) -> RoundResult:
+        req, spec, engine, draft = rnd.req, rnd.req.spec, rnd.engine, rnd.draft
+        gamma = len(draft.tokens)
+        q_draft = np.array([float(draft.probs[j, x]) for j, x in enumerate(draft.tokens)], dtype=np.float32)
+        resp = (await rnd.call(mode=Mode.SPLIT.value, k=spec.k, draft_probs=q_draft))[0]
+        accepted, result_bound = resp.num_accepted, []
+        if accepted == gamma or req.params.is_greedy:
+            token = resp.bonus
+        else:
+            p_row = _mixture([resp], engine)[0]
+            u = uniform(req.seed, req.choice, rnd.positions[accepted], Purpose.RESIDUAL)
+            token = sample_index(residual(p_row, draft.probs[accepted]), u)
+            result_bound = [float(_array(resp.tail_mass)[0])] if spec.k is not None else []
+        tokens = [*draft.tokens[:accepted], token]
+        result = RoundResult(tokens, drafted=gamma, accepted=accepted, traffic=rnd.traffic)
+        if not spec.is_lossless:
+            result.bound = result_bound + [0.0] * (len(tokens) - len(result_bound))
+            result.error = list(result.bound)  # renormalize: e = σ at the one position sent
+        return result
+
+
+class ExactMode(_Mode):
+    """Lossless federated verification with sparse payloads (DESIGN §3.5): each worker sends
+    p_n on the draft supports, the mass off them, one sample from off them, one bonus sample."""
+
+    async def run(self, rnd: _Round) -> RoundResult:
+        if rnd.req.params.is_greedy:
+            return await _certified_greedy(rnd)
+        req, engine, draft = rnd.req, rnd.engine, rnd.draft
+        supports = [row.nonzero()[:, 0] for row in draft.probs]
+        ids = torch.cat(supports).numpy() if supports else np.zeros(0, np.int64)
+        sizes = np.array([len(s) for s in supports], dtype=np.int32)
+        responses = await rnd.call(mode=Mode.EXACT.value, support_ids=ids, support_sizes=sizes)
+        positions = _exact_positions(responses, supports, draft)
+        draft_index = [int((s == x).nonzero()[0, 0]) for s, x in zip(supports, draft.tokens)]
+        accept_u, final_u = _round_uniforms(rnd)
+        choice_u = uniform(req.seed, req.choice, rnd.positions[-1], Purpose.WORKER_CHOICE)
+        verdict = verify_exact(positions, draft_index, [r.bonus for r in responses], engine.weights, accept_u, final_u[:-1], choice_u)
+        return RoundResult(verdict.output(draft.tokens), drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic)
+
+
+def _exact_positions(responses: list[VerifyResponse], supports: list[torch.Tensor], draft: Draft) -> list[ExactPosition]:
+    bounds = np.cumsum([0] + [len(s) for s in supports])
+    positions = []
+    for j, support in enumerate(supports):
+        p = torch.stack([torch.tensor(_array(r.support_probs)[bounds[j] : bounds[j + 1]], dtype=torch.float64) for r in responses])
+        complement = torch.tensor([float(_array(r.complement)[j]) for r in responses], dtype=torch.float64)
+        samples = [int(_array(r.complement_samples)[j]) for r in responses]
+        positions.append(ExactPosition(support, draft.probs[j][support].double(), p, complement, samples))
+    return positions
+
+
+async def _certified_greedy(rnd: _Round) -> RoundResult:
+    """T = 0 over top-k payloads: accept while x_j is the certified argmax of the mixture;
+    a position that cannot be certified is asked again with a larger k."""
+    engine, draft = rnd.engine, rnd.draft
+    k: int | None = min(_CERTIFY_K, engine.vocab_size)
+    while True:
+        responses = await rnd.call(mode=Mode.EXACT.value, k=k)
+        targets: list[int | None] = []
+        for j in range(len(draft.tokens) + 1):
+            ids = [_row_ids(r, j, engine.vocab_size) for r in responses]
+            probs = [torch.tensor(_array(r.probs)[j]) for r in responses]
+            targets.append(certify_argmax(ids, probs, engine.weights, engine.vocab_size))
+            if targets[-1] is None or j == len(draft.tokens) or targets[-1] != draft.tokens[j]:
+                break
+        if targets[-1] is not None:
+            accepted = len(targets) - 1
+            tokens = [*draft.tokens[:accepted], int(targets[-1])]
+            return RoundResult(tokens, drafted=len(draft.tokens), accepted=accepted, traffic=rnd.traffic)
+        k = None if k is None or k * 8 >= engine.vocab_size else k * 8
 
 
 def _round_uniforms(rnd: _Round) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,11 +385,11 @@ def _first_worker_error(failures: BaseExceptionGroup) -> BaseException:
     return (errors or failures).exceptions[0]
 
 
-def _first_ids(resp: VerifyResponse, vocab_size: int) -> torch.Tensor:
-    """The ids of the first position's probabilities (all of V when sent in full)."""
+def _row_ids(resp: VerifyResponse, row: int, vocab_size: int) -> torch.Tensor:
+    """The ids of one position's probabilities (all of V when sent in full)."""
     if resp.ids is None:
         return torch.arange(vocab_size)
-    return torch.from_numpy(np.array(resp.ids[0], dtype=np.int64))
+    return torch.from_numpy(np.array(resp.ids[row], dtype=np.int64))
 
 
 def _array(value: np.ndarray | None) -> np.ndarray:
@@ -309,4 +397,9 @@ def _array(value: np.ndarray | None) -> np.ndarray:
     return value
 
 
-_MODES: dict[Mode, _Mode] = {Mode.AUTOREGRESSIVE: AutoregressiveMode(), Mode.AGGREGATE: AggregateMode()}
+_MODES: dict[Mode, _Mode] = {
+    Mode.AUTOREGRESSIVE: AutoregressiveMode(),
+    Mode.AGGREGATE: AggregateMode(),
+    Mode.SPLIT: SplitMode(),
+    Mode.EXACT: ExactMode(),
+}

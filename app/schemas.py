@@ -25,6 +25,8 @@ class SpeculativeParams(BaseModel):
     num_draft_tokens: int | None = Field(default=None, ge=1, le=32)
     k: int | Literal["full"] | None = None
     reconstruction: Reconstruction | None = None
+    draft_top_k: int | None = Field(default=None, ge=0, le=256)
+    draft_top_p: float | None = Field(default=None, gt=0, le=1)
 
     @field_validator("k")
     @classmethod

@@ -42,8 +42,11 @@ class ApiError(Exception):
 # which fields of the ``speculative`` object each mode accepts (DESIGN §3)
 _MODE_FIELDS = {
     Mode.AUTOREGRESSIVE: {"mode"},
-    Mode.AGGREGATE: {"mode", "num_draft_tokens", "k", "reconstruction"},
+    Mode.AGGREGATE: {"mode", "num_draft_tokens", "k", "reconstruction", "draft_top_k", "draft_top_p"},
+    Mode.SPLIT: {"mode", "num_draft_tokens", "k", "draft_top_k", "draft_top_p"},
+    Mode.EXACT: {"mode", "num_draft_tokens", "draft_top_k", "draft_top_p"},
 }
+_EXACT_DRAFT_TOP_K = 32  # exact needs a truncated draft (DESIGN §3.5)
 
 
 @dataclass
@@ -85,6 +88,8 @@ class Usage:
             "bytes_to_workers": self.bytes_sent,
             "bytes_from_workers": self.bytes_received,
             "lossless": spec.is_lossless,
+            "draft_top_k": spec.draft_top_k or None,
+            "draft_top_p": spec.draft_top_p if spec.draft_top_p < 1 else None,
             "logprobs_source": "target" if spec.is_lossless else "reconstruction",
         }
         if not spec.is_lossless:
@@ -216,12 +221,20 @@ class Gateway:
         extra = sorted(set(given) - _MODE_FIELDS[mode])
         if extra:
             raise ApiError(400, f"mode {mode.value!r} does not take {extra}", f"speculative.{extra[0]}")
+        if mode is Mode.SPLIT and len(self.pool.workers) != 1:
+            raise ApiError(400, f"split verifies on one worker; this gateway has {len(self.pool.workers)}", "speculative.mode")
         k = given.get("k", base.k)
+        top_k = given.get("draft_top_k", base.draft_top_k)
+        top_p = given.get("draft_top_p", base.draft_top_p)
+        if mode is Mode.EXACT and not top_k and (top_p is None or top_p == 1):
+            top_k = _EXACT_DRAFT_TOP_K
         return SpecOptions(
             mode=mode,
             num_draft_tokens=given.get("num_draft_tokens", base.num_draft_tokens),
-            k=None if k == "full" else k,
+            k=None if k == "full" or mode is Mode.EXACT else k,
             reconstruction=given.get("reconstruction", base.reconstruction),
+            draft_top_k=top_k or 0,
+            draft_top_p=1.0 if top_p is None else top_p,
         )
 
     # ----------------------------------------------------------------- running

@@ -28,7 +28,7 @@ from core.errors import ConfigError
 from core.names import Backend, Mode, Reconstruction
 
 FIRST_LOCAL_PORT = 8101
-SERVED_MODES = (Mode.AUTOREGRESSIVE, Mode.AGGREGATE)  # what the gateway runs today
+SERVED_MODES = (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT)  # tree, pipeline: later
 
 
 class DraftConfig(BaseModel):
@@ -49,6 +49,8 @@ class SpeculativeConfig(BaseModel):
     num_draft_tokens: int = Field(default=4, ge=1, le=32)  # γ
     k: int | None = None  # top-k per position on the wire; None ("full") = whole distributions
     reconstruction: Reconstruction = Reconstruction.RENORMALIZE
+    draft_top_k: int | None = Field(default=None, ge=0)  # TSLT draft truncation; exact defaults to 32
+    draft_top_p: float | None = Field(default=None, gt=0, le=1)
 
     @field_validator("k", mode="before")
     @classmethod

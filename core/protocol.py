@@ -476,17 +476,17 @@ def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: 
         if req.return_probs:
             _check_probs(resp, vocab_size, 1)
     elif req.mode == Mode.SPLIT.value:
-        _check_split(resp, vocab_size, gamma)
+        _check_split(resp, vocab_size, gamma, greedy=not sampled)
     elif req.mode == Mode.EXACT.value and sampled:
         _check_exact(resp, req, vocab_size)
     else:
         _check_probs(resp, vocab_size, gamma + 1)
 
 
-def _check_split(resp: VerifyResponse, vocab_size: int, gamma: int) -> None:
+def _check_split(resp: VerifyResponse, vocab_size: int, gamma: int, greedy: bool) -> None:
     if not 0 <= resp.num_accepted <= gamma:
         raise ProtocolError(f"num_accepted {resp.num_accepted} outside [0, {gamma}]")
-    if resp.num_accepted == gamma:
+    if resp.num_accepted == gamma or greedy:
         check_ids(np.array([resp.bonus]), vocab_size, "bonus")
     else:
         _check_probs(resp, vocab_size, 1)

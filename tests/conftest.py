@@ -5,8 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from core.runners import ModelRunner, load_runner
+
+# The statistical tests run many tiny tensor ops: one thread avoids the pool's overhead, and
+# leaves the other core to the servers the integration tests start.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

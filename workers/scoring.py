@@ -12,7 +12,7 @@ import torch
 from core.math.aggregation import reconstruct, tv_distance
 from core.math.compression import compress_top_k
 from core.math.random import Purpose, sample_index, uniform, uniforms
-from core.math.speculative import count_accepted
+from core.math.speculative import count_accepted, verify_greedy
 from core.math.sampling import SamplingParams, apply_sampling
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
@@ -58,6 +58,9 @@ def _split(
 ) -> VerifyResponse:
     """DSSD's worker half: the accept test with its own stream; the bonus, or p at the rejection."""
     gamma, base = len(req.draft), _first_position(req)
+    if req.temperature == 0:  # greedy: accept while x_j is the argmax, then emit the argmax
+        verdict = verify_greedy(probs, req.draft.tolist())
+        return VerifyResponse(held=held, num_accepted=verdict.num_accepted, bonus=verdict.token, model_ms=model_ms)
     draft = torch.from_numpy(req.draft.astype(np.int64))
     accept_u = uniforms(req.seed, req.choice, list(range(base, base + gamma)), Purpose.ACCEPT, req.worker)
     q_draft = torch.from_numpy(np.asarray(req.draft_probs, dtype=np.float64))

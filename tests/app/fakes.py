@@ -84,8 +84,8 @@ class FakePool:
 class InlineDraftModel(DraftModel):
     """The real DraftModel, minus the thread hop (a Markov draft costs microseconds)."""
 
-    async def propose(self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int) -> Draft:
-        return self._propose(session_id, sequence, gamma, params, seed, choice)
+    async def propose(self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int, truncation: tuple[int, float] = (0, 1.0)) -> Draft:
+        return self._propose(session_id, sequence, gamma, params, seed, choice, truncation)
 
     async def free(self, session_id: str) -> None:
         self.runner.free(session_id)

@@ -13,7 +13,7 @@ import torch
 from scipy import stats
 
 from app.engine import Engine, GenerationRequest, SpecOptions
-from core.math.sampling import SamplingParams
+from core.math.sampling import SamplingParams, truncate
 from core.math import speculative
 from core.names import Mode, Reconstruction
 from tests.app.fakes import MarkovRunner, make_engine, random_table
@@ -28,8 +28,10 @@ TARGETS = [MarkovRunner(random_table(V, 200 + i), name=f"t{i}") for i in range(3
 WEIGHTS_3 = [0.5, 0.3, 0.2]
 
 
-def _spec(mode: Mode, gamma: int = 3, k: int | None = None) -> SpecOptions:
-    return SpecOptions(mode=mode, num_draft_tokens=gamma, k=k, reconstruction=Reconstruction.RENORMALIZE)
+def _spec(mode: Mode, gamma: int = 3, k: int | None = None, draft_top_k: int = 0, draft_top_p: float = 1.0) -> SpecOptions:
+    if mode is Mode.EXACT and not draft_top_k and draft_top_p == 1:
+        draft_top_k = 3
+    return SpecOptions(mode, gamma, k, Reconstruction.RENORMALIZE, draft_top_k, draft_top_p)
 
 
 def _request(seed: int, spec: SpecOptions, max_tokens: int = 2, temperature: float = 1.0, choice: int = 0) -> GenerationRequest:
@@ -72,6 +74,8 @@ def _chi_square(engine: Engine, spec: SpecOptions, joint: torch.Tensor, num: int
 
 
 CASES = {
+    "split, full p": (Mode.SPLIT, [(TARGETS[0], 1.0)]),
+    "exact, 3 weighted workers, draft top-3": (Mode.EXACT, list(zip(TARGETS, WEIGHTS_3))),
     "autoregressive, 1 worker": (Mode.AUTOREGRESSIVE, [(TARGETS[0], 1.0)]),
     "autoregressive, 3 weighted workers": (Mode.AUTOREGRESSIVE, list(zip(TARGETS, WEIGHTS_3))),
     "aggregate k full, 1 worker": (Mode.AGGREGATE, [(TARGETS[0], 1.0)]),
@@ -85,11 +89,13 @@ def test_first_two_tokens_follow_the_target(case: str) -> None:
     engine = make_engine(DRAFT, workers)
     pvalue, first_accept = _chi_square(engine, _spec(mode), _target_joint(workers))
     assert pvalue > SIGNIFICANCE
-    if mode is Mode.AGGREGATE:
+    if mode is not Mode.AUTOREGRESSIVE:
         # the first draft token is accepted at rate β = Σ min(p, q̂): a verifier that ignored
         # the draft would pass the chi-square test but not this
         p = _target_joint(workers).sum(dim=1)
         q = DRAFT.next_probs(PROMPT[-1])
+        if mode is Mode.EXACT:
+            q = truncate(q, 3)
         beta = float(torch.minimum(p, q).sum())
         assert first_accept == pytest.approx(beta, abs=4 * (0.25 / SAMPLES) ** 0.5)
 
@@ -122,8 +128,8 @@ def test_greedy_is_the_mixture_argmax_in_both_modes(num_workers: int) -> None:
         tokens, _, _ = await _tokens(engine, _request(0, _spec(mode), max_tokens=12, temperature=0))
         return tokens
 
-    assert asyncio.run(run(Mode.AUTOREGRESSIVE)) == expected
-    assert asyncio.run(run(Mode.AGGREGATE)) == expected
+    for mode in (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.EXACT) + ((Mode.SPLIT,) if num_workers == 1 else ()):
+        assert asyncio.run(run(mode)) == expected, mode
 
 
 def test_greedy_follows_the_mixture_not_the_vote() -> None:

@@ -24,19 +24,28 @@ MESSAGES = [{"role": "user", "content": "Write two sentences about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def worker_urls() -> Iterator[list[str]]:
     with ExitStack() as stack:
         # one core each, as `specgate serve` splits them: oversubscribed llama.cpp threads crawl
-        urls = [stack.enter_context(WorkerProcess(model, "llama.cpp", threads=1)) for model in ("builtin", "builtin-alt")]
-        config = parse_config({
-            "model": MODEL,
-            "draft": {"model": "builtin-draft", "threads": 1},
-            "workers": [{"url": urls[0], "weight": 0.5}, {"url": urls[1], "weight": 0.5}],
-            "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": "full"},
-        })
-        path = tmp_path_factory.mktemp("gateway") / "config.yaml"
-        path.write_text(dump_config(config))
-        yield stack.enter_context(GatewayProcess(str(path)))
+        yield [stack.enter_context(WorkerProcess(model, "llama.cpp", threads=1)) for model in ("builtin", "builtin-alt")]
+
+
+def _gateway(stack: ExitStack, directory: Path, urls: list[str]) -> str:
+    config = parse_config({
+        "model": MODEL,
+        "draft": {"model": "builtin-draft", "threads": 1},
+        "workers": [{"url": url, "weight": 1.0} for url in urls],
+        "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": "full"},
+    })
+    path = directory / "config.yaml"
+    path.write_text(dump_config(config))
+    return stack.enter_context(GatewayProcess(str(path)))
+
+
+@pytest.fixture(scope="module")
+def base_url(worker_urls: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with ExitStack() as stack:
+        yield _gateway(stack, tmp_path_factory.mktemp("two"), worker_urls)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +104,28 @@ def test_greedy_aggregate_equals_autoregressive(client: openai.OpenAI) -> None:
         )
         texts[mode] = chat.choices[0].message.content
     assert texts["aggregate"] == texts["autoregressive"]
+
+
+def test_greedy_text_is_the_same_in_every_mode(worker_urls: list[str], tmp_path: Path) -> None:
+    """split, exact, aggregate k full and autoregressive on one worker; all but split on two."""
+
+    def greedy(url: str, spec: dict[str, object]) -> str | None:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=32, temperature=0, extra_body={"speculative": spec})  # type: ignore[arg-type]
+        return chat.choices[0].message.content
+
+    modes = [{"mode": "autoregressive"}, {"mode": "aggregate", "k": "full"}, {"mode": "exact"}, {"mode": "split"}]
+    with ExitStack() as stack:
+        one = _gateway(stack, tmp_path, worker_urls[:1])
+        texts = {m["mode"]: greedy(one, m) for m in modes}
+    assert len(set(texts.values())) == 1, texts
+
+
+def test_sampled_split_and_exact_run_through_the_api(client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, seed=3, extra_body={"speculative": {"mode": "exact", "draft_top_k": 16}})  # type: ignore[arg-type]
+    spec = chat.usage.model_extra["speculative"]  # type: ignore[union-attr, index]
+    assert spec["mode"] == "exact" and spec["lossless"] is True and spec["draft_top_k"] == 16
+    assert spec["bytes_from_workers"] < spec["rounds"] * 2 * (4 * 16 * 8 + 600)  # sparse both ways
 
 
 def test_a_seed_makes_a_sampled_answer_reproducible(client: openai.OpenAI) -> None:
