@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from core.config import LinkConfig
 from core.errors import ProtocolError, SpecgateError
 from core.protocol import (
     BINARY_CONTENT_TYPE,
@@ -50,6 +51,7 @@ class WorkerClient:
     url: str
     weight: float
     client: httpx.AsyncClient
+    link: LinkConfig | None = None  # emulated network: delays each direction, never blocks the loop
     vocab_size: int = 0
     info: InfoResponse | None = None
     traffic: Traffic = field(default_factory=Traffic)
@@ -94,10 +96,14 @@ class WorkerClient:
 
     async def _post(self, req: VerifyRequest, traffic: Traffic) -> tuple[int, bytes]:
         body, content_type = encode(req, self.vocab_size)
+        if self.link is not None:
+            await asyncio.sleep(self.link.delay_s(len(body), upstream=True))
         try:
             resp = await self.client.post(f"{self.url}/v1/verify", content=body, headers={"content-type": content_type, "accept": BINARY_CONTENT_TYPE})
         except httpx.HTTPError as exc:
             raise WorkerError(self.name, f"verify failed at {self.url}: {_describe(exc)}", 503) from exc
+        if self.link is not None:
+            await asyncio.sleep(self.link.delay_s(len(resp.content), upstream=False))
         for t in (traffic, self.traffic):
             t.sent += len(body)
             t.received += len(resp.content)
@@ -145,10 +151,10 @@ def _describe(exc: httpx.HTTPError) -> str:
 class WorkerPool:
     """The federation: every worker, its weight, and one HTTP client shared by them all."""
 
-    def __init__(self, workers: list[tuple[str, str, float]], timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, workers: list[tuple[str, str, float, LinkConfig | None]], timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
         timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
         self.client = httpx.AsyncClient(timeout=timeout, transport=transport)
-        self.workers = [WorkerClient(name, url.rstrip("/"), weight, self.client) for name, url, weight in workers]
+        self.workers = [WorkerClient(name, url.rstrip("/"), weight, self.client, link) for name, url, weight, link in workers]
 
     @property
     def weights(self) -> list[float]:

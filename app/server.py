@@ -43,7 +43,7 @@ def create_app(
             draft = config.draft
             runner = await asyncio.to_thread(load_runner, draft.model, draft.backend.value, 2048, draft.memory_cap_mb, draft.threads)
             await asyncio.to_thread(lambda: runner.fingerprint)
-        workers = [(w.name or "", config.worker_url(w), w.weight) for w in config.workers]
+        workers = [(w.name or "", config.worker_url(w), w.weight, w.link) for w in config.workers]
         pool = WorkerPool(workers, config.limits.request_timeout_s, transport)
         gateway = Gateway(config, DraftModel(runner), pool)
         app.state.gateway = gateway

@@ -72,6 +72,21 @@ class SpeculativeConfig(BaseModel):
         return value
 
 
+class LinkConfig(BaseModel):
+    """Link emulation (DESIGN §4): each exchange waits rtt/2 + bytes·8/rate per direction."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rtt_ms: float = Field(default=0.0, ge=0)
+    up_mbps: float | None = Field(default=None, gt=0)  # gateway → worker; None = unlimited
+    down_mbps: float | None = Field(default=None, gt=0)  # worker → gateway; None = unlimited
+
+    def delay_s(self, num_bytes: int, upstream: bool) -> float:
+        """Seconds one direction of one exchange takes on this link."""
+        rate = self.up_mbps if upstream else self.down_mbps
+        return self.rtt_ms / 2e3 + (num_bytes * 8 / (rate * 1e6) if rate else 0.0)
+
+
 class WorkerEntry(BaseModel):
     """One target: ``url`` (a worker running elsewhere) or ``model`` (started by ``serve``)."""
 
@@ -84,6 +99,7 @@ class WorkerEntry(BaseModel):
     backend: Backend = Backend.LLAMA_CPP  # a local worker's backend
     port: int | None = Field(default=None, ge=1, le=65535)  # a local worker's port
     threads: int | None = Field(default=None, gt=0)  # a local worker's CPU threads (serve splits the cores)
+    link: LinkConfig | None = None  # emulate a network between the gateway and this worker
 
     @model_validator(mode="after")
     def _one_source(self) -> WorkerEntry:

@@ -3,6 +3,8 @@ tiny-random draft: the OpenAI surface, streaming, errors in the envelope."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -37,11 +39,19 @@ class FakeWorkerTransport:
         self.behaviour = behaviour or {}
         self.requests: list[tuple[str, VerifyRequest]] = []
         self.deleted: list[str] = []
+        self.bytes_in = self.bytes_out = 0  # verify bodies received / sent, as on the wire
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
 
     def handle(self, request: httpx.Request) -> httpx.Response:
+        response = self._answer(request)
+        if request.url.path == "/v1/verify":
+            self.bytes_in += len(request.content)
+            self.bytes_out += len(response.content)
+        return response
+
+    def _answer(self, request: httpx.Request) -> httpx.Response:
         host = request.url.host
         mode = self.behaviour.get(host, "")
         if mode == "down":
@@ -304,3 +314,45 @@ async def test_a_down_worker_at_first_use_gets_503_with_retry_after(gateway: Gat
 async def test_sessions_are_freed_after_each_request(client: httpx.AsyncClient, fakes: FakeWorkerTransport) -> None:
     await client.post("/v1/completions", json={**COMPLETION, "n": 2})
     assert len(fakes.deleted) == 4  # two choices × two workers
+
+
+def _linked(rtt_ms: float) -> list[dict[str, Any]]:
+    return [{"url": "http://w0:1", "weight": 0.6, "link": {"rtt_ms": rtt_ms}}, {"url": "http://w1:1", "weight": 0.4, "link": {"rtt_ms": rtt_ms}}]
+
+
+def test_link_delay_is_half_the_rtt_plus_serialisation() -> None:
+    link = parse_config({"workers": [{"url": "http://w:1", "link": {"rtt_ms": 20, "up_mbps": 100, "down_mbps": 10}}]}).workers[0].link
+    assert link is not None
+    assert link.delay_s(1_000_000, upstream=True) == pytest.approx(0.01 + 0.08)
+    assert link.delay_s(1_000_000, upstream=False) == pytest.approx(0.01 + 0.8)
+    assert link.delay_s(0, upstream=True) == pytest.approx(0.01)
+
+
+async def test_a_100_ms_link_makes_a_round_take_at_least_100_ms(gateway: Gateway) -> None:
+    async with gateway(workers=_linked(100)) as client:
+        started = time.monotonic()
+        body = (await client.post("/v1/completions", json={**COMPLETION, "max_tokens": 1, "speculative": {"mode": "autoregressive"}})).json()
+        assert time.monotonic() - started >= 0.1  # a lower bound: safe on a noisy machine
+        assert body["usage"]["speculative"]["rounds"] == 1
+
+
+async def test_a_slow_link_does_not_hold_up_other_requests(gateway: Gateway) -> None:
+    finished: list[str] = []
+    async with gateway(workers=_linked(300)) as slow, gateway() as fast:
+
+        async def run(name: str, client: httpx.AsyncClient) -> None:
+            await client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
+            finished.append(name)
+
+        first = asyncio.create_task(run("slow", slow))
+        await asyncio.sleep(0.05)
+        await run("fast", fast)
+        await first
+    assert finished == ["fast", "slow"]
+
+
+@pytest.mark.parametrize("spec", [{"mode": "aggregate", "k": 8}, {"mode": "autoregressive"}, {"mode": "aggregate", "k": "full"}])
+async def test_usage_bytes_are_the_bodies_on_the_wire(client: httpx.AsyncClient, fakes: FakeWorkerTransport, spec: dict[str, Any]) -> None:
+    body = (await client.post("/v1/completions", json={**COMPLETION, "speculative": spec})).json()
+    usage = body["usage"]["speculative"]
+    assert (usage["bytes_to_workers"], usage["bytes_from_workers"]) == (fakes.bytes_in, fakes.bytes_out)

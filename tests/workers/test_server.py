@@ -291,3 +291,23 @@ async def test_health_answers_while_a_verify_runs(tiny_runner: ModelRunner) -> N
         assert time.monotonic() - started < 1.0
         blocking.release.set()
         assert (await pending).held == len(PROMPT) + 1
+
+
+async def test_exact_answers_on_the_supports_within_the_payload_bound(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    draft, size = [11, 22, 33, 44], 32
+    supports = [np.array([x] + [t for t in range(100, 100 + size) if t != x][: size - 1]) for x in draft]
+    req = _request("x", [], PROMPT, draft, mode="exact", temperature=0.9, seed=5,
+                   support_ids=np.concatenate(supports), support_sizes=np.full(4, size, np.int32))
+    body, content_type = encode(req, V)
+    raw = await client.post("/v1/verify", content=body, headers={"content-type": content_type})
+    assert raw.status_code == 200, raw.text
+    header_len = int.from_bytes(raw.content[4:8], "little")
+    assert len(raw.content) - 8 - header_len <= len(draft) * size * 8  # ≤ γ·|S|·8 plus its header
+    resp = decode(VerifyResponse, raw.content, raw.headers["content-type"])
+    probs = torch.softmax(tiny_runner.forward_full(PROMPT + draft, 5) / 0.9, -1)
+    assert resp.support_probs is not None and resp.complement is not None and resp.complement_samples is not None
+    for j, support in enumerate(supports):
+        np.testing.assert_allclose(resp.support_probs[j * size : (j + 1) * size], probs[j, support].numpy(), atol=1e-6)
+        assert resp.complement[j] == pytest.approx(1 - float(probs[j, support].sum()), abs=1e-5)
+        assert int(resp.complement_samples[j]) not in support.tolist()
+    assert 0 <= resp.bonus < V
