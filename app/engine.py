@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
@@ -93,6 +94,9 @@ class RoundResult:
     finish_reason: str | None = None  # "stop" (EOS) or "length"; None while generating
     bound: list[float] = field(default_factory=list)  # Σ w_n σ_n per consumed position (lossy only)
     error: list[float] = field(default_factory=list)  # Σ w_n e_n per consumed position (lossy only)
+    draft_s: float = 0.0  # seconds the draft took this round
+    verify_s: float = 0.0  # seconds from sending to the workers to the verdict (network included)
+    model_s: float = 0.0  # seconds the slowest worker spent in its model, per call, summed
 
 
 @dataclass
@@ -106,6 +110,7 @@ class _Round:
     agreed: list[int]  # per worker: tokens of ``sequence`` it holds
     draft: Draft
     traffic: Traffic
+    model_s: float = 0.0
 
     @property
     def positions(self) -> list[int]:
@@ -130,6 +135,7 @@ class _Round:
         except BaseExceptionGroup as failures:
             raise _first_worker_error(failures) from None
         results = [t.result() for t in tasks]
+        self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
         for n, (_, traffic) in enumerate(results):
             self.agreed[n] = len(self.sequence)
             self.traffic.sent += traffic.sent
@@ -160,8 +166,12 @@ class Engine:
                     yield RoundResult([], drafted=0, accepted=0, traffic=Traffic(), finish_reason="length")
                     return
                 gamma = min(req.spec.num_draft_tokens, room - 1) if mode.drafts else 0
+                started = time.perf_counter()
                 draft = await self._draft(session_id, sequence, gamma, req)
-                result = await mode.run(_Round(self, req, session_id, sequence, agreed, draft, Traffic()))
+                drafted = time.perf_counter()
+                rnd = _Round(self, req, session_id, sequence, agreed, draft, Traffic())
+                result = await mode.run(rnd)
+                result.draft_s, result.verify_s, result.model_s = drafted - started, time.perf_counter() - drafted, rnd.model_s
                 agreed[:] = [len(sequence) + result.accepted] * len(agreed)  # they hold sequence + draft
                 sequence.extend(result.tokens)
                 result.finish_reason = self._finish(result, len(sequence) - len(req.prompt), req, len(sequence))

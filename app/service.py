@@ -63,6 +63,9 @@ class Usage:
     bytes_received: int = 0
     bound: list[float] = field(default_factory=list)
     error: list[float] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    model_s: float = 0.0
 
     def add(self, result: RoundResult) -> None:
         self.completion_tokens += len(result.tokens)
@@ -73,6 +76,9 @@ class Usage:
         self.bytes_received += result.traffic.received
         self.bound += result.bound
         self.error += result.error
+        self.draft_s += result.draft_s
+        self.verify_s += result.verify_s
+        self.model_s += result.model_s
 
     def to_dict(self) -> dict[str, Any]:
         spec = self.spec
@@ -87,6 +93,9 @@ class Usage:
             "mean_accepted_length": self.completion_tokens / self.rounds if self.rounds else None,
             "bytes_to_workers": self.bytes_sent,
             "bytes_from_workers": self.bytes_received,
+            "draft_ms": round(self.draft_s * 1e3, 3),
+            "verify_ms": round(self.verify_s * 1e3, 3),
+            "worker_model_ms": round(self.model_s * 1e3, 3),
             "lossless": spec.is_lossless,
             "draft_top_k": spec.draft_top_k or None,
             "draft_top_p": spec.draft_top_p if spec.draft_top_p < 1 else None,

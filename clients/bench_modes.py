@@ -1,9 +1,16 @@
-"""``specgate bench``: tokens/s of the decoding modes through the same gateway and workers.
+"""``specgate bench``: tokens/s of the decoding modes × emulated links × worker counts × T.
 
-It starts the built-in default (draft builtin-draft; workers builtin and builtin-alt, weights
-0.5 / 0.5, the cores split between them) on free 127.0.0.1 ports, then times whole requests
-per mode cell. Cells alternate within each run, so the host's drift hits them alike; each
-figure is the median over runs, and speed-ups are ratios to `autoregressive` in the same run.
+Two real workers (builtin, builtin-alt; the cores split between them) run once; for each
+(worker count, link) a gateway is started whose worker entries carry that link (DESIGN §4).
+Within each run the mode cells alternate, so the host's drift hits them alike; each figure is
+the median over runs; speed-ups are ratios to `autoregressive` through the same workers and
+link in the same run. Each cell also gets the analytic bound from its own measurements:
+
+    E = (1 − α^{γ+1}) / (1 − α) tokens per round,
+    round = γ·t_d + RTT + bytes_up·8/BW_up + bytes_down·8/BW_down + t_v,   bound = E / round,
+
+with α implied by the measured tokens per round, t_d the draft time per token, t_v the
+workers' model time per round, bytes per worker per round.
 """
 
 from __future__ import annotations
@@ -19,87 +26,121 @@ from typing import Any
 
 import httpx
 
-from clients.report import progress, write_json
 from clients.procs import GatewayProcess, WorkerProcess
-from core.config import builtin_config, dump_config
+from clients.report import progress, write_json
+from core.config import LinkConfig, builtin_config, dump_config
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
     "Write a short poem about a lighthouse keeper.",
     "List three tips for learning a new programming language.",
-    "Describe the water cycle for a ten-year-old.",
 ]
-CELLS: list[tuple[str, dict[str, Any]]] = [
+MODES: list[tuple[str, dict[str, Any]]] = [
     ("autoregressive", {"mode": "autoregressive"}),
     ("aggregate k=full", {"mode": "aggregate", "k": "full"}),
     ("aggregate k=32", {"mode": "aggregate", "k": 32}),
+    ("split", {"mode": "split"}),
+    ("exact", {"mode": "exact"}),
+]
+LINKS: list[tuple[str, LinkConfig]] = [
+    ("0 ms", LinkConfig()),
+    ("20 ms / 100 Mbps", LinkConfig(rtt_ms=20, up_mbps=100, down_mbps=100)),
+    ("50 ms / 10 Mbps", LinkConfig(rtt_ms=50, up_mbps=10, down_mbps=10)),
+    ("100 ms / 10 Mbps", LinkConfig(rtt_ms=100, up_mbps=10, down_mbps=10)),
 ]
 
 
 def bench_modes(args: argparse.Namespace) -> int:
-    runs = max(3, args.runs)
-    prompts = PROMPTS[:1] if args.quick else PROMPTS
-    max_tokens = 24 if args.quick else args.max_tokens
-    temperatures = [0.0] if args.quick else [0.0, 1.0]
+    plan = _plan(args)
+    rows: list[dict[str, Any]] = []
+    bar = _Bar(sum(len(_modes(n, plan)) for n in plan["workers"]) * len(plan["links"]) * len(plan["temperatures"]) * plan["runs"])
     with ExitStack() as stack:
-        base = _start_stack(stack, args.gamma)
-        rows = []
-        with httpx.Client(base_url=base, timeout=600) as client:
-            for temperature in temperatures:
-                samples = _run_cells(client, prompts, max_tokens, temperature, runs)
-                rows += _summarise(samples, temperature, args.gamma)
-    results = {"setup": _setup(args.gamma, runs, prompts, max_tokens), "cells": rows}
+        urls = _start_workers(stack)
+        for num_workers in plan["workers"]:
+            for link_name, link in plan["links"]:
+                with ExitStack() as gateway_stack:
+                    base = _start_gateway(gateway_stack, urls[:num_workers], link, plan["gamma"])
+                    with httpx.Client(base_url=base, timeout=900) as client:
+                        for temperature in plan["temperatures"]:
+                            modes = _modes(num_workers, plan)
+                            samples = _run_cells(client, modes, plan, temperature, bar, f"N={num_workers} {link_name} T={temperature:g}")
+                            rows += _summarise(samples, modes, plan["gamma"], num_workers, link_name, link, temperature)
+    results = {"setup": {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]], "cpu_count": os.cpu_count()}, "cells": rows}
     _print_table(results)
     write_json(args.json_path, results)
+    if args.plots:
+        from clients.plots import plot_bench
+
+        for path in plot_bench(results, Path(args.plots)):
+            progress(f"wrote {path}")
     return 0
 
 
-def _start_stack(stack: ExitStack, gamma: int) -> str:
+def _plan(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        return {
+            "runs": 3, "prompts": PROMPTS[:1], "max_tokens": 16, "temperatures": [1.0], "workers": [1],
+            "links": [LINKS[0], LINKS[2]], "modes": ["autoregressive", "aggregate k=32", "exact"], "gamma": args.gamma,
+        }
+    return {
+        "runs": max(3, args.runs), "prompts": PROMPTS[: args.prompts], "max_tokens": args.max_tokens,
+        "temperatures": [0.0, 1.0], "workers": [1, 2], "links": LINKS, "modes": [name for name, _ in MODES], "gamma": args.gamma,
+    }
+
+
+def _modes(num_workers: int, plan: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(n, s) for n, s in MODES if n in plan["modes"] and not (n == "split" and num_workers > 1)]
+
+
+def _start_workers(stack: ExitStack) -> list[str]:
     config = builtin_config().with_local_urls().with_split_cores(os.cpu_count() or 1)
-    progress("starting two workers (builtin, builtin-alt) and the gateway on 127.0.0.1")
-    workers = []
+    progress("starting two workers (builtin, builtin-alt) on 127.0.0.1")
+    urls = []
     for entry in config.workers:
         assert entry.model is not None
-        url = stack.enter_context(WorkerProcess(entry.model, entry.backend.value, threads=entry.threads))
-        workers.append(entry.model_copy(update={"url": url, "model": None, "port": None}))
-    config = config.model_copy(update={"workers": workers})
-    config.speculative.num_draft_tokens = gamma
+        urls.append(stack.enter_context(WorkerProcess(entry.model, entry.backend.value, threads=entry.threads)))
+    return urls
+
+
+def _start_gateway(stack: ExitStack, urls: list[str], link: LinkConfig, gamma: int) -> str:
+    base = builtin_config().with_split_cores(os.cpu_count() or 1)
+    workers = [{"url": url, "weight": 1.0, "link": link.model_dump()} for url in urls]
+    data = base.model_dump(mode="json", exclude_none=True) | {"workers": workers}
+    data["speculative"]["num_draft_tokens"] = gamma
     path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specgate-bench-"))) / "config.yaml"
-    path.write_text(dump_config(config))
+    path.write_text(dump_config(type(base)(**data)))
     return stack.enter_context(GatewayProcess(str(path)))
 
 
-def _run_cells(client: httpx.Client, prompts: list[str], max_tokens: int, temperature: float, runs: int) -> dict[str, list[dict[str, float]]]:
-    samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in CELLS}
-    _one(client, prompts[0], 4, temperature, CELLS[0][1], seed=0)  # warm-up: contexts, caches
-    total = runs * len(CELLS)
-    for run in range(runs):
-        for i, (name, spec) in enumerate(CELLS):
-            samples[name].append(_cell(client, prompts, max_tokens, temperature, spec, seed=run))
-            done = run * len(CELLS) + i + 1
-            tps = samples[name][-1]["tokens_per_s"]
-            progress(f"[T={temperature:g}] run {run + 1}/{runs} {name}: {tps:.1f} tok/s  ({done}/{total})")
+def _run_cells(client: httpx.Client, modes: list[tuple[str, dict[str, Any]]], plan: dict[str, Any], temperature: float, bar: _Bar, label: str) -> dict[str, list[dict[str, float]]]:
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in modes}
+    _one(client, plan["prompts"][0], 4, temperature, modes[0][1], seed=0)  # warm-up
+    for run in range(plan["runs"]):
+        for name, spec in modes:
+            samples[name].append(_cell(client, plan["prompts"], plan["max_tokens"], temperature, spec, seed=run))
+            bar.step(f"{label} {name}: {samples[name][-1]['tokens_per_s']:.1f} tok/s")
     return samples
 
 
 def _cell(client: httpx.Client, prompts: list[str], max_tokens: int, temperature: float, spec: dict[str, Any], seed: int) -> dict[str, float]:
-    tokens = seconds = rounds = drafted = accepted = sent = received = 0.0
+    totals: dict[str, float] = {}
     for prompt in prompts:
         elapsed, usage = _one(client, prompt, max_tokens, temperature, spec, seed)
         block = usage["speculative"]
-        tokens += usage["completion_tokens"]
-        seconds += elapsed
-        rounds += block["rounds"]
-        drafted += block["draft_tokens"]
-        accepted += block["accepted_tokens"]
-        sent += block["bytes_to_workers"]
-        received += block["bytes_from_workers"]
+        for key, value in (("tokens", usage["completion_tokens"]), ("seconds", elapsed), ("rounds", block["rounds"]),
+                           ("drafted", block["draft_tokens"]), ("accepted", block["accepted_tokens"]),
+                           ("sent", block["bytes_to_workers"]), ("received", block["bytes_from_workers"]),
+                           ("draft_ms", block["draft_ms"]), ("model_ms", block["worker_model_ms"])):
+            totals[key] = totals.get(key, 0.0) + value
+    rounds = max(totals["rounds"], 1.0)
     return {
-        "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-        "acceptance_rate": accepted / drafted if drafted else float("nan"),
-        "mean_accepted_length": tokens / rounds if rounds else float("nan"),
-        "bytes_up_per_round": sent / rounds if rounds else 0.0,
-        "bytes_down_per_round": received / rounds if rounds else 0.0,
+        "tokens_per_s": totals["tokens"] / totals["seconds"],
+        "mean_accepted_length": totals["tokens"] / rounds,
+        "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else float("nan"),
+        "bytes_up_per_round": totals["sent"] / rounds,
+        "bytes_down_per_round": totals["received"] / rounds,
+        "draft_ms_per_token": totals["draft_ms"] / totals["drafted"] if totals["drafted"] else 0.0,
+        "verify_model_ms_per_round": totals["model_ms"] / rounds,
     }
 
 
@@ -115,17 +156,28 @@ def _one(client: httpx.Client, prompt: str, max_tokens: int, temperature: float,
     return elapsed, resp.json()["usage"]
 
 
-def _summarise(samples: dict[str, list[dict[str, float]]], temperature: float, gamma: int) -> list[dict[str, Any]]:
-    baseline = samples[CELLS[0][0]]
+def _summarise(samples: dict[str, list[dict[str, float]]], modes: list[tuple[str, dict[str, Any]]], gamma: int, num_workers: int, link_name: str, link: LinkConfig, temperature: float) -> list[dict[str, Any]]:
+    baseline = samples[modes[0][0]]
     rows = []
     for name, runs in samples.items():
-        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline)]
         medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        row: dict[str, Any] = {"cell": name, "temperature": temperature, "runs": len(runs), **medians}
-        row["speedup_vs_autoregressive"] = statistics.median(ratios)
-        row["alpha_implied"] = implied_alpha(medians["mean_accepted_length"], gamma) if name != CELLS[0][0] else None
+        row: dict[str, Any] = {"mode": name, "workers": num_workers, "link": link_name, "rtt_ms": link.rtt_ms, "temperature": temperature, "runs": len(runs), **medians}
+        row["speedup_vs_autoregressive"] = statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline))
+        drafting = name != "autoregressive"
+        row["alpha_implied"] = implied_alpha(medians["mean_accepted_length"], gamma) if drafting else None
+        row["bound_tokens_per_s"] = analytic_bound(row, gamma if drafting else 0, link, num_workers)
+        row["measured_over_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
         rows.append(row)
     return rows
+
+
+def analytic_bound(row: dict[str, Any], gamma: int, link: LinkConfig, num_workers: int) -> float:
+    """E / (γ·t_d + RTT + serialisation both ways + t_v), from the cell's own figures."""
+    tokens_per_round = row["mean_accepted_length"] if gamma else 1.0
+    up, down = row["bytes_up_per_round"] / num_workers, row["bytes_down_per_round"] / num_workers  # links run in parallel
+    network = link.delay_s(int(up), upstream=True) + link.delay_s(int(down), upstream=False)
+    seconds = gamma * row["draft_ms_per_token"] / 1e3 + network + row["verify_model_ms_per_round"] / 1e3
+    return tokens_per_round / seconds
 
 
 def implied_alpha(mean_length: float, gamma: int) -> float:
@@ -138,21 +190,28 @@ def implied_alpha(mean_length: float, gamma: int) -> float:
     return (low + high) / 2
 
 
-def _setup(gamma: int, runs: int, prompts: list[str], max_tokens: int) -> dict[str, Any]:
-    return {
-        "draft": "builtin-draft (llama.cpp)", "workers": ["builtin", "builtin-alt"], "weights": [0.5, 0.5],
-        "num_draft_tokens": gamma, "runs": runs, "prompts": prompts, "max_tokens": max_tokens, "cpu_count": os.cpu_count(),
-    }
+class _Bar:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.started = total, 0, time.monotonic()
+
+    def step(self, note: str) -> None:
+        self.done += 1
+        filled = int(30 * self.done / self.total)
+        elapsed = time.monotonic() - self.started
+        left = elapsed / self.done * (self.total - self.done)
+        progress(f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} ~{left:.0f}s left  {note}")
 
 
 def _print_table(results: dict[str, Any]) -> None:
     setup = results["setup"]
-    print(f"\nspecgate bench: built-in default, γ = {setup['num_draft_tokens']}, {len(setup['prompts'])} prompts × ≤ {setup['max_tokens']} tokens, median of {setup['runs']} runs")
-    print(f"{'T':>4} {'cell':<18}{'tok/s':>8}{'speed-up':>10}{'accept':>8}{'tok/round':>11}{'α implied':>11}{'up B/rnd':>10}{'down B/rnd':>12}")
+    print(f"\nspecgate bench: γ = {setup['gamma']}, {len(setup['prompts'])} prompt(s) × ≤ {setup['max_tokens']} tokens, median of {setup['runs']} runs")
+    print(f"{'N':>2} {'link':<17}{'T':>3} {'mode':<17}{'tok/s':>7}{'speed-up':>9}{'tok/rnd':>8}{'α':>6}{'up B/rnd':>10}{'down B/rnd':>12}{'bound':>8}{'meas/bnd':>9}")
     for r in results["cells"]:
         alpha = "" if r["alpha_implied"] is None else f"{r['alpha_implied']:.2f}"
-        accept = "" if r["acceptance_rate"] != r["acceptance_rate"] else f"{r['acceptance_rate']:.2f}"
         print(
-            f"{r['temperature']:>4g} {r['cell']:<18}{r['tokens_per_s']:>8.1f}{r['speedup_vs_autoregressive']:>9.2f}×{accept:>8}"
-            f"{r['mean_accepted_length']:>11.2f}{alpha:>11}{r['bytes_up_per_round']:>10.0f}{r['bytes_down_per_round']:>12.0f}"
+            f"{r['workers']:>2} {r['link']:<17}{r['temperature']:>3g} {r['mode']:<17}{r['tokens_per_s']:>7.1f}{r['speedup_vs_autoregressive']:>8.2f}×"
+            f"{r['mean_accepted_length']:>8.2f}{alpha:>6}{r['bytes_up_per_round']:>10.0f}{r['bytes_down_per_round']:>12.0f}"
+            f"{r['bound_tokens_per_s']:>8.1f}{r['measured_over_bound']:>9.2f}"
         )
