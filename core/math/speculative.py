@@ -107,12 +107,14 @@ def argmax_lowest(
 def output_law(
     p: torch.Tensor,  # [V]: target at one position
     q: torch.Tensor,  # [V]: q̂ the draft samples from
+    p_residual: torch.Tensor | None = None,  # [V]: what the residual is taken of (split with top-k: p̂)
 ) -> torch.Tensor:  # [V] float64
     """Closed-form law of the first emitted token of a round, composed from the sampler's own
-    functions: Σ_x q(x)·a(x)·δ_x + (1 − Σ_x q(x)·a(x))·residual(p, q), a = acceptance_probs."""
+    functions: Σ_x q(x)·a(x)·δ_x + (1 − Σ_x q(x)·a(x))·residual(p, q), a = acceptance_probs.
+    ``p_residual`` stands in for p in the residual only (split's worker tests with the full p)."""
     q64 = q.double()
     support = (q64 > 0).nonzero()[:, 0]
     accept = torch.zeros_like(q64)
     accept[support] = acceptance_probs(p[support], q64[support])
     kept = q64 * accept
-    return kept + (1 - kept.sum()) * residual(p, q)
+    return kept + (1 - kept.sum()) * residual(p if p_residual is None else p_residual, q)

@@ -135,3 +135,23 @@ def test_negative_control_skipping_the_residual_is_rejected(monkeypatch: pytest.
 )
 def test_philox_known_answers(counter: tuple[int, int, int, int], key: tuple[int, int], expected: tuple[int, ...]) -> None:
     assert philox4x32(counter, key) == expected
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("seed", range(5))
+def test_split_with_top_k_stays_within_its_bound(k: int, seed: int) -> None:
+    """split's worker tests with its full p; the gateway's residual uses p̂ from the top-k it
+    was sent. The output's distance to p is at most that position's tail mass σ."""
+    from core.math.aggregation import reconstruct, tv_distance
+    from core.math.compression import compress_top_k
+
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(8, generator=g, dtype=torch.float64) * 1.5, 0)
+    q = torch.softmax(torch.randn(8, generator=g, dtype=torch.float64) * 1.5, 0)
+    top = compress_top_k(p[None].float(), k)
+    p_hat = reconstruct(top.ids, top.probs, 8)[0]
+    law = output_law(p, q, p_residual=p_hat)
+    assert float(law.sum()) == pytest.approx(1.0)
+    assert float(tv_distance(law, p)) <= float(top.tail_mass[0]) + 1e-6
+    if k == 8:
+        assert torch.allclose(law, p, atol=1e-9)
