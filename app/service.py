@@ -212,6 +212,9 @@ class Gateway:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens, the context is {self.engine.max_context}", "prompt", "context_length_exceeded")
         max_tokens = min(max_tokens or limits.max_tokens, limits.max_tokens)
         spec = self._spec(body.speculative)
+        if top_logprobs is not None and spec.mode in (Mode.SPLIT, Mode.EXACT):
+            # their payloads hold p only where a rejection happened / on the draft supports
+            raise ApiError(400, f"logprobs are not available in mode {spec.mode.value!r} yet; use aggregate or autoregressive", "logprobs")
         params = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"

@@ -106,7 +106,7 @@ def _start_gateway(stack: ExitStack, urls: list[str], link: LinkConfig, gamma: i
     base = builtin_config().with_split_cores(os.cpu_count() or 1)
     workers = [{"url": url, "weight": 1.0, "link": link.model_dump()} for url in urls]
     data = base.model_dump(mode="json", exclude_none=True) | {"workers": workers}
-    data["speculative"]["num_draft_tokens"] = gamma
+    data["speculative"] = {"mode": "aggregate", "num_draft_tokens": gamma}  # cells pick their mode; exact truncates to top-32
     path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specgate-bench-"))) / "config.yaml"
     path.write_text(dump_config(type(base)(**data)))
     return stack.enter_context(GatewayProcess(str(path)))

@@ -18,11 +18,13 @@ def plot_bench(results: dict[str, Any], folder: Path) -> list[Path]:
     written = []
     groups = sorted({(c["workers"], c["temperature"]) for c in cells})
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    modes = list(dict.fromkeys(c["mode"] for c in cells))
+    colours = {mode: f"C{i}" for i, mode in enumerate(modes)}  # one colour per mode in every panel
     for ax, (workers, temperature) in zip(axes[0], groups):
-        for mode in dict.fromkeys(c["mode"] for c in cells):
+        for mode in modes:
             points = sorted((c["rtt_ms"], c["speedup_vs_autoregressive"]) for c in cells if c["mode"] == mode and c["workers"] == workers and c["temperature"] == temperature)
             if points:
-                ax.plot(*zip(*points), marker="o", label=mode)
+                ax.plot(*zip(*points), marker="o", label=mode, color=colours[mode])
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set(title=f"{workers} worker(s), T = {temperature:g}", xlabel="RTT (ms)", ylabel="speed-up over autoregressive")
         ax.legend(fontsize=8)

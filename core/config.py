@@ -175,8 +175,12 @@ class SpecgateConfig(BaseSettings):
 
 
 def builtin_config() -> SpecgateConfig:
-    """The built-in default: draft builtin-draft, local workers builtin and builtin-alt (0.5 / 0.5)."""
-    return parse_config({"workers": [{"model": "builtin", "weight": 0.5}, {"model": "builtin-alt", "weight": 0.5}]})
+    """The built-in default: draft builtin-draft, local workers builtin and builtin-alt (0.5 / 0.5),
+    mode exact (lossless for the federation, sparse both ways) with the draft truncated to top-32."""
+    return parse_config({
+        "speculative": {"mode": "exact", "draft_top_k": 32},
+        "workers": [{"model": "builtin", "weight": 0.5}, {"model": "builtin-alt", "weight": 0.5}],
+    })
 
 
 def load_config(path: str | Path | None) -> SpecgateConfig:

@@ -274,6 +274,7 @@ async def test_a_worker_that_lost_its_session_gets_the_prefix_again(gateway: Gat
         ({**CHAT, "speculative": {"mode": "tree"}}, 400, "speculative.mode"),
         ({**CHAT, "speculative": {"mode": "split"}}, 400, "speculative.mode"),
         ({**CHAT, "speculative": {"mode": "exact", "k": 4}}, 400, "speculative.k"),
+        ({**CHAT, "logprobs": True, "speculative": {"mode": "exact"}}, 400, "logprobs"),
         ({**CHAT, "speculative": {"k": 0}}, 400, None),
         ({**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}, 400, "prompt"),
     ],
