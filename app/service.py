@@ -85,7 +85,7 @@ class Usage:
         block: dict[str, Any] = {
             "mode": spec.mode.value,
             "num_draft_tokens": 0 if spec.mode is Mode.AUTOREGRESSIVE else spec.num_draft_tokens,
-            "k": "full" if spec.k is None else spec.k,
+            "k": ("full" if spec.k is None else spec.k) if spec.mode in (Mode.AGGREGATE, Mode.SPLIT) else None,
             "rounds": self.rounds,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
