@@ -147,7 +147,7 @@ async def _sse(request: Request, job: Job, include_usage: bool, chunks: Callable
                     for chunk in chunks(event):
                         yield _data({**chunk, **usage_field})
             if include_usage:
-                yield _data({**_envelope(job, chunks), "choices": [], "usage": job.usage.to_dict()})
+                yield _data({**_envelope(job), "choices": [], "usage": job.usage.to_dict()})
             _count(request.app.state.counters, job)
         except WorkerError as exc:
             log.warning("stream %s failed: %s", job.id, exc)
@@ -161,7 +161,7 @@ def _data(payload: dict[str, Any]) -> dict[str, str]:
     return {"data": orjson.dumps(payload).decode()}
 
 
-def _envelope(job: Job, chunks: Callable[..., Any]) -> dict[str, Any]:
+def _envelope(job: Job) -> dict[str, Any]:
     kind = "chat.completion.chunk" if job.id.startswith("chatcmpl") else "text_completion"
     return {"id": job.id, "object": kind, "created": job.created, "model": job.model}
 
