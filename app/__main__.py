@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="YAML config (default: the built-in one, workers on 127.0.0.1:8101/8102)")
     parser.add_argument("--host", default=None, help="address to bind (default: the config's, 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port to bind (default: the config's, 8000)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECGATE_API_KEY, else open)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -20,12 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
     from app.server import create_app
     from core.config import load_config
     from core.errors import SpecgateError
     from core.runners import load_runner
+    from core.serving import run_server
 
     try:
         config = load_config(args.config).with_local_urls()
@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
             config.host = args.host
         if args.port is not None:
             config.port = args.port
+        if args.api_key:
+            config.api_key = args.api_key
         draft = load_runner(config.draft.model, config.draft.backend.value, 2048, config.draft.memory_cap_mb, config.draft.threads)
         draft.fingerprint  # computed before the first request
     except SpecgateError as exc:
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = create_app(config, draft_runner=draft)
     print(f"specgate gateway: {config.model} on http://{config.host}:{config.port} (draft {config.draft.model}, mode {config.speculative.mode.value})", flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    drain_s = config.limits.drain_timeout_s
+    run_server(app, config.host, config.port, args.log_level, drain_s, lambda: app.state.admission.start_drain(drain_s))
     draft.close()
     return 0
 

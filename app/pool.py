@@ -1,15 +1,28 @@
-"""The gateway's side of protocol v1: one client per worker, byte counting, resend on
-``409 session_short``, and every transport or protocol failure mapped once to WorkerError."""
+"""The gateway's side of protocol v1 (DESIGN §4): a WorkerClient per configured target, each
+with one or more replicas of the same model; resend on ``409 session_short``; failover between
+replicas; a circuit breaker per replica. Transport and protocol failures are mapped here, once:
+
+    ReplicaFailure   one replica failed one call (kind: connect | timeout | transport | http_5xx
+                     | garbage | fingerprint | unauthorized); the session moves to another replica
+    WorkerError      what the engine sees: no replica of a target is left, or the target refused
+                     the request itself (a 4xx every replica would give)
+
+The gateway owns the token sequence, so any replica can take a session over: the new one gets
+the agreed prefix resent from zero and answers exactly as the old one would have (the worker's
+random draws are keyed by the request's seed, position and the target's index, not by replica).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
-from core.config import LinkConfig
+from core.config import LinkConfig, SpecgateConfig
 from core.errors import ProtocolError, SpecgateError
 from core.protocol import (
     BINARY_CONTENT_TYPE,
@@ -25,15 +38,32 @@ from core.protocol import (
 log = logging.getLogger(__name__)
 
 _MAX_RESENDS = 2  # held prefix, then from zero
+FAILURE_KINDS = ("connect", "timeout", "transport", "http_5xx", "garbage", "fingerprint", "unauthorized", "rejected")
 
 
 class WorkerError(SpecgateError):
-    """A worker that is down, timed out, or answered something unusable."""
+    """A target that is down, timed out, or answered something unusable."""
 
     def __init__(self, worker: str, message: str, status: int = 502) -> None:
         super().__init__(f"worker {worker}: {message}")
         self.worker = worker
         self.status = status
+
+
+class ReplicaFailure(Exception):
+    """One replica failed one call; ``kind`` is one of FAILURE_KINDS."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What every replica must serve: the draft's tokenizer and vocabulary."""
+
+    fingerprint: str
+    vocab_size: int
 
 
 @dataclass
@@ -44,79 +74,249 @@ class Traffic:
     received: int = 0
     calls: int = 0
 
+    def add(self, other: Traffic) -> None:
+        self.sent += other.sent
+        self.received += other.received
+        self.calls += other.calls
+
 
 @dataclass
-class WorkerClient:
-    name: str
+class Breaker:
+    """Closed until ``threshold`` failures in a row; then open (no calls) until a probe passes."""
+
+    threshold: int
+    failures: int = 0  # in a row
+
+    @property
+    def is_open(self) -> bool:
+        return self.failures >= self.threshold
+
+    def record(self, ok: bool) -> None:
+        self.failures = 0 if ok else self.failures + 1
+
+
+@dataclass
+class Replica:
     url: str
-    weight: float
-    client: httpx.AsyncClient
-    link: LinkConfig | None = None  # emulated network: delays each direction, never blocks the loop
-    vocab_size: int = 0
-    info: InfoResponse | None = None
+    breaker: Breaker
+    info: InfoResponse | None = None  # its /v1/info, once checked against Expected
+    last_error: str = ""
     traffic: Traffic = field(default_factory=Traffic)
 
-    async def fetch_info(self) -> InfoResponse:
+
+class WorkerClient:
+    """One target of the federation: its weight, its replicas, which replica holds which session."""
+
+    def __init__(
+        self,
+        name: str,
+        urls: list[str],
+        weight: float,
+        client: httpx.AsyncClient,
+        timeout: httpx.Timeout,
+        threshold: int,
+        expected: Expected,
+        link: LinkConfig | None = None,  # emulated network: delays each direction, never blocks the loop
+    ) -> None:
+        self.name, self.weight, self.client, self.timeout, self.expected, self.link = name, weight, client, timeout, expected, link
+        self.replicas = [Replica(url.rstrip("/"), Breaker(threshold)) for url in urls]
+        self.sessions: dict[str, Replica] = {}  # the replica that holds each session now
+        self.held: dict[str, set[str]] = {}  # every replica a session was sent to (freed at the end)
+        self.failures: Counter[str] = Counter()  # by kind
+        self.failovers = 0  # sessions moved to another replica mid-request
+        self.traffic = Traffic()
+
+    @property
+    def url(self) -> str:
+        return self.replicas[0].url
+
+    @property
+    def vocab_size(self) -> int:
+        return self.expected.vocab_size
+
+    @property
+    def is_up(self) -> bool:
+        return any(not r.breaker.is_open for r in self.replicas)
+
+    # ----------------------------------------------------------------- info and health
+
+    async def check(self, replica: Replica) -> InfoResponse:
+        """/v1/info of one replica against Expected; success closes its breaker."""
         try:
-            resp = await self.client.get(f"{self.url}/v1/info")
-            resp.raise_for_status()
-            info = decode(InfoResponse, resp.content, resp.headers.get("content-type"))
-        except httpx.HTTPError as exc:
-            raise WorkerError(self.name, f"/v1/info failed at {self.url}: {_describe(exc)}", 503) from exc
-        except ProtocolError as exc:
-            raise WorkerError(self.name, f"/v1/info answered garbage: {exc}") from exc
-        self.info, self.vocab_size = info, info.vocab_size
+            info = await self._fetch_info(replica)
+        except ReplicaFailure as exc:
+            self._failed(replica, exc)
+            raise
+        replica.info = info
+        replica.breaker.record(ok=True)
         return info
 
-    async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
-        """One verify call; on ``session_short`` resend from what the worker holds (or zero).
+    async def check_all(self) -> dict[str, Any]:
+        """Every replica checked at once: the target's entry of ``/health/ready``."""
+        results = await asyncio.gather(*(self.check(r) for r in self.replicas), return_exceptions=True)
+        replicas, infos = [], []
+        for replica, result in zip(self.replicas, results):
+            if isinstance(result, InfoResponse):
+                infos.append(result)
+                replicas.append({"url": replica.url, "ready": True})
+            else:
+                replicas.append({"url": replica.url, "ready": False, "error": str(result), "failures_in_a_row": replica.breaker.failures})
+        entry: dict[str, Any] = {"name": self.name, "url": self.url, "weight": self.weight, "ready": bool(infos), "replicas": replicas}
+        if infos:
+            entry.update(model=infos[0].model_id, max_context=min(i.max_context for i in infos))
+        else:
+            entry["error"] = f"worker {self.name}: no replica ready ({replicas[0]['error']})"
+        return entry
 
-        ``agreed`` is the whole token sequence the request's prefix is a part of: resending
-        moves tokens from the prefix into ``tokens``.
+    async def probe(self) -> None:
+        """Open breakers only: ``/health``, then ``/v1/info``; a replica that passes takes calls again."""
+        for replica in (r for r in self.replicas if r.breaker.is_open):
+            try:
+                resp = await self.client.get(f"{replica.url}/health", timeout=self.timeout)
+                if resp.status_code != 200:
+                    continue
+                await self.check(replica)
+                log.info("worker %s: replica %s is back", self.name, replica.url)
+            except (httpx.HTTPError, ReplicaFailure):
+                continue
+
+    async def _fetch_info(self, replica: Replica) -> InfoResponse:
+        resp = await self._request("GET", replica, "/v1/info")
+        if resp.status_code != 200:
+            raise _status_failure(resp.status_code, resp.content, "/v1/info")
+        try:
+            info = decode(InfoResponse, resp.content, resp.headers.get("content-type"))
+        except ProtocolError as exc:
+            raise ReplicaFailure("garbage", f"/v1/info answered garbage: {exc}") from exc
+        if info.tokenizer_fingerprint != self.expected.fingerprint or info.vocab_size != self.expected.vocab_size:
+            raise ReplicaFailure("fingerprint", f"serves another tokenizer/vocabulary ({info.model_id}, V={info.vocab_size})")
+        return info
+
+    # ----------------------------------------------------------------- verify
+
+    async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
+        """One verify call on the replica that holds the session, failing over to the others.
+
+        ``agreed`` is the whole token sequence the request's prefix is a part of: a resend moves
+        tokens from the prefix into ``tokens``.
         """
-        traffic = Traffic()
+        traffic, tried = Traffic(), set[str]()
+        last: ReplicaFailure | None = None
+        while True:
+            replica = await self._replica_for(req.session_id, tried, last)
+            if self.sessions.get(req.session_id) is not replica:
+                if req.session_id in self.held:  # it lost the session's replica mid-request
+                    self.failovers += 1
+                    log.warning("worker %s: session %s moves to %s", self.name, req.session_id, replica.url)
+                if req.prefix_len:
+                    req = _resend(req, agreed, 0)  # a fresh replica holds nothing of it
+                self.sessions[req.session_id] = replica
+                self.held.setdefault(req.session_id, set()).add(replica.url)
+            try:
+                resp = await self._verify_on(replica, req, agreed, traffic)
+            except ReplicaFailure as exc:
+                self._failed(replica, exc)
+                tried.add(replica.url)
+                del self.sessions[req.session_id]
+                last = exc
+                continue
+            replica.breaker.record(ok=True)
+            return resp, traffic
+
+    async def _replica_for(self, session_id: str, tried: set[str], last: ReplicaFailure | None) -> Replica:
+        """The session's replica, else the least loaded healthy one not yet tried (checked first)."""
+        current = self.sessions.get(session_id)
+        if current is not None and not current.breaker.is_open:
+            return current
+        while True:
+            candidates = [r for r in self.replicas if r.url not in tried and not r.breaker.is_open]
+            if not candidates:
+                raise self._exhausted(last)
+            load = Counter(r.url for r in self.sessions.values())
+            replica = min(candidates, key=lambda r: (r.breaker.failures, load[r.url]))
+            if replica.info is not None:
+                return replica
+            try:
+                await self.check(replica)
+                return replica
+            except ReplicaFailure as exc:
+                tried.add(replica.url)
+                last = exc
+
+    def _exhausted(self, last: ReplicaFailure | None) -> WorkerError:
+        if last is None:  # every breaker was open before this call
+            return WorkerError(self.name, f"no healthy replica (circuit open after repeated failures: {self.replicas[0].last_error})", 503)
+        status = 503 if last.kind in ("connect", "timeout") else 502
+        which = "its replica" if len(self.replicas) == 1 else f"all {len(self.replicas)} replicas"
+        return WorkerError(self.name, f"{which} failed: {last}", status)
+
+    def _failed(self, replica: Replica, exc: ReplicaFailure) -> None:
+        replica.breaker.record(ok=False)
+        replica.last_error = str(exc)
+        self.failures[exc.kind] += 1
+        if replica.breaker.failures == replica.breaker.threshold:
+            replica.info = None  # checked again before its next call
+            log.warning("worker %s: circuit open for %s after %d failures: %s", self.name, replica.url, replica.breaker.failures, exc)
+        else:
+            log.warning("worker %s: replica %s failed (%s): %s", self.name, replica.url, exc.kind, exc)
+
+    async def _verify_on(self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic) -> VerifyResponse:
         for _ in range(_MAX_RESENDS + 1):
-            status, body = await self._post(req, traffic)
+            status, body = await self._post(replica, req, traffic)
             if status == 200:
-                resp = self._parse(body, req)
-                return resp, traffic
+                return self._parse(body, req)
             if status != 409:
-                raise WorkerError(self.name, _error_message(status, body))
+                failure = _status_failure(status, body, "verify")
+                if failure.kind == "rejected":  # the request itself: every replica would refuse it
+                    raise WorkerError(self.name, str(failure))
+                raise failure
             held = _held(body)
             prefix = held if held < req.prefix_len else 0  # held ≥ prefix_len: the hash differed
             log.info("worker %s lost session %s (holds %d): resending from %d", self.name, req.session_id, held, prefix)
             req = _resend(req, agreed, prefix)
-        raise WorkerError(self.name, "kept answering session_short after a resend from zero")
+        raise ReplicaFailure("garbage", "kept answering session_short after a resend from zero")
 
-    async def delete_session(self, session_id: str) -> None:
-        try:
-            await self.client.delete(f"{self.url}/v1/sessions/{session_id}", timeout=5.0)
-        except httpx.HTTPError as exc:
-            log.warning("could not free session %s on worker %s: %s", session_id, self.name, _describe(exc))
-
-    async def _post(self, req: VerifyRequest, traffic: Traffic) -> tuple[int, bytes]:
+    async def _post(self, replica: Replica, req: VerifyRequest, traffic: Traffic) -> tuple[int, bytes]:
         body, content_type = encode(req, self.vocab_size)
         if self.link is not None:
             await asyncio.sleep(self.link.delay_s(len(body), upstream=True))
-        try:
-            resp = await self.client.post(f"{self.url}/v1/verify", content=body, headers={"content-type": content_type, "accept": BINARY_CONTENT_TYPE})
-        except httpx.HTTPError as exc:
-            raise WorkerError(self.name, f"verify failed at {self.url}: {_describe(exc)}", 503) from exc
+        headers = {"content-type": content_type, "accept": BINARY_CONTENT_TYPE}
+        resp = await self._request("POST", replica, "/v1/verify", content=body, headers=headers)
         if self.link is not None:
             await asyncio.sleep(self.link.delay_s(len(resp.content), upstream=False))
-        for t in (traffic, self.traffic):
-            t.sent += len(body)
-            t.received += len(resp.content)
-            t.calls += 1
+        call = Traffic(len(body), len(resp.content), 1)
+        for t in (traffic, self.traffic, replica.traffic):
+            t.add(call)
         return resp.status_code, resp.content
+
+    async def _request(self, method: str, replica: Replica, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return await self.client.request(method, f"{replica.url}{path}", timeout=self.timeout, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise ReplicaFailure("timeout", f"{path} at {replica.url}: {_describe(exc)}") from exc
+        except httpx.ConnectError as exc:
+            raise ReplicaFailure("connect", f"{path} at {replica.url}: {_describe(exc)}") from exc
+        except httpx.HTTPError as exc:  # reset, closed mid-body, …
+            raise ReplicaFailure("transport", f"{path} at {replica.url}: {_describe(exc)}") from exc
 
     def _parse(self, body: bytes, req: VerifyRequest) -> VerifyResponse:
         try:
             resp = decode(VerifyResponse, body, BINARY_CONTENT_TYPE)
             check_verify_response(resp, req, self.vocab_size)
         except ProtocolError as exc:
-            raise WorkerError(self.name, f"answered garbage: {exc}") from exc
+            raise ReplicaFailure("garbage", f"answered garbage: {exc}") from exc
         return resp
+
+    async def delete_session(self, session_id: str) -> None:
+        """Free the session on every replica it was sent to (best effort: they evict anyway)."""
+        self.sessions.pop(session_id, None)
+        for replica in self.replicas:
+            if replica.url in self.held.get(session_id, ()) and not replica.breaker.is_open:
+                try:
+                    await self.client.delete(f"{replica.url}/v1/sessions/{session_id}", timeout=5.0)
+                except httpx.HTTPError as exc:
+                    log.warning("could not free session %s on worker %s (%s): %s", session_id, self.name, replica.url, _describe(exc))
+        self.held.pop(session_id, None)
 
 
 def _resend(req: VerifyRequest, agreed: list[int], prefix: int) -> VerifyRequest:
@@ -137,11 +337,17 @@ def _held(body: bytes) -> int:
     return held if isinstance(held, int) and held >= 0 else 0
 
 
-def _error_message(status: int, body: bytes) -> str:
+def _status_failure(status: int, body: bytes, what: str) -> ReplicaFailure:
+    """A non-200 answer: 5xx and 401/403 are the replica's fault; other 4xx are the request's."""
     try:
-        return f"HTTP {status}: {ErrorBody.from_json(body).message}"
+        message = f"{what}: HTTP {status}: {ErrorBody.from_json(body).message}"
     except ProtocolError:
-        return f"HTTP {status}: {body[:200]!r}"
+        message = f"{what}: HTTP {status}: {body[:200]!r}"
+    if status >= 500:
+        return ReplicaFailure("http_5xx", message)
+    if status in (401, 403):
+        return ReplicaFailure("unauthorized", f"{message} (is SPECGATE_WORKER_TOKEN the same on both sides?)")
+    return ReplicaFailure("rejected", message)
 
 
 def _describe(exc: httpx.HTTPError) -> str:
@@ -149,23 +355,48 @@ def _describe(exc: httpx.HTTPError) -> str:
 
 
 class WorkerPool:
-    """The federation: every worker, its weight, and one HTTP client shared by them all."""
+    """The federation: every target, its weight, and one HTTP client shared by them all
+    (transport retries off: the failover loop above is the only retry)."""
 
-    def __init__(self, workers: list[tuple[str, str, float, LinkConfig | None]], timeout_s: float, transport: httpx.AsyncBaseTransport | None = None) -> None:
-        timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
-        self.client = httpx.AsyncClient(timeout=timeout, transport=transport)
-        self.workers = [WorkerClient(name, url.rstrip("/"), weight, self.client, link) for name, url, weight, link in workers]
+    def __init__(self, workers: list[WorkerClient], client: httpx.AsyncClient, probe_interval_s: float) -> None:
+        self.workers, self.client, self.probe_interval_s = workers, client, probe_interval_s
+        self._prober: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_config(cls, config: SpecgateConfig, expected: Expected, transport: httpx.AsyncBaseTransport | None = None) -> WorkerPool:
+        headers = {"authorization": f"Bearer {config.worker_token}"} if config.worker_token else None
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=4 * config.limits.max_concurrent_requests)
+        client = httpx.AsyncClient(transport=transport or httpx.AsyncHTTPTransport(retries=0, limits=limits), headers=headers)
+        workers = [
+            WorkerClient(
+                w.name or "", config.worker_urls(w), w.weight, client,
+                httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), config.health.failure_threshold, expected, w.link,
+            )
+            for w in config.workers
+        ]
+        return cls(workers, client, config.health.probe_interval_s)
 
     @property
     def weights(self) -> list[float]:
         return [w.weight for w in self.workers]
 
-    async def fetch_infos(self) -> list[InfoResponse | WorkerError]:
-        results = await asyncio.gather(*(w.fetch_info() for w in self.workers), return_exceptions=True)
-        return [r if isinstance(r, (InfoResponse, WorkerError)) else WorkerError("?", str(r)) for r in results]
+    def start(self) -> None:
+        """Probe open breakers in the background until ``close``."""
+        self._prober = asyncio.create_task(self._probe_forever())
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            await asyncio.gather(*(w.probe() for w in self.workers))
+
+    async def check_all(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(w.check_all() for w in self.workers)))
 
     async def delete_sessions(self, session_id: str) -> None:
         await asyncio.gather(*(w.delete_session(session_id) for w in self.workers))
 
     async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            await asyncio.gather(self._prober, return_exceptions=True)
         await self.client.aclose()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -18,14 +18,17 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from app.admission import Admission, Release
 from app.draft import DraftModel
-from app.pool import WorkerError, WorkerPool
+from app.pool import FAILURE_KINDS, Expected, WorkerError, WorkerPool
 from app.schemas import ChatCompletionRequest, CompletionRequest
 from app.service import ApiError, ChoiceEvent, Gateway, Job
 from core.config import SpecgateConfig
 from core.runners import ModelRunner, load_runner
+from core.serving import Guard
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def create_app(
@@ -43,13 +46,13 @@ def create_app(
             draft = config.draft
             runner = await asyncio.to_thread(load_runner, draft.model, draft.backend.value, 2048, draft.memory_cap_mb, draft.threads)
             await asyncio.to_thread(lambda: runner.fingerprint)
-        workers = [(w.name or "", config.worker_url(w), w.weight, w.link) for w in config.workers]
-        pool = WorkerPool(workers, config.limits.request_timeout_s, transport)
+        pool = WorkerPool.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size), transport)
         gateway = Gateway(config, DraftModel(runner), pool)
         app.state.gateway = gateway
         for entry in await gateway.check_workers():
             if not entry["ready"]:
                 log.warning("worker %s not ready at start-up: %s", entry["name"], entry["error"])
+        pool.start()
         yield
         await pool.close()
         if draft_runner is None:
@@ -57,6 +60,9 @@ def create_app(
 
     app = FastAPI(title="specgate", lifespan=lifespan)
     app.state.counters = defaultdict(float)
+    limits = config.limits
+    admission = app.state.admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s)
+    app.add_middleware(Guard, token=config.api_key, max_body_bytes=limits.max_body_bytes, is_draining=lambda: admission.is_draining)
     _add_routes(app)
     _add_error_handlers(app)
     return app
@@ -100,12 +106,23 @@ def _add_routes(app: FastAPI) -> None:
         counters = request.app.state.counters
         gateway: Gateway | None = getattr(request.app.state, "gateway", None)
         lines = [f"specgate_{name} {value}" for name, value in sorted(counters.items())]
+        admission: Admission = request.app.state.admission
+        lines += [f"specgate_requests_running {admission.active}", f"specgate_requests_waiting {admission.queued}", f"specgate_requests_rejected_total {admission.rejected}"]
         if gateway is not None:
-            for w in gateway.pool.workers:
-                lines.append(f'specgate_worker_bytes_sent_total{{worker="{w.name}"}} {w.traffic.sent}')
-                lines.append(f'specgate_worker_bytes_received_total{{worker="{w.name}"}} {w.traffic.received}')
-                lines.append(f'specgate_worker_calls_total{{worker="{w.name}"}} {w.traffic.calls}')
+            lines += _worker_metrics(gateway.pool)
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def _worker_metrics(pool: WorkerPool) -> list[str]:
+    lines = []
+    for w in pool.workers:
+        lines.append(f'specgate_worker_bytes_sent_total{{worker="{w.name}"}} {w.traffic.sent}')
+        lines.append(f'specgate_worker_bytes_received_total{{worker="{w.name}"}} {w.traffic.received}')
+        lines.append(f'specgate_worker_calls_total{{worker="{w.name}"}} {w.traffic.calls}')
+        lines.append(f'specgate_worker_failovers_total{{worker="{w.name}"}} {w.failovers}')
+        lines += [f'specgate_worker_failures_total{{worker="{w.name}",kind="{kind}"}} {w.failures[kind]}' for kind in FAILURE_KINDS]
+        lines += [f'specgate_worker_replica_up{{worker="{w.name}",url="{r.url}"}} {int(not r.breaker.is_open)}' for r in w.replicas]
+    return lines
 
 
 def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
@@ -121,39 +138,76 @@ async def _respond(
     whole: Callable[[list[ChoiceEvent]], dict[str, Any]],
 ) -> Response:
     gateway = _gateway(request)
-    if gateway.slots.locked():
-        raise ApiError(429, "too many concurrent requests; retry shortly", code="rate_limit_exceeded", kind="rate_limit_error")
     await gateway.ensure_workers()
-    counters = request.app.state.counters
-    counters["requests_total"] += 1
+    release = await request.app.state.admission.enter()  # 429 here, before any byte of a stream
+    request.app.state.counters["requests_total"] += 1
     if not stream:
-        async with gateway.slots:
-            events = await gateway.collect(job)
-        _count(counters, job)
-        return JSONResponse(whole(events))
-    return EventSourceResponse(_sse(request, job, include_usage, chunks), ping=15, sep="\n")
-
-
-async def _sse(request: Request, job: Job, include_usage: bool, chunks: Callable[[ChoiceEvent | None], list[dict[str, Any]]]) -> AsyncGenerator[dict[str, str], None]:
-    """``data: {chunk}`` … ``data: [DONE]``; a failure mid-stream is an error event, then [DONE]."""
-    gateway = _gateway(request)
-    usage_field = {"usage": None} if include_usage else {}
-    async with gateway.slots:
         try:
-            for chunk in chunks(None):
-                yield _data({**chunk, **usage_field})
-            async with aclosing(gateway.events(job)) as events:
-                async for event in events:
-                    for chunk in chunks(event):
-                        yield _data({**chunk, **usage_field})
-            if include_usage:
-                yield _data({**_envelope(job), "choices": [], "usage": job.usage.to_dict()})
-            _count(request.app.state.counters, job)
-        except WorkerError as exc:
-            log.warning("stream %s failed: %s", job.id, exc)
-            yield _data(ApiError(exc.status, str(exc), code="worker_error", kind="server_error").body())
-        except ApiError as exc:
-            yield _data(exc.body())
+            events = await _unless_disconnected(request, gateway.collect(job))
+        finally:
+            release()
+        _count(request.app.state.counters, job)
+        return JSONResponse(whole(events))
+    body = _sse(request, job, include_usage, chunks, release)
+    grace = gateway.config.limits.drain_timeout_s + 1  # our own deadline ends the stream first
+    return _Stream(body, release, ping=15, sep="\n", shutdown_grace_period=grace)
+
+
+class _Stream(EventSourceResponse):
+    """An SSE response that gives its admission slot back however it ends (even unstarted)."""
+
+    def __init__(self, content: AsyncGenerator[dict[str, str], None], release: Release, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``, cancelled if the client goes away first (then the engine frees its sessions)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ApiError(499, "the client closed the connection", code="client_closed")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _sse(request: Request, job: Job, include_usage: bool, chunks: Callable[[ChoiceEvent | None], list[dict[str, Any]]], release: Release) -> AsyncGenerator[dict[str, str], None]:
+    """``data: {chunk}`` … ``data: [DONE]``; a failure mid-stream is an error event, then [DONE].
+    A client that goes away cancels this generator at its next await: the engine's ``finally``
+    frees the worker sessions."""
+    admission: Admission = request.app.state.admission
+    usage_field = {"usage": None} if include_usage else {}
+    try:
+        for chunk in chunks(None):
+            yield _data({**chunk, **usage_field})
+        async with aclosing(_gateway(request).events(job)) as events:
+            async for event in events:
+                for chunk in chunks(event):
+                    yield _data({**chunk, **usage_field})
+                if admission.drain_expired():
+                    raise ApiError(503, "the gateway shut down before this stream finished", code="shutting_down", kind="server_error")
+        if include_usage:
+            yield _data({**_envelope(job), "choices": [], "usage": job.usage.to_dict()})
+        _count(request.app.state.counters, job)
+    except WorkerError as exc:
+        log.warning("stream %s failed: %s", job.id, exc)
+        yield _data(ApiError(exc.status, str(exc), code="worker_error", kind="server_error").body())
+    except ApiError as exc:
+        yield _data(exc.body())
+    finally:
+        release()
     yield {"data": "[DONE]"}
 
 

@@ -143,34 +143,27 @@ class Gateway:
         self.pool = pool
         self.tokenizer = draft.runner.tokenizer
         self.engine = Engine(draft, pool, draft.runner.info.eos_ids, draft.runner.info.max_context)
-        self.slots = asyncio.Semaphore(config.limits.max_concurrent_requests)
         self._workers_checked = False
 
     # ----------------------------------------------------------------- workers
 
     async def check_workers(self) -> list[dict[str, Any]]:
-        """/v1/info of every worker against the draft's vocabulary and tokenizer."""
-        report = []
-        for worker, info in zip(self.pool.workers, await self.pool.fetch_infos()):
-            entry: dict[str, Any] = {"name": worker.name, "url": worker.url, "weight": worker.weight}
-            if isinstance(info, WorkerError):
-                entry.update(ready=False, error=str(info))
-            elif info.tokenizer_fingerprint != self.draft.runner.fingerprint or info.vocab_size != self.draft.vocab_size:
-                entry.update(ready=False, error=f"worker {worker.name} serves another tokenizer/vocabulary ({info.model_id}, V={info.vocab_size})")
-            else:
-                entry.update(ready=True, model=info.model_id, max_context=info.max_context)
-            report.append(entry)
-        if all(e["ready"] for e in report):
-            self.engine.max_context = min([self.draft.runner.info.max_context] + [e["max_context"] for e in report])
+        """/v1/info of every replica of every worker, checked against the draft's tokenizer."""
+        report = await self.pool.check_all()
+        ready = [e for e in report if e["ready"]]
+        if ready:
+            self.engine.max_context = min([self.draft.runner.info.max_context] + [e["max_context"] for e in ready])
+        if len(ready) == len(report):
             self._workers_checked = True
         return report
 
     async def ensure_workers(self) -> None:
+        """Before the first request: every worker has a ready replica (503 naming one that has not)."""
         if self._workers_checked:
             return
         for entry in await self.check_workers():
             if not entry["ready"]:
-                raise WorkerError(entry["name"], entry["error"], 503)
+                raise WorkerError(entry["name"], entry["error"].removeprefix(f"worker {entry['name']}: "), 503)
 
     # ----------------------------------------------------------------- requests
 

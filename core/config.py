@@ -12,7 +12,9 @@ bad key or value is a ConfigError that names it.
     workers:
       - {url: http://10.0.0.5:8101, weight: 0.7}           # a worker running elsewhere
       - {model: builtin-alt, weight: 0.3, port: 8102}      # started by `specgate serve`
+      - {urls: [http://10.0.0.6:8101, http://10.0.0.7:8101], weight: 0.5}  # replicas: failover
     limits: {max_tokens: 512, max_prompt_tokens: 1536, max_concurrent_requests: 16}
+    api_key: ...               # better from SPECGATE_API_KEY; so is SPECGATE_WORKER_TOKEN
 """
 
 from __future__ import annotations
@@ -88,11 +90,13 @@ class LinkConfig(BaseModel):
 
 
 class WorkerEntry(BaseModel):
-    """One target: ``url`` (a worker running elsewhere) or ``model`` (started by ``serve``)."""
+    """One target: ``url`` or ``urls`` (workers running elsewhere: replicas of one model, any
+    of which can take over a session) or ``model`` (a local worker started by ``serve``)."""
 
     model_config = ConfigDict(extra="forbid")
 
     url: str | None = None  # base URL, e.g. http://127.0.0.1:8101
+    urls: list[str] | None = None  # replicas serving the same model with the same weight
     model: str | None = None  # what a local worker loads
     weight: float = Field(default=1.0, ge=0)  # w_n before normalisation
     name: str | None = None  # shown in errors and metrics; defaults to w<index>
@@ -100,11 +104,16 @@ class WorkerEntry(BaseModel):
     port: int | None = Field(default=None, ge=1, le=65535)  # a local worker's port
     threads: int | None = Field(default=None, gt=0)  # a local worker's CPU threads (serve splits the cores)
     link: LinkConfig | None = None  # emulate a network between the gateway and this worker
+    connect_timeout_s: float = Field(default=3.0, gt=0)  # opening a connection to a replica
+    read_timeout_s: float = Field(default=30.0, gt=0)  # waiting for a verify answer
 
     @model_validator(mode="after")
     def _one_source(self) -> WorkerEntry:
-        if (self.url is None) == (self.model is None):
-            raise ValueError("give a worker either a url (remote) or a model (local), not both")
+        sources = [self.url is not None, self.urls is not None, self.model is not None]
+        if sum(sources) != 1:
+            raise ValueError("give a worker one of url / urls (remote) or model (local)")
+        if self.urls is not None and not self.urls:
+            raise ValueError("urls must list at least one replica")
         return self
 
     @property
@@ -117,8 +126,20 @@ class LimitsConfig(BaseModel):
 
     max_tokens: int = Field(default=512, gt=0)  # the default and the cap of max_tokens
     max_prompt_tokens: int = Field(default=1536, gt=0)  # longer prompts get a 400
-    max_concurrent_requests: int = Field(default=16, gt=0)
-    request_timeout_s: float = Field(default=30.0, gt=0)  # one worker call
+    max_concurrent_requests: int = Field(default=16, gt=0)  # requests generating at once
+    max_queued_requests: int = Field(default=64, ge=0)  # waiting for a slot; beyond it a 429
+    queue_timeout_s: float = Field(default=60.0, gt=0)  # a queued request gets a 429 after this
+    max_body_bytes: int = Field(default=2**20, gt=0)  # larger request bodies get a 413
+    drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, in-flight requests get this long
+
+
+class HealthConfig(BaseModel):
+    """The circuit breaker of each replica (DESIGN §4)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    failure_threshold: int = Field(default=3, gt=0)  # failures in a row that open the breaker
+    probe_interval_s: float = Field(default=2.0, gt=0)  # how often an open replica's /health is probed
 
 
 class SpecgateConfig(BaseSettings):
@@ -131,6 +152,9 @@ class SpecgateConfig(BaseSettings):
     speculative: SpeculativeConfig = SpeculativeConfig()
     workers: list[WorkerEntry] = Field(default_factory=list)
     limits: LimitsConfig = LimitsConfig()
+    health: HealthConfig = HealthConfig()
+    api_key: str | None = None  # clients must send it as a bearer token (env SPECGATE_API_KEY)
+    worker_token: str | None = None  # sent to every worker as a bearer token (env SPECGATE_WORKER_TOKEN)
 
     @model_validator(mode="after")
     def _check(self) -> SpecgateConfig:
@@ -171,7 +195,13 @@ class SpecgateConfig(BaseSettings):
         return self.model_copy(update={"workers": workers, "draft": draft})
 
     def worker_url(self, worker: WorkerEntry) -> str:
-        return worker.url or f"http://127.0.0.1:{worker.port}"
+        """The first replica's URL (a local worker's own)."""
+        return self.worker_urls(worker)[0]
+
+    def worker_urls(self, worker: WorkerEntry) -> list[str]:
+        if worker.urls:
+            return [u.rstrip("/") for u in worker.urls]
+        return [(worker.url or f"http://127.0.0.1:{worker.port}").rstrip("/")]
 
 
 def builtin_config() -> SpecgateConfig:
@@ -208,6 +238,9 @@ def parse_config(data: dict[str, Any], where: str = "config") -> SpecgateConfig:
         raise ConfigError(f"{where}: {key}: {first['msg']}") from exc
 
 
+SECRETS = ("api_key", "worker_token")  # never written to files: they travel in the environment
+
+
 def dump_config(config: SpecgateConfig) -> str:
-    """YAML that ``load_config`` reads back to ``config``."""
-    return yaml.safe_dump(config.model_dump(mode="json", exclude_none=True), sort_keys=False)
+    """YAML that ``load_config`` reads back to ``config``, less the secrets."""
+    return yaml.safe_dump(config.model_dump(mode="json", exclude_none=True, exclude=set(SECRETS)), sort_keys=False)

@@ -31,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
     from pydantic import ValidationError
+
+    from core.serving import run_server
 
     from core.runners import load_runner
     from workers.server import create_app
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = create_app(settings, runner=runner)
     print(f"specgate worker: {settings.model} ({settings.backend.value}) on http://{settings.host}:{settings.port}", flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    run_server(app, settings.host, settings.port, args.log_level, settings.drain_timeout_s, app.state.start_drain)
     runner.close()
     return 0
 

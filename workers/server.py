@@ -28,15 +28,12 @@ from core.protocol import (
     encode_json,
 )
 from core.runners import ModelRunner, load_runner
+from core.serving import Guard
 from workers.scoring import score
 from workers.sessions import SessionStore
 from workers.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
-
-
-class PayloadTooLarge(ProtocolError):
-    pass
 
 
 @dataclass
@@ -130,6 +127,13 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None) -> F
     app = FastAPI(title="specgate worker", lifespan=lifespan)
     if runner is not None:
         app.state.worker = WorkerState.build(settings, runner)
+    app.state.draining = False
+
+    def start_drain() -> None:  # SIGTERM: in-flight calls finish, new ones get a 503
+        app.state.draining = True
+
+    app.state.start_drain = start_drain
+    app.add_middleware(Guard, token=settings.token, max_body_bytes=settings.max_body_bytes, is_draining=lambda: app.state.draining)
     _add_routes(app)
     _add_error_handlers(app)
     return app
@@ -151,7 +155,7 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/v1/verify")
     async def verify(request: Request) -> Response:
         state = _state(request)
-        body = await _read_body(request, state.settings.max_body_bytes)
+        body = await request.body()  # the Guard capped its size
         req = decode(VerifyRequest, body, request.headers.get("content-type"))
         async with state.lock:
             resp = await asyncio.to_thread(state.verify, req)
@@ -172,19 +176,6 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(_render_metrics(_state(request)), media_type="text/plain; version=0.0.4")
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _render_metrics(state: WorkerState) -> str:
@@ -212,11 +203,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         count(request, "session_short")
         body = ErrorBody(str(exc), "session_short", param="prefix_len", code="session_short", held=exc.held)
         return _error(409, body)
-
-    @app.exception_handler(PayloadTooLarge)
-    async def too_large(request: Request, exc: PayloadTooLarge) -> Response:
-        count(request, "payload_too_large")
-        return _error(413, ErrorBody(str(exc), "invalid_request_error", code="payload_too_large"))
 
     @app.exception_handler(ProtocolError)
     async def bad_request(request: Request, exc: ProtocolError) -> Response:

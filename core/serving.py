@@ -1,0 +1,116 @@
+"""What the gateway and the workers share as servers: a guard in front of the app (drain, bearer
+token, body cap) and uvicorn with a graceful SIGTERM (stop accepting, drain, exit 0)."""
+
+from __future__ import annotations
+
+import hmac
+import math
+import logging
+import signal
+from collections.abc import Callable
+from types import FrameType
+import orjson
+import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+
+OPEN_PATHS = ("/health", "/metrics")  # answered without the token, and while draining
+
+
+class Guard:
+    """ASGI middleware, each refusal in the OpenAI envelope: 503 while draining, 401 without
+    ``Authorization: Bearer <token>`` (when a token is set), 413 for a body over ``max_body_bytes``.
+
+    Usage: ``app.add_middleware(Guard, token=key, max_body_bytes=2**20, is_draining=lambda: False)``
+    """
+
+    def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int, is_draining: Callable[[], bool]) -> None:
+        self.app, self.token, self.max_body_bytes, self.is_draining = app, token, max_body_bytes, is_draining
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        is_open = path == "/" or path.startswith(OPEN_PATHS)
+        if self.is_draining() and not is_open:
+            await _refuse(send, 503, "the server is shutting down; retry on another instance", "server_error", "shutting_down", {"retry-after": "5"})
+        elif self.token and not is_open and not _has_token(scope, self.token):
+            await _refuse(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error", "invalid_api_key")
+        else:
+            body = await _read_body(scope, receive, self.max_body_bytes)
+            if body is None:
+                await _refuse(send, 413, f"request body over {self.max_body_bytes} bytes", "invalid_request_error", "payload_too_large")
+                return
+            await self.app(scope, _replay(body, receive), send)
+
+
+def _has_token(scope: Scope, token: str) -> bool:
+    headers = dict(scope["headers"])
+    given = headers.get(b"authorization", b"").decode("latin-1")
+    scheme, _, value = given.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | None:
+    """The whole request body, or None once it passes ``limit`` (declared or received)."""
+    declared = dict(scope["headers"]).get(b"content-length", b"")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break  # the client left: the app sees an empty body and then the disconnect
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            return None
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # later: the disconnect, for streams that watch for it
+
+    return replayed
+
+
+async def _refuse(send: Send, status: int, message: str, kind: str, code: str, headers: dict[str, str] | None = None) -> None:
+    body = orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def run_server(app: ASGIApp, host: str, port: int, log_level: str, drain_timeout_s: float, on_drain: Callable[[], None]) -> None:
+    """uvicorn until SIGINT / SIGTERM. On SIGTERM: ``on_drain()`` (the app answers 503 to new
+    requests), uvicorn stops accepting and waits for open requests (``drain_timeout_s`` plus a
+    margin for freeing sessions), then the process returns normally — exit status 0."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout_s) + 5)
+    DrainingServer(config, on_drain).run()
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_drain = on_drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            log.info("signal %s: draining", signal.Signals(sig).name)
+            self.on_drain()
+        super().handle_exit(sig, frame)
+        if sig == signal.SIGTERM and sig in self._captured_signals:
+            self._captured_signals.remove(sig)  # drained on request: exit 0, not re-raise SIGTERM
