@@ -203,7 +203,12 @@ class Gateway:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than max_prompt_tokens {limits.max_prompt_tokens}", "prompt", "context_length_exceeded")
         if len(prompt) >= self.engine.max_context:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens, the context is {self.engine.max_context}", "prompt", "context_length_exceeded")
-        max_tokens = min(max_tokens or limits.max_tokens, limits.max_tokens)
+        if max_tokens is not None and len(prompt) + max_tokens > self.engine.max_context:
+            raise ApiError(
+                400, f"the context is {self.engine.max_context} tokens: {len(prompt)} in the prompt plus max_tokens {max_tokens} do not fit",
+                "max_tokens", "context_length_exceeded",
+            )
+        max_tokens = min(max_tokens or limits.max_tokens, limits.max_tokens)  # the config caps it
         spec = self._spec(body.speculative)
         if top_logprobs is not None and spec.mode in (Mode.SPLIT, Mode.EXACT):
             # their payloads hold p only where a rejection happened / on the draft supports

@@ -3,14 +3,29 @@ over a small vocabulary behind the real ModelRunner, DraftModel and worker code.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
+import httpx
 import torch
 
 from app.draft import Draft, DraftModel
 from app.engine import Engine
 from app.pool import Traffic
 from core.math.sampling import SamplingParams
-from core.protocol import VerifyRequest, VerifyResponse, check_verify_response
+from core.protocol import (
+    BINARY_CONTENT_TYPE,
+    ErrorBody,
+    InfoResponse,
+    VerifyRequest,
+    VerifyResponse,
+    check_verify_response,
+    decode,
+    encode,
+    encode_json,
+)
 from core.runners.base import ModelRunner, RunnerInfo
+from workers.scoring import score
 from workers.server import WorkerState
 from workers.settings import WorkerSettings
 
@@ -94,3 +109,72 @@ class InlineDraftModel(DraftModel):
 def make_engine(draft: MarkovRunner, workers: list[tuple[MarkovRunner, float]], eos_ids: list[int] | None = None) -> Engine:
     pool = FakePool([FakeWorker(f"w{i}", runner, w) for i, (runner, w) in enumerate(workers)])
     return Engine(InlineDraftModel(draft), pool, eos_ids or [], max_context=4096)  # type: ignore[arg-type]
+
+
+V = 49152
+FAVOURITE = 1000  # the fake target's most likely next token, after any context
+
+Mutation = Callable[[VerifyResponse], bytes]  # a correct answer → the bytes a broken worker sends
+
+
+class FakeWorkerTransport:
+    """Answers protocol v1 for several fake workers, told apart by host; ``behaviour[host]``
+    breaks one: "down", "500", "garbage", "short-once", "other-tokenizer", "sleep:S" (answers
+    after S seconds), "die-after:N" (down after N verify calls), or a Mutation of its answers."""
+
+    def __init__(self, fingerprint: str, behaviour: dict[str, str | Mutation] | None = None) -> None:
+        self.fingerprint = fingerprint
+        self.behaviour = behaviour or {}
+        self.requests: list[tuple[str, VerifyRequest]] = []
+        self.deleted: list[str] = []
+        self.authorization: list[str | None] = []  # the header of each request, in order
+        self.bytes_in = self.bytes_out = 0  # verify bodies received / sent, as on the wire
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self.handle)
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        behaviour = self.behaviour.get(request.url.host, "")
+        if isinstance(behaviour, str) and behaviour.startswith("sleep:"):
+            await asyncio.sleep(float(behaviour.split(":")[1]))
+        response = self._answer(request)
+        if request.url.path == "/v1/verify":
+            self.bytes_in += len(request.content)
+            self.bytes_out += len(response.content)
+        return response
+
+    def _answer(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        self.authorization.append(request.headers.get("authorization"))
+        mode = self.behaviour.get(host, "")
+        if isinstance(mode, str) and mode.startswith("die-after:"):
+            left = int(mode.split(":")[1]) - (request.url.path == "/v1/verify")
+            self.behaviour[host] = "down" if left < 0 else f"die-after:{left}"
+            mode = self.behaviour[host]
+        if mode == "down":
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        if request.url.path == "/v1/info":
+            info = InfoResponse(1, ["aggregate", "autoregressive"], host, V, "other" if mode == "other-tokenizer" else self.fingerprint, [2], 2048, "fake")
+            return httpx.Response(200, content=encode_json(info), headers={"content-type": "application/json"})
+        if request.method == "DELETE":
+            self.deleted.append(request.url.path)
+            return httpx.Response(204)
+        req = decode(VerifyRequest, request.content, request.headers["content-type"])
+        self.requests.append((host, req))
+        if mode == "500":
+            return httpx.Response(500, content=ErrorBody("boom", "server_error").to_json())
+        if mode == "garbage":
+            return httpx.Response(200, content=b"SGv1\x05\x00\x00\x00{oops", headers={"content-type": BINARY_CONTENT_TYPE})
+        if mode == "short-once" and req.prefix_len > 0:
+            self.behaviour[host] = ""
+            return httpx.Response(409, content=ErrorBody("lost", "session_short", code="session_short", held=0).to_json())
+        logits = torch.full((len(req.draft) + 1, V), -10.0)
+        logits[:, FAVOURITE] = 3.0
+        logits[:, FAVOURITE + 1] = 2.0
+        resp = score(logits, req, held=req.prefix_len + len(req.tokens) + len(req.draft), model_ms=0.1)
+        if callable(mode):
+            return httpx.Response(200, content=mode(resp), headers={"content-type": BINARY_CONTENT_TYPE})
+        body, content_type = encode(resp, V)
+        return httpx.Response(200, content=body, headers={"content-type": content_type})

@@ -15,69 +15,8 @@ import torch
 
 from app.server import create_app
 from core.config import parse_config
-from core.protocol import (
-    BINARY_CONTENT_TYPE,
-    ErrorBody,
-    InfoResponse,
-    VerifyRequest,
-    decode,
-    encode,
-    encode_json,
-)
 from core.runners import ModelRunner
-from workers.scoring import score
-
-V = 49152
-FAVOURITE = 1000  # the fake target's most likely next token, after any context
-
-
-class FakeWorkerTransport:
-    """Answers protocol v1 for several fake workers (by host); ``behaviour`` breaks one."""
-
-    def __init__(self, fingerprint: str, behaviour: dict[str, str] | None = None) -> None:
-        self.fingerprint = fingerprint
-        self.behaviour = behaviour or {}
-        self.requests: list[tuple[str, VerifyRequest]] = []
-        self.deleted: list[str] = []
-        self.bytes_in = self.bytes_out = 0  # verify bodies received / sent, as on the wire
-
-    def transport(self) -> httpx.MockTransport:
-        return httpx.MockTransport(self.handle)
-
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        response = self._answer(request)
-        if request.url.path == "/v1/verify":
-            self.bytes_in += len(request.content)
-            self.bytes_out += len(response.content)
-        return response
-
-    def _answer(self, request: httpx.Request) -> httpx.Response:
-        host = request.url.host
-        mode = self.behaviour.get(host, "")
-        if mode == "down":
-            raise httpx.ConnectError("connection refused", request=request)
-        if request.url.path == "/v1/info":
-            info = InfoResponse(1, ["aggregate", "autoregressive"], host, V, "other" if mode == "other-tokenizer" else self.fingerprint, [2], 2048, "fake")
-            return httpx.Response(200, content=encode_json(info), headers={"content-type": "application/json"})
-        if request.method == "DELETE":
-            self.deleted.append(request.url.path)
-            return httpx.Response(204)
-        req = decode(VerifyRequest, request.content, request.headers["content-type"])
-        self.requests.append((host, req))
-        if mode == "500":
-            return httpx.Response(500, content=ErrorBody("boom", "server_error").to_json())
-        if mode == "garbage":
-            return httpx.Response(200, content=b"SGv1\x05\x00\x00\x00{oops", headers={"content-type": BINARY_CONTENT_TYPE})
-        if mode == "short-once" and req.prefix_len > 0:
-            self.behaviour[host] = ""
-            return httpx.Response(409, content=ErrorBody("lost", "session_short", code="session_short", held=0).to_json())
-        logits = torch.full((len(req.draft) + 1, V), -10.0)
-        logits[:, FAVOURITE] = 3.0
-        logits[:, FAVOURITE + 1] = 2.0
-        resp = score(logits, req, held=req.prefix_len + len(req.tokens) + len(req.draft), model_ms=0.1)
-        body, content_type = encode(resp, V)
-        return httpx.Response(200, content=body, headers={"content-type": content_type})
-
+from tests.app.fakes import FAVOURITE, V, FakeWorkerTransport
 
 def _config(**overrides: Any) -> Any:
     data: dict[str, Any] = {

@@ -311,3 +311,27 @@ async def test_exact_answers_on_the_supports_within_the_payload_bound(client: ht
         assert resp.complement[j] == pytest.approx(1 - float(probs[j, support].sum()), abs=1e-5)
         assert int(resp.complement_samples[j]) not in support.tolist()
     assert 0 <= resp.bonus < V
+
+
+async def test_a_worker_token_is_required_when_set(tiny_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECGATE_WORKER_TOKEN", "wt-secret")  # how serve and compose hand it over
+    app = create_app(WorkerSettings(model="tiny-random", backend="transformers"), runner=tiny_runner)
+    req = _request("s-token", [], PROMPT, [5, 6])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        refused = await _verify(client, req)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+        assert (await client.get("/v1/info", headers={"authorization": "Bearer wt-wrong"})).status_code == 401
+        assert (await client.delete("/v1/sessions/s-token")).status_code == 401
+        assert (await client.get("/health")).status_code == 200  # liveness stays open
+        client.headers["authorization"] = "Bearer wt-secret"
+        assert (await _verify(client, req)).status_code == 200
+        assert (await client.get("/v1/info")).status_code == 200
+
+
+async def test_a_draining_worker_refuses_new_calls(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    app = create_app(_settings(), runner=tiny_runner)
+    app.state.start_drain()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as draining:
+        resp = await _verify(draining, _request("s-drain", [], PROMPT, [5]))
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "shutting_down"
+        assert (await draining.get("/health")).status_code == 200
