@@ -5,6 +5,7 @@
     specgate serve  [--config FILE] [--port N]
     specgate bench [--json FILE] [--runs N] [--quick]
     specgate bench worker [--json FILE] [--repeats N] [--quick]
+    specgate bench load [--concurrency N] [--duration S] [--json FILE]
 
 The CLI is the composition root: it starts servers as processes (``python -m workers``,
 ``python -m app``) and speaks HTTP to them, so it imports neither ``app/`` nor ``workers/``.
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="start the gateway and a local worker for each config entry with a model")
     serve.add_argument("--config", default=None, help="YAML config (default: the built-in one: two local workers, builtin and builtin-alt)")
     serve.add_argument("--port", type=int, default=None, help="gateway port (default: the config's, 8000)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SPECGATE_API_KEY, else open)")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every worker (default: 600)")
     bench = commands.add_parser("bench", help="benchmarks that print figures and write JSON (default: the decoding modes)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
@@ -43,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--backends", nargs="+", default=["llama.cpp", "transformers"], help="backends to measure")
     worker.add_argument("--positions", nargs="+", type=int, default=[1, 4, 6, 9], help="positions scored per call")
     worker.add_argument("--quick", action="store_true", help="fewer repeats and tokens: about a minute")
+    load = benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS")
+    load.add_argument("--concurrency", type=int, default=64, help="streaming clients at once (default: 64)")
+    load.add_argument("--duration", type=float, default=300.0, help="seconds of load (default: 300)")
+    load.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
+    load.add_argument("--config", default=None, help="config for specgate serve (default: the built-in one)")
+    load.add_argument("--port", type=int, default=None, help="gateway port (default: a free one)")
+    load.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server (default: 600)")
+    load.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     return parser
 
 
@@ -56,7 +66,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from clients.serve import serve
 
+        if args.api_key:
+            os.environ["SPECGATE_API_KEY"] = args.api_key  # the gateway child reads it; never on disk
         return serve(args.config, args.port, args.startup_timeout)
+    if args.command == "bench" and args.bench == "load":
+        from clients.bench_load import bench_load
+
+        return bench_load(args)
     if args.command == "bench" and args.bench == "worker":
         from clients.bench_worker import bench_worker
 

@@ -44,7 +44,7 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
             print(ready_message(config), flush=True)
             return watch(procs, stop)
         finally:
-            stop_all(procs)
+            stop_all(procs, config.limits.drain_timeout_s)
 
 
 def start_worker(config: SpecgateConfig, entry: WorkerEntry) -> subprocess.Popen[bytes]:
@@ -107,10 +107,14 @@ def watch(procs: dict[str, subprocess.Popen[bytes]], stop: _StopFlag) -> int:
     return 0
 
 
-def stop_all(procs: dict[str, subprocess.Popen[bytes]]) -> None:
+def stop_all(procs: dict[str, subprocess.Popen[bytes]], drain_s: float = 30.0) -> None:
+    """The gateway first (it drains its streams, which still need the workers), then the workers."""
+    gateway = procs.get("gateway")
+    if gateway is not None:
+        stop_process(gateway, grace_s=drain_s + 10)
     for proc in procs.values():
         if proc.poll() is None:
-            proc.terminate()  # all at once, then reap each
+            proc.terminate()  # the workers at once, then reap each
     for proc in procs.values():
         stop_process(proc)
 

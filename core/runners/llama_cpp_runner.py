@@ -81,7 +81,8 @@ class LlamaCppRunner(ModelRunner):
             2 * llama_cpp.llama_model_n_layer(model) * llama_cpp.llama_model_n_head_kv(model)
             * (llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model)) * 2
         )
-        context_bytes = self.info.max_context * self._kv_bytes + self.n_batch * vocab_size * 4
+        # measured here: a context costs its KV cache plus ~10 MB (compute buffer, kept logits)
+        context_bytes = self.info.max_context * self._kv_bytes + _OUTPUT_ROWS * vocab_size * 4
         self.num_contexts = max(1, memory_cap_mb * 2**20 // context_bytes)
         self._slots: list[_Slot] = []
         self._clock = 0
@@ -136,15 +137,15 @@ class LlamaCppRunner(ModelRunner):
         self._clock += 1
         slot = next((s for s in self._slots if s.session_id == session_id), None)
         if slot is None:
-            slot = self._new_slot() if len(self._slots) < self.num_contexts else self._lru_slot()
+            free = next((s for s in self._slots if s.session_id is None), None)  # reuse before growing
+            slot = free or (self._new_slot() if len(self._slots) < self.num_contexts else self._lru_slot())
             slot.session_id, slot.kv_tokens = session_id, []
             slot.ctx.kv_cache_clear()
         slot.last_used = self._clock
         return slot
 
     def _lru_slot(self) -> _Slot:
-        free = [s for s in self._slots if s.session_id is None]
-        return free[0] if free else min(self._slots, key=lambda s: s.last_used)
+        return min(self._slots, key=lambda s: s.last_used)
 
     def _new_slot(self) -> _Slot:
         llama_cpp = self._llama_cpp
@@ -187,6 +188,9 @@ class LlamaCppRunner(ModelRunner):
             slot.ctx.close()
         self._slots.clear()
         self._model.close()
+
+
+_OUTPUT_ROWS = 65  # logits rows one decode keeps at most in practice: a draft of 64 + 1
 
 
 def quiet_llama_cpp() -> None:
