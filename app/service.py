@@ -22,7 +22,7 @@ from app.pool import WorkerError, WorkerPool
 from app.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeParams
 from app.text import IncrementalDetokenizer, StopMatcher
 from core.config import SERVED_MODES, SpecgateConfig
-from core.math.sampling import SamplingParams
+from core.math.sampling import MIN_TEMPERATURE, SamplingParams
 from core.names import Mode
 
 log = logging.getLogger(__name__)
@@ -213,7 +213,8 @@ class Gateway:
         if top_logprobs is not None and spec.mode in (Mode.SPLIT, Mode.EXACT):
             # their payloads hold p only where a rejection happened / on the draft supports
             raise ApiError(400, f"logprobs are not available in mode {spec.mode.value!r} yet; use aggregate or autoregressive", "logprobs")
-        params = SamplingParams(temperature=body.temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
+        temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0  # as vLLM: tiny T is greedy
+        params = SamplingParams(temperature=temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         choices = [

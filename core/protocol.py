@@ -32,6 +32,7 @@ import numpy as np
 import orjson
 
 from core.errors import InvalidRequest, ProtocolError
+from core.math.sampling import MIN_TEMPERATURE
 from core.names import Mode, ProbsDtype, Reconstruction
 
 PROTOCOL_VERSION = 1
@@ -424,8 +425,8 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         raise InvalidRequest(f"prefix_len must be ≥ 0, got {req.prefix_len}", param="prefix_len")
     if req.k is not None and not 0 < req.k <= vocab_size:
         raise InvalidRequest(f"k must lie in [1, {vocab_size}], got {req.k}", param="k")
-    if req.temperature < 0 or not np.isfinite(req.temperature):
-        raise InvalidRequest("temperature must be ≥ 0", param="temperature")
+    if not (req.temperature == 0 or MIN_TEMPERATURE <= req.temperature < np.inf):
+        raise InvalidRequest(f"temperature must be 0 or ≥ {MIN_TEMPERATURE}", param="temperature")
     if req.top_k < 0:
         raise InvalidRequest("top_k must be ≥ 0 (0 = off)", param="top_k")
     if not 0 < req.top_p <= 1:

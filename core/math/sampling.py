@@ -7,6 +7,9 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon: below it logits / T overflow; the API maps it to 0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How logits become the distribution a token is drawn from.
@@ -20,8 +23,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
+        if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"temperature must be 0 or ≥ {MIN_TEMPERATURE}, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be ≥ 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -66,6 +69,7 @@ def mask_top_p(
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     drop_sorted = mass_before >= top_p
+    drop_sorted[..., 0] = False  # the most likely token always stays (top_p may round to 0 in fp32)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

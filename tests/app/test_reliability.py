@@ -315,6 +315,12 @@ async def test_bad_requests_get_the_envelope_and_lose_nothing(client: httpx.Asyn
     assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200
 
 
+@pytest.mark.parametrize("extreme", [{"top_p": 5e-324}, {"temperature": 5e-324}, {"temperature": 1e-6, "top_p": 1e-300}, {"temperature": 2.0, "top_k": 1}])
+async def test_extreme_sampling_values_are_served(client: httpx.AsyncClient, extreme: dict[str, float]) -> None:
+    resp = await client.post("/v1/completions", json={**COMPLETION, **extreme})  # fuzzing found NaN here once
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6
+
+
 async def test_bad_chat_requests(client: httpx.AsyncClient) -> None:
     _assert_error(await client.post("/v1/chat/completions", json={**CHAT, "messages": []}), 400, "invalid_value")
     _assert_error(await client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "wizard", "content": "x"}]}), 400, "invalid_value")
@@ -366,3 +372,18 @@ def test_a_client_that_leaves_frees_the_worker_sessions(tiny_runner: ModelRunner
         time.sleep(0.5)
         assert len(fakes.requests) == calls  # no round kept going
         assert client.get("/metrics").text.count("specgate_requests_running 0") == 1
+
+
+def test_a_client_that_gives_up_on_a_whole_response_frees_the_sessions_too(tiny_runner: ModelRunner, fakes: FakeWorkerTransport) -> None:
+    fakes.behaviour.update(w0="sleep:0.05", w1="sleep:0.05")
+    app = create_app(_config(), draft_runner=tiny_runner, transport=fakes.transport())
+    with _served(app) as url:
+        with pytest.raises(httpx.ReadTimeout):  # the client hangs up after 0.5 s
+            httpx.post(f"{url}/v1/completions", json={**COMPLETION, "max_tokens": 60}, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while len(fakes.deleted) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(fakes.deleted) == 2
+        calls = len(fakes.requests)
+        time.sleep(0.5)
+        assert len(fakes.requests) == calls and calls < 2 * 20

@@ -46,6 +46,19 @@ def test_top_p_keeps_the_smallest_nucleus(top_p: float, kept: int) -> None:
     assert int(torch.isfinite(masked).sum()) == kept
 
 
+@pytest.mark.parametrize("top_p", [5e-324, 1e-45, 1e-9])
+def test_a_vanishing_top_p_keeps_the_most_likely_token(top_p: float) -> None:
+    # found by schemathesis: 5e-324 rounds to 0 in fp32 and used to drop every token (NaN)
+    probs = apply_sampling(LOGITS, SamplingParams(top_p=top_p))
+    torch.testing.assert_close(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_temperatures_that_overflow_are_refused() -> None:
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=1e-300)
+    assert SamplingParams(temperature=0).is_greedy
+
+
 def test_top_k_then_top_p() -> None:
     probs = apply_sampling(LOGITS, SamplingParams(top_k=3, top_p=0.6))
     # after top-k 3: (0.571, 0.286, 0.143); nucleus 0.6 keeps the first two
