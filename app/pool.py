@@ -38,6 +38,7 @@ from core.protocol import (
 log = logging.getLogger(__name__)
 
 _MAX_RESENDS = 2  # held prefix, then from zero
+_PROBE_TIMEOUT = httpx.Timeout(2.0)  # a probe of a hung replica must not hold up the others
 FAILURE_KINDS = ("connect", "timeout", "transport", "http_5xx", "garbage", "fingerprint", "unauthorized", "rejected")
 
 
@@ -172,7 +173,7 @@ class WorkerClient:
         """Open breakers only: ``/health``, then ``/v1/info``; a replica that passes takes calls again."""
         for replica in (r for r in self.replicas if r.breaker.is_open):
             try:
-                resp = await self.client.get(f"{replica.url}/health", timeout=self.timeout)
+                resp = await self.client.get(f"{replica.url}/health", timeout=_PROBE_TIMEOUT)
                 if resp.status_code != 200:
                     continue
                 await self.check(replica)

@@ -22,67 +22,19 @@ import uvicorn
 
 from app.server import create_app
 from clients.procs import free_port
-from core.config import parse_config
 from core.protocol import InfoResponse, VerifyResponse, encode, encode_json
 from core.runners import ModelRunner
+from tests.app.conftest import Gateway
 from tests.app.fakes import V, FakeWorkerTransport, Mutation
+from tests.app.helpers import assert_error, gateway_config, sse_events
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}
 COMPLETION = {"model": "test-model", "prompt": "Once upon a time", "max_tokens": 6}
 TWO_WORKERS = [{"url": "http://w0:1", "weight": 0.6}, {"url": "http://w1:1", "weight": 0.4}]
 
 
-def _config(**overrides: Any) -> Any:
-    data: dict[str, Any] = {
-        "model": "test-model",
-        "workers": TWO_WORKERS,
-        "speculative": {"mode": "aggregate", "num_draft_tokens": 3, "k": "full"},
-        "limits": {"max_tokens": 64, "max_prompt_tokens": 100},
-        "health": {"probe_interval_s": 0.1},
-    }
-    data.update(overrides)
-    return parse_config(data)
-
-
-@pytest.fixture
-def fakes(tiny_runner: ModelRunner) -> FakeWorkerTransport:
-    return FakeWorkerTransport(tiny_runner.fingerprint)
-
-
-Gateway = Callable[..., Any]
-
-
-@pytest.fixture
-def gateway(tiny_runner: ModelRunner, fakes: FakeWorkerTransport) -> Gateway:
-    """``async with gateway(**config) as client``: a started gateway app and its client."""
-
-    @asynccontextmanager
-    async def start(transport: httpx.AsyncBaseTransport | None = None, **overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
-        app = create_app(_config(**overrides), draft_runner=tiny_runner, transport=transport or fakes.transport())
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=30) as client:
-                yield client
-
-    return start
-
-
-def _assert_error(resp: httpx.Response, status: int, code: str | None = None, contains: str = "") -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    if code is not None:
-        assert error["code"] == code
-    assert contains in error["message"], error["message"]
-    return error
-
-
-def _sse(text: str) -> list[Any]:
-    events = []
-    for block in text.strip().split("\n\n"):
-        data = "".join(line[len("data: "):] for line in block.splitlines() if line.startswith("data: "))
-        if data:
-            events.append(data if data == "[DONE]" else orjson.loads(data))
-    return events
+def _refused(resp: httpx.Response, status: int, code: str | None = None, contains: str = "") -> dict[str, Any]:
+    return assert_error(resp, status, code=code, contains=contains)
 
 
 async def _metric(client: httpx.AsyncClient, name: str) -> float:
@@ -134,9 +86,9 @@ async def test_garbage_from_a_worker_is_that_worker_failing(gateway: Gateway, fa
     mutation, spec = GARBAGE[kind]
     async with gateway(speculative={"mode": "aggregate", "num_draft_tokens": 3, "k": spec.get("k", "full")}) as client:
         fakes.behaviour["w1"] = mutation
-        error = _assert_error(await client.post("/v1/completions", json={**COMPLETION, "stream": False}), 502, "worker_error", "worker w1")
+        error = _refused(await client.post("/v1/completions", json={**COMPLETION, "stream": False}), 502, "worker_error", "worker w1")
         assert "garbage" in error["message"]
-        events = _sse((await client.post("/v1/completions", json={**COMPLETION, "stream": True})).text)
+        events = sse_events((await client.post("/v1/completions", json={**COMPLETION, "stream": True})).text)
         assert events[-1] == "[DONE]" and "w1" in events[-2]["error"]["message"]
         assert await _metric(client, 'specgate_worker_failures_total{worker="w1",kind="garbage"}') == 2
         fakes.behaviour["w1"] = ""
@@ -146,7 +98,7 @@ async def test_garbage_from_a_worker_is_that_worker_failing(gateway: Gateway, fa
 async def test_a_worker_with_another_tokenizer_is_refused_before_any_call(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
     fakes.behaviour["w1"] = "other-tokenizer"
     async with gateway() as client:
-        _assert_error(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "another tokenizer")
+        _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "another tokenizer")
         assert await _metric(client, 'specgate_worker_failures_total{worker="w1",kind="fingerprint"}') >= 1
         assert fakes.requests == []  # no verify reached either worker
 
@@ -161,7 +113,7 @@ async def test_failover_to_a_replica_gives_the_same_seeded_text(gateway: Gateway
         undisturbed = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
         fakes.requests.clear()
         fakes.behaviour["a"] = "die-after:2"
-        stream = _sse((await client.post("/v1/completions", json={**body, "stream": True})).text)
+        stream = sse_events((await client.post("/v1/completions", json={**body, "stream": True})).text)
         assert stream[-1] == "[DONE]" and "error" not in stream[-2]
         assert "".join(e["choices"][0]["text"] for e in stream[:-1] if e["choices"]) == undisturbed
         hosts = [host for host, _ in fakes.requests]
@@ -178,7 +130,7 @@ async def test_a_replica_with_another_tokenizer_is_not_failed_over_to(gateway: G
         ready = (await client.get("/health/ready")).json()
         assert ready["status"] == "ready" and [r["ready"] for r in ready["workers"][0]["replicas"]] == [True, False]
         fakes.behaviour["a"] = "500"
-        _assert_error(await client.post("/v1/completions", json=COMPLETION), 502, "worker_error", "all 2 replicas failed")
+        _refused(await client.post("/v1/completions", json=COMPLETION), 502, "worker_error", "all 2 replicas failed")
         assert not any(host == "b" for host, _ in fakes.requests)
 
 
@@ -186,9 +138,9 @@ async def test_the_circuit_opens_and_a_probe_closes_it(gateway: Gateway, fakes: 
     async with gateway(workers=[{"url": "http://w0:1"}], health={"failure_threshold": 3, "probe_interval_s": 0.1}) as client:
         fakes.behaviour["w0"] = "down"
         for _ in range(3):
-            _assert_error(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "connection refused")
+            _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "connection refused")
         calls = len(fakes.authorization)
-        error = _assert_error(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "circuit open")
+        error = _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "circuit open")
         assert len(fakes.authorization) - calls <= 1  # at most a probe of /health came in between
         assert (await client.get("/health/ready")).status_code == 503
         assert await _metric(client, 'specgate_worker_replica_up{worker="w0",url="http://w0:1"}') == 0
@@ -241,7 +193,7 @@ async def test_a_silent_worker_trips_the_read_timeout(gateway: Gateway, tiny_run
         workers = [{"url": url, "read_timeout_s": 0.3}]
         async with gateway(transport=httpx.AsyncHTTPTransport(), workers=workers) as client:
             started = time.monotonic()
-            _assert_error(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "ReadTimeout")
+            _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "ReadTimeout")
             assert time.monotonic() - started < 5
             assert await _metric(client, 'specgate_worker_failures_total{worker="w0",kind="timeout"}') == 1
             assert (await client.get("/health")).status_code == 200
@@ -259,7 +211,7 @@ async def test_beyond_the_queue_a_429_with_retry_after(gateway: Gateway, fakes: 
         queued = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
         await asyncio.sleep(0.05)
         refused = await client.post("/v1/completions", json={**COMPLETION, "stream": True})
-        _assert_error(refused, 429, "rate_limit_exceeded")
+        _refused(refused, 429, "rate_limit_exceeded")
         assert int(refused.headers["retry-after"]) >= 1
         assert (await running).status_code == 200 and (await queued).status_code == 200
         assert await _metric(client, "specgate_requests_rejected_total") == 1
@@ -272,14 +224,14 @@ async def test_a_request_queued_too_long_gets_a_429(gateway: Gateway, fakes: Fak
     async with gateway(limits=limits) as client:
         running = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
         await asyncio.sleep(0.05)
-        _assert_error(await client.post("/v1/completions", json=COMPLETION), 429, "rate_limit_exceeded", "no slot within")
+        _refused(await client.post("/v1/completions", json=COMPLETION), 429, "rate_limit_exceeded", "no slot within")
         assert (await running).status_code == 200
 
 
 async def test_api_key_with_the_openai_client(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
     async with gateway(api_key="sk-right", worker_token="wt-1") as client:
-        _assert_error(await client.post("/v1/completions", json=COMPLETION), 401, "invalid_api_key")
-        _assert_error(await client.get("/v1/models", headers={"authorization": "Bearer sk-wrong"}), 401, "invalid_api_key")
+        _refused(await client.post("/v1/completions", json=COMPLETION), 401, "invalid_api_key")
+        _refused(await client.get("/v1/models", headers={"authorization": "Bearer sk-wrong"}), 401, "invalid_api_key")
         assert (await client.get("/health")).status_code == 200 and (await client.get("/metrics")).status_code == 200
         transport = client._transport  # the gateway app, in-process
         async with httpx.AsyncClient(transport=transport) as http:
@@ -311,7 +263,7 @@ BAD_BODIES: dict[str, tuple[bytes, int, str | None]] = {
 @pytest.mark.parametrize("kind", list(BAD_BODIES))
 async def test_bad_requests_get_the_envelope_and_lose_nothing(client: httpx.AsyncClient, kind: str) -> None:
     body, status, code = BAD_BODIES[kind]
-    _assert_error(await client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), status, code)
+    _refused(await client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), status, code)
     assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200
 
 
@@ -322,15 +274,9 @@ async def test_extreme_sampling_values_are_served(client: httpx.AsyncClient, ext
 
 
 async def test_bad_chat_requests(client: httpx.AsyncClient) -> None:
-    _assert_error(await client.post("/v1/chat/completions", json={**CHAT, "messages": []}), 400, "invalid_value")
-    _assert_error(await client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "wizard", "content": "x"}]}), 400, "invalid_value")
-    _assert_error(await client.post("/v1/chat/completions", json={**CHAT, "messages": "hi"}), 400, "invalid_value")
-
-
-@pytest.fixture
-async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
-    async with gateway() as c:
-        yield c
+    _refused(await client.post("/v1/chat/completions", json={**CHAT, "messages": []}), 400, "invalid_value")
+    _refused(await client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "wizard", "content": "x"}]}), 400, "invalid_value")
+    _refused(await client.post("/v1/chat/completions", json={**CHAT, "messages": "hi"}), 400, "invalid_value")
 
 
 # ----------------------------------------------------------------------------- disconnects
@@ -357,33 +303,32 @@ def _served(app: Any) -> Iterator[str]:
 
 def test_a_client_that_leaves_frees_the_worker_sessions(tiny_runner: ModelRunner, fakes: FakeWorkerTransport) -> None:
     fakes.behaviour.update(w0="sleep:0.05", w1="sleep:0.05")
-    app = create_app(_config(), draft_runner=tiny_runner, transport=fakes.transport())
+    app = create_app(gateway_config(), draft_runner=tiny_runner, transport=fakes.transport())
     with _served(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json={**COMPLETION, "max_tokens": 60, "stream": True}) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: ") and '"text"' in line:
                     break  # one chunk, then the client hangs up
-        deadline = time.monotonic() + 5
-        while len(fakes.deleted) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert sorted(p.split("/")[2] for p in fakes.deleted) == ["sessions"] * 2
-        calls = len(fakes.requests)
-        assert calls < 2 * 20  # stopped long before 60 tokens
-        time.sleep(0.5)
-        assert len(fakes.requests) == calls  # no round kept going
+        _assert_stopped_and_freed(fakes)
         assert client.get("/metrics").text.count("specgate_requests_running 0") == 1
 
 
 def test_a_client_that_gives_up_on_a_whole_response_frees_the_sessions_too(tiny_runner: ModelRunner, fakes: FakeWorkerTransport) -> None:
     fakes.behaviour.update(w0="sleep:0.05", w1="sleep:0.05")
-    app = create_app(_config(), draft_runner=tiny_runner, transport=fakes.transport())
+    app = create_app(gateway_config(), draft_runner=tiny_runner, transport=fakes.transport())
     with _served(app) as url:
         with pytest.raises(httpx.ReadTimeout):  # the client hangs up after 0.5 s
             httpx.post(f"{url}/v1/completions", json={**COMPLETION, "max_tokens": 60}, timeout=0.5)
-        deadline = time.monotonic() + 5
-        while len(fakes.deleted) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert len(fakes.deleted) == 2
-        calls = len(fakes.requests)
-        time.sleep(0.5)
-        assert len(fakes.requests) == calls and calls < 2 * 20
+        _assert_stopped_and_freed(fakes)
+
+
+def _assert_stopped_and_freed(fakes: FakeWorkerTransport) -> None:
+    """Both workers' sessions deleted within 5 s, long before 60 tokens, and no call after."""
+    deadline = time.monotonic() + 5
+    while len(fakes.deleted) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(fakes.deleted) == 2 and all(p.startswith("/v1/sessions/") for p in fakes.deleted)
+    calls = len(fakes.requests)
+    assert calls < 2 * 20  # a round is 2 calls and emits ≥ 1 token: far from 60 tokens
+    time.sleep(0.5)
+    assert len(fakes.requests) == calls  # no round kept going

@@ -5,78 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 import torch
 
-from app.server import create_app
 from core.config import parse_config
 from core.runners import ModelRunner
+from tests.app.conftest import Gateway
 from tests.app.fakes import FAVOURITE, V, FakeWorkerTransport
-
-def _config(**overrides: Any) -> Any:
-    data: dict[str, Any] = {
-        "model": "test-model",
-        "workers": [{"url": "http://w0:1", "weight": 0.6}, {"url": "http://w1:1", "weight": 0.4}],
-        "speculative": {"mode": "aggregate", "num_draft_tokens": 3, "k": "full"},
-        "limits": {"max_tokens": 64, "max_prompt_tokens": 100},
-    }
-    data.update(overrides)
-    return parse_config(data)
-
-
-@pytest.fixture
-def fakes(tiny_runner: ModelRunner) -> FakeWorkerTransport:
-    return FakeWorkerTransport(tiny_runner.fingerprint)
-
-
-Gateway = Callable[..., Any]
-
-
-@pytest.fixture
-async def gateway(tiny_runner: ModelRunner, fakes: FakeWorkerTransport) -> AsyncIterator[Gateway]:
-    """``async with gateway(**config) as client`` — a started gateway app and its client."""
-    from contextlib import asynccontextmanager
-
-    @asynccontextmanager
-    async def start(**overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
-        app = create_app(_config(**overrides), draft_runner=tiny_runner, transport=fakes.transport())
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
-                yield client
-
-    yield start
-
-
-@pytest.fixture
-async def client(gateway: Gateway) -> AsyncIterator[httpx.AsyncClient]:
-    async with gateway() as c:
-        yield c
-
-
-def _sse(text: str) -> list[Any]:
-    events = []
-    for block in text.strip().split("\n\n"):
-        data = "".join(line[len("data: "):] for line in block.splitlines() if line.startswith("data: "))
-        if data:
-            events.append(data if data == "[DONE]" else orjson.loads(data))
-    return events
-
-
-def _assert_error(resp: httpx.Response, status: int, param: str | None = None, contains: str = "") -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] is None or isinstance(error["code"], str)
-    if param is not None:
-        assert error["param"] == param
-    assert contains in error["message"]
-    return error
-
+from tests.app.helpers import assert_error, sse_events
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}
 COMPLETION = {"model": "test-model", "prompt": "Once upon a time", "max_tokens": 6}
@@ -94,7 +33,7 @@ async def test_ready_refuses_a_worker_with_another_tokenizer(gateway: Gateway, f
     async with gateway() as client:
         ready = await client.get("/health/ready")
         assert ready.status_code == 503 and "another tokenizer" in ready.json()["workers"][1]["error"]
-        _assert_error(await client.post("/v1/chat/completions", json=CHAT), 503, contains="w1")
+        assert_error(await client.post("/v1/chat/completions", json=CHAT), 503, contains="w1")
 
 
 async def test_completion_with_usage(client: httpx.AsyncClient, fakes: FakeWorkerTransport) -> None:
@@ -121,7 +60,7 @@ async def test_chat_stream_shape(client: httpx.AsyncClient) -> None:
     req = {**CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.8, "seed": 3}
     resp = await client.post("/v1/chat/completions", json=req)
     assert resp.headers["content-type"].startswith("text/event-stream")
-    events = _sse(resp.text)
+    events = sse_events(resp.text)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -136,7 +75,7 @@ async def test_chat_stream_shape(client: httpx.AsyncClient) -> None:
 
 
 async def test_completion_stream_without_usage_has_no_usage_key(client: httpx.AsyncClient) -> None:
-    events = _sse((await client.post("/v1/completions", json={**COMPLETION, "stream": True})).text)
+    events = sse_events((await client.post("/v1/completions", json={**COMPLETION, "stream": True})).text)
     assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])
     assert events[-2]["choices"][0]["finish_reason"] == "length"
 
@@ -219,13 +158,13 @@ async def test_a_worker_that_lost_its_session_gets_the_prefix_again(gateway: Gat
     ],
 )
 async def test_bad_requests_get_the_envelope(client: httpx.AsyncClient, body: dict[str, Any], status: int, param: str | None) -> None:
-    _assert_error(await client.post("/v1/chat/completions", json=body), status, param)
+    assert_error(await client.post("/v1/chat/completions", json=body), status, param)
     assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200  # still serving
 
 
 async def test_malformed_json_and_what_chat_uis_send(client: httpx.AsyncClient) -> None:
     resp = await client.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
-    _assert_error(resp, 400, contains="malformed JSON")
+    assert_error(resp, 400, contains="malformed JSON")
     accepted = {**CHAT, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "user": "u1", "response_format": {"type": "text"}}
     assert (await client.post("/v1/chat/completions", json=accepted)).status_code == 200
 
@@ -235,9 +174,9 @@ async def test_a_failing_worker_is_named(gateway: Gateway, fakes: FakeWorkerTran
     async with gateway() as client:
         assert (await client.get("/health/ready")).status_code == 200
         fakes.behaviour["w1"] = behaviour
-        error = _assert_error(await client.post("/v1/completions", json=COMPLETION), status, contains="w1")
+        error = assert_error(await client.post("/v1/completions", json=COMPLETION), status, contains="w1")
         assert error["type"] == "server_error"
-        events = _sse((await client.post("/v1/completions", json={**COMPLETION, "stream": True})).text)
+        events = sse_events((await client.post("/v1/completions", json={**COMPLETION, "stream": True})).text)
         assert events[-1] == "[DONE]" and "w1" in events[-2]["error"]["message"]
         fakes.behaviour["w1"] = ""
         assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200
@@ -247,7 +186,7 @@ async def test_a_down_worker_at_first_use_gets_503_with_retry_after(gateway: Gat
     fakes.behaviour["w0"] = "down"
     async with gateway() as client:
         resp = await client.post("/v1/chat/completions", json=CHAT)
-        _assert_error(resp, 503, contains="w0")
+        assert_error(resp, 503, contains="w0")
         assert resp.headers["retry-after"]
 
 

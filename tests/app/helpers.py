@@ -1,0 +1,47 @@
+"""What the gateway's HTTP tests share: a config over fake workers, SSE parsing, error checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+
+from core.config import SpecgateConfig, parse_config
+
+
+def gateway_config(**overrides: Any) -> SpecgateConfig:
+    """Two fake workers w0 / w1 (0.6 / 0.4), aggregate with full distributions, small limits."""
+    data: dict[str, Any] = {
+        "model": "test-model",
+        "workers": [{"url": "http://w0:1", "weight": 0.6}, {"url": "http://w1:1", "weight": 0.4}],
+        "speculative": {"mode": "aggregate", "num_draft_tokens": 3, "k": "full"},
+        "limits": {"max_tokens": 64, "max_prompt_tokens": 100},
+        "health": {"probe_interval_s": 0.1},
+    }
+    data.update(overrides)
+    return parse_config(data)
+
+
+def sse_events(text: str) -> list[Any]:
+    """The ``data:`` payloads of an SSE body: parsed JSON, or the string ``[DONE]``."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        data = "".join(line[len("data: "):] for line in block.splitlines() if line.startswith("data: "))
+        if data:
+            events.append(data if data == "[DONE]" else orjson.loads(data))
+    return events
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None, contains: str = "", code: str | None = None) -> dict[str, Any]:
+    """``resp`` is ``status`` with the OpenAI error envelope; returns its ``error`` object."""
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] is None or isinstance(error["code"], str)
+    if param is not None:
+        assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    assert contains in error["message"], error["message"]
+    return error
