@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +128,7 @@ class WorkerClient:
         self.failures: Counter[str] = Counter()  # by kind
         self.failovers = 0  # sessions moved to another replica mid-request
         self.traffic = Traffic()
+        self.on_call: Callable[[str, float], None] = lambda worker, seconds: None  # metrics hook
 
     @property
     def url(self) -> str:
@@ -282,9 +285,11 @@ class WorkerClient:
         if self.link is not None:
             await asyncio.sleep(self.link.delay_s(len(body), upstream=True))
         headers = {"content-type": content_type, "accept": BINARY_CONTENT_TYPE}
+        started = time.perf_counter()
         resp = await self._request("POST", replica, "/v1/verify", content=body, headers=headers)
         if self.link is not None:
             await asyncio.sleep(self.link.delay_s(len(resp.content), upstream=False))
+        self.on_call(self.name, time.perf_counter() - started)
         call = Traffic(len(body), len(resp.content), 1)
         for t in (traffic, self.traffic, replica.traffic):
             t.add(call)
@@ -380,6 +385,16 @@ class WorkerPool:
     @property
     def weights(self) -> list[float]:
         return [w.weight for w in self.workers]
+
+    @property
+    def on_call(self) -> Callable[[str, float], None]:
+        return self.workers[0].on_call
+
+    @on_call.setter
+    def on_call(self, hook: Callable[[str, float], None]) -> None:
+        """``hook(worker, seconds)`` after every verify call (the round-latency histogram)."""
+        for worker in self.workers:
+            worker.on_call = hook
 
     def start(self) -> None:
         """Probe open breakers in the background until ``close``."""

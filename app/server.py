@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
@@ -15,12 +14,14 @@ import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
 from app.admission import Admission, Release
 from app.draft import DraftModel
-from app.pool import FAILURE_KINDS, Expected, WorkerError, WorkerPool
+from app.metrics import GatewayMetrics
+from app.pool import Expected, WorkerError, WorkerPool
 from app.schemas import ChatCompletionRequest, CompletionRequest
 from app.service import ApiError, ChoiceEvent, Gateway, Job
 from core.config import SpecgateConfig
@@ -47,7 +48,8 @@ def create_app(
             runner = await asyncio.to_thread(load_runner, draft.model, draft.backend.value, 2048, draft.memory_cap_mb, draft.threads)
             await asyncio.to_thread(lambda: runner.fingerprint)
         pool = WorkerPool.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size), transport)
-        gateway = Gateway(config, DraftModel(runner), pool)
+        metrics.watch(pool)
+        gateway = Gateway(config, DraftModel(runner), pool, metrics)
         app.state.gateway = gateway
         for entry in await gateway.check_workers():
             if not entry["ready"]:
@@ -59,9 +61,9 @@ def create_app(
             runner.close()
 
     app = FastAPI(title="specgate", lifespan=lifespan)
-    app.state.counters = defaultdict(float)
     limits = config.limits
     admission = app.state.admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s)
+    metrics = app.state.metrics = GatewayMetrics(admission)
     app.add_middleware(Guard, token=config.api_key, max_body_bytes=limits.max_body_bytes, is_draining=lambda: admission.is_draining)
     _add_routes(app)
     _add_error_handlers(app)
@@ -103,26 +105,7 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        counters = request.app.state.counters
-        gateway: Gateway | None = getattr(request.app.state, "gateway", None)
-        lines = [f"specgate_{name} {value}" for name, value in sorted(counters.items())]
-        admission: Admission = request.app.state.admission
-        lines += [f"specgate_requests_running {admission.active}", f"specgate_requests_waiting {admission.queued}", f"specgate_requests_rejected_total {admission.rejected}"]
-        if gateway is not None:
-            lines += _worker_metrics(gateway.pool)
-        return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
-
-
-def _worker_metrics(pool: WorkerPool) -> list[str]:
-    lines = []
-    for w in pool.workers:
-        lines.append(f'specgate_worker_bytes_sent_total{{worker="{w.name}"}} {w.traffic.sent}')
-        lines.append(f'specgate_worker_bytes_received_total{{worker="{w.name}"}} {w.traffic.received}')
-        lines.append(f'specgate_worker_calls_total{{worker="{w.name}"}} {w.traffic.calls}')
-        lines.append(f'specgate_worker_failovers_total{{worker="{w.name}"}} {w.failovers}')
-        lines += [f'specgate_worker_failures_total{{worker="{w.name}",kind="{kind}"}} {w.failures[kind]}' for kind in FAILURE_KINDS]
-        lines += [f'specgate_worker_replica_up{{worker="{w.name}",url="{r.url}"}} {int(not r.breaker.is_open)}' for r in w.replicas]
-    return lines
+        return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
@@ -140,13 +123,11 @@ async def _respond(
     gateway = _gateway(request)
     await gateway.ensure_workers()
     release = await request.app.state.admission.enter()  # 429 here, before any byte of a stream
-    request.app.state.counters["requests_total"] += 1
     if not stream:
         try:
             events = await _unless_disconnected(request, gateway.collect(job))
         finally:
             release()
-        _count(request.app.state.counters, job)
         return JSONResponse(whole(events))
     body = _sse(request, job, include_usage, chunks, release)
     grace = gateway.config.limits.drain_timeout_s + 1  # our own deadline ends the stream first
@@ -200,7 +181,6 @@ async def _sse(request: Request, job: Job, include_usage: bool, chunks: Callable
                     raise ApiError(503, "the gateway shut down before this stream finished", code="shutting_down", kind="server_error")
         if include_usage:
             yield _data({**_envelope(job), "choices": [], "usage": job.usage.to_dict()})
-        _count(request.app.state.counters, job)
     except WorkerError as exc:
         log.warning("stream %s failed: %s", job.id, exc)
         yield _data(ApiError(exc.status, str(exc), code="worker_error", kind="server_error").body())
@@ -218,15 +198,6 @@ def _data(payload: dict[str, Any]) -> dict[str, str]:
 def _envelope(job: Job) -> dict[str, Any]:
     kind = "chat.completion.chunk" if job.id.startswith("chatcmpl") else "text_completion"
     return {"id": job.id, "object": kind, "created": job.created, "model": job.model}
-
-
-def _count(counters: defaultdict[str, float], job: Job) -> None:
-    usage = job.usage
-    counters["spec_decode_num_drafts_total"] += usage.rounds if usage.draft_tokens else 0
-    counters["spec_decode_num_draft_tokens_total"] += usage.draft_tokens
-    counters["spec_decode_num_accepted_tokens_total"] += usage.accepted_tokens
-    counters["generation_tokens_total"] += usage.completion_tokens
-    counters["prompt_tokens_total"] += usage.prompt_tokens
 
 
 # ----------------------------------------------------------------------------- bodies

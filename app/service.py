@@ -18,6 +18,7 @@ from typing import Any
 
 from app.draft import DraftModel
 from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions, TokenLogprob
+from app.metrics import GatewayMetrics
 from app.pool import WorkerError, WorkerPool
 from app.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeParams
 from app.text import IncrementalDetokenizer, StopMatcher
@@ -132,15 +133,17 @@ class Job:
     stops: list[str]
     usage: Usage
     prompt_text: str = ""
+    arrived: float = field(default_factory=time.monotonic)  # for time to first token / latency
 
 
 class Gateway:
     """What the gateway app holds: config, draft, workers, engine. Built by ``create_app``."""
 
-    def __init__(self, config: SpecgateConfig, draft: DraftModel, pool: WorkerPool) -> None:
+    def __init__(self, config: SpecgateConfig, draft: DraftModel, pool: WorkerPool, metrics: GatewayMetrics) -> None:
         self.config = config
         self.draft = draft
         self.pool = pool
+        self.metrics = metrics
         self.tokenizer = draft.runner.tokenizer
         self.engine = Engine(draft, pool, draft.runner.info.eos_ids, draft.runner.info.max_context)
         self._workers_checked = False
@@ -287,9 +290,17 @@ class Gateway:
 
     async def _choice_events(self, job: Job, choice: GenerationRequest) -> AsyncGenerator[ChoiceEvent, None]:
         detok, matcher = IncrementalDetokenizer(self.tokenizer), StopMatcher(job.stops)
+        mode, last, is_first = choice.spec.mode.value, job.arrived, True
+        if choice.choice == 0:
+            self.metrics.prompt_tokens.inc(len(choice.prompt))
         async with aclosing(self.engine.generate(choice)) as rounds:
             async for result in rounds:
                 job.usage.add(result)
+                self.metrics.observe_round(mode, result)
+                if result.tokens:
+                    now = time.monotonic()
+                    self.metrics.observe_tokens(mode, now - last, len(result.tokens), is_first)
+                    last, is_first = now, False
                 text = matcher.push(detok.push(result.tokens))
                 finish = "stop" if matcher.stopped else result.finish_reason
                 if finish and not matcher.stopped:
@@ -298,6 +309,7 @@ class Gateway:
                     text += matcher.flush()
                 yield ChoiceEvent(choice.choice, text, result.logprobs, finish)
                 if finish:
+                    self.metrics.observe_finish(mode, finish, time.monotonic() - job.arrived)
                     return
 
     async def collect(self, job: Job) -> list[ChoiceEvent]:

@@ -127,7 +127,7 @@ async def _run(base: str, serve_pid: int, args: argparse.Namespace) -> dict[str,
         "rss_start_mb": rss_start,
         "rss_end_mb": rss_end,
         "rss_growth_pct": {n: round(100 * (rss_end[n] - rss_start[n]) / rss_start[n], 1) for n in rss_start if n in rss_end},
-        "gateway_metrics": [line for line in metrics.splitlines() if "failures_total" in line and not line.endswith(" 0")],
+        "gateway_metrics": [line for line in metrics.splitlines() if "failures_total" in line and not line.endswith(" 0.0")],
     }
 
 

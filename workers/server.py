@@ -7,12 +7,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from core.errors import ContextOverflow, InvalidRequest, ProtocolError, SessionShort, SpecgateError
 from core.protocol import (
@@ -44,7 +48,8 @@ class WorkerState:
     runner: ModelRunner
     sessions: SessionStore
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    counters: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
+    counters: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # see _WorkerCollector
+    errors: Counter[str] = field(default_factory=Counter)  # refused calls, by error code
 
     @classmethod
     def build(cls, settings: WorkerSettings, runner: ModelRunner) -> WorkerState:
@@ -87,8 +92,8 @@ class WorkerState:
             self.sessions.touch(req.session_id)
             self.sessions.evict(keep=req.session_id)
         model_ms = (time.perf_counter() - started) * 1e3
-        self.counters["positions_scored_total"] += len(req.draft) + 1
-        self.counters["model_seconds_total"] += model_ms / 1e3
+        self.counters["positions_scored"] += len(req.draft) + 1
+        self.counters["model_seconds"] += model_ms / 1e3
         return score(logits, req, held=self.runner.length(req.session_id), model_ms=model_ms)
 
     def check_limits(self, req: VerifyRequest) -> None:
@@ -161,9 +166,9 @@ def _add_routes(app: FastAPI) -> None:
             resp = await asyncio.to_thread(state.verify, req)
         as_json = JSON_CONTENT_TYPE in request.headers.get("accept", "")
         payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=as_json)
-        state.counters["verify_requests_total"] += 1
-        state.counters["bytes_received_total"] += len(body)
-        state.counters["bytes_sent_total"] += len(payload)
+        state.counters["requests"] += 1
+        state.counters["bytes_in"] += len(body)
+        state.counters["bytes_out"] += len(payload)
         return Response(payload, media_type=content_type)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
@@ -175,17 +180,36 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(_render_metrics(_state(request)), media_type="text/plain; version=0.0.4")
+        registry = CollectorRegistry()
+        registry.register(_WorkerCollector(_state(request)))
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _render_metrics(state: WorkerState) -> str:
-    values = {
-        **state.counters,
-        "sessions": len(state.sessions),
-        "sessions_evicted_total": state.sessions.num_evicted,
-        "session_memory_bytes": state.runner.memory_bytes(),
+class _WorkerCollector(Collector):
+    """The worker's ``/metrics``, read from its state at scrape time."""
+
+    _COUNTERS = {
+        "requests": "Verify calls answered.",
+        "positions_scored": "Positions scored (γ+1 per call).",
+        "model_seconds": "Seconds spent in the model.",
+        "bytes_in": "Bytes of verify requests received.",
+        "bytes_out": "Bytes of verify answers sent.",
     }
-    return "".join(f"specgate_worker_{name} {value}\n" for name, value in sorted(values.items()))
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        state = self.state
+        for name, doc in self._COUNTERS.items():
+            yield CounterMetricFamily(f"specgate:verify_{name}", doc, value=state.counters[name])
+        errors = CounterMetricFamily("specgate:verify_errors", "Refused verify calls, by error code.", labels=["code"])
+        for code, count in sorted(state.errors.items()):
+            errors.add_metric([code], count)
+        yield errors
+        yield GaugeMetricFamily("specgate:sessions", "Sessions held.", value=len(state.sessions))
+        yield CounterMetricFamily("specgate:sessions_evicted", "Sessions evicted (LRU, TTL, memory).", value=state.sessions.num_evicted)
+        yield GaugeMetricFamily("specgate:session_memory_bytes", "Memory the sessions' caches take.", value=state.runner.memory_bytes())
 
 
 def _error(status: int, body: ErrorBody) -> Response:
@@ -196,7 +220,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     def count(request: Request, code: str) -> None:
         state = getattr(request.app.state, "worker", None)
         if state is not None:
-            state.counters[f'verify_errors_total{{code="{code}"}}'] += 1
+            state.errors[code] += 1
 
     @app.exception_handler(SessionShort)
     async def session_short(request: Request, exc: SessionShort) -> Response:

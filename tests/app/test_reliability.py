@@ -90,7 +90,7 @@ async def test_garbage_from_a_worker_is_that_worker_failing(gateway: Gateway, fa
         assert "garbage" in error["message"]
         events = sse_events((await client.post("/v1/completions", json={**COMPLETION, "stream": True})).text)
         assert events[-1] == "[DONE]" and "w1" in events[-2]["error"]["message"]
-        assert await _metric(client, 'specgate_worker_failures_total{worker="w1",kind="garbage"}') == 2
+        assert await _metric(client, 'specgate:worker_failures_total{kind="garbage",worker="w1"}') == 2
         fakes.behaviour["w1"] = ""
         assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200  # serving again
 
@@ -99,7 +99,7 @@ async def test_a_worker_with_another_tokenizer_is_refused_before_any_call(gatewa
     fakes.behaviour["w1"] = "other-tokenizer"
     async with gateway() as client:
         _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "another tokenizer")
-        assert await _metric(client, 'specgate_worker_failures_total{worker="w1",kind="fingerprint"}') >= 1
+        assert await _metric(client, 'specgate:worker_failures_total{kind="fingerprint",worker="w1"}') >= 1
         assert fakes.requests == []  # no verify reached either worker
 
 
@@ -120,8 +120,8 @@ async def test_failover_to_a_replica_gives_the_same_seeded_text(gateway: Gateway
         assert hosts[:2] == ["a", "a"] and set(hosts[2:]) == {"b"}
         first_on_b = fakes.requests[2][1]
         assert first_on_b.prefix_len == 0 and len(first_on_b.tokens) > len(fakes.requests[0][1].tokens)  # the prefix, resent
-        assert await _metric(client, 'specgate_worker_failovers_total{worker="w0"}') == 1
-        assert await _metric(client, 'specgate_worker_failures_total{worker="w0",kind="connect"}') == 1
+        assert await _metric(client, 'specgate:worker_failovers_total{worker="w0"}') == 1
+        assert await _metric(client, 'specgate:worker_failures_total{kind="connect",worker="w0"}') == 1
 
 
 async def test_a_replica_with_another_tokenizer_is_not_failed_over_to(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
@@ -143,10 +143,10 @@ async def test_the_circuit_opens_and_a_probe_closes_it(gateway: Gateway, fakes: 
         error = _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "circuit open")
         assert len(fakes.authorization) - calls <= 1  # at most a probe of /health came in between
         assert (await client.get("/health/ready")).status_code == 503
-        assert await _metric(client, 'specgate_worker_replica_up{worker="w0",url="http://w0:1"}') == 0
+        assert await _metric(client, 'specgate:worker_replica_up{url="http://w0:1",worker="w0"}') == 0
         fakes.behaviour["w0"] = ""
         for _ in range(50):
-            if await _metric(client, 'specgate_worker_replica_up{worker="w0",url="http://w0:1"}') == 1:
+            if await _metric(client, 'specgate:worker_replica_up{url="http://w0:1",worker="w0"}') == 1:
                 break
             await asyncio.sleep(0.05)
         assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200, error
@@ -195,7 +195,7 @@ async def test_a_silent_worker_trips_the_read_timeout(gateway: Gateway, tiny_run
             started = time.monotonic()
             _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "ReadTimeout")
             assert time.monotonic() - started < 5
-            assert await _metric(client, 'specgate_worker_failures_total{worker="w0",kind="timeout"}') == 1
+            assert await _metric(client, 'specgate:worker_failures_total{kind="timeout",worker="w0"}') == 1
             assert (await client.get("/health")).status_code == 200
 
 
@@ -214,8 +214,8 @@ async def test_beyond_the_queue_a_429_with_retry_after(gateway: Gateway, fakes: 
         _refused(refused, 429, "rate_limit_exceeded")
         assert int(refused.headers["retry-after"]) >= 1
         assert (await running).status_code == 200 and (await queued).status_code == 200
-        assert await _metric(client, "specgate_requests_rejected_total") == 1
-        assert await _metric(client, "specgate_requests_running") == 0
+        assert await _metric(client, "specgate:num_requests_rejected") == 1
+        assert await _metric(client, "specgate:num_requests_running") == 0
 
 
 async def test_a_request_queued_too_long_gets_a_429(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
@@ -310,7 +310,7 @@ def test_a_client_that_leaves_frees_the_worker_sessions(tiny_runner: ModelRunner
                 if line.startswith("data: ") and '"text"' in line:
                     break  # one chunk, then the client hangs up
         _assert_stopped_and_freed(fakes)
-        assert client.get("/metrics").text.count("specgate_requests_running 0") == 1
+        assert client.get("/metrics").text.count("specgate:num_requests_running 0.0") == 1
 
 
 def test_a_client_that_gives_up_on_a_whole_response_frees_the_sessions_too(tiny_runner: ModelRunner, fakes: FakeWorkerTransport) -> None:

@@ -88,7 +88,7 @@ def test_killing_the_replica_that_holds_a_stream_changes_nothing(stack: ExitStac
 
     def kill_the_holder(chunks: int) -> None:
         if chunks == 2:
-            holder = next(r for r in replicas if _metric(r.url, "specgate_worker_sessions") == 1)
+            holder = next(r for r in replicas if _metric(r.url, "specgate:sessions") == 1)
             _proc(holder).kill()  # SIGKILL: no goodbye, the socket just closes
             _proc(holder).wait(timeout=10)
             killed.append(holder)
@@ -97,9 +97,9 @@ def test_killing_the_replica_that_holds_a_stream_changes_nothing(stack: ExitStac
     assert killed, "the stream ended before the worker could be killed"
     assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
     assert text == undisturbed
-    assert _metric(gateway.url, 'specgate_worker_failovers_total{worker="w0"}') == 1
+    assert _metric(gateway.url, 'specgate:worker_failovers_total{worker="w0"}') == 1
     survivor = next(r for r in replicas if r is not killed[0])
-    assert _metric(survivor.url, "specgate_worker_sessions") == 0  # freed at the end
+    assert _metric(survivor.url, "specgate:sessions") == 0  # freed at the end
 
 
 def test_without_a_replica_the_stream_ends_with_an_error_and_the_gateway_recovers(stack: ExitStack, tmp_path: Path) -> None:
@@ -144,7 +144,7 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(stack: ExitStack, 
     assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length") and text
     assert late and late[0] in (503, "ConnectError"), late
     assert _proc(gateway).wait(timeout=30) == 0
-    assert _metric(worker.url, "specgate_worker_sessions") == 0
+    assert _metric(worker.url, "specgate:sessions") == 0
 
     os.kill(_proc(worker).pid, signal.SIGTERM)
     assert _proc(worker).wait(timeout=30) == 0

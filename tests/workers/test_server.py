@@ -182,7 +182,7 @@ async def test_lru_eviction_beyond_the_session_cap(tiny_runner: ModelRunner) -> 
         assert (await _verify(client, _request("a", PROMPT, [2], [3]))).status_code == 409
         await _scores(client, _request("c", PROMPT, [2], [3]))
         metrics = (await client.get("/metrics")).text
-        assert "specgate_worker_sessions_evicted_total 1" in metrics
+        assert "specgate:sessions_evicted_total 1.0" in metrics
 
 
 async def test_idle_sessions_expire(tiny_runner: ModelRunner) -> None:
@@ -335,3 +335,20 @@ async def test_a_draining_worker_refuses_new_calls(client: httpx.AsyncClient, ti
         resp = await _verify(draining, _request("s-drain", [], PROMPT, [5]))
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "shutting_down"
         assert (await draining.get("/health")).status_code == 200
+
+
+async def test_metrics_count_what_was_served(client: httpx.AsyncClient) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    req = _request("m", [], PROMPT, [5, 6, 7])
+    body = encode(req, V)[0]
+    answer = await _verify(client, req)
+    await client.post("/v1/verify", content=b"junk", headers={"content-type": BINARY_CONTENT_TYPE})
+    text = (await client.get("/metrics")).text
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert values[("specgate:verify_requests_total", ())] == 1
+    assert values[("specgate:verify_positions_scored_total", ())] == 4  # γ + 1
+    assert values[("specgate:verify_bytes_in_total", ())] == len(body)
+    assert values[("specgate:verify_bytes_out_total", ())] == len(answer.content)
+    assert values[("specgate:verify_errors_total", (("code", "invalid_request"),))] == 1
+    assert values[("specgate:sessions", ())] == 1

@@ -1,0 +1,112 @@
+"""The gateway's Prometheus metrics (DESIGN §5), with vLLM's names under the ``specgate:``
+prefix so existing dashboards carry over. One registry per app, never a module global.
+
+Speculative decoding, per mode (counted as vLLM does):
+    specgate:spec_decode_num_drafts_total                rounds that verified a draft
+    specgate:spec_decode_num_draft_tokens_total          draft tokens proposed
+    specgate:spec_decode_num_accepted_tokens_total       draft tokens accepted
+    specgate:spec_decode_num_accepted_tokens_per_pos_total{position}   accepted at draft position i
+Requests: prompt / generation tokens, ``request_success_total{finished_reason}``, running /
+waiting / rejected requests, histograms of time to first token, inter-token latency and
+end-to-end latency. Per worker (read from the pool at scrape time): bytes both ways, calls,
+failures by kind, failovers, replicas up, and a histogram of round latency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from app.engine import RoundResult
+from app.pool import FAILURE_KINDS, WorkerPool
+
+if TYPE_CHECKING:  # admission → service → metrics: only the type is needed here
+    from app.admission import Admission
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class GatewayMetrics:
+    """Everything ``/metrics`` of one gateway app shows."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.drafts = Counter("specgate:spec_decode_num_drafts", "Rounds that verified a draft.", ["mode"], registry=r)
+        self.draft_tokens = Counter("specgate:spec_decode_num_draft_tokens", "Draft tokens proposed.", ["mode"], registry=r)
+        self.accepted_tokens = Counter("specgate:spec_decode_num_accepted_tokens", "Draft tokens accepted.", ["mode"], registry=r)
+        self.accepted_per_pos = Counter(
+            "specgate:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position (0 = first).", ["mode", "position"], registry=r
+        )
+        self.prompt_tokens = Counter("specgate:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("specgate:generation_tokens", "Tokens generated.", ["mode"], registry=r)
+        self.requests = Counter("specgate:request_success", "Choices finished, by finish reason.", ["finished_reason"], registry=r)
+        self.ttft = Histogram("specgate:time_to_first_token_seconds", "From arrival to the first token of a choice.", ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("specgate:inter_token_latency_seconds", "Time per output token after the first.", ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("specgate:e2e_request_latency_seconds", "From arrival to the last token of a choice.", ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.round_latency = Histogram(
+            "specgate:worker_round_latency_seconds", "One verify call to a worker, network included.", ["worker"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        running = Gauge("specgate:num_requests_running", "Requests generating now.", registry=r)
+        running.set_function(lambda: admission.active)
+        waiting = Gauge("specgate:num_requests_waiting", "Requests queued for a slot.", registry=r)
+        waiting.set_function(lambda: admission.queued)
+        rejected = Gauge("specgate:num_requests_rejected", "429s given since start.", registry=r)
+        rejected.set_function(lambda: admission.rejected)
+
+    def watch(self, pool: WorkerPool) -> None:
+        """Read the pool's own counters at scrape time, and time its calls."""
+        self.registry.register(_PoolCollector(pool))
+        pool.on_call = lambda worker, seconds: self.round_latency.labels(worker).observe(seconds)
+
+    def observe_round(self, mode: str, result: RoundResult) -> None:
+        if result.drafted:
+            self.drafts.labels(mode).inc()
+            self.draft_tokens.labels(mode).inc(result.drafted)
+            self.accepted_tokens.labels(mode).inc(result.accepted)
+            for position in range(result.accepted):
+                self.accepted_per_pos.labels(mode, str(position)).inc()
+        self.generation_tokens.labels(mode).inc(len(result.tokens))
+
+    def observe_tokens(self, mode: str, since_last_s: float, num_tokens: int, is_first: bool) -> None:
+        """A round's tokens reached the client ``since_last_s`` after the previous ones."""
+        if is_first:
+            self.ttft.labels(mode).observe(since_last_s)
+            num_tokens -= 1
+            since_last_s = 0.0
+        for _ in range(num_tokens):  # a round's tokens share the round's time
+            self.itl.labels(mode).observe(since_last_s / max(num_tokens, 1))
+
+    def observe_finish(self, mode: str, reason: str, latency_s: float) -> None:
+        self.requests.labels(reason).inc()
+        self.e2e.labels(mode).observe(latency_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        sent = CounterMetricFamily("specgate:worker_bytes_sent", "Bytes sent to a worker.", labels=["worker"])
+        received = CounterMetricFamily("specgate:worker_bytes_received", "Bytes received from a worker.", labels=["worker"])
+        calls = CounterMetricFamily("specgate:worker_calls", "Verify calls to a worker.", labels=["worker"])
+        failovers = CounterMetricFamily("specgate:worker_failovers", "Sessions moved to another replica mid-request.", labels=["worker"])
+        failures = CounterMetricFamily("specgate:worker_failures", "Failed calls, by kind.", labels=["worker", "kind"])
+        up = GaugeMetricFamily("specgate:worker_replica_up", "1 while a replica's circuit is closed.", labels=["worker", "url"])
+        for w in self.pool.workers:
+            sent.add_metric([w.name], w.traffic.sent)
+            received.add_metric([w.name], w.traffic.received)
+            calls.add_metric([w.name], w.traffic.calls)
+            failovers.add_metric([w.name], w.failovers)
+            for kind in FAILURE_KINDS:
+                failures.add_metric([w.name, kind], w.failures[kind])
+            for replica in w.replicas:
+                up.add_metric([w.name, replica.url], 0 if replica.breaker.is_open else 1)
+        yield from (sent, received, calls, failovers, failures, up)
