@@ -4,13 +4,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specgate-installed
 
-.PHONY: run test setup clean
+.PHONY: run test setup browser clean
 
 run: setup
 	$(BIN)/specgate serve
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest
+
+# the chat page's test drives Debian's chromium through Playwright (no browser download)
+browser:
+	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 setup: $(STAMP)
 

@@ -4,16 +4,19 @@ Route handlers parse, call the service, return."""
 from __future__ import annotations
 
 import asyncio
+import html
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
@@ -29,6 +32,7 @@ from core.runners import ModelRunner, load_runner
 from core.serving import Guard
 
 log = logging.getLogger(__name__)
+STATIC = Path(__file__).parent / "static"
 T = TypeVar("T")
 
 
@@ -78,6 +82,15 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page(request: Request) -> Response:
+        """The chat page (app/static): plain HTML, CSS and JavaScript, nothing from outside."""
+        page = (STATIC / "index.html").read_text()
+        model = html.escape(_gateway(request).config.model, quote=True)
+        return HTMLResponse(page.replace("<body>", f'<body data-model="{model}">', 1))
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     @app.get("/health/ready")
     async def ready(request: Request) -> Response:
@@ -247,7 +260,7 @@ def _completion_chunks(gateway: Gateway, job: Job) -> Callable[[ChoiceEvent | No
         if not event.text and not event.finish_reason and not event.logprobs:
             return []
         choice = {"index": event.index, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
-        return [{**head, "choices": [choice]}]
+        return [{**head, "choices": [choice], **_round_field(event)}]
 
     return build
 
@@ -263,12 +276,18 @@ def _chat_chunks(gateway: Gateway, job: Job) -> Callable[[ChoiceEvent | None], l
             return [choice(c.choice, {"role": "assistant", "content": ""}) for c in job.choices]
         out = []
         if event.text or event.logprobs:
-            out.append(choice(event.index, {"content": event.text}, gateway.chat_logprobs(event.logprobs)))
+            out.append({**choice(event.index, {"content": event.text}, gateway.chat_logprobs(event.logprobs)), **_round_field(event)})
         if event.finish_reason:
             out.append(choice(event.index, {}, None, event.finish_reason))
         return out
 
     return build
+
+
+def _round_field(event: ChoiceEvent) -> dict[str, Any]:
+    """The stream extension ``"speculative": {accepted, drafted, draft_chars, bytes}``: what the
+    chunk's round did. OpenAI clients ignore it; the chat page colours the text with it."""
+    return {"speculative": event.round.to_dict()} if event.round is not None else {}
 
 
 # ----------------------------------------------------------------------------- errors

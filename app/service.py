@@ -120,6 +120,21 @@ class ChoiceEvent:
     text: str
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
+    round: RoundInfo | None = None  # where the text came from (the stream's ``speculative`` field)
+
+
+@dataclass(frozen=True)
+class RoundInfo:
+    """One round as a chat UI shows it: the first ``draft_chars`` characters of the event's text
+    are accepted draft tokens, the rest the target's (recovered or bonus) token."""
+
+    accepted: int
+    drafted: int
+    draft_chars: int
+    bytes: int  # to and from the workers, this round
+
+    def to_dict(self) -> dict[str, int]:
+        return {"accepted": self.accepted, "drafted": self.drafted, "draft_chars": self.draft_chars, "bytes": self.bytes}
 
 
 @dataclass
@@ -301,13 +316,16 @@ class Gateway:
                     now = time.monotonic()
                     self.metrics.observe_tokens(mode, now - last, len(result.tokens), is_first)
                     last, is_first = now, False
-                text = matcher.push(detok.push(result.tokens))
+                accepted = min(result.accepted, len(result.tokens))  # EOS may have cut the round short
+                draft_text = matcher.push(detok.push(result.tokens[:accepted]))
+                text = draft_text + matcher.push(detok.push(result.tokens[accepted:]))
+                info = RoundInfo(accepted, result.drafted, len(draft_text), result.traffic.sent + result.traffic.received)
                 finish = "stop" if matcher.stopped else result.finish_reason
                 if finish and not matcher.stopped:
                     text += matcher.push(detok.flush())
                     finish = "stop" if matcher.stopped else finish
                     text += matcher.flush()
-                yield ChoiceEvent(choice.choice, text, result.logprobs, finish)
+                yield ChoiceEvent(choice.choice, text, result.logprobs, finish, info)
                 if finish:
                     self.metrics.observe_finish(mode, finish, time.monotonic() - job.arrived)
                     return

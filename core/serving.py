@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger(__name__)
 
 
-OPEN_PATHS = ("/health", "/metrics")  # answered without the token, and while draining
+API_PREFIX = "/v1/"  # what the token guards and a drain refuses; /health, /metrics, the chat page stay open
 
 
 class Guard:
@@ -33,11 +33,10 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope["path"]
-        is_open = path == "/" or path.startswith(OPEN_PATHS)
-        if self.is_draining() and not is_open:
+        is_api = scope["path"].startswith(API_PREFIX)
+        if self.is_draining() and is_api:
             await _refuse(send, 503, "the server is shutting down; retry on another instance", "server_error", "shutting_down", {"retry-after": "5"})
-        elif self.token and not is_open and not _has_token(scope, self.token):
+        elif self.token and is_api and not _has_token(scope, self.token):
             await _refuse(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error", "invalid_api_key")
         else:
             body = await _read_body(scope, receive, self.max_body_bytes)

@@ -235,3 +235,27 @@ async def test_usage_bytes_are_the_bodies_on_the_wire(client: httpx.AsyncClient,
     body = (await client.post("/v1/completions", json={**COMPLETION, "speculative": spec})).json()
     usage = body["usage"]["speculative"]
     assert (usage["bytes_to_workers"], usage["bytes_from_workers"]) == (fakes.bytes_in, fakes.bytes_out)
+
+
+async def test_stream_chunks_say_where_their_text_came_from(client: httpx.AsyncClient) -> None:
+    req = {**CHAT, "max_tokens": 12, "stream": True, "stream_options": {"include_usage": True}, "seed": 5}
+    events = sse_events((await client.post("/v1/chat/completions", json=req)).text)
+    rounds = [e for e in events[:-1] if e.get("speculative")]
+    assert rounds and all(set(e["speculative"]) == {"accepted", "drafted", "draft_chars", "bytes"} for e in rounds)
+    for e in rounds:
+        spec, content = e["speculative"], e["choices"][0]["delta"]["content"]
+        assert 0 <= spec["accepted"] <= spec["drafted"] and 0 <= spec["draft_chars"] <= len(content) and spec["bytes"] > 0
+    usage = events[-2]["usage"]["speculative"]
+    assert sum(e["speculative"]["accepted"] for e in rounds) == usage["accepted_tokens"]
+    assert sum(e["speculative"]["bytes"] for e in rounds) == usage["bytes_to_workers"] + usage["bytes_from_workers"]
+
+
+async def test_the_chat_page_is_served_open_and_self_contained(gateway: Gateway) -> None:
+    async with gateway(api_key="sk-page") as client:
+        page = await client.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert 'data-model="test-model"' in page.text
+        for asset in ("/static/chat.js", "/static/chat.css"):
+            assert (await client.get(asset)).status_code == 200
+        assert "http" not in page.text.replace('content="width', "")  # nothing loaded from outside
+        assert (await client.get("/v1/models")).status_code == 401  # the key still guards the API
