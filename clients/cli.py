@@ -6,6 +6,7 @@
     specgate bench [--json FILE] [--runs N] [--quick]
     specgate bench worker [--json FILE] [--repeats N] [--quick]
     specgate bench load [--concurrency N] [--duration S] [--json FILE]
+    specgate chat [--url URL] [--mode MODE] [--api-key KEY]
 
 The CLI is the composition root: it starts servers as processes (``python -m workers``,
 ``python -m app``) and speaks HTTP to them, so it imports neither ``app/`` nor ``workers/``.
@@ -30,6 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="gateway port (default: the config's, 8000)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SPECGATE_API_KEY, else open)")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every worker (default: 600)")
+    chat = commands.add_parser("chat", help="an interactive streaming chat with a running gateway, with acceptance and tokens/s")
+    chat.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default: http://127.0.0.1:8000)")
+    chat.add_argument("--model", default=None, help="model id (default: the gateway's first)")
+    chat.add_argument("--mode", default=None, help="speculative mode for every answer (default: the gateway's)")
+    chat.add_argument("--api-key", default=None, help="bearer key (default: $SPECGATE_API_KEY)")
+    chat.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default: 256)")
+    chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: 0.7)")
     bench = commands.add_parser("bench", help="benchmarks that print figures and write JSON (default: the decoding modes)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     bench.add_argument("--runs", type=int, default=3, help="runs per cell, ≥ 3 (default: 3)")
@@ -69,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.api_key:
             os.environ["SPECGATE_API_KEY"] = args.api_key  # the gateway child reads it; never on disk
         return serve(args.config, args.port, args.startup_timeout)
+    if args.command == "chat":
+        from clients.chat import chat
+
+        return chat(args)
     if args.command == "bench" and args.bench == "load":
         from clients.bench_load import bench_load
 

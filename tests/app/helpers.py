@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import orjson
+import uvicorn
 
+from clients.procs import free_port
 from core.config import SpecgateConfig, parse_config
 
 
@@ -45,3 +51,22 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = None, co
         assert error["code"] == code
     assert contains in error["message"], error["message"]
     return error
+
+
+@contextmanager
+def served(app: Any) -> Iterator[str]:
+    """``app`` under a real uvicorn on 127.0.0.1, in a thread, stopped at the end."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.05)
+        assert server.started, "uvicorn did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)

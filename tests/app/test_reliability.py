@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -18,15 +17,13 @@ import numpy as np
 import openai
 import orjson
 import pytest
-import uvicorn
 
 from app.server import create_app
-from clients.procs import free_port
 from core.protocol import InfoResponse, VerifyResponse, encode, encode_json
 from core.runners import ModelRunner
 from tests.app.conftest import Gateway
 from tests.app.fakes import V, FakeWorkerTransport, Mutation
-from tests.app.helpers import assert_error, gateway_config, sse_events
+from tests.app.helpers import assert_error, gateway_config, served, sse_events
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}
 COMPLETION = {"model": "test-model", "prompt": "Once upon a time", "max_tokens": 6}
@@ -268,7 +265,7 @@ async def test_bad_requests_get_the_envelope_and_lose_nothing(client: httpx.Asyn
 
 
 @pytest.mark.parametrize("extreme", [{"top_p": 5e-324}, {"temperature": 5e-324}, {"temperature": 1e-6, "top_p": 1e-300}, {"temperature": 2.0, "top_k": 1}])
-async def test_extreme_sampling_values_are_served(client: httpx.AsyncClient, extreme: dict[str, float]) -> None:
+async def test_extreme_sampling_values_areserved(client: httpx.AsyncClient, extreme: dict[str, float]) -> None:
     resp = await client.post("/v1/completions", json={**COMPLETION, **extreme})  # fuzzing found NaN here once
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6
 
@@ -282,29 +279,10 @@ async def test_bad_chat_requests(client: httpx.AsyncClient) -> None:
 # ----------------------------------------------------------------------------- disconnects
 
 
-@contextmanager
-def _served(app: Any) -> Iterator[str]:
-    """``app`` under a real uvicorn on 127.0.0.1, in a thread, stopped at the end."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        for _ in range(200):
-            if server.started:
-                break
-            time.sleep(0.05)
-        assert server.started, "uvicorn did not start"
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=15)
-
-
 def test_a_client_that_leaves_frees_the_worker_sessions(tiny_runner: ModelRunner, fakes: FakeWorkerTransport) -> None:
     fakes.behaviour.update(w0="sleep:0.05", w1="sleep:0.05")
     app = create_app(gateway_config(), draft_runner=tiny_runner, transport=fakes.transport())
-    with _served(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+    with served(app) as url, httpx.Client(base_url=url, timeout=30) as client:
         with client.stream("POST", "/v1/completions", json={**COMPLETION, "max_tokens": 60, "stream": True}) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: ") and '"text"' in line:
@@ -316,7 +294,7 @@ def test_a_client_that_leaves_frees_the_worker_sessions(tiny_runner: ModelRunner
 def test_a_client_that_gives_up_on_a_whole_response_frees_the_sessions_too(tiny_runner: ModelRunner, fakes: FakeWorkerTransport) -> None:
     fakes.behaviour.update(w0="sleep:0.05", w1="sleep:0.05")
     app = create_app(gateway_config(), draft_runner=tiny_runner, transport=fakes.transport())
-    with _served(app) as url:
+    with served(app) as url:
         with pytest.raises(httpx.ReadTimeout):  # the client hangs up after 0.5 s
             httpx.post(f"{url}/v1/completions", json={**COMPLETION, "max_tokens": 60}, timeout=0.5)
         _assert_stopped_and_freed(fakes)
