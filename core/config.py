@@ -37,7 +37,7 @@ class DraftConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "builtin-draft"  # any --model value
-    backend: Backend = Backend.LLAMA_CPP
+    backend: Backend = Backend.LLAMA_CPP  # model runner of the draft
     memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of the draft, all sessions
     threads: int | None = Field(default=None, gt=0)  # CPU threads; None = every core (serve splits them)
 
@@ -47,12 +47,12 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Mode = Mode.AGGREGATE
+    mode: Mode = Mode.AGGREGATE  # served: autoregressive, aggregate, split, exact (the built-in config: exact)
     num_draft_tokens: int = Field(default=4, ge=1, le=32)  # γ
     k: int | None = None  # top-k per position on the wire; None ("full") = whole distributions
-    reconstruction: Reconstruction = Reconstruction.RENORMALIZE
+    reconstruction: Reconstruction = Reconstruction.RENORMALIZE  # how top-k becomes a distribution (aggregate)
     draft_top_k: int | None = Field(default=None, ge=0)  # TSLT draft truncation; exact defaults to 32
-    draft_top_p: float | None = Field(default=None, gt=0, le=1)
+    draft_top_p: float | None = Field(default=None, gt=0, le=1)  # ... or keep the draft's nucleus of this mass
 
     @field_validator("k", mode="before")
     @classmethod
@@ -79,7 +79,7 @@ class LinkConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rtt_ms: float = Field(default=0.0, ge=0)
+    rtt_ms: float = Field(default=0.0, ge=0)  # round-trip time added to every exchange
     up_mbps: float | None = Field(default=None, gt=0)  # gateway → worker; None = unlimited
     down_mbps: float | None = Field(default=None, gt=0)  # worker → gateway; None = unlimited
 
@@ -145,12 +145,12 @@ class HealthConfig(BaseModel):
 class SpecgateConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_", env_nested_delimiter="__", extra="forbid")
 
-    model: str = "specgate"
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
+    model: str = "specgate"  # the model id clients pass and /v1/models lists
+    host: str = "127.0.0.1"  # address the gateway binds (0.0.0.0 to be reachable from outside)
+    port: int = Field(default=8000, ge=0, le=65535)  # the gateway's port
     draft: DraftConfig = DraftConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
-    workers: list[WorkerEntry] = Field(default_factory=list)
+    workers: list[WorkerEntry] = Field(default_factory=list)  # the targets, at least one; weights w_n
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
     api_key: str | None = None  # clients must send it as a bearer token (env SPECGATE_API_KEY)

@@ -12,9 +12,9 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_WORKER_", extra="forbid")
 
     model: str = "builtin"  # builtin | builtin-draft | builtin-alt | tiny-random[:SEED] | path | hub id
-    backend: Backend = Backend.LLAMA_CPP
-    host: str = "127.0.0.1"
-    port: int = Field(default=8101, ge=0, le=65535)
+    backend: Backend = Backend.LLAMA_CPP  # model runner: llama.cpp (GGUF, fast on CPU) or transformers
+    host: str = "127.0.0.1"  # address to bind (0.0.0.0 for a gateway on another machine)
+    port: int = Field(default=8101, ge=0, le=65535)  # the worker's port
     max_context: int = Field(default=2048, gt=0)  # tokens one session may hold
     memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of all sessions together
     max_sessions: int = Field(default=64, gt=0)  # LRU eviction beyond this

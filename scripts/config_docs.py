@@ -1,0 +1,126 @@
+"""``docs/configuration.md``, generated from the settings models themselves (every key, its type,
+default, environment variable and the comment beside it in the source), so the page cannot
+drift from the code: ``python scripts/config_docs.py > docs/configuration.md`` (a test checks it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import types
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from core.config import SpecgateConfig  # noqa: E402
+from workers.settings import WorkerSettings  # noqa: E402
+
+_COMMENT = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
+
+HEADER = """# Configuration
+
+Generated from `core/config.py` and `workers/settings.py` by `python scripts/config_docs.py`;
+a test fails when this page and the code disagree.
+
+The gateway (`specgate gateway`, `specgate serve`) reads YAML (`--config FILE`) and the
+environment: `SPECGATE_<KEY>` for a top-level key, `SPECGATE_<SECTION>__<KEY>` inside a section
+(e.g. `SPECGATE_SPECULATIVE__MODE=autoregressive`), JSON for lists (`SPECGATE_WORKERS='[…]'`).
+The environment wins over the file. Without `--config` the built-in default is used
+(`config/builtin.yaml`). A bad key or value stops start-up with a message naming it.
+"""
+
+
+def render() -> str:
+    parts = [HEADER, "## Gateway\n", _table(SpecgateConfig, "", "SPECGATE_")]
+    parts += ["\n## Worker\n", "`specgate worker` flags override these; the environment overrides the defaults.\n", _table(WorkerSettings, "", "SPECGATE_WORKER_")]
+    return "\n".join(parts)
+
+
+def _table(model: type[BaseModel], prefix: str, env: str) -> str:
+    rows = ["| key | type | default | environment | meaning |", "| --- | --- | --- | --- | --- |"]
+    rows += _rows(model, prefix, env)
+    return "\n".join(rows) + "\n"
+
+
+def _rows(model: type[BaseModel], prefix: str, env: str | None) -> list[str]:
+    """One row per key; sections recurse; list items (workers) are described inside their list."""
+    comments = _comments(model)
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        var = f"`{env}{name.upper()}`" if env is not None else "(in the list)"
+        section, item = _nested_model(field.annotation), _list_item(field.annotation)
+        if section is not None and item is None:
+            rows += _rows(section, f"{key}.", f"{env}{name.upper()}__" if env is not None else None)
+            continue
+        rows.append(f"| `{key}` | {_type(field.annotation)} | {_default(field)} | {var} | {comments.get(name, '')} |")
+        if item is not None:
+            rows += _rows(item, f"{key}[].", None)
+    return rows
+
+
+def _comments(model: type[BaseModel]) -> dict[str, str]:
+    """The ``# comment`` beside each field in the class source (the docstring for sections)."""
+    found = {}
+    for cls in reversed(model.__mro__):
+        if cls is BaseModel or not isinstance(cls, type) or not issubclass(cls, BaseModel):
+            continue
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        for line in source.splitlines():
+            match = _COMMENT.match(line)
+            if match and match.group(1) in model.model_fields:
+                found[match.group(1)] = match.group(2).replace("|", "\\|")
+    return found
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    for arg in (annotation, *get_args(annotation)):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def _list_item(annotation: Any) -> type[BaseModel] | None:
+    if get_origin(annotation) is list:
+        (item,) = get_args(annotation)
+        return item if isinstance(item, type) and issubclass(item, BaseModel) else None
+    return None
+
+
+def _type(annotation: Any) -> str:
+    if get_origin(annotation) in (Union, types.UnionType):
+        return " \\| ".join(_type(a) for a in get_args(annotation))
+    if get_origin(annotation) is list:
+        return f"list of {_type(get_args(annotation)[0])}"
+    if annotation is type(None):
+        return "null"
+    if isinstance(annotation, type) and hasattr(annotation, "__members__"):  # an enum
+        return " \\| ".join(f"`{m.value}`" for m in annotation)  # type: ignore[attr-defined]
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default(field: FieldInfo) -> str:
+    if field.default_factory is not None:
+        value: Any = field.default_factory()  # type: ignore[call-arg]
+        return "`[]`" if value == [] else "(section)"
+    if field.default is PydanticUndefined:
+        return "required"
+    value = field.default
+    if value is None:
+        return "`null`"
+    if hasattr(value, "value"):
+        value = value.value
+    return f"`{value}`"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(render())
