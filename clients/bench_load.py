@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -20,7 +17,7 @@ import httpx
 import orjson
 import psutil
 
-from clients.procs import free_port, stop_process
+from clients.procs import free_port, serve_process
 from clients.report import progress, write_json
 
 PROMPTS = [
@@ -44,33 +41,22 @@ class LoadStats:
 
 def bench_load(args: argparse.Namespace) -> int:
     port = args.port or free_port()
-    command = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port)] + (["--config", args.config] if args.config else [])
-    progress(f"bench load: starting {' '.join(command[2:])}")
-    serve = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        if not _wait_ready(base, serve, args.startup_timeout):
-            progress("bench load: the server did not become ready")
-            return 1
-        results = asyncio.run(_run(base, serve.pid, args))
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        stop_process(serve, grace_s=60)
+    progress(f"bench load: starting specgate serve on port {port}")
+    with serve_process(args.config, port, args.startup_timeout) as base:
+        serve_pid = _serve_pid(port)
+        results = asyncio.run(_run(base, serve_pid, args))
     _print(results)
     write_json(args.json_path, results)
     return 0 if not results["errors"] else 1
 
 
-def _wait_ready(base: str, serve: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and serve.poll() is None:
-        try:
-            if httpx.get(f"{base}/health/ready", timeout=5).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    return False
+def _serve_pid(port: int) -> int:
+    """The ``specgate serve`` process started for ``port`` (the parent of gateway and workers)."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "serve" in cmdline and "--port" in cmdline and cmdline[cmdline.index("--port") + 1] == str(port):
+            return int(proc.pid)
+    raise RuntimeError(f"no specgate serve process for port {port}")
 
 
 def _processes(serve_pid: int) -> dict[str, psutil.Process]:

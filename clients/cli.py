@@ -7,6 +7,7 @@
     specgate bench worker [--json FILE] [--repeats N] [--quick]
     specgate bench load [--concurrency N] [--duration S] [--json FILE]
     specgate chat [--url URL] [--mode MODE] [--api-key KEY]
+    specgate eval [--url URL | --serve] [--json FILE]
 
 The CLI is the composition root: it starts servers as processes (``python -m workers``,
 ``python -m app``) and speaks HTTP to them, so it imports neither ``app/`` nor ``workers/``.
@@ -38,6 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--api-key", default=None, help="bearer key (default: $SPECGATE_API_KEY)")
     chat.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default: 256)")
     chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: 0.7)")
+    evaluate = commands.add_parser("eval", help="each mode on a fixed prompt set: acceptance, accepted length, TV to the target vs its bound")
+    evaluate.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default: http://127.0.0.1:8000)")
+    evaluate.add_argument("--serve", action="store_true", help="start `specgate serve` for the run instead of using --url")
+    evaluate.add_argument("--config", default=None, help="with --serve: its config (default: the built-in one)")
+    evaluate.add_argument("--startup-timeout", type=float, default=600.0, help="with --serve: seconds to wait (default: 600)")
+    evaluate.add_argument("--prompts", type=int, default=4, help="prompts of the fixed set, 1–4 (default: 4)")
+    evaluate.add_argument("--seeds", type=int, default=2, help="seeds per prompt (default: 2)")
+    evaluate.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default: 48)")
+    evaluate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
+    evaluate.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     bench = commands.add_parser("bench", help="benchmarks that print figures and write JSON (default: the decoding modes)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     bench.add_argument("--runs", type=int, default=3, help="runs per cell, ≥ 3 (default: 3)")
@@ -77,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.api_key:
             os.environ["SPECGATE_API_KEY"] = args.api_key  # the gateway child reads it; never on disk
         return serve(args.config, args.port, args.startup_timeout)
+    if args.command == "eval":
+        from clients.eval import evaluate
+
+        return evaluate(args)
     if args.command == "chat":
         from clients.chat import chat
 

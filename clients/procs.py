@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -77,3 +79,28 @@ def GatewayProcess(config_path: str, port: int | None = None, timeout_s: float =
     port = port or free_port()
     command = [sys.executable, "-m", "app", "--config", config_path, "--port", str(port), "--log-level", "warning"]
     return ServerProcess(command, port, "/health/ready", timeout_s)
+
+
+@contextlib.contextmanager
+def serve_process(config: str | None, port: int, timeout_s: float = 600.0) -> Iterator[str]:
+    """``specgate serve`` (gateway + its local workers) for the length of a ``with`` block; the
+    gateway's URL once ``/health/ready`` answers. SIGTERM at the end: it drains, then stops all."""
+    command = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port)] + (["--config", config] if config else [])
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _answers_200(f"{url}/health/ready"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"specgate serve did not become ready on {url}")
+            time.sleep(1)
+        yield url
+    finally:
+        stop_process(proc, grace_s=60)
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
