@@ -26,7 +26,7 @@ def test_every_mode_gets_a_row(tiny_runner: ModelRunner, tmp_path: Path, capsys:
         assert evaluate(args) == 0
     table = capsys.readouterr().out
     rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"autoregressive", "aggregate k=full", "aggregate k=32", "aggregate k=8", "split", "exact"}
+    assert set(rows) == {"autoregressive", "aggregate k=full", "aggregate k=32", "aggregate k=8", "aggregate k=8 residual", "split", "exact"}
     assert "split verifies on one worker" in rows["split"]["skipped"] and "skipped" in table
     assert rows["autoregressive"]["acceptance"] is None and rows["autoregressive"]["mean_accepted_length"] == 1
     for name in ("aggregate k=full", "exact"):
@@ -34,6 +34,7 @@ def test_every_mode_gets_a_row(tiny_runner: ModelRunner, tmp_path: Path, capsys:
     lossy = rows["aggregate k=8"]
     assert lossy["lossless"] is False and 0 <= lossy["tv_measured"] <= lossy["tv_bound"] + 1e-9
     assert 0 <= lossy["acceptance"] <= 1 and lossy["mean_accepted_length"] >= 1
+    assert lossy["tv_measured"] == pytest.approx(lossy["tv_bound"])  # renormalize: TV(p̂_n, p_n) = σ_n exactly
     assert "aggregate k=8" in table and "TV bound" in table
 
 
