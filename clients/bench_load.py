@@ -18,15 +18,10 @@ import orjson
 import psutil
 
 from clients.procs import free_port, serve_process
+from clients.prompts import PROMPTS as ALL_PROMPTS
 from clients.report import progress, write_json
 
-PROMPTS = [
-    "Explain in two sentences why the sky is blue.",
-    "Write a short poem about a lighthouse keeper.",
-    "List three tips for learning a new programming language.",
-    "What is the capital of France, and why is it famous?",
-    "Describe a cat to someone who has never seen one.",
-]
+PROMPTS = ALL_PROMPTS
 
 
 @dataclass

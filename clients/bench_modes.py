@@ -27,14 +27,11 @@ from typing import Any
 import httpx
 
 from clients.procs import GatewayProcess, WorkerProcess
+from clients.prompts import PROMPTS as ALL_PROMPTS
 from clients.report import progress, write_json
 from core.config import LinkConfig, builtin_config, dump_config
 
-PROMPTS = [
-    "Explain in two sentences why the sky is blue.",
-    "Write a short poem about a lighthouse keeper.",
-    "List three tips for learning a new programming language.",
-]
+PROMPTS = ALL_PROMPTS[:3]
 MODES: list[tuple[str, dict[str, Any]]] = [
     ("autoregressive", {"mode": "autoregressive"}),
     ("aggregate k=full", {"mode": "aggregate", "k": "full"}),

@@ -23,14 +23,10 @@ from typing import Any
 import httpx
 
 from clients.procs import free_port, serve_process
+from clients.prompts import PROMPTS as ALL_PROMPTS
 from clients.report import progress, write_json
 
-PROMPTS = [
-    "Explain in two sentences why the sky is blue.",
-    "Write a short poem about a lighthouse keeper.",
-    "List three tips for learning a new programming language.",
-    "What is the capital of France, and why is it famous?",
-]
+PROMPTS = ALL_PROMPTS[:4]
 SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("autoregressive", {"mode": "autoregressive"}),
     ("aggregate k=full", {"mode": "aggregate", "k": "full"}),
