@@ -38,7 +38,7 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
             resolved = Path(tmp) / "config.yaml"
             resolved.write_text(dump_config(config))
             print(f"specgate serve: starting the gateway on http://{config.host}:{config.port}", flush=True)
-            procs["gateway"] = subprocess.Popen([sys.executable, "-m", "app", "--config", str(resolved), "--log-level", "warning"])
+            procs["gateway"] = subprocess.Popen([sys.executable, "-m", "app", "--config", str(resolved), "--log-level", "warning"], process_group=0)
             if not wait_ready(_ready_urls(config), procs, startup_timeout, stop):
                 return 1
             print(ready_message(config), flush=True)
@@ -51,7 +51,9 @@ def start_worker(config: SpecgateConfig, entry: WorkerEntry) -> subprocess.Popen
     assert entry.model is not None and entry.port is not None
     url = config.worker_url(entry)
     print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}, threads={entry.threads}) on {url}", flush=True)
-    return subprocess.Popen(worker_command(entry.model, entry.backend.value, entry.port, entry.threads))
+    # its own process group: a terminal's Ctrl-C reaches `serve` alone, which stops the
+    # gateway first (it drains its streams, which still need the workers), then the workers
+    return subprocess.Popen(worker_command(entry.model, entry.backend.value, entry.port, entry.threads), process_group=0)
 
 
 def _ready_urls(config: SpecgateConfig) -> dict[str, str]:
