@@ -43,6 +43,7 @@ class SpecOptions:
     reconstruction: Reconstruction
     draft_top_k: int = 0  # TSLT draft truncation: keep the k most likely draft tokens (0 = off)
     draft_top_p: float = 1.0  # ... or the smallest nucleus of mass ≥ draft_top_p (1 = off)
+    engine_targets: bool = False  # some targets are openai-logprobs engines: their top-k makes it lossy (DESIGN §8)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -56,7 +57,7 @@ class SpecOptions:
 
     @property
     def is_lossless(self) -> bool:
-        return self.mode in (Mode.AUTOREGRESSIVE, Mode.EXACT) or self.k is None
+        return not self.engine_targets and (self.mode in (Mode.AUTOREGRESSIVE, Mode.EXACT) or self.k is None)
 
     @property
     def truncation(self) -> tuple[int, float]:
@@ -111,6 +112,7 @@ class _Round:
     draft: Draft
     traffic: Traffic
     model_s: float = 0.0
+    responses: list[VerifyResponse] = field(default_factory=list)  # of the last call
 
     @property
     def positions(self) -> list[int]:
@@ -135,6 +137,7 @@ class _Round:
         except BaseExceptionGroup as failures:
             raise _first_worker_error(failures) from None
         results = [t.result() for t in tasks]
+        self.responses = [resp for resp, _ in results]
         self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
         for n, (_, traffic) in enumerate(results):
             self.agreed[n] = len(self.sequence)
@@ -168,6 +171,9 @@ class Engine:
                 gamma = min(req.spec.num_draft_tokens, room - 1) if mode.drafts else 0
                 started = time.perf_counter()
                 draft = await self._draft(session_id, sequence, gamma, req)
+                scorable = self.pool.scorable(sequence, draft.tokens)  # an engine may not score every token
+                if scorable < len(draft.tokens):
+                    draft = Draft(draft.tokens[:scorable], draft.probs[:scorable])
                 drafted = time.perf_counter()
                 rnd = _Round(self, req, session_id, sequence, agreed, draft, Traffic())
                 result = await mode.run(rnd)
@@ -230,7 +236,11 @@ class AutoregressiveMode(_Mode):
             token = int(_array(responses[chosen].samples)[0])
             target = _mixture(responses, rnd.engine) if want_logprobs else None
         logprobs = token_logprobs(target, [token], req.top_logprobs) if target is not None else None
-        return RoundResult([token], drafted=0, accepted=0, traffic=rnd.traffic, logprobs=logprobs)
+        result = RoundResult([token], drafted=0, accepted=0, traffic=rnd.traffic, logprobs=logprobs)
+        if not req.spec.is_lossless:  # engine targets: z_n came from a top-k of p_n
+            sigma = torch.tensor([[float(_array(r.tail_mass)[0]) if r.tail_mass is not None else 0.0] for r in rnd.responses])
+            result.bound = result.error = bias_bound(sigma, rnd.engine.weights).tolist()
+        return result
 
     async def _greedy(self, rnd: _Round, want_logprobs: bool) -> tuple[int, torch.Tensor | None]:
         vocab, single = rnd.engine.vocab_size, len(rnd.engine.pool.workers) == 1

@@ -67,6 +67,7 @@ class Expected:
 
     fingerprint: str
     vocab_size: int
+    tokenizer: Any = None  # the draft's (HF) tokenizer: engine targets speak text and token strings
 
 
 @dataclass
@@ -172,13 +173,17 @@ class WorkerClient:
             entry["error"] = f"worker {self.name}: no replica ready ({replicas[0]['error']})"
         return entry
 
+    health_path: str | None = "/health"  # probed before /v1/info; None: straight to the check
+    is_engine = False  # an openai-logprobs engine (app.openai_target), not our worker
+
     async def probe(self) -> None:
         """Open breakers only: ``/health``, then ``/v1/info``; a replica that passes takes calls again."""
         for replica in (r for r in self.replicas if r.breaker.is_open):
             try:
-                resp = await self.client.get(f"{replica.url}/health", timeout=_PROBE_TIMEOUT)
-                if resp.status_code != 200:
-                    continue
+                if self.health_path is not None:
+                    resp = await self.client.get(f"{replica.url}{self.health_path}", timeout=_PROBE_TIMEOUT)
+                    if resp.status_code != 200:
+                        continue
                 await self.check(replica)
                 log.info("worker %s: replica %s is back", self.name, replica.url)
             except (httpx.HTTPError, ReplicaFailure):
@@ -187,7 +192,7 @@ class WorkerClient:
     async def _fetch_info(self, replica: Replica) -> InfoResponse:
         resp = await self._request("GET", replica, "/v1/info")
         if resp.status_code != 200:
-            raise _status_failure(resp.status_code, resp.content, "/v1/info")
+            raise status_failure(resp.status_code, resp.content, "/v1/info")
         try:
             info = decode(InfoResponse, resp.content, resp.headers.get("content-type"))
         except ProtocolError as exc:
@@ -270,7 +275,7 @@ class WorkerClient:
             if status == 200:
                 return self._parse(body, req)
             if status != 409:
-                failure = _status_failure(status, body, "verify")
+                failure = status_failure(status, body, "verify")
                 if failure.kind == "rejected":  # the request itself: every replica would refuse it
                     raise WorkerError(self.name, str(failure))
                 raise failure
@@ -282,11 +287,14 @@ class WorkerClient:
 
     async def _post(self, replica: Replica, req: VerifyRequest, traffic: Traffic) -> tuple[int, bytes]:
         body, content_type = encode(req, self.vocab_size)
+        return await self._exchange(replica, "/v1/verify", body, {"content-type": content_type, "accept": BINARY_CONTENT_TYPE}, traffic)
+
+    async def _exchange(self, replica: Replica, path: str, body: bytes, headers: dict[str, str], traffic: Traffic) -> tuple[int, bytes]:
+        """One POST of a round: the emulated link, the round-latency hook, bytes both ways."""
         if self.link is not None:
             await asyncio.sleep(self.link.delay_s(len(body), upstream=True))
-        headers = {"content-type": content_type, "accept": BINARY_CONTENT_TYPE}
         started = time.perf_counter()
-        resp = await self._request("POST", replica, "/v1/verify", content=body, headers=headers)
+        resp = await self._request("POST", replica, path, content=body, headers=headers)
         if self.link is not None:
             await asyncio.sleep(self.link.delay_s(len(resp.content), upstream=False))
         self.on_call(self.name, time.perf_counter() - started)
@@ -304,6 +312,10 @@ class WorkerClient:
             raise ReplicaFailure("connect", f"{path} at {replica.url}: {_describe(exc)}") from exc
         except httpx.HTTPError as exc:  # reset, closed mid-body, …
             raise ReplicaFailure("transport", f"{path} at {replica.url}: {_describe(exc)}") from exc
+
+    def scorable(self, sequence: list[int], draft: list[int]) -> int:
+        """How many leading draft tokens this target can score after ``sequence``: all of them."""
+        return len(draft)
 
     def _parse(self, body: bytes, req: VerifyRequest) -> VerifyResponse:
         try:
@@ -343,7 +355,7 @@ def _held(body: bytes) -> int:
     return held if isinstance(held, int) and held >= 0 else 0
 
 
-def _status_failure(status: int, body: bytes, what: str) -> ReplicaFailure:
+def status_failure(status: int, body: bytes, what: str) -> ReplicaFailure:
     """A non-200 answer: 5xx and 401/403 are the replica's fault; other 4xx are the request's."""
     try:
         message = f"{what}: HTTP {status}: {ErrorBody.from_json(body).message}"
@@ -373,14 +385,18 @@ class WorkerPool:
         headers = {"authorization": f"Bearer {config.worker_token}"} if config.worker_token else None
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=4 * config.limits.max_concurrent_requests)
         client = httpx.AsyncClient(transport=transport or httpx.AsyncHTTPTransport(retries=0, limits=limits), headers=headers)
-        workers = [
-            WorkerClient(
-                w.name or "", config.worker_urls(w), w.weight, client,
-                httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), config.health.failure_threshold, expected, w.link,
-            )
-            for w in config.workers
-        ]
+        from app.openai_target import OpenAITarget  # it builds on WorkerClient
+
+        workers = []
+        for w in config.workers:
+            timeout = httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s)
+            args = (w.name or "", config.worker_urls(w), w.weight, client, timeout, config.health.failure_threshold, expected, w.link)
+            workers.append(OpenAITarget(*args, entry=w) if w.is_engine else WorkerClient(*args))
         return cls(workers, client, config.health.probe_interval_s)
+
+    def scorable(self, sequence: list[int], draft: list[int]) -> int:
+        """How many leading draft tokens every target can score (engines cannot score every token)."""
+        return min(w.scorable(sequence, draft) for w in self.workers)
 
     @property
     def weights(self) -> list[float]:

@@ -51,7 +51,7 @@ def create_app(
             draft = config.draft
             runner = await asyncio.to_thread(load_runner, draft.model, draft.backend.value, 2048, draft.memory_cap_mb, draft.threads)
             await asyncio.to_thread(lambda: runner.fingerprint)
-        pool = WorkerPool.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size), transport)
+        pool = WorkerPool.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size, runner.tokenizer), transport)
         metrics.watch(pool)
         gateway = Gateway(config, DraftModel(runner), pool, metrics)
         app.state.gateway = gateway

@@ -22,7 +22,7 @@ from app.metrics import GatewayMetrics
 from app.pool import WorkerError, WorkerPool
 from app.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeParams
 from app.text import IncrementalDetokenizer, StopMatcher
-from core.config import SERVED_MODES, SpecgateConfig
+from core.config import ENGINE_MODES, SERVED_MODES, SpecgateConfig
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
 from core.names import Mode
 
@@ -250,6 +250,9 @@ class Gateway:
         extra = sorted(set(given) - _MODE_FIELDS[mode])
         if extra:
             raise ApiError(400, f"mode {mode.value!r} does not take {extra}", f"speculative.{extra[0]}")
+        engines = [w.name for w in self.pool.workers if w.is_engine]
+        if engines and mode not in ENGINE_MODES:
+            raise ApiError(400, f"mode {mode.value!r} needs specgate workers; {engines[0]} is an openai-logprobs engine (it serves autoregressive and aggregate)", "speculative.mode")
         if mode is Mode.SPLIT and len(self.pool.workers) != 1:
             raise ApiError(400, f"split verifies on one worker; this gateway has {len(self.pool.workers)}", "speculative.mode")
         k = given.get("k", base.k)
@@ -264,6 +267,7 @@ class Gateway:
             reconstruction=given.get("reconstruction", base.reconstruction),
             draft_top_k=top_k or 0,
             draft_top_p=1.0 if top_p is None else top_p,
+            engine_targets=bool(engines),
         )
 
     # ----------------------------------------------------------------- running

@@ -90,7 +90,7 @@ def _answers(client: httpx.Client, url: str) -> bool:
 
 def ready_message(config: SpecgateConfig) -> str:
     base = f"http://{config.host}:{config.port}"
-    workers = ", ".join(f"{w.name}={w.model or w.url}" for w in config.workers)
+    workers = ", ".join(f"{w.name}={w.model if w.is_local else config.worker_url(w)}" for w in config.workers)
     return (
         f"specgate: ready on {base} — model {config.model!r}, mode {config.speculative.mode.value}, "
         f"draft {config.draft.model}, workers {workers}\n"

@@ -27,10 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from core.errors import ConfigError
-from core.names import Backend, Mode, Reconstruction
+from core.names import Backend, Mode, Reconstruction, TargetType
 
 FIRST_LOCAL_PORT = 8101
 SERVED_MODES = (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT)  # tree, pipeline: later
+ENGINE_MODES = (Mode.AUTOREGRESSIVE, Mode.AGGREGATE)  # what openai-logprobs targets can take part in
 
 
 class DraftConfig(BaseModel):
@@ -91,13 +92,16 @@ class LinkConfig(BaseModel):
 
 class WorkerEntry(BaseModel):
     """One target: ``url`` or ``urls`` (workers running elsewhere: replicas of one model, any
-    of which can take over a session) or ``model`` (a local worker started by ``serve``)."""
+    of which can take over a session) or ``model`` (a local worker started by ``serve``).
+    ``type: openai-logprobs`` makes it an existing OpenAI-compatible engine (vLLM,
+    llama-cpp-python's server) at ``url``/``urls`` serving ``model`` (DESIGN §8)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str | None = None  # base URL, e.g. http://127.0.0.1:8101
+    type: TargetType = TargetType.SPECGATE  # specgate (our worker) or openai-logprobs (an engine)
+    url: str | None = None  # base URL, e.g. http://127.0.0.1:8101 (an engine's: without /v1)
     urls: list[str] | None = None  # replicas serving the same model with the same weight
-    model: str | None = None  # what a local worker loads
+    model: str | None = None  # what a local worker loads; for an engine, the model name it serves
     weight: float = Field(default=1.0, ge=0)  # w_n before normalisation
     name: str | None = None  # shown in errors and metrics; defaults to w<index>
     backend: Backend = Backend.LLAMA_CPP  # a local worker's backend
@@ -106,19 +110,28 @@ class WorkerEntry(BaseModel):
     link: LinkConfig | None = None  # emulate a network between the gateway and this worker
     connect_timeout_s: float = Field(default=3.0, gt=0)  # opening a connection to a replica
     read_timeout_s: float = Field(default=30.0, gt=0)  # waiting for a verify answer
+    logprobs: int = Field(default=20, ge=1, le=1000)  # engine: top-k logprobs asked per position (vLLM's cap: 20)
+    max_context: int | None = Field(default=None, gt=0)  # engine: its context length, when /v1/models does not say
 
     @model_validator(mode="after")
     def _one_source(self) -> WorkerEntry:
-        sources = [self.url is not None, self.urls is not None, self.model is not None]
-        if sum(sources) != 1:
-            raise ValueError("give a worker one of url / urls (remote) or model (local)")
         if self.urls is not None and not self.urls:
             raise ValueError("urls must list at least one replica")
+        remote = (self.url is not None) + (self.urls is not None)
+        if self.is_engine:
+            if remote != 1 or not self.model:
+                raise ValueError("an openai-logprobs target needs url (or urls) and model (the name the engine serves)")
+        elif remote + (self.model is not None) != 1:
+            raise ValueError("give a worker one of url / urls (remote) or model (local)")
         return self
 
     @property
+    def is_engine(self) -> bool:
+        return self.type is TargetType.OPENAI_LOGPROBS
+
+    @property
     def is_local(self) -> bool:
-        return self.model is not None
+        return self.model is not None and not self.is_engine
 
 
 class LimitsConfig(BaseModel):
@@ -167,7 +180,17 @@ class SpecgateConfig(BaseSettings):
         names = [w.name for w in self.workers]
         if len(set(names)) != len(names):
             raise ValueError(f"workers: names must be unique, got {names}")
+        engines = [w.name for w in self.workers if w.is_engine]
+        if engines and self.speculative.mode not in ENGINE_MODES:
+            raise ValueError(
+                f"speculative.mode {self.speculative.mode.value!r} needs specgate workers; "
+                f"{engines[0]} is an openai-logprobs engine (use {' or '.join(m.value for m in ENGINE_MODES)})"
+            )
         return self
+
+    @property
+    def has_engines(self) -> bool:
+        return any(w.is_engine for w in self.workers)
 
     @classmethod
     def settings_customise_sources(

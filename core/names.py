@@ -35,3 +35,10 @@ class Reconstruction(str, Enum):
 
     RENORMALIZE = "renormalize"  # eq. 5: p_n / ρ_n on S_n, 0 elsewhere (the default)
     RESIDUAL = "residual"  # eq. 6: p_n on S_n, σ_n / (|V| − k) elsewhere
+
+
+class TargetType(str, Enum):
+    """What a target entry speaks (DESIGN §4, §8)."""
+
+    SPECGATE = "specgate"  # our worker: protocol v1, every mode
+    OPENAI_LOGPROBS = "openai-logprobs"  # an OpenAI-compatible engine's top-k logprobs (autoregressive, aggregate)

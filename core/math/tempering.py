@@ -3,7 +3,7 @@ logprobs at temperature 1 still defines the target ``T(p)`` for any temperature,
 top-p — up to the mass its unseen tail gets after tempering, which is bounded here.
 
 For the k reported tokens with probabilities p_i (tail mass σ = 1 − Σ p_i, every unseen token
-at most p_min = min p_i), tempering by T gives weights p_i^{1/T}; the unseen tail's weight is
+at most p_min = min p_i, or a given ceiling), tempering by T gives weights p_i^{1/T}; the unseen tail's weight is
     T < 1:  Σ_tail p^{1/T} ≤ σ · p_min^{1/T − 1}        (each tail p ≤ p_min)
     T > 1:  Σ_tail p^{1/T} ≤ (V − k)^{1 − 1/T} σ^{1/T}  (Hölder over at most V − k tokens)
 so the tempered tail mass σ_T is at most tail / (head + tail). A top-k of the request at most k
@@ -29,6 +29,7 @@ def temper_top_k(
     probs: torch.Tensor,  # [k] float64: p (temperature 1) of the reported tokens, any order
     vocab_size: int,
     params: SamplingParams,
+    ceiling: float | None = None,  # the most any unreported token may have; default min(probs)
 ) -> TemperedTopK:
     """T(p) restricted to the reported tokens, and how much mass that leaves unaccounted for."""
     probs = probs.double()
@@ -39,7 +40,7 @@ def temper_top_k(
         inv_t = 1.0 / params.temperature
         head = probs**inv_t
         if params.temperature < 1:
-            tail = sigma * float(probs.min()) ** (inv_t - 1.0)
+            tail = sigma * (float(probs.min()) if ceiling is None else ceiling) ** (inv_t - 1.0)
         else:
             tail = max(vocab_size - k, 0) ** (1.0 - inv_t) * sigma**inv_t
     logits = torch.log(head.clamp(min=1e-300)).unsqueeze(0)

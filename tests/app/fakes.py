@@ -95,6 +95,9 @@ class FakePool:
         for worker in self.workers:
             await worker.delete_session(session_id)
 
+    def scorable(self, sequence: list[int], draft: list[int]) -> int:
+        return len(draft)
+
 
 class InlineDraftModel(DraftModel):
     """The real DraftModel, minus the thread hop (a Markov draft costs microseconds)."""

@@ -49,3 +49,18 @@ def test_a_broken_bound_is_caught() -> None:
     target = apply_sampling(logits, SamplingParams(temperature=3.0)).double()[0]
     sigma = 1.0 - float(p[ids].sum())
     assert sigma < 1.0 - float(target[ids].sum())
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7])
+def test_a_ceiling_covers_reported_tokens_left_out(temperature: float) -> None:
+    """Tokens an engine named ambiguously are left out of the head: the bound must use the
+    largest of them as the ceiling of the tail (the head's minimum would be too small)."""
+    logits, ids = _case(4, 3.0)
+    p = apply_sampling(logits, SamplingParams()).double()[0]
+    target = apply_sampling(logits, SamplingParams(temperature=temperature)).double()[0]
+    kept = ids[1:8]  # the largest was left out
+    result = temper_top_k(p[kept], V, SamplingParams(temperature=temperature), ceiling=float(p[ids[0]]))
+    assert result.tail_bound >= 1.0 - float(target[kept].sum()) - 1e-9
+    if temperature == 0.3:  # without the ceiling the bound fails here
+        floor = temper_top_k(p[kept], V, SamplingParams(temperature=temperature))
+        assert floor.tail_bound < 1.0 - float(target[kept].sum())
