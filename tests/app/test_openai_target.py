@@ -6,6 +6,7 @@ gateway federates, reports the bound, refuses the modes engines cannot take, and
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -267,3 +268,11 @@ def test_unusable_listings_are_garbage(body: bytes) -> None:
 def test_token_id_strings() -> None:
     assert token_id("token_id:42") == 42
     assert token_id("token_id:-1") is None and token_id("42") is None and token_id("token_id:") is None
+
+
+def test_the_example_config_parses() -> None:
+    from core.config import load_config
+
+    config = load_config(Path(__file__).parents[2] / "config" / "engine.yaml")
+    assert [w.is_engine for w in config.workers] == [True, False] and config.has_engines
+    assert [w.is_local for w in config.workers] == [False, True]
