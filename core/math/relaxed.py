@@ -1,0 +1,119 @@
+"""Relaxed verification (DSD, DESIGN §3.8): opt-in and lossy, with its distance known exactly.
+
+A per-position relaxation τ_j ∈ [0, 1), a function of (p_j, q_j) only, loosens the accept test:
+
+    accept x_j  iff  r_j < τ_j + (1 − τ_j)·min(1, p_j(x_j) / q_j(x_j)),   else the §3.1 residual,
+
+so the token emitted at that position follows τ_j q_j + (1 − τ_j) p_j, at TV distance exactly
+τ_j (1 − β_j) from p_j (β_j = Σ min(p_j, q_j)). τ = 0 is strict speculative sampling.
+
+τ_j (DSD gives the three signals, not their weights; these are ours):
+
+    τ_j = τ_max · [argmax q_j = argmax p_j] · exp(−KL(q_j ‖ p_j) / kl_scale) · β_j
+
+    top-1 agreement        0 unless draft and target agree on the most likely token
+    cross-entropy contrast KL(q‖p) = H(q, p) − H(q): 0 when they agree, ∞ when q puts mass where p has none
+    distributional agreement β_j = 1 − TV(p_j, q_j)
+
+so τ is large only where the two models agree on the token and on the distribution, and it
+vanishes where they disagree — DSD's "strict where it matters".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from core.math.random import sample_index
+from core.math.speculative import Verdict, argmax_lowest, beta, residual
+
+
+@dataclass(frozen=True)
+class Relaxation:
+    """The τ settings of a request (``"speculative": {"relaxation": {...}}``)."""
+
+    tau_max: float = 0.5  # τ's ceiling, in [0, 1); 0 = strict
+    kl_scale: float = 1.0  # nats: τ falls by a factor e per kl_scale of KL(q ‖ p)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tau_max < 1:
+            raise ValueError("tau_max must lie in [0, 1)")
+        if not self.kl_scale > 0:
+            raise ValueError("kl_scale must be > 0")
+
+
+def relaxation_factor(
+    p: torch.Tensor,  # [V]: the target at one position
+    q: torch.Tensor,  # [V]: the distribution the draft sampled from there
+    settings: Relaxation,
+) -> float:
+    """τ_j of one position (see the module's docstring); 0 when the models disagree on top-1."""
+    if settings.tau_max == 0 or argmax_lowest(p[None])[0] != argmax_lowest(q[None])[0]:
+        return 0.0
+    p64, q64 = p.double(), q.double()
+    support = q64 > 0
+    if bool((p64[support] <= 0).any()):
+        return 0.0  # KL(q ‖ p) = ∞
+    kl = float((q64[support] * (q64[support].log() - p64[support].log())).sum())
+    return settings.tau_max * math.exp(-max(kl, 0.0) / settings.kl_scale) * float(beta(p64, q64))
+
+
+def relaxation_factors(
+    p: torch.Tensor,  # [γ(+1), V]: the target at each draft position (a bonus row is ignored)
+    q: torch.Tensor,  # [γ, V]
+    settings: Relaxation,
+) -> torch.Tensor:  # [γ] float64
+    return torch.tensor([relaxation_factor(p[j], q[j], settings) for j in range(q.shape[0])], dtype=torch.float64)
+
+
+def relaxed_acceptance_probs(
+    p_draft: torch.Tensor,  # [γ]: p_j(x_j)
+    q_draft: torch.Tensor,  # [γ]: q_j(x_j) > 0
+    taus: torch.Tensor,  # [γ]: τ_j
+) -> torch.Tensor:  # [γ]: τ_j + (1 − τ_j)·min(1, p_j(x_j)/q_j(x_j))
+    strict = torch.clamp(p_draft.double() / q_draft.double(), max=1.0)
+    return taus.double() + (1 - taus.double()) * strict
+
+
+def verify_relaxed(
+    p: torch.Tensor,  # [γ+1, V]
+    q: torch.Tensor,  # [γ, V]
+    draft: list[int],  # [γ]
+    accept_u: torch.Tensor,  # [γ]: r_j ~ U[0, 1)
+    final_u: torch.Tensor,  # [γ+1]: the residual / bonus draw at each position
+    taus: torch.Tensor,  # [γ]
+) -> Verdict:
+    """verify_sampled with the relaxed accept test; the residual and the bonus are the strict ones."""
+    gamma = len(draft)
+    index = torch.tensor(draft, dtype=torch.long)[:, None]
+    probs = relaxed_acceptance_probs(p[:gamma].gather(-1, index)[:, 0], q.gather(-1, index)[:, 0], taus)
+    for j in range(gamma):
+        if not accept_u[j] < probs[j]:
+            return Verdict(j, sample_index(residual(p[j], q[j]), float(final_u[j])), is_bonus=False)
+    return Verdict(gamma, sample_index(p[gamma], float(final_u[gamma])), is_bonus=True)
+
+
+def relaxed_output_law(
+    p: torch.Tensor,  # [V]
+    q: torch.Tensor,  # [V]
+    tau: float,
+) -> torch.Tensor:  # [V] float64
+    """The law of the token emitted at a position, composed from the sampler's own functions:
+    Σ_x q(x)·a(x)·δ_x + (1 − Σ_x q(x)·a(x))·residual(p, q), a = relaxed_acceptance_probs.
+    It equals τ q + (1 − τ) p."""
+    q64 = q.double()
+    support = (q64 > 0).nonzero()[:, 0]
+    accept = torch.zeros_like(q64)
+    accept[support] = relaxed_acceptance_probs(p[support], q64[support], torch.full((len(support),), tau, dtype=torch.float64))
+    kept = q64 * accept
+    return kept + (1 - kept.sum()) * residual(p, q)
+
+
+def relaxed_distance(
+    p: torch.Tensor,  # [..., V]
+    q: torch.Tensor,  # [..., V]
+    taus: torch.Tensor,  # [...]
+) -> torch.Tensor:  # [...]: TV(τ q + (1 − τ) p, p) = τ (1 − β)
+    return taus.double() * (1 - beta(p, q))
