@@ -7,6 +7,7 @@ keeps streaming other requests while a draft is computed.
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -32,17 +33,28 @@ class DraftModel:
     def vocab_size(self) -> int:
         return self.runner.info.vocab_size
 
-    async def propose(self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int, truncation: tuple[int, float] = (0, 1.0)) -> Draft:
+    async def propose(
+        self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
+        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None,
+    ) -> Draft:
         """Draft ``gamma`` tokens after ``sequence`` (the agreed tokens of the session);
-        ``truncation`` = (draft_top_k, draft_top_p) sparsifies q̂ (TSLT), losslessly."""
+        ``truncation`` = (draft_top_k, draft_top_p) sparsifies q̂ (TSLT), losslessly. Once
+        ``cancel`` is set, drafting stops after the token in progress (a prepared draft whose
+        assumption failed). The tokens depend on ``sequence`` and the positions only: the draws
+        are keyed by position, so a draft prepared ahead equals the one drafted later."""
         async with self._lock:
-            return await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice, truncation)
+            if cancel is not None and cancel.is_set():
+                return Draft([], torch.empty(0, self.vocab_size))
+            return await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice, truncation, cancel)
 
     async def free(self, session_id: str) -> None:
         async with self._lock:
             await asyncio.to_thread(self.runner.free, session_id)
 
-    def _propose(self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int, truncation: tuple[int, float] = (0, 1.0)) -> Draft:
+    def _propose(
+        self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
+        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None,
+    ) -> Draft:
         held = self.runner.tokens(session_id)
         common = common_prefix(held, sequence)
         self.runner.crop(session_id, common)
@@ -56,7 +68,7 @@ class DraftModel:
             token = int(torch.argmax(q)) if params.is_greedy else sample_index(q, float(draws[j]))
             tokens.append(token)
             rows.append(q)
-            if token in self.runner.info.eos_ids or j == gamma - 1:
+            if token in self.runner.info.eos_ids or j == gamma - 1 or (cancel is not None and cancel.is_set()):
                 break
             logits = self.runner.append(session_id, [token], 1)[0]
         return Draft(tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size))

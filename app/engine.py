@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class SpecOptions:
     draft_top_k: int = 0  # TSLT draft truncation: keep the k most likely draft tokens (0 = off)
     draft_top_p: float = 1.0  # ... or the smallest nucleus of mass ≥ draft_top_p (1 = off)
     engine_targets: bool = False  # some targets are openai-logprobs engines: their top-k makes it lossy (DESIGN §8)
+    overlap: bool = False  # DSD: draft the next round while this one is verified (output unchanged)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -95,7 +97,9 @@ class RoundResult:
     finish_reason: str | None = None  # "stop" (EOS) or "length"; None while generating
     bound: list[float] = field(default_factory=list)  # Σ w_n σ_n per consumed position (lossy only)
     error: list[float] = field(default_factory=list)  # Σ w_n e_n per consumed position (lossy only)
-    draft_s: float = 0.0  # seconds the draft took this round
+    draft_s: float = 0.0  # seconds the draft took this round (waiting for it, with overlap)
+    prepared: int = 0  # 1 when the next round's draft was prepared during this round's flight
+    prepared_used: int = 0  # 1 when this round's draft is one prepared during the previous round
     verify_s: float = 0.0  # seconds from sending to the workers to the verdict (network included)
     model_s: float = 0.0  # seconds the slowest worker spent in its model, per call, summed
 
@@ -162,22 +166,37 @@ class Engine:
         mode = _MODES[req.spec.mode]
         sequence = list(req.prompt)
         agreed = [0] * len(self.pool.workers)
+        ahead: Draft | None = None  # the next round's draft, prepared during this round's flight
         try:
             while True:
-                room = min(req.max_tokens - (len(sequence) - len(req.prompt)), self.max_context - len(sequence))
+                room = self._room(req, sequence)
                 if room <= 0:
                     yield RoundResult([], drafted=0, accepted=0, traffic=Traffic(), finish_reason="length")
                     return
                 gamma = min(req.spec.num_draft_tokens, room - 1) if mode.drafts else 0
                 started = time.perf_counter()
-                draft = await self._draft(session_id, sequence, gamma, req)
+                used = ahead is not None
+                draft = Draft(ahead.tokens[:gamma], ahead.probs[:gamma]) if ahead is not None else await self._draft(session_id, sequence, gamma, req)
+                ahead = None
                 scorable = self.pool.scorable(sequence, draft.tokens)  # an engine may not score every token
                 if scorable < len(draft.tokens):
                     draft = Draft(draft.tokens[:scorable], draft.probs[:scorable])
                 drafted = time.perf_counter()
                 rnd = _Round(self, req, session_id, sequence, agreed, draft, Traffic())
-                result = await mode.run(rnd)
+                preparing = self._prepare(session_id, sequence, draft, room, req) if req.spec.overlap and mode.drafts else None
+                try:
+                    result = await mode.run(rnd)
+                except BaseException:
+                    if preparing is not None:
+                        preparing[1].set()  # it ends after the token in progress; nobody waits for it
+                    raise
                 result.draft_s, result.verify_s, result.model_s = drafted - started, time.perf_counter() - drafted, rnd.model_s
+                result.prepared_used = int(used)
+                if preparing is not None:
+                    result.prepared = 1
+                    if result.accepted < len(draft.tokens):
+                        preparing[1].set()  # its assumption failed: stop it now
+                    ahead = await self._take_ahead(preparing[0], draft, result)
                 agreed[:] = [len(sequence) + result.accepted] * len(agreed)  # they hold sequence + draft
                 sequence.extend(result.tokens)
                 result.finish_reason = self._finish(result, len(sequence) - len(req.prompt), req, len(sequence))
@@ -186,6 +205,39 @@ class Engine:
                     return
         finally:
             await asyncio.shield(self._free(session_id))
+
+    def _room(self, req: GenerationRequest, sequence: list[int]) -> int:
+        return min(req.max_tokens - (len(sequence) - len(req.prompt)), self.max_context - len(sequence))
+
+    def _prepare(self, session_id: str, sequence: list[int], draft: Draft, room: int, req: GenerationRequest) -> tuple[asyncio.Task[Draft], threading.Event] | None:
+        """DSD's overlap: while the round is verified, draft on as if every draft token were
+        accepted — one token for the bonus position, then the next round's γ. None when there is
+        nothing to prepare (the draft ended in EOS, or no room is left after this round)."""
+        after = room - (len(draft.tokens) + 1)
+        if not draft.tokens or draft.tokens[-1] in self.eos_ids or after <= 1:
+            return None
+        cancel = threading.Event()
+        assumed = [*sequence, *draft.tokens]
+        task = asyncio.create_task(self.draft.propose(
+            session_id, assumed, 1 + min(req.spec.num_draft_tokens, after - 1), req.params, req.seed, req.choice, req.spec.truncation, cancel,
+        ))
+        task.add_done_callback(_retrieve)  # a round that fails leaves it unawaited
+        return task, cancel
+
+    async def _take_ahead(self, task: asyncio.Task[Draft], draft: Draft, result: RoundResult) -> Draft | None:
+        """The prepared draft, if its assumption held: every draft token accepted and its first
+        token equal to the bonus token drawn by the round. It is then exactly what drafting after
+        the round would give (the draft's draws are keyed by position), so the output is the
+        same with overlap on or off."""
+        try:
+            prepared = await task
+        except Exception:  # logged by _retrieve; the next round drafts afresh
+            return None
+        if result.accepted != len(draft.tokens) or not prepared.tokens or prepared.tokens[0] != result.tokens[-1]:
+            return None
+        if prepared.tokens[0] in self.eos_ids or len(prepared.tokens) < 2:
+            return None
+        return Draft(prepared.tokens[1:], prepared.probs[1:])
 
     async def _draft(self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest) -> Draft:
         if gamma <= 0:
@@ -397,6 +449,12 @@ def token_logprobs(
         top = torch.topk(row, top_n).indices.tolist() if top_n else []
         out.append(TokenLogprob(token, float(logs[token]), [(int(t), float(logs[t])) for t in top]))
     return out
+
+
+def _retrieve(task: asyncio.Task[Draft]) -> None:
+    """Mark a background draft's failure as seen (it is logged, not raised: nobody uses it)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a draft prepared ahead failed: %s", task.exception())
 
 
 def _first_worker_error(failures: BaseExceptionGroup) -> BaseException:

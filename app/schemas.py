@@ -27,6 +27,7 @@ class SpeculativeParams(BaseModel):
     reconstruction: Reconstruction | None = None
     draft_top_k: int | None = Field(default=None, ge=0, le=256)
     draft_top_p: float | None = Field(default=None, gt=0, le=1)
+    overlap: bool | None = None
 
     @field_validator("k")
     @classmethod

@@ -43,9 +43,9 @@ class ApiError(Exception):
 # which fields of the ``speculative`` object each mode accepts (DESIGN §3)
 _MODE_FIELDS = {
     Mode.AUTOREGRESSIVE: {"mode"},
-    Mode.AGGREGATE: {"mode", "num_draft_tokens", "k", "reconstruction", "draft_top_k", "draft_top_p"},
-    Mode.SPLIT: {"mode", "num_draft_tokens", "k", "draft_top_k", "draft_top_p"},
-    Mode.EXACT: {"mode", "num_draft_tokens", "draft_top_k", "draft_top_p"},
+    Mode.AGGREGATE: {"mode", "num_draft_tokens", "k", "reconstruction", "draft_top_k", "draft_top_p", "overlap"},
+    Mode.SPLIT: {"mode", "num_draft_tokens", "k", "draft_top_k", "draft_top_p", "overlap"},
+    Mode.EXACT: {"mode", "num_draft_tokens", "draft_top_k", "draft_top_p", "overlap"},
 }
 _EXACT_DRAFT_TOP_K = 32  # exact needs a truncated draft (DESIGN §3.5)
 
@@ -67,6 +67,8 @@ class Usage:
     draft_s: float = 0.0
     verify_s: float = 0.0
     model_s: float = 0.0
+    prepared: int = 0
+    prepared_used: int = 0
 
     def add(self, result: RoundResult) -> None:
         self.completion_tokens += len(result.tokens)
@@ -80,6 +82,8 @@ class Usage:
         self.draft_s += result.draft_s
         self.verify_s += result.verify_s
         self.model_s += result.model_s
+        self.prepared += result.prepared
+        self.prepared_used += result.prepared_used
 
     def to_dict(self) -> dict[str, Any]:
         spec = self.spec
@@ -101,7 +105,11 @@ class Usage:
             "draft_top_k": spec.draft_top_k or None,
             "draft_top_p": spec.draft_top_p if spec.draft_top_p < 1 else None,
             "logprobs_source": "target" if spec.is_lossless else "reconstruction",
+            "overlap": spec.overlap,
         }
+        if spec.overlap:
+            block["prepared_drafts"] = self.prepared  # drafted during a round's flight
+            block["prepared_drafts_used"] = self.prepared_used  # their assumption held
         if not spec.is_lossless:
             block["reconstruction"] = spec.reconstruction.value
             block["bias_bound_mean"] = sum(self.bound) / len(self.bound) if self.bound else None
@@ -268,6 +276,7 @@ class Gateway:
             draft_top_k=top_k or 0,
             draft_top_p=1.0 if top_p is None else top_p,
             engine_targets=bool(engines),
+            overlap=mode is not Mode.AUTOREGRESSIVE and given.get("overlap", base.overlap),
         )
 
     # ----------------------------------------------------------------- running

@@ -54,6 +54,7 @@ class SpeculativeConfig(BaseModel):
     reconstruction: Reconstruction = Reconstruction.RENORMALIZE  # how top-k becomes a distribution (aggregate)
     draft_top_k: int | None = Field(default=None, ge=0)  # TSLT draft truncation; exact defaults to 32
     draft_top_p: float | None = Field(default=None, gt=0, le=1)  # ... or keep the draft's nucleus of this mass
+    overlap: bool = False  # DSD: draft the next round while this one is verified (same output, less waiting)
 
     @field_validator("k", mode="before")
     @classmethod

@@ -4,6 +4,7 @@ over a small vocabulary behind the real ModelRunner, DraftModel and worker code.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 
 import httpx
@@ -102,8 +103,12 @@ class FakePool:
 class InlineDraftModel(DraftModel):
     """The real DraftModel, minus the thread hop (a Markov draft costs microseconds)."""
 
-    async def propose(self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int, truncation: tuple[int, float] = (0, 1.0)) -> Draft:
-        return self._propose(session_id, sequence, gamma, params, seed, choice, truncation)
+    async def propose(
+        self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
+        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None,
+    ) -> Draft:
+        await asyncio.sleep(0)  # as the real one: the caller's other work may run first
+        return self._propose(session_id, sequence, gamma, params, seed, choice, truncation, cancel)
 
     async def free(self, session_id: str) -> None:
         self.runner.free(session_id)

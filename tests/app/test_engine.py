@@ -239,3 +239,89 @@ def test_greedy_asks_again_with_a_larger_k_when_top_k_cannot_certify() -> None:
     assert ks == [8, None, 8, None]  # top-8 bounds overlap: asked again for everything
     again = engine.pool.workers[0].calls[1]
     assert len(again.tokens) == 0 and len(again.draft) == 0 and again.prefix_len == len(PROMPT)
+
+
+# ----------------------------------------------------------------------------- overlapped drafting (DSD)
+
+OVERLAP_CASES = {
+    "split, 1 worker": (Mode.SPLIT, [(TARGETS[0], 1.0)]),
+    "exact, 1 worker": (Mode.EXACT, [(TARGETS[0], 1.0)]),
+    "exact, 3 weighted workers": (Mode.EXACT, list(zip(TARGETS, WEIGHTS_3))),
+    "aggregate k full, 3 weighted workers": (Mode.AGGREGATE, list(zip(TARGETS, WEIGHTS_3))),
+}
+
+
+def _overlapped(spec: SpecOptions) -> SpecOptions:
+    return SpecOptions(spec.mode, spec.num_draft_tokens, spec.k, spec.reconstruction, spec.draft_top_k, spec.draft_top_p, overlap=True)
+
+
+async def _rounds(engine: Engine, req: GenerationRequest) -> tuple[list[int], int, int]:
+    tokens, prepared, used = [], 0, 0
+    async for result in engine.generate(req):
+        tokens += result.tokens
+        prepared += result.prepared
+        used += result.prepared_used
+    return tokens, prepared, used
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+@pytest.mark.parametrize("case", OVERLAP_CASES)
+def test_overlap_gives_the_same_tokens_for_every_seed(case: str, temperature: float) -> None:
+    """A prepared draft is used only when its assumption held, and is then exactly the draft the
+    next round would have made (the draft's draws are keyed by position): same tokens, seed by seed."""
+    mode, workers = OVERLAP_CASES[case]
+    engine = make_engine(DRAFT, workers)
+    spec = _spec(mode, gamma=2)
+
+    async def run() -> tuple[int, int]:
+        prepared = used = 0
+        for seed in range(80):
+            req = GenerationRequest(f"r{seed}", PROMPT, 12, SamplingParams(temperature=temperature), seed, 0, spec)
+            plain, _, _ = await _rounds(engine, req)
+            overlapped, p, u = await _rounds(engine, GenerationRequest(f"o{seed}", PROMPT, 12, req.params, seed, 0, _overlapped(spec)))
+            assert overlapped == plain, seed
+            prepared, used = prepared + p, used + u
+        return prepared, used
+
+    prepared, used = asyncio.run(run())
+    assert prepared > 50
+    if temperature > 0:  # (greedy follows one path, on which these chains' assumption never holds)
+        assert 0 < used < prepared  # some assumptions held, some failed
+
+
+def _joint_at(workers: list[tuple[MarkovRunner, float]], first: int) -> torch.Tensor:
+    """p(t_first, t_first+1) (1-based) under p = Σ w_n p_n: the chain's marginal, then one step."""
+    w = torch.tensor([x for _, x in workers], dtype=torch.float64)
+    w /= w.sum()
+
+    def mix(last: int) -> torch.Tensor:
+        return sum(wn * r.next_probs(last) for (r, _), wn in zip(workers, w))  # type: ignore[return-value]
+
+    marginal = mix(PROMPT[-1])
+    for _ in range(first - 1):
+        marginal = sum(marginal[a] * mix(a) for a in range(V))  # type: ignore[assignment]
+    return torch.stack([marginal[a] * mix(a) for a in range(V)])
+
+
+@pytest.mark.parametrize("case", ["split, 1 worker", "exact, 1 worker", "exact, 3 weighted workers"])
+def test_overlapped_rounds_follow_the_target(case: str) -> None:
+    """γ = 1, 4 tokens: the 3rd and 4th come from rounds that may use a draft prepared during the
+    previous round's flight; their joint law is the target's (chi-square; fewer samples than
+    above: the test before this one shows the tokens equal those without overlap, seed by seed)."""
+    mode, workers = OVERLAP_CASES[case]
+    engine = make_engine(DRAFT, workers)
+    spec = _overlapped(_spec(mode, gamma=1))
+    samples = 4_000
+
+    async def run() -> tuple[torch.Tensor, int]:
+        counts, used = torch.zeros(V, V), 0
+        for seed in range(samples):
+            tokens, _, u = await _rounds(engine, GenerationRequest(f"r{seed}", PROMPT, 4, SamplingParams(), seed, 0, spec))
+            counts[tokens[2], tokens[3]] += 1
+            used += u
+        return counts, used
+
+    counts, used = asyncio.run(run())
+    joint = _joint_at(workers, 3)
+    assert used > samples // 20
+    assert stats.chisquare(counts.flatten().numpy(), (joint.flatten() * samples).numpy()).pvalue > SIGNIFICANCE

@@ -175,3 +175,21 @@ def test_eight_concurrent_streams_all_finish_side_by_side(base_url: str) -> None
     assert all(text for _, _, text in results)
     first_tokens, ends = [r[0] for r in results], [r[1] for r in results]
     assert max(first_tokens) < min(ends)  # every stream was producing before any of them ended
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_overlap_gives_the_same_text_on_the_built_in_model(client: openai.OpenAI, temperature: float) -> None:
+    """DSD's overlapped drafting changes when the draft is computed, not what it is: greedy and
+    seeded sampling give the same text with it on or off."""
+    texts, blocks = [], []
+    for overlap in (False, True):
+        resp = client.completions.create(
+            model=MODEL, prompt="The sea is", max_tokens=24, temperature=temperature, seed=4,
+            extra_body={"speculative": {"mode": "aggregate", "overlap": overlap}},
+        )
+        texts.append(resp.choices[0].text)
+        blocks.append(resp.usage.model_extra["speculative"])  # type: ignore[union-attr]
+    assert texts[0] == texts[1] and texts[0]
+    assert blocks[0]["overlap"] is False and blocks[1]["overlap"] is True
+    assert blocks[1]["prepared_drafts"] > 0 and 0 <= blocks[1]["prepared_drafts_used"] <= blocks[1]["prepared_drafts"]
+    assert blocks[0]["rounds"] == blocks[1]["rounds"]
