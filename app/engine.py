@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from app.adaptive import GammaController
 from app.draft import Draft, DraftModel
 from app.pool import Traffic, WorkerError, WorkerPool
 from core.math.aggregation import aggregate, bias_bound, normalise_weights, reconstruct
@@ -46,6 +47,7 @@ class SpecOptions:
     draft_top_p: float = 1.0  # ... or the smallest nucleus of mass ≥ draft_top_p (1 = off)
     engine_targets: bool = False  # some targets are openai-logprobs engines: their top-k makes it lossy (DESIGN §8)
     overlap: bool = False  # DSD: draft the next round while this one is verified (output unchanged)
+    auto_gamma: bool = False  # num_draft_tokens: auto (app.adaptive); num_draft_tokens is then the seeded γ
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -76,6 +78,7 @@ class GenerationRequest:
     choice: int
     spec: SpecOptions
     top_logprobs: int | None = None  # None: no logprobs; n ≥ 0: the token's and n alternatives
+    seeded: bool = False  # the client gave the seed: the output must not depend on timing
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,7 @@ class RoundResult:
     draft_s: float = 0.0  # seconds the draft took this round (waiting for it, with overlap)
     prepared: int = 0  # 1 when the next round's draft was prepared during this round's flight
     prepared_used: int = 0  # 1 when this round's draft is one prepared during the previous round
+    gamma: int | None = None  # the γ num_draft_tokens: auto chose for this round
     verify_s: float = 0.0  # seconds from sending to the workers to the verdict (network included)
     model_s: float = 0.0  # seconds the slowest worker spent in its model, per call, summed
 
@@ -167,13 +171,15 @@ class Engine:
         sequence = list(req.prompt)
         agreed = [0] * len(self.pool.workers)
         ahead: Draft | None = None  # the next round's draft, prepared during this round's flight
+        auto = GammaController(req.spec.overlap) if req.spec.auto_gamma and not req.seeded and mode.drafts else None
         try:
             while True:
                 room = self._room(req, sequence)
                 if room <= 0:
                     yield RoundResult([], drafted=0, accepted=0, traffic=Traffic(), finish_reason="length")
                     return
-                gamma = min(req.spec.num_draft_tokens, room - 1) if mode.drafts else 0
+                wanted = auto.choose() if auto is not None else req.spec.num_draft_tokens
+                gamma = min(wanted, room - 1) if mode.drafts else 0
                 started = time.perf_counter()
                 used = ahead is not None
                 draft = Draft(ahead.tokens[:gamma], ahead.probs[:gamma]) if ahead is not None else await self._draft(session_id, sequence, gamma, req)
@@ -183,7 +189,7 @@ class Engine:
                     draft = Draft(draft.tokens[:scorable], draft.probs[:scorable])
                 drafted = time.perf_counter()
                 rnd = _Round(self, req, session_id, sequence, agreed, draft, Traffic())
-                preparing = self._prepare(session_id, sequence, draft, room, req) if req.spec.overlap and mode.drafts else None
+                preparing = self._prepare(session_id, sequence, draft, room, wanted, req) if req.spec.overlap and mode.drafts else None
                 try:
                     result = await mode.run(rnd)
                 except BaseException:
@@ -197,6 +203,9 @@ class Engine:
                     if result.accepted < len(draft.tokens):
                         preparing[1].set()  # its assumption failed: stop it now
                     ahead = await self._take_ahead(preparing[0], draft, result)
+                if auto is not None:
+                    auto.observe(result.drafted, result.accepted, result.draft_s, result.verify_s, result.model_s, result.prepared, result.prepared_used)
+                    result.gamma = wanted
                 agreed[:] = [len(sequence) + result.accepted] * len(agreed)  # they hold sequence + draft
                 sequence.extend(result.tokens)
                 result.finish_reason = self._finish(result, len(sequence) - len(req.prompt), req, len(sequence))
@@ -209,7 +218,7 @@ class Engine:
     def _room(self, req: GenerationRequest, sequence: list[int]) -> int:
         return min(req.max_tokens - (len(sequence) - len(req.prompt)), self.max_context - len(sequence))
 
-    def _prepare(self, session_id: str, sequence: list[int], draft: Draft, room: int, req: GenerationRequest) -> tuple[asyncio.Task[Draft], threading.Event] | None:
+    def _prepare(self, session_id: str, sequence: list[int], draft: Draft, room: int, gamma: int, req: GenerationRequest) -> tuple[asyncio.Task[Draft], threading.Event] | None:
         """DSD's overlap: while the round is verified, draft on as if every draft token were
         accepted — one token for the bonus position, then the next round's γ. None when there is
         nothing to prepare (the draft ended in EOS, or no room is left after this round)."""
@@ -219,7 +228,7 @@ class Engine:
         cancel = threading.Event()
         assumed = [*sequence, *draft.tokens]
         task = asyncio.create_task(self.draft.propose(
-            session_id, assumed, 1 + min(req.spec.num_draft_tokens, after - 1), req.params, req.seed, req.choice, req.spec.truncation, cancel,
+            session_id, assumed, 1 + min(gamma, after - 1), req.params, req.seed, req.choice, req.spec.truncation, cancel,
         ))
         task.add_done_callback(_retrieve)  # a round that fails leaves it unawaited
         return task, cancel

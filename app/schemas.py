@@ -22,7 +22,7 @@ class SpeculativeParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Mode | None = None
-    num_draft_tokens: int | None = Field(default=None, ge=1, le=32)
+    num_draft_tokens: int | Literal["auto"] | None = None
     k: int | Literal["full"] | None = None
     reconstruction: Reconstruction | None = None
     draft_top_k: int | None = Field(default=None, ge=0, le=256)
@@ -34,6 +34,13 @@ class SpeculativeParams(BaseModel):
     def _k(cls, value: int | str | None) -> int | str | None:
         if isinstance(value, int) and value < 1:
             raise ValueError("k must be ≥ 1 or 'full'")
+        return value
+
+    @field_validator("num_draft_tokens")
+    @classmethod
+    def _gamma(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and not 1 <= value <= 32:
+            raise ValueError("num_draft_tokens must lie in [1, 32] or be 'auto'")
         return value
 
 

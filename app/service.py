@@ -16,6 +16,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.adaptive import DEFAULT_GAMMA
 from app.draft import DraftModel
 from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions, TokenLogprob
 from app.metrics import GatewayMetrics
@@ -69,6 +70,7 @@ class Usage:
     model_s: float = 0.0
     prepared: int = 0
     prepared_used: int = 0
+    gammas: list[int] = field(default_factory=list)  # chosen by num_draft_tokens: auto
 
     def add(self, result: RoundResult) -> None:
         self.completion_tokens += len(result.tokens)
@@ -84,12 +86,14 @@ class Usage:
         self.model_s += result.model_s
         self.prepared += result.prepared
         self.prepared_used += result.prepared_used
+        if result.gamma is not None:
+            self.gammas.append(result.gamma)
 
     def to_dict(self) -> dict[str, Any]:
         spec = self.spec
         block: dict[str, Any] = {
             "mode": spec.mode.value,
-            "num_draft_tokens": 0 if spec.mode is Mode.AUTOREGRESSIVE else spec.num_draft_tokens,
+            "num_draft_tokens": 0 if spec.mode is Mode.AUTOREGRESSIVE else "auto" if spec.auto_gamma else spec.num_draft_tokens,
             "k": ("full" if spec.k is None else spec.k) if spec.mode in (Mode.AGGREGATE, Mode.SPLIT) else None,
             "rounds": self.rounds,
             "draft_tokens": self.draft_tokens,
@@ -107,6 +111,9 @@ class Usage:
             "logprobs_source": "target" if spec.is_lossless else "reconstruction",
             "overlap": spec.overlap,
         }
+        if spec.auto_gamma and spec.mode is not Mode.AUTOREGRESSIVE:  # seeded: fixed (the output depends on γ)
+            block["gamma_chosen_mean"] = sum(self.gammas) / len(self.gammas) if self.gammas else float(spec.num_draft_tokens)
+            block["gamma_auto"] = bool(self.gammas)
         if spec.overlap:
             block["prepared_drafts"] = self.prepared  # drafted during a round's flight
             block["prepared_drafts_used"] = self.prepared_used  # their assumption held
@@ -244,7 +251,7 @@ class Gateway:
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         choices = [
-            GenerationRequest(request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs)
+            GenerationRequest(request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs, seeded=body.seed is not None)
             for index in range(body.n)
         ]
         return Job(request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt)))
@@ -264,13 +271,15 @@ class Gateway:
         if mode is Mode.SPLIT and len(self.pool.workers) != 1:
             raise ApiError(400, f"split verifies on one worker; this gateway has {len(self.pool.workers)}", "speculative.mode")
         k = given.get("k", base.k)
+        gamma = given.get("num_draft_tokens", base.num_draft_tokens)
         top_k = given.get("draft_top_k", base.draft_top_k)
         top_p = given.get("draft_top_p", base.draft_top_p)
         if mode is Mode.EXACT and not top_k and (top_p is None or top_p == 1):
             top_k = _EXACT_DRAFT_TOP_K
         return SpecOptions(
             mode=mode,
-            num_draft_tokens=given.get("num_draft_tokens", base.num_draft_tokens),
+            num_draft_tokens=DEFAULT_GAMMA if gamma == "auto" else gamma,
+            auto_gamma=gamma == "auto",
             k=None if k == "full" or mode is Mode.EXACT else k,
             reconstruction=given.get("reconstruction", base.reconstruction),
             draft_top_k=top_k or 0,

@@ -20,7 +20,7 @@ bad key or value is a ConfigError that names it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -49,7 +49,7 @@ class SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: Mode = Mode.AGGREGATE  # served: autoregressive, aggregate, split, exact (the built-in config: exact)
-    num_draft_tokens: int = Field(default=4, ge=1, le=32)  # γ
+    num_draft_tokens: int | Literal["auto"] = Field(default=4)  # γ in [1, 32], or auto: chosen each round (fixed 4 with a seed)
     k: int | None = None  # top-k per position on the wire; None ("full") = whole distributions
     reconstruction: Reconstruction = Reconstruction.RENORMALIZE  # how top-k becomes a distribution (aggregate)
     draft_top_k: int | None = Field(default=None, ge=0)  # TSLT draft truncation; exact defaults to 32
@@ -66,6 +66,13 @@ class SpeculativeConfig(BaseModel):
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError("k must be ≥ 1 or 'full'")
+        return value
+
+    @field_validator("num_draft_tokens")
+    @classmethod
+    def _gamma(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 32:
+            raise ValueError("num_draft_tokens must lie in [1, 32] or be 'auto'")
         return value
 
     @field_validator("mode")
