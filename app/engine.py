@@ -24,6 +24,7 @@ from app.pool import Traffic, WorkerError, WorkerPool
 from core.math.aggregation import aggregate, bias_bound, normalise_weights, reconstruct
 from core.math.greedy import certify_argmax
 from core.math.random import Purpose, sample_index, uniform, uniforms
+from core.math.relaxed import Relaxation, relaxation_factors, relaxed_distance, verify_relaxed
 from core.math.sampling import SamplingParams
 from core.math.exact import ExactPosition, verify_exact
 from core.math.speculative import argmax_lowest, residual, verify_greedy, verify_sampled
@@ -48,6 +49,7 @@ class SpecOptions:
     engine_targets: bool = False  # some targets are openai-logprobs engines: their top-k makes it lossy (DESIGN §8)
     overlap: bool = False  # DSD: draft the next round while this one is verified (output unchanged)
     auto_gamma: bool = False  # num_draft_tokens: auto (app.adaptive); num_draft_tokens is then the seeded γ
+    relaxation: Relaxation | None = None  # DSD's relaxed accept test (lossy, aggregate at T > 0; DESIGN §3.8)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -61,7 +63,8 @@ class SpecOptions:
 
     @property
     def is_lossless(self) -> bool:
-        return not self.engine_targets and (self.mode in (Mode.AUTOREGRESSIVE, Mode.EXACT) or self.k is None)
+        relaxed = self.relaxation is not None and self.relaxation.tau_max > 0
+        return not self.engine_targets and not relaxed and (self.mode in (Mode.AUTOREGRESSIVE, Mode.EXACT) or self.k is None)
 
     @property
     def truncation(self) -> tuple[int, float]:
@@ -104,6 +107,8 @@ class RoundResult:
     prepared: int = 0  # 1 when the next round's draft was prepared during this round's flight
     prepared_used: int = 0  # 1 when this round's draft is one prepared during the previous round
     gamma: int | None = None  # the γ num_draft_tokens: auto chose for this round
+    relaxed_tv: list[float] = field(default_factory=list)  # τ_j (1 − β_j) per emitted position (relaxation only)
+    taus: list[float] = field(default_factory=list)  # τ_j per emitted draft position (relaxation only)
     verify_s: float = 0.0  # seconds from sending to the workers to the verdict (network included)
     model_s: float = 0.0  # seconds the slowest worker spent in its model, per call, summed
 
@@ -330,14 +335,23 @@ class AggregateMode(_Mode):
         responses = await rnd.call(mode=Mode.AGGREGATE.value, k=spec.k, reconstruction=spec.reconstruction.value)
         target = _mixture(responses, engine, spec.reconstruction)
         draft = rnd.draft
+        relaxed = spec.relaxation is not None and spec.relaxation.tau_max > 0 and not req.params.is_greedy and draft.tokens
         if req.params.is_greedy:
             verdict = verify_greedy(target, draft.tokens)
+        elif relaxed:
+            assert spec.relaxation is not None
+            taus = relaxation_factors(target, draft.probs, spec.relaxation)
+            verdict = verify_relaxed(target, draft.probs, draft.tokens, *_round_uniforms(rnd), taus)
         else:
             verdict = verify_sampled(target, draft.probs, draft.tokens, *_round_uniforms(rnd))
         tokens = verdict.output(draft.tokens)
         used = len(tokens)
         logprobs = token_logprobs(target[:used], tokens, req.top_logprobs) if req.top_logprobs is not None else None
         result = RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic, logprobs=logprobs)
+        if relaxed:  # the emitted draft positions follow τ q + (1 − τ) p; the bonus position p itself
+            at = min(used, len(draft.tokens))
+            result.taus = taus[:at].tolist()
+            result.relaxed_tv = relaxed_distance(target[:at], draft.probs[:at], taus[:at]).tolist() + [0.0] * (used - at)
         if not spec.is_lossless:
             sigma = torch.stack([torch.tensor(_array(r.tail_mass)) for r in responses])[:, :used]
             error = torch.stack([torch.tensor(_array(r.recon_error)) for r in responses])[:, :used]

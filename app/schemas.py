@@ -16,6 +16,15 @@ UNSUPPORTED = {
 }
 
 
+class RelaxationParams(BaseModel):
+    """``"speculative": {"relaxation": {...}}``: DSD's relaxed verification (lossy, DESIGN §3.8)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tau_max: float = Field(default=0.5, ge=0, lt=1)  # τ's ceiling; 0 = strict
+    kl_scale: float = Field(default=1.0, gt=0)  # nats: τ falls by e per kl_scale of KL(q ‖ p)
+
+
 class SpeculativeParams(BaseModel):
     """``"speculative": {...}`` in a request: overrides the configured decoding for it."""
 
@@ -28,6 +37,7 @@ class SpeculativeParams(BaseModel):
     draft_top_k: int | None = Field(default=None, ge=0, le=256)
     draft_top_p: float | None = Field(default=None, gt=0, le=1)
     overlap: bool | None = None
+    relaxation: RelaxationParams | None = None
 
     @field_validator("k")
     @classmethod

@@ -24,6 +24,7 @@ from app.pool import WorkerError, WorkerPool
 from app.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeParams
 from app.text import IncrementalDetokenizer, StopMatcher
 from core.config import ENGINE_MODES, SERVED_MODES, SpecgateConfig
+from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
 from core.names import Mode
 
@@ -44,7 +45,7 @@ class ApiError(Exception):
 # which fields of the ``speculative`` object each mode accepts (DESIGN §3)
 _MODE_FIELDS = {
     Mode.AUTOREGRESSIVE: {"mode"},
-    Mode.AGGREGATE: {"mode", "num_draft_tokens", "k", "reconstruction", "draft_top_k", "draft_top_p", "overlap"},
+    Mode.AGGREGATE: {"mode", "num_draft_tokens", "k", "reconstruction", "draft_top_k", "draft_top_p", "overlap", "relaxation"},
     Mode.SPLIT: {"mode", "num_draft_tokens", "k", "draft_top_k", "draft_top_p", "overlap"},
     Mode.EXACT: {"mode", "num_draft_tokens", "draft_top_k", "draft_top_p", "overlap"},
 }
@@ -71,6 +72,8 @@ class Usage:
     prepared: int = 0
     prepared_used: int = 0
     gammas: list[int] = field(default_factory=list)  # chosen by num_draft_tokens: auto
+    relaxed_tv: list[float] = field(default_factory=list)
+    taus: list[float] = field(default_factory=list)
 
     def add(self, result: RoundResult) -> None:
         self.completion_tokens += len(result.tokens)
@@ -86,6 +89,8 @@ class Usage:
         self.model_s += result.model_s
         self.prepared += result.prepared
         self.prepared_used += result.prepared_used
+        self.relaxed_tv += result.relaxed_tv
+        self.taus += result.taus
         if result.gamma is not None:
             self.gammas.append(result.gamma)
 
@@ -114,6 +119,10 @@ class Usage:
         if spec.auto_gamma and spec.mode is not Mode.AUTOREGRESSIVE:  # seeded: fixed (the output depends on γ)
             block["gamma_chosen_mean"] = sum(self.gammas) / len(self.gammas) if self.gammas else float(spec.num_draft_tokens)
             block["gamma_auto"] = bool(self.gammas)
+        if spec.relaxation is not None:  # DSD's relaxed verification: lossy by exactly τ (1 − β) per position
+            block["relaxation"] = {"tau_max": spec.relaxation.tau_max, "kl_scale": spec.relaxation.kl_scale}
+            block["relaxed_tv_mean"] = sum(self.relaxed_tv) / len(self.relaxed_tv) if self.relaxed_tv else 0.0
+            block["tau_mean"] = sum(self.taus) / len(self.taus) if self.taus else 0.0
         if spec.overlap:
             block["prepared_drafts"] = self.prepared  # drafted during a round's flight
             block["prepared_drafts_used"] = self.prepared_used  # their assumption held
@@ -280,6 +289,7 @@ class Gateway:
             mode=mode,
             num_draft_tokens=DEFAULT_GAMMA if gamma == "auto" else gamma,
             auto_gamma=gamma == "auto",
+            relaxation=Relaxation(**given["relaxation"]) if "relaxation" in given else None,
             k=None if k == "full" or mode is Mode.EXACT else k,
             reconstruction=given.get("reconstruction", base.reconstruction),
             draft_top_k=top_k or 0,

@@ -13,6 +13,7 @@ import torch
 from scipy import stats
 
 from app.engine import Engine, GenerationRequest, SpecOptions
+from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams, truncate
 from core.math import speculative
 from core.names import Mode, Reconstruction
@@ -325,3 +326,34 @@ def test_overlapped_rounds_follow_the_target(case: str) -> None:
     joint = _joint_at(workers, 3)
     assert used > samples // 20
     assert stats.chisquare(counts.flatten().numpy(), (joint.flatten() * samples).numpy()).pvalue > SIGNIFICANCE
+
+
+# ----------------------------------------------------------------------------- relaxed verification (DSD)
+
+
+def _relaxed(tau_max: float) -> SpecOptions:
+    return SpecOptions(Mode.AGGREGATE, 3, None, Reconstruction.RENORMALIZE, relaxation=Relaxation(tau_max=tau_max, kl_scale=2.0))
+
+
+def test_relaxation_with_tau_zero_is_strict_and_above_it_accepts_more() -> None:
+    workers = [(TARGETS[0], 1.0)]
+    engine = make_engine(DRAFT, workers)
+
+    async def run(spec: SpecOptions) -> tuple[list[list[int]], int, int, list[float], list[float]]:
+        texts, drafted, accepted, tvs, taus = [], 0, 0, [], []
+        for seed in range(300):
+            tokens = []
+            async for r in engine.generate(GenerationRequest(f"r{seed}", PROMPT, 8, SamplingParams(), seed, 0, spec)):
+                tokens += r.tokens
+                drafted, accepted, tvs, taus = drafted + r.drafted, accepted + r.accepted, tvs + r.relaxed_tv, taus + r.taus
+            texts.append(tokens)
+        return texts, drafted, accepted, tvs, taus
+
+    strict, s_drafted, s_accepted, _, _ = asyncio.run(run(_spec(Mode.AGGREGATE)))
+    zero, _, _, zero_tv, _ = asyncio.run(run(_relaxed(0.0)))
+    assert zero == strict and zero_tv == []
+    loose, l_drafted, l_accepted, tvs, taus = asyncio.run(run(_relaxed(0.9)))
+    assert loose != strict
+    assert l_accepted / l_drafted > s_accepted / s_drafted
+    assert tvs and max(tvs) > 0 and all(0 <= tv <= 0.9 for tv in tvs) and max(taus) < 0.9
+    assert not _relaxed(0.9).is_lossless and _relaxed(0.0).is_lossless

@@ -259,3 +259,19 @@ async def test_the_chat_page_is_served_open_and_self_contained(gateway: Gateway)
             assert (await client.get(asset)).status_code == 200
         assert "http" not in page.text.replace('content="width', "")  # nothing loaded from outside
         assert (await client.get("/v1/models")).status_code == 401  # the key still guards the API
+
+
+async def test_relaxed_verification_is_asked_for_and_reported(gateway: Gateway) -> None:
+    """DSD's relaxation: off unless a request asks; the response then says lossy, with its τ
+    settings and the mean distance τ (1 − β) of its positions."""
+    async with gateway() as client:
+        body = {"model": "test-model", "prompt": "hi", "max_tokens": 10, "seed": 1}
+        plain = (await client.post("/v1/completions", json=body)).json()["usage"]["speculative"]
+        assert "relaxation" not in plain and plain["lossless"] is True
+        relaxed = {"mode": "aggregate", "relaxation": {"tau_max": 0.6, "kl_scale": 0.5}}
+        spec = (await client.post("/v1/completions", json={**body, "speculative": relaxed})).json()["usage"]["speculative"]
+        assert spec["lossless"] is False and spec["relaxation"] == {"tau_max": 0.6, "kl_scale": 0.5}
+        assert 0 <= spec["relaxed_tv_mean"] <= 0.6 and 0 <= spec["tau_mean"] < 0.6
+        for bad, param in (({"mode": "exact", "relaxation": {}}, "speculative.relaxation"), ({"relaxation": {"tau_max": 1.0}}, None)):
+            resp = await client.post("/v1/completions", json={**body, "speculative": bad})
+            assert_error(resp, 400, param, "relaxation")
