@@ -24,7 +24,7 @@ from app.pool import Traffic, WorkerError, WorkerPool
 from core.math.aggregation import aggregate, bias_bound, normalise_weights, reconstruct
 from core.math.greedy import certify_argmax
 from core.math.random import Purpose, sample_index, uniform, uniforms
-from core.math.relaxed import Relaxation, relaxation_factors, relaxed_distance, verify_relaxed
+from core.math.relaxed import Relaxation, relaxation_factor_on_support, relaxation_factors, relaxed_distance, verify_relaxed
 from core.math.sampling import SamplingParams
 from core.math.exact import ExactPosition, verify_exact
 from core.math.speculative import argmax_lowest, residual, verify_greedy, verify_sampled
@@ -49,7 +49,7 @@ class SpecOptions:
     engine_targets: bool = False  # some targets are openai-logprobs engines: their top-k makes it lossy (DESIGN §8)
     overlap: bool = False  # DSD: draft the next round while this one is verified (output unchanged)
     auto_gamma: bool = False  # num_draft_tokens: auto (app.adaptive); num_draft_tokens is then the seeded γ
-    relaxation: Relaxation | None = None  # DSD's relaxed accept test (lossy, aggregate at T > 0; DESIGN §3.8)
+    relaxation: Relaxation | None = None  # DSD's relaxed accept test (lossy; aggregate and exact at T > 0; DESIGN §3.8)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -401,8 +401,23 @@ class ExactMode(_Mode):
         draft_index = [int((s == x).nonzero()[0, 0]) for s, x in zip(supports, draft.tokens)]
         accept_u, final_u = _round_uniforms(rnd)
         choice_u = uniform(req.seed, req.choice, rnd.positions[-1], Purpose.WORKER_CHOICE)
-        verdict = verify_exact(positions, draft_index, [r.bonus for r in responses], engine.weights, accept_u, final_u[:-1], choice_u)
-        return RoundResult(verdict.output(draft.tokens), drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic)
+        relaxation = req.spec.relaxation if req.spec.relaxation is not None and req.spec.relaxation.tau_max > 0 and positions else None
+        taus = None
+        if relaxation is not None:
+            w = normalise_weights(engine.weights)
+            taus = torch.tensor([
+                relaxation_factor_on_support(w @ pos.p.double(), pos.q, float(w @ pos.complement.double()), relaxation) for pos in positions
+            ], dtype=torch.float64)
+        verdict = verify_exact(positions, draft_index, [r.bonus for r in responses], engine.weights, accept_u, final_u[:-1], choice_u, taus)
+        tokens = verdict.output(draft.tokens)
+        result = RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic)
+        if taus is not None:  # the emitted draft positions follow τ q̂ + (1 − τ) p; the bonus position p itself
+            at = min(len(tokens), len(positions))
+            w = normalise_weights(engine.weights)
+            betas = [float(torch.minimum(w @ pos.p.double(), pos.q.double()).sum()) for pos in positions[:at]]
+            result.taus = taus[:at].tolist()
+            result.relaxed_tv = [t * (1 - b) for t, b in zip(result.taus, betas)] + [0.0] * (len(tokens) - at)
+        return result
 
 
 def _exact_positions(responses: list[VerifyResponse], supports: list[torch.Tensor], draft: Draft) -> list[ExactPosition]:

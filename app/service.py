@@ -47,7 +47,7 @@ _MODE_FIELDS = {
     Mode.AUTOREGRESSIVE: {"mode"},
     Mode.AGGREGATE: {"mode", "num_draft_tokens", "k", "reconstruction", "draft_top_k", "draft_top_p", "overlap", "relaxation"},
     Mode.SPLIT: {"mode", "num_draft_tokens", "k", "draft_top_k", "draft_top_p", "overlap"},
-    Mode.EXACT: {"mode", "num_draft_tokens", "draft_top_k", "draft_top_p", "overlap"},
+    Mode.EXACT: {"mode", "num_draft_tokens", "draft_top_k", "draft_top_p", "overlap", "relaxation"},
 }
 _EXACT_DRAFT_TOP_K = 32  # exact needs a truncated draft (DESIGN §3.5)
 

@@ -66,12 +66,17 @@ def verify_exact(
     accept_u: torch.Tensor,  # [γ]
     residual_u: torch.Tensor,  # [γ]
     bonus_choice_u: float,  # which worker's z_n is the bonus
+    taus: torch.Tensor | None = None,  # [γ]: DSD's relaxation τ_j (core.math.relaxed); None = strict
 ) -> Verdict:
     w = normalise_weights(weights)
     p_mix = [w @ pos.p.double() for pos in positions]  # [γ] × [s]
     p_draft = torch.stack([pm[i] for pm, i in zip(p_mix, draft_index)]) if positions else torch.empty(0)
     q_draft = torch.stack([pos.q.double()[i] for pos, i in zip(positions, draft_index)]) if positions else torch.empty(0)
-    accepted = count_accepted(p_draft, q_draft, accept_u)
+    if taus is None:
+        accepted = count_accepted(p_draft, q_draft, accept_u)
+    else:  # accept with τ + (1 − τ)·min(1, p/q): the law becomes τ q̂ + (1 − τ) p
+        probs = taus.double() + (1 - taus.double()) * acceptance_probs(p_draft, q_draft)
+        accepted = next((j for j in range(len(positions)) if not accept_u[j] < probs[j]), len(positions))
     if accepted < len(positions):
         pos = positions[accepted]
         extended = extended_residual(p_mix[accepted], pos.q, pos.complement, w)
@@ -84,6 +89,7 @@ def exact_output_law(
     p_n: torch.Tensor,  # [N, V]: each worker's T(p_n) at one position
     weights: torch.Tensor,  # [N]
     q_hat: torch.Tensor,  # [V]: the truncated draft distribution
+    tau: float = 0.0,  # DSD's relaxation at this position
 ) -> torch.Tensor:  # [V] float64
     """Closed-form law of the first token of an `exact` round, from the sampler's functions:
     accepted draft mass, plus the rejection mass spread by the extended residual, whose
@@ -96,7 +102,7 @@ def exact_output_law(
     complement = (p_n.double() * outside).sum(dim=-1)
     q = q_hat.double()[support]
     kept = torch.zeros(q_hat.shape[0], dtype=torch.float64)
-    kept[support] = q * acceptance_probs(p_mix, q)
+    kept[support] = q * (tau + (1 - tau) * acceptance_probs(p_mix, q))
     extended = extended_residual(p_mix, q, complement, w)
     extended = extended / extended.sum()
     law = kept.clone()

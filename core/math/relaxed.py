@@ -52,7 +52,27 @@ def relaxation_factor(
     """τ_j of one position (see the module's docstring); 0 when the models disagree on top-1."""
     if settings.tau_max == 0 or argmax_lowest(p[None])[0] != argmax_lowest(q[None])[0]:
         return 0.0
-    p64, q64 = p.double(), q.double()
+    return _tau(p.double(), q.double(), settings)
+
+
+def relaxation_factor_on_support(
+    p: torch.Tensor,  # [s]: the target on S, the draft's support (ids ascending)
+    q: torch.Tensor,  # [s]: the draft there
+    off_mass: float,  # the target's mass outside S
+    settings: Relaxation,
+) -> float:
+    """τ where the target is known on the draft's support only (``exact``): KL(q‖p) and β need
+    nothing more; top-1 agreement counts only when p's largest entry on S beats the whole mass
+    outside it (so no outside token can be p's argmax)."""
+    if settings.tau_max == 0:
+        return 0.0
+    top = argmax_lowest(p[None])[0]
+    if top != argmax_lowest(q[None])[0] or not float(p[top]) > off_mass:
+        return 0.0
+    return _tau(p.double(), q.double(), settings)
+
+
+def _tau(p64: torch.Tensor, q64: torch.Tensor, settings: Relaxation) -> float:
     support = q64 > 0
     if bool((p64[support] <= 0).any()):
         return 0.0  # KL(q ‖ p) = ∞

@@ -331,12 +331,14 @@ def test_overlapped_rounds_follow_the_target(case: str) -> None:
 # ----------------------------------------------------------------------------- relaxed verification (DSD)
 
 
-def _relaxed(tau_max: float) -> SpecOptions:
-    return SpecOptions(Mode.AGGREGATE, 3, None, Reconstruction.RENORMALIZE, relaxation=Relaxation(tau_max=tau_max, kl_scale=2.0))
+def _relaxed(tau_max: float, mode: Mode = Mode.AGGREGATE) -> SpecOptions:
+    # exact: a wide draft support, so that p's top token can be certified on it (τ needs that)
+    return SpecOptions(mode, 3, None, Reconstruction.RENORMALIZE, 5 if mode is Mode.EXACT else 0, relaxation=Relaxation(tau_max=tau_max, kl_scale=2.0))
 
 
-def test_relaxation_with_tau_zero_is_strict_and_above_it_accepts_more() -> None:
-    workers = [(TARGETS[0], 1.0)]
+@pytest.mark.parametrize("mode", [Mode.AGGREGATE, Mode.EXACT])
+def test_relaxation_with_tau_zero_is_strict_and_above_it_accepts_more(mode: Mode) -> None:
+    workers = list(zip(TARGETS, WEIGHTS_3)) if mode is Mode.EXACT else [(TARGETS[0], 1.0)]
     engine = make_engine(DRAFT, workers)
 
     async def run(spec: SpecOptions) -> tuple[list[list[int]], int, int, list[float], list[float]]:
@@ -349,10 +351,10 @@ def test_relaxation_with_tau_zero_is_strict_and_above_it_accepts_more() -> None:
             texts.append(tokens)
         return texts, drafted, accepted, tvs, taus
 
-    strict, s_drafted, s_accepted, _, _ = asyncio.run(run(_spec(Mode.AGGREGATE)))
-    zero, _, _, zero_tv, _ = asyncio.run(run(_relaxed(0.0)))
+    strict, s_drafted, s_accepted, _, _ = asyncio.run(run(_spec(mode, draft_top_k=5 if mode is Mode.EXACT else 0)))
+    zero, _, _, zero_tv, _ = asyncio.run(run(_relaxed(0.0, mode)))
     assert zero == strict and zero_tv == []
-    loose, l_drafted, l_accepted, tvs, taus = asyncio.run(run(_relaxed(0.9)))
+    loose, l_drafted, l_accepted, tvs, taus = asyncio.run(run(_relaxed(0.9, mode)))
     assert loose != strict
     assert l_accepted / l_drafted > s_accepted / s_drafted
     assert tvs and max(tvs) > 0 and all(0 <= tv <= 0.9 for tv in tvs) and max(taus) < 0.9

@@ -272,6 +272,6 @@ async def test_relaxed_verification_is_asked_for_and_reported(gateway: Gateway) 
         spec = (await client.post("/v1/completions", json={**body, "speculative": relaxed})).json()["usage"]["speculative"]
         assert spec["lossless"] is False and spec["relaxation"] == {"tau_max": 0.6, "kl_scale": 0.5}
         assert 0 <= spec["relaxed_tv_mean"] <= 0.6 and 0 <= spec["tau_mean"] < 0.6
-        for bad, param in (({"mode": "exact", "relaxation": {}}, "speculative.relaxation"), ({"relaxation": {"tau_max": 1.0}}, None)):
+        for bad, param in (({"mode": "split", "relaxation": {}}, "speculative.relaxation"), ({"relaxation": {"tau_max": 1.0}}, None)):
             resp = await client.post("/v1/completions", json={**body, "speculative": bad})
             assert_error(resp, 400, param, "relaxation")

@@ -91,3 +91,31 @@ def test_tau_is_large_only_where_the_models_agree() -> None:
         Relaxation(tau_max=1.0)
     with pytest.raises(ValueError):
         Relaxation(kl_scale=0.0)
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.35, 0.8])
+@pytest.mark.parametrize("seed", range(4))
+def test_exact_relaxed_law_in_closed_form(seed: int, tau: float) -> None:
+    """exact's sampler with the relaxed accept test (three weighted workers, a top-3 draft):
+    the first token follows τ q̂ + (1 − τ) p, p the mixture."""
+    from core.math.exact import exact_output_law
+    from core.math.sampling import truncate
+
+    g = torch.Generator().manual_seed(seed)
+    p_n = torch.softmax(torch.randn(3, 8, generator=g, dtype=torch.float64) * 1.5, -1)
+    weights = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    q_hat = truncate(torch.softmax(torch.randn(8, generator=g, dtype=torch.float64) * 1.5, -1), 3).double()
+    law = exact_output_law(p_n, weights, q_hat, tau)
+    assert torch.allclose(law, tau * q_hat + (1 - tau) * (weights @ p_n), atol=1e-12, rtol=0)
+
+
+def test_tau_on_the_support_matches_tau_on_the_whole_vocabulary() -> None:
+    from core.math.relaxed import relaxation_factor_on_support
+
+    settings = Relaxation(tau_max=0.7)
+    p = torch.tensor([0.55, 0.2, 0.1, 0.1, 0.05], dtype=torch.float64)
+    q = torch.tensor([0.6, 0.3, 0.1, 0.0, 0.0], dtype=torch.float64)
+    support = q > 0
+    assert relaxation_factor_on_support(p[support], q[support], float(p[~support].sum()), settings) == pytest.approx(relaxation_factor(p, q, settings))
+    # the target's mass off the support could hide its argmax: no relaxation
+    assert relaxation_factor_on_support(p[support] * 0.3, q[support], 0.7, settings) == 0.0
