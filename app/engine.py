@@ -403,8 +403,8 @@ class ExactMode(_Mode):
         choice_u = uniform(req.seed, req.choice, rnd.positions[-1], Purpose.WORKER_CHOICE)
         relaxation = req.spec.relaxation if req.spec.relaxation is not None and req.spec.relaxation.tau_max > 0 and positions else None
         taus = None
+        w = normalise_weights(engine.weights)
         if relaxation is not None:
-            w = normalise_weights(engine.weights)
             taus = torch.tensor([
                 relaxation_factor_on_support(w @ pos.p.double(), pos.q, float(w @ pos.complement.double()), relaxation) for pos in positions
             ], dtype=torch.float64)
@@ -413,10 +413,8 @@ class ExactMode(_Mode):
         result = RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic)
         if taus is not None:  # the emitted draft positions follow τ q̂ + (1 − τ) p; the bonus position p itself
             at = min(len(tokens), len(positions))
-            w = normalise_weights(engine.weights)
-            betas = [float(torch.minimum(w @ pos.p.double(), pos.q.double()).sum()) for pos in positions[:at]]
             result.taus = taus[:at].tolist()
-            result.relaxed_tv = [t * (1 - b) for t, b in zip(result.taus, betas)] + [0.0] * (len(tokens) - at)
+            result.relaxed_tv = [float(relaxed_distance(w @ pos.p.double(), pos.q, taus[j])) for j, pos in enumerate(positions[:at])] + [0.0] * (len(tokens) - at)
         return result
 
 
