@@ -276,7 +276,7 @@ def test_overlap_gives_the_same_tokens_for_every_seed(case: str, temperature: fl
 
     async def run() -> tuple[int, int]:
         prepared = used = 0
-        for seed in range(80):
+        for seed in range(40):
             req = GenerationRequest(f"r{seed}", PROMPT, 12, SamplingParams(temperature=temperature), seed, 0, spec)
             plain, _, _ = await _rounds(engine, req)
             overlapped, p, u = await _rounds(engine, GenerationRequest(f"o{seed}", PROMPT, 12, req.params, seed, 0, _overlapped(spec)))
@@ -285,7 +285,7 @@ def test_overlap_gives_the_same_tokens_for_every_seed(case: str, temperature: fl
         return prepared, used
 
     prepared, used = asyncio.run(run())
-    assert prepared > 50
+    assert prepared > 25
     if temperature > 0:  # (greedy follows one path, on which these chains' assumption never holds)
         assert 0 < used < prepared  # some assumptions held, some failed
 
@@ -312,7 +312,7 @@ def test_overlapped_rounds_follow_the_target(case: str) -> None:
     mode, workers = OVERLAP_CASES[case]
     engine = make_engine(DRAFT, workers)
     spec = _overlapped(_spec(mode, gamma=1))
-    samples = 4_000
+    samples = 2_500
 
     async def run() -> tuple[torch.Tensor, int]:
         counts, used = torch.zeros(V, V), 0
@@ -343,7 +343,7 @@ def test_relaxation_with_tau_zero_is_strict_and_above_it_accepts_more(mode: Mode
 
     async def run(spec: SpecOptions) -> tuple[list[list[int]], int, int, list[float], list[float]]:
         texts, drafted, accepted, tvs, taus = [], 0, 0, [], []
-        for seed in range(300):
+        for seed in range(120):
             tokens = []
             async for r in engine.generate(GenerationRequest(f"r{seed}", PROMPT, 8, SamplingParams(), seed, 0, spec)):
                 tokens += r.tokens
