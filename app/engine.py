@@ -403,8 +403,8 @@ class ExactMode(_Mode):
         choice_u = uniform(req.seed, req.choice, rnd.positions[-1], Purpose.WORKER_CHOICE)
         relaxation = req.spec.relaxation if req.spec.relaxation is not None and req.spec.relaxation.tau_max > 0 and positions else None
         taus = None
-        w = normalise_weights(engine.weights)
         if relaxation is not None:
+            w = normalise_weights(engine.weights)
             taus = torch.tensor([
                 relaxation_factor_on_support(w @ pos.p.double(), pos.q, float(w @ pos.complement.double()), relaxation) for pos in positions
             ], dtype=torch.float64)

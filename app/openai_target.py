@@ -286,7 +286,7 @@ class OpenAITarget(WorkerClient):
         formats = list(self.formats.values())
         if not formats:
             return len(draft)
-        unlisted = frozenset().union(*(f.unlisted for f in formats))
+        unlisted = self._unlisted()
         keep = next((j for j, t in enumerate(draft) if t in unlisted), len(draft))
         ids_prompt = all(f.ids_prompt for f in formats)
         while keep > 0 and self._pad_for([*sequence, *draft[:keep]], ids_prompt) is None:
@@ -308,8 +308,12 @@ class OpenAITarget(WorkerClient):
             tokenizer = self.expected.tokenizer
             words = [tokenizer.encode(text, add_special_tokens=False) for text in ("A", ".", "0")]
             self._pad_candidates = [t for t in [tokenizer.eos_token_id, *(w[0] for w in words if len(w) == 1)] if t is not None]
-        unlisted = frozenset().union(*(f.unlisted for f in self.formats.values()))
+        unlisted = self._unlisted()
         return [p for p in self._pad_candidates if p not in unlisted]
+
+    def _unlisted(self) -> frozenset[int]:
+        """Ids some replica of this engine leaves out of its listing."""
+        return frozenset().union(*(f.unlisted for f in self.formats.values()))
 
     # ----------------------------------------------------------------- verify
 
