@@ -3,15 +3,20 @@
 
     α_j        accepted / reached at draft position j, from a prior of α = 0.7 worth 4 rounds
     t_d        the draft's seconds per token (rounds whose draft was not prepared ahead)
-    t_v(m)     c·m: the workers' model seconds per scored position (their reported model time)
+    t_v(m)     v₀ + v₁·m: the workers' model seconds for m scored positions, a least-squares
+               line through the rounds (m = γ + 1); until m has varied, v₀ = v₁ (a call costs
+               one position more than it scores: llama.cpp's fixed cost per call is ~2 here)
     RTT        the rest of a round's wall time: link both ways and serialisation, taken as a
                constant per round (payloads grow with γ, but slowly next to the RTT on the
                links where γ matters)
     u          the share of prepared drafts used so far (overlap), from a prior of ½ worth one
 
-Each estimate is an exponential moving average (weight 0.3 on the newest round). The first
-round uses γ = 4. With a ``seed`` the output depends on γ, so ``auto`` is off for seeded
-requests: they draft DEFAULT_GAMMA tokens every round.
+Each estimate weighs the newest round by 0.3 (an exponential moving average; the line's sums
+decay by 0.1 a round, as it needs several m). The first round's draft and model times include the prompt's prefill, so they
+teach only α and the RTT; the first two rounds use γ = 4. Every fourth round probes γ ± 1
+around the choice, so the line sees more than one m (a fit from one m would charge a call's
+fixed cost to every position and drive γ down). With a ``seed`` the output depends on γ, so
+``auto`` is off for seeded requests: they draft DEFAULT_GAMMA tokens every round.
 """
 
 from __future__ import annotations
@@ -20,14 +25,45 @@ from dataclasses import dataclass, field
 
 from core.math.draft_length import RoundCosts, choose_gamma
 
-DEFAULT_GAMMA = 4  # the first round's γ, and every round's for a seeded request
+DEFAULT_GAMMA = 4  # the first rounds' γ, and every round's for a seeded request
 MAX_AUTO_GAMMA = 12
+PROBE_EVERY = 4  # every PROBE_EVERY-th round drafts one token more (or fewer) than chosen
 _PRIOR_ALPHA, _PRIOR_WEIGHT = 0.7, 4.0
 _EMA = 0.3
+_LINE_EMA = 0.1  # the verify line keeps a longer memory: it needs several m to fit
 
 
 def _ema(old: float | None, new: float) -> float:
     return new if old is None else (1 - _EMA) * old + _EMA * new
+
+
+@dataclass
+class VerifyLine:
+    """t_v(m) = v₀ + v₁·m by least squares over decayed sums of (m, t)."""
+
+    weight: float = 0.0
+    m: float = 0.0
+    mm: float = 0.0
+    t: float = 0.0
+    mt: float = 0.0
+
+    def add(self, m: int, seconds: float) -> None:
+        keep = 1 - _LINE_EMA if self.weight else 1.0
+        self.weight, self.m, self.mm = keep * self.weight + 1, keep * self.m + m, keep * self.mm + m * m
+        self.t, self.mt = keep * self.t + seconds, keep * self.mt + m * seconds
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(v₀, v₁); None before the first round."""
+        if not self.weight:
+            return None
+        mean_m, mean_t = self.m / self.weight, self.t / self.weight
+        spread = self.mm / self.weight - mean_m**2
+        if spread > 0.05:
+            slope = (self.mt / self.weight - mean_m * mean_t) / spread
+            if slope > 0 and mean_t - slope * mean_m >= 0:
+                return mean_t - slope * mean_m, slope
+        per_position = mean_t / (mean_m + 1)  # one m so far (or a fit that makes no sense): v₀ = v₁
+        return per_position, per_position
 
 
 @dataclass
@@ -37,32 +73,38 @@ class GammaController:
     reached: list[float] = field(default_factory=list)  # per draft position: rounds that got there
     accepted: list[float] = field(default_factory=list)  # ... and accepted its token
     draft_s: float | None = None
-    model_s_per_position: float | None = None
+    verify: VerifyLine = field(default_factory=VerifyLine)
     network_s: float | None = None
     prepared: int = 0  # drafts prepared during a flight (overlap) ...
     prepared_used: int = 0  # ... and used
+    observed: int = 0  # rounds seen
     chosen: list[int] = field(default_factory=list)  # γ of each round, for the usage block
 
     def choose(self) -> int:
-        if self.draft_s is None or self.model_s_per_position is None or self.network_s is None:
+        line = self.verify.coefficients()
+        if self.draft_s is None or line is None or self.network_s is None:
             gamma = DEFAULT_GAMMA
         else:
             gamma = choose_gamma(self.costs(), self.max_gamma)
+            if len(self.chosen) % PROBE_EVERY == PROBE_EVERY - 1:
+                gamma = gamma + 1 if gamma < self.max_gamma else gamma - 1
         self.chosen.append(gamma)
         return gamma
 
     def costs(self) -> RoundCosts:
-        assert self.draft_s is not None and self.model_s_per_position is not None and self.network_s is not None
+        line = self.verify.coefficients()
+        assert self.draft_s is not None and line is not None and self.network_s is not None
         alphas = tuple(
             (self.accepted[j] + _PRIOR_ALPHA * _PRIOR_WEIGHT) / (self.reached[j] + _PRIOR_WEIGHT) for j in range(len(self.reached))
         ) or (_PRIOR_ALPHA,)
         return RoundCosts(
-            alphas=alphas, draft_s=self.draft_s, verify_s=(0.0, self.model_s_per_position), rtt_s=self.network_s,
+            alphas=alphas, draft_s=self.draft_s, verify_s=line, rtt_s=self.network_s,
             overlap=self.overlap, prepared_used=(self.prepared_used + 0.5) / (self.prepared + 1),
         )
 
     def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, model_s: float, prepared: int, prepared_used: int) -> None:
         """What one round cost and yielded (a round that drafted nothing teaches only its flight)."""
+        self.observed += 1
         for j in range(drafted):
             while len(self.reached) <= j:
                 self.reached.append(0.0)
@@ -71,9 +113,11 @@ class GammaController:
                 break
             self.reached[j] += 1
             self.accepted[j] += j < accepted
-        if drafted and not prepared_used:
-            self.draft_s = _ema(self.draft_s, draft_s / drafted)
-        self.model_s_per_position = _ema(self.model_s_per_position, model_s / (drafted + 1))
         self.network_s = _ema(self.network_s, max(verify_s - model_s, 0.0))
         self.prepared += prepared
         self.prepared_used += prepared_used
+        if self.observed == 1:
+            return  # the prompt's prefill: neither the draft's nor the workers' cost per token
+        if drafted and not prepared_used:
+            self.draft_s = _ema(self.draft_s, draft_s / drafted)
+        self.verify.add(drafted + 1, model_s)

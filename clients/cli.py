@@ -5,6 +5,7 @@
     specgate serve  [--config FILE] [--port N]
     specgate bench [--json FILE] [--runs N] [--quick]
     specgate bench worker [--json FILE] [--repeats N] [--quick]
+    specgate bench dsd [--json FILE] [--runs N] [--plots DIR] [--quick]
     specgate bench load [--concurrency N] [--duration S] [--json FILE]
     specgate chat [--url URL] [--mode MODE] [--api-key KEY]
     specgate eval [--url URL | --serve] [--json FILE]
@@ -64,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--backends", nargs="+", default=["llama.cpp", "transformers"], help="backends to measure")
     worker.add_argument("--positions", nargs="+", type=int, default=[1, 4, 6, 9], help="positions scored per call")
     worker.add_argument("--quick", action="store_true", help="fewer repeats and tokens: about a minute")
+    dsd = benches.add_parser("dsd", help="DSD: overlap on/off and auto vs fixed draft lengths per link, against autoregressive")
+    dsd.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    dsd.add_argument("--runs", type=int, default=5, help="runs per cell, ≥ 3 (default: 5)")
+    dsd.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
+    dsd.add_argument("--prompts", type=int, default=1, help="prompts per cell and run, 1–5; each run starts one prompt further (default: 1)")
+    dsd.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
+    dsd.add_argument("--plots", default=None, help="write PNG plots into this folder (e.g. docs/bench)")
+    dsd.add_argument("--quick", action="store_true", help="one run, one prompt, the 50 ms link only: a few minutes")
     load = benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS")
     load.add_argument("--concurrency", type=int, default=64, help="streaming clients at once (default: 64)")
     load.add_argument("--duration", type=float, default=300.0, help="seconds of load (default: 300)")
@@ -100,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         from clients.bench_load import bench_load
 
         return bench_load(args)
+    if args.command == "bench" and args.bench == "dsd":
+        from clients.bench_dsd import bench_dsd
+
+        return bench_dsd(args)
     if args.command == "bench" and args.bench == "worker":
         from clients.bench_worker import bench_worker
 

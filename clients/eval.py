@@ -8,6 +8,13 @@ bound on it with several), next to the bound Σ w_n σ_n from the tail masses. W
 ``renormalize`` reconstruction the two coincide (TV(p̂_n, p_n) = σ_n exactly); ``residual``
 spreads the tail and lands below its bound.
 
+The relaxed rows (DSD's relaxed verification, issue 8) emit each draft position from
+τ_j q_j + (1 − τ_j) p_j; its distance to the target there is exactly τ_j (1 − β_j), computed
+by the gateway from the p_j and q_j it met (the usage block's ``relaxed_tv_mean``) — the
+"TV measured" of those rows, per emitted token (bonus positions count 0) — next to its a-priori
+bound: τ_j ≤ τ_max·β_j, so τ_j (1 − β_j) ≤ τ_max·β(1 − β) ≤ τ_max / 4. Their acceptance is
+compared with the strict row of the same mode on the same prompts and seeds.
+
 Usage: ``specgate eval [--url http://127.0.0.1:8000 | --serve] [--json FILE]``
 """
 
@@ -35,7 +42,11 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("aggregate k=8 residual", {"mode": "aggregate", "k": 8, "reconstruction": "residual"}),
     ("split", {"mode": "split"}),
     ("exact", {"mode": "exact"}),
+    ("aggregate k=full relaxed τ≤0.5", {"mode": "aggregate", "k": "full", "relaxation": {"tau_max": 0.5}}),
+    ("exact relaxed τ≤0.5", {"mode": "exact", "relaxation": {"tau_max": 0.5}}),
+    ("exact relaxed τ≤0.9", {"mode": "exact", "relaxation": {"tau_max": 0.9}}),
 ]
+STRICT = {"aggregate k=full relaxed τ≤0.5": "aggregate k=full", "exact relaxed τ≤0.5": "exact", "exact relaxed τ≤0.9": "exact"}
 
 
 def evaluate(args: argparse.Namespace) -> int:
@@ -45,6 +56,7 @@ def evaluate(args: argparse.Namespace) -> int:
         with httpx.Client(base_url=url, timeout=httpx.Timeout(600, connect=10), headers=_auth()) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
             rows = [_run(client, model, name, spec, args) for name, spec in SETTINGS]
+    _compare_with_strict(rows)
     results = {"url": url, "max_tokens": args.max_tokens, "temperature": args.temperature, "prompts": len(PROMPTS[: args.prompts]), "seeds": args.seeds, "rows": rows}
     _print(rows)
     write_json(args.json_path, results)
@@ -75,6 +87,7 @@ def _auth() -> dict[str, str] | None:
 def _run(client: httpx.Client, model: str, name: str, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     totals = {"drafted": 0, "accepted": 0, "tokens": 0, "rounds": 0}
     bounds, errors, lossless, note = [], [], True, None
+    relaxed, taus = [], []
     for prompt in PROMPTS[: args.prompts]:
         for seed in range(args.seeds):
             body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": seed, "speculative": spec}
@@ -89,7 +102,13 @@ def _run(client: httpx.Client, model: str, name: str, spec: dict[str, Any], args
             totals["tokens"] += usage["completion_tokens"]
             totals["rounds"] += block["rounds"]
             lossless = lossless and block["lossless"]
-            if not block["lossless"]:
+            if "relaxation" in block:  # exactly τ(1 − β) per position, on top of any reconstruction error
+                tau_max = block["relaxation"]["tau_max"]
+                relaxed.append((block["relaxed_tv_mean"], usage["completion_tokens"]))
+                taus.append((block["tau_mean"], usage["completion_tokens"]))
+                bounds.append(((block["bias_bound_mean"] or 0.0) + tau_max / 4, usage["completion_tokens"]))
+                errors.append(((block["reconstruction_error_mean"] or 0.0) + block["relaxed_tv_mean"], usage["completion_tokens"]))
+            elif not block["lossless"]:
                 bounds.append((block["bias_bound_mean"], usage["completion_tokens"]))
                 errors.append((block["reconstruction_error_mean"], usage["completion_tokens"]))
         if note:
@@ -104,7 +123,21 @@ def _run(client: httpx.Client, model: str, name: str, spec: dict[str, Any], args
         "lossless": lossless if not note else None,
         "tv_measured": _weighted(errors),
         "tv_bound": _weighted(bounds),
+        "relaxed_tv": _weighted(relaxed),
+        "tau_mean": _weighted(taus),
     }
+
+
+def _compare_with_strict(rows: list[dict[str, Any]]) -> None:
+    """The relaxed rows' acceptance change against the strict row of their mode (same prompts and seeds)."""
+    by_name = {r["setting"]: r for r in rows}
+    for name, strict in STRICT.items():
+        row, base = by_name.get(name), by_name.get(strict)
+        if row is None or base is None or row["acceptance"] is None or base["acceptance"] is None:
+            continue
+        row["strict"] = strict
+        row["acceptance_change"] = row["acceptance"] - base["acceptance"]
+        row["accepted_length_ratio"] = row["mean_accepted_length"] / base["mean_accepted_length"]
 
 
 def _weighted(pairs: list[tuple[float | None, int]]) -> float | None:
@@ -118,12 +151,13 @@ def _print(rows: list[dict[str, Any]]) -> None:
     def fmt(value: float | None, spec: str = ".3f") -> str:
         return "–" if value is None else format(value, spec)
 
-    print(f"{'setting':<24} {'acceptance':>10} {'tokens/round':>12} {'lossless':>8} {'TV measured':>11} {'TV bound':>9}")
+    print(f"{'setting':<31} {'acceptance':>10} {'vs strict':>9} {'tokens/round':>12} {'lossless':>8} {'mean τ':>7} {'TV measured':>11} {'TV bound':>9}")
     for r in rows:
         if r["skipped"]:
-            print(f"{r['setting']:<24} skipped: {r['skipped']}")
+            print(f"{r['setting']:<31} skipped: {r['skipped']}")
             continue
+        change = f"{r['acceptance_change']:+.3f}" if "acceptance_change" in r else ""
         print(
-            f"{r['setting']:<24} {fmt(r['acceptance']):>10} {fmt(r['mean_accepted_length'], '.2f'):>12} "
-            f"{'yes' if r['lossless'] else 'no':>8} {fmt(r['tv_measured'], '.4f'):>11} {fmt(r['tv_bound'], '.4f'):>9}"
+            f"{r['setting']:<31} {fmt(r['acceptance']):>10} {change:>9} {fmt(r['mean_accepted_length'], '.2f'):>12} "
+            f"{'yes' if r['lossless'] else 'no':>8} {fmt(r['tau_mean']):>7} {fmt(r['tv_measured'], '.4f'):>11} {fmt(r['tv_bound'], '.4f'):>9}"
         )

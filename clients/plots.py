@@ -51,3 +51,45 @@ def _save(fig: Any, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def plot_dsd(results: dict[str, Any], folder: Path) -> list[Path]:
+    """``specgate bench dsd``: tokens/s against γ per link (overlap off / on, auto as lines),
+    and the speed-up over autoregressive against RTT; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cells = results["cells"]
+    groups = list(dict.fromkeys((c["workers"], c["link"]) for c in cells))
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.8), squeeze=False)
+    for ax, (workers, link) in zip(axes[0], groups):
+        same = [c for c in cells if (c["workers"], c["link"]) == (workers, link)]
+        for overlap, colour in ((False, "C0"), (True, "C1")):
+            fixed = sorted((c["gamma"], c["tokens_per_s"]) for c in same if c["overlap"] == overlap and not c["auto"] and c["cell"] != "autoregressive")
+            ax.plot(*zip(*fixed), marker="o", color=colour, label=f"fixed γ, overlap {'on' if overlap else 'off'}")
+            auto = next(c for c in same if c["auto"] and c["overlap"] == overlap)
+            ax.axhline(auto["tokens_per_s"], color=colour, linestyle="--", label=f"auto (mean γ {auto['gamma']:.1f}), overlap {'on' if overlap else 'off'}")
+        base = next(c for c in same if c["cell"] == "autoregressive")
+        ax.axhline(base["tokens_per_s"], color="grey", linewidth=0.8, label="autoregressive")
+        ax.set(title=f"N = {workers}, {link}", xlabel="γ", ylabel="tokens/s")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    written = [_save(fig, folder / "dsd_tokens_per_s_vs_gamma.png")]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    single = [c for c in cells if c["workers"] == 1]
+    for label, pick in (("best fixed γ", lambda c: not c["auto"] and not c["overlap"]), ("best fixed γ + overlap", lambda c: not c["auto"] and c["overlap"]),
+                        ("auto", lambda c: c["auto"] and not c["overlap"]), ("auto + overlap", lambda c: c["auto"] and c["overlap"])):
+        points = []
+        for rtt in sorted({c["rtt_ms"] for c in single}):
+            chosen = [c for c in single if c["rtt_ms"] == rtt and c["cell"] != "autoregressive" and pick(c)]
+            points.append((rtt, max(c["speedup_vs_autoregressive"] for c in chosen)))
+        ax.plot(*zip(*points), marker="o", label=label)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set(xlabel="RTT (ms)", ylabel="speed-up over autoregressive", title="exact, 1 worker: DSD overlap and adaptive γ")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(_save(fig, folder / "dsd_speedup_vs_rtt.png"))
+    return written

@@ -4,12 +4,13 @@ them, and the API: auto on unseeded requests, a fixed γ for seeded ones."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
-from app.adaptive import DEFAULT_GAMMA, GammaController
+from app.adaptive import DEFAULT_GAMMA, GammaController, VerifyLine
 from app.engine import GenerationRequest, SpecOptions
-from core.math.draft_length import choose_gamma
+from core.math.draft_length import RoundCosts, choose_gamma
 from core.math.sampling import SamplingParams
 from core.names import Mode, Reconstruction
 from tests.app.conftest import Gateway
@@ -17,21 +18,47 @@ from tests.app.fakes import MarkovRunner, make_engine, random_table
 from tests.app.helpers import assert_error
 
 
-def _feed(controller: GammaController, rounds: int, accepted: int, rtt_s: float) -> None:
+def _feed(controller: GammaController, rounds: int, accepted: int, rtt_s: float, draft_s: float = 0.006, verify: tuple[float, float] = (0.0, 0.004)) -> None:
     for _ in range(rounds):
         gamma = controller.choose()
-        controller.observe(gamma, min(accepted, gamma), draft_s=0.006 * gamma, verify_s=rtt_s + 0.004 * (gamma + 1),
-                           model_s=0.004 * (gamma + 1), prepared=0, prepared_used=0)
+        model_s = verify[0] + verify[1] * (gamma + 1)
+        controller.observe(gamma, min(accepted, gamma), draft_s=draft_s * gamma, verify_s=rtt_s + model_s, model_s=model_s, prepared=0, prepared_used=0)
 
 
-def test_the_first_round_is_the_default_then_the_analytic_choice() -> None:
+def test_the_first_rounds_use_the_default_then_the_analytic_choice() -> None:
     controller = GammaController()
+    assert controller.choose() == DEFAULT_GAMMA
+    controller.observe(4, 2, draft_s=0.500, verify_s=0.900, model_s=0.850, prepared=0, prepared_used=0)  # the prompt's prefill
+    assert controller.draft_s is None and controller.verify.coefficients() is None and controller.network_s == pytest.approx(0.050)
     assert controller.choose() == DEFAULT_GAMMA
     controller.observe(4, 2, draft_s=0.024, verify_s=0.060, model_s=0.020, prepared=0, prepared_used=0)
     costs = controller.costs()
-    assert costs.draft_s == pytest.approx(0.006) and costs.verify_s == (0.0, pytest.approx(0.004)) and costs.rtt_s == pytest.approx(0.040)
-    assert costs.alphas[:3] == (pytest.approx((1 + 2.8) / 5), pytest.approx((1 + 2.8) / 5), pytest.approx(2.8 / 5))
+    assert costs.draft_s == pytest.approx(0.006) and costs.rtt_s == pytest.approx(0.7 * 0.050 + 0.3 * 0.040)
+    assert costs.verify_s == (pytest.approx(0.020 / 6), pytest.approx(0.020 / 6))  # one m so far: v₀ = v₁
+    assert costs.alphas[:3] == (pytest.approx((2 + 2.8) / 6), pytest.approx((2 + 2.8) / 6), pytest.approx(2.8 / 6))
     assert controller.choose() == choose_gamma(costs, controller.max_gamma)
+
+
+def test_the_verify_line_is_a_least_squares_fit() -> None:
+    line = VerifyLine()
+    assert line.coefficients() is None
+    for m in [3, 3, 4, 5, 3, 6, 4]:
+        line.add(m, 0.040 + 0.017 * m)
+    v0, v1 = line.coefficients() or (0.0, 0.0)
+    assert v0 == pytest.approx(0.040) and v1 == pytest.approx(0.017)
+    flat = VerifyLine()
+    for _ in range(5):
+        flat.add(5, 0.120)
+    assert flat.coefficients() == (pytest.approx(0.020), pytest.approx(0.020))
+
+
+def test_every_fourth_round_probes_one_more_token() -> None:
+    controller = GammaController()
+    _feed(controller, 6, accepted=2, rtt_s=0.050)
+    best = choose_gamma(controller.costs(), controller.max_gamma)
+    assert best < controller.max_gamma
+    probes = [controller.choose() for _ in range(8)]  # no observations in between: the estimates stand still
+    assert [g - best for g in probes] == [1 if (6 + i) % 4 == 3 else 0 for i in range(8)]
 
 
 def test_the_choice_follows_the_link_and_the_acceptance() -> None:
@@ -39,8 +66,21 @@ def test_the_choice_follows_the_link_and_the_acceptance() -> None:
     _feed(near, 12, accepted=3, rtt_s=0.0)
     _feed(far, 12, accepted=12, rtt_s=0.100)
     _feed(poor, 12, accepted=0, rtt_s=0.0)
-    assert poor.chosen[-1] == 1
-    assert far.chosen[-1] > near.chosen[-1] >= poor.chosen[-1]
+    choice = {name: choose_gamma(c.costs(), c.max_gamma) for name, c in (("near", near), ("far", far), ("poor", poor))}
+    assert choice["poor"] == 1
+    assert choice["far"] > choice["near"] >= choice["poor"]
+
+
+def test_a_fixed_cost_per_call_is_not_charged_to_every_position() -> None:
+    """llama.cpp-like costs measured here (t_d 30 ms, t_v = 40 ms + 17 ms·m, 100 ms RTT): the fitted
+    line makes the choice of the true costs; a line through the origin would draft less."""
+    controller = GammaController()
+    _feed(controller, 24, accepted=3, rtt_s=0.100, draft_s=0.030, verify=(0.040, 0.017))
+    fitted = replace(controller.costs(), alphas=(0.7,))  # the built-in pair's α
+    assert fitted.verify_s == (pytest.approx(0.040), pytest.approx(0.017))
+    true = RoundCosts(alphas=(0.7,), draft_s=0.030, verify_s=(0.040, 0.017), rtt_s=0.100)
+    through_origin = RoundCosts(alphas=(0.7,), draft_s=0.030, verify_s=(0.0, 0.040 / 2 + 0.017), rtt_s=0.100)  # fitted at γ = 1
+    assert choose_gamma(fitted, 12) == choose_gamma(true, 12) > choose_gamma(through_origin, 12)
 
 
 V = 6

@@ -69,9 +69,19 @@ def _chi_square(engine: Engine, spec: SpecOptions, joint: torch.Tensor, num: int
     counts = torch.zeros(V, V)
     for tokens, _, _ in draws:
         counts[tokens[0], tokens[1]] += 1
-    result = stats.chisquare(counts.flatten().numpy(), (joint.flatten() * num).numpy())
+    pvalue = pooled_chisquare(counts.flatten(), joint.flatten() * num)
     firsts = [f for _, _, f in draws if f >= 0]
-    return float(result.pvalue), sum(firsts) / max(len(firsts), 1)
+    return pvalue, sum(firsts) / max(len(firsts), 1)
+
+
+def pooled_chisquare(observed: torch.Tensor, expected: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Chi-square p-value with the cells expected fewer than 5 times pooled into one: a cell
+    expected 0.06 times that is hit once adds 15 to the statistic, which the chi-square law
+    does not allow for (at 4,000 draws the rare first token here made p ≈ 1e-4 by chance)."""
+    small = expected < min_expected
+    obs = torch.cat([observed[~small], observed[small].sum()[None]]) if small.any() else observed
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected
+    return float(stats.chisquare(obs.double().numpy(), exp.double().numpy() * float(obs.sum() / exp.sum())).pvalue)
 
 
 CASES = {
@@ -325,7 +335,7 @@ def test_overlapped_rounds_follow_the_target(case: str) -> None:
     counts, used = asyncio.run(run())
     joint = _joint_at(workers, 3)
     assert used > samples // 20
-    assert stats.chisquare(counts.flatten().numpy(), (joint.flatten() * samples).numpy()).pvalue > SIGNIFICANCE
+    assert pooled_chisquare(counts.flatten(), joint.flatten() * samples) > SIGNIFICANCE
 
 
 # ----------------------------------------------------------------------------- relaxed verification (DSD)

@@ -1,5 +1,6 @@
 """``specgate eval`` against a real uvicorn gateway (tiny draft, fake workers below it): every
-setting gets a row; lossy ones carry a measured distance within their bound; a setting the
+setting gets a row; lossy ones carry a measured distance within their bound (the relaxed
+ones their acceptance change against the strict row); a setting the
 gateway cannot serve is skipped with its reason; the JSON matches the table."""
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def test_every_mode_gets_a_row(tiny_runner: ModelRunner, tmp_path: Path, capsys:
         assert evaluate(args) == 0
     table = capsys.readouterr().out
     rows = {r["setting"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"autoregressive", "aggregate k=full", "aggregate k=32", "aggregate k=8", "aggregate k=8 residual", "split", "exact"}
+    relaxed = {"aggregate k=full relaxed τ≤0.5": "aggregate k=full", "exact relaxed τ≤0.5": "exact", "exact relaxed τ≤0.9": "exact"}
+    assert set(rows) == {"autoregressive", "aggregate k=full", "aggregate k=32", "aggregate k=8", "aggregate k=8 residual", "split", "exact", *relaxed}
     assert "split verifies on one worker" in rows["split"]["skipped"] and "skipped" in table
     assert rows["autoregressive"]["acceptance"] is None and rows["autoregressive"]["mean_accepted_length"] == 1
     for name in ("aggregate k=full", "exact"):
@@ -36,6 +38,12 @@ def test_every_mode_gets_a_row(tiny_runner: ModelRunner, tmp_path: Path, capsys:
     assert 0 <= lossy["acceptance"] <= 1 and lossy["mean_accepted_length"] >= 1
     assert lossy["tv_measured"] == pytest.approx(lossy["tv_bound"])  # renormalize: TV(p̂_n, p_n) = σ_n exactly
     assert "aggregate k=8" in table and "TV bound" in table
+    for name, strict in relaxed.items():  # DSD's relaxed verification: lossy by exactly τ(1 − β), at most τ_max / 4
+        row, tau_max = rows[name], float(name.rsplit("≤", 1)[1])
+        assert row["lossless"] is False and row["strict"] == strict and row["tokens"] == 16
+        assert 0 <= row["tau_mean"] <= tau_max and row["tv_bound"] == pytest.approx(tau_max / 4)
+        assert row["tv_measured"] == pytest.approx(row["relaxed_tv"]) and 0 <= row["tv_measured"] <= row["tv_bound"]
+        assert row["acceptance_change"] == pytest.approx(row["acceptance"] - rows[strict]["acceptance"])
 
 
 def test_no_gateway_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,234 @@
+"""``specgate bench dsd``: DSD's overlapped drafting and adaptive γ (issue 8, DESIGN §3.8)
+against fixed draft lengths, per emulated link.
+
+The same real workers as ``specgate bench`` (builtin, builtin-alt); for each (worker count,
+link) a gateway whose worker entries carry that link. Per link the cells are
+``autoregressive``, the built-in mode (``exact``, draft top-32) at γ ∈ {2, 4, 6, 8} with
+overlap off and on, and ``num_draft_tokens: auto`` with overlap off and on. Within a run the
+cells alternate and share their prompts (run r starts at prompt r of the fixed set);
+figures are medians over runs. Fixed-γ cells are seeded (seed = run), so a
+cell with overlap emits exactly the tokens of the same cell without it and their ratio is a
+paired comparison. ``auto`` is off for seeded requests (the output depends on γ), so its
+cells send no seed.
+
+Each cell's bound comes from its own figures, as in ``specgate bench``, with DSD's overlap:
+a round whose draft was prepared during the previous round's flight drafted it for free up
+to that flight, and a prepared draft counts only when it was used (its assumption held):
+
+    flight = RTT + bytes_up·8/BW_up + bytes_down·8/BW_down + t_v        per round
+    seconds = R·flight + (D − U·γ)·t_d + U·max(0, (γ + 1)·t_d − flight)
+    bound = tokens / seconds
+
+with R rounds, D draft tokens, U rounds that used a prepared draft, γ the cell's (for
+``auto`` its mean), t_v the workers' model time per round, and t_d the draft's time per token
+measured without overlap (the cell's own, or for an overlap cell the same γ's cell without
+it), since the time a round waits for a prepared draft is not drafting time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from clients.bench_modes import LINKS, _Bar, _start_gateway, _start_workers
+from clients.prompts import PROMPTS as ALL_PROMPTS
+from clients.report import progress, write_json
+from core.config import LinkConfig
+
+GAMMAS = (2, 4, 6, 8)
+AUTO_TOLERANCE = 0.05  # auto becomes the built-in default only if never worse than the best fixed γ by more
+
+
+def cells() -> list[tuple[str, dict[str, Any]]]:
+    """(name, speculative block) of every cell, ``autoregressive`` first (the baseline)."""
+    exact = {"mode": "exact", "draft_top_k": 32}
+    out: list[tuple[str, dict[str, Any]]] = [("autoregressive", {"mode": "autoregressive"})]
+    for gamma in GAMMAS:
+        out += [(f"γ={gamma}", exact | {"num_draft_tokens": gamma}), (f"γ={gamma} overlap", exact | {"num_draft_tokens": gamma, "overlap": True})]
+    out += [("auto", exact | {"num_draft_tokens": "auto"}), ("auto overlap", exact | {"num_draft_tokens": "auto", "overlap": True})]
+    return out
+
+
+def bench_dsd(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    specs = cells()
+    groups = [(1, link) for link in plan["links"]] + [(2, LINKS[0])] * plan["builtin_pair"]
+    bar = _Bar(len(groups) * len(specs) * plan["runs"])
+    rows: list[dict[str, Any]] = []
+    with ExitStack() as stack:
+        urls = _start_workers(stack)
+        for num_workers, (link_name, link) in groups:
+            with ExitStack() as gateway_stack:
+                base = _start_gateway(gateway_stack, urls[:num_workers], link, 4)
+                with httpx.Client(base_url=base, timeout=900) as client:
+                    samples = _run_cells(client, specs, plan, bar, f"N={num_workers} {link_name}")
+                rows += summarise(samples, num_workers, link_name, link)
+    results = {
+        "setup": {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]], "cpu_count": os.cpu_count(), "mode": "exact, draft top-32", "temperature": plan["temperature"]},
+        "cells": rows,
+        "auto_vs_best_fixed": auto_verdict(rows),
+    }
+    _print(results)
+    write_json(args.json_path, results)
+    if args.plots:
+        from clients.plots import plot_dsd
+
+        for path in plot_dsd(results, Path(args.plots)):
+            progress(f"wrote {path}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        return {"runs": 1, "prompts": ALL_PROMPTS, "prompts_per_cell": 1, "max_tokens": 16, "temperature": args.temperature, "links": [LINKS[2]], "builtin_pair": False}
+    return {
+        "runs": max(3, args.runs), "prompts": ALL_PROMPTS, "prompts_per_cell": args.prompts, "max_tokens": args.max_tokens,
+        "temperature": args.temperature, "links": LINKS, "builtin_pair": True,
+    }
+
+
+def _run_cells(client: httpx.Client, specs: list[tuple[str, dict[str, Any]]], plan: dict[str, Any], bar: _Bar, label: str) -> dict[str, list[dict[str, float]]]:
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in specs}
+    _one(client, plan["prompts"][0], 4, plan["temperature"], specs[1][1], seed=0)  # warm-up
+    for run in range(plan["runs"]):
+        for name, spec in specs:
+            seed = None if spec.get("num_draft_tokens") == "auto" else run
+            prompts = [plan["prompts"][(run + i) % len(plan["prompts"])] for i in range(plan["prompts_per_cell"])]
+            samples[name].append(_cell(client, prompts, plan, spec, seed))
+            bar.step(f"{label} {name}: {samples[name][-1]['tokens_per_s']:.1f} tok/s")
+    return samples
+
+
+def _cell(client: httpx.Client, prompts: list[str], plan: dict[str, Any], spec: dict[str, Any], seed: int | None) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    gammas = []
+    for prompt in prompts:
+        elapsed, usage = _one(client, prompt, plan["max_tokens"], plan["temperature"], spec, seed)
+        block = usage["speculative"]
+        for key, value in (("tokens", usage["completion_tokens"]), ("seconds", elapsed), ("rounds", block["rounds"]),
+                           ("drafted", block["draft_tokens"]), ("accepted", block["accepted_tokens"]),
+                           ("sent", block["bytes_to_workers"]), ("received", block["bytes_from_workers"]),
+                           ("draft_ms", block["draft_ms"]), ("model_ms", block["worker_model_ms"]),
+                           ("prepared", block.get("prepared_drafts", 0)), ("used", block.get("prepared_drafts_used", 0))):
+            totals[key] = totals.get(key, 0.0) + value
+        if "gamma_chosen_mean" in block:
+            gammas.append((block["gamma_chosen_mean"], block["rounds"]))
+    rounds = max(totals["rounds"], 1.0)
+    cell = {
+        "tokens_per_s": totals["tokens"] / totals["seconds"],
+        "tokens": totals["tokens"], "seconds": totals["seconds"], "rounds": totals["rounds"], "drafted": totals["drafted"],
+        "mean_accepted_length": totals["tokens"] / rounds,
+        "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else float("nan"),
+        "bytes_up_per_round": totals["sent"] / rounds,
+        "bytes_down_per_round": totals["received"] / rounds,
+        "draft_ms_per_token": totals["draft_ms"] / totals["drafted"] if totals["drafted"] else 0.0,
+        "verify_model_ms_per_round": totals["model_ms"] / rounds,
+        "prepared": totals["prepared"], "prepared_used": totals["used"],
+    }
+    if gammas:
+        cell["gamma_mean"] = sum(g * r for g, r in gammas) / max(sum(r for _, r in gammas), 1)
+    return cell
+
+
+def _one(client: httpx.Client, prompt: str, max_tokens: int, temperature: float, spec: dict[str, Any], seed: int | None) -> tuple[float, dict[str, Any]]:
+    body: dict[str, Any] = {
+        "model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        "temperature": temperature, "speculative": spec,
+    }
+    if seed is not None:
+        body["seed"] = seed
+    started = time.perf_counter()
+    resp = client.post("/v1/chat/completions", json=body)
+    elapsed = time.perf_counter() - started
+    resp.raise_for_status()
+    return elapsed, resp.json()["usage"]
+
+
+def cell_gamma(name: str, run: dict[str, float]) -> float:
+    """The cell's draft length: its fixed γ, or the mean γ ``auto`` chose (0 for autoregressive)."""
+    if name == "autoregressive":
+        return 0.0
+    if name.startswith("auto"):
+        return run.get("gamma_mean", 4.0)
+    return float(name.split()[0].removeprefix("γ="))
+
+
+def bound_tokens_per_s(run: dict[str, float], gamma: float, draft_s: float, link: LinkConfig, num_workers: int) -> float:
+    """tokens / (R·flight + (D − U·γ)·t_d + U·max(0, (γ + 1)·t_d − flight)), from one run of a cell."""
+    rounds = max(run["rounds"], 1.0)
+    up, down = run["bytes_up_per_round"] / num_workers, run["bytes_down_per_round"] / num_workers  # the links run in parallel
+    flight = link.delay_s(int(up), upstream=True) + link.delay_s(int(down), upstream=False) + run["verify_model_ms_per_round"] / 1e3
+    used = run["prepared_used"]
+    seconds = rounds * flight + max(run["drafted"] - used * gamma, 0.0) * draft_s + used * max(0.0, (gamma + 1) * draft_s - flight)
+    return run["tokens"] / seconds
+
+
+def summarise(samples: dict[str, list[dict[str, float]]], num_workers: int, link_name: str, link: LinkConfig) -> list[dict[str, Any]]:
+    """Medians per cell, the paired ratios, and each run's bound (its median reported)."""
+    baseline = samples["autoregressive"]
+    rows = []
+    for name, runs in samples.items():
+        plain = samples[name.removesuffix(" overlap")]
+        medians = {key: statistics.median(r[key] for r in runs if key in r) for key in runs[0]}
+        bounds = [
+            bound_tokens_per_s(r, cell_gamma(name, r), p["draft_ms_per_token"] / 1e3, link, num_workers) for r, p in zip(runs, plain)
+        ]
+        ar_bounds = [bound_tokens_per_s(b, 0.0, 0.0, link, num_workers) for b in baseline]
+        row: dict[str, Any] = {
+            "cell": name, "workers": num_workers, "link": link_name, "rtt_ms": link.rtt_ms, "runs": len(runs), **medians,
+            "overlap": name.endswith("overlap"), "auto": name.startswith("auto"), "gamma": statistics.median(cell_gamma(name, r) for r in runs),
+            "speedup_vs_autoregressive": statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline)),
+            "bound_tokens_per_s": statistics.median(bounds),
+            "bound_speedup_vs_autoregressive": statistics.median(b / a for b, a in zip(bounds, ar_bounds)),
+            "measured_over_bound": statistics.median(r["tokens_per_s"] / b for r, b in zip(runs, bounds)),
+        }
+        if row["overlap"]:
+            row["overlap_gain"] = statistics.median(r["tokens_per_s"] / p["tokens_per_s"] for r, p in zip(runs, plain))
+            row["prepared_used_share"] = sum(r["prepared_used"] for r in runs) / max(sum(r["prepared"] for r in runs), 1)
+        rows.append(row)
+    return rows
+
+
+def auto_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per (workers, link, overlap): auto's tokens/s over the best fixed γ's; and whether auto
+    met the bar for the built-in default (never worse by more than AUTO_TOLERANCE)."""
+    groups = []
+    for key in sorted({(r["workers"], r["link"], r["overlap"]) for r in rows if r["cell"] != "autoregressive"}, key=str):
+        same = [r for r in rows if (r["workers"], r["link"], r["overlap"]) == key and r["cell"] != "autoregressive"]
+        fixed = max((r for r in same if not r["auto"]), key=lambda r: r["tokens_per_s"])
+        auto = next(r for r in same if r["auto"])
+        groups.append({
+            "workers": key[0], "link": key[1], "overlap": key[2], "best_fixed": fixed["cell"],
+            "best_fixed_tokens_per_s": fixed["tokens_per_s"], "auto_tokens_per_s": auto["tokens_per_s"],
+            "auto_gamma_mean": auto.get("gamma_mean"), "auto_over_best_fixed": auto["tokens_per_s"] / fixed["tokens_per_s"],
+        })
+    worst = min((g["auto_over_best_fixed"] for g in groups), default=None)
+    return {"groups": groups, "worst": worst, "tolerance": AUTO_TOLERANCE, "meets_bar": worst is not None and worst >= 1 - AUTO_TOLERANCE}
+
+
+def _print(results: dict[str, Any]) -> None:
+    setup = results["setup"]
+    print(f"\nspecgate bench dsd: {setup['mode']}, T = {setup['temperature']:g}, {setup['prompts_per_cell']} prompt(s) per cell (run r starts at prompt r of {len(setup['prompts'])}) × ≤ {setup['max_tokens']} tokens, median of {setup['runs']} runs")
+    print(f"{'N':>2} {'link':<17}{'cell':<13}{'γ':>5}{'tok/s':>7}{'speed-up':>9}{'tok/rnd':>8}{'bound':>7}{'bnd spd':>8}{'meas/bnd':>9}{'ovl gain':>9}{'used':>6}")
+    for r in results["cells"]:
+        gamma = "" if r["cell"] == "autoregressive" else f"{r['gamma']:.1f}"
+        gain = f"{r['overlap_gain']:.2f}×" if "overlap_gain" in r else ""
+        used = f"{r['prepared_used_share']:.2f}" if "prepared_used_share" in r else ""
+        print(
+            f"{r['workers']:>2} {r['link']:<17}{r['cell']:<13}{gamma:>5}{r['tokens_per_s']:>7.1f}{r['speedup_vs_autoregressive']:>8.2f}×"
+            f"{r['mean_accepted_length']:>8.2f}{r['bound_tokens_per_s']:>7.1f}{r['bound_speedup_vs_autoregressive']:>7.2f}×"
+            f"{r['measured_over_bound']:>9.2f}{gain:>9}{used:>6}"
+        )
+    verdict = results["auto_vs_best_fixed"]
+    print("\nauto vs the best fixed γ (tokens/s):")
+    for g in verdict["groups"]:
+        print(f"  N={g['workers']} {g['link']:<17} overlap {'on ' if g['overlap'] else 'off'}: best {g['best_fixed']:<12} auto {g['auto_over_best_fixed']:.2f}×")
+    if verdict["worst"] is not None:
+        print(f"worst {verdict['worst']:.2f}×: auto {'meets' if verdict['meets_bar'] else 'misses'} the bar for the built-in default (≥ {1 - verdict['tolerance']:.2f}×)")

@@ -1,0 +1,58 @@
+"""``specgate bench dsd``'s arithmetic on hand-made runs: the bound with and without overlap
+(a prepared draft counts only when used), the paired ratios, and the verdict on auto."""
+
+from __future__ import annotations
+
+import pytest
+
+from clients.bench_dsd import auto_verdict, bound_tokens_per_s, cells, summarise
+from clients.bench_modes import analytic_bound
+from core.config import LinkConfig
+
+LINK = LinkConfig(rtt_ms=50, up_mbps=10, down_mbps=10)
+
+
+def _run(tokens_per_s: float, rounds: float = 10, drafted: float = 40, used: float = 0, prepared: float = 0, gamma_mean: float | None = None) -> dict[str, float]:
+    run = {
+        "tokens_per_s": tokens_per_s, "tokens": 27.0, "seconds": 27.0 / tokens_per_s, "rounds": rounds, "drafted": drafted,
+        "mean_accepted_length": 27.0 / rounds, "acceptance_rate": 0.5, "bytes_up_per_round": 400.0, "bytes_down_per_round": 700.0,
+        "draft_ms_per_token": 30.0, "verify_model_ms_per_round": 140.0, "prepared": prepared, "prepared_used": used,
+    }
+    if gamma_mean is not None:
+        run["gamma_mean"] = gamma_mean
+    return run
+
+
+def test_without_overlap_the_bound_is_the_modes_bench_bound() -> None:
+    run = _run(8.0)
+    assert bound_tokens_per_s(run, 4, 0.030, LINK, 1) == pytest.approx(analytic_bound(run, 4, LINK, 1))
+
+
+def test_a_used_prepared_draft_costs_only_what_outlasts_the_flight() -> None:
+    flight = LINK.delay_s(400, upstream=True) + LINK.delay_s(700, upstream=False) + 0.140
+    plain = 10 * flight + 40 * 0.030
+    assert 27 / bound_tokens_per_s(_run(8.0, prepared=9), 4, 0.030, LINK, 1) == pytest.approx(plain)  # prepared, never used: no gain
+    overlapped = 10 * flight + (40 - 3 * 4) * 0.030 + 3 * max(0.0, 5 * 0.030 - flight)
+    assert 27 / bound_tokens_per_s(_run(8.0, used=3, prepared=9), 4, 0.030, LINK, 1) == pytest.approx(overlapped)
+    assert overlapped == pytest.approx(plain - 3 * 4 * 0.030)  # a 50 ms link outlasts 5 draft tokens: free
+    slow_draft = 10 * flight + (40 - 12) * 0.100 + 3 * (5 * 0.100 - flight)
+    assert 27 / bound_tokens_per_s(_run(8.0, used=3, prepared=9), 4, 0.100, LINK, 1) == pytest.approx(slow_draft)
+
+
+def test_summary_ratios_and_the_auto_verdict() -> None:
+    names = [name for name, _ in cells()]
+    assert names[0] == "autoregressive" and {"γ=2", "γ=8 overlap", "auto", "auto overlap"} <= set(names) and len(names) == 11
+    speeds = {"autoregressive": 5.0, "γ=2": 8.0, "γ=2 overlap": 8.8, "γ=4": 10.0, "γ=4 overlap": 11.0, "γ=6": 9.0, "γ=6 overlap": 9.0,
+              "γ=8": 7.0, "γ=8 overlap": 7.0, "auto": 9.8, "auto overlap": 9.9}
+    samples = {name: [_run(speed * factor, used=2 if "overlap" in name else 0, prepared=8 if "overlap" in name else 0,
+                           gamma_mean=3.5 if name.startswith("auto") else None) for factor in (1.0, 1.1, 0.9)] for name, speed in speeds.items()}
+    rows = {r["cell"]: r for r in summarise(samples, 1, "50 ms", LINK)}
+    assert rows["γ=4"]["speedup_vs_autoregressive"] == pytest.approx(2.0)
+    assert rows["γ=4 overlap"]["overlap_gain"] == pytest.approx(1.1) and rows["γ=4 overlap"]["prepared_used_share"] == pytest.approx(0.25)
+    assert rows["auto"]["gamma"] == 3.5 and rows["γ=6"]["gamma"] == 6 and "overlap_gain" not in rows["auto"]
+    assert 0 < rows["γ=4"]["measured_over_bound"] and rows["γ=4"]["bound_tokens_per_s"] > 0
+    verdict = auto_verdict(list(rows.values()))
+    by_overlap = {g["overlap"]: g for g in verdict["groups"]}
+    assert by_overlap[False]["best_fixed"] == "γ=4" and by_overlap[False]["auto_over_best_fixed"] == pytest.approx(0.98)
+    assert by_overlap[True]["best_fixed"] == "γ=4 overlap" and by_overlap[True]["auto_over_best_fixed"] == pytest.approx(0.9)
+    assert verdict["worst"] == pytest.approx(0.9) and verdict["meets_bar"] is False
