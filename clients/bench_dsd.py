@@ -183,7 +183,7 @@ def summarise(samples: dict[str, list[dict[str, float]]], num_workers: int, link
         ar_bounds = [bound_tokens_per_s(b, 0.0, 0.0, link, num_workers) for b in baseline]
         row: dict[str, Any] = {
             "cell": name, "workers": num_workers, "link": link_name, "rtt_ms": link.rtt_ms, "runs": len(runs), **medians,
-            "overlap": name.endswith("overlap"), "auto": name.startswith("auto"), "gamma": statistics.median(cell_gamma(name, r) for r in runs),
+            "overlap": name.endswith("overlap"), "auto": name.split()[0] == "auto", "gamma": statistics.median(cell_gamma(name, r) for r in runs),
             "speedup_vs_autoregressive": statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline)),
             "bound_tokens_per_s": statistics.median(bounds),
             "bound_speedup_vs_autoregressive": statistics.median(b / a for b, a in zip(bounds, ar_bounds)),

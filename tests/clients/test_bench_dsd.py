@@ -50,6 +50,7 @@ def test_summary_ratios_and_the_auto_verdict() -> None:
     assert rows["γ=4"]["speedup_vs_autoregressive"] == pytest.approx(2.0)
     assert rows["γ=4 overlap"]["overlap_gain"] == pytest.approx(1.1) and rows["γ=4 overlap"]["prepared_used_share"] == pytest.approx(0.25)
     assert rows["auto"]["gamma"] == 3.5 and rows["γ=6"]["gamma"] == 6 and "overlap_gain" not in rows["auto"]
+    assert rows["auto"]["auto"] and not rows["autoregressive"]["auto"] and rows["autoregressive"]["gamma"] == 0
     assert 0 < rows["γ=4"]["measured_over_bound"] and rows["γ=4"]["bound_tokens_per_s"] > 0
     verdict = auto_verdict(list(rows.values()))
     by_overlap = {g["overlap"]: g for g in verdict["groups"]}
