@@ -30,14 +30,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from clients.bench_modes import LINKS, _Bar, _start_gateway, _start_workers
+from clients.bench_modes import (
+    LINKS,
+    _Bar,
+    _start_gateway,
+    _start_workers,
+    measure,
+    request,
+)
 from clients.prompts import PROMPTS as ALL_PROMPTS
 from clients.report import progress, write_json
 from core.config import LinkConfig
@@ -96,59 +102,14 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
 
 def _run_cells(client: httpx.Client, specs: list[tuple[str, dict[str, Any]]], plan: dict[str, Any], bar: _Bar, label: str) -> dict[str, list[dict[str, float]]]:
     samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in specs}
-    _one(client, plan["prompts"][0], 4, plan["temperature"], specs[1][1], seed=0)  # warm-up
+    request(client, plan["prompts"][0], 4, plan["temperature"], specs[1][1], seed=0)  # warm-up
     for run in range(plan["runs"]):
         for name, spec in specs:
             seed = None if spec.get("num_draft_tokens") == "auto" else run
             prompts = [plan["prompts"][(run + i) % len(plan["prompts"])] for i in range(plan["prompts_per_cell"])]
-            samples[name].append(_cell(client, prompts, plan, spec, seed))
+            samples[name].append(measure(client, prompts, plan["max_tokens"], plan["temperature"], spec, seed))
             bar.step(f"{label} {name}: {samples[name][-1]['tokens_per_s']:.1f} tok/s")
     return samples
-
-
-def _cell(client: httpx.Client, prompts: list[str], plan: dict[str, Any], spec: dict[str, Any], seed: int | None) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    gammas = []
-    for prompt in prompts:
-        elapsed, usage = _one(client, prompt, plan["max_tokens"], plan["temperature"], spec, seed)
-        block = usage["speculative"]
-        for key, value in (("tokens", usage["completion_tokens"]), ("seconds", elapsed), ("rounds", block["rounds"]),
-                           ("drafted", block["draft_tokens"]), ("accepted", block["accepted_tokens"]),
-                           ("sent", block["bytes_to_workers"]), ("received", block["bytes_from_workers"]),
-                           ("draft_ms", block["draft_ms"]), ("model_ms", block["worker_model_ms"]),
-                           ("prepared", block.get("prepared_drafts", 0)), ("used", block.get("prepared_drafts_used", 0))):
-            totals[key] = totals.get(key, 0.0) + value
-        if "gamma_chosen_mean" in block:
-            gammas.append((block["gamma_chosen_mean"], block["rounds"]))
-    rounds = max(totals["rounds"], 1.0)
-    cell = {
-        "tokens_per_s": totals["tokens"] / totals["seconds"],
-        "tokens": totals["tokens"], "seconds": totals["seconds"], "rounds": totals["rounds"], "drafted": totals["drafted"],
-        "mean_accepted_length": totals["tokens"] / rounds,
-        "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else float("nan"),
-        "bytes_up_per_round": totals["sent"] / rounds,
-        "bytes_down_per_round": totals["received"] / rounds,
-        "draft_ms_per_token": totals["draft_ms"] / totals["drafted"] if totals["drafted"] else 0.0,
-        "verify_model_ms_per_round": totals["model_ms"] / rounds,
-        "prepared": totals["prepared"], "prepared_used": totals["used"],
-    }
-    if gammas:
-        cell["gamma_mean"] = sum(g * r for g, r in gammas) / max(sum(r for _, r in gammas), 1)
-    return cell
-
-
-def _one(client: httpx.Client, prompt: str, max_tokens: int, temperature: float, spec: dict[str, Any], seed: int | None) -> tuple[float, dict[str, Any]]:
-    body: dict[str, Any] = {
-        "model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "temperature": temperature, "speculative": spec,
-    }
-    if seed is not None:
-        body["seed"] = seed
-    started = time.perf_counter()
-    resp = client.post("/v1/chat/completions", json=body)
-    elapsed = time.perf_counter() - started
-    resp.raise_for_status()
-    return elapsed, resp.json()["usage"]
 
 
 def cell_gamma(name: str, run: dict[str, float]) -> float:

@@ -111,41 +111,55 @@ def _start_gateway(stack: ExitStack, urls: list[str], link: LinkConfig, gamma: i
 
 def _run_cells(client: httpx.Client, modes: list[tuple[str, dict[str, Any]]], plan: dict[str, Any], temperature: float, bar: _Bar, label: str) -> dict[str, list[dict[str, float]]]:
     samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in modes}
-    _one(client, plan["prompts"][0], 4, temperature, modes[0][1], seed=0)  # warm-up
+    request(client, plan["prompts"][0], 4, temperature, modes[0][1], seed=0)  # warm-up
     for run in range(plan["runs"]):
         for name, spec in modes:
-            samples[name].append(_cell(client, plan["prompts"], plan["max_tokens"], temperature, spec, seed=run))
+            samples[name].append(measure(client, plan["prompts"], plan["max_tokens"], temperature, spec, seed=run))
             bar.step(f"{label} {name}: {samples[name][-1]['tokens_per_s']:.1f} tok/s")
     return samples
 
 
-def _cell(client: httpx.Client, prompts: list[str], max_tokens: int, temperature: float, spec: dict[str, Any], seed: int) -> dict[str, float]:
+def measure(client: httpx.Client, prompts: list[str], max_tokens: int, temperature: float, spec: dict[str, Any], seed: int | None) -> dict[str, float]:
+    """One cell-run: the prompts in turn through the gateway; its totals and per-round figures
+    from the usage blocks (the DSD fields where the request used them)."""
     totals: dict[str, float] = {}
+    gammas = []
     for prompt in prompts:
-        elapsed, usage = _one(client, prompt, max_tokens, temperature, spec, seed)
+        elapsed, usage = request(client, prompt, max_tokens, temperature, spec, seed)
         block = usage["speculative"]
         for key, value in (("tokens", usage["completion_tokens"]), ("seconds", elapsed), ("rounds", block["rounds"]),
                            ("drafted", block["draft_tokens"]), ("accepted", block["accepted_tokens"]),
                            ("sent", block["bytes_to_workers"]), ("received", block["bytes_from_workers"]),
-                           ("draft_ms", block["draft_ms"]), ("model_ms", block["worker_model_ms"])):
+                           ("draft_ms", block["draft_ms"]), ("model_ms", block["worker_model_ms"]),
+                           ("prepared", block.get("prepared_drafts", 0)), ("used", block.get("prepared_drafts_used", 0))):
             totals[key] = totals.get(key, 0.0) + value
+        if "gamma_chosen_mean" in block:
+            gammas.append((block["gamma_chosen_mean"], block["rounds"]))
     rounds = max(totals["rounds"], 1.0)
-    return {
+    cell = {
         "tokens_per_s": totals["tokens"] / totals["seconds"],
+        "tokens": totals["tokens"], "seconds": totals["seconds"], "rounds": totals["rounds"], "drafted": totals["drafted"],
         "mean_accepted_length": totals["tokens"] / rounds,
         "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else float("nan"),
         "bytes_up_per_round": totals["sent"] / rounds,
         "bytes_down_per_round": totals["received"] / rounds,
         "draft_ms_per_token": totals["draft_ms"] / totals["drafted"] if totals["drafted"] else 0.0,
         "verify_model_ms_per_round": totals["model_ms"] / rounds,
+        "prepared": totals["prepared"], "prepared_used": totals["used"],
     }
+    if gammas:
+        cell["gamma_mean"] = sum(g * r for g, r in gammas) / max(sum(r for _, r in gammas), 1)
+    return cell
 
 
-def _one(client: httpx.Client, prompt: str, max_tokens: int, temperature: float, spec: dict[str, Any], seed: int) -> tuple[float, dict[str, Any]]:
-    body = {
+def request(client: httpx.Client, prompt: str, max_tokens: int, temperature: float, spec: dict[str, Any], seed: int | None) -> tuple[float, dict[str, Any]]:
+    """One chat completion (no seed when ``seed`` is None); its seconds and usage block."""
+    body: dict[str, Any] = {
         "model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "temperature": temperature, "seed": seed, "speculative": spec,
+        "temperature": temperature, "speculative": spec,
     }
+    if seed is not None:
+        body["seed"] = seed
     started = time.perf_counter()
     resp = client.post("/v1/chat/completions", json=body)
     elapsed = time.perf_counter() - started
