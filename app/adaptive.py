@@ -12,9 +12,9 @@
     u          the share of prepared drafts used so far (overlap), from a prior of ½ worth one
 
 Each estimate weighs the newest round by 0.3 (an exponential moving average; the line's sums
-decay by 0.1 a round, as it needs several m). The first round's draft and model times include the prompt's prefill, so they
-teach only α and the RTT; the first two rounds use γ = 4. Every fourth round probes γ ± 1
-around the choice, so the line sees more than one m (a fit from one m would charge a call's
+decay by 0.1 a round, as it needs several m). The first round's draft and model times include
+the prompt's prefill, so it teaches only α and the RTT; the first two rounds use γ = 4. Every
+fourth round probes γ + 1 (γ − 1 at the ceiling), so the line sees more than one m (a fit from one m would charge a call's
 fixed cost to every position and drive γ down). With a ``seed`` the output depends on γ, so
 ``auto`` is off for seeded requests: they draft DEFAULT_GAMMA tokens every round.
 """
@@ -81,8 +81,7 @@ class GammaController:
     chosen: list[int] = field(default_factory=list)  # γ of each round, for the usage block
 
     def choose(self) -> int:
-        line = self.verify.coefficients()
-        if self.draft_s is None or line is None or self.network_s is None:
+        if self.draft_s is None:  # set from the second round on, with the line and the RTT
             gamma = DEFAULT_GAMMA
         else:
             gamma = choose_gamma(self.costs(), self.max_gamma)
