@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default=None, help="address to bind (default: the config's, 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port to bind (default: the config's, 8000)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECGATE_API_KEY, else open)")
+    parser.add_argument("--instance-id", default=None, help="an id /health reports (default: a random one; `specgate serve` passes its own)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -35,12 +36,12 @@ def main(argv: list[str] | None = None) -> int:
             config.port = args.port
         if args.api_key:
             config.api_key = args.api_key
-        draft = load_runner(config.draft.model, config.draft.backend.value, 2048, config.draft.memory_cap_mb, config.draft.threads)
+        draft = load_runner(config.draft.model, config.draft.backend.value, config.draft_context, config.draft.memory_cap_mb, config.draft.threads)
         draft.fingerprint  # computed before the first request
     except SpecgateError as exc:
         print(f"specgate gateway: error: {exc}", file=sys.stderr)
         return 2
-    app = create_app(config, draft_runner=draft)
+    app = create_app(config, draft_runner=draft, instance_id=args.instance_id)
     print(f"specgate gateway: {config.model} on http://{config.host}:{config.port} (draft {config.draft.model}, mode {config.speculative.mode.value})", flush=True)
     drain_s = config.limits.drain_timeout_s
     run_server(app, config.host, config.port, args.log_level, drain_s, lambda: app.state.admission.start_drain(drain_s))

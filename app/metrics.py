@@ -58,6 +58,16 @@ class GatewayMetrics:
         rejected = Gauge("specgate:num_requests_rejected", "429s given since start.", registry=r)
         rejected.set_function(lambda: admission.rejected)
 
+    def open_series(self, mode: str, num_positions: int) -> None:
+        """The labelled series of ``mode`` at 0 from start-up (as vLLM does), so dashboards and
+        ``rate()`` see them before the first request; per-position ones for ``num_positions``."""
+        for counter in (self.drafts, self.draft_tokens, self.accepted_tokens, self.generation_tokens):
+            counter.labels(mode)
+        for position in range(num_positions):
+            self.accepted_per_pos.labels(mode, str(position))
+        for histogram in (self.ttft, self.itl, self.e2e):
+            histogram.labels(mode)
+
     def watch(self, pool: WorkerPool) -> None:
         """Read the pool's own counters at scrape time, and time its calls."""
         self.registry.register(_PoolCollector(pool))

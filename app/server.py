@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import html
 import logging
+import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -21,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException
 
+from app.adaptive import MAX_AUTO_GAMMA
 from app.admission import Admission, Release
 from app.draft import DraftModel
 from app.metrics import GatewayMetrics
@@ -40,16 +42,18 @@ def create_app(
     config: SpecgateConfig,
     draft_runner: ModelRunner | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    instance_id: str | None = None,
 ) -> FastAPI:
     """The gateway for ``config``. ``draft_runner`` and ``transport`` replace the draft model
-    and the HTTP transport to the workers (tests)."""
+    and the HTTP transport to the workers (tests); ``/health`` reports ``instance_id`` (a random
+    one by default), so ``specgate serve`` knows the process answering is the one it started."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
         runner = draft_runner
         if runner is None:
             draft = config.draft
-            runner = await asyncio.to_thread(load_runner, draft.model, draft.backend.value, 2048, draft.memory_cap_mb, draft.threads)
+            runner = await asyncio.to_thread(load_runner, draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads)
             await asyncio.to_thread(lambda: runner.fingerprint)
         pool = WorkerPool.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size, runner.tokenizer), transport)
         metrics.watch(pool)
@@ -65,9 +69,12 @@ def create_app(
             runner.close()
 
     app = FastAPI(title="specgate", lifespan=lifespan)
+    app.state.instance_id = instance_id or uuid.uuid4().hex
     limits = config.limits
     admission = app.state.admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s)
     metrics = app.state.metrics = GatewayMetrics(admission)
+    gamma = config.speculative.num_draft_tokens
+    metrics.open_series(config.speculative.mode.value, gamma if isinstance(gamma, int) else MAX_AUTO_GAMMA + 1)
     app.add_middleware(Guard, token=config.api_key, max_body_bytes=limits.max_body_bytes, is_draining=lambda: admission.is_draining)
     _add_routes(app)
     _add_error_handlers(app)
@@ -80,8 +87,8 @@ def _gateway(request: Request) -> Gateway:
 
 def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health(request: Request) -> dict[str, str]:
+        return {"status": "ok", "instance_id": request.app.state.instance_id}
 
     @app.get("/", include_in_schema=False)
     async def chat_page(request: Request) -> Response:
@@ -96,13 +103,15 @@ def _add_routes(app: FastAPI) -> None:
     async def ready(request: Request) -> Response:
         report = await _gateway(request).check_workers()
         ok = all(e["ready"] for e in report)
-        body = {"status": "ready" if ok else "not_ready", "draft": "loaded", "workers": report}
+        body = {"status": "ready" if ok else "not_ready", "instance_id": request.app.state.instance_id, "draft": "loaded", "workers": report}
         return JSONResponse(body, status_code=200 if ok else 503, headers=None if ok else {"Retry-After": "5"})
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         gateway = _gateway(request)
-        return {"object": "list", "data": [{"id": gateway.config.model, "object": "model", "created": 0, "owned_by": "specgate"}]}
+        # max_model_len as vLLM: the context a request may fill, the draft's and every worker's
+        model = {"id": gateway.config.model, "object": "model", "created": 0, "owned_by": "specgate", "max_model_len": gateway.engine.max_context}
+        return {"object": "list", "data": [model]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -193,7 +202,7 @@ async def _sse(request: Request, job: Job, include_usage: bool, chunks: Callable
                 if admission.drain_expired():
                     raise ApiError(503, "the gateway shut down before this stream finished", code="shutting_down", kind="server_error")
         if include_usage:
-            yield _data({**_envelope(job), "choices": [], "usage": job.usage.to_dict()})
+            yield _data({**_envelope(job), "choices": [], **_usage(job)})
     except WorkerError as exc:
         log.warning("stream %s failed: %s", job.id, exc)
         yield _data(ApiError(exc.status, str(exc), code="worker_error", kind="server_error").body())
@@ -206,6 +215,12 @@ async def _sse(request: Request, job: Job, include_usage: bool, chunks: Callable
 
 def _data(payload: dict[str, Any]) -> dict[str, str]:
     return {"data": orjson.dumps(payload).decode()}
+
+
+def _usage(job: Job) -> dict[str, Any]:
+    """``usage`` (with our ``speculative`` block) and, beside it, vLLM's ``metrics``."""
+    metrics = job.usage.vllm_metrics()
+    return {"usage": job.usage.to_dict(), **({"metrics": metrics} if metrics else {})}
 
 
 def _envelope(job: Job) -> dict[str, Any]:
@@ -227,7 +242,7 @@ def _completion_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]]
             }
             for e in events
         ]
-        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model, "choices": choices, "usage": job.usage.to_dict()}
+        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model, "choices": choices, **_usage(job)}
 
     return build
 
@@ -237,13 +252,13 @@ def _chat_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]], dict
         choices = [
             {
                 "index": e.index,
-                "message": {"role": "assistant", "content": e.text},
+                "message": {"role": "assistant", "content": e.text, "refusal": None},
                 "logprobs": gateway.chat_logprobs(e.logprobs),
                 "finish_reason": e.finish_reason,
             }
             for e in events
         ]
-        return {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model, "choices": choices, "usage": job.usage.to_dict()}
+        return {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model, "choices": choices, **_usage(job)}
 
     return build
 

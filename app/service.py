@@ -74,6 +74,7 @@ class Usage:
     gammas: list[int] = field(default_factory=list)  # chosen by num_draft_tokens: auto
     relaxed_tv: list[float] = field(default_factory=list)
     taus: list[float] = field(default_factory=list)
+    acceptance_histogram: list[int] = field(default_factory=list)  # [a]: rounds with a draft that accepted exactly a tokens
 
     def add(self, result: RoundResult) -> None:
         self.completion_tokens += len(result.tokens)
@@ -93,6 +94,28 @@ class Usage:
         self.taus += result.taus
         if result.gamma is not None:
             self.gammas.append(result.gamma)
+        if result.drafted:
+            if len(self.acceptance_histogram) <= result.drafted:
+                self.acceptance_histogram += [0] * (result.drafted + 1 - len(self.acceptance_histogram))
+            self.acceptance_histogram[result.accepted] += 1
+
+    def vllm_metrics(self) -> dict[str, Any] | None:
+        """vLLM's per-request ``metrics.speculative_decoding`` (what AIPerf reads), from the
+        same counters as the ``speculative`` block; None in a mode that drafts nothing."""
+        if self.spec.mode is Mode.AUTOREGRESSIVE:
+            return None
+        steps = sum(self.acceptance_histogram)
+        num_spec_tokens = max(self.gammas, default=self.spec.num_draft_tokens) if self.spec.auto_gamma else self.spec.num_draft_tokens
+        histogram = self.acceptance_histogram + [0] * (num_spec_tokens + 1 - len(self.acceptance_histogram))
+        return {"speculative_decoding": {
+            "mean_acceptance_length": 1 + self.accepted_tokens / steps if steps else None,
+            "draft_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+            "acceptance_histogram": histogram,
+            "num_spec_steps": steps,
+            "num_accepted_draft_tokens": self.accepted_tokens,
+            "num_draft_tokens": self.draft_tokens,
+            "num_spec_tokens": num_spec_tokens,
+        }}
 
     def to_dict(self) -> dict[str, Any]:
         spec = self.spec
@@ -394,13 +417,11 @@ class Gateway:
     def chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if logprobs is None:
             return None
-        return {"content": [
-            {
-                **self._token_entry(lp.token, lp.logprob),
-                "top_logprobs": [self._token_entry(t, v) for t, v in lp.top],
-            }
+        content = [
+            {**self._token_entry(lp.token, lp.logprob), "top_logprobs": [self._token_entry(t, v) for t, v in lp.top]}
             for lp in logprobs
-        ]}
+        ]
+        return {"content": content, "refusal": None}  # OpenAI's schema requires refusal (null here)
 
     def _token_entry(self, token: int, logprob: float) -> dict[str, Any]:
         piece = self._piece(token)

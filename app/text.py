@@ -13,30 +13,47 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Feeds token ids, returns the new text that is final."""
+    """Feeds token ids, returns the new text that is final.
+
+    As vLLM's detokenizer: only a window is decoded each time — the tokens from
+    ``prefix_offset`` on, where ``tokens[prefix_offset:read_offset]`` were decoded before (their
+    text gives the context a token's text may depend on, e.g. a leading space) — so a choice of
+    n tokens costs O(n) decoded tokens, not O(n²). The window moves on once its text ends in a
+    whole character; until then the part before the incomplete character is emitted.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
-        self._emitted = 0  # characters of the decoded text already returned
+        self.prefix_offset = 0  # the window starts here
+        self.read_offset = 0  # tokens before this were emitted whole
+        self._emitted = 0  # characters of the window's new text already returned (an incomplete tail pending)
+        self.num_decoded = 0  # tokens passed to the tokenizer so far (the cost)
 
     def push(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
-        text = self._decode()
-        stable = len(text.rstrip(_REPLACEMENT)) if text.endswith(_REPLACEMENT) else len(text)
-        if stable <= self._emitted:
-            return ""
-        new, self._emitted = text[self._emitted : stable], stable
+        prefix, text = self._window()
+        stable = len(text.rstrip(_REPLACEMENT))
+        new = text[len(prefix) + self._emitted : stable] if stable > len(prefix) + self._emitted else ""
+        self._emitted += len(new)
+        if not text.endswith(_REPLACEMENT):
+            self.prefix_offset, self.read_offset, self._emitted = self.read_offset, len(self.tokens), 0
         return new
 
     def flush(self) -> str:
         """Whatever is left at the end, replacement characters included."""
-        text = self._decode()
-        new, self._emitted = text[self._emitted :], len(text)
+        prefix, text = self._window()
+        new = text[len(prefix) + self._emitted :]
+        self.prefix_offset, self.read_offset, self._emitted = self.read_offset, len(self.tokens), 0
         return new
 
-    def _decode(self) -> str:
-        return str(self.tokenizer.decode(self.tokens, skip_special_tokens=True))
+    def _window(self) -> tuple[str, str]:
+        """The text of the tokens emitted in the window, and of the whole window."""
+        return self._decode(self.tokens[self.prefix_offset : self.read_offset]), self._decode(self.tokens[self.prefix_offset :])
+
+    def _decode(self, tokens: list[int]) -> str:
+        self.num_decoded += len(tokens)
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True)) if tokens else ""
 
 
 class StopMatcher:

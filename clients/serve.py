@@ -1,45 +1,67 @@
-"""``specgate serve``: the local workers of a config, then the gateway; report when ready.
+"""``specgate serve``: the local workers of a config, then — once they answer — the gateway;
+report when ready.
 
-Every process it starts is stopped by pid when it exits (Ctrl-C, SIGTERM, or a child dying).
+Every process it starts is stopped by pid when it exits (Ctrl-C, SIGTERM, or a child dying),
+and dies with it when it dies hard (``kill -9``, the OOM killer): on Linux each child asks the
+kernel for SIGTERM when its parent goes (``prctl(PR_SET_PDEATHSIG)``). Each child gets an
+instance id that its ``/health`` reports, so a process left on a port by something else is
+never taken for one of ours. Local workers without a ``port`` take free ports.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
 import httpx
 
-from clients.procs import stop_process, worker_command
+from clients.procs import free_port, stop_process, worker_command
 from core.config import SpecgateConfig, WorkerEntry, dump_config, load_config
 from core.errors import SpecgateError
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def serve(config_path: str | None, port: int | None, startup_timeout: float) -> int:
     try:
-        config = load_config(config_path).with_local_urls().with_split_cores(os.cpu_count() or 1)
+        config = load_config(config_path).with_local_urls(free_port).with_split_cores(os.cpu_count() or 1)
     except SpecgateError as exc:
         print(f"specgate serve: error: {exc}", file=sys.stderr)
         return 2
     if port is not None:
         config.port = port
-    stop = _StopFlag()
+    taken = taken_port(config)
+    if taken:
+        print(f"specgate serve: error: {taken}", file=sys.stderr)
+        return 2
+    stop, instance = _StopFlag(), uuid.uuid4().hex[:12]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with tempfile.TemporaryDirectory(prefix="specgate-") as tmp:
         try:
-            for worker in (w for w in config.workers if w.is_local):
-                procs[worker.name or ""] = start_worker(config, worker)
+            local = [w for w in config.workers if w.is_local]
+            for worker in local:
+                procs[worker.name or ""] = start_worker(config, worker, f"{instance}-{worker.name}")
+            # the gateway checks its workers at start-up: start it once they answer
+            workers = {w.name or "": (f"{config.worker_url(w)}/health", f"{instance}-{w.name}") for w in local}
+            if not wait_ready(workers, procs, startup_timeout, stop):
+                return 1
             resolved = Path(tmp) / "config.yaml"
             resolved.write_text(dump_config(config))
             print(f"specgate serve: starting the gateway on http://{config.host}:{config.port}", flush=True)
-            procs["gateway"] = subprocess.Popen([sys.executable, "-m", "app", "--config", str(resolved), "--log-level", "warning"], process_group=0)
-            if not wait_ready(_ready_urls(config), procs, startup_timeout, stop):
+            command = [sys.executable, "-m", "app", "--config", str(resolved), "--log-level", "warning", "--instance-id", f"{instance}-gateway"]
+            procs["gateway"] = _start(command)
+            gateway = {"gateway": (f"http://{config.host}:{config.port}/health/ready", f"{instance}-gateway")}
+            if not wait_ready(gateway, procs, startup_timeout, stop):
                 return 1
             print(ready_message(config), flush=True)
             return watch(procs, stop)
@@ -47,28 +69,61 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
             stop_all(procs, config.limits.drain_timeout_s)
 
 
-def start_worker(config: SpecgateConfig, entry: WorkerEntry) -> subprocess.Popen[bytes]:
+def taken_port(config: SpecgateConfig) -> str | None:
+    """What names the first port this config needs that something already listens on."""
+    wanted = [(f"worker {w.name}", "127.0.0.1", w.port) for w in config.workers if w.is_local]
+    for entry, host, port in [*wanted, ("the gateway", config.host, config.port)]:
+        assert port is not None
+        if not _can_bind(host, port):
+            return f"port {port} of {entry} is already in use (another specgate serve, or another program); free it or change the port in the config"
+    return None
+
+
+def _can_bind(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def start_worker(config: SpecgateConfig, entry: WorkerEntry, instance_id: str) -> subprocess.Popen[bytes]:
     assert entry.model is not None and entry.port is not None
     url = config.worker_url(entry)
     print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}, threads={entry.threads}) on {url}", flush=True)
+    return _start([*worker_command(entry.model, entry.backend.value, entry.port, entry.threads), "--instance-id", instance_id])
+
+
+def _start(command: list[str]) -> subprocess.Popen[bytes]:
     # its own process group: a terminal's Ctrl-C reaches `serve` alone, which stops the
     # gateway first (it drains its streams, which still need the workers), then the workers
-    return subprocess.Popen(worker_command(entry.model, entry.backend.value, entry.port, entry.threads), process_group=0)
+    return subprocess.Popen(command, process_group=0, preexec_fn=_die_with_parent())
 
 
-def _ready_urls(config: SpecgateConfig) -> dict[str, str]:
-    """What to poll: each local worker's /health, then the gateway's /health/ready."""
-    urls = {w.name or "": f"{config.worker_url(w)}/health" for w in config.workers if w.is_local}
-    urls["gateway"] = f"http://{config.host}:{config.port}/health/ready"
-    return urls
+def _die_with_parent() -> Callable[[], None] | None:
+    """For the child, between fork and exec: SIGTERM when this process dies, however it dies
+    (Linux's PR_SET_PDEATHSIG; elsewhere None: only a clean exit stops the children)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc, parent = ctypes.CDLL(None, use_errno=True), os.getpid()
+
+    def arm() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the call: nothing will signal
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
 
 
-def wait_ready(urls: dict[str, str], procs: dict[str, subprocess.Popen[bytes]], timeout: float, stop: _StopFlag) -> bool:
-    """Poll until each URL answers 200, in order; False on timeout, a dead child or a signal."""
+def wait_ready(checks: dict[str, tuple[str, str]], procs: dict[str, subprocess.Popen[bytes]], timeout: float, stop: _StopFlag) -> bool:
+    """Poll each (URL, instance id) until it answers 200 with that instance id, in order; False
+    on timeout, a dead child or a signal."""
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=2.0) as client:
-        for name, url in urls.items():
-            while not _answers(client, url):
+        for name, (url, instance_id) in checks.items():
+            while not _answers(client, url, instance_id):
                 dead = [n for n, p in procs.items() if p.poll() is not None]
                 if dead:
                     print(f"specgate serve: {dead[0]} exited with {procs[dead[0]].returncode}", file=sys.stderr)
@@ -81,10 +136,12 @@ def wait_ready(urls: dict[str, str], procs: dict[str, subprocess.Popen[bytes]], 
     return True
 
 
-def _answers(client: httpx.Client, url: str) -> bool:
+def _answers(client: httpx.Client, url: str, instance_id: str) -> bool:
+    """200 from the process we started (another one on the port reports another id)."""
     try:
-        return client.get(url).status_code == 200
-    except httpx.HTTPError:
+        resp = client.get(url)
+        return resp.status_code == 200 and resp.json().get("instance_id") == instance_id
+    except (httpx.HTTPError, ValueError, AttributeError):
         return False
 
 

@@ -19,6 +19,7 @@ bad key or value is a ConfigError that names it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +42,7 @@ class DraftConfig(BaseModel):
     backend: Backend = Backend.LLAMA_CPP  # model runner of the draft
     memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of the draft, all sessions
     threads: int | None = Field(default=None, gt=0)  # CPU threads; None = every core (serve splits them)
+    max_context: int | None = Field(default=None, gt=0)  # tokens a draft session holds; None = limits.max_prompt_tokens + limits.max_tokens (capped by the model's own)
 
 
 class SpeculativeConfig(BaseModel):
@@ -197,6 +199,12 @@ class SpecgateConfig(BaseSettings):
         return self
 
     @property
+    def draft_context(self) -> int:
+        """What the draft's runner is asked for (it caps it at the model's own context): the
+        configured one, else the longest request the limits let in."""
+        return self.draft.max_context or self.limits.max_prompt_tokens + self.limits.max_tokens
+
+    @property
     def has_engines(self) -> bool:
         return any(w.is_engine for w in self.workers)
 
@@ -206,12 +214,13 @@ class SpecgateConfig(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return env_settings, init_settings  # environment over the YAML file
 
-    def with_local_urls(self) -> SpecgateConfig:
-        """A copy in which each local worker has the URL ``serve`` starts it on."""
+    def with_local_urls(self, pick_port: Callable[[], int] | None = None) -> SpecgateConfig:
+        """A copy in which each local worker has the URL ``serve`` starts it on: its ``port``,
+        else ``pick_port()`` (``serve``: a free one), else FIRST_LOCAL_PORT + its index."""
         workers = []
         for index, worker in enumerate(self.workers):
             if worker.is_local:
-                port = worker.port or FIRST_LOCAL_PORT + index
+                port = worker.port or (pick_port() if pick_port else FIRST_LOCAL_PORT + index)
                 worker = worker.model_copy(update={"port": port})
             workers.append(worker)
         return self.model_copy(update={"workers": workers})

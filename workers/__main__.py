@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-cap-mb", type=int, help="memory for KV caches, all sessions (default: 1024)")
     parser.add_argument("--max-sessions", type=int, help="sessions kept before LRU eviction (default: 64)")
     parser.add_argument("--threads", type=int, help="CPU threads of the model (default: every core; split the cores between processes on one machine)")
+    parser.add_argument("--instance-id", help="an id /health reports (default: a random one; `specgate serve` passes its own)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.settings import WorkerSettings
 
     try:
-        flags = ("model", "backend", "host", "port", "max_context", "memory_cap_mb", "max_sessions", "threads")
+        flags = ("model", "backend", "host", "port", "max_context", "memory_cap_mb", "max_sessions", "threads", "instance_id")
         settings = WorkerSettings(**{f: getattr(args, f) for f in flags if getattr(args, f) is not None})
         # load before binding, so a bad model is a one-line error and not a traceback
         runner = load_runner(settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads)

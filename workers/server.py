@@ -139,7 +139,7 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None) -> F
 
     app.state.start_drain = start_drain
     app.add_middleware(Guard, token=settings.token, max_body_bytes=settings.max_body_bytes, is_draining=lambda: app.state.draining)
-    _add_routes(app)
+    _add_routes(app, settings)
     _add_error_handlers(app)
     return app
 
@@ -148,10 +148,10 @@ def _state(request: Request) -> WorkerState:
     return request.app.state.worker
 
 
-def _add_routes(app: FastAPI) -> None:
+def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
     @app.get("/health")
     async def health() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "ok", "instance_id": settings.instance_id}
 
     @app.get("/v1/info")
     async def info(request: Request) -> Response:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -24,3 +26,4 @@ class WorkerSettings(BaseSettings):
     threads: int | None = Field(default=None, gt=0)  # CPU threads of the model; None = every core
     token: str | None = None  # SPECGATE_WORKER_TOKEN: /v1/* requires 'Authorization: Bearer <token>'
     drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, open calls get this long
+    instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex)  # /health reports it: `serve` checks it started what answers

@@ -68,3 +68,16 @@ async def test_counters_move_by_what_the_usage_reports(gateway: Gateway, stream:
     assert calls == spec["rounds"] and _delta(before, after, "specgate:worker_round_latency_seconds_count", worker="w0") == calls
     assert _value(after, "specgate:num_requests_running") == 0
     assert _value(after, "specgate:worker_replica_up", worker="w1", url="http://w1:1") == 1
+
+
+async def test_spec_decode_series_exist_at_zero_from_start(gateway: Gateway) -> None:
+    """As vLLM: the configured mode's counters are listed (at 0) before the first request."""
+    async with gateway() as client:
+        text = (await client.get("/metrics")).text
+        samples = await _scrape(client)
+    assert 'specgate:spec_decode_num_draft_tokens_total{mode="aggregate"} 0.0' in text
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):
+        assert frozenset({("mode", "aggregate")}) in samples[f"specgate:spec_decode_num_{name}_total"]
+    per_pos = samples["specgate:spec_decode_num_accepted_tokens_per_pos_total"]
+    assert sorted(dict(k)["position"] for k in per_pos) == ["0", "1", "2"]  # γ = 3 configured
+    assert _value(samples, "specgate:time_to_first_token_seconds_count", mode="aggregate") == 0

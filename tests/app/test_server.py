@@ -22,10 +22,13 @@ COMPLETION = {"model": "test-model", "prompt": "Once upon a time", "max_tokens":
 
 
 async def test_models_health_and_ready(client: httpx.AsyncClient) -> None:
-    assert (await client.get("/v1/models")).json()["data"][0]["id"] == "test-model"
-    assert (await client.get("/health")).json() == {"status": "ok"}
+    model = (await client.get("/v1/models")).json()["data"][0]
+    assert model["id"] == "test-model" and model["max_model_len"] == 2048  # the smaller of the draft runner's and the workers' contexts
+    health = (await client.get("/health")).json()
+    assert health["status"] == "ok" and len(health["instance_id"]) == 32
     ready = await client.get("/health/ready")
     assert ready.status_code == 200 and [w["ready"] for w in ready.json()["workers"]] == [True, True]
+    assert ready.json()["instance_id"] == health["instance_id"]
 
 
 async def test_ready_refuses_a_worker_with_another_tokenizer(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
@@ -275,3 +278,24 @@ async def test_relaxed_verification_is_asked_for_and_reported(gateway: Gateway) 
         for bad, param in (({"mode": "split", "relaxation": {}}, "speculative.relaxation"), ({"relaxation": {"tau_max": 1.0}}, None)):
             resp = await client.post("/v1/completions", json={**body, "speculative": bad})
             assert_error(resp, 400, param, "relaxation")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_vllm_per_request_speculative_metrics(client: httpx.AsyncClient, stream: bool) -> None:
+    """vLLM's ``metrics.speculative_decoding`` beside ``usage``: the same numbers as our block."""
+    req = {**CHAT, "max_tokens": 12, "seed": 2}
+    if stream:
+        events = sse_events((await client.post("/v1/chat/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}})).text)
+        body = events[-2]
+        assert all("metrics" not in e for e in events[:-2])
+    else:
+        body = (await client.post("/v1/chat/completions", json=req)).json()
+    spec, vllm = body["usage"]["speculative"], body["metrics"]["speculative_decoding"]
+    histogram = vllm["acceptance_histogram"]
+    assert vllm["num_draft_tokens"] == spec["draft_tokens"] and vllm["num_accepted_draft_tokens"] == spec["accepted_tokens"]
+    assert vllm["num_spec_tokens"] == 3 and len(histogram) == 4
+    assert vllm["num_spec_steps"] == sum(histogram) >= 1 and sum(a * n for a, n in enumerate(histogram)) == spec["accepted_tokens"]
+    assert vllm["draft_acceptance_rate"] == pytest.approx(spec["acceptance_rate"])
+    assert vllm["mean_acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / vllm["num_spec_steps"])
+    plain = (await client.post("/v1/chat/completions", json={**req, "speculative": {"mode": "autoregressive"}})).json()
+    assert "metrics" not in plain  # nothing drafted: no block, as vLLM without a speculator

@@ -66,3 +66,16 @@ def test_held_back_text_comes_out_at_the_end() -> None:
     matcher = StopMatcher(["</end>"])
     assert matcher.push("result </e") == "result "
     assert matcher.flush() == "</e"
+
+
+@pytest.mark.parametrize("round_size", [1, 3])
+def test_a_long_answer_costs_linear_decoding(tokenizer: Any, round_size: int) -> None:
+    """A 2,000-token stream: the tokens passed to the tokenizer grow as O(n) (vLLM's prefix /
+    read offsets), not O(n²) — counted, not timed; the text is still the whole decode."""
+    text = " ".join(f"Line {i}: naïve café 東京 🗼 and more words." for i in range(200))
+    ids = tokenizer.encode(text)[:2000]
+    assert len(ids) == 2000
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.push(ids[i : i + round_size]) for i in range(0, len(ids), round_size)] + [detok.flush()]
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert detok.num_decoded <= 6 * len(ids), detok.num_decoded  # re-decoding everything: ~n²/2 = 2,000,000

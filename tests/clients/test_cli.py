@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from clients.procs import free_port
@@ -66,6 +68,71 @@ def test_serve_starts_gateway_and_workers_prints_ready_and_stops_them(tmp_path: 
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _tiny_config(path: Path, gateway_port: int) -> Path:
+    """Two local tiny-random workers with no port (serve picks free ones) and a gateway port."""
+    path.write_text(
+        f"port: {gateway_port}\ndraft: {{model: tiny-random, backend: transformers}}\nworkers:\n"
+        + "".join(f"  - {{name: w{i}, model: 'tiny-random:{i}', backend: transformers}}\n" for i in range(2))
+    )
+    return path
+
+
+@pytest.mark.integration
+def test_serve_killed_hard_takes_its_children_and_two_serves_run_side_by_side(tmp_path: Path) -> None:
+    """Two serves on one machine (free worker ports, no collision, no WARNING on a normal
+    start); SIGKILL of one: within 10 s its children are gone and their ports bind again,
+    while the other still serves."""
+    procs = []
+    try:
+        for name in ("a", "b"):
+            config = _tiny_config(tmp_path / f"{name}.yaml", free_port())
+            procs.append(subprocess.Popen([*SPECGATE, "serve", "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+        outputs = [_read_until(proc, "specgate: ready", timeout_s=240) for proc in procs]
+        for lines in outputs:
+            assert not [line for line in lines if "WARNING" in line or "Traceback" in line], lines
+        children = psutil.Process(procs[0].pid).children()
+        ports = sorted(c.laddr.port for child in children for c in child.net_connections("tcp") if c.status == psutil.CONN_LISTEN)
+        assert len(children) == 3 and len(ports) == 3, (children, ports)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait()
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"still alive 10 s after serve was killed: {alive}"
+        for port in ports:
+            with socket.socket() as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("127.0.0.1", port))
+        gateway_b = outputs[1][-1].split("ready on ")[1].split(" ")[0]
+        resp = httpx.post(f"{gateway_b}/v1/completions", json={"model": "specgate", "prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert resp.status_code == 200
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
+
+
+def test_serve_on_a_taken_port_is_a_one_line_error(tmp_path: Path) -> None:
+    """A port held by a foreign listener: one line naming the port and the entry, exit 2,
+    before anything is started."""
+    with socket.socket() as foreign:
+        foreign.bind(("127.0.0.1", 0))
+        foreign.listen()
+        port = foreign.getsockname()[1]
+        cases = [
+            (_tiny_config(tmp_path / "gateway.yaml", port), f"port {port} of the gateway"),
+            (tmp_path / "worker.yaml", f"port {port} of worker w1"),
+        ]
+        cases[1][0].write_text(f"workers:\n  - {{name: w0, model: tiny-random}}\n  - {{name: w1, model: tiny-random, port: {port}}}\n")
+        for config, named in cases:
+            out = subprocess.run([*SPECGATE, "serve", "--config", str(config)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+            assert out.returncode == 2 and named in out.stderr and out.stderr.count("\n") == 1, out.stderr
+            assert "starting" not in out.stdout
 
 
 def _read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> list[str]:

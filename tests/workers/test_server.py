@@ -75,7 +75,8 @@ async def test_info_describes_the_model(client: httpx.AsyncClient, tiny_runner: 
     assert (info.protocol_version, info.vocab_size, info.backend) == (1, V, "transformers")
     assert info.tokenizer_fingerprint == tiny_runner.fingerprint and len(info.tokenizer_fingerprint) == 64
     assert 2 in info.eos_ids and info.modes == ["aggregate", "autoregressive", "split", "exact"]
-    assert (await client.get("/health")).json() == {"status": "ok"}
+    health = (await client.get("/health")).json()
+    assert health["status"] == "ok" and health["instance_id"]
 
 
 async def test_scores_equal_a_direct_forward_pass(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
