@@ -21,13 +21,13 @@ import torch
 from app.adaptive import GammaController
 from app.draft import Draft, DraftModel
 from app.pool import Traffic, WorkerError, WorkerPool
-from core.math.aggregation import aggregate, bias_bound, normalise_weights, reconstruct
+from core.math.aggregation import aggregate, bias_bound, merge_top_logprobs, mixed_logprob, mixed_probability, normalise_weights, reconstruct
 from core.math.greedy import certify_argmax
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.relaxed import Relaxation, relaxation_factor_on_support, relaxation_factors, relaxed_distance, verify_relaxed
 from core.math.sampling import SamplingParams
 from core.math.exact import ExactPosition, verify_exact
-from core.math.speculative import argmax_lowest, residual, verify_greedy, verify_sampled
+from core.math.speculative import Verdict, argmax_lowest, residual, verify_greedy, verify_sampled
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
 
@@ -82,13 +82,14 @@ class GenerationRequest:
     spec: SpecOptions
     top_logprobs: int | None = None  # None: no logprobs; n ≥ 0: the token's and n alternatives
     seeded: bool = False  # the client gave the seed: the output must not depend on timing
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's tokens too (n alternatives)
 
 
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int
-    logprob: float
-    top: list[tuple[int, float]]
+    logprob: float | None  # None: the prompt's first token (nothing predicts it)
+    top: list[tuple[int, float]] | None
 
 
 @dataclass
@@ -111,6 +112,7 @@ class RoundResult:
     taus: list[float] = field(default_factory=list)  # τ_j per emitted draft position (relaxation only)
     verify_s: float = 0.0  # seconds from sending to the workers to the verdict (network included)
     model_s: float = 0.0  # seconds the slowest worker spent in its model, per call, summed
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's, before any round
 
 
 @dataclass
@@ -144,20 +146,33 @@ class _Round:
             )
             for n in range(len(pool.workers))
         ]
-        try:
-            async with asyncio.TaskGroup() as group:  # one failure cancels the other calls
-                tasks = [group.create_task(w.verify(r, self.sequence)) for w, r in zip(pool.workers, requests)]
-        except BaseExceptionGroup as failures:
-            raise _first_worker_error(failures) from None
-        results = [t.result() for t in tasks]
+        results = await _all_workers(pool, requests, self.sequence)
         self.responses = [resp for resp, _ in results]
         self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
         for n, (_, traffic) in enumerate(results):
             self.agreed[n] = len(self.sequence)
-            self.traffic.sent += traffic.sent
-            self.traffic.received += traffic.received
-            self.traffic.calls += traffic.calls
+            self.traffic.add(traffic)
         return [resp for resp, _ in results]
+
+    async def score(self, position: int, token: int) -> float:
+        """log p(token) at ``position`` (absolute, within sequence + draft) under the mixture:
+        one short call per worker that re-reads the token before it and scores only ``token``.
+        Each worker then holds sequence + draft up to ``position``, the round's agreed tokens."""
+        pool, req = self.engine.pool, self.req
+        held = [*self.sequence, *self.draft.tokens][:position]
+        requests = [
+            VerifyRequest.after(
+                self.session_id, held[:-1], held[-1:], [], temperature=req.params.temperature, top_k=req.params.top_k,
+                top_p=req.params.top_p, seed=req.seed, choice=req.choice, worker=n, mode=Mode.AUTOREGRESSIVE.value,
+                score_ids=np.array([token], dtype=np.int64),
+            )
+            for n in range(len(pool.workers))
+        ]
+        results = await _all_workers(pool, requests, held)
+        self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
+        for _, traffic in results:
+            self.traffic.add(traffic)
+        return mixed_logprob([float(_array(resp.score_logprobs)[0]) for resp, _ in results], self.engine.weights)
 
 
 class Engine:
@@ -178,6 +193,9 @@ class Engine:
         ahead: Draft | None = None  # the next round's draft, prepared during this round's flight
         auto = GammaController(req.spec.overlap) if req.spec.auto_gamma and not req.seeded and mode.drafts else None
         try:
+            if req.prompt_logprobs is not None:
+                yield await self._score_prompt(session_id, req)
+                agreed[:] = [len(sequence)] * len(agreed)
             while True:
                 room = self._room(req, sequence)
                 if room <= 0:
@@ -219,6 +237,33 @@ class Engine:
                     return
         finally:
             await asyncio.shield(self._free(session_id))
+
+    async def _score_prompt(self, session_id: str, req: GenerationRequest) -> RoundResult:
+        """Echo with logprobs: every worker prefills the prompt and scores its own tokens (the
+        rows predicting tokens 1..); the mixture's log-probabilities, the first token's None."""
+        prompt, n = req.prompt, req.prompt_logprobs
+        requests = [
+            VerifyRequest.after(
+                session_id, [], prompt, [], temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p,
+                seed=req.seed, choice=req.choice, worker=w, mode=Mode.AUTOREGRESSIVE.value, k=1, return_probs=False,
+                score_tokens=True, logprobs=n,
+            )
+            for w in range(len(self.pool.workers))
+        ]
+        started = time.perf_counter()
+        results = await _all_workers(self.pool, requests, prompt)
+        responses, traffic = [resp for resp, _ in results], Traffic()
+        for _, t in results:
+            traffic.add(t)
+        values = np.stack([_array(r.prompt_logprobs) for r in responses])  # [N, P − 1]
+        tops = [(_array(r.prompt_top_ids), _array(r.prompt_top_logprobs)) for r in responses] if n else []
+        logprobs = [TokenLogprob(prompt[0], None, None)] + [
+            TokenLogprob(token, mixed_logprob(values[:, i].tolist(), self.weights), merge_top_logprobs(tops, i, n or 0, self.weights) if n is not None else [])
+            for i, token in enumerate(prompt[1:])
+        ]
+        result = RoundResult([], drafted=0, accepted=0, traffic=traffic, prompt_logprobs=logprobs)
+        result.verify_s, result.model_s = time.perf_counter() - started, max(r.model_ms for r in responses) / 1e3
+        return result
 
     def _room(self, req: GenerationRequest, sequence: list[int]) -> int:
         return min(req.max_tokens - (len(sequence) - len(req.prompt)), self.max_context - len(sequence))
@@ -368,17 +413,22 @@ class SplitMode(_Mode):
         req, spec, engine, draft = rnd.req, rnd.req.spec, rnd.engine, rnd.draft
         gamma = len(draft.tokens)
         q_draft = np.array([float(draft.probs[j, x]) for j, x in enumerate(draft.tokens)], dtype=np.float32)
-        resp = (await rnd.call(mode=Mode.SPLIT.value, k=spec.k, draft_probs=q_draft))[0]
+        resp = (await rnd.call(mode=Mode.SPLIT.value, k=spec.k, draft_probs=q_draft, logprobs=req.top_logprobs))[0]
         accepted, result_bound = resp.num_accepted, []
         if accepted == gamma or req.params.is_greedy:
             token = resp.bonus
+            final = float(_array(resp.sample_logprobs)[0]) if req.top_logprobs is not None else 0.0
         else:
             p_row = _mixture([resp], engine)[0]
             u = uniform(req.seed, req.choice, rnd.positions[accepted], Purpose.RESIDUAL)
             token = sample_index(residual(p_row, draft.probs[accepted]), u)
+            final = float(torch.log(p_row[token].clamp(min=1e-45)))  # from the row sent: p, or p̂ of its top-k
             result_bound = [float(_array(resp.tail_mass)[0])] if spec.k is not None else []
         tokens = [*draft.tokens[:accepted], token]
         result = RoundResult(tokens, drafted=gamma, accepted=accepted, traffic=rnd.traffic)
+        if req.top_logprobs is not None:
+            values = [*_array(resp.draft_logprobs)[:accepted].tolist(), final]
+            result.logprobs = _worker_logprobs(rnd, tokens, values)
         if not spec.is_lossless:
             result.bound = result_bound + [0.0] * (len(tokens) - len(result_bound))
             result.error = list(result.bound)  # renormalize: e = σ at the one position sent
@@ -396,7 +446,7 @@ class ExactMode(_Mode):
         supports = [row.nonzero()[:, 0] for row in draft.probs]
         ids = torch.cat(supports).numpy() if supports else np.zeros(0, np.int64)
         sizes = np.array([len(s) for s in supports], dtype=np.int32)
-        responses = await rnd.call(mode=Mode.EXACT.value, support_ids=ids, support_sizes=sizes)
+        responses = await rnd.call(mode=Mode.EXACT.value, support_ids=ids, support_sizes=sizes, logprobs=req.top_logprobs)
         positions = _exact_positions(responses, supports, draft)
         draft_index = [int((s == x).nonzero()[0, 0]) for s, x in zip(supports, draft.tokens)]
         accept_u, final_u = _round_uniforms(rnd)
@@ -411,11 +461,36 @@ class ExactMode(_Mode):
         verdict = verify_exact(positions, draft_index, [r.bonus for r in responses], engine.weights, accept_u, final_u[:-1], choice_u, taus)
         tokens = verdict.output(draft.tokens)
         result = RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic)
+        if req.top_logprobs is not None:
+            values = [mixed_probability(pos.p[:, i], engine.weights) for pos, i in zip(positions, draft_index[: verdict.num_accepted])]
+            result.logprobs = _worker_logprobs(rnd, tokens, [*values, await _exact_final_logprob(rnd, positions, verdict)])
         if taus is not None:  # the emitted draft positions follow τ q̂ + (1 − τ) p; the bonus position p itself
             at = min(len(tokens), len(positions))
             result.taus = taus[:at].tolist()
             result.relaxed_tv = [float(relaxed_distance(w @ pos.p.double(), pos.q, taus[j])) for j, pos in enumerate(positions[:at])] + [0.0] * (len(tokens) - at)
         return result
+
+
+async def _exact_final_logprob(rnd: _Round, positions: list[ExactPosition], verdict: Verdict) -> float:
+    """log p of the round's last token: from the supports when it lies on S_a; else it is a
+    worker's own sample (complement or bonus), whose log p_n that worker sent — with several
+    workers the mixture needs every p_n of it, which one short call asks for."""
+    a, token, w = verdict.num_accepted, verdict.token, rnd.engine.weights
+    if a < len(positions):
+        on_support = (positions[a].support == token).nonzero()
+        if len(on_support):
+            return mixed_probability(positions[a].p[:, int(on_support[0, 0])], w)
+    if len(rnd.responses) == 1:
+        return float(_array(rnd.responses[0].sample_logprobs)[a])
+    return await rnd.score(len(rnd.sequence) + a, token)
+
+
+def _worker_logprobs(rnd: _Round, tokens: list[int], values: list[float]) -> list[TokenLogprob]:
+    """The emitted tokens with the mixture's log-probabilities ``values`` and, when asked, the
+    top alternatives from the workers' top-n lists."""
+    n, weights = rnd.req.top_logprobs, rnd.engine.weights
+    tops = [(_array(r.top_ids), _array(r.top_logprobs)) for r in rnd.responses] if n else []
+    return [TokenLogprob(t, v, merge_top_logprobs(tops, j, n or 0, weights)) for j, (t, v) in enumerate(zip(tokens, values))]
 
 
 def _exact_positions(responses: list[VerifyResponse], supports: list[torch.Tensor], draft: Draft) -> list[ExactPosition]:
@@ -431,8 +506,15 @@ def _exact_positions(responses: list[VerifyResponse], supports: list[torch.Tenso
 
 async def _certified_greedy(rnd: _Round) -> RoundResult:
     """T = 0 over top-k payloads: accept while x_j is the certified argmax of the mixture;
-    a position that cannot be certified is asked again with a larger k."""
+    a position that cannot be certified is asked again with a larger k. With logprobs asked the
+    workers send whole distributions (the payload grows only then)."""
     engine, draft = rnd.engine, rnd.draft
+    if rnd.req.top_logprobs is not None:
+        target = _mixture(await rnd.call(mode=Mode.EXACT.value, k=None), engine)
+        verdict = verify_greedy(target, draft.tokens)
+        tokens = verdict.output(draft.tokens)
+        logprobs = token_logprobs(target[: len(tokens)], tokens, rnd.req.top_logprobs)
+        return RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic, logprobs=logprobs)
     k: int | None = min(_CERTIFY_K, engine.vocab_size)
     while True:
         responses = await rnd.call(mode=Mode.EXACT.value, k=k)
@@ -485,6 +567,16 @@ def token_logprobs(
         top = torch.topk(row, top_n).indices.tolist() if top_n else []
         out.append(TokenLogprob(token, float(logs[token]), [(int(t), float(logs[t])) for t in top]))
     return out
+
+
+async def _all_workers(pool: WorkerPool, requests: list[VerifyRequest], agreed: list[int]) -> list[tuple[VerifyResponse, Traffic]]:
+    """One call per worker, at once; one failure cancels the others."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(w.verify(r, agreed)) for w, r in zip(pool.workers, requests)]
+    except BaseExceptionGroup as failures:
+        raise _first_worker_error(failures) from None
+    return [t.result() for t in tasks]
 
 
 def _retrieve(task: asyncio.Task[Draft]) -> None:

@@ -19,10 +19,11 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
+import numpy as np
 
 from core.config import LinkConfig, SpecgateConfig
 from core.errors import ProtocolError, SpecgateError
@@ -35,6 +36,7 @@ from core.protocol import (
     check_verify_response,
     decode,
     encode,
+    prefix_hash,
 )
 
 log = logging.getLogger(__name__)
@@ -338,13 +340,10 @@ class WorkerClient:
 
 
 def _resend(req: VerifyRequest, agreed: list[int], prefix: int) -> VerifyRequest:
+    """``req`` from a shorter prefix: every other field as it was (replace, not field by field)."""
     held_until = req.prefix_len + len(req.tokens)
-    return VerifyRequest.after(
-        req.session_id, agreed[:prefix], agreed[prefix:held_until], req.draft.tolist(),
-        temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, k=req.k, probs_dtype=req.probs_dtype,
-        mode=req.mode, reconstruction=req.reconstruction, seed=req.seed, choice=req.choice, worker=req.worker,
-        return_probs=req.return_probs, draft_probs=req.draft_probs, support_ids=req.support_ids, support_sizes=req.support_sizes,
-    )
+    tokens = np.asarray(agreed[prefix:held_until], dtype=np.int64)
+    return replace(req, prefix_len=prefix, prefix_hash=prefix_hash(agreed[:prefix]), tokens=tokens)
 
 
 def _held(body: bytes) -> int:

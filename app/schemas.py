@@ -85,6 +85,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     speculative: SpeculativeParams | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
 
     @field_validator("stop")
     @classmethod
@@ -114,6 +115,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[int]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo: the prompt's logprobs alone (lm-eval's loglikelihood)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 

@@ -237,7 +237,7 @@ def _completion_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]]
             {
                 "index": e.index,
                 "text": job.prompt_text + e.text,
-                "logprobs": gateway.completion_logprobs(e.logprobs, len(job.prompt_text)),
+                "logprobs": gateway.completion_logprobs(job, e.logprobs, 0 if job.echo_logprobs else len(job.prompt_text)),
                 "finish_reason": e.finish_reason,
             }
             for e in events
@@ -253,7 +253,7 @@ def _chat_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]], dict
             {
                 "index": e.index,
                 "message": {"role": "assistant", "content": e.text, "refusal": None},
-                "logprobs": gateway.chat_logprobs(e.logprobs),
+                "logprobs": gateway.chat_logprobs(job, e.logprobs),
                 "finish_reason": e.finish_reason,
             }
             for e in events
@@ -268,9 +268,13 @@ def _completion_chunks(gateway: Gateway, job: Job) -> Callable[[ChoiceEvent | No
     head = {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model}
 
     def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
-        if event is None:  # the echoed prompt, before any token
-            return [{**head, "choices": [{"index": c.choice, "text": job.prompt_text, "logprobs": None, "finish_reason": None}]} for c in job.choices] if job.prompt_text else []
-        logprobs = gateway.completion_logprobs(event.logprobs, offsets[event.index])
+        if event is None:  # the echoed prompt, before any token (with its logprobs: when they come)
+            echoed = job.prompt_text and not job.echo_logprobs
+            return [{**head, "choices": [{"index": c.choice, "text": job.prompt_text, "logprobs": None, "finish_reason": None}]} for c in job.choices] if echoed else []
+        if event.is_prompt:
+            choice = {"index": event.index, "text": job.prompt_text, "logprobs": gateway.completion_logprobs(job, event.logprobs, 0), "finish_reason": None}
+            return [{**head, "choices": [choice]}]
+        logprobs = gateway.completion_logprobs(job, event.logprobs, offsets[event.index])
         offsets[event.index] += len(event.text)
         if not event.text and not event.finish_reason and not event.logprobs:
             return []
@@ -291,7 +295,7 @@ def _chat_chunks(gateway: Gateway, job: Job) -> Callable[[ChoiceEvent | None], l
             return [choice(c.choice, {"role": "assistant", "content": ""}) for c in job.choices]
         out = []
         if event.text or event.logprobs:
-            out.append({**choice(event.index, {"content": event.text}, gateway.chat_logprobs(event.logprobs)), **_round_field(event)})
+            out.append({**choice(event.index, {"content": event.text}, gateway.chat_logprobs(job, event.logprobs)), **_round_field(event)})
         if event.finish_reason:
             out.append(choice(event.index, {}, None, event.finish_reason))
         return out

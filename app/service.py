@@ -11,7 +11,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,6 +168,7 @@ class ChoiceEvent:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     round: RoundInfo | None = None  # where the text came from (the stream's ``speculative`` field)
+    is_prompt: bool = False  # the echoed prompt's logprobs (echo with logprobs), before any token
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,8 @@ class Job:
     stops: list[str]
     usage: Usage
     prompt_text: str = ""
+    echo_logprobs: bool = False  # the prompt's tokens carry logprobs: its text leaves with them (first event)
+    tokens_as_ids: bool = False  # logprobs name tokens token_id:N (vLLM's return_tokens_as_token_ids)
     arrived: float = field(default_factory=time.monotonic)  # for time to first token / latency
 
 
@@ -234,12 +237,15 @@ class Gateway:
 
     def completion_job(self, body: CompletionRequest) -> Job:
         self._check_common(body)
-        if body.echo and body.logprobs is not None:
-            raise ApiError(400, "echo together with logprobs is not supported", "echo")
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens: 0 needs echo: true (the prompt's logprobs alone)", "max_tokens")
+        prompt_logprobs = body.logprobs if body.echo else None
+        if prompt_logprobs is not None and any(w.is_engine for w in self.pool.workers):
+            raise ApiError(400, "echo with logprobs needs specgate workers: an openai-logprobs engine does not score prompts here", "echo")
         prompt = list(self.tokenizer.encode(body.prompt)) if isinstance(body.prompt, str) else list(body.prompt)
         if any(t >= self.draft.vocab_size for t in prompt):
             raise ApiError(400, f"prompt token ids must be < {self.draft.vocab_size}", "prompt")
-        job = self._job(body, prompt, "cmpl", body.max_tokens, body.logprobs)
+        job = self._job(body, prompt, "cmpl", body.max_tokens, body.logprobs, prompt_logprobs)
         if body.echo:
             job.prompt_text = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt)
         return job
@@ -260,7 +266,10 @@ class Gateway:
             message = "; ".join(f"{param} {why}" for param, why in unsupported)
             raise ApiError(400, message, unsupported[0][0], "unsupported_parameter")
 
-    def _job(self, body: CompletionRequest | ChatCompletionRequest, prompt: list[int], prefix: str, max_tokens: int | None, top_logprobs: int | None) -> Job:
+    def _job(
+        self, body: CompletionRequest | ChatCompletionRequest, prompt: list[int], prefix: str, max_tokens: int | None, top_logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> Job:
         limits = self.config.limits
         if not prompt:
             raise ApiError(400, "the prompt must not be empty", "prompt")
@@ -273,20 +282,20 @@ class Gateway:
                 400, f"the context is {self.engine.max_context} tokens: {len(prompt)} in the prompt plus max_tokens {max_tokens} do not fit",
                 "max_tokens", "context_length_exceeded",
             )
-        max_tokens = min(max_tokens or limits.max_tokens, limits.max_tokens)  # the config caps it
+        max_tokens = limits.max_tokens if max_tokens is None else min(max_tokens, limits.max_tokens)  # the config caps it
         spec = self._spec(body.speculative)
-        if top_logprobs is not None and spec.mode in (Mode.SPLIT, Mode.EXACT):
-            # their payloads hold p only where a rejection happened / on the draft supports
-            raise ApiError(400, f"logprobs are not available in mode {spec.mode.value!r} yet; use aggregate or autoregressive", "logprobs")
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0  # as vLLM: tiny T is greedy
         params = SamplingParams(temperature=temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         choices = [
-            GenerationRequest(request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs, seeded=body.seed is not None)
+            GenerationRequest(request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs, body.seed is not None, prompt_logprobs)
             for index in range(body.n)
         ]
-        return Job(request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt)))
+        job = Job(request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt)))
+        job.echo_logprobs = prompt_logprobs is not None
+        job.tokens_as_ids = body.return_tokens_as_token_ids
+        return job
 
     def _spec(self, override: SpeculativeParams | None) -> SpecOptions:
         base = self.config.speculative
@@ -366,6 +375,9 @@ class Gateway:
         async with aclosing(self.engine.generate(choice)) as rounds:
             async for result in rounds:
                 job.usage.add(result)
+                if result.prompt_logprobs is not None:  # echo with logprobs: the prompt first
+                    yield ChoiceEvent(choice.choice, "", result.prompt_logprobs, is_prompt=True)
+                    continue
                 self.metrics.observe_round(mode, result)
                 if result.tokens:
                     now = time.monotonic()
@@ -399,33 +411,36 @@ class Gateway:
 
     # ----------------------------------------------------------------- formatting
 
-    def completion_logprobs(self, logprobs: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+    def completion_logprobs(self, job: Job, logprobs: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
         if logprobs is None:
             return None
-        tokens = [self._piece(lp.token) for lp in logprobs]
+        pieces = [self._piece(lp.token) for lp in logprobs]
         offsets, at = [], offset
-        for piece in tokens:
+        for piece in pieces:
             offsets.append(at)
             at += len(piece)
+        name = self._namer(job)
         return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self._piece(t): v for t, v in lp.top} for lp in logprobs],
+            "tokens": [name(lp.token) for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],  # None for an echoed prompt's first token, as vLLM
+            "top_logprobs": [None if lp.top is None else {name(t): v for t, v in lp.top} for lp in logprobs],
             "text_offset": offsets,
         }
 
-    def chat_logprobs(self, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def chat_logprobs(self, job: Job, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if logprobs is None:
             return None
-        content = [
-            {**self._token_entry(lp.token, lp.logprob), "top_logprobs": [self._token_entry(t, v) for t, v in lp.top]}
-            for lp in logprobs
-        ]
+        name = self._namer(job)
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            return {"token": name(token), "logprob": logprob, "bytes": list(self._piece(token).encode("utf-8"))}
+
+        content = [{**entry(lp.token, lp.logprob or 0.0), "top_logprobs": [entry(t, v) for t, v in lp.top or []]} for lp in logprobs]
         return {"content": content, "refusal": None}  # OpenAI's schema requires refusal (null here)
 
-    def _token_entry(self, token: int, logprob: float) -> dict[str, Any]:
-        piece = self._piece(token)
-        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+    def _namer(self, job: Job) -> Callable[[int], str]:
+        """How a token is named in logprobs: its text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
+        return (lambda token: f"token_id:{token}") if job.tokens_as_ids else self._piece
 
     def _piece(self, token: int) -> str:
         return str(self.tokenizer.decode([token]))

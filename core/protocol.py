@@ -52,6 +52,7 @@ _MAX_HEADER_BYTES = 64 * 1024
 SERVED_MODES = (Mode.AGGREGATE.value, Mode.AUTOREGRESSIVE.value, Mode.SPLIT.value, Mode.EXACT.value)
 RECONSTRUCTIONS = tuple(r.value for r in Reconstruction)
 _MAX_NDIM = 2
+MAX_LOGPROBS = 20  # top-n alternatives per position, as OpenAI's API caps them
 
 
 def ids_dtype(vocab_size: int) -> str:
@@ -76,12 +77,17 @@ class Message:
 
     # name -> wire dtype for the arrays of this message; float arrays use ``probs_dtype``
     ARRAYS: ClassVar[dict[str, str]] = {}
+    # scalars added after v1.0: on the wire only when set, so frames (and older peers) are as before
+    EXTENSIONS: ClassVar[frozenset[str]] = frozenset()
 
     def array_dtype(self, name: str, vocab_size: int) -> str:
         return ids_dtype(vocab_size) if self.ARRAYS[name] == "ids" else self.ARRAYS[name]
 
     def scalars(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.ARRAYS}
+        return {
+            f.name: getattr(self, f.name) for f in fields(self)
+            if f.name not in self.ARRAYS and not (f.name in self.EXTENSIONS and getattr(self, f.name) == f.default)
+        }
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {
@@ -128,8 +134,9 @@ class VerifyRequest(Message):
     """
 
     ARRAYS: ClassVar[dict[str, str]] = {
-        "tokens": "ids", "draft": "ids", "draft_probs": "f32", "support_ids": "ids", "support_sizes": "i32"
+        "tokens": "ids", "draft": "ids", "draft_probs": "f32", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids"
     }
+    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens"})
 
     session_id: str  # the gateway's id of this session (request, choice, worker)
     prefix_len: int  # tokens, ≥ 0: the agreed prefix the worker must already hold
@@ -150,6 +157,9 @@ class VerifyRequest(Message):
     draft_probs: np.ndarray | None = None  # [γ] f32, split: q̂_j(x_j) of each draft token
     support_ids: np.ndarray | None = None  # [Σ_j s_j] int, exact: S_j of every draft position, concatenated
     support_sizes: np.ndarray | None = None  # [γ] i32, exact: s_j = |S_j|
+    logprobs: int | None = None  # None: none; n ≥ 0: log T(p_n) of what only the worker knows (its samples; split: the draft tokens) and its top-n per scored position
+    score_tokens: bool = False  # echo: also score ``tokens`` themselves (the rows predicting tokens[1:]); needs prefix_len 0
+    score_ids: np.ndarray | None = None  # [m] int: answer only log T(p_n) of these ids at the one scored position (γ = 0)
 
     @classmethod
     def after(cls, session_id: str, agreed: list[int], tokens: list[int], draft: list[int], **params: Any) -> VerifyRequest:
@@ -174,6 +184,8 @@ class VerifyResponse(Message):
     ARRAYS: ClassVar[dict[str, str]] = {
         "ids": "ids", "probs": "probs", "tail_mass": "f32", "recon_error": "f32", "samples": "i32",
         "support_probs": "f32", "complement": "f32", "complement_samples": "i32",
+        "draft_logprobs": "f32", "sample_logprobs": "f32", "top_ids": "ids", "top_logprobs": "f32",
+        "prompt_logprobs": "f32", "prompt_top_ids": "ids", "prompt_top_logprobs": "f32", "score_logprobs": "f32",
     }
 
     held: int  # tokens the worker holds after the call: prefix_len + num_new + γ
@@ -189,6 +201,15 @@ class VerifyResponse(Message):
     complement_samples: np.ndarray | None = None  # [γ] i32, exact: y_n ~ p_n(· | x ∉ S_j); −1 if c_n = 0
     probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of ``probs``
     model_ms: float = 0.0  # milliseconds the worker spent in its model for this call
+    # only when the request asks for ``logprobs`` (every value a natural log of T(p_n)):
+    draft_logprobs: np.ndarray | None = None  # [γ] f32, split: of each draft token at its position
+    sample_logprobs: np.ndarray | None = None  # exact: [γ+1] f32, of y_n per draft position (0 where none) then z_n; split: [1], of the bonus
+    top_ids: np.ndarray | None = None  # [γ+1, n] int: the n most likely ids per scored position
+    top_logprobs: np.ndarray | None = None  # [γ+1, n] f32: their log-probabilities
+    prompt_logprobs: np.ndarray | None = None  # [num_new − 1] f32, score_tokens: of tokens[i+1] after tokens[..i]
+    prompt_top_ids: np.ndarray | None = None  # [num_new − 1, n] int, score_tokens: top-n there
+    prompt_top_logprobs: np.ndarray | None = None  # [num_new − 1, n] f32
+    score_logprobs: np.ndarray | None = None  # [m] f32, score_ids: of each asked id at the scored position
 
     def array_dtype(self, name: str, vocab_size: int) -> str:
         if name == "probs":
@@ -441,6 +462,14 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         raise InvalidRequest(f"reconstruction must be one of {list(RECONSTRUCTIONS)}", param="reconstruction")
     if not 0 <= req.seed < 2**63 or req.choice < 0 or req.worker < 0:
         raise InvalidRequest("seed must lie in [0, 2**63); choice and worker must be ≥ 0", param="seed")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"logprobs must lie in [0, {MAX_LOGPROBS}]", param="logprobs")
+    if req.score_tokens and req.prefix_len != 0:
+        raise InvalidRequest("score_tokens scores a whole prompt: prefix_len must be 0", param="score_tokens")
+    if req.score_ids is not None:
+        if req.draft.size or req.score_ids.ndim != 1:
+            raise InvalidRequest("score_ids scores one position: the draft must be empty", param="score_ids")
+        check_ids(req.score_ids, vocab_size, "score_ids")
     if req.mode == Mode.SPLIT.value:
         _check_draft_probs(req)
     if req.mode == Mode.EXACT.value and req.temperature > 0:
@@ -470,6 +499,10 @@ def _check_supports(req: VerifyRequest, vocab_size: int) -> None:
 def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
     """Raise ProtocolError unless ``resp`` is a well-formed answer to ``req``."""
     gamma, sampled = len(req.draft), req.temperature > 0
+    if req.score_ids is not None:
+        _check_logprobs("score_logprobs", resp.score_logprobs, (len(req.score_ids),))
+        return
+    _check_asked_logprobs(resp, req, vocab_size)
     if req.mode == Mode.AUTOREGRESSIVE.value and sampled:
         if resp.samples is None or resp.samples.shape != (1,):
             raise ProtocolError("samples missing or of the wrong shape, expected (1,)")
@@ -529,3 +562,37 @@ def _check_probs(resp: VerifyResponse, vocab_size: int, num_positions: int) -> N
             raise ProtocolError(f"{name}: values must be finite probabilities in [0, 1]")
     if not np.all(probs.sum(axis=-1) <= 1 + 1e-2):
         raise ProtocolError("probs: a position sums to more than 1")
+
+
+def _check_asked_logprobs(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    """What ``logprobs`` / ``score_tokens`` added to an answer: present, shaped, log-probabilities."""
+    gamma, top = len(req.draft), req.logprobs
+    if req.score_tokens:
+        rows = max(len(req.tokens) - 1, 0)
+        _check_logprobs("prompt_logprobs", resp.prompt_logprobs, (rows,))
+        if top:
+            _check_top(resp.prompt_top_ids, resp.prompt_top_logprobs, (rows, top), vocab_size, "prompt_top")
+    if top is None:
+        return
+    if req.mode == Mode.SPLIT.value:
+        _check_logprobs("draft_logprobs", resp.draft_logprobs, (gamma,))
+        if resp.num_accepted == gamma or req.temperature == 0:
+            _check_logprobs("sample_logprobs", resp.sample_logprobs, (1,))
+    if req.mode == Mode.EXACT.value and req.temperature > 0:
+        _check_logprobs("sample_logprobs", resp.sample_logprobs, (gamma + 1,))
+    if top and req.mode in (Mode.SPLIT.value, Mode.EXACT.value):
+        _check_top(resp.top_ids, resp.top_logprobs, (gamma + 1, top), vocab_size, "top")
+
+
+def _check_logprobs(name: str, values: np.ndarray | None, shape: tuple[int, ...]) -> None:
+    if values is None or values.shape != shape:
+        raise ProtocolError(f"{name} missing or of the wrong shape, expected {shape}")
+    if np.any(np.isnan(values)) or values.max(initial=0) > 1e-3:
+        raise ProtocolError(f"{name}: values must be log-probabilities (≤ 0)")
+
+
+def _check_top(ids: np.ndarray | None, values: np.ndarray | None, shape: tuple[int, int], vocab_size: int, name: str) -> None:
+    if ids is None or ids.shape != shape:
+        raise ProtocolError(f"{name}_ids missing or of the wrong shape, expected {shape}")
+    check_ids(np.asarray(ids), vocab_size, f"{name}_ids")
+    _check_logprobs(f"{name}_logprobs", values, shape)

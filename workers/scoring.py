@@ -5,6 +5,7 @@ The math is core's: the gateway reconstructs with the very functions used here f
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,10 +28,24 @@ def score(
     req: VerifyRequest,
     held: int,
     model_ms: float,
+    prompt_logits: torch.Tensor | None = None,  # [num_new − 1, V] fp32, score_tokens only
 ) -> VerifyResponse:
-    """The answer to ``req`` from the target's logits at its γ+1 positions."""
+    """The answer to ``req`` from the target's logits at its γ+1 positions (``prompt_logits``:
+    the rows predicting tokens[1:], when the request scores its tokens), with the log-probabilities
+    it asked for."""
     params = sampling_params(req)
     probs = apply_sampling(logits, params)
+    if req.score_ids is not None:
+        ids = torch.from_numpy(np.asarray(req.score_ids, dtype=np.int64))
+        return VerifyResponse(held=held, score_logprobs=_logs(probs[0, ids]), model_ms=model_ms)
+    resp = _answer(probs, req, held, model_ms, params)
+    asked = _asked_logprobs(probs, req, resp)
+    if req.score_tokens and prompt_logits is not None:
+        asked.update(_prompt_logprobs(apply_sampling(prompt_logits, params), req))
+    return replace(resp, **asked) if asked else resp
+
+
+def _answer(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float, params: SamplingParams) -> VerifyResponse:
     if req.mode == Mode.SPLIT.value:
         return _split(probs, req, held, model_ms)
     if req.mode == Mode.EXACT.value and not params.is_greedy:
@@ -126,3 +141,53 @@ def _distributions(
         held=held, ids=top.ids.numpy(), probs=top.probs.numpy(), tail_mass=top.tail_mass.numpy(),
         recon_error=error.numpy(), samples=samples, probs_dtype=req.probs_dtype, model_ms=model_ms,
     )
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+
+def _logs(probs: torch.Tensor) -> np.ndarray:
+    """Natural logs as f32, log 0 floored at log 1e-45 (finite on the wire and in JSON)."""
+    return torch.log(probs.double().clamp(min=1e-45)).float().numpy()
+
+
+def _top(probs: torch.Tensor, n: int) -> tuple[np.ndarray, np.ndarray]:  # [rows, n] ids, [rows, n] logs
+    top = torch.topk(probs, n, dim=-1)
+    return top.indices.numpy(), _logs(top.values)
+
+
+def _asked_logprobs(
+    probs: torch.Tensor,  # [γ+1, V]: T(p_n) at the scored positions
+    req: VerifyRequest,
+    resp: VerifyResponse,
+) -> dict[str, Any]:
+    """What only this worker knows of the emitted tokens' log-probabilities (split: the draft
+    tokens and the bonus; exact: its own samples), and its top-n per position. Nothing unless
+    asked, and nothing in modes whose answer already holds the distributions."""
+    split, sampled = req.mode == Mode.SPLIT.value, req.temperature > 0
+    if req.logprobs is None or not (split or (req.mode == Mode.EXACT.value and sampled)):
+        return {}
+    gamma = len(req.draft)
+    out: dict[str, Any] = {}
+    if split:
+        out["draft_logprobs"] = _logs(probs[torch.arange(gamma), torch.from_numpy(req.draft.astype(np.int64))])
+        if resp.num_accepted == gamma or not sampled:
+            out["sample_logprobs"] = _logs(probs[resp.num_accepted, resp.bonus : resp.bonus + 1])
+    else:
+        samples = np.asarray(resp.complement_samples, dtype=np.int64)
+        own = [probs[j, y] if y >= 0 else torch.tensor(1.0) for j, y in enumerate(samples.tolist())]
+        out["sample_logprobs"] = _logs(torch.stack([*own, probs[gamma, resp.bonus]]))
+    if req.logprobs:
+        out["top_ids"], out["top_logprobs"] = _top(probs, req.logprobs)
+    return out
+
+
+def _prompt_logprobs(
+    probs: torch.Tensor,  # [num_new − 1, V]: T(p_n) at the rows predicting tokens[1:]
+    req: VerifyRequest,
+) -> dict[str, Any]:
+    following = torch.from_numpy(req.tokens[1:].astype(np.int64))
+    out = {"prompt_logprobs": _logs(probs[torch.arange(len(following)), following])}
+    if req.logprobs:
+        out["prompt_top_ids"], out["prompt_top_logprobs"] = _top(probs, req.logprobs)
+    return out

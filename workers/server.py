@@ -84,9 +84,10 @@ class WorkerState:
         self.sessions.check_prefix(req.session_id, req.prefix_len, req.prefix_hash)
         self.runner.crop(req.session_id, req.prefix_len)
         started = time.perf_counter()
+        scored_tokens = max(len(req.tokens) - 1, 0) if req.score_tokens else 0  # echo: the prompt's own rows too
         try:
             logits = self.runner.append(
-                req.session_id, [*req.tokens.tolist(), *req.draft.tolist()], len(req.draft) + 1
+                req.session_id, [*req.tokens.tolist(), *req.draft.tolist()], len(req.draft) + 1 + scored_tokens
             )
         finally:
             self.sessions.touch(req.session_id)
@@ -94,7 +95,8 @@ class WorkerState:
         model_ms = (time.perf_counter() - started) * 1e3
         self.counters["positions_scored"] += len(req.draft) + 1
         self.counters["model_seconds"] += model_ms / 1e3
-        return score(logits, req, held=self.runner.length(req.session_id), model_ms=model_ms)
+        held = self.runner.length(req.session_id)
+        return score(logits[scored_tokens:], req, held, model_ms, logits[:scored_tokens] if req.score_tokens else None)
 
     def check_limits(self, req: VerifyRequest) -> None:
         check_verify_request(req, self.runner.info.vocab_size)

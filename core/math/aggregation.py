@@ -3,6 +3,9 @@ the quantities the evaluation reports (eqs. 5–10, 21–23)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from core.names import Reconstruction
@@ -58,3 +61,44 @@ def bias_bound(
     weights: torch.Tensor,  # [N]
 ) -> torch.Tensor:  # [m]: Σ_n w_n σ_n, the bound on TV(p̂, p) and on Δβ (Theorems 2–3)
     return torch.einsum("n,nm->m", normalise_weights(weights), tail_mass.double())
+
+
+# ----------------------------------------------------------------------------- logprobs of the mixture
+
+_LOG_FLOOR = 1e-45  # log 0 is reported as log 1e-45 (finite in JSON)
+
+
+def mixed_probability(
+    probs: torch.Tensor,  # [N]: p_n(x) per worker
+    weights: torch.Tensor,  # [N]
+) -> float:
+    """log p(x) = log Σ_n w_n p_n(x)."""
+    return float(torch.log((normalise_weights(weights) @ probs.double()).clamp(min=_LOG_FLOOR)))
+
+
+def mixed_logprob(
+    logprobs: list[float],  # [N]: log p_n(x) per worker
+    weights: torch.Tensor,  # [N]
+) -> float:
+    """log p(x) from the workers' log p_n(x)."""
+    return mixed_probability(torch.tensor(logprobs, dtype=torch.float64).exp(), weights)
+
+
+def merge_top_logprobs(
+    tops: Sequence[tuple[Any, Any]],  # per worker: (ids [rows, n], logprobs [rows, n]), arrays or tensors
+    row: int,
+    n: int,
+    weights: torch.Tensor,  # [N]
+) -> list[tuple[int, float]]:
+    """The n most likely ids of the mixture at ``row`` among the workers' top-n lists. With one
+    worker exact; with several, an id a worker did not list counts 0 for it, so its value is a
+    lower bound (exact where every worker listed it)."""
+    if not n or not tops:
+        return []
+    w = normalise_weights(weights)
+    mass: dict[int, float] = {}
+    for (ids, logprobs), weight in zip(tops, w.tolist()):
+        for token, value in zip(torch.as_tensor(ids[row]).tolist(), torch.as_tensor(logprobs[row]).double().exp().tolist()):
+            mass[token] = mass.get(token, 0.0) + weight * value
+    best = sorted(mass.items(), key=lambda item: (-item[1], item[0]))[:n]
+    return [(token, float(torch.log(torch.tensor(max(p, _LOG_FLOOR), dtype=torch.float64)))) for token, p in best]

@@ -100,7 +100,7 @@ async def test_stop_strings_and_echo(client: httpx.AsyncClient, tiny_runner: Mod
     assert body["choices"][0]["text"] == COMPLETION["prompt"] + piece
 
 
-@pytest.mark.parametrize("mode", ["aggregate", "autoregressive"])
+@pytest.mark.parametrize("mode", ["aggregate", "autoregressive", "exact"])
 async def test_logprobs_report_the_target(client: httpx.AsyncClient, mode: str) -> None:
     spec = {"mode": mode}
     body = (await client.post("/v1/completions", json={**COMPLETION, "temperature": 0, "logprobs": 2, "speculative": spec})).json()
@@ -155,7 +155,7 @@ async def test_a_worker_that_lost_its_session_gets_the_prefix_again(gateway: Gat
         ({**CHAT, "speculative": {"mode": "tree"}}, 400, "speculative.mode"),
         ({**CHAT, "speculative": {"mode": "split"}}, 400, "speculative.mode"),
         ({**CHAT, "speculative": {"mode": "exact", "k": 4}}, 400, "speculative.k"),
-        ({**CHAT, "logprobs": True, "speculative": {"mode": "exact"}}, 400, "logprobs"),
+        ({**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
         ({**CHAT, "speculative": {"k": 0}}, 400, None),
         ({**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}, 400, "prompt"),
     ],

@@ -11,11 +11,14 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
+import httpx
+import numpy as np
 import openai
 import pytest
 
 from clients.procs import GatewayProcess, WorkerProcess
 from core.config import dump_config, parse_config
+from core.protocol import VerifyRequest, VerifyResponse, decode, encode
 
 pytestmark = pytest.mark.integration
 
@@ -30,11 +33,11 @@ def worker_urls() -> Iterator[list[str]]:
         yield [stack.enter_context(WorkerProcess(model, "llama.cpp", threads=1)) for model in ("builtin", "builtin-alt")]
 
 
-def _gateway(stack: ExitStack, directory: Path, urls: list[str]) -> str:
+def _gateway(stack: ExitStack, directory: Path, urls: list[str], weights: list[float] | None = None) -> str:
     config = parse_config({
         "model": MODEL,
         "draft": {"model": "builtin-draft", "threads": 1},
-        "workers": [{"url": url, "weight": 1.0} for url in urls],
+        "workers": [{"url": url, "weight": w} for url, w in zip(urls, weights or [1.0] * len(urls))],
         "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": "full"},
     })
     path = directory / "config.yaml"
@@ -193,3 +196,60 @@ def test_overlap_gives_the_same_text_on_the_built_in_model(client: openai.OpenAI
     assert blocks[0]["overlap"] is False and blocks[1]["overlap"] is True
     assert blocks[1]["prepared_drafts"] > 0 and 0 <= blocks[1]["prepared_drafts_used"] <= blocks[1]["prepared_drafts"]
     assert blocks[0]["rounds"] == blocks[1]["rounds"]
+
+
+PROMPT_IDS = [504, 1296, 3003, 14797, 359, 2382, 28, 5724, 284]  # "The three primary colours are red, yellow and"
+
+
+def _target_rows(urls: list[str], weights: list[float], context: list[int], scored: list[int], temperature: float) -> np.ndarray:
+    """log Σ_n w_n T(p_n) at the positions predicting each of ``scored`` after ``context``, from
+    each worker's whole distributions (an aggregate call, k full), independent of logprobs."""
+    rows = []
+    for n, url in enumerate(urls):
+        req = VerifyRequest.after(f"reference-{n}-{time.monotonic_ns()}", [], context, scored[:-1], temperature=temperature, mode="aggregate")
+        body, content_type = encode(req, 49152)
+        resp = httpx.post(f"{url}/v1/verify", content=body, headers={"content-type": content_type}, timeout=120)
+        rows.append(decode(VerifyResponse, resp.content, resp.headers["content-type"]).probs)
+        httpx.delete(f"{url}/v1/sessions/{req.session_id}", timeout=10)
+    w = np.array(weights) / sum(weights)
+    return np.log(np.einsum("n,nmv->mv", w, np.stack(rows)).astype(np.float64))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("mode", ["split", "exact"])
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_logprobs_in_split_and_exact_are_the_targets(worker_urls: list[str], tmp_path: Path, mode: str, temperature: float) -> None:
+    """logprobs with top alternatives in split and exact (the default mode): each token's logprob
+    is the target's, recomputed from a worker's whole distribution at the same positions."""
+    with ExitStack() as stack:
+        url = _gateway(stack, tmp_path, worker_urls[:1])
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        extra = {"speculative": {"mode": mode}, "return_tokens_as_token_ids": True}
+        done = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=16, temperature=temperature, seed=4, logprobs=3, extra_body=extra)
+        chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=temperature, logprobs=True, top_logprobs=3, extra_body=extra)  # type: ignore[arg-type]
+    lp = done.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    tokens = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    rows = _target_rows(worker_urls[:1], [1.0], PROMPT_IDS, tokens, temperature)
+    assert np.abs(np.array(lp.token_logprobs) - rows[np.arange(len(tokens)), tokens]).max() <= 1e-4
+    for row, top in zip(rows, lp.top_logprobs):
+        assert sorted(int(t.removeprefix("token_id:")) for t in top) == sorted(np.argsort(-row)[:3].tolist())
+    assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content
+    assert all(len(entry.top_logprobs) == 3 for entry in chat.choices[0].logprobs.content)
+
+
+@pytest.mark.parametrize("weights", [[1.0], [0.7, 0.3]])
+def test_echoed_prompt_logprobs_are_the_targets(worker_urls: list[str], tmp_path: Path, weights: list[float]) -> None:
+    """lm-eval's loglikelihood request: echo, logprobs 2, max_tokens 0 and 1; the prompt's logprobs
+    are the target's (the first token has none, as in vLLM), with one and two weighted workers."""
+    urls = worker_urls[: len(weights)]
+    expected = _target_rows(urls, weights, PROMPT_IDS[:1], PROMPT_IDS[1:], 1.0)[np.arange(len(PROMPT_IDS) - 1), PROMPT_IDS[1:]]
+    with ExitStack() as stack:
+        url = _gateway(stack, tmp_path, urls, weights)
+        for max_tokens in (0, 1):
+            body = {"model": MODEL, "prompt": PROMPT_IDS, "echo": True, "logprobs": 2, "max_tokens": max_tokens, "temperature": 1.0, "return_tokens_as_token_ids": True}
+            choice = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+            lp = choice["logprobs"]
+            assert [int(t.removeprefix("token_id:")) for t in lp["tokens"][: len(PROMPT_IDS)]] == PROMPT_IDS
+            assert len(lp["tokens"]) == len(PROMPT_IDS) + max_tokens and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+            assert np.abs(np.array(lp["token_logprobs"][1 : len(PROMPT_IDS)]) - expected).max() <= 1e-4
+            assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
