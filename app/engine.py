@@ -83,6 +83,7 @@ class GenerationRequest:
     top_logprobs: int | None = None  # None: no logprobs; n ≥ 0: the token's and n alternatives
     seeded: bool = False  # the client gave the seed: the output must not depend on timing
     prompt_logprobs: int | None = None  # echo with logprobs: the prompt's tokens too (n alternatives)
+    ignore_eos: bool = False  # vLLM's: EOS is sampled as the target says but does not end the answer
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,7 @@ class Engine:
 
     def _finish(self, result: RoundResult, generated: int, req: GenerationRequest, length: int) -> str | None:
         for i, token in enumerate(result.tokens):
-            if token in self.eos_ids:
+            if token in self.eos_ids and not req.ignore_eos:
                 del result.tokens[i + 1 :]
                 if result.logprobs is not None:
                     del result.logprobs[i + 1 :]

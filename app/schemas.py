@@ -86,6 +86,7 @@ class _Common(BaseModel):
     response_format: ResponseFormat | None = None
     speculative: SpeculativeParams | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
+    ignore_eos: bool = False  # vLLM's (benchmark clients fix output lengths with it): EOS does not end the answer
 
     @field_validator("stop")
     @classmethod

@@ -289,7 +289,7 @@ class Gateway:
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         choices = [
-            GenerationRequest(request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs, body.seed is not None, prompt_logprobs)
+            GenerationRequest(request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs, body.seed is not None, prompt_logprobs, body.ignore_eos)
             for index in range(body.n)
         ]
         job = Job(request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt)))

@@ -189,6 +189,30 @@ def test_eos_ends_the_round_and_max_tokens_the_request() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("mode", [Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT])
+def test_ignore_eos_generates_past_a_sampled_eos(mode: Mode) -> None:
+    """vLLM's ignore_eos: EOS is still drawn as the target says (same tokens as without it, up to
+    the first EOS), it only does not end the answer; max_tokens does."""
+    table = random_table(V, 5)
+    table[:, 4] += 3.0  # token 4 (EOS here) is likely everywhere
+    workers = [(MarkovRunner(table, eos_ids=[4]), 1.0)]
+
+    async def run(seed: int, ignore_eos: bool) -> tuple[list[int], str | None]:
+        engine = make_engine(DRAFT, workers, eos_ids=[4])
+        base = _request(seed, _spec(mode, 3), max_tokens=12)
+        req = GenerationRequest(base.request_id, base.prompt, base.max_tokens, base.params, seed, 0, base.spec, ignore_eos=ignore_eos)
+        results = [r async for r in engine.generate(req)]
+        return list(itertools.chain.from_iterable(r.tokens for r in results)), results[-1].finish_reason
+
+    past = 0
+    for seed in range(10):
+        stopped, reason = asyncio.run(run(seed, False))
+        ignoring, ignoring_reason = asyncio.run(run(seed, True))
+        assert len(ignoring) == 12 and ignoring_reason == "length" and ignoring[: len(stopped)] == stopped
+        past += reason == "stop" and ignoring.count(4) >= 1
+    assert past >= 5  # EOS was sampled and generation went on past it
+
+
 def test_sessions_are_freed_when_the_caller_stops_early() -> None:
     workers = list(zip(TARGETS, WEIGHTS_3))
     engine = make_engine(DRAFT, workers)

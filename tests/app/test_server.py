@@ -299,3 +299,13 @@ async def test_vllm_per_request_speculative_metrics(client: httpx.AsyncClient, s
     assert vllm["mean_acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / vllm["num_spec_steps"])
     plain = (await client.post("/v1/chat/completions", json={**req, "speculative": {"mode": "autoregressive"}})).json()
     assert "metrics" not in plain  # nothing drafted: no block, as vLLM without a speculator
+
+
+async def test_vllm_benchmark_parameters_are_accepted(client: httpx.AsyncClient) -> None:
+    """ignore_eos (vLLM's benchmark_serving and AIPerf send it) in every mode; min_tokens is not
+    built yet and gets a 400 that names it."""
+    for mode in ("autoregressive", "aggregate", "exact"):
+        body = {**COMPLETION, "ignore_eos": True, "max_tokens": 5, "speculative": {"mode": mode}}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
+    assert_error(await client.post("/v1/completions", json={**COMPLETION, "min_tokens": 3}), 400, "min_tokens")
