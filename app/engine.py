@@ -259,7 +259,7 @@ class Engine:
         values = np.stack([_array(r.prompt_logprobs) for r in responses])  # [N, P − 1]
         tops = [(_array(r.prompt_top_ids), _array(r.prompt_top_logprobs)) for r in responses] if n else []
         logprobs = [TokenLogprob(prompt[0], None, None)] + [
-            TokenLogprob(token, mixed_logprob(values[:, i].tolist(), self.weights), merge_top_logprobs(tops, i, n or 0, self.weights) if n is not None else [])
+            TokenLogprob(token, mixed_logprob(values[:, i].tolist(), self.weights), merge_top_logprobs(tops, i, n or 0, self.weights))
             for i, token in enumerate(prompt[1:])
         ]
         result = RoundResult([], drafted=0, accepted=0, traffic=traffic, prompt_logprobs=logprobs)
