@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from core.math.random import Purpose, sample_index, uniforms
-from core.math.sampling import SamplingParams, apply_sampling, truncate
+from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_ids, truncate
 from core.runners import ModelRunner
 from core.runners.base import common_prefix
 
@@ -35,17 +35,18 @@ class DraftModel:
 
     async def propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None,
+        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
     ) -> Draft:
         """Draft ``gamma`` tokens after ``sequence`` (the agreed tokens of the session);
         ``truncation`` = (draft_top_k, draft_top_p) sparsifies q̂ (TSLT), losslessly. Once
         ``cancel`` is set, drafting stops after the token in progress (a prepared draft whose
         assumption failed). The tokens depend on ``sequence`` and the positions only: the draws
-        are keyed by position, so a draft prepared ahead equals the one drafted later."""
+        are keyed by position, so a draft prepared ahead equals the one drafted later.
+        ``suppression`` (min_tokens) masks its ids where the target cannot emit them."""
         async with self._lock:
             if cancel is not None and cancel.is_set():
                 return Draft([], torch.empty(0, self.vocab_size))
-            return await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice, truncation, cancel)
+            return await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
 
     async def free(self, session_id: str) -> None:
         async with self._lock:
@@ -53,7 +54,7 @@ class DraftModel:
 
     def _propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None,
+        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
     ) -> Draft:
         held = self.runner.tokens(session_id)
         common = common_prefix(held, sequence)
@@ -61,7 +62,11 @@ class DraftModel:
         logits = self.runner.append(session_id, sequence[common:], 1)[0]
         draws = uniforms(seed, choice, list(range(len(sequence), len(sequence) + gamma)), Purpose.DRAFT_SAMPLE)
         tokens, rows = [], []
+        masked = suppression.rows(len(sequence), gamma) if suppression is not None else 0
         for j in range(gamma):
+            if j < masked:
+                assert suppression is not None
+                logits = mask_ids(logits, torch.tensor(suppression.ids, dtype=torch.long))
             q = apply_sampling(logits[None], params)[0]
             if not params.is_greedy and truncation != (0, 1.0):
                 q = truncate(q, *truncation)

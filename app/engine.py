@@ -21,11 +21,11 @@ import torch
 from app.adaptive import GammaController
 from app.draft import Draft, DraftModel
 from app.pool import Traffic, WorkerError, WorkerPool
-from core.math.aggregation import aggregate, bias_bound, merge_top_logprobs, mixed_logprob, mixed_probability, normalise_weights, reconstruct
+from core.math.aggregation import aggregate, bias_bound, kept_weights, merge_top_logprobs, mixed_logprob, mixed_probability, normalise_weights, reconstruct
 from core.math.greedy import certify_argmax
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.relaxed import Relaxation, relaxation_factor_on_support, relaxation_factors, relaxed_distance, verify_relaxed
-from core.math.sampling import SamplingParams
+from core.math.sampling import SamplingParams, Suppression
 from core.math.exact import ExactPosition, verify_exact
 from core.math.speculative import Verdict, argmax_lowest, residual, verify_greedy, verify_sampled
 from core.names import Mode, Reconstruction
@@ -84,6 +84,7 @@ class GenerationRequest:
     seeded: bool = False  # the client gave the seed: the output must not depend on timing
     prompt_logprobs: int | None = None  # echo with logprobs: the prompt's tokens too (n alternatives)
     ignore_eos: bool = False  # vLLM's: EOS is sampled as the target says but does not end the answer
+    min_tokens: int = 0  # vLLM's: EOS cannot be emitted before this many tokens (the target without it, renormalised)
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ class _Round:
     agreed: list[int]  # per worker: tokens of ``sequence`` it holds
     draft: Draft
     traffic: Traffic
+    suppression: Suppression | None = None  # min_tokens: EOS is removed from the target before it
     model_s: float = 0.0
     responses: list[VerifyResponse] = field(default_factory=list)  # of the last call
 
@@ -143,7 +145,7 @@ class _Round:
             VerifyRequest.after(
                 self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.tokens,
                 temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p,
-                seed=req.seed, choice=req.choice, worker=n, **wire,  # type: ignore[arg-type]
+                seed=req.seed, choice=req.choice, worker=n, **self._suppressing(self.positions[0], len(self.positions)), **wire,  # type: ignore[arg-type]
             )
             for n in range(len(pool.workers))
         ]
@@ -155,6 +157,18 @@ class _Round:
             self.traffic.add(traffic)
         return [resp for resp, _ in results]
 
+    @property
+    def weights(self) -> torch.Tensor:
+        """The mixture's weights at the last call's positions: as configured ``[N]``; ``[γ+1, N]``
+        where min_tokens removed EOS (w_n κ_n, renormalised: the mixture of p_n(· | not EOS))."""
+        return _weights(self.responses, self.engine.weights)
+
+    def _suppressing(self, first: int, rows: int) -> dict[str, object]:
+        """The wire fields of min_tokens, when any of ``rows`` positions from ``first`` is suppressed."""
+        if self.suppression is None or not self.suppression.rows(first, rows):
+            return {}
+        return {"suppress_ids": np.array(self.suppression.ids, dtype=np.int64), "suppress_until": self.suppression.until}
+
     async def score(self, position: int, token: int) -> float:
         """log p(token) at ``position`` (absolute, within sequence + draft) under the mixture:
         one short call per worker that re-reads the token before it and scores only ``token``.
@@ -165,7 +179,7 @@ class _Round:
             VerifyRequest.after(
                 self.session_id, held[:-1], held[-1:], [], temperature=req.params.temperature, top_k=req.params.top_k,
                 top_p=req.params.top_p, seed=req.seed, choice=req.choice, worker=n, mode=Mode.AUTOREGRESSIVE.value,
-                score_ids=np.array([token], dtype=np.int64),
+                score_ids=np.array([token], dtype=np.int64), **self._suppressing(position, 1),  # type: ignore[arg-type]
             )
             for n in range(len(pool.workers))
         ]
@@ -173,7 +187,8 @@ class _Round:
         self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
         for _, traffic in results:
             self.traffic.add(traffic)
-        return mixed_logprob([float(_array(resp.score_logprobs)[0]) for resp, _ in results], self.engine.weights)
+        weights = _at(_weights([resp for resp, _ in results], self.engine.weights), 0)
+        return mixed_logprob([float(_array(resp.score_logprobs)[0]) for resp, _ in results], weights)
 
 
 class Engine:
@@ -192,6 +207,7 @@ class Engine:
         sequence = list(req.prompt)
         agreed = [0] * len(self.pool.workers)
         ahead: Draft | None = None  # the next round's draft, prepared during this round's flight
+        suppression = self._suppression(req)
         auto = GammaController(req.spec.overlap) if req.spec.auto_gamma and not req.seeded and mode.drafts else None
         try:
             if req.prompt_logprobs is not None:
@@ -206,14 +222,14 @@ class Engine:
                 gamma = min(wanted, room - 1) if mode.drafts else 0
                 started = time.perf_counter()
                 used = ahead is not None
-                draft = Draft(ahead.tokens[:gamma], ahead.probs[:gamma]) if ahead is not None else await self._draft(session_id, sequence, gamma, req)
+                draft = Draft(ahead.tokens[:gamma], ahead.probs[:gamma]) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression)
                 ahead = None
                 scorable = self.pool.scorable(sequence, draft.tokens)  # an engine may not score every token
                 if scorable < len(draft.tokens):
                     draft = Draft(draft.tokens[:scorable], draft.probs[:scorable])
                 drafted = time.perf_counter()
-                rnd = _Round(self, req, session_id, sequence, agreed, draft, Traffic())
-                preparing = self._prepare(session_id, sequence, draft, room, wanted, req) if req.spec.overlap and mode.drafts else None
+                rnd = _Round(self, req, session_id, sequence, agreed, draft, Traffic(), suppression)
+                preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression) if req.spec.overlap and mode.drafts else None
                 try:
                     result = await mode.run(rnd)
                 except BaseException:
@@ -269,7 +285,15 @@ class Engine:
     def _room(self, req: GenerationRequest, sequence: list[int]) -> int:
         return min(req.max_tokens - (len(sequence) - len(req.prompt)), self.max_context - len(sequence))
 
-    def _prepare(self, session_id: str, sequence: list[int], draft: Draft, room: int, gamma: int, req: GenerationRequest) -> tuple[asyncio.Task[Draft], threading.Event] | None:
+    def _suppression(self, req: GenerationRequest) -> Suppression | None:
+        """min_tokens as the positions where no EOS is decided (none with ignore_eos, as in vLLM)."""
+        if req.min_tokens <= 0 or req.ignore_eos or not self.eos_ids:
+            return None
+        return Suppression(tuple(sorted(self.eos_ids)), len(req.prompt) + req.min_tokens)
+
+    def _prepare(
+        self, session_id: str, sequence: list[int], draft: Draft, room: int, gamma: int, req: GenerationRequest, suppression: Suppression | None,
+    ) -> tuple[asyncio.Task[Draft], threading.Event] | None:
         """DSD's overlap: while the round is verified, draft on as if every draft token were
         accepted — one token for the bonus position, then the next round's γ. None when there is
         nothing to prepare (the draft ended in EOS, or no room is left after this round)."""
@@ -279,7 +303,7 @@ class Engine:
         cancel = threading.Event()
         assumed = [*sequence, *draft.tokens]
         task = asyncio.create_task(self.draft.propose(
-            session_id, assumed, 1 + min(gamma, after - 1), req.params, req.seed, req.choice, req.spec.truncation, cancel,
+            session_id, assumed, 1 + min(gamma, after - 1), req.params, req.seed, req.choice, req.spec.truncation, cancel, suppression,
         ))
         task.add_done_callback(_retrieve)  # a round that fails leaves it unawaited
         return task, cancel
@@ -299,10 +323,10 @@ class Engine:
             return None
         return Draft(prepared.tokens[1:], prepared.probs[1:])
 
-    async def _draft(self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest) -> Draft:
+    async def _draft(self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest, suppression: Suppression | None) -> Draft:
         if gamma <= 0:
             return Draft([], torch.empty(0, self.vocab_size))
-        return await self.draft.propose(session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation)
+        return await self.draft.propose(session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, suppression=suppression)
 
     def _finish(self, result: RoundResult, generated: int, req: GenerationRequest, length: int) -> str | None:
         for i, token in enumerate(result.tokens):
@@ -344,14 +368,14 @@ class AutoregressiveMode(_Mode):
         else:
             responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs)
             u = uniform(req.seed, req.choice, rnd.positions[0], Purpose.WORKER_CHOICE)
-            chosen = sample_index(normalise_weights(rnd.engine.weights), u)
+            chosen = sample_index(normalise_weights(_at(rnd.weights, 0)), u)
             token = int(_array(responses[chosen].samples)[0])
-            target = _mixture(responses, rnd.engine) if want_logprobs else None
+            target = _mixture(responses, rnd.engine, weights=rnd.weights) if want_logprobs else None
         logprobs = token_logprobs(target, [token], req.top_logprobs) if target is not None else None
         result = RoundResult([token], drafted=0, accepted=0, traffic=rnd.traffic, logprobs=logprobs)
         if not req.spec.is_lossless:  # engine targets: z_n came from a top-k of p_n
             sigma = torch.tensor([[float(_array(r.tail_mass)[0]) if r.tail_mass is not None else 0.0] for r in rnd.responses])
-            result.bound = result.error = bias_bound(sigma, rnd.engine.weights).tolist()
+            result.bound = result.error = bias_bound(sigma, rnd.weights).tolist()
         return result
 
     async def _greedy(self, rnd: _Round, want_logprobs: bool) -> tuple[int, torch.Tensor | None]:
@@ -360,13 +384,13 @@ class AutoregressiveMode(_Mode):
         while True:
             responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, k=k)
             if k is None:
-                target = _mixture(responses, rnd.engine)
+                target = _mixture(responses, rnd.engine, weights=rnd.weights)
                 return argmax_lowest(target[:1])[0], target
             if single:  # its top-1, ties to the lowest id, is the argmax
                 return int(_array(responses[0].ids)[0, 0]), None
             ids = [_row_ids(r, 0, vocab) for r in responses]
             probs = [torch.tensor(_array(r.probs)[0]) for r in responses]
-            token = certify_argmax(ids, probs, rnd.engine.weights, vocab)
+            token = certify_argmax(ids, probs, _at(rnd.weights, 0), vocab)
             if token is not None:
                 return token, None
             k = None if k * 8 >= vocab else k * 8
@@ -379,7 +403,7 @@ class AggregateMode(_Mode):
     async def run(self, rnd: _Round) -> RoundResult:
         req, spec, engine = rnd.req, rnd.req.spec, rnd.engine
         responses = await rnd.call(mode=Mode.AGGREGATE.value, k=spec.k, reconstruction=spec.reconstruction.value)
-        target = _mixture(responses, engine, spec.reconstruction)
+        target = _mixture(responses, engine, spec.reconstruction, rnd.weights)
         draft = rnd.draft
         relaxed = spec.relaxation is not None and spec.relaxation.tau_max > 0 and not req.params.is_greedy and draft.tokens
         if req.params.is_greedy:
@@ -401,8 +425,8 @@ class AggregateMode(_Mode):
         if not spec.is_lossless:
             sigma = torch.stack([torch.tensor(_array(r.tail_mass)) for r in responses])[:, :used]
             error = torch.stack([torch.tensor(_array(r.recon_error)) for r in responses])[:, :used]
-            result.bound = bias_bound(sigma, engine.weights).tolist()
-            result.error = bias_bound(error, engine.weights).tolist()
+            result.bound = bias_bound(sigma, _first(rnd.weights, used)).tolist()
+            result.error = bias_bound(error, _first(rnd.weights, used)).tolist()
         return result
 
 
@@ -420,7 +444,7 @@ class SplitMode(_Mode):
             token = resp.bonus
             final = float(_array(resp.sample_logprobs)[0]) if req.top_logprobs is not None else 0.0
         else:
-            p_row = _mixture([resp], engine)[0]
+            p_row = _mixture([resp], engine, weights=engine.weights)[0]  # one worker, one row
             u = uniform(req.seed, req.choice, rnd.positions[accepted], Purpose.RESIDUAL)
             token = sample_index(residual(p_row, draft.probs[accepted]), u)
             final = float(torch.log(p_row[token].clamp(min=1e-45)))  # from the row sent: p, or p̂ of its top-k
@@ -443,7 +467,7 @@ class ExactMode(_Mode):
     async def run(self, rnd: _Round) -> RoundResult:
         if rnd.req.params.is_greedy:
             return await _certified_greedy(rnd)
-        req, engine, draft = rnd.req, rnd.engine, rnd.draft
+        req, draft = rnd.req, rnd.draft
         supports = [row.nonzero()[:, 0] for row in draft.probs]
         ids = torch.cat(supports).numpy() if supports else np.zeros(0, np.int64)
         sizes = np.array([len(s) for s in supports], dtype=np.int32)
@@ -453,22 +477,22 @@ class ExactMode(_Mode):
         accept_u, final_u = _round_uniforms(rnd)
         choice_u = uniform(req.seed, req.choice, rnd.positions[-1], Purpose.WORKER_CHOICE)
         relaxation = req.spec.relaxation if req.spec.relaxation is not None and req.spec.relaxation.tau_max > 0 and positions else None
-        taus = None
+        taus, weights = None, rnd.weights
+        w = [normalise_weights(_at(weights, j)) for j in range(len(positions))]
         if relaxation is not None:
-            w = normalise_weights(engine.weights)
             taus = torch.tensor([
-                relaxation_factor_on_support(w @ pos.p.double(), pos.q, float(w @ pos.complement.double()), relaxation) for pos in positions
+                relaxation_factor_on_support(w[j] @ pos.p.double(), pos.q, float(w[j] @ pos.complement.double()), relaxation) for j, pos in enumerate(positions)
             ], dtype=torch.float64)
-        verdict = verify_exact(positions, draft_index, [r.bonus for r in responses], engine.weights, accept_u, final_u[:-1], choice_u, taus)
+        verdict = verify_exact(positions, draft_index, [r.bonus for r in responses], weights, accept_u, final_u[:-1], choice_u, taus)
         tokens = verdict.output(draft.tokens)
         result = RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic)
         if req.top_logprobs is not None:
-            values = [mixed_probability(pos.p[:, i], engine.weights) for pos, i in zip(positions, draft_index[: verdict.num_accepted])]
+            values = [mixed_probability(pos.p[:, i], _at(weights, j)) for j, (pos, i) in enumerate(zip(positions, draft_index[: verdict.num_accepted]))]
             result.logprobs = _worker_logprobs(rnd, tokens, [*values, await _exact_final_logprob(rnd, positions, verdict)])
         if taus is not None:  # the emitted draft positions follow τ q̂ + (1 − τ) p; the bonus position p itself
             at = min(len(tokens), len(positions))
             result.taus = taus[:at].tolist()
-            result.relaxed_tv = [float(relaxed_distance(w @ pos.p.double(), pos.q, taus[j])) for j, pos in enumerate(positions[:at])] + [0.0] * (len(tokens) - at)
+            result.relaxed_tv = [float(relaxed_distance(w[j] @ pos.p.double(), pos.q, taus[j])) for j, pos in enumerate(positions[:at])] + [0.0] * (len(tokens) - at)
         return result
 
 
@@ -476,11 +500,11 @@ async def _exact_final_logprob(rnd: _Round, positions: list[ExactPosition], verd
     """log p of the round's last token: from the supports when it lies on S_a; else it is a
     worker's own sample (complement or bonus), whose log p_n that worker sent — with several
     workers the mixture needs every p_n of it, which one short call asks for."""
-    a, token, w = verdict.num_accepted, verdict.token, rnd.engine.weights
+    a, token = verdict.num_accepted, verdict.token
     if a < len(positions):
         on_support = (positions[a].support == token).nonzero()
         if len(on_support):
-            return mixed_probability(positions[a].p[:, int(on_support[0, 0])], w)
+            return mixed_probability(positions[a].p[:, int(on_support[0, 0])], _at(rnd.weights, a))
     if len(rnd.responses) == 1:
         return float(_array(rnd.responses[0].sample_logprobs)[a])
     return await rnd.score(len(rnd.sequence) + a, token)
@@ -489,9 +513,9 @@ async def _exact_final_logprob(rnd: _Round, positions: list[ExactPosition], verd
 def _worker_logprobs(rnd: _Round, tokens: list[int], values: list[float]) -> list[TokenLogprob]:
     """The emitted tokens with the mixture's log-probabilities ``values`` and, when asked, the
     top alternatives from the workers' top-n lists."""
-    n, weights = rnd.req.top_logprobs, rnd.engine.weights
+    n, weights = rnd.req.top_logprobs, rnd.weights
     tops = [(_array(r.top_ids), _array(r.top_logprobs)) for r in rnd.responses] if n else []
-    return [TokenLogprob(t, v, merge_top_logprobs(tops, j, n or 0, weights)) for j, (t, v) in enumerate(zip(tokens, values))]
+    return [TokenLogprob(t, v, merge_top_logprobs(tops, j, n or 0, _at(weights, j))) for j, (t, v) in enumerate(zip(tokens, values))]
 
 
 def _exact_positions(responses: list[VerifyResponse], supports: list[torch.Tensor], draft: Draft) -> list[ExactPosition]:
@@ -511,7 +535,7 @@ async def _certified_greedy(rnd: _Round) -> RoundResult:
     workers send whole distributions (the payload grows only then)."""
     engine, draft = rnd.engine, rnd.draft
     if rnd.req.top_logprobs is not None:
-        target = _mixture(await rnd.call(mode=Mode.EXACT.value, k=None), engine)
+        target = _mixture(await rnd.call(mode=Mode.EXACT.value, k=None), engine, weights=rnd.weights)
         verdict = verify_greedy(target, draft.tokens)
         tokens = verdict.output(draft.tokens)
         logprobs = token_logprobs(target[: len(tokens)], tokens, rnd.req.top_logprobs)
@@ -523,7 +547,7 @@ async def _certified_greedy(rnd: _Round) -> RoundResult:
         for j in range(len(draft.tokens) + 1):
             ids = [_row_ids(r, j, engine.vocab_size) for r in responses]
             probs = [torch.tensor(_array(r.probs)[j]) for r in responses]
-            targets.append(certify_argmax(ids, probs, engine.weights, engine.vocab_size))
+            targets.append(certify_argmax(ids, probs, _at(rnd.weights, j), engine.vocab_size))
             if targets[-1] is None or j == len(draft.tokens) or targets[-1] != draft.tokens[j]:
                 break
         if targets[-1] is not None:
@@ -544,8 +568,11 @@ def _round_uniforms(rnd: _Round) -> tuple[torch.Tensor, torch.Tensor]:
     return accept, final
 
 
-def _mixture(responses: list[VerifyResponse], engine: Engine, method: Reconstruction = Reconstruction.RENORMALIZE) -> torch.Tensor:
-    """p̂ = Σ w_n p̂_n over the positions of the responses: ``[γ+1, V]`` float64."""
+def _mixture(
+    responses: list[VerifyResponse], engine: Engine, method: Reconstruction = Reconstruction.RENORMALIZE, weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """p̂ = Σ w_n p̂_n over the positions of the responses: ``[γ+1, V]`` float64 (``weights``:
+    ``[N]`` or per position, ``_Round.weights``; default the configured ones)."""
     dists = []
     for resp in responses:
         probs = torch.tensor(_array(resp.probs), dtype=torch.float64)
@@ -554,7 +581,7 @@ def _mixture(responses: list[VerifyResponse], engine: Engine, method: Reconstruc
         else:
             ids = torch.from_numpy(np.array(resp.ids, dtype=np.int64))
             dists.append(reconstruct(ids, probs, engine.vocab_size, method, torch.tensor(_array(resp.tail_mass))))
-    return aggregate(torch.stack(dists), engine.weights)
+    return aggregate(torch.stack(dists), engine.weights if weights is None else weights)
 
 
 def token_logprobs(
@@ -590,6 +617,24 @@ def _first_worker_error(failures: BaseExceptionGroup) -> BaseException:
     """The first WorkerError of a group (what the client is told), else the first failure."""
     errors = failures.subgroup(WorkerError)
     return (errors or failures).exceptions[0]
+
+
+def _weights(responses: list[VerifyResponse], weights: torch.Tensor) -> torch.Tensor:
+    """``weights`` ``[N]``, or ``[rows, N]`` scaled by each worker's kept mass κ_n where the
+    responses carry it (min_tokens: the mixture of p_n(· | not EOS), core.math.aggregation)."""
+    if not responses or responses[0].kept_mass is None:
+        return weights
+    return kept_weights(weights, torch.stack([torch.tensor(_array(r.kept_mass), dtype=torch.float64) for r in responses]))
+
+
+def _at(weights: torch.Tensor, row: int) -> torch.Tensor:
+    """The weights ``[N]`` at one position of ``_weights``."""
+    return weights if weights.dim() == 1 else weights[row]
+
+
+def _first(weights: torch.Tensor, rows: int) -> torch.Tensor:
+    """The weights of ``_weights`` for its first ``rows`` positions."""
+    return weights if weights.dim() == 1 else weights[:rows]
 
 
 def _row_ids(resp: VerifyResponse, row: int, vocab_size: int) -> torch.Tensor:

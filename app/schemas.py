@@ -87,6 +87,7 @@ class _Common(BaseModel):
     speculative: SpeculativeParams | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     ignore_eos: bool = False  # vLLM's (benchmark clients fix output lengths with it): EOS does not end the answer
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's: neither EOS nor a stop string ends the answer before this many tokens
 
     @field_validator("stop")
     @classmethod

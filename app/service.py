@@ -282,6 +282,14 @@ class Gateway:
                 400, f"the context is {self.engine.max_context} tokens: {len(prompt)} in the prompt plus max_tokens {max_tokens} do not fit",
                 "max_tokens", "context_length_exceeded",
             )
+        if max_tokens is not None and body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
+        engines = [w.name for w in self.pool.workers if w.is_engine]
+        if body.min_tokens and not body.ignore_eos and engines and len(self.pool.workers) > 1:
+            raise ApiError(
+                400, f"min_tokens over several targets needs specgate workers: {engines[0]} is an openai-logprobs engine, whose "
+                "listing cannot say how much mass EOS takes from it (one engine alone serves min_tokens)", "min_tokens",
+            )
         max_tokens = limits.max_tokens if max_tokens is None else min(max_tokens, limits.max_tokens)  # the config caps it
         spec = self._spec(body.speculative)
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0  # as vLLM: tiny T is greedy
@@ -289,7 +297,10 @@ class Gateway:
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         choices = [
-            GenerationRequest(request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs, body.seed is not None, prompt_logprobs, body.ignore_eos)
+            GenerationRequest(
+                request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs, body.seed is not None, prompt_logprobs, body.ignore_eos,
+                body.min_tokens,
+            )
             for index in range(body.n)
         ]
         job = Job(request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt)))
@@ -369,7 +380,16 @@ class Gateway:
 
     async def _choice_events(self, job: Job, choice: GenerationRequest) -> AsyncGenerator[ChoiceEvent, None]:
         detok, matcher = IncrementalDetokenizer(self.tokenizer), StopMatcher(job.stops)
-        mode, last, is_first = choice.spec.mode.value, job.arrived, True
+        mode, last, is_first, generated = choice.spec.mode.value, job.arrived, True, 0
+
+        def text_of(tokens: list[int]) -> str:
+            """The final text of ``tokens``; stop strings are looked for only after min_tokens, as vLLM does."""
+            nonlocal generated
+            early = max(0, min(len(tokens), choice.min_tokens - generated))
+            generated += len(tokens)
+            head = matcher.skip(detok.push(tokens[:early])) if early else ""
+            return head + matcher.push(detok.push(tokens[early:]))
+
         if choice.choice == 0:
             self.metrics.prompt_tokens.inc(len(choice.prompt))
         async with aclosing(self.engine.generate(choice)) as rounds:
@@ -384,8 +404,8 @@ class Gateway:
                     self.metrics.observe_tokens(mode, now - last, len(result.tokens), is_first)
                     last, is_first = now, False
                 accepted = min(result.accepted, len(result.tokens))  # EOS may have cut the round short
-                draft_text = matcher.push(detok.push(result.tokens[:accepted]))
-                text = draft_text + matcher.push(detok.push(result.tokens[accepted:]))
+                draft_text = text_of(result.tokens[:accepted])
+                text = draft_text + text_of(result.tokens[accepted:])
                 info = RoundInfo(accepted, result.drafted, len(draft_text), result.traffic.sent + result.traffic.received)
                 finish = "stop" if matcher.stopped else result.finish_reason
                 if finish and not matcher.stopped:

@@ -77,6 +77,14 @@ class StopMatcher:
         self._pending = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]
 
+    def skip(self, text: str) -> str:
+        """``text`` (after what is held back) as final, unsearched: vLLM's min_tokens looks for no
+        stop string in the first tokens' text."""
+        if self.stopped:
+            return ""
+        out, self._pending = self._pending + text, ""
+        return out
+
     def flush(self) -> str:
         out, self._pending = ("" if self.stopped else self._pending), ""
         return out

@@ -134,9 +134,10 @@ class VerifyRequest(Message):
     """
 
     ARRAYS: ClassVar[dict[str, str]] = {
-        "tokens": "ids", "draft": "ids", "draft_probs": "f32", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids"
+        "tokens": "ids", "draft": "ids", "draft_probs": "f32", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids",
+        "suppress_ids": "ids",
     }
-    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens"})
+    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "suppress_until"})
 
     session_id: str  # the gateway's id of this session (request, choice, worker)
     prefix_len: int  # tokens, ≥ 0: the agreed prefix the worker must already hold
@@ -160,6 +161,8 @@ class VerifyRequest(Message):
     logprobs: int | None = None  # None: none; n ≥ 0: log T(p_n) of what only the worker knows (its samples; split: the draft tokens) and its top-n per scored position
     score_tokens: bool = False  # echo: also score ``tokens`` themselves (the rows predicting tokens[1:]); needs prefix_len 0
     score_ids: np.ndarray | None = None  # [m] int: answer only log T(p_n) of these ids at the one scored position (γ = 0)
+    suppress_ids: np.ndarray | None = None  # [e] int, min_tokens: ids (EOS) removed from T(p_n) at positions < suppress_until
+    suppress_until: int = 0  # absolute position: the scored positions below it answer for T(p_n) without suppress_ids, renormalised
 
     @classmethod
     def after(cls, session_id: str, agreed: list[int], tokens: list[int], draft: list[int], **params: Any) -> VerifyRequest:
@@ -186,6 +189,7 @@ class VerifyResponse(Message):
         "support_probs": "f32", "complement": "f32", "complement_samples": "i32",
         "draft_logprobs": "f32", "sample_logprobs": "f32", "top_ids": "ids", "top_logprobs": "f32",
         "prompt_logprobs": "f32", "prompt_top_ids": "ids", "prompt_top_logprobs": "f32", "score_logprobs": "f32",
+        "kept_mass": "f32",
     }
 
     held: int  # tokens the worker holds after the call: prefix_len + num_new + γ
@@ -210,6 +214,8 @@ class VerifyResponse(Message):
     prompt_top_ids: np.ndarray | None = None  # [num_new − 1, n] int, score_tokens: top-n there
     prompt_top_logprobs: np.ndarray | None = None  # [num_new − 1, n] f32
     score_logprobs: np.ndarray | None = None  # [m] f32, score_ids: of each asked id at the scored position
+    # only when the request has ``suppress_ids``:
+    kept_mass: np.ndarray | None = None  # [γ+1] f32 (score_ids: [1]): κ_n, the mass T(p_n) kept off them (1 where not suppressed)
 
     def array_dtype(self, name: str, vocab_size: int) -> str:
         if name == "probs":
@@ -470,6 +476,10 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         if req.draft.size or req.score_ids.ndim != 1:
             raise InvalidRequest("score_ids scores one position: the draft must be empty", param="score_ids")
         check_ids(req.score_ids, vocab_size, "score_ids")
+    if req.suppress_ids is not None:
+        if req.suppress_ids.ndim != 1 or len(np.unique(req.suppress_ids)) != req.suppress_ids.size or req.suppress_ids.size >= vocab_size:
+            raise InvalidRequest("suppress_ids must be distinct token ids, not the whole vocabulary", param="suppress_ids")
+        check_ids(req.suppress_ids, vocab_size, "suppress_ids")
     if req.mode == Mode.SPLIT.value:
         _check_draft_probs(req)
     if req.mode == Mode.EXACT.value and req.temperature > 0:
@@ -499,6 +509,8 @@ def _check_supports(req: VerifyRequest, vocab_size: int) -> None:
 def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
     """Raise ProtocolError unless ``resp`` is a well-formed answer to ``req``."""
     gamma, sampled = len(req.draft), req.temperature > 0
+    if req.suppress_ids is not None:
+        _check_kept(resp.kept_mass, 1 if req.score_ids is not None else gamma + 1)
     if req.score_ids is not None:
         _check_logprobs("score_logprobs", resp.score_logprobs, (len(req.score_ids),))
         return
@@ -582,6 +594,13 @@ def _check_asked_logprobs(resp: VerifyResponse, req: VerifyRequest, vocab_size: 
         _check_logprobs("sample_logprobs", resp.sample_logprobs, (gamma + 1,))
     if top and req.mode in (Mode.SPLIT.value, Mode.EXACT.value):
         _check_top(resp.top_ids, resp.top_logprobs, (gamma + 1, top), vocab_size, "top")
+
+
+def _check_kept(kept: np.ndarray | None, rows: int) -> None:
+    if kept is None or kept.shape != (rows,):
+        raise ProtocolError(f"kept_mass missing or of the wrong shape, expected ({rows},)")
+    if not np.all(np.isfinite(kept)) or kept.min(initial=0) < 0 or kept.max(initial=0) > 1 + 1e-3:
+        raise ProtocolError("kept_mass: values must be finite probabilities in [0, 1]")
 
 
 def _check_logprobs(name: str, values: np.ndarray | None, shape: tuple[int, ...]) -> None:

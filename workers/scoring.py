@@ -14,7 +14,7 @@ from core.math.aggregation import reconstruct, tv_distance
 from core.math.compression import compress_top_k
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.speculative import count_accepted, verify_greedy
-from core.math.sampling import SamplingParams, apply_sampling
+from core.math.sampling import SamplingParams, Suppression, apply_sampling, suppress
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
 
@@ -35,11 +35,17 @@ def score(
     it asked for."""
     params = sampling_params(req)
     probs = apply_sampling(logits, params)
+    asked: dict[str, Any] = {}
+    if req.suppress_ids is not None:  # min_tokens
+        ids = torch.from_numpy(np.asarray(req.suppress_ids, dtype=np.int64))
+        rows = Suppression(tuple(ids.tolist()), req.suppress_until).rows(_first_position(req), probs.shape[0])
+        probs, kept = suppress(logits, probs, rows, ids, params)
+        asked["kept_mass"] = kept.float().numpy()
     if req.score_ids is not None:
         ids = torch.from_numpy(np.asarray(req.score_ids, dtype=np.int64))
-        return VerifyResponse(held=held, score_logprobs=_logs(probs[0, ids]), model_ms=model_ms)
+        return VerifyResponse(held=held, score_logprobs=_logs(probs[0, ids]), model_ms=model_ms, **asked)
     resp = _answer(probs, req, held, model_ms, params)
-    asked = _asked_logprobs(probs, req, resp)
+    asked.update(_asked_logprobs(probs, req, resp))
     if req.score_tokens and prompt_logits is not None:
         asked.update(_prompt_logprobs(apply_sampling(prompt_logits, params), req))
     return replace(resp, **asked) if asked else resp

@@ -86,3 +86,52 @@ def truncate(
     if top_p < 1:
         logits = mask_top_p(logits, top_p)
     return torch.softmax(logits, dim=-1)
+
+
+# ----------------------------------------------------------------------------- min_tokens
+
+
+@dataclass(frozen=True)
+class Suppression:
+    """vLLM's ``min_tokens``: no token of ``ids`` (EOS) is decided at an absolute position below
+    ``until`` (prompt length + min_tokens). The target there is T(p) with ``ids`` removed and
+    renormalised; the draft masks them too (DESIGN §3.2)."""
+
+    ids: tuple[int, ...]
+    until: int
+
+    def rows(self, first: int, count: int) -> int:
+        """How many of ``count`` rows, the first deciding position ``first``, are suppressed."""
+        return max(0, min(count, self.until - first))
+
+
+def suppress(
+    logits: torch.Tensor,  # [m, V]: the rows' logits
+    probs: torch.Tensor,  # [m, V]: T(p) of them
+    rows: int,  # the first ``rows`` rows are suppressed
+    ids: torch.Tensor,  # [e] long: the ids they cannot emit
+    params: SamplingParams,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [m, V] fp32, [m] float64
+    """T(p) with ``ids`` removed and renormalised on the first ``rows`` rows, and κ per row: the
+    mass T(p) kept off ``ids`` (1 on the rows left alone). The mixture of several workers is then
+    Σ w_n κ_n p'_n / Σ w_n κ_n (``core.math.aggregation.kept_weights``). A row that keeps nothing
+    (top_k 1 on an EOS) takes T of the logits with ``ids`` masked first, as vLLM does, with κ = 0."""
+    kept = torch.ones(probs.shape[0], dtype=torch.float64)
+    if rows <= 0 or ids.numel() == 0:
+        return probs, kept
+    head = probs[:rows].double().index_fill(-1, ids, 0.0)
+    kept[:rows] = head.sum(dim=-1)
+    out = probs.clone()
+    out[:rows] = (head / kept[:rows, None].clamp(min=1e-300)).float()
+    empty = (kept[:rows] <= 0).nonzero()[:, 0]
+    if len(empty):
+        out[empty] = apply_sampling(mask_ids(logits[empty], ids), params)
+        kept[empty] = 0.0
+    return out, kept
+
+
+def mask_ids(
+    logits: torch.Tensor,  # [..., V]
+    ids: torch.Tensor,  # [e] long
+) -> torch.Tensor:  # [..., V], -inf at ``ids``
+    return logits.index_fill(-1, ids, float("-inf"))

@@ -13,7 +13,7 @@ import torch
 from app.draft import Draft, DraftModel
 from app.engine import Engine
 from app.pool import Traffic
-from core.math.sampling import SamplingParams
+from core.math.sampling import SamplingParams, Suppression
 from core.protocol import (
     BINARY_CONTENT_TYPE,
     ErrorBody,
@@ -105,10 +105,10 @@ class InlineDraftModel(DraftModel):
 
     async def propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None,
+        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
     ) -> Draft:
         await asyncio.sleep(0)  # as the real one: the caller's other work may run first
-        return self._propose(session_id, sequence, gamma, params, seed, choice, truncation, cancel)
+        return self._propose(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
 
     async def free(self, session_id: str) -> None:
         self.runner.free(session_id)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
+from app import engine as engine_module
 from app.engine import Engine, GenerationRequest, SpecOptions
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams, truncate
@@ -78,6 +79,9 @@ def pooled_chisquare(observed: torch.Tensor, expected: torch.Tensor, min_expecte
     """Chi-square p-value with the cells expected fewer than 5 times pooled into one: a cell
     expected 0.06 times that is hit once adds 15 to the statistic, which the chi-square law
     does not allow for (at 4,000 draws the rare first token here made p ≈ 1e-4 by chance)."""
+    if bool((observed[expected == 0] > 0).any()):
+        return 0.0  # an outcome the target rules out
+    observed, expected = observed[expected > 0], expected[expected > 0]
     small = expected < min_expected
     obs = torch.cat([observed[~small], observed[small].sum()[None]]) if small.any() else observed
     exp = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected
@@ -211,6 +215,110 @@ def test_ignore_eos_generates_past_a_sampled_eos(mode: Mode) -> None:
         assert len(ignoring) == 12 and ignoring_reason == "length" and ignoring[: len(stopped)] == stopped
         past += reason == "stop" and ignoring.count(4) >= 1
     assert past >= 5  # EOS was sampled and generation went on past it
+
+
+# ----------------------------------------------------------------------------- min_tokens
+
+EOS = 4
+# EOS takes very different mass from each worker: the mixture without it must re-weigh them
+EOS_TABLES = [random_table(V, 300 + i) for i in range(3)]
+for _table, _boost in zip(EOS_TABLES, [3.0, 0.0, -2.0]):
+    _table[:, EOS] += _boost
+EOS_TARGETS = [MarkovRunner(t, eos_ids=[EOS], name=f"e{i}") for i, t in enumerate(EOS_TABLES)]
+EOS_DRAFT = MarkovRunner(random_table(V, 100), eos_ids=[EOS], name="draft")
+MIN_TOKENS_SAMPLES = 4_000  # the law without re-weighing is 0.22 away in TV: p ≈ 1e-200 at this size
+
+
+def _min_tokens_request(seed: int, spec: SpecOptions, min_tokens: int, max_tokens: int = 2, temperature: float = 1.0, ignore_eos: bool = False) -> GenerationRequest:
+    return GenerationRequest(
+        f"r{seed}", PROMPT, max_tokens, SamplingParams(temperature=temperature), seed, 0, spec, ignore_eos=ignore_eos, min_tokens=min_tokens,
+    )
+
+
+def _joint_without_eos_first(workers: list[tuple[MarkovRunner, float]]) -> torch.Tensor:
+    """p(a, b) with the first token drawn from the mixture without EOS, renormalised (min_tokens 1)."""
+    joint = _target_joint(workers)
+    joint[EOS] = 0.0
+    return joint / joint.sum()
+
+
+MIN_TOKENS_CASES = {
+    "autoregressive, 3 weighted workers": (Mode.AUTOREGRESSIVE, list(zip(EOS_TARGETS, WEIGHTS_3))),
+    "aggregate k full, 3 weighted workers": (Mode.AGGREGATE, list(zip(EOS_TARGETS, WEIGHTS_3))),
+    "split, 1 worker": (Mode.SPLIT, [(EOS_TARGETS[0], 1.0)]),
+    "exact, 3 weighted workers, draft top-3": (Mode.EXACT, list(zip(EOS_TARGETS, WEIGHTS_3))),
+}
+
+
+def _min_tokens_chi_square(mode: Mode, workers: list[tuple[MarkovRunner, float]]) -> float:
+    """min_tokens 1 with γ = 3: the round's first position is suppressed, the next ones not."""
+    engine = make_engine(EOS_DRAFT, workers, eos_ids=[EOS])
+
+    async def run() -> list[list[int]]:
+        return [(await _tokens(engine, _min_tokens_request(seed, _spec(mode), 1)))[0] for seed in range(MIN_TOKENS_SAMPLES)]
+
+    counts = torch.zeros(V, V)
+    for tokens in asyncio.run(run()):
+        counts[tokens[0], tokens[1]] += 1
+    return pooled_chisquare(counts.flatten(), _joint_without_eos_first(workers).flatten() * MIN_TOKENS_SAMPLES)
+
+
+@pytest.mark.parametrize("case", MIN_TOKENS_CASES)
+def test_min_tokens_follows_the_target_without_eos(case: str) -> None:
+    """vLLM's min_tokens, lossless: before it the target is the mixture with EOS removed and
+    renormalised — Σ w_n κ_n p_n(· | not EOS) / Σ w_n κ_n — and after it the mixture itself."""
+    mode, workers = MIN_TOKENS_CASES[case]
+    assert _min_tokens_chi_square(mode, workers) > SIGNIFICANCE
+
+
+def test_negative_control_min_tokens_without_reweighing_the_workers_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each worker's p_n without EOS mixed with the configured weights (κ_n ignored) is another
+    law: the same test rejects it."""
+    monkeypatch.setattr(engine_module, "_weights", lambda responses, weights: weights)
+    assert _min_tokens_chi_square(*MIN_TOKENS_CASES["exact, 3 weighted workers, draft top-3"]) < SIGNIFICANCE
+
+
+@pytest.mark.parametrize("mode", [Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT])
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_min_tokens_never_ends_before_its_count(mode: Mode, temperature: float) -> None:
+    """EOS is likely everywhere here; no answer ends before min_tokens, and after it EOS may end it.
+    With ignore_eos nothing is suppressed (as in vLLM): the tokens are those of ignore_eos alone."""
+    table = random_table(V, 5)
+    table[:, EOS] += 3.0
+    workers = [(MarkovRunner(table, eos_ids=[EOS]), 1.0)] if mode is Mode.SPLIT else list(zip([MarkovRunner(table, eos_ids=[EOS]), *EOS_TARGETS[1:]], WEIGHTS_3))
+
+    async def run(seed: int, min_tokens: int, ignore_eos: bool = False) -> tuple[list[int], str | None]:
+        engine = make_engine(EOS_DRAFT, workers, eos_ids=[EOS])
+        results = [r async for r in engine.generate(_min_tokens_request(seed, _spec(mode), min_tokens, 12, temperature, ignore_eos))]
+        return list(itertools.chain.from_iterable(r.tokens for r in results)), results[-1].finish_reason
+
+    stopped_after = 0
+    for seed in range(8 if temperature else 1):
+        tokens, reason = asyncio.run(run(seed, 5))
+        assert len(tokens) >= 5 and EOS not in tokens[:5]
+        assert reason == "length" or (reason == "stop" and tokens.index(EOS) == len(tokens) - 1)
+        stopped_after += reason == "stop"
+        assert asyncio.run(run(seed, 5, ignore_eos=True)) == asyncio.run(run(seed, 0, ignore_eos=True))
+    assert stopped_after >= (4 if temperature else 1)  # EOS still ends answers once allowed
+
+
+def test_greedy_min_tokens_is_the_argmax_without_eos() -> None:
+    table = random_table(V, 5)
+    table[:, EOS] += 9.0  # EOS is every position's argmax
+    workers = list(zip([MarkovRunner(table, eos_ids=[EOS]), *EOS_TARGETS[1:]], WEIGHTS_3))
+    w = torch.tensor(WEIGHTS_3, dtype=torch.float64)
+    w /= w.sum()
+    seq = list(PROMPT)
+    for _ in range(3):
+        mix = sum(wn * torch.softmax(r.table[seq[-1]].float(), -1).double() for (r, _), wn in zip(workers, w))
+        mix[EOS] = 0.0  # type: ignore[index]
+        seq.append(int(torch.argmax(mix)))  # type: ignore[call-overload]
+    expected = seq[len(PROMPT):] + [EOS]
+
+    for mode in (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.EXACT):
+        engine = make_engine(EOS_DRAFT, workers, eos_ids=[EOS])
+        tokens, _, _ = asyncio.run(_tokens(engine, _min_tokens_request(0, _spec(mode), 3, 12, temperature=0)))
+        assert tokens == expected, mode
 
 
 def test_sessions_are_freed_when_the_caller_stops_early() -> None:

@@ -5,6 +5,8 @@ gateway federates, reports the bound, refuses the modes engines cannot take, and
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,6 +98,27 @@ async def test_a_round_from_an_engine_is_a_workers_top_k(engine: FakeEngine, wor
             assert got.tail_mass[j] == pytest.approx(want.tail_mass[j], abs=1e-5)
 
 
+async def test_min_tokens_removes_the_suppressed_ids_from_an_engines_rows(engine: FakeEngine, worker_runner: ModelRunner, tiny_runner: ModelRunner) -> None:
+    """The rows before suppress_until lose the suppressed ids (here the likeliest token, so that
+    the listing holds it) and keep the worker's law on the rest; κ is the worker's where the
+    listing names everything it needs; the rows after are as without suppression."""
+    agreed = list(tiny_runner.tokenizer.encode(PROMPT))
+    draft = [int(t) for t in tiny_runner.tokenizer.encode(" wide and deep")]
+    plain = VerifyRequest.after("s", [], agreed, draft, k=8)
+    _, full = await _verify_both(engine, worker_runner, tiny_runner, plain, agreed)
+    banned = np.array([int(full.ids[0, 0]), int(full.ids[1, 0])], dtype=np.int64)
+    req = replace(plain, suppress_ids=banned, suppress_until=len(agreed) + 1)  # the first row only
+    got, want = await _verify_both(engine, worker_runner, tiny_runner, req, agreed)
+    assert not set(banned.tolist()) & set(got.ids[0].tolist())
+    mine, theirs = dict(zip(got.ids[0].tolist(), got.probs[0].tolist())), dict(zip(want.ids[0].tolist(), want.probs[0].tolist()))
+    shared = [t for t in mine if t in theirs]
+    assert len(shared) >= 6
+    head = np.array([mine[t] for t in shared]) / sum(mine[t] for t in shared)
+    np.testing.assert_allclose(head, np.array([theirs[t] for t in shared]) / sum(theirs[t] for t in shared), rtol=2e-4)
+    assert got.kept_mass[0] == pytest.approx(want.kept_mass[0], abs=0.05) and want.kept_mass[0] < 0.999
+    assert np.all(got.kept_mass[1:] == 1.0) and banned[1] in got.ids[1].tolist()
+
+
 async def test_the_probe_learns_each_dialect(engine: FakeEngine, worker_runner: ModelRunner, tiny_runner: ModelRunner) -> None:
     config = parse_config({"workers": [ENGINE]})
     pool = WorkerPool.from_config(config, Expected(tiny_runner.fingerprint, tiny_runner.info.vocab_size, tiny_runner.tokenizer), engine.transport())
@@ -168,6 +191,19 @@ async def test_autoregressive_samples_from_the_engines_top_k(gateway: Gateway, e
             greedy.append((await _complete(client, temperature=0))["choices"][0]["text"])
     if engine.dialect == "vllm":  # token strings cannot name every argmax (several ids print alike)
         assert greedy[0] == greedy[1]
+
+
+async def test_min_tokens_through_an_engine(gateway: Gateway, engine_runner: ModelRunner, worker_runner: ModelRunner) -> None:
+    """One engine serves min_tokens; beside a worker it is refused (its listing cannot say how
+    much mass EOS takes from it), and the gateway serves on."""
+    engine = FakeEngine(engine_runner, "vllm")
+    async with gateway(transport=_router(engine, worker_runner), workers=[ENGINE], speculative={"mode": "aggregate", "k": 8}) as client:
+        body = await _complete(client, temperature=1.0, min_tokens=6, max_tokens=8)
+        assert body["usage"]["completion_tokens"] >= 6
+    async with gateway(transport=_router(engine, worker_runner), workers=[ENGINE, WORKER]) as client:
+        resp = await client.post("/v1/completions", json={"model": "test-model", "prompt": PROMPT, "max_tokens": 4, "min_tokens": 2})
+        assert_error(resp, 400, "min_tokens", "openai-logprobs")
+        await _complete(client, ignore_eos=True, min_tokens=2)  # nothing to suppress with ignore_eos
 
 
 async def test_modes_an_engine_cannot_take_are_refused(gateway: Gateway, engine_runner: ModelRunner, worker_runner: ModelRunner) -> None:

@@ -301,11 +301,30 @@ async def test_vllm_per_request_speculative_metrics(client: httpx.AsyncClient, s
     assert "metrics" not in plain  # nothing drafted: no block, as vLLM without a speculator
 
 
-async def test_vllm_benchmark_parameters_are_accepted(client: httpx.AsyncClient) -> None:
-    """ignore_eos (vLLM's benchmark_serving and AIPerf send it) in every mode; min_tokens is not
-    built yet and gets a 400 that names it."""
+async def test_vllm_benchmark_parameters_are_accepted(client: httpx.AsyncClient, fakes: FakeWorkerTransport) -> None:
+    """ignore_eos and min_tokens (vLLM's benchmark_serving and AIPerf send them) in every mode:
+    min_tokens puts the EOS ids on the wire only while positions before it are scored."""
     for mode in ("autoregressive", "aggregate", "exact"):
-        body = {**COMPLETION, "ignore_eos": True, "max_tokens": 5, "speculative": {"mode": mode}}
-        resp = await client.post("/v1/completions", json=body)
-        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
-    assert_error(await client.post("/v1/completions", json={**COMPLETION, "min_tokens": 3}), 400, "min_tokens")
+        for extra in ({"ignore_eos": True}, {"min_tokens": 3}):
+            fakes.requests.clear()
+            body = {**COMPLETION, **extra, "max_tokens": 5, "speculative": {"mode": mode}}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
+            verifies = [r for _, r in fakes.requests]
+            if "min_tokens" in extra:
+                assert verifies[0].suppress_ids is not None and verifies[0].suppress_until == verifies[0].prefix_len + len(verifies[0].tokens) + 3
+                assert verifies[-1].suppress_ids is None  # past min_tokens: frames as without it
+            else:
+                assert all(r.suppress_ids is None for r in verifies)
+    too_many = {**COMPLETION, "min_tokens": 7, "max_tokens": 6}
+    assert_error(await client.post("/v1/completions", json=too_many), 400, "min_tokens", contains="at most max_tokens")
+    assert_error(await client.post("/v1/completions", json={**COMPLETION, "min_tokens": -1}), 400, contains="min_tokens")
+
+
+async def test_min_tokens_looks_for_stop_strings_only_after_it(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    """As vLLM: the first min_tokens tokens' text is not searched for stop strings."""
+    piece = tiny_runner.tokenizer.decode([FAVOURITE])
+    body = {**COMPLETION, "temperature": 0, "stop": [piece]}
+    assert (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"] == ""
+    choice = (await client.post("/v1/completions", json={**body, "min_tokens": 3})).json()["choices"][0]
+    assert choice["text"] == piece * 3 and choice["finish_reason"] == "stop"

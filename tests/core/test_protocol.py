@@ -213,6 +213,8 @@ def _req(**overrides: object) -> VerifyRequest:
         ({"mode": "exact", "support_ids": np.array([4, 5]), "support_sizes": np.array([2], np.int32)}, "support_ids"),
         ({"mode": "exact", "support_ids": np.array([3, 3]), "support_sizes": np.array([2], np.int32)}, "support_ids"),
         ({"mode": "exact", "support_ids": np.array([3]), "support_sizes": np.array([2], np.int32)}, "support_sizes"),
+        ({"suppress_ids": np.array([2, 2]), "suppress_until": 5}, "suppress_ids"),
+        ({"suppress_ids": np.array([VOCAB_SMALL]), "suppress_until": 5}, "suppress_ids"),
     ],
 )
 def test_out_of_range_requests_name_the_field(overrides: dict[str, object], param: str) -> None:
@@ -266,6 +268,22 @@ def test_split_and_exact_checks() -> None:
     ):
         with pytest.raises(ProtocolError):
             check_verify_response(bad, exact, VOCAB_SMALL)
+
+
+def test_min_tokens_fields_travel_only_when_set_and_kept_mass_is_checked() -> None:
+    plain = VerifyRequest.after("s", [], [1], [2], temperature=0.0)
+    suppressed = replace(plain, suppress_ids=np.array([0, 7]), suppress_until=3)
+    assert b"suppress" not in encode_binary(plain, VOCAB_SMALL)
+    for as_json in (False, True):
+        body, content_type = encode(suppressed, VOCAB_SMALL, as_json)
+        assert decode(VerifyRequest, body, content_type) == suppressed
+    good = VerifyResponse(1, np.full((2, 2), 0.5, np.float32), np.zeros(2, np.float32), np.array([[0, 1], [2, 3]]), kept_mass=np.array([0.4, 1.0], np.float32))
+    check_verify_response(good, suppressed, VOCAB_SMALL)
+    body, content_type = encode(good, VOCAB_SMALL)
+    assert decode(VerifyResponse, body, content_type) == good
+    for kept in (None, np.array([0.4], np.float32), np.array([1.5, 1.0], np.float32), np.array([np.nan, 1.0], np.float32)):
+        with pytest.raises(ProtocolError, match="kept_mass"):
+            check_verify_response(replace(good, kept_mass=kept), suppressed, VOCAB_SMALL)
 
 
 @settings(max_examples=50)

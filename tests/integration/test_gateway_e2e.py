@@ -131,6 +131,21 @@ def test_sampled_split_and_exact_run_through_the_api(client: openai.OpenAI) -> N
     assert spec["bytes_from_workers"] < spec["rounds"] * 2 * (4 * 16 * 8 + 600)  # sparse both ways
 
 
+def test_min_tokens_goes_past_the_natural_end(client: openai.OpenAI) -> None:
+    """vLLM's min_tokens on the real pair: a short greedy answer that ends in EOS goes on to
+    min_tokens, the same text up to where EOS was, in aggregate and exact (two workers)."""
+    short = [{"role": "user", "content": "Answer with one word: is water wet?"}]
+    for spec in ({"mode": "aggregate", "k": "full"}, {"mode": "exact"}):
+        plain = client.chat.completions.create(model=MODEL, messages=short, max_tokens=24, temperature=0, extra_body={"speculative": spec})  # type: ignore[arg-type]
+        assert plain.choices[0].finish_reason == "stop" and plain.usage is not None
+        natural = plain.usage.completion_tokens
+        longer = client.chat.completions.create(
+            model=MODEL, messages=short, max_tokens=natural + 12, temperature=0, extra_body={"speculative": spec, "min_tokens": natural + 6},  # type: ignore[arg-type]
+        )
+        assert longer.usage is not None and longer.usage.completion_tokens >= natural + 6, spec
+        assert (longer.choices[0].message.content or "").startswith(plain.choices[0].message.content or ""), spec
+
+
 def test_a_seed_makes_a_sampled_answer_reproducible(client: openai.OpenAI) -> None:
     def sample(seed: int) -> str | None:
         chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=1.0, seed=seed)  # type: ignore[arg-type]
