@@ -1,9 +1,10 @@
 """Counter-based random streams (DESIGN §3.2).
 
 Every random number is a pure function of (request seed, choice index, absolute position,
-purpose, worker): Philox-4x32-10 keyed by a hash of (seed, choice, purpose, worker), with
-the position as its counter. No two purposes share a stream, and a retried or
-failed-over round draws the same numbers again.
+purpose, worker, lane): Philox-4x32-10 keyed by a hash of (seed, choice, purpose, worker), with
+the position in counter words 0–1 and the **lane** in word 2 (DESIGN §3.6: a tree candidate's
+rank among its siblings; lane 0 gives the numbers of a chain, as before lanes existed). No two
+purposes share a stream, and a retried or failed-over round draws the same numbers again.
 """
 
 from __future__ import annotations
@@ -27,19 +28,21 @@ class Purpose(IntEnum):
     WORKER_CHOICE = 8  # which worker's sample to emit, n ~ w
 
 
-def uniform(seed: int, choice: int, position: int, purpose: Purpose, worker: int = 0) -> float:
-    """One U[0, 1) number of the stream (seed, choice, purpose, worker) at ``position``."""
-    return _uniform(_stream_key(seed, choice, purpose, worker), position)
+def uniform(seed: int, choice: int, position: int, purpose: Purpose, worker: int = 0, lane: int = 0) -> float:
+    """One U[0, 1) number of the stream (seed, choice, purpose, worker) at ``position``, ``lane``."""
+    return _uniform(_stream_key(seed, choice, purpose, worker), position, lane)
 
 
-def uniforms(seed: int, choice: int, positions: list[int], purpose: Purpose, worker: int = 0) -> torch.Tensor:
+def uniforms(seed: int, choice: int, positions: list[int], purpose: Purpose, worker: int = 0, lane: int = 0) -> torch.Tensor:
     """U[0, 1) numbers for several positions of one stream: ``[len(positions)]`` float64."""
     key = _stream_key(seed, choice, purpose, worker)
-    return torch.tensor([_uniform(key, position) for position in positions], dtype=torch.float64)
+    return torch.tensor([_uniform(key, position, lane) for position in positions], dtype=torch.float64)
 
 
-def _uniform(key: tuple[int, int], position: int) -> float:
-    w0, w1, _, _ = philox4x32((position & _MASK32, position >> 32, 0, 0), key)
+def _uniform(key: tuple[int, int], position: int, lane: int = 0) -> float:
+    if not 0 <= lane <= _MASK32:
+        raise ValueError(f"lane must lie in [0, 2**32), got {lane}")
+    w0, w1, _, _ = philox4x32((position & _MASK32, position >> 32, lane, 0), key)
     return ((w0 | (w1 << 32)) >> 11) * 2.0**-53  # 53 random bits
 
 

@@ -73,6 +73,19 @@ def test_streams_are_deterministic_and_distinct() -> None:
     assert torch.equal(uniforms(7, 0, [12, 13], Purpose.ACCEPT), t(a, others[2]))
 
 
+def test_lanes_are_distinct_streams_and_lane_zero_is_the_chains() -> None:
+    """DESIGN §3.6: a tree candidate draws from its own lane; lane 0 is today's stream, bit for bit
+    (the value below was drawn before lanes existed)."""
+    assert uniform(7, 0, 12, Purpose.ACCEPT, lane=0) == uniform(7, 0, 12, Purpose.ACCEPT) == 0.588418131330483
+    lanes = [uniform(7, 0, 12, Purpose.ACCEPT, lane=lane) for lane in range(8)]
+    assert len(set(lanes)) == 8
+    assert torch.equal(uniforms(7, 0, [12, 13], Purpose.ACCEPT, lane=3), t(lanes[3], uniform(7, 0, 13, Purpose.ACCEPT, lane=3)))
+    across = torch.tensor([uniform(1, 0, 5, Purpose.ACCEPT, lane=lane) for lane in range(5_000)]).numpy()
+    assert stats.kstest(across, "uniform").pvalue > SIGNIFICANCE
+    with pytest.raises(ValueError, match="lane"):
+        uniform(7, 0, 12, Purpose.ACCEPT, lane=-1)
+
+
 def test_streams_are_uniform() -> None:
     values = uniforms(1, 0, list(range(20_000)), Purpose.DRAFT_SAMPLE).numpy()
     assert stats.kstest(values, "uniform").pvalue > SIGNIFICANCE
