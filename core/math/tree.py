@@ -1,0 +1,252 @@
+"""Token trees (DESIGN §3.6): a draft with several candidates per node, verified in one walk.
+
+A ``TokenTree`` holds n draft nodes in topological order (``parents[i] < i``, −1 = the root,
+i.e. the last agreed token) and, for the root (row 0) and each node i (row i + 1), the draft's
+sparse q̂ there: the distribution that node's children were chosen from. A chain is the tree
+whose parents are [−1, 0, 1, …]; it verifies to the very numbers of ``verify_sampled``.
+
+The target sends p at the root and at every node (``[n+1, V]``). The walk starts at the root
+with p' = p(root) and tries its children in draft order with the rule that matches how they
+were chosen — using another one is biased:
+
+- ``sampled`` (i.i.d. from q̂ with replacement; SpecInfer, TSLT Algorithm 5): accept c if
+  r < min(1, p'(c)/q̂(c)); else p' ← norm(max(0, p' − q̂)). Duplicates are tried again.
+- ``sampled_distinct`` (without replacement, Gumbel-top-k; Sequoia): the same, and q̂ also
+  loses the rejected token (renormalised).
+- ``fixed`` (top-k, EAGLE-2's cumulative score): accept c with probability p'(c); else
+  p'(c) ← 0, renormalised. A duplicate sibling has p'(c) = 0 by then: never accepted.
+
+An accepted child becomes the node (p' = p there); at a node whose children are all rejected
+the walk ends with the recovered token drawn from p', at a leaf with the bonus token from p.
+Each candidate draws from its own lane (its rank among its siblings): ``accept_u[d, rank]`` at
+walk depth d; the recovered / bonus draw at depth d is ``final_u[d]``. T = 0 follows argmax p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from core.math.random import sample_index
+from core.math.speculative import acceptance_probs, argmax_lowest, residual
+
+
+class ChildRule(StrEnum):
+    """How a node's children were chosen: it fixes the accept rule (module docstring)."""
+
+    SAMPLED = "sampled"
+    SAMPLED_DISTINCT = "sampled_distinct"
+    FIXED = "fixed"
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    tokens: torch.Tensor  # [n] long: the draft token at each node
+    parents: torch.Tensor  # [n] long: each node's parent, −1 = the root; parents[i] < i
+    q_ids: torch.Tensor  # [n+1, s] long: the support of q̂ at the root (row 0) and at node i (row i+1); −1 pads
+    q_probs: torch.Tensor  # [n+1, s] fp32 (or the draft's own float64, kept bit for bit): q̂ on those ids (0 on pads)
+    rule: ChildRule = ChildRule.SAMPLED
+
+    def __post_init__(self) -> None:
+        n = self.tokens.shape[0]
+        if self.tokens.dim() != 1 or self.parents.shape != (n,):
+            raise ValueError(f"tokens and parents must be [n], got {tuple(self.tokens.shape)} and {tuple(self.parents.shape)}")
+        if self.q_ids.dim() != 2 or self.q_ids.shape[0] != n + 1 or self.q_probs.shape != self.q_ids.shape:
+            raise ValueError(f"q_ids and q_probs must be [n+1, s] = [{n + 1}, s], got {tuple(self.q_ids.shape)} and {tuple(self.q_probs.shape)}")
+        if n and not bool(((self.parents >= -1) & (self.parents < torch.arange(n))).all()):
+            raise ValueError("every parent must be −1 (the root) or an earlier node")
+
+    @classmethod
+    def chain(
+        cls,
+        tokens: list[int],  # [γ]
+        q: torch.Tensor,  # [γ, V]: q̂_j each x_j was drawn from (dense; 0 off its support)
+    ) -> TokenTree:
+        """The chain as a tree: node j's parent is j − 1; q̂_j is row j (the last node has none)."""
+        gamma = len(tokens)
+        rows = [row for row in q[:gamma]] + [torch.zeros(q.shape[-1] if q.dim() == 2 else 0, dtype=q.dtype)]
+        ids, probs = sparse_rows(rows)
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(gamma) - 1, ids, probs, ChildRule.SAMPLED)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def depths(self) -> torch.Tensor:  # [n] long: 1 for the root's children; position = agreed length + depth − 1
+        out = torch.zeros(len(self), dtype=torch.long)
+        for i, parent in enumerate(self.parents.tolist()):
+            out[i] = 1 if parent < 0 else out[parent] + 1
+        return out
+
+    def ancestor_mask(self) -> torch.Tensor:  # [n, n] bool: node i attends to node j (j an ancestor of i, or i itself)
+        n = len(self)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, parent in enumerate(self.parents.tolist()):
+            if parent >= 0:
+                mask[i] |= mask[parent]
+        return mask
+
+    def children(self, node: int) -> list[int]:
+        """The children of ``node`` (−1 = the root), in draft order."""
+        return (self.parents == node).nonzero()[:, 0].tolist()
+
+    def path_to(self, node: int) -> list[int]:
+        """The nodes from the root's child down to ``node``."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+    def q_row(self, node: int, vocab_size: int) -> torch.Tensor:  # [V] float64: q̂ at ``node`` (−1 = root)
+        row = node + 1
+        keep = self.q_ids[row] >= 0
+        return torch.zeros(vocab_size, dtype=torch.float64).index_put_((self.q_ids[row][keep],), self.q_probs[row][keep].double(), accumulate=True)
+
+    def max_width(self) -> int:
+        """The most children of one node (the lanes a walk may use)."""
+        if not len(self):
+            return 0
+        return int(torch.bincount(self.parents + 1).max())
+
+
+def sparse_rows(
+    rows: list[torch.Tensor],  # m × [V]: distributions, 0 off their supports
+) -> tuple[torch.Tensor, torch.Tensor]:  # [m, s] long ids (−1 pads), [m, s] probs in the rows' dtype
+    """Dense rows as ids + probabilities of their supports, padded to the widest."""
+    supports = [row.nonzero()[:, 0] for row in rows]
+    width = max([len(s) for s in supports] + [1])
+    dtype = rows[0].dtype if rows and rows[0].is_floating_point() else torch.float32
+    ids = torch.full((len(rows), width), -1, dtype=torch.long)
+    probs = torch.zeros(len(rows), width, dtype=dtype)
+    for i, (row, support) in enumerate(zip(rows, supports)):
+        ids[i, : len(support)] = support
+        probs[i, : len(support)] = row[support].to(dtype)
+    return ids, probs
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    path: list[int]  # accepted nodes, root to leaf: the KV rows the worker keeps
+    token: int  # the recovered token, or the bonus token after a leaf
+    is_bonus: bool
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
+
+    def output(self, tree: TokenTree) -> list[int]:
+        """The tokens the round emits: the accepted path's, then the recovered / bonus one."""
+        return [int(tree.tokens[i]) for i in self.path] + [self.token]
+
+
+# ----------------------------------------------------------------------------- one node
+
+
+def accept_probability(
+    p: torch.Tensor,  # [V]: p' at the node, as the walk has it
+    q: torch.Tensor,  # [V]: q̂' at the node
+    token: int,
+    rule: ChildRule,
+) -> float:
+    """The probability of accepting the candidate ``token`` under ``rule``."""
+    if rule is ChildRule.FIXED:
+        return float(p[token])
+    if not q[token] > 0:
+        return 0.0  # a sampled child has q̂ > 0; one without it (a malformed tree) is never accepted
+    return float(acceptance_probs(p[token : token + 1], q[token : token + 1])[0])
+
+
+def after_rejection(
+    p: torch.Tensor,  # [V]
+    q: torch.Tensor,  # [V]
+    token: int,
+    rule: ChildRule,
+) -> tuple[torch.Tensor, torch.Tensor]:  # p', q' after the candidate ``token`` was rejected
+    if rule is ChildRule.FIXED:
+        kept = p.double().clone()
+        kept[token] = 0.0
+        total = kept.sum()
+        return (kept / total if total > 0 else p.double()), q
+    p_next = residual(p, q)
+    if rule is ChildRule.SAMPLED_DISTINCT:
+        q_next = q.double().clone()
+        q_next[token] = 0.0
+        total = q_next.sum()
+        q = q_next / total if total > 0 else q_next
+    return p_next, q
+
+
+def try_children(
+    p: torch.Tensor,  # [V]: target at the node
+    q: torch.Tensor,  # [V]: q̂ at the node
+    candidates: list[int],  # the children's tokens, in draft order
+    rule: ChildRule,
+    accept_u: torch.Tensor,  # [≥ len(candidates)]: one draw per candidate lane
+) -> tuple[int | None, torch.Tensor]:
+    """The rank of the accepted candidate (None if all are rejected) and p' at that point."""
+    p_now, q_now = p.double(), q.double()
+    for rank, token in enumerate(candidates):
+        if float(accept_u[rank]) < accept_probability(p_now, q_now, token, rule):
+            return rank, p_now
+        p_now, q_now = after_rejection(p_now, q_now, token, rule)
+    return None, p_now
+
+
+# ----------------------------------------------------------------------------- the walk
+
+
+def verify_tree(
+    p: torch.Tensor,  # [n+1, V]: target at the root (row 0) and at each node (row i+1)
+    tree: TokenTree,
+    accept_u: torch.Tensor,  # [D, W]: r per walk depth and candidate lane (D = max depth, W = max width)
+    final_u: torch.Tensor,  # [D+1]: the recovered / bonus draw per walk depth
+) -> TreeVerdict:
+    vocab = p.shape[-1]
+    node, path = -1, list[int]()
+    while True:
+        children = tree.children(node)
+        if not children:
+            return TreeVerdict(path, sample_index(p[node + 1], float(final_u[len(path)])), is_bonus=True)
+        candidates = [int(tree.tokens[c]) for c in children]
+        rank, p_left = try_children(p[node + 1], tree.q_row(node, vocab), candidates, tree.rule, accept_u[len(path)])
+        if rank is None:
+            return TreeVerdict(path, sample_index(p_left, float(final_u[len(path)])), is_bonus=False)
+        node = children[rank]
+        path.append(node)
+
+
+def verify_tree_greedy(
+    p: torch.Tensor,  # [n+1, V]
+    tree: TokenTree,
+) -> TreeVerdict:
+    """T = 0: follow argmax p (ties to the lowest id) while it is a child; emit it where it is not."""
+    targets = argmax_lowest(p)
+    node, path = -1, list[int]()
+    while True:
+        target = targets[node + 1]
+        children = tree.children(node)
+        match = next((c for c in children if int(tree.tokens[c]) == target), None)
+        if match is None:
+            return TreeVerdict(path, target, is_bonus=not children)
+        node = match
+        path.append(node)
+
+
+def tree_step_law(
+    p: torch.Tensor,  # [V]: target at the node
+    q: torch.Tensor,  # [V]: q̂ at the node
+    candidates: list[int],  # the children's tokens, in draft order
+    rule: ChildRule,
+) -> torch.Tensor:  # [V] float64
+    """Closed-form law of the token emitted at a node with these children (the accepted child,
+    or the recovered token), composed from the walk's own functions."""
+    law = torch.zeros(p.shape[-1], dtype=torch.float64)
+    p_now, q_now, left = p.double(), q.double(), 1.0
+    for token in candidates:
+        a = accept_probability(p_now, q_now, token, rule)
+        law[token] += left * a
+        left *= 1 - a
+        p_now, q_now = after_rejection(p_now, q_now, token, rule)
+    return law + left * p_now / p_now.sum()
