@@ -1,0 +1,197 @@
+"""Protocol v1's checks (DESIGN §4): a decoded request is in range for this vocabulary
+(``InvalidRequest``, a 400 naming the field), and a response answers its request (``ProtocolError``:
+the worker answered garbage)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from core.errors import InvalidRequest, ProtocolError
+from core.math.sampling import MIN_TEMPERATURE
+from core.names import Mode, ProbsDtype
+from core.protocol.messages import MAX_LOGPROBS, RECONSTRUCTIONS, SERVED_MODES, VerifyRequest, VerifyResponse
+
+
+def check_ids(ids: np.ndarray, vocab_size: int, name: str) -> None:
+    """Raise InvalidRequest unless every id of ``ids`` lies in [0, vocab_size)."""
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise InvalidRequest(
+            f"{name}: token ids must lie in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}",
+            param=name,
+        )
+
+
+def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
+    """Range checks of a decoded VerifyRequest against a vocabulary of ``vocab_size``."""
+    for name in ("tokens", "draft"):
+        arr = getattr(req, name)
+        if arr.ndim != 1:
+            raise InvalidRequest(f"{name} must be one-dimensional", param=name)
+        check_ids(arr, vocab_size, name)
+    if req.prefix_len < 0:
+        raise InvalidRequest(f"prefix_len must be ≥ 0, got {req.prefix_len}", param="prefix_len")
+    if req.k is not None and not 0 < req.k <= vocab_size:
+        raise InvalidRequest(f"k must lie in [1, {vocab_size}], got {req.k}", param="k")
+    if not (req.temperature == 0 or MIN_TEMPERATURE <= req.temperature < np.inf):
+        raise InvalidRequest(f"temperature must be 0 or ≥ {MIN_TEMPERATURE}", param="temperature")
+    if req.top_k < 0:
+        raise InvalidRequest("top_k must be ≥ 0 (0 = off)", param="top_k")
+    if not 0 < req.top_p <= 1:
+        raise InvalidRequest("top_p must lie in (0, 1]", param="top_p")
+    if req.probs_dtype not in {d.value for d in ProbsDtype}:
+        raise InvalidRequest(f"probs_dtype must be fp16 or fp32, got {req.probs_dtype!r}", param="probs_dtype")
+    if req.mode not in SERVED_MODES:
+        raise InvalidRequest(f"mode {req.mode!r} is not served: use one of {list(SERVED_MODES)}", param="mode")
+    if req.mode == Mode.AUTOREGRESSIVE.value and req.draft.size:
+        raise InvalidRequest("autoregressive scores one position: the draft must be empty", param="draft")
+    if req.reconstruction not in RECONSTRUCTIONS:
+        raise InvalidRequest(f"reconstruction must be one of {list(RECONSTRUCTIONS)}", param="reconstruction")
+    if not 0 <= req.seed < 2**63 or req.choice < 0 or req.worker < 0:
+        raise InvalidRequest("seed must lie in [0, 2**63); choice and worker must be ≥ 0", param="seed")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest(f"logprobs must lie in [0, {MAX_LOGPROBS}]", param="logprobs")
+    if req.score_tokens and req.prefix_len != 0:
+        raise InvalidRequest("score_tokens scores a whole prompt: prefix_len must be 0", param="score_tokens")
+    if req.score_ids is not None:
+        if req.draft.size or req.score_ids.ndim != 1:
+            raise InvalidRequest("score_ids scores one position: the draft must be empty", param="score_ids")
+        check_ids(req.score_ids, vocab_size, "score_ids")
+    if req.suppress_ids is not None:
+        if req.suppress_ids.ndim != 1 or len(np.unique(req.suppress_ids)) != req.suppress_ids.size or req.suppress_ids.size >= vocab_size:
+            raise InvalidRequest("suppress_ids must be distinct token ids, not the whole vocabulary", param="suppress_ids")
+        check_ids(req.suppress_ids, vocab_size, "suppress_ids")
+    if req.mode == Mode.SPLIT.value:
+        _check_draft_probs(req)
+    if req.mode == Mode.EXACT.value and req.temperature > 0:
+        _check_supports(req, vocab_size)
+
+
+def _check_draft_probs(req: VerifyRequest) -> None:
+    probs = req.draft_probs
+    if probs is None or probs.shape != req.draft.shape:
+        raise InvalidRequest("split needs draft_probs, one per draft token", param="draft_probs")
+    if probs.size and (not np.all(np.isfinite(probs)) or probs.min() <= 0 or probs.max() > 1 + 1e-6):
+        raise InvalidRequest("draft_probs must lie in (0, 1]: each is q̂_j of a token drawn from q̂_j", param="draft_probs")
+
+
+def _check_supports(req: VerifyRequest, vocab_size: int) -> None:
+    ids, sizes = req.support_ids, req.support_sizes
+    if ids is None or sizes is None or sizes.shape != req.draft.shape or ids.ndim != 1:
+        raise InvalidRequest("exact needs support_ids and support_sizes, one support per draft token", param="support_ids")
+    if sizes.size and sizes.min() < 1 or int(sizes.sum()) != ids.size:
+        raise InvalidRequest("support_sizes must be ≥ 1 and add up to len(support_ids)", param="support_sizes")
+    check_ids(ids, vocab_size, "support_ids")
+    for j, support in enumerate(np.split(ids, np.cumsum(sizes)[:-1]) if sizes.size else []):
+        if len(np.unique(support)) != len(support) or req.draft[j] not in support:
+            raise InvalidRequest(f"support {j} must hold distinct ids, the draft token among them", param="support_ids")
+
+
+def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    """Raise ProtocolError unless ``resp`` is a well-formed answer to ``req``."""
+    gamma, sampled = len(req.draft), req.temperature > 0
+    if req.suppress_ids is not None:
+        _check_kept(resp.kept_mass, 1 if req.score_ids is not None else gamma + 1)
+    if req.score_ids is not None:
+        _check_logprobs("score_logprobs", resp.score_logprobs, (len(req.score_ids),))
+        return
+    _check_asked_logprobs(resp, req, vocab_size)
+    if req.mode == Mode.AUTOREGRESSIVE.value and sampled:
+        if resp.samples is None or resp.samples.shape != (1,):
+            raise ProtocolError("samples missing or of the wrong shape, expected (1,)")
+        check_ids(np.asarray(resp.samples), vocab_size, "samples")
+        if req.return_probs:
+            _check_probs(resp, vocab_size, 1)
+    elif req.mode == Mode.SPLIT.value:
+        _check_split(resp, vocab_size, gamma, greedy=not sampled)
+    elif req.mode == Mode.EXACT.value and sampled:
+        _check_exact(resp, req, vocab_size)
+    else:
+        _check_probs(resp, vocab_size, gamma + 1)
+
+
+def _check_split(resp: VerifyResponse, vocab_size: int, gamma: int, greedy: bool) -> None:
+    if not 0 <= resp.num_accepted <= gamma:
+        raise ProtocolError(f"num_accepted {resp.num_accepted} outside [0, {gamma}]")
+    if resp.num_accepted == gamma or greedy:
+        check_ids(np.array([resp.bonus]), vocab_size, "bonus")
+    else:
+        _check_probs(resp, vocab_size, 1)
+
+
+def _check_exact(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    gamma = len(req.draft)
+    size = int(np.asarray(req.support_sizes).sum()) if gamma else 0
+    probs, mass, samples = resp.support_probs, resp.complement, resp.complement_samples
+    if probs is None or mass is None or samples is None:
+        raise ProtocolError("exact answers need support_probs, complement and complement_samples")
+    if probs.shape != (size,) or mass.shape != (gamma,) or samples.shape != (gamma,):
+        raise ProtocolError(f"exact arrays of shapes {probs.shape}, {mass.shape}, {samples.shape}; expected ({size},), ({gamma},), ({gamma},)")
+    for name, arr in (("support_probs", probs), ("complement", mass)):
+        if not np.all(np.isfinite(arr)) or arr.min(initial=0) < 0 or arr.max(initial=0) > 1 + 1e-3:
+            raise ProtocolError(f"{name}: values must be finite probabilities in [0, 1]")
+    if np.any((samples < 0) & (mass > 0)) or samples.max(initial=-1) >= vocab_size or samples.min(initial=-1) < -1:
+        raise ProtocolError("complement_samples must be token ids, −1 only where the complement is empty")
+    check_ids(np.array([resp.bonus]), vocab_size, "bonus")
+
+
+def _check_probs(resp: VerifyResponse, vocab_size: int, num_positions: int) -> None:
+    if resp.probs is None or resp.tail_mass is None:
+        raise ProtocolError("probs and tail_mass are missing")
+    probs = np.asarray(resp.probs)
+    width = vocab_size if resp.ids is None else resp.ids.shape[-1]
+    if probs.shape != (num_positions, width):
+        raise ProtocolError(f"probs shape {probs.shape}, expected {(num_positions, width)}")
+    if resp.ids is not None:
+        check_ids(np.asarray(resp.ids), vocab_size, "ids")
+    checked = [("probs", probs), ("tail_mass", resp.tail_mass)]
+    if resp.recon_error is not None:
+        checked.append(("recon_error", resp.recon_error))
+    for name, arr in checked[1:]:
+        if arr.shape != (num_positions,):
+            raise ProtocolError(f"{name} shape {arr.shape}, expected {(num_positions,)}")
+    for name, arr in checked:
+        if not np.all(np.isfinite(arr)) or arr.min(initial=0) < 0 or arr.max(initial=0) > 1 + 1e-3:
+            raise ProtocolError(f"{name}: values must be finite probabilities in [0, 1]")
+    if not np.all(probs.sum(axis=-1) <= 1 + 1e-2):
+        raise ProtocolError("probs: a position sums to more than 1")
+
+
+def _check_asked_logprobs(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    """What ``logprobs`` / ``score_tokens`` added to an answer: present, shaped, log-probabilities."""
+    gamma, top = len(req.draft), req.logprobs
+    if req.score_tokens:
+        rows = max(len(req.tokens) - 1, 0)
+        _check_logprobs("prompt_logprobs", resp.prompt_logprobs, (rows,))
+        if top:
+            _check_top(resp.prompt_top_ids, resp.prompt_top_logprobs, (rows, top), vocab_size, "prompt_top")
+    if top is None:
+        return
+    if req.mode == Mode.SPLIT.value:
+        _check_logprobs("draft_logprobs", resp.draft_logprobs, (gamma,))
+        if resp.num_accepted == gamma or req.temperature == 0:
+            _check_logprobs("sample_logprobs", resp.sample_logprobs, (1,))
+    if req.mode == Mode.EXACT.value and req.temperature > 0:
+        _check_logprobs("sample_logprobs", resp.sample_logprobs, (gamma + 1,))
+    if top and req.mode in (Mode.SPLIT.value, Mode.EXACT.value):
+        _check_top(resp.top_ids, resp.top_logprobs, (gamma + 1, top), vocab_size, "top")
+
+
+def _check_kept(kept: np.ndarray | None, rows: int) -> None:
+    if kept is None or kept.shape != (rows,):
+        raise ProtocolError(f"kept_mass missing or of the wrong shape, expected ({rows},)")
+    if not np.all(np.isfinite(kept)) or kept.min(initial=0) < 0 or kept.max(initial=0) > 1 + 1e-3:
+        raise ProtocolError("kept_mass: values must be finite probabilities in [0, 1]")
+
+
+def _check_logprobs(name: str, values: np.ndarray | None, shape: tuple[int, ...]) -> None:
+    if values is None or values.shape != shape:
+        raise ProtocolError(f"{name} missing or of the wrong shape, expected {shape}")
+    if np.any(np.isnan(values)) or values.max(initial=0) > 1e-3:
+        raise ProtocolError(f"{name}: values must be log-probabilities (≤ 0)")
+
+
+def _check_top(ids: np.ndarray | None, values: np.ndarray | None, shape: tuple[int, int], vocab_size: int, name: str) -> None:
+    if ids is None or ids.shape != shape:
+        raise ProtocolError(f"{name}_ids missing or of the wrong shape, expected {shape}")
+    check_ids(np.asarray(ids), vocab_size, f"{name}_ids")
+    _check_logprobs(f"{name}_logprobs", values, shape)

@@ -1,0 +1,196 @@
+"""Protocol v1's messages (DESIGN §4): every field with its meaning, unit and shape.
+
+Paths (all under the worker's base URL):
+    GET    /v1/info               -> InfoResponse        (JSON)
+    POST   /v1/verify             VerifyRequest -> VerifyResponse (binary, or JSON on request)
+    DELETE /v1/sessions/{id}      -> 204
+    GET    /health, GET /metrics
+
+Encodings. Every message has two: compact binary (the default, ``core.protocol.frame``) and JSON
+(for debugging; the client asks for it with ``Content-Type`` / ``Accept: application/json``).
+Errors always travel as JSON in the OpenAI envelope (``ErrorBody``), whatever was asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import orjson
+
+from core.errors import ProtocolError
+from core.names import Mode, ProbsDtype, Reconstruction
+from core.protocol.frame import Message, loads, messages_equal, prefix_hash
+
+SERVED_MODES = (Mode.AGGREGATE.value, Mode.AUTOREGRESSIVE.value, Mode.SPLIT.value, Mode.EXACT.value)
+RECONSTRUCTIONS = tuple(r.value for r in Reconstruction)
+MAX_LOGPROBS = 20  # top-n alternatives per position, as OpenAI's API caps them
+
+
+@dataclass(frozen=True)
+class InfoResponse(Message):
+    """``GET /v1/info``: what a worker serves. The gateway refuses a worker whose
+    ``tokenizer_fingerprint`` or ``vocab_size`` differs from the draft's."""
+
+    protocol_version: int  # PROTOCOL_VERSION of the worker
+    modes: list[str]  # Mode values this worker can verify for
+    model_id: str  # what was loaded: a path, hub id or builtin name
+    vocab_size: int  # |V|: rows of the LM head
+    tokenizer_fingerprint: str  # sha256 of id->token bytes, merges and special tokens
+    eos_ids: list[int]  # token ids that end generation
+    max_context: int  # tokens one session may hold (prefix + appended + draft)
+    backend: str  # Backend value
+    layer_range: list[int] | None = None  # [first, end) for a pipeline stage; None = whole model
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyRequest(Message):
+    """``POST /v1/verify``: append tokens to a session and score the draft.
+
+    The worker crops the session to ``prefix_len`` (checking ``prefix_hash``), appends
+    ``tokens`` then ``draft``, and answers for the γ+1 positions that predict ``draft[0..γ-1]``
+    and the bonus token (DESIGN §3.1), by ``mode``:
+
+    - ``aggregate``: T(p_n) at each position, full or top-k, with σ_n and e_n;
+    - ``autoregressive`` (γ = 0): at T > 0 one token z_n ~ T(p_n) drawn from the stream
+      (seed, choice, position, WORKER_SAMPLE, worker); at T = 0 the top-k of softmax(l_n)
+      for the gateway's certification. ``return_probs`` adds the distribution to a sample.
+    - ``split`` (DSSD): the worker runs the accept test with ``draft_probs`` and its own
+      stream, and returns the number accepted and the bonus token, or T(p) at the first
+      rejected position (full or top-k);
+    - ``exact``: per draft position, p_n on the draft's support S_j, the complement mass
+      c_n and one complement sample y_n ~ p_n(· | x ∉ S_j); and a bonus sample z_n ~ p_n.
+      At T = 0 it answers like ``aggregate`` (top-k, for certification).
+
+    Positions are absolute: the token decided at slot j has index prefix_len + num_new + j.
+    """
+
+    ARRAYS: ClassVar[dict[str, str]] = {
+        "tokens": "ids", "draft": "ids", "draft_probs": "f32", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids",
+        "suppress_ids": "ids",
+    }
+    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "suppress_until"})
+
+    session_id: str  # the gateway's id of this session (request, choice, worker)
+    prefix_len: int  # tokens, ≥ 0: the agreed prefix the worker must already hold
+    prefix_hash: str  # prefix_hash(agreed[:prefix_len]); "" when prefix_len == 0
+    tokens: np.ndarray  # [num_new] int: agreed tokens the worker does not hold yet
+    draft: np.ndarray  # [γ] int: draft tokens to score (cached too, not agreed)
+    temperature: float = 1.0  # ≥ 0; 0 = greedy (distributions are then softmax(logits))
+    top_k: int = 0  # ≥ 0; 0 = no top-k truncation of the target
+    top_p: float = 1.0  # (0, 1]; 1 = no nucleus truncation
+    k: int | None = None  # entries per position to return; None = the full distribution
+    probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of the returned probabilities
+    mode: str = Mode.AGGREGATE.value  # "aggregate" or "autoregressive"
+    reconstruction: str = Reconstruction.RENORMALIZE.value  # how the gateway rebuilds p̂_n from top-k: e_n depends on it
+    seed: int = 0  # the request's seed, 0 ≤ seed < 2**63: keys the worker's random streams
+    choice: int = 0  # the choice index (of n) this session generates
+    worker: int = 0  # this worker's index in the gateway's federation
+    return_probs: bool = True  # autoregressive at T > 0: also send the distribution
+    draft_probs: np.ndarray | None = None  # [γ] f32, split: q̂_j(x_j) of each draft token
+    support_ids: np.ndarray | None = None  # [Σ_j s_j] int, exact: S_j of every draft position, concatenated
+    support_sizes: np.ndarray | None = None  # [γ] i32, exact: s_j = |S_j|
+    logprobs: int | None = None  # None: none; n ≥ 0: log T(p_n) of what only the worker knows (its samples; split: the draft tokens) and its top-n per scored position
+    score_tokens: bool = False  # echo: also score ``tokens`` themselves (the rows predicting tokens[1:]); needs prefix_len 0
+    score_ids: np.ndarray | None = None  # [m] int: answer only log T(p_n) of these ids at the one scored position (γ = 0)
+    suppress_ids: np.ndarray | None = None  # [e] int, min_tokens: ids (EOS) removed from T(p_n) at positions < suppress_until
+    suppress_until: int = 0  # absolute position: the scored positions below it answer for T(p_n) without suppress_ids, renormalised
+
+    @classmethod
+    def after(cls, session_id: str, agreed: list[int], tokens: list[int], draft: list[int], **params: Any) -> VerifyRequest:
+        """The request that appends ``tokens`` + ``draft`` to a session holding ``agreed``."""
+        return cls(
+            session_id=session_id,
+            prefix_len=len(agreed),
+            prefix_hash=prefix_hash(agreed),
+            tokens=np.asarray(tokens, dtype=np.int64),
+            draft=np.asarray(draft, dtype=np.int64),
+            **params,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return messages_equal(self, other)
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyResponse(Message):
+    """The worker's answer at the γ+1 scored positions, compressed as asked."""
+
+    ARRAYS: ClassVar[dict[str, str]] = {
+        "ids": "ids", "probs": "probs", "tail_mass": "f32", "recon_error": "f32", "samples": "i32",
+        "support_probs": "f32", "complement": "f32", "complement_samples": "i32",
+        "draft_logprobs": "f32", "sample_logprobs": "f32", "top_ids": "ids", "top_logprobs": "f32",
+        "prompt_logprobs": "f32", "prompt_top_ids": "ids", "prompt_top_logprobs": "f32", "score_logprobs": "f32",
+        "kept_mass": "f32",
+    }
+
+    held: int  # tokens the worker holds after the call: prefix_len + num_new + γ
+    probs: np.ndarray | None = None  # [γ+1, k] (with ids) or [γ+1, V] (k = full): T(p_n)
+    tail_mass: np.ndarray | None = None  # [γ+1] f32: σ_n, mass outside the sent ids; 0 for full
+    ids: np.ndarray | None = None  # [γ+1, k] int: token ids of ``probs``, by falling prob
+    recon_error: np.ndarray | None = None  # [γ+1] f32: e_n = TV(p̂_n, p_n) for the asked reconstruction
+    samples: np.ndarray | None = None  # [γ+1] i32: z_n ~ T(p_n) (autoregressive, T > 0)
+    num_accepted: int = -1  # split: draft tokens the worker accepted; -1 in other modes
+    bonus: int = -1  # split: the bonus token when all were accepted; exact: z_n ~ p_n at slot γ
+    support_probs: np.ndarray | None = None  # [Σ_j s_j] f32, exact: p_n on each S_j, as sent
+    complement: np.ndarray | None = None  # [γ] f32, exact: c_n = Σ_{x∉S_j} p_n(x), summed directly
+    complement_samples: np.ndarray | None = None  # [γ] i32, exact: y_n ~ p_n(· | x ∉ S_j); −1 if c_n = 0
+    probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of ``probs``
+    model_ms: float = 0.0  # milliseconds the worker spent in its model for this call
+    # only when the request asks for ``logprobs`` (every value a natural log of T(p_n)):
+    draft_logprobs: np.ndarray | None = None  # [γ] f32, split: of each draft token at its position
+    sample_logprobs: np.ndarray | None = None  # exact: [γ+1] f32, of y_n per draft position (0 where none) then z_n; split: [1], of the bonus
+    top_ids: np.ndarray | None = None  # [γ+1, n] int: the n most likely ids per scored position
+    top_logprobs: np.ndarray | None = None  # [γ+1, n] f32: their log-probabilities
+    prompt_logprobs: np.ndarray | None = None  # [num_new − 1] f32, score_tokens: of tokens[i+1] after tokens[..i]
+    prompt_top_ids: np.ndarray | None = None  # [num_new − 1, n] int, score_tokens: top-n there
+    prompt_top_logprobs: np.ndarray | None = None  # [num_new − 1, n] f32
+    score_logprobs: np.ndarray | None = None  # [m] f32, score_ids: of each asked id at the scored position
+    # only when the request has ``suppress_ids``:
+    kept_mass: np.ndarray | None = None  # [γ+1] f32 (score_ids: [1]): κ_n, the mass T(p_n) kept off them (1 where not suppressed)
+
+    def array_dtype(self, name: str, vocab_size: int) -> str:
+        if name == "probs":
+            return "f16" if self.probs_dtype == ProbsDtype.FP16.value else "f32"
+        return super().array_dtype(name, vocab_size)
+
+    @property
+    def num_positions(self) -> int:
+        present = self.probs if self.probs is not None else self.samples
+        return 0 if present is None else int(present.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        return messages_equal(self, other)
+
+
+@dataclass(frozen=True)
+class ErrorBody(Message):
+    """Every error, in the OpenAI envelope: ``{"error": {...}}`` (+ ``held`` for 409)."""
+
+    message: str  # what was wrong, for a person
+    type: str  # "invalid_request_error", "session_short", "server_error", ...
+    param: str | None = None  # the offending field, when one is to blame
+    code: str | None = None  # machine-readable code, e.g. "session_short"
+    held: int | None = None  # session_short only: agreed tokens the worker holds
+
+    def to_json(self) -> bytes:
+        err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        body: dict[str, Any] = {"error": err}
+        if self.held is not None:
+            body["held"] = self.held
+        return orjson.dumps(body)
+
+    @classmethod
+    def from_json(cls, body: bytes) -> ErrorBody:
+        data = loads(body)
+        err = data.get("error")
+        if not isinstance(err, dict) or not isinstance(err.get("message"), str):
+            raise ProtocolError("error body without an 'error.message'")
+        return cls(
+            message=err["message"],
+            type=str(err.get("type", "")),
+            param=err.get("param"),
+            code=err.get("code"),
+            held=data.get("held"),
+        )
