@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from app.service import ApiError
+from app.errors import ApiError
 
 Release = Callable[[], None]
 

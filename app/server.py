@@ -28,7 +28,8 @@ from app.draft import DraftModel
 from app.metrics import GatewayMetrics
 from app.pool import Expected, WorkerError, WorkerPool
 from app.schemas import ChatCompletionRequest, CompletionRequest
-from app.service import ApiError, ChoiceEvent, Gateway, Job
+from app.errors import ApiError
+from app.service import ChoiceEvent, Gateway, Job
 from core.config import SpecgateConfig
 from core.runners import ModelRunner, load_runner
 from core.serving import Guard

@@ -18,6 +18,7 @@ from typing import Any
 
 from app.adaptive import DEFAULT_GAMMA
 from app.draft import DraftModel
+from app.errors import ApiError
 from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions, TokenLogprob
 from app.metrics import GatewayMetrics
 from app.pool import WorkerError, WorkerPool
@@ -29,17 +30,6 @@ from core.math.sampling import MIN_TEMPERATURE, SamplingParams
 from core.names import Mode
 
 log = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    """An error for the client, in the OpenAI envelope."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 # which fields of the ``speculative`` object each mode accepts (DESIGN §3)

@@ -26,6 +26,7 @@ import torch
 from core.errors import ModelLoadError
 from core.names import Backend
 from core.runners.base import ModelRunner, RunnerInfo, common_prefix
+from core.runners.llama_cpp_tools import quiet_llama_cpp
 from core.runners.models import ModelSource
 from core.runners.tokenizer import eos_ids
 
@@ -191,13 +192,6 @@ class LlamaCppRunner(ModelRunner):
 
 
 _OUTPUT_ROWS = 65  # logits rows one decode keeps at most in practice: a draft of 64 + 1
-
-
-def quiet_llama_cpp() -> None:
-    """Route llama.cpp's own log lines (load, quantize, context sizes) to errors only."""
-    from llama_cpp._logger import set_verbose
-
-    set_verbose(False)
 
 
 def _load_model(internals: Any, llama_cpp: Any, path: str) -> Any:

@@ -13,18 +13,15 @@ written under a temporary name and renamed, so two processes starting at once ar
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import logging
 import os
-import sys
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import ModelLoadError
+from core.runners.llama_cpp_tools import quantize_gguf
 
 log = logging.getLogger(__name__)
 
@@ -136,37 +133,3 @@ def requantized(name: str) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return target
-
-
-def quantize_gguf(source: Path, target: Path, ftype: int) -> None:
-    """Requantize ``source`` into ``target`` with llama.cpp's own quantizer."""
-    import llama_cpp
-
-    from core.runners.llama_cpp_runner import quiet_llama_cpp
-
-    quiet_llama_cpp()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.allow_requantize = True
-    params.nthread = os.cpu_count() or 1
-    # the quantizer writes its notes (fallback types for odd-sized tensors) to the C stderr past
-    # the log callback: kept out of a normal start, shown when it fails
-    with tempfile.TemporaryFile() as notes, _c_stderr_to(notes.fileno()):
-        status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
-        notes.seek(0)
-        said = notes.read().decode(errors="replace").strip()
-    if status != 0:
-        raise ModelLoadError(f"llama.cpp could not quantize {source} to {target} (status {status}): {said[-500:]}")
-
-
-@contextlib.contextmanager
-def _c_stderr_to(fd: int) -> Iterator[None]:
-    """File descriptor 2 (what C code writes to) pointed at ``fd`` for the block."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        os.dup2(fd, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)

@@ -1,0 +1,52 @@
+"""llama.cpp helpers that load no model: its log level, and its own quantizer (the built-in
+draft is a requantization of the shipped GGUF, made at first start and cached)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from core.errors import ModelLoadError
+
+
+def quiet_llama_cpp() -> None:
+    """Route llama.cpp's own log lines (load, quantize, context sizes) to errors only."""
+    from llama_cpp._logger import set_verbose
+
+    set_verbose(False)
+
+
+def quantize_gguf(source: Path, target: Path, ftype: int) -> None:
+    """Requantize ``source`` into ``target`` with llama.cpp's own quantizer."""
+    import llama_cpp
+
+    quiet_llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = os.cpu_count() or 1
+    # the quantizer writes its notes (fallback types for odd-sized tensors) to the C stderr past
+    # the log callback: kept out of a normal start, shown when it fails
+    with tempfile.TemporaryFile() as notes, _c_stderr_to(notes.fileno()):
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
+        notes.seek(0)
+        said = notes.read().decode(errors="replace").strip()
+    if status != 0:
+        raise ModelLoadError(f"llama.cpp could not quantize {source} to {target} (status {status}): {said[-500:]}")
+
+
+@contextlib.contextmanager
+def _c_stderr_to(fd: int) -> Iterator[None]:
+    """File descriptor 2 (what C code writes to) pointed at ``fd`` for the block."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
