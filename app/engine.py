@@ -20,7 +20,8 @@ import torch
 
 from app.adaptive import GammaController
 from app.draft import Draft, DraftModel
-from app.pool import Traffic, WorkerError, WorkerPool
+from app.targets.base import Traffic, WorkerError
+from app.targets.pool import TargetSet
 from core.math.aggregation import aggregate, bias_bound, kept_weights, merge_top_logprobs, mixed_logprob, mixed_probability, normalise_weights, reconstruct
 from core.math.greedy import certify_argmax
 from core.math.random import Purpose, sample_index, uniform, uniforms
@@ -28,6 +29,7 @@ from core.math.relaxed import Relaxation, relaxation_factor_on_support, relaxati
 from core.math.sampling import SamplingParams, Suppression
 from core.math.exact import ExactPosition, verify_exact
 from core.math.speculative import Verdict, argmax_lowest, residual, verify_greedy, verify_sampled
+from core.modes import MODES
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
 
@@ -192,7 +194,7 @@ class _Round:
 
 
 class Engine:
-    def __init__(self, draft: DraftModel, pool: WorkerPool, eos_ids: list[int], max_context: int) -> None:
+    def __init__(self, draft: DraftModel, pool: TargetSet, eos_ids: list[int], max_context: int) -> None:
         self.draft = draft
         self.pool = pool
         self.eos_ids = set(eos_ids)
@@ -208,7 +210,8 @@ class Engine:
         agreed = [0] * len(self.pool.workers)
         ahead: Draft | None = None  # the next round's draft, prepared during this round's flight
         suppression = self._suppression(req)
-        auto = GammaController(req.spec.overlap) if req.spec.auto_gamma and not req.seeded and mode.drafts else None
+        drafts = MODES[req.spec.mode].drafts
+        auto = GammaController(req.spec.overlap) if req.spec.auto_gamma and not req.seeded and drafts else None
         try:
             if req.prompt_logprobs is not None:
                 yield await self._score_prompt(session_id, req)
@@ -219,7 +222,7 @@ class Engine:
                     yield RoundResult([], drafted=0, accepted=0, traffic=Traffic(), finish_reason="length")
                     return
                 wanted = auto.choose() if auto is not None else req.spec.num_draft_tokens
-                gamma = min(wanted, room - 1) if mode.drafts else 0
+                gamma = min(wanted, room - 1) if drafts else 0
                 started = time.perf_counter()
                 used = ahead is not None
                 draft = Draft(ahead.tokens[:gamma], ahead.probs[:gamma]) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression)
@@ -229,7 +232,7 @@ class Engine:
                     draft = Draft(draft.tokens[:scorable], draft.probs[:scorable])
                 drafted = time.perf_counter()
                 rnd = _Round(self, req, session_id, sequence, agreed, draft, Traffic(), suppression)
-                preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression) if req.spec.overlap and mode.drafts else None
+                preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression) if req.spec.overlap and drafts else None
                 try:
                     result = await mode.run(rnd)
                 except BaseException:
@@ -347,8 +350,6 @@ class Engine:
 
 
 class _Mode:
-    drafts = True
-
     async def run(self, rnd: _Round) -> RoundResult:
         raise NotImplementedError
 
@@ -357,8 +358,6 @@ class AutoregressiveMode(_Mode):
     """The baseline: one target position per round. At T > 0 each worker sends its own sample
     z_n ~ T(p_n) and the gateway emits z_n with n ~ w (lossless, 4 bytes); at T = 0 workers
     send top-k and the gateway certifies the mixture's argmax, asking again with a larger k."""
-
-    drafts = False
 
     async def run(self, rnd: _Round) -> RoundResult:
         req = rnd.req
@@ -597,7 +596,7 @@ def token_logprobs(
     return out
 
 
-async def _all_workers(pool: WorkerPool, requests: list[VerifyRequest], agreed: list[int]) -> list[tuple[VerifyResponse, Traffic]]:
+async def _all_workers(pool: TargetSet, requests: list[VerifyRequest], agreed: list[int]) -> list[tuple[VerifyResponse, Traffic]]:
     """One call per worker, at once; one failure cancels the others."""
     try:
         async with asyncio.TaskGroup() as group:

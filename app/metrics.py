@@ -22,7 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from app.engine import RoundResult
-from app.pool import FAILURE_KINDS, WorkerPool
+from app.targets.base import FAILURE_KINDS
+from app.targets.pool import TargetSet
 
 if TYPE_CHECKING:  # admission → service → metrics: only the type is needed here
     from app.admission import Admission
@@ -68,7 +69,7 @@ class GatewayMetrics:
         for histogram in (self.ttft, self.itl, self.e2e):
             histogram.labels(mode)
 
-    def watch(self, pool: WorkerPool) -> None:
+    def watch(self, pool: TargetSet) -> None:
         """Read the pool's own counters at scrape time, and time its calls."""
         self.registry.register(_PoolCollector(pool))
         pool.on_call = lambda worker, seconds: self.round_latency.labels(worker).observe(seconds)
@@ -100,7 +101,7 @@ class GatewayMetrics:
 
 
 class _PoolCollector(Collector):
-    def __init__(self, pool: WorkerPool) -> None:
+    def __init__(self, pool: TargetSet) -> None:
         self.pool = pool
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

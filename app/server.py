@@ -26,7 +26,8 @@ from app.adaptive import MAX_AUTO_GAMMA
 from app.admission import Admission, Release
 from app.draft import DraftModel
 from app.metrics import GatewayMetrics
-from app.pool import Expected, WorkerError, WorkerPool
+from app.targets.base import Expected, WorkerError
+from app.targets.pool import TargetSet
 from app.schemas import ChatCompletionRequest, CompletionRequest
 from app.errors import ApiError
 from app.service import ChoiceEvent, Gateway, Job
@@ -56,7 +57,7 @@ def create_app(
             draft = config.draft
             runner = await asyncio.to_thread(load_runner, draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads)
             await asyncio.to_thread(lambda: runner.fingerprint)
-        pool = WorkerPool.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size, runner.tokenizer), transport)
+        pool = TargetSet.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size, runner.tokenizer), transport)
         metrics.watch(pool)
         gateway = Gateway(config, DraftModel(runner), pool, metrics)
         app.state.gateway = gateway

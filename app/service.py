@@ -21,24 +21,18 @@ from app.draft import DraftModel
 from app.errors import ApiError
 from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions, TokenLogprob
 from app.metrics import GatewayMetrics
-from app.pool import WorkerError, WorkerPool
+from app.targets.base import WorkerError
+from app.targets.pool import TargetSet
 from app.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeParams
 from app.text import IncrementalDetokenizer, StopMatcher
-from core.config import ENGINE_MODES, SERVED_MODES, SpecgateConfig
+from core.config import SpecgateConfig
+from core.modes import MODES, SERVED_MODES
 from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
 from core.names import Mode
 
 log = logging.getLogger(__name__)
 
-
-# which fields of the ``speculative`` object each mode accepts (DESIGN §3)
-_MODE_FIELDS = {
-    Mode.AUTOREGRESSIVE: {"mode"},
-    Mode.AGGREGATE: {"mode", "num_draft_tokens", "k", "reconstruction", "draft_top_k", "draft_top_p", "overlap", "relaxation"},
-    Mode.SPLIT: {"mode", "num_draft_tokens", "k", "draft_top_k", "draft_top_p", "overlap"},
-    Mode.EXACT: {"mode", "num_draft_tokens", "draft_top_k", "draft_top_p", "overlap", "relaxation"},
-}
 _EXACT_DRAFT_TOP_K = 32  # exact needs a truncated draft (DESIGN §3.5)
 
 
@@ -92,7 +86,7 @@ class Usage:
     def vllm_metrics(self) -> dict[str, Any] | None:
         """vLLM's per-request ``metrics.speculative_decoding`` (what AIPerf reads), from the
         same counters as the ``speculative`` block; None in a mode that drafts nothing."""
-        if self.spec.mode is Mode.AUTOREGRESSIVE:
+        if not MODES[self.spec.mode].drafts:
             return None
         steps = sum(self.acceptance_histogram)
         num_spec_tokens = max(self.gammas, default=self.spec.num_draft_tokens) if self.spec.auto_gamma else self.spec.num_draft_tokens
@@ -111,8 +105,8 @@ class Usage:
         spec = self.spec
         block: dict[str, Any] = {
             "mode": spec.mode.value,
-            "num_draft_tokens": 0 if spec.mode is Mode.AUTOREGRESSIVE else "auto" if spec.auto_gamma else spec.num_draft_tokens,
-            "k": ("full" if spec.k is None else spec.k) if spec.mode in (Mode.AGGREGATE, Mode.SPLIT) else None,
+            "num_draft_tokens": 0 if not MODES[spec.mode].drafts else "auto" if spec.auto_gamma else spec.num_draft_tokens,
+            "k": ("full" if spec.k is None else spec.k) if MODES[spec.mode].takes_k else None,
             "rounds": self.rounds,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
@@ -129,7 +123,7 @@ class Usage:
             "logprobs_source": "target" if spec.is_lossless else "reconstruction",
             "overlap": spec.overlap,
         }
-        if spec.auto_gamma and spec.mode is not Mode.AUTOREGRESSIVE:  # seeded: fixed (the output depends on γ)
+        if spec.auto_gamma and MODES[spec.mode].drafts:  # seeded: fixed (the output depends on γ)
             block["gamma_chosen_mean"] = sum(self.gammas) / len(self.gammas) if self.gammas else float(spec.num_draft_tokens)
             block["gamma_auto"] = bool(self.gammas)
         if spec.relaxation is not None:  # DSD's relaxed verification: lossy by exactly τ (1 − β) per position
@@ -194,7 +188,7 @@ class Job:
 class Gateway:
     """What the gateway app holds: config, draft, workers, engine. Built by ``create_app``."""
 
-    def __init__(self, config: SpecgateConfig, draft: DraftModel, pool: WorkerPool, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: SpecgateConfig, draft: DraftModel, pool: TargetSet, metrics: GatewayMetrics) -> None:
         self.config = config
         self.draft = draft
         self.pool = pool
@@ -304,14 +298,15 @@ class Gateway:
         mode = Mode(given.get("mode", base.mode))
         if mode not in SERVED_MODES:
             raise ApiError(400, f"speculative.mode {mode.value!r} is not available: use one of {[m.value for m in SERVED_MODES]}", "speculative.mode")
-        extra = sorted(set(given) - _MODE_FIELDS[mode])
+        takes = MODES[mode]
+        extra = sorted(set(given) - takes.fields)
         if extra:
             raise ApiError(400, f"mode {mode.value!r} does not take {extra}", f"speculative.{extra[0]}")
         engines = [w.name for w in self.pool.workers if w.is_engine]
-        if engines and mode not in ENGINE_MODES:
+        if engines and not takes.engines:
             raise ApiError(400, f"mode {mode.value!r} needs specgate workers; {engines[0]} is an openai-logprobs engine (it serves autoregressive and aggregate)", "speculative.mode")
-        if mode is Mode.SPLIT and len(self.pool.workers) != 1:
-            raise ApiError(400, f"split verifies on one worker; this gateway has {len(self.pool.workers)}", "speculative.mode")
+        if takes.one_worker and len(self.pool.workers) != 1:
+            raise ApiError(400, f"{mode.value} verifies on one worker; this gateway has {len(self.pool.workers)}", "speculative.mode")
         k = given.get("k", base.k)
         gamma = given.get("num_draft_tokens", base.num_draft_tokens)
         top_k = given.get("draft_top_k", base.draft_top_k)
@@ -323,12 +318,12 @@ class Gateway:
             num_draft_tokens=DEFAULT_GAMMA if gamma == "auto" else gamma,
             auto_gamma=gamma == "auto",
             relaxation=Relaxation(**given["relaxation"]) if "relaxation" in given else None,
-            k=None if k == "full" or mode is Mode.EXACT else k,
+            k=None if k == "full" or not takes.takes_k else k,
             reconstruction=given.get("reconstruction", base.reconstruction),
             draft_top_k=top_k or 0,
             draft_top_p=1.0 if top_p is None else top_p,
             engine_targets=bool(engines),
-            overlap=mode is not Mode.AUTOREGRESSIVE and given.get("overlap", base.overlap),
+            overlap="overlap" in takes.fields and given.get("overlap", base.overlap),
         )
 
     # ----------------------------------------------------------------- running

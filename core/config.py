@@ -28,11 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from core.errors import ConfigError
+from core.modes import ENGINE_MODES, SERVED_MODES
 from core.names import Backend, Mode, Reconstruction, TargetType
 
 FIRST_LOCAL_PORT = 8101
-SERVED_MODES = (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT)  # tree, pipeline: later
-ENGINE_MODES = (Mode.AUTOREGRESSIVE, Mode.AGGREGATE)  # what openai-logprobs targets can take part in
 
 
 class DraftConfig(BaseModel):

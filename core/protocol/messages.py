@@ -20,10 +20,11 @@ import numpy as np
 import orjson
 
 from core.errors import ProtocolError
+from core.modes import SERVED_MODES as MODES_SERVED
 from core.names import Mode, ProbsDtype, Reconstruction
 from core.protocol.frame import Message, loads, messages_equal, prefix_hash
 
-SERVED_MODES = (Mode.AGGREGATE.value, Mode.AUTOREGRESSIVE.value, Mode.SPLIT.value, Mode.EXACT.value)
+SERVED_MODES = tuple(m.value for m in MODES_SERVED)  # what a worker answers (core.modes)
 RECONSTRUCTIONS = tuple(r.value for r in Reconstruction)
 MAX_LOGPROBS = 20  # top-n alternatives per position, as OpenAI's API caps them
 

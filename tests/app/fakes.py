@@ -12,7 +12,7 @@ import torch
 
 from app.draft import Draft, DraftModel
 from app.engine import Engine
-from app.pool import Traffic
+from app.targets.base import Traffic
 from core.math.sampling import SamplingParams, Suppression
 from core.protocol import (
     BINARY_CONTENT_TYPE,

@@ -15,8 +15,9 @@ import httpx
 import numpy as np
 import pytest
 
-from app.openai_target import OpenAITarget, TokenTable, parse_listing, token_id
-from app.pool import Expected, ReplicaFailure, WorkerPool
+from app.targets.base import Expected, ReplicaFailure
+from app.targets.openai_logprobs import EngineDialect, TokenTable, parse_listing, token_id
+from app.targets.pool import TargetSet
 from core.config import parse_config
 from core.errors import ConfigError
 from core.runners import ModelRunner, load_runner
@@ -64,9 +65,9 @@ async def _complete(client: httpx.AsyncClient, **body: Any) -> dict[str, Any]:
 
 async def _verify_both(engine: FakeEngine, worker_runner: ModelRunner, draft_runner: ModelRunner, req: VerifyRequest, agreed: list[int]) -> tuple[Any, Any]:
     config = parse_config({"workers": [ENGINE]})
-    pool = WorkerPool.from_config(config, Expected(draft_runner.fingerprint, draft_runner.info.vocab_size, draft_runner.tokenizer), engine.transport())
+    pool = TargetSet.from_config(config, Expected(draft_runner.fingerprint, draft_runner.info.vocab_size, draft_runner.tokenizer), engine.transport())
     target = pool.workers[0]
-    assert isinstance(target, OpenAITarget)
+    assert isinstance(target.dialect, EngineDialect)
     got, _ = await target.verify(req, agreed)
     await pool.close()
     sequence = [*agreed, *req.draft.tolist()]
@@ -121,11 +122,11 @@ async def test_min_tokens_removes_the_suppressed_ids_from_an_engines_rows(engine
 
 async def test_the_probe_learns_each_dialect(engine: FakeEngine, worker_runner: ModelRunner, tiny_runner: ModelRunner) -> None:
     config = parse_config({"workers": [ENGINE]})
-    pool = WorkerPool.from_config(config, Expected(tiny_runner.fingerprint, tiny_runner.info.vocab_size, tiny_runner.tokenizer), engine.transport())
+    pool = TargetSet.from_config(config, Expected(tiny_runner.fingerprint, tiny_runner.info.vocab_size, tiny_runner.tokenizer), engine.transport())
     report = await pool.check_all()
     await pool.close()
     assert report[0]["ready"], report
-    fmt = pool.workers[0].formats["http://engine:1"]  # type: ignore[attr-defined]
+    fmt = pool.workers[0].dialect.formats["http://engine:1"]  # type: ignore[attr-defined]
     if engine.dialect == "vllm":
         assert (fmt.ids_prompt, fmt.ids_tokens, fmt.unlisted, fmt.shifts) == (True, True, frozenset(), ((False, 0),))
         assert report[0]["max_context"] == 1024
@@ -263,7 +264,7 @@ async def test_an_engine_that_read_other_tokens_fails_loudly(
 async def test_drafts_stop_before_tokens_a_text_engine_cannot_score(engine_runner: ModelRunner, tiny_runner: ModelRunner) -> None:
     tokenizer = tiny_runner.tokenizer
     config = parse_config({"workers": [ENGINE]})
-    pool = WorkerPool.from_config(config, Expected(tiny_runner.fingerprint, tiny_runner.info.vocab_size, tokenizer), FakeEngine(engine_runner, "llama-cpp").transport())
+    pool = TargetSet.from_config(config, Expected(tiny_runner.fingerprint, tiny_runner.info.vocab_size, tokenizer), FakeEngine(engine_runner, "llama-cpp").transport())
     await pool.check_all()
     await pool.close()
     sequence = list(tokenizer.encode("The sea is"))

@@ -39,11 +39,12 @@ import numpy as np
 import orjson
 import torch
 
-from app.pool import Replica, ReplicaFailure, Traffic, WorkerClient, WorkerError, status_failure
+from app.targets.base import Channel, Expected, Replica, ReplicaFailure, Traffic, WorkerError, status_failure
 from core.config import WorkerEntry
 from core.math.random import Purpose, sample_index, uniform
 from core.math.sampling import SamplingParams, Suppression
 from core.math.tempering import temper_top_k
+from core.modes import ENGINE_MODES
 from core.names import Mode
 from core.errors import ProtocolError
 from core.protocol import PROTOCOL_VERSION, InfoResponse, VerifyRequest, VerifyResponse, check_verify_response
@@ -146,20 +147,24 @@ def token_id(text: str) -> int | None:
     return None
 
 
-class OpenAITarget(WorkerClient):
-    """A WorkerClient whose replicas are OpenAI-compatible engines: no sessions (each call sends
-    the whole sequence), ``/v1/models`` plus a probe instead of ``/v1/info``."""
+class EngineDialect:
+    """An OpenAI-compatible engine as a target: no sessions (each call sends the whole sequence),
+    ``/v1/models`` plus a probe instead of ``/v1/info``."""
 
-    health_path = None  # not every engine has /health: the check itself is the probe
+    health_path: str | None = None  # not every engine has /health: the check itself is the probe
     is_engine = True
 
-    def __init__(self, *args: Any, entry: WorkerEntry) -> None:
-        super().__init__(*args)
-        assert entry.model is not None and self.expected.tokenizer is not None
+    def __init__(self, name: str, channel: Channel, expected: Expected, entry: WorkerEntry) -> None:
+        assert entry.model is not None and expected.tokenizer is not None
+        self.name, self.channel, self.expected = name, channel, expected
         self.model, self.top_k, self.max_context = entry.model, entry.logprobs, entry.max_context
         self.formats: dict[str, EngineFormat] = {}  # by replica URL, once probed
         self._table: TokenTable | None = None
         self._pad_candidates: list[int] | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.expected.vocab_size
 
     @property
     def table(self) -> TokenTable:
@@ -171,7 +176,7 @@ class OpenAITarget(WorkerClient):
 
     # ----------------------------------------------------------------- the check
 
-    async def _fetch_info(self, replica: Replica) -> InfoResponse:
+    async def info(self, replica: Replica) -> InfoResponse:
         """``/v1/models``; the probe too the first time and after the circuit opened (an engine
         that came back may serve something else) — it scores a prompt, too slow for every check."""
         await asyncio.to_thread(lambda: self.table)
@@ -188,14 +193,14 @@ class OpenAITarget(WorkerClient):
                 self.name, replica.url, self.table.ambiguous, self.vocab_size,
             )
         return InfoResponse(
-            protocol_version=PROTOCOL_VERSION, modes=[Mode.AUTOREGRESSIVE.value, Mode.AGGREGATE.value],
+            protocol_version=PROTOCOL_VERSION, modes=[m.value for m in ENGINE_MODES],
             model_id=f"{self.model} (openai-logprobs)", vocab_size=self.vocab_size,
             tokenizer_fingerprint=self.expected.fingerprint, eos_ids=[], max_context=context, backend="openai-logprobs",
         )
 
     async def _model_context(self, replica: Replica) -> int:
         """``GET /v1/models``: the engine answers, and maybe says its context (vLLM's max_model_len)."""
-        resp = await self._request("GET", replica, "/v1/models")
+        resp = await self.channel.request("GET", replica, "/v1/models")
         if resp.status_code != 200:
             raise status_failure(resp.status_code, resp.content, "/v1/models")
         try:
@@ -317,12 +322,12 @@ class OpenAITarget(WorkerClient):
 
     # ----------------------------------------------------------------- verify
 
-    async def _verify_on(self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic) -> VerifyResponse:
-        if req.mode not in (Mode.AUTOREGRESSIVE.value, Mode.AGGREGATE.value):
+    async def verify(self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic) -> VerifyResponse:
+        if req.mode not in [m.value for m in ENGINE_MODES]:
             raise WorkerError(self.name, f"an openai-logprobs engine cannot verify in mode {req.mode!r}", 400)
         fmt = self.formats.get(replica.url)
-        if fmt is None:  # checked by _replica_for before any call; a probe reset it since
-            await self.check(replica)
+        if fmt is None:  # checked before any call; a probe reset it since
+            await self.info(replica)
             fmt = self.formats[replica.url]
         sequence = [*agreed[: req.prefix_len], *req.tokens.tolist()]
         draft = req.draft.tolist()
@@ -361,9 +366,9 @@ class OpenAITarget(WorkerClient):
         body = orjson.dumps(request)
         headers = {"content-type": "application/json"}
         if probe_call:  # not a round: no link emulation, no latency sample
-            resp = await self._request("POST", replica, "/v1/completions", content=body, headers=headers)
+            resp = await self.channel.request("POST", replica, "/v1/completions", content=body, headers=headers)
             return resp.status_code, resp.content
-        return await self._exchange(replica, "/v1/completions", body, headers, traffic)
+        return await self.channel.exchange(replica, "/v1/completions", body, headers, traffic)
 
     def _rows(self, entries: list[Entry], full: list[int], first: int, fmt: EngineFormat, greedy: bool) -> list[tuple[dict[int, float], float]]:
         """Logprobs by id at positions first … len(full) − 1 (the draft tokens, then the bonus
@@ -473,8 +478,5 @@ class OpenAITarget(WorkerClient):
             out.append((row, ceiling))
         return out, kept
 
-    async def delete_session(self, session_id: str) -> None:
+    async def free(self, replica: Replica, session_id: str) -> None:
         """Engines hold no session of ours."""
-        self.sessions.pop(session_id, None)
-        self.held.pop(session_id, None)
-

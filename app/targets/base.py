@@ -1,0 +1,188 @@
+"""What every target of the federation shares (DESIGN §1, §4, §8): the ``Target`` protocol the
+engine speaks to, the ``Dialect`` a kind of target is spoken in (a specgate worker, an
+OpenAI-compatible engine), the ``Channel`` a dialect's calls go through (one HTTP client, the
+emulated link, bytes counted), and the failures:
+
+    ReplicaFailure   one replica failed one call (kind: connect | timeout | transport | http_5xx
+                     | garbage | fingerprint | unauthorized | rejected); the session moves on
+    WorkerError      what the engine sees: no replica of a target is left, or the target refused
+                     the request itself (a 4xx every replica would give)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import httpx
+import numpy as np
+
+from core.config import LinkConfig
+from core.errors import ProtocolError, SpecgateError
+from core.protocol import ErrorBody, InfoResponse, VerifyRequest, VerifyResponse, prefix_hash
+
+FAILURE_KINDS = ("connect", "timeout", "transport", "http_5xx", "garbage", "fingerprint", "unauthorized", "rejected")
+
+
+class WorkerError(SpecgateError):
+    """A target that is down, timed out, or answered something unusable."""
+
+    def __init__(self, worker: str, message: str, status: int = 502) -> None:
+        super().__init__(f"worker {worker}: {message}")
+        self.worker = worker
+        self.status = status
+
+
+class ReplicaFailure(SpecgateError):
+    """One replica failed one call; ``kind`` is one of FAILURE_KINDS."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What every replica must serve: the draft's tokenizer and vocabulary."""
+
+    fingerprint: str
+    vocab_size: int
+    tokenizer: Any = None  # the draft's (HF) tokenizer: engine targets speak text and token strings
+
+
+@dataclass
+class Traffic:
+    """Bytes on the wire with one worker, both directions (DESIGN §4)."""
+
+    sent: int = 0
+    received: int = 0
+    calls: int = 0
+
+    def add(self, other: Traffic) -> None:
+        self.sent += other.sent
+        self.received += other.received
+        self.calls += other.calls
+
+
+@dataclass
+class Breaker:
+    """Closed until ``threshold`` failures in a row; then open (no calls) until a probe passes."""
+
+    threshold: int
+    failures: int = 0  # in a row
+
+    @property
+    def is_open(self) -> bool:
+        return self.failures >= self.threshold
+
+    def record(self, ok: bool) -> None:
+        self.failures = 0 if ok else self.failures + 1
+
+
+@dataclass
+class Replica:
+    url: str
+    breaker: Breaker
+    info: InfoResponse | None = None  # its /v1/info, once checked against Expected
+    last_error: str = ""
+    traffic: Traffic = field(default_factory=Traffic)
+
+
+class Channel:
+    """One target's way to its replicas: the shared HTTP client, its timeout, the emulated link
+    (delays each direction, never blocks the loop), the round-latency hook and the bytes."""
+
+    def __init__(self, name: str, client: httpx.AsyncClient, timeout: httpx.Timeout, link: LinkConfig | None = None) -> None:
+        self.name, self.client, self.timeout, self.link = name, client, timeout, link
+        self.traffic = Traffic()
+        self.on_call: Callable[[str, float], None] = lambda worker, seconds: None  # metrics hook
+
+    async def request(self, method: str, replica: Replica, path: str, **kwargs: Any) -> httpx.Response:
+        """One HTTP request; transport failures as ReplicaFailure (not a round: no link, no bytes)."""
+        try:
+            return await self.client.request(method, f"{replica.url}{path}", timeout=self.timeout, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise ReplicaFailure("timeout", f"{path} at {replica.url}: {describe(exc)}") from exc
+        except httpx.ConnectError as exc:
+            raise ReplicaFailure("connect", f"{path} at {replica.url}: {describe(exc)}") from exc
+        except httpx.HTTPError as exc:  # reset, closed mid-body, …
+            raise ReplicaFailure("transport", f"{path} at {replica.url}: {describe(exc)}") from exc
+
+    async def exchange(self, replica: Replica, path: str, body: bytes, headers: dict[str, str], traffic: Traffic) -> tuple[int, bytes]:
+        """One POST of a round: the emulated link, the round-latency hook, bytes both ways."""
+        if self.link is not None:
+            await asyncio.sleep(self.link.delay_s(len(body), upstream=True))
+        started = time.perf_counter()
+        resp = await self.request("POST", replica, path, content=body, headers=headers)
+        if self.link is not None:
+            await asyncio.sleep(self.link.delay_s(len(resp.content), upstream=False))
+        self.on_call(self.name, time.perf_counter() - started)
+        call = Traffic(len(body), len(resp.content), 1)
+        for t in (traffic, self.traffic, replica.traffic):
+            t.add(call)
+        return resp.status_code, resp.content
+
+
+class Dialect(Protocol):
+    """How one kind of target is spoken to, replica by replica (the replica set does the rest:
+    which replica, failover, breakers)."""
+
+    health_path: str | None  # probed before ``info`` when a breaker is open; None: straight to ``info``
+    is_engine: bool  # an OpenAI-compatible engine (DESIGN §8), not a specgate worker
+
+    async def info(self, replica: Replica) -> InfoResponse:
+        """What the replica serves, checked against Expected (ReplicaFailure otherwise)."""
+        ...
+
+    async def verify(self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic) -> VerifyResponse:
+        """One verify call on one replica; ``agreed``: the whole sequence the prefix is part of."""
+        ...
+
+    async def free(self, replica: Replica, session_id: str) -> None:
+        """Free a session on a replica (best effort)."""
+        ...
+
+    def scorable(self, sequence: list[int], draft: list[int]) -> int:
+        """How many leading draft tokens this target can score after ``sequence``."""
+        ...
+
+
+class Target(Protocol):
+    """One weighted member of the federation, as the engine sees it."""
+
+    name: str
+    weight: float
+    is_engine: bool
+
+    async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]: ...
+
+    async def delete_session(self, session_id: str) -> None: ...
+
+    def scorable(self, sequence: list[int], draft: list[int]) -> int: ...
+
+
+def status_failure(status: int, body: bytes, what: str) -> ReplicaFailure:
+    """A non-200 answer: 5xx and 401/403 are the replica's fault; other 4xx are the request's."""
+    try:
+        message = f"{what}: HTTP {status}: {ErrorBody.from_json(body).message}"
+    except ProtocolError:
+        message = f"{what}: HTTP {status}: {body[:200]!r}"
+    if status >= 500:
+        return ReplicaFailure("http_5xx", message)
+    if status in (401, 403):
+        return ReplicaFailure("unauthorized", f"{message} (is SPECGATE_WORKER_TOKEN the same on both sides?)")
+    return ReplicaFailure("rejected", message)
+
+
+def describe(exc: httpx.HTTPError) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def resend(req: VerifyRequest, agreed: list[int], prefix: int) -> VerifyRequest:
+    """``req`` from a shorter prefix: every other field as it was (replace, not field by field)."""
+    held_until = req.prefix_len + len(req.tokens)
+    tokens = np.asarray(agreed[prefix:held_until], dtype=np.int64)
+    return replace(req, prefix_len=prefix, prefix_hash=prefix_hash(agreed[:prefix]), tokens=tokens)

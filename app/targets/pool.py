@@ -1,0 +1,74 @@
+"""The federation (DESIGN §3.3): every weighted target, built from the config, with one HTTP
+client shared by them all (transport retries off: each target's failover is the only retry)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from app.targets.base import Channel, Dialect, Expected
+from app.targets.openai_logprobs import EngineDialect
+from app.targets.replicas import ReplicaSet
+from app.targets.specgate import SpecgateDialect
+from core.config import SpecgateConfig
+
+
+class TargetSet:
+    def __init__(self, workers: list[ReplicaSet], client: httpx.AsyncClient, probe_interval_s: float) -> None:
+        self.workers, self.client, self.probe_interval_s = workers, client, probe_interval_s
+        self._prober: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_config(cls, config: SpecgateConfig, expected: Expected, transport: httpx.AsyncBaseTransport | None = None) -> TargetSet:
+        headers = {"authorization": f"Bearer {config.worker_token}"} if config.worker_token else None
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=4 * config.limits.max_concurrent_requests)
+        client = httpx.AsyncClient(transport=transport or httpx.AsyncHTTPTransport(retries=0, limits=limits), headers=headers)
+        workers = []
+        for w in config.workers:
+            name = w.name or ""
+            channel = Channel(name, client, httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), w.link)
+            dialect: Dialect = EngineDialect(name, channel, expected, w) if w.is_engine else SpecgateDialect(name, channel, expected)
+            workers.append(ReplicaSet(name, config.worker_urls(w), w.weight, channel, dialect, expected, config.health.failure_threshold))
+        return cls(workers, client, config.health.probe_interval_s)
+
+    def scorable(self, sequence: list[int], draft: list[int]) -> int:
+        """How many leading draft tokens every target can score (engines cannot score every token)."""
+        return min(w.scorable(sequence, draft) for w in self.workers)
+
+    @property
+    def weights(self) -> list[float]:
+        return [w.weight for w in self.workers]
+
+    @property
+    def on_call(self) -> Callable[[str, float], None]:
+        return self.workers[0].on_call
+
+    @on_call.setter
+    def on_call(self, hook: Callable[[str, float], None]) -> None:
+        """``hook(worker, seconds)`` after every verify call (the round-latency histogram)."""
+        for worker in self.workers:
+            worker.on_call = hook
+
+    def start(self) -> None:
+        """Probe open breakers in the background until ``close``."""
+        self._prober = asyncio.create_task(self._probe_forever())
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)
+            await asyncio.gather(*(w.probe() for w in self.workers))
+
+    async def check_all(self) -> list[dict[str, Any]]:
+        return list(await asyncio.gather(*(w.check_all() for w in self.workers)))
+
+    async def delete_sessions(self, session_id: str) -> None:
+        await asyncio.gather(*(w.delete_session(session_id) for w in self.workers))
+
+    async def close(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            await asyncio.gather(self._prober, return_exceptions=True)
+        await self.client.aclose()

@@ -1,0 +1,183 @@
+"""A target with one or more replicas of the same model (DESIGN §4): which replica holds which
+session, failover between them, a circuit breaker per replica, probes of open breakers. The
+``Dialect`` says how a replica is spoken to; this is the same for every kind of target.
+
+The gateway owns the token sequence, so any replica can take a session over: the new one gets
+the agreed prefix resent from zero and answers exactly as the old one would have (the worker's
+random draws are keyed by the request's seed, position and the target's index, not by replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from app.targets.base import Breaker, Channel, Dialect, Expected, Replica, ReplicaFailure, Traffic, WorkerError, resend
+from core.protocol import InfoResponse, VerifyRequest, VerifyResponse
+
+log = logging.getLogger(__name__)
+
+_PROBE_TIMEOUT = httpx.Timeout(2.0)  # a probe of a hung replica must not hold up the others
+
+
+class ReplicaSet:
+    """One target of the federation: its weight, its replicas, which replica holds which session."""
+
+    def __init__(self, name: str, urls: list[str], weight: float, channel: Channel, dialect: Dialect, expected: Expected, threshold: int) -> None:
+        self.name, self.weight, self.channel, self.dialect, self.expected = name, weight, channel, dialect, expected
+        self.replicas = [Replica(url.rstrip("/"), Breaker(threshold)) for url in urls]
+        self.sessions: dict[str, Replica] = {}  # the replica that holds each session now
+        self.held: dict[str, set[str]] = {}  # every replica a session was sent to (freed at the end)
+        self.failures: Counter[str] = Counter()  # by kind
+        self.failovers = 0  # sessions moved to another replica mid-request
+
+    @property
+    def url(self) -> str:
+        return self.replicas[0].url
+
+    @property
+    def is_engine(self) -> bool:
+        return self.dialect.is_engine
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.channel.traffic
+
+    @property
+    def on_call(self) -> Callable[[str, float], None]:
+        return self.channel.on_call
+
+    @on_call.setter
+    def on_call(self, hook: Callable[[str, float], None]) -> None:
+        self.channel.on_call = hook
+
+    @property
+    def is_up(self) -> bool:
+        return any(not r.breaker.is_open for r in self.replicas)
+
+    def scorable(self, sequence: list[int], draft: list[int]) -> int:
+        return self.dialect.scorable(sequence, draft)
+
+    # ----------------------------------------------------------------- info and health
+
+    async def check(self, replica: Replica) -> InfoResponse:
+        """What one replica serves, against Expected; success closes its breaker."""
+        try:
+            info = await self.dialect.info(replica)
+        except ReplicaFailure as exc:
+            self._failed(replica, exc)
+            raise
+        replica.info = info
+        replica.breaker.record(ok=True)
+        return info
+
+    async def check_all(self) -> dict[str, Any]:
+        """Every replica checked at once: the target's entry of ``/health/ready``."""
+        results = await asyncio.gather(*(self.check(r) for r in self.replicas), return_exceptions=True)
+        replicas, infos = [], []
+        for replica, result in zip(self.replicas, results):
+            if isinstance(result, InfoResponse):
+                infos.append(result)
+                replicas.append({"url": replica.url, "ready": True})
+            else:
+                replicas.append({"url": replica.url, "ready": False, "error": str(result), "failures_in_a_row": replica.breaker.failures})
+        entry: dict[str, Any] = {"name": self.name, "url": self.url, "weight": self.weight, "ready": bool(infos), "replicas": replicas}
+        if infos:
+            entry.update(model=infos[0].model_id, max_context=min(i.max_context for i in infos))
+        else:
+            entry["error"] = f"worker {self.name}: no replica ready ({replicas[0]['error']})"
+        return entry
+
+    async def probe(self) -> None:
+        """Open breakers only: the health path, then the check; a replica that passes takes calls again."""
+        for replica in (r for r in self.replicas if r.breaker.is_open):
+            try:
+                if self.dialect.health_path is not None:
+                    resp = await self.channel.client.get(f"{replica.url}{self.dialect.health_path}", timeout=_PROBE_TIMEOUT)
+                    if resp.status_code != 200:
+                        continue
+                await self.check(replica)
+                log.info("worker %s: replica %s is back", self.name, replica.url)
+            except (httpx.HTTPError, ReplicaFailure):
+                continue
+
+    # ----------------------------------------------------------------- verify
+
+    async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
+        """One verify call on the replica that holds the session, failing over to the others.
+
+        ``agreed`` is the whole token sequence the request's prefix is a part of: a resend moves
+        tokens from the prefix into ``tokens``.
+        """
+        traffic, tried = Traffic(), set[str]()
+        last: ReplicaFailure | None = None
+        while True:
+            replica = await self._replica_for(req.session_id, tried, last)
+            if self.sessions.get(req.session_id) is not replica:
+                if req.session_id in self.held:  # it lost the session's replica mid-request
+                    self.failovers += 1
+                    log.warning("worker %s: session %s moves to %s", self.name, req.session_id, replica.url)
+                if req.prefix_len:
+                    req = resend(req, agreed, 0)  # a fresh replica holds nothing of it
+                self.sessions[req.session_id] = replica
+                self.held.setdefault(req.session_id, set()).add(replica.url)
+            try:
+                resp = await self.dialect.verify(replica, req, agreed, traffic)
+            except ReplicaFailure as exc:
+                self._failed(replica, exc)
+                tried.add(replica.url)
+                del self.sessions[req.session_id]
+                last = exc
+                continue
+            replica.breaker.record(ok=True)
+            return resp, traffic
+
+    async def _replica_for(self, session_id: str, tried: set[str], last: ReplicaFailure | None) -> Replica:
+        """The session's replica, else the least loaded healthy one not yet tried (checked first)."""
+        current = self.sessions.get(session_id)
+        if current is not None and not current.breaker.is_open:
+            return current
+        while True:
+            candidates = [r for r in self.replicas if r.url not in tried and not r.breaker.is_open]
+            if not candidates:
+                raise self._exhausted(last)
+            load = Counter(r.url for r in self.sessions.values())
+            replica = min(candidates, key=lambda r: (r.breaker.failures, load[r.url]))
+            if replica.info is not None:
+                return replica
+            try:
+                await self.check(replica)
+                return replica
+            except ReplicaFailure as exc:
+                tried.add(replica.url)
+                last = exc
+
+    def _exhausted(self, last: ReplicaFailure | None) -> WorkerError:
+        if last is None:  # every breaker was open before this call
+            return WorkerError(self.name, f"no healthy replica (circuit open after repeated failures: {self.replicas[0].last_error})", 503)
+        status = 503 if last.kind in ("connect", "timeout") else 502
+        which = "its replica" if len(self.replicas) == 1 else f"all {len(self.replicas)} replicas"
+        return WorkerError(self.name, f"{which} failed: {last}", status)
+
+    def _failed(self, replica: Replica, exc: ReplicaFailure) -> None:
+        replica.breaker.record(ok=False)
+        replica.last_error = str(exc)
+        self.failures[exc.kind] += 1
+        if replica.breaker.failures == replica.breaker.threshold:
+            replica.info = None  # checked again before its next call
+            log.warning("worker %s: circuit open for %s after %d failures: %s", self.name, replica.url, replica.breaker.failures, exc)
+        else:
+            log.warning("worker %s: replica %s failed (%s): %s", self.name, replica.url, exc.kind, exc)
+
+    async def delete_session(self, session_id: str) -> None:
+        """Free the session on every replica it was sent to (best effort: they evict anyway)."""
+        self.sessions.pop(session_id, None)
+        for replica in self.replicas:
+            if replica.url in self.held.get(session_id, ()) and not replica.breaker.is_open:
+                await self.dialect.free(replica, session_id)
+        self.held.pop(session_id, None)

@@ -1,0 +1,28 @@
+"""The one registry of modes (core.modes) and what derives from it: every served mode has a
+gateway strategy, every field a mode takes is a field of the request's ``speculative`` object,
+and the lists of config, protocol and service are the registry's."""
+
+from __future__ import annotations
+
+from app import engine
+from app.schemas import SpeculativeParams
+from core import config
+from core.modes import ENGINE_MODES, MODES, SERVED_MODES
+from core.names import Mode
+from core.protocol import SERVED_MODES as WIRE_MODES
+
+
+def test_every_served_mode_has_a_strategy_and_nothing_else_does() -> None:
+    assert set(engine._MODES) == set(SERVED_MODES)
+    assert set(MODES) == set(Mode)
+
+
+def test_the_fields_a_mode_takes_are_request_fields() -> None:
+    for spec in MODES.values():
+        assert "mode" in spec.fields and spec.fields <= set(SpeculativeParams.model_fields), spec.mode
+
+
+def test_config_and_protocol_take_their_lists_from_the_registry() -> None:
+    assert config.SERVED_MODES is SERVED_MODES and config.ENGINE_MODES is ENGINE_MODES
+    assert WIRE_MODES == tuple(m.value for m in SERVED_MODES)
+    assert ENGINE_MODES == (Mode.AUTOREGRESSIVE, Mode.AGGREGATE) and [m for m in MODES if MODES[m].one_worker] == [Mode.SPLIT]
