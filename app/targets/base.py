@@ -22,7 +22,13 @@ import numpy as np
 
 from core.config import LinkConfig
 from core.errors import ProtocolError, SpecgateError
-from core.protocol import ErrorBody, InfoResponse, VerifyRequest, VerifyResponse, prefix_hash
+from core.protocol import (
+    ErrorBody,
+    InfoResponse,
+    VerifyRequest,
+    VerifyResponse,
+    prefix_hash,
+)
 
 FAILURE_KINDS = ("connect", "timeout", "transport", "http_5xx", "garbage", "fingerprint", "unauthorized", "rejected")
 

@@ -39,15 +39,29 @@ import numpy as np
 import orjson
 import torch
 
-from app.targets.base import Channel, Expected, Replica, ReplicaFailure, Traffic, WorkerError, status_failure
+from app.targets.base import (
+    Channel,
+    Expected,
+    Replica,
+    ReplicaFailure,
+    Traffic,
+    WorkerError,
+    status_failure,
+)
 from core.config import WorkerEntry
+from core.errors import ProtocolError
 from core.math.random import Purpose, sample_index, uniform
 from core.math.sampling import SamplingParams, Suppression
 from core.math.tempering import temper_top_k
 from core.modes import ENGINE_MODES
 from core.names import Mode
-from core.errors import ProtocolError
-from core.protocol import PROTOCOL_VERSION, InfoResponse, VerifyRequest, VerifyResponse, check_verify_response
+from core.protocol import (
+    PROTOCOL_VERSION,
+    InfoResponse,
+    VerifyRequest,
+    VerifyResponse,
+    check_verify_response,
+)
 
 log = logging.getLogger(__name__)
 

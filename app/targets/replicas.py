@@ -17,7 +17,17 @@ from typing import Any
 
 import httpx
 
-from app.targets.base import Breaker, Channel, Dialect, Expected, Replica, ReplicaFailure, Traffic, WorkerError, resend
+from app.targets.base import (
+    Breaker,
+    Channel,
+    Dialect,
+    Expected,
+    Replica,
+    ReplicaFailure,
+    Traffic,
+    WorkerError,
+    resend,
+)
 from core.protocol import InfoResponse, VerifyRequest, VerifyResponse
 
 log = logging.getLogger(__name__)

@@ -5,11 +5,31 @@ session."""
 from __future__ import annotations
 
 import logging
+
 import httpx
 
-from app.targets.base import Channel, Expected, Replica, ReplicaFailure, Traffic, WorkerError, describe, resend, status_failure
+from app.targets.base import (
+    Channel,
+    Expected,
+    Replica,
+    ReplicaFailure,
+    Traffic,
+    WorkerError,
+    describe,
+    resend,
+    status_failure,
+)
 from core.errors import ProtocolError
-from core.protocol import BINARY_CONTENT_TYPE, ErrorBody, InfoResponse, VerifyRequest, VerifyResponse, check_verify_response, decode, encode
+from core.protocol import (
+    BINARY_CONTENT_TYPE,
+    ErrorBody,
+    InfoResponse,
+    VerifyRequest,
+    VerifyResponse,
+    check_verify_response,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 

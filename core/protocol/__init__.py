@@ -16,7 +16,15 @@ from core.protocol.frame import (
     is_json,
     prefix_hash,
 )
-from core.protocol.messages import MAX_LOGPROBS, RECONSTRUCTIONS, SERVED_MODES, ErrorBody, InfoResponse, VerifyRequest, VerifyResponse
+from core.protocol.messages import (
+    MAX_LOGPROBS,
+    RECONSTRUCTIONS,
+    SERVED_MODES,
+    ErrorBody,
+    InfoResponse,
+    VerifyRequest,
+    VerifyResponse,
+)
 
 __all__ = [
     "BINARY_CONTENT_TYPE", "JSON_CONTENT_TYPE", "MAGIC", "MAX_LOGPROBS", "PROTOCOL_VERSION", "RECONSTRUCTIONS", "SERVED_MODES",

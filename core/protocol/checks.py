@@ -9,7 +9,13 @@ import numpy as np
 from core.errors import InvalidRequest, ProtocolError
 from core.math.sampling import MIN_TEMPERATURE
 from core.names import Mode, ProbsDtype
-from core.protocol.messages import MAX_LOGPROBS, RECONSTRUCTIONS, SERVED_MODES, VerifyRequest, VerifyResponse
+from core.protocol.messages import (
+    MAX_LOGPROBS,
+    RECONSTRUCTIONS,
+    SERVED_MODES,
+    VerifyRequest,
+    VerifyResponse,
+)
 
 
 def check_ids(ids: np.ndarray, vocab_size: int, name: str) -> None:

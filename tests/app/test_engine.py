@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from app import engine as engine_module
+from app.engine import round as round_module
 from app.engine import Engine, GenerationRequest, SpecOptions
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams, truncate
@@ -274,7 +274,7 @@ def test_min_tokens_follows_the_target_without_eos(case: str) -> None:
 def test_negative_control_min_tokens_without_reweighing_the_workers_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each worker's p_n without EOS mixed with the configured weights (κ_n ignored) is another
     law: the same test rejects it."""
-    monkeypatch.setattr(engine_module, "_weights", lambda responses, weights: weights)
+    monkeypatch.setattr(round_module, "response_weights", lambda responses, weights: weights)
     assert _min_tokens_chi_square(*MIN_TOKENS_CASES["exact, 3 weighted workers, draft top-3"]) < SIGNIFICANCE
 
 

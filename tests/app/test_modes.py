@@ -4,7 +4,7 @@ and the lists of config, protocol and service are the registry's."""
 
 from __future__ import annotations
 
-from app import engine
+from app.engine.strategies import STRATEGIES
 from app.schemas import SpeculativeParams
 from core import config
 from core.modes import ENGINE_MODES, MODES, SERVED_MODES
@@ -13,7 +13,7 @@ from core.protocol import SERVED_MODES as WIRE_MODES
 
 
 def test_every_served_mode_has_a_strategy_and_nothing_else_does() -> None:
-    assert set(engine._MODES) == set(SERVED_MODES)
+    assert set(STRATEGIES) == set(SERVED_MODES)
     assert set(MODES) == set(Mode)
 
 

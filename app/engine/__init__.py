@@ -1,0 +1,8 @@
+"""The decoding engine (DESIGN §3): the loop (``loop``), what a request asks and a round gives
+(``spec``), a round as strategies see it (``round``), and one strategy per mode (``strategies``)."""
+
+from app.engine.loop import Engine
+from app.engine.round import token_logprobs
+from app.engine.spec import GenerationRequest, RoundResult, SpecOptions, TokenLogprob
+
+__all__ = ["Engine", "GenerationRequest", "RoundResult", "SpecOptions", "TokenLogprob", "token_logprobs"]

@@ -1,0 +1,192 @@
+"""The decoding engine: one loop for every mode (DESIGN §3).
+
+A round: the draft proposes γ tokens (none in ``autoregressive``), the mode's strategy decides
+what goes on the wire and which pure function of ``core.math`` verifies, and the round emits
+``accepted + 1`` tokens (accepted draft tokens, then the recovered or bonus token). The gateway
+owns the token sequence; a worker's KV cache is a cache it resends to when the worker lost it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator
+
+import numpy as np
+import torch
+
+from app.adaptive import GammaController
+from app.draft import Draft, DraftModel
+from app.engine.round import Round, all_workers, array
+from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
+from app.engine.strategies import STRATEGIES
+from app.targets.base import Traffic
+from app.targets.pool import TargetSet
+from core.math.aggregation import merge_top_logprobs, mixed_logprob
+from core.math.sampling import Suppression
+from core.modes import MODES
+from core.names import Mode
+from core.protocol import VerifyRequest
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, draft: DraftModel, pool: TargetSet, eos_ids: list[int], max_context: int) -> None:
+        self.draft = draft
+        self.pool = pool
+        self.eos_ids = set(eos_ids)
+        self.max_context = max_context
+        self.vocab_size = draft.vocab_size
+        self.weights = torch.tensor(pool.weights, dtype=torch.float64)
+
+    async def generate(self, req: GenerationRequest) -> AsyncGenerator[RoundResult, None]:
+        """Rounds of one choice until EOS or a length limit; the caller may stop early."""
+        session_id = f"{req.request_id}-{req.choice}"
+        strategy = STRATEGIES[req.spec.mode]
+        sequence = list(req.prompt)
+        agreed = [0] * len(self.pool.workers)
+        ahead: Draft | None = None  # the next round's draft, prepared during this round's flight
+        suppression = self._suppression(req)
+        drafts = MODES[req.spec.mode].drafts
+        auto = GammaController(req.spec.overlap) if req.spec.auto_gamma and not req.seeded and drafts else None
+        try:
+            if req.prompt_logprobs is not None:
+                yield await self._score_prompt(session_id, req)
+                agreed[:] = [len(sequence)] * len(agreed)
+            while True:
+                room = self._room(req, sequence)
+                if room <= 0:
+                    yield RoundResult([], drafted=0, accepted=0, traffic=Traffic(), finish_reason="length")
+                    return
+                wanted = auto.choose() if auto is not None else req.spec.num_draft_tokens
+                gamma = min(wanted, room - 1) if drafts else 0
+                started = time.perf_counter()
+                used = ahead is not None
+                draft = Draft(ahead.tokens[:gamma], ahead.probs[:gamma]) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression)
+                ahead = None
+                scorable = self.pool.scorable(sequence, draft.tokens)  # an engine may not score every token
+                if scorable < len(draft.tokens):
+                    draft = Draft(draft.tokens[:scorable], draft.probs[:scorable])
+                drafted = time.perf_counter()
+                rnd = Round(self.pool, self.weights, self.vocab_size, req, session_id, sequence, agreed, draft, Traffic(), suppression)
+                preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression) if req.spec.overlap and drafts else None
+                try:
+                    result = await strategy.verify(rnd)
+                except BaseException:
+                    if preparing is not None:
+                        preparing[1].set()  # it ends after the token in progress; nobody waits for it
+                    raise
+                result.draft_s, result.verify_s, result.model_s = drafted - started, time.perf_counter() - drafted, rnd.model_s
+                result.prepared_used = int(used)
+                if preparing is not None:
+                    result.prepared = 1
+                    if result.accepted < len(draft.tokens):
+                        preparing[1].set()  # its assumption failed: stop it now
+                    ahead = await self._take_ahead(preparing[0], draft, result)
+                if auto is not None:
+                    auto.observe(result.drafted, result.accepted, result.draft_s, result.verify_s, result.model_s, result.prepared, result.prepared_used)
+                    result.gamma = wanted
+                agreed[:] = [len(sequence) + result.accepted] * len(agreed)  # they hold sequence + draft
+                sequence.extend(result.tokens)
+                result.finish_reason = self._finish(result, len(sequence) - len(req.prompt), req, len(sequence))
+                yield result
+                if result.finish_reason:
+                    return
+        finally:
+            await asyncio.shield(self._free(session_id))
+
+    async def _score_prompt(self, session_id: str, req: GenerationRequest) -> RoundResult:
+        """Echo with logprobs: every worker prefills the prompt and scores its own tokens (the
+        rows predicting tokens 1..); the mixture's log-probabilities, the first token's None."""
+        prompt, n = req.prompt, req.prompt_logprobs
+        requests = [
+            VerifyRequest.after(
+                session_id, [], prompt, [], temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p,
+                seed=req.seed, choice=req.choice, worker=w, mode=Mode.AUTOREGRESSIVE.value, k=1, return_probs=False,
+                score_tokens=True, logprobs=n,
+            )
+            for w in range(len(self.pool.workers))
+        ]
+        started = time.perf_counter()
+        results = await all_workers(self.pool, requests, prompt)
+        responses, traffic = [resp for resp, _ in results], Traffic()
+        for _, t in results:
+            traffic.add(t)
+        values = np.stack([array(r.prompt_logprobs) for r in responses])  # [N, P − 1]
+        tops = [(array(r.prompt_top_ids), array(r.prompt_top_logprobs)) for r in responses] if n else []
+        logprobs = [TokenLogprob(prompt[0], None, None)] + [
+            TokenLogprob(token, mixed_logprob(values[:, i].tolist(), self.weights), merge_top_logprobs(tops, i, n or 0, self.weights))
+            for i, token in enumerate(prompt[1:])
+        ]
+        result = RoundResult([], drafted=0, accepted=0, traffic=traffic, prompt_logprobs=logprobs)
+        result.verify_s, result.model_s = time.perf_counter() - started, max(r.model_ms for r in responses) / 1e3
+        return result
+
+    def _room(self, req: GenerationRequest, sequence: list[int]) -> int:
+        return min(req.max_tokens - (len(sequence) - len(req.prompt)), self.max_context - len(sequence))
+
+    def _suppression(self, req: GenerationRequest) -> Suppression | None:
+        """min_tokens as the positions where no EOS is decided (none with ignore_eos, as in vLLM)."""
+        if req.min_tokens <= 0 or req.ignore_eos or not self.eos_ids:
+            return None
+        return Suppression(tuple(sorted(self.eos_ids)), len(req.prompt) + req.min_tokens)
+
+    def _prepare(
+        self, session_id: str, sequence: list[int], draft: Draft, room: int, gamma: int, req: GenerationRequest, suppression: Suppression | None,
+    ) -> tuple[asyncio.Task[Draft], threading.Event] | None:
+        """DSD's overlap: while the round is verified, draft on as if every draft token were
+        accepted — one token for the bonus position, then the next round's γ. None when there is
+        nothing to prepare (the draft ended in EOS, or no room is left after this round)."""
+        after = room - (len(draft.tokens) + 1)
+        if not draft.tokens or draft.tokens[-1] in self.eos_ids or after <= 1:
+            return None
+        cancel = threading.Event()
+        assumed = [*sequence, *draft.tokens]
+        task = asyncio.create_task(self.draft.propose(
+            session_id, assumed, 1 + min(gamma, after - 1), req.params, req.seed, req.choice, req.spec.truncation, cancel, suppression,
+        ))
+        task.add_done_callback(_retrieve)  # a round that fails leaves it unawaited
+        return task, cancel
+
+    async def _take_ahead(self, task: asyncio.Task[Draft], draft: Draft, result: RoundResult) -> Draft | None:
+        """The prepared draft, if its assumption held: every draft token accepted and its first
+        token equal to the bonus token drawn by the round. It is then exactly what drafting after
+        the round would give (the draft's draws are keyed by position), so the output is the
+        same with overlap on or off."""
+        try:
+            prepared = await task
+        except Exception:  # logged by _retrieve; the next round drafts afresh
+            return None
+        if result.accepted != len(draft.tokens) or not prepared.tokens or prepared.tokens[0] != result.tokens[-1]:
+            return None
+        if prepared.tokens[0] in self.eos_ids or len(prepared.tokens) < 2:
+            return None
+        return Draft(prepared.tokens[1:], prepared.probs[1:])
+
+    async def _draft(self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest, suppression: Suppression | None) -> Draft:
+        if gamma <= 0:
+            return Draft([], torch.empty(0, self.vocab_size))
+        return await self.draft.propose(session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, suppression=suppression)
+
+    def _finish(self, result: RoundResult, generated: int, req: GenerationRequest, length: int) -> str | None:
+        for i, token in enumerate(result.tokens):
+            if token in self.eos_ids and not req.ignore_eos:
+                del result.tokens[i + 1 :]
+                if result.logprobs is not None:
+                    del result.logprobs[i + 1 :]
+                return "stop"
+        if generated >= req.max_tokens or length >= self.max_context:
+            return "length"
+        return None
+
+    async def _free(self, session_id: str) -> None:
+        await asyncio.gather(self.pool.delete_sessions(session_id), self.draft.free(session_id), return_exceptions=True)
+
+
+def _retrieve(task: asyncio.Task[Draft]) -> None:
+    """Mark a background draft's failure as seen (it is logged, not raised: nobody uses it)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a draft prepared ahead failed: %s", task.exception())

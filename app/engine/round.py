@@ -1,0 +1,196 @@
+"""One round as a strategy sees it (DESIGN §3): the call to every target at once, the round's
+weights, the mixture of the answers, the round's random draws, the emitted tokens' logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from app.draft import Draft
+from app.engine.spec import GenerationRequest, TokenLogprob
+from app.targets.base import Traffic, WorkerError
+from app.targets.pool import TargetSet
+from core.math.aggregation import (
+    aggregate,
+    kept_weights,
+    merge_top_logprobs,
+    mixed_logprob,
+    reconstruct,
+)
+from core.math.random import Purpose, uniforms
+from core.math.sampling import Suppression
+from core.names import Mode, Reconstruction
+from core.protocol import VerifyRequest, VerifyResponse
+
+
+@dataclass
+class Round:
+    """What a strategy sees of the round in progress."""
+
+    targets: TargetSet
+    configured: torch.Tensor  # [N]: the targets' weights as configured
+    vocab_size: int
+    req: GenerationRequest
+    session_id: str
+    sequence: list[int]  # agreed tokens so far (prompt + generated)
+    agreed: list[int]  # per worker: tokens of ``sequence`` it holds
+    draft: Draft
+    traffic: Traffic
+    suppression: Suppression | None = None  # min_tokens: EOS is removed from the target before it
+    model_s: float = 0.0
+    responses: list[VerifyResponse] = field(default_factory=list)  # of the last call
+
+    @property
+    def positions(self) -> list[int]:
+        """Absolute index of the token decided at each of the γ+1 positions."""
+        start = len(self.sequence)
+        return list(range(start, start + len(self.draft.tokens) + 1))
+
+    async def call(self, **wire: object) -> list[VerifyResponse]:
+        """Every worker at once; after it, each holds ``sequence`` + draft."""
+        pool, req = self.targets, self.req
+        requests = [
+            VerifyRequest.after(
+                self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.tokens,
+                temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p,
+                seed=req.seed, choice=req.choice, worker=n, **self._suppressing(self.positions[0], len(self.positions)), **wire,  # type: ignore[arg-type]
+            )
+            for n in range(len(pool.workers))
+        ]
+        results = await all_workers(pool, requests, self.sequence)
+        self.responses = [resp for resp, _ in results]
+        self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
+        for n, (_, traffic) in enumerate(results):
+            self.agreed[n] = len(self.sequence)
+            self.traffic.add(traffic)
+        return [resp for resp, _ in results]
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """The mixture's weights at the last call's positions: as configured ``[N]``; ``[γ+1, N]``
+        where min_tokens removed EOS (w_n κ_n, renormalised: the mixture of p_n(· | not EOS))."""
+        return response_weights(self.responses, self.configured)
+
+    def _suppressing(self, first: int, rows: int) -> dict[str, object]:
+        """The wire fields of min_tokens, when any of ``rows`` positions from ``first`` is suppressed."""
+        if self.suppression is None or not self.suppression.rows(first, rows):
+            return {}
+        return {"suppress_ids": np.array(self.suppression.ids, dtype=np.int64), "suppress_until": self.suppression.until}
+
+    async def score(self, position: int, token: int) -> float:
+        """log p(token) at ``position`` (absolute, within sequence + draft) under the mixture:
+        one short call per worker that re-reads the token before it and scores only ``token``.
+        Each worker then holds sequence + draft up to ``position``, the round's agreed tokens."""
+        pool, req = self.targets, self.req
+        held = [*self.sequence, *self.draft.tokens][:position]
+        requests = [
+            VerifyRequest.after(
+                self.session_id, held[:-1], held[-1:], [], temperature=req.params.temperature, top_k=req.params.top_k,
+                top_p=req.params.top_p, seed=req.seed, choice=req.choice, worker=n, mode=Mode.AUTOREGRESSIVE.value,
+                score_ids=np.array([token], dtype=np.int64), **self._suppressing(position, 1),  # type: ignore[arg-type]
+            )
+            for n in range(len(pool.workers))
+        ]
+        results = await all_workers(pool, requests, held)
+        self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
+        for _, traffic in results:
+            self.traffic.add(traffic)
+        weights = weights_at(response_weights([resp for resp, _ in results], self.configured), 0)
+        return mixed_logprob([float(array(resp.score_logprobs)[0]) for resp, _ in results], weights)
+
+
+def round_uniforms(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
+    """r_j for the accept tests; the residual draw at each draft position, the bonus draw last."""
+    req, positions = rnd.req, rnd.positions
+    accept = uniforms(req.seed, req.choice, positions[:-1], Purpose.ACCEPT)
+    final = torch.cat([
+        uniforms(req.seed, req.choice, positions[:-1], Purpose.RESIDUAL),
+        uniforms(req.seed, req.choice, positions[-1:], Purpose.BONUS),
+    ])
+    return accept, final
+
+
+def mixture(
+    responses: list[VerifyResponse], vocab_size: int, weights: torch.Tensor, method: Reconstruction = Reconstruction.RENORMALIZE,
+) -> torch.Tensor:
+    """p̂ = Σ w_n p̂_n over the positions of the responses: ``[γ+1, V]`` float64 (``weights``:
+    ``[N]`` or per position, ``Round.weights``)."""
+    dists = []
+    for resp in responses:
+        probs = torch.tensor(array(resp.probs), dtype=torch.float64)
+        if resp.ids is None:
+            dists.append(probs)  # as sent: greedy compares the same numbers in every mode
+        else:
+            ids = torch.from_numpy(np.array(resp.ids, dtype=np.int64))
+            dists.append(reconstruct(ids, probs, vocab_size, method, torch.tensor(array(resp.tail_mass))))
+    return aggregate(torch.stack(dists), weights)
+
+
+def token_logprobs(
+    target: torch.Tensor,  # [m, V]: the distribution each token was decided by
+    tokens: list[int],  # [m]
+    top_n: int | None,
+) -> list[TokenLogprob]:
+    out = []
+    for row, token in zip(target, tokens):
+        logs = torch.log(row.double().clamp(min=1e-45))
+        top = torch.topk(row, top_n).indices.tolist() if top_n else []
+        out.append(TokenLogprob(token, float(logs[token]), [(int(t), float(logs[t])) for t in top]))
+    return out
+
+
+async def all_workers(pool: TargetSet, requests: list[VerifyRequest], agreed: list[int]) -> list[tuple[VerifyResponse, Traffic]]:
+    """One call per worker, at once; one failure cancels the others."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(w.verify(r, agreed)) for w, r in zip(pool.workers, requests)]
+    except BaseExceptionGroup as failures:
+        raise first_worker_error(failures) from None
+    return [t.result() for t in tasks]
+
+
+def first_worker_error(failures: BaseExceptionGroup) -> BaseException:
+    """The first WorkerError of a group (what the client is told), else the first failure."""
+    errors = failures.subgroup(WorkerError)
+    return (errors or failures).exceptions[0]
+
+
+def response_weights(responses: list[VerifyResponse], weights: torch.Tensor) -> torch.Tensor:
+    """``weights`` ``[N]``, or ``[rows, N]`` scaled by each worker's kept mass κ_n where the
+    responses carry it (min_tokens: the mixture of p_n(· | not EOS), core.math.aggregation)."""
+    if not responses or responses[0].kept_mass is None:
+        return weights
+    return kept_weights(weights, torch.stack([torch.tensor(array(r.kept_mass), dtype=torch.float64) for r in responses]))
+
+
+def weights_at(weights: torch.Tensor, row: int) -> torch.Tensor:
+    """The weights ``[N]`` at one position of ``response_weights``."""
+    return weights if weights.dim() == 1 else weights[row]
+
+
+def first_rows(weights: torch.Tensor, rows: int) -> torch.Tensor:
+    """The weights of ``response_weights`` for its first ``rows`` positions."""
+    return weights if weights.dim() == 1 else weights[:rows]
+
+
+def row_ids(resp: VerifyResponse, row: int, vocab_size: int) -> torch.Tensor:
+    """The ids of one position's probabilities (all of V when sent in full)."""
+    if resp.ids is None:
+        return torch.arange(vocab_size)
+    return torch.from_numpy(np.array(resp.ids[row], dtype=np.int64))
+
+
+def array(value: np.ndarray | None) -> np.ndarray:
+    assert value is not None  # the pool checked the response carries it
+    return value
+
+
+def worker_logprobs(rnd: Round, tokens: list[int], values: list[float]) -> list[TokenLogprob]:
+    """The emitted tokens with the mixture's log-probabilities ``values`` and, when asked, the
+    top alternatives from the workers' top-n lists."""
+    n, weights = rnd.req.top_logprobs, rnd.weights
+    tops = [(array(r.top_ids), array(r.top_logprobs)) for r in rnd.responses] if n else []
+    return [TokenLogprob(t, v, merge_top_logprobs(tops, j, n or 0, weights_at(weights, j))) for j, (t, v) in enumerate(zip(tokens, values))]

@@ -1,0 +1,91 @@
+"""What a request asks of the engine and what one round gives back (DESIGN §3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from app.targets.base import Traffic
+from core.math.relaxed import Relaxation
+from core.math.sampling import SamplingParams
+from core.names import Mode, Reconstruction
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """The speculative settings of one request (config defaults, overridden per request)."""
+
+    mode: Mode
+    num_draft_tokens: int
+    k: int | None  # None = full distributions
+    reconstruction: Reconstruction
+    draft_top_k: int = 0  # TSLT draft truncation: keep the k most likely draft tokens (0 = off)
+    draft_top_p: float = 1.0  # ... or the smallest nucleus of mass ≥ draft_top_p (1 = off)
+    engine_targets: bool = False  # some targets are openai-logprobs engines: their top-k makes it lossy (DESIGN §8)
+    overlap: bool = False  # DSD: draft the next round while this one is verified (output unchanged)
+    auto_gamma: bool = False  # num_draft_tokens: auto (app.adaptive); num_draft_tokens is then the seeded γ
+    relaxation: Relaxation | None = None  # DSD's relaxed accept test (lossy; aggregate and exact at T > 0; DESIGN §3.8)
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError("num_draft_tokens must be ≥ 1")
+        if self.k is not None and self.k < 1:
+            raise ValueError("k must be ≥ 1 or None (full)")
+        if self.draft_top_k < 0 or not 0 < self.draft_top_p <= 1:
+            raise ValueError("draft_top_k must be ≥ 0 and draft_top_p in (0, 1]")
+        if self.mode is Mode.EXACT and self.draft_top_k == 0 and self.draft_top_p == 1:
+            raise ValueError("exact needs draft truncation (draft_top_k or draft_top_p)")
+
+    @property
+    def is_lossless(self) -> bool:
+        relaxed = self.relaxation is not None and self.relaxation.tau_max > 0
+        return not self.engine_targets and not relaxed and (self.mode in (Mode.AUTOREGRESSIVE, Mode.EXACT) or self.k is None)
+
+    @property
+    def truncation(self) -> tuple[int, float]:
+        return self.draft_top_k, self.draft_top_p
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    seed: int
+    choice: int
+    spec: SpecOptions
+    top_logprobs: int | None = None  # None: no logprobs; n ≥ 0: the token's and n alternatives
+    seeded: bool = False  # the client gave the seed: the output must not depend on timing
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's tokens too (n alternatives)
+    ignore_eos: bool = False  # vLLM's: EOS is sampled as the target says but does not end the answer
+    min_tokens: int = 0  # vLLM's: EOS cannot be emitted before this many tokens (the target without it, renormalised)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float | None  # None: the prompt's first token (nothing predicts it)
+    top: list[tuple[int, float]] | None
+
+
+@dataclass
+class RoundResult:
+    """What one round emitted, and what it cost."""
+
+    tokens: list[int]
+    drafted: int
+    accepted: int
+    traffic: Traffic
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" (EOS) or "length"; None while generating
+    bound: list[float] = field(default_factory=list)  # Σ w_n σ_n per consumed position (lossy only)
+    error: list[float] = field(default_factory=list)  # Σ w_n e_n per consumed position (lossy only)
+    draft_s: float = 0.0  # seconds the draft took this round (waiting for it, with overlap)
+    prepared: int = 0  # 1 when the next round's draft was prepared during this round's flight
+    prepared_used: int = 0  # 1 when this round's draft is one prepared during the previous round
+    gamma: int | None = None  # the γ num_draft_tokens: auto chose for this round
+    relaxed_tv: list[float] = field(default_factory=list)  # τ_j (1 − β_j) per emitted position (relaxation only)
+    taus: list[float] = field(default_factory=list)  # τ_j per emitted draft position (relaxation only)
+    verify_s: float = 0.0  # seconds from sending to the workers to the verdict (network included)
+    model_s: float = 0.0  # seconds the slowest worker spent in its model, per call, summed
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's, before any round

@@ -1,0 +1,15 @@
+"""The strategies, one per served mode (``core.modes`` says what each takes and needs)."""
+
+from app.engine.strategies.aggregate import AggregateStrategy
+from app.engine.strategies.autoregressive import AutoregressiveStrategy
+from app.engine.strategies.base import Strategy
+from app.engine.strategies.exact import ExactStrategy
+from app.engine.strategies.split import SplitStrategy
+from core.names import Mode
+
+STRATEGIES: dict[Mode, Strategy] = {
+    Mode.AUTOREGRESSIVE: AutoregressiveStrategy(),
+    Mode.AGGREGATE: AggregateStrategy(),
+    Mode.SPLIT: SplitStrategy(),
+    Mode.EXACT: ExactStrategy(),
+}

@@ -1,0 +1,54 @@
+"""``aggregate``: SpecFed (DESIGN §3.3)."""
+
+from __future__ import annotations
+
+import torch
+
+from app.engine.round import (
+    Round,
+    array,
+    first_rows,
+    mixture,
+    round_uniforms,
+    token_logprobs,
+)
+from app.engine.spec import RoundResult
+from app.engine.strategies.base import Strategy
+from core.math.aggregation import bias_bound
+from core.math.relaxed import relaxation_factors, relaxed_distance, verify_relaxed
+from core.math.speculative import verify_greedy, verify_sampled
+from core.names import Mode
+
+
+class AggregateStrategy(Strategy):
+    """SpecFed (DESIGN §3.3): every worker sends T(p_n) at the γ+1 positions, full or top-k;
+    the gateway reconstructs p̂_n, aggregates p̂ = Σ w_n p̂_n and verifies the draft with it."""
+
+    async def verify(self, rnd: Round) -> RoundResult:
+        req, spec = rnd.req, rnd.req.spec
+        responses = await rnd.call(mode=Mode.AGGREGATE.value, k=spec.k, reconstruction=spec.reconstruction.value)
+        target = mixture(responses, rnd.vocab_size, rnd.weights, spec.reconstruction)
+        draft = rnd.draft
+        relaxed = spec.relaxation is not None and spec.relaxation.tau_max > 0 and not req.params.is_greedy and draft.tokens
+        if req.params.is_greedy:
+            verdict = verify_greedy(target, draft.tokens)
+        elif relaxed:
+            assert spec.relaxation is not None
+            taus = relaxation_factors(target, draft.probs, spec.relaxation)
+            verdict = verify_relaxed(target, draft.probs, draft.tokens, *round_uniforms(rnd), taus)
+        else:
+            verdict = verify_sampled(target, draft.probs, draft.tokens, *round_uniforms(rnd))
+        tokens = verdict.output(draft.tokens)
+        used = len(tokens)
+        logprobs = token_logprobs(target[:used], tokens, req.top_logprobs) if req.top_logprobs is not None else None
+        result = RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic, logprobs=logprobs)
+        if relaxed:  # the emitted draft positions follow τ q + (1 − τ) p; the bonus position p itself
+            at = min(used, len(draft.tokens))
+            result.taus = taus[:at].tolist()
+            result.relaxed_tv = relaxed_distance(target[:at], draft.probs[:at], taus[:at]).tolist() + [0.0] * (used - at)
+        if not spec.is_lossless:
+            sigma = torch.stack([torch.tensor(array(r.tail_mass)) for r in responses])[:, :used]
+            error = torch.stack([torch.tensor(array(r.recon_error)) for r in responses])[:, :used]
+            result.bound = bias_bound(sigma, first_rows(rnd.weights, used)).tolist()
+            result.error = bias_bound(error, first_rows(rnd.weights, used)).tolist()
+        return result

@@ -1,0 +1,57 @@
+"""``autoregressive``: the baseline, one target position per round (DESIGN §3)."""
+
+from __future__ import annotations
+
+import torch
+
+from app.engine.round import Round, array, mixture, row_ids, token_logprobs, weights_at
+from app.engine.spec import RoundResult
+from app.engine.strategies.base import Strategy
+from core.math.aggregation import bias_bound, normalise_weights
+from core.math.greedy import certify_argmax
+from core.math.random import Purpose, sample_index, uniform
+from core.math.speculative import argmax_lowest
+from core.names import Mode
+
+_CERTIFY_K = 8  # first top-k asked for a greedy autoregressive step over several workers
+
+
+class AutoregressiveStrategy(Strategy):
+    """The baseline: one target position per round. At T > 0 each worker sends its own sample
+    z_n ~ T(p_n) and the gateway emits z_n with n ~ w (lossless, 4 bytes); at T = 0 workers
+    send top-k and the gateway certifies the mixture's argmax, asking again with a larger k."""
+
+    async def verify(self, rnd: Round) -> RoundResult:
+        req = rnd.req
+        want_logprobs = req.top_logprobs is not None
+        if req.params.is_greedy:
+            token, target = await self._greedy(rnd, want_logprobs)
+        else:
+            responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs)
+            u = uniform(req.seed, req.choice, rnd.positions[0], Purpose.WORKER_CHOICE)
+            chosen = sample_index(normalise_weights(weights_at(rnd.weights, 0)), u)
+            token = int(array(responses[chosen].samples)[0])
+            target = mixture(responses, rnd.vocab_size, rnd.weights) if want_logprobs else None
+        logprobs = token_logprobs(target, [token], req.top_logprobs) if target is not None else None
+        result = RoundResult([token], drafted=0, accepted=0, traffic=rnd.traffic, logprobs=logprobs)
+        if not req.spec.is_lossless:  # engine targets: z_n came from a top-k of p_n
+            sigma = torch.tensor([[float(array(r.tail_mass)[0]) if r.tail_mass is not None else 0.0] for r in rnd.responses])
+            result.bound = result.error = bias_bound(sigma, rnd.weights).tolist()
+        return result
+
+    async def _greedy(self, rnd: Round, want_logprobs: bool) -> tuple[int, torch.Tensor | None]:
+        vocab, single = rnd.vocab_size, len(rnd.targets.workers) == 1
+        k: int | None = None if want_logprobs else 1 if single else min(_CERTIFY_K, vocab)
+        while True:
+            responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, k=k)
+            if k is None:
+                target = mixture(responses, rnd.vocab_size, rnd.weights)
+                return argmax_lowest(target[:1])[0], target
+            if single:  # its top-1, ties to the lowest id, is the argmax
+                return int(array(responses[0].ids)[0, 0]), None
+            ids = [row_ids(r, 0, vocab) for r in responses]
+            probs = [torch.tensor(array(r.probs)[0]) for r in responses]
+            token = certify_argmax(ids, probs, weights_at(rnd.weights, 0), vocab)
+            if token is not None:
+                return token, None
+            k = None if k * 8 >= vocab else k * 8

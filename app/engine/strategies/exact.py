@@ -1,0 +1,80 @@
+"""``exact``: lossless federated verification with sparse payloads (DESIGN §3.5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from app.draft import Draft
+from app.engine.round import Round, array, round_uniforms, weights_at, worker_logprobs
+from app.engine.spec import RoundResult
+from app.engine.strategies.base import Strategy
+from app.engine.strategies.greedy import certified_greedy
+from core.math.aggregation import mixed_probability, normalise_weights
+from core.math.exact import ExactPosition, verify_exact
+from core.math.random import Purpose, uniform
+from core.math.relaxed import relaxation_factor_on_support, relaxed_distance
+from core.math.speculative import Verdict
+from core.names import Mode
+from core.protocol import VerifyResponse
+
+
+class ExactStrategy(Strategy):
+    """Lossless federated verification with sparse payloads (DESIGN §3.5): each worker sends
+    p_n on the draft supports, the mass off them, one sample from off them, one bonus sample."""
+
+    async def verify(self, rnd: Round) -> RoundResult:
+        if rnd.req.params.is_greedy:
+            return await certified_greedy(rnd)
+        req, draft = rnd.req, rnd.draft
+        supports = [row.nonzero()[:, 0] for row in draft.probs]
+        ids = torch.cat(supports).numpy() if supports else np.zeros(0, np.int64)
+        sizes = np.array([len(s) for s in supports], dtype=np.int32)
+        responses = await rnd.call(mode=Mode.EXACT.value, support_ids=ids, support_sizes=sizes, logprobs=req.top_logprobs)
+        positions = exact_positions(responses, supports, draft)
+        draft_index = [int((s == x).nonzero()[0, 0]) for s, x in zip(supports, draft.tokens)]
+        accept_u, final_u = round_uniforms(rnd)
+        choice_u = uniform(req.seed, req.choice, rnd.positions[-1], Purpose.WORKER_CHOICE)
+        relaxation = req.spec.relaxation if req.spec.relaxation is not None and req.spec.relaxation.tau_max > 0 and positions else None
+        taus, weights = None, rnd.weights
+        w = [normalise_weights(weights_at(weights, j)) for j in range(len(positions))]
+        if relaxation is not None:
+            taus = torch.tensor([
+                relaxation_factor_on_support(w[j] @ pos.p.double(), pos.q, float(w[j] @ pos.complement.double()), relaxation) for j, pos in enumerate(positions)
+            ], dtype=torch.float64)
+        verdict = verify_exact(positions, draft_index, [r.bonus for r in responses], weights, accept_u, final_u[:-1], choice_u, taus)
+        tokens = verdict.output(draft.tokens)
+        result = RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic)
+        if req.top_logprobs is not None:
+            values = [mixed_probability(pos.p[:, i], weights_at(weights, j)) for j, (pos, i) in enumerate(zip(positions, draft_index[: verdict.num_accepted]))]
+            result.logprobs = worker_logprobs(rnd, tokens, [*values, await exact_final_logprob(rnd, positions, verdict)])
+        if taus is not None:  # the emitted draft positions follow τ q̂ + (1 − τ) p; the bonus position p itself
+            at = min(len(tokens), len(positions))
+            result.taus = taus[:at].tolist()
+            result.relaxed_tv = [float(relaxed_distance(w[j] @ pos.p.double(), pos.q, taus[j])) for j, pos in enumerate(positions[:at])] + [0.0] * (len(tokens) - at)
+        return result
+
+
+async def exact_final_logprob(rnd: Round, positions: list[ExactPosition], verdict: Verdict) -> float:
+    """log p of the round's last token: from the supports when it lies on S_a; else it is a
+    worker's own sample (complement or bonus), whose log p_n that worker sent — with several
+    workers the mixture needs every p_n of it, which one short call asks for."""
+    a, token = verdict.num_accepted, verdict.token
+    if a < len(positions):
+        on_support = (positions[a].support == token).nonzero()
+        if len(on_support):
+            return mixed_probability(positions[a].p[:, int(on_support[0, 0])], weights_at(rnd.weights, a))
+    if len(rnd.responses) == 1:
+        return float(array(rnd.responses[0].sample_logprobs)[a])
+    return await rnd.score(len(rnd.sequence) + a, token)
+
+
+def exact_positions(responses: list[VerifyResponse], supports: list[torch.Tensor], draft: Draft) -> list[ExactPosition]:
+    bounds = np.cumsum([0] + [len(s) for s in supports])
+    positions = []
+    for j, support in enumerate(supports):
+        p = torch.stack([torch.tensor(array(r.support_probs)[bounds[j] : bounds[j + 1]], dtype=torch.float64) for r in responses])
+        complement = torch.tensor([float(array(r.complement)[j]) for r in responses], dtype=torch.float64)
+        samples = [int(array(r.complement_samples)[j]) for r in responses]
+        positions.append(ExactPosition(support, draft.probs[j][support].double(), p, complement, samples))
+    return positions
