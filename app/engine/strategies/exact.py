@@ -37,8 +37,8 @@ class ExactStrategy(Strategy):
         choice_u = uniform(req.seed, req.choice, rnd.positions[-1], Purpose.WORKER_CHOICE)
         relaxation = req.spec.relaxation if req.spec.relaxation is not None and req.spec.relaxation.tau_max > 0 and positions else None
         taus, weights = None, rnd.weights
-        w = [normalise_weights(weights_at(weights, j)) for j in range(len(positions))]
         if relaxation is not None:
+            w = [normalise_weights(weights_at(weights, j)) for j in range(len(positions))]
             taus = torch.tensor([
                 relaxation_factor_on_support(w[j] @ pos.p.double(), pos.q, float(w[j] @ pos.complement.double()), relaxation) for j, pos in enumerate(positions)
             ], dtype=torch.float64)
