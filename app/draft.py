@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
 
 import torch
 
 from core.math.random import Purpose, sample_index, uniforms
 from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_ids, truncate
+from core.math.tree import TokenTree
 from core.runners import ModelRunner
 from core.runners.base import common_prefix
-
-
-@dataclass(frozen=True)
-class Draft:
-    tokens: list[int]  # [γ'] x_j, γ' ≤ γ (drafting stops after an EOS)
-    probs: torch.Tensor  # [γ', V] q̂_j the tokens were drawn from (empty rows at T = 0 are unused)
 
 
 class DraftModel:
@@ -36,7 +30,7 @@ class DraftModel:
     async def propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
-    ) -> Draft:
+    ) -> TokenTree:
         """Draft ``gamma`` tokens after ``sequence`` (the agreed tokens of the session);
         ``truncation`` = (draft_top_k, draft_top_p) sparsifies q̂ (TSLT), losslessly. Once
         ``cancel`` is set, drafting stops after the token in progress (a prepared draft whose
@@ -45,7 +39,7 @@ class DraftModel:
         ``suppression`` (min_tokens) masks its ids where the target cannot emit them."""
         async with self._lock:
             if cancel is not None and cancel.is_set():
-                return Draft([], torch.empty(0, self.vocab_size))
+                return TokenTree.chain([], [])
             return await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
 
     async def free(self, session_id: str) -> None:
@@ -55,7 +49,7 @@ class DraftModel:
     def _propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
-    ) -> Draft:
+    ) -> TokenTree:
         held = self.runner.tokens(session_id)
         common = common_prefix(held, sequence)
         self.runner.crop(session_id, common)
@@ -76,5 +70,5 @@ class DraftModel:
             if token in self.runner.info.eos_ids or j == gamma - 1 or (cancel is not None and cancel.is_set()):
                 break
             logits = self.runner.append(session_id, [token], 1)[0]
-        return Draft(tokens, torch.stack(rows) if rows else torch.empty(0, self.vocab_size))
+        return TokenTree.chain(tokens, rows)
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from app.adaptive import GammaController
-from app.draft import Draft, DraftModel
+from app.draft import DraftModel
 from app.engine.round import Round, all_workers, array
 from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
 from app.engine.strategies import STRATEGIES
@@ -26,6 +26,7 @@ from app.targets.base import Traffic
 from app.targets.pool import TargetSet
 from core.math.aggregation import merge_top_logprobs, mixed_logprob
 from core.math.sampling import Suppression
+from core.math.tree import TokenTree
 from core.modes import MODES
 from core.names import Mode
 from core.protocol import VerifyRequest
@@ -48,7 +49,7 @@ class Engine:
         strategy = STRATEGIES[req.spec.mode]
         sequence = list(req.prompt)
         agreed = [0] * len(self.pool.workers)
-        ahead: Draft | None = None  # the next round's draft, prepared during this round's flight
+        ahead: TokenTree | None = None  # the next round's draft, prepared during this round's flight
         suppression = self._suppression(req)
         drafts = MODES[req.spec.mode].drafts
         auto = GammaController(req.spec.overlap) if req.spec.auto_gamma and not req.seeded and drafts else None
@@ -65,11 +66,11 @@ class Engine:
                 gamma = min(wanted, room - 1) if drafts else 0
                 started = time.perf_counter()
                 used = ahead is not None
-                draft = Draft(ahead.tokens[:gamma], ahead.probs[:gamma]) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression)
+                draft = ahead.head(gamma) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression)
                 ahead = None
-                scorable = self.pool.scorable(sequence, draft.tokens)  # an engine may not score every token
-                if scorable < len(draft.tokens):
-                    draft = Draft(draft.tokens[:scorable], draft.probs[:scorable])
+                scorable = self.pool.scorable(sequence, draft.ids())  # an engine may not score every token
+                if scorable < len(draft):
+                    draft = draft.head(scorable)
                 drafted = time.perf_counter()
                 rnd = Round(self.pool, self.weights, self.vocab_size, req, session_id, sequence, agreed, draft, Traffic(), suppression)
                 preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression) if req.spec.overlap and drafts else None
@@ -83,7 +84,7 @@ class Engine:
                 result.prepared_used = int(used)
                 if preparing is not None:
                     result.prepared = 1
-                    if result.accepted < len(draft.tokens):
+                    if result.accepted < len(draft):
                         preparing[1].set()  # its assumption failed: stop it now
                     ahead = await self._take_ahead(preparing[0], draft, result)
                 if auto is not None:
@@ -135,23 +136,24 @@ class Engine:
         return Suppression(tuple(sorted(self.eos_ids)), len(req.prompt) + req.min_tokens)
 
     def _prepare(
-        self, session_id: str, sequence: list[int], draft: Draft, room: int, gamma: int, req: GenerationRequest, suppression: Suppression | None,
-    ) -> tuple[asyncio.Task[Draft], threading.Event] | None:
+        self, session_id: str, sequence: list[int], draft: TokenTree, room: int, gamma: int, req: GenerationRequest, suppression: Suppression | None,
+    ) -> tuple[asyncio.Task[TokenTree], threading.Event] | None:
         """DSD's overlap: while the round is verified, draft on as if every draft token were
         accepted — one token for the bonus position, then the next round's γ. None when there is
         nothing to prepare (the draft ended in EOS, or no room is left after this round)."""
-        after = room - (len(draft.tokens) + 1)
-        if not draft.tokens or draft.tokens[-1] in self.eos_ids or after <= 1:
+        tokens = draft.ids()
+        after = room - (len(tokens) + 1)
+        if not tokens or tokens[-1] in self.eos_ids or after <= 1:
             return None
         cancel = threading.Event()
-        assumed = [*sequence, *draft.tokens]
+        assumed = [*sequence, *tokens]
         task = asyncio.create_task(self.draft.propose(
             session_id, assumed, 1 + min(gamma, after - 1), req.params, req.seed, req.choice, req.spec.truncation, cancel, suppression,
         ))
         task.add_done_callback(_retrieve)  # a round that fails leaves it unawaited
         return task, cancel
 
-    async def _take_ahead(self, task: asyncio.Task[Draft], draft: Draft, result: RoundResult) -> Draft | None:
+    async def _take_ahead(self, task: asyncio.Task[TokenTree], draft: TokenTree, result: RoundResult) -> TokenTree | None:
         """The prepared draft, if its assumption held: every draft token accepted and its first
         token equal to the bonus token drawn by the round. It is then exactly what drafting after
         the round would give (the draft's draws are keyed by position), so the output is the
@@ -160,15 +162,16 @@ class Engine:
             prepared = await task
         except Exception:  # logged by _retrieve; the next round drafts afresh
             return None
-        if result.accepted != len(draft.tokens) or not prepared.tokens or prepared.tokens[0] != result.tokens[-1]:
+        first = prepared.ids()[:1]
+        if result.accepted != len(draft) or first != result.tokens[-1:]:
             return None
-        if prepared.tokens[0] in self.eos_ids or len(prepared.tokens) < 2:
+        if first[0] in self.eos_ids or len(prepared) < 2:
             return None
-        return Draft(prepared.tokens[1:], prepared.probs[1:])
+        return prepared.tail(1)
 
-    async def _draft(self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest, suppression: Suppression | None) -> Draft:
+    async def _draft(self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest, suppression: Suppression | None) -> TokenTree:
         if gamma <= 0:
-            return Draft([], torch.empty(0, self.vocab_size))
+            return TokenTree.chain([], [])
         return await self.draft.propose(session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, suppression=suppression)
 
     def _finish(self, result: RoundResult, generated: int, req: GenerationRequest, length: int) -> str | None:
@@ -186,7 +189,7 @@ class Engine:
         await asyncio.gather(self.pool.delete_sessions(session_id), self.draft.free(session_id), return_exceptions=True)
 
 
-def _retrieve(task: asyncio.Task[Draft]) -> None:
+def _retrieve(task: asyncio.Task[TokenTree]) -> None:
     """Mark a background draft's failure as seen (it is logged, not raised: nobody uses it)."""
     if not task.cancelled() and task.exception() is not None:
         log.warning("a draft prepared ahead failed: %s", task.exception())

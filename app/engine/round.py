@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from app.draft import Draft
 from app.engine.spec import GenerationRequest, TokenLogprob
 from app.targets.base import Traffic, WorkerError
 from app.targets.pool import TargetSet
@@ -22,6 +21,7 @@ from core.math.aggregation import (
 )
 from core.math.random import Purpose, uniforms
 from core.math.sampling import Suppression
+from core.math.tree import TokenTree
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
 
@@ -37,7 +37,7 @@ class Round:
     session_id: str
     sequence: list[int]  # agreed tokens so far (prompt + generated)
     agreed: list[int]  # per worker: tokens of ``sequence`` it holds
-    draft: Draft
+    draft: TokenTree  # a chain in every mode today
     traffic: Traffic
     suppression: Suppression | None = None  # min_tokens: EOS is removed from the target before it
     model_s: float = 0.0
@@ -47,14 +47,14 @@ class Round:
     def positions(self) -> list[int]:
         """Absolute index of the token decided at each of the γ+1 positions."""
         start = len(self.sequence)
-        return list(range(start, start + len(self.draft.tokens) + 1))
+        return list(range(start, start + len(self.draft) + 1))
 
     async def call(self, **wire: object) -> list[VerifyResponse]:
         """Every worker at once; after it, each holds ``sequence`` + draft."""
         pool, req = self.targets, self.req
         requests = [
             VerifyRequest.after(
-                self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.tokens,
+                self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.ids(),
                 temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p,
                 seed=req.seed, choice=req.choice, worker=n, **self._suppressing(self.positions[0], len(self.positions)), **wire,  # type: ignore[arg-type]
             )
@@ -85,7 +85,7 @@ class Round:
         one short call per worker that re-reads the token before it and scores only ``token``.
         Each worker then holds sequence + draft up to ``position``, the round's agreed tokens."""
         pool, req = self.targets, self.req
-        held = [*self.sequence, *self.draft.tokens][:position]
+        held = [*self.sequence, *self.draft.ids()][:position]
         requests = [
             VerifyRequest.after(
                 self.session_id, held[:-1], held[-1:], [], temperature=req.params.temperature, top_k=req.params.top_k,
@@ -111,6 +111,19 @@ def round_uniforms(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
         uniforms(req.seed, req.choice, positions[-1:], Purpose.BONUS),
     ])
     return accept, final
+
+
+def lanes(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
+    """The walk's draws (``core.math.tree``): r per depth and candidate lane ``[D, W]`` — lane 0
+    is the chain's stream, so a chain verifies to the chain verifier's numbers — and the
+    recovered / bonus draw per depth ``[D+1]``."""
+    accept, final = round_uniforms(rnd)
+    width = rnd.draft.max_width()
+    if width <= 1:
+        return accept[:, None], final
+    req, positions = rnd.req, rnd.positions[:-1]
+    others = [uniforms(req.seed, req.choice, positions, Purpose.ACCEPT, lane=lane) for lane in range(1, width)]
+    return torch.stack([accept, *others], dim=1), final
 
 
 def mixture(

@@ -62,16 +62,49 @@ class TokenTree:
     def chain(
         cls,
         tokens: list[int],  # [γ]
-        q: torch.Tensor,  # [γ, V]: q̂_j each x_j was drawn from (dense; 0 off its support)
+        q: list[torch.Tensor] | torch.Tensor,  # γ × [V]: q̂_j each x_j was drawn from (0 off its support)
     ) -> TokenTree:
         """The chain as a tree: node j's parent is j − 1; q̂_j is row j (the last node has none)."""
         gamma = len(tokens)
-        rows = [row for row in q[:gamma]] + [torch.zeros(q.shape[-1] if q.dim() == 2 else 0, dtype=q.dtype)]
+        rows = list(q[:gamma])
         ids, probs = sparse_rows(rows)
-        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(gamma) - 1, ids, probs, ChildRule.SAMPLED)
+        pad_ids = torch.full((1, ids.shape[1]), -1, dtype=torch.long)
+        pad = torch.zeros(1, ids.shape[1], dtype=probs.dtype)
+        tree_ids, tree_probs = (torch.cat([ids, pad_ids]), torch.cat([probs, pad])) if rows else (pad_ids, pad)
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(gamma) - 1, tree_ids, tree_probs, ChildRule.SAMPLED)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
+
+    def ids(self) -> list[int]:
+        """The draft tokens, node by node (a chain's, in order)."""
+        return [int(t) for t in self.tokens.tolist()]
+
+    @property
+    def is_chain(self) -> bool:
+        return bool(torch.equal(self.parents, torch.arange(len(self)) - 1))
+
+    def head(self, n: int) -> TokenTree:
+        """A chain's first ``n`` nodes."""
+        assert self.is_chain, "head() cuts chains"
+        n = min(n, len(self))
+        return TokenTree(self.tokens[:n], self.parents[:n], self.q_ids[: n + 1], self.q_probs[: n + 1], self.rule)
+
+    def tail(self, k: int) -> TokenTree:
+        """A chain without its first ``k`` nodes: node k becomes the root's child."""
+        assert self.is_chain, "tail() cuts chains"
+        k = min(k, len(self))
+        return TokenTree(self.tokens[k:], self.parents[k:] - k, self.q_ids[k:], self.q_probs[k:], self.rule)
+
+    def support(self, node: int) -> tuple[torch.Tensor, torch.Tensor]:  # [s] long ids (ascending), [s] probs: q̂ at ``node`` (−1 = root)
+        keep = self.q_ids[node + 1] >= 0
+        return self.q_ids[node + 1][keep], self.q_probs[node + 1][keep]
+
+    def q_of(self, node: int) -> float:
+        """q̂(x) of ``node``'s token x under its parent's q̂ (what it was drawn from)."""
+        ids, probs = self.support(int(self.parents[node]))
+        match = (ids == self.tokens[node]).nonzero()
+        return float(probs[int(match[0, 0])]) if len(match) else 0.0
 
     def depths(self) -> torch.Tensor:  # [n] long: 1 for the root's children; position = agreed length + depth − 1
         out = torch.zeros(len(self), dtype=torch.long)
@@ -103,6 +136,14 @@ class TokenTree:
         row = node + 1
         keep = self.q_ids[row] >= 0
         return torch.zeros(vocab_size, dtype=torch.float64).index_put_((self.q_ids[row][keep],), self.q_probs[row][keep].double(), accumulate=True)
+
+    def q_rows(self, vocab_size: int) -> torch.Tensor:  # [n, V] in q_probs' dtype: each node's q̂ (its parent's row)
+        """Dense rows of the q̂ each node was drawn from (for the chain-only relaxed test)."""
+        out = torch.zeros(len(self), vocab_size, dtype=self.q_probs.dtype)
+        for i, parent in enumerate(self.parents.tolist()):
+            ids, probs = self.support(parent)
+            out[i, ids] = probs
+        return out
 
     def max_width(self) -> int:
         """The most children of one node (the lanes a walk may use)."""

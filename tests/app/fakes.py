@@ -10,10 +10,11 @@ from collections.abc import Callable
 import httpx
 import torch
 
-from app.draft import Draft, DraftModel
+from app.draft import DraftModel
 from app.engine import Engine
 from app.targets.base import Traffic
 from core.math.sampling import SamplingParams, Suppression
+from core.math.tree import TokenTree
 from core.protocol import (
     BINARY_CONTENT_TYPE,
     ErrorBody,
@@ -106,7 +107,7 @@ class InlineDraftModel(DraftModel):
     async def propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
-    ) -> Draft:
+    ) -> TokenTree:
         await asyncio.sleep(0)  # as the real one: the caller's other work may run first
         return self._propose(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
 

@@ -16,7 +16,7 @@ from app.engine import round as round_module
 from app.engine import Engine, GenerationRequest, SpecOptions
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams, truncate
-from core.math import speculative
+from core.math import tree
 from core.names import Mode, Reconstruction
 from tests.app.fakes import MarkovRunner, make_engine, random_table
 
@@ -118,7 +118,7 @@ def test_first_two_tokens_follow_the_target(case: str) -> None:
 def test_negative_control_a_verifier_without_the_residual_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     """The classic bug (resample from p, not norm(max(0, p − q)), at a rejection): rejected."""
     workers = [(TARGETS[0], 1.0)]
-    monkeypatch.setattr(speculative, "residual", lambda p, q: p.double() / p.double().sum())
+    monkeypatch.setattr(tree, "residual", lambda p, q: p.double() / p.double().sum())  # aggregate verifies by the tree walk
     pvalue, _ = _chi_square(make_engine(DRAFT, workers), _spec(Mode.AGGREGATE), _target_joint(workers))
     assert pvalue < SIGNIFICANCE
 

@@ -8,6 +8,7 @@ from app.engine.round import (
     Round,
     array,
     first_rows,
+    lanes,
     mixture,
     round_uniforms,
     token_logprobs,
@@ -16,7 +17,7 @@ from app.engine.spec import RoundResult
 from app.engine.strategies.base import Strategy
 from core.math.aggregation import bias_bound
 from core.math.relaxed import relaxation_factors, relaxed_distance, verify_relaxed
-from core.math.speculative import verify_greedy, verify_sampled
+from core.math.tree import verify_tree, verify_tree_greedy
 from core.names import Mode
 
 
@@ -28,24 +29,24 @@ class AggregateStrategy(Strategy):
         req, spec = rnd.req, rnd.req.spec
         responses = await rnd.call(mode=Mode.AGGREGATE.value, k=spec.k, reconstruction=spec.reconstruction.value)
         target = mixture(responses, rnd.vocab_size, rnd.weights, spec.reconstruction)
-        draft = rnd.draft
-        relaxed = spec.relaxation is not None and spec.relaxation.tau_max > 0 and not req.params.is_greedy and draft.tokens
-        if req.params.is_greedy:
-            verdict = verify_greedy(target, draft.tokens)
-        elif relaxed:
+        tree = rnd.draft
+        relaxed = spec.relaxation is not None and spec.relaxation.tau_max > 0 and not req.params.is_greedy and len(tree)
+        if relaxed:  # DSD's relaxed test is for chains: it needs the dense q̂ rows
             assert spec.relaxation is not None
-            taus = relaxation_factors(target, draft.probs, spec.relaxation)
-            verdict = verify_relaxed(target, draft.probs, draft.tokens, *round_uniforms(rnd), taus)
+            q = tree.q_rows(rnd.vocab_size)
+            taus = relaxation_factors(target, q, spec.relaxation)
+            chain = verify_relaxed(target, q, tree.ids(), *round_uniforms(rnd), taus)
+            tokens, accepted = chain.output(tree.ids()), chain.num_accepted
         else:
-            verdict = verify_sampled(target, draft.probs, draft.tokens, *round_uniforms(rnd))
-        tokens = verdict.output(draft.tokens)
+            verdict = verify_tree_greedy(target, tree) if req.params.is_greedy else verify_tree(target, tree, *lanes(rnd))
+            tokens, accepted = verdict.output(tree), verdict.num_accepted
         used = len(tokens)
         logprobs = token_logprobs(target[:used], tokens, req.top_logprobs) if req.top_logprobs is not None else None
-        result = RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic, logprobs=logprobs)
+        result = RoundResult(tokens, drafted=len(tree), accepted=accepted, traffic=rnd.traffic, logprobs=logprobs)
         if relaxed:  # the emitted draft positions follow τ q + (1 − τ) p; the bonus position p itself
-            at = min(used, len(draft.tokens))
+            at = min(used, len(tree))
             result.taus = taus[:at].tolist()
-            result.relaxed_tv = relaxed_distance(target[:at], draft.probs[:at], taus[:at]).tolist() + [0.0] * (used - at)
+            result.relaxed_tv = relaxed_distance(target[:at], q[:at], taus[:at]).tolist() + [0.0] * (used - at)
         if not spec.is_lossless:
             sigma = torch.stack([torch.tensor(array(r.tail_mass)) for r in responses])[:, :used]
             error = torch.stack([torch.tensor(array(r.recon_error)) for r in responses])[:, :used]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from app.draft import Draft
 from app.engine.round import Round, array, round_uniforms, weights_at, worker_logprobs
 from app.engine.spec import RoundResult
 from app.engine.strategies.base import Strategy
@@ -15,6 +14,7 @@ from core.math.exact import ExactPosition, verify_exact
 from core.math.random import Purpose, uniform
 from core.math.relaxed import relaxation_factor_on_support, relaxed_distance
 from core.math.speculative import Verdict
+from core.math.tree import TokenTree
 from core.names import Mode
 from core.protocol import VerifyResponse
 
@@ -27,12 +27,12 @@ class ExactStrategy(Strategy):
         if rnd.req.params.is_greedy:
             return await certified_greedy(rnd)
         req, draft = rnd.req, rnd.draft
-        supports = [row.nonzero()[:, 0] for row in draft.probs]
+        supports = [draft.support(j - 1)[0] for j in range(len(draft))]  # S_j, ascending ids
         ids = torch.cat(supports).numpy() if supports else np.zeros(0, np.int64)
         sizes = np.array([len(s) for s in supports], dtype=np.int32)
         responses = await rnd.call(mode=Mode.EXACT.value, support_ids=ids, support_sizes=sizes, logprobs=req.top_logprobs)
         positions = exact_positions(responses, supports, draft)
-        draft_index = [int((s == x).nonzero()[0, 0]) for s, x in zip(supports, draft.tokens)]
+        draft_index = [int((s == x).nonzero()[0, 0]) for s, x in zip(supports, draft.ids())]
         accept_u, final_u = round_uniforms(rnd)
         choice_u = uniform(req.seed, req.choice, rnd.positions[-1], Purpose.WORKER_CHOICE)
         relaxation = req.spec.relaxation if req.spec.relaxation is not None and req.spec.relaxation.tau_max > 0 and positions else None
@@ -43,8 +43,8 @@ class ExactStrategy(Strategy):
                 relaxation_factor_on_support(w[j] @ pos.p.double(), pos.q, float(w[j] @ pos.complement.double()), relaxation) for j, pos in enumerate(positions)
             ], dtype=torch.float64)
         verdict = verify_exact(positions, draft_index, [r.bonus for r in responses], weights, accept_u, final_u[:-1], choice_u, taus)
-        tokens = verdict.output(draft.tokens)
-        result = RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic)
+        tokens = verdict.output(draft.ids())
+        result = RoundResult(tokens, drafted=len(draft), accepted=verdict.num_accepted, traffic=rnd.traffic)
         if req.top_logprobs is not None:
             values = [mixed_probability(pos.p[:, i], weights_at(weights, j)) for j, (pos, i) in enumerate(zip(positions, draft_index[: verdict.num_accepted]))]
             result.logprobs = worker_logprobs(rnd, tokens, [*values, await exact_final_logprob(rnd, positions, verdict)])
@@ -69,12 +69,12 @@ async def exact_final_logprob(rnd: Round, positions: list[ExactPosition], verdic
     return await rnd.score(len(rnd.sequence) + a, token)
 
 
-def exact_positions(responses: list[VerifyResponse], supports: list[torch.Tensor], draft: Draft) -> list[ExactPosition]:
+def exact_positions(responses: list[VerifyResponse], supports: list[torch.Tensor], draft: TokenTree) -> list[ExactPosition]:
     bounds = np.cumsum([0] + [len(s) for s in supports])
     positions = []
     for j, support in enumerate(supports):
         p = torch.stack([torch.tensor(array(r.support_probs)[bounds[j] : bounds[j + 1]], dtype=torch.float64) for r in responses])
         complement = torch.tensor([float(array(r.complement)[j]) for r in responses], dtype=torch.float64)
         samples = [int(array(r.complement_samples)[j]) for r in responses]
-        positions.append(ExactPosition(support, draft.probs[j][support].double(), p, complement, samples))
+        positions.append(ExactPosition(support, draft.support(j - 1)[1].double(), p, complement, samples))
     return positions

@@ -8,7 +8,7 @@ import torch
 from app.engine.round import Round, array, mixture, row_ids, token_logprobs, weights_at
 from app.engine.spec import RoundResult
 from core.math.greedy import certify_argmax
-from core.math.speculative import verify_greedy
+from core.math.tree import verify_tree_greedy
 from core.names import Mode
 
 CERTIFY_K = 8  # the first top-k asked
@@ -21,22 +21,23 @@ async def certified_greedy(rnd: Round) -> RoundResult:
     draft = rnd.draft
     if rnd.req.top_logprobs is not None:
         target = mixture(await rnd.call(mode=Mode.EXACT.value, k=None), rnd.vocab_size, rnd.weights)
-        verdict = verify_greedy(target, draft.tokens)
-        tokens = verdict.output(draft.tokens)
+        verdict = verify_tree_greedy(target, draft)
+        tokens = verdict.output(draft)
         logprobs = token_logprobs(target[: len(tokens)], tokens, rnd.req.top_logprobs)
-        return RoundResult(tokens, drafted=len(draft.tokens), accepted=verdict.num_accepted, traffic=rnd.traffic, logprobs=logprobs)
+        return RoundResult(tokens, drafted=len(draft), accepted=verdict.num_accepted, traffic=rnd.traffic, logprobs=logprobs)
     k: int | None = min(CERTIFY_K, rnd.vocab_size)
     while True:
         responses = await rnd.call(mode=Mode.EXACT.value, k=k)
         targets: list[int | None] = []
-        for j in range(len(draft.tokens) + 1):
+        chain = draft.ids()
+        for j in range(len(chain) + 1):
             ids = [row_ids(r, j, rnd.vocab_size) for r in responses]
             probs = [torch.tensor(array(r.probs)[j]) for r in responses]
             targets.append(certify_argmax(ids, probs, weights_at(rnd.weights, j), rnd.vocab_size))
-            if targets[-1] is None or j == len(draft.tokens) or targets[-1] != draft.tokens[j]:
+            if targets[-1] is None or j == len(chain) or targets[-1] != chain[j]:
                 break
         if targets[-1] is not None:
             accepted = len(targets) - 1
-            tokens = [*draft.tokens[:accepted], int(targets[-1])]
-            return RoundResult(tokens, drafted=len(draft.tokens), accepted=accepted, traffic=rnd.traffic)
+            tokens = [*chain[:accepted], int(targets[-1])]
+            return RoundResult(tokens, drafted=len(chain), accepted=accepted, traffic=rnd.traffic)
         k = None if k is None or k * 8 >= rnd.vocab_size else k * 8

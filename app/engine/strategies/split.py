@@ -19,8 +19,8 @@ class SplitStrategy(Strategy):
 
     async def verify(self, rnd: Round) -> RoundResult:
         req, spec, draft = rnd.req, rnd.req.spec, rnd.draft
-        gamma = len(draft.tokens)
-        q_draft = np.array([float(draft.probs[j, x]) for j, x in enumerate(draft.tokens)], dtype=np.float32)
+        gamma = len(draft)
+        q_draft = np.array([draft.q_of(j) for j in range(gamma)], dtype=np.float32)
         resp = (await rnd.call(mode=Mode.SPLIT.value, k=spec.k, draft_probs=q_draft, logprobs=req.top_logprobs))[0]
         accepted, result_bound = resp.num_accepted, []
         if accepted == gamma or req.params.is_greedy:
@@ -29,10 +29,10 @@ class SplitStrategy(Strategy):
         else:
             p_row = mixture([resp], rnd.vocab_size, rnd.configured)[0]  # one worker, one row
             u = uniform(req.seed, req.choice, rnd.positions[accepted], Purpose.RESIDUAL)
-            token = sample_index(residual(p_row, draft.probs[accepted]), u)
+            token = sample_index(residual(p_row, draft.q_row(accepted - 1, rnd.vocab_size)), u)
             final = float(torch.log(p_row[token].clamp(min=1e-45)))  # from the row sent: p, or p̂ of its top-k
             result_bound = [float(array(resp.tail_mass)[0])] if spec.k is not None else []
-        tokens = [*draft.tokens[:accepted], token]
+        tokens = [*draft.ids()[:accepted], token]
         result = RoundResult(tokens, drafted=gamma, accepted=accepted, traffic=rnd.traffic)
         if req.top_logprobs is not None:
             values = [*array(resp.draft_logprobs)[:accepted].tolist(), final]
