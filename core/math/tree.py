@@ -154,16 +154,24 @@ class TokenTree:
 
 def sparse_rows(
     rows: list[torch.Tensor],  # m × [V]: distributions, 0 off their supports
-) -> tuple[torch.Tensor, torch.Tensor]:  # [m, s] long ids (−1 pads), [m, s] probs in the rows' dtype
-    """Dense rows as ids + probabilities of their supports, padded to the widest."""
-    supports = [row.nonzero()[:, 0] for row in rows]
-    width = max([len(s) for s in supports] + [1])
-    dtype = rows[0].dtype if rows and rows[0].is_floating_point() else torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # [m, s] long ids (ascending, −1 pads), [m, s] probs in the rows' dtype
+    """Dense rows as ids + probabilities of their supports, padded to the widest (one pass over
+    all rows: a full row costs a copy, not a search)."""
+    if not rows:
+        return torch.full((0, 1), -1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.float32)
+    dense = torch.stack(rows)
+    dtype = dense.dtype if dense.is_floating_point() else torch.float32
+    mask = dense != 0
+    counts = mask.sum(dim=1)
+    width = max(int(counts.max()), 1)
+    if width == dense.shape[1] and bool(mask.all()):  # every row has full support
+        return torch.arange(width).expand(len(rows), width).clone(), dense.to(dtype)
+    row, col = mask.nonzero(as_tuple=True)  # by row, then ascending id
+    slot = torch.arange(row.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
     ids = torch.full((len(rows), width), -1, dtype=torch.long)
     probs = torch.zeros(len(rows), width, dtype=dtype)
-    for i, (row, support) in enumerate(zip(rows, supports)):
-        ids[i, : len(support)] = support
-        probs[i, : len(support)] = row[support].to(dtype)
+    ids[row, slot] = col
+    probs[row, slot] = dense[row, col].to(dtype)
     return ids, probs
 
 
