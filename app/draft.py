@@ -7,15 +7,16 @@ keeps streaming other requests while a draft is computed.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import torch
 
-from core.math.random import Purpose, sample_index, uniforms
+from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_ids, truncate
-from core.math.tree import TokenTree
+from core.math.tree import ChildRule, TokenTree, TreeShape, sparse_rows
 from core.runners import ModelRunner
-from core.runners.base import common_prefix
+from core.runners.base import ForwardItem, common_prefix
 
 
 class DraftModel:
@@ -41,6 +42,16 @@ class DraftModel:
             if cancel is not None and cancel.is_set():
                 return TokenTree.chain([], [])
             return await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
+
+    async def propose_tree(
+        self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
+        truncation: tuple[int, float] = (0, 1.0),
+    ) -> TokenTree:
+        """Draft a tree of ``shape`` after ``sequence`` (DESIGN §3.6): one batched draft decode
+        per depth over the nodes that get children. The draws are keyed by position and lane
+        (a draw's rank at its depth), so lane 0 of a one-wide tree draws the chain's numbers."""
+        async with self._lock:
+            return await asyncio.to_thread(self._propose_tree, session_id, sequence, shape, params, seed, choice, truncation)
 
     async def free(self, session_id: str) -> None:
         async with self._lock:
@@ -72,3 +83,103 @@ class DraftModel:
             logits = self.runner.append(session_id, [token], 1)[0]
         return TokenTree.chain(tokens, rows)
 
+
+    def _propose_tree(
+        self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
+        truncation: tuple[int, float],
+    ) -> TokenTree:
+        runner, eos = self.runner, set(self.runner.info.eos_ids)
+        common = common_prefix(runner.tokens(session_id), sequence)
+        runner.crop(session_id, common)
+        start = len(sequence)
+        q_at = {-1: self._q(runner.append(session_id, sequence[common:], 1)[0], params, truncation)}
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []  # cumulative draft log-probability (the fixed rule's ranking)
+        row_of = {-1: start - 1}  # node -> its row in the draft session
+        frontier = [-1]
+        try:
+            for depth in range(1, shape.max_depth + 1):
+                fresh = []
+                for parent, token, score in _children(frontier, q_at, scores, shape, depth, start + depth - 1, params, seed, choice):
+                    tokens.append(token)
+                    parents.append(parent)
+                    scores.append(score)
+                    fresh.append(len(tokens) - 1)
+                frontier = [n for n in fresh if tokens[n] not in eos]
+                if shape.rule is ChildRule.FIXED:  # EAGLE-2: expand the best top_k of this depth
+                    frontier = sorted(frontier, key=lambda n: (-scores[n], n))[: shape.top_k]
+                if depth == shape.max_depth or not frontier:
+                    break
+                held = runner.length(session_id)
+                item = ForwardItem(session_id, held, [tokens[n] for n in frontier], [row_of[parents[n]] for n in frontier], list(range(len(frontier))))
+                for i, (node, logits) in enumerate(zip(frontier, runner.forward([item])[0])):
+                    row_of[node] = held + i
+                    q_at[node] = self._q(logits, params, truncation)
+        finally:
+            runner.crop(session_id, start)  # the session is the agreed sequence again
+        if shape.rule is ChildRule.FIXED:
+            return _best_nodes(tokens, parents, scores, q_at, shape.nodes, self.vocab_size)
+        return _tree(tokens, parents, q_at, shape.rule, self.vocab_size)
+
+    @staticmethod
+    def _q(logits: torch.Tensor, params: SamplingParams, truncation: tuple[int, float]) -> torch.Tensor:
+        q = apply_sampling(logits[None], params)[0]
+        return truncate(q, *truncation) if not params.is_greedy and truncation != (0, 1.0) else q
+
+
+def _children(
+    frontier: list[int], q_at: dict[int, torch.Tensor], scores: list[float], shape: TreeShape, depth: int, position: int,
+    params: SamplingParams, seed: int, choice: int,
+) -> list[tuple[int, int, float]]:
+    """(parent, token, cumulative log q̂) of the children of every frontier node, in order:
+    the ``top_k`` most likely (fixed), or ``widths[depth − 1]`` draws (sampled, each draw of the
+    depth on its own lane; without replacement a drawn token leaves q̂ for its siblings)."""
+    out: list[tuple[int, int, float]] = []
+    lane = 0
+    for parent in frontier:
+        q = q_at[parent]
+        base = scores[parent] if parent >= 0 else 0.0
+        if shape.rule is ChildRule.FIXED:
+            top = torch.topk(q, max(1, min(shape.top_k, int((q > 0).sum()))))
+            out.extend((parent, int(t), base + math.log(float(p))) for t, p in zip(top.indices, top.values) if p > 0)
+            continue
+        left = q.clone()
+        for _ in range(shape.widths[depth - 1]):
+            if params.is_greedy:
+                token = int(torch.argmax(left))
+            else:
+                token = sample_index(left, uniform(seed, choice, position, Purpose.DRAFT_SAMPLE, lane=lane))
+            lane += 1
+            out.append((parent, token, base + math.log(max(float(q[token]), 1e-45))))
+            if shape.rule is ChildRule.SAMPLED_DISTINCT:
+                left[token] = 0
+                if not bool((left > 0).any()):
+                    break
+    return out
+
+
+def _tree(tokens: list[int], parents: list[int], q_at: dict[int, torch.Tensor], rule: ChildRule, vocab_size: int) -> TokenTree:
+    """The nodes as drafted (parents before children), q̂ at the root and at every expanded node."""
+    empty = torch.zeros(vocab_size)
+    ids, probs = sparse_rows([q_at[-1], *(q_at.get(n, empty) for n in range(len(tokens)))])
+    return TokenTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), ids, probs, rule)
+
+
+def _best_nodes(
+    tokens: list[int], parents: list[int], scores: list[float], q_at: dict[int, torch.Tensor], budget: int, vocab_size: int,
+) -> TokenTree:
+    """EAGLE-2's rerank: the ``budget`` nodes of best cumulative score — a node never outscores
+    its parent, so they form a tree — ordered by depth, siblings best first."""
+    kept = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:budget]
+    depth: dict[int, int] = {-1: 0}
+    for n in range(len(tokens)):
+        depth[n] = depth[parents[n]] + 1
+    order = sorted(kept, key=lambda n: (depth[n], -scores[n], n))
+    index = {-1: -1, **{n: i for i, n in enumerate(order)}}
+    empty = torch.zeros(vocab_size)
+    ids, probs = sparse_rows([q_at[-1], *(q_at.get(n, empty) for n in order)])
+    return TokenTree(
+        torch.tensor([tokens[n] for n in order], dtype=torch.long), torch.tensor([index[parents[n]] for n in order], dtype=torch.long),
+        ids, probs, ChildRule.FIXED,
+    )

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from core.config import TreeParams
 from core.names import Mode, Reconstruction
 
 # Known OpenAI parameters that this gateway does not implement: a 400 names them.
@@ -38,6 +39,7 @@ class SpeculativeParams(BaseModel):
     draft_top_p: float | None = Field(default=None, gt=0, le=1)
     overlap: bool | None = None
     relaxation: RelaxationParams | None = None
+    tree: TreeParams | None = None
 
     @field_validator("k")
     @classmethod

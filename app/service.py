@@ -25,10 +25,11 @@ from app.targets.base import WorkerError
 from app.targets.pool import TargetSet
 from app.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeParams
 from app.text import IncrementalDetokenizer, StopMatcher
-from core.config import SpecgateConfig
+from core.config import SpecgateConfig, TreeParams
 from core.modes import MODES, SERVED_MODES
 from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
+from core.math.tree import ChildRule, TreeShape
 from core.names import Mode
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class Usage:
     relaxed_tv: list[float] = field(default_factory=list)
     taus: list[float] = field(default_factory=list)
     acceptance_histogram: list[int] = field(default_factory=list)  # [a]: rounds with a draft that accepted exactly a tokens
+    tree: TreeShape | None = None  # mode tree: the shape drafted
 
     def add(self, result: RoundResult) -> None:
         self.completion_tokens += len(result.tokens)
@@ -90,6 +92,8 @@ class Usage:
             return None
         steps = sum(self.acceptance_histogram)
         num_spec_tokens = max(self.gammas, default=self.spec.num_draft_tokens) if self.spec.auto_gamma else self.spec.num_draft_tokens
+        if self.tree is not None:
+            num_spec_tokens = self.tree.max_depth  # tokens a round may accept
         histogram = self.acceptance_histogram + [0] * (num_spec_tokens + 1 - len(self.acceptance_histogram))
         return {"speculative_decoding": {
             "mean_acceptance_length": 1 + self.accepted_tokens / steps if steps else None,
@@ -126,6 +130,12 @@ class Usage:
         if spec.auto_gamma and MODES[spec.mode].drafts:  # seeded: fixed (the output depends on γ)
             block["gamma_chosen_mean"] = sum(self.gammas) / len(self.gammas) if self.gammas else float(spec.num_draft_tokens)
             block["gamma_auto"] = bool(self.gammas)
+        if self.tree is not None:  # nodes verified per round vs tokens emitted: what a tree buys
+            block["num_draft_tokens"] = None
+            block["tree"] = _tree_block(self.tree)
+            drafted_rounds = sum(self.acceptance_histogram)
+            block["nodes_per_round"] = self.draft_tokens / drafted_rounds if drafted_rounds else None
+            block["accepted_per_round"] = self.accepted_tokens / drafted_rounds if drafted_rounds else None
         if spec.relaxation is not None:  # DSD's relaxed verification: lossy by exactly τ (1 − β) per position
             block["relaxation"] = {"tau_max": spec.relaxation.tau_max, "kl_scale": spec.relaxation.kl_scale}
             block["relaxed_tv_mean"] = sum(self.relaxed_tv) / len(self.relaxed_tv) if self.relaxed_tv else 0.0
@@ -276,6 +286,8 @@ class Gateway:
             )
         max_tokens = limits.max_tokens if max_tokens is None else min(max_tokens, limits.max_tokens)  # the config caps it
         spec = self._spec(body.speculative)
+        if spec.mode is Mode.TREE and body.min_tokens and not body.ignore_eos:
+            raise ApiError(400, "min_tokens is not served in tree mode yet: use a chain mode (exact, aggregate, split)", "min_tokens")
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0  # as vLLM: tiny T is greedy
         params = SamplingParams(temperature=temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
@@ -287,7 +299,7 @@ class Gateway:
             )
             for index in range(body.n)
         ]
-        job = Job(request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt)))
+        job = Job(request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt), tree=_used_tree(spec, params)))
         job.echo_logprobs = prompt_logprobs is not None
         job.tokens_as_ids = body.return_tokens_as_token_ids
         return job
@@ -324,6 +336,7 @@ class Gateway:
             draft_top_p=1.0 if top_p is None else top_p,
             engine_targets=bool(engines),
             overlap="overlap" in takes.fields and given.get("overlap", base.overlap),
+            tree=_tree_shape(given.get("tree"), base.tree) if mode is Mode.TREE else None,
         )
 
     # ----------------------------------------------------------------- running
@@ -449,3 +462,28 @@ class Gateway:
 
     def _piece(self, token: int) -> str:
         return str(self.tokenizer.decode([token]))
+
+
+def _tree_shape(given: dict[str, Any] | None, base: TreeParams | None) -> TreeShape | None:
+    """The request's tree, else the configured one; None = the default by temperature."""
+    if given is None:
+        return base.shape() if base is not None else None
+    try:
+        return TreeParams(**given).shape()
+    except ValueError as exc:
+        raise ApiError(400, f"speculative.tree: {exc}", "speculative.tree") from None
+
+
+def _used_tree(spec: SpecOptions, params: SamplingParams) -> TreeShape | None:
+    if spec.mode is not Mode.TREE:
+        return None
+    return spec.tree or TreeShape.default(params.is_greedy)
+
+
+def _tree_block(shape: TreeShape) -> dict[str, Any]:
+    block: dict[str, Any] = {"rule": shape.rule.value}
+    if shape.rule is ChildRule.FIXED:
+        block.update(nodes=shape.nodes, depth=shape.depth, top_k=shape.top_k)
+    else:
+        block.update(widths=list(shape.widths), nodes=shape.size)
+    return block

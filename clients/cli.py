@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--backends", nargs="+", default=["llama.cpp", "transformers"], help="backends to measure")
     worker.add_argument("--positions", nargs="+", type=int, default=[1, 4, 6, 9], help="positions scored per call")
     worker.add_argument("--quick", action="store_true", help="fewer repeats and tokens: about a minute")
+    tree = benches.add_parser("tree", help="token trees vs chains at equal verified-node budgets (4, 8, 14, 32), T = 0 and 1, per link")
+    tree.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    tree.add_argument("--runs", type=int, default=2, help="runs per cell (default: 2)")
+    tree.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
+    tree.add_argument("--prompts", type=int, default=2, help="prompts per cell, 1–3 (default: 2)")
+    tree.add_argument("--plots", default=None, help="write PNG plots into this folder (e.g. docs/bench)")
+    tree.add_argument("--quick", action="store_true", help="one run, one prompt, T = 0, budgets 4 and 14, no link: about a minute")
     dsd = benches.add_parser("dsd", help="DSD: overlap on/off and auto vs fixed draft lengths per link, against autoregressive")
     dsd.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     dsd.add_argument("--runs", type=int, default=5, help="runs per cell, ≥ 3 (default: 5)")
@@ -113,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         from clients.bench_dsd import bench_dsd
 
         return bench_dsd(args)
+    if args.command == "bench" and args.bench == "tree":
+        from clients.bench_tree import bench_tree
+
+        return bench_tree(args)
     if args.command == "bench" and args.bench == "worker":
         from clients.bench_worker import bench_worker
 

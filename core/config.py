@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from core.errors import ConfigError
+from core.math.tree import ChildRule, TreeShape
 from core.modes import ENGINE_MODES, SERVED_MODES
 from core.names import Backend, Mode, Reconstruction, TargetType
 
@@ -44,18 +45,51 @@ class DraftConfig(BaseModel):
     max_context: int | None = Field(default=None, gt=0)  # tokens a draft session holds; None = limits.max_prompt_tokens + limits.max_tokens (capped by the model's own)
 
 
+class TreeParams(BaseModel):
+    """``"tree": {...}`` (config or request): the draft tree of mode ``tree`` (DESIGN §3.6).
+    Absent: EAGLE-2 at T = 0, a 2-way root with chains below (without replacement) at T > 0."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rule: ChildRule | None = None  # sampled | sampled_distinct | fixed; default: sampled_distinct with widths, else fixed
+    widths: list[int] | None = None  # sampled rules: children per node at each depth, ⟨k_1,…,k_L⟩ (default [2,1,1,1,1,1,1])
+    nodes: int | None = None  # fixed (EAGLE-2): the node budget N (default 14)
+    depth: int | None = None  # fixed: the deepest level (default 6)
+    top_k: int | None = None  # fixed: children per expanded node and nodes expanded per depth (default 4)
+
+    def shape(self) -> TreeShape:
+        """The TreeShape these settings make (ValueError when they make none)."""
+        rule = self.rule or (ChildRule.SAMPLED_DISTINCT if self.widths is not None else ChildRule.FIXED)
+        if rule is ChildRule.FIXED:
+            if self.widths is not None:
+                raise ValueError("a fixed tree takes nodes, depth and top_k, not widths")
+            default = TreeShape.default(greedy=True)
+            return TreeShape(rule, nodes=self.nodes or default.nodes, depth=self.depth or default.depth, top_k=self.top_k or default.top_k)
+        if self.nodes is not None or self.depth is not None or self.top_k is not None:
+            raise ValueError(f"a {rule.value} tree takes widths, not nodes, depth or top_k")
+        return TreeShape(rule, widths=tuple(self.widths) if self.widths is not None else TreeShape.default(greedy=False).widths)
+
+
 class SpeculativeConfig(BaseModel):
     """The default decoding mode; a request's ``speculative`` object overrides it."""
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Mode = Mode.AGGREGATE  # served: autoregressive, aggregate, split, exact (the built-in config: exact)
+    mode: Mode = Mode.AGGREGATE  # served: autoregressive, aggregate, split, exact, tree (the built-in config: exact)
     num_draft_tokens: int | Literal["auto"] = Field(default=4)  # γ in [1, 32], or auto: chosen each round (fixed 4 with a seed)
     k: int | None = None  # top-k per position on the wire; None ("full") = whole distributions
     reconstruction: Reconstruction = Reconstruction.RENORMALIZE  # how top-k becomes a distribution (aggregate)
     draft_top_k: int | None = Field(default=None, ge=0)  # TSLT draft truncation; exact defaults to 32
     draft_top_p: float | None = Field(default=None, gt=0, le=1)  # ... or keep the draft's nucleus of this mass
     overlap: bool = False  # DSD: draft the next round while this one is verified (same output, less waiting)
+    tree: TreeParams | None = None  # mode tree: the draft tree; None = the default by temperature
+
+    @field_validator("tree")
+    @classmethod
+    def _tree(cls, value: TreeParams | None) -> TreeParams | None:
+        if value is not None:
+            value.shape()
+        return value
 
     @field_validator("k", mode="before")
     @classmethod

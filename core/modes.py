@@ -16,7 +16,7 @@ _DRAFTING = frozenset({"mode", "num_draft_tokens", "draft_top_k", "draft_top_p",
 class ModeSpec:
     mode: Mode
     fields: frozenset[str]  # the fields of ``speculative`` a request may set in this mode
-    served: bool = True  # built; tree and pipeline are not yet
+    served: bool = True  # built; pipeline is not yet
     drafts: bool = True  # the gateway drafts (autoregressive: no)
     one_worker: bool = False  # verifies on exactly one worker (split)
     engines: bool = False  # openai-logprobs engines may be among the targets (DESIGN §8)
@@ -32,7 +32,7 @@ MODES: dict[Mode, ModeSpec] = {
     Mode.AGGREGATE: ModeSpec(Mode.AGGREGATE, _DRAFTING | {"k", "reconstruction", "relaxation"}, engines=True),
     Mode.SPLIT: ModeSpec(Mode.SPLIT, _DRAFTING | {"k"}, one_worker=True),
     Mode.EXACT: ModeSpec(Mode.EXACT, _DRAFTING | {"relaxation"}),
-    Mode.TREE: ModeSpec(Mode.TREE, frozenset({"mode"}), served=False),
+    Mode.TREE: ModeSpec(Mode.TREE, frozenset({"mode", "tree", "k", "reconstruction", "draft_top_k", "draft_top_p"})),
     Mode.PIPELINE: ModeSpec(Mode.PIPELINE, frozenset({"mode"}), served=False),
 }
 

@@ -32,6 +32,7 @@ from core.protocol import (
     encode_json,
 )
 from core.runners import ModelRunner, load_runner
+from core.runners.base import ForwardItem
 from core.serving import Guard
 from workers.scoring import score
 from workers.sessions import SessionStore
@@ -86,9 +87,10 @@ class WorkerState:
         started = time.perf_counter()
         scored_tokens = max(len(req.tokens) - 1, 0) if req.score_tokens else 0  # echo: the prompt's own rows too
         try:
-            logits = self.runner.append(
-                req.session_id, [*req.tokens.tolist(), *req.draft.tolist()], len(req.draft) + 1 + scored_tokens
-            )
+            if req.parents is not None:  # a tree: the root's and every node's row in one forward
+                logits = self.runner.forward([tree_item(req, self.runner.tokens(req.session_id))])[0]
+            else:
+                logits = self.runner.append(req.session_id, [*req.tokens.tolist(), *req.draft.tolist()], len(req.draft) + 1 + scored_tokens)
         finally:
             self.sessions.touch(req.session_id)
             self.sessions.evict(keep=req.session_id)
@@ -111,6 +113,19 @@ class WorkerState:
                 f"exceeds the context of {self.max_context}",
                 param="draft",
             )
+
+
+def tree_item(req: VerifyRequest, held: list[int]) -> ForwardItem:
+    """The forward of a tree call: the new agreed tokens as a chain (the last held token fed
+    again when there are none: its row is the root's), then the nodes under the root."""
+    assert req.parents is not None
+    start, tokens = req.prefix_len, req.tokens.tolist()
+    if not tokens:
+        start -= 1
+        tokens = [held[start]]
+    first = start + len(tokens)  # the row of node 0
+    parents = [*range(start - 1, first - 1), *(first - 1 if p < 0 else first + p for p in req.parents.tolist())]
+    return ForwardItem(req.session_id, start, [*tokens, *req.draft.tolist()], parents, list(range(len(tokens) - 1, len(tokens) + len(req.draft))))
 
 
 def create_app(settings: WorkerSettings, runner: ModelRunner | None = None) -> FastAPI:

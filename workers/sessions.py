@@ -38,7 +38,7 @@ class SessionStore:
         """Raise SessionShort unless the session holds ``prefix_len`` tokens hashing as given."""
         if prefix_len == 0:
             return
-        held = self.runner.tokens(session_id) if session_id in self._last_used else []
+        held = self.runner.tokens(session_id)[: self.runner.sequence_length(session_id)] if session_id in self._last_used else []
         if prefix_len > len(held):
             raise SessionShort(session_id, len(held), f"asked for a prefix of {prefix_len}")
         if prefix_hash(held[:prefix_len]) != expected_hash:

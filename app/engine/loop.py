@@ -26,7 +26,7 @@ from app.targets.base import Traffic
 from app.targets.pool import TargetSet
 from core.math.aggregation import merge_top_logprobs, mixed_logprob
 from core.math.sampling import Suppression
-from core.math.tree import TokenTree
+from core.math.tree import TokenTree, TreeShape
 from core.modes import MODES
 from core.names import Mode
 from core.protocol import VerifyRequest
@@ -66,7 +66,10 @@ class Engine:
                 gamma = min(wanted, room - 1) if drafts else 0
                 started = time.perf_counter()
                 used = ahead is not None
-                draft = ahead.head(gamma) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression)
+                if req.spec.mode is Mode.TREE:
+                    draft = await self._draft_tree(session_id, sequence, room, req)
+                else:
+                    draft = ahead.head(gamma) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression)
                 ahead = None
                 scorable = self.pool.scorable(sequence, draft.ids())  # an engine may not score every token
                 if scorable < len(draft):
@@ -90,7 +93,8 @@ class Engine:
                 if auto is not None:
                     auto.observe(result.drafted, result.accepted, result.draft_s, result.verify_s, result.model_s, result.prepared, result.prepared_used)
                     result.gamma = wanted
-                agreed[:] = [len(sequence) + result.accepted] * len(agreed)  # they hold sequence + draft
+                # they hold sequence + draft: a chain's accepted tokens are theirs, a tree's path is resent
+                agreed[:] = [len(sequence) + (result.accepted if draft.is_chain else 0)] * len(agreed)
                 sequence.extend(result.tokens)
                 result.finish_reason = self._finish(result, len(sequence) - len(req.prompt), req, len(sequence))
                 yield result
@@ -173,6 +177,14 @@ class Engine:
         if gamma <= 0:
             return TokenTree.chain([], [])
         return await self.draft.propose(session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, suppression=suppression)
+
+    async def _draft_tree(self, session_id: str, sequence: list[int], room: int, req: GenerationRequest) -> TokenTree:
+        """Mode tree's draft: the request's shape (else the default by temperature), no deeper
+        than the room left after the round's last token."""
+        if room <= 1:
+            return TokenTree.chain([], [])
+        shape = req.spec.tree or TreeShape.default(req.params.is_greedy)
+        return await self.draft.propose_tree(session_id, sequence, shape.cut(room - 1), req.params, req.seed, req.choice, req.spec.truncation)
 
     def _finish(self, result: RoundResult, generated: int, req: GenerationRequest, length: int) -> str | None:
         for i, token in enumerate(result.tokens):

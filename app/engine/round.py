@@ -37,7 +37,7 @@ class Round:
     session_id: str
     sequence: list[int]  # agreed tokens so far (prompt + generated)
     agreed: list[int]  # per worker: tokens of ``sequence`` it holds
-    draft: TokenTree  # a chain in every mode today
+    draft: TokenTree  # a chain, or a tree in ``tree`` mode
     traffic: Traffic
     suppression: Suppression | None = None  # min_tokens: EOS is removed from the target before it
     model_s: float = 0.0
@@ -45,18 +45,25 @@ class Round:
 
     @property
     def positions(self) -> list[int]:
-        """Absolute index of the token decided at each of the γ+1 positions."""
+        """Absolute index of the token decided at each depth of the walk (γ+1 for a chain)."""
         start = len(self.sequence)
-        return list(range(start, start + len(self.draft) + 1))
+        return list(range(start, start + self.draft.max_depth() + 1))
+
+    @property
+    def tree_wire(self) -> dict[str, object]:
+        """``parents`` on the wire (protocol v1.1) when the draft is not a chain."""
+        if self.draft.is_chain:
+            return {}
+        return {"parents": self.draft.parents.numpy().astype(np.int32)}
 
     async def call(self, **wire: object) -> list[VerifyResponse]:
-        """Every worker at once; after it, each holds ``sequence`` + draft."""
+        """Every worker at once; after it, each holds ``sequence`` + draft (a tree's rows too)."""
         pool, req = self.targets, self.req
         requests = [
             VerifyRequest.after(
                 self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.ids(),
                 temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p,
-                seed=req.seed, choice=req.choice, worker=n, **self._suppressing(self.positions[0], len(self.positions)), **wire,  # type: ignore[arg-type]
+                seed=req.seed, choice=req.choice, worker=n, **self._suppressing(self.positions[0], len(self.positions)), **self.tree_wire, **wire,  # type: ignore[arg-type]
             )
             for n in range(len(pool.workers))
         ]

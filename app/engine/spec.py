@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from app.targets.base import Traffic
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams
+from core.math.tree import TreeShape
 from core.names import Mode, Reconstruction
 
 
@@ -24,6 +25,7 @@ class SpecOptions:
     overlap: bool = False  # DSD: draft the next round while this one is verified (output unchanged)
     auto_gamma: bool = False  # num_draft_tokens: auto (app.adaptive); num_draft_tokens is then the seeded γ
     relaxation: Relaxation | None = None  # DSD's relaxed accept test (lossy; aggregate and exact at T > 0; DESIGN §3.8)
+    tree: TreeShape | None = None  # mode tree: the draft tree; None = the default by temperature (TreeShape.default)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:

@@ -25,6 +25,7 @@ walk depth d; the recovered / bonus draw at depth d is ``final_u[d]``. T = 0 fol
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from enum import StrEnum
 
 import torch
@@ -39,6 +40,65 @@ class ChildRule(StrEnum):
     SAMPLED = "sampled"
     SAMPLED_DISTINCT = "sampled_distinct"
     FIXED = "fixed"
+
+
+MAX_TREE_NODES = 63  # nodes of one tree at most (a worker scores them in llama.cpp decodes of ≤ 32)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How the draft grows a tree (DESIGN §3.6), one batched draft decode per depth.
+
+    Sampled rules: each node at depth d gets ``widths[d-1]`` children drawn from q̂ there (with
+    replacement, TSLT's ⟨k_1,…,k_L⟩; or without). ``fixed`` (EAGLE-2): per depth, the ``top_k``
+    best nodes by cumulative draft log-probability are expanded into their ``top_k`` most likely
+    children, down to ``depth``; the tree keeps the best ``nodes`` overall.
+    """
+
+    rule: ChildRule
+    widths: tuple[int, ...] = ()
+    nodes: int = 14
+    depth: int = 6
+    top_k: int = 4
+
+    def __post_init__(self) -> None:
+        if self.rule is ChildRule.FIXED:
+            if not 1 <= self.nodes <= MAX_TREE_NODES or not 1 <= self.depth <= 32 or not 1 <= self.top_k <= 16:
+                raise ValueError(f"a fixed tree needs nodes in [1, {MAX_TREE_NODES}], depth in [1, 32], top_k in [1, 16]")
+        else:
+            if not self.widths or not all(1 <= k <= 16 for k in self.widths) or len(self.widths) > 32:
+                raise ValueError("a sampled tree needs widths: 1 to 32 depths of 1 to 16 children each")
+            if self.size > MAX_TREE_NODES:
+                raise ValueError(f"widths {list(self.widths)} make {self.size} nodes; a tree has at most {MAX_TREE_NODES}")
+
+    @property
+    def size(self) -> int:
+        """Nodes of a full tree of this shape."""
+        if self.rule is ChildRule.FIXED:
+            return self.nodes
+        total, level = 0, 1
+        for k in self.widths:
+            level *= k
+            total += level
+        return total
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth if self.rule is ChildRule.FIXED else len(self.widths)
+
+    @classmethod
+    def default(cls, greedy: bool) -> TreeShape:
+        """What pays on the built-in pair (research/tree-and-pipeline.md §3.4): EAGLE-2 at T = 0,
+        a 2-way root with chains below, drawn without replacement, at T > 0 (14 nodes each)."""
+        if greedy:
+            return cls(ChildRule.FIXED, nodes=14, depth=6, top_k=4)
+        return cls(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1, 1, 1, 1))
+
+    def cut(self, depth: int) -> TreeShape:
+        """The same shape no deeper than ``depth`` (≥ 1): what room is left allows."""
+        if self.rule is ChildRule.FIXED:
+            return TreeShape(self.rule, nodes=self.nodes, depth=min(self.depth, depth), top_k=self.top_k)
+        return TreeShape(self.rule, widths=self.widths[:depth])
 
 
 @dataclass(frozen=True)
@@ -80,9 +140,27 @@ class TokenTree:
         """The draft tokens, node by node (a chain's, in order)."""
         return [int(t) for t in self.tokens.tolist()]
 
-    @property
+    @cached_property
     def is_chain(self) -> bool:
-        return bool(torch.equal(self.parents, torch.arange(len(self)) - 1))
+        return self._parent_list == list(range(-1, len(self) - 1))
+
+    @cached_property
+    def _parent_list(self) -> list[int]:
+        return [int(p) for p in self.parents.tolist()]
+
+    @cached_property
+    def _depth_list(self) -> list[int]:
+        out: list[int] = []
+        for parent in self._parent_list:
+            out.append(1 if parent < 0 else out[parent] + 1)
+        return out
+
+    @cached_property
+    def _children_of(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for node, parent in enumerate(self._parent_list):
+            out.setdefault(parent, []).append(node)
+        return out
 
     def head(self, n: int) -> TokenTree:
         """A chain's first ``n`` nodes."""
@@ -107,10 +185,7 @@ class TokenTree:
         return float(probs[int(match[0, 0])]) if len(match) else 0.0
 
     def depths(self) -> torch.Tensor:  # [n] long: 1 for the root's children; position = agreed length + depth − 1
-        out = torch.zeros(len(self), dtype=torch.long)
-        for i, parent in enumerate(self.parents.tolist()):
-            out[i] = 1 if parent < 0 else out[parent] + 1
-        return out
+        return torch.tensor(self._depth_list, dtype=torch.long)
 
     def ancestor_mask(self) -> torch.Tensor:  # [n, n] bool: node i attends to node j (j an ancestor of i, or i itself)
         n = len(self)
@@ -122,7 +197,7 @@ class TokenTree:
 
     def children(self, node: int) -> list[int]:
         """The children of ``node`` (−1 = the root), in draft order."""
-        return (self.parents == node).nonzero()[:, 0].tolist()
+        return list(self._children_of.get(node, ()))
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to ``node``."""
@@ -145,11 +220,13 @@ class TokenTree:
             out[i, ids] = probs
         return out
 
+    def max_depth(self) -> int:
+        """Depth of the deepest node (a chain's length): the positions a walk may decide − 1."""
+        return max(self._depth_list, default=0)
+
     def max_width(self) -> int:
         """The most children of one node (the lanes a walk may use)."""
-        if not len(self):
-            return 0
-        return int(torch.bincount(self.parents + 1).max())
+        return max((len(c) for c in self._children_of.values()), default=0)
 
 
 def sparse_rows(

@@ -8,6 +8,7 @@ import numpy as np
 
 from core.errors import InvalidRequest, ProtocolError
 from core.math.sampling import MIN_TEMPERATURE
+from core.math.tree import MAX_TREE_NODES
 from core.names import Mode, ProbsDtype
 from core.protocol.messages import (
     MAX_LOGPROBS,
@@ -66,10 +67,32 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         if req.suppress_ids.ndim != 1 or len(np.unique(req.suppress_ids)) != req.suppress_ids.size or req.suppress_ids.size >= vocab_size:
             raise InvalidRequest("suppress_ids must be distinct token ids, not the whole vocabulary", param="suppress_ids")
         check_ids(req.suppress_ids, vocab_size, "suppress_ids")
+    if req.parents is not None:
+        _check_parents(req)
     if req.mode == Mode.SPLIT.value:
         _check_draft_probs(req)
     if req.mode == Mode.EXACT.value and req.temperature > 0:
         _check_supports(req, vocab_size)
+
+
+def _check_parents(req: VerifyRequest) -> None:
+    """A tree (protocol v1.1): one parent per node, −1 (the root) or an earlier node."""
+    parents = req.parents
+    assert parents is not None
+    if parents.ndim != 1 or parents.shape != req.draft.shape:
+        raise InvalidRequest(f"parents must hold one parent per draft node: {parents.shape} for {len(req.draft)} nodes", param="parents")
+    if len(parents) > MAX_TREE_NODES:
+        raise InvalidRequest(f"a tree of {len(parents)} nodes exceeds the {MAX_TREE_NODES} a worker scores", param="draft")
+    bad = next((i for i, parent in enumerate(parents.tolist()) if not -1 <= parent < i), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"parents[{bad}] = {int(parents[bad])}: a node's parent is −1 (the root) or an earlier node (no parent after its child, no cycle)",
+            param="parents",
+        )
+    if req.mode not in (Mode.AGGREGATE.value, Mode.TREE.value):
+        raise InvalidRequest(f"trees ride on aggregate's payload; mode {req.mode!r} verifies chains", param="parents")
+    if req.score_tokens or req.score_ids is not None or req.suppress_ids is not None:
+        raise InvalidRequest("a tree takes no score_tokens, score_ids or suppress_ids", param="parents")
 
 
 def _check_draft_probs(req: VerifyRequest) -> None:

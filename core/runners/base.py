@@ -1,12 +1,18 @@
 """The ModelRunner interface (DESIGN §7): one per backend, used for the draft and the target.
 
-A runner holds sessions: a token sequence with its KV cache. The caller (gateway or worker)
-owns the sequence; the runner's copy is a cache it may drop and rebuild.
+A runner holds sessions: rows of tokens with their KV cache. Rows ``[0, chain)`` are a causal
+chain; rows after it are tree rows, each with its parent row, attending to its ancestors
+only. ``forward(items)`` appends rows (a chain, or tree nodes with parents) and returns the
+logits of the rows asked for; ``keep(session, rows)`` compacts a session to a chain of kept
+rows (a prefix, or a prefix plus an accepted tree path). ``append``, ``prefill`` and ``crop``
+are chain shims over the two. The caller (gateway or worker) owns the sequence; the runner's
+copy is a cache it may drop and rebuild from the tokens.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -31,14 +37,62 @@ class RunnerInfo:
             raise ValueError(f"vocab_size and max_context must be > 0: {self}")
 
 
+@dataclass(frozen=True)
+class ForwardItem:
+    """One session's share of a ``forward``.
+
+    ``prefix_len``: held rows to keep (a prefix; later rows are dropped first). ``tokens``: the
+    new rows. ``parents``: per new row, the row it follows (an absolute row index, earlier than
+    itself); ``None`` = a causal chain after the prefix. ``logits_at``: which new rows (0-based
+    among the new) return logits; ``None`` = the last.
+    """
+
+    session_id: str
+    prefix_len: int
+    tokens: list[int]
+    parents: list[int] | None = None
+    logits_at: list[int] | None = None
+
+
+@dataclass
+class Rows:
+    """A session's rows: tokens, parent rows (−1 for row 0), depths (= positions)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    chain: int = 0  # rows [0, chain) are a causal chain; later rows are tree rows
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def truncate(self, length: int) -> None:
+        del self.tokens[length:], self.parents[length:], self.depths[length:]
+        self.chain = min(self.chain, length)
+
+    def extend(self, tokens: list[int], parents: list[int]) -> None:
+        for token, parent in zip(tokens, parents):
+            self.tokens.append(int(token))
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1 if parent >= 0 else 0)
+
+    def ancestors(self, row: int) -> list[int]:
+        """Rows ``row`` attends to: itself and its ancestors, in increasing order."""
+        out = []
+        while row >= 0:
+            out.append(row)
+            row = self.parents[row]
+        return out[::-1]
+
+
 class ModelRunner(ABC):
-    """Prefill a session, append tokens, score the last positions, crop, free."""
+    """Forward rows (chains and trees), keep a path, free a session."""
 
     info: RunnerInfo
     tokenizer: Any  # the HF tokenizer; the same object for every runner of one model
 
     def __init__(self) -> None:
-        self._tokens: dict[str, list[int]] = {}
+        self._rows: dict[str, Rows] = {}
 
     @cached_property
     def fingerprint(self) -> str:
@@ -50,17 +104,66 @@ class ModelRunner(ABC):
     # ----------------------------------------------------------------- session state
 
     def has_session(self, session_id: str) -> bool:
-        return session_id in self._tokens
+        return session_id in self._rows
 
     def tokens(self, session_id: str) -> list[int]:
-        """The tokens the session holds (a copy); empty for an unknown session."""
-        return list(self._tokens.get(session_id, ()))
+        """The tokens of the session's rows (a copy); empty for an unknown session."""
+        rows = self._rows.get(session_id)
+        return list(rows.tokens) if rows is not None else []
 
     def length(self, session_id: str) -> int:
-        return len(self._tokens.get(session_id, ()))
+        rows = self._rows.get(session_id)
+        return len(rows) if rows is not None else 0
+
+    def sequence_length(self, session_id: str) -> int:
+        """Rows that read as one sequence from row 0 (each the child of the row before): the
+        prefix a caller may crop to and compare tokens with."""
+        rows = self._rows.get(session_id)
+        if rows is None:
+            return 0
+        n = rows.chain
+        while n < len(rows) and rows.parents[n] == n - 1:
+            n += 1
+        return n
 
     def session_ids(self) -> list[str]:
-        return list(self._tokens)
+        return list(self._rows)
+
+    # ----------------------------------------------------------------- the core calls
+
+    def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+        """Append each item's rows; per item, fp32 logits ``[len(logits_at), V]``."""
+        return [self._forward_item(item) for item in items]
+
+    def keep(self, session_id: str, rows: Sequence[int]) -> None:
+        """Compact the session to ``rows``: increasing, from row 0, each the child of the one
+        before (a prefix, or a prefix plus a tree path). They become a plain chain."""
+        held = self._rows.get(session_id)
+        if held is None:
+            if len(rows):
+                raise ValueError(f"session {session_id!r} holds no rows to keep")
+            return
+        kept = [int(r) for r in rows]
+        for i, row in enumerate(kept):
+            expected_parent = kept[i - 1] if i else -1
+            if not 0 <= row < len(held) or held.parents[row] != expected_parent:
+                raise ValueError(f"rows to keep must be a root-to-row path of the session: row {row} at place {i}")
+        if kept == list(range(len(held))) and held.chain == len(held):
+            return
+        self._keep_cache(session_id, held, kept)
+        if kept == list(range(len(kept))):
+            held.truncate(len(kept))
+            held.chain = len(kept)
+        else:
+            tokens = [held.tokens[r] for r in kept]
+            self._rows[session_id] = chain_rows(tokens)
+
+    def free(self, session_id: str) -> None:
+        """Forget the session and release its KV cache at once."""
+        if self._rows.pop(session_id, None) is not None:
+            self._free_cache(session_id)
+
+    # ----------------------------------------------------------------- chain shims
 
     def prefill(self, session_id: str, tokens: list[int], num_logits: int = 1) -> torch.Tensor:
         """Start ``session_id`` afresh with ``tokens``; logits of the last ``num_logits``."""
@@ -68,38 +171,29 @@ class ModelRunner(ABC):
         return self.append(session_id, tokens, num_logits)
 
     def append(self, session_id: str, tokens: list[int], num_logits: int) -> torch.Tensor:
-        """Append ``tokens``; return fp32 logits ``[num_logits, V]`` of the last positions.
+        """Append a chain; fp32 logits ``[num_logits, V]`` of the last positions.
 
-        ``num_logits`` may exceed ``len(tokens)``: earlier held positions are re-scored.
+        ``num_logits`` may exceed ``len(tokens)``: earlier held positions are fed again.
         """
-        held = self._tokens.setdefault(session_id, [])
+        held = self.tokens(session_id)
         total = len(held) + len(tokens)
         if not 0 < num_logits <= total:
             raise ValueError(f"num_logits {num_logits} outside [1, {total}]")
-        if total > self.info.max_context:
-            raise ContextOverflow(
-                f"session would hold {total} tokens, the context is {self.info.max_context}",
-                param="draft",
-            )
-        held.extend(int(t) for t in tokens)
-        return self._forward(session_id, held, num_logits)
+        rows = self._rows.get(session_id)
+        if rows is not None and rows.chain < len(rows):
+            raise ValueError(f"session {session_id!r} holds tree rows: keep a path before appending a chain")
+        prefix = min(len(held), total - num_logits)
+        new = held[prefix:] + [int(t) for t in tokens]
+        return self._forward_item(ForwardItem(session_id, prefix, new, logits_at=list(range(len(new) - num_logits, len(new)))))
 
     def crop(self, session_id: str, length: int) -> None:
-        """Keep the first ``length`` tokens of the session (and their KV entries)."""
-        held = self._tokens.get(session_id)
-        if held is None or length >= len(held):
-            return
-        del held[length:]
-        self._crop_cache(session_id, length)
-
-    def free(self, session_id: str) -> None:
-        """Forget the session and release its KV cache at once."""
-        if self._tokens.pop(session_id, None) is not None:
-            self._free_cache(session_id)
+        """Keep the first ``length`` rows of the session (and their KV entries)."""
+        if length < self.length(session_id):
+            self.keep(session_id, range(max(length, 0)))
 
     def memory_bytes(self) -> int:
         """Bytes held by session caches (what a memory cap counts)."""
-        return sum(len(t) for t in self._tokens.values()) * self.kv_bytes_per_token()
+        return sum(len(r) for r in self._rows.values()) * self.kv_bytes_per_token()
 
     def free_all(self) -> None:
         for session_id in self.session_ids():
@@ -109,17 +203,53 @@ class ModelRunner(ABC):
         """Free every session and what the backend holds; the runner is unusable after."""
         self.free_all()
 
+    # ----------------------------------------------------------------- the bookkeeping
+
+    def _forward_item(self, item: ForwardItem) -> torch.Tensor:
+        rows = self._rows.setdefault(item.session_id, Rows())
+        start, count = item.prefix_len, len(item.tokens)
+        if not 0 <= start <= len(rows):
+            raise ValueError(f"prefix_len {start} outside [0, {len(rows)}]")
+        if count == 0:
+            raise ValueError("a forward appends at least one row")
+        if start + count > self.info.max_context:
+            raise ContextOverflow(
+                f"session would hold {start + count} tokens, the context is {self.info.max_context}", param="draft"
+            )
+        parents = _checked_parents(item.parents, start, count)
+        logits_at = [count - 1] if item.logits_at is None else [int(i) for i in item.logits_at]
+        if not logits_at or not all(0 <= i < count for i in logits_at):
+            raise ValueError(f"logits_at must name new rows in [0, {count})")
+        if start < len(rows):
+            self.keep(item.session_id, range(start))
+            rows = self._rows[item.session_id]
+        as_chain = item.parents is None and rows.chain == start
+        rows.extend(item.tokens, parents)
+        if as_chain:
+            rows.chain = len(rows)
+        try:
+            return self._compute(item.session_id, rows, start, [start + i for i in logits_at])
+        except BaseException:
+            self._drop_cache(item.session_id)  # rebuilt from the tokens on the next call
+            rows.truncate(start)
+            raise
+
     # ----------------------------------------------------------------- per backend
 
     @abstractmethod
-    def _forward(self, session_id: str, tokens: list[int], num_logits: int) -> torch.Tensor:
-        """Bring the session's cache up to ``tokens``; logits of the last ``num_logits``."""
+    def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
+        """Bring the session's cache up to ``rows`` (new from ``start``); logits of ``logits_rows``."""
 
     @abstractmethod
-    def _crop_cache(self, session_id: str, length: int) -> None: ...
+    def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
+        """Compact the cache to the ``kept`` rows (checked: a chain) before ``rows`` changes."""
 
     @abstractmethod
     def _free_cache(self, session_id: str) -> None: ...
+
+    def _drop_cache(self, session_id: str) -> None:
+        """Forget the KV entries (not the rows): after a failed forward."""
+        self._free_cache(session_id)
 
     @abstractmethod
     def kv_bytes_per_token(self) -> int: ...
@@ -127,6 +257,25 @@ class ModelRunner(ABC):
     @abstractmethod
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
         """A fresh, sessionless forward pass over ``tokens``: the reference for tests/bench."""
+
+
+def chain_rows(tokens: list[int]) -> Rows:
+    rows = Rows()
+    rows.extend(tokens, list(range(-1, len(tokens) - 1)))
+    rows.chain = len(rows)
+    return rows
+
+
+def _checked_parents(parents: list[int] | None, start: int, count: int) -> list[int]:
+    if parents is None:
+        return list(range(start - 1, start + count - 1))
+    if len(parents) != count:
+        raise ValueError(f"parents has {len(parents)} entries for {count} new rows")
+    out = [int(p) for p in parents]
+    for i, parent in enumerate(out):
+        if not (0 <= parent < start + i or (parent == -1 and start + i == 0)):
+            raise ValueError(f"parents[{i}] = {parent}: a new row follows an earlier row")
+    return out
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

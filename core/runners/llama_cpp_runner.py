@@ -1,15 +1,22 @@
-"""The ``llama.cpp`` backend (DESIGN §7): GGUF on CPU, the fast path for the sequence modes.
+"""The ``llama.cpp`` backend (DESIGN §7): GGUF on CPU, the fast path for chains and small trees.
 
-Two facts of llama.cpp shape this runner:
-1. Logits of a position differ between a batch of one token and a batch of two or more, so it
-   never evaluates a batch of one: it re-evaluates the last cached token with the new one.
-   (A whole sequence of one token is the only exception, and it is always scored that way.)
-2. A context is costly (its KV cache and output buffer), so sessions share a bounded pool of
-   contexts under a memory cap. A session keeps its token list; when its context was lent to
-   another session, its KV cache is rebuilt from the tokens on its next call.
+Three facts of llama.cpp shape it (measured here, ``research/tree-and-pipeline.md`` §1):
+1. With flash attention **enabled**, decodes of 1 to 63 tokens give bit-identical logits for the
+   same positions, and decodes of 64 or more do not. So flash attention is pinned on and every
+   decode — prefill chunks and trees included — holds at most ``DECODE_TOKENS`` (32) tokens.
+2. A position's logits also depend on the **order of its context's KV cells**: a token placed
+   in a freed cell before cells of earlier positions scores differently (max |Δlogit| ≈ 1). A
+   context shared by sessions reuses one session's freed cells for another, so each session
+   has its own context (a bounded pool under the memory cap, least recently used lent first:
+   the session that loses it is rebuilt from its rows), whose cells are its positions in
+   order: a crop frees the tail, and ``keep`` of a tree path keeps the path's cells only while
+   they follow the prefix without a gap — the rest of the path is decoded again, as a chain.
+3. Inside a context, a tree is one sequence id per root-to-leaf path (``kv_unified``); a node
+   carries the ids of every leaf below it, so it attends to its ancestors only.
 
-Only the positions asked for produce logits (llama.cpp's per-token output flags), so no
-``n_ctx × V`` logits array is ever allocated.
+With these, a position scores the same token by token, in a prefill, rebuilt after an
+eviction, a 409 resend or a failover, and as a tree node. Only the rows asked for produce
+logits (llama.cpp's per-token output flags), so no ``n_ctx × V`` logits array is allocated.
 """
 
 from __future__ import annotations
@@ -23,27 +30,45 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.errors import ModelLoadError
+from core.errors import ContextOverflow, ModelLoadError
 from core.names import Backend
-from core.runners.base import ModelRunner, RunnerInfo, common_prefix
+from core.runners.base import ModelRunner, Rows, RunnerInfo
 from core.runners.llama_cpp_tools import quiet_llama_cpp
 from core.runners.models import ModelSource
 from core.runners.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
 
+DECODE_TOKENS = 32  # tokens per decode at most; 64 or more would change the logits (DESIGN §7)
+TREE_SEQUENCES = 64  # sequence ids per context: the session's and one per tree leaf
+_TREE_ROOM = 256  # cells of a context beyond the session's context length, for tree rows
 _REFERENCE_SESSION = "\x00reference"
 
 
 @dataclass
 class _Slot:
-    """One llama.cpp context of the pool and the session whose KV cache it holds."""
+    """One llama.cpp context of the pool and the session whose rows it holds.
+
+    Rows ``[0, rows)`` of the session are in KV. Its chain rows sit in cells ``0..`` in order
+    (sequence 0); tree rows follow in the order they were decoded (``cell``)."""
 
     ctx: Any  # llama_cpp._internals.LlamaContext
-    batch: Any  # llama_cpp._internals.LlamaBatch
     session_id: str | None = None
-    kv_tokens: list[int] = field(default_factory=list)  # tokens whose KV entries are in ctx
+    rows: int = 0
+    cell: dict[int, int] = field(default_factory=dict)  # tree row -> its KV cell
+    below: dict[int, int] = field(default_factory=dict)  # tree row -> a leaf sequence through it
+    leaves: dict[int, int] = field(default_factory=dict)  # tree leaf row -> its sequence
     last_used: int = 0
+
+    def tree_seqs(self) -> set[int]:
+        return set(self.below.values()) | set(self.leaves.values())
+
+    def reset(self, session_id: str | None) -> None:
+        self.session_id, self.rows = session_id, 0
+        self.cell.clear()
+        self.below.clear()
+        self.leaves.clear()
+        self.ctx.kv_cache_clear()
 
 
 class LlamaCppRunner(ModelRunner):
@@ -52,7 +77,6 @@ class LlamaCppRunner(ModelRunner):
         source: ModelSource,
         tokenizer: Any,
         max_context: int = 2048,
-        n_batch: int = 512,
         memory_cap_mb: int = 1024,
         n_threads: int | None = None,
     ) -> None:
@@ -75,73 +99,159 @@ class LlamaCppRunner(ModelRunner):
             max_context=min(max_context, int(self._model.n_ctx_train())),
             eos_ids=eos_ids(tokenizer, [int(self._model.token_eos())]),
         )
-        self.n_batch = max(4, min(n_batch, self.info.max_context))  # ≥ 3 keeps _chunks free of ones
-        self._n_threads = n_threads or os.cpu_count() or 1
         model = self._model.model
         self._kv_bytes = (
             2 * llama_cpp.llama_model_n_layer(model) * llama_cpp.llama_model_n_head_kv(model)
             * (llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model)) * 2
         )
-        # measured here: a context costs its KV cache plus ~10 MB (compute buffer, kept logits)
-        context_bytes = self.info.max_context * self._kv_bytes + _OUTPUT_ROWS * vocab_size * 4
+        self.n_ctx = -(-(self.info.max_context + _TREE_ROOM) // 256) * 256
+        # measured here: a context costs its KV cache plus its output and compute buffers
+        context_bytes = self.n_ctx * self._kv_bytes + 2 * TREE_SEQUENCES * vocab_size * 4
         self.num_contexts = max(1, memory_cap_mb * 2**20 // context_bytes)
+        self._n_threads = n_threads or os.cpu_count() or 1
+        self._batch = _internals.LlamaBatch(n_tokens=DECODE_TOKENS, embd=0, n_seq_max=TREE_SEQUENCES, verbose=False)
         self._slots: list[_Slot] = []
         self._clock = 0
+        self.max_decode_tokens = 0  # the largest decode issued so far (tests assert ≤ DECODE_TOKENS)
 
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes
 
     def memory_bytes(self) -> int:
-        # KV lives in the fixed pool; what grows with sessions is their token lists
-        return sum(len(t) for t in self._tokens.values()) * 8
+        # KV lives in the fixed pool; what grows with sessions is their rows
+        return sum(len(r) for r in self._rows.values()) * 8
 
     # ----------------------------------------------------------------- forward
 
-    def _forward(self, session_id: str, tokens: list[int], num_logits: int) -> torch.Tensor:
+    def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
         slot = self._slot_for(session_id)
-        start = min(common_prefix(slot.kv_tokens, tokens), len(tokens) - num_logits)
-        if len(tokens) >= 2:
-            start = min(start, len(tokens) - 2)  # never a batch of one
-        slot.ctx.kv_cache_seq_rm(0, start, -1)
-        slot.kv_tokens = slot.kv_tokens[:start]
-        logits = self._decode(slot, tokens[start:], start, num_logits)
-        slot.kv_tokens = list(tokens)
-        return logits
+        wanted, out = set(logits_rows), dict[int, np.ndarray]()
+        if slot.rows < rows.chain:
+            self._decode_chain(slot, rows, wanted, out)
+        if slot.rows < len(rows):
+            self._decode_tree(slot, rows, wanted, out)
+        return torch.from_numpy(np.stack([out[r] for r in logits_rows]))
 
-    def _decode(self, slot: _Slot, tokens: list[int], n_past: int, num_logits: int) -> torch.Tensor:
-        rows: list[np.ndarray] = []
-        first_scored = len(tokens) - num_logits
-        for begin, end in _chunks(len(tokens), self.n_batch):
-            flags = [begin + i >= first_scored for i in range(end - begin)]
-            self._fill_batch(slot.batch, tokens[begin:end], n_past + begin, flags)
-            slot.ctx.decode(slot.batch)
-            rows.extend(self._read_logits(slot.ctx, i) for i, flag in enumerate(flags) if flag)
-        return torch.from_numpy(np.stack(rows))
+    def _decode_chain(self, slot: _Slot, rows: Rows, wanted: set[int], out: dict[int, np.ndarray]) -> None:
+        """Rows ``[slot.rows, rows.chain)`` in sequence 0, position = row = cell."""
+        for begin in range(slot.rows, rows.chain, DECODE_TOKENS):
+            chunk = list(range(begin, min(begin + DECODE_TOKENS, rows.chain)))
+            self._decode(slot, [(rows.tokens[r], r, (0,), r in wanted) for r in chunk], chunk, out)
+            slot.rows = chunk[-1] + 1
 
-    def _fill_batch(self, batch: Any, tokens: list[int], n_past: int, flags: list[bool]) -> None:
-        raw = batch.batch
-        raw.n_tokens = len(tokens)
-        for i, (token, flag) in enumerate(zip(tokens, flags)):
+    def _decode_tree(self, slot: _Slot, rows: Rows, wanted: set[int], out: dict[int, np.ndarray]) -> None:
+        """Rows ``[slot.rows, len)``: each new leaf gets a sequence (its anchor's, when the
+        anchor was a leaf, else a copy of the context up to the anchor), and each new row
+        carries the sequences of the new leaves below it. Decoded depth first, children in
+        row order, so the first child's path lies in the cells right after its parent: when
+        the path kept is the first children's (a chain; a tree whose children come best
+        first), ``keep`` keeps its cells and nothing is decoded again."""
+        first = slot.rows
+        new = range(first, len(rows))
+        with_children = {rows.parents[r] for r in new}
+        seqs: dict[int, list[int]] = {r: [] for r in new}
+        for leaf in (r for r in new if r not in with_children):
+            anchor = leaf
+            while anchor >= first:
+                anchor = rows.parents[anchor]
+            seq = slot.leaves.pop(anchor, None)
+            if seq is None:
+                seq = self._new_seq(slot)
+                if anchor >= 0:
+                    source = 0 if anchor < rows.chain else slot.below[anchor]
+                    self._llama_cpp.llama_memory_seq_cp(slot.ctx.memory, source, seq, 0, rows.depths[anchor] + 1)
+            slot.leaves[leaf] = seq
+            node = leaf
+            while node >= first:
+                seqs[node].append(seq)
+                slot.below.setdefault(node, seq)
+                node = rows.parents[node]
+        order = _depth_first(rows, first)
+        next_cell = rows.chain + len(slot.cell)
+        for begin in range(0, len(order), DECODE_TOKENS):
+            chunk = order[begin:begin + DECODE_TOKENS]
+            self._decode(slot, [(rows.tokens[r], rows.depths[r], seqs[r], r in wanted) for r in chunk], chunk, out)
+            for row in chunk:
+                slot.cell[row] = next_cell
+                next_cell += 1
+        slot.rows = len(rows)
+
+    def _new_seq(self, slot: _Slot) -> int:
+        used = slot.tree_seqs()
+        free = next((s for s in range(1, TREE_SEQUENCES) if s not in used), None)
+        if free is None:
+            raise ContextOverflow(f"a tree has more than {TREE_SEQUENCES - 1} leaves", param="draft")
+        return free
+
+    def _decode(self, slot: _Slot, entries: list[tuple[int, int, Any, bool]], row_of: list[int], out: dict[int, np.ndarray]) -> None:
+        """One llama.cpp decode of (token, position, sequence ids, wants logits) entries."""
+        if len(entries) > DECODE_TOKENS:  # never: 64 tokens or more change the numerics
+            raise RuntimeError(f"a decode of {len(entries)} tokens exceeds {DECODE_TOKENS}")
+        self.max_decode_tokens = max(self.max_decode_tokens, len(entries))
+        raw = self._batch.batch
+        raw.n_tokens = len(entries)
+        for i, (token, position, seq_ids, flag) in enumerate(entries):
             raw.token[i] = token
-            raw.pos[i] = n_past + i
-            raw.seq_id[i][0] = 0
-            raw.n_seq_id[i] = 1
+            raw.pos[i] = position
+            raw.n_seq_id[i] = len(seq_ids)
+            for j, seq in enumerate(seq_ids):
+                raw.seq_id[i][j] = seq
             raw.logits[i] = flag
+        slot.ctx.decode(self._batch)
+        for i, (_, _, _, flag) in enumerate(entries):
+            if flag:
+                out[row_of[i]] = self._read_logits(slot.ctx, i)
 
     def _read_logits(self, ctx: Any, index: int) -> np.ndarray:
         ptr = ctx.get_logits_ith(index)
         return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.info.vocab_size,)).copy()
 
+    # ----------------------------------------------------------------- keep, free
+
+    def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
+        """Keep the kept rows whose cells are ``0, 1, …`` (no gap before them); the rest of a
+        kept path leaves the cache and is decoded again, as chain rows, on the next forward."""
+        slot = self._slot_of(session_id)
+        if slot is None:
+            return
+        in_place = 0
+        for i, row in enumerate(kept):
+            cell = row if row < rows.chain else slot.cell.get(row, -1)
+            if row >= slot.rows or cell != i:
+                break
+            in_place = i + 1
+        memory, api = slot.ctx.memory, self._llama_cpp
+        chain_kept = min(in_place, rows.chain)
+        api.llama_memory_seq_rm(memory, 0, chain_kept, -1)
+        if in_place > chain_kept:  # the path's first rows follow the prefix: they join sequence 0
+            last = kept[in_place - 1]
+            path_seq = slot.below[last]
+            api.llama_memory_seq_rm(memory, path_seq, rows.depths[last] + 1, -1)
+            api.llama_memory_seq_cp(memory, path_seq, 0, chain_kept, rows.depths[last] + 1)
+        for seq in slot.tree_seqs():
+            api.llama_memory_seq_rm(memory, seq, -1, -1)
+        slot.cell.clear()
+        slot.below.clear()
+        slot.leaves.clear()
+        slot.rows = in_place
+
+    def _free_cache(self, session_id: str) -> None:
+        slot = self._slot_of(session_id)
+        if slot is not None:
+            slot.reset(None)
+
     # ----------------------------------------------------------------- the pool
+
+    def _slot_of(self, session_id: str) -> _Slot | None:
+        return next((s for s in self._slots if s.session_id == session_id), None)
 
     def _slot_for(self, session_id: str) -> _Slot:
         self._clock += 1
-        slot = next((s for s in self._slots if s.session_id == session_id), None)
+        slot = self._slot_of(session_id)
         if slot is None:
             free = next((s for s in self._slots if s.session_id is None), None)  # reuse before growing
             slot = free or (self._new_slot() if len(self._slots) < self.num_contexts else self._lru_slot())
-            slot.session_id, slot.kv_tokens = session_id, []
-            slot.ctx.kv_cache_clear()
+            slot.reset(session_id)  # the session it held keeps its rows: rebuilt on its next call
         slot.last_used = self._clock
         return slot
 
@@ -151,30 +261,21 @@ class LlamaCppRunner(ModelRunner):
     def _new_slot(self) -> _Slot:
         llama_cpp = self._llama_cpp
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = self.info.max_context
-        params.n_batch = params.n_ubatch = self.n_batch  # one decode call = one ubatch
-        params.n_seq_max = 1
+        params.n_ctx = self.n_ctx
+        params.n_batch = params.n_ubatch = DECODE_TOKENS
+        params.n_seq_max = TREE_SEQUENCES
+        params.n_outputs_max = TREE_SEQUENCES  # llama.cpp asserts n_seq_max ≤ n_outputs_max
+        params.kv_unified = True  # one stream of cells: a tree node may belong to several sequences
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.n_threads = params.n_threads_batch = self._n_threads
         params.no_perf = True
         try:
             ctx = self._internals.LlamaContext(model=self._model, params=params, verbose=False)
         except ValueError as exc:
-            raise ModelLoadError(f"llama.cpp could not create a context: {exc}") from exc
-        batch = self._internals.LlamaBatch(n_tokens=self.n_batch, embd=0, n_seq_max=1, verbose=False)
-        slot = _Slot(ctx=ctx, batch=batch)
+            raise ModelLoadError(f"llama.cpp could not create a context of {self.n_ctx} cells: {exc}") from exc
+        slot = _Slot(ctx=ctx)
         self._slots.append(slot)
         return slot
-
-    def _crop_cache(self, session_id: str, length: int) -> None:
-        for slot in self._slots:
-            if slot.session_id == session_id and len(slot.kv_tokens) > length:
-                slot.ctx.kv_cache_seq_rm(0, length, -1)
-                slot.kv_tokens = slot.kv_tokens[:length]
-
-    def _free_cache(self, session_id: str) -> None:
-        for slot in self._slots:
-            if slot.session_id == session_id:
-                slot.session_id, slot.kv_tokens = None, []
 
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
         try:
@@ -185,13 +286,24 @@ class LlamaCppRunner(ModelRunner):
     def close(self) -> None:
         super().close()
         for slot in self._slots:
-            slot.batch.close()
             slot.ctx.close()
         self._slots.clear()
+        self._batch.close()
         self._model.close()
 
 
-_OUTPUT_ROWS = 65  # logits rows one decode keeps at most in practice: a draft of 64 + 1
+def _depth_first(rows: Rows, first: int) -> list[int]:
+    """Rows ``[first, len)`` in pre-order, children in row order: every path's rows come in
+    increasing position, as llama.cpp's batch checks ask, in one decode or in several."""
+    children: dict[int, list[int]] = {}
+    for row in range(first, len(rows)):
+        children.setdefault(rows.parents[row] if rows.parents[row] >= first else -1, []).append(row)
+    order, stack = [], children.get(-1, [])[::-1]
+    while stack:
+        row = stack.pop()
+        order.append(row)
+        stack.extend(children.get(row, [])[::-1])
+    return order
 
 
 def _load_model(internals: Any, llama_cpp: Any, path: str) -> Any:
@@ -201,12 +313,3 @@ def _load_model(internals: Any, llama_cpp: Any, path: str) -> Any:
         return internals.LlamaModel(path_model=path, params=params, verbose=False)
     except ValueError as exc:
         raise ModelLoadError(f"llama.cpp cannot load {path}: {exc}") from exc
-
-
-def _chunks(total: int, size: int) -> list[tuple[int, int]]:
-    """[begin, end) pieces of at most ``size`` (≥ 3), none of length one unless ``total`` is one."""
-    bounds = [(b, min(b + size, total)) for b in range(0, total, size)]
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
-        (b0, e0), (_, e1) = bounds[-2], bounds[-1]
-        bounds[-2:] = [(b0, e0 - 1), (e0 - 1, e1)]
-    return bounds

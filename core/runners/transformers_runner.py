@@ -1,5 +1,7 @@
 """The ``transformers`` backend (DESIGN §7): any HF checkpoint or GGUF transformers can load,
-CPU or CUDA, and the tiny random-weight models of the tests. One DynamicCache per session."""
+CPU or CUDA, and the tiny random-weight models of the tests. One DynamicCache per session;
+tree rows through an additive float 4-D mask and ``position_ids``, a path kept by
+``index_select`` on every cache layer (DESIGN §7)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from core.errors import ModelLoadError
 from core.names import Backend
-from core.runners.base import ModelRunner, RunnerInfo
+from core.runners.base import ModelRunner, Rows, RunnerInfo
 from core.runners.models import ModelSource, cache_dir, file_key
 from core.runners.tokenizer import eos_ids
 
@@ -50,20 +52,50 @@ class TransformersRunner(ModelRunner):
         return self._kv_bytes
 
     @torch.inference_mode()
-    def _forward(self, session_id: str, tokens: list[int], num_logits: int) -> torch.Tensor:
+    def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
         from transformers import DynamicCache
 
         cache = self._caches.setdefault(session_id, DynamicCache())
-        start = min(cache.get_seq_length(), len(tokens) - num_logits)
-        _crop(cache, start)
-        input_ids = torch.tensor([tokens[start:]], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=num_logits)
-        return out.logits[0, -num_logits:].float().cpu()
+        begin = min(cache.get_seq_length(), start)
+        _crop(cache, begin)
+        input_ids = torch.tensor([rows.tokens[begin:]], dtype=torch.long, device=self.device)
+        first = min(logits_rows)
+        if rows.chain == len(rows):  # a plain chain: the library's causal mask
+            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=len(rows) - first)
+        else:
+            mask, positions = self._tree_inputs(rows, begin)
+            out = self.model(
+                input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True, logits_to_keep=len(rows) - first,
+            )
+        logits = out.logits[0]
+        picked = torch.tensor([r - first for r in logits_rows], device=logits.device) + logits.shape[0] - (len(rows) - first)
+        return logits.index_select(0, picked).float().cpu()
 
-    def _crop_cache(self, session_id: str, length: int) -> None:
+    def _tree_inputs(self, rows: Rows, begin: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The additive float 4-D mask (0 / finfo.min: a bool mask is wrong under eager attention)
+        and the position ids (= depth) of rows ``[begin, len)`` over the cache's rows."""
+        total = len(rows)
+        visible = torch.zeros(total - begin, total, dtype=torch.bool)
+        for i, row in enumerate(range(begin, total)):
+            visible[i, rows.ancestors(row)] = True
+        dtype = self.model.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+        positions = torch.tensor([rows.depths[begin:]], dtype=torch.long, device=self.device)
+        return mask[None, None].to(self.device), positions
+
+    def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
         cache = self._caches.get(session_id)
-        if cache is not None:
-            _crop(cache, length)
+        if cache is None:
+            return
+        if kept == list(range(len(kept))):
+            _crop(cache, len(kept))
+            return
+        index = torch.tensor(kept, dtype=torch.long, device=self.device)
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(-2, index)
+                layer.values = layer.values.index_select(-2, index)
 
     def _free_cache(self, session_id: str) -> None:
         self._caches.pop(session_id, None)

@@ -14,7 +14,7 @@ from app.draft import DraftModel
 from app.engine import Engine
 from app.targets.base import Traffic
 from core.math.sampling import SamplingParams, Suppression
-from core.math.tree import TokenTree
+from core.math.tree import TokenTree, TreeShape
 from core.protocol import (
     BINARY_CONTENT_TYPE,
     ErrorBody,
@@ -26,14 +26,15 @@ from core.protocol import (
     encode,
     encode_json,
 )
-from core.runners.base import ModelRunner, RunnerInfo
+from core.runners.base import ModelRunner, Rows, RunnerInfo
 from workers.scoring import score
 from workers.server import WorkerState
 from workers.settings import WorkerSettings
 
 
 class MarkovRunner(ModelRunner):
-    """Logits of the next token depend on the last token only: ``table[last]``."""
+    """Logits of the next token depend on the last token only: ``table[last]`` — for a tree
+    row too (its own token), so it is also the reference runner for trees."""
 
     def __init__(self, table: torch.Tensor, eos_ids: list[int] | None = None, name: str = "markov") -> None:
         super().__init__()
@@ -45,13 +46,13 @@ class MarkovRunner(ModelRunner):
     def fingerprint(self) -> str:  # type: ignore[override]
         return "markov"
 
-    def _forward(self, session_id: str, tokens: list[int], num_logits: int) -> torch.Tensor:
-        return self.table[torch.tensor(tokens[-num_logits:])].float()
+    def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
+        return self.table[torch.tensor([rows.tokens[r] for r in logits_rows])].float()
 
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
         return self.table[torch.tensor(tokens[-num_logits:])].float()
 
-    def _crop_cache(self, session_id: str, length: int) -> None: ...
+    def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None: ...
 
     def _free_cache(self, session_id: str) -> None: ...
 
@@ -110,6 +111,13 @@ class InlineDraftModel(DraftModel):
     ) -> TokenTree:
         await asyncio.sleep(0)  # as the real one: the caller's other work may run first
         return self._propose(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
+
+    async def propose_tree(
+        self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
+        truncation: tuple[int, float] = (0, 1.0),
+    ) -> TokenTree:
+        await asyncio.sleep(0)
+        return self._propose_tree(session_id, sequence, shape, params, seed, choice, truncation)
 
     async def free(self, session_id: str) -> None:
         self.runner.free(session_id)
@@ -182,7 +190,10 @@ class FakeWorkerTransport:
         logits = torch.full((len(req.draft) + 1, V), -10.0)
         logits[:, FAVOURITE] = 3.0
         logits[:, FAVOURITE + 1] = 2.0
-        resp = score(logits, req, held=req.prefix_len + len(req.tokens) + len(req.draft), model_ms=0.1)
+        prompt_logits = torch.full((max(len(req.tokens) - 1, 0), V), -10.0) if req.score_tokens else None  # echo: the prompt's rows alike
+        if prompt_logits is not None:
+            prompt_logits[:, FAVOURITE] = 3.0
+        resp = score(logits, req, held=req.prefix_len + len(req.tokens) + len(req.draft), model_ms=0.1, prompt_logits=prompt_logits)
         if callable(mode):
             return httpx.Response(200, content=mode(resp), headers={"content-type": BINARY_CONTENT_TYPE})
         body, content_type = encode(resp, V)

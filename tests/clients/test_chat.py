@@ -43,7 +43,7 @@ def test_an_error_is_shown_and_the_chat_goes_on(tiny_runner: ModelRunner, fakes:
     app = create_app(gateway_config(), draft_runner=tiny_runner, transport=fakes.transport())
     with served(app) as url:
         out = io.StringIO()
-        code = chat(_args(url, "--mode", "tree"), stdin=io.StringIO("Hi\n"), out=out)
+        code = chat(_args(url, "--mode", "pipeline"), stdin=io.StringIO("Hi\n"), out=out)
     assert code == 0 and "error: speculative.mode" in out.getvalue()
 
 

@@ -20,7 +20,7 @@ SPECGATE = [sys.executable, "-m", "clients.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("args", [[], ["worker"], ["gateway"], ["serve"], ["bench"], ["bench", "worker"], ["bench", "dsd"], ["bench", "load"]])
+@pytest.mark.parametrize("args", [[], ["worker"], ["gateway"], ["serve"], ["bench"], ["bench", "worker"], ["bench", "dsd"], ["bench", "load"], ["bench", "tree"]])
 def test_every_command_has_help(args: list[str]) -> None:
     out = subprocess.run([*SPECGATE, *args, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0 and "usage: specgate" in out.stdout

@@ -98,15 +98,26 @@ def test_async_streaming_completion(base_url: str) -> None:
     assert asyncio.run(run())
 
 
-def test_greedy_aggregate_equals_autoregressive(client: openai.OpenAI) -> None:
+def test_greedy_aggregate_and_tree_equal_autoregressive(client: openai.OpenAI) -> None:
+    """Two workers; tree at T = 0 is an EAGLE-2 tree of 14 nodes by default."""
+    specs = {"autoregressive": {"mode": "autoregressive"}, "aggregate": {"mode": "aggregate", "k": "full"}, "tree": {"mode": "tree"}}
     texts = {}
-    for mode in ("autoregressive", "aggregate"):
+    for mode, spec in specs.items():
         chat = client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=48, temperature=0,  # type: ignore[arg-type]
-            extra_body={"speculative": {"mode": mode} if mode == "autoregressive" else {"mode": mode, "k": "full"}},
+            model=MODEL, messages=MESSAGES, max_tokens=48, temperature=0, extra_body={"speculative": spec},  # type: ignore[arg-type]
         )
         texts[mode] = chat.choices[0].message.content
-    assert texts["aggregate"] == texts["autoregressive"]
+    assert texts["aggregate"] == texts["autoregressive"] == texts["tree"], texts
+
+
+def test_a_sampled_tree_streams_through_the_api(client: openai.OpenAI) -> None:
+    spec = {"mode": "tree", "tree": {"rule": "sampled", "widths": [2, 2, 1]}, "k": 32}
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, seed=4, extra_body={"speculative": spec})  # type: ignore[arg-type]
+    block = chat.usage.model_extra["speculative"]  # type: ignore[union-attr, index]
+    assert block["mode"] == "tree" and block["tree"] == {"rule": "sampled", "widths": [2, 2, 1], "nodes": 10}
+    assert block["nodes_per_round"] > 1 and block["rounds"] >= 1 and block["bias_bound_mean"] is not None  # top-32: lossy, bounded
+    with pytest.raises(openai.BadRequestError, match="speculative.tree"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={"speculative": {"mode": "tree", "tree": {"widths": [0]}}})  # type: ignore[arg-type]
 
 
 def test_greedy_text_is_the_same_in_every_mode(worker_urls: list[str], tmp_path: Path) -> None:

@@ -65,3 +65,50 @@ def test_verify_scores_agree_with_an_in_process_forward(worker_url: str, in_proc
     assert np.abs(resp.probs - top.values.numpy()).max() <= 1e-4
     np.testing.assert_allclose(resp.tail_mass, 1 - top.values.sum(-1).numpy(), atol=1e-4)
     assert httpx.delete(f"{worker_url}/v1/sessions/it", timeout=10).status_code == 204
+
+
+# a tree under the root: (token, parent), parent −1 = the root (the last agreed token)
+TREE = [(504, -1), (3458, -1), (28, 0), (638, 0), (359, 1), (346, 2)]
+
+
+def test_a_tree_is_scored_in_one_call_like_each_path(worker_url: str, backend: str, in_process: ModelRunner) -> None:
+    """Protocol v1.1: ``parents`` make the draft a tree; a row for the root and one per node,
+    each the target after its own path (llama.cpp bit for bit, transformers within 1e-4)."""
+    prompt = list(in_process.tokenizer.encode(TEXT))
+    tokens, parents = [t for t, _ in TREE], np.array([p for _, p in TREE], dtype=np.int32)
+    req = VerifyRequest("tree", 0, prefix_hash([]), np.array(prompt), np.array(tokens), parents=parents)
+    resp = _post(worker_url, req)
+    assert resp.probs is not None and resp.probs.shape == (len(TREE) + 1, 49152)
+    for row in range(len(TREE) + 1):
+        path, node = [], row - 1
+        while node >= 0:
+            path.insert(0, TREE[node][0])
+            node = TREE[node][1]
+        expected = torch.softmax(in_process.forward_full(prompt + path, 1), dim=-1)[0].numpy()
+        tolerance = 0.0 if backend == "llama.cpp" else 1e-4
+        assert np.abs(resp.probs[row] - expected).max() <= tolerance, row
+    # the next call agrees on the root's first child and its first child: the worker crops the tree
+    agreed = prompt + [504, 28]
+    again = _post(worker_url, VerifyRequest("tree", len(prompt), prefix_hash(prompt), np.array([504, 28]), np.array([7])))
+    expected = torch.softmax(in_process.forward_full(agreed + [7], 2), dim=-1).numpy()
+    assert again.held == len(agreed) + 1 and np.abs(again.probs - expected).max() <= (0.0 if backend == "llama.cpp" else 1e-4)
+    assert httpx.delete(f"{worker_url}/v1/sessions/tree", timeout=10).status_code == 204
+
+
+@pytest.mark.parametrize("parents, draft, field", [
+    ([-1, 2, 0], [5, 6, 7], "parents"),  # a parent after its child
+    ([0, -1], [5, 6], "parents"),  # a node its own parent: a cycle
+    ([-1, 0], [5, 6, 7], "parents"),  # not one parent per node
+    ([-1] * 64, [5] * 64, "draft"),  # more nodes than a worker scores
+    ([-1, 0], [5, 49152], "draft"),  # an id ≥ V
+])
+def test_a_bad_tree_gets_a_400_naming_the_field_and_the_worker_goes_on(
+    worker_url: str, in_process: ModelRunner, parents: list[int], draft: list[int], field: str,
+) -> None:
+    prompt = list(in_process.tokenizer.encode(TEXT))[:8]
+    bad = VerifyRequest("bad", 0, prefix_hash([]), np.array(prompt), np.array(draft), parents=np.array(parents, dtype=np.int32))
+    body, content_type = encode(bad, 49152)
+    resp = httpx.post(f"{worker_url}/v1/verify", content=body, headers={"content-type": content_type}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text
+    good = _post(worker_url, VerifyRequest("good", 0, prefix_hash([]), np.array(prompt), np.array([5]), k=4))
+    assert good.probs is not None and good.probs.shape == (2, 4)

@@ -74,7 +74,7 @@ async def test_info_describes_the_model(client: httpx.AsyncClient, tiny_runner: 
     info = decode(InfoResponse, resp.content, resp.headers["content-type"])
     assert (info.protocol_version, info.vocab_size, info.backend) == (1, V, "transformers")
     assert info.tokenizer_fingerprint == tiny_runner.fingerprint and len(info.tokenizer_fingerprint) == 64
-    assert 2 in info.eos_ids and info.modes == ["autoregressive", "aggregate", "split", "exact"]  # core.modes, in its order
+    assert 2 in info.eos_ids and info.modes == ["autoregressive", "aggregate", "split", "exact", "tree"]  # core.modes, in its order
     health = (await client.get("/health")).json()
     assert health["status"] == "ok" and health["instance_id"]
 

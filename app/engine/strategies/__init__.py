@@ -12,4 +12,5 @@ STRATEGIES: dict[Mode, Strategy] = {
     Mode.AGGREGATE: AggregateStrategy(),
     Mode.SPLIT: SplitStrategy(),
     Mode.EXACT: ExactStrategy(),
+    Mode.TREE: AggregateStrategy(),  # a tree rides on aggregate's payload, one row per node (DESIGN §3.6)
 }

@@ -7,7 +7,6 @@ import torch
 from app.engine.round import (
     Round,
     array,
-    first_rows,
     lanes,
     mixture,
     round_uniforms,
@@ -23,7 +22,9 @@ from core.names import Mode
 
 class AggregateStrategy(Strategy):
     """SpecFed (DESIGN §3.3): every worker sends T(p_n) at the γ+1 positions, full or top-k;
-    the gateway reconstructs p̂_n, aggregates p̂ = Σ w_n p̂_n and verifies the draft with it."""
+    the gateway reconstructs p̂_n, aggregates p̂ = Σ w_n p̂_n and verifies the draft with it.
+    ``tree`` mode is the same with a tree: a row per node plus the root, walked by the rule of
+    how the children were chosen (DESIGN §3.6)."""
 
     async def verify(self, rnd: Round) -> RoundResult:
         req, spec = rnd.req, rnd.req.spec
@@ -37,19 +38,22 @@ class AggregateStrategy(Strategy):
             taus = relaxation_factors(target, q, spec.relaxation)
             chain = verify_relaxed(target, q, tree.ids(), *round_uniforms(rnd), taus)
             tokens, accepted = chain.output(tree.ids()), chain.num_accepted
+            rows = list(range(len(tokens)))
         else:
             verdict = verify_tree_greedy(target, tree) if req.params.is_greedy else verify_tree(target, tree, *lanes(rnd))
             tokens, accepted = verdict.output(tree), verdict.num_accepted
+            rows = [0, *(node + 1 for node in verdict.path)]  # the root's row, then each accepted node's
         used = len(tokens)
-        logprobs = token_logprobs(target[:used], tokens, req.top_logprobs) if req.top_logprobs is not None else None
+        logprobs = token_logprobs(target[rows], tokens, req.top_logprobs) if req.top_logprobs is not None else None
         result = RoundResult(tokens, drafted=len(tree), accepted=accepted, traffic=rnd.traffic, logprobs=logprobs)
         if relaxed:  # the emitted draft positions follow τ q + (1 − τ) p; the bonus position p itself
             at = min(used, len(tree))
             result.taus = taus[:at].tolist()
             result.relaxed_tv = relaxed_distance(target[:at], q[:at], taus[:at]).tolist() + [0.0] * (used - at)
         if not spec.is_lossless:
-            sigma = torch.stack([torch.tensor(array(r.tail_mass)) for r in responses])[:, :used]
-            error = torch.stack([torch.tensor(array(r.recon_error)) for r in responses])[:, :used]
-            result.bound = bias_bound(sigma, first_rows(rnd.weights, used)).tolist()
-            result.error = bias_bound(error, first_rows(rnd.weights, used)).tolist()
+            sigma = torch.stack([torch.tensor(array(r.tail_mass)) for r in responses])[:, rows]
+            error = torch.stack([torch.tensor(array(r.recon_error)) for r in responses])[:, rows]
+            weights = rnd.weights if rnd.weights.dim() == 1 else rnd.weights[rows]
+            result.bound = bias_bound(sigma, weights).tolist()
+            result.error = bias_bound(error, weights).tolist()
         return result

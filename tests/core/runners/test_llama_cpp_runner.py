@@ -1,4 +1,10 @@
-"""The llama.cpp runner on the built-in model: no batch of one, a bounded context pool."""
+"""The llama.cpp runner on the built-in model: chains, trees and keep, bit for bit (DESIGN §7).
+
+With flash attention pinned on and every decode ≤ 32 tokens, a position scores the same
+whichever way it was reached: token by token, in a prefill, rebuilt after an eviction, as a
+node of a tree in one decode, or after ``keep`` of a tree path. These tests are that promise;
+it depends on the llama.cpp build, so they are what to run after upgrading it.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,13 @@ import pytest
 import torch
 
 from core.runners import ModelRunner, load_runner
-from core.runners.llama_cpp_runner import LlamaCppRunner, _chunks
+from core.runners.base import ForwardItem
+from core.runners.llama_cpp_runner import DECODE_TOKENS, LlamaCppRunner
 
 TEXT = "The history of the city begins in the early middle ages, when a small settlement grew around a river crossing."
+
+# a tree after the prompt: (token, parent) with parent an index into this list, −1 = the last prompt row
+TREE = [(504, -1), (3458, -1), (28, 0), (638, 0), (359, 1), (346, 2), (1485, 2), (47, 3), (378, 6)]
 
 
 @pytest.fixture
@@ -16,47 +26,103 @@ def tokens(builtin_llama: ModelRunner) -> list[int]:
     return list(builtin_llama.tokenizer.encode(TEXT))
 
 
-@pytest.mark.parametrize("total, size", [(1, 4), (2, 4), (5, 4), (9, 4), (513, 512), (1024, 512), (7, 3)])
-def test_chunks_cover_everything_with_no_batch_of_one(total: int, size: int) -> None:
-    bounds = _chunks(total, size)
-    assert bounds[0][0] == 0 and bounds[-1][1] == total
-    assert all(e1 == b2 for (_, e1), (b2, _) in zip(bounds, bounds[1:]))
-    assert all(1 <= e - b <= size for b, e in bounds)
-    assert total == 1 or all(e - b >= 2 for b, e in bounds)
+def tree_item(session: str, prefix: int, nodes: list[tuple[int, int]]) -> ForwardItem:
+    parents = [prefix - 1 if p < 0 else prefix + p for _, p in nodes]
+    return ForwardItem(session, prefix, [t for t, _ in nodes], parents=parents, logits_at=list(range(len(nodes))))
 
 
-def test_a_position_scores_the_same_alone_or_with_others(builtin_llama: ModelRunner, tokens: list[int]) -> None:
-    reference = builtin_llama.forward_full(tokens, 6)
-    builtin_llama.prefill("s", tokens[:-1])
-    alone = builtin_llama.append("s", tokens[-1:], 1)  # one new token: re-evaluated with the one before
-    assert torch.equal(alone[0], reference[-1])
-    builtin_llama.crop("s", len(tokens) - 5)
-    together = builtin_llama.append("s", tokens[-5:], 6)
-    assert torch.equal(together, reference)
+def path_to(nodes: list[tuple[int, int]], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = nodes[node][1]
+    return path[::-1]
 
 
-def test_greedy_path_scores_identically_token_by_token(builtin_llama: ModelRunner, tokens: list[int]) -> None:
-    """Decode 12 tokens one at a time and score them all again in one batch: bit for bit."""
-    seq = list(tokens)
-    stepwise = []
-    logits = builtin_llama.prefill("g", seq, 1)[0]
-    for _ in range(12):
-        stepwise.append(logits)
-        seq.append(int(logits.argmax()))
-        logits = builtin_llama.append("g", seq[-1:], 1)[0]
-    batched = builtin_llama.forward_full(seq[:-1], 12)
-    assert torch.equal(torch.stack(stepwise), batched)
+def test_token_by_token_prefill_and_rebuild_score_alike(builtin_llama: ModelRunner, tokens: list[int]) -> None:
+    """chain == re-prefill: why the last-token re-evaluation of the first version could go."""
+    long = (tokens * 4)[:90]  # more than 64 positions: one big ubatch would differ here
+    stepwise = [builtin_llama.prefill("s", long[:1], 1)[0]]
+    for token in long[1:]:
+        stepwise.append(builtin_llama.append("s", [token], 1)[0])  # a decode of one token
+    assert torch.equal(torch.stack(stepwise[-70:]), builtin_llama.forward_full(long, 70))
+    builtin_llama.crop("s", 40)
+    assert torch.equal(builtin_llama.append("s", [], 1)[0], stepwise[39])  # a held row fed again
+    assert isinstance(builtin_llama, LlamaCppRunner) and builtin_llama.max_decode_tokens <= DECODE_TOKENS
 
 
-def test_more_sessions_than_contexts_rebuild_from_tokens(tokens: list[int]) -> None:
+def test_a_tree_in_one_decode_equals_each_path_as_a_chain(builtin_llama: ModelRunner, tokens: list[int]) -> None:
+    builtin_llama.prefill("t", tokens, 1)
+    tree = builtin_llama.forward([tree_item("t", len(tokens), TREE)])[0]
+    for node in range(len(TREE)):
+        path = [TREE[i][0] for i in path_to(TREE, node)]
+        assert torch.equal(tree[node], builtin_llama.forward_full(tokens + path, 1)[0]), node
+
+
+def test_a_tree_grown_depth_by_depth_equals_one_decode(builtin_llama: ModelRunner, tokens: list[int]) -> None:
+    """How a draft builds its tree: one decode per depth, children of the last depth's rows."""
+    builtin_llama.prefill("d", tokens, 1)
+    whole = builtin_llama.forward([tree_item("d", len(tokens), TREE)])[0]
+    builtin_llama.prefill("g", tokens, 1)
+    depth = {i: len(path_to(TREE, i)) for i in range(len(TREE))}
+    grown = {}
+    for level in sorted(set(depth.values())):
+        nodes = [i for i in range(len(TREE)) if depth[i] == level]
+        held = builtin_llama.length("g")
+        row_of = {i: len(tokens) + i for i in range(len(TREE))}  # nodes come in index order
+        parents = [len(tokens) - 1 if TREE[i][1] < 0 else row_of[TREE[i][1]] for i in nodes]
+        assert held == len(tokens) + min(nodes)
+        out = builtin_llama.forward([ForwardItem("g", held, [TREE[i][0] for i in nodes], parents, list(range(len(nodes))))])[0]
+        grown.update(zip(nodes, out))
+    assert all(torch.equal(grown[i], whole[i]) for i in range(len(TREE)))
+
+
+@pytest.mark.parametrize("leaf, cells_kept", [(5, 3), (6, 2)])  # 0 → 2 → 5 are first children; 6 is not
+def test_keep_a_path_then_go_on_like_a_plain_sequence(builtin_llama: ModelRunner, tokens: list[int], leaf: int, cells_kept: int) -> None:
+    builtin_llama.prefill("k", tokens, 1)
+    builtin_llama.forward([tree_item("k", len(tokens), TREE)])
+    path = path_to(TREE, leaf)
+    builtin_llama.keep("k", [*range(len(tokens)), *(len(tokens) + i for i in path)])
+    kept = tokens + [TREE[i][0] for i in path]
+    slot = builtin_llama._slot_of("k") if isinstance(builtin_llama, LlamaCppRunner) else None
+    assert slot is not None and slot.rows == len(tokens) + cells_kept  # the rest is decoded again
+    assert builtin_llama.tokens("k") == kept
+    after = builtin_llama.append("k", [11, 12], 2)
+    assert torch.equal(after, builtin_llama.forward_full(kept + [11, 12], 2))
+    builtin_llama.forward([tree_item("k", len(kept) + 2, TREE)])  # another tree, then keep nothing of it
+    builtin_llama.keep("k", range(len(kept) + 2))
+    assert torch.equal(builtin_llama.append("k", [13], 1), builtin_llama.forward_full(kept + [11, 12, 13], 1))
+
+
+def test_keep_rejects_what_is_not_a_path(builtin_llama: ModelRunner, tokens: list[int]) -> None:
+    builtin_llama.prefill("b", tokens, 1)
+    builtin_llama.forward([tree_item("b", len(tokens), TREE)])
+    n = len(tokens)
+    for rows in ([*range(n), n, n + 1], [*range(n), n + 2], [*range(1, n)]):  # siblings, a skipped parent, no row 0
+        with pytest.raises(ValueError):
+            builtin_llama.keep("b", rows)
+    with pytest.raises(ValueError):
+        builtin_llama.append("b", [1], 1)  # a chain after an unkept tree
+
+
+def test_no_decode_reaches_64_tokens(builtin_llama: ModelRunner, tokens: list[int]) -> None:
+    wide = [(100 + i, -1) for i in range(40)] + [(200 + i, i) for i in range(30)]  # 70 nodes
+    builtin_llama.prefill("w", (tokens * 5)[:100], 1)
+    out = builtin_llama.forward([tree_item("w", 100, wide)])[0]
+    assert torch.equal(out[45], builtin_llama.forward_full((tokens * 5)[:100] + [105, 205], 1)[0])
+    assert isinstance(builtin_llama, LlamaCppRunner) and builtin_llama.max_decode_tokens == DECODE_TOKENS
+
+
+def test_more_sessions_than_contexts_rebuild_from_their_rows(tokens: list[int]) -> None:
     runner = load_runner("builtin", "llama.cpp", memory_cap_mb=1)
     assert isinstance(runner, LlamaCppRunner) and runner.num_contexts == 1
+    long = (tokens * 4)[:90]
     try:
-        first = runner.prefill("a", tokens, 2)
-        runner.prefill("b", tokens[::-1], 2)  # takes the only context
-        again = runner.append("a", [42], 3)  # "a" is rebuilt from its tokens
+        first = runner.prefill("a", long, 2)
+        runner.prefill("b", long[::-1], 2)  # takes the only context
+        again = runner.append("a", [42], 3)  # "a" is rebuilt from its rows, in chunks
         assert torch.equal(again[:2], first)
-        assert torch.equal(again, runner.forward_full(tokens + [42], 3))
+        assert torch.equal(again, runner.forward_full(long + [42], 3))
     finally:
         runner.close()
 

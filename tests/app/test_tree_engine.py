@@ -1,0 +1,123 @@
+"""Mode ``tree`` through the real engine, draft and worker code over Markov fakes (DESIGN §3.6):
+the first two emitted tokens follow the target for each child rule, with one and three weighted
+workers; TSLT's Algorithm 5 applied to fixed children is rejected by the same test; greedy
+follows the mixture's argmax."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from collections.abc import Iterator
+from concurrent.futures import Executor, ProcessPoolExecutor
+
+import pytest
+import torch
+
+from app.engine import Engine, GenerationRequest, SpecOptions
+from core.math import tree as tree_math
+from core.math.sampling import SamplingParams
+from core.math.tree import ChildRule, TreeShape
+from core.names import Mode, Reconstruction
+from tests.app.fakes import MarkovRunner, make_engine
+from tests.app.test_engine import DRAFT, PROMPT, TARGETS, V, WEIGHTS_3, _target_joint, pooled_chisquare
+
+SAMPLES = 20_000
+SIGNIFICANCE = 1e-3  # chi-square rejects below this p-value; seeds are fixed
+
+SHAPES = {
+    "sampled ⟨2,2⟩": TreeShape(ChildRule.SAMPLED, widths=(2, 2)),
+    "sampled without replacement ⟨3,2⟩": TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(3, 2)),
+    "fixed (EAGLE-2, 5 nodes)": TreeShape(ChildRule.FIXED, nodes=5, depth=2, top_k=2),
+}
+WORKERS = {"1 worker": [(TARGETS[0], 1.0)], "3 weighted workers": list(zip(TARGETS, WEIGHTS_3))}
+
+
+def _spec(shape: TreeShape) -> SpecOptions:
+    return SpecOptions(Mode.TREE, 1, None, Reconstruction.RENORMALIZE, tree=shape)
+
+
+def _first_two(engine: Engine, shape: TreeShape, num: int | range, temperature: float = 1.0) -> torch.Tensor:
+    """Counts [V, V] of the first two tokens over ``num`` seeds (max_tokens 3: a depth-2 tree)."""
+    spec = _spec(shape)
+    seeds = range(num) if isinstance(num, int) else num
+
+    async def run() -> torch.Tensor:
+        counts = torch.zeros(V, V)
+        for seed in seeds:
+            req = GenerationRequest(f"r{seed}", PROMPT, 3, SamplingParams(temperature=temperature), seed, 0, spec)
+            tokens: list[int] = []
+            rounds = engine.generate(req)
+            async for result in rounds:
+                tokens += result.tokens
+                if len(tokens) >= 2:
+                    break
+            await rounds.aclose()  # frees the sessions, as a client that stops reading
+            counts[tokens[0], tokens[1]] += 1
+        return counts
+
+    return asyncio.run(run())
+
+
+def _counts(shape: str, workers: str, seeds: range) -> torch.Tensor:
+    """One process's share of a chi-square run: a fresh engine over the seeds given."""
+    return _first_two(make_engine(DRAFT, WORKERS[workers]), SHAPES[shape], seeds)
+
+
+@pytest.fixture(scope="module")
+def processes() -> Iterator[Executor]:
+    """Two processes: the seeds of a run split between the machine's two cores (the counts
+    are the same as in one process: every draw is keyed by its seed)."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(2, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_first_two_tokens_follow_the_target(shape: str, workers: str, processes: Executor) -> None:
+    half = SAMPLES // 2
+    parts = processes.map(_counts, [shape, shape], [workers, workers], [range(half), range(half, SAMPLES)])
+    counts = sum(parts, torch.zeros(V, V))
+    assert pooled_chisquare(counts.flatten(), _target_joint(WORKERS[workers]).flatten() * SAMPLES) > SIGNIFICANCE
+
+
+def test_negative_control_algorithm_5_on_fixed_children_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fixed (top-k) children verified with the sampled rule (TSLT's Algorithm 5) are biased."""
+    original = tree_math.try_children
+    monkeypatch.setattr(tree_math, "try_children", lambda p, q, candidates, rule, u: original(p, q, candidates, ChildRule.SAMPLED, u))
+    engine = make_engine(DRAFT, WORKERS["1 worker"])
+    counts = _first_two(engine, SHAPES["fixed (EAGLE-2, 5 nodes)"], SAMPLES // 4)
+    assert pooled_chisquare(counts.flatten(), _target_joint(WORKERS["1 worker"]).flatten() * (SAMPLES // 4)) < SIGNIFICANCE
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_greedy_is_the_mixture_argmax(shape: str) -> None:
+    workers = WORKERS["3 weighted workers"]
+    engine = make_engine(DRAFT, workers)
+    w = torch.tensor(WEIGHTS_3, dtype=torch.float64)
+    expected, last = [], PROMPT[-1]
+    for _ in range(6):
+        last = int(torch.argmax(sum(wn * r.next_probs(last) for (r, _), wn in zip(workers, w / w.sum()))))  # type: ignore[arg-type]
+        expected.append(last)
+
+    async def run() -> list[int]:
+        req = GenerationRequest("g", PROMPT, 6, SamplingParams(temperature=0.0), 0, 0, _spec(SHAPES[shape]))
+        return [t async for r in engine.generate(req) for t in r.tokens]
+
+    assert asyncio.run(run()) == expected
+
+
+def test_a_tree_round_tells_workers_the_parents_and_resends_the_path() -> None:
+    runner = MarkovRunner(TARGETS[0].table, name="t")
+    engine = make_engine(DRAFT, [(runner, 1.0)])
+
+    async def run() -> None:
+        req = GenerationRequest("p", PROMPT, 8, SamplingParams(temperature=1.0), 5, 0, _spec(SHAPES["sampled ⟨2,2⟩"]))
+        async for _ in engine.generate(req):
+            pass
+
+    asyncio.run(run())
+    calls = engine.pool.workers[0].calls  # type: ignore[attr-defined]
+    assert len(calls) >= 2 and all(c.parents is not None and len(c.parents) == len(c.draft) for c in calls[:-1])
+    for before, after in zip(calls, calls[1:]):  # a tree is not agreed: the next call resends its accepted path
+        assert after.prefix_len == before.prefix_len + len(before.tokens) and len(after.tokens) >= 1
