@@ -21,12 +21,16 @@ from typing import Any
 
 import httpx
 
-from clients.bench_modes import LINKS, _Bar, _start_gateway, measure, request
+from clients.bench_modes import _Bar, _start_gateway, measure, request
 from clients.procs import WorkerProcess
 from clients.prompts import PROMPTS
 from clients.report import progress, write_json
+from core.config import LinkConfig
 
 BUDGETS = [4, 8, 14, 32]
+# round-trip delays only: k: full costs ~0.2 MB per node, so a bandwidth cap would measure the
+# payload, not the shape (bytes per round are reported beside)
+LINKS = [(f"{rtt} ms", LinkConfig(rtt_ms=rtt)) for rtt in (0, 20, 50, 100)]
 
 
 def tree_spec(budget: int, temperature: float) -> dict[str, Any]:
@@ -50,7 +54,7 @@ def bench_tree(args: argparse.Namespace) -> int:
     bar, rows = _Bar(total), []
     with ExitStack() as stack:
         progress("starting one worker (builtin, llama.cpp, one thread) on 127.0.0.1")
-        url = stack.enter_context(WorkerProcess("builtin", "llama.cpp", threads=max(1, (os.cpu_count() or 2) // 2)))
+        url = stack.enter_context(WorkerProcess("builtin", "llama.cpp", threads=max(1, (os.cpu_count() or 2) // 2)))  # the draft gets the rest
         for link_name, link in plan["links"]:
             with ExitStack() as gateway_stack:
                 base = _start_gateway(gateway_stack, [url], link, 4)

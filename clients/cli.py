@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--quick", action="store_true", help="fewer repeats and tokens: about a minute")
     tree = benches.add_parser("tree", help="token trees vs chains at equal verified-node budgets (4, 8, 14, 32), T = 0 and 1, per link")
     tree.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
-    tree.add_argument("--runs", type=int, default=2, help="runs per cell (default: 2)")
+    tree.add_argument("--runs", type=int, default=1, help="runs per cell (default: 1)")
     tree.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     tree.add_argument("--prompts", type=int, default=2, help="prompts per cell, 1–3 (default: 2)")
     tree.add_argument("--plots", default=None, help="write PNG plots into this folder (e.g. docs/bench)")
