@@ -132,7 +132,7 @@ class Usage:
             block["gamma_auto"] = bool(self.gammas)
         if self.tree is not None:  # nodes verified per round vs tokens emitted: what a tree buys
             block["num_draft_tokens"] = None
-            block["tree"] = _tree_block(self.tree)
+            block["tree"] = {**_tree_block(self.tree), "payload": spec.tree_payload.value}
             drafted_rounds = sum(self.acceptance_histogram)
             block["nodes_per_round"] = self.draft_tokens / drafted_rounds if drafted_rounds else None
             block["accepted_per_round"] = self.accepted_tokens / drafted_rounds if drafted_rounds else None
@@ -323,7 +323,10 @@ class Gateway:
         gamma = given.get("num_draft_tokens", base.num_draft_tokens)
         top_k = given.get("draft_top_k", base.draft_top_k)
         top_p = given.get("draft_top_p", base.draft_top_p)
-        if mode is Mode.EXACT and not top_k and (top_p is None or top_p == 1):
+        tree_payload = Mode(_tree_payload(given.get("tree"), base.tree)) if mode is Mode.TREE else Mode.AGGREGATE
+        if tree_payload is Mode.EXACT and isinstance(given.get("k"), int):
+            raise ApiError(400, "a tree with exact's payload sends no top-k: drop k, or use payload aggregate", "speculative.k")
+        if (mode is Mode.EXACT or tree_payload is Mode.EXACT) and not top_k and (top_p is None or top_p == 1):
             top_k = _EXACT_DRAFT_TOP_K
         return SpecOptions(
             mode=mode,
@@ -337,6 +340,7 @@ class Gateway:
             engine_targets=bool(engines),
             overlap="overlap" in takes.fields and given.get("overlap", base.overlap),
             tree=_tree_shape(given.get("tree"), base.tree) if mode is Mode.TREE else None,
+            tree_payload=tree_payload,
         )
 
     # ----------------------------------------------------------------- running
@@ -472,6 +476,12 @@ def _tree_shape(given: dict[str, Any] | None, base: TreeParams | None) -> TreeSh
         return TreeParams(**given).shape()
     except ValueError as exc:
         raise ApiError(400, f"speculative.tree: {exc}", "speculative.tree") from None
+
+
+def _tree_payload(given: dict[str, Any] | None, base: TreeParams | None) -> str:
+    """The request's tree payload, else the configured one; aggregate's by default."""
+    payload = given.get("payload") if given is not None else (base.payload if base is not None else None)
+    return payload or Mode.AGGREGATE.value
 
 
 def _used_tree(spec: SpecOptions, params: SamplingParams) -> TreeShape | None:

@@ -5,7 +5,8 @@ whose worker entry carries that link. At each node budget N (4, 8, 14, 32) the c
 γ = N tokens and the tree verifies N nodes: at T = 0 an EAGLE-2 tree (fixed children, the best
 N by cumulative draft log-probability), at T = 1 sampled children without replacement,
 ⟨2,1,…,1⟩ (a 2-way root with chains below). Both ride on ``aggregate k: full``, so both are
-lossless and differ only in the draft's shape. Within a run the cells alternate; each figure
+lossless and differ only in the draft's shape; at 14 nodes the tree also runs on ``exact``'s
+sparse payload (lossless, the draft truncated to its top 32), for its bytes per round. Within a run the cells alternate; each figure
 is the median over runs; speed-ups are ratios to ``autoregressive`` through the same worker and
 link in the same run.
 """
@@ -28,6 +29,7 @@ from clients.report import progress, write_json
 from core.config import LinkConfig
 
 BUDGETS = [4, 8, 14, 32]
+EXACT_BUDGET = 14  # the default trees' size: the one budget also run on exact's payload
 # round-trip delays only: k: full costs ~0.2 MB per node, so a bandwidth cap would measure the
 # payload, not the shape (bytes per round are reported beside)
 LINKS = [(f"{rtt} ms", LinkConfig(rtt_ms=rtt)) for rtt in (0, 20, 50, 100)]
@@ -40,11 +42,20 @@ def tree_spec(budget: int, temperature: float) -> dict[str, Any]:
     return {"mode": "tree", "k": "full", "tree": {"rule": "sampled_distinct", "widths": [2] + [1] * (budget // 2 - 1)}}
 
 
+def exact_tree_spec(budget: int, temperature: float) -> dict[str, Any]:
+    """The same tree on exact's sparse payload (lossless too; the draft truncated to its top 32)."""
+    spec = tree_spec(budget, temperature)
+    del spec["k"]
+    return spec | {"tree": spec["tree"] | {"payload": "exact"}}
+
+
 def cells(budgets: list[int], temperature: float) -> list[tuple[str, dict[str, Any]]]:
     out: list[tuple[str, dict[str, Any]]] = [("autoregressive", {"mode": "autoregressive"})]
     for n in budgets:
         out.append((f"chain {n}", {"mode": "aggregate", "k": "full", "num_draft_tokens": n}))
         out.append((f"tree {n}", tree_spec(n, temperature)))
+    if EXACT_BUDGET in budgets:
+        out.append((f"exact-tree {EXACT_BUDGET}", exact_tree_spec(EXACT_BUDGET, temperature)))
     return out
 
 
@@ -93,7 +104,7 @@ def _summarise(samples: dict[str, list[dict[str, float]]], link: str, rtt_ms: fl
         row["speedup_vs_autoregressive"] = statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline))
         rows.append(row)
     for row in rows:  # the tree against the chain of the same budget, same link and T
-        if row["shape"] == "tree":
+        if row["shape"] in ("tree", "exact-tree"):
             chain = next(r for r in rows if r["shape"] == "chain" and r["budget"] == row["budget"])
             row["tokens_per_round_vs_chain"] = row["mean_accepted_length"] / chain["mean_accepted_length"]
             row["tokens_per_s_vs_chain"] = row["tokens_per_s"] / chain["tokens_per_s"]

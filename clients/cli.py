@@ -5,6 +5,7 @@
     specgate serve  [--config FILE] [--port N]
     specgate bench [--json FILE] [--runs N] [--quick]
     specgate bench worker [--json FILE] [--repeats N] [--quick]
+    specgate bench tree-device [--device cuda|cpu] [--dtype D] [--json FILE]
     specgate bench dsd [--json FILE] [--runs N] [--plots DIR] [--quick]
     specgate bench load [--concurrency N] [--duration S] [--json FILE]
     specgate chat [--url URL] [--mode MODE] [--api-key KEY]
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 
@@ -72,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--prompts", type=int, default=2, help="prompts per cell, 1–3 (default: 2)")
     tree.add_argument("--plots", default=None, help="write PNG plots into this folder (e.g. docs/bench)")
     tree.add_argument("--quick", action="store_true", help="one run, one prompt, T = 0, budgets 4 and 14, no link: about a minute")
+    device = benches.add_parser("tree-device", help="a worker's verify round, chain vs tree, on a device (random weights of the built-in architecture)")
+    device.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    device.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (default: cuda if present)")
+    device.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default: float32)")
+    device.add_argument("--repeats", type=int, default=30, help="timed rounds per cell (default: 30)")
+    device.add_argument("--budgets", nargs="+", type=int, default=[1, 4, 8, 14, 32], help="verified nodes per round")
     dsd = benches.add_parser("dsd", help="DSD: overlap on/off and auto vs fixed draft lengths per link, against autoregressive")
     dsd.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     dsd.add_argument("--runs", type=int, default=5, help="runs per cell, ≥ 3 (default: 5)")
@@ -124,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         from clients.bench_tree import bench_tree
 
         return bench_tree(args)
+    if args.command == "bench" and args.bench == "tree-device":
+        forwarded = ["--device", args.device, "--dtype", args.dtype, "--repeats", str(args.repeats), "--budgets", *map(str, args.budgets)]
+        return subprocess.call([sys.executable, "-m", "workers.round_cost", *forwarded, *(["--json", args.json_path] if args.json_path else [])])
     if args.command == "bench" and args.bench == "worker":
         from clients.bench_worker import bench_worker
 

@@ -17,6 +17,7 @@ from core.math.speculative import count_accepted, verify_greedy
 from core.math.sampling import SamplingParams, Suppression, apply_sampling, suppress
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
+from core.runners.base import ForwardItem
 
 
 def sampling_params(req: VerifyRequest) -> SamplingParams:
@@ -99,20 +100,23 @@ def _exact(
     held: int,
     model_ms: float,
 ) -> VerifyResponse:
-    """p_n on each draft support S_j, the mass off it, one sample from off it; a bonus sample."""
-    gamma, base = len(req.draft), _first_position(req)
+    """p_n on each draft support S_j, the mass off it, one sample from off it; a bonus sample.
+    A tree: the same for every row (root, then each node; a leaf's support is empty, so its
+    sample is from all of p_n), drawn by depth; no separate bonus."""
+    gamma, base, tree = len(req.draft), _first_position(req), req.parents is not None
     sizes = np.asarray(req.support_sizes, dtype=np.int64)
-    supports = np.split(np.asarray(req.support_ids, dtype=np.int64), np.cumsum(sizes)[:-1]) if gamma else []
+    supports = np.split(np.asarray(req.support_ids, dtype=np.int64), np.cumsum(sizes)[:-1]) if sizes.size else []
+    depths = row_depths(req.parents.tolist()) if req.parents is not None else list(range(gamma))
     on_support, complement, samples = [], [], []
     for j, support in enumerate(supports):
         ids = torch.from_numpy(support)
         outside = probs[j].double().index_fill(0, ids, 0.0)
         mass = float(outside.sum())  # summed directly, not 1 − the rest
-        u = uniform(req.seed, req.choice, base + j, Purpose.WORKER_COMPLEMENT, req.worker)
+        u = uniform(req.seed, req.choice, base + depths[j], Purpose.WORKER_COMPLEMENT, req.worker)
         on_support.append(probs[j, ids])
         complement.append(mass)
         samples.append(sample_index(outside, u) if mass > 0 else -1)
-    bonus = sample_index(probs[gamma], uniform(req.seed, req.choice, base + gamma, Purpose.WORKER_BONUS, req.worker))
+    bonus = -1 if tree else sample_index(probs[gamma], uniform(req.seed, req.choice, base + gamma, Purpose.WORKER_BONUS, req.worker))
     return VerifyResponse(
         held=held,
         support_probs=torch.cat(on_support).numpy() if on_support else np.zeros(0, np.float32),
@@ -182,7 +186,8 @@ def _asked_logprobs(
     else:
         samples = np.asarray(resp.complement_samples, dtype=np.int64)
         own = [probs[j, y] if y >= 0 else torch.tensor(1.0) for j, y in enumerate(samples.tolist())]
-        out["sample_logprobs"] = _logs(torch.stack([*own, probs[gamma, resp.bonus]]))
+        bonus = [probs[gamma, resp.bonus]] if req.parents is None else []  # a tree's leaves hold theirs
+        out["sample_logprobs"] = _logs(torch.stack([*own, *bonus]))
     if req.logprobs:
         out["top_ids"], out["top_logprobs"] = _top(probs, req.logprobs)
     return out
@@ -197,3 +202,24 @@ def _prompt_logprobs(
     if req.logprobs:
         out["prompt_top_ids"], out["prompt_top_logprobs"] = _top(probs, req.logprobs)
     return out
+
+
+def tree_item(req: VerifyRequest, held: list[int]) -> ForwardItem:
+    """The forward of a tree call: the new agreed tokens as a chain (the last held token fed
+    again when there are none: its row is the root's), then the nodes under the root."""
+    assert req.parents is not None
+    start, tokens = req.prefix_len, req.tokens.tolist()
+    if not tokens:
+        start -= 1
+        tokens = [held[start]]
+    first = start + len(tokens)  # the row of node 0
+    parents = [*range(start - 1, first - 1), *(first - 1 if p < 0 else first + p for p in req.parents.tolist())]
+    return ForwardItem(req.session_id, start, [*tokens, *req.draft.tolist()], parents, list(range(len(tokens) - 1, len(tokens) + len(req.draft))))
+
+
+def row_depths(parents: list[int]) -> list[int]:
+    """Per row of a tree call (the root, then each node): its depth, 0 at the root."""
+    depths = [0]
+    for parent in parents:
+        depths.append(depths[parent + 1] + 1)
+    return depths

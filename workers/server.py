@@ -32,9 +32,8 @@ from core.protocol import (
     encode_json,
 )
 from core.runners import ModelRunner, load_runner
-from core.runners.base import ForwardItem
 from core.serving import Guard
-from workers.scoring import score
+from workers.scoring import score, tree_item
 from workers.sessions import SessionStore
 from workers.settings import WorkerSettings
 
@@ -82,6 +81,8 @@ class WorkerState:
     def verify(self, req: VerifyRequest) -> Any:
         """Crop, append, score: the body of ``POST /v1/verify`` (runs in a thread)."""
         self.check_limits(req)
+        if req.path is not None:  # v1.1: the previous tree's accepted path becomes agreed tokens
+            self.sessions.keep_path(req.session_id, req.prefix_len, req.prefix_hash, req.path.tolist())
         self.sessions.check_prefix(req.session_id, req.prefix_len, req.prefix_hash)
         self.runner.crop(req.session_id, req.prefix_len)
         started = time.perf_counter()
@@ -113,19 +114,6 @@ class WorkerState:
                 f"exceeds the context of {self.max_context}",
                 param="draft",
             )
-
-
-def tree_item(req: VerifyRequest, held: list[int]) -> ForwardItem:
-    """The forward of a tree call: the new agreed tokens as a chain (the last held token fed
-    again when there are none: its row is the root's), then the nodes under the root."""
-    assert req.parents is not None
-    start, tokens = req.prefix_len, req.tokens.tolist()
-    if not tokens:
-        start -= 1
-        tokens = [held[start]]
-    first = start + len(tokens)  # the row of node 0
-    parents = [*range(start - 1, first - 1), *(first - 1 if p < 0 else first + p for p in req.parents.tolist())]
-    return ForwardItem(req.session_id, start, [*tokens, *req.draft.tolist()], parents, list(range(len(tokens) - 1, len(tokens) + len(req.draft))))
 
 
 def create_app(settings: WorkerSettings, runner: ModelRunner | None = None) -> FastAPI:

@@ -9,7 +9,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from core.errors import SessionShort
+from core.errors import InvalidRequest, SessionShort
 from core.protocol import prefix_hash
 from core.runners.base import ModelRunner
 
@@ -43,6 +43,28 @@ class SessionStore:
             raise SessionShort(session_id, len(held), f"asked for a prefix of {prefix_len}")
         if prefix_hash(held[:prefix_len]) != expected_hash:
             raise SessionShort(session_id, 0, "the prefix hash differs")
+
+    def keep_path(self, session_id: str, prefix_len: int, expected_hash: str, path: list[int]) -> None:
+        """Protocol v1.1's ``path``: keep the accepted nodes of the tree the session holds as the
+        last ``len(path)`` of ``prefix_len`` agreed tokens, and drop the rest of the tree.
+        SessionShort when the session holds no such tree (or other tokens): the gateway resends
+        the path as tokens; InvalidRequest (naming ``path``) when it is no root-to-node path."""
+        base = prefix_len - len(path)
+        tree = self.runner.tree_nodes(session_id, base) if session_id in self._last_used else None
+        if tree is None:
+            held = min(self.runner.sequence_length(session_id), base) if session_id in self._last_used else 0
+            raise SessionShort(session_id, held, f"holds no tree after {base} tokens to keep a path of")
+        tokens, parents = tree
+        for place, node in enumerate(path):
+            if node >= len(tokens) or parents[node] != (path[place - 1] if place else -1):
+                raise InvalidRequest(
+                    f"path {path} is not a root-to-node path of the {len(tokens)}-node tree the previous call left (node {node} at place {place})",
+                    param="path",
+                )
+        agreed = self.runner.tokens(session_id)[:base] + [tokens[node] for node in path]
+        if prefix_hash(agreed) != expected_hash:
+            raise SessionShort(session_id, base, "the path's tokens differ from the prefix hash")
+        self.runner.keep(session_id, [*range(base), *(base + node for node in path)])
 
     def touch(self, session_id: str) -> None:
         self._last_used[session_id] = self.clock()

@@ -50,6 +50,7 @@ class Engine:
         sequence = list(req.prompt)
         agreed = [0] * len(self.pool.workers)
         ahead: TokenTree | None = None  # the next round's draft, prepared during this round's flight
+        path: list[int] | None = None  # the last tree round's accepted nodes: every worker holds them as tree rows
         suppression = self._suppression(req)
         drafts = MODES[req.spec.mode].drafts
         auto = GammaController(req.spec.overlap) if req.spec.auto_gamma and not req.seeded and drafts else None
@@ -75,7 +76,7 @@ class Engine:
                 if scorable < len(draft):
                     draft = draft.head(scorable)
                 drafted = time.perf_counter()
-                rnd = Round(self.pool, self.weights, self.vocab_size, req, session_id, sequence, agreed, draft, Traffic(), suppression)
+                rnd = Round(self.pool, self.weights, self.vocab_size, req, session_id, sequence, agreed, draft, Traffic(), suppression, path=path)
                 preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression) if req.spec.overlap and drafts else None
                 try:
                     result = await strategy.verify(rnd)
@@ -93,8 +94,10 @@ class Engine:
                 if auto is not None:
                     auto.observe(result.drafted, result.accepted, result.draft_s, result.verify_s, result.model_s, result.prepared, result.prepared_used)
                     result.gamma = wanted
-                # they hold sequence + draft: a chain's accepted tokens are theirs, a tree's path is resent
-                agreed[:] = [len(sequence) + (result.accepted if draft.is_chain else 0)] * len(agreed)
+                # they hold sequence + draft: a chain's accepted tokens are theirs, a tree's path they
+                # keep when the next call names it (v1.1 ``path``); without a path it is resent
+                path = result.path if not draft.is_chain else None
+                agreed[:] = [len(sequence) + (result.accepted if draft.is_chain else len(path or ()))] * len(agreed)
                 sequence.extend(result.tokens)
                 result.finish_reason = self._finish(result, len(sequence) - len(req.prompt), req, len(sequence))
                 yield result

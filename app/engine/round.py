@@ -40,6 +40,7 @@ class Round:
     draft: TokenTree  # a chain, or a tree in ``tree`` mode
     traffic: Traffic
     suppression: Suppression | None = None  # min_tokens: EOS is removed from the target before it
+    path: list[int] | None = None  # the previous round's accepted tree path, the first call's ``path`` (v1.1)
     model_s: float = 0.0
     responses: list[VerifyResponse] = field(default_factory=list)  # of the last call
 
@@ -57,13 +58,16 @@ class Round:
         return {"parents": self.draft.parents.numpy().astype(np.int32)}
 
     async def call(self, **wire: object) -> list[VerifyResponse]:
-        """Every worker at once; after it, each holds ``sequence`` + draft (a tree's rows too)."""
+        """Every worker at once; after it, each holds ``sequence`` + draft (a tree's rows too).
+        The first call carries the previous tree's accepted path, which ends the agreed prefix."""
         pool, req = self.targets, self.req
+        kept = {"path": np.array(self.path, dtype=np.int32)} if self.path else {}
+        self.path = None
         requests = [
             VerifyRequest.after(
                 self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.ids(),
                 temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p,
-                seed=req.seed, choice=req.choice, worker=n, **self._suppressing(self.positions[0], len(self.positions)), **self.tree_wire, **wire,  # type: ignore[arg-type]
+                seed=req.seed, choice=req.choice, worker=n, **self._suppressing(self.positions[0], len(self.positions)), **self.tree_wire, **kept, **wire,  # type: ignore[arg-type]
             )
             for n in range(len(pool.workers))
         ]
@@ -87,12 +91,13 @@ class Round:
             return {}
         return {"suppress_ids": np.array(self.suppression.ids, dtype=np.int64), "suppress_until": self.suppression.until}
 
-    async def score(self, position: int, token: int) -> float:
-        """log p(token) at ``position`` (absolute, within sequence + draft) under the mixture:
-        one short call per worker that re-reads the token before it and scores only ``token``.
-        Each worker then holds sequence + draft up to ``position``, the round's agreed tokens."""
+    async def score(self, position: int, token: int, drafted: list[int] | None = None) -> float:
+        """log p(token) at ``position`` (absolute, within sequence + ``drafted``: the draft's
+        tokens, a tree's accepted path) under the mixture: one short call per worker that
+        re-reads the token before it and scores only ``token``. Each worker then holds sequence +
+        drafted up to ``position``, the round's agreed tokens (a tree's rows are gone)."""
         pool, req = self.targets, self.req
-        held = [*self.sequence, *self.draft.ids()][:position]
+        held = [*self.sequence, *(self.draft.ids() if drafted is None else drafted)][:position]
         requests = [
             VerifyRequest.after(
                 self.session_id, held[:-1], held[-1:], [], temperature=req.params.temperature, top_k=req.params.top_k,
@@ -208,9 +213,11 @@ def array(value: np.ndarray | None) -> np.ndarray:
     return value
 
 
-def worker_logprobs(rnd: Round, tokens: list[int], values: list[float]) -> list[TokenLogprob]:
+def worker_logprobs(rnd: Round, tokens: list[int], values: list[float], rows: list[int] | None = None) -> list[TokenLogprob]:
     """The emitted tokens with the mixture's log-probabilities ``values`` and, when asked, the
-    top alternatives from the workers' top-n lists."""
+    top alternatives from the workers' top-n lists (at ``rows`` of the answers: a tree's path;
+    by default the chain's positions)."""
     n, weights = rnd.req.top_logprobs, rnd.weights
     tops = [(array(r.top_ids), array(r.top_logprobs)) for r in rnd.responses] if n else []
-    return [TokenLogprob(t, v, merge_top_logprobs(tops, j, n or 0, weights_at(weights, j))) for j, (t, v) in enumerate(zip(tokens, values))]
+    rows = list(range(len(tokens))) if rows is None else rows
+    return [TokenLogprob(t, v, merge_top_logprobs(tops, j, n or 0, weights_at(weights, j))) for j, t, v in zip(rows, tokens, values)]

@@ -26,6 +26,7 @@ class SpecOptions:
     auto_gamma: bool = False  # num_draft_tokens: auto (app.adaptive); num_draft_tokens is then the seeded γ
     relaxation: Relaxation | None = None  # DSD's relaxed accept test (lossy; aggregate and exact at T > 0; DESIGN §3.8)
     tree: TreeShape | None = None  # mode tree: the draft tree; None = the default by temperature (TreeShape.default)
+    tree_payload: Mode = Mode.AGGREGATE  # mode tree: what each node's row carries — aggregate's or exact's (DESIGN §3.6)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:
@@ -34,13 +35,20 @@ class SpecOptions:
             raise ValueError("k must be ≥ 1 or None (full)")
         if self.draft_top_k < 0 or not 0 < self.draft_top_p <= 1:
             raise ValueError("draft_top_k must be ≥ 0 and draft_top_p in (0, 1]")
-        if self.mode is Mode.EXACT and self.draft_top_k == 0 and self.draft_top_p == 1:
+        if self.sparse and self.draft_top_k == 0 and self.draft_top_p == 1:
             raise ValueError("exact needs draft truncation (draft_top_k or draft_top_p)")
+        if self.tree_payload not in (Mode.AGGREGATE, Mode.EXACT):
+            raise ValueError("a tree's payload is aggregate's or exact's")
+
+    @property
+    def sparse(self) -> bool:
+        """exact's sparse payload: mode exact, or a tree that carries it."""
+        return self.mode is Mode.EXACT or (self.mode is Mode.TREE and self.tree_payload is Mode.EXACT)
 
     @property
     def is_lossless(self) -> bool:
         relaxed = self.relaxation is not None and self.relaxation.tau_max > 0
-        return not self.engine_targets and not relaxed and (self.mode in (Mode.AUTOREGRESSIVE, Mode.EXACT) or self.k is None)
+        return not self.engine_targets and not relaxed and (self.mode is Mode.AUTOREGRESSIVE or self.sparse or self.k is None)
 
     @property
     def truncation(self) -> tuple[int, float]:
@@ -91,3 +99,4 @@ class RoundResult:
     verify_s: float = 0.0  # seconds from sending to the workers to the verdict (network included)
     model_s: float = 0.0  # seconds the slowest worker spent in its model, per call, summed
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's, before any round
+    path: list[int] | None = None  # a tree round: the accepted nodes, root to leaf (the next call's ``path``)

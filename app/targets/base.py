@@ -188,7 +188,8 @@ def describe(exc: httpx.HTTPError) -> str:
 
 
 def resend(req: VerifyRequest, agreed: list[int], prefix: int) -> VerifyRequest:
-    """``req`` from a shorter prefix: every other field as it was (replace, not field by field)."""
+    """``req`` from a shorter prefix: every other field as it was (replace, not field by field),
+    but no ``path``: the accepted path of the previous tree is then among the tokens resent."""
     held_until = req.prefix_len + len(req.tokens)
     tokens = np.asarray(agreed[prefix:held_until], dtype=np.int64)
-    return replace(req, prefix_len=prefix, prefix_hash=prefix_hash(agreed[:prefix]), tokens=tokens)
+    return replace(req, prefix_len=prefix, prefix_hash=prefix_hash(agreed[:prefix]), tokens=tokens, path=None)

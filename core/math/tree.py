@@ -20,6 +20,12 @@ An accepted child becomes the node (p' = p there); at a node whose children are 
 the walk ends with the recovered token drawn from p', at a leaf with the bonus token from p.
 Each candidate draws from its own lane (its rank among its siblings): ``accept_u[d, rank]`` at
 walk depth d; the recovered / bonus draw at depth d is ``final_u[d]``. T = 0 follows argmax p.
+
+``exact``'s sparse payload (DESIGN §3.5) walks the same way on an extended support per node:
+the ids S_v the gateway sent (q̂'s support there, and the children), then one entry per worker
+holding w_n c_n, its mass off S_v. Off S_v q̂ is 0 and no child lies there, so every rule leaves
+that part of p' proportional to p: a draw that lands on worker n's entry emits its sample
+y_n ~ p_n(· | x ∉ S_v). At a leaf the worker sent y_n ~ p_n (S_v empty), chosen with weight w_n.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from enum import StrEnum
 
 import torch
 
+from core.math.aggregation import normalise_weights
 from core.math.random import sample_index
 from core.math.speculative import acceptance_probs, argmax_lowest, residual
 
@@ -376,3 +383,102 @@ def tree_step_law(
         left *= 1 - a
         p_now, q_now = after_rejection(p_now, q_now, token, rule)
     return law + left * p_now / p_now.sum()
+
+
+# ----------------------------------------------------------------------------- exact's sparse payload
+
+
+@dataclass(frozen=True)
+class SparseNode:
+    """What the workers sent for one row of a tree under ``exact`` (the root, or a node)."""
+
+    support: torch.Tensor  # [s] long, ascending: S_v (empty at a leaf)
+    p: torch.Tensor  # [N, s]: p_n on S_v, per worker
+    complement: torch.Tensor  # [N]: c_n = Σ_{x∉S_v} p_n(x)
+    samples: list[int]  # [N]: y_n ~ p_n(· | x ∉ S_v); −1 where c_n = 0
+
+
+def node_supports(tree: TokenTree) -> list[torch.Tensor]:
+    """S_v per row (root, then each node): q̂'s support there and the children's tokens,
+    ascending; empty at a leaf (its worker sample is then drawn from all of p_n)."""
+    out = []
+    for node in range(-1, len(tree)):
+        children = tree.children(node)
+        if not children:
+            out.append(torch.zeros(0, dtype=torch.long))
+            continue
+        ids, _ = tree.support(node)
+        out.append(torch.unique(torch.cat([ids, tree.tokens[children]])))
+    return out
+
+
+def extended_node(
+    row: SparseNode,
+    q_ids: torch.Tensor,  # [m]: q̂'s support at the node
+    q_probs: torch.Tensor,  # [m]
+    weights: torch.Tensor,  # [N], normalised
+) -> tuple[torch.Tensor, torch.Tensor]:  # p, q on [S_v, one entry per worker]: [s + N] float64 each
+    """p at the node on the extended support (Σ w_n p_n on S_v, then w_n c_n) and q̂ on it (0 off S_v)."""
+    size, workers = row.support.shape[0], weights.shape[0]
+    p = torch.cat([weights @ row.p.double(), weights * row.complement.double()])
+    q = torch.zeros(size + workers, dtype=torch.float64)
+    q[torch.searchsorted(row.support, q_ids)] = q_probs.double()
+    return p, q
+
+
+def verify_tree_exact(
+    rows: list[SparseNode],  # [n+1]: the root's row, then each node's
+    tree: TokenTree,
+    weights: torch.Tensor,  # [N]
+    accept_u: torch.Tensor,  # [D, W]
+    final_u: torch.Tensor,  # [D+1]
+) -> TreeVerdict:
+    """The walk of ``verify_tree`` on the sparse payload: the same rule, the same draws."""
+    w = normalise_weights(weights)
+    node, path = -1, list[int]()
+    while True:
+        row, children = rows[node + 1], tree.children(node)
+        u = float(final_u[len(path)])
+        if not children:
+            return TreeVerdict(path, row.samples[sample_index(w, u)], is_bonus=True)
+        p, q = extended_node(row, *tree.support(node), w)
+        candidates = [int(i) for i in torch.searchsorted(row.support, tree.tokens[children]).tolist()]
+        rank, p_left = try_children(p, q, candidates, tree.rule, accept_u[len(path)])
+        if rank is None:
+            index = sample_index(p_left, u)
+            size = row.support.shape[0]
+            return TreeVerdict(path, int(row.support[index]) if index < size else row.samples[index - size], is_bonus=False)
+        node = children[rank]
+        path.append(node)
+
+
+def exact_tree_step_law(
+    p_n: torch.Tensor,  # [N, V]: each worker's target at the node
+    weights: torch.Tensor,  # [N]
+    q: torch.Tensor,  # [V]: q̂ at the node
+    candidates: list[int],  # the children's tokens, in draft order
+    rule: ChildRule,
+) -> torch.Tensor:  # [V] float64
+    """Closed-form law of the token emitted at a node under ``exact``'s payload, composed from
+    the walk's functions: each candidate's acceptance, then the recovered draw over the
+    extended support, whose worker entries emit y_n ~ p_n(· | x ∉ S_v)."""
+    w = normalise_weights(weights)
+    q_ids = (q > 0).nonzero()[:, 0]
+    support = torch.unique(torch.cat([q_ids, torch.tensor(candidates, dtype=torch.long)]))
+    outside = torch.ones(q.shape[0], dtype=torch.bool)
+    outside[support] = False
+    row = SparseNode(support, p_n.double()[:, support], (p_n.double() * outside).sum(dim=-1), [0] * p_n.shape[0])
+    p_now, q_now = extended_node(row, q_ids, q.double()[q_ids], w)
+    local = torch.searchsorted(support, torch.tensor(candidates, dtype=torch.long)).tolist()
+    law, left = torch.zeros(q.shape[0], dtype=torch.float64), 1.0
+    for token, index in zip(candidates, local):
+        a = accept_probability(p_now, q_now, index, rule)
+        law[token] += left * a
+        left *= 1 - a
+        p_now, q_now = after_rejection(p_now, q_now, index, rule)
+    recovered = p_now / p_now.sum()
+    law[support] += left * recovered[: support.shape[0]]
+    for n in range(p_n.shape[0]):
+        if row.complement[n] > 0:
+            law += left * recovered[support.shape[0] + n] * p_n[n].double() * outside / row.complement[n]
+    return law

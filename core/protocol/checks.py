@@ -69,6 +69,8 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         check_ids(req.suppress_ids, vocab_size, "suppress_ids")
     if req.parents is not None:
         _check_parents(req)
+    if req.path is not None:
+        _check_path(req)
     if req.mode == Mode.SPLIT.value:
         _check_draft_probs(req)
     if req.mode == Mode.EXACT.value and req.temperature > 0:
@@ -89,10 +91,24 @@ def _check_parents(req: VerifyRequest) -> None:
             f"parents[{bad}] = {int(parents[bad])}: a node's parent is −1 (the root) or an earlier node (no parent after its child, no cycle)",
             param="parents",
         )
-    if req.mode not in (Mode.AGGREGATE.value, Mode.TREE.value):
-        raise InvalidRequest(f"trees ride on aggregate's payload; mode {req.mode!r} verifies chains", param="parents")
+    if req.mode not in (Mode.AGGREGATE.value, Mode.TREE.value, Mode.EXACT.value):
+        raise InvalidRequest(f"trees ride on aggregate's or exact's payload; mode {req.mode!r} verifies chains", param="parents")
     if req.score_tokens or req.score_ids is not None or req.suppress_ids is not None:
         raise InvalidRequest("a tree takes no score_tokens, score_ids or suppress_ids", param="parents")
+
+
+def _check_path(req: VerifyRequest) -> None:
+    """The accepted path of the previous call's tree (v1.1): node indices, root to leaf (so
+    increasing), within the agreed prefix it ends."""
+    path = req.path
+    assert path is not None
+    values = path.tolist()
+    if path.ndim != 1 or not values or len(values) > MAX_TREE_NODES:
+        raise InvalidRequest(f"path names 1 to {MAX_TREE_NODES} nodes of the previous tree, got shape {path.shape}", param="path")
+    if values[0] < 0 or any(b <= a for a, b in zip(values, values[1:])):
+        raise InvalidRequest(f"path {values} is not a root-to-node path: node indices ≥ 0, each a child of the one before", param="path")
+    if len(values) > req.prefix_len:
+        raise InvalidRequest(f"path of {len(values)} nodes is longer than the prefix of {req.prefix_len} it ends", param="path")
 
 
 def _check_draft_probs(req: VerifyRequest) -> None:
@@ -104,15 +120,24 @@ def _check_draft_probs(req: VerifyRequest) -> None:
 
 
 def _check_supports(req: VerifyRequest, vocab_size: int) -> None:
-    ids, sizes = req.support_ids, req.support_sizes
-    if ids is None or sizes is None or sizes.shape != req.draft.shape or ids.ndim != 1:
-        raise InvalidRequest("exact needs support_ids and support_sizes, one support per draft token", param="support_ids")
-    if sizes.size and sizes.min() < 1 or int(sizes.sum()) != ids.size:
-        raise InvalidRequest("support_sizes must be ≥ 1 and add up to len(support_ids)", param="support_sizes")
+    """Chains: one support per draft token (S_j holds x_j). Trees: one per row, the root's then
+    each node's, empty at a leaf; each node's token lies in its parent's support."""
+    ids, sizes, tree = req.support_ids, req.support_sizes, req.parents is not None
+    rows = len(req.draft) + 1 if tree else len(req.draft)
+    if ids is None or sizes is None or sizes.shape != (rows,) or ids.ndim != 1:
+        what = "one support per row (the root, then each node)" if tree else "one support per draft token"
+        raise InvalidRequest(f"exact needs support_ids and support_sizes, {what}", param="support_ids")
+    if sizes.size and sizes.min() < (0 if tree else 1) or int(sizes.sum()) != ids.size:
+        raise InvalidRequest(f"support_sizes must be ≥ {0 if tree else 1} and add up to len(support_ids)", param="support_sizes")
     check_ids(ids, vocab_size, "support_ids")
-    for j, support in enumerate(np.split(ids, np.cumsum(sizes)[:-1]) if sizes.size else []):
-        if len(np.unique(support)) != len(support) or req.draft[j] not in support:
-            raise InvalidRequest(f"support {j} must hold distinct ids, the draft token among them", param="support_ids")
+    supports = np.split(ids, np.cumsum(sizes)[:-1]) if sizes.size else []
+    holder = [int(p) + 1 for p in req.parents.tolist()] if req.parents is not None else list(range(rows))
+    for j, support in enumerate(supports):
+        if len(np.unique(support)) != len(support):
+            raise InvalidRequest(f"support {j} must hold distinct ids", param="support_ids")
+    for node, row in enumerate(holder):
+        if req.draft[node] not in supports[row]:
+            raise InvalidRequest(f"draft token {node} must lie in the support it was drawn from (row {row})", param="support_ids")
 
 
 def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
@@ -153,14 +178,18 @@ def _check_exact(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> N
     probs, mass, samples = resp.support_probs, resp.complement, resp.complement_samples
     if probs is None or mass is None or samples is None:
         raise ProtocolError("exact answers need support_probs, complement and complement_samples")
-    if probs.shape != (size,) or mass.shape != (gamma,) or samples.shape != (gamma,):
-        raise ProtocolError(f"exact arrays of shapes {probs.shape}, {mass.shape}, {samples.shape}; expected ({size},), ({gamma},), ({gamma},)")
+    rows = gamma + 1 if req.parents is not None else gamma  # a tree: every row, leaves too (their sample is the bonus)
+    if req.parents is not None:
+        size = int(np.asarray(req.support_sizes).sum())
+    if probs.shape != (size,) or mass.shape != (rows,) or samples.shape != (rows,):
+        raise ProtocolError(f"exact arrays of shapes {probs.shape}, {mass.shape}, {samples.shape}; expected ({size},), ({rows},), ({rows},)")
     for name, arr in (("support_probs", probs), ("complement", mass)):
         if not np.all(np.isfinite(arr)) or arr.min(initial=0) < 0 or arr.max(initial=0) > 1 + 1e-3:
             raise ProtocolError(f"{name}: values must be finite probabilities in [0, 1]")
     if np.any((samples < 0) & (mass > 0)) or samples.max(initial=-1) >= vocab_size or samples.min(initial=-1) < -1:
         raise ProtocolError("complement_samples must be token ids, −1 only where the complement is empty")
-    check_ids(np.array([resp.bonus]), vocab_size, "bonus")
+    if req.parents is None:
+        check_ids(np.array([resp.bonus]), vocab_size, "bonus")
 
 
 def _check_probs(resp: VerifyResponse, vocab_size: int, num_positions: int) -> None:

@@ -69,7 +69,7 @@ class VerifyRequest(Message):
 
     ARRAYS: ClassVar[dict[str, str]] = {
         "tokens": "ids", "draft": "ids", "draft_probs": "f32", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids",
-        "suppress_ids": "ids", "parents": "i32",
+        "suppress_ids": "ids", "parents": "i32", "path": "i32",
     }
     EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "suppress_until"})
 
@@ -98,6 +98,7 @@ class VerifyRequest(Message):
     suppress_ids: np.ndarray | None = None  # [e] int, min_tokens: ids (EOS) removed from T(p_n) at positions < suppress_until
     suppress_until: int = 0  # absolute position: the scored positions below it answer for T(p_n) without suppress_ids, renormalised
     parents: np.ndarray | None = None  # [γ] i32, v1.1: the draft is a tree; node i follows node parents[i] (−1 = the root, the last agreed token); rows answer for the root then each node: [γ+1, …]
+    path: np.ndarray | None = None  # [a] i32, v1.1: the accepted nodes (root to leaf) of the tree the previous call left; the worker keeps them as the last a of the prefix_len agreed tokens, dropping the rest of that tree; absent after a resend
 
     @classmethod
     def after(cls, session_id: str, agreed: list[int], tokens: list[int], draft: list[int], **params: Any) -> VerifyRequest:

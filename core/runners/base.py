@@ -126,6 +126,17 @@ class ModelRunner(ABC):
             n += 1
         return n
 
+    def tree_nodes(self, session_id: str, base: int) -> tuple[list[int], list[int]] | None:
+        """The tree a session holds after its first ``base`` rows: each later row's token and
+        parent as a node of that tree (−1 = the root, row ``base − 1``). None unless rows
+        ``[0, base)`` read as one sequence and a tree of at least one node hangs at its end."""
+        rows = self._rows.get(session_id)
+        if rows is None or not 0 < base < len(rows):
+            return None
+        if any(rows.parents[i] != i - 1 for i in range(rows.chain, base)) or min(rows.parents[base:]) < base - 1:
+            return None
+        return rows.tokens[base:], [p - base for p in rows.parents[base:]]
+
     def session_ids(self) -> list[str]:
         return list(self._rows)
 

@@ -29,11 +29,14 @@ class TransformersRunner(ModelRunner):
         tokenizer: Any,
         max_context: int = 2048,
         device: str = "cpu",
+        model: Any = None,
     ) -> None:
+        """``model``: an already built model to run instead of loading ``source`` (benchmarks
+        with random weights of a real architecture)."""
         super().__init__()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
-        self.model = _load_model(source, len(tokenizer)).to(self.device).eval()
+        self.model = (model if model is not None else _load_model(source, len(tokenizer))).to(self.device).eval()
         config = self.model.config
         self.info = RunnerInfo(
             model_id=source.name,
@@ -150,6 +153,18 @@ def _load_gguf(path: Path) -> Any:
     return model
 
 
+def builtin_architecture_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
+    """SmolLM2-135M's architecture (the built-in target) with random weights: what a forward
+    costs does not depend on the weights, so machines without the GGUF can time it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    )
+    return _seeded(LlamaForCausalLM, config, seed).to(dtype)
+
+
 def tiny_random_model(vocab_size: int, seed: int = 0) -> Any:
     """A 2-layer random-weight Llama over the shared vocabulary (tests only)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -165,10 +180,14 @@ def tiny_random_model(vocab_size: int, seed: int = 0) -> Any:
         initializer_range=0.5,  # peaked distributions, so top-k and argmax tests mean something
         tie_word_embeddings=True,
     )
+    return _seeded(LlamaForCausalLM, config, seed).float()
+
+
+def _seeded(model_class: Any, config: Any, seed: int) -> Any:
+    """``model_class(config)`` with weights from ``seed``, leaving the global generator as it was."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = LlamaForCausalLM(config)
+        return model_class(config)
     finally:
         torch.random.set_rng_state(generator_state)
-    return model.float()

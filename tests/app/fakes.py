@@ -12,7 +12,8 @@ import torch
 
 from app.draft import DraftModel
 from app.engine import Engine
-from app.targets.base import Traffic
+from app.targets.base import Traffic, resend
+from core.errors import SessionShort
 from core.math.sampling import SamplingParams, Suppression
 from core.math.tree import TokenTree, TreeShape
 from core.protocol import (
@@ -77,8 +78,14 @@ class FakeWorker:
         self.calls: list[VerifyRequest] = []
 
     async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
+        """The worker's answer; on session_short, the resend the specgate dialect builds."""
         self.calls.append(req)
-        resp = self.state.verify(req)
+        try:
+            resp = self.state.verify(req)
+        except SessionShort as short:
+            req = resend(req, agreed, short.held if short.held < req.prefix_len else 0)
+            self.calls.append(req)
+            resp = self.state.verify(req)
         check_verify_response(resp, req, self.state.runner.info.vocab_size)
         return resp, Traffic(sent=1, received=1, calls=1)
 

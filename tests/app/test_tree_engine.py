@@ -32,13 +32,17 @@ SHAPES = {
 WORKERS = {"1 worker": [(TARGETS[0], 1.0)], "3 weighted workers": list(zip(TARGETS, WEIGHTS_3))}
 
 
-def _spec(shape: TreeShape) -> SpecOptions:
-    return SpecOptions(Mode.TREE, 1, None, Reconstruction.RENORMALIZE, tree=shape)
+PAYLOADS = {"aggregate k: full": Mode.AGGREGATE, "exact, draft top-3": Mode.EXACT}  # exact: q̂ truncated, mass off S_v
 
 
-def _first_two(engine: Engine, shape: TreeShape, num: int | range, temperature: float = 1.0) -> torch.Tensor:
+def _spec(shape: TreeShape, payload: Mode = Mode.AGGREGATE) -> SpecOptions:
+    top_k = 3 if payload is Mode.EXACT else 0
+    return SpecOptions(Mode.TREE, 1, None, Reconstruction.RENORMALIZE, draft_top_k=top_k, tree=shape, tree_payload=payload)
+
+
+def _first_two(engine: Engine, shape: TreeShape, num: int | range, temperature: float = 1.0, payload: Mode = Mode.AGGREGATE) -> torch.Tensor:
     """Counts [V, V] of the first two tokens over ``num`` seeds (max_tokens 3: a depth-2 tree)."""
-    spec = _spec(shape)
+    spec = _spec(shape, payload)
     seeds = range(num) if isinstance(num, int) else num
 
     async def run() -> torch.Tensor:
@@ -58,9 +62,9 @@ def _first_two(engine: Engine, shape: TreeShape, num: int | range, temperature: 
     return asyncio.run(run())
 
 
-def _counts(shape: str, workers: str, seeds: range) -> torch.Tensor:
+def _counts(shape: str, workers: str, seeds: range, payload: str) -> torch.Tensor:
     """One process's share of a chi-square run: a fresh engine over the seeds given."""
-    return _first_two(make_engine(DRAFT, WORKERS[workers]), SHAPES[shape], seeds)
+    return _first_two(make_engine(DRAFT, WORKERS[workers]), SHAPES[shape], seeds, payload=PAYLOADS[payload])
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +76,17 @@ def processes() -> Iterator[Executor]:
         yield pool
 
 
-@pytest.mark.parametrize("workers", WORKERS)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_first_two_tokens_follow_the_target(shape: str, workers: str, processes: Executor) -> None:
+# exact's payload with three weighted workers only: one worker is the same code with w = (1),
+# proven per rule by the closed form and the walk's chi-square (tests/core/math/test_tree_exact.py)
+RUNS = [(shape, workers, "aggregate k: full") for shape in SHAPES for workers in WORKERS] + [
+    (shape, "3 weighted workers", "exact, draft top-3") for shape in SHAPES
+]
+
+
+@pytest.mark.parametrize("shape, workers, payload", RUNS)
+def test_first_two_tokens_follow_the_target(shape: str, workers: str, payload: str, processes: Executor) -> None:
     half = SAMPLES // 2
-    parts = processes.map(_counts, [shape, shape], [workers, workers], [range(half), range(half, SAMPLES)])
+    parts = processes.map(_counts, [shape, shape], [workers, workers], [range(half), range(half, SAMPLES)], [payload, payload])
     counts = sum(parts, torch.zeros(V, V))
     assert pooled_chisquare(counts.flatten(), _target_joint(WORKERS[workers]).flatten() * SAMPLES) > SIGNIFICANCE
 
@@ -90,8 +100,9 @@ def test_negative_control_algorithm_5_on_fixed_children_is_rejected(monkeypatch:
     assert pooled_chisquare(counts.flatten(), _target_joint(WORKERS["1 worker"]).flatten() * (SAMPLES // 4)) < SIGNIFICANCE
 
 
+@pytest.mark.parametrize("payload", PAYLOADS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_greedy_is_the_mixture_argmax(shape: str) -> None:
+def test_greedy_is_the_mixture_argmax(shape: str, payload: str) -> None:
     workers = WORKERS["3 weighted workers"]
     engine = make_engine(DRAFT, workers)
     w = torch.tensor(WEIGHTS_3, dtype=torch.float64)
@@ -101,23 +112,57 @@ def test_greedy_is_the_mixture_argmax(shape: str) -> None:
         expected.append(last)
 
     async def run() -> list[int]:
-        req = GenerationRequest("g", PROMPT, 6, SamplingParams(temperature=0.0), 0, 0, _spec(SHAPES[shape]))
+        req = GenerationRequest("g", PROMPT, 6, SamplingParams(temperature=0.0), 0, 0, _spec(SHAPES[shape], PAYLOADS[payload]))
         return [t async for r in engine.generate(req) for t in r.tokens]
 
     assert asyncio.run(run()) == expected
 
 
-def test_a_tree_round_tells_workers_the_parents_and_resends_the_path() -> None:
+def test_a_tree_round_tells_workers_the_parents_and_the_next_call_the_path() -> None:
     runner = MarkovRunner(TARGETS[0].table, name="t")
     engine = make_engine(DRAFT, [(runner, 1.0)])
 
-    async def run() -> None:
-        req = GenerationRequest("p", PROMPT, 8, SamplingParams(temperature=1.0), 5, 0, _spec(SHAPES["sampled ⟨2,2⟩"]))
-        async for _ in engine.generate(req):
-            pass
+    async def run() -> list[int]:
+        req = GenerationRequest("p", PROMPT, 12, SamplingParams(temperature=1.0), 5, 0, _spec(SHAPES["sampled ⟨2,2⟩"]))
+        return [t async for r in engine.generate(req) for t in r.tokens]
 
-    asyncio.run(run())
+    text = asyncio.run(run())
     calls = engine.pool.workers[0].calls  # type: ignore[attr-defined]
-    assert len(calls) >= 2 and all(c.parents is not None and len(c.parents) == len(c.draft) for c in calls[:-1])
-    for before, after in zip(calls, calls[1:]):  # a tree is not agreed: the next call resends its accepted path
-        assert after.prefix_len == before.prefix_len + len(before.tokens) and len(after.tokens) >= 1
+    assert len(calls) >= 3 and all(c.parents is not None and len(c.parents) == len(c.draft) for c in calls[:-1])
+    sequence, paths = PROMPT + text, 0
+    for before, after in zip(calls, calls[1:]):
+        # v1.1: the accepted nodes end the next call's prefix, named by ``path``: only the
+        # recovered or bonus token is sent again
+        path = [] if after.path is None else after.path.tolist()
+        assert len(after.tokens) == 1 and after.prefix_len == before.prefix_len + len(before.tokens) + len(path)
+        assert [before.parents[n] for n in path] == [-1, *path][: len(path)]
+        assert [before.draft[n] for n in path] == sequence[before.prefix_len + len(before.tokens): after.prefix_len]
+        paths += bool(path)
+    assert paths >= 2
+
+
+def test_a_worker_that_lost_the_tree_gets_the_path_as_tokens_and_the_text_is_the_same() -> None:
+    """A 409 on a call with ``path`` resends from what the worker holds, the path's tokens
+    among the tokens (``dataclasses.replace`` drops ``path``): the seeded text does not change."""
+
+    def run(engine: Engine, forget: bool) -> list[int]:
+        async def go() -> list[int]:
+            req = GenerationRequest("lost", PROMPT, 12, SamplingParams(temperature=1.0), 5, 0, _spec(SHAPES["sampled ⟨2,2⟩"]))
+            out: list[int] = []
+            async for result in engine.generate(req):
+                out += result.tokens
+                if forget:
+                    engine.pool.workers[0].state.sessions.free("lost-0")  # type: ignore[attr-defined]
+            return out
+
+        return asyncio.run(go())
+
+    expected = run(make_engine(DRAFT, [(MarkovRunner(TARGETS[0].table, name="t"), 1.0)]), forget=False)
+    engine = make_engine(DRAFT, [(MarkovRunner(TARGETS[0].table, name="t"), 1.0)])
+    assert run(engine, forget=True) == expected
+    sequence, calls = PROMPT + expected, engine.pool.workers[0].calls  # type: ignore[attr-defined]
+    lost = [(a, b) for a, b in zip(calls, calls[1:]) if a.path is not None]
+    assert len(lost) >= 2
+    for refused, resent in lost:  # the resend: from zero, every agreed token (the path's too) as tokens
+        assert resent.prefix_len == 0 and resent.path is None and resent.parents is not None
+        assert resent.tokens.tolist() == sequence[: refused.prefix_len + len(refused.tokens)]

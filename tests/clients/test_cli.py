@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -20,10 +21,22 @@ SPECGATE = [sys.executable, "-m", "clients.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("args", [[], ["worker"], ["gateway"], ["serve"], ["bench"], ["bench", "worker"], ["bench", "dsd"], ["bench", "load"], ["bench", "tree"]])
+@pytest.mark.parametrize("args", [[], ["worker"], ["gateway"], ["serve"], ["bench"], ["bench", "worker"], ["bench", "dsd"], ["bench", "load"], ["bench", "tree"], ["bench", "tree-device"]])
 def test_every_command_has_help(args: list[str]) -> None:
     out = subprocess.run([*SPECGATE, *args, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0 and "usage: specgate" in out.stdout
+
+
+def test_bench_tree_device_times_each_cell_and_writes_json(tmp_path: Path) -> None:
+    """The worker's verify round on the built-in architecture (random weights, CPU here): a row
+    per cell, the tree cells through the runner's tree forward."""
+    out = tmp_path / "device.json"
+    args = ["bench", "tree-device", "--device", "cpu", "--repeats", "1", "--budgets", "1", "4", "--json", str(out)]
+    run = subprocess.run([*SPECGATE, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["cell"] for r in rows] == ["chain 1", "chain 4", "tree 4"] and all(r["ms_median"] > 0 and r["repeats"] == 1 for r in rows)
+    assert "tree 4" in run.stdout and "ms/round" in run.stdout
 
 
 def test_worker_with_a_missing_model_is_a_one_line_error() -> None:

@@ -53,6 +53,7 @@ def verify_requests(draw: st.DrawFn) -> VerifyRequest:
         choice=draw(st.integers(0, 16)),
         worker=draw(st.integers(0, 16)),
         return_probs=draw(st.booleans()),
+        path=draw(st.none() | hnp.arrays(np.int32, st.integers(1, 4), elements=st.integers(0, 62))),
     )
 
 
@@ -207,6 +208,12 @@ def _req(**overrides: object) -> VerifyRequest:
         ({"parents": np.array([0], np.int32)}, "parents"),
         ({"parents": np.array([-1, -1], np.int32)}, "parents"),
         ({"mode": "split", "parents": np.array([-1], np.int32), "draft_probs": np.array([0.5], np.float32)}, "parents"),
+        ({"prefix_len": 5, "path": np.array([], np.int32)}, "path"),
+        ({"prefix_len": 5, "path": np.array([-1], np.int32)}, "path"),
+        ({"prefix_len": 5, "path": np.array([2, 1], np.int32)}, "path"),  # a child before its parent
+        ({"prefix_len": 5, "path": np.array([0, 0], np.int32)}, "path"),
+        ({"prefix_len": 1, "path": np.array([0, 1], np.int32)}, "path"),  # longer than the prefix it ends
+        ({"prefix_len": 99, "path": np.arange(64, dtype=np.int32)}, "path"),
         ({"mode": "autoregressive"}, "draft"),
         ({"reconstruction": "guess"}, "reconstruction"),
         ({"seed": -1}, "seed"),

@@ -100,22 +100,32 @@ def test_async_streaming_completion(base_url: str) -> None:
 
 def test_greedy_aggregate_and_tree_equal_autoregressive(client: openai.OpenAI) -> None:
     """Two workers; tree at T = 0 is an EAGLE-2 tree of 14 nodes by default."""
-    specs = {"autoregressive": {"mode": "autoregressive"}, "aggregate": {"mode": "aggregate", "k": "full"}, "tree": {"mode": "tree"}}
+    specs = {
+        "autoregressive": {"mode": "autoregressive"}, "aggregate": {"mode": "aggregate", "k": "full"}, "tree": {"mode": "tree"},
+        "tree exact": {"mode": "tree", "tree": {"payload": "exact"}},
+    }
     texts = {}
     for mode, spec in specs.items():
         chat = client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=48, temperature=0, extra_body={"speculative": spec},  # type: ignore[arg-type]
         )
         texts[mode] = chat.choices[0].message.content
-    assert texts["aggregate"] == texts["autoregressive"] == texts["tree"], texts
+    assert texts["aggregate"] == texts["autoregressive"] == texts["tree"] == texts["tree exact"], texts
 
 
 def test_a_sampled_tree_streams_through_the_api(client: openai.OpenAI) -> None:
     spec = {"mode": "tree", "tree": {"rule": "sampled", "widths": [2, 2, 1]}, "k": 32}
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, seed=4, extra_body={"speculative": spec})  # type: ignore[arg-type]
     block = chat.usage.model_extra["speculative"]  # type: ignore[union-attr, index]
-    assert block["mode"] == "tree" and block["tree"] == {"rule": "sampled", "widths": [2, 2, 1], "nodes": 10}
+    assert block["mode"] == "tree" and block["tree"] == {"rule": "sampled", "widths": [2, 2, 1], "nodes": 10, "payload": "aggregate"}
     assert block["nodes_per_round"] > 1 and block["rounds"] >= 1 and block["bias_bound_mean"] is not None  # top-32: lossy, bounded
+    exact = {"mode": "tree", "tree": {"payload": "exact"}}  # the default tree at T > 0, exact's sparse payload: lossless
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, seed=4, extra_body={"speculative": exact})  # type: ignore[arg-type]
+    block = chat.usage.model_extra["speculative"]  # type: ignore[union-attr, index]
+    assert block["tree"]["payload"] == "exact" and block["lossless"] is True and block["draft_top_k"] == 32
+    assert block["bytes_from_workers"] < 24 * 64 * 1000  # sparse: no [n+1, V] rows (those are ~0.2 MB per node)
+    with pytest.raises(openai.BadRequestError, match="sends no top-k"):
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={"speculative": {**exact, "k": 8}})  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError, match="speculative.tree"):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={"speculative": {"mode": "tree", "tree": {"widths": [0]}}})  # type: ignore[arg-type]
 

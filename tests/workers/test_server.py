@@ -168,6 +168,50 @@ async def test_session_short_when_the_worker_holds_less_or_other(client: httpx.A
     await _scores(client, _request("s", PROMPT + [4], [6], [7]))
 
 
+# a tree under the root, as (token, parent): two children of the root, then a chain under each
+TREE = [(504, -1), (3458, -1), (28, 0), (638, 1), (359, 2)]
+
+
+async def _tree(client: httpx.AsyncClient, session: str) -> None:
+    parents = np.array([p for _, p in TREE], dtype=np.int32)
+    await _scores(client, _request(session, [], PROMPT, [t for t, _ in TREE], parents=parents))
+
+
+async def test_a_path_keeps_the_accepted_nodes_of_the_last_tree(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    """Protocol v1.1: ``path`` names the accepted nodes; they end the agreed prefix and the
+    call goes on from them as from a plain sequence (no resend of their tokens)."""
+    await _tree(client, "p")
+    agreed = PROMPT + [504, 28, 359]
+    resp = await _scores(client, _request("p", agreed, [7], [42], path=np.array([0, 2, 4], dtype=np.int32)))
+    assert resp.held == len(agreed) + 2 and tiny_runner.tokens("p") == agreed + [7, 42]
+    np.testing.assert_allclose(resp.probs, _reference(tiny_runner, agreed + [7, 42], 2).numpy(), atol=1e-5)
+    await _tree(client, "q")  # the second root child: its cells are not the first after the prompt
+    agreed = PROMPT + [3458, 638]
+    resp = await _scores(client, _request("q", agreed, [9], [], path=np.array([1, 3], dtype=np.int32)))
+    np.testing.assert_allclose(resp.probs, _reference(tiny_runner, agreed + [9], 1).numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("path", [[2], [0, 3], [1, 4], [0, 2, 9]], ids=["not-the-roots-child", "not-a-child", "another-branch", "no-such-node"])
+async def test_a_path_that_is_no_root_to_node_path_gets_a_400_and_the_tree_stays(client: httpx.AsyncClient, path: list[int]) -> None:
+    await _tree(client, "bad")
+    agreed = PROMPT + [TREE[n][0] if n < len(TREE) else 5 for n in path]
+    resp = await _verify(client, _request("bad", agreed, [7], [], path=np.array(path, dtype=np.int32)))
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "path", resp.text
+    await _scores(client, _request("bad", PROMPT + [504], [7], [], path=np.array([0], dtype=np.int32)))  # the tree is still there
+
+
+async def test_a_path_without_its_tree_gets_a_409_then_the_resend_serves(client: httpx.AsyncClient) -> None:
+    resp = await _verify(client, _request("never", PROMPT + [5], [7], [], path=np.array([0], dtype=np.int32)))
+    assert resp.status_code == 409 and resp.json()["held"] == 0
+    await _scores(client, _request("lost", [], PROMPT, []))  # no draft rows: no tree to take a path from
+    resp = await _verify(client, _request("lost", PROMPT + [5], [7], [], path=np.array([0], dtype=np.int32)))
+    assert resp.status_code == 409 and resp.json()["held"] == len(PROMPT)
+    await _tree(client, "other")
+    resp = await _verify(client, _request("other", PROMPT + [3458], [7], [], path=np.array([0], dtype=np.int32)))  # node 0 is 504
+    assert resp.status_code == 409 and resp.json()["held"] == len(PROMPT)
+    await _scores(client, _request("other", PROMPT, [3458, 7], []))  # the gateway's resend: the path's tokens as tokens
+
+
 async def test_delete_frees_the_session(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
     await _scores(client, _request("d", [], PROMPT, [4]))
     assert (await client.delete("/v1/sessions/d")).status_code == 204

@@ -5,6 +5,7 @@ from app.engine.strategies.autoregressive import AutoregressiveStrategy
 from app.engine.strategies.base import Strategy
 from app.engine.strategies.exact import ExactStrategy
 from app.engine.strategies.split import SplitStrategy
+from app.engine.strategies.tree import TreeStrategy
 from core.names import Mode
 
 STRATEGIES: dict[Mode, Strategy] = {
@@ -12,5 +13,5 @@ STRATEGIES: dict[Mode, Strategy] = {
     Mode.AGGREGATE: AggregateStrategy(),
     Mode.SPLIT: SplitStrategy(),
     Mode.EXACT: ExactStrategy(),
-    Mode.TREE: AggregateStrategy(),  # a tree rides on aggregate's payload, one row per node (DESIGN §3.6)
+    Mode.TREE: TreeStrategy(),  # a row per node on aggregate's or exact's payload (DESIGN §3.6)
 }

@@ -46,6 +46,8 @@ class AggregateStrategy(Strategy):
         used = len(tokens)
         logprobs = token_logprobs(target[rows], tokens, req.top_logprobs) if req.top_logprobs is not None else None
         result = RoundResult(tokens, drafted=len(tree), accepted=accepted, traffic=rnd.traffic, logprobs=logprobs)
+        if not relaxed and not tree.is_chain:
+            result.path = list(verdict.path)
         if relaxed:  # the emitted draft positions follow τ q + (1 − τ) p; the bonus position p itself
             at = min(used, len(tree))
             result.taus = taus[:at].tolist()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from app.engine.round import Round, array, round_uniforms, weights_at, worker_logprobs
+from app.engine.round import Round, array, lanes, round_uniforms, weights_at, worker_logprobs
 from app.engine.spec import RoundResult
 from app.engine.strategies.base import Strategy
 from app.engine.strategies.greedy import certified_greedy
@@ -14,7 +14,7 @@ from core.math.exact import ExactPosition, verify_exact
 from core.math.random import Purpose, uniform
 from core.math.relaxed import relaxation_factor_on_support, relaxed_distance
 from core.math.speculative import Verdict
-from core.math.tree import TokenTree
+from core.math.tree import SparseNode, TokenTree, node_supports, verify_tree_exact
 from core.names import Mode
 from core.protocol import VerifyResponse
 
@@ -26,6 +26,8 @@ class ExactStrategy(Strategy):
     async def verify(self, rnd: Round) -> RoundResult:
         if rnd.req.params.is_greedy:
             return await certified_greedy(rnd)
+        if not rnd.draft.is_chain:
+            return await exact_tree(rnd)
         req, draft = rnd.req, rnd.draft
         supports = [draft.support(j - 1)[0] for j in range(len(draft))]  # S_j, ascending ids
         ids = torch.cat(supports).numpy() if supports else np.zeros(0, np.int64)
@@ -78,3 +80,48 @@ def exact_positions(responses: list[VerifyResponse], supports: list[torch.Tensor
         samples = [int(array(r.complement_samples)[j]) for r in responses]
         positions.append(ExactPosition(support, draft.support(j - 1)[1].double(), p, complement, samples))
     return positions
+
+
+async def exact_tree(rnd: Round) -> RoundResult:
+    """A tree on exact's payload (DESIGN §3.5, §3.6): every row (the root, each node) answers on
+    S_v — q̂'s support there and the children, empty at a leaf — with the mass off it and a
+    sample from off it; the walk runs on that extended support (``core.math.tree``)."""
+    req, tree = rnd.req, rnd.draft
+    supports = node_supports(tree)
+    responses = await rnd.call(
+        mode=Mode.EXACT.value, support_ids=torch.cat(supports).numpy(), support_sizes=np.array([len(s) for s in supports], dtype=np.int32),
+        logprobs=req.top_logprobs,
+    )
+    bounds = np.cumsum([0] + [len(s) for s in supports])
+    rows = [
+        SparseNode(
+            support,
+            torch.stack([torch.tensor(array(r.support_probs)[bounds[j] : bounds[j + 1]], dtype=torch.float64) for r in responses]),
+            torch.tensor([float(array(r.complement)[j]) for r in responses], dtype=torch.float64),
+            [int(array(r.complement_samples)[j]) for r in responses],
+        )
+        for j, support in enumerate(supports)
+    ]
+    verdict = verify_tree_exact(rows, tree, rnd.weights, *lanes(rnd))
+    tokens = verdict.output(tree)
+    result = RoundResult(tokens, drafted=len(tree), accepted=verdict.num_accepted, traffic=rnd.traffic, path=list(verdict.path))
+    if req.top_logprobs is not None:
+        path_rows = [0, *(node + 1 for node in verdict.path)]  # the row each emitted token was decided at
+        values = [_on_support(rows[row], token, rnd.weights) for row, token in zip(path_rows, tokens)]
+        accepted = [v for v in values[:-1] if v is not None]
+        assert len(accepted) == verdict.num_accepted  # an accepted node lies on its parent's support
+        last = values[-1]
+        if last is None:  # a worker's own sample: its log p_n it sent; several workers need every p_n of it
+            if len(responses) == 1:
+                last = float(array(responses[0].sample_logprobs)[path_rows[-1]])
+            else:
+                last = await rnd.score(len(rnd.sequence) + verdict.num_accepted, verdict.token, tokens[:-1])
+                result.path = None  # the short call replaced the tree's rows by the path: nothing to keep
+        result.logprobs = worker_logprobs(rnd, tokens, [*accepted, last], path_rows)
+    return result
+
+
+def _on_support(row: SparseNode, token: int, weights: torch.Tensor) -> float | None:
+    """log p(token) under the mixture where ``token`` lies on the row's support, else None."""
+    match = (row.support == token).nonzero()
+    return mixed_probability(row.p[:, int(match[0, 0])], weights) if len(match) else None

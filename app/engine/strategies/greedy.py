@@ -8,7 +8,7 @@ import torch
 from app.engine.round import Round, array, mixture, row_ids, token_logprobs, weights_at
 from app.engine.spec import RoundResult
 from core.math.greedy import certify_argmax
-from core.math.tree import verify_tree_greedy
+from core.math.tree import TokenTree, verify_tree_greedy
 from core.names import Mode
 
 CERTIFY_K = 8  # the first top-k asked
@@ -23,21 +23,28 @@ async def certified_greedy(rnd: Round) -> RoundResult:
         target = mixture(await rnd.call(mode=Mode.EXACT.value, k=None), rnd.vocab_size, rnd.weights)
         verdict = verify_tree_greedy(target, draft)
         tokens = verdict.output(draft)
-        logprobs = token_logprobs(target[: len(tokens)], tokens, rnd.req.top_logprobs)
-        return RoundResult(tokens, drafted=len(draft), accepted=verdict.num_accepted, traffic=rnd.traffic, logprobs=logprobs)
+        logprobs = token_logprobs(target[[0, *(node + 1 for node in verdict.path)]], tokens, rnd.req.top_logprobs)
+        return RoundResult(tokens, drafted=len(draft), accepted=verdict.num_accepted, traffic=rnd.traffic, logprobs=logprobs, path=_kept(draft, verdict.path))
     k: int | None = min(CERTIFY_K, rnd.vocab_size)
     while True:
         responses = await rnd.call(mode=Mode.EXACT.value, k=k)
-        targets: list[int | None] = []
-        chain = draft.ids()
-        for j in range(len(chain) + 1):
-            ids = [row_ids(r, j, rnd.vocab_size) for r in responses]
-            probs = [torch.tensor(array(r.probs)[j]) for r in responses]
-            targets.append(certify_argmax(ids, probs, weights_at(rnd.weights, j), rnd.vocab_size))
-            if targets[-1] is None or j == len(chain) or targets[-1] != chain[j]:
+        node, path, target = -1, list[int](), None
+        while True:  # down the tree (a chain's row j is node j − 1's) while the argmax is a child
+            row = node + 1
+            ids = [row_ids(r, row, rnd.vocab_size) for r in responses]
+            probs = [torch.tensor(array(r.probs)[row]) for r in responses]
+            target = certify_argmax(ids, probs, weights_at(rnd.weights, row), rnd.vocab_size)
+            match = next((c for c in draft.children(node) if int(draft.tokens[c]) == target), None) if target is not None else None
+            if match is None:
                 break
-        if targets[-1] is not None:
-            accepted = len(targets) - 1
-            tokens = [*chain[:accepted], int(targets[-1])]
-            return RoundResult(tokens, drafted=len(chain), accepted=accepted, traffic=rnd.traffic)
+            node = match
+            path.append(node)
+        if target is not None:
+            tokens = [*(int(draft.tokens[n]) for n in path), int(target)]
+            return RoundResult(tokens, drafted=len(draft), accepted=len(path), traffic=rnd.traffic, path=_kept(draft, path))
         k = None if k is None or k * 8 >= rnd.vocab_size else k * 8
+
+
+def _kept(draft: TokenTree, path: list[int]) -> list[int] | None:
+    """The accepted path the workers keep next call (a tree's; a chain's tokens are agreed anyway)."""
+    return None if draft.is_chain else list(path)
