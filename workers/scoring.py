@@ -12,7 +12,7 @@ import torch
 
 from core.math.aggregation import reconstruct, tv_distance
 from core.math.compression import compress_top_k
-from core.math.random import Purpose, sample_index, uniform, uniforms
+from core.math.random import Purpose, sample_index, sample_rows, uniform, uniforms
 from core.math.speculative import count_accepted, verify_greedy
 from core.math.sampling import SamplingParams, Suppression, apply_sampling, suppress
 from core.names import Mode, Reconstruction
@@ -104,24 +104,21 @@ def _exact(
     A tree: the same for every row (root, then each node; a leaf's support is empty, so its
     sample is from all of p_n), drawn by depth; no separate bonus."""
     gamma, base, tree = len(req.draft), _first_position(req), req.parents is not None
-    sizes = np.asarray(req.support_sizes, dtype=np.int64)
-    supports = np.split(np.asarray(req.support_ids, dtype=np.int64), np.cumsum(sizes)[:-1]) if sizes.size else []
+    sizes = torch.from_numpy(np.asarray(req.support_sizes, dtype=np.int64))
+    ids = torch.from_numpy(np.asarray(req.support_ids, dtype=np.int64))
+    rows = int(sizes.shape[0])
     depths = row_depths(req.parents.tolist()) if req.parents is not None else list(range(gamma))
-    on_support, complement, samples = [], [], []
-    for j, support in enumerate(supports):
-        ids = torch.from_numpy(support)
-        outside = probs[j].double().index_fill(0, ids, 0.0)
-        mass = float(outside.sum())  # summed directly, not 1 − the rest
-        u = uniform(req.seed, req.choice, base + depths[j], Purpose.WORKER_COMPLEMENT, req.worker)
-        on_support.append(probs[j, ids])
-        complement.append(mass)
-        samples.append(sample_index(outside, u) if mass > 0 else -1)
+    row_of = torch.repeat_interleave(torch.arange(rows), sizes)
+    outside = probs[:rows].double().index_put((row_of, ids), torch.zeros((), dtype=torch.float64))
+    mass = torch.stack([row.sum() for row in outside]) if rows else torch.zeros(0, dtype=torch.float64)  # summed directly, not 1 − the rest
+    u = uniforms(req.seed, req.choice, [base + d for d in depths[:rows]], Purpose.WORKER_COMPLEMENT, req.worker)
+    samples = sample_rows(outside, u) if rows else torch.zeros(0, dtype=torch.long)
     bonus = -1 if tree else sample_index(probs[gamma], uniform(req.seed, req.choice, base + gamma, Purpose.WORKER_BONUS, req.worker))
     return VerifyResponse(
         held=held,
-        support_probs=torch.cat(on_support).numpy() if on_support else np.zeros(0, np.float32),
-        complement=np.asarray(complement, dtype=np.float32),
-        complement_samples=np.asarray(samples, dtype=np.int32),
+        support_probs=probs[row_of, ids].numpy(),
+        complement=mass.float().numpy(),
+        complement_samples=torch.where(mass > 0, samples, -1).int().numpy(),
         bonus=bonus,
         model_ms=model_ms,
     )

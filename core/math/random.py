@@ -79,3 +79,18 @@ def sample_index(
         return index  # cdf[index] > u·total ≥ cdf[index − 1]: an entry with mass
     return int((probs > 0).nonzero()[-1, 0])  # u·total rounded up to the total: the last entry with mass
 
+
+def sample_rows(
+    probs: torch.Tensor,  # [R, V], ≥ 0, need not be normalised
+    u: torch.Tensor,  # [R] U[0, 1)
+) -> torch.Tensor:  # [R] long: sample_index of each row (0 for a row with no mass)
+    """``sample_index`` of every row at once, with its very numbers (a row's cumulative sum is
+    the same computed alone or in a batch)."""
+    cdf = torch.cumsum(probs.double(), dim=1)
+    total = cdf[:, -1]
+    index = torch.searchsorted(cdf, (u.double() * total)[:, None], right=True)[:, 0]
+    over = (index >= probs.shape[1]).nonzero()[:, 0].tolist()  # u·total rounded up to the total
+    for row in over:
+        nonzero = (probs[row] > 0).nonzero()
+        index[row] = int(nonzero[-1, 0]) if len(nonzero) else 0
+    return index

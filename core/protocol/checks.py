@@ -130,13 +130,14 @@ def _check_supports(req: VerifyRequest, vocab_size: int) -> None:
     if sizes.size and sizes.min() < (0 if tree else 1) or int(sizes.sum()) != ids.size:
         raise InvalidRequest(f"support_sizes must be ≥ {0 if tree else 1} and add up to len(support_ids)", param="support_sizes")
     check_ids(ids, vocab_size, "support_ids")
-    supports = np.split(ids, np.cumsum(sizes)[:-1]) if sizes.size else []
-    holder = [int(p) + 1 for p in req.parents.tolist()] if req.parents is not None else list(range(rows))
-    for j, support in enumerate(supports):
-        if len(np.unique(support)) != len(support):
-            raise InvalidRequest(f"support {j} must hold distinct ids", param="support_ids")
-    for node, row in enumerate(holder):
-        if req.draft[node] not in supports[row]:
+    # every (row, id) pair once, as one key per pair: distinct ids per support, and membership
+    keys = (np.repeat(np.arange(rows, dtype=np.int64), sizes.astype(np.int64)) * vocab_size + ids.astype(np.int64)).tolist()
+    pairs = set(keys)
+    if len(pairs) != len(keys):
+        raise InvalidRequest("each support must hold distinct ids", param="support_ids")
+    holder = [p + 1 for p in req.parents.tolist()] if req.parents is not None else list(range(rows))
+    for node, (row, token) in enumerate(zip(holder, req.draft.tolist())):
+        if row * vocab_size + token not in pairs:
             raise InvalidRequest(f"draft token {node} must lie in the support it was drawn from (row {row})", param="support_ids")
 
 

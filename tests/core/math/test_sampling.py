@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from core.math.aggregation import aggregate, kept_weights
+from core.math.random import sample_index, sample_rows
 from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_top_k, mask_top_p, suppress
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
@@ -117,3 +118,14 @@ def test_a_row_that_keeps_nothing_takes_vllms_order() -> None:
 def test_suppression_rows_count_positions_before_until() -> None:
     s = Suppression((4,), until=10)
     assert [s.rows(first, 4) for first in (5, 7, 9, 10, 12)] == [4, 3, 1, 0, 0]
+
+
+def test_sample_rows_draws_what_sample_index_draws_row_by_row() -> None:
+    """The batched inverse-CDF draw the worker's exact answer uses: the same index per row, bit
+    for bit (rounded-up u·total included), on the built-in vocabulary's width."""
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(24, 49152, generator=g, dtype=torch.float64) * 4, dim=-1)
+    probs[3, 100:] = 0.0  # the draw lands near the end: the last entry with mass
+    u = torch.rand(24, generator=g, dtype=torch.float64)
+    u[3] = 1.0 - 2**-53
+    assert sample_rows(probs, u).tolist() == [sample_index(row, float(v)) for row, v in zip(probs, u)]
