@@ -110,7 +110,8 @@ def _exact(
     depths = row_depths(req.parents.tolist()) if req.parents is not None else list(range(gamma))
     row_of = torch.repeat_interleave(torch.arange(rows), sizes)
     outside = probs[:rows].double().index_put((row_of, ids), torch.zeros((), dtype=torch.float64))
-    mass = torch.stack([row.sum() for row in outside]) if rows else torch.zeros(0, dtype=torch.float64)  # summed directly, not 1 − the rest
+    # summed directly, not 1 − the rest; row by row, since a batched sum adds in another order
+    mass = torch.stack([row.sum() for row in outside]) if rows else torch.zeros(0, dtype=torch.float64)
     u = uniforms(req.seed, req.choice, [base + d for d in depths[:rows]], Purpose.WORKER_COMPLEMENT, req.worker)
     samples = sample_rows(outside, u) if rows else torch.zeros(0, dtype=torch.long)
     bonus = -1 if tree else sample_index(probs[gamma], uniform(req.seed, req.choice, base + gamma, Purpose.WORKER_BONUS, req.worker))

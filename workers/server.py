@@ -81,9 +81,10 @@ class WorkerState:
     def verify(self, req: VerifyRequest) -> Any:
         """Crop, append, score: the body of ``POST /v1/verify`` (runs in a thread)."""
         self.check_limits(req)
-        if req.path is not None:  # v1.1: the previous tree's accepted path becomes agreed tokens
+        if req.path is not None:  # v1.1: the previous tree's accepted path becomes agreed tokens (hash checked there)
             self.sessions.keep_path(req.session_id, req.prefix_len, req.prefix_hash, req.path.tolist())
-        self.sessions.check_prefix(req.session_id, req.prefix_len, req.prefix_hash)
+        else:
+            self.sessions.check_prefix(req.session_id, req.prefix_len, req.prefix_hash)
         self.runner.crop(req.session_id, req.prefix_len)
         started = time.perf_counter()
         scored_tokens = max(len(req.tokens) - 1, 0) if req.score_tokens else 0  # echo: the prompt's own rows too
