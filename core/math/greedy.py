@@ -22,17 +22,22 @@ def certify_argmax(
     bound beats every other upper bound, including that of the tokens nobody sent.
     """
     w = normalise_weights(weights)
-    seen = torch.zeros(len(ids), vocab_size, dtype=torch.bool)
-    dense = torch.zeros(len(ids), vocab_size, dtype=torch.float64)
+    union = torch.unique(torch.cat([i.long() for i in ids]))  # ascending: ties go to the lowest id
+    column = {int(token): c for c, token in enumerate(union.tolist())}
+    seen = torch.zeros(len(ids), union.shape[0], dtype=torch.bool)
+    dense = torch.zeros(len(ids), union.shape[0], dtype=torch.float64)
     for n, (i, p) in enumerate(zip(ids, probs)):
-        seen[n, i.long()] = True
-        dense[n, i.long()] = p.double()
+        at = torch.tensor([column[int(t)] for t in i.tolist()], dtype=torch.long)
+        seen[n, at] = True
+        dense[n, at] = p.double()
     kth = torch.tensor([float(p.min()) if p.numel() < vocab_size else 0.0 for p in probs], dtype=torch.float64)
-    lower = (w[:, None] * dense).sum(0)  # [V]
-    upper = lower + (w[:, None] * kth[:, None] * ~seen).sum(0)  # [V]
-    best = int(torch.argmax(lower))  # torch.argmax returns the first maximal index
-    if bool(seen.all()):
-        return best  # every worker sent everything: the mixture is exact
+    lower = (w[:, None] * dense).sum(0)  # [U]: over the ids some worker sent
+    upper = lower + (w[:, None] * kth[:, None] * ~seen).sum(0)  # [U]
+    best = int(torch.argmax(lower))  # the first maximal column: the lowest id among ties
+    if union.shape[0] == vocab_size and bool(seen.all()):
+        return int(union[best])  # every worker sent everything: the mixture is exact
     others = upper.clone()
     others[best] = float("-inf")
-    return best if bool(lower[best] > others.max()) else None
+    if union.shape[0] < vocab_size:  # a token nobody sent: Σ_n w_n p_n^{(k)} at most
+        others = torch.cat([others, (w * kth).sum()[None]])
+    return int(union[best]) if bool(lower[best] > others.max()) else None

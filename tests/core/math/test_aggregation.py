@@ -96,3 +96,39 @@ def test_an_uncertifiable_top_1_asks_for_more() -> None:
     ids = [torch.tensor([0]), torch.tensor([1])]
     probs = [torch.tensor([0.4]), torch.tensor([0.4])]
     assert certify_argmax(ids, probs, torch.ones(2), 10) is None
+
+
+def _certify_dense(ids: list[torch.Tensor], probs: list[torch.Tensor], weights: torch.Tensor, vocab_size: int) -> int | None:
+    """The certificate computed over the whole vocabulary, as DESIGN §3.5 states it."""
+    w = weights.double() / weights.double().sum()
+    seen = torch.zeros(len(ids), vocab_size, dtype=torch.bool)
+    dense = torch.zeros(len(ids), vocab_size, dtype=torch.float64)
+    for n, (i, p) in enumerate(zip(ids, probs)):
+        seen[n, i] = True
+        dense[n, i] = p.double()
+    kth = torch.tensor([float(p.min()) if p.numel() < vocab_size else 0.0 for p in probs], dtype=torch.float64)
+    lower = (w[:, None] * dense).sum(0)
+    upper = lower + (w[:, None] * kth[:, None] * ~seen).sum(0)
+    best = int(torch.argmax(lower))
+    if bool(seen.all()):
+        return best
+    upper[best] = float("-inf")
+    return best if bool(lower[best] > upper.max()) else None
+
+
+def test_the_certificate_over_the_sent_ids_is_the_one_over_the_vocabulary() -> None:
+    """certify_argmax works on the union of the sent ids; the same answer as over all of V,
+    ties and near-ties included (peaked and flat workers, k from 1 to V)."""
+    g = torch.Generator().manual_seed(11)
+    vocab = 40
+    for trial in range(400):
+        workers = 1 + trial % 3
+        logits = torch.randn(workers, vocab, generator=g, dtype=torch.float64) * (0.3 + 4 * (trial % 5) / 4)
+        p_n = torch.softmax(logits, dim=-1).float()
+        if trial % 7 == 0:
+            p_n[:, :2] = p_n[:, :2].mean()  # a tie at the top
+        k = [1, 2, 4, 8, vocab][trial % 5]
+        tops = [compress_top_k(p[None], k) for p in p_n]
+        ids, probs = [t.ids[0] for t in tops], [t.probs[0] for t in tops]
+        w = torch.rand(workers, generator=g, dtype=torch.float64) + 0.1
+        assert certify_argmax(ids, probs, w, vocab) == _certify_dense(ids, probs, w, vocab), trial
