@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -19,10 +22,39 @@ from core.runners import ModelRunner
 from core.runners.base import ForwardItem, common_prefix
 
 
+class DraftClock:
+    """Where one draft's seconds went: in the runner (``draft_model``), and the rest of the
+    drafting — sampling, truncation, the tree's bookkeeping — (``draft_sampling``)."""
+
+    def __init__(self) -> None:
+        self.model_s = 0.0
+        self.total_s = 0.0
+
+    @contextmanager
+    def model(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.model_s += time.perf_counter() - started
+
+    @contextmanager
+    def whole(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.total_s += time.perf_counter() - started
+
+    def parts(self) -> dict[str, float]:
+        return {"draft_model": self.model_s, "draft_sampling": max(self.total_s - self.model_s, 0.0)}
+
+
 class DraftModel:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self._lock = asyncio.Lock()
+        self.clock = DraftClock()  # the draft in progress (one at a time: the lock); read it under the lock
 
     @property
     def vocab_size(self) -> int:
@@ -31,27 +63,41 @@ class DraftModel:
     async def propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
+        timing: dict[str, float] | None = None,
     ) -> TokenTree:
         """Draft ``gamma`` tokens after ``sequence`` (the agreed tokens of the session);
         ``truncation`` = (draft_top_k, draft_top_p) sparsifies q̂ (TSLT), losslessly. Once
         ``cancel`` is set, drafting stops after the token in progress (a prepared draft whose
         assumption failed). The tokens depend on ``sequence`` and the positions only: the draws
         are keyed by position, so a draft prepared ahead equals the one drafted later.
-        ``suppression`` (min_tokens) masks its ids where the target cannot emit them."""
+        ``suppression`` (min_tokens) masks its ids where the target cannot emit them; ``timing``
+        gets the seconds of the draft model and of the sampling (``DraftClock``)."""
         async with self._lock:
             if cancel is not None and cancel.is_set():
                 return TokenTree.chain([], [])
-            return await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
+            self.clock = DraftClock()
+            draft = await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
+            self._record(timing)
+            return draft
 
     async def propose_tree(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float] = (0, 1.0),
+        truncation: tuple[int, float] = (0, 1.0), timing: dict[str, float] | None = None,
     ) -> TokenTree:
         """Draft a tree of ``shape`` after ``sequence`` (DESIGN §3.6): one batched draft decode
         per depth over the nodes that get children. The draws are keyed by position and lane
         (a draw's rank at its depth), so lane 0 of a one-wide tree draws the chain's numbers."""
         async with self._lock:
-            return await asyncio.to_thread(self._propose_tree, session_id, sequence, shape, params, seed, choice, truncation)
+            self.clock = DraftClock()
+            draft = await asyncio.to_thread(self._propose_tree, session_id, sequence, shape, params, seed, choice, truncation)
+            self._record(timing)
+            return draft
+
+    def _record(self, timing: dict[str, float] | None) -> None:
+        """The finished draft's parts into ``timing``."""
+        if timing is not None:
+            for name, seconds in self.clock.parts().items():
+                timing[name] = timing.get(name, 0.0) + seconds
 
     async def free(self, session_id: str) -> None:
         async with self._lock:
@@ -61,10 +107,19 @@ class DraftModel:
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
     ) -> TokenTree:
-        held = self.runner.tokens(session_id)
-        common = common_prefix(held, sequence)
-        self.runner.crop(session_id, common)
-        logits = self.runner.append(session_id, sequence[common:], 1)[0]
+        with self.clock.whole():
+            return self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
+
+    def _chain(
+        self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
+        truncation: tuple[int, float], cancel: threading.Event | None, suppression: Suppression | None,
+    ) -> TokenTree:
+        clock = self.clock
+        with clock.model():
+            held = self.runner.tokens(session_id)
+            common = common_prefix(held, sequence)
+            self.runner.crop(session_id, common)
+            logits = self.runner.append(session_id, sequence[common:], 1)[0]
         draws = uniforms(seed, choice, list(range(len(sequence), len(sequence) + gamma)), Purpose.DRAFT_SAMPLE)
         tokens, rows = [], []
         masked = suppression.rows(len(sequence), gamma) if suppression is not None else 0
@@ -80,7 +135,8 @@ class DraftModel:
             rows.append(q)
             if token in self.runner.info.eos_ids or j == gamma - 1 or (cancel is not None and cancel.is_set()):
                 break
-            logits = self.runner.append(session_id, [token], 1)[0]
+            with clock.model():
+                logits = self.runner.append(session_id, [token], 1)[0]
         return TokenTree.chain(tokens, rows)
 
 
@@ -88,11 +144,20 @@ class DraftModel:
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float],
     ) -> TokenTree:
-        runner, eos = self.runner, set(self.runner.info.eos_ids)
-        common = common_prefix(runner.tokens(session_id), sequence)
-        runner.crop(session_id, common)
+        with self.clock.whole():
+            return self._tree_of(session_id, sequence, shape, params, seed, choice, truncation)
+
+    def _tree_of(
+        self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
+        truncation: tuple[int, float],
+    ) -> TokenTree:
+        runner, eos, clock = self.runner, set(self.runner.info.eos_ids), self.clock
+        with clock.model():
+            common = common_prefix(runner.tokens(session_id), sequence)
+            runner.crop(session_id, common)
+            logits = runner.append(session_id, sequence[common:], 1)[0]
         start = len(sequence)
-        q_at = {-1: self._q(runner.append(session_id, sequence[common:], 1)[0], params, truncation)}
+        q_at = {-1: self._q(logits, params, truncation)}
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []  # cumulative draft log-probability (the fixed rule's ranking)
@@ -113,11 +178,14 @@ class DraftModel:
                     break
                 held = runner.length(session_id)
                 item = ForwardItem(session_id, held, [tokens[n] for n in frontier], [row_of[parents[n]] for n in frontier], list(range(len(frontier))))
-                for i, (node, logits) in enumerate(zip(frontier, runner.forward([item])[0])):
+                with clock.model():
+                    rows = runner.forward([item])[0]
+                for i, (node, logits) in enumerate(zip(frontier, rows)):
                     row_of[node] = held + i
                     q_at[node] = self._q(logits, params, truncation)
         finally:
-            runner.crop(session_id, start)  # the session is the agreed sequence again
+            with clock.model():
+                runner.crop(session_id, start)  # the session is the agreed sequence again
         if shape.rule is ChildRule.FIXED:
             return _best_nodes(tokens, parents, scores, q_at, shape.nodes, self.vocab_size)
         return _tree(tokens, parents, q_at, shape.rule, self.vocab_size)

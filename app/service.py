@@ -20,6 +20,7 @@ from app.adaptive import DEFAULT_GAMMA
 from app.draft import DraftModel
 from app.errors import ApiError
 from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions, TokenLogprob
+from app.engine.spec import ROUND_PARTS
 from app.metrics import GatewayMetrics
 from app.targets.base import WorkerError
 from app.targets.pool import TargetSet
@@ -61,6 +62,8 @@ class Usage:
     taus: list[float] = field(default_factory=list)
     acceptance_histogram: list[int] = field(default_factory=list)  # [a]: rounds with a draft that accepted exactly a tokens
     tree: TreeShape | None = None  # mode tree: the shape drafted
+    seconds: dict[str, float] = field(default_factory=dict)  # the rounds' time by part (RoundResult.seconds)
+    round_s: float = 0.0  # the rounds' time: draft + verify
 
     def add(self, result: RoundResult) -> None:
         self.completion_tokens += len(result.tokens)
@@ -74,6 +77,9 @@ class Usage:
         self.draft_s += result.draft_s
         self.verify_s += result.verify_s
         self.model_s += result.model_s
+        self.round_s += result.draft_s + result.verify_s
+        for name, seconds in result.seconds.items():
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.prepared += result.prepared
         self.prepared_used += result.prepared_used
         self.relaxed_tv += result.relaxed_tv
@@ -84,6 +90,12 @@ class Usage:
             if len(self.acceptance_histogram) <= result.drafted:
                 self.acceptance_histogram += [0] * (result.drafted + 1 - len(self.acceptance_histogram))
             self.acceptance_histogram[result.accepted] += 1
+
+    def timing_ms(self) -> dict[str, float]:
+        """Where the rounds' time went (ROUND_PARTS), and ``rounds``: their sum — draft + verify
+        — of which ``other`` is the rest (thread hops, waits, what no part names)."""
+        parts = {name: round(self.seconds.get(name, 0.0) * 1e3, 3) for name in ROUND_PARTS}
+        return {**parts, "other": round(max(self.round_s - sum(self.seconds.values()), 0.0) * 1e3, 3), "rounds": round(self.round_s * 1e3, 3)}
 
     def vllm_metrics(self) -> dict[str, Any] | None:
         """vLLM's per-request ``metrics.speculative_decoding`` (what AIPerf reads), from the
@@ -121,6 +133,7 @@ class Usage:
             "draft_ms": round(self.draft_s * 1e3, 3),
             "verify_ms": round(self.verify_s * 1e3, 3),
             "worker_model_ms": round(self.model_s * 1e3, 3),
+            "timing_ms": self.timing_ms(),
             "lossless": spec.is_lossless,
             "draft_top_k": spec.draft_top_k or None,
             "draft_top_p": spec.draft_top_p if spec.draft_top_p < 1 else None,

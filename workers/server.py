@@ -78,8 +78,9 @@ class WorkerState:
             backend=info.backend,
         )
 
-    def verify(self, req: VerifyRequest) -> Any:
-        """Crop, append, score: the body of ``POST /v1/verify`` (runs in a thread)."""
+    def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
+        """Crop, append, score: the body of ``POST /v1/verify`` (runs in a thread). ``timing``
+        gets the milliseconds of the model and of the scoring (``Server-Timing``)."""
         self.check_limits(req)
         if req.path is not None:  # v1.1: the previous tree's accepted path becomes agreed tokens (hash checked there)
             self.sessions.keep_path(req.session_id, req.prefix_len, req.prefix_hash, req.path.tolist())
@@ -100,7 +101,11 @@ class WorkerState:
         self.counters["positions_scored"] += len(req.draft) + 1
         self.counters["model_seconds"] += model_ms / 1e3
         held = self.runner.length(req.session_id)
-        return score(logits[scored_tokens:], req, held, model_ms, logits[:scored_tokens] if req.score_tokens else None)
+        scored = time.perf_counter()
+        resp = score(logits[scored_tokens:], req, held, model_ms, logits[:scored_tokens] if req.score_tokens else None)
+        if timing is not None:
+            timing["model"], timing["score"] = model_ms, (time.perf_counter() - scored) * 1e3
+        return resp
 
     def check_limits(self, req: VerifyRequest) -> None:
         check_verify_request(req, self.runner.info.vocab_size)
@@ -166,16 +171,23 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
     @app.post("/v1/verify")
     async def verify(request: Request) -> Response:
         state = _state(request)
+        started = time.perf_counter()
         body = await request.body()  # the Guard capped its size
         req = decode(VerifyRequest, body, request.headers.get("content-type"))
+        decoded = time.perf_counter()
+        timing: dict[str, float] = {}
         async with state.lock:
-            resp = await asyncio.to_thread(state.verify, req)
+            locked = time.perf_counter()
+            resp = await asyncio.to_thread(state.verify, req, timing)
+        encoding = time.perf_counter()
         as_json = JSON_CONTENT_TYPE in request.headers.get("accept", "")
         payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=as_json)
         state.counters["requests"] += 1
         state.counters["bytes_in"] += len(body)
         state.counters["bytes_out"] += len(payload)
-        return Response(payload, media_type=content_type)
+        done = time.perf_counter()
+        timing.update(codec=(decoded - started + done - encoding) * 1e3, queue=(locked - decoded) * 1e3, total=(done - started) * 1e3)
+        return Response(payload, media_type=content_type, headers={"server-timing": server_timing(timing)})
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def delete_session(session_id: str, request: Request) -> Response:
@@ -216,6 +228,13 @@ class _WorkerCollector(Collector):
         yield GaugeMetricFamily("specgate:sessions", "Sessions held.", value=len(state.sessions))
         yield CounterMetricFamily("specgate:sessions_evicted", "Sessions evicted (LRU, TTL, memory).", value=state.sessions.num_evicted)
         yield GaugeMetricFamily("specgate:session_memory_bytes", "Memory the sessions' caches take.", value=state.runner.memory_bytes())
+
+
+def server_timing(timing: dict[str, float]) -> str:
+    """The W3C ``Server-Timing`` header of a verify call: where its milliseconds went (codec:
+    decoding the request and encoding the answer; queue: waiting for the model; model; score:
+    logits to payload; total: the handler, body read to answer encoded)."""
+    return ", ".join(f"{name};dur={ms:.3f}" for name, ms in timing.items())
 
 
 def _error(status: int, body: ErrorBody) -> Response:

@@ -67,10 +67,11 @@ class Engine:
                 gamma = min(wanted, room - 1) if drafts else 0
                 started = time.perf_counter()
                 used = ahead is not None
+                timing: dict[str, float] = {}
                 if req.spec.mode is Mode.TREE:
-                    draft = await self._draft_tree(session_id, sequence, room, req)
+                    draft = await self._draft_tree(session_id, sequence, room, req, timing)
                 else:
-                    draft = ahead.head(gamma) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression)
+                    draft = ahead.head(gamma) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression, timing)
                 ahead = None
                 scorable = self.pool.scorable(sequence, draft.ids())  # an engine may not score every token
                 if scorable < len(draft):
@@ -85,6 +86,7 @@ class Engine:
                         preparing[1].set()  # it ends after the token in progress; nobody waits for it
                     raise
                 result.draft_s, result.verify_s, result.model_s = drafted - started, time.perf_counter() - drafted, rnd.model_s
+                result.seconds = {**timing, **rnd.seconds, "gateway_math": max(result.verify_s - rnd.calls_s, 0.0)}
                 result.prepared_used = int(used)
                 if preparing is not None:
                     result.prepared = 1
@@ -176,18 +178,22 @@ class Engine:
             return None
         return prepared.tail(1)
 
-    async def _draft(self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest, suppression: Suppression | None) -> TokenTree:
+    async def _draft(
+        self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest, suppression: Suppression | None, timing: dict[str, float],
+    ) -> TokenTree:
         if gamma <= 0:
             return TokenTree.chain([], [])
-        return await self.draft.propose(session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, suppression=suppression)
+        return await self.draft.propose(
+            session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, suppression=suppression, timing=timing,
+        )
 
-    async def _draft_tree(self, session_id: str, sequence: list[int], room: int, req: GenerationRequest) -> TokenTree:
+    async def _draft_tree(self, session_id: str, sequence: list[int], room: int, req: GenerationRequest, timing: dict[str, float]) -> TokenTree:
         """Mode tree's draft: the request's shape (else the default by temperature), no deeper
         than the room left after the round's last token."""
         if room <= 1:
             return TokenTree.chain([], [])
         shape = req.spec.tree or TreeShape.default(req.params.is_greedy)
-        return await self.draft.propose_tree(session_id, sequence, shape.cut(room - 1), req.params, req.seed, req.choice, req.spec.truncation)
+        return await self.draft.propose_tree(session_id, sequence, shape.cut(room - 1), req.params, req.seed, req.choice, req.spec.truncation, timing)
 
     def _finish(self, result: RoundResult, generated: int, req: GenerationRequest, length: int) -> str | None:
         for i, token in enumerate(result.tokens):

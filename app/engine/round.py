@@ -4,6 +4,7 @@ weights, the mixture of the answers, the round's random draws, the emitted token
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +44,8 @@ class Round:
     path: list[int] | None = None  # the previous round's accepted tree path, the first call's ``path`` (v1.1)
     model_s: float = 0.0
     responses: list[VerifyResponse] = field(default_factory=list)  # of the last call
+    calls_s: float = 0.0  # seconds waiting on the workers' answers, every call of the round
+    seconds: dict[str, float] = field(default_factory=dict)  # those seconds by part, each call's slowest worker (Traffic.seconds)
 
     @property
     def positions(self) -> list[int]:
@@ -71,13 +74,23 @@ class Round:
             )
             for n in range(len(pool.workers))
         ]
-        results = await all_workers(pool, requests, self.sequence)
+        results = await self._timed(requests, self.sequence)
         self.responses = [resp for resp, _ in results]
         self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
         for n, (_, traffic) in enumerate(results):
             self.agreed[n] = len(self.sequence)
             self.traffic.add(traffic)
         return [resp for resp, _ in results]
+
+    async def _timed(self, requests: list[VerifyRequest], agreed: list[int]) -> list[tuple[VerifyResponse, Traffic]]:
+        """``all_workers``, with its wall time and where the slowest worker's call spent it."""
+        started = time.perf_counter()
+        results = await all_workers(self.targets, requests, agreed)
+        self.calls_s += time.perf_counter() - started
+        slowest = max((traffic.seconds for _, traffic in results), key=lambda parts: sum(parts.values()))
+        for name, seconds in slowest.items():
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        return results
 
     @property
     def weights(self) -> torch.Tensor:
@@ -106,7 +119,7 @@ class Round:
             )
             for n in range(len(pool.workers))
         ]
-        results = await all_workers(pool, requests, held)
+        results = await self._timed(requests, held)
         self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
         for _, traffic in results:
             self.traffic.add(traffic)

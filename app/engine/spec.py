@@ -78,6 +78,14 @@ class TokenLogprob:
     top: list[tuple[int, float]] | None
 
 
+ROUND_PARTS = (  # a round's seconds, by part (usage ``timing_ms``; ``specgate bench overhead``)
+    "draft_model", "draft_sampling",  # the draft: its runner, the rest of drafting
+    "gateway_math", "gateway_codec",  # verification and bookkeeping between the calls; the bodies encoded and decoded
+    "link", "http",  # the emulated link's delays; the HTTP round trip outside the worker's handler
+    "worker_codec", "worker_queue", "worker_model", "worker_scoring", "worker_other",  # the worker's Server-Timing
+)
+
+
 @dataclass
 class RoundResult:
     """What one round emitted, and what it cost."""
@@ -100,3 +108,4 @@ class RoundResult:
     model_s: float = 0.0  # seconds the slowest worker spent in its model, per call, summed
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's, before any round
     path: list[int] | None = None  # a tree round: the accepted nodes, root to leaf (the next call's ``path``)
+    seconds: dict[str, float] = field(default_factory=dict)  # where the round's time went, by part (``ROUND_PARTS``)

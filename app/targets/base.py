@@ -61,16 +61,25 @@ class Expected:
 
 @dataclass
 class Traffic:
-    """Bytes on the wire with one worker, both directions (DESIGN §4)."""
+    """Bytes on the wire with one worker, both directions (DESIGN §4), and — for one call —
+    where its seconds went (``seconds``: gateway_codec, link, http, and the worker's own parts
+    from its ``Server-Timing``: worker_codec, worker_queue, worker_model, worker_scoring,
+    worker_other). ``add`` sums the bytes only: calls made in parallel overlap in time, so
+    which call's seconds count is the caller's choice (``app.engine.round``)."""
 
     sent: int = 0
     received: int = 0
     calls: int = 0
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def add(self, other: Traffic) -> None:
         self.sent += other.sent
         self.received += other.received
         self.calls += other.calls
+
+    def time(self, **parts: float) -> None:
+        for name, seconds in parts.items():
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
 
 
 @dataclass
@@ -119,16 +128,24 @@ class Channel:
 
     async def exchange(self, replica: Replica, path: str, body: bytes, headers: dict[str, str], traffic: Traffic) -> tuple[int, bytes]:
         """One POST of a round: the emulated link, the round-latency hook, bytes both ways."""
+        linked = time.perf_counter()
         if self.link is not None:
             await asyncio.sleep(self.link.delay_s(len(body), upstream=True))
         started = time.perf_counter()
         resp = await self.request("POST", replica, path, content=body, headers=headers)
+        answered = time.perf_counter()
         if self.link is not None:
             await asyncio.sleep(self.link.delay_s(len(resp.content), upstream=False))
-        self.on_call(self.name, time.perf_counter() - started)
+        ended = time.perf_counter()
+        self.on_call(self.name, ended - started)
         call = Traffic(len(body), len(resp.content), 1)
         for t in (traffic, self.traffic, replica.traffic):
             t.add(call)
+        worker = server_timing(resp.headers.get("server-timing", ""))
+        handler = worker.pop("total", 0.0)
+        parts = {f"worker_{name}": seconds for name, seconds in worker.items()}
+        parts["worker_other"] = max(handler - sum(worker.values()), 0.0) if worker else 0.0
+        traffic.time(link=ended - answered + started - linked, http=answered - started - handler, **parts)
         return resp.status_code, resp.content
 
 
@@ -168,6 +185,25 @@ class Target(Protocol):
     async def delete_session(self, session_id: str) -> None: ...
 
     def scorable(self, sequence: list[int], draft: list[int]) -> int: ...
+
+
+_WORKER_PARTS = {"codec": "codec", "queue": "queue", "model": "model", "score": "scoring", "total": "total"}
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """A worker's ``Server-Timing`` (``name;dur=ms, …``) as seconds by part (scoring, not
+    score); names it does not know, and a header that is not one, are left out."""
+    out: dict[str, float] = {}
+    for entry in header.split(","):
+        name, _, rest = entry.strip().partition(";")
+        part = _WORKER_PARTS.get(name)
+        if part is None or not rest.startswith("dur="):
+            continue
+        try:
+            out[part] = max(float(rest[4:]), 0.0) / 1e3
+        except ValueError:
+            continue
+    return out
 
 
 def status_failure(status: int, body: bytes, what: str) -> ReplicaFailure:

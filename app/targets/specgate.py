@@ -5,6 +5,7 @@ session."""
 from __future__ import annotations
 
 import logging
+import time
 
 import httpx
 
@@ -34,6 +35,7 @@ from core.protocol import (
 log = logging.getLogger(__name__)
 
 _MAX_RESENDS = 2  # held prefix, then from zero
+_HEADERS = {"content-type": BINARY_CONTENT_TYPE, "accept": BINARY_CONTENT_TYPE}
 
 
 class SpecgateDialect:
@@ -57,11 +59,16 @@ class SpecgateDialect:
 
     async def verify(self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic) -> VerifyResponse:
         for _ in range(_MAX_RESENDS + 1):
+            started = time.perf_counter()
             body, content_type = encode(req, self.expected.vocab_size)
-            headers = {"content-type": content_type, "accept": BINARY_CONTENT_TYPE}
-            status, answer = await self.channel.exchange(replica, "/v1/verify", body, headers, traffic)
+            traffic.time(gateway_codec=time.perf_counter() - started)
+            status, answer = await self.channel.exchange(replica, "/v1/verify", body, _HEADERS, traffic)
             if status == 200:
-                return self._parse(answer, req)
+                started = time.perf_counter()
+                try:
+                    return self._parse(answer, req)
+                finally:
+                    traffic.time(gateway_codec=time.perf_counter() - started)
             if status != 409:
                 failure = status_failure(status, answer, "verify")
                 if failure.kind == "rejected":  # the request itself: every replica would refuse it

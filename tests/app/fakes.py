@@ -10,7 +10,7 @@ from collections.abc import Callable
 import httpx
 import torch
 
-from app.draft import DraftModel
+from app.draft import DraftClock, DraftModel
 from app.engine import Engine
 from app.targets.base import Traffic, resend
 from core.errors import SessionShort
@@ -115,16 +115,23 @@ class InlineDraftModel(DraftModel):
     async def propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
+        timing: dict[str, float] | None = None,
     ) -> TokenTree:
         await asyncio.sleep(0)  # as the real one: the caller's other work may run first
-        return self._propose(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
+        self.clock = DraftClock()
+        draft = self._propose(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
+        self._record(timing)
+        return draft
 
     async def propose_tree(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float] = (0, 1.0),
+        truncation: tuple[int, float] = (0, 1.0), timing: dict[str, float] | None = None,
     ) -> TokenTree:
         await asyncio.sleep(0)
-        return self._propose_tree(session_id, sequence, shape, params, seed, choice, truncation)
+        self.clock = DraftClock()
+        draft = self._propose_tree(session_id, sequence, shape, params, seed, choice, truncation)
+        self._record(timing)
+        return draft
 
     async def free(self, session_id: str) -> None:
         self.runner.free(session_id)
