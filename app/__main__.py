@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     from core.config import load_config
     from core.errors import SpecgateError
     from core.runners import load_runner
+    from core.runners.model_thread import ModelThread
     from core.serving import run_server
 
     try:
@@ -36,16 +37,18 @@ def main(argv: list[str] | None = None) -> int:
             config.port = args.port
         if args.api_key:
             config.api_key = args.api_key
-        draft = load_runner(config.draft.model, config.draft.backend.value, config.draft_context, config.draft.memory_cap_mb, config.draft.threads)
-        draft.fingerprint  # computed before the first request
+        thread = ModelThread()  # the draft's every call runs on the thread that loaded it
+        draft = thread.call(load_runner, config.draft.model, config.draft.backend.value, config.draft_context, config.draft.memory_cap_mb, config.draft.threads)
+        thread.call(lambda: draft.fingerprint)  # computed before the first request
     except SpecgateError as exc:
         print(f"specgate gateway: error: {exc}", file=sys.stderr)
         return 2
-    app = create_app(config, draft_runner=draft, instance_id=args.instance_id)
+    app = create_app(config, draft_runner=draft, instance_id=args.instance_id, model_thread=thread)
     print(f"specgate gateway: {config.model} on http://{config.host}:{config.port} (draft {config.draft.model}, mode {config.speculative.mode.value})", flush=True)
     drain_s = config.limits.drain_timeout_s
     run_server(app, config.host, config.port, args.log_level, drain_s, lambda: app.state.admission.start_drain(drain_s))
-    draft.close()
+    thread.call(draft.close)
+    thread.close()
     return 0
 
 

@@ -1,7 +1,7 @@
 """The draft model at the gateway: proposes γ tokens per round from q̂ (DESIGN §3.1–3.2).
 
-One runner serves every request; its calls run in a thread, one at a time, so the event loop
-keeps streaming other requests while a draft is computed.
+One runner serves every request; its calls run on its model thread, one at a time, so the
+event loop keeps streaming other requests while a draft is computed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask
 from core.math.tree import ChildRule, TokenTree, TreeShape, sparse_rows
 from core.runners import ModelRunner
 from core.runners.base import ForwardItem, common_prefix
+from core.runners.model_thread import ModelThread
 
 
 class DraftClock:
@@ -51,8 +52,9 @@ class DraftClock:
 
 
 class DraftModel:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, thread: ModelThread | None = None) -> None:
         self.runner = runner
+        self.thread = thread or ModelThread()  # every runner call (core.runners.model_thread)
         self._lock = asyncio.Lock()
         self.clock = DraftClock()  # the draft in progress (one at a time: the lock); read it under the lock
 
@@ -76,7 +78,7 @@ class DraftModel:
             if cancel is not None and cancel.is_set():
                 return TokenTree.chain([], [])
             self.clock = DraftClock()
-            draft = await asyncio.to_thread(self._propose, session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
+            draft = await self.thread.run(self._propose, session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
             self._record(timing)
             return draft
 
@@ -89,7 +91,7 @@ class DraftModel:
         (a draw's rank at its depth), so lane 0 of a one-wide tree draws the chain's numbers."""
         async with self._lock:
             self.clock = DraftClock()
-            draft = await asyncio.to_thread(self._propose_tree, session_id, sequence, shape, params, seed, choice, truncation)
+            draft = await self.thread.run(self._propose_tree, session_id, sequence, shape, params, seed, choice, truncation)
             self._record(timing)
             return draft
 
@@ -101,7 +103,7 @@ class DraftModel:
 
     async def free(self, session_id: str) -> None:
         async with self._lock:
-            await asyncio.to_thread(self.runner.free, session_id)
+            await self.thread.run(self.runner.free, session_id)
 
     def _propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,

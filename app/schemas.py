@@ -40,6 +40,7 @@ class SpeculativeParams(BaseModel):
     overlap: bool | None = None
     relaxation: RelaxationParams | None = None
     tree: TreeParams | None = None
+    profile: bool | None = None  # usage speculative.profile: each round's time by part, bytes and tokens
 
     @field_validator("k")
     @classmethod

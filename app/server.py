@@ -33,6 +33,7 @@ from app.errors import ApiError
 from app.service import ChoiceEvent, Gateway, Job
 from core.config import SpecgateConfig
 from core.runners import ModelRunner, load_runner
+from core.runners.model_thread import ModelThread
 from core.serving import Guard
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def create_app(
     draft_runner: ModelRunner | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     instance_id: str | None = None,
+    model_thread: ModelThread | None = None,
 ) -> FastAPI:
     """The gateway for ``config``. ``draft_runner`` and ``transport`` replace the draft model
     and the HTTP transport to the workers (tests); ``/health`` reports ``instance_id`` (a random
@@ -52,14 +54,14 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
-        runner = draft_runner
+        runner, thread = draft_runner, model_thread or ModelThread()
         if runner is None:
             draft = config.draft
-            runner = await asyncio.to_thread(load_runner, draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads)
-            await asyncio.to_thread(lambda: runner.fingerprint)
+            runner = await thread.run(load_runner, draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads)
+            await thread.run(lambda: runner.fingerprint)
         pool = TargetSet.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size, runner.tokenizer), transport)
         metrics.watch(pool)
-        gateway = Gateway(config, DraftModel(runner), pool, metrics)
+        gateway = Gateway(config, DraftModel(runner, thread), pool, metrics)
         app.state.gateway = gateway
         for entry in await gateway.check_workers():
             if not entry["ready"]:
@@ -68,7 +70,9 @@ def create_app(
         yield
         await pool.close()
         if draft_runner is None:
-            runner.close()
+            await thread.run(runner.close)
+        if model_thread is None:
+            thread.close()
 
     app = FastAPI(title="specgate", lifespan=lifespan)
     app.state.instance_id = instance_id or uuid.uuid4().hex

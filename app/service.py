@@ -64,6 +64,7 @@ class Usage:
     tree: TreeShape | None = None  # mode tree: the shape drafted
     seconds: dict[str, float] = field(default_factory=dict)  # the rounds' time by part (RoundResult.seconds)
     round_s: float = 0.0  # the rounds' time: draft + verify
+    profile: list[dict[str, Any]] = field(default_factory=list)  # speculative.profile: one entry per round
 
     def add(self, result: RoundResult) -> None:
         self.completion_tokens += len(result.tokens)
@@ -80,6 +81,8 @@ class Usage:
         self.round_s += result.draft_s + result.verify_s
         for name, seconds in result.seconds.items():
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        if self.spec.profile and result.tokens:
+            self.profile.append(round_profile(result))
         self.prepared += result.prepared
         self.prepared_used += result.prepared_used
         self.relaxed_tv += result.relaxed_tv
@@ -153,6 +156,8 @@ class Usage:
             block["relaxation"] = {"tau_max": spec.relaxation.tau_max, "kl_scale": spec.relaxation.kl_scale}
             block["relaxed_tv_mean"] = sum(self.relaxed_tv) / len(self.relaxed_tv) if self.relaxed_tv else 0.0
             block["tau_mean"] = sum(self.taus) / len(self.taus) if self.taus else 0.0
+        if spec.profile:
+            block["profile"] = self.profile
         if spec.overlap:
             block["prepared_drafts"] = self.prepared  # drafted during a round's flight
             block["prepared_drafts_used"] = self.prepared_used  # their assumption held
@@ -166,6 +171,18 @@ class Usage:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "speculative": block,
         }
+
+
+def round_profile(result: RoundResult) -> dict[str, Any]:
+    """One round of ``speculative.profile``: tokens, bytes, and its milliseconds by part
+    (ROUND_PARTS), ``other`` the rest of ``round`` (draft + verify)."""
+    total = result.draft_s + result.verify_s
+    parts = {name: round(result.seconds.get(name, 0.0) * 1e3, 3) for name in ROUND_PARTS}
+    return {
+        "tokens": len(result.tokens), "drafted": result.drafted, "accepted": result.accepted, "calls": result.traffic.calls,
+        "bytes_up": result.traffic.sent, "bytes_down": result.traffic.received, "round_ms": round(total * 1e3, 3),
+        "parts_ms": {**parts, "other": round(max(total - sum(result.seconds.values()), 0.0) * 1e3, 3)},
+    }
 
 
 @dataclass
@@ -354,6 +371,7 @@ class Gateway:
             overlap="overlap" in takes.fields and given.get("overlap", base.overlap),
             tree=_tree_shape(given.get("tree"), base.tree) if mode is Mode.TREE else None,
             tree_payload=tree_payload,
+            profile=bool(given.get("profile", False)),
         )
 
     # ----------------------------------------------------------------- running

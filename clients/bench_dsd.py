@@ -22,7 +22,9 @@ to that flight, and a prepared draft counts only when it was used (its assumptio
 with R rounds, D draft tokens, U rounds that used a prepared draft, γ the cell's (for
 ``auto`` its mean), t_v the workers' model time per round, and t_d the draft's time per token
 measured without overlap (the cell's own, or for an overlap cell the same γ's cell without
-it), since the time a round waits for a prepared draft is not drafting time.
+it), since the time a round waits for a prepared draft is not drafting time. The physical
+bound is the same formula with llama.cpp's floors, measured in the same run, for t_d and t_v
+(``clients.floors``; ``specgate bench`` says more).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from clients.floors import Floors, measure_floors
 from clients.bench_modes import (
     LINKS,
     _Bar,
@@ -70,14 +73,18 @@ def bench_dsd(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
         urls = _start_workers(stack)
+        threads = max(1, (os.cpu_count() or 1) // 2)
+        progress(f"measuring llama.cpp's floors ({threads} thread(s)): a draft step, scoring 1–{max(GAMMAS) + 1} positions")
+        floors = measure_floors(threads, list(range(1, max(GAMMAS) + 2)), ALL_PROMPTS[0])
         for num_workers, (link_name, link) in groups:
             with ExitStack() as gateway_stack:
                 base = _start_gateway(gateway_stack, urls[:num_workers], link, 4)
                 with httpx.Client(base_url=base, timeout=900) as client:
                     samples = _run_cells(client, specs, plan, bar, f"N={num_workers} {link_name}")
-                rows += summarise(samples, num_workers, link_name, link)
+                rows += summarise(samples, num_workers, link_name, link, floors)
     results = {
         "setup": {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]], "cpu_count": os.cpu_count(), "mode": "exact, draft top-32", "temperature": plan["temperature"]},
+        "floors": floors.as_dict(),
         "cells": rows,
         "auto_vs_best_fixed": auto_verdict(rows),
     }
@@ -131,8 +138,14 @@ def bound_tokens_per_s(run: dict[str, float], gamma: float, draft_s: float, link
     return run["tokens"] / seconds
 
 
-def summarise(samples: dict[str, list[dict[str, float]]], num_workers: int, link_name: str, link: LinkConfig) -> list[dict[str, Any]]:
-    """Medians per cell, the paired ratios, and each run's bound (its median reported)."""
+def physical_bound(run: dict[str, float], gamma: float, link: LinkConfig, num_workers: int, floors: Floors) -> float:
+    """``bound_tokens_per_s`` with llama.cpp's floors for t_d and t_v (γ + 1 positions per round)."""
+    floored = run | {"verify_model_ms_per_round": floors.scoring(gamma + 1) * 1e3}
+    return bound_tokens_per_s(floored, gamma, floors.draft_step_s, link, num_workers)
+
+
+def summarise(samples: dict[str, list[dict[str, float]]], num_workers: int, link_name: str, link: LinkConfig, floors: Floors) -> list[dict[str, Any]]:
+    """Medians per cell, the paired ratios, and each run's bound and physical bound (medians reported)."""
     baseline = samples["autoregressive"]
     rows = []
     for name, runs in samples.items():
@@ -142,6 +155,8 @@ def summarise(samples: dict[str, list[dict[str, float]]], num_workers: int, link
             bound_tokens_per_s(r, cell_gamma(name, r), p["draft_ms_per_token"] / 1e3, link, num_workers) for r, p in zip(runs, plain)
         ]
         ar_bounds = [bound_tokens_per_s(b, 0.0, 0.0, link, num_workers) for b in baseline]
+        physical = [physical_bound(r, cell_gamma(name, r), link, num_workers, floors) for r in runs]
+        ar_physical = [physical_bound(b, 0.0, link, num_workers, floors) for b in baseline]
         row: dict[str, Any] = {
             "cell": name, "workers": num_workers, "link": link_name, "rtt_ms": link.rtt_ms, "runs": len(runs), **medians,
             "overlap": name.endswith("overlap"), "auto": name.split()[0] == "auto", "gamma": statistics.median(cell_gamma(name, r) for r in runs),
@@ -149,6 +164,12 @@ def summarise(samples: dict[str, list[dict[str, float]]], num_workers: int, link
             "bound_tokens_per_s": statistics.median(bounds),
             "bound_speedup_vs_autoregressive": statistics.median(b / a for b, a in zip(bounds, ar_bounds)),
             "measured_over_bound": statistics.median(r["tokens_per_s"] / b for r, b in zip(runs, bounds)),
+            "physical_bound_tokens_per_s": statistics.median(physical),
+            "measured_over_physical": statistics.median(r["tokens_per_s"] / b for r, b in zip(runs, physical)),
+            "physical_speedup_bound": statistics.median(b / a for b, a in zip(physical, ar_physical)),
+            "speedup_over_physical": statistics.median(
+                (r["tokens_per_s"] / a["tokens_per_s"]) / (p / q) for r, a, p, q in zip(runs, baseline, physical, ar_physical)
+            ),
         }
         if row["overlap"]:
             row["overlap_gain"] = statistics.median(r["tokens_per_s"] / p["tokens_per_s"] for r, p in zip(runs, plain))
@@ -177,7 +198,10 @@ def auto_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def _print(results: dict[str, Any]) -> None:
     setup = results["setup"]
     print(f"\nspecgate bench dsd: {setup['mode']}, T = {setup['temperature']:g}, {setup['prompts_per_cell']} prompt(s) per cell (run r starts at prompt r of {len(setup['prompts'])}) × ≤ {setup['max_tokens']} tokens, median of {setup['runs']} runs")
-    print(f"{'N':>2} {'link':<17}{'cell':<13}{'γ':>5}{'tok/s':>7}{'speed-up':>9}{'tok/rnd':>8}{'bound':>7}{'bnd spd':>8}{'meas/bnd':>9}{'ovl gain':>9}{'used':>6}")
+    floors = results["floors"]
+    print(f"physical bound from llama.cpp's floors ({floors['threads']} thread(s)): draft step {floors['draft_step_ms']:.2f} ms, scoring "
+          + ", ".join(f"{m}: {ms:.1f}" for m, ms in floors["scoring_ms"].items()) + " ms")
+    print(f"{'N':>2} {'link':<17}{'cell':<13}{'γ':>5}{'tok/s':>7}{'speed-up':>9}{'tok/rnd':>8}{'bound':>7}{'bnd spd':>8}{'meas/bnd':>9}{'phys':>7}{'phys spd':>9}{'spd/phys':>9}{'ovl gain':>9}{'used':>6}")
     for r in results["cells"]:
         gamma = "" if r["cell"] == "autoregressive" else f"{r['gamma']:.1f}"
         gain = f"{r['overlap_gain']:.2f}×" if "overlap_gain" in r else ""
@@ -185,7 +209,8 @@ def _print(results: dict[str, Any]) -> None:
         print(
             f"{r['workers']:>2} {r['link']:<17}{r['cell']:<13}{gamma:>5}{r['tokens_per_s']:>7.1f}{r['speedup_vs_autoregressive']:>8.2f}×"
             f"{r['mean_accepted_length']:>8.2f}{r['bound_tokens_per_s']:>7.1f}{r['bound_speedup_vs_autoregressive']:>7.2f}×"
-            f"{r['measured_over_bound']:>9.2f}{gain:>9}{used:>6}"
+            f"{r['measured_over_bound']:>9.2f}{r['physical_bound_tokens_per_s']:>7.1f}{r['physical_speedup_bound']:>8.2f}×"
+            f"{r['speedup_over_physical']:>9.2f}{gain:>9}{used:>6}"
         )
     verdict = results["auto_vs_best_fixed"]
     print("\nauto vs the best fixed γ (tokens/s):")

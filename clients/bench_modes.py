@@ -10,7 +10,12 @@ link in the same run. Each cell also gets the analytic bound from its own measur
     round = γ·t_d + RTT + bytes_up·8/BW_up + bytes_down·8/BW_down + t_v,   bound = E / round,
 
 with α implied by the measured tokens per round, t_d the draft time per token, t_v the
-workers' model time per round, bytes per worker per round.
+workers' model time per round, bytes per worker per round. That bound only checks the time
+model. The physical bound puts llama.cpp's own costs, measured in the same run
+(``clients.floors``: a decode + top-k sampler on the draft, a decode of γ+1 positions on the
+target, the bench's threads) in place of t_d and t_v: what the same α, γ, bytes and link
+would give if our draft and worker cost what llama.cpp costs. ``meas/phys`` is the measured
+tokens/s over it; ``spd/phys`` the measured speed-up over the physical bound's speed-up.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from clients.floors import Floors, measure_floors
 from clients.procs import GatewayProcess, WorkerProcess
 from clients.prompts import PROMPTS as ALL_PROMPTS
 from clients.report import progress, write_json
@@ -53,6 +59,7 @@ def bench_modes(args: argparse.Namespace) -> int:
     bar = _Bar(sum(len(_modes(n, plan)) for n in plan["workers"]) * len(plan["links"]) * len(plan["temperatures"]) * plan["runs"])
     with ExitStack() as stack:
         urls = _start_workers(stack)
+        floors = _floors(plan["gamma"])
         for num_workers in plan["workers"]:
             for link_name, link in plan["links"]:
                 with ExitStack() as gateway_stack:
@@ -61,8 +68,9 @@ def bench_modes(args: argparse.Namespace) -> int:
                         for temperature in plan["temperatures"]:
                             modes = _modes(num_workers, plan)
                             samples = _run_cells(client, modes, plan, temperature, bar, f"N={num_workers} {link_name} T={temperature:g}")
-                            rows += _summarise(samples, modes, plan["gamma"], num_workers, link_name, link, temperature)
-    results = {"setup": {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]], "cpu_count": os.cpu_count()}, "cells": rows}
+                            rows += _summarise(samples, modes, plan["gamma"], num_workers, link_name, link, temperature, floors)
+    setup = {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]], "cpu_count": os.cpu_count()}
+    results = {"setup": setup, "floors": floors.as_dict(), "cells": rows}
     _print_table(results)
     write_json(args.json_path, results)
     if args.plots:
@@ -97,6 +105,13 @@ def _start_workers(stack: ExitStack) -> list[str]:
         assert entry.model is not None
         urls.append(stack.enter_context(WorkerProcess(entry.model, entry.backend.value, threads=entry.threads)))
     return urls
+
+
+def _floors(gamma: int) -> Floors:
+    """llama.cpp's floors with the threads each process of the bench gets (two workers)."""
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    progress(f"measuring llama.cpp's floors ({threads} thread(s)): a draft step, scoring 1 and {gamma + 1} positions")
+    return measure_floors(threads, [1, gamma + 1], PROMPTS[0])
 
 
 def _start_gateway(stack: ExitStack, urls: list[str], link: LinkConfig, gamma: int) -> str:
@@ -167,7 +182,10 @@ def request(client: httpx.Client, prompt: str, max_tokens: int, temperature: flo
     return elapsed, resp.json()["usage"]
 
 
-def _summarise(samples: dict[str, list[dict[str, float]]], modes: list[tuple[str, dict[str, Any]]], gamma: int, num_workers: int, link_name: str, link: LinkConfig, temperature: float) -> list[dict[str, Any]]:
+def _summarise(
+    samples: dict[str, list[dict[str, float]]], modes: list[tuple[str, dict[str, Any]]], gamma: int, num_workers: int, link_name: str, link: LinkConfig,
+    temperature: float, floors: Floors,
+) -> list[dict[str, Any]]:
     baseline = samples[modes[0][0]]
     rows = []
     for name, runs in samples.items():
@@ -178,8 +196,20 @@ def _summarise(samples: dict[str, list[dict[str, float]]], modes: list[tuple[str
         row["alpha_implied"] = implied_alpha(medians["mean_accepted_length"], gamma) if drafting else None
         row["bound_tokens_per_s"] = analytic_bound(row, gamma if drafting else 0, link, num_workers)
         row["measured_over_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
+        row["physical_bound_tokens_per_s"] = physical_bound(row, gamma if drafting else 0, link, num_workers, floors)
+        row["measured_over_physical"] = row["tokens_per_s"] / row["physical_bound_tokens_per_s"]
         rows.append(row)
+    autoregressive = rows[0]["physical_bound_tokens_per_s"]
+    for row in rows:
+        row["physical_speedup_bound"] = row["physical_bound_tokens_per_s"] / autoregressive
+        row["speedup_over_physical"] = row["speedup_vs_autoregressive"] / row["physical_speedup_bound"]
     return rows
+
+
+def physical_bound(row: dict[str, Any], gamma: int, link: LinkConfig, num_workers: int, floors: Floors) -> float:
+    """``analytic_bound`` with llama.cpp's floors for the draft step and the verify call."""
+    floored = row | {"draft_ms_per_token": floors.draft_step_s * 1e3, "verify_model_ms_per_round": floors.scoring(gamma + 1) * 1e3}
+    return analytic_bound(floored, gamma, link, num_workers)
 
 
 def analytic_bound(row: dict[str, Any], gamma: int, link: LinkConfig, num_workers: int) -> float:
@@ -218,11 +248,15 @@ class _Bar:
 def _print_table(results: dict[str, Any]) -> None:
     setup = results["setup"]
     print(f"\nspecgate bench: γ = {setup['gamma']}, {len(setup['prompts'])} prompt(s) × ≤ {setup['max_tokens']} tokens, median of {setup['runs']} runs")
-    print(f"{'N':>2} {'link':<17}{'T':>3} {'mode':<17}{'tok/s':>7}{'speed-up':>9}{'tok/rnd':>8}{'α':>6}{'up B/rnd':>10}{'down B/rnd':>12}{'bound':>8}{'meas/bnd':>9}")
+    floors = results["floors"]
+    print(f"physical bound from llama.cpp's floors ({floors['threads']} thread(s)): draft step {floors['draft_step_ms']:.2f} ms, "
+          + ", ".join(f"scoring {m} {ms:.2f} ms" for m, ms in floors["scoring_ms"].items()))
+    print(f"{'N':>2} {'link':<17}{'T':>3} {'mode':<17}{'tok/s':>7}{'speed-up':>9}{'tok/rnd':>8}{'α':>6}{'up B/rnd':>10}{'down B/rnd':>12}{'bound':>8}{'meas/bnd':>9}{'phys':>7}{'meas/phys':>10}{'spd/phys':>9}")
     for r in results["cells"]:
         alpha = "" if r["alpha_implied"] is None else f"{r['alpha_implied']:.2f}"
         print(
             f"{r['workers']:>2} {r['link']:<17}{r['temperature']:>3g} {r['mode']:<17}{r['tokens_per_s']:>7.1f}{r['speedup_vs_autoregressive']:>8.2f}×"
             f"{r['mean_accepted_length']:>8.2f}{alpha:>6}{r['bytes_up_per_round']:>10.0f}{r['bytes_down_per_round']:>12.0f}"
             f"{r['bound_tokens_per_s']:>8.1f}{r['measured_over_bound']:>9.2f}"
+            f"{r['physical_bound_tokens_per_s']:>7.1f}{r['measured_over_physical']:>10.2f}{r['speedup_over_physical']:>9.2f}"
         )

@@ -7,6 +7,7 @@
     specgate bench worker [--json FILE] [--repeats N] [--quick]
     specgate bench tree-device [--device cuda|cpu] [--dtype D] [--json FILE]
     specgate bench dsd [--json FILE] [--runs N] [--plots DIR] [--quick]
+    specgate bench overhead [--json FILE] [--runs N] [--baseline DIR] [--quick]
     specgate bench load [--concurrency N] [--duration S] [--json FILE]
     specgate chat [--url URL] [--mode MODE] [--api-key KEY]
     specgate eval [--url URL | --serve] [--json FILE]
@@ -88,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     dsd.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
     dsd.add_argument("--plots", default=None, help="write PNG plots into this folder (e.g. docs/bench)")
     dsd.add_argument("--quick", action="store_true", help="one run, one prompt, the 50 ms link only: a few minutes")
+    overhead = benches.add_parser("overhead", help="where a round's time goes, part by part, beside llama.cpp's and bare HTTP's floors (zero link)")
+    overhead.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    overhead.add_argument("--runs", type=int, default=3, help="runs per cell (default: 3)")
+    overhead.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
+    overhead.add_argument("--prompts", type=int, default=2, help="prompts per cell and run, 1–5 (default: 2)")
+    overhead.add_argument("--baseline", default=None, help="a checkout of an earlier commit: its servers run beside ours, cell by cell")
+    overhead.add_argument("--quick", action="store_true", help="one run, one prompt, 16 tokens: under 3 minutes")
     load = benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS")
     load.add_argument("--concurrency", type=int, default=64, help="streaming clients at once (default: 64)")
     load.add_argument("--duration", type=float, default=300.0, help="seconds of load (default: 300)")
@@ -124,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         from clients.bench_load import bench_load
 
         return bench_load(args)
+    if args.command == "bench" and args.bench == "overhead":
+        from clients.bench_overhead import bench_overhead
+
+        return bench_overhead(args)
     if args.command == "bench" and args.bench == "dsd":
         from clients.bench_dsd import bench_dsd
 

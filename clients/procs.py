@@ -42,13 +42,13 @@ class ServerProcess:
     Usage: ``with WorkerProcess("builtin", "llama.cpp") as url: httpx.get(url + "/v1/info")``
     """
 
-    def __init__(self, command: list[str], port: int, ready_path: str = "/health", timeout_s: float = 300.0) -> None:
-        self.command, self.port, self.ready_path, self.timeout_s = command, port, ready_path, timeout_s
+    def __init__(self, command: list[str], port: int, ready_path: str = "/health", timeout_s: float = 300.0, cwd: str | None = None) -> None:
+        self.command, self.port, self.ready_path, self.timeout_s, self.cwd = command, port, ready_path, timeout_s, cwd
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> str:
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, cwd=self.cwd)
         deadline = time.monotonic() + self.timeout_s
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
@@ -68,17 +68,17 @@ class ServerProcess:
             stop_process(self.proc)
 
 
-def WorkerProcess(model: str, backend: str, port: int | None = None, threads: int | None = None, timeout_s: float = 300.0) -> ServerProcess:
-    """A real worker on 127.0.0.1 (a free port unless given)."""
+def WorkerProcess(model: str, backend: str, port: int | None = None, threads: int | None = None, timeout_s: float = 300.0, cwd: str | None = None) -> ServerProcess:
+    """A real worker on 127.0.0.1 (a free port unless given); ``cwd``: the code of another checkout."""
     port = port or free_port()
-    return ServerProcess(worker_command(model, backend, port, threads), port, "/health", timeout_s)
+    return ServerProcess(worker_command(model, backend, port, threads), port, "/health", timeout_s, cwd)
 
 
-def GatewayProcess(config_path: str, port: int | None = None, timeout_s: float = 300.0) -> ServerProcess:
+def GatewayProcess(config_path: str, port: int | None = None, timeout_s: float = 300.0, cwd: str | None = None) -> ServerProcess:
     """A real gateway on 127.0.0.1 for a config file; ready when its workers are."""
     port = port or free_port()
     command = [sys.executable, "-m", "app", "--config", config_path, "--port", str(port), "--log-level", "warning"]
-    return ServerProcess(command, port, "/health/ready", timeout_s)
+    return ServerProcess(command, port, "/health/ready", timeout_s, cwd)
 
 
 @contextlib.contextmanager

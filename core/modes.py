@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from core.names import Mode
 
-_DRAFTING = frozenset({"mode", "num_draft_tokens", "draft_top_k", "draft_top_p", "overlap"})
+_EVERY = frozenset({"mode", "profile"})
+_DRAFTING = _EVERY | {"num_draft_tokens", "draft_top_k", "draft_top_p", "overlap"}
 
 
 @dataclass(frozen=True)
@@ -28,12 +29,12 @@ class ModeSpec:
 
 
 MODES: dict[Mode, ModeSpec] = {
-    Mode.AUTOREGRESSIVE: ModeSpec(Mode.AUTOREGRESSIVE, frozenset({"mode"}), drafts=False, engines=True),
+    Mode.AUTOREGRESSIVE: ModeSpec(Mode.AUTOREGRESSIVE, _EVERY, drafts=False, engines=True),
     Mode.AGGREGATE: ModeSpec(Mode.AGGREGATE, _DRAFTING | {"k", "reconstruction", "relaxation"}, engines=True),
     Mode.SPLIT: ModeSpec(Mode.SPLIT, _DRAFTING | {"k"}, one_worker=True),
     Mode.EXACT: ModeSpec(Mode.EXACT, _DRAFTING | {"relaxation"}),
-    Mode.TREE: ModeSpec(Mode.TREE, frozenset({"mode", "tree", "k", "reconstruction", "draft_top_k", "draft_top_p"})),
-    Mode.PIPELINE: ModeSpec(Mode.PIPELINE, frozenset({"mode"}), served=False),
+    Mode.TREE: ModeSpec(Mode.TREE, _EVERY | {"tree", "k", "reconstruction", "draft_top_k", "draft_top_p"}),
+    Mode.PIPELINE: ModeSpec(Mode.PIPELINE, _EVERY, served=False),
 }
 
 SERVED_MODES = tuple(m for m, spec in MODES.items() if spec.served)

@@ -37,15 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     from core.serving import run_server
 
     from core.runners import load_runner
+    from core.runners.model_thread import ModelThread
     from workers.server import create_app
     from workers.settings import WorkerSettings
 
     try:
         flags = ("model", "backend", "host", "port", "max_context", "memory_cap_mb", "max_sessions", "threads", "instance_id")
         settings = WorkerSettings(**{f: getattr(args, f) for f in flags if getattr(args, f) is not None})
-        # load before binding, so a bad model is a one-line error and not a traceback
-        runner = load_runner(settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads)
-        runner.fingerprint  # computed once, before the first /v1/info
+        # load before binding, so a bad model is a one-line error and not a traceback; on the
+        # thread every later call of the runner runs on
+        thread = ModelThread()
+        runner = thread.call(load_runner, settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads)
+        thread.call(lambda: runner.fingerprint)  # computed once, before the first /v1/info
     except ValidationError as exc:
         first = exc.errors()[0]
         print(f"specgate worker: error: {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)
@@ -53,10 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecgateError, ValueError) as exc:
         print(f"specgate worker: error: {exc}", file=sys.stderr)
         return 2
-    app = create_app(settings, runner=runner)
+    app = create_app(settings, runner=runner, thread=thread)
     print(f"specgate worker: {settings.model} ({settings.backend.value}) on http://{settings.host}:{settings.port}", flush=True)
     run_server(app, settings.host, settings.port, args.log_level, settings.drain_timeout_s, app.state.start_drain)
-    runner.close()
+    thread.call(runner.close)
+    thread.close()
     return 0
 
 

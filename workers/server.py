@@ -32,6 +32,7 @@ from core.protocol import (
     encode_json,
 )
 from core.runners import ModelRunner, load_runner
+from core.runners.model_thread import ModelThread
 from core.serving import Guard
 from workers.scoring import score, tree_item
 from workers.sessions import SessionStore
@@ -48,18 +49,19 @@ class WorkerState:
     runner: ModelRunner
     sessions: SessionStore
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    thread: ModelThread = field(default_factory=ModelThread)  # every runner call (core.runners.model_thread)
     counters: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # see _WorkerCollector
     errors: Counter[str] = field(default_factory=Counter)  # refused calls, by error code
 
     @classmethod
-    def build(cls, settings: WorkerSettings, runner: ModelRunner) -> WorkerState:
+    def build(cls, settings: WorkerSettings, runner: ModelRunner, thread: ModelThread | None = None) -> WorkerState:
         sessions = SessionStore(
             runner,
             max_sessions=settings.max_sessions,
             ttl_s=settings.session_ttl_s,
             memory_cap_bytes=settings.memory_cap_mb * 2**20,
         )
-        return cls(settings=settings, runner=runner, sessions=sessions)
+        return cls(settings=settings, runner=runner, sessions=sessions, thread=thread or ModelThread())
 
     @property
     def max_context(self) -> int:
@@ -122,27 +124,28 @@ class WorkerState:
             )
 
 
-def create_app(settings: WorkerSettings, runner: ModelRunner | None = None) -> FastAPI:
-    """A worker app for ``settings``; loads the model at start-up unless ``runner`` is given."""
+def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thread: ModelThread | None = None) -> FastAPI:
+    """A worker app for ``settings``; loads the model at start-up unless ``runner`` is given
+    (with the ``thread`` it was loaded on: every runner call then runs there)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if runner is None:
-            loaded = await asyncio.to_thread(
-                load_runner, settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads
-            )
-            await asyncio.to_thread(lambda: loaded.fingerprint)
-            app.state.worker = WorkerState.build(settings, loaded)
+            own = ModelThread()
+            loaded = await own.run(load_runner, settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads)
+            await own.run(lambda: loaded.fingerprint)
+            app.state.worker = WorkerState.build(settings, loaded, own)
         log.info("worker ready: %s on %s", settings.model, settings.backend.value)
         yield
         state: WorkerState | None = getattr(app.state, "worker", None)
         if state is not None and runner is None:
             async with state.lock:
-                state.runner.close()
+                await state.thread.run(state.runner.close)
+            state.thread.close()
 
     app = FastAPI(title="specgate worker", lifespan=lifespan)
     if runner is not None:
-        app.state.worker = WorkerState.build(settings, runner)
+        app.state.worker = WorkerState.build(settings, runner, thread)
     app.state.draining = False
 
     def start_drain() -> None:  # SIGTERM: in-flight calls finish, new ones get a 503
@@ -178,7 +181,7 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         timing: dict[str, float] = {}
         async with state.lock:
             locked = time.perf_counter()
-            resp = await asyncio.to_thread(state.verify, req, timing)
+            resp = await state.thread.run(state.verify, req, timing)
         encoding = time.perf_counter()
         as_json = JSON_CONTENT_TYPE in request.headers.get("accept", "")
         payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=as_json)
@@ -193,7 +196,7 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
     async def delete_session(session_id: str, request: Request) -> Response:
         state = _state(request)
         async with state.lock:
-            await asyncio.to_thread(state.sessions.free, session_id)
+            await state.thread.run(state.sessions.free, session_id)
         return Response(status_code=204)
 
     @app.get("/metrics")

@@ -27,6 +27,7 @@ class SpecOptions:
     relaxation: Relaxation | None = None  # DSD's relaxed accept test (lossy; aggregate and exact at T > 0; DESIGN §3.8)
     tree: TreeShape | None = None  # mode tree: the draft tree; None = the default by temperature (TreeShape.default)
     tree_payload: Mode = Mode.AGGREGATE  # mode tree: what each node's row carries — aggregate's or exact's (DESIGN §3.6)
+    profile: bool = False  # usage lists every round: its time by part, bytes and tokens (``specgate bench overhead``)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:

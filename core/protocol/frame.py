@@ -4,7 +4,9 @@ Binary frame (all integers little-endian)::
 
     b"SGv1"  u32 header_len  header (header_len bytes of JSON)  array bytes ...
 
-The JSON header is ``{"fields": {...scalars...}, "arrays": [[name, dtype, shape], ...]}``;
+The JSON header is ``{"fields": {...scalars...}, "arrays": [[name, dtype, shape], ...]}``, its
+fields only those that differ from their defaults (a decoder fills in the rest, as every v1
+decoder does: a 4-byte answer travels with a ~70-byte header, not ~130);
 the arrays follow in that order, C-contiguous, with no padding. dtypes: ``u16``/``u32`` for
 token ids (u16 when the vocabulary fits, DESIGN §4), ``i32``, ``f16``/``f32`` for
 probabilities (``f32`` wherever a mode claims to be exact).
@@ -105,8 +107,26 @@ def encode_binary(msg: Message, vocab_size: int) -> bytes:
         data = np.ascontiguousarray(np.asarray(arr), dtype=_DTYPES[dtype])
         specs.append([name, dtype, list(data.shape)])
         chunks.append(data.tobytes())
-    header = orjson.dumps({"fields": msg.scalars(), "arrays": specs})
+    header = orjson.dumps({"fields": _not_default(msg.scalars(), _defaults(type(msg))), "arrays": specs})
     return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *chunks])
+
+
+_DEFAULTS: dict[type, dict[str, Any]] = {}
+
+
+def _defaults(cls: type[Message]) -> dict[str, Any]:
+    """The fields of ``cls`` that have a default, with it (once per class)."""
+    if cls not in _DEFAULTS:
+        _DEFAULTS[cls] = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+    return _DEFAULTS[cls]
+
+
+def _not_default(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The scalars a decoder could not fill in itself (a bool is never taken for 0 or 1)."""
+    return {
+        k: v for k, v in values.items()
+        if k not in defaults or type(v) is not type(defaults[k]) or v != defaults[k]
+    }
 
 
 def encode_json(msg: Message) -> bytes:

@@ -3,13 +3,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from clients.bench_dsd import auto_verdict, bound_tokens_per_s, cells, summarise
+from clients.bench_dsd import auto_verdict, bound_tokens_per_s, cells, physical_bound, summarise
 from clients.bench_modes import analytic_bound
+from clients.bench_modes import physical_bound as modes_physical_bound
+from clients.floors import Floors
 from core.config import LinkConfig
 
 LINK = LinkConfig(rtt_ms=50, up_mbps=10, down_mbps=10)
+FLOORS = Floors(threads=1, draft_step_s=0.010, scoring_s={1: 0.020, 3: 0.030, 5: 0.045, 7: 0.060, 9: 0.080})
 
 
 def _run(tokens_per_s: float, rounds: float = 10, drafted: float = 40, used: float = 0, prepared: float = 0, gamma_mean: float | None = None) -> dict[str, float]:
@@ -46,7 +51,7 @@ def test_summary_ratios_and_the_auto_verdict() -> None:
               "γ=8": 7.0, "γ=8 overlap": 7.0, "auto": 9.8, "auto overlap": 9.9}
     samples = {name: [_run(speed * factor, used=2 if "overlap" in name else 0, prepared=8 if "overlap" in name else 0,
                            gamma_mean=3.5 if name.startswith("auto") else None) for factor in (1.0, 1.1, 0.9)] for name, speed in speeds.items()}
-    rows = {r["cell"]: r for r in summarise(samples, 1, "50 ms", LINK)}
+    rows = {r["cell"]: r for r in summarise(samples, 1, "50 ms", LINK, FLOORS)}
     assert rows["γ=4"]["speedup_vs_autoregressive"] == pytest.approx(2.0)
     assert rows["γ=4 overlap"]["overlap_gain"] == pytest.approx(1.1) and rows["γ=4 overlap"]["prepared_used_share"] == pytest.approx(0.25)
     assert rows["auto"]["gamma"] == 3.5 and rows["γ=6"]["gamma"] == 6 and "overlap_gain" not in rows["auto"]
@@ -57,3 +62,15 @@ def test_summary_ratios_and_the_auto_verdict() -> None:
     assert by_overlap[False]["best_fixed"] == "γ=4" and by_overlap[False]["auto_over_best_fixed"] == pytest.approx(0.98)
     assert by_overlap[True]["best_fixed"] == "γ=4 overlap" and by_overlap[True]["auto_over_best_fixed"] == pytest.approx(0.9)
     assert verdict["worst"] == pytest.approx(0.9) and verdict["meets_bar"] is False
+
+
+def test_the_physical_bound_is_the_bound_with_llama_cpps_costs() -> None:
+    run = _run(8.0)
+    own = Floors(threads=1, draft_step_s=0.030, scoring_s={5: 0.140})  # floors equal to the cell's own costs: the same bound
+    assert physical_bound(run, 4, LINK, 1, own) == pytest.approx(bound_tokens_per_s(run, 4, 0.030, LINK, 1))
+    assert modes_physical_bound(run, 4, LINK, 1, own) == pytest.approx(analytic_bound(run, 4, LINK, 1))
+    flight = LINK.delay_s(400, upstream=True) + LINK.delay_s(700, upstream=False) + 0.045  # γ + 1 = 5 positions
+    assert physical_bound(run, 4, LINK, 1, FLOORS) == pytest.approx(27 / (10 * flight + 40 * 0.010))
+    assert physical_bound(run, 3.4, LINK, 1, FLOORS) == pytest.approx(physical_bound(run, 3.4, LINK, 1, replace(FLOORS, scoring_s={3: 0.030, 5: 0.045})))
+    ar = physical_bound(_run(5.0, rounds=27, drafted=0), 0.0, LINK, 1, FLOORS)  # one position, no draft
+    assert ar == pytest.approx(27 / (27 * (LINK.delay_s(400, upstream=True) + LINK.delay_s(700, upstream=False) + 0.020)))

@@ -144,7 +144,24 @@ def test_fp16_probs_halve_the_payload() -> None:
     tail = np.zeros(5, dtype=np.float32)
     fp32 = encode_binary(VerifyResponse(1, probs, tail, ids, probs_dtype="fp32"), VOCAB_SMALL)
     fp16 = encode_binary(VerifyResponse(1, probs, tail, ids, probs_dtype="fp16"), VOCAB_SMALL)
-    assert len(fp32) - len(fp16) == 5 * 32 * 2
+    assert _arrays_bytes(fp32) - _arrays_bytes(fp16) == 5 * 32 * 2
+
+
+def _arrays_bytes(body: bytes) -> int:
+    """A frame's bytes after its header."""
+    return len(body) - 8 - int.from_bytes(body[4:8], "little")
+
+
+def test_the_header_carries_only_what_differs_from_the_defaults() -> None:
+    """A 4-byte answer does not travel with every default spelled out; decoding fills them in."""
+    resp = VerifyResponse(held=51, samples=np.array([5], dtype=np.int32), model_ms=7.5)
+    body = encode_binary(resp, VOCAB_SMALL)
+    header = orjson.loads(body[8 : len(body) - 4])
+    assert header["fields"] == {"held": 51, "model_ms": 7.5} and len(body) < 100
+    assert decode(VerifyResponse, body, BINARY_CONTENT_TYPE) == resp
+    req = VerifyRequest.after("s", [1, 2], [3], [], temperature=1.0, mode="autoregressive", return_probs=False)
+    fields = orjson.loads(encode_binary(req, VOCAB_SMALL)[8:-2])["fields"]
+    assert set(fields) == {"session_id", "prefix_len", "prefix_hash", "mode", "return_probs"}  # temperature 1.0 is the default
 
 
 def _request_body() -> bytes:

@@ -1,0 +1,245 @@
+"""``specgate bench overhead``: where a round's time goes, part by part, beside the floors.
+
+One worker (builtin) and one gateway (draft builtin-draft) on 127.0.0.1, zero link, one
+request at a time. Each cell (mode × T) asks for ``speculative.profile``: every round's
+milliseconds by part (``app.engine.spec.ROUND_PARTS``: draft model, draft sampling, gateway
+math, gateway codec, HTTP, worker codec / queue / model / scoring / other) and the rest. The
+first round of a request also prefills the prompt, so it is left out; the figures are medians
+over the other rounds of every run.
+
+Beside them, measured in the same run between the cells (``clients.floors``): llama.cpp's own
+decode + top-k sampler on the draft (the draft's floor), its own decode of the same positions
+on the target (the worker's floor), and a bare uvicorn ↔ httpx round trip of the same bytes.
+
+``--baseline DIR`` (a checkout of an earlier commit) starts its worker and gateway too and runs
+each cell on both, alternately: tokens/s and, from the usage both report, the verify side's
+time outside the worker's model per round and the draft's time per drafted token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from clients.floors import BareServer, LlamaFloor, http_round_trip_ms, median
+from clients.procs import GatewayProcess, WorkerProcess
+from clients.prompts import PROMPTS
+from clients.report import progress, write_json
+from core.config import builtin_config, dump_config
+
+PARTS = (
+    "draft_model", "draft_sampling", "gateway_math", "gateway_codec", "link", "http",
+    "worker_codec", "worker_queue", "worker_model", "worker_scoring", "worker_other", "other",
+)
+CELLS: list[tuple[str, dict[str, Any]]] = [
+    ("autoregressive", {"mode": "autoregressive"}),
+    ("aggregate k=32", {"mode": "aggregate", "k": 32}),
+    ("split", {"mode": "split"}),
+    ("exact", {"mode": "exact"}),
+    ("tree", {"mode": "tree"}),
+]
+GOAL_OUTSIDE_MS = 2.0  # outside the models, per round (issue 16)
+GOAL_RATIO = 1.2  # a draft step / worker scoring over its floor
+
+
+def bench_overhead(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    threads = max(1, os.cpu_count() or 1)  # one request at a time: the draft and the worker take turns
+    with ExitStack() as stack:
+        progress(f"starting a worker (builtin) and a gateway (draft builtin-draft) on 127.0.0.1, {threads} threads each")
+        ours = _start_pair(stack, threads, None)
+        before = _start_pair(stack, threads, args.baseline) if args.baseline else None
+        http_url = stack.enter_context(BareServer())
+        client = stack.enter_context(httpx.Client(base_url=ours, timeout=600))
+        old = stack.enter_context(httpx.Client(base_url=before, timeout=600)) if before else None
+        prompt_ids = _prompt_ids(client, plan["prompts"][0])
+        draft_floor = stack.enter_context(LlamaFloor("builtin-draft", threads, prompt_ids))
+        worker_floor = stack.enter_context(LlamaFloor("builtin", threads, prompt_ids))
+        rows, floors = _run(plan, client, old, draft_floor, worker_floor, http_url)
+    results = {"setup": plan | {"threads": threads, "cpu_count": os.cpu_count(), "baseline": args.baseline}, "floors": floors, "cells": rows}
+    print_table(results)
+    write_json(args.json_path, results)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> dict[str, Any]:
+    if args.quick:
+        return {"runs": 1, "prompts": PROMPTS[:1], "max_tokens": 16, "temperatures": [0.0, 1.0], "cells": [name for name, _ in CELLS]}
+    return {"runs": max(1, args.runs), "prompts": PROMPTS[: args.prompts], "max_tokens": args.max_tokens, "temperatures": [0.0, 1.0], "cells": [name for name, _ in CELLS]}
+
+
+def _start_pair(stack: ExitStack, threads: int, checkout: str | None) -> str:
+    """A worker and a gateway of this tree (or of ``checkout``); the gateway's URL."""
+    cwd = str(Path(checkout).resolve()) if checkout else None
+    url = stack.enter_context(WorkerProcess("builtin", "llama.cpp", threads=threads, cwd=cwd))
+    config = builtin_config()
+    data = config.model_dump(mode="json", exclude_none=True)
+    data["workers"] = [{"url": url, "weight": 1.0}]
+    data["draft"] = {**data.get("draft", {}), "threads": threads}
+    path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specgate-overhead-"))) / "config.yaml"
+    path.write_text(dump_config(type(config)(**data)))
+    return stack.enter_context(GatewayProcess(str(path), cwd=cwd))
+
+
+def _prompt_ids(client: httpx.Client, prompt: str) -> list[int]:
+    """The chat prompt's token ids, as the gateway makes them (echo of a one-token completion)."""
+    body = {"model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0}
+    usage = client.post("/v1/chat/completions", json=body).raise_for_status().json()["usage"]
+    from core.runners.models import resolve_model
+    from core.runners.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model("builtin"))
+    ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert len(ids) == usage["prompt_tokens"], "the bench's chat template differs from the gateway's"
+    return ids
+
+
+def _run(plan: dict[str, Any], client: httpx.Client, old: httpx.Client | None, draft_floor: LlamaFloor, worker_floor: LlamaFloor, http_url: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    specs = dict(CELLS)
+    cells = [(name, t) for t in plan["temperatures"] for name in plan["cells"]]
+    samples: dict[tuple[str, float], list[dict[str, Any]]] = {cell: [] for cell in cells}
+    baseline: dict[tuple[str, float], list[dict[str, float]]] = {cell: [] for cell in cells}
+    floors: dict[str, list[float]] = {"draft_step_ms": []}
+    for name, t in cells:  # warm-up: every code path once
+        request(client, plan["prompts"][0], 4, t, specs[name], seed=0)
+    total, done, started = plan["runs"] * len(cells), 0, time.monotonic()
+    for run in range(plan["runs"]):
+        for cell in cells:
+            name, t = cell
+            for prompt in plan["prompts"]:
+                samples[cell].append(request(client, prompt, plan["max_tokens"], t, specs[name], seed=run))
+                if old is not None:
+                    baseline[cell].append(coarse(request(old, prompt, plan["max_tokens"], t, specs[name] | {"profile": None}, seed=run)))
+            done += 1
+            left = (time.monotonic() - started) / done * (total - done)
+            progress(f"[{done}/{total}] ~{left:.0f}s left  {name} T={t:g}: {samples[cell][-1]['tokens_per_s']:.1f} tok/s")
+        floors["draft_step_ms"] += draft_floor.draft_step_ms(32)
+        _measure_floors(samples, floors, worker_floor, http_url)
+    rows = [summarise(name, t, samples[(name, t)], baseline[(name, t)], floors) for name, t in cells]
+    return rows, {key: median(values) for key, values in floors.items()}
+
+
+def _measure_floors(samples: dict[tuple[str, float], list[dict[str, Any]]], floors: dict[str, list[float]], worker_floor: LlamaFloor, http_url: str) -> None:
+    """The worker's floor at every cell's positions per call, the HTTP floor at its bytes."""
+    for runs in samples.values():
+        rounds = [r for s in runs for r in s["rounds"]]
+        if not rounds:
+            continue
+        positions = int(statistics.median(r["drafted"] + 1 for r in rounds))
+        key = f"worker_scoring_ms@{positions}"
+        floors.setdefault(key, []).extend(worker_floor.scoring_ms(positions, repeats=3))
+        up, down = int(statistics.median(r["bytes_up"] / r["calls"] for r in rounds)), int(statistics.median(r["bytes_down"] / r["calls"] for r in rounds))
+        floors.setdefault(f"http_ms@{up}/{down}", []).extend(http_round_trip_ms(http_url, up, down, repeats=10))
+
+
+def request(client: httpx.Client, prompt: str, max_tokens: int, temperature: float, spec: dict[str, Any], seed: int) -> dict[str, Any]:
+    """One chat completion with ``speculative.profile``: its seconds, usage, and rounds (the
+    first, which prefills the prompt, left out)."""
+    body = {
+        "model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": temperature,
+        "seed": seed, "speculative": {k: v for k, v in ({"profile": True} | spec).items() if v is not None},
+    }
+    started = time.perf_counter()
+    resp = client.post("/v1/chat/completions", json=body)
+    elapsed = time.perf_counter() - started
+    resp.raise_for_status()
+    usage = resp.json()["usage"]
+    block = usage["speculative"]
+    return {
+        "seconds": elapsed, "usage": usage, "rounds": block.get("profile", [])[1:],
+        "tokens_per_s": usage["completion_tokens"] / elapsed,
+    }
+
+
+def coarse(sample: dict[str, Any]) -> dict[str, float]:
+    """The figures every version's usage has: tokens/s, and per round the verify side's time
+    outside the worker's model and the draft's time per drafted token (every round counted)."""
+    block, rounds = sample["usage"]["speculative"], max(sample["usage"]["speculative"]["rounds"], 1)
+    drafted = block["draft_tokens"]
+    return {
+        "tokens_per_s": sample["tokens_per_s"],
+        "verify_outside_model_ms": (block["verify_ms"] - block["worker_model_ms"]) / rounds,
+        "draft_ms_per_token": block["draft_ms"] / drafted if drafted else 0.0,
+    }
+
+
+def summarise(name: str, temperature: float, runs: list[dict[str, Any]], baseline: list[dict[str, float]], floors: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians over the cell's rounds, part by part; the goals' figures beside the floors."""
+    rounds = [r for s in runs for r in s["rounds"]]
+    row: dict[str, Any] = {"mode": name, "temperature": temperature, "requests": len(runs), "rounds": len(rounds)}
+    row["tokens_per_s"] = statistics.median(s["tokens_per_s"] for s in runs)
+    row.update(round_figures(rounds))
+    row["api_ms_per_round"] = statistics.median(
+        (s["seconds"] * 1e3 - s["usage"]["speculative"]["timing_ms"]["rounds"]) / max(s["usage"]["speculative"]["rounds"], 1) for s in runs
+    )
+    if rounds:
+        positions = int(statistics.median(r["drafted"] + 1 for r in rounds))
+        row["worker_floor_ms"] = median(floors.get(f"worker_scoring_ms@{positions}", []))
+        row["worker_over_floor"] = (row["parts_ms"]["worker_model"] + row["parts_ms"]["worker_scoring"]) / row["worker_floor_ms"]
+        up, down = int(statistics.median(r["bytes_up"] / r["calls"] for r in rounds)), int(statistics.median(r["bytes_down"] / r["calls"] for r in rounds))
+        row["http_floor_ms"] = median(floors.get(f"http_ms@{up}/{down}", []))
+        if row["drafted_per_round"] and name != "tree":  # a tree's draft decodes per depth, not per node
+            row["draft_floor_ms"] = median(floors["draft_step_ms"])
+            row["draft_over_floor"] = row["draft_step_ms"] / row["draft_floor_ms"]
+    if baseline:
+        row["baseline"] = {key: statistics.median(b[key] for b in baseline) for key in baseline[0]}
+        row["ours_coarse"] = {key: statistics.median(coarse(s)[key] for s in runs) for key in baseline[0]}
+    return row
+
+
+def round_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per round (medians): its time, each part, the rest; outside the models; a draft step."""
+    if not rounds:
+        return {"round_ms": 0.0, "parts_ms": dict.fromkeys(PARTS, 0.0), "outside_models_ms": 0.0, "drafted_per_round": 0.0, "draft_step_ms": 0.0,
+                "bytes_up_per_round": 0.0, "bytes_down_per_round": 0.0, "calls_per_round": 0.0}
+    parts = {part: statistics.median(r["parts_ms"].get(part, 0.0) for r in rounds) for part in PARTS}
+    drafted = statistics.median(r["drafted"] for r in rounds)
+    draft_steps = [(r["parts_ms"]["draft_model"] + r["parts_ms"]["draft_sampling"]) / r["drafted"] for r in rounds if r["drafted"]]
+    return {
+        "round_ms": statistics.median(r["round_ms"] for r in rounds),
+        "parts_ms": parts,
+        "outside_models_ms": statistics.median(r["round_ms"] - r["parts_ms"]["draft_model"] - r["parts_ms"]["worker_model"] for r in rounds),
+        "drafted_per_round": drafted,
+        "draft_step_ms": statistics.median(draft_steps) if draft_steps else 0.0,
+        "bytes_up_per_round": statistics.median(r["bytes_up"] for r in rounds),
+        "bytes_down_per_round": statistics.median(r["bytes_down"] for r in rounds),
+        "calls_per_round": statistics.median(r["calls"] for r in rounds),
+    }
+
+
+_SHORT = {"draft_model": "d.model", "draft_sampling": "d.samp", "gateway_math": "g.math", "gateway_codec": "g.codec", "link": "link", "http": "http",
+          "worker_codec": "w.codec", "worker_queue": "w.queue", "worker_model": "w.model", "worker_scoring": "w.score", "worker_other": "w.other", "other": "other"}
+
+
+def print_table(results: dict[str, Any]) -> None:
+    setup, floors = results["setup"], results["floors"]
+    print(f"\nspecgate bench overhead: {len(setup['prompts'])} prompt(s) × ≤ {setup['max_tokens']} tokens, {setup['runs']} run(s), "
+          f"{setup['threads']} threads, zero link; median ms per round (the first round, with the prefill, left out)")
+    shown = [p for p in PARTS if p != "link"]
+    print(f"{'mode':<16}{'T':>3}{'round':>7}" + "".join(f"{_SHORT[p]:>8}" for p in shown) + f"{'outside':>8}{'api':>6}")
+    for r in results["cells"]:
+        print(f"{r['mode']:<16}{r['temperature']:>3g}{r['round_ms']:>7.1f}" + "".join(f"{r['parts_ms'][p]:>8.2f}" for p in shown)
+              + f"{r['outside_models_ms']:>8.2f}{r['api_ms_per_round']:>6.1f}")
+    print(f"\nfloors (same run): draft step (llama.cpp decode + top-k sampler) {floors['draft_step_ms']:.2f} ms; "
+          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(floors.items()) if k != "draft_step_ms"))
+    print(f"{'mode':<16}{'T':>3}{'draft step':>11}{'floor':>7}{'×':>6}{'worker':>8}{'floor':>7}{'×':>6}{'http':>7}{'floor':>7}{'outside ≤ 2 ms':>16}")
+    for r in results["cells"]:
+        worker = r["parts_ms"]["worker_model"] + r["parts_ms"]["worker_scoring"]
+        draft = f"{r['draft_step_ms']:>11.2f}{r['draft_floor_ms']:>7.2f}{r['draft_over_floor']:>6.2f}" if "draft_floor_ms" in r else f"{'':>24}"
+        met = "yes" if r["outside_models_ms"] <= GOAL_OUTSIDE_MS else "no"
+        print(f"{r['mode']:<16}{r['temperature']:>3g}{draft}{worker:>8.2f}{r.get('worker_floor_ms', float('nan')):>7.2f}{r.get('worker_over_floor', float('nan')):>6.2f}"
+              f"{r['parts_ms']['http']:>7.2f}{r.get('http_floor_ms', float('nan')):>7.2f}{met:>16}")
+    if any("baseline" in r for r in results["cells"]):
+        print(f"\nbefore ({setup['baseline']}) vs after, side by side, every round counted: tok/s, verify outside the model ms/round, draft ms/token")
+        for r in results["cells"]:
+            b, a = r["baseline"], r["ours_coarse"]
+            print(f"{r['mode']:<16}{r['temperature']:>3g}  tok/s {b['tokens_per_s']:>6.1f} → {a['tokens_per_s']:>6.1f}   "
+                  f"verify−model {b['verify_outside_model_ms']:>6.2f} → {a['verify_outside_model_ms']:>6.2f}   draft/token {b['draft_ms_per_token']:>6.2f} → {a['draft_ms_per_token']:>6.2f}")

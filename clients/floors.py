@@ -1,0 +1,217 @@
+"""What a round would cost with nothing of ours in it: the floors ``specgate bench overhead``
+(and the physical-bound column of ``specgate bench`` / ``bench dsd``) set beside our parts.
+
+    draft floor    llama.cpp's own decode of one token + its own top-k sampler (top-k, temperature,
+                   dist), on the draft's GGUF with the draft's threads
+    worker floor   llama.cpp's own decode of m tokens with logits at each (a verify call's
+                   positions), on the target's GGUF with the worker's threads
+    HTTP floor     a bare uvicorn app ↔ httpx on loopback, the same bytes each way
+
+Each runs in this process (the servers of the bench sit idle meanwhile); the contexts are made
+as the runner makes them (flash attention on, decodes ≤ 32 tokens) so only our code differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from clients.procs import ServerProcess, free_port
+from core.runners.llama_cpp_tools import quiet_llama_cpp
+from core.runners.models import resolve_model
+
+_CONTEXT = 1024
+_DECODE_TOKENS = 32  # as the runner: never a decode of 64 or more
+
+
+class LlamaFloor:
+    """One GGUF in a bare llama.cpp context (the runner's parameters) and a prompt prefilled;
+    ``draft_step_ms`` and ``scoring_ms`` time llama.cpp's own calls after it.
+
+    Usage: ``with LlamaFloor("builtin-draft", threads=2, prompt=ids) as f: f.draft_step_ms(32)``
+    """
+
+    def __init__(self, model: str, threads: int, prompt: list[int]) -> None:
+        import llama_cpp
+        from llama_cpp import _internals
+
+        quiet_llama_cpp()
+        self.api, self.prompt = llama_cpp, list(prompt)
+        source = resolve_model(model)
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.model = _internals.LlamaModel(path_model=str(source.path), params=params, verbose=False)
+        ctx_params = llama_cpp.llama_context_default_params()
+        ctx_params.n_ctx = _CONTEXT
+        ctx_params.n_batch = ctx_params.n_ubatch = _DECODE_TOKENS
+        ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        ctx_params.n_threads = ctx_params.n_threads_batch = threads
+        ctx_params.no_perf = True
+        self.ctx = _internals.LlamaContext(model=self.model, params=ctx_params, verbose=False)
+        self.batch = _internals.LlamaBatch(n_tokens=_DECODE_TOKENS, embd=0, n_seq_max=1, verbose=False)
+        self.vocab_size = int(self.model.n_vocab())
+        for begin in range(0, len(self.prompt), _DECODE_TOKENS):
+            self._decode(self.prompt[begin:begin + _DECODE_TOKENS], begin, logits=False)
+
+    def __enter__(self) -> LlamaFloor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def draft_step_ms(self, top_k: int, steps: int = 8, repeats: int = 3) -> list[float]:
+        """Per step: a decode of one token with its logits, then llama.cpp's sampler chain
+        (top-k → temperature 1 → dist) picks the next token."""
+        api = self.api
+        chain = api.llama_sampler_chain_init(api.llama_sampler_chain_default_params())
+        for sampler in (api.llama_sampler_init_top_k(top_k), api.llama_sampler_init_temp(1.0), api.llama_sampler_init_dist(0)):
+            api.llama_sampler_chain_add(chain, sampler)
+        times = []
+        try:
+            for _ in range(repeats):
+                token, position = self.prompt[-1], len(self.prompt) - 1
+                self._trim(position)
+                for _ in range(steps):
+                    started = time.perf_counter()
+                    self._decode([token], position, logits=True)
+                    token = int(api.llama_sampler_sample(chain, self.ctx.ctx, -1))
+                    times.append((time.perf_counter() - started) * 1e3)
+                    position += 1
+        finally:
+            api.llama_sampler_free(chain)
+            self._trim(len(self.prompt))
+        return times
+
+    def scoring_ms(self, positions: int, repeats: int = 5) -> list[float]:
+        """A decode of ``positions`` tokens after the prompt with logits at every one (what a
+        verify call of γ+1 positions asks of the model), the logits read in place."""
+        tokens = (self.prompt * (positions // len(self.prompt) + 1))[:positions]
+        times = []
+        for _ in range(repeats):
+            self._trim(len(self.prompt))
+            started = time.perf_counter()
+            for begin in range(0, positions, _DECODE_TOKENS):
+                self._decode(tokens[begin:begin + _DECODE_TOKENS], len(self.prompt) + begin, logits=True)
+                rows = min(_DECODE_TOKENS, positions - begin)
+                _ = [self._logits(i) for i in range(rows)]
+            times.append((time.perf_counter() - started) * 1e3)
+        self._trim(len(self.prompt))
+        return times
+
+    def close(self) -> None:
+        self.batch.close()
+        self.ctx.close()
+        self.model.close()
+
+    def _decode(self, tokens: list[int], first: int, logits: bool) -> None:
+        raw = self.batch.batch
+        raw.n_tokens = len(tokens)
+        for i, token in enumerate(tokens):
+            raw.token[i], raw.pos[i], raw.n_seq_id[i] = token, first + i, 1
+            raw.seq_id[i][0] = 0
+            raw.logits[i] = logits or i == len(tokens) - 1
+        self.ctx.decode(self.batch)
+
+    def _logits(self, index: int) -> np.ndarray:
+        ptr = self.ctx.get_logits_ith(index)
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab_size,))
+
+    def _trim(self, length: int) -> None:
+        self.api.llama_memory_seq_rm(self.ctx.memory, 0, length, -1)
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+async def bare_app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+    """An ASGI app that reads the body and answers ``x-answer-bytes`` zero bytes: HTTP and
+    nothing else (no framework, no middleware)."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    more = True
+    while more:
+        message = await receive()
+        more = message.get("more_body", False)
+    size = int(dict(scope["headers"]).get(b"x-answer-bytes", b"0"))
+    headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": bytes(size)})
+
+
+def BareServer() -> ServerProcess:
+    """``bare_app`` under uvicorn (its defaults, as the worker's) on 127.0.0.1."""
+    port = free_port()
+    command = [sys.executable, "-m", "uvicorn", "clients.floors:bare_app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    return ServerProcess(command, port, "/health", timeout_s=60)
+
+
+def http_round_trip_ms(url: str, up_bytes: int, down_bytes: int, repeats: int = 20) -> list[float]:
+    """POSTs of ``up_bytes`` answered with ``down_bytes``, through one httpx.AsyncClient (as
+    the gateway's: keep-alive, no retries)."""
+
+    async def run() -> list[float]:
+        body, headers = bytes(up_bytes), {"x-answer-bytes": str(down_bytes), "content-type": "application/octet-stream"}
+        times = []
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(retries=0)) as client:
+            await client.post(f"{url}/verify", content=body, headers=headers)  # the connection
+            for _ in range(repeats):
+                started = time.perf_counter()
+                resp = await client.post(f"{url}/verify", content=body, headers=headers)
+                _ = resp.content
+                times.append((time.perf_counter() - started) * 1e3)
+        return times
+
+    return asyncio.run(run())
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+# --------------------------------------------------------------------------- the physical bound
+
+
+@dataclass(frozen=True)
+class Floors:
+    """llama.cpp's own costs on this machine: a draft step, and a verify call's scoring of m
+    positions (m → seconds)."""
+
+    threads: int
+    draft_step_s: float
+    scoring_s: dict[int, float]
+
+    def scoring(self, positions: float) -> float:
+        """Seconds to score ``positions`` (a cell's mean γ + 1: the nearest measured)."""
+        return self.scoring_s[min(self.scoring_s, key=lambda m: abs(m - positions))]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"threads": self.threads, "draft_step_ms": self.draft_step_s * 1e3, "scoring_ms": {m: s * 1e3 for m, s in self.scoring_s.items()}}
+
+
+def measure_floors(threads: int, positions: list[int], prompt: str) -> Floors:
+    """The draft's and the worker's floors with ``threads`` threads (what the bench gives the
+    draft and each worker), after the chat prompt ``prompt``: medians of a few repeats."""
+    from core.runners.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model("builtin"))
+    ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
+    with LlamaFloor("builtin-draft", threads, ids) as draft:
+        step = median(draft.draft_step_ms(32)) / 1e3
+    with LlamaFloor("builtin", threads, ids) as target:
+        scoring = {m: median(target.scoring_ms(m)) / 1e3 for m in sorted(set(positions))}
+    return Floors(threads, step, scoring)

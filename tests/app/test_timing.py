@@ -1,0 +1,102 @@
+"""Where a round's time goes (usage ``timing_ms``, ``speculative.profile``, ``specgate bench
+overhead``): the bookkeeping, on the fakes. A draft and a worker whose models sleep a known
+time and a link that sleeps a known time: each sleep lands in its own part, and the parts add
+up to the measured round within 10 % — the rest (``other``) stays small. Not a test of speed."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from app.server import create_app
+from app.targets.base import server_timing
+from clients.bench_overhead import PARTS, round_figures
+from core.runners import ModelRunner, load_runner
+from tests.app.fake_engine import Router
+from tests.app.helpers import gateway_config
+from workers.server import create_app as create_worker
+from workers.settings import WorkerSettings
+
+DRAFT_S, MODEL_S, LINK_S = 0.004, 0.015, 0.005
+
+
+def _slowed(runner: ModelRunner, seconds: float) -> ModelRunner:
+    """``runner`` whose every forward sleeps ``seconds`` first (a model of known cost)."""
+    compute: Callable[..., Any] = runner._compute  # type: ignore[attr-defined]
+
+    def slow(*args: Any) -> Any:
+        time.sleep(seconds)
+        return compute(*args)
+
+    runner._compute = slow  # type: ignore[attr-defined]
+    return runner
+
+
+class _Link(httpx.AsyncBaseTransport):
+    """Every request waits ``seconds`` before it reaches ``inner`` (an HTTP hop of known cost)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, seconds: float) -> None:
+        self.inner, self.seconds = inner, seconds
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(self.seconds)
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.fixture(scope="module")
+def runners() -> tuple[ModelRunner, ModelRunner]:
+    return _slowed(load_runner("tiny-random", "transformers"), DRAFT_S), _slowed(load_runner("tiny-random", "transformers"), MODEL_S)
+
+
+@pytest.mark.parametrize("spec", [
+    {"mode": "aggregate", "k": 8}, {"mode": "exact"}, {"mode": "autoregressive"}, {"mode": "tree"},
+], ids=lambda s: s["mode"])
+async def test_the_parts_add_up_to_the_round(runners: tuple[ModelRunner, ModelRunner], spec: dict[str, Any]) -> None:
+    draft, target = runners
+    draft.free_all()
+    target.free_all()
+    worker = create_worker(WorkerSettings(model="tiny-random", backend="transformers"), runner=target)
+    transport = _Link(Router({"w0": httpx.ASGITransport(app=worker)}), LINK_S)
+    config = gateway_config(workers=[{"url": "http://w0:1", "weight": 1.0}], speculative={"mode": "aggregate", "num_draft_tokens": 3})
+    app = create_app(config, draft_runner=draft, transport=transport)
+    body = {"model": "test-model", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 1.0, "seed": 3, "speculative": {**spec, "profile": True}}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=60) as client:
+            resp = await client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    block = resp.json()["usage"]["speculative"]
+    rounds = block["profile"]
+    assert len(rounds) == block["rounds"] >= 2
+    # what no part names is small (the median round: a busy machine may stall one)
+    assert statistics.median(r["parts_ms"]["other"] / r["round_ms"] for r in rounds) <= 0.1, rounds
+    for r in rounds:
+        parts = r["parts_ms"]
+        assert set(parts) == set(PARTS)
+        assert abs(sum(parts.values()) - r["round_ms"]) <= 0.01 + 1e-3 * r["round_ms"]
+        assert parts["worker_model"] >= 1e3 * MODEL_S * r["calls"] * 0.95, r
+        assert parts["http"] >= 1e3 * LINK_S * r["calls"] * 0.95, r
+        if spec["mode"] != "autoregressive":
+            assert parts["draft_model"] >= 1e3 * DRAFT_S * 0.95, r
+        else:
+            assert parts["draft_model"] == parts["draft_sampling"] == 0.0
+    # the bench's per-round figures (medians per part) still add up to its median round
+    figures = round_figures(rounds[1:] or rounds)
+    named = sum(v for k, v in figures["parts_ms"].items() if k != "other")
+    assert named == pytest.approx(figures["round_ms"], rel=0.1)
+    # the usage block's sums are the profile's
+    timing = block["timing_ms"]
+    assert timing["rounds"] == pytest.approx(sum(r["round_ms"] for r in rounds), abs=0.01 * len(rounds))
+    assert timing["worker_model"] == pytest.approx(sum(r["parts_ms"]["worker_model"] for r in rounds), abs=0.01 * len(rounds))
+
+
+def test_a_workers_server_timing_is_read_by_part() -> None:
+    parts = server_timing("codec;dur=0.250, queue;dur=1, model;dur=7.5, score;dur=0.8, total;dur=9.9")
+    assert parts == pytest.approx({"codec": 25e-5, "queue": 1e-3, "model": 7.5e-3, "scoring": 8e-4, "total": 9.9e-3})
+    assert server_timing("") == {}
+    assert server_timing("model;desc=x, junk, score;dur=abc, cpu;dur=3") == {}  # what it cannot read, it leaves out
