@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
@@ -31,21 +31,19 @@ class DraftClock:
         self.model_s = 0.0
         self.total_s = 0.0
 
-    @contextmanager
-    def model(self) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.model_s += time.perf_counter() - started
+    def model(self) -> AbstractContextManager[None]:
+        return self._adding("model_s")
+
+    def whole(self) -> AbstractContextManager[None]:
+        return self._adding("total_s")
 
     @contextmanager
-    def whole(self) -> Iterator[None]:
+    def _adding(self, name: str) -> Iterator[None]:
         started = time.perf_counter()
         try:
             yield
         finally:
-            self.total_s += time.perf_counter() - started
+            setattr(self, name, getattr(self, name) + time.perf_counter() - started)
 
     def parts(self) -> dict[str, float]:
         return {"draft_model": self.model_s, "draft_sampling": max(self.total_s - self.model_s, 0.0)}
