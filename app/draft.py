@@ -16,8 +16,8 @@ from contextlib import AbstractContextManager, contextmanager
 import torch
 
 from core.math.random import Purpose, sample_index, uniform, uniforms
-from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_ids, truncate
-from core.math.tree import ChildRule, TokenTree, TreeShape, sparse_rows
+from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_ids, truncate, truncated_support
+from core.math.tree import ChildRule, SparseRow, TokenTree, TreeShape, sparse_rows
 from core.runners import ModelRunner
 from core.runners.base import ForwardItem, common_prefix
 from core.runners.model_thread import ModelThread
@@ -121,23 +121,29 @@ class DraftModel:
             self.runner.crop(session_id, common)
             logits = self.runner.append(session_id, sequence[common:], 1)[0]
         draws = uniforms(seed, choice, list(range(len(sequence), len(sequence) + gamma)), Purpose.DRAFT_SAMPLE)
-        tokens, rows = [], []
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []  # dense q̂ rows, or
+        supports: list[SparseRow] = []  # truncated ones, sampled on their support (DESIGN §9)
         masked = suppression.rows(len(sequence), gamma) if suppression is not None else 0
+        truncating = not params.is_greedy and truncation != (0, 1.0)
         for j in range(gamma):
             if j < masked:
                 assert suppression is not None
                 logits = mask_ids(logits, torch.tensor(suppression.ids, dtype=torch.long))
             q = apply_sampling(logits[None], params)[0]
-            if not params.is_greedy and truncation != (0, 1.0):
-                q = truncate(q, *truncation)
-            token = int(torch.argmax(q)) if params.is_greedy else sample_index(q, float(draws[j]))
+            if truncating:
+                ids, probs = truncated_support(q, *truncation)
+                token = int(ids[sample_index(probs, float(draws[j]))])
+                supports.append((ids, probs))
+            else:
+                token = int(torch.argmax(q)) if params.is_greedy else sample_index(q, float(draws[j]))
+                rows.append(q)
             tokens.append(token)
-            rows.append(q)
             if token in self.runner.info.eos_ids or j == gamma - 1 or (cancel is not None and cancel.is_set()):
                 break
             with clock.model():
                 logits = self.runner.append(session_id, [token], 1)[0]
-        return TokenTree.chain(tokens, rows)
+        return TokenTree.chain(tokens, supports if truncating else rows)
 
 
     def _propose_tree(

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from clients.floors import BareServer, LlamaFloor, http_round_trip_ms, median
+from clients.floors import BareServer, DraftAlone, LlamaFloor, http_round_trip_ms, median
 from clients.procs import GatewayProcess, WorkerProcess
 from clients.prompts import PROMPTS
 from clients.report import progress, write_json
@@ -63,7 +63,8 @@ def bench_overhead(args: argparse.Namespace) -> int:
         prompt_ids = _prompt_ids(client, plan["prompts"][0])
         draft_floor = stack.enter_context(LlamaFloor("builtin-draft", threads, prompt_ids))
         worker_floor = stack.enter_context(LlamaFloor("builtin", threads, prompt_ids))
-        rows, floors = _run(plan, client, old, draft_floor, worker_floor, http_url)
+        alone = stack.enter_context(DraftAlone(threads, prompt_ids))
+        rows, floors = _run(plan, client, old, draft_floor, worker_floor, alone, http_url)
     results = {"setup": plan | {"threads": threads, "cpu_count": os.cpu_count(), "baseline": args.baseline}, "floors": floors, "cells": rows}
     print_table(results)
     write_json(args.json_path, results)
@@ -102,7 +103,9 @@ def _prompt_ids(client: httpx.Client, prompt: str) -> list[int]:
     return ids
 
 
-def _run(plan: dict[str, Any], client: httpx.Client, old: httpx.Client | None, draft_floor: LlamaFloor, worker_floor: LlamaFloor, http_url: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _run(
+    plan: dict[str, Any], client: httpx.Client, old: httpx.Client | None, draft_floor: LlamaFloor, worker_floor: LlamaFloor, alone: DraftAlone, http_url: str,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     specs = dict(CELLS)
     cells = [(name, t) for t in plan["temperatures"] for name in plan["cells"]]
     samples: dict[tuple[str, float], list[dict[str, Any]]] = {cell: [] for cell in cells}
@@ -122,6 +125,8 @@ def _run(plan: dict[str, Any], client: httpx.Client, old: httpx.Client | None, d
             left = (time.monotonic() - started) / done * (total - done)
             progress(f"[{done}/{total}] ~{left:.0f}s left  {name} T={t:g}: {samples[cell][-1]['tokens_per_s']:.1f} tok/s")
         floors["draft_step_ms"] += draft_floor.draft_step_ms(32)
+        for t, top_k in sorted({(t, _draft_top_k(name) if t > 0 else 0) for t in plan["temperatures"] for name in plan["cells"]}):
+            floors.setdefault(_alone_key(t, top_k), []).extend(alone.step_ms(t, top_k))
         _measure_floors(samples, floors, worker_floor, http_url)
     rows = [summarise(name, t, samples[(name, t)], baseline[(name, t)], floors) for name, t in cells]
     return rows, {key: median(values) for key, values in floors.items()}
@@ -189,10 +194,21 @@ def summarise(name: str, temperature: float, runs: list[dict[str, Any]], baselin
         if row["drafted_per_round"] and name != "tree":  # a tree's draft decodes per depth, not per node
             row["draft_floor_ms"] = median(floors["draft_step_ms"])
             row["draft_over_floor"] = row["draft_step_ms"] / row["draft_floor_ms"]
+            row["draft_alone_ms"] = median(floors.get(_alone_key(temperature, _draft_top_k(name)), []))
+            row["draft_alone_over_floor"] = row["draft_alone_ms"] / row["draft_floor_ms"]
     if baseline:
         row["baseline"] = {key: statistics.median(b[key] for b in baseline) for key in baseline[0]}
         row["ours_coarse"] = {key: statistics.median(coarse(s)[key] for s in runs) for key in baseline[0]}
     return row
+
+
+def _draft_top_k(cell: str) -> int:
+    """The draft truncation a cell runs with: exact's default, none elsewhere."""
+    return 32 if cell == "exact" else 0
+
+
+def _alone_key(temperature: float, top_k: int) -> str:
+    return f"draft_alone_ms@T{temperature:g}" + (f"k{top_k}" if top_k and temperature > 0 else "")
 
 
 def round_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -229,11 +245,13 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"{r['mode']:<16}{r['temperature']:>3g}{r['round_ms']:>7.1f}" + "".join(f"{r['parts_ms'][p]:>8.2f}" for p in shown)
               + f"{r['outside_models_ms']:>8.2f}{r['api_ms_per_round']:>6.1f}")
     print(f"\nfloors (same run): draft step (llama.cpp decode + top-k sampler) {floors['draft_step_ms']:.2f} ms; "
-          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(floors.items()) if k != "draft_step_ms"))
-    print(f"{'mode':<16}{'T':>3}{'draft step':>11}{'floor':>7}{'×':>6}{'worker':>8}{'floor':>7}{'×':>6}{'http':>7}{'floor':>7}{'outside ≤ 2 ms':>16}")
+          + ", ".join(f"{k} {v:.2f}" for k, v in sorted(floors.items()) if k != "draft_step_ms" and not k.startswith("draft_alone")))
+    print("draft step: in the gateway beside the worker, and alone (our DraftModel in the bench's process, the servers idle)")
+    print(f"{'mode':<16}{'T':>3}{'draft step':>11}{'alone':>7}{'floor':>7}{'×':>6}{'×alone':>7}{'worker':>8}{'floor':>7}{'×':>6}{'http':>7}{'floor':>7}{'outside ≤ 2 ms':>16}")
     for r in results["cells"]:
         worker = r["parts_ms"]["worker_model"] + r["parts_ms"]["worker_scoring"]
-        draft = f"{r['draft_step_ms']:>11.2f}{r['draft_floor_ms']:>7.2f}{r['draft_over_floor']:>6.2f}" if "draft_floor_ms" in r else f"{'':>24}"
+        draft = (f"{r['draft_step_ms']:>11.2f}{r['draft_alone_ms']:>7.2f}{r['draft_floor_ms']:>7.2f}{r['draft_over_floor']:>6.2f}{r['draft_alone_over_floor']:>7.2f}"
+                 if "draft_floor_ms" in r else f"{'':>38}")
         met = "yes" if r["outside_models_ms"] <= GOAL_OUTSIDE_MS else "no"
         print(f"{r['mode']:<16}{r['temperature']:>3g}{draft}{worker:>8.2f}{r.get('worker_floor_ms', float('nan')):>7.2f}{r.get('worker_over_floor', float('nan')):>6.2f}"
               f"{r['parts_ms']['http']:>7.2f}{r.get('http_floor_ms', float('nan')):>7.2f}{met:>16}")

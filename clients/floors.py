@@ -20,14 +20,17 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
 
 from clients.procs import ServerProcess, free_port
 from core.runners.llama_cpp_tools import quiet_llama_cpp
+from core.runners.model_thread import ModelThread
 from core.runners.models import resolve_model
+
+T = TypeVar("T")
 
 _CONTEXT = 1024
 _DECODE_TOKENS = 32  # as the runner: never a decode of 64 or more
@@ -127,6 +130,65 @@ class LlamaFloor:
 
     def _trim(self, length: int) -> None:
         self.api.llama_memory_seq_rm(self.ctx.memory, 0, length, -1)
+
+
+class DraftAlone:
+    """Our own draft — ``app.draft.DraftModel``: the runner and our sampling — in this process,
+    alone on the cores (the bench's servers sit idle meanwhile): a draft step without the
+    worker's process beside it, to set against the step inside the gateway and against
+    llama.cpp's floor. Its runner is called on the calling thread, the floors' thread: one
+    OpenMP team for every llama.cpp call of the process (``core.runners.model_thread``).
+
+    Usage: ``with DraftAlone(threads=2, prompt=ids) as d: d.step_ms(temperature=1.0, top_k=32)``
+    """
+
+    def __init__(self, threads: int, prompt: list[int]) -> None:
+        from app.draft import DraftModel
+        from core.runners import load_runner
+
+        self.prompt = list(prompt)
+        self.draft = DraftModel(load_runner("builtin-draft", threads=threads), _CallingThread())
+
+    def __enter__(self) -> DraftAlone:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.draft.runner.close()
+
+    def step_ms(self, temperature: float, top_k: int = 0, gamma: int = 8, repeats: int = 3) -> list[float]:
+        """ms per drafted token of ``repeats`` drafts of ``gamma`` after the prompt (its prefill
+        done first, then each draft re-feeds the prompt's last token, as a round's catch-up does)."""
+        from core.math.sampling import SamplingParams
+
+        params = SamplingParams(temperature)
+
+        async def drafts() -> list[float]:
+            await self.draft.propose("alone", self.prompt, 1, params, 0, 0, (top_k, 1.0))
+            times = []
+            for seed in range(repeats):
+                timing: dict[str, float] = {}
+                draft = await self.draft.propose("alone", self.prompt, gamma, params, seed, 0, (top_k, 1.0), timing=timing)
+                times.append(sum(timing.values()) * 1e3 / max(len(draft), 1))
+            await self.draft.free("alone")
+            return times
+
+        return asyncio.run(drafts())
+
+
+class _CallingThread(ModelThread):
+    """A ``ModelThread`` that runs each call where it is made (for ``DraftAlone``)."""
+
+    def __init__(self) -> None:
+        pass
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+    def close(self) -> None:
+        pass
 
 
 # --------------------------------------------------------------------------- HTTP

@@ -27,21 +27,25 @@ def compress_top_k(
     """
     if not 0 < k <= probs.shape[-1]:
         raise ValueError(f"k must lie in [1, {probs.shape[-1]}], got {k}")
-    kept = top_k_mask(probs, k)
-    ids = kept.nonzero()[:, 1].view(probs.shape[0], k)  # [num_positions, k], ascending ids
+    kept, ids = top_k_entries(probs, k)  # [num_positions, V] mask, [num_positions, k] ascending ids
     values = probs.gather(-1, ids)
     values, order = torch.sort(values, dim=-1, descending=True, stable=True)  # ties keep id order
     tail = probs.masked_fill(kept, 0).sum(dim=-1, dtype=torch.float64).float()
     return TopK(ids=ids.gather(-1, order), probs=values.float(), tail_mass=tail)
 
 
-def top_k_mask(
+def top_k_entries(
     probs: torch.Tensor,  # [num_positions, V]
     k: int,
-) -> torch.Tensor:  # [num_positions, V] bool, exactly k True per row
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_positions, V] bool, exactly k True per row; [num_positions, k] their ids, ascending
     """The k largest entries of each row, ties at the threshold broken to the lowest id."""
-    threshold = torch.topk(probs, k, dim=-1).values[:, -1:]
+    top = torch.topk(probs, k, dim=-1)
+    threshold = top.values[:, -1:]
+    if bool(((probs >= threshold).sum(dim=-1) == k).all()):  # no tie at any threshold: topk's are the ones
+        ids = torch.sort(top.indices, dim=-1).values
+        return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, ids, True), ids
     above = probs > threshold
     tied = probs == threshold
     room = k - above.sum(dim=-1, keepdim=True)
-    return above | (tied & (torch.cumsum(tied, dim=-1) <= room))
+    kept = above | (tied & (torch.cumsum(tied, dim=-1) <= room))
+    return kept, kept.nonzero()[:, 1].view(probs.shape[0], k)

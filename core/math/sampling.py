@@ -88,6 +88,35 @@ def truncate(
     return torch.softmax(logits, dim=-1)
 
 
+def truncated_support(
+    probs: torch.Tensor,  # [V]: a distribution to sparsify (the draft's T(q), TSLT)
+    top_k: int = 0,  # keep the k most likely (0 = off)
+    top_p: float = 1.0,  # keep the smallest nucleus of mass ≥ top_p (1 = off)
+) -> tuple[torch.Tensor, torch.Tensor]:  # [s] long ascending ids, [s] float64 probs summing to 1
+    """``truncate`` on the support alone (DESIGN §9): the same ids, the same ties, the
+    probabilities renormalised over the kept entries only — equal to ``truncate``'s up to the
+    last bits of the float64 sum — with no full-vocabulary log, sort or softmax when ``top_k``
+    is set. The draft samples from these, so lossless stays lossless."""
+    ids = None
+    if 0 < top_k < probs.shape[-1]:
+        top = torch.topk(probs, top_k)
+        threshold = top.values[-1]  # log is monotone: truncate's threshold
+        if threshold > 0 and int((probs >= threshold).sum()) == top_k:  # no tie at the threshold
+            ids = torch.sort(top.indices).values
+        else:
+            ids = ((probs >= threshold) & (probs > 0)).nonzero()[:, 0]
+    if ids is None:
+        ids = (probs > 0).nonzero()[:, 0]
+    logits = torch.log(probs[ids].double())
+    if top_p < 1:
+        logits = mask_top_p(logits[None], top_p)[0]
+    out = torch.softmax(logits, dim=-1)
+    if top_p < 1:
+        inside = out > 0
+        ids, out = ids[inside], out[inside]
+    return ids, out
+
+
 # ----------------------------------------------------------------------------- min_tokens
 
 

@@ -30,6 +30,7 @@ y_n ~ p_n(· | x ∉ S_v). At a leaf the worker sent y_n ~ p_n (S_v empty), chos
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from enum import StrEnum
@@ -39,6 +40,9 @@ import torch
 from core.math.aggregation import normalise_weights
 from core.math.random import sample_index
 from core.math.speculative import acceptance_probs, argmax_lowest, residual
+
+
+SparseRow = tuple[torch.Tensor, torch.Tensor]  # [s] long ids (ascending), [s] probs: one distribution's support
 
 
 class ChildRule(StrEnum):
@@ -129,16 +133,14 @@ class TokenTree:
     def chain(
         cls,
         tokens: list[int],  # [γ]
-        q: list[torch.Tensor] | torch.Tensor,  # γ × [V]: q̂_j each x_j was drawn from (0 off its support)
+        q: Sequence[torch.Tensor | SparseRow] | torch.Tensor,  # γ × ([V] dense, 0 off its support; or (ids, probs)): q̂_j each x_j was drawn from
     ) -> TokenTree:
-        """The chain as a tree: node j's parent is j − 1; q̂_j is row j (the last node has none)."""
+        """The chain as a tree: node j's parent is j − 1; q̂_j is row j (the last node has none).
+        Rows come dense or already sparse (the draft's truncated supports), not mixed."""
         gamma = len(tokens)
         rows = list(q[:gamma])
-        ids, probs = sparse_rows(rows)
-        pad_ids = torch.full((1, ids.shape[1]), -1, dtype=torch.long)
-        pad = torch.zeros(1, ids.shape[1], dtype=probs.dtype)
-        tree_ids, tree_probs = (torch.cat([ids, pad_ids]), torch.cat([probs, pad])) if rows else (pad_ids, pad)
-        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(gamma) - 1, tree_ids, tree_probs, ChildRule.SAMPLED)
+        ids, probs = pad_rows(rows, extra=1) if rows and isinstance(rows[0], tuple) else sparse_rows(rows, extra=1)  # type: ignore[arg-type]
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(gamma) - 1, ids, probs, ChildRule.SAMPLED)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -187,9 +189,14 @@ class TokenTree:
 
     def q_of(self, node: int) -> float:
         """q̂(x) of ``node``'s token x under its parent's q̂ (what it was drawn from)."""
-        ids, probs = self.support(int(self.parents[node]))
-        match = (ids == self.tokens[node]).nonzero()
-        return float(probs[int(match[0, 0])]) if len(match) else 0.0
+        return float(self.q_values()[node])
+
+    def q_values(self) -> torch.Tensor:  # [n] in q_probs' dtype: q_of of every node, in one pass (pads, −1, match no token)
+        n = len(self)
+        ids, probs = (self.q_ids[:n], self.q_probs[:n]) if self.is_chain else (self.q_ids[self.parents + 1], self.q_probs[self.parents + 1])
+        hits = ids == self.tokens[:, None]
+        at = hits.to(torch.uint8).argmax(dim=1, keepdim=True)
+        return torch.where(hits.any(dim=1), probs.gather(1, at)[:, 0], torch.zeros((), dtype=probs.dtype))
 
     def depths(self) -> torch.Tensor:  # [n] long: 1 for the root's children; position = agreed length + depth − 1
         return torch.tensor(self._depth_list, dtype=torch.long)
@@ -238,24 +245,43 @@ class TokenTree:
 
 def sparse_rows(
     rows: list[torch.Tensor],  # m × [V]: distributions, 0 off their supports
-) -> tuple[torch.Tensor, torch.Tensor]:  # [m, s] long ids (ascending, −1 pads), [m, s] probs in the rows' dtype
+    extra: int = 0,  # empty rows (all pads) after them
+) -> tuple[torch.Tensor, torch.Tensor]:  # [m + extra, s] long ids (ascending, −1 pads), [m + extra, s] probs in the rows' dtype
     """Dense rows as ids + probabilities of their supports, padded to the widest (one pass over
     all rows: a full row costs a copy, not a search)."""
     if not rows:
-        return torch.full((0, 1), -1, dtype=torch.long), torch.zeros(0, 1, dtype=torch.float32)
+        return torch.full((extra, 1), -1, dtype=torch.long), torch.zeros(extra, 1, dtype=torch.float32)
     dense = torch.stack(rows)
     dtype = dense.dtype if dense.is_floating_point() else torch.float32
+    if bool(dense.min() > 0):  # every row has full support (one reduction, no mask)
+        width = dense.shape[1]
+        ids = torch.arange(width).repeat(len(rows) + extra, 1)
+        ids[len(rows):] = -1
+        return ids, torch.cat([dense.to(dtype), dense.new_zeros(extra, width, dtype=dtype)])
     mask = dense != 0
     counts = mask.sum(dim=1)
     width = max(int(counts.max()), 1)
-    if width == dense.shape[1] and bool(mask.all()):  # every row has full support
-        return torch.arange(width).expand(len(rows), width).clone(), dense.to(dtype)
     row, col = mask.nonzero(as_tuple=True)  # by row, then ascending id
     slot = torch.arange(row.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-    ids = torch.full((len(rows), width), -1, dtype=torch.long)
-    probs = torch.zeros(len(rows), width, dtype=dtype)
+    ids = torch.full((len(rows) + extra, width), -1, dtype=torch.long)
+    probs = torch.zeros(len(rows) + extra, width, dtype=dtype)
     ids[row, slot] = col
     probs[row, slot] = dense[row, col].to(dtype)
+    return ids, probs
+
+
+def pad_rows(
+    rows: list[SparseRow],  # m × (ids, probs): supports already sparse
+    extra: int = 0,  # empty rows (all pads) after them
+) -> tuple[torch.Tensor, torch.Tensor]:  # [m + extra, s] long ids (−1 pads), [m + extra, s] probs in the rows' dtype
+    """Sparse rows padded to the widest, as ``sparse_rows`` lays them out."""
+    width = max([1, *(len(ids) for ids, _ in rows)])
+    dtype = rows[0][1].dtype if rows else torch.float32
+    ids = torch.full((len(rows) + extra, width), -1, dtype=torch.long)
+    probs = torch.zeros(len(rows) + extra, width, dtype=dtype)
+    for i, (row_ids, row_probs) in enumerate(rows):
+        ids[i, : len(row_ids)] = row_ids
+        probs[i, : len(row_ids)] = row_probs
     return ids, probs
 
 

@@ -20,7 +20,7 @@ class SplitStrategy(Strategy):
     async def verify(self, rnd: Round) -> RoundResult:
         req, spec, draft = rnd.req, rnd.req.spec, rnd.draft
         gamma = len(draft)
-        q_draft = np.array([draft.q_of(j) for j in range(gamma)], dtype=np.float32)
+        q_draft = draft.q_values().numpy().astype(np.float32)
         resp = (await rnd.call(mode=Mode.SPLIT.value, k=spec.k, draft_probs=q_draft, logprobs=req.top_logprobs))[0]
         accepted, result_bound = resp.num_accepted, []
         if accepted == gamma or req.params.is_greedy:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.math.compression import compress_top_k
+from core.math.compression import compress_top_k, top_k_entries
 
 
 def test_top_k_ids_probs_and_tail() -> None:
@@ -53,3 +53,19 @@ def test_matches_a_stable_full_sort_on_random_rows() -> None:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
         assert torch.equal(top.ids, order[:, :k])
         assert torch.equal(top.probs, sorted_probs[:, :k])
+
+
+def test_top_k_entries_without_ties_equal_the_tie_breaking_rule() -> None:
+    """The fast path (no tie at the threshold: topk's ids) and the rule (ties to the lowest ids)
+    give the same mask and ids, row by row, with ties in some rows and not in others."""
+    generator = torch.Generator().manual_seed(8)
+    probs = torch.softmax(torch.randn(4, 2000, generator=generator) * 3, -1)
+    probs[1, 10:30] = probs[1].max()  # a tied block in one row only
+    for k in (1, 5, 20, 64):
+        kept, ids = top_k_entries(probs, k)
+        threshold = torch.sort(probs, dim=-1, descending=True).values[:, k - 1 : k]
+        above, tied = probs > threshold, probs == threshold
+        rule = above | (tied & (torch.cumsum(tied, dim=-1) <= k - above.sum(-1, keepdim=True)))
+        assert torch.equal(kept, rule)
+        assert torch.equal(ids, rule.nonzero()[:, 1].view(4, k))
+        assert torch.equal(top_k_entries(probs[[0]], k)[1], ids[[0]])  # the no-tie path alone

@@ -9,7 +9,7 @@ import torch
 
 from core.math.aggregation import aggregate, kept_weights
 from core.math.random import sample_index, sample_rows
-from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_top_k, mask_top_p, suppress
+from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_top_k, mask_top_p, suppress, truncate, truncated_support
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
 
@@ -129,3 +129,29 @@ def test_sample_rows_draws_what_sample_index_draws_row_by_row() -> None:
     u = torch.rand(24, generator=g, dtype=torch.float64)
     u[3] = 1.0 - 2**-53
     assert sample_rows(probs, u).tolist() == [sample_index(row, float(v)) for row, v in zip(probs, u)]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (3, 1.0), (32, 1.0), (50, 0.9), (0, 0.8), (32, 0.5)])
+def test_the_truncated_support_equals_truncate_on_its_support(top_k: int, top_p: float) -> None:
+    """The draft samples on the support alone (DESIGN §9): the same ids as the dense
+    ``truncate`` — ties at the threshold kept, zeros left out — and its probabilities up to the
+    last bits of the float64 sum; the same token for the same draw."""
+    generator = torch.Generator().manual_seed(5)
+    for case in range(12):
+        logits = torch.randn(1, 3000, generator=generator) * (1 + case % 4)
+        if case % 3 == 0:
+            logits[0, :40] = logits[0, 0]  # a block of ties, at the threshold or above it
+        probs = apply_sampling(logits, SamplingParams(1.0, top_k=[0, 5, 60][case % 3]))[0]
+        dense = truncate(probs, top_k, top_p)
+        ids, kept = truncated_support(probs, top_k, top_p)
+        assert torch.equal(ids, (dense > 0).nonzero()[:, 0])
+        assert kept.dtype == torch.float64
+        torch.testing.assert_close(kept, dense[ids], rtol=1e-12, atol=0)
+        for u in (0.0, 0.31, 0.999):
+            assert int(ids[sample_index(kept, u)]) == sample_index(dense, u)
+
+
+def test_the_truncated_support_of_a_row_with_fewer_entries_than_k() -> None:
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5])
+    ids, kept = truncated_support(probs, top_k=3)
+    assert ids.tolist() == [1, 3] and kept.tolist() == [0.5, 0.5]

@@ -213,3 +213,27 @@ def test_the_walk_emits_the_target_chi_square(rule: ChildRule, widths: tuple[int
 def test_negative_control_the_walk_with_algorithm_5_on_fixed_children_is_rejected() -> None:
     """Fixed top-2 children verified as if they were sampled (TSLT's Algorithm 5): rejected."""
     assert _pvalue(ChildRule.FIXED, (2, 2), verified=ChildRule.SAMPLED) < SIGNIFICANCE
+
+
+def test_q_values_are_q_of_each_node_in_chains_and_trees() -> None:
+    """q̂(x) of every node's token under its parent's q̂, in one pass: full rows, sparse rows
+    with pads, and a token outside its parent's support (0)."""
+    generator = torch.Generator().manual_seed(4)
+    full = [torch.softmax(torch.randn(50, generator=generator), -1) for _ in range(3)]
+    chain = TokenTree.chain([4, 9, 17], full)
+    assert chain.q_values().tolist() == [float(full[j][t]) for j, t in enumerate([4, 9, 17])]
+    sparse = [truncate(row, 5) for row in full]
+    outside = int((sparse[1] == 0).nonzero()[0, 0])
+    tree = TokenTree.chain([int(sparse[0].argmax()), outside, int(sparse[2].argmax())], sparse)
+    assert tree.q_values().tolist() == [float(sparse[0].max()), 0.0, float(sparse[2].max())]
+    ids, probs = sparse_rows([sparse[0], sparse[1], sparse[2]])
+    branched = TokenTree(torch.tensor([3, 7, 8]), torch.tensor([-1, -1, 0]), torch.cat([ids, torch.full((1, ids.shape[1]), -1)]), torch.cat([probs, torch.zeros(1, probs.shape[1], dtype=probs.dtype)]))
+    expected = [float(sparse[0][3]), float(sparse[0][7]), float(sparse[1][8])]
+    assert branched.q_values().tolist() == expected == [branched.q_of(n) for n in range(3)]
+
+
+def test_a_chain_of_sparse_rows_lays_out_as_one_of_dense_rows() -> None:
+    rows = [truncate(torch.softmax(torch.randn(40), -1), k) for k in (3, 7)]
+    dense = TokenTree.chain([1, 2], rows)
+    supports = TokenTree.chain([1, 2], [((row > 0).nonzero()[:, 0], row[row > 0]) for row in rows])
+    assert torch.equal(dense.q_ids, supports.q_ids) and torch.equal(dense.q_probs, supports.q_probs)
