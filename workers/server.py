@@ -1,16 +1,16 @@
 """The worker's FastAPI app (protocol v1, DESIGN §4). Route handlers parse, call, return;
-errors leave in the OpenAI envelope. Model calls run in a thread, one at a time, so
-``/health`` answers while a verify is running."""
+errors leave in the OpenAI envelope. Verify calls are batched into steps by the
+``VerifyScheduler`` (workers/scheduler.py), each step one forward on the model thread, so
+``/health`` answers while a step is running."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request, Response
@@ -32,8 +32,10 @@ from core.protocol import (
     encode_json,
 )
 from core.runners import ModelRunner, load_runner
+from core.runners.base import ForwardItem
 from core.runners.model_thread import ModelThread
 from core.serving import Guard
+from workers.scheduler import VerifyScheduler
 from workers.scoring import score, tree_item
 from workers.sessions import SessionStore
 from workers.settings import WorkerSettings
@@ -48,10 +50,13 @@ class WorkerState:
     settings: WorkerSettings
     runner: ModelRunner
     sessions: SessionStore
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     thread: ModelThread = field(default_factory=ModelThread)  # every runner call (core.runners.model_thread)
+    scheduler: VerifyScheduler = field(init=False)  # every call that touches the runner, in steps
     counters: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # see _WorkerCollector
     errors: Counter[str] = field(default_factory=Counter)  # refused calls, by error code
+
+    def __post_init__(self) -> None:
+        self.scheduler = VerifyScheduler(self, self.settings.max_batch_tokens)
 
     @classmethod
     def build(cls, settings: WorkerSettings, runner: ModelRunner, thread: ModelThread | None = None) -> WorkerState:
@@ -81,33 +86,67 @@ class WorkerState:
         )
 
     def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
-        """Crop, append, score: the body of ``POST /v1/verify`` (runs in a thread). ``timing``
-        gets the milliseconds of the model and of the scoring (``Server-Timing``)."""
+        """Crop, append, score: the body of ``POST /v1/verify`` for one call alone (runs on the
+        model thread). ``timing`` gets the milliseconds of the model and of the scoring."""
+        answer = self.verify_batch([req], [timing if timing is not None else {}])[0]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def verify_batch(self, reqs: list[VerifyRequest], timings: list[dict[str, float]]) -> list[Any]:
+        """One scheduler step (runs on the model thread): the calls of distinct sessions checked
+        and cropped one by one, then **one** runner forward over all of them, then each scored.
+        Per call its ``VerifyResponse``, or the exception it alone fails with (a prefix that
+        does not match, a malformed tree, …); its batch-mates are served. Each call's
+        ``model_ms`` is the step's forward; ``batch_sessions`` how many calls shared it."""
+        answers: list[Any] = [None] * len(reqs)
+        items, order = [], []
+        for i, req in enumerate(reqs):
+            try:
+                items.append(self._prepare(req))
+                order.append(i)
+            except Exception as exc:  # noqa: BLE001 - this call's answer
+                answers[i] = exc
+        started = time.perf_counter()
+        try:
+            outputs = self.runner.forward_each([item for item, _ in items]) if items else []
+        finally:
+            for i in order:
+                self.sessions.touch(reqs[i].session_id)
+            for i in order:
+                self.sessions.evict(keep=reqs[i].session_id)
+        model_ms = (time.perf_counter() - started) * 1e3
+        self.counters["model_seconds"] += model_ms / 1e3
+        self.counters["steps"] += 1
+        for (item, scored_tokens), i, logits in zip(items, order, outputs):
+            if isinstance(logits, Exception):
+                answers[i] = logits
+                continue
+            req = reqs[i]
+            self.counters["positions_scored"] += len(req.draft) + 1
+            scored = time.perf_counter()
+            try:
+                resp = score(logits[scored_tokens:], req, self.runner.length(req.session_id), model_ms, logits[:scored_tokens] if req.score_tokens else None)
+                answers[i] = replace(resp, batch_sessions=len(items)) if len(items) > 1 else resp
+            except Exception as exc:  # noqa: BLE001 - this call's answer
+                answers[i] = exc
+            timings[i]["model"], timings[i]["score"] = model_ms, (time.perf_counter() - scored) * 1e3
+        return answers
+
+    def _prepare(self, req: VerifyRequest) -> tuple[ForwardItem, int]:
+        """Check a call and crop its session: the item it forwards, and how many of its logits
+        rows score its own tokens (echo) before the γ+1 decided positions."""
         self.check_limits(req)
         if req.path is not None:  # v1.1: the previous tree's accepted path becomes agreed tokens (hash checked there)
             self.sessions.keep_path(req.session_id, req.prefix_len, req.prefix_hash, req.path.tolist())
         else:
             self.sessions.check_prefix(req.session_id, req.prefix_len, req.prefix_hash)
         self.runner.crop(req.session_id, req.prefix_len)
-        started = time.perf_counter()
         scored_tokens = max(len(req.tokens) - 1, 0) if req.score_tokens else 0  # echo: the prompt's own rows too
-        try:
-            if req.parents is not None:  # a tree: the root's and every node's row in one forward
-                logits = self.runner.forward([tree_item(req, self.runner.tokens(req.session_id))])[0]
-            else:
-                logits = self.runner.append(req.session_id, [*req.tokens.tolist(), *req.draft.tolist()], len(req.draft) + 1 + scored_tokens)
-        finally:
-            self.sessions.touch(req.session_id)
-            self.sessions.evict(keep=req.session_id)
-        model_ms = (time.perf_counter() - started) * 1e3
-        self.counters["positions_scored"] += len(req.draft) + 1
-        self.counters["model_seconds"] += model_ms / 1e3
-        held = self.runner.length(req.session_id)
-        scored = time.perf_counter()
-        resp = score(logits[scored_tokens:], req, held, model_ms, logits[:scored_tokens] if req.score_tokens else None)
-        if timing is not None:
-            timing["model"], timing["score"] = model_ms, (time.perf_counter() - scored) * 1e3
-        return resp
+        if req.parents is not None:  # a tree: the root's and every node's row in one forward
+            return tree_item(req, self.runner.tokens(req.session_id)), scored_tokens
+        tokens = [*req.tokens.tolist(), *req.draft.tolist()]
+        return self.runner.append_item(req.session_id, tokens, len(req.draft) + 1 + scored_tokens), scored_tokens
 
     def check_limits(self, req: VerifyRequest) -> None:
         check_verify_request(req, self.runner.info.vocab_size)
@@ -138,10 +177,12 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thre
         log.info("worker ready: %s on %s", settings.model, settings.backend.value)
         yield
         state: WorkerState | None = getattr(app.state, "worker", None)
-        if state is not None and runner is None:
-            async with state.lock:
-                await state.thread.run(state.runner.close)
-            state.thread.close()
+        if state is not None:
+            if runner is None:
+                await state.scheduler.exclusive(state.runner.close)
+            await state.scheduler.close()
+            if runner is None:
+                state.thread.close()
 
     app = FastAPI(title="specgate worker", lifespan=lifespan)
     if runner is not None:
@@ -179,9 +220,7 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         req = decode(VerifyRequest, body, request.headers.get("content-type"))
         decoded = time.perf_counter()
         timing: dict[str, float] = {}
-        async with state.lock:
-            locked = time.perf_counter()
-            resp = await state.thread.run(state.verify, req, timing)
+        resp = await state.scheduler.verify(req, timing)
         encoding = time.perf_counter()
         as_json = JSON_CONTENT_TYPE in request.headers.get("accept", "")
         payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=as_json)
@@ -189,14 +228,14 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         state.counters["bytes_in"] += len(body)
         state.counters["bytes_out"] += len(payload)
         done = time.perf_counter()
-        timing.update(codec=(decoded - started + done - encoding) * 1e3, queue=(locked - decoded) * 1e3, total=(done - started) * 1e3)
+        queue = (encoding - decoded) * 1e3 - timing.get("model", 0.0) - timing.get("score", 0.0)  # waiting for its step, and the batch-mates' scoring
+        timing.update(codec=(decoded - started + done - encoding) * 1e3, queue=max(queue, 0.0), total=(done - started) * 1e3)
         return Response(payload, media_type=content_type, headers={"server-timing": server_timing(timing)})
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def delete_session(session_id: str, request: Request) -> Response:
         state = _state(request)
-        async with state.lock:
-            await state.thread.run(state.sessions.free, session_id)
+        await state.scheduler.exclusive(state.sessions.free, session_id)  # after the step in progress
         return Response(status_code=204)
 
     @app.get("/metrics")

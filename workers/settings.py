@@ -23,6 +23,7 @@ class WorkerSettings(BaseSettings):
     session_ttl_s: float = Field(default=600.0, gt=0)  # idle sessions are dropped after this
     max_body_bytes: int = Field(default=8 * 2**20, gt=0)  # larger request bodies get a 413
     max_draft: int = Field(default=64, gt=0)  # draft tokens one verify call may carry
+    max_batch_tokens: int = Field(default=256, gt=0)  # new tokens one scheduler step feeds the model, all its calls together (one call always goes)
     threads: int | None = Field(default=None, gt=0)  # CPU threads of the model; None = every core
     token: str | None = None  # SPECGATE_WORKER_TOKEN: /v1/* requires 'Authorization: Bearer <token>'
     drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, open calls get this long

@@ -140,7 +140,8 @@ class VerifyResponse(Message):
     complement: np.ndarray | None = None  # [γ] f32, exact: c_n = Σ_{x∉S_j} p_n(x), summed directly
     complement_samples: np.ndarray | None = None  # [γ] i32, exact: y_n ~ p_n(· | x ∉ S_j); −1 if c_n = 0
     probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of ``probs``
-    model_ms: float = 0.0  # milliseconds the worker spent in its model for this call
+    model_ms: float = 0.0  # milliseconds the worker spent in its model for this call (the scheduler step's forward)
+    batch_sessions: int = 1  # calls that shared that forward (the worker's VerifyScheduler)
     # only when the request asks for ``logprobs`` (every value a natural log of T(p_n)):
     draft_logprobs: np.ndarray | None = None  # [γ] f32, split: of each draft token at its position
     sample_logprobs: np.ndarray | None = None  # exact: [γ+1] f32, of y_n per draft position (0 where none) then z_n; split: [1], of the bonus

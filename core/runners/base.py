@@ -146,6 +146,17 @@ class ModelRunner(ABC):
         """Append each item's rows; per item, fp32 logits ``[len(logits_at), V]``."""
         return [self._forward_item(item) for item in items]
 
+    def forward_each(self, items: Sequence[ForwardItem]) -> list[torch.Tensor | Exception]:
+        """``forward`` of items of distinct sessions, where one item's failure is its own: per
+        item its logits, or the exception that left its session as it was before the call."""
+        out: list[torch.Tensor | Exception] = []
+        for item in items:
+            try:
+                out.append(self._forward_item(item))
+            except Exception as exc:  # noqa: BLE001 - handed to the item's caller
+                out.append(exc)
+        return out
+
     def keep(self, session_id: str, rows: Sequence[int]) -> None:
         """Compact the session to ``rows``: increasing, from row 0, each the child of the one
         before (a prefix, or a prefix plus a tree path). They become a plain chain."""
@@ -186,6 +197,10 @@ class ModelRunner(ABC):
 
         ``num_logits`` may exceed ``len(tokens)``: earlier held positions are fed again.
         """
+        return self._forward_item(self.append_item(session_id, tokens, num_logits))
+
+    def append_item(self, session_id: str, tokens: list[int], num_logits: int) -> ForwardItem:
+        """The ``ForwardItem`` that ``append`` forwards (for a batch of several sessions)."""
         held = self.tokens(session_id)
         total = len(held) + len(tokens)
         if not 0 < num_logits <= total:
@@ -195,7 +210,7 @@ class ModelRunner(ABC):
             raise ValueError(f"session {session_id!r} holds tree rows: keep a path before appending a chain")
         prefix = min(len(held), total - num_logits)
         new = held[prefix:] + [int(t) for t in tokens]
-        return self._forward_item(ForwardItem(session_id, prefix, new, logits_at=list(range(len(new) - num_logits, len(new)))))
+        return ForwardItem(session_id, prefix, new, logits_at=list(range(len(new) - num_logits, len(new))))
 
     def crop(self, session_id: str, length: int) -> None:
         """Keep the first ``length`` rows of the session (and their KV entries)."""

@@ -316,10 +316,10 @@ class _BlockingRunner:
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def append(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def forward_each(self, *args: Any, **kwargs: Any) -> list[torch.Tensor | Exception]:
         self.entered.set()
         self.release.wait(timeout=10)
-        return self._inner.append(*args, **kwargs)
+        return self._inner.forward_each(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -329,8 +329,11 @@ async def test_health_answers_while_a_verify_runs(tiny_runner: ModelRunner) -> N
     blocking = _BlockingRunner(tiny_runner)
     async with await _client(blocking) as client:  # type: ignore[arg-type]
         pending = asyncio.create_task(_scores(client, _request("slow", [], PROMPT, [1])))
-        while not blocking.entered.is_set():
+        for _ in range(500):
+            if blocking.entered.is_set():
+                break
             await asyncio.sleep(0.01)
+        assert blocking.entered.is_set(), "the verify never reached the model"
         started = time.monotonic()
         assert (await client.get("/health")).status_code == 200
         assert time.monotonic() - started < 1.0

@@ -1,0 +1,144 @@
+"""The worker's VerifyScheduler on tiny-random in-process (httpx.ASGITransport): concurrent
+sessions share steps and get what they get one at a time; a bad call fails alone; a step keeps
+its token budget; DELETE waits for the step in progress."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from core.protocol import VerifyRequest, VerifyResponse, decode, encode
+from core.runners import ModelRunner
+from workers.server import create_app
+from workers.settings import WorkerSettings
+
+V = 49152
+PROMPT = [504, 3458, 28, 638, 359, 346, 1485, 1834, 47, 378, 253, 1097]
+
+
+class _GatedRunner:
+    """Wraps a runner so the first step waits at a gate: the calls sent meanwhile queue up and
+    go together in the next step."""
+
+    def __init__(self, inner: ModelRunner) -> None:
+        self._inner = inner
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def forward_each(self, *args: Any, **kwargs: Any) -> list[torch.Tensor | Exception]:
+        self.entered.set()
+        self.gate.wait(timeout=10)
+        return self._inner.forward_each(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _app(runner: Any, **overrides: Any) -> Any:
+    return create_app(WorkerSettings(model="tiny-random", backend="transformers", **overrides), runner=runner)
+
+
+async def _post(client: httpx.AsyncClient, req: VerifyRequest) -> httpx.Response:
+    body, content_type = encode(req, V)
+    return await client.post("/v1/verify", content=body, headers={"content-type": content_type, "accept": content_type})
+
+
+def _answer(resp: httpx.Response) -> VerifyResponse:
+    assert resp.status_code == 200, resp.text
+    return decode(VerifyResponse, resp.content, resp.headers["content-type"])
+
+
+def _calls() -> list[VerifyRequest]:
+    """8 sessions of mixed lengths: chains with drafts of 0–4 tokens, and two trees."""
+    calls = []
+    for i in range(8):
+        prompt = PROMPT[: 4 + i]
+        if i in (3, 6):
+            calls.append(VerifyRequest.after(f"s{i}", [], prompt, [7, 9, 11], parents=np.array([-1, -1, 0], dtype=np.int64), temperature=1.0))
+        else:
+            calls.append(VerifyRequest.after(f"s{i}", [], prompt, list(range(20, 20 + i % 5)), temperature=1.0))
+    return calls
+
+
+async def _until(event: threading.Event) -> None:
+    for _ in range(500):
+        if event.is_set():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the step never reached the model")
+
+
+async def _batched(runner: ModelRunner, calls: list[VerifyRequest], **overrides: Any) -> tuple[list[httpx.Response], Any]:
+    """``calls`` sent while a first step (session ``warm``) is held at the gate."""
+    gated = _GatedRunner(runner)
+    app = _app(gated, **overrides)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        first = asyncio.create_task(_post(client, VerifyRequest.after("warm", [], PROMPT, [1])))
+        await _until(gated.entered)
+        pending = [asyncio.create_task(_post(client, req)) for req in calls]
+        await asyncio.sleep(0.2)  # every call queued behind the held step
+        gated.gate.set()
+        answers = await asyncio.gather(*pending)
+        assert (await first).status_code == 200
+    return list(answers), app.state.worker.scheduler.steps
+
+
+async def test_concurrent_sessions_share_steps_and_get_their_own_distributions(tiny_runner: ModelRunner) -> None:
+    calls = _calls()
+    alone = []
+    for req in calls:
+        app = _app(tiny_runner)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+            alone.append(_answer(await _post(client, req)))
+        tiny_runner.free_all()
+    answers, steps = await _batched(tiny_runner, calls)
+    assert steps.sizes == [1, 8]  # the held step, then every waiting session in one
+    for one, shared, req in zip(alone, answers, calls):
+        got = _answer(shared)
+        assert got.batch_sessions == 8 and one.batch_sessions == 1
+        assert got.held == one.held == len(req.tokens) + len(req.draft)
+        np.testing.assert_allclose(got.probs, one.probs, atol=1e-4, rtol=0)
+
+
+async def test_a_failing_call_fails_alone_in_its_step(tiny_runner: ModelRunner) -> None:
+    calls = _calls()[:4]
+    calls[1] = VerifyRequest.after("s1", PROMPT[:3], [5], [6], temperature=1.0)  # a prefix the worker does not hold: 409
+    calls[2] = VerifyRequest.after("s2", [], PROMPT[:5], [7, 8], parents=np.array([-1, 5], dtype=np.int64))  # a malformed tree: 400
+    answers, steps = await _batched(tiny_runner, calls)
+    assert steps.sizes == [1, 4]
+    assert [a.status_code for a in answers] == [200, 409, 400, 200]
+    assert answers[1].json()["error"]["code"] == "session_short"
+    assert _answer(answers[0]).batch_sessions == _answer(answers[3]).batch_sessions == 2  # the two that reached the forward
+
+
+async def test_a_step_keeps_its_token_budget_and_one_call_per_session(tiny_runner: ModelRunner) -> None:
+    calls = _calls()
+    calls.append(VerifyRequest.after("s0", PROMPT[:4], [30], [31], temperature=1.0))  # s0's next call: a later step
+    answers, steps = await _batched(tiny_runner, calls, max_batch_tokens=20)
+    assert all(a.status_code == 200 for a in answers[:-1])
+    sizes = [len(r.tokens) + len(r.draft) for r in calls]
+    assert sum(steps.sizes) == 1 + len(calls)
+    assert all(tokens <= 20 or size == 1 for tokens, size in zip(steps.tokens, steps.sizes))
+    assert max(steps.sizes[1:]) > 1 and len(steps.sizes) >= 1 + -(-sum(sizes) // 20)
+    # s0's second call went after its first (it holds the first's prefix then): answered
+    assert answers[-1].status_code == 200
+
+
+async def test_delete_during_a_step_frees_the_session_after_it(tiny_runner: ModelRunner) -> None:
+    gated = _GatedRunner(tiny_runner)
+    app = _app(gated)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        call = asyncio.create_task(_post(client, VerifyRequest.after("doomed", [], PROMPT, [1, 2])))
+        await _until(gated.entered)
+        deleted = asyncio.create_task(client.delete("/v1/sessions/doomed"))
+        await asyncio.sleep(0.2)
+        assert not deleted.done()  # ordered after the step in progress
+        gated.gate.set()
+        assert _answer(await call).held == len(PROMPT) + 2
+        assert (await deleted).status_code == 204
+    assert tiny_runner.length("doomed") == 0
