@@ -10,33 +10,15 @@ from typing import Any
 
 import httpx
 import numpy as np
-import torch
 
 from core.protocol import VerifyRequest, VerifyResponse, decode, encode
 from core.runners import ModelRunner
+from tests.workers.gated import GatedRunner
 from workers.server import create_app
 from workers.settings import WorkerSettings
 
 V = 49152
 PROMPT = [504, 3458, 28, 638, 359, 346, 1485, 1834, 47, 378, 253, 1097]
-
-
-class _GatedRunner:
-    """Wraps a runner so the first step waits at a gate: the calls sent meanwhile queue up and
-    go together in the next step."""
-
-    def __init__(self, inner: ModelRunner) -> None:
-        self._inner = inner
-        self.entered = threading.Event()
-        self.gate = threading.Event()
-
-    def forward_each(self, *args: Any, **kwargs: Any) -> list[torch.Tensor | Exception]:
-        self.entered.set()
-        self.gate.wait(timeout=10)
-        return self._inner.forward_each(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
 
 
 def _app(runner: Any, **overrides: Any) -> Any:
@@ -75,7 +57,7 @@ async def _until(event: threading.Event) -> None:
 
 async def _batched(runner: ModelRunner, calls: list[VerifyRequest], **overrides: Any) -> tuple[list[httpx.Response], Any]:
     """``calls`` sent while a first step (session ``warm``) is held at the gate."""
-    gated = _GatedRunner(runner)
+    gated = GatedRunner(runner)
     app = _app(gated, **overrides)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
         first = asyncio.create_task(_post(client, VerifyRequest.after("warm", [], PROMPT, [1])))
@@ -130,7 +112,7 @@ async def test_a_step_keeps_its_token_budget_and_one_call_per_session(tiny_runne
 
 
 async def test_delete_during_a_step_frees_the_session_after_it(tiny_runner: ModelRunner) -> None:
-    gated = _GatedRunner(tiny_runner)
+    gated = GatedRunner(tiny_runner)
     app = _app(gated)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
         call = asyncio.create_task(_post(client, VerifyRequest.after("doomed", [], PROMPT, [1, 2])))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +27,7 @@ from core.protocol import (
     encode,
 )
 from core.runners import ModelRunner
+from tests.workers.gated import GatedRunner
 from workers.server import create_app
 from workers.settings import WorkerSettings
 
@@ -308,25 +308,8 @@ async def test_every_bad_input_leaves_other_sessions_served(client: httpx.AsyncC
     np.testing.assert_allclose(resp.probs, _reference(tiny_runner, PROMPT + [1, 2, 3], 2).numpy(), atol=1e-5)
 
 
-class _BlockingRunner:
-    """Wraps a runner so a verify blocks until released: proves the loop stays free."""
-
-    def __init__(self, inner: ModelRunner) -> None:
-        self._inner = inner
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def forward_each(self, *args: Any, **kwargs: Any) -> list[torch.Tensor | Exception]:
-        self.entered.set()
-        self.release.wait(timeout=10)
-        return self._inner.forward_each(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
 async def test_health_answers_while_a_verify_runs(tiny_runner: ModelRunner) -> None:
-    blocking = _BlockingRunner(tiny_runner)
+    blocking = GatedRunner(tiny_runner)
     async with await _client(blocking) as client:  # type: ignore[arg-type]
         pending = asyncio.create_task(_scores(client, _request("slow", [], PROMPT, [1])))
         for _ in range(500):
@@ -337,7 +320,7 @@ async def test_health_answers_while_a_verify_runs(tiny_runner: ModelRunner) -> N
         started = time.monotonic()
         assert (await client.get("/health")).status_code == 200
         assert time.monotonic() - started < 1.0
-        blocking.release.set()
+        blocking.gate.set()
         assert (await pending).held == len(PROMPT) + 1
 
 
