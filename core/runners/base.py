@@ -85,6 +85,16 @@ class Rows:
         return out[::-1]
 
 
+@dataclass
+class Staged:
+    """An item whose rows were added: its session, the rows, where they start, logits rows."""
+
+    session_id: str
+    rows: Rows
+    start: int
+    logits_rows: list[int]
+
+
 class ModelRunner(ABC):
     """Forward rows (chains and trees), keep a path, free a session."""
 
@@ -148,14 +158,21 @@ class ModelRunner(ABC):
 
     def forward_each(self, items: Sequence[ForwardItem]) -> list[torch.Tensor | Exception]:
         """``forward`` of items of distinct sessions, where one item's failure is its own: per
-        item its logits, or the exception that left its session as it was before the call."""
-        out: list[torch.Tensor | Exception] = []
-        for item in items:
+        item its logits, or the exception that left its session as it was before the call. A
+        backend that batches (llama.cpp's streams) runs the items' rows in shared decodes."""
+        out: list[torch.Tensor | Exception | None] = [None] * len(items)
+        staged: list[tuple[int, Staged]] = []
+        for i, item in enumerate(items):
             try:
-                out.append(self._forward_item(item))
+                staged.append((i, self._stage(item)))
             except Exception as exc:  # noqa: BLE001 - handed to the item's caller
-                out.append(exc)
-        return out
+                out[i] = exc
+        results = self._compute_each([work for _, work in staged])
+        for (i, work), result in zip(staged, results):
+            if isinstance(result, Exception):
+                self._unstage(work)
+            out[i] = result
+        return [r for r in out if r is not None]
 
     def keep(self, session_id: str, rows: Sequence[int]) -> None:
         """Compact the session to ``rows``: increasing, from row 0, each the child of the one
@@ -232,6 +249,15 @@ class ModelRunner(ABC):
     # ----------------------------------------------------------------- the bookkeeping
 
     def _forward_item(self, item: ForwardItem) -> torch.Tensor:
+        work = self._stage(item)
+        try:
+            return self._compute(work.session_id, work.rows, work.start, work.logits_rows)
+        except BaseException:
+            self._unstage(work)
+            raise
+
+    def _stage(self, item: ForwardItem) -> Staged:
+        """Check an item and add its rows to the session's (the cache follows in ``_compute``)."""
         rows = self._rows.setdefault(item.session_id, Rows())
         start, count = item.prefix_len, len(item.tokens)
         if not 0 <= start <= len(rows):
@@ -253,12 +279,22 @@ class ModelRunner(ABC):
         rows.extend(item.tokens, parents)
         if as_chain:
             rows.chain = len(rows)
-        try:
-            return self._compute(item.session_id, rows, start, [start + i for i in logits_at])
-        except BaseException:
-            self._drop_cache(item.session_id)  # rebuilt from the tokens on the next call
-            rows.truncate(start)
-            raise
+        return Staged(item.session_id, rows, start, [start + i for i in logits_at])
+
+    def _unstage(self, work: Staged) -> None:
+        """After a failed compute: the rows as they were, the cache rebuilt on the next call."""
+        self._drop_cache(work.session_id)
+        work.rows.truncate(work.start)
+
+    def _compute_each(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
+        """``_compute`` of staged items of distinct sessions; per item its logits or its error."""
+        out: list[torch.Tensor | Exception] = []
+        for w in work:
+            try:
+                out.append(self._compute(w.session_id, w.rows, w.start, w.logits_rows))
+            except Exception as exc:  # noqa: BLE001 - handed to the item's caller
+                out.append(exc)
+        return out
 
     # ----------------------------------------------------------------- per backend
 

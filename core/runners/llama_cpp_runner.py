@@ -6,13 +6,23 @@ Three facts of llama.cpp shape it (measured here, ``research/tree-and-pipeline.m
    decode — prefill chunks and trees included — holds at most ``DECODE_TOKENS`` (32) tokens.
 2. A position's logits also depend on the **order of its context's KV cells**: a token placed
    in a freed cell before cells of earlier positions scores differently (max |Δlogit| ≈ 1). A
-   context shared by sessions reuses one session's freed cells for another, so each session
-   has its own context (a bounded pool under the memory cap, least recently used lent first:
-   the session that loses it is rebuilt from its rows), whose cells are its positions in
-   order: a crop frees the tail, and ``keep`` of a tree path keeps the path's cells only while
-   they follow the prefix without a gap — the rest of the path is decoded again, as a chain.
-3. Inside a context, a tree is one sequence id per root-to-leaf path (``kv_unified``); a node
-   carries the ids of every leaf below it, so it attends to its ancestors only.
+   unified cache shared by sessions reuses one session's freed cells for another, so no two
+   sessions share one stream of cells:
+   - **chain sessions** (every mode but ``tree``) are the sequence ids of one shared context
+     with a KV stream per sequence (``kv_unified = False``): each session's cells are its
+     positions in order, and one decode carries the rows of many sessions (the worker's
+     scheduler steps, DESIGN §9). Measured: bit-identical to a context of its own, whatever
+     the batch-mates, in decodes of uneven shares;
+   - **tree sessions** (from their first tree row on) each have a unified context of their own
+     (a bounded pool, least recently used lent first: the session that loses it is rebuilt
+     from its rows): a crop frees the tail, and ``keep`` of a tree path keeps the path's cells
+     only while they follow the prefix without a gap — the rest of the path is decoded again,
+     as a chain. Their decodes do not batch.
+   When more chain sessions want a stream than there are, the least recently used one is
+   rebuilt from its rows on its next call, the same way.
+3. Inside a tree session's context, a tree is one sequence id per root-to-leaf path
+   (``kv_unified``); a node carries the ids of every leaf below it, so it attends to its
+   ancestors only.
 
 With these, a position scores the same token by token, in a prefill, rebuilt after an
 eviction, a 409 resend or a failover, and as a tree node. Only the rows asked for produce
@@ -32,7 +42,7 @@ import torch
 
 from core.errors import ContextOverflow, ModelLoadError
 from core.names import Backend
-from core.runners.base import ModelRunner, Rows, RunnerInfo
+from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged
 from core.runners.llama_cpp_tools import quiet_llama_cpp
 from core.runners.models import ModelSource
 from core.runners.tokenizer import eos_ids
@@ -42,6 +52,8 @@ log = logging.getLogger(__name__)
 DECODE_TOKENS = 32  # tokens per decode at most; 64 or more would change the logits (DESIGN §7)
 TREE_SEQUENCES = 64  # sequence ids per context: the session's and one per tree leaf
 _TREE_ROOM = 256  # cells of a context beyond the session's context length, for tree rows
+MAX_STREAMS = 64  # chain sessions held in the shared context at most
+_STREAMS_SHARE = 0.75  # of the memory cap, for the chain sessions' streams (the rest: tree contexts)
 _REFERENCE_SESSION = "\x00reference"
 
 
@@ -69,6 +81,17 @@ class _Slot:
         self.below.clear()
         self.leaves.clear()
         self.ctx.kv_cache_clear()
+
+
+@dataclass
+class _Stream:
+    """One sequence id (= KV stream) of the shared context and the chain session it holds:
+    rows ``[0, rows)`` of the session are its cells ``0..``, in order."""
+
+    seq: int
+    session_id: str | None = None
+    rows: int = 0
+    last_used: int = 0
 
 
 class LlamaCppRunner(ModelRunner):
@@ -105,12 +128,18 @@ class LlamaCppRunner(ModelRunner):
             * (llama_cpp.llama_model_n_embd(model) // llama_cpp.llama_model_n_head(model)) * 2
         )
         self.n_ctx = -(-(self.info.max_context + _TREE_ROOM) // 256) * 256
+        self.n_ctx_stream = -(-self.info.max_context // 256) * 256
         # measured here: a context costs its KV cache plus its output and compute buffers
+        cap = memory_cap_mb * 2**20
         context_bytes = self.n_ctx * self._kv_bytes + 2 * TREE_SEQUENCES * vocab_size * 4
-        self.num_contexts = max(1, memory_cap_mb * 2**20 // context_bytes)
+        self.num_contexts = max(1, int(cap * (1 - _STREAMS_SHARE)) // context_bytes)
+        self.num_streams = max(1, min(MAX_STREAMS, int(cap * _STREAMS_SHARE) // (self.n_ctx_stream * self._kv_bytes)))
         self._n_threads = n_threads or os.cpu_count() or 1
         self._batch = _internals.LlamaBatch(n_tokens=DECODE_TOKENS, embd=0, n_seq_max=TREE_SEQUENCES, verbose=False)
         self._slots: list[_Slot] = []
+        self._shared: Any = None  # the chain sessions' context (made on first use)
+        self._streams = [_Stream(seq) for seq in range(self.num_streams)]
+        self._tree_sessions: set[str] = set()  # sessions that held tree rows: they live in _slots
         self._clock = 0
         self.max_decode_tokens = 0  # the largest decode issued so far (tests assert ≤ DECODE_TOKENS)
 
@@ -124,6 +153,35 @@ class LlamaCppRunner(ModelRunner):
     # ----------------------------------------------------------------- forward
 
     def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
+        result = self._compute_each([Staged(session_id, rows, start, logits_rows)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _compute_each(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
+        """Chain sessions' rows share decodes (``_decode_streams``); tree sessions decode alone."""
+        out: list[torch.Tensor | Exception | None] = [None] * len(work)
+        chains: list[int] = []
+        for i, w in enumerate(work):
+            if w.session_id in self._tree_sessions or w.rows.chain < len(w.rows):
+                self._to_tree_session(w.session_id)
+                try:
+                    out[i] = self._compute_alone(w.session_id, w.rows, w.logits_rows)
+                except Exception as exc:  # noqa: BLE001 - the item's own
+                    out[i] = exc
+            else:
+                chains.append(i)
+        for begin in range(0, len(chains), self.num_streams):  # more sessions than streams: in turns
+            group = chains[begin:begin + self.num_streams]
+            try:
+                logits = self._decode_streams([work[i] for i in group])
+            except Exception as exc:  # noqa: BLE001 - a failed decode fails the items it carried
+                logits = [exc] * len(group)
+            for i, result in zip(group, logits):
+                out[i] = result
+        return [r for r in out if r is not None]
+
+    def _compute_alone(self, session_id: str, rows: Rows, logits_rows: list[int]) -> torch.Tensor:
         slot = self._slot_for(session_id)
         wanted, out = set(logits_rows), dict[int, np.ndarray]()
         if slot.rows < rows.chain:
@@ -132,11 +190,71 @@ class LlamaCppRunner(ModelRunner):
             self._decode_tree(slot, rows, wanted, out)
         return torch.from_numpy(np.stack([out[r] for r in logits_rows]))
 
+    def _decode_streams(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
+        """Chain sessions (at most one per stream) in shared decodes of ≤ ``DECODE_TOKENS`` tokens:
+        each session's new rows at position = row in its own stream, split across decodes
+        wherever the budget falls (a position scores the same in any decode below 64 tokens)."""
+        self._clock += 1
+        streams = [self._stream_for(w.session_id, [x.session_id for x in work]) for w in work]
+        entries: list[tuple[int, int, Any, bool]] = []
+        owners: list[tuple[int, int]] = []  # per entry: (work index, row)
+        for i, (w, stream) in enumerate(zip(work, streams)):
+            wanted = set(w.logits_rows)
+            for row in range(stream.rows, len(w.rows)):
+                entries.append((w.rows.tokens[row], row, (stream.seq,), row in wanted))
+                owners.append((i, row))
+        got: list[dict[int, np.ndarray]] = [{} for _ in work]
+        try:
+            for begin in range(0, len(entries), DECODE_TOKENS):
+                chunk = slice(begin, begin + DECODE_TOKENS)
+                logits: dict[int, np.ndarray] = {}
+                self._decode(self._shared, entries[chunk], list(range(begin, begin + len(entries[chunk]))), logits)
+                for k, row_logits in logits.items():
+                    i, row = owners[k]
+                    got[i][row] = row_logits
+        except BaseException:
+            for stream in streams:
+                self._release(stream)
+            raise
+        for w, stream in zip(work, streams):
+            stream.rows = len(w.rows)
+        return [torch.from_numpy(np.stack([got[i][r] for r in w.logits_rows])) for i, w in enumerate(work)]
+
+    def _stream_for(self, session_id: str, busy: list[str]) -> _Stream:
+        """The session's stream; else a free one, else the least recently used one not in ``busy``
+        (its session is rebuilt from its rows on its next call)."""
+        stream = self._stream_of(session_id)
+        if stream is None:
+            free = [s for s in self._streams if s.session_id is None]
+            stream = free[0] if free else min((s for s in self._streams if s.session_id not in busy), key=lambda s: s.last_used)
+            self._release(stream)
+            stream.session_id = session_id
+            if self._shared is None:
+                self._shared = self._new_context(self.num_streams * self.n_ctx_stream, self.num_streams, unified=False)
+        stream.last_used = self._clock
+        return stream
+
+    def _stream_of(self, session_id: str) -> _Stream | None:
+        return next((s for s in self._streams if s.session_id == session_id), None)
+
+    def _release(self, stream: _Stream) -> None:
+        if self._shared is not None and (stream.session_id is not None or stream.rows):
+            self._llama_cpp.llama_memory_seq_rm(self._shared.memory, stream.seq, -1, -1)
+        stream.session_id, stream.rows = None, 0
+
+    def _to_tree_session(self, session_id: str) -> None:
+        """From its first tree row on, a session lives in a context of its own."""
+        if session_id not in self._tree_sessions:
+            self._tree_sessions.add(session_id)
+            stream = self._stream_of(session_id)
+            if stream is not None:
+                self._release(stream)
+
     def _decode_chain(self, slot: _Slot, rows: Rows, wanted: set[int], out: dict[int, np.ndarray]) -> None:
         """Rows ``[slot.rows, rows.chain)`` in sequence 0, position = row = cell."""
         for begin in range(slot.rows, rows.chain, DECODE_TOKENS):
             chunk = list(range(begin, min(begin + DECODE_TOKENS, rows.chain)))
-            self._decode(slot, [(rows.tokens[r], r, (0,), r in wanted) for r in chunk], chunk, out)
+            self._decode(slot.ctx, [(rows.tokens[r], r, (0,), r in wanted) for r in chunk], chunk, out)
             slot.rows = chunk[-1] + 1
 
     def _decode_tree(self, slot: _Slot, rows: Rows, wanted: set[int], out: dict[int, np.ndarray]) -> None:
@@ -170,7 +288,7 @@ class LlamaCppRunner(ModelRunner):
         next_cell = rows.chain + len(slot.cell)
         for begin in range(0, len(order), DECODE_TOKENS):
             chunk = order[begin:begin + DECODE_TOKENS]
-            self._decode(slot, [(rows.tokens[r], rows.depths[r], seqs[r], r in wanted) for r in chunk], chunk, out)
+            self._decode(slot.ctx, [(rows.tokens[r], rows.depths[r], seqs[r], r in wanted) for r in chunk], chunk, out)
             for row in chunk:
                 slot.cell[row] = next_cell
                 next_cell += 1
@@ -183,7 +301,7 @@ class LlamaCppRunner(ModelRunner):
             raise ContextOverflow(f"a tree has more than {TREE_SEQUENCES - 1} leaves", param="draft")
         return free
 
-    def _decode(self, slot: _Slot, entries: list[tuple[int, int, Any, bool]], row_of: list[int], out: dict[int, np.ndarray]) -> None:
+    def _decode(self, ctx: Any, entries: list[tuple[int, int, Any, bool]], row_of: list[int], out: dict[int, np.ndarray]) -> None:
         """One llama.cpp decode of (token, position, sequence ids, wants logits) entries."""
         if len(entries) > DECODE_TOKENS:  # never: 64 tokens or more change the numerics
             raise RuntimeError(f"a decode of {len(entries)} tokens exceeds {DECODE_TOKENS}")
@@ -197,10 +315,10 @@ class LlamaCppRunner(ModelRunner):
             for j, seq in enumerate(seq_ids):
                 raw.seq_id[i][j] = seq
             raw.logits[i] = flag
-        slot.ctx.decode(self._batch)
+        ctx.decode(self._batch)
         for i, (_, _, _, flag) in enumerate(entries):
             if flag:
-                out[row_of[i]] = self._read_logits(slot.ctx, i)
+                out[row_of[i]] = self._read_logits(ctx, i)
 
     def _read_logits(self, ctx: Any, index: int) -> np.ndarray:
         ptr = ctx.get_logits_ith(index)
@@ -211,6 +329,12 @@ class LlamaCppRunner(ModelRunner):
     def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
         """Keep the kept rows whose cells are ``0, 1, …`` (no gap before them); the rest of a
         kept path leaves the cache and is decoded again, as chain rows, on the next forward."""
+        stream = self._stream_of(session_id)
+        if stream is not None:  # a chain session keeps a prefix
+            if len(kept) < stream.rows:
+                self._llama_cpp.llama_memory_seq_rm(self._shared.memory, stream.seq, len(kept), -1)
+                stream.rows = len(kept)
+            return
         slot = self._slot_of(session_id)
         if slot is None:
             return
@@ -236,6 +360,13 @@ class LlamaCppRunner(ModelRunner):
         slot.rows = in_place
 
     def _free_cache(self, session_id: str) -> None:
+        self._tree_sessions.discard(session_id)
+        self._drop_cache(session_id)
+
+    def _drop_cache(self, session_id: str) -> None:
+        stream = self._stream_of(session_id)
+        if stream is not None:
+            self._release(stream)
         slot = self._slot_of(session_id)
         if slot is not None:
             slot.reset(None)
@@ -259,23 +390,26 @@ class LlamaCppRunner(ModelRunner):
         return min(self._slots, key=lambda s: s.last_used)
 
     def _new_slot(self) -> _Slot:
+        # one stream of cells: a tree node may belong to several sequences
+        slot = _Slot(ctx=self._new_context(self.n_ctx, TREE_SEQUENCES, unified=True))
+        self._slots.append(slot)
+        return slot
+
+    def _new_context(self, n_ctx: int, n_seq: int, unified: bool) -> Any:
         llama_cpp = self._llama_cpp
         params = llama_cpp.llama_context_default_params()
-        params.n_ctx = self.n_ctx
+        params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = DECODE_TOKENS
-        params.n_seq_max = TREE_SEQUENCES
-        params.n_outputs_max = TREE_SEQUENCES  # llama.cpp asserts n_seq_max ≤ n_outputs_max
-        params.kv_unified = True  # one stream of cells: a tree node may belong to several sequences
+        params.n_seq_max = n_seq
+        params.n_outputs_max = max(n_seq, DECODE_TOKENS)  # llama.cpp asserts n_seq_max ≤ n_outputs_max
+        params.kv_unified = unified  # False: a KV stream per sequence
         params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.n_threads = params.n_threads_batch = self._n_threads
         params.no_perf = True
         try:
-            ctx = self._internals.LlamaContext(model=self._model, params=params, verbose=False)
+            return self._internals.LlamaContext(model=self._model, params=params, verbose=False)
         except ValueError as exc:
-            raise ModelLoadError(f"llama.cpp could not create a context of {self.n_ctx} cells: {exc}") from exc
-        slot = _Slot(ctx=ctx)
-        self._slots.append(slot)
-        return slot
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} cells: {exc}") from exc
 
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
         try:
@@ -288,6 +422,9 @@ class LlamaCppRunner(ModelRunner):
         for slot in self._slots:
             slot.ctx.close()
         self._slots.clear()
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
         self._batch.close()
         self._model.close()
 

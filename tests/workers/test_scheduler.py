@@ -70,21 +70,35 @@ async def _batched(runner: ModelRunner, calls: list[VerifyRequest], **overrides:
     return list(answers), app.state.worker.scheduler.steps
 
 
-async def test_concurrent_sessions_share_steps_and_get_their_own_distributions(tiny_runner: ModelRunner) -> None:
+async def _alone_and_batched(runner: ModelRunner) -> list[tuple[VerifyResponse, VerifyResponse]]:
     calls = _calls()
     alone = []
     for req in calls:
-        app = _app(tiny_runner)
+        app = _app(runner)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
             alone.append(_answer(await _post(client, req)))
-        tiny_runner.free_all()
-    answers, steps = await _batched(tiny_runner, calls)
+        runner.free_all()
+    answers, steps = await _batched(runner, calls)
     assert steps.sizes == [1, 8]  # the held step, then every waiting session in one
+    pairs = []
     for one, shared, req in zip(alone, answers, calls):
         got = _answer(shared)
         assert got.batch_sessions == 8 and one.batch_sessions == 1
         assert got.held == one.held == len(req.tokens) + len(req.draft)
+        pairs.append((one, got))
+    return pairs
+
+
+async def test_concurrent_sessions_share_steps_and_get_their_own_distributions(tiny_runner: ModelRunner) -> None:
+    for one, got in await _alone_and_batched(tiny_runner):
         np.testing.assert_allclose(got.probs, one.probs, atol=1e-4, rtol=0)
+
+
+async def test_on_the_builtin_model_a_shared_step_is_bit_for_bit_one_at_a_time(builtin_llama: ModelRunner) -> None:
+    """llama.cpp: the six chain sessions share decodes (streams of one context), the two trees
+    decode in their own contexts; every distribution is the one it gets alone, bit for bit."""
+    for one, got in await _alone_and_batched(builtin_llama):
+        np.testing.assert_array_equal(got.probs, one.probs)
 
 
 async def test_a_failing_call_fails_alone_in_its_step(tiny_runner: ModelRunner) -> None:

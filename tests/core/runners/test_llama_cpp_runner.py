@@ -115,7 +115,7 @@ def test_no_decode_reaches_64_tokens(builtin_llama: ModelRunner, tokens: list[in
 
 def test_more_sessions_than_contexts_rebuild_from_their_rows(tokens: list[int]) -> None:
     runner = load_runner("builtin", "llama.cpp", memory_cap_mb=1)
-    assert isinstance(runner, LlamaCppRunner) and runner.num_contexts == 1
+    assert isinstance(runner, LlamaCppRunner) and runner.num_contexts == 1 and runner.num_streams == 1
     long = (tokens * 4)[:90]
     try:
         first = runner.prefill("a", long, 2)
@@ -125,6 +125,36 @@ def test_more_sessions_than_contexts_rebuild_from_their_rows(tokens: list[int]) 
         assert torch.equal(again, runner.forward_full(long + [42], 3))
     finally:
         runner.close()
+
+
+def test_sessions_batched_in_shared_decodes_score_as_alone(builtin_llama: ModelRunner, tokens: list[int]) -> None:
+    """The worker's scheduler step (DESIGN §9): chain sessions of mixed lengths share decodes —
+    one session's rows split across two decodes, batch-mates of every size — and a tree session
+    rides in the same call; each scores bit for bit what it scores alone."""
+    assert isinstance(builtin_llama, LlamaCppRunner)
+    prompts = [(tokens * 3)[k:k + n] for k, n in enumerate([20, 7, 31, 12, 25, 5, 16, 9])]
+    news = [[300 + k, 301 + k, 302 + k, 303 + k][: 1 + k % 4] for k in range(8)]
+    for k, prompt in enumerate(prompts):
+        builtin_llama.prefill(f"s{k}", prompt, 1)
+    builtin_llama.prefill("tree", tokens, 1)
+    items = [ForwardItem(f"s{k}", len(p) - 2, p[-2:] + new, logits_at=list(range(len(new) + 2))) for k, (p, new) in enumerate(zip(prompts, news))]
+    items.append(tree_item("tree", len(tokens), TREE))
+    builtin_llama.max_decode_tokens = 0
+    out = builtin_llama.forward_each(items)
+    assert builtin_llama.max_decode_tokens == DECODE_TOKENS  # 8 sessions' 36 rows: more than one decode
+    for k, (prompt, new) in enumerate(zip(prompts, news)):
+        assert torch.equal(out[k], builtin_llama.forward_full(prompt + new, len(new) + 2)), k
+    for node in range(len(TREE)):
+        path = [TREE[i][0] for i in path_to(TREE, node)]
+        assert torch.equal(out[-1][node], builtin_llama.forward_full(tokens + path, 1)[0]), node
+
+
+def test_a_failing_item_fails_alone_in_a_shared_decode(builtin_llama: ModelRunner, tokens: list[int]) -> None:
+    builtin_llama.prefill("a", tokens, 1)
+    builtin_llama.prefill("b", tokens[:10], 1)
+    out = builtin_llama.forward_each([ForwardItem("a", len(tokens), [5, 6]), ForwardItem("b", 99, [7])])
+    assert isinstance(out[1], ValueError) and builtin_llama.length("b") == 10
+    assert torch.equal(out[0], builtin_llama.forward_full(tokens + [5, 6], 1))  # type: ignore[arg-type]
 
 
 def test_crop_and_free(builtin_llama: ModelRunner, tokens: list[int]) -> None:
