@@ -57,7 +57,7 @@ def create_app(
         runner, thread = draft_runner, model_thread or ModelThread()
         if runner is None:
             draft = config.draft
-            runner = await thread.run(load_runner, draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads)
+            runner = await thread.run(load_runner, draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads, draft.device, draft.dtype)
             await thread.run(lambda: runner.fingerprint)
         pool = TargetSet.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size, runner.tokenizer), transport)
         metrics.watch(pool)

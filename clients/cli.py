@@ -6,6 +6,7 @@
     specgate bench [--json FILE] [--runs N] [--quick]
     specgate bench worker [--json FILE] [--repeats N] [--quick]
     specgate bench tree-device [--device cuda|cpu] [--dtype D] [--json FILE]
+    specgate bench step-device [--device cuda|cpu] [--dtype D] [--json FILE]
     specgate bench dsd [--json FILE] [--runs N] [--plots DIR] [--quick]
     specgate bench overhead [--json FILE] [--runs N] [--baseline DIR] [--quick]
     specgate bench load [--concurrency N] [--duration S] [--json FILE]
@@ -81,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     device.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default: float32)")
     device.add_argument("--repeats", type=int, default=30, help="timed rounds per cell (default: 30)")
     device.add_argument("--budgets", nargs="+", type=int, default=[1, 4, 8, 14, 32], help="verified nodes per round")
+    step = benches.add_parser("step-device", help="a worker's scheduler step (batch × positions) beside the bare model forward, on a device (random weights of the built-in architecture)")
+    step.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    step.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (default: cuda if present)")
+    step.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help="model dtype (default: bfloat16)")
+    step.add_argument("--repeats", type=int, default=20, help="timed steps per cell (default: 20)")
+    step.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8, 16], help="sessions per step")
+    step.add_argument("--positions", nargs="+", type=int, default=[1, 5, 17], help="positions per session")
     dsd = benches.add_parser("dsd", help="DSD: overlap on/off and auto vs fixed draft lengths per link, against autoregressive")
     dsd.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     dsd.add_argument("--runs", type=int, default=5, help="runs per cell, ≥ 3 (default: 5)")
@@ -147,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "tree-device":
         forwarded = ["--device", args.device, "--dtype", args.dtype, "--repeats", str(args.repeats), "--budgets", *map(str, args.budgets)]
         return subprocess.call([sys.executable, "-m", "workers.round_cost", *forwarded, *(["--json", args.json_path] if args.json_path else [])])
+    if args.command == "bench" and args.bench == "step-device":
+        forwarded = ["--device", args.device, "--dtype", args.dtype, "--repeats", str(args.repeats), "--batches", *map(str, args.batches), "--positions", *map(str, args.positions)]
+        return subprocess.call([sys.executable, "-m", "workers.step_cost", *forwarded, *(["--json", args.json_path] if args.json_path else [])])
     if args.command == "bench" and args.bench == "worker":
         from clients.bench_worker import bench_worker
 

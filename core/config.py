@@ -42,6 +42,8 @@ class DraftConfig(BaseModel):
     backend: Backend = Backend.LLAMA_CPP  # model runner of the draft
     memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of the draft, all sessions
     threads: int | None = Field(default=None, gt=0)  # CPU threads; None = every core (serve splits them)
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the draft runs (auto = cuda if present)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: the draft's dtype (auto = bfloat16 on a GPU)
     max_context: int | None = Field(default=None, gt=0)  # tokens a draft session holds; None = limits.max_prompt_tokens + limits.max_tokens (capped by the model's own)
 
 

@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-context", type=int, help="tokens one session may hold (default: 2048)")
     parser.add_argument("--memory-cap-mb", type=int, help="memory for KV caches, all sessions (default: 1024)")
     parser.add_argument("--max-sessions", type=int, help="sessions kept before LRU eviction (default: 64)")
+    parser.add_argument("--device", help="transformers: auto | cpu | cuda[:N] (default: auto, a GPU when present)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="transformers: model dtype (default: auto, bfloat16 on a GPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, help="share of the GPU's memory for the model and its KV slots (default: 0.9)")
     parser.add_argument("--threads", type=int, help="CPU threads of the model (default: every core; split the cores between processes on one machine)")
     parser.add_argument("--instance-id", help="an id /health reports (default: a random one; `specgate serve` passes its own)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -36,18 +39,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from core.serving import run_server
 
-    from core.runners import load_runner
     from core.runners.model_thread import ModelThread
     from workers.server import create_app
-    from workers.settings import WorkerSettings
+    from workers.settings import WorkerSettings, load_target
 
     try:
-        flags = ("model", "backend", "host", "port", "max_context", "memory_cap_mb", "max_sessions", "threads", "instance_id")
+        flags = ("model", "backend", "host", "port", "max_context", "memory_cap_mb", "max_sessions", "threads", "device", "dtype", "gpu_memory_utilization", "instance_id")
         settings = WorkerSettings(**{f: getattr(args, f) for f in flags if getattr(args, f) is not None})
         # load before binding, so a bad model is a one-line error and not a traceback; on the
         # thread every later call of the runner runs on
         thread = ModelThread()
-        runner = thread.call(load_runner, settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads)
+        runner = thread.call(load_target, settings)
         thread.call(lambda: runner.fingerprint)  # computed once, before the first /v1/info
     except ValidationError as exc:
         first = exc.errors()[0]

@@ -31,14 +31,14 @@ from core.protocol import (
     encode,
     encode_json,
 )
-from core.runners import ModelRunner, load_runner
+from core.runners import ModelRunner
 from core.runners.base import ForwardItem
 from core.runners.model_thread import ModelThread
 from core.serving import Guard
 from workers.scheduler import VerifyScheduler
 from workers.scoring import score, tree_item
 from workers.sessions import SessionStore
-from workers.settings import WorkerSettings
+from workers.settings import WorkerSettings, load_target
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thre
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if runner is None:
             own = ModelThread()
-            loaded = await own.run(load_runner, settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads)
+            loaded = await own.run(load_target, settings)
             await own.run(lambda: loaded.fingerprint)
             app.state.worker = WorkerState.build(settings, loaded, own)
         log.info("worker ready: %s on %s", settings.model, settings.backend.value)

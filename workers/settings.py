@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import uuid
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.names import Backend
+from core.runners.base import ModelRunner
 
 
 class WorkerSettings(BaseSettings):
@@ -25,6 +27,19 @@ class WorkerSettings(BaseSettings):
     max_draft: int = Field(default=64, gt=0)  # draft tokens one verify call may carry
     max_batch_tokens: int = Field(default=256, gt=0)  # new tokens one scheduler step feeds the model, all its calls together (one call always goes)
     threads: int | None = Field(default=None, gt=0)  # CPU threads of the model; None = every core
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the model runs (auto = cuda if present); llama.cpp: the CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: model dtype (auto = bfloat16 on a GPU, float32 on the CPU); probabilities are fp32 always
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # share of the GPU's memory for the model and its KV slots
     token: str | None = None  # SPECGATE_WORKER_TOKEN: /v1/* requires 'Authorization: Bearer <token>'
     drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, open calls get this long
     instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex)  # /health reports it: `serve` checks it started what answers
+
+
+def load_target(settings: WorkerSettings) -> ModelRunner:
+    """The worker's runner, as ``settings`` say (call it on the thread that will run it)."""
+    from core.runners import load_runner
+
+    return load_runner(
+        settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads,
+        device=settings.device, dtype=settings.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
+    )

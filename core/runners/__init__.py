@@ -17,13 +17,24 @@ def load_runner(
     max_context: int = 2048,
     memory_cap_mb: int = 1024,
     threads: int | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    gpu_memory_utilization: float = 0.9,
 ) -> ModelRunner:
     """Load ``model`` (a builtin name, GGUF file, HF folder or hub id) on ``backend``.
 
     ``threads``: CPU threads for the model (default: every core). Processes that share a
     machine must split the cores: llama.cpp's spinning threads slow down many-fold when
-    oversubscribed.
+    oversubscribed. ``device`` (auto | cpu | cuda[:N]) and ``dtype`` (auto | float32 |
+    bfloat16 | float16) are the transformers backend's; llama.cpp runs GGUF on the CPU.
+    ``gpu_memory_utilization``: the share of a GPU's memory the model and its KV slots may
+    fill (vLLM's rule).
     """
+    if backend == Backend.LLAMA_CPP.value and (device not in ("auto", "cpu") or dtype != "auto"):
+        raise ModelLoadError(
+            f"the llama.cpp backend runs GGUF files on the CPU in their own types (asked: device {device}, dtype {dtype}): "
+            "use --backend transformers for a GPU or another dtype"
+        )
     source = resolve_model(model)
     if backend == Backend.LLAMA_CPP.value and source.is_tiny_random:
         raise ModelLoadError("tiny-random is built in code: use --backend transformers")
@@ -35,9 +46,13 @@ def load_runner(
             import torch
 
             torch.set_num_threads(threads)
-        runner: ModelRunner = TransformersRunner(source, tokenizer, max_context=max_context)
+        runner: ModelRunner = TransformersRunner(
+            source, tokenizer, max_context=max_context, device=device, dtype=dtype,
+            memory_cap_mb=memory_cap_mb, gpu_memory_utilization=gpu_memory_utilization,
+        )
     elif backend == Backend.LLAMA_CPP.value:
         from core.runners.llama_cpp_runner import LlamaCppRunner
+
 
         runner = LlamaCppRunner(source, tokenizer, max_context=max_context, memory_cap_mb=memory_cap_mb, n_threads=threads)
     else:

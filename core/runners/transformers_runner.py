@@ -1,13 +1,24 @@
-"""The ``transformers`` backend (DESIGN §7): any HF checkpoint or GGUF transformers can load,
-CPU or CUDA, and the tiny random-weight models of the tests. One DynamicCache per session;
-tree rows through an additive float 4-D mask and ``position_ids``, a path kept by
-``index_select`` on every cache layer (DESIGN §7)."""
+"""The ``transformers`` backend (DESIGN §7, §9): any HF checkpoint or GGUF transformers can
+load, on CPU or CUDA in the dtype asked, and the tiny random-weight models of the tests.
+
+The KV cache is a **preallocated slot cache**: per layer one tensor ``[slots, kv_heads,
+length, head_dim]``, a session holds a slot while it has rows in the cache (least recently used
+lent first: the session that loses it is rebuilt from its rows), and row ``r`` of a session
+lives in cell ``r`` of its slot. One forward runs any number of sessions' new rows at once
+(a worker's scheduler step, DESIGN §9): the rows are padded to one width, each writes its own
+cell, and an additive float 4-D mask (``0`` / ``finfo.min``; a bool mask is silently wrong
+under eager attention) lets a row see its ancestors' cells only — which serves chains, trees
+and batches alike — with ``position_ids`` = depth. ``keep`` of a path gathers its cells to the
+front of the slot. Only the rows asked for go through the LM head, which runs in fp32 (a bf16
+model's logits would be rounded enough to flip argmaxes).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +26,40 @@ import torch
 
 from core.errors import ModelLoadError
 from core.names import Backend
-from core.runners.base import ModelRunner, Rows, RunnerInfo
+from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged
 from core.runners.models import ModelSource, cache_dir, file_key
 from core.runners.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
+
+MAX_SLOTS = 256  # sessions held in the cache at most
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto``: CUDA when present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for, but torch sees no CUDA device (use --device cpu or auto)")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on a GPU that has it, else float32."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return getattr(torch, dtype)  # type: ignore[no-any-return]
+
+
+@dataclass
+class _Slot:
+    index: int
+    session_id: str | None = None
+    rows: int = 0  # rows [0, rows) of the session are in cells [0, rows)
+    last_used: int = 0
+    clean: bool = False  # written once with finite values (a masked cell must not hold NaN)
 
 
 class TransformersRunner(ModelRunner):
@@ -30,13 +70,20 @@ class TransformersRunner(ModelRunner):
         max_context: int = 2048,
         device: str = "cpu",
         model: Any = None,
+        dtype: str = "float32",
+        memory_cap_mb: int = 1024,
+        gpu_memory_utilization: float = 0.9,
     ) -> None:
         """``model``: an already built model to run instead of loading ``source`` (benchmarks
-        with random weights of a real architecture)."""
+        with random weights of a real architecture; its dtype is kept). The slots fill
+        ``memory_cap_mb`` on the CPU; on a GPU, ``gpu_memory_utilization`` of its memory less
+        what is already used (vLLM's rule)."""
         super().__init__()
         self.tokenizer = tokenizer
-        self.device = torch.device(device)
-        self.model = (model if model is not None else _load_model(source, len(tokenizer))).to(self.device).eval()
+        self.device = resolve_device(device)
+        if model is None:
+            model = _load_model(source, len(tokenizer)).to(resolve_dtype(dtype, self.device))
+        self.model = model.to(self.device).eval()
         config = self.model.config
         self.info = RunnerInfo(
             model_id=source.name,
@@ -45,63 +92,141 @@ class TransformersRunner(ModelRunner):
             max_context=min(max_context, int(config.max_position_embeddings)),
             eos_ids=eos_ids(tokenizer),
         )
-        self._caches: dict[str, Any] = {}
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        elem = torch.finfo(self.model.dtype).bits // 8
+        self.dtype = self.model.dtype
+        elem = torch.finfo(self.dtype).bits // 8
         self._kv_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * elem
+        self.slot_length = self.info.max_context + 1  # + one scratch cell that padding writes
+        slot_bytes = self.slot_length * self._kv_bytes
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * gpu_memory_utilization) - (total - free)
+        else:
+            budget = memory_cap_mb * 2**20
+        self.num_slots = max(1, min(MAX_SLOTS, budget // slot_bytes))
+        shape = (self.num_slots, kv_heads, self.slot_length, head_dim)
+        # empty: a slot's pages are touched (and zeroed) when it is first lent
+        self._keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self._values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        self._slots = [_Slot(i) for i in range(self.num_slots)]
+        self._clock = 0
+        self._decoder = self.model.get_decoder()
+        head = self.model.get_output_embeddings()
+        # the LM head in fp32 whatever the model's dtype: bf16 logits are rounded to 1/16–1/8 at
+        # their usual size, enough to flip an argmax (measured: 4 % of positions on the built-in)
+        self._head_weight = head.weight.detach().float()
+        self._head_bias = head.bias.detach().float() if getattr(head, "bias", None) is not None else None
 
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes
 
-    @torch.inference_mode()
+    # ----------------------------------------------------------------- forward
+
     def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
-        from transformers import DynamicCache
+        result = self._compute_each([Staged(session_id, rows, start, logits_rows)])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
-        cache = self._caches.setdefault(session_id, DynamicCache())
-        begin = min(cache.get_seq_length(), start)
-        _crop(cache, begin)
-        input_ids = torch.tensor([rows.tokens[begin:]], dtype=torch.long, device=self.device)
-        first = min(logits_rows)
-        if rows.chain == len(rows):  # a plain chain: the library's causal mask
-            out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=len(rows) - first)
-        else:
-            mask, positions = self._tree_inputs(rows, begin)
-            out = self.model(
-                input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=len(rows) - first,
-            )
-        logits = out.logits[0]
-        picked = torch.tensor([r - first for r in logits_rows], device=logits.device) + logits.shape[0] - (len(rows) - first)
-        return logits.index_select(0, picked).float().cpu()
+    def _compute_each(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
+        out: list[torch.Tensor | Exception] = []
+        for begin in range(0, len(work), self.num_slots):  # more sessions than slots: in turns
+            group = work[begin:begin + self.num_slots]
+            try:
+                out.extend(self._forward_slots(group))
+            except Exception as exc:  # noqa: BLE001 - a failed forward fails the items it carried
+                out.extend([exc] * len(group))
+        return out
 
-    def _tree_inputs(self, rows: Rows, begin: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The additive float 4-D mask (0 / finfo.min: a bool mask is wrong under eager attention)
-        and the position ids (= depth) of rows ``[begin, len)`` over the cache's rows."""
-        total = len(rows)
-        visible = torch.zeros(total - begin, total, dtype=torch.bool)
-        for i, row in enumerate(range(begin, total)):
-            visible[i, rows.ancestors(row)] = True
-        dtype = self.model.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
-        positions = torch.tensor([rows.depths[begin:]], dtype=torch.long, device=self.device)
-        return mask[None, None].to(self.device), positions
+    @torch.inference_mode()
+    def _forward_slots(self, work: list[Staged]) -> list[torch.Tensor]:
+        """One model forward over the new rows of every item (one session each)."""
+        self._clock += 1
+        slots = [self._slot_for(w.session_id, {x.session_id for x in work}) for w in work]
+        firsts = [min(slot.rows, w.start) for w, slot in zip(work, slots)]
+        counts = [len(w.rows) - first for w, first in zip(work, firsts)]
+        width, span = max(counts), max(len(w.rows) for w in work)
+        batch = len(work)
+        scratch = self.slot_length - 1
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        cells = torch.full((batch, width), scratch, dtype=torch.long)
+        visible = torch.zeros(batch, width, span, dtype=torch.bool)
+        visible[:, :, 0] = True  # a padding row sees cell 0 (a row that sees nothing gives NaN)
+        for b, (w, first, count) in enumerate(zip(work, firsts, counts)):
+            rows = w.rows
+            tokens[b, :count] = torch.tensor(rows.tokens[first:], dtype=torch.long)
+            positions[b, :count] = torch.tensor(rows.depths[first:], dtype=torch.long)
+            cells[b, :count] = torch.arange(first, len(rows))
+            for i, row in enumerate(range(first, len(rows))):
+                if row < rows.chain:
+                    visible[b, i, : row + 1] = True
+                else:
+                    visible[b, i, 0] = False
+                    visible[b, i, rows.ancestors(row)] = True
+        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, torch.finfo(self.dtype).min)
+        view = _SlotView(self, torch.tensor([s.index for s in slots], device=self.device), cells.to(self.device), span)
+        try:
+            hidden = self._decoder(
+                input_ids=tokens.to(self.device), attention_mask=mask[:, None].to(self.device),
+                position_ids=positions.to(self.device), past_key_values=view, use_cache=True,
+            ).last_hidden_state
+        except BaseException:
+            for slot in slots:
+                self._release(slot)
+            raise
+        for w, slot in zip(work, slots):
+            slot.rows, slot.clean = len(w.rows), True
+        picks = [(b, r - first) for b, (w, first) in enumerate(zip(work, firsts)) for r in w.logits_rows]
+        index = torch.tensor([b * width + i for b, i in picks], device=self.device)
+        picked = hidden.reshape(batch * width, -1).index_select(0, index).float()
+        logits = torch.nn.functional.linear(picked, self._head_weight, self._head_bias).cpu()
+        out, at = [], 0
+        for w in work:
+            out.append(logits[at:at + len(w.logits_rows)])
+            at += len(w.logits_rows)
+        return out
+
+    # ----------------------------------------------------------------- slots
+
+    def _slot_for(self, session_id: str, busy: set[str]) -> _Slot:
+        slot = self._slot_of(session_id)
+        if slot is None:
+            free = [s for s in self._slots if s.session_id is None]
+            slot = free[0] if free else min((s for s in self._slots if s.session_id not in busy), key=lambda s: s.last_used)
+            self._release(slot)
+            slot.session_id = session_id
+            if not slot.clean:
+                for layer in range(len(self._keys)):
+                    self._keys[layer][slot.index].zero_()
+                    self._values[layer][slot.index].zero_()
+                slot.clean = True
+        slot.last_used = self._clock
+        return slot
+
+    def _slot_of(self, session_id: str) -> _Slot | None:
+        return next((s for s in self._slots if s.session_id == session_id), None)
+
+    def _release(self, slot: _Slot) -> None:
+        slot.session_id, slot.rows = None, 0
 
     def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
-        cache = self._caches.get(session_id)
-        if cache is None:
+        slot = self._slot_of(session_id)
+        if slot is None:
             return
-        if kept == list(range(len(kept))):
-            _crop(cache, len(kept))
-            return
-        index = torch.tensor(kept, dtype=torch.long, device=self.device)
-        for layer in cache.layers:
-            if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                layer.keys = layer.keys.index_select(-2, index)
-                layer.values = layer.values.index_select(-2, index)
+        cached = [r for r in kept if r < slot.rows]  # a path's rows increase: a prefix of it
+        if cached != list(range(len(cached))):
+            index = torch.tensor(cached, dtype=torch.long, device=self.device)
+            for layer in range(len(self._keys)):
+                for store in (self._keys[layer], self._values[layer]):
+                    store[slot.index, :, : len(cached)] = store[slot.index].index_select(1, index)
+        slot.rows = len(cached)
 
     def _free_cache(self, session_id: str) -> None:
-        self._caches.pop(session_id, None)
+        slot = self._slot_of(session_id)
+        if slot is not None:
+            self._release(slot)
 
     @torch.inference_mode()
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
@@ -110,11 +235,27 @@ class TransformersRunner(ModelRunner):
         return out.logits[0, -num_logits:].float().cpu()
 
 
-def _crop(cache: Any, length: int) -> None:
-    """Keep ``length`` positions; a negative count removes tokens in every transformers version."""
-    surplus = cache.get_seq_length() - length
-    if surplus > 0:
-        cache.crop(-surplus)
+class _SlotView:
+    """What the model's attention layers see as ``past_key_values`` in one forward: ``update``
+    writes the new rows' keys and values into their slots' cells and returns the batch's slots,
+    cells ``[0, span)``. (The 4-D mask is given, so transformers asks nothing else of it.)"""
+
+    is_compileable = False
+
+    def __init__(self, runner: TransformersRunner, slots: torch.Tensor, cells: torch.Tensor, span: int) -> None:
+        self.runner, self.slots, self.cells, self.span = runner, slots, cells, span
+        self._rows = slots[:, None].expand_as(cells)
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for store, new in ((self.runner._keys[layer_idx], keys), (self.runner._values[layer_idx], values)):
+            # new: [batch, heads, width, dim] -> cells (slot, cell) of the store [slots, heads, length, dim]
+            store[self._rows, :, self.cells] = new.transpose(1, 2).to(store.dtype)
+            out.append(store.index_select(0, self.slots)[:, :, : self.span])
+        return out[0], out[1]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
 
 
 def _load_model(source: ModelSource, vocab_size: int) -> Any:

@@ -28,13 +28,13 @@ DRAFT_S, MODEL_S, LINK_S = 0.004, 0.015, 0.005
 
 def _slowed(runner: ModelRunner, seconds: float) -> ModelRunner:
     """``runner`` whose every forward sleeps ``seconds`` first (a model of known cost)."""
-    compute: Callable[..., Any] = runner._compute  # type: ignore[attr-defined]
+    compute: Callable[..., Any] = runner._compute_each  # type: ignore[attr-defined]
 
     def slow(*args: Any) -> Any:
         time.sleep(seconds)
         return compute(*args)
 
-    runner._compute = slow  # type: ignore[attr-defined]
+    runner._compute_each = slow  # type: ignore[attr-defined]
     return runner
 
 

@@ -92,3 +92,51 @@ def test_keep_a_path_then_go_on_like_a_plain_sequence(tiny_runner: ModelRunner) 
     kept = TOKENS + [TREE[i][0] for i in path]
     assert tiny_runner.tokens("k") == kept
     torch.testing.assert_close(tiny_runner.append("k", [11, 12], 2), tiny_runner.forward_full(kept + [11, 12], 2), atol=1e-4, rtol=1e-4)
+
+
+def test_sessions_in_one_forward_score_as_alone(tiny_runner: ModelRunner) -> None:
+    """The slot cache's batched forward: chains of mixed lengths, a re-fed held row, a tree and
+    a session rebuilt from its rows share one forward; each gets its own logits (fp32 noise)."""
+    prompts = [(TOKENS * 3)[k:k + n] for k, n in enumerate([9, 4, 15, 6, 11, 3])]
+    for k, prompt in enumerate(prompts):
+        tiny_runner.prefill(f"s{k}", prompt, 1)
+    tiny_runner.prefill("t", TOKENS, 1)
+    items = [ForwardItem(f"s{k}", len(p) - 1, p[-1:] + [20 + k] * (k % 3), logits_at=list(range(1 + k % 3))) for k, p in enumerate(prompts)]
+    items.append(_tree_item("t", len(TOKENS)))
+    items.append(ForwardItem("fresh", 0, TOKENS[:5], logits_at=[4]))
+    out = tiny_runner.forward_each(items)
+    for k, prompt in enumerate(prompts):
+        want = tiny_runner.forward_full(prompt + [20 + k] * (k % 3), 1 + k % 3)
+        torch.testing.assert_close(out[k], want, atol=1e-4, rtol=1e-4)
+    for node in range(len(TREE)):
+        want = tiny_runner.forward_full(TOKENS + [TREE[i][0] for i in _path(node)], 1)[0]
+        torch.testing.assert_close(out[-2][node], want, atol=1e-4, rtol=1e-4)  # type: ignore[index]
+    torch.testing.assert_close(out[-1], tiny_runner.forward_full(TOKENS[:5], 1), atol=1e-4, rtol=1e-4)
+
+
+def test_more_sessions_than_slots_rebuild_from_their_rows() -> None:
+    runner = load_runner("tiny-random", "transformers", max_context=64, memory_cap_mb=1)
+    from core.runners.transformers_runner import TransformersRunner
+
+    assert isinstance(runner, TransformersRunner)
+    runner.num_slots = 2  # as if the cap held two
+    for k in range(5):
+        runner.prefill(f"s{k}", TOKENS[k:], 1)
+    out = runner.forward_each([ForwardItem(f"s{k}", 10 - k, [7]) for k in range(5)])  # 5 sessions, 2 slots: in turns
+    for k in range(5):
+        torch.testing.assert_close(out[k], runner.forward_full(TOKENS[k:] + [7], 1), atol=1e-4, rtol=1e-4)
+
+
+def test_device_and_dtype_are_checked() -> None:
+    from core.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="llama.cpp backend runs GGUF files on the CPU"):
+        load_runner("builtin", "llama.cpp", device="cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelLoadError, match="no CUDA device"):
+            load_runner("tiny-random", "transformers", device="cuda")
+    runner = load_runner("tiny-random", "transformers", device="cpu", dtype="bfloat16")
+    logits = runner.prefill("a", TOKENS, 2)
+    assert logits.dtype == torch.float32  # probabilities leave in fp32 whatever the model's dtype
+    agree = (logits.argmax(-1) == load_runner("tiny-random", "transformers", device="cpu").forward_full(TOKENS, 2).argmax(-1))
+    assert bool(agree.all())
