@@ -1,7 +1,11 @@
 """The draft model at the gateway: proposes γ tokens per round from q̂ (DESIGN §3.1–3.2).
 
-One runner serves every request; its calls run on its model thread, one at a time, so the
-event loop keeps streaming other requests while a draft is computed.
+One runner serves every request, and drafting requests share its decodes: each draft is a
+generator that yields the ``ForwardItem`` it needs next (a prompt chunk, a drafted token, a
+tree depth) and gets that item's logits back. ``DraftModel``'s step loop runs one runner
+``forward_each`` per step over the items of every draft in progress, on the model thread, so
+the event loop keeps streaming while a step runs and N concurrent drafts cost one decode per
+token position, not N (continuous batching: a draft joins at the next step, leaves when done).
 """
 
 from __future__ import annotations
@@ -10,8 +14,9 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,39 +27,79 @@ from core.runners import ModelRunner
 from core.runners.base import ForwardItem, common_prefix
 from core.runners.model_thread import ModelThread
 
+DEFAULT_BATCH_TOKENS = 128  # a draft step's new rows, all requests together (DraftConfig.max_batch_tokens)
 
+
+@dataclass
 class DraftClock:
-    """Where one draft's seconds went: in the runner (``draft_model``), and the rest of the
-    drafting — sampling, truncation, the tree's bookkeeping — (``draft_sampling``)."""
+    """Where one draft's seconds went: in the runner (``draft_model``: the steps it shared),
+    and the rest of the drafting — sampling, truncation, the tree's bookkeeping —
+    (``draft_sampling``)."""
 
-    def __init__(self) -> None:
-        self.model_s = 0.0
-        self.total_s = 0.0
-
-    def model(self) -> AbstractContextManager[None]:
-        return self._adding("model_s")
-
-    def whole(self) -> AbstractContextManager[None]:
-        return self._adding("total_s")
-
-    @contextmanager
-    def _adding(self, name: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            setattr(self, name, getattr(self, name) + time.perf_counter() - started)
+    model_s: float = 0.0
+    total_s: float = 0.0
 
     def parts(self) -> dict[str, float]:
         return {"draft_model": self.model_s, "draft_sampling": max(self.total_s - self.model_s, 0.0)}
 
 
+Steps = Generator[ForwardItem, torch.Tensor, TokenTree]  # a draft: yields items, gets their logits
+
+
+@dataclass(eq=False)
+class _Drafting:
+    """A draft in progress: its generator, the item it waits on, its clock and its outcome."""
+
+    steps: Steps
+    done: asyncio.Future[TokenTree]
+    clock: DraftClock = field(default_factory=DraftClock)
+    item: ForwardItem | None = None
+    started: bool = False
+    stop: bool = False  # its caller went away: closed at the next step
+    result: TokenTree | None = None
+    error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    def advance(self, logits: torch.Tensor | None) -> None:
+        """Run the draft on to its next item (or its end) with the logits of the last one."""
+        started = time.perf_counter()
+        try:
+            self.item = self.steps.send(logits)  # type: ignore[arg-type]  # None primes it
+        except StopIteration as end:
+            self.item, self.result = None, end.value
+        except Exception as exc:  # noqa: BLE001 - the draft's own failure, handed to its caller
+            self.item, self.error = None, exc
+        finally:
+            self.clock.total_s += time.perf_counter() - started
+
+    def fail(self, exc: BaseException) -> None:
+        """Its item failed: raise it in the draft (its ``finally`` runs), and end it."""
+        try:
+            self.steps.throw(exc)
+        except BaseException as raised:  # noqa: BLE001 - the item's failure, handed to the caller
+            self.error = raised
+        else:
+            self.error = exc
+            self.steps.close()
+        self.item = None
+
+
 class DraftModel:
-    def __init__(self, runner: ModelRunner, thread: ModelThread | None = None) -> None:
+    def __init__(self, runner: ModelRunner, thread: ModelThread | None = None, max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be ≥ 1, got {max_batch_tokens}")
         self.runner = runner
         self.thread = thread or ModelThread()  # every runner call (core.runners.model_thread)
-        self._lock = asyncio.Lock()
-        self.clock = DraftClock()  # the draft in progress (one at a time: the lock); read it under the lock
+        self.max_batch_tokens = max_batch_tokens  # new rows per step, all drafts together (one always goes)
+        self.prefill_chunk = max(1, max_batch_tokens // 2)  # a prompt's rows per step: others ride along
+        self.steps: deque[int] = deque(maxlen=1024)  # drafts per step, the latest steps (tests)
+        self.num_steps = self.num_step_drafts = 0  # since start (metrics: the mean draft batch)
+        self._arrived: list[_Drafting] = []
+        self._busy: dict[str, asyncio.Future[TokenTree]] = {}  # session -> its draft in progress
+        self._loop_task: asyncio.Task[None] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -72,13 +117,11 @@ class DraftModel:
         are keyed by position, so a draft prepared ahead equals the one drafted later.
         ``suppression`` (min_tokens) masks its ids where the target cannot emit them; ``timing``
         gets the seconds of the draft model and of the sampling (``DraftClock``)."""
-        async with self._lock:
-            if cancel is not None and cancel.is_set():
-                return TokenTree.chain([], [])
-            self.clock = DraftClock()
-            draft = await self.thread.run(self._propose, session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
-            self._record(timing)
-            return draft
+        await self._idle(session_id)
+        if cancel is not None and cancel.is_set():
+            return TokenTree.chain([], [])
+        steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
+        return await self._run(session_id, steps, timing)
 
     async def propose_tree(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
@@ -87,39 +130,114 @@ class DraftModel:
         """Draft a tree of ``shape`` after ``sequence`` (DESIGN §3.6): one batched draft decode
         per depth over the nodes that get children. The draws are keyed by position and lane
         (a draw's rank at its depth), so lane 0 of a one-wide tree draws the chain's numbers."""
-        async with self._lock:
-            self.clock = DraftClock()
-            draft = await self.thread.run(self._propose_tree, session_id, sequence, shape, params, seed, choice, truncation)
-            self._record(timing)
-            return draft
-
-    def _record(self, timing: dict[str, float] | None) -> None:
-        """The finished draft's parts into ``timing``."""
-        if timing is not None:
-            for name, seconds in self.clock.parts().items():
-                timing[name] = timing.get(name, 0.0) + seconds
+        await self._idle(session_id)
+        return await self._run(session_id, self._tree_of(session_id, sequence, shape, params, seed, choice, truncation), timing)
 
     async def free(self, session_id: str) -> None:
-        async with self._lock:
-            await self.thread.run(self.runner.free, session_id)
+        """Forget the session, after its draft in progress (if any) has ended."""
+        await self._idle(session_id)
+        await self.thread.run(self.runner.free, session_id)
 
-    def _propose(
-        self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
-    ) -> TokenTree:
-        with self.clock.whole():
-            return self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
+    # ----------------------------------------------------------------- the step loop
+
+    async def _idle(self, session_id: str) -> None:
+        """Wait until the session has no draft in progress (one draft per session at a time)."""
+        while (busy := self._busy.get(session_id)) is not None:
+            await asyncio.wait([busy])
+
+    async def _run(self, session_id: str, steps: Steps, timing: dict[str, float] | None) -> TokenTree:
+        drafting = _Drafting(steps, asyncio.get_running_loop().create_future())
+        self._busy[session_id] = drafting.done
+        drafting.done.add_done_callback(lambda done: self._busy.pop(session_id) if self._busy.get(session_id) is done else None)
+        self._arrived.append(drafting)
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._step_loop())
+        try:
+            tree = await asyncio.shield(drafting.done)
+        except asyncio.CancelledError:
+            drafting.stop = True  # the step loop closes it; the session stays busy until then
+            raise
+        if timing is not None:
+            for name, seconds in drafting.clock.parts().items():
+                timing[name] = timing.get(name, 0.0) + seconds
+        return tree
+
+    async def _step_loop(self) -> None:
+        """Steps while any draft is in progress; a draft that arrives joins the next step."""
+        active: list[_Drafting] = []
+        try:
+            while True:
+                active += self._arrived
+                self._arrived = []
+                if not active:
+                    return
+                try:
+                    await self.thread.run(self._step, active)
+                except Exception as exc:  # noqa: BLE001 - a broken step fails its drafts, not the loop
+                    for d in active:
+                        d.item, d.error = None, d.error or exc
+                for d in active:
+                    if d.finished or d.stop:
+                        _settle(d)
+                active = [d for d in active if not d.done.done()]
+        finally:
+            self._loop_task = None
+            for d in [*active, *self._arrived]:  # the loop was cancelled (shutdown)
+                if not d.done.done():
+                    d.done.cancel()
+
+    def _step(self, drafts: list[_Drafting]) -> None:
+        """On the model thread: start new drafts and close stopped ones, then one
+        ``forward_each`` over the waiting items, oldest first, within ``max_batch_tokens``
+        (one always goes), and run each draft on to its next item."""
+        for d in drafts:
+            if d.stop and not d.finished:
+                d.steps.close()
+                d.item = None
+            elif not d.started:
+                d.started = True
+                d.advance(None)
+        taken: list[_Drafting] = []
+        budget = self.max_batch_tokens
+        for d in drafts:
+            if d.item is not None and not d.stop and (not taken or len(d.item.tokens) <= budget):
+                taken.append(d)
+                budget -= len(d.item.tokens)
+        if not taken:
+            return
+        started = time.perf_counter()
+        results = self.runner.forward_each([d.item for d in taken if d.item is not None])
+        seconds = time.perf_counter() - started
+        self.steps.append(len(taken))
+        self.num_steps += 1
+        self.num_step_drafts += len(taken)
+        for d, result in zip(taken, results):
+            d.clock.model_s += seconds
+            d.clock.total_s += seconds
+            if isinstance(result, Exception):
+                d.fail(result)
+            else:
+                d.advance(result)
+
+    # ----------------------------------------------------------------- the drafts
+
+    def _feed(self, session_id: str, tokens: list[int]) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
+        """Append ``tokens`` to the session in chunks of ≤ ``prefill_chunk`` rows, one per step
+        (an empty list feeds the last held row again); the logits of the last row."""
+        logits = None
+        for begin in range(0, max(len(tokens), 1), self.prefill_chunk):
+            logits = yield self.runner.append_item(session_id, tokens[begin:begin + self.prefill_chunk], 1)
+        assert logits is not None
+        return logits[0]
 
     def _chain(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float], cancel: threading.Event | None, suppression: Suppression | None,
-    ) -> TokenTree:
-        clock = self.clock
-        with clock.model():
-            held = self.runner.tokens(session_id)
-            common = common_prefix(held, sequence)
-            self.runner.crop(session_id, common)
-            logits = self.runner.append(session_id, sequence[common:], 1)[0]
+    ) -> Steps:
+        runner = self.runner
+        common = common_prefix(runner.tokens(session_id), sequence)
+        runner.crop(session_id, common)
+        logits = yield from self._feed(session_id, sequence[common:])
         draws = uniforms(seed, choice, list(range(len(sequence), len(sequence) + gamma)), Purpose.DRAFT_SAMPLE)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []  # dense q̂ rows, or
@@ -139,29 +257,19 @@ class DraftModel:
                 token = int(torch.argmax(q)) if params.is_greedy else sample_index(q, float(draws[j]))
                 rows.append(q)
             tokens.append(token)
-            if token in self.runner.info.eos_ids or j == gamma - 1 or (cancel is not None and cancel.is_set()):
+            if token in runner.info.eos_ids or j == gamma - 1 or (cancel is not None and cancel.is_set()):
                 break
-            with clock.model():
-                logits = self.runner.append(session_id, [token], 1)[0]
+            logits = (yield runner.append_item(session_id, [token], 1))[0]
         return TokenTree.chain(tokens, supports if truncating else rows)
-
-
-    def _propose_tree(
-        self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float],
-    ) -> TokenTree:
-        with self.clock.whole():
-            return self._tree_of(session_id, sequence, shape, params, seed, choice, truncation)
 
     def _tree_of(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float],
-    ) -> TokenTree:
-        runner, eos, clock = self.runner, set(self.runner.info.eos_ids), self.clock
-        with clock.model():
-            common = common_prefix(runner.tokens(session_id), sequence)
-            runner.crop(session_id, common)
-            logits = runner.append(session_id, sequence[common:], 1)[0]
+    ) -> Steps:
+        runner, eos = self.runner, set(self.runner.info.eos_ids)
+        common = common_prefix(runner.tokens(session_id), sequence)
+        runner.crop(session_id, common)
+        logits = yield from self._feed(session_id, sequence[common:])
         start = len(sequence)
         q_at = {-1: self._q(logits, params, truncation)}
         tokens: list[int] = []
@@ -183,14 +291,12 @@ class DraftModel:
                 if depth == shape.max_depth or not frontier:
                     break
                 held = runner.length(session_id)
-                item = ForwardItem(session_id, held, [tokens[n] for n in frontier], [row_of[parents[n]] for n in frontier], list(range(len(frontier))))
-                with clock.model():
-                    rows = runner.forward([item])[0]
-                for i, (node, logits) in enumerate(zip(frontier, rows)):
+                rows = yield ForwardItem(session_id, held, [tokens[n] for n in frontier], [row_of[parents[n]] for n in frontier], list(range(len(frontier))))
+                for i, (node, node_logits) in enumerate(zip(frontier, rows)):
                     row_of[node] = held + i
-                    q_at[node] = self._q(logits, params, truncation)
+                    q_at[node] = self._q(node_logits, params, truncation)
         finally:
-            with clock.model():
+            if runner.has_session(session_id):
                 runner.crop(session_id, start)  # the session is the agreed sequence again
         if shape.rule is ChildRule.FIXED:
             return _best_nodes(tokens, parents, scores, q_at, shape.nodes, self.vocab_size)
@@ -200,6 +306,18 @@ class DraftModel:
     def _q(logits: torch.Tensor, params: SamplingParams, truncation: tuple[int, float]) -> torch.Tensor:
         q = apply_sampling(logits[None], params)[0]
         return truncate(q, *truncation) if not params.is_greedy and truncation != (0, 1.0) else q
+
+
+def _settle(d: _Drafting) -> None:
+    """On the event loop: hand a finished (or stopped) draft's outcome to its caller."""
+    if d.done.done():
+        return
+    if d.result is not None:
+        d.done.set_result(d.result)
+    elif d.error is not None:
+        d.done.set_exception(d.error)
+    else:
+        d.done.cancel()
 
 
 def _children(

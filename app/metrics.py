@@ -9,7 +9,9 @@ Speculative decoding, per mode (counted as vLLM does):
 Requests: prompt / generation tokens, ``request_success_total{finished_reason}``, running /
 waiting / rejected requests, histograms of time to first token, inter-token latency and
 end-to-end latency. Per worker (read from the pool at scrape time): bytes both ways, calls,
-failures by kind, failovers, replicas up, and a histogram of round latency.
+the sessions that shared the worker's forward of each call (over calls: its mean batch),
+failures by kind, failovers, replicas up, and a histogram of round latency. The draft's steps
+and the drafts they carried (over steps: the draft's mean batch).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from app.draft import DraftModel
 from app.engine import RoundResult
 from app.targets.base import FAILURE_KINDS
 from app.targets.pool import TargetSet
@@ -74,6 +77,10 @@ class GatewayMetrics:
         self.registry.register(_PoolCollector(pool))
         pool.on_call = lambda worker, seconds: self.round_latency.labels(worker).observe(seconds)
 
+    def watch_draft(self, draft: DraftModel) -> None:
+        """Read the draft's step counters at scrape time."""
+        self.registry.register(_DraftCollector(draft))
+
     def observe_round(self, mode: str, result: RoundResult) -> None:
         if result.drafted:
             self.drafts.labels(mode).inc()
@@ -108,6 +115,9 @@ class _PoolCollector(Collector):
         sent = CounterMetricFamily("specgate:worker_bytes_sent", "Bytes sent to a worker.", labels=["worker"])
         received = CounterMetricFamily("specgate:worker_bytes_received", "Bytes received from a worker.", labels=["worker"])
         calls = CounterMetricFamily("specgate:worker_calls", "Verify calls to a worker.", labels=["worker"])
+        batched = CounterMetricFamily(
+            "specgate:worker_batch_sessions", "Sessions that shared the worker's forward, summed over the calls answered.", labels=["worker"]
+        )
         failovers = CounterMetricFamily("specgate:worker_failovers", "Sessions moved to another replica mid-request.", labels=["worker"])
         failures = CounterMetricFamily("specgate:worker_failures", "Failed calls, by kind.", labels=["worker", "kind"])
         up = GaugeMetricFamily("specgate:worker_replica_up", "1 while a replica's circuit is closed.", labels=["worker", "url"])
@@ -115,9 +125,19 @@ class _PoolCollector(Collector):
             sent.add_metric([w.name], w.traffic.sent)
             received.add_metric([w.name], w.traffic.received)
             calls.add_metric([w.name], w.traffic.calls)
+            batched.add_metric([w.name], w.traffic.batch_sessions)
             failovers.add_metric([w.name], w.failovers)
             for kind in FAILURE_KINDS:
                 failures.add_metric([w.name, kind], w.failures[kind])
             for replica in w.replicas:
                 up.add_metric([w.name, replica.url], 0 if replica.breaker.is_open else 1)
-        yield from (sent, received, calls, failovers, failures, up)
+        yield from (sent, received, calls, batched, failovers, failures, up)
+
+
+class _DraftCollector(Collector):
+    def __init__(self, draft: DraftModel) -> None:
+        self.draft = draft
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("specgate:draft_steps", "Draft model steps (one forward over every draft in progress).", value=self.draft.num_steps)
+        yield CounterMetricFamily("specgate:draft_step_drafts", "Drafts carried by the draft's steps, summed over steps.", value=self.draft.num_step_drafts)

@@ -61,7 +61,9 @@ def create_app(
             await thread.run(lambda: runner.fingerprint)
         pool = TargetSet.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size, runner.tokenizer), transport)
         metrics.watch(pool)
-        gateway = Gateway(config, DraftModel(runner, thread), pool, metrics)
+        draft_model = DraftModel(runner, thread, config.draft.max_batch_tokens)
+        metrics.watch_draft(draft_model)
+        gateway = Gateway(config, draft_model, pool, metrics)
         app.state.gateway = gateway
         for entry in await gateway.check_workers():
             if not entry["ready"]:

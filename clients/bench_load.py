@@ -1,7 +1,10 @@
 """``specgate bench load``: many concurrent streaming clients against ``specgate serve`` for a
-fixed time. Prints and writes: requests done, errors (by message), 429s (each retried after its
-Retry-After), p50 / p99 time to first token and end-to-end latency, tokens/s, and the RSS of
-the gateway and of each worker at the start (after a warm-up burst) and at the end."""
+fixed time, at one or several concurrency levels in turn (``--concurrency 1,4,8,16``: one
+server, each level after the other). Prints and writes, per level: requests done, errors (by
+message), 429s (each retried after its Retry-After), aggregate tokens/s, p50 / p99 time to
+first token, inter-token latency (the gaps between a stream's content events) and end-to-end
+latency, and the RSS of the gateway and of each worker at the start (after a warm-up burst)
+and at the end; with several levels, each level's tokens/s over the first level's."""
 
 from __future__ import annotations
 
@@ -31,18 +34,37 @@ class LoadStats:
     tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)  # gaps between a stream's content events
     errors: Counter[str] = field(default_factory=Counter)
 
 
+def concurrency_levels(text: str) -> list[int]:
+    """``"1,4,8,16"`` → ``[1, 4, 8, 16]`` (argparse's type for ``--concurrency``)."""
+    try:
+        levels = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--concurrency takes positive integers separated by commas, not {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency takes positive integers separated by commas, not {text!r}")
+    return levels
+
+
 def bench_load(args: argparse.Namespace) -> int:
+    levels = args.concurrency if isinstance(args.concurrency, list) else [args.concurrency]
     port = args.port or free_port()
     progress(f"bench load: starting specgate serve on port {port}")
+    runs = []
     with serve_process(args.config, port, args.startup_timeout) as base:
         serve_pid = _serve_pid(port)
-        results = asyncio.run(_run(base, serve_pid, args))
-    _print(results)
-    write_json(args.json_path, results)
-    return 0 if not results["errors"] else 1
+        for concurrency in levels:
+            runs.append(asyncio.run(_run(base, serve_pid, concurrency, args)))
+            _print(runs[-1])
+    if len(runs) > 1:
+        for run in runs:
+            run["tokens_per_s_vs_first"] = round(run["tokens_per_s"] / runs[0]["tokens_per_s"], 2) if runs[0]["tokens_per_s"] else None
+        _print_levels(runs)
+    write_json(args.json_path, {"levels": runs} if len(runs) > 1 else runs[0])
+    return 0 if not any(run["errors"] for run in runs) else 1
 
 
 def _serve_pid(port: int) -> int:
@@ -68,30 +90,37 @@ def _processes(serve_pid: int) -> dict[str, psutil.Process]:
     return found
 
 
+def _cpu_s(processes: dict[str, psutil.Process]) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used so far."""
+    return {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
+
+
 def _rss_mb(processes: dict[str, psutil.Process]) -> dict[str, float]:
     return {name: round(p.memory_info().rss / 2**20, 1) for name, p in processes.items()}
 
 
-async def _run(base: str, serve_pid: int, args: argparse.Namespace) -> dict[str, Any]:
+async def _run(base: str, serve_pid: int, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
     processes = _processes(serve_pid)
-    limits = httpx.Limits(max_connections=args.concurrency + 8)
+    limits = httpx.Limits(max_connections=concurrency + 8)
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(600, connect=10), limits=limits) as client:
         # warm-up, not counted: one burst at full concurrency fills the context pools, so RSS
         # at the start is the steady state and growth over the run means a leak
-        progress(f"bench load: warm-up burst of {args.concurrency} requests")
-        await asyncio.gather(*(_one(client, i, 8, LoadStats()) for i in range(args.concurrency)))
-        rss_start = _rss_mb(processes)
+        progress(f"bench load: {concurrency} clients: warm-up burst of {concurrency} requests")
+        await asyncio.gather(*(_one(client, i, 8, LoadStats()) for i in range(concurrency)))
+        rss_start, cpu_start = _rss_mb(processes), _cpu_s(processes)
+        counters_start = _counters((await client.get("/metrics")).text)
         stats = LoadStats()
         started = time.monotonic()
         deadline = started + args.duration
         reporter = asyncio.create_task(_report_progress(stats, started, args.duration))
-        await asyncio.gather(*(_client_loop(client, i, deadline, args, stats) for i in range(args.concurrency)))
+        await asyncio.gather(*(_client_loop(client, i, concurrency, deadline, args, stats) for i in range(concurrency)))
         elapsed = time.monotonic() - started
         reporter.cancel()
-        rss_end = _rss_mb(processes)
+        rss_end, cpu_end = _rss_mb(processes), _cpu_s(processes)
         metrics = (await client.get("/metrics")).text
+    batches = _mean_batches(counters_start, _counters(metrics))
     return {
-        "concurrency": args.concurrency,
+        "concurrency": concurrency,
         "duration_s": args.duration,
         "elapsed_s": round(elapsed, 1),
         "max_tokens": args.max_tokens,
@@ -105,6 +134,10 @@ async def _run(base: str, serve_pid: int, args: argparse.Namespace) -> dict[str,
         "ttft_p99_s": _percentile(stats.ttft_s, 99),
         "latency_p50_s": _percentile(stats.latency_s, 50),
         "latency_p99_s": _percentile(stats.latency_s, 99),
+        "itl_p50_s": _percentile(stats.itl_s, 50),
+        "itl_p99_s": _percentile(stats.itl_s, 99),
+        "mean_batch": batches,
+        "cpu_cores_busy": {n: round((cpu_end[n] - cpu_start[n]) / elapsed, 2) for n in cpu_start if n in cpu_end},
         "rss_start_mb": rss_start,
         "rss_end_mb": rss_end,
         "rss_growth_pct": {n: round(100 * (rss_end[n] - rss_start[n]) / rss_start[n], 1) for n in rss_start if n in rss_end},
@@ -112,12 +145,14 @@ async def _run(base: str, serve_pid: int, args: argparse.Namespace) -> dict[str,
     }
 
 
-async def _client_loop(client: httpx.AsyncClient, index: int, deadline: float, args: argparse.Namespace, stats: LoadStats) -> None:
+async def _client_loop(
+    client: httpx.AsyncClient, index: int, concurrency: int, deadline: float, args: argparse.Namespace, stats: LoadStats,
+) -> None:
     """One client: a streaming request after another until the deadline (the last one finishes)."""
     turn = index
     while time.monotonic() < deadline:
         await _one(client, turn, args.max_tokens, stats)
-        turn += args.concurrency
+        turn += concurrency
 
 
 async def _one(client: httpx.AsyncClient, turn: int, max_tokens: int, stats: LoadStats) -> None:
@@ -125,7 +160,8 @@ async def _one(client: httpx.AsyncClient, turn: int, max_tokens: int, stats: Loa
         "model": "specgate", "messages": [{"role": "user", "content": PROMPTS[turn % len(PROMPTS)]}],
         "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
     }
-    started, first = time.monotonic(), None
+    started, first, last = time.monotonic(), None, None
+    gaps: list[float] = []
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
             if resp.status_code == 429:
@@ -148,8 +184,11 @@ async def _one(client: httpx.AsyncClient, turn: int, max_tokens: int, stats: Loa
                     return
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
-                if first is None and any(c["delta"].get("content") for c in event.get("choices", [])):
-                    first = time.monotonic()
+                if any(c["delta"].get("content") for c in event.get("choices", [])):
+                    now = time.monotonic()
+                    if last is not None:
+                        gaps.append(now - last)
+                    first, last = first or now, now
     except httpx.HTTPError as exc:
         stats.errors[f"{type(exc).__name__}: {str(exc)[:160]}"] += 1
         return
@@ -160,6 +199,7 @@ async def _one(client: httpx.AsyncClient, turn: int, max_tokens: int, stats: Loa
     stats.tokens += tokens
     stats.ttft_s.append((first or time.monotonic()) - started)
     stats.latency_s.append(time.monotonic() - started)
+    stats.itl_s.extend(gaps)
 
 
 async def _report_progress(stats: LoadStats, started: float, duration: float) -> None:
@@ -167,6 +207,34 @@ async def _report_progress(stats: LoadStats, started: float, duration: float) ->
         await asyncio.sleep(30)
         elapsed = time.monotonic() - started
         progress(f"bench load: {elapsed:.0f}/{duration:.0f} s: {stats.done} done, {sum(stats.errors.values())} errors, {stats.rejected} 429s, {stats.tokens / elapsed:.1f} tok/s")
+
+
+def _counters(metrics: str) -> dict[str, float]:
+    """The counters the mean batches come from, by series (``name{labels}``), from ``/metrics``."""
+    wanted = ("specgate:draft_steps_total", "specgate:draft_step_drafts_total", "specgate:worker_calls_total", "specgate:worker_batch_sessions_total")
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith(wanted):
+            series, _, value = line.rpartition(" ")
+            out[series] = float(value)
+    return out
+
+
+def _mean_batches(start: dict[str, float], end: dict[str, float]) -> dict[str, float | None]:
+    """Over the level: drafts per draft step, and per worker the sessions per verify forward
+    (None where the gateway does not count them)."""
+    def delta(series: str) -> float | None:
+        return end[series] - start.get(series, 0.0) if series in end else None
+
+    def ratio(top: float | None, bottom: float | None) -> float | None:
+        return round(top / bottom, 2) if top is not None and bottom else None
+
+    out = {"draft": ratio(delta("specgate:draft_step_drafts_total"), delta("specgate:draft_steps_total"))}
+    for series in end:
+        if series.startswith("specgate:worker_calls_total{"):
+            worker = series[series.index('worker="') + 8:].split('"')[0]
+            out[f"worker:{worker}"] = ratio(delta(series.replace("worker_calls_total", "worker_batch_sessions_total")), delta(series))
+    return out
 
 
 def _percentile(values: list[float], q: int) -> float | None:
@@ -179,8 +247,20 @@ def _print(r: dict[str, Any]) -> None:
     print(f"load: {r['concurrency']} streaming clients for {r['duration_s']} s (ran {r['elapsed_s']} s), max_tokens {r['max_tokens']}")
     print(f"  requests done {r['requests_done']}, errors {r['errors']}, 429s retried {r['rejected_429_retried']}")
     print(f"  time to first token p50 {r['ttft_p50_s']} s, p99 {r['ttft_p99_s']} s; latency p50 {r['latency_p50_s']} s, p99 {r['latency_p99_s']} s")
+    print(f"  inter-token latency (between content events) p50 {r['itl_p50_s']} s, p99 {r['itl_p99_s']} s")
     print(f"  {r['tokens']} tokens, {r['tokens_per_s']} tok/s")
+    print("  mean batch: " + ", ".join(f"{name} {value}" for name, value in r["mean_batch"].items()))
+    print("  cores busy: " + ", ".join(f"{name} {value}" for name, value in r["cpu_cores_busy"].items()))
     for name in r["rss_start_mb"]:
         print(f"  RSS {name}: {r['rss_start_mb'][name]} MB → {r['rss_end_mb'].get(name)} MB ({r['rss_growth_pct'].get(name)} %)")
     for message, count in r["error_messages"].items():
         print(f"  error ×{count}: {message}")
+
+
+def _print_levels(runs: list[dict[str, Any]]) -> None:
+    print("concurrency | tok/s | × first level | ITL p50 s | ITL p99 s | TTFT p50 s | mean draft batch | cores busy | errors")
+    for r in runs:
+        print(
+            f"{r['concurrency']:>11} | {r['tokens_per_s']:>5} | {r['tokens_per_s_vs_first']:>13} | {r['itl_p50_s']} | {r['itl_p99_s']} "
+            f"| {r['ttft_p50_s']} | {r['mean_batch']['draft']} | {round(sum(r['cpu_cores_busy'].values()), 2)} | {r['errors']}"
+        )

@@ -9,7 +9,7 @@
     specgate bench step-device [--device cuda|cpu] [--dtype D] [--json FILE]
     specgate bench dsd [--json FILE] [--runs N] [--plots DIR] [--quick]
     specgate bench overhead [--json FILE] [--runs N] [--baseline DIR] [--quick]
-    specgate bench load [--concurrency N] [--duration S] [--json FILE]
+    specgate bench load [--concurrency N[,N...]] [--duration S] [--json FILE]
     specgate chat [--url URL] [--mode MODE] [--api-key KEY]
     specgate eval [--url URL | --serve] [--json FILE]
 
@@ -105,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--baseline", default=None, help="a checkout of an earlier commit: its servers run beside ours, cell by cell")
     overhead.add_argument("--quick", action="store_true", help="one run, one prompt, 16 tokens: under 3 minutes")
     load = benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS")
-    load.add_argument("--concurrency", type=int, default=64, help="streaming clients at once (default: 64)")
+    load.add_argument(
+        "--concurrency", type=_concurrency_levels, default=[64],
+        help="streaming clients at once; several levels, comma-separated (1,4,8,16), run in turn against one server (default: 64)",
+    )
     load.add_argument("--duration", type=float, default=300.0, help="seconds of load (default: 300)")
     load.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     load.add_argument("--config", default=None, help="config for specgate serve (default: the built-in one)")
@@ -113,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server (default: 600)")
     load.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     return parser
+
+
+def _concurrency_levels(text: str) -> list[int]:
+    from clients.bench_load import concurrency_levels
+
+    return concurrency_levels(text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ import numpy as np
 
 from clients.procs import ServerProcess, free_port
 from core.runners.llama_cpp_tools import quiet_llama_cpp
-from core.runners.model_thread import ModelThread
+from core.runners.model_thread import CallingThread
 from core.runners.models import resolve_model
 
 T = TypeVar("T")
@@ -147,7 +147,7 @@ class DraftAlone:
         from core.runners import load_runner
 
         self.prompt = list(prompt)
-        self.draft = DraftModel(load_runner("builtin-draft", threads=threads), _CallingThread())
+        self.draft = DraftModel(load_runner("builtin-draft", threads=threads), CallingThread())
 
     def __enter__(self) -> DraftAlone:
         return self
@@ -173,22 +173,6 @@ class DraftAlone:
             return times
 
         return asyncio.run(drafts())
-
-
-class _CallingThread(ModelThread):
-    """A ``ModelThread`` that runs each call where it is made (for ``DraftAlone``)."""
-
-    def __init__(self) -> None:
-        pass
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return fn(*args)
-
-    def call(self, fn: Callable[..., T], *args: Any) -> T:
-        return fn(*args)
-
-    def close(self) -> None:
-        pass
 
 
 # --------------------------------------------------------------------------- HTTP

@@ -7,6 +7,7 @@ mapped onto it once, at the edge where they happen (``raise Specific(...) from e
     ├── ProtocolError        a body that does not decode or breaks a protocol rule
     │   └── InvalidRequest   well-formed, but a value is out of range (ids ≥ V, k ≤ 0, …)
     ├── SessionShort         a worker holds fewer tokens than asked, or other ones
+    ├── WorkerFull           every KV slot of a worker is held by a session in use: retry later
     └── ContextOverflow      the request does not fit the context that is left
 """
 
@@ -49,3 +50,15 @@ class SessionShort(SpecgateError):
 
 class ContextOverflow(InvalidRequest):
     pass
+
+
+class WorkerFull(SpecgateError):
+    """A new session found every KV slot (llama.cpp stream, transformers slot) held by a session
+    used in the last ``live_s`` seconds: taking one would rebuild a live session's cache on its
+    next call, and under overload every step would. Answered 503 with ``Retry-After``."""
+
+    def __init__(self, live: int, live_s: float, retry_after_s: int) -> None:
+        super().__init__(
+            f"worker full: every KV slot is held by one of the {live} sessions used in the last {live_s:g} s; retry after {retry_after_s} s"
+        )
+        self.retry_after_s = retry_after_s

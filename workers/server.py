@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from core.errors import ContextOverflow, InvalidRequest, ProtocolError, SessionShort, SpecgateError
+from core.errors import ContextOverflow, InvalidRequest, ProtocolError, SessionShort, SpecgateError, WorkerFull
 from core.protocol import (
     JSON_CONTENT_TYPE,
     PROTOCOL_VERSION,
@@ -65,6 +65,7 @@ class WorkerState:
             max_sessions=settings.max_sessions,
             ttl_s=settings.session_ttl_s,
             memory_cap_bytes=settings.memory_cap_mb * 2**20,
+            live_s=settings.session_live_s,
         )
         return cls(settings=settings, runner=runner, sessions=sessions, thread=thread or ModelThread())
 
@@ -141,6 +142,7 @@ class WorkerState:
             self.sessions.keep_path(req.session_id, req.prefix_len, req.prefix_hash, req.path.tolist())
         else:
             self.sessions.check_prefix(req.session_id, req.prefix_len, req.prefix_hash)
+        self.sessions.admit(req.session_id, tree=req.parents is not None)
         self.runner.crop(req.session_id, req.prefix_len)
         scored_tokens = max(len(req.tokens) - 1, 0) if req.score_tokens else 0  # echo: the prompt's own rows too
         if req.parents is not None:  # a tree: the root's and every node's row in one forward
@@ -300,6 +302,13 @@ def _add_error_handlers(app: FastAPI) -> None:
         code = "context_length_exceeded" if isinstance(exc, ContextOverflow) else "invalid_request"
         count(request, code)
         return _error(400, ErrorBody(str(exc), "invalid_request_error", param=exc.param, code=code))
+
+    @app.exception_handler(WorkerFull)
+    async def worker_full(request: Request, exc: WorkerFull) -> Response:
+        count(request, "worker_full")
+        response = _error(503, ErrorBody(str(exc), "server_error", code="worker_full"))
+        response.headers["Retry-After"] = str(exc.retry_after_s)
+        return response
 
     @app.exception_handler(SpecgateError)
     async def specgate_error(request: Request, exc: SpecgateError) -> Response:

@@ -9,9 +9,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from core.errors import InvalidRequest, SessionShort
+from core.errors import InvalidRequest, SessionShort, WorkerFull
 from core.protocol import prefix_hash
 from core.runners.base import ModelRunner
+
+RETRY_AFTER_S = 1  # what a WorkerFull answer's Retry-After says: a round frees a session in about that
 
 
 class SessionStore:
@@ -21,15 +23,18 @@ class SessionStore:
         max_sessions: int,
         ttl_s: float,
         memory_cap_bytes: int,
+        live_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.runner = runner
         self.max_sessions = max_sessions
         self.ttl_s = ttl_s
         self.memory_cap_bytes = memory_cap_bytes
+        self.live_s = live_s
         self.clock = clock
         self.num_evicted = 0
         self._last_used: OrderedDict[str, float] = OrderedDict()
+        self._trees: set[str] = set()  # sessions that sent tree calls
 
     def __len__(self) -> int:
         return len(self._last_used)
@@ -66,12 +71,30 @@ class SessionStore:
             raise SessionShort(session_id, base, "the path's tokens differ from the prefix hash")
         self.runner.keep(session_id, [*range(base), *(base + node for node in path)])
 
+    def admit(self, session_id: str, tree: bool = False) -> None:
+        """A call's session, held from now on; a new one only while the runner has a KV place
+        that no session used in the last ``live_s`` seconds holds (``WorkerFull`` otherwise: a
+        503 + Retry-After, rather than rebuilding a live session's cache on its next call).
+        Live chain sessions are what count: tree sessions (``tree``: the call is a tree) are
+        the runner's to place."""
+        if tree:
+            self._trees.add(session_id)  # the runner may place it apart (llama.cpp: a context of its own)
+        if session_id in self._last_used:
+            return
+        now = self.clock()
+        live = [s for s, last in self._last_used.items() if now - last < self.live_s]
+        chains, trees = [s for s in live if s not in self._trees], [s for s in live if s in self._trees]
+        if self.runner.is_full(chains, trees, tree):
+            raise WorkerFull(len(live), self.live_s, RETRY_AFTER_S)
+        self.touch(session_id)
+
     def touch(self, session_id: str) -> None:
         self._last_used[session_id] = self.clock()
         self._last_used.move_to_end(session_id)
 
     def free(self, session_id: str) -> bool:
         existed = self._last_used.pop(session_id, None) is not None
+        self._trees.discard(session_id)
         self.runner.free(session_id)
         return existed
 

@@ -23,6 +23,7 @@ class WorkerSettings(BaseSettings):
     memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of all sessions together
     max_sessions: int = Field(default=64, gt=0)  # LRU eviction beyond this
     session_ttl_s: float = Field(default=600.0, gt=0)  # idle sessions are dropped after this
+    session_live_s: float = Field(default=10.0, gt=0)  # a session used this recently keeps its KV slot: a new session finding every slot so held gets 503 + Retry-After
     max_body_bytes: int = Field(default=8 * 2**20, gt=0)  # larger request bodies get a 413
     max_draft: int = Field(default=64, gt=0)  # draft tokens one verify call may carry
     max_batch_tokens: int = Field(default=256, gt=0)  # new tokens one scheduler step feeds the model, all its calls together (one call always goes)

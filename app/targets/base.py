@@ -71,6 +71,7 @@ class Traffic:
     received: int = 0
     calls: int = 0
     seconds: dict[str, float] = field(default_factory=dict)
+    batch_sessions: int = 0  # over the calls answered: the sessions that shared each one's worker forward
 
     def add(self, other: Traffic) -> None:
         self.sent += other.sent

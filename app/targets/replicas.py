@@ -145,6 +145,7 @@ class ReplicaSet:
                 last = exc
                 continue
             replica.breaker.record(ok=True)
+            self.traffic.batch_sessions += resp.batch_sessions
             return resp, traffic
 
     async def _replica_for(self, session_id: str, tried: set[str], last: ReplicaFailure | None) -> Replica:

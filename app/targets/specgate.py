@@ -4,6 +4,7 @@ session."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -35,6 +36,8 @@ from core.protocol import (
 log = logging.getLogger(__name__)
 
 _MAX_RESENDS = 2  # held prefix, then from zero
+_FULL_FIRST_PAUSE_S = 0.25  # a full worker (503 worker_full): the first wait, doubling to 2 s
+_FULL_WAIT_S = 30.0  # at most this long in all when the channel has no read timeout
 _HEADERS = {"content-type": BINARY_CONTENT_TYPE, "accept": BINARY_CONTENT_TYPE}
 
 
@@ -58,7 +61,8 @@ class SpecgateDialect:
         return info
 
     async def verify(self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic) -> VerifyResponse:
-        for _ in range(_MAX_RESENDS + 1):
+        resends, waits = 0, [0.0]  # the pauses so far for a full worker
+        while resends <= _MAX_RESENDS:
             started = time.perf_counter()
             body, content_type = encode(req, self.expected.vocab_size)
             traffic.time(gateway_codec=time.perf_counter() - started)
@@ -69,6 +73,9 @@ class SpecgateDialect:
                     return self._parse(answer, req)
                 finally:
                     traffic.time(gateway_codec=time.perf_counter() - started)
+            if status == 503 and _code(answer) == "worker_full":
+                await self._wait_full(req.session_id, answer, waits)
+                continue
             if status != 409:
                 failure = status_failure(status, answer, "verify")
                 if failure.kind == "rejected":  # the request itself: every replica would refuse it
@@ -78,7 +85,20 @@ class SpecgateDialect:
             prefix = held if held < req.prefix_len else 0  # held ≥ prefix_len: the hash differed
             log.info("worker %s lost session %s (holds %d): resending from %d", self.name, req.session_id, held, prefix)
             req = resend(req, agreed, prefix)
+            resends += 1
         raise ReplicaFailure("garbage", "kept answering session_short after a resend from zero")
+
+    async def _wait_full(self, session_id: str, answer: bytes, waits: list[float]) -> None:
+        """A worker whose KV slots are all held by live sessions (503 ``worker_full``) is
+        healthy, only busy: wait and ask again (0.25 s, doubling to 2 s) for as long as the
+        read timeout; past that the request fails with a 503 naming the worker."""
+        limit, waited = self.channel.timeout.read or _FULL_WAIT_S, sum(waits)
+        if waited >= limit:
+            raise WorkerError(self.name, f"{_message(answer)} (waited {waited:.1f} s)", 503)
+        pause = min(_FULL_FIRST_PAUSE_S * 2 ** (len(waits) - 1), 2.0, limit - waited)
+        log.info("worker %s is full, session %s waits %.2f s: %s", self.name, session_id, pause, _message(answer))
+        await asyncio.sleep(pause)
+        waits.append(pause)
 
     def _parse(self, body: bytes, req: VerifyRequest) -> VerifyResponse:
         try:
@@ -97,6 +117,20 @@ class SpecgateDialect:
     def scorable(self, sequence: list[int], draft: list[int]) -> int:
         """A worker scores every draft token."""
         return len(draft)
+
+
+def _code(body: bytes) -> str | None:
+    try:
+        return ErrorBody.from_json(body).code
+    except ProtocolError:
+        return None
+
+
+def _message(body: bytes) -> str:
+    try:
+        return ErrorBody.from_json(body).message
+    except ProtocolError:
+        return repr(body[:200])
 
 
 def _held(body: bytes) -> int:

@@ -12,7 +12,7 @@ copy is a cache it may drop and rebuild from the tokens.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -233,6 +233,12 @@ class ModelRunner(ABC):
         """Keep the first ``length`` rows of the session (and their KV entries)."""
         if length < self.length(session_id):
             self.keep(session_id, range(max(length, 0)))
+
+    def is_full(self, chains: Collection[str], trees: Collection[str], tree: bool = False) -> bool:
+        """Whether a new session (``tree``: its call is a tree) would take the KV place of a
+        live one (``chains`` and ``trees``: the sessions in use, by the calls they sent) — a
+        fixed pool, all in use. A runner without a fixed pool is never full."""
+        return False
 
     def memory_bytes(self) -> int:
         """Bytes held by session caches (what a memory cap counts)."""

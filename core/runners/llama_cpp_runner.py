@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,6 +220,11 @@ class LlamaCppRunner(ModelRunner):
         for w, stream in zip(work, streams):
             stream.rows = len(w.rows)
         return [torch.from_numpy(np.stack([got[i][r] for r in w.logits_rows])) for i, w in enumerate(work)]
+
+    def is_full(self, chains: Collection[str], trees: Collection[str], tree: bool = False) -> bool:
+        """A chain session needs a stream: full when live chain sessions hold every one. Tree
+        sessions hold contexts of their own (``num_contexts``), lent LRU: never full."""
+        return not tree and len(set(chains) - self._tree_sessions) >= self.num_streams
 
     def _stream_for(self, session_id: str, busy: list[str]) -> _Stream:
         """The session's stream; else a free one, else the least recently used one not in ``busy``

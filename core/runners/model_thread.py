@@ -35,3 +35,20 @@ class ModelThread:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+class CallingThread(ModelThread):
+    """A ``ModelThread`` that runs each call where it is made: for single-threaded tools
+    (``clients.floors``) and tests, where the thread hop would only add its own cost."""
+
+    def __init__(self) -> None:
+        pass
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(*args)
+
+    def close(self) -> None:
+        pass

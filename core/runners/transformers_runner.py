@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,9 @@ class TransformersRunner(ModelRunner):
         return out
 
     # ----------------------------------------------------------------- slots
+
+    def is_full(self, chains: Collection[str], trees: Collection[str], tree: bool = False) -> bool:
+        return len(set(chains) | set(trees)) >= self.num_slots
 
     def _slot_for(self, session_id: str, busy: set[str]) -> _Slot:
         slot = self._slot_of(session_id)

@@ -4,18 +4,15 @@ over a small vocabulary behind the real ModelRunner, DraftModel and worker code.
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 
 import httpx
 import torch
 
-from app.draft import DraftClock, DraftModel
+from app.draft import DraftModel
 from app.engine import Engine
 from app.targets.base import Traffic, resend
 from core.errors import SessionShort
-from core.math.sampling import SamplingParams, Suppression
-from core.math.tree import TokenTree, TreeShape
 from core.protocol import (
     BINARY_CONTENT_TYPE,
     ErrorBody,
@@ -28,6 +25,7 @@ from core.protocol import (
     encode_json,
 )
 from core.runners.base import ModelRunner, Rows, RunnerInfo
+from core.runners.model_thread import CallingThread
 from workers.scoring import score
 from workers.server import WorkerState
 from workers.settings import WorkerSettings
@@ -110,31 +108,11 @@ class FakePool:
 
 
 class InlineDraftModel(DraftModel):
-    """The real DraftModel, minus the thread hop (a Markov draft costs microseconds)."""
+    """The real DraftModel and its step loop, minus the thread hop (a Markov draft costs
+    microseconds)."""
 
-    async def propose(
-        self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
-        timing: dict[str, float] | None = None,
-    ) -> TokenTree:
-        await asyncio.sleep(0)  # as the real one: the caller's other work may run first
-        self.clock = DraftClock()
-        draft = self._propose(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
-        self._record(timing)
-        return draft
-
-    async def propose_tree(
-        self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float] = (0, 1.0), timing: dict[str, float] | None = None,
-    ) -> TokenTree:
-        await asyncio.sleep(0)
-        self.clock = DraftClock()
-        draft = self._propose_tree(session_id, sequence, shape, params, seed, choice, truncation)
-        self._record(timing)
-        return draft
-
-    async def free(self, session_id: str) -> None:
-        self.runner.free(session_id)
+    def __init__(self, runner: MarkovRunner) -> None:
+        super().__init__(runner, CallingThread())
 
 
 def make_engine(draft: MarkovRunner, workers: list[tuple[MarkovRunner, float]], eos_ids: list[int] | None = None) -> Engine:
@@ -151,7 +129,8 @@ Mutation = Callable[[VerifyResponse], bytes]  # a correct answer → the bytes a
 class FakeWorkerTransport:
     """Answers protocol v1 for several fake workers, told apart by host; ``behaviour[host]``
     breaks one: "down", "500", "garbage", "short-once", "other-tokenizer", "sleep:S" (answers
-    after S seconds), "die-after:N" (down after N verify calls), or a Mutation of its answers."""
+    after S seconds), "die-after:N" (down after N verify calls), "full" (503 worker_full to every
+    verify call; "full:N" to the next N), or a Mutation of its answers."""
 
     def __init__(self, fingerprint: str, behaviour: dict[str, str | Mutation] | None = None) -> None:
         self.fingerprint = fingerprint
@@ -196,6 +175,12 @@ class FakeWorkerTransport:
         self.requests.append((host, req))
         if mode == "500":
             return httpx.Response(500, content=ErrorBody("boom", "server_error").to_json())
+        if isinstance(mode, str) and mode.startswith("full"):
+            left = int(mode.split(":")[1]) if ":" in mode else None
+            if left is not None:
+                self.behaviour[host] = f"full:{left - 1}" if left > 1 else ""
+            message = "worker full: every KV slot is held by one of the 8 sessions used in the last 10 s; retry after 1 s"
+            return httpx.Response(503, content=ErrorBody(message, "server_error", code="worker_full").to_json(), headers={"retry-after": "1"})
         if mode == "garbage":
             return httpx.Response(200, content=b"SGv1\x05\x00\x00\x00{oops", headers={"content-type": BINARY_CONTENT_TYPE})
         if mode == "short-once" and req.prefix_len > 0:

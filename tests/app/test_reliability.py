@@ -199,6 +199,24 @@ async def test_a_silent_worker_trips_the_read_timeout(gateway: Gateway, tiny_run
 # ----------------------------------------------------------------------------- load, access, bodies
 
 
+async def test_a_full_worker_is_waited_for_not_failed(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
+    """A worker whose KV slots are all in use answers 503 worker_full: the gateway waits and
+    asks again (no breaker, no failover) until the read timeout, then fails with a 503."""
+    async with gateway() as client:
+        fakes.behaviour["w1"] = "full:3"
+        assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200
+        assert [host for host, _ in fakes.requests].count("w1") >= 4
+        assert not re.search(r'worker_failures_total\{kind="\w+",worker="w1"\} [1-9]', (await client.get("/metrics")).text)
+    async with gateway(workers=[{"url": "http://w0:1", "read_timeout_s": 0.6}]) as client:
+        fakes.behaviour["w0"] = "full"
+        started = time.monotonic()
+        _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "worker full")
+        assert 0.5 < time.monotonic() - started < 5
+        fakes.behaviour["w0"] = ""
+        assert (await client.post("/v1/completions", json=COMPLETION)).status_code == 200
+
+
+
 async def test_beyond_the_queue_a_429_with_retry_after(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
     fakes.behaviour.update(w0="sleep:0.1", w1="sleep:0.1")
     limits = {"max_tokens": 64, "max_prompt_tokens": 100, "max_concurrent_requests": 1, "max_queued_requests": 1, "queue_timeout_s": 10}

@@ -138,3 +138,32 @@ async def test_delete_during_a_step_frees_the_session_after_it(tiny_runner: Mode
         assert _answer(await call).held == len(PROMPT) + 2
         assert (await deleted).status_code == 204
     assert tiny_runner.length("doomed") == 0
+
+
+async def test_a_new_session_gets_503_while_live_sessions_hold_every_stream(builtin_llama: ModelRunner) -> None:
+    """The built-in model at 512 MB has 8 KV streams: 8 live chain sessions hold them, a 9th
+    gets 503 worker_full with Retry-After (none of the 8 is rebuilt); a DELETE, or a session
+    idle for session_live_s, makes room; tree sessions hold no stream."""
+    streams = builtin_llama.num_streams  # type: ignore[attr-defined]
+    assert streams == 8
+    app = create_app(WorkerSettings(model="builtin", memory_cap_mb=512, session_live_s=1.0), runner=builtin_llama)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        tree = VerifyRequest.after("tree", [], PROMPT[:5], [7, 9], parents=np.array([-1, -1], dtype=np.int64), temperature=1.0)
+        _answer(await _post(client, tree))
+        for i in range(streams):
+            _answer(await _post(client, VerifyRequest.after(f"s{i}", [], PROMPT[: 3 + i], [20], temperature=1.0)))
+        full = await _post(client, VerifyRequest.after("late", [], PROMPT, [20], temperature=1.0))
+        assert full.status_code == 503 and full.headers["retry-after"] == "1"
+        error = full.json()["error"]
+        assert error["code"] == "worker_full" and "one of the 9 sessions used in the last 1 s" in error["message"], error
+        # the 8 sessions were not displaced: each continues from its prefix
+        for i in range(streams):
+            sequence = PROMPT[: 3 + i] + [20]
+            _answer(await _post(client, VerifyRequest.after(f"s{i}", sequence, [21], [], temperature=1.0)))
+        assert (await client.delete("/v1/sessions/s0")).status_code == 204
+        _answer(await _post(client, VerifyRequest.after("late", [], PROMPT, [20], temperature=1.0)))
+        assert (await _post(client, VerifyRequest.after("later", [], PROMPT, [20], temperature=1.0))).status_code == 503
+        await asyncio.sleep(1.1)  # every session is idle past session_live_s now
+        _answer(await _post(client, VerifyRequest.after("later", [], PROMPT, [20], temperature=1.0)))
+        metrics = (await client.get("/metrics")).text
+        assert 'specgate:verify_errors_total{code="worker_full"} 2.0' in metrics

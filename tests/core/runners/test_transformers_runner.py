@@ -140,3 +140,12 @@ def test_device_and_dtype_are_checked() -> None:
     assert logits.dtype == torch.float32  # probabilities leave in fp32 whatever the model's dtype
     agree = (logits.argmax(-1) == load_runner("tiny-random", "transformers", device="cpu").forward_full(TOKENS, 2).argmax(-1))
     assert bool(agree.all())
+
+
+def test_full_when_live_sessions_hold_every_slot(tiny_runner: ModelRunner) -> None:
+    """Chains and trees alike take slots: a new session is refused (the worker's 503) only when
+    the live ones hold them all."""
+    slots = tiny_runner.num_slots  # type: ignore[attr-defined]
+    chains = [f"c{i}" for i in range(slots - 1)]
+    assert not tiny_runner.is_full(chains, [])
+    assert tiny_runner.is_full(chains, ["t"]) and tiny_runner.is_full([*chains, "c"], [], tree=True)

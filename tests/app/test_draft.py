@@ -1,0 +1,144 @@
+"""The draft's step loop (app/draft.py): concurrent drafts share the runner's decodes, each
+draft's tokens and q̂ are those it gets alone, a step keeps to its token budget, and a failing
+or abandoned draft ends alone without leaving its session in use."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from app.draft import DraftModel
+from core.math.sampling import SamplingParams
+from core.math.tree import ChildRule, TokenTree, TreeShape
+from core.runners.base import ForwardItem, ModelRunner, Rows
+from core.runners.model_thread import ModelThread
+from tests.app.fakes import MarkovRunner, random_table
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog, and then",
+    "Speculative decoding drafts tokens with a small model and",
+    "Once upon a time",
+    "In 1969 the first humans walked on the Moon; the mission was",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Paris is the capital of France. Berlin is the capital of",
+    "Water boils at",
+    "A list of prime numbers: 2, 3, 5, 7,",
+]
+
+
+def _trees_equal(a: TokenTree, b: TokenTree) -> bool:
+    return all(torch.equal(x, y) for x, y in [(a.tokens, b.tokens), (a.parents, b.parents), (a.q_ids, b.q_ids), (a.q_probs, b.q_probs)])
+
+
+def _calls(runner: ModelRunner, sequences: list[list[int]]) -> list[tuple[str, tuple]]:
+    """Six chains (sampled, greedy, truncated) and two trees (sampled, EAGLE-2)."""
+    t1, greedy = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)
+    calls: list[tuple[str, tuple]] = []
+    for i, seq in enumerate(sequences[:6]):
+        params = greedy if i % 3 == 1 else t1
+        truncation = (32, 1.0) if i % 3 == 2 else (0, 1.0)
+        calls.append(("chain", (f"s{i}", seq, 3 + i % 4, params, 100 + i, 0, truncation)))
+    calls.append(("tree", ("s6", sequences[6], TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1)), t1, 106, 0)))
+    calls.append(("tree", ("s7", sequences[7], TreeShape.default(True), greedy, 107, 0)))
+    return calls
+
+
+async def _draft(draft: DraftModel, kind: str, args: tuple) -> TokenTree:
+    return await (draft.propose(*args) if kind == "chain" else draft.propose_tree(*args))
+
+
+async def _alone_then_together(runner: ModelRunner, max_batch_tokens: int = 128) -> tuple[list[TokenTree], list[TokenTree], DraftModel, DraftModel]:
+    sequences = [runner.tokenizer.encode(text) for text in TEXTS]
+    calls = _calls(runner, sequences)
+    alone_draft, together_draft = DraftModel(runner, ModelThread(), max_batch_tokens), DraftModel(runner, ModelThread(), max_batch_tokens)
+    alone = []
+    for kind, args in calls:
+        alone.append(await _draft(alone_draft, kind, args))
+    runner.free_all()
+    together = await asyncio.gather(*(_draft(together_draft, kind, args) for kind, args in calls))
+    return alone, list(together), alone_draft, together_draft
+
+
+async def test_on_the_builtin_model_concurrent_drafts_share_steps_bit_for_bit(builtin_llama: ModelRunner) -> None:
+    alone, together, alone_draft, together_draft = await _alone_then_together(builtin_llama)
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert len(a) > 0 and _trees_equal(a, b), f"draft {i} changed when it shared steps"
+    assert max(alone_draft.steps) == 1
+    assert max(together_draft.steps) == 8  # every draft in the first steps
+    assert len(together_draft.steps) < len(alone_draft.steps) / 3
+
+
+async def test_a_step_keeps_to_its_token_budget(builtin_llama: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    step_tokens: list[int] = []
+    forward_each = builtin_llama.forward_each
+
+    def counting(items: Sequence[ForwardItem]) -> list[torch.Tensor | Exception]:
+        step_tokens.append(sum(len(item.tokens) for item in items))
+        return forward_each(items)
+
+    monkeypatch.setattr(builtin_llama, "forward_each", counting)
+    alone, together, _, together_draft = await _alone_then_together(builtin_llama, max_batch_tokens=12)
+    assert all(_trees_equal(a, b) for a, b in zip(alone, together))
+    assert together_draft.prefill_chunk == 6
+    assert max(step_tokens) <= 12 and max(together_draft.steps) > 1
+
+
+class _Failing(MarkovRunner):
+    """A Markov draft whose forward fails for the sessions named ``bad*``."""
+
+    def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
+        if session_id.startswith("bad"):
+            raise RuntimeError(f"decode failed for {session_id}")
+        return super()._compute(session_id, rows, start, logits_rows)
+
+
+async def test_a_failing_draft_fails_alone() -> None:
+    runner = _Failing(random_table(64, seed=3))
+    draft = DraftModel(runner, ModelThread())
+    t1 = SamplingParams(temperature=1.0)
+    expected = await draft.propose("ok", [1, 2, 3], 4, t1, 5, 0)
+    runner.free_all()
+    results = await asyncio.gather(
+        draft.propose("ok", [1, 2, 3], 4, t1, 5, 0), draft.propose("bad", [4, 5], 4, t1, 5, 0),
+        draft.propose_tree("bad-tree", [6, 7], TreeShape.default(False), t1, 5, 0), return_exceptions=True,
+    )
+    assert isinstance(results[0], TokenTree) and _trees_equal(results[0], expected)
+    assert isinstance(results[1], RuntimeError) and "bad" in str(results[1])
+    assert isinstance(results[2], RuntimeError)
+    assert await draft.propose("ok", [1, 2, 3], 4, t1, 5, 0) is not None  # the loop keeps serving
+    assert not draft._busy
+
+
+class _Slow(MarkovRunner):
+    """A Markov draft whose every forward takes 20 ms (so a draft spans several loop turns)."""
+
+    def forward_each(self, items: Sequence[ForwardItem]) -> list[torch.Tensor | Exception]:
+        import time
+
+        time.sleep(0.02)
+        return super().forward_each(items)
+
+
+async def test_an_abandoned_draft_ends_at_its_next_step_and_free_waits_for_it() -> None:
+    runner = _Slow(random_table(64, seed=4))
+    draft = DraftModel(runner, ModelThread())
+    t1 = SamplingParams(temperature=1.0)
+    task = asyncio.create_task(draft.propose("a", [1, 2, 3], 8, t1, 1, 0))
+    await asyncio.sleep(0.03)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "a" in draft._busy  # still in its step: the session is not free yet
+    await draft.free("a")  # waits for the step loop to close it
+    assert not draft._busy and not runner.has_session("a")
+    # free while a draft is in progress: the draft finishes whole, then the session goes
+    drafted, _ = await asyncio.gather(draft.propose("b", [1, 2], 5, t1, 2, 0), draft.free("b"))
+    assert len(drafted) == 5 and not runner.has_session("b")
+    # two drafts of one session run one after the other, each as if alone
+    first, second = await asyncio.gather(draft.propose("c", [1, 2], 3, t1, 3, 0), draft.propose("c", [1, 2, 9], 3, t1, 3, 0))
+    runner.free_all()
+    assert _trees_equal(second, await draft.propose("c", [1, 2, 9], 3, t1, 3, 0))
+    assert len(first) == 3
