@@ -12,10 +12,10 @@ copy is a cache it may drop and rebuild from the tokens.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -325,6 +325,30 @@ class ModelRunner(ABC):
     @abstractmethod
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
         """A fresh, sessionless forward pass over ``tokens``: the reference for tests/bench."""
+
+
+class Place(Protocol):
+    """A KV place in a fixed pool (a llama.cpp stream, a transformers slot)."""
+
+    session_id: str | None
+    last_used: int
+
+
+P = TypeVar("P", bound=Place)
+
+
+def lend(pool: Sequence[P], session_id: str, busy: Collection[str], release: Callable[[P], None]) -> tuple[P, bool]:
+    """The session's place in ``pool``; else a free one, else the least recently used one whose
+    session is not in ``busy`` (released first: that session is rebuilt from its rows on its
+    next call). True when the place was newly lent to the session."""
+    held = next((p for p in pool if p.session_id == session_id), None)
+    if held is not None:
+        return held, False
+    free = [p for p in pool if p.session_id is None]
+    place = free[0] if free else min((p for p in pool if p.session_id not in busy), key=lambda p: p.last_used)
+    release(place)
+    place.session_id = session_id
+    return place, True
 
 
 def chain_rows(tokens: list[int]) -> Rows:

@@ -43,7 +43,7 @@ import torch
 
 from core.errors import ContextOverflow, ModelLoadError
 from core.names import Backend
-from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged
+from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged, lend
 from core.runners.llama_cpp_tools import quiet_llama_cpp
 from core.runners.models import ModelSource
 from core.runners.tokenizer import eos_ids
@@ -229,14 +229,9 @@ class LlamaCppRunner(ModelRunner):
     def _stream_for(self, session_id: str, busy: list[str]) -> _Stream:
         """The session's stream; else a free one, else the least recently used one not in ``busy``
         (its session is rebuilt from its rows on its next call)."""
-        stream = self._stream_of(session_id)
-        if stream is None:
-            free = [s for s in self._streams if s.session_id is None]
-            stream = free[0] if free else min((s for s in self._streams if s.session_id not in busy), key=lambda s: s.last_used)
-            self._release(stream)
-            stream.session_id = session_id
-            if self._shared is None:
-                self._shared = self._new_context(self.num_streams * self.n_ctx_stream, self.num_streams, unified=False)
+        stream, fresh = lend(self._streams, session_id, busy, self._release)
+        if fresh and self._shared is None:
+            self._shared = self._new_context(self.num_streams * self.n_ctx_stream, self.num_streams, unified=False)
         stream.last_used = self._clock
         return stream
 

@@ -27,7 +27,7 @@ import torch
 
 from core.errors import ModelLoadError
 from core.names import Backend
-from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged
+from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged, lend
 from core.runners.models import ModelSource, cache_dir, file_key
 from core.runners.tokenizer import eos_ids
 
@@ -195,17 +195,12 @@ class TransformersRunner(ModelRunner):
         return len(set(chains) | set(trees)) >= self.num_slots
 
     def _slot_for(self, session_id: str, busy: set[str]) -> _Slot:
-        slot = self._slot_of(session_id)
-        if slot is None:
-            free = [s for s in self._slots if s.session_id is None]
-            slot = free[0] if free else min((s for s in self._slots if s.session_id not in busy), key=lambda s: s.last_used)
-            self._release(slot)
-            slot.session_id = session_id
-            if not slot.clean:
-                for layer in range(len(self._keys)):
-                    self._keys[layer][slot.index].zero_()
-                    self._values[layer][slot.index].zero_()
-                slot.clean = True
+        slot, fresh = lend(self._slots, session_id, busy, self._release)
+        if fresh and not slot.clean:
+            for layer in range(len(self._keys)):
+                self._keys[layer][slot.index].zero_()
+                self._values[layer][slot.index].zero_()
+            slot.clean = True
         slot.last_used = self._clock
         return slot
 
