@@ -65,19 +65,6 @@ def _target_joint(workers: list[tuple[MarkovRunner, float]], temperature: float 
     return torch.stack([first[a] * mix(a) for a in range(V)])  # [V, V]
 
 
-def _chi_square(engine: Engine, spec: SpecOptions, joint: torch.Tensor, num: int = SAMPLES) -> tuple[float, float]:
-    async def run() -> list[tuple[list[int], int, int]]:
-        return [await _tokens(engine, _request(seed, spec)) for seed in range(num)]
-
-    draws = asyncio.run(run())
-    counts = torch.zeros(V, V)
-    for tokens, _, _ in draws:
-        counts[tokens[0], tokens[1]] += 1
-    pvalue = pooled_chisquare(counts.flatten(), joint.flatten() * num)
-    firsts = [f for _, _, f in draws if f >= 0]
-    return pvalue, sum(firsts) / max(len(firsts), 1)
-
-
 def pooled_chisquare(observed: torch.Tensor, expected: torch.Tensor, min_expected: float = 5.0) -> float:
     """Chi-square p-value with the cells expected fewer than 5 times pooled into one: a cell
     expected 0.06 times that is hit once adds 15 to the statistic, which the chi-square law
@@ -127,6 +114,17 @@ def processes() -> Iterator[Executor]:
         yield pool
 
 
+def _halves(samples: int) -> list[range]:
+    """A run's seeds, one half per pool process."""
+    return [range(samples // 2), range(samples // 2, samples)]
+
+
+def _patched_pool() -> ProcessPoolExecutor:
+    """Two fresh processes for a negative control, whose task breaks the code it runs: the
+    break dies with them and cannot reach the shared pool's later tasks."""
+    return ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,))
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_first_two_tokens_follow_the_target(case: str, processes: Executor) -> None:
     mode, workers = CASES[case]
@@ -146,12 +144,27 @@ def test_first_two_tokens_follow_the_target(case: str, processes: Executor) -> N
         assert first_accept == pytest.approx(beta, abs=4 * (0.25 / SAMPLES) ** 0.5)
 
 
-def test_negative_control_a_verifier_without_the_residual_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The classic bug (resample from p, not norm(max(0, p − q)), at a rejection): rejected."""
-    workers = [(TARGETS[0], 1.0)]
-    monkeypatch.setattr(tree, "residual", lambda p, q: p.double() / p.double().sum())  # aggregate verifies by the tree walk
-    pvalue, _ = _chi_square(make_engine(DRAFT, workers), _spec(Mode.AGGREGATE), _target_joint(workers))
-    assert pvalue < SIGNIFICANCE
+def _without_residual_counts(seeds: range) -> torch.Tensor:
+    """The classic bug (resample from p, not norm(max(0, p − q)), at a rejection), in a pool
+    process: counts of the first two tokens, aggregate through one worker."""
+    tree.residual = lambda p, q: p.double() / p.double().sum()  # type: ignore[assignment]  # aggregate verifies by the tree walk
+    engine, spec = make_engine(DRAFT, [(TARGETS[0], 1.0)]), _spec(Mode.AGGREGATE)
+
+    async def run() -> list[tuple[list[int], int, int]]:
+        return [await _tokens(engine, _request(seed, spec)) for seed in seeds]
+
+    counts = torch.zeros(V, V)
+    for tokens, _, _ in asyncio.run(run()):
+        counts[tokens[0], tokens[1]] += 1
+    return counts
+
+
+def test_negative_control_a_verifier_without_the_residual_is_rejected() -> None:
+    """The same test as above, on a verifier without the residual: rejected (the patch lives in
+    fresh pool processes, which end with the test)."""
+    with _patched_pool() as pool:
+        counts = sum(pool.map(_without_residual_counts, _halves(SAMPLES)), torch.zeros(V, V))
+    assert pooled_chisquare(counts.flatten(), _target_joint([(TARGETS[0], 1.0)]).flatten() * SAMPLES) < SIGNIFICANCE
 
 
 def _greedy_chain(workers: list[tuple[MarkovRunner, float]], length: int) -> list[int]:
@@ -281,32 +294,41 @@ MIN_TOKENS_CASES = {
 }
 
 
-def _min_tokens_chi_square(mode: Mode, workers: list[tuple[MarkovRunner, float]]) -> float:
-    """min_tokens 1 with γ = 3: the round's first position is suppressed, the next ones not."""
+def _min_tokens_counts(case: str, seeds: range, broken: bool = False) -> torch.Tensor:
+    """One pool process's share: min_tokens 1 with γ = 3 (the round's first position is
+    suppressed, the next ones not). ``broken``: each worker's p_n without EOS mixed with the
+    configured weights, κ_n ignored (the negative control)."""
+    if broken:
+        round_module.response_weights = lambda responses, weights: weights  # type: ignore[assignment]
+    mode, workers = MIN_TOKENS_CASES[case]
     engine = make_engine(EOS_DRAFT, workers, eos_ids=[EOS])
 
     async def run() -> list[list[int]]:
-        return [(await _tokens(engine, _min_tokens_request(seed, _spec(mode), 1)))[0] for seed in range(MIN_TOKENS_SAMPLES)]
+        return [(await _tokens(engine, _min_tokens_request(seed, _spec(mode), 1)))[0] for seed in seeds]
 
     counts = torch.zeros(V, V)
     for tokens in asyncio.run(run()):
         counts[tokens[0], tokens[1]] += 1
-    return pooled_chisquare(counts.flatten(), _joint_without_eos_first(workers).flatten() * MIN_TOKENS_SAMPLES)
+    return counts
+
+
+def _min_tokens_chi_square(pool: Executor, case: str, broken: bool = False) -> float:
+    counts = sum(pool.map(_min_tokens_counts, [case, case], _halves(MIN_TOKENS_SAMPLES), [broken, broken]), torch.zeros(V, V))
+    return pooled_chisquare(counts.flatten(), _joint_without_eos_first(MIN_TOKENS_CASES[case][1]).flatten() * MIN_TOKENS_SAMPLES)
 
 
 @pytest.mark.parametrize("case", MIN_TOKENS_CASES)
-def test_min_tokens_follows_the_target_without_eos(case: str) -> None:
+def test_min_tokens_follows_the_target_without_eos(case: str, processes: Executor) -> None:
     """vLLM's min_tokens, lossless: before it the target is the mixture with EOS removed and
     renormalised — Σ w_n κ_n p_n(· | not EOS) / Σ w_n κ_n — and after it the mixture itself."""
-    mode, workers = MIN_TOKENS_CASES[case]
-    assert _min_tokens_chi_square(mode, workers) > SIGNIFICANCE
+    assert _min_tokens_chi_square(processes, case) > SIGNIFICANCE
 
 
-def test_negative_control_min_tokens_without_reweighing_the_workers_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_min_tokens_without_reweighing_the_workers_is_rejected() -> None:
     """Each worker's p_n without EOS mixed with the configured weights (κ_n ignored) is another
     law: the same test rejects it."""
-    monkeypatch.setattr(round_module, "response_weights", lambda responses, weights: weights)
-    assert _min_tokens_chi_square(*MIN_TOKENS_CASES["exact, 3 weighted workers, draft top-3"]) < SIGNIFICANCE
+    with _patched_pool() as pool:
+        assert _min_tokens_chi_square(pool, "exact, 3 weighted workers, draft top-3", broken=True) < SIGNIFICANCE
 
 
 @pytest.mark.parametrize("mode", [Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT])
@@ -477,28 +499,37 @@ def _joint_at(workers: list[tuple[MarkovRunner, float]], first: int) -> torch.Te
     return torch.stack([marginal[a] * mix(a) for a in range(V)])
 
 
-@pytest.mark.parametrize("case", ["split, 1 worker", "exact, 1 worker", "exact, 3 weighted workers"])
-def test_overlapped_rounds_follow_the_target(case: str) -> None:
-    """γ = 1, 4 tokens: the 3rd and 4th come from rounds that may use a draft prepared during the
-    previous round's flight; their joint law is the target's (chi-square; fewer samples than
-    above: the test before this one shows the tokens equal those without overlap, seed by seed)."""
+OVERLAP_SAMPLES = 2_500
+
+
+def _overlapped_counts(case: str, seeds: range) -> tuple[torch.Tensor, int]:
+    """One pool process's share: counts of the 3rd and 4th tokens with γ = 1 and overlap, and
+    how many prepared drafts were used."""
     mode, workers = OVERLAP_CASES[case]
     engine = make_engine(DRAFT, workers)
     spec = _overlapped(_spec(mode, gamma=1))
-    samples = 2_500
 
     async def run() -> tuple[torch.Tensor, int]:
         counts, used = torch.zeros(V, V), 0
-        for seed in range(samples):
+        for seed in seeds:
             tokens, _, u = await _rounds(engine, GenerationRequest(f"r{seed}", PROMPT, 4, SamplingParams(), seed, 0, spec))
             counts[tokens[2], tokens[3]] += 1
             used += u
         return counts, used
 
-    counts, used = asyncio.run(run())
-    joint = _joint_at(workers, 3)
-    assert used > samples // 20
-    assert pooled_chisquare(counts.flatten(), joint.flatten() * samples) > SIGNIFICANCE
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("case", ["split, 1 worker", "exact, 1 worker", "exact, 3 weighted workers"])
+def test_overlapped_rounds_follow_the_target(case: str, processes: Executor) -> None:
+    """γ = 1, 4 tokens: the 3rd and 4th come from rounds that may use a draft prepared during the
+    previous round's flight; their joint law is the target's (chi-square; fewer samples than
+    above: the test before this one shows the tokens equal those without overlap, seed by seed)."""
+    parts = list(processes.map(_overlapped_counts, [case, case], _halves(OVERLAP_SAMPLES)))
+    counts = sum((c for c, _ in parts), torch.zeros(V, V))
+    used = sum(u for _, u in parts)
+    assert used > OVERLAP_SAMPLES // 20
+    assert pooled_chisquare(counts.flatten(), _joint_at(OVERLAP_CASES[case][1], 3).flatten() * OVERLAP_SAMPLES) > SIGNIFICANCE
 
 
 # ----------------------------------------------------------------------------- relaxed verification (DSD)
