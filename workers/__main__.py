@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="transformers: auto | cpu | cuda[:N] (default: auto, a GPU when present)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="transformers: model dtype (default: auto, bfloat16 on a GPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, help="share of the GPU's memory for the model and its KV slots (default: 0.9)")
+    parser.add_argument("--layers", help="a pipeline stage: the model's layers first:end, e.g. 0:15 (transformers; default: the whole model)")
+    parser.add_argument("--next", help="a pipeline stage: the next stage's base URL, when the calls do not name it")
+    parser.add_argument("--link-rtt-ms", type=float, help="a stage: emulated round trip to the next stage, ms (default: 0)")
+    parser.add_argument("--link-mbps", type=float, help="a stage: emulated bandwidth to the next stage, Mbit/s (default: 0 = no limit)")
     parser.add_argument("--threads", type=int, help="CPU threads of the model (default: every core; split the cores between processes on one machine)")
     parser.add_argument("--instance-id", help="an id /health reports (default: a random one; `specgate serve` passes its own)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.settings import WorkerSettings, load_target
 
     try:
-        flags = ("model", "backend", "host", "port", "max_context", "memory_cap_mb", "max_sessions", "threads", "device", "dtype", "gpu_memory_utilization", "instance_id")
+        flags = ("model", "backend", "host", "port", "max_context", "memory_cap_mb", "max_sessions", "threads", "device", "dtype", "gpu_memory_utilization", "instance_id", "layers", "next", "link_rtt_ms", "link_mbps")
         settings = WorkerSettings(**{f: getattr(args, f) for f in flags if getattr(args, f) is not None})
         # load before binding, so a bad model is a one-line error and not a traceback; on the
         # thread every later call of the runner runs on

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from core.protocol import VerifyRequest, VerifyResponse
+from core.protocol import StageRequest, VerifyRequest
 
 if TYPE_CHECKING:
     from workers.server import WorkerState
@@ -37,14 +37,14 @@ T = TypeVar("T")
 
 @dataclass
 class _Call:
-    req: VerifyRequest
+    req: VerifyRequest | StageRequest
     timing: dict[str, float]
     done: asyncio.Future[Any]
 
     @property
     def tokens(self) -> int:
         """New tokens the call feeds (its budget)."""
-        return len(self.req.tokens) + len(self.req.draft)
+        return self.req.new_rows
 
 
 @dataclass
@@ -76,8 +76,9 @@ class VerifyScheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    async def verify(self, req: VerifyRequest, timing: dict[str, float]) -> VerifyResponse:
-        """Queue a call; its answer once its step has run (or the exception it failed with)."""
+    async def verify(self, req: VerifyRequest | StageRequest, timing: dict[str, float]) -> Any:
+        """Queue a call (a verify call, or a pipeline stage's segment); its answer once its step
+        has run (or the exception it failed with)."""
         call = _Call(req, timing, asyncio.get_running_loop().create_future())
         self._enqueue(call)
         return await call.done  # type: ignore[no-any-return]

@@ -5,6 +5,7 @@ errors leave in the OpenAI envelope. Verify calls are batched into steps by the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
@@ -13,6 +14,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
+import httpx
+import numpy as np
+import torch
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -25,7 +29,10 @@ from core.protocol import (
     SERVED_MODES,
     ErrorBody,
     InfoResponse,
+    StageRequest,
+    StageResponse,
     VerifyRequest,
+    check_stage_request,
     check_verify_request,
     decode,
     encode,
@@ -54,9 +61,20 @@ class WorkerState:
     scheduler: VerifyScheduler = field(init=False)  # every call that touches the runner, in steps
     counters: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # see _WorkerCollector
     errors: Counter[str] = field(default_factory=Counter)  # refused calls, by error code
+    order: StageOrder = field(default_factory=lambda: StageOrder())  # a stage: each session's messages in seq order
+    _client: httpx.AsyncClient | None = None  # a stage: to the next stage
 
     def __post_init__(self) -> None:
         self.scheduler = VerifyScheduler(self, self.settings.max_batch_tokens)
+
+    @property
+    def is_stage(self) -> bool:
+        return self.runner.layer_range is not None
+
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.settings.stage_wait_s * 2, connect=5.0))
+        return self._client
 
     @classmethod
     def build(cls, settings: WorkerSettings, runner: ModelRunner, thread: ModelThread | None = None) -> WorkerState:
@@ -84,6 +102,7 @@ class WorkerState:
             eos_ids=info.eos_ids,
             max_context=self.max_context,
             backend=info.backend,
+            layer_range=list(self.runner.layer_range) if self.runner.layer_range is not None else None,
         )
 
     def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
@@ -94,7 +113,7 @@ class WorkerState:
             raise answer
         return answer
 
-    def verify_batch(self, reqs: list[VerifyRequest], timings: list[dict[str, float]]) -> list[Any]:
+    def verify_batch(self, reqs: list[VerifyRequest | StageRequest], timings: list[dict[str, float]]) -> list[Any]:
         """One scheduler step (runs on the model thread): the calls of distinct sessions checked
         and cropped one by one, then **one** runner forward over all of them, then each scored.
         Per call its ``VerifyResponse``, or the exception it alone fails with (a prefix that
@@ -104,7 +123,7 @@ class WorkerState:
         items, order = [], []
         for i, req in enumerate(reqs):
             try:
-                items.append(self._prepare(req))
+                items.append(self._prepare_stage(req) if isinstance(req, StageRequest) else self._prepare(req))
                 order.append(i)
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
@@ -124,6 +143,10 @@ class WorkerState:
                 answers[i] = logits
                 continue
             req = reqs[i]
+            if isinstance(req, StageRequest):
+                answers[i] = self._stage_answer(req, logits, model_ms)
+                timings[i]["model"] = model_ms
+                continue
             self.counters["positions_scored"] += len(req.draft) + 1
             scored = time.perf_counter()
             try:
@@ -150,6 +173,90 @@ class WorkerState:
         tokens = [*req.tokens.tolist(), *req.draft.tolist()]
         return self.runner.append_item(req.session_id, tokens, len(req.draft) + 1 + scored_tokens), scored_tokens
 
+    def _prepare_stage(self, req: StageRequest) -> tuple[ForwardItem, int]:
+        """A stage's segment: keep the rows that survive, check the rows held, the item to run."""
+        self.stage_keep(req)
+        if not len(req.tokens):
+            raise InvalidRequest("a stage forward appends at least one row (a prune alone goes to /v1/stage/keep)", param="tokens")
+        if req.prefix_len + len(req.tokens) > self.max_context:
+            raise ContextOverflow(f"the session would hold {req.prefix_len + len(req.tokens)} rows, the context is {self.max_context}", param="tokens")
+        self.sessions.admit(req.session_id, tree=True)
+        count = len(req.tokens)
+        hidden = torch.from_numpy(np.array(req.hidden, dtype=np.float32)) if req.hidden is not None else None
+        scored = list(range(req.score_from, count)) or [count - 1]
+        parents = req.parents.tolist() if req.parents is not None else None
+        return ForwardItem(req.session_id, req.prefix_len, req.tokens.tolist(), parents, scored, hidden), 0
+
+    def stage_keep(self, req: StageRequest) -> int:
+        """Apply a stage message's ``keep`` and check the session then holds ``prefix_len``
+        rows (409 session_short otherwise); the rows held."""
+        check_stage_request(req, self.runner.info.vocab_size, self.runner.hidden_size, self.runner.is_first_stage)
+        held = self.runner.length(req.session_id) if req.session_id in self.sessions else 0
+        if req.keep is not None and held:
+            try:
+                self.runner.keep(req.session_id, req.keep.tolist())
+            except ValueError as exc:
+                raise InvalidRequest(f"keep: {exc}", param="keep") from exc
+            held = self.runner.length(req.session_id)
+        if held != req.prefix_len:
+            raise SessionShort(req.session_id, held, f"the stage holds {held} rows, the call assumes {req.prefix_len}")
+        return held
+
+    def _stage_answer(self, req: StageRequest, output: torch.Tensor, model_ms: float) -> StageResponse | StageStates:
+        """The last stage's payload at the scored rows; another stage's states, to send on."""
+        held = self.runner.length(req.session_id)
+        self.counters["positions_scored"] += len(req.tokens) - req.score_from
+        if not self.runner.is_last_stage:
+            return StageStates(output, model_ms, held)
+        rows = output if req.score_from < len(req.tokens) else output[:0]
+        as_verify = VerifyRequest(
+            session_id=req.session_id, prefix_len=0, prefix_hash="", tokens=np.zeros(0, np.int64), draft=np.zeros(max(len(rows) - 1, 0), np.int64),
+            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, k=req.k, probs_dtype=req.probs_dtype, reconstruction=req.reconstruction,
+        )
+        if not len(rows):
+            return StageResponse(held=held, stage_ms=np.array([model_ms], np.float32), hop_bytes=np.zeros(0, np.int32))
+        scored = score(rows, as_verify, held, model_ms)
+        return StageResponse(
+            held=held, probs=scored.probs, tail_mass=scored.tail_mass, ids=scored.ids, recon_error=scored.recon_error,
+            probs_dtype=scored.probs_dtype, stage_ms=np.array([model_ms], np.float32), hop_bytes=np.zeros(0, np.int32),
+        )
+
+    async def send_on(self, req: StageRequest, states: StageStates) -> StageResponse:
+        """A stage before the last: its new rows' states to the next stage (after the emulated
+        link's delay), and that stage's answer with this one's time in front."""
+        urls = list(req.next) if req.next else ([self.settings.next] if self.settings.next else [])
+        if not urls:
+            raise InvalidRequest(
+                f"this stage (layers {self.settings.layers}) is not the last: the call must name the next stages (next), or the worker its --next",
+                param="next",
+            )
+        onward = replace(req, hidden=states.states.float().numpy(), next=urls[1:])
+        payload, content_type = encode(onward, self.runner.info.vocab_size)
+        if self.settings.link_rtt_ms or self.settings.link_mbps:
+            rate = self.settings.link_mbps * 1e6 / 8
+            await asyncio.sleep(self.settings.link_rtt_ms / 2e3 + (len(payload) / rate if rate else 0.0))
+        headers = {"content-type": content_type}
+        if self.settings.token:
+            headers["authorization"] = f"Bearer {self.settings.token}"
+        url = urls[0].rstrip("/")
+        try:
+            answer = await self.client().post(f"{url}/v1/stage/forward", content=payload, headers=headers)
+        except httpx.HTTPError as exc:
+            raise StageFailed(502, ErrorBody(f"the next stage {url} is unreachable: {type(exc).__name__} {exc}", "server_error", code="stage_unreachable")) from exc
+        if answer.status_code != 200:
+            try:
+                body = ErrorBody.from_json(answer.content)
+            except ProtocolError:
+                body = ErrorBody(f"answered {answer.status_code}", "server_error", code="stage_failed")
+            raise StageFailed(answer.status_code, replace(body, message=f"stage {url}: {body.message}"))
+        try:
+            resp = decode(StageResponse, answer.content, answer.headers.get("content-type"))
+        except ProtocolError as exc:
+            raise StageFailed(502, ErrorBody(f"stage {url} answered garbage: {exc}", "server_error", code="stage_failed")) from exc
+        stage_ms = np.concatenate([[states.model_ms], np.asarray(resp.stage_ms if resp.stage_ms is not None else [], np.float32)]).astype(np.float32)
+        hops = np.concatenate([[len(payload)], np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [], np.int32)]).astype(np.int32)
+        return replace(resp, stage_ms=stage_ms, hop_bytes=hops)
+
     def check_limits(self, req: VerifyRequest) -> None:
         check_verify_request(req, self.runner.info.vocab_size)
         if len(req.draft) > self.settings.max_draft:
@@ -163,6 +270,51 @@ class WorkerState:
                 f"exceeds the context of {self.max_context}",
                 param="draft",
             )
+
+
+@dataclass
+class StageStates:
+    """A stage's output before the last: the new rows' states, to send on."""
+
+    states: torch.Tensor  # [t, hidden]
+    model_ms: float
+    held: int
+
+
+class StageFailed(Exception):
+    """A later stage failed or could not be reached: its status and error, passed back."""
+
+    def __init__(self, status: int, body: ErrorBody) -> None:
+        super().__init__(body.message)
+        self.status, self.body = status, body
+
+
+class StageOrder:
+    """Each session's stage messages in ``seq`` order: they come by different paths (from the
+    stage before, or from the gateway) and may overtake each other."""
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {}
+        self._changed = asyncio.Condition()
+
+    async def turn(self, session_id: str, seq: int, wait_s: float) -> None:
+        """Return once every earlier message of the session was taken; 409 if ``seq`` was
+        taken already, or the earlier ones do not come within ``wait_s``."""
+        async with self._changed:
+            if seq < self._next.get(session_id, 0):
+                raise SessionShort(session_id, 0, f"message {seq} came after message {self._next[session_id] - 1}")
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self._next.get(session_id, 0) == seq), wait_s)
+            except TimeoutError:
+                raise SessionShort(session_id, 0, f"message {seq} waited {wait_s:g} s for message {self._next.get(session_id, 0)}") from None
+
+    async def done(self, session_id: str, seq: int) -> None:
+        async with self._changed:
+            self._next[session_id] = max(self._next.get(session_id, 0), seq + 1)
+            self._changed.notify_all()
+
+    def forget(self, session_id: str) -> None:
+        self._next.pop(session_id, None)
 
 
 def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thread: ModelThread | None = None) -> FastAPI:
@@ -183,6 +335,8 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thre
             if runner is None:
                 await state.scheduler.exclusive(state.runner.close)
             await state.scheduler.close()
+            if state._client is not None:
+                await state._client.aclose()
             if runner is None:
                 state.thread.close()
 
@@ -205,6 +359,12 @@ def _state(request: Request) -> WorkerState:
     return request.app.state.worker
 
 
+def _stage_request(state: WorkerState, body: bytes, content_type: str | None) -> StageRequest:
+    if not state.is_stage:
+        raise InvalidRequest("this worker serves the whole model: it answers /v1/verify (start a stage with --layers first:end)", param="layers")
+    return decode(StageRequest, body, content_type)
+
+
 def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -220,6 +380,8 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         started = time.perf_counter()
         body = await request.body()  # the Guard capped its size
         req = decode(VerifyRequest, body, request.headers.get("content-type"))
+        if state.is_stage:
+            raise InvalidRequest(f"this worker is a pipeline stage (layers {state.settings.layers}): it answers /v1/stage/forward, not /v1/verify", param="mode")
         decoded = time.perf_counter()
         timing: dict[str, float] = {}
         resp = await state.scheduler.verify(req, timing)
@@ -234,10 +396,42 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         timing.update(codec=(decoded - started + done - encoding) * 1e3, queue=max(queue, 0.0), total=(done - started) * 1e3)
         return Response(payload, media_type=content_type, headers={"server-timing": server_timing(timing)})
 
+    @app.post("/v1/stage/forward")
+    async def stage_forward(request: Request) -> Response:
+        state = _state(request)
+        body = await request.body()
+        req = _stage_request(state, body, request.headers.get("content-type"))
+        await state.order.turn(req.session_id, req.seq, state.settings.stage_wait_s)
+        try:
+            out = await state.scheduler.verify(req, {})
+        finally:
+            await state.order.done(req.session_id, req.seq)  # the next message may run while this one goes on
+        resp = await state.send_on(req, out) if isinstance(out, StageStates) else out
+        state.counters["requests"] += 1
+        state.counters["bytes_in"] += len(body)
+        payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=JSON_CONTENT_TYPE in request.headers.get("accept", ""))
+        state.counters["bytes_out"] += len(payload)
+        return Response(payload, media_type=content_type)
+
+    @app.post("/v1/stage/keep")
+    async def stage_keep(request: Request) -> Response:
+        state = _state(request)
+        req = _stage_request(state, await request.body(), request.headers.get("content-type"))
+        if len(req.tokens):
+            raise InvalidRequest("/v1/stage/keep takes keep alone: no tokens", param="tokens")
+        await state.order.turn(req.session_id, req.seq, state.settings.stage_wait_s)
+        try:
+            held = await state.scheduler.exclusive(state.stage_keep, req)
+        finally:
+            await state.order.done(req.session_id, req.seq)
+        payload, content_type = encode(StageResponse(held=held), state.runner.info.vocab_size, as_json=JSON_CONTENT_TYPE in request.headers.get("accept", ""))
+        return Response(payload, media_type=content_type)
+
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     async def delete_session(session_id: str, request: Request) -> Response:
         state = _state(request)
         await state.scheduler.exclusive(state.sessions.free, session_id)  # after the step in progress
+        state.order.forget(session_id)
         return Response(status_code=204)
 
     @app.get("/metrics")
@@ -296,6 +490,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         count(request, "session_short")
         body = ErrorBody(str(exc), "session_short", param="prefix_len", code="session_short", held=exc.held)
         return _error(409, body)
+
+    @app.exception_handler(StageFailed)
+    async def stage_failed(request: Request, exc: StageFailed) -> Response:
+        count(request, exc.body.code or "stage_failed")
+        return _error(exc.status, exc.body)
 
     @app.exception_handler(ProtocolError)
     async def bad_request(request: Request, exc: ProtocolError) -> Response:

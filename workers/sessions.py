@@ -39,6 +39,9 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._last_used)
 
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._last_used
+
     def check_prefix(self, session_id: str, prefix_len: int, expected_hash: str) -> None:
         """Raise SessionShort unless the session holds ``prefix_len`` tokens hashing as given."""
         if prefix_len == 0:

@@ -31,9 +31,22 @@ class WorkerSettings(BaseSettings):
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the model runs (auto = cuda if present); llama.cpp: the CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: model dtype (auto = bfloat16 on a GPU, float32 on the CPU); probabilities are fp32 always
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # share of the GPU's memory for the model and its KV slots
+    layers: str | None = Field(default=None, pattern=r"^\d+:\d+$")  # a pipeline stage: the model's layers first:end (transformers); None = the whole model
+    next: str | None = None  # a pipeline stage: the next stage's base URL, when the calls do not name it
+    link_rtt_ms: float = Field(default=0.0, ge=0)  # a stage's link to the next stage, emulated: rtt/2 before each call
+    link_mbps: float = Field(default=0.0, ge=0)  # ... and bytes·8/rate (0 = no limit)
+    stage_wait_s: float = Field(default=30.0, gt=0)  # a stage waits this long for a session's earlier message before answering 409
     token: str | None = None  # SPECGATE_WORKER_TOKEN: /v1/* requires 'Authorization: Bearer <token>'
     drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, open calls get this long
     instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex)  # /health reports it: `serve` checks it started what answers
+
+    @property
+    def layer_range(self) -> tuple[int, int] | None:
+        """``layers`` as ``(first, end)``."""
+        if self.layers is None:
+            return None
+        first, end = self.layers.split(":")
+        return int(first), int(end)
 
 
 def load_target(settings: WorkerSettings) -> ModelRunner:
@@ -43,4 +56,5 @@ def load_target(settings: WorkerSettings) -> ModelRunner:
     return load_runner(
         settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads,
         device=settings.device, dtype=settings.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
+        layers=settings.layer_range,
     )

@@ -14,6 +14,7 @@ from core.protocol.messages import (
     MAX_LOGPROBS,
     RECONSTRUCTIONS,
     SERVED_MODES,
+    StageRequest,
     VerifyRequest,
     VerifyResponse,
 )
@@ -254,3 +255,38 @@ def _check_top(ids: np.ndarray | None, values: np.ndarray | None, shape: tuple[i
         raise ProtocolError(f"{name}_ids missing or of the wrong shape, expected {shape}")
     check_ids(np.asarray(ids), vocab_size, f"{name}_ids")
     _check_logprobs(f"{name}_logprobs", values, shape)
+
+
+def check_stage_request(req: StageRequest, vocab_size: int, hidden_size: int, first_stage: bool) -> None:
+    """Range checks of a decoded StageRequest, at a stage of a model with ``hidden_size``."""
+    if req.tokens.ndim != 1:
+        raise InvalidRequest("tokens must be one-dimensional", param="tokens")
+    check_ids(req.tokens, vocab_size, "tokens")
+    count = len(req.tokens)
+    if req.seq < 0 or req.prefix_len < 0:
+        raise InvalidRequest("seq and prefix_len must be ≥ 0", param="seq")
+    if req.parents is not None and req.parents.shape != (count,):
+        raise InvalidRequest(f"parents must have one entry per new row ({count})", param="parents")
+    if req.keep is not None and req.keep.ndim != 1:
+        raise InvalidRequest("keep must be one-dimensional", param="keep")
+    if req.hidden_dtype not in ("f16", "f32"):
+        raise InvalidRequest(f"hidden_dtype must be f16 or f32, got {req.hidden_dtype!r}", param="hidden_dtype")
+    if first_stage and req.hidden is not None:
+        raise InvalidRequest("the first stage embeds the tokens: hidden must be absent", param="hidden")
+    if not first_stage and count and (req.hidden is None or req.hidden.shape != (count, hidden_size)):
+        shape = None if req.hidden is None else list(req.hidden.shape)
+        raise InvalidRequest(f"a later stage needs hidden states [{count}, {hidden_size}], got {shape}", param="hidden")
+    if not 0 <= req.score_from <= count:
+        raise InvalidRequest(f"score_from must lie in [0, {count}]", param="score_from")
+    if req.k is not None and not 0 < req.k <= vocab_size:
+        raise InvalidRequest(f"k must lie in [1, {vocab_size}], got {req.k}", param="k")
+    if not (req.temperature == 0 or MIN_TEMPERATURE <= req.temperature < np.inf):
+        raise InvalidRequest(f"temperature must be 0 or ≥ {MIN_TEMPERATURE}", param="temperature")
+    if req.top_k < 0 or not 0 < req.top_p <= 1:
+        raise InvalidRequest("top_k must be ≥ 0 and top_p in (0, 1]", param="top_k")
+    if req.probs_dtype not in {d.value for d in ProbsDtype}:
+        raise InvalidRequest(f"probs_dtype must be fp16 or fp32, got {req.probs_dtype!r}", param="probs_dtype")
+    if req.reconstruction not in RECONSTRUCTIONS:
+        raise InvalidRequest(f"reconstruction must be one of {list(RECONSTRUCTIONS)}", param="reconstruction")
+    if req.next is not None and not all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in req.next):
+        raise InvalidRequest("next must list the stages' http(s) base URLs", param="next")

@@ -4,6 +4,8 @@ Paths (all under the worker's base URL):
     GET    /v1/info               -> InfoResponse        (JSON)
     POST   /v1/verify             VerifyRequest -> VerifyResponse (binary, or JSON on request)
     DELETE /v1/sessions/{id}      -> 204
+    POST   /v1/stage/forward      StageRequest -> StageResponse (a pipeline stage, DESIGN §3.7)
+    POST   /v1/stage/keep         StageRequest (``keep`` only) -> StageResponse (``held``)
     GET    /health, GET /metrics
 
 Encodings. Every message has two: compact binary (the default, ``core.protocol.frame``) and JSON
@@ -112,6 +114,11 @@ class VerifyRequest(Message):
             **params,
         )
 
+    @property
+    def new_rows(self) -> int:
+        """Rows the call appends (a scheduler step's budget)."""
+        return len(self.tokens) + len(self.draft)
+
     def __eq__(self, other: object) -> bool:
         return messages_equal(self, other)
 
@@ -163,6 +170,81 @@ class VerifyResponse(Message):
     def num_positions(self) -> int:
         present = self.probs if self.probs is not None else self.samples
         return 0 if present is None else int(present.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        return messages_equal(self, other)
+
+
+@dataclass(frozen=True, eq=False)
+class StageRequest(Message):
+    """``POST /v1/stage/forward``: one segment of a session through a pipeline's stages
+    (DESIGN §3.7), each stage holding its own layers' KV cache of the session's rows.
+
+    Each stage takes a session's messages in ``seq`` order (they reach it by different paths:
+    from the stage before, or straight from the gateway). It applies ``keep`` (the rows that
+    survive a prune: increasing, each with its parent kept), checks it then holds ``prefix_len``
+    rows, appends the new rows (``tokens`` with their ``parents``) and runs its layers over
+    them: the first stage embeds ``tokens``, a later one starts from ``hidden``, the states the
+    stage before computed. A stage that is not the last sends its new rows' states to
+    ``next[0]`` (with ``next[1:]``; its own ``--next`` when the list is empty) and answers what
+    that stage answers; the last answers T(p) at new rows ``[score_from, num_new)`` as
+    ``aggregate``'s payload. ``/v1/stage/keep`` applies ``keep`` alone (no tokens), at one stage.
+    """
+
+    ARRAYS: ClassVar[dict[str, str]] = {"tokens": "ids", "parents": "i32", "keep": "i32", "hidden": "f16"}
+
+    session_id: str  # the gateway's id of this session
+    seq: int  # ≥ 0: the message's place in the session's stream (consecutive from 0)
+    prefix_len: int  # rows the stage holds after ``keep``, before the new rows
+    tokens: np.ndarray  # [t] int: the new rows' tokens (every stage keeps them: prefix checks, rebuilds)
+    parents: np.ndarray | None = None  # [t] i32: each new row's parent row (absolute, earlier); None = a chain after the prefix
+    keep: np.ndarray | None = None  # [m] i32: the rows to keep first; None = all
+    hidden: np.ndarray | None = None  # [t, hidden_size]: the new rows' input states (every stage but the first)
+    hidden_dtype: str = "f16"  # wire dtype of ``hidden``: f16 (2 bytes a value) or f32
+    score_from: int = 0  # the last stage answers for new rows [score_from, t)
+    next: list[str] | None = None  # base URLs of the stages after the receiving one, in order
+    temperature: float = 1.0  # as VerifyRequest: T(p) is what the last stage answers
+    top_k: int = 0
+    top_p: float = 1.0
+    k: int | None = None  # entries per row; None = the full distribution
+    probs_dtype: str = ProbsDtype.FP32.value
+    reconstruction: str = Reconstruction.RENORMALIZE.value
+
+    def array_dtype(self, name: str, vocab_size: int) -> str:
+        if name == "hidden":
+            return self.hidden_dtype
+        return super().array_dtype(name, vocab_size)
+
+    @property
+    def new_rows(self) -> int:
+        return len(self.tokens)
+
+    def __eq__(self, other: object) -> bool:
+        return messages_equal(self, other)
+
+
+@dataclass(frozen=True, eq=False)
+class StageResponse(Message):
+    """The last stage's answer, passed back through the stages before it: T(p) at the scored
+    rows (aggregate's payload), and what each stage spent."""
+
+    ARRAYS: ClassVar[dict[str, str]] = {
+        "probs": "probs", "ids": "ids", "tail_mass": "f32", "recon_error": "f32", "stage_ms": "f32", "hop_bytes": "i32",
+    }
+
+    held: int  # rows the answering stage holds after the call
+    probs: np.ndarray | None = None  # [r, k] (with ids) or [r, V]: T(p) at the scored rows; None for a keep
+    tail_mass: np.ndarray | None = None  # [r] f32: σ, the mass outside the sent ids
+    ids: np.ndarray | None = None  # [r, k] int: the ids of ``probs``, by falling prob
+    recon_error: np.ndarray | None = None  # [r] f32: TV(p̂, p) of the reconstruction asked
+    probs_dtype: str = ProbsDtype.FP32.value
+    stage_ms: np.ndarray | None = None  # [stages] f32: milliseconds each stage spent in its model step, first stage first
+    hop_bytes: np.ndarray | None = None  # [stages − 1] i32: bytes of each stage-to-stage request (the states), first hop first
+
+    def array_dtype(self, name: str, vocab_size: int) -> str:
+        if name == "probs":
+            return "f16" if self.probs_dtype == ProbsDtype.FP16.value else "f32"
+        return super().array_dtype(name, vocab_size)
 
     def __eq__(self, other: object) -> bool:
         return messages_equal(self, other)

@@ -20,6 +20,7 @@ def load_runner(
     device: str = "auto",
     dtype: str = "auto",
     gpu_memory_utilization: float = 0.9,
+    layers: tuple[int, int] | None = None,
 ) -> ModelRunner:
     """Load ``model`` (a builtin name, GGUF file, HF folder or hub id) on ``backend``.
 
@@ -28,12 +29,17 @@ def load_runner(
     oversubscribed. ``device`` (auto | cpu | cuda[:N]) and ``dtype`` (auto | float32 |
     bfloat16 | float16) are the transformers backend's; llama.cpp runs GGUF on the CPU.
     ``gpu_memory_utilization``: the share of a GPU's memory the model and its KV slots may
-    fill (vLLM's rule).
+    fill (vLLM's rule). ``layers``: a pipeline stage's slice ``(first, end)`` (transformers only).
     """
     if backend == Backend.LLAMA_CPP.value and (device not in ("auto", "cpu") or dtype != "auto"):
         raise ModelLoadError(
             f"the llama.cpp backend runs GGUF files on the CPU in their own types (asked: device {device}, dtype {dtype}): "
             "use --backend transformers for a GPU or another dtype"
+        )
+    if backend == Backend.LLAMA_CPP.value and layers is not None:
+        raise ModelLoadError(
+            f"the llama.cpp backend cannot run a slice of a model's layers (asked: {layers[0]}:{layers[1]}): "
+            "a pipeline stage needs --backend transformers"
         )
     source = resolve_model(model)
     if backend == Backend.LLAMA_CPP.value and source.is_tiny_random:
@@ -48,7 +54,7 @@ def load_runner(
             torch.set_num_threads(threads)
         runner: ModelRunner = TransformersRunner(
             source, tokenizer, max_context=max_context, device=device, dtype=dtype,
-            memory_cap_mb=memory_cap_mb, gpu_memory_utilization=gpu_memory_utilization,
+            memory_cap_mb=memory_cap_mb, gpu_memory_utilization=gpu_memory_utilization, layers=layers,
         )
     elif backend == Backend.LLAMA_CPP.value:
         from core.runners.llama_cpp_runner import LlamaCppRunner

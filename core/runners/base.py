@@ -52,6 +52,7 @@ class ForwardItem:
     tokens: list[int]
     parents: list[int] | None = None
     logits_at: list[int] | None = None
+    hidden: torch.Tensor | None = None  # [len(tokens), hidden]: a pipeline stage's input states (stages after the first)
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Staged:
     rows: Rows
     start: int
     logits_rows: list[int]
+    hidden: torch.Tensor | None = None  # a stage's input states of rows [start, len(rows))
 
 
 class ModelRunner(ABC):
@@ -100,6 +102,19 @@ class ModelRunner(ABC):
 
     info: RunnerInfo
     tokenizer: Any  # the HF tokenizer; the same object for every runner of one model
+    layer_range: tuple[int, int] | None = None  # a pipeline stage's layers [first, end); None = the whole model
+    keeps_subtrees = False  # ``keep`` takes a prefix plus a subtree (FlowSpec's prune), not only a path
+    hidden_size = 0  # the model's hidden states' width (what a stage passes on)
+
+    @property
+    def is_first_stage(self) -> bool:
+        """A stage that embeds tokens (the whole model does too)."""
+        return self.layer_range is None or self.layer_range[0] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """A stage that ends with the head and answers logits (the whole model does too)."""
+        return True
 
     def __init__(self) -> None:
         self._rows: dict[str, Rows] = {}
@@ -176,26 +191,38 @@ class ModelRunner(ABC):
 
     def keep(self, session_id: str, rows: Sequence[int]) -> None:
         """Compact the session to ``rows``: increasing, from row 0, each the child of the one
-        before (a prefix, or a prefix plus a tree path). They become a plain chain."""
+        before (a prefix, or a prefix plus a tree path). They become a plain chain. A runner
+        that ``keeps_subtrees`` also takes rows whose parents are kept rows (a prefix, a path and
+        the subtree below it: FlowSpec's prune); its tree rows stay tree rows, renumbered."""
         held = self._rows.get(session_id)
         if held is None:
             if len(rows):
                 raise ValueError(f"session {session_id!r} holds no rows to keep")
             return
         kept = [int(r) for r in rows]
+        place = {row: i for i, row in enumerate(kept)}
+        path = True
         for i, row in enumerate(kept):
-            expected_parent = kept[i - 1] if i else -1
-            if not 0 <= row < len(held) or held.parents[row] != expected_parent:
-                raise ValueError(f"rows to keep must be a root-to-row path of the session: row {row} at place {i}")
+            if not 0 <= row < len(held) or (i and row <= kept[i - 1]):
+                raise ValueError(f"rows to keep must be increasing rows of the session: row {row} at place {i}")
+            parent = held.parents[row]
+            if parent != (kept[i - 1] if i else -1):
+                path = False
+                if not self.keeps_subtrees:
+                    raise ValueError(f"rows to keep must be a root-to-row path of the session: row {row} at place {i}")
+                if parent not in place:
+                    raise ValueError(f"rows to keep must hold each kept row's parent: row {row} at place {i}")
         if kept == list(range(len(held))) and held.chain == len(held):
             return
         self._keep_cache(session_id, held, kept)
         if kept == list(range(len(kept))):
             held.truncate(len(kept))
-            held.chain = len(kept)
-        else:
+            held.chain = min(held.chain, len(kept)) if not path else len(kept)
+        elif path:
             tokens = [held.tokens[r] for r in kept]
             self._rows[session_id] = chain_rows(tokens)
+        else:
+            self._rows[session_id] = _pruned(held, kept, place)
 
     def free(self, session_id: str) -> None:
         """Forget the session and release its KV cache at once."""
@@ -285,7 +312,9 @@ class ModelRunner(ABC):
         rows.extend(item.tokens, parents)
         if as_chain:
             rows.chain = len(rows)
-        return Staged(item.session_id, rows, start, [start + i for i in logits_at])
+        if item.hidden is not None and item.hidden.shape[0] != count:
+            raise ValueError(f"hidden states for {item.hidden.shape[0]} rows, {count} new rows")
+        return Staged(item.session_id, rows, start, [start + i for i in logits_at], item.hidden)
 
     def _unstage(self, work: Staged) -> None:
         """After a failed compute: the rows as they were, the cache rebuilt on the next call."""
@@ -349,6 +378,18 @@ def lend(pool: Sequence[P], session_id: str, busy: Collection[str], release: Cal
     release(place)
     place.session_id = session_id
     return place, True
+
+
+def _pruned(held: Rows, kept: list[int], place: dict[int, int]) -> Rows:
+    """The kept rows renumbered (parents by their new places, depths as they were): rows that
+    read as one sequence from row 0 form the chain."""
+    rows = Rows(
+        tokens=[held.tokens[r] for r in kept],
+        parents=[place[held.parents[r]] if held.parents[r] >= 0 else -1 for r in kept],
+        depths=[held.depths[r] for r in kept],
+    )
+    rows.chain = next((i for i, parent in enumerate(rows.parents) if parent != i - 1), len(rows))
+    return rows
 
 
 def chain_rows(tokens: list[int]) -> Rows:

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from core.errors import ModelLoadError
+from core.errors import ModelLoadError, SessionShort
 from core.names import Backend
-from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged, lend
+from core.runners.base import ForwardItem, ModelRunner, Rows, RunnerInfo, Staged, lend
 from core.runners.models import ModelSource, cache_dir, file_key
 from core.runners.tokenizer import eos_ids
 
@@ -74,16 +74,30 @@ class TransformersRunner(ModelRunner):
         dtype: str = "float32",
         memory_cap_mb: int = 1024,
         gpu_memory_utilization: float = 0.9,
+        layers: tuple[int, int] | None = None,
     ) -> None:
         """``model``: an already built model to run instead of loading ``source`` (benchmarks
         with random weights of a real architecture; its dtype is kept). The slots fill
         ``memory_cap_mb`` on the CPU; on a GPU, ``gpu_memory_utilization`` of its memory less
-        what is already used (vLLM's rule)."""
+        what is already used (vLLM's rule). ``layers``: a pipeline stage's ``[first, end)``
+        (DESIGN §3.7): the first stage embeds tokens, later ones take the states the stage
+        before sent; the last applies the final norm and the head, the others return states."""
         super().__init__()
         self.tokenizer = tokenizer
         self.device = resolve_device(device)
+        owned = model is None
         if model is None:
             model = _load_model(source, len(tokenizer)).to(resolve_dtype(dtype, self.device))
+        num_layers = int(model.config.num_hidden_layers)
+        if layers is not None:
+            first, end = layers
+            if not 0 <= first < end <= num_layers:
+                raise ModelLoadError(f"layers {first}:{end} are not a slice of the model's {num_layers} layers (0:{num_layers} is all of them)")
+            if (first, end) != (0, num_layers):
+                self.layer_range = (first, end)
+                if owned:
+                    _drop_other_layers(model, first, end)
+        self.keeps_subtrees = True  # the slot cache gathers any kept rows
         self.model = model.to(self.device).eval()
         config = self.model.config
         self.info = RunnerInfo(
@@ -97,7 +111,9 @@ class TransformersRunner(ModelRunner):
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.dtype = self.model.dtype
         elem = torch.finfo(self.dtype).bits // 8
-        self._kv_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * elem
+        self._first_layer, self._end_layer = self.layer_range or (0, num_layers)
+        self.hidden_size = int(config.hidden_size)
+        self._kv_bytes = 2 * (self._end_layer - self._first_layer) * kv_heads * head_dim * elem
         self.slot_length = self.info.max_context + 1  # + one scratch cell that padding writes
         slot_bytes = self.slot_length * self._kv_bytes
         if self.device.type == "cuda":
@@ -108,21 +124,34 @@ class TransformersRunner(ModelRunner):
         self.num_slots = max(1, min(MAX_SLOTS, budget // slot_bytes))
         shape = (self.num_slots, kv_heads, self.slot_length, head_dim)
         # empty: a slot's pages are touched (and zeroed) when it is first lent
-        self._keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_hidden_layers)]
-        self._values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(config.num_hidden_layers)]
+        # one store per layer of this runner: layer ``i`` (absolute) writes ``_keys[i − first]``
+        self._keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self._end_layer - self._first_layer)]
+        self._values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self._end_layer - self._first_layer)]
         self._slots = [_Slot(i) for i in range(self.num_slots)]
         self._clock = 0
         self._decoder = self.model.get_decoder()
-        head = self.model.get_output_embeddings()
-        # the LM head in fp32 whatever the model's dtype: bf16 logits are rounded to 1/16–1/8 at
-        # their usual size, enough to flip an argmax (measured: 4 % of positions on the built-in)
-        self._head_weight = head.weight.detach().float()
-        self._head_bias = head.bias.detach().float() if getattr(head, "bias", None) is not None else None
+        self._head_weight = self._head_bias = None
+        if self.is_last_stage:
+            head = self.model.get_output_embeddings()
+            # the LM head in fp32 whatever the model's dtype: bf16 logits are rounded to 1/16–1/8 at
+            # their usual size, enough to flip an argmax (measured: 4 % of positions on the built-in)
+            self._head_weight = head.weight.detach().float()
+            self._head_bias = head.bias.detach().float() if getattr(head, "bias", None) is not None else None
 
     def kv_bytes_per_token(self) -> int:
         return self._kv_bytes
 
+    @property
+    def is_last_stage(self) -> bool:
+        return self._end_layer == int(self.model.config.num_hidden_layers)
+
     # ----------------------------------------------------------------- forward
+
+    def _forward_item(self, item: ForwardItem) -> torch.Tensor:
+        result = self.forward_each([item])[0]  # the staged rows carry a stage's input states
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
         result = self._compute_each([Staged(session_id, rows, start, logits_rows)])[0]
@@ -131,14 +160,30 @@ class TransformersRunner(ModelRunner):
         return result
 
     def _compute_each(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
-        out: list[torch.Tensor | Exception] = []
-        for begin in range(0, len(work), self.num_slots):  # more sessions than slots: in turns
-            group = work[begin:begin + self.num_slots]
+        out: list[torch.Tensor | Exception | None] = [self._missing_input(w) for w in work]
+        ready = [i for i, o in enumerate(out) if o is None]
+        for begin in range(0, len(ready), self.num_slots):  # more sessions than slots: in turns
+            group = ready[begin:begin + self.num_slots]
             try:
-                out.extend(self._forward_slots(group))
+                results: list[torch.Tensor | Exception] = list(self._forward_slots([work[i] for i in group]))
             except Exception as exc:  # noqa: BLE001 - a failed forward fails the items it carried
-                out.extend([exc] * len(group))
-        return out
+                results = [exc] * len(group)
+            for i, result in zip(group, results):
+                out[i] = result
+        return [o for o in out if o is not None]
+
+    def _missing_input(self, work: Staged) -> Exception | None:
+        """A stage after the first cannot recompute rows it lost (it has only the states sent
+        for the new rows): the session is short of them, and the pipeline must resend."""
+        if self.is_first_stage:
+            return None
+        if work.hidden is None:
+            return ValueError(f"a stage of layers {self._first_layer}:{self._end_layer} takes hidden states, not tokens")
+        slot = self._slot_of(work.session_id)
+        cached = slot.rows if slot is not None else 0
+        if cached < work.start:
+            return SessionShort(work.session_id, cached, f"the stage of layers {self._first_layer}:{self._end_layer} lost its rows past {cached}")
+        return None
 
     @torch.inference_mode()
     def _forward_slots(self, work: list[Staged]) -> list[torch.Tensor]:
@@ -169,16 +214,21 @@ class TransformersRunner(ModelRunner):
         mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, torch.finfo(self.dtype).min)
         view = _SlotView(self, torch.tensor([s.index for s in slots], device=self.device), cells.to(self.device), span)
         try:
-            hidden = self._decoder(
-                input_ids=tokens.to(self.device), attention_mask=mask[:, None].to(self.device),
-                position_ids=positions.to(self.device), past_key_values=view, use_cache=True,
-            ).last_hidden_state
+            if self.layer_range is None:
+                hidden = self._decoder(
+                    input_ids=tokens.to(self.device), attention_mask=mask[:, None].to(self.device),
+                    position_ids=positions.to(self.device), past_key_values=view, use_cache=True,
+                ).last_hidden_state
+            else:
+                hidden = self._stage_layers(work, firsts, counts, tokens, positions, mask, view)
         except BaseException:
             for slot in slots:
                 self._release(slot)
             raise
         for w, slot in zip(work, slots):
             slot.rows, slot.clean = len(w.rows), True
+        if not self.is_last_stage:  # the new rows' states, for the next stage
+            return [hidden[b, w.start - first : count].cpu() for b, (w, first, count) in enumerate(zip(work, firsts, counts))]
         picks = [(b, r - first) for b, (w, first) in enumerate(zip(work, firsts)) for r in w.logits_rows]
         index = torch.tensor([b * width + i for b, i in picks], device=self.device)
         picked = hidden.reshape(batch * width, -1).index_select(0, index).float()
@@ -188,6 +238,30 @@ class TransformersRunner(ModelRunner):
             out.append(logits[at:at + len(w.logits_rows)])
             at += len(w.logits_rows)
         return out
+
+    def _stage_layers(
+        self, work: list[Staged], firsts: list[int], counts: list[int], tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, view: _SlotView,
+    ) -> torch.Tensor:
+        """This stage's layers over the batch (research/tree-and-pipeline.md §4.1): the first
+        embeds the tokens, a later one starts from the states sent (new rows only: ``first`` is
+        ``start`` there); rotary embeddings from the positions on every stage; the last stage
+        ends with the final norm."""
+        decoder = self._decoder
+        if self.is_first_stage:
+            states = decoder.embed_tokens(tokens.to(self.device))
+        else:
+            states = torch.zeros(len(work), tokens.shape[1], self.hidden_size, dtype=self.dtype, device=self.device)
+            for b, (w, count) in enumerate(zip(work, counts)):
+                assert w.hidden is not None and firsts[b] == w.start  # _missing_input checked both
+                states[b, :count] = w.hidden.to(self.device, self.dtype)
+        position_ids = positions.to(self.device)
+        attention = mask[:, None].to(self.device)
+        rotary = decoder.rotary_emb(states, position_ids=position_ids)
+        for layer in decoder.layers[self._first_layer:self._end_layer]:
+            states = layer(
+                states, attention_mask=attention, position_ids=position_ids, past_key_values=view, use_cache=True, position_embeddings=rotary,
+            )
+        return decoder.norm(states) if self.is_last_stage else states
 
     # ----------------------------------------------------------------- slots
 
@@ -229,6 +303,8 @@ class TransformersRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
+        if self.layer_range is not None:
+            raise ValueError(f"a stage of layers {self._first_layer}:{self._end_layer} has no sessionless forward")
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         out = self.model(input_ids=input_ids, use_cache=False)
         return out.logits[0, -num_logits:].float().cpu()
@@ -247,7 +323,8 @@ class _SlotView:
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         out = []
-        for store, new in ((self.runner._keys[layer_idx], keys), (self.runner._values[layer_idx], values)):
+        layer = layer_idx - self.runner._first_layer  # a stage holds its own layers only
+        for store, new in ((self.runner._keys[layer], keys), (self.runner._values[layer], values)):
             # new: [batch, heads, width, dim] -> cells (slot, cell) of the store [slots, heads, length, dim]
             store[self._rows, :, self.cells] = new.transpose(1, 2).to(store.dtype)
             out.append(store.index_select(0, self.slots)[:, :, : self.span])
@@ -255,6 +332,23 @@ class _SlotView:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
+
+
+def _drop_other_layers(model: Any, first: int, end: int) -> None:
+    """A stage's model keeps only its layers (the rest become identities: layer indices stay
+    absolute), the embeddings where they are used (the first stage; the last, whose head they
+    are when tied) and the final norm on the last."""
+    decoder = model.get_decoder()
+    num_layers = len(decoder.layers)
+    for i in range(num_layers):
+        if not first <= i < end:
+            decoder.layers[i] = torch.nn.Identity()
+    tied = model.get_output_embeddings().weight is decoder.embed_tokens.weight
+    if first > 0 and not (end == num_layers and tied):
+        decoder.embed_tokens = torch.nn.Identity()
+    if end < num_layers:
+        decoder.norm = torch.nn.Identity()
+        model.lm_head = torch.nn.Identity()
 
 
 def _load_model(source: ModelSource, vocab_size: int) -> Any:
