@@ -217,7 +217,8 @@ class ModelRunner(ABC):
         self._keep_cache(session_id, held, kept)
         if kept == list(range(len(kept))):
             held.truncate(len(kept))
-            held.chain = min(held.chain, len(kept)) if not path else len(kept)
+            if path:
+                held.chain = len(kept)
         elif path:
             tokens = [held.tokens[r] for r in kept]
             self._rows[session_id] = chain_rows(tokens)
