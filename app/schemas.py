@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from core.config import TreeParams
+from core.config import PipelineParams, TreeParams
 from core.names import Mode, Reconstruction
 
 # Known OpenAI parameters that this gateway does not implement: a 400 names them.
@@ -40,6 +40,7 @@ class SpeculativeParams(BaseModel):
     overlap: bool | None = None
     relaxation: RelaxationParams | None = None
     tree: TreeParams | None = None
+    pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments (DESIGN §3.7)
     profile: bool | None = None  # usage speculative.profile: each round's time by part, bytes and tokens
 
     @field_validator("k")

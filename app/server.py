@@ -32,6 +32,7 @@ from app.schemas import ChatCompletionRequest, CompletionRequest
 from app.errors import ApiError
 from app.service import ChoiceEvent, Gateway, Job
 from core.config import SpecgateConfig
+from core.errors import ConfigError
 from core.runners import ModelRunner, load_runner
 from core.runners.model_thread import ModelThread
 from core.serving import Guard
@@ -66,6 +67,10 @@ def create_app(
         gateway = Gateway(config, draft_model, pool, metrics)
         app.state.gateway = gateway
         for entry in await gateway.check_workers():
+            if entry.get("fatal"):  # a pipeline whose stages answer but cannot make it (DESIGN §3.7)
+                log.error("%s", entry["error"])
+                await pool.close()
+                raise ConfigError(entry["error"])
             if not entry["ready"]:
                 log.warning("worker %s not ready at start-up: %s", entry["name"], entry["error"])
         pool.start()

@@ -23,14 +23,15 @@ from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions, Toke
 from app.engine.spec import ROUND_PARTS
 from app.metrics import GatewayMetrics
 from app.targets.base import WorkerError
+from app.targets.pipeline import PipelineTarget
 from app.targets.pool import TargetSet
 from app.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeParams
 from app.text import IncrementalDetokenizer, StopMatcher
-from core.config import SpecgateConfig, TreeParams
+from core.config import PipelineParams, SpecgateConfig, TreeParams
 from core.modes import MODES, SERVED_MODES
 from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
-from core.math.tree import ChildRule, TreeShape
+from core.math.tree import ChildRule, SegmentSchedule, TreeShape
 from core.names import Mode
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,9 @@ class Usage:
     seconds: dict[str, float] = field(default_factory=dict)  # the rounds' time by part (RoundResult.seconds)
     round_s: float = 0.0  # the rounds' time: draft + verify
     profile: list[dict[str, Any]] = field(default_factory=list)  # speculative.profile: one entry per round
+    turns: int = 0  # mode pipeline: segments answered
+    trees: int = 0  # mode pipeline: rounds (trees) walked to their end
+    hop_bytes: list[int] = field(default_factory=list)  # mode pipeline: stage-to-stage bytes per hop
 
     def add(self, result: RoundResult) -> None:
         self.completion_tokens += len(result.tokens)
@@ -90,9 +94,16 @@ class Usage:
         if result.gamma is not None:
             self.gammas.append(result.gamma)
         if result.drafted:
-            if len(self.acceptance_histogram) <= result.drafted:
-                self.acceptance_histogram += [0] * (result.drafted + 1 - len(self.acceptance_histogram))
+            size = max(result.drafted, result.accepted) + 1  # a pipeline's expanded tree can accept more than one draft's depth
+            if len(self.acceptance_histogram) < size:
+                self.acceptance_histogram += [0] * (size - len(self.acceptance_histogram))
             self.acceptance_histogram[result.accepted] += 1
+        self.turns += result.turns
+        self.trees += result.rounds_ended
+        if result.hop_bytes:
+            self.hop_bytes += [0] * (len(result.hop_bytes) - len(self.hop_bytes))
+            for hop, size in enumerate(result.hop_bytes):
+                self.hop_bytes[hop] += size
 
     def timing_ms(self) -> dict[str, float]:
         """Where the rounds' time went (ROUND_PARTS), and ``rounds``: their sum — draft + verify
@@ -109,6 +120,8 @@ class Usage:
         num_spec_tokens = max(self.gammas, default=self.spec.num_draft_tokens) if self.spec.auto_gamma else self.spec.num_draft_tokens
         if self.tree is not None:
             num_spec_tokens = self.tree.max_depth  # tokens a round may accept
+        if self.spec.pipeline is not None:  # a pipeline's tree grows as it is walked: the deepest seen
+            num_spec_tokens = max(self.spec.pipeline.tree.depth, len(self.acceptance_histogram) - 1)
         histogram = self.acceptance_histogram + [0] * (num_spec_tokens + 1 - len(self.acceptance_histogram))
         return {"speculative_decoding": {
             "mean_acceptance_length": 1 + self.accepted_tokens / steps if steps else None,
@@ -152,6 +165,17 @@ class Usage:
             drafted_rounds = sum(self.acceptance_histogram)
             block["nodes_per_round"] = self.draft_tokens / drafted_rounds if drafted_rounds else None
             block["accepted_per_round"] = self.accepted_tokens / drafted_rounds if drafted_rounds else None
+        if spec.mode is Mode.PIPELINE and spec.pipeline is not None:  # FlowSpec: tokens per pipeline turn and per tree
+            block["num_draft_tokens"] = None
+            block["pipeline"] = {
+                **_tree_block(spec.pipeline.tree), "segment": spec.pipeline.segment, "in_flight": spec.pipeline.in_flight or None,
+                "expand": spec.pipeline.expand, "turns": self.turns, "trees": self.trees,
+                "alt": self.completion_tokens / self.turns if self.turns else None,
+                "alr": self.completion_tokens / self.trees if self.trees else None,
+                "hop_bytes": self.hop_bytes,
+            }
+            block["nodes_per_round"] = self.draft_tokens / self.trees if self.trees else None
+            block["accepted_per_round"] = self.accepted_tokens / self.trees if self.trees else None
         if spec.relaxation is not None:  # DSD's relaxed verification: lossy by exactly τ (1 − β) per position
             block["relaxation"] = {"tau_max": spec.relaxation.tau_max, "kl_scale": spec.relaxation.kl_scale}
             block["relaxed_tv_mean"] = sum(self.relaxed_tv) / len(self.relaxed_tv) if self.relaxed_tv else 0.0
@@ -266,6 +290,8 @@ class Gateway:
         prompt_logprobs = body.logprobs if body.echo else None
         if prompt_logprobs is not None and any(w.is_engine for w in self.pool.workers):
             raise ApiError(400, "echo with logprobs needs specgate workers: an openai-logprobs engine does not score prompts here", "echo")
+        if prompt_logprobs is not None and any(isinstance(w, PipelineTarget) for w in self.pool.workers):
+            raise ApiError(400, "echo with logprobs needs whole-model workers: a pipeline's stages do not score prompts", "echo")
         prompt = list(self.tokenizer.encode(body.prompt)) if isinstance(body.prompt, str) else list(body.prompt)
         if any(t >= self.draft.vocab_size for t in prompt):
             raise ApiError(400, f"prompt token ids must be < {self.draft.vocab_size}", "prompt")
@@ -316,8 +342,8 @@ class Gateway:
             )
         max_tokens = limits.max_tokens if max_tokens is None else min(max_tokens, limits.max_tokens)  # the config caps it
         spec = self._spec(body.speculative)
-        if spec.mode is Mode.TREE and body.min_tokens and not body.ignore_eos:
-            raise ApiError(400, "min_tokens is not served in tree mode yet: use a chain mode (exact, aggregate, split)", "min_tokens")
+        if spec.mode in (Mode.TREE, Mode.PIPELINE) and body.min_tokens and not body.ignore_eos:
+            raise ApiError(400, f"min_tokens is not served in {spec.mode.value} mode yet: use a chain mode (exact, aggregate, split)", "min_tokens")
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0  # as vLLM: tiny T is greedy
         params = SamplingParams(temperature=temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
@@ -347,8 +373,13 @@ class Gateway:
         engines = [w.name for w in self.pool.workers if w.is_engine]
         if engines and not takes.engines:
             raise ApiError(400, f"mode {mode.value!r} needs specgate workers; {engines[0]} is an openai-logprobs engine (it serves autoregressive and aggregate)", "speculative.mode")
+        pipelines = [w.name for w in self.pool.workers if isinstance(w, PipelineTarget)]
+        if mode is Mode.PIPELINE and not pipelines:
+            raise ApiError(400, "speculative.mode 'pipeline' needs one pipeline target (workers: [{pipeline: [stage URLs]}]); this gateway's workers are whole models", "speculative.mode")
         if takes.one_worker and len(self.pool.workers) != 1:
             raise ApiError(400, f"{mode.value} verifies on one worker; this gateway has {len(self.pool.workers)}", "speculative.mode")
+        if pipelines and not takes.pipelines:
+            raise ApiError(400, f"mode {mode.value!r} cannot verify on the pipeline target {pipelines[0]} (it serves autoregressive, aggregate, tree and pipeline)", "speculative.mode")
         k = given.get("k", base.k)
         gamma = given.get("num_draft_tokens", base.num_draft_tokens)
         top_k = given.get("draft_top_k", base.draft_top_k)
@@ -371,6 +402,7 @@ class Gateway:
             overlap="overlap" in takes.fields and given.get("overlap", base.overlap),
             tree=_tree_shape(given.get("tree"), base.tree) if mode is Mode.TREE else None,
             tree_payload=tree_payload,
+            pipeline=_schedule(given.get("pipeline"), base.pipeline) if mode is Mode.PIPELINE else None,
             profile=bool(given.get("profile", False)),
         )
 
@@ -507,6 +539,14 @@ def _tree_shape(given: dict[str, Any] | None, base: TreeParams | None) -> TreeSh
         return TreeParams(**given).shape()
     except ValueError as exc:
         raise ApiError(400, f"speculative.tree: {exc}", "speculative.tree") from None
+
+
+def _schedule(given: dict[str, Any] | None, base: PipelineParams | None) -> SegmentSchedule:
+    """The request's pipeline schedule, else the configured one, else the defaults."""
+    try:
+        return PipelineParams(**given).schedule() if given is not None else (base.schedule() if base is not None else SegmentSchedule())
+    except ValueError as exc:
+        raise ApiError(400, f"speculative.pipeline: {exc}", "speculative.pipeline") from None
 
 
 def _tree_payload(given: dict[str, Any] | None, base: TreeParams | None) -> str:

@@ -28,8 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from core.errors import ConfigError
-from core.math.tree import ChildRule, TreeShape
-from core.modes import ENGINE_MODES, SERVED_MODES
+from core.math.tree import ChildRule, SegmentSchedule, TreeShape
+from core.modes import ENGINE_MODES, PIPELINE_TARGET_MODES, SERVED_MODES
 from core.names import Backend, Mode, Reconstruction, TargetType
 
 FIRST_LOCAL_PORT = 8101
@@ -74,6 +74,32 @@ class TreeParams(BaseModel):
         return TreeShape(rule, widths=tuple(self.widths) if self.widths is not None else TreeShape.default(greedy=False).widths)
 
 
+class PipelineParams(BaseModel):
+    """``"pipeline": {...}`` (config or request): mode ``pipeline``'s schedule (DESIGN §3.7).
+    Each round drafts an EAGLE-2 tree of ``nodes`` (``depth``, ``top_k``) and sends it best
+    node first in segments; absent keys take SegmentSchedule's defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    nodes: int | None = None  # the round's tree: EAGLE-2 node budget (default 32)
+    depth: int | None = None  # ... its deepest level, and how deep expansion goes below the walk (default 8)
+    top_k: int | None = None  # ... children per expanded node (default 4)
+    segment: int | None = None  # nodes per segment (default 16)
+    in_flight: int | None = None  # segments in the stages at once; 0 = one per stage (default)
+    expand: bool | None = None  # expand the best live leaf while the live tree runs short (default true)
+
+    def schedule(self) -> SegmentSchedule:
+        """The SegmentSchedule these settings make (ValueError when they make none)."""
+        default = SegmentSchedule()
+        tree = TreeShape(
+            ChildRule.FIXED, nodes=self.nodes or default.tree.nodes, depth=self.depth or default.tree.depth, top_k=self.top_k or default.tree.top_k,
+        )
+        return SegmentSchedule(
+            tree, self.segment or default.segment, default.in_flight if self.in_flight is None else self.in_flight,
+            default.expand if self.expand is None else self.expand,
+        )
+
+
 class SpeculativeConfig(BaseModel):
     """The default decoding mode; a request's ``speculative`` object overrides it."""
 
@@ -87,12 +113,20 @@ class SpeculativeConfig(BaseModel):
     draft_top_p: float | None = Field(default=None, gt=0, le=1)  # ... or keep the draft's nucleus of this mass
     overlap: bool = False  # DSD: draft the next round while this one is verified (same output, less waiting)
     tree: TreeParams | None = None  # mode tree: the draft tree; None = the default by temperature
+    pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments; None = the defaults
 
     @field_validator("tree")
     @classmethod
     def _tree(cls, value: TreeParams | None) -> TreeParams | None:
         if value is not None:
             value.shape()
+        return value
+
+    @field_validator("pipeline")
+    @classmethod
+    def _pipeline(cls, value: PipelineParams | None) -> PipelineParams | None:
+        if value is not None:
+            value.schedule()
         return value
 
     @field_validator("k", mode="before")
@@ -137,9 +171,43 @@ class LinkConfig(BaseModel):
         return self.rtt_ms / 2e3 + (num_bytes * 8 / (rate * 1e6) if rate else 0.0)
 
 
+class StageEntry(BaseModel):
+    """One stage of a ``pipeline`` target (DESIGN §3.7): ``url`` (a stage worker running
+    elsewhere, ``specgate worker --layers A:B``) or ``model`` + ``layers`` (started by
+    ``serve``, transformers backend). A bare string is a URL."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str | None = None  # base URL of a stage worker
+    model: str | None = None  # a local stage: what it loads
+    layers: str | None = Field(default=None, pattern=r"^\d+:\d+$")  # a local stage: its layers, first:end
+    port: int | None = Field(default=None, ge=1, le=65535)  # a local stage's port
+    threads: int | None = Field(default=None, gt=0)  # a local stage's CPU threads (serve splits the cores)
+    link_rtt_ms: float = Field(default=0.0, ge=0)  # a local stage: the emulated delay of its link to the next stage (per segment, on the way out)
+    link_mbps: float = Field(default=0.0, ge=0)  # ... and that link's rate; 0 = unlimited
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_url(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> StageEntry:
+        if (self.url is None) == (self.model is None):
+            raise ValueError("give a stage one of url (running elsewhere) or model + layers (local)")
+        if self.model is not None and self.layers is None:
+            raise ValueError("a local stage needs layers, e.g. '0:15'")
+        return self
+
+    @property
+    def is_local(self) -> bool:
+        return self.model is not None
+
+
 class WorkerEntry(BaseModel):
     """One target: ``url`` or ``urls`` (workers running elsewhere: replicas of one model, any
-    of which can take over a session) or ``model`` (a local worker started by ``serve``).
+    of which can take over a session) or ``model`` (a local worker started by ``serve``) or
+    ``pipeline`` (one target whose layers are split over stage workers, in order; DESIGN §3.7).
     ``type: openai-logprobs`` makes it an existing OpenAI-compatible engine (vLLM,
     llama-cpp-python's server) at ``url``/``urls`` serving ``model`` (DESIGN §8)."""
 
@@ -148,6 +216,7 @@ class WorkerEntry(BaseModel):
     type: TargetType = TargetType.SPECGATE  # specgate (our worker) or openai-logprobs (an engine)
     url: str | None = None  # base URL, e.g. http://127.0.0.1:8101 (an engine's: without /v1)
     urls: list[str] | None = None  # replicas serving the same model with the same weight
+    pipeline: list[StageEntry] | None = None  # the stages of one model, first layers first (URLs, or local model + layers)
     model: str | None = None  # what a local worker loads; for an engine, the model name it serves
     weight: float = Field(default=1.0, ge=0)  # w_n before normalisation
     name: str | None = None  # shown in errors and metrics; defaults to w<index>
@@ -165,6 +234,12 @@ class WorkerEntry(BaseModel):
         if self.urls is not None and not self.urls:
             raise ValueError("urls must list at least one replica")
         remote = (self.url is not None) + (self.urls is not None)
+        if self.pipeline is not None:
+            if self.is_engine or remote or self.model is not None:
+                raise ValueError("a pipeline target lists its stages under pipeline: no url, urls, model or type")
+            if len(self.pipeline) < 2:
+                raise ValueError("a pipeline needs at least two stages")
+            return self
         if self.is_engine:
             if remote != 1 or not self.model:
                 raise ValueError("an openai-logprobs target needs url (or urls) and model (the name the engine serves)")
@@ -227,6 +302,14 @@ class SpecgateConfig(BaseSettings):
         names = [w.name for w in self.workers]
         if len(set(names)) != len(names):
             raise ValueError(f"workers: names must be unique, got {names}")
+        pipelines = [w.name for w in self.workers if w.pipeline is not None]
+        if self.speculative.mode is Mode.PIPELINE and (len(self.workers) != 1 or not pipelines):
+            raise ValueError("speculative.mode 'pipeline' needs exactly one worker, a pipeline: workers: [{pipeline: [stage URLs]}]")
+        if pipelines and self.speculative.mode not in PIPELINE_TARGET_MODES:
+            raise ValueError(
+                f"speculative.mode {self.speculative.mode.value!r} cannot use the pipeline target {pipelines[0]}: "
+                f"use one of {[m.value for m in PIPELINE_TARGET_MODES]}"
+            )
         engines = [w.name for w in self.workers if w.is_engine]
         if engines and self.speculative.mode not in ENGINE_MODES:
             raise ValueError(
@@ -254,28 +337,53 @@ class SpecgateConfig(BaseSettings):
     def with_local_urls(self, pick_port: Callable[[], int] | None = None) -> SpecgateConfig:
         """A copy in which each local worker has the URL ``serve`` starts it on: its ``port``,
         else ``pick_port()`` (``serve``: a free one), else FIRST_LOCAL_PORT + its index."""
-        workers = []
+        workers, fallback = [], FIRST_LOCAL_PORT + len(self.workers)  # stages without a port: after the workers'
         for index, worker in enumerate(self.workers):
             if worker.is_local:
                 port = worker.port or (pick_port() if pick_port else FIRST_LOCAL_PORT + index)
                 worker = worker.model_copy(update={"port": port})
+            if worker.pipeline is not None:
+                stages = []
+                for stage in worker.pipeline:
+                    if stage.is_local and stage.port is None:
+                        stage = stage.model_copy(update={"port": pick_port() if pick_port else fallback})
+                        fallback += 1
+                    stages.append(stage)
+                worker = worker.model_copy(update={"pipeline": stages})
             workers.append(worker)
         return self.model_copy(update={"workers": workers})
 
     def with_split_cores(self, cores: int) -> SpecgateConfig:
         """A copy in which local workers and the draft that set no ``threads`` share ``cores``:
         the local workers verify at the same time, so each gets an equal share."""
-        local = [w for w in self.workers if w.is_local]
+        local = [w for w in self.workers if w.is_local] + self.local_stages
         share = max(1, cores // max(1, len(local)))
-        workers = [w.model_copy(update={"threads": w.threads or share}) if w.is_local else w for w in self.workers]
+        workers = []
+        for w in self.workers:
+            if w.is_local:
+                w = w.model_copy(update={"threads": w.threads or share})
+            if w.pipeline is not None:
+                w = w.model_copy(update={"pipeline": [s.model_copy(update={"threads": s.threads or share}) if s.is_local else s for s in w.pipeline]})
+            workers.append(w)
         draft = self.draft.model_copy(update={"threads": self.draft.threads or (share if local else None)})
         return self.model_copy(update={"workers": workers, "draft": draft})
+
+    @property
+    def local_stages(self) -> list[StageEntry]:
+        """The pipeline stages ``serve`` starts, every pipeline's, in order."""
+        return [s for w in self.workers for s in (w.pipeline or []) if s.is_local]
+
+    def stage_urls(self, worker: WorkerEntry) -> list[str]:
+        """A pipeline's stage URLs, first stage first (a local stage's own)."""
+        return [(s.url or f"http://127.0.0.1:{s.port}").rstrip("/") for s in worker.pipeline or []]
 
     def worker_url(self, worker: WorkerEntry) -> str:
         """The first replica's URL (a local worker's own)."""
         return self.worker_urls(worker)[0]
 
     def worker_urls(self, worker: WorkerEntry) -> list[str]:
+        if worker.pipeline is not None:
+            return self.stage_urls(worker)
         if worker.urls:
             return [u.rstrip("/") for u in worker.urls]
         return [(worker.url or f"http://127.0.0.1:{worker.port}").rstrip("/")]

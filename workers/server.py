@@ -103,6 +103,7 @@ class WorkerState:
             max_context=self.max_context,
             backend=info.backend,
             layer_range=list(self.runner.layer_range) if self.runner.layer_range is not None else None,
+            num_layers=self.runner.num_layers,
         )
 
     def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:

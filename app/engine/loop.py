@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 
 import numpy as np
 import torch
@@ -22,11 +23,13 @@ from app.draft import DraftModel
 from app.engine.round import Round, all_workers, array
 from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
 from app.engine.strategies import STRATEGIES
-from app.targets.base import Traffic
+from app.engine.strategies.pipeline import PipelineRun
+from app.targets.base import Traffic, WorkerError
+from app.targets.pipeline import PipelineTarget
 from app.targets.pool import TargetSet
 from core.math.aggregation import merge_top_logprobs, mixed_logprob
 from core.math.sampling import Suppression
-from core.math.tree import TokenTree, TreeShape
+from core.math.tree import SegmentSchedule, TokenTree, TreeShape
 from core.modes import MODES
 from core.names import Mode
 from core.protocol import VerifyRequest
@@ -46,6 +49,12 @@ class Engine:
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[RoundResult, None]:
         """Rounds of one choice until EOS or a length limit; the caller may stop early."""
         session_id = f"{req.request_id}-{req.choice}"
+        if req.spec.mode is Mode.PIPELINE:
+            async for result in self._pipeline(session_id, req):
+                yield result
+                if result.finish_reason:
+                    return
+            return
         strategy = STRATEGIES[req.spec.mode]
         sequence = list(req.prompt)
         agreed = [0] * len(self.pool.workers)
@@ -105,6 +114,26 @@ class Engine:
                 yield result
                 if result.finish_reason:
                     return
+        finally:
+            await asyncio.shield(self._free(session_id))
+
+    async def _pipeline(self, session_id: str, req: GenerationRequest) -> AsyncGenerator[RoundResult, None]:
+        """Mode pipeline (DESIGN §3.7): its strategy's own loop over the one pipeline target."""
+        target = self.pool.workers[0]
+        if not isinstance(target, PipelineTarget) or len(self.pool.workers) != 1:
+            raise WorkerError(getattr(target, "name", "w0"), "mode pipeline needs exactly one target, a pipeline of stage workers", 400)
+        run = PipelineRun(self.draft, target, req, session_id, req.spec.pipeline or SegmentSchedule(), self.vocab_size, self.max_context, self.eos_ids)
+        try:
+            async with aclosing(run.run()) as results:
+                async for result in results:
+                    generated = len(run.sequence) - len(req.prompt)
+                    result.finish_reason = self._finish(result, generated, req, len(run.sequence))
+                    if result.finish_reason and not result.rounds_ended:
+                        result.rounds_ended = 1  # the last tree, cut short by EOS or the length
+                        result.drafted, result.accepted = run.round_nodes, len(run.path)
+                    yield result
+                    if result.finish_reason:
+                        return
         finally:
             await asyncio.shield(self._free(session_id))
 

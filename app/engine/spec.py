@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from app.targets.base import Traffic
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams
-from core.math.tree import TreeShape
+from core.math.tree import SegmentSchedule, TreeShape
 from core.names import Mode, Reconstruction
 
 
@@ -27,6 +27,7 @@ class SpecOptions:
     relaxation: Relaxation | None = None  # DSD's relaxed accept test (lossy; aggregate and exact at T > 0; DESIGN §3.8)
     tree: TreeShape | None = None  # mode tree: the draft tree; None = the default by temperature (TreeShape.default)
     tree_payload: Mode = Mode.AGGREGATE  # mode tree: what each node's row carries — aggregate's or exact's (DESIGN §3.6)
+    pipeline: SegmentSchedule | None = None  # mode pipeline: the tree and its segments; None = the defaults
     profile: bool = False  # usage lists every round: its time by part, bytes and tokens (``specgate bench overhead``)
 
     def __post_init__(self) -> None:
@@ -110,3 +111,6 @@ class RoundResult:
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's, before any round
     path: list[int] | None = None  # a tree round: the accepted nodes, root to leaf (the next call's ``path``)
     seconds: dict[str, float] = field(default_factory=dict)  # where the round's time went, by part (``ROUND_PARTS``)
+    turns: int = 0  # mode pipeline: segments answered (pipeline turns) in this result
+    rounds_ended: int = 0  # mode pipeline: trees whose walk ended (a recovered or bonus token drawn)
+    hop_bytes: list[int] = field(default_factory=list)  # mode pipeline: the answered segment's bytes per stage-to-stage hop

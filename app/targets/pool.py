@@ -11,13 +11,14 @@ import httpx
 
 from app.targets.base import Channel, Dialect, Expected
 from app.targets.openai_logprobs import EngineDialect
+from app.targets.pipeline import PipelineTarget
 from app.targets.replicas import ReplicaSet
 from app.targets.specgate import SpecgateDialect
 from core.config import SpecgateConfig
 
 
 class TargetSet:
-    def __init__(self, workers: list[ReplicaSet], client: httpx.AsyncClient, probe_interval_s: float) -> None:
+    def __init__(self, workers: list[ReplicaSet | PipelineTarget], client: httpx.AsyncClient, probe_interval_s: float) -> None:
         self.workers, self.client, self.probe_interval_s = workers, client, probe_interval_s
         self._prober: asyncio.Task[None] | None = None
 
@@ -26,10 +27,13 @@ class TargetSet:
         headers = {"authorization": f"Bearer {config.worker_token}"} if config.worker_token else None
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=4 * config.limits.max_concurrent_requests)
         client = httpx.AsyncClient(transport=transport or httpx.AsyncHTTPTransport(retries=0, limits=limits), headers=headers)
-        workers = []
+        workers: list[ReplicaSet | PipelineTarget] = []
         for w in config.workers:
             name = w.name or ""
             channel = Channel(name, client, httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), w.link)
+            if w.pipeline is not None:
+                workers.append(PipelineTarget(name, config.stage_urls(w), w.weight, channel, expected, config.health.failure_threshold))
+                continue
             dialect: Dialect = EngineDialect(name, channel, expected, w) if w.is_engine else SpecgateDialect(name, channel, expected)
             workers.append(ReplicaSet(name, config.worker_urls(w), w.weight, channel, dialect, expected, config.health.failure_threshold))
         return cls(workers, client, config.health.probe_interval_s)

@@ -113,6 +113,26 @@ class TreeShape:
 
 
 @dataclass(frozen=True)
+class SegmentSchedule:
+    """Mode ``pipeline`` (FlowSpec, DESIGN §3.7): each round drafts an EAGLE-2 tree (``tree``,
+    fixed children), sends its nodes best first in segments of ``segment`` nodes, at most
+    ``in_flight`` segments in the stages at once (0 = one per stage), and, while the live part
+    of the tree has fewer than ``segment`` nodes left to send, expands its best live leaf by a
+    small EAGLE-2 tree (``expand``: no deeper than ``tree.depth`` below the walk)."""
+
+    tree: TreeShape = TreeShape(ChildRule.FIXED, nodes=32, depth=8, top_k=4)
+    segment: int = 16
+    in_flight: int = 0
+    expand: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tree.rule is not ChildRule.FIXED:
+            raise ValueError("a pipeline's tree has fixed children (EAGLE-2): its segments are verified as they come")
+        if not 1 <= self.segment <= MAX_TREE_NODES or not 0 <= self.in_flight <= 16:
+            raise ValueError(f"a pipeline's segment takes 1 to {MAX_TREE_NODES} nodes, in_flight 0 (one per stage) to 16")
+
+
+@dataclass(frozen=True)
 class TokenTree:
     tokens: torch.Tensor  # [n] long: the draft token at each node
     parents: torch.Tensor  # [n] long: each node's parent, −1 = the root; parents[i] < i

@@ -26,7 +26,7 @@ from core.modes import SERVED_MODES as MODES_SERVED
 from core.names import Mode, ProbsDtype, Reconstruction
 from core.protocol.frame import Message, loads, messages_equal, prefix_hash
 
-SERVED_MODES = tuple(m.value for m in MODES_SERVED)  # what a worker answers (core.modes)
+SERVED_MODES = tuple(m.value for m in MODES_SERVED if m is not Mode.PIPELINE)  # what /v1/verify answers (core.modes; pipeline speaks /v1/stage/forward)
 RECONSTRUCTIONS = tuple(r.value for r in Reconstruction)
 MAX_LOGPROBS = 20  # top-n alternatives per position, as OpenAI's API caps them
 
@@ -45,6 +45,7 @@ class InfoResponse(Message):
     max_context: int  # tokens one session may hold (prefix + appended + draft)
     backend: str  # Backend value
     layer_range: list[int] | None = None  # [first, end) for a pipeline stage; None = whole model
+    num_layers: int | None = None  # the whole model's decoder layers (a stage's reports it: the gateway checks the stages cover them)
 
 
 @dataclass(frozen=True, eq=False)

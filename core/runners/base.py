@@ -105,6 +105,7 @@ class ModelRunner(ABC):
     layer_range: tuple[int, int] | None = None  # a pipeline stage's layers [first, end); None = the whole model
     keeps_subtrees = False  # ``keep`` takes a prefix plus a subtree (FlowSpec's prune), not only a path
     hidden_size = 0  # the model's hidden states' width (what a stage passes on)
+    num_layers: int | None = None  # the whole model's decoder layers, where the backend says (a stage must)
 
     @property
     def is_first_stage(self) -> bool:

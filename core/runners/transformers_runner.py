@@ -113,6 +113,7 @@ class TransformersRunner(ModelRunner):
         elem = torch.finfo(self.dtype).bits // 8
         self._first_layer, self._end_layer = self.layer_range or (0, num_layers)
         self.hidden_size = int(config.hidden_size)
+        self.num_layers = num_layers
         self._kv_bytes = 2 * (self._end_layer - self._first_layer) * kv_heads * head_dim * elem
         self.slot_length = self.info.max_context + 1  # + one scratch cell that padding writes
         slot_bytes = self.slot_length * self._kv_bytes

@@ -9,14 +9,20 @@ from collections.abc import Callable
 import httpx
 import torch
 
+from dataclasses import replace
+from typing import Any
+
 from app.draft import DraftModel
 from app.engine import Engine
-from app.targets.base import Traffic, resend
+from app.targets.base import Channel, Expected, Traffic, resend
+from app.targets.pipeline import PipelineTarget, Segment, StageShort
 from core.errors import SessionShort
 from core.protocol import (
     BINARY_CONTENT_TYPE,
     ErrorBody,
     InfoResponse,
+    StageRequest,
+    StageResponse,
     VerifyRequest,
     VerifyResponse,
     check_verify_response,
@@ -24,10 +30,10 @@ from core.protocol import (
     encode,
     encode_json,
 )
-from core.runners.base import ModelRunner, Rows, RunnerInfo
+from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged
 from core.runners.model_thread import CallingThread
 from workers.scoring import score
-from workers.server import WorkerState
+from workers.server import StageStates, WorkerState
 from workers.settings import WorkerSettings
 
 
@@ -60,6 +66,106 @@ class MarkovRunner(ModelRunner):
 
     def next_probs(self, last: int, temperature: float = 1.0) -> torch.Tensor:
         return torch.softmax(self.table[last].double() / temperature, dim=-1)
+
+
+class MarkovStageRunner(MarkovRunner):
+    """A stage of a Markov "model" of ``num_layers`` layers split by ``layers``: the first
+    stage's states are (token, 1) per row, each later stage adds 1 to the count, the last
+    answers ``table[token]`` read back from the states it was sent — so a row only gets the
+    right distribution if its states went through every stage."""
+
+    hidden_size = 2
+    keeps_subtrees = True
+
+    def __init__(self, table: torch.Tensor, layers: tuple[int, int], num_layers: int, eos_ids: list[int] | None = None) -> None:
+        super().__init__(table, eos_ids, name="markov-stage")
+        self.layer_range, self.num_layers = layers, num_layers
+        self.info = replace(self.info, backend="transformers")
+
+    @property
+    def is_last_stage(self) -> bool:
+        assert self.layer_range is not None and self.num_layers is not None
+        return self.layer_range[1] == self.num_layers
+
+    def _compute_each(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
+        out: list[torch.Tensor | Exception] = []
+        for w in work:
+            if self.is_first_stage:
+                states = torch.tensor([[float(t), 1.0] for t in w.rows.tokens[w.start :]])
+            elif w.hidden is None:
+                out.append(ValueError("a later stage needs the states"))
+                continue
+            else:
+                states = w.hidden.float() + torch.tensor([0.0, 1.0])
+            if not self.is_last_stage:
+                out.append(states)
+                continue
+            assert self.layer_range is not None
+            stages = int(states[0, 1]) if len(states) else 0
+            if self.layer_range[0] and stages < 2:
+                out.append(ValueError("the states skipped a stage"))
+                continue
+            out.append(self.table[states[[r - w.start for r in w.logits_rows], 0].long()].float())
+        return out
+
+
+class FakePipeline(PipelineTarget):
+    """The real PipelineTarget's bookkeeping (sessions, seq, restarts, verify made of segments)
+    with its stages in memory: real WorkerStates over MarkovStageRunners, each stage's states
+    handed to the next. ``short_at``: seqs answered 409 once (the stage lost the session)."""
+
+    def __init__(self, name: str, stages: list[MarkovStageRunner], weight: float = 1.0) -> None:
+        channel = Channel(name, httpx.AsyncClient(), httpx.Timeout(5.0))
+        super().__init__(name, [f"http://stage{i}:1" for i in range(len(stages))], weight, channel, Expected("markov", stages[0].info.vocab_size), 3)
+        self.states = [WorkerState.build(WorkerSettings(model=f"stage{i}", max_sessions=10_000), r) for i, r in enumerate(stages)]
+        self.segments: list[Segment] = []
+        self.short_at: set[int] = set()
+        self.freed: list[str] = []
+
+    async def forward(self, session_id: str, segment: Segment, sampling: dict[str, Any]) -> tuple[StageResponse, Traffic]:
+        stage = self.session(session_id)
+        seq, stage.seq = stage.seq, stage.seq + 1
+        await asyncio.sleep(0)  # the segments in flight interleave with the strategy, as over HTTP
+        self.segments.append(segment)
+        if seq in self.short_at and stage.restarts == 0:
+            raise StageShort(f"message {seq} lost")
+        req: StageRequest | Any = StageRequest(
+            session_id=stage.id, seq=seq, prefix_len=segment.prefix_len, tokens=torch.tensor(segment.tokens).numpy(),
+            parents=None if segment.parents is None else torch.tensor(segment.parents, dtype=torch.int32).numpy(),
+            keep=None if segment.keep is None else torch.tensor(segment.keep, dtype=torch.int32).numpy(),
+            score_from=segment.score_from, hidden_dtype="f32", **sampling,
+        )
+        for state in self.states:
+            answer = state.verify_batch([req], [{}])[0]
+            if isinstance(answer, SessionShort):
+                raise StageShort(str(answer))
+            if isinstance(answer, Exception):
+                raise answer
+            if isinstance(answer, StageStates):
+                req = replace(req, hidden=answer.states.numpy())
+                continue
+            return answer, Traffic(sent=1, received=1, calls=1)
+        raise AssertionError("the last stage answered states")
+
+    async def _free(self, stage_id: str) -> None:
+        self.freed.append(stage_id)
+        for state in self.states:
+            state.sessions.free(stage_id)
+
+    def held(self, session_id: str) -> list[int]:
+        """Rows each stage holds of the session's current stage id."""
+        stage = self.session(session_id)
+        return [s.runner.length(stage.id) if stage.id in s.sessions else 0 for s in self.states]
+
+
+def split_pipeline(table: torch.Tensor, cuts: list[int], num_layers: int, eos_ids: list[int] | None = None) -> FakePipeline:
+    """A FakePipeline of ``table`` cut at ``cuts`` (e.g. [1, 2] of 3 layers: three stages)."""
+    bounds = [0, *cuts, num_layers]
+    return FakePipeline("pipe", [MarkovStageRunner(table, (a, b), num_layers, eos_ids) for a, b in zip(bounds, bounds[1:])])
+
+
+def pipeline_engine(draft: MarkovRunner, target: FakePipeline, eos_ids: list[int] | None = None) -> Engine:
+    return Engine(InlineDraftModel(draft), FakePool([target]), eos_ids or [], max_context=4096)  # type: ignore[arg-type, list-item]
 
 
 def random_table(vocab: int, seed: int, sharpness: float = 1.5) -> torch.Tensor:

@@ -1,0 +1,390 @@
+"""A pipeline as a target (DESIGN §3.7): one model whose layers are split over stage workers,
+in order. The gateway speaks to the first stage; each stage sends its states on to the next
+(the URLs ride with the call) and the last answers T(p) at the rows asked.
+
+Two ways in:
+- ``forward``: one segment of a session (mode ``pipeline``'s strategy, which keeps the rows'
+  bookkeeping itself and may have several segments in flight: each gets the session's next
+  ``seq`` when it is called, before anything is awaited);
+- ``verify``: a verify call made of segments (``autoregressive``, ``aggregate`` and ``tree``
+  through a pipeline, federated with other targets or alone: pipelined autoregressive decoding
+  is the baseline FlowSpec is measured against).
+
+At start-up ``check_all`` reads every stage's ``/v1/info``: one tokenizer, the draft's; stages
+that cover the model's layers exactly once, in the order listed. A gap, an overlap, a worker
+that is not a stage or another tokenizer is a configuration error (``fatal`` in the report),
+which stops the gateway; a stage that does not answer yet is only not ready.
+
+A stage that answers 409 (it lost the session's rows or a message) makes the session start
+again under a new stage session id, from zero: the gateway owns the tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from app.targets.base import (
+    Breaker,
+    Channel,
+    Expected,
+    Replica,
+    ReplicaFailure,
+    Traffic,
+    WorkerError,
+    describe,
+    status_failure,
+)
+from core.errors import ProtocolError
+from core.math.random import Purpose, sample_index, uniform
+from core.names import Mode
+from core.protocol import (
+    BINARY_CONTENT_TYPE,
+    ErrorBody,
+    InfoResponse,
+    StageRequest,
+    StageResponse,
+    VerifyRequest,
+    VerifyResponse,
+    decode,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+_HEADERS = {"content-type": BINARY_CONTENT_TYPE, "accept": BINARY_CONTENT_TYPE}
+_FREE_TIMEOUT_S = 5.0
+
+
+class StageShort(Exception):
+    """A stage answered 409: the session must start again (``PipelineTarget.restart``)."""
+
+
+@dataclass
+class StageSession:
+    """What the stages know a gateway session by: its id there (a new one after each restart),
+    the next message's ``seq``; for ``verify``, the rows they hold and where the last draft began."""
+
+    id: str
+    seq: int = 0
+    restarts: int = 0
+    rows: int = 0
+    draft_at: int = 0
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One ``/v1/stage/forward`` of a session, as the strategy builds it."""
+
+    prefix_len: int  # rows the stages hold after ``keep``
+    tokens: list[int]  # the new rows
+    parents: list[int] | None  # their parent rows (absolute); None = a chain after the prefix
+    keep: list[int] | None  # rows that survive first; None = all
+    score_from: int  # the last stage answers new rows [score_from, len(tokens))
+
+
+class PipelineTarget:
+    """One weighted member of the federation whose model runs on stage workers, in order."""
+
+    is_engine = False
+
+    def __init__(self, name: str, urls: list[str], weight: float, channel: Channel, expected: Expected, threshold: int) -> None:
+        self.name, self.weight, self.channel, self.expected = name, weight, channel, expected
+        self.replicas = [Replica(url.rstrip("/"), Breaker(threshold)) for url in urls]  # the stages, first layers first
+        self.sessions: dict[str, StageSession] = {}
+        self.failures: Counter[str] = Counter()  # by kind
+        self.failovers = 0  # a pipeline has no replicas to move to (kept for the metrics)
+        self.hop_bytes = [0] * (len(urls) - 1)  # stage-to-stage bytes per hop, every call
+        self.restarts = 0  # sessions started again after a 409
+
+    @property
+    def url(self) -> str:
+        return self.replicas[0].url
+
+    @property
+    def stages(self) -> int:
+        return len(self.replicas)
+
+    @property
+    def traffic(self) -> Traffic:
+        return self.channel.traffic
+
+    @property
+    def on_call(self) -> Callable[[str, float], None]:
+        return self.channel.on_call
+
+    @on_call.setter
+    def on_call(self, hook: Callable[[str, float], None]) -> None:
+        self.channel.on_call = hook
+
+    def scorable(self, sequence: list[int], draft: list[int]) -> int:
+        return len(draft)
+
+    # ----------------------------------------------------------------- info and layout
+
+    async def _info(self, replica: Replica) -> InfoResponse:
+        resp = await self.channel.request("GET", replica, "/v1/info")
+        if resp.status_code != 200:
+            raise status_failure(resp.status_code, resp.content, "/v1/info")
+        try:
+            return decode(InfoResponse, resp.content, resp.headers.get("content-type"))
+        except ProtocolError as exc:
+            raise ReplicaFailure("garbage", f"/v1/info answered garbage: {exc}") from exc
+
+    async def check_all(self) -> dict[str, Any]:
+        """Every stage's ``/v1/info`` at once, then the layout: the target's entry of
+        ``/health/ready`` (``fatal``: the stages answer but cannot make this pipeline)."""
+        results = await asyncio.gather(*(self._info(r) for r in self.replicas), return_exceptions=True)
+        replicas, infos = [], []
+        for i, (replica, result) in enumerate(zip(self.replicas, results)):
+            if isinstance(result, InfoResponse):
+                replica.info = result
+                replica.breaker.record(ok=True)
+                infos.append(result)
+                replicas.append({"url": replica.url, "ready": True, "stage": i + 1, "layers": result.layer_range})
+            else:
+                replica.breaker.record(ok=False)
+                replica.last_error = str(result)
+                replicas.append({"url": replica.url, "ready": False, "stage": i + 1, "error": str(result)})
+        entry: dict[str, Any] = {"name": self.name, "url": self.url, "weight": self.weight, "ready": False, "replicas": replicas}
+        down = [r for r in replicas if not r["ready"]]
+        if down:
+            entry["error"] = f"worker {self.name}: stage {down[0]['stage']} ({down[0]['url']}) not ready: {down[0]['error']}"
+            return entry
+        problem = layout_problem(self.replicas, infos, self.expected)
+        if problem is not None:
+            entry.update(error=f"pipeline {self.name}: {problem}", fatal=True)
+            return entry
+        entry.update(ready=True, model=infos[-1].model_id, max_context=min(i.max_context for i in infos), stages=self.stages)
+        return entry
+
+    async def probe(self) -> None:
+        """Stages whose breaker is open: checked again (the whole pipeline's layout)."""
+        if any(r.breaker.is_open for r in self.replicas):
+            await self.check_all()
+
+    # ----------------------------------------------------------------- segments
+
+    def session(self, session_id: str) -> StageSession:
+        return self.sessions.setdefault(session_id, StageSession(session_id))
+
+    async def forward(self, session_id: str, segment: Segment, sampling: dict[str, Any]) -> tuple[StageResponse, Traffic]:
+        """One segment through every stage; the last stage's answer. Raises StageShort on a
+        409 (``restart`` the session), WorkerError naming the stage on any other failure."""
+        stage = self.session(session_id)
+        seq, stage.seq = stage.seq, stage.seq + 1  # taken now: segments in flight keep their order
+        req = StageRequest(
+            session_id=stage.id, seq=seq, prefix_len=segment.prefix_len, tokens=np.asarray(segment.tokens, dtype=np.int64),
+            parents=None if segment.parents is None else np.asarray(segment.parents, dtype=np.int32),
+            keep=None if segment.keep is None else np.asarray(segment.keep, dtype=np.int32),
+            score_from=segment.score_from, next=[r.url for r in self.replicas[1:]], **sampling,
+        )
+        traffic, first = Traffic(), self.replicas[0]
+        body, _ = encode(req, self.expected.vocab_size)
+        try:
+            status, answer = await self.channel.exchange(first, "/v1/stage/forward", body, _HEADERS, traffic)
+        except ReplicaFailure as exc:
+            self._failed(first, exc)
+            raise WorkerError(self.name, f"stage 1 ({first.url}) failed: {exc}", 503 if exc.kind in ("connect", "timeout") else 502) from None
+        if status == 409:
+            raise StageShort(_message(answer))
+        if status != 200:
+            message = _message(answer)
+            where = "" if message.startswith("stage ") else f"stage 1 ({first.url}): "
+            failure = status_failure(status, answer, "stage forward")
+            self.failures[failure.kind] += 1
+            raise WorkerError(self.name, f"{where}{message}", 400 if failure.kind == "rejected" else 502)
+        try:
+            resp = decode(StageResponse, answer, BINARY_CONTENT_TYPE)
+            self._check(resp, req)
+        except ProtocolError as exc:
+            self.failures["garbage"] += 1
+            raise WorkerError(self.name, f"the stages answered garbage: {exc}") from None
+        first.breaker.record(ok=True)
+        for hop, size in enumerate(np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [], dtype=np.int64)[: len(self.hop_bytes)]):
+            self.hop_bytes[hop] += int(size)
+        return resp, traffic
+
+    def _check(self, resp: StageResponse, req: StageRequest) -> None:
+        rows = len(req.tokens) - req.score_from
+        if resp.probs is None or resp.tail_mass is None:
+            if rows:
+                raise ProtocolError("probs and tail_mass are missing")
+            return
+        probs = np.asarray(resp.probs)
+        width = self.expected.vocab_size if req.k is None else req.k
+        if probs.shape != (rows, width) or np.asarray(resp.tail_mass).shape != (rows,):
+            raise ProtocolError(f"probs of shape {probs.shape}, expected ({rows}, {width})")
+        if not np.all(np.isfinite(probs)) or probs.min(initial=0) < 0:
+            raise ProtocolError("probs must be finite and ≥ 0")
+        if req.k is not None and (resp.ids is None or np.asarray(resp.ids).shape != (rows, req.k)):
+            raise ProtocolError("top-k answers need ids of the same shape as probs")
+
+    def restart(self, session_id: str) -> StageSession:
+        """The session under a new stage session id, holding nothing (the old one is freed)."""
+        old = self.session(session_id)
+        self.restarts += 1
+        new = StageSession(f"{session_id}~{old.restarts + 1}", restarts=old.restarts + 1)
+        self.sessions[session_id] = new
+        asyncio.get_running_loop().create_task(self._free(old.id))
+        log.info("pipeline %s: session %s starts again as %s", self.name, session_id, new.id)
+        return new
+
+    # ----------------------------------------------------------------- verify, made of segments
+
+    async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
+        """A verify call as one segment: the stages keep the agreed rows (a crop, or the
+        previous tree's accepted path), append tokens + draft, and the last answers the γ+1 rows
+        (a tree's root and nodes). Once more from zero, under a new id, after a 409."""
+        unserved = _unserved(req)
+        if unserved:
+            raise WorkerError(self.name, f"a pipeline target does not serve {unserved}", 400)
+        for attempt in range(2):
+            stage = self.session(req.session_id)
+            segment, held_until = self._verify_segment(stage, req, agreed, from_zero=attempt > 0)
+            try:
+                resp, traffic = await self.forward(req.session_id, segment, _sampling(req))
+            except StageShort as exc:
+                log.info("pipeline %s lost session %s (%s): starting it again", self.name, req.session_id, exc)
+                self.restart(req.session_id)
+                continue
+            stage = self.session(req.session_id)
+            stage.rows, stage.draft_at = segment.prefix_len + len(segment.tokens), held_until
+            return self._as_verify(resp, req, held_until), traffic
+        raise WorkerError(self.name, "the stages kept answering session_short after a start from zero")
+
+    def _verify_segment(self, stage: StageSession, req: VerifyRequest, agreed: list[int], from_zero: bool) -> tuple[Segment, int]:
+        keep: list[int] | None = None
+        prefix = req.prefix_len
+        if not from_zero and req.path is not None:  # the previous tree's accepted nodes become agreed rows
+            keep = [*range(stage.draft_at), *(stage.draft_at + int(n) for n in req.path)]
+            from_zero = len(keep) != prefix or stage.rows == 0
+        elif not from_zero:
+            from_zero = stage.rows < prefix
+            if not from_zero and stage.rows > prefix:
+                keep = list(range(prefix))
+        tokens = [int(t) for t in req.tokens]
+        if from_zero:
+            held_until = req.prefix_len + len(tokens)
+            tokens, keep, prefix = [int(t) for t in agreed[:held_until]], ([] if stage.rows else None), 0
+        if not tokens:
+            raise WorkerError(self.name, "a pipeline call appends at least the last agreed token (its row gives the first distribution)", 400)
+        base = prefix + len(tokens)  # where the draft's rows start
+        draft = [int(t) for t in req.draft]
+        parents: list[int] | None = None
+        if req.parents is not None:
+            chain = list(range(prefix - 1, base - 1))
+            parents = [*chain, *((base - 1) if int(p) < 0 else base + int(p) for p in req.parents)]
+        return Segment(prefix, [*tokens, *draft], parents, keep, len(tokens) - 1), base
+
+    def _as_verify(self, resp: StageResponse, req: VerifyRequest, held_until: int) -> VerifyResponse:
+        model_ms = float(np.asarray(resp.stage_ms).sum()) if resp.stage_ms is not None else 0.0
+        probs = np.asarray(resp.probs)
+        out = VerifyResponse(
+            held=held_until + len(req.draft), probs=resp.probs, tail_mass=resp.tail_mass, ids=resp.ids, recon_error=resp.recon_error,
+            probs_dtype=resp.probs_dtype, model_ms=model_ms,
+        )
+        extra: dict[str, Any] = {}
+        if req.mode == Mode.AUTOREGRESSIVE.value and req.temperature > 0:  # the worker's own draw, as a whole worker makes it
+            position = req.prefix_len + len(req.tokens)
+            u = uniform(req.seed, req.choice, position, Purpose.WORKER_SAMPLE, req.worker)
+            extra["samples"] = np.array([sample_index(torch.from_numpy(probs[0].astype(np.float64)), u)], dtype=np.int32)
+            if not req.return_probs:
+                extra.update(probs=None, tail_mass=None, recon_error=None)
+        if req.logprobs is not None:
+            extra.update(_top_logprobs(probs, req.logprobs))
+        return replace(out, **extra) if extra else out
+
+    # ----------------------------------------------------------------- freeing
+
+    async def delete_session(self, session_id: str) -> None:
+        """Free the session on every stage (best effort: they evict anyway)."""
+        stage = self.sessions.pop(session_id, None)
+        if stage is not None:
+            await self._free(stage.id)
+
+    async def _free(self, stage_id: str) -> None:
+        async def one(replica: Replica) -> None:
+            try:
+                await self.channel.client.delete(f"{replica.url}/v1/sessions/{stage_id}", timeout=_FREE_TIMEOUT_S)
+            except httpx.HTTPError as exc:
+                log.warning("could not free session %s on stage %s of %s: %s", stage_id, replica.url, self.name, describe(exc))
+
+        await asyncio.gather(*(one(r) for r in self.replicas))
+
+    def _failed(self, replica: Replica, exc: ReplicaFailure) -> None:
+        replica.breaker.record(ok=False)
+        replica.last_error = str(exc)
+        self.failures[exc.kind] += 1
+        log.warning("pipeline %s: stage %s failed (%s): %s", self.name, replica.url, exc.kind, exc)
+
+
+def layout_problem(replicas: list[Replica], infos: list[InfoResponse], expected: Expected) -> str | None:
+    """What keeps these stages from being one pipeline of the draft's tokenizer, or None: each
+    serves a slice (transformers), one tokenizer, the slices in order cover every layer once."""
+    for i, (replica, info) in enumerate(zip(replicas, infos)):
+        where = f"stage {i + 1} ({replica.url})"
+        if info.tokenizer_fingerprint != expected.fingerprint or info.vocab_size != expected.vocab_size:
+            return f"{where} serves another tokenizer/vocabulary than the draft ({info.model_id}, V={info.vocab_size})"
+        if info.backend != "transformers":
+            return f"{where} runs {info.backend}: a pipeline stage needs --backend transformers (llama.cpp cannot run a slice of layers)"
+        if info.layer_range is None or info.num_layers is None:
+            return f"{where} is not a pipeline stage: it serves the whole model {info.model_id} (start it with --layers A:B)"
+    counts = {info.num_layers for info in infos}
+    if len(counts) > 1:
+        return f"the stages are slices of models of different depths ({sorted(c for c in counts if c is not None)} layers)"
+    total, at = infos[0].num_layers, 0
+    for i, info in enumerate(infos):
+        assert info.layer_range is not None
+        first, end = info.layer_range
+        if first > at:
+            return f"layers {at}:{first} are on no stage (gap before stage {i + 1}, which starts at layer {first})"
+        if first < at:
+            return f"layers {first}:{min(at, end)} are on two stages (overlap: stage {i + 1} starts at layer {first}, the stages before end at {at})"
+        at = end
+    if at != total:
+        return f"layers {at}:{total} are on no stage (the last stage ends at layer {at} of {total})"
+    return None
+
+
+def _unserved(req: VerifyRequest) -> str | None:
+    """What of a verify call a pipeline cannot do (its stages speak segments: T(p) rows only)."""
+    if req.mode in (Mode.SPLIT.value, Mode.EXACT.value):
+        return f"mode {req.mode} (use autoregressive, aggregate, tree with aggregate's payload, or pipeline)"
+    if req.suppress_ids is not None:
+        return "min_tokens"
+    if req.score_ids is not None or req.score_tokens:
+        return "scoring given tokens (echo with logprobs)"
+    if req.logprobs is not None and req.k is not None:
+        return "logprobs with a top-k payload (use k: full)"
+    return None
+
+
+def _sampling(req: VerifyRequest) -> dict[str, Any]:
+    full = req.mode == Mode.AUTOREGRESSIVE.value and req.temperature > 0  # the sample is drawn here, from p
+    return {
+        "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "k": None if full else req.k,
+        "probs_dtype": req.probs_dtype, "reconstruction": req.reconstruction,
+    }
+
+
+def _top_logprobs(probs: np.ndarray, n: int) -> dict[str, np.ndarray]:
+    """top-n ids and log-probabilities per row of full rows (ties to the lowest id)."""
+    order = np.argsort(-probs, axis=-1, kind="stable")[:, :n]
+    values = np.take_along_axis(probs, order, axis=-1)
+    return {"top_ids": order.astype(np.int64), "top_logprobs": np.log(np.clip(values, 1e-45, None)).astype(np.float32)}
+
+
+def _message(body: bytes) -> str:
+    try:
+        return ErrorBody.from_json(body).message
+    except ProtocolError:
+        return repr(body[:200])
