@@ -19,8 +19,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def worker_command(model: str, backend: str, port: int, threads: int | None = None, log_level: str = "warning") -> list[str]:
+def worker_command(
+    model: str, backend: str, port: int, threads: int | None = None, log_level: str = "warning", layers: str | None = None,
+    link_rtt_ms: float = 0.0, link_mbps: float = 0.0,
+) -> list[str]:
+    """``specgate worker`` on 127.0.0.1; ``layers``: a pipeline stage (with its outgoing link's emulation)."""
     command = [sys.executable, "-m", "workers", "--model", model, "--backend", backend, "--host", "127.0.0.1", "--port", str(port), "--log-level", log_level]
+    if layers:
+        command += ["--layers", layers, "--link-rtt-ms", str(link_rtt_ms), "--link-mbps", str(link_mbps)]
     return command + (["--threads", str(threads)] if threads else [])
 
 
@@ -72,6 +78,12 @@ def WorkerProcess(model: str, backend: str, port: int | None = None, threads: in
     """A real worker on 127.0.0.1 (a free port unless given); ``cwd``: the code of another checkout."""
     port = port or free_port()
     return ServerProcess(worker_command(model, backend, port, threads), port, "/health", timeout_s, cwd)
+
+
+def StageProcess(layers: str, model: str = "builtin", port: int | None = None, threads: int | None = 1, link_rtt_ms: float = 0.0, timeout_s: float = 300.0) -> ServerProcess:
+    """A pipeline stage worker (transformers) serving ``layers`` (first:end) on 127.0.0.1."""
+    port = port or free_port()
+    return ServerProcess(worker_command(model, "transformers", port, threads, layers=layers, link_rtt_ms=link_rtt_ms), port, "/health", timeout_s)
 
 
 def GatewayProcess(config_path: str, port: int | None = None, timeout_s: float = 300.0, cwd: str | None = None) -> ServerProcess:

@@ -1,0 +1,147 @@
+"""Mode ``pipeline`` end to end (DESIGN §3.7): three stage workers of the built-in model
+(transformers, real processes) behind a real uvicorn gateway, spoken to by the official
+``openai`` client. Greedy text equals ``autoregressive`` through one whole-model worker; bad
+pipelines stop the gateway at start-up naming the stage; a stage killed mid-stream ends the
+stream with an error event and ``[DONE]``, and the other stages free the session."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from app.server import create_app
+from clients.procs import StageProcess
+from core.config import parse_config
+from core.errors import ConfigError
+from core.runners import load_runner
+from tests.app.helpers import served, sse_events
+from workers.server import create_app as create_worker
+from workers.settings import WorkerSettings
+
+pytestmark = pytest.mark.integration
+
+MODEL = "specgate-pipeline"
+PROMPT = "The three primary colours are"
+SPLIT = ["0:9", "9:21", "21:30"]
+
+
+@pytest.fixture(scope="module")
+def stage_procs() -> Iterator[list[Any]]:
+    """The three stages as processes (one thread each), first layers first."""
+    with ExitStack() as stack:
+        procs = [StageProcess(layers) for layers in SPLIT]
+        for proc in procs:
+            stack.enter_context(proc)
+        yield procs
+
+
+def _config(workers: list[dict[str, Any]], mode: str = "pipeline", **speculative: Any) -> Any:
+    return parse_config({
+        "model": MODEL, "draft": {"model": "builtin-draft", "threads": 1}, "workers": workers,
+        "speculative": {"mode": mode, **speculative}, "limits": {"max_tokens": 64},
+    })
+
+
+@pytest.fixture(scope="module")
+def gateway(stage_procs: list[Any]) -> Iterator[str]:
+    config = _config([{"name": "pipe", "pipeline": [p.url for p in stage_procs], "read_timeout_s": 120}])
+    with served(create_app(config)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def whole_worker() -> Iterator[str]:
+    runner = load_runner("builtin", "transformers", memory_cap_mb=64)
+    with served(create_worker(WorkerSettings(model="builtin", backend="transformers"), runner=runner)) as url:
+        yield url
+    runner.close()
+
+
+def _text(base: str, mode: str, max_tokens: int = 24) -> tuple[str, dict[str, Any]]:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    completion = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0, extra_body={"speculative": {"mode": mode}},
+    )
+    assert completion.usage is not None
+    return completion.choices[0].text, completion.usage.model_extra["speculative"]  # type: ignore[index]
+
+
+def test_greedy_pipeline_text_equals_autoregressive_through_a_whole_model_worker(gateway: str, whole_worker: str) -> None:
+    text, spec = _text(gateway, "pipeline")
+    config = _config([{"url": whole_worker}], mode="autoregressive")
+    with served(create_app(config)) as single:
+        reference, _ = _text(single, "autoregressive")
+    assert text == reference and text
+    block = spec["pipeline"]
+    assert spec["mode"] == "pipeline" and spec["lossless"] and block["turns"] >= 1 and block["trees"] >= 1
+    assert block["alt"] > 0 and block["alr"] >= 1 and len(block["hop_bytes"]) == 2 and min(block["hop_bytes"]) > 0
+    # the same stages as one target of autoregressive: pipelined autoregressive decoding (the baseline)
+    assert _text(gateway, "autoregressive")[0] == reference
+
+
+def test_sampled_pipeline_is_reproducible_by_seed(gateway: str) -> None:
+    client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=300)
+    texts = [
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5).choices[0].text
+        for _ in range(2)
+    ]
+    assert texts[0] == texts[1] and texts[0]
+
+
+def _start_up_error(stages: list[str]) -> str:
+    config = _config([{"name": "pipe", "pipeline": stages}])
+    app = create_app(config)
+
+    async def start() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    with pytest.raises(ConfigError) as failure:
+        asyncio.run(start())
+    return str(failure.value)
+
+
+def test_bad_pipelines_stop_start_up_naming_the_stage(stage_procs: list[Any], whole_worker: str) -> None:
+    one, two, three = (p.url for p in stage_procs)
+    assert re.search(r"layers 9:21 are on no stage \(gap before stage 2", _start_up_error([one, three]))
+    assert "layers 21:30 are on no stage" in _start_up_error([one, two])
+    assert "on two stages (overlap" in _start_up_error([one, two, two, three])
+    assert f"stage 2 ({whole_worker}) is not a pipeline stage" in _start_up_error([one, whole_worker, three])
+    with ExitStack() as stack:
+        llama = stack.enter_context(served(create_worker(WorkerSettings(model="builtin"), runner=load_runner("builtin", "llama.cpp", threads=1))))
+        assert "runs llama.cpp: a pipeline stage needs --backend transformers" in _start_up_error([one, llama, three])
+
+
+def _sessions(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(re.search(r"^specgate:sessions (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+
+
+def test_a_stage_killed_mid_stream_ends_it_with_an_error_and_the_others_free_the_session(stage_procs: list[Any], gateway: str) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "stream": True}
+    events: list[Any] = []
+    with httpx.stream("POST", f"{gateway}/v1/completions", json=body, timeout=120) as resp:
+        lines = resp.iter_lines()
+        for line in lines:
+            if line.startswith("data:"):
+                events.append(line)
+                if len(events) == 1:
+                    assert stage_procs[1].proc is not None
+                    stage_procs[1].proc.kill()  # stage 2 dies mid-answer
+        text = "\n\n".join(events) + "\n\n"
+    parsed = sse_events(text)
+    assert parsed[-1] == "[DONE]"
+    errors = [e for e in parsed if isinstance(e, dict) and "error" in e]
+    assert errors and "stage" in errors[0]["error"]["message"], parsed[-3:]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (_sessions(stage_procs[0].url) or _sessions(stage_procs[2].url)):
+        time.sleep(0.2)
+    assert _sessions(stage_procs[0].url) == 0 and _sessions(stage_procs[2].url) == 0
