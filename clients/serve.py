@@ -26,7 +26,7 @@ from types import FrameType
 import httpx
 
 from clients.procs import free_port, stop_process, worker_command
-from core.config import SpecgateConfig, WorkerEntry, dump_config, load_config
+from core.config import SpecgateConfig, StageEntry, WorkerEntry, dump_config, load_config
 from core.errors import SpecgateError
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -53,6 +53,9 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
                 procs[worker.name or ""] = start_worker(config, worker, f"{instance}-{worker.name}")
             # the gateway checks its workers at start-up: start it once they answer
             workers = {w.name or "": (f"{config.worker_url(w)}/health", f"{instance}-{w.name}") for w in local}
+            for name, stage in local_stages(config):
+                procs[name] = start_stage(name, stage, f"{instance}-{name}")
+                workers[name] = (f"http://127.0.0.1:{stage.port}/health", f"{instance}-{name}")
             if not wait_ready(workers, procs, startup_timeout, stop):
                 return 1
             resolved = Path(tmp) / "config.yaml"
@@ -72,6 +75,7 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
 def taken_port(config: SpecgateConfig) -> str | None:
     """What names the first port this config needs that something already listens on."""
     wanted = [(f"worker {w.name}", "127.0.0.1", w.port) for w in config.workers if w.is_local]
+    wanted += [(name, "127.0.0.1", stage.port) for name, stage in local_stages(config)]
     for entry, host, port in [*wanted, ("the gateway", config.host, config.port)]:
         assert port is not None
         if not _can_bind(host, port):
@@ -94,6 +98,19 @@ def start_worker(config: SpecgateConfig, entry: WorkerEntry, instance_id: str) -
     url = config.worker_url(entry)
     print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}, threads={entry.threads}) on {url}", flush=True)
     return _start([*worker_command(entry.model, entry.backend.value, entry.port, entry.threads), "--instance-id", instance_id])
+
+
+def local_stages(config: SpecgateConfig) -> list[tuple[str, StageEntry]]:
+    """The pipeline stages this config starts, each with its name (``<worker> stage <i>``)."""
+    return [(f"{w.name} stage {i + 1}", s) for w in config.workers for i, s in enumerate(w.pipeline or []) if s.is_local]
+
+
+def start_stage(name: str, stage: StageEntry, instance_id: str) -> subprocess.Popen[bytes]:
+    assert stage.model is not None and stage.port is not None
+    link = f", link {stage.link_rtt_ms:g} ms rtt" if stage.link_rtt_ms else ""
+    print(f"specgate serve: starting {name}: {stage.model} layers {stage.layers} (transformers, threads={stage.threads}{link}) on http://127.0.0.1:{stage.port}", flush=True)
+    command = worker_command(stage.model, "transformers", stage.port, stage.threads, layers=stage.layers, link_rtt_ms=stage.link_rtt_ms, link_mbps=stage.link_mbps)
+    return _start([*command, "--instance-id", instance_id])
 
 
 def _start(command: list[str]) -> subprocess.Popen[bytes]:
@@ -147,7 +164,10 @@ def _answers(client: httpx.Client, url: str, instance_id: str) -> bool:
 
 def ready_message(config: SpecgateConfig) -> str:
     base = f"http://{config.host}:{config.port}"
-    workers = ", ".join(f"{w.name}={w.model if w.is_local else config.worker_url(w)}" for w in config.workers)
+    workers = ", ".join(
+        f"{w.name}=pipeline({', '.join(config.stage_urls(w))})" if w.pipeline is not None else f"{w.name}={w.model if w.is_local else config.worker_url(w)}"
+        for w in config.workers
+    )
     return (
         f"specgate: ready on {base} — model {config.model!r}, mode {config.speculative.mode.value}, "
         f"draft {config.draft.model}, workers {workers}\n"

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import psutil
 import pytest
 
@@ -170,3 +171,24 @@ def test_worker_settings_from_the_environment_are_validated() -> None:
     env = {**os.environ, "SPECGATE_WORKER_MAX_CONTEXT": "lots"}
     out = subprocess.run([*SPECGATE, "worker", "--model", "tiny-random"], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert out.returncode == 2 and "max_context" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.integration
+def test_serve_the_pipeline_config_answers_through_the_openai_api() -> None:
+    """``specgate serve --config config/pipeline.yaml``: three local stages of the built-in
+    model (free ports), the gateway in mode pipeline, a chat completion through the SDK."""
+    port = free_port()
+    proc = subprocess.Popen([*SPECGATE, "serve", "--config", "config/pipeline.yaml", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        lines = _read_until(proc, "specgate: ready", timeout_s=300)
+        assert sum("stage" in line and "layers" in line for line in lines) == 3, lines
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model="specgate", messages=[{"role": "user", "content": "Say hello"}], max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content and chat.usage is not None
+        assert chat.usage.model_extra["speculative"]["mode"] == "pipeline"  # type: ignore[index]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
