@@ -10,6 +10,7 @@
     specgate bench dsd [--json FILE] [--runs N] [--plots DIR] [--quick]
     specgate bench overhead [--json FILE] [--runs N] [--baseline DIR] [--quick]
     specgate bench load [--concurrency N[,N...]] [--duration S] [--json FILE]
+    specgate bench pipeline [--stages 2,3] [--hop-ms 0,5,20] [--runs N] [--json FILE]
     specgate chat [--url URL] [--mode MODE] [--api-key KEY]
     specgate eval [--url URL | --serve] [--json FILE]
 
@@ -76,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     tree.add_argument("--prompts", type=int, default=2, help="prompts per cell, 1–3 (default: 2)")
     tree.add_argument("--plots", default=None, help="write PNG plots into this folder (e.g. docs/bench)")
     tree.add_argument("--quick", action="store_true", help="one run, one prompt, T = 0, budgets 4 and 14, no link: about a minute")
+    pipe = benches.add_parser("pipeline", help="FlowSpec's pipeline vs pipelined autoregressive through the same 2 and 3 stages at 0/5/20 ms per hop")
+    pipe.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    pipe.add_argument("--stages", default="2,3", help="stage counts, comma-separated (default: 2,3)")
+    pipe.add_argument("--hop-ms", default="0,5,20", help="one-way delay per hop in ms, comma-separated (default: 0,5,20)")
+    pipe.add_argument("--runs", type=int, default=3, help="runs per cell (default: 3)")
+    pipe.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
+    pipe.add_argument("--prompts", type=int, default=1, help="prompts per cell, 1–3 (default: 1)")
     device = benches.add_parser("tree-device", help="a worker's verify round, chain vs tree, on a device (random weights of the built-in architecture)")
     device.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     device.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (default: cuda if present)")
@@ -161,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         from clients.bench_tree import bench_tree
 
         return bench_tree(args)
+    if args.command == "bench" and args.bench == "pipeline":
+        from clients.bench_pipeline import bench_pipeline
+
+        return bench_pipeline(args)
     if args.command == "bench" and args.bench == "tree-device":
         forwarded = ["--device", args.device, "--dtype", args.dtype, "--repeats", str(args.repeats), "--budgets", *map(str, args.budgets)]
         return subprocess.call([sys.executable, "-m", "workers.round_cost", *forwarded, *(["--json", args.json_path] if args.json_path else [])])

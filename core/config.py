@@ -81,11 +81,11 @@ class PipelineParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    nodes: int | None = None  # the round's tree: EAGLE-2 node budget (default 32)
-    depth: int | None = None  # ... its deepest level, and how deep expansion goes below the walk (default 8)
+    nodes: int | None = None  # the round's tree: EAGLE-2 node budget (default 12)
+    depth: int | None = None  # ... its deepest level, and how deep expansion goes below the walk (default 6)
     top_k: int | None = None  # ... children per expanded node (default 4)
-    segment: int | None = None  # nodes per segment (default 16)
-    in_flight: int | None = None  # segments in the stages at once; 0 = one per stage (default)
+    segment: int | None = None  # nodes per segment (default 6)
+    in_flight: int | None = None  # segments in the stages at once; 0 = one per stage (default 2)
     expand: bool | None = None  # expand the best live leaf while the live tree runs short (default true)
 
     def schedule(self) -> SegmentSchedule:

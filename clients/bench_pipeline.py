@@ -1,0 +1,113 @@
+"""``specgate bench pipeline``: FlowSpec's pipeline against pipelined autoregressive decoding
+through the same stages (DESIGN §3.7).
+
+For each stage count (2, 3) and per-hop delay (0, 5, 20 ms) the built-in model is split evenly
+over that many stage workers (transformers, one thread each) whose outgoing links carry the
+delay, behind a gateway whose link to the first stage carries it too (each way). Then, at T = 0
+on the same prompts, cells alternate within each run: ``autoregressive`` through the pipeline
+(one token per pass through every stage) and ``pipeline`` (an EAGLE-2 tree per round, sent in
+segments, several in flight). Each figure is the median over runs; the speed-up is the ratio
+of tokens/s measured side by side. ALT: tokens per pipeline turn (segment answered); ALR:
+tokens per tree; bytes per hop: the states sent stage to stage, per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from clients.bench_modes import _Bar, request
+from clients.procs import GatewayProcess, StageProcess
+from clients.prompts import PROMPTS
+from clients.report import progress, write_json
+from core.config import dump_config, parse_config
+
+NUM_LAYERS = 30  # the built-in model's
+
+
+def split(stages: int) -> list[str]:
+    """``stages`` even slices of the built-in model's layers, as first:end."""
+    bounds = [round(i * NUM_LAYERS / stages) for i in range(stages + 1)]
+    return [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])]
+
+
+def bench_pipeline(args: argparse.Namespace) -> int:
+    stage_counts = [int(s) for s in str(args.stages).split(",")]
+    hops = [float(h) for h in str(args.hop_ms).split(",")]
+    prompts = PROMPTS[: args.prompts]
+    cells = [("autoregressive", {"mode": "autoregressive"}), ("pipeline", {"mode": "pipeline"})]
+    bar, rows = _Bar(len(stage_counts) * len(hops) * len(cells) * args.runs), []
+    for stages in stage_counts:
+        for hop in hops:
+            with ExitStack() as stack:
+                progress(f"starting {stages} stages ({', '.join(split(stages))}), {hop:g} ms per hop")
+                urls = [stack.enter_context(StageProcess(layers, link_rtt_ms=2 * hop)) for layers in split(stages)]
+                base = _gateway(stack, urls, hop)
+                with httpx.Client(base_url=base, timeout=900) as client:
+                    request(client, prompts[0], 4, 0.0, {"mode": "pipeline"}, seed=0)  # warm-up
+                    samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in cells}
+                    for run in range(args.runs):
+                        for name, spec in cells:
+                            samples[name].append(_measure(client, prompts, args.max_tokens, spec))
+                            bar.step(f"{stages} stages, {hop:g} ms/hop, {name}: {samples[name][-1]['tokens_per_s']:.2f} tok/s")
+                rows.append(_summarise(samples, stages, hop))
+    results = {"setup": {"stages": stage_counts, "hop_ms": hops, "runs": args.runs, "max_tokens": args.max_tokens, "prompts": prompts, "cpu_count": os.cpu_count()}, "cells": rows}
+    _print_table(results)
+    write_json(args.json_path, results)
+    return 0
+
+
+def _gateway(stack: ExitStack, urls: list[str], hop_ms: float) -> str:
+    config = parse_config({
+        "draft": {"model": "builtin-draft", "threads": 1},
+        "speculative": {"mode": "pipeline"},
+        "workers": [{"name": "pipe", "pipeline": urls, "read_timeout_s": 300, "link": {"rtt_ms": 2 * hop_ms}}],
+    })
+    path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specgate-bench-"))) / "config.yaml"
+    path.write_text(dump_config(config))
+    return stack.enter_context(GatewayProcess(str(path)))
+
+
+def _measure(client: httpx.Client, prompts: list[str], max_tokens: int, spec: dict[str, Any]) -> dict[str, float]:
+    tokens = seconds = turns = trees = 0.0
+    hop_bytes: list[float] = []
+    for prompt in prompts:
+        elapsed, usage = request(client, prompt, max_tokens, 0.0, spec, seed=0)
+        block = usage["speculative"]
+        tokens += usage["completion_tokens"]
+        seconds += elapsed
+        info = block.get("pipeline") or {}
+        turns += info.get("turns", block["rounds"])
+        trees += info.get("trees", block["rounds"])
+        for hop, size in enumerate(info.get("hop_bytes", [])):
+            hop_bytes += [0.0] * (hop + 1 - len(hop_bytes))
+            hop_bytes[hop] += size
+    return {
+        "tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
+        "alt": tokens / turns if turns else 0.0, "alr": tokens / trees if trees else 0.0,
+        "hop_bytes_per_token": sum(hop_bytes) / len(hop_bytes) / tokens if hop_bytes and tokens else 0.0,
+    }
+
+
+def _summarise(samples: dict[str, list[dict[str, float]]], stages: int, hop: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"stages": stages, "hop_ms": hop, "layers": split(stages)}
+    for name, runs in samples.items():
+        row[name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    row["speedup"] = statistics.median(p["tokens_per_s"] / a["tokens_per_s"] for p, a in zip(samples["pipeline"], samples["autoregressive"]))
+    return row
+
+
+def _print_table(results: dict[str, Any]) -> None:
+    setup = results["setup"]
+    print(f"\nspecgate bench pipeline: {len(setup['prompts'])} prompt(s) × ≤ {setup['max_tokens']} tokens, T = 0, median of {setup['runs']} run(s)")
+    print(f"{'stages':>6}{'ms/hop':>7}{'AR tok/s':>9}{'pipe tok/s':>11}{'speed-up':>9}{'ALT':>6}{'ALR':>6}{'hop B/token':>12}")
+    for r in results["cells"]:
+        a, p = r["autoregressive"], r["pipeline"]
+        print(f"{r['stages']:>6}{r['hop_ms']:>7g}{a['tokens_per_s']:>9.2f}{p['tokens_per_s']:>11.2f}{r['speedup']:>8.2f}×{p['alt']:>6.2f}{p['alr']:>6.2f}{p['hop_bytes_per_token']:>12.0f}")
