@@ -220,6 +220,14 @@ def status_failure(status: int, body: bytes, what: str) -> ReplicaFailure:
     return ReplicaFailure("rejected", message)
 
 
+def error_message(body: bytes) -> str:
+    """The message of an error body in the OpenAI envelope, else the body's first bytes."""
+    try:
+        return ErrorBody.from_json(body).message
+    except ProtocolError:
+        return repr(body[:200])
+
+
 def describe(exc: httpx.HTTPError) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 

@@ -41,6 +41,7 @@ from app.targets.base import (
     Traffic,
     WorkerError,
     describe,
+    error_message,
     status_failure,
 )
 from core.errors import ProtocolError
@@ -48,7 +49,6 @@ from core.math.random import Purpose, sample_index, uniform
 from core.names import Mode
 from core.protocol import (
     BINARY_CONTENT_TYPE,
-    ErrorBody,
     InfoResponse,
     StageRequest,
     StageResponse,
@@ -195,9 +195,9 @@ class PipelineTarget:
             self._failed(first, exc)
             raise WorkerError(self.name, f"stage 1 ({first.url}) failed: {exc}", 503 if exc.kind in ("connect", "timeout") else 502) from None
         if status == 409:
-            raise StageShort(_message(answer))
+            raise StageShort(error_message(answer))
         if status != 200:
-            message = _message(answer)
+            message = error_message(answer)
             where = "" if message.startswith("stage ") else f"stage 1 ({first.url}): "
             failure = status_failure(status, answer, "stage forward")
             self.failures[failure.kind] += 1
@@ -382,9 +382,3 @@ def _top_logprobs(probs: np.ndarray, n: int) -> dict[str, np.ndarray]:
     values = np.take_along_axis(probs, order, axis=-1)
     return {"top_ids": order.astype(np.int64), "top_logprobs": np.log(np.clip(values, 1e-45, None)).astype(np.float32)}
 
-
-def _message(body: bytes) -> str:
-    try:
-        return ErrorBody.from_json(body).message
-    except ProtocolError:
-        return repr(body[:200])

@@ -18,6 +18,7 @@ from app.targets.base import (
     Traffic,
     WorkerError,
     describe,
+    error_message,
     resend,
     status_failure,
 )
@@ -94,9 +95,9 @@ class SpecgateDialect:
         read timeout; past that the request fails with a 503 naming the worker."""
         limit, waited = self.channel.timeout.read or _FULL_WAIT_S, sum(waits)
         if waited >= limit:
-            raise WorkerError(self.name, f"{_message(answer)} (waited {waited:.1f} s)", 503)
+            raise WorkerError(self.name, f"{error_message(answer)} (waited {waited:.1f} s)", 503)
         pause = min(_FULL_FIRST_PAUSE_S * 2 ** (len(waits) - 1), 2.0, limit - waited)
-        log.info("worker %s is full, session %s waits %.2f s: %s", self.name, session_id, pause, _message(answer))
+        log.info("worker %s is full, session %s waits %.2f s: %s", self.name, session_id, pause, error_message(answer))
         await asyncio.sleep(pause)
         waits.append(pause)
 
@@ -125,12 +126,6 @@ def _code(body: bytes) -> str | None:
     except ProtocolError:
         return None
 
-
-def _message(body: bytes) -> str:
-    try:
-        return ErrorBody.from_json(body).message
-    except ProtocolError:
-        return repr(body[:200])
 
 
 def _held(body: bytes) -> int:
