@@ -81,9 +81,9 @@ class PipelineParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    nodes: int | None = None  # the round's tree: EAGLE-2 node budget (default 12)
-    depth: int | None = None  # ... its deepest level, and how deep expansion goes below the walk (default 6)
-    top_k: int | None = None  # ... children per expanded node (default 4)
+    nodes: int | None = None  # the round's tree: EAGLE-2 node budget (default 10)
+    depth: int | None = None  # ... its deepest level, and how deep expansion goes below the walk (default 5)
+    top_k: int | None = None  # ... children per expanded node (default 3)
     segment: int | None = None  # nodes per segment (default 6)
     in_flight: int | None = None  # segments in the stages at once; 0 = one per stage (default 2)
     expand: bool | None = None  # expand the best live leaf while the live tree runs short (default true)
@@ -185,6 +185,7 @@ class StageEntry(BaseModel):
     threads: int | None = Field(default=None, gt=0)  # a local stage's CPU threads (serve splits the cores)
     link_rtt_ms: float = Field(default=0.0, ge=0)  # a local stage: the emulated delay of its link to the next stage (per segment, on the way out)
     link_mbps: float = Field(default=0.0, ge=0)  # ... and that link's rate; 0 = unlimited
+    replicas: list[str] = []  # other stage workers serving the same layers: the stage fails over to them (its sessions start again from zero)
 
     @model_validator(mode="before")
     @classmethod
@@ -376,6 +377,10 @@ class SpecgateConfig(BaseSettings):
     def stage_urls(self, worker: WorkerEntry) -> list[str]:
         """A pipeline's stage URLs, first stage first (a local stage's own)."""
         return [(s.url or f"http://127.0.0.1:{s.port}").rstrip("/") for s in worker.pipeline or []]
+
+    def stage_replicas(self, worker: WorkerEntry) -> list[list[str]]:
+        """Per stage, first stage first: its URL, then its replicas'."""
+        return [[url, *(r.rstrip("/") for r in s.replicas)] for url, s in zip(self.stage_urls(worker), worker.pipeline or [])]
 
     def worker_url(self, worker: WorkerEntry) -> str:
         """The first replica's URL (a local worker's own)."""

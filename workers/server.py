@@ -243,17 +243,20 @@ class WorkerState:
         try:
             answer = await self.client().post(f"{url}/v1/stage/forward", content=payload, headers=headers)
         except httpx.HTTPError as exc:
-            raise StageFailed(502, ErrorBody(f"the next stage {url} is unreachable: {type(exc).__name__} {exc}", "server_error", code="stage_unreachable")) from exc
+            message = f"the next stage {url} is unreachable: {type(exc).__name__} {exc}"
+            raise StageFailed(502, ErrorBody(message, "server_error", param=url, code="stage_unreachable")) from exc
         if answer.status_code != 200:
             try:
                 body = ErrorBody.from_json(answer.content)
             except ProtocolError:
-                body = ErrorBody(f"answered {answer.status_code}", "server_error", code="stage_failed")
+                body = ErrorBody(f"answered {answer.status_code}", "server_error")
+            if answer.status_code >= 500 and body.code not in ("stage_unreachable", "stage_failed"):  # that stage failed itself
+                body = replace(body, param=url, code="stage_failed")
             raise StageFailed(answer.status_code, replace(body, message=f"stage {url}: {body.message}"))
         try:
             resp = decode(StageResponse, answer.content, answer.headers.get("content-type"))
         except ProtocolError as exc:
-            raise StageFailed(502, ErrorBody(f"stage {url} answered garbage: {exc}", "server_error", code="stage_failed")) from exc
+            raise StageFailed(502, ErrorBody(f"stage {url} answered garbage: {exc}", "server_error", param=url, code="stage_failed")) from exc
         stage_ms = np.concatenate([[states.model_ms], np.asarray(resp.stage_ms if resp.stage_ms is not None else [], np.float32)]).astype(np.float32)
         hops = np.concatenate([[len(payload)], np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [], np.int32)]).astype(np.int32)
         return replace(resp, stage_ms=stage_ms, hop_bytes=hops)

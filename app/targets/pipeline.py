@@ -16,7 +16,10 @@ that is not a stage or another tokenizer is a configuration error (``fatal`` in 
 which stops the gateway; a stage that does not answer yet is only not ready.
 
 A stage that answers 409 (it lost the session's rows or a message) makes the session start
-again under a new stage session id, from zero: the gateway owns the tokens.
+again under a new stage session id, from zero: the gateway owns the tokens. A stage that fails
+(unreachable, a 5xx; the stage before it names it in the error's ``param``) is ``StageDown``:
+the request fails naming it, unless the stage lists replicas, in which case ``fail_over``
+moves the stage to a working one and every session of the pipeline starts again from zero.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from core.math.random import Purpose, sample_index, uniform
 from core.names import Mode
 from core.protocol import (
     BINARY_CONTENT_TYPE,
+    ErrorBody,
     InfoResponse,
     StageRequest,
     StageResponse,
@@ -65,7 +69,16 @@ _FREE_TIMEOUT_S = 5.0
 
 
 class StageShort(Exception):
-    """A stage answered 409: the session must start again (``PipelineTarget.restart``)."""
+    """A stage answered 409, or the pipeline failed over since the session's last segment: the
+    session must start again (``PipelineTarget.restart``)."""
+
+
+class StageDown(WorkerError):
+    """Stage ``stage`` (0-based) failed: ``fail_over`` may move it to a replica."""
+
+    def __init__(self, worker: str, stage: int, message: str, status: int = 502) -> None:
+        super().__init__(worker, message, status)
+        self.stage = stage
 
 
 @dataclass
@@ -78,6 +91,7 @@ class StageSession:
     restarts: int = 0
     rows: int = 0
     draft_at: int = 0
+    chain: int = 0  # the pipeline's chain (its failovers) when the session started
 
 
 @dataclass(frozen=True)
@@ -96,14 +110,22 @@ class PipelineTarget:
 
     is_engine = False
 
-    def __init__(self, name: str, urls: list[str], weight: float, channel: Channel, expected: Expected, threshold: int) -> None:
+    def __init__(self, name: str, stages: list[list[str]], weight: float, channel: Channel, expected: Expected, threshold: int) -> None:
         self.name, self.weight, self.channel, self.expected = name, weight, channel, expected
-        self.replicas = [Replica(url.rstrip("/"), Breaker(threshold)) for url in urls]  # the stages, first layers first
+        # per stage, first layers first: its replicas (the configured URL first), and the one in use
+        self.members = [[Replica(url.rstrip("/"), Breaker(threshold)) for url in urls] for urls in stages]
+        self.active = [0] * len(stages)
+        self.chain = 0  # failovers so far: a session started on an earlier chain starts again
         self.sessions: dict[str, StageSession] = {}
         self.failures: Counter[str] = Counter()  # by kind
-        self.failovers = 0  # a pipeline has no replicas to move to (kept for the metrics)
-        self.hop_bytes = [0] * (len(urls) - 1)  # stage-to-stage bytes per hop, every call
-        self.restarts = 0  # sessions started again after a 409
+        self.failovers = 0  # stages moved to a replica
+        self.hop_bytes = [0] * (len(stages) - 1)  # stage-to-stage bytes per hop, every call
+        self.restarts = 0  # sessions started again after a 409 or a failover
+
+    @property
+    def replicas(self) -> list[Replica]:
+        """The stages in use, first layers first."""
+        return [members[i] for members, i in zip(self.members, self.active)]
 
     @property
     def url(self) -> str:
@@ -111,7 +133,7 @@ class PipelineTarget:
 
     @property
     def stages(self) -> int:
-        return len(self.replicas)
+        return len(self.members)
 
     @property
     def traffic(self) -> Traffic:
@@ -140,46 +162,94 @@ class PipelineTarget:
             raise ReplicaFailure("garbage", f"/v1/info answered garbage: {exc}") from exc
 
     async def check_all(self) -> dict[str, Any]:
-        """Every stage's ``/v1/info`` at once, then the layout: the target's entry of
-        ``/health/ready`` (``fatal``: the stages answer but cannot make this pipeline)."""
-        results = await asyncio.gather(*(self._info(r) for r in self.replicas), return_exceptions=True)
-        replicas, infos = [], []
-        for i, (replica, result) in enumerate(zip(self.replicas, results)):
+        """Every stage replica's ``/v1/info`` at once, then the layout: the target's entry of
+        ``/health/ready`` (``fatal``: the stages answer but cannot make this pipeline). A stage
+        whose replica in use does not answer moves to one of its replicas that does."""
+        flat = [(i, j, r) for i, members in enumerate(self.members) for j, r in enumerate(members)]
+        results = await asyncio.gather(*(self._info(r) for _, _, r in flat), return_exceptions=True)
+        answered: set[tuple[int, int]] = set()
+        for (i, j, replica), result in zip(flat, results):
             if isinstance(result, InfoResponse):
                 replica.info = result
                 replica.breaker.record(ok=True)
-                infos.append(result)
-                replicas.append({"url": replica.url, "ready": True, "stage": i + 1, "layers": result.layer_range})
+                answered.add((i, j))
             else:
                 replica.breaker.record(ok=False)
                 replica.last_error = str(result)
-                replicas.append({"url": replica.url, "ready": False, "stage": i + 1, "error": str(result)})
+        for i, members in enumerate(self.members):
+            if (i, self.active[i]) not in answered:
+                spare = next((j for j in range(len(members)) if (i, j) in answered), None)
+                if spare is not None:
+                    self._switch(i, spare, f"it did not answer /v1/info: {members[self.active[i]].last_error}")
+        replicas = [
+            {"url": r.url, "stage": i + 1, "active": j == self.active[i], "ready": (i, j) in answered}
+            | ({"layers": r.info.layer_range} if (i, j) in answered and r.info is not None else {"error": r.last_error})
+            for i, j, r in flat
+        ]
         entry: dict[str, Any] = {"name": self.name, "url": self.url, "weight": self.weight, "ready": False, "replicas": replicas}
-        down = [r for r in replicas if not r["ready"]]
+        down = [r for r in replicas if r["active"] and not r["ready"]]
         if down:
             entry["error"] = f"worker {self.name}: stage {down[0]['stage']} ({down[0]['url']}) not ready: {down[0]['error']}"
             return entry
-        problem = layout_problem(self.replicas, infos, self.expected)
+        infos = [r.info for r in self.replicas if r.info is not None]
+        problem = layout_problem(self.replicas, infos, self.expected) or self._replica_problem(answered)
         if problem is not None:
             entry.update(error=f"pipeline {self.name}: {problem}", fatal=True)
             return entry
         entry.update(ready=True, model=infos[-1].model_id, max_context=min(i.max_context for i in infos), stages=self.stages)
         return entry
 
+    def _replica_problem(self, answered: set[tuple[int, int]]) -> str | None:
+        """A replica that answers but could not stand in for its stage, or None."""
+        for i, members in enumerate(self.members):
+            used = members[self.active[i]].info
+            for j, replica in enumerate(members):
+                info = replica.info
+                if j == self.active[i] or (i, j) not in answered or info is None or used is None:
+                    continue
+                if (info.layer_range, info.num_layers, info.tokenizer_fingerprint, info.backend) != (used.layer_range, used.num_layers, used.tokenizer_fingerprint, used.backend):
+                    return (
+                        f"stage {i + 1}'s replica {replica.url} cannot stand in for {members[self.active[i]].url}: it serves layers "
+                        f"{info.layer_range} of {info.num_layers} ({info.backend}), the stage {used.layer_range} of {used.num_layers} ({used.backend})"
+                    )
+        return None
+
     async def probe(self) -> None:
-        """Stages whose breaker is open: checked again (the whole pipeline's layout)."""
-        if any(r.breaker.is_open for r in self.replicas):
+        """Stages with a replica whose breaker is open: checked again (the whole pipeline's layout)."""
+        if any(r.breaker.is_open for members in self.members for r in members):
             await self.check_all()
+
+    def fail_over(self, stage: int) -> bool:
+        """Stage ``stage`` (0-based) failed: its replica in use is out (breaker open until a probe
+        passes) and the stage moves to a replica that answered its checks. False when it has none.
+        Every session of the pipeline starts again from zero on the new chain."""
+        members = self.members[stage]
+        failed = members[self.active[stage]]
+        failed.breaker.failures = max(failed.breaker.failures, failed.breaker.threshold)
+        spare = next((j for j, r in enumerate(members) if r.info is not None and not r.breaker.is_open), None)
+        if spare is None:
+            return False
+        self._switch(stage, spare, failed.last_error or "it failed")
+        return True
+
+    def _switch(self, stage: int, to: int, why: str) -> None:
+        members = self.members[stage]
+        log.warning("pipeline %s: stage %d moves from %s to %s (%s)", self.name, stage + 1, members[self.active[stage]].url, members[to].url, why)
+        self.active[stage] = to
+        self.chain += 1
+        self.failovers += 1
 
     # ----------------------------------------------------------------- segments
 
     def session(self, session_id: str) -> StageSession:
-        return self.sessions.setdefault(session_id, StageSession(session_id))
+        return self.sessions.setdefault(session_id, StageSession(session_id, chain=self.chain))
 
     async def forward(self, session_id: str, segment: Segment, sampling: dict[str, Any]) -> tuple[StageResponse, Traffic]:
         """One segment through every stage; the last stage's answer. Raises StageShort on a
         409 (``restart`` the session), WorkerError naming the stage on any other failure."""
         stage = self.session(session_id)
+        if stage.chain != self.chain:
+            raise StageShort("a stage moved to a replica since the session's last segment")
         seq, stage.seq = stage.seq, stage.seq + 1  # taken now: segments in flight keep their order
         req = StageRequest(
             session_id=stage.id, seq=seq, prefix_len=segment.prefix_len, tokens=np.asarray(segment.tokens, dtype=np.int64),
@@ -193,7 +263,7 @@ class PipelineTarget:
             status, answer = await self.channel.exchange(first, "/v1/stage/forward", body, _HEADERS, traffic)
         except ReplicaFailure as exc:
             self._failed(first, exc)
-            raise WorkerError(self.name, f"stage 1 ({first.url}) failed: {exc}", 503 if exc.kind in ("connect", "timeout") else 502) from None
+            raise StageDown(self.name, 0, f"stage 1 ({first.url}) failed: {exc}", 503 if exc.kind in ("connect", "timeout") else 502) from None
         if status == 409:
             raise StageShort(error_message(answer))
         if status != 200:
@@ -201,6 +271,10 @@ class PipelineTarget:
             where = "" if message.startswith("stage ") else f"stage 1 ({first.url}): "
             failure = status_failure(status, answer, "stage forward")
             self.failures[failure.kind] += 1
+            if failure.kind == "http_5xx":
+                down = self._failed_stage(answer)
+                self.replicas[down].last_error = message
+                raise StageDown(self.name, down, f"{where}{message}")
             raise WorkerError(self.name, f"{where}{message}", 400 if failure.kind == "rejected" else 502)
         try:
             resp = decode(StageResponse, answer, BINARY_CONTENT_TYPE)
@@ -212,6 +286,17 @@ class PipelineTarget:
         for hop, size in enumerate(np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [], dtype=np.int64)[: len(self.hop_bytes)]):
             self.hop_bytes[hop] += int(size)
         return resp, traffic
+
+    def _failed_stage(self, answer: bytes) -> int:
+        """Which stage a 5xx came from: the one a stage names in the error's ``param`` (a stage
+        it could not reach, or that failed), else the first."""
+        try:
+            body = ErrorBody.from_json(answer)
+        except ProtocolError:
+            return 0
+        urls = [r.url for r in self.replicas]
+        named = (body.param or "").rstrip("/")
+        return urls.index(named) if body.code in ("stage_unreachable", "stage_failed") and named in urls else 0
 
     def _check(self, resp: StageResponse, req: StageRequest) -> None:
         rows = len(req.tokens) - req.score_from
@@ -232,7 +317,7 @@ class PipelineTarget:
         """The session under a new stage session id, holding nothing (the old one is freed)."""
         old = self.session(session_id)
         self.restarts += 1
-        new = StageSession(f"{session_id}~{old.restarts + 1}", restarts=old.restarts + 1)
+        new = StageSession(f"{session_id}~{old.restarts + 1}", restarts=old.restarts + 1, chain=self.chain)
         self.sessions[session_id] = new
         asyncio.get_running_loop().create_task(self._free(old.id))
         log.info("pipeline %s: session %s starts again as %s", self.name, session_id, new.id)
@@ -247,18 +332,24 @@ class PipelineTarget:
         unserved = _unserved(req)
         if unserved:
             raise WorkerError(self.name, f"a pipeline target does not serve {unserved}", 400)
-        for attempt in range(2):
+        shorts, from_zero = 0, False
+        while shorts < 2:
             stage = self.session(req.session_id)
-            segment, held_until = self._verify_segment(stage, req, agreed, from_zero=attempt > 0)
+            segment, held_until = self._verify_segment(stage, req, agreed, from_zero=from_zero)
             try:
                 resp, traffic = await self.forward(req.session_id, segment, _sampling(req))
             except StageShort as exc:
                 log.info("pipeline %s lost session %s (%s): starting it again", self.name, req.session_id, exc)
-                self.restart(req.session_id)
-                continue
-            stage = self.session(req.session_id)
-            stage.rows, stage.draft_at = segment.prefix_len + len(segment.tokens), held_until
-            return self._as_verify(resp, req, held_until), traffic
+                shorts += 1
+            except StageDown as exc:
+                if not self.fail_over(exc.stage):
+                    raise
+            else:
+                stage = self.session(req.session_id)
+                stage.rows, stage.draft_at = segment.prefix_len + len(segment.tokens), held_until
+                return self._as_verify(resp, req, held_until), traffic
+            self.restart(req.session_id)
+            from_zero = True
         raise WorkerError(self.name, "the stages kept answering session_short after a start from zero")
 
     def _verify_segment(self, stage: StageSession, req: VerifyRequest, agreed: list[int], from_zero: bool) -> tuple[Segment, int]:
@@ -318,7 +409,7 @@ class PipelineTarget:
             except httpx.HTTPError as exc:
                 log.warning("could not free session %s on stage %s of %s: %s", stage_id, replica.url, self.name, describe(exc))
 
-        await asyncio.gather(*(one(r) for r in self.replicas))
+        await asyncio.gather(*(one(r) for members in self.members for r in members if not r.breaker.is_open))
 
     def _failed(self, replica: Replica, exc: ReplicaFailure) -> None:
         replica.breaker.record(ok=False)

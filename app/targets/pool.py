@@ -32,7 +32,7 @@ class TargetSet:
             name = w.name or ""
             channel = Channel(name, client, httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), w.link)
             if w.pipeline is not None:
-                workers.append(PipelineTarget(name, config.stage_urls(w), w.weight, channel, expected, config.health.failure_threshold))
+                workers.append(PipelineTarget(name, config.stage_replicas(w), w.weight, channel, expected, config.health.failure_threshold))
                 continue
             dialect: Dialect = EngineDialect(name, channel, expected, w) if w.is_engine else SpecgateDialect(name, channel, expected)
             workers.append(ReplicaSet(name, config.worker_urls(w), w.weight, channel, dialect, expected, config.health.failure_threshold))

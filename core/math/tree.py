@@ -120,7 +120,7 @@ class SegmentSchedule:
     of the tree has fewer than ``segment`` nodes left to send, expands its best live leaf by a
     small EAGLE-2 tree (``expand``: no deeper than ``tree.depth`` below the walk)."""
 
-    tree: TreeShape = TreeShape(ChildRule.FIXED, nodes=12, depth=6, top_k=4)  # on CPU stages every node costs: small trees pay (docs/performance.md)
+    tree: TreeShape = TreeShape(ChildRule.FIXED, nodes=10, depth=5, top_k=3)  # every draft level and node costs on CPU: small trees pay (docs/performance.md)
     segment: int = 6
     in_flight: int = 2
     expand: bool = True

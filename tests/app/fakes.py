@@ -121,8 +121,10 @@ class FakePipeline(PipelineTarget):
         self.segments: list[Segment] = []
         self.short_at: set[int] = set()
         self.freed: list[str] = []
+        self.asked_k: list[int | None] = []  # the payload each segment asked the last stage for
 
     async def forward(self, session_id: str, segment: Segment, sampling: dict[str, Any]) -> tuple[StageResponse, Traffic]:
+        self.asked_k.append(sampling.get("k"))
         stage = self.session(session_id)
         seq, stage.seq = stage.seq, stage.seq + 1
         await asyncio.sleep(0)  # the segments in flight interleave with the strategy, as over HTTP

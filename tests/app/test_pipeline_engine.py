@@ -11,6 +11,9 @@ import asyncio
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 
+from typing import Any
+
+import pytest
 import torch
 
 from app.engine import Engine, GenerationRequest, SpecOptions
@@ -95,6 +98,32 @@ def test_greedy_follows_the_target_argmax_with_two_and_three_stages() -> None:
     for cuts in ([2], [1, 2]):
         engine = pipeline_engine(DRAFT, split_pipeline(TARGET.table, cuts, 3))
         assert asyncio.run(_tokens(engine, 0, 12, temperature=0.0)) == _argmax_chain(12)
+
+
+def test_greedy_asks_the_last_stage_for_the_top_k_only_and_reports_the_full_rows_logprobs() -> None:
+    """T = 0 decides by the argmax and reports n alternatives: the last stage sends the top
+    max(1, n) of each row, not the whole vocabulary, and the tokens and logprobs are those of the
+    full rows. Sampling (T > 0) needs the whole row (the residual) and asks for it."""
+    pipe = split_pipeline(TARGET.table, [1, 2], 3)
+    req = GenerationRequest("g", PROMPT, 8, SamplingParams(temperature=0.0), 0, 0, _spec(), top_logprobs=2)
+
+    async def run() -> list[Any]:
+        return [lp async for result in pipeline_engine(DRAFT, pipe).generate(req) for lp in result.logprobs or []]
+
+    logprobs = asyncio.run(run())
+    assert [lp.token for lp in logprobs] == _argmax_chain(8)
+    assert set(pipe.asked_k) == {2}
+    last = PROMPT[-1]
+    for lp in logprobs:
+        full = torch.log_softmax(TARGET.table[last].double(), dim=-1)  # T(p) at T = 0: the softmax of the "logits"
+        assert lp.logprob == pytest.approx(float(full[lp.token]), abs=1e-6)
+        top = torch.topk(full, 2)
+        assert lp.top is not None and [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-6)
+        last = lp.token
+    sampled = split_pipeline(TARGET.table, [1, 2], 3)
+    asyncio.run(_tokens(pipeline_engine(DRAFT, sampled), 0, 4))
+    assert set(sampled.asked_k) == {None}
 
 
 def test_segments_are_pruned_and_expanded_and_the_stages_free_the_session() -> None:

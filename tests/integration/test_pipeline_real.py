@@ -96,7 +96,7 @@ def test_sampled_pipeline_is_reproducible_by_seed(gateway: str) -> None:
     assert texts[0] == texts[1] and texts[0]
 
 
-def _start_up_error(stages: list[str]) -> str:
+def _start_up_error(stages: list[Any]) -> str:
     config = _config([{"name": "pipe", "pipeline": stages}])
     app = create_app(config)
 
@@ -118,11 +118,47 @@ def test_bad_pipelines_stop_start_up_naming_the_stage(stage_procs: list[Any], wh
     with ExitStack() as stack:
         llama = stack.enter_context(served(create_worker(WorkerSettings(model="builtin"), runner=load_runner("builtin", "llama.cpp", threads=1))))
         assert "runs llama.cpp: a pipeline stage needs --backend transformers" in _start_up_error([one, llama, three])
+    assert f"stage 2's replica {three} cannot stand in for {two}" in _start_up_error([one, {"url": two, "replicas": [three]}, three])  # type: ignore[list-item]
 
 
 def _sessions(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return float(re.search(r"^specgate:sessions (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+
+
+def _ready(gateway: str) -> dict[str, Any]:
+    return httpx.get(f"{gateway}/health/ready", timeout=30).json()  # type: ignore[no-any-return]
+
+
+def test_a_stage_with_a_replica_fails_over_mid_stream_and_the_answer_is_the_same(stage_procs: list[Any], gateway: str) -> None:
+    """Stage 2 is a process of its own, with the module's stage 2 as its replica: killed after
+    the first event, the stream goes on through the replica (every row resent from zero) and
+    gives the text of a run without the failure; no stage holds the session afterwards."""
+    reference, _ = _text(gateway, "pipeline", max_tokens=32)
+    one, spare, three = (p.url for p in stage_procs)
+    primary = StageProcess(SPLIT[1])
+    with primary:
+        assert primary.proc is not None
+        config = _config([{"name": "pipe", "pipeline": [one, {"url": primary.url, "replicas": [spare]}, three], "read_timeout_s": 120}])
+        with served(create_app(config)) as failing:
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 32, "temperature": 0, "stream": True}
+            events: list[str] = []
+            with httpx.stream("POST", f"{failing}/v1/completions", json=body, timeout=120) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data:"):
+                        events.append(line)
+                        if len(events) == 1:
+                            primary.proc.kill()  # stage 2 dies mid-answer; its replica takes over
+            parsed = sse_events("\n\n".join(events) + "\n\n")
+            assert parsed[-1] == "[DONE]" and not [e for e in parsed if isinstance(e, dict) and "error" in e], parsed[-3:]
+            text = "".join(c["text"] for e in parsed if isinstance(e, dict) for c in e.get("choices", []))
+            assert text == reference
+            stage_two = [r for r in _ready(failing)["workers"][0]["replicas"] if r["stage"] == 2]
+            assert [r["url"] for r in stage_two if r["active"]] == [spare] and not any(r["ready"] for r in stage_two if r["url"] == primary.url)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_sessions(p.url) for p in stage_procs):
+        time.sleep(0.2)
+    assert [_sessions(p.url) for p in stage_procs] == [0, 0, 0]
 
 
 def test_a_stage_killed_mid_stream_ends_it_with_an_error_and_the_others_free_the_session(stage_procs: list[Any], gateway: str) -> None:

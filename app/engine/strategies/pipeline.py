@@ -11,16 +11,20 @@ were sent (so which tree a token is decided with depends on the seed alone, neve
    p'(c) ← 0 and renormalised; greedy at T = 0), emitting each token as it is decided. A node
    whose children are all rejected (or a leaf) draws the recovered (or bonus) token from p',
    which ends the round: the next round drafts a new tree after it;
-3. while the live part of the tree (the walk's node and what lies below it) has fewer than a
-   segment's nodes left to send, its best live leaf is expanded by a small EAGLE-2 tree drafted
-   from the context it stands for;
-4. one more segment goes out. It carries ``keep``: the stages drop the rows the walk killed
-   (FlowSpec's prune) before they append the new ones.
+3. segments go out, best unsent live nodes first, until ``in_flight`` of this round are in the
+   stages (dead segments of an ended round hold none back). Each carries ``keep``: the stages
+   drop the rows the walk killed (FlowSpec's prune) before they append the new ones; the
+   tokens are streamed;
+4. then, while those segments travel: if the live part of the tree (the walk's node and what
+   lies below it) has fewer than a segment's nodes left to send, its best live leaf is expanded
+   by a small EAGLE-2 tree drafted from the context it stands for, sent at once if a segment
+   can go, else at the next arrival.
 
 Random draws are keyed by the position decided and the candidate's rank among its siblings
 (lane), as ``tree`` mode's, so each position uses its own numbers once. A stage that answers 409
 (it lost rows or a message) makes the session start again under a new id with every live row
-resent; the distributions already received stay valid (they are the target's).
+resent; so does a stage that fails when it lists a replica to fail over to. The distributions
+already received stay valid (they are the target's).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from app.engine.round import token_logprobs
 from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
 from app.engine.strategies.base import Strategy
 from app.targets.base import Traffic, WorkerError
-from app.targets.pipeline import PipelineTarget, Segment, StageShort
+from app.targets.pipeline import PipelineTarget, Segment, StageDown, StageShort
 from core.math.random import Purpose, sample_index, uniform
 from core.math.speculative import argmax_lowest
 from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape, try_children
@@ -101,8 +105,11 @@ class PipelineRun:
         self.path: list[int] = []  # the round's accepted nodes
         self.sent: set[int] = set()  # the round's nodes sent
         self.round_nodes = 0  # nodes sent in the round
+        # greedy decides by the argmax (ties to the lowest id, as compress_top_k keeps them) and
+        # reports at most top_logprobs alternatives: the top-k rows carry all of it, exactly
+        greedy_k = max(1, req.top_logprobs or 0) if req.params.is_greedy else None
         self.sampling = {
-            "temperature": req.params.temperature, "top_k": req.params.top_k, "top_p": req.params.top_p, "k": None,
+            "temperature": req.params.temperature, "top_k": req.params.top_k, "top_p": req.params.top_p, "k": greedy_k,
         }
 
     # ----------------------------------------------------------------- the loop
@@ -112,8 +119,9 @@ class PipelineRun:
             timing: dict[str, float] = {}
             started = time.perf_counter()
             await self._new_round(timing)
-            draft_s = time.perf_counter() - started
             self._fill()
+            await self._expand(timing)
+            draft_s = time.perf_counter() - started
             restarts = 0
             while self.flight:
                 flight = self.flight.popleft()
@@ -126,6 +134,11 @@ class PipelineRun:
                         raise WorkerError(self.target.name, f"the stages kept losing the session ({exc}) after {_MAX_RESTARTS} starts from zero") from None
                     await self._restart()
                     continue
+                except StageDown as exc:
+                    if not self.target.fail_over(exc.stage):
+                        raise
+                    await self._restart()  # on the new chain, from zero (a failover is bounded by the replicas listed)
+                    continue
                 restarts = 0
                 result = RoundResult([], drafted=0, accepted=0, traffic=traffic, logprobs=[] if self.req.top_logprobs is not None else None)
                 result.verify_s = time.perf_counter() - waited
@@ -135,19 +148,21 @@ class PipelineRun:
                 if flight.round == self.round:
                     self._store(flight.scored, resp)
                 ended = self._walk(result)
+                going_on = self._room() > 0 and not self._stopped(result.tokens)
                 started = time.perf_counter()
                 if ended:
                     result.drafted, result.accepted, result.rounds_ended = self.round_nodes, len(self.path), 1
-                    if self._room() > 0 and not self._stopped(result.tokens):
+                    if going_on:
                         await self._new_round(timing)
-                elif self._room() > 0:
-                    await self._expand(timing)
-                result.draft_s = draft_s + time.perf_counter() - started
-                draft_s = 0.0
-                result.seconds = {"draft_model": timing.pop("draft_model", 0.0), "draft_sampling": timing.pop("draft_sampling", 0.0)}
-                if self._room() > 0 and not self._stopped(result.tokens):
+                if going_on:
                     self._fill()
-                yield result
+                result.draft_s = draft_s + time.perf_counter() - started
+                result.seconds = {"draft_model": timing.pop("draft_model", 0.0), "draft_sampling": timing.pop("draft_sampling", 0.0)}
+                yield result  # the tokens go out before the expansion below is drafted
+                started = time.perf_counter()
+                if going_on:  # while the segments travel: what the next arrival will send
+                    await self._expand(timing)
+                draft_s = time.perf_counter() - started
             raise RuntimeError("pipeline: nothing in flight and nothing left to send before the answer ended")
         finally:
             await self._drop_flights()
@@ -190,8 +205,9 @@ class PipelineRun:
             self._attach(tree, -1)
 
     async def _expand(self, timing: dict[str, float]) -> None:
-        """The best live leaf, expanded, while the live tree has less than a segment left to send."""
-        if not self.schedule.expand:
+        """The best live leaf, expanded, when the live tree has less than a segment left to send;
+        sent at once if a segment can go, else at the next arrival."""
+        if not self.schedule.expand or self._room() <= 0:
             return
         live = self._live_nodes()
         if sum(1 for n in live if n not in self.sent) >= self.schedule.segment:
@@ -212,6 +228,7 @@ class PipelineRun:
         context = [*self.sequence, *(self.nodes[n].token for n in self._path_to(leaf, stop=self.at))]
         shape = TreeShape(ChildRule.FIXED, nodes=self.schedule.segment, depth=depth, top_k=self.schedule.tree.top_k)
         self._attach(await self._propose(context, shape, timing), leaf)
+        self._fill()
 
     async def _propose(self, context: list[int], shape: TreeShape, timing: dict[str, float]) -> TokenTree:
         req = self.req
@@ -222,9 +239,10 @@ class PipelineRun:
         first, parents = len(self.nodes), tree.parents.tolist()
         base_depth = self.nodes[under].depth if under >= 0 else 0
         base_score = self.nodes[under].score if under >= 0 else 0.0
+        qs = tree.q_values().tolist()
         for i, (token, parent) in enumerate(zip(tree.tokens.tolist(), parents)):
             above = under if parent < 0 else first + parent
-            q = tree.q_of(i)
+            q = qs[i]
             score = (self.nodes[above].score if above >= 0 else base_score) + (math.log(q) if q > 0 else -1e9)
             depth = (self.nodes[above].depth if above >= 0 else base_depth) + 1
             self.nodes.append(_Node(int(token), above, depth, score))
@@ -266,8 +284,9 @@ class PipelineRun:
     # ----------------------------------------------------------------- segments
 
     def _fill(self) -> None:
-        """Segments out until ``in_flight`` are in the stages or nothing is left to send."""
-        while len(self.flight) < self.in_flight:
+        """Segments out until ``in_flight`` of this round are in the stages (a round that ended
+        leaves dead ones there, which hold no new one back) or nothing is left to send."""
+        while sum(1 for f in self.flight if f.round == self.round) < self.in_flight:
             built = self._segment()
             if built is None:
                 return
@@ -318,6 +337,9 @@ class PipelineRun:
 
     def _store(self, scored: list[Key], resp: StageResponse) -> None:
         probs = torch.from_numpy(np.asarray(resp.probs, dtype=np.float64)) if resp.probs is not None else torch.zeros(0, self.vocab_size)
+        if resp.ids is not None:  # top-k rows (greedy): the rest of each row is 0
+            ids = torch.from_numpy(np.asarray(resp.ids, dtype=np.int64))
+            probs = torch.zeros(len(ids), self.vocab_size, dtype=torch.float64).scatter_(1, ids, probs)
         for key, row in zip(scored, probs):
             self.dist.setdefault(key, row)
 
