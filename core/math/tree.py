@@ -208,8 +208,11 @@ class TokenTree:
         return self.q_ids[node + 1][keep], self.q_probs[node + 1][keep]
 
     def q_of(self, node: int) -> float:
-        """q̂(x) of ``node``'s token x under its parent's q̂ (what it was drawn from)."""
-        return float(self.q_values()[node])
+        """q̂(x) of ``node``'s token x under its parent's q̂ (what it was drawn from); one row
+        only (``q_values`` for every node at once)."""
+        row = int(self.parents[node]) + 1
+        hits = (self.q_ids[row] == self.tokens[node]).nonzero()
+        return float(self.q_probs[row, hits[0, 0]]) if len(hits) else 0.0
 
     def q_values(self) -> torch.Tensor:  # [n] in q_probs' dtype: q_of of every node, in one pass (pads, −1, match no token)
         n = len(self)
