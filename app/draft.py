@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.math.random import Purpose, sample_index, uniform, uniforms
-from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_ids, truncate, truncated_support
+from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_ids, normalised, truncate, truncated_support
 from core.math.tree import ChildRule, SparseRow, TokenTree, TreeShape, sparse_rows
 from core.runners import ModelRunner
 from core.runners.base import ForwardItem, common_prefix
@@ -249,11 +249,12 @@ class DraftModel:
                 assert suppression is not None
                 logits = mask_ids(logits, torch.tensor(suppression.ids, dtype=torch.long))
             q = apply_sampling(logits[None], params)[0]
-            if truncating:
+            if truncating:  # renormalised in float64 on the support
                 ids, probs = truncated_support(q, *truncation)
                 token = int(ids[sample_index(probs, float(draws[j]))])
                 supports.append((ids, probs))
             else:
+                q = normalised(q)  # q̂ as sampled: the accept test's numbers too
                 token = int(torch.argmax(q)) if params.is_greedy else sample_index(q, float(draws[j]))
                 rows.append(q)
             tokens.append(token)
@@ -305,7 +306,7 @@ class DraftModel:
     @staticmethod
     def _q(logits: torch.Tensor, params: SamplingParams, truncation: tuple[int, float]) -> torch.Tensor:
         q = apply_sampling(logits[None], params)[0]
-        return truncate(q, *truncation) if not params.is_greedy and truncation != (0, 1.0) else q
+        return truncate(q, *truncation) if not params.is_greedy and truncation != (0, 1.0) else normalised(q)  # q̂ as sampled, in float64
 
 
 def _settle(d: _Drafting) -> None:

@@ -342,7 +342,7 @@ class Gateway:
             )
         max_tokens = limits.max_tokens if max_tokens is None else min(max_tokens, limits.max_tokens)  # the config caps it
         spec = self._spec(body.speculative)
-        if spec.mode in (Mode.TREE, Mode.PIPELINE) and body.min_tokens and not body.ignore_eos:
+        if not MODES[spec.mode].min_tokens and body.min_tokens and not body.ignore_eos:
             raise ApiError(400, f"min_tokens is not served in {spec.mode.value} mode yet: use a chain mode (exact, aggregate, split)", "min_tokens")
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0  # as vLLM: tiny T is greedy
         params = SamplingParams(temperature=temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
@@ -532,11 +532,13 @@ class Gateway:
 
 
 def _tree_shape(given: dict[str, Any] | None, base: TreeParams | None) -> TreeShape | None:
-    """The request's tree, else the configured one; None = the default by temperature."""
+    """The request's tree shape, else the configured one; None = the default by temperature. A
+    request that names only the payload keeps the configured shape."""
+    configured = base.shape() if base is not None else None
     if given is None:
-        return base.shape() if base is not None else None
+        return configured
     try:
-        return TreeParams(**given).shape()
+        return TreeParams(**given).shape() or configured
     except ValueError as exc:
         raise ApiError(400, f"speculative.tree: {exc}", "speculative.tree") from None
 

@@ -13,6 +13,7 @@
     specgate bench pipeline [--stages 2,3] [--hop-ms 0,5,20] [--runs N] [--json FILE]
     specgate chat [--url URL] [--mode MODE] [--api-key KEY]
     specgate eval [--url URL | --serve] [--json FILE]
+    specgate law [--url URL | --serve] [--gguf PATH] [--speculative JSON] [--samples N] [--json FILE]
 
 The CLI is the composition root: it starts servers as processes (``python -m workers``,
 ``python -m app``) and speaks HTTP to them, so it imports neither ``app/`` nor ``workers/``.
@@ -55,6 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default: 48)")
     evaluate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
     evaluate.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    law = commands.add_parser("law", help="the joint law of the first two tokens against the target GGUF evaluated by llama.cpp itself: chi-square")
+    law.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default: http://127.0.0.1:8000)")
+    law.add_argument("--serve", action="store_true", help="start `specgate serve` for the run instead of using --url")
+    law.add_argument("--config", default=None, help="with --serve: its config (default: the built-in one)")
+    law.add_argument("--startup-timeout", type=float, default=600.0, help="with --serve: seconds to wait (default: 600)")
+    law.add_argument("--gguf", default=None, help="the target's GGUF file (default: the built-in target)")
+    law.add_argument("--speculative", default=None, help='the request\'s "speculative" object, as JSON (default: the gateway\'s mode)')
+    law.add_argument("--samples", type=int, default=1500, help="seeded answers of two tokens (default: 1500)")
+    law.add_argument("--prompt", default="The three longest rivers in the world are", help="the prompt, tokenized by llama.cpp (default: 'The three longest rivers in the world are')")
+    law.add_argument("--temperature", type=float, default=1.0, help="T > 0 (default: 1.0)")
+    law.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: 4)")
+    law.add_argument("--threads", type=int, default=1, help="llama.cpp threads of the reference (default: 1)")
+    law.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     bench = commands.add_parser("bench", help="benchmarks that print figures and write JSON (default: the decoding modes)")
     bench.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     bench.add_argument("--runs", type=int, default=3, help="runs per cell, ≥ 3 (default: 3)")
@@ -149,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         from clients.eval import evaluate
 
         return evaluate(args)
+    if args.command == "law":
+        from clients.law import check_law
+
+        return check_law(args)
     if args.command == "chat":
         from clients.chat import chat
 

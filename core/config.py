@@ -61,8 +61,11 @@ class TreeParams(BaseModel):
     top_k: int | None = None  # fixed: children per expanded node and nodes expanded per depth (default 4)
     payload: Literal["aggregate", "exact"] | None = None  # per node on the wire: aggregate's (k: full or top-k; default) or exact's sparse one (needs draft truncation; draft_top_k defaults to 32)
 
-    def shape(self) -> TreeShape:
-        """The TreeShape these settings make (ValueError when they make none)."""
+    def shape(self) -> TreeShape | None:
+        """The TreeShape these settings make (ValueError when they make none); None when they
+        name no shape (``{"payload": "exact"}`` alone): the default by temperature, as without them."""
+        if self.rule is None and self.widths is None and self.nodes is None and self.depth is None and self.top_k is None:
+            return None
         rule = self.rule or (ChildRule.SAMPLED_DISTINCT if self.widths is not None else ChildRule.FIXED)
         if rule is ChildRule.FIXED:
             if self.widths is not None:

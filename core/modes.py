@@ -6,8 +6,40 @@ strategy of the same name (``app.engine``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from core.names import Mode
+
+class Payload(StrEnum):
+    """What a target's answer carries for each row it scores: what a mode can promise follows from it."""
+
+    SAMPLES = "samples"  # autoregressive: each worker's own z_n ~ T(p_n); at T = 0 a top-k whose argmax is certified
+    FULL = "full"  # the whole T(p_n) (k: full; split's p at the rejection; a pipeline's last stage)
+    TOP_K = "top_k"  # the top-k of T(p_n), reconstructed at the gateway (SpecFed)
+    SPARSE = "sparse"  # exact's: p_n on the draft's supports, the mass off them, one sample from off them
+    ENGINE = "engine"  # an openai-logprobs engine's top-k log-probabilities (DESIGN §8)
+
+
+class Guarantee(StrEnum):
+    """What a response may claim (usage ``speculative.lossless``)."""
+
+    LOSSLESS = "lossless"  # the output follows the target exactly: tests/app/test_lossless_matrix.py proves each cell
+    BOUNDED = "bounded"  # lossy, with its bound in the usage block (bias_bound_mean, relaxed_tv_mean), checked there too
+
+
+GUARANTEES: dict[Payload, Guarantee] = {
+    Payload.SAMPLES: Guarantee.LOSSLESS,
+    Payload.FULL: Guarantee.LOSSLESS,
+    Payload.SPARSE: Guarantee.LOSSLESS,
+    Payload.TOP_K: Guarantee.BOUNDED,
+    Payload.ENGINE: Guarantee.BOUNDED,
+}
+
+
+def guarantee(payload: Payload, relaxed: bool) -> Guarantee:
+    """The claim of a configuration: its payload's, unless DSD's relaxed test loosens it (DESIGN §3.8)."""
+    return Guarantee.BOUNDED if relaxed else GUARANTEES[payload]
+
 
 _EVERY = frozenset({"mode", "profile"})
 _DRAFTING = _EVERY | {"num_draft_tokens", "draft_top_k", "draft_top_p", "overlap"}
@@ -17,11 +49,13 @@ _DRAFTING = _EVERY | {"num_draft_tokens", "draft_top_k", "draft_top_p", "overlap
 class ModeSpec:
     mode: Mode
     fields: frozenset[str]  # the fields of ``speculative`` a request may set in this mode
+    payloads: frozenset[Payload]  # what its targets may answer with (``SpecOptions.payload``)
     served: bool = True  # built (every mode is now)
     drafts: bool = True  # the gateway drafts (autoregressive: no)
     one_worker: bool = False  # verifies on exactly one worker (split)
     engines: bool = False  # openai-logprobs engines may be among the targets (DESIGN §8)
     pipelines: bool = False  # pipeline targets (stage workers, DESIGN §3.7) may be among the targets
+    min_tokens: bool = True  # serves min_tokens (EOS suppressed before it); trees and pipelines do not yet
 
     @property
     def takes_k(self) -> bool:
@@ -30,12 +64,17 @@ class ModeSpec:
 
 
 MODES: dict[Mode, ModeSpec] = {
-    Mode.AUTOREGRESSIVE: ModeSpec(Mode.AUTOREGRESSIVE, _EVERY, drafts=False, engines=True, pipelines=True),
-    Mode.AGGREGATE: ModeSpec(Mode.AGGREGATE, _DRAFTING | {"k", "reconstruction", "relaxation"}, engines=True, pipelines=True),
-    Mode.SPLIT: ModeSpec(Mode.SPLIT, _DRAFTING | {"k"}, one_worker=True),
-    Mode.EXACT: ModeSpec(Mode.EXACT, _DRAFTING | {"relaxation"}),
-    Mode.TREE: ModeSpec(Mode.TREE, _EVERY | {"tree", "k", "reconstruction", "draft_top_k", "draft_top_p"}, pipelines=True),
-    Mode.PIPELINE: ModeSpec(Mode.PIPELINE, _EVERY | {"pipeline"}, one_worker=True, pipelines=True),  # one pipeline target, full distributions
+    Mode.AUTOREGRESSIVE: ModeSpec(Mode.AUTOREGRESSIVE, _EVERY, frozenset({Payload.SAMPLES, Payload.ENGINE}), drafts=False, engines=True, pipelines=True),
+    Mode.AGGREGATE: ModeSpec(
+        Mode.AGGREGATE, _DRAFTING | {"k", "reconstruction", "relaxation"}, frozenset({Payload.FULL, Payload.TOP_K, Payload.ENGINE}), engines=True, pipelines=True,
+    ),
+    Mode.SPLIT: ModeSpec(Mode.SPLIT, _DRAFTING | {"k"}, frozenset({Payload.FULL, Payload.TOP_K}), one_worker=True),
+    Mode.EXACT: ModeSpec(Mode.EXACT, _DRAFTING | {"relaxation"}, frozenset({Payload.SPARSE})),
+    Mode.TREE: ModeSpec(
+        Mode.TREE, _EVERY | {"tree", "k", "reconstruction", "draft_top_k", "draft_top_p"}, frozenset({Payload.FULL, Payload.TOP_K, Payload.SPARSE}),
+        pipelines=True, min_tokens=False,
+    ),
+    Mode.PIPELINE: ModeSpec(Mode.PIPELINE, _EVERY | {"pipeline"}, frozenset({Payload.FULL}), one_worker=True, pipelines=True, min_tokens=False),  # one pipeline target, full distributions
 }
 
 SERVED_MODES = tuple(m for m, spec in MODES.items() if spec.served)

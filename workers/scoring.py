@@ -14,7 +14,7 @@ from core.math.aggregation import reconstruct, tv_distance
 from core.math.compression import compress_top_k
 from core.math.random import Purpose, sample_index, sample_rows, uniform, uniforms
 from core.math.speculative import count_accepted, verify_greedy
-from core.math.sampling import SamplingParams, Suppression, apply_sampling, suppress
+from core.math.sampling import SamplingParams, apply_sampling, normalised, suppress
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
 from core.runners.base import ForwardItem
@@ -39,16 +39,17 @@ def score(
     asked: dict[str, Any] = {}
     if req.suppress_ids is not None:  # min_tokens
         ids = torch.from_numpy(np.asarray(req.suppress_ids, dtype=np.int64))
-        rows = Suppression(tuple(ids.tolist()), req.suppress_until).rows(_first_position(req), probs.shape[0])
+        depths = row_depths(req.parents.tolist()) if req.parents is not None else range(probs.shape[0])  # a tree's row decides first + its depth
+        rows = torch.tensor([_first_position(req) + d < req.suppress_until for d in depths][: probs.shape[0]], dtype=torch.bool)
         probs, kept = suppress(logits, probs, rows, ids, params)
-        asked["kept_mass"] = kept.float().numpy()
+        asked["kept_mass"] = kept.numpy()  # f64: the mixture's weights to the last bit
     if req.score_ids is not None:
         ids = torch.from_numpy(np.asarray(req.score_ids, dtype=np.int64))
-        return VerifyResponse(held=held, score_logprobs=_logs(probs[0, ids]), model_ms=model_ms, **asked)
+        return VerifyResponse(held=held, score_logprobs=_logs(normalised(probs[:1])[0, ids]), model_ms=model_ms, **asked)
     resp = _answer(probs, req, held, model_ms, params)
     asked.update(_asked_logprobs(probs, req, resp))
     if req.score_tokens and prompt_logits is not None:
-        asked.update(_prompt_logprobs(apply_sampling(prompt_logits, params), req))
+        asked.update(_prompt_logprobs(normalised(apply_sampling(prompt_logits, params)), req))
     return replace(resp, **asked) if asked else resp
 
 
@@ -86,7 +87,7 @@ def _split(
     draft = torch.from_numpy(req.draft.astype(np.int64))
     accept_u = uniforms(req.seed, req.choice, list(range(base, base + gamma)), Purpose.ACCEPT, req.worker)
     q_draft = torch.from_numpy(np.asarray(req.draft_probs, dtype=np.float64))
-    accepted = count_accepted(probs[torch.arange(gamma), draft], q_draft, accept_u)
+    accepted = count_accepted(normalised(probs[:gamma])[torch.arange(gamma), draft], q_draft, accept_u)  # an fp32 row sums to 1 ± 1e-6
     if accepted == gamma:
         bonus = sample_index(probs[gamma], uniform(req.seed, req.choice, base + gamma, Purpose.BONUS, req.worker))
         return VerifyResponse(held=held, num_accepted=gamma, bonus=bonus, model_ms=model_ms)
@@ -118,7 +119,7 @@ def _exact(
     return VerifyResponse(
         held=held,
         support_probs=probs[row_of, ids].numpy(),
-        complement=mass.float().numpy(),
+        complement=mass.numpy(),  # f64, as summed
         complement_samples=torch.where(mass > 0, samples, -1).int().numpy(),
         bonus=bonus,
         model_ms=model_ms,
@@ -175,6 +176,7 @@ def _asked_logprobs(
     split, sampled = req.mode == Mode.SPLIT.value, req.temperature > 0
     if req.logprobs is None or not (split or (req.mode == Mode.EXACT.value and sampled)):
         return {}
+    probs = normalised(probs)  # the distributions the gateway verifies with (an fp32 row sums to 1 ± 3e-5)
     gamma = len(req.draft)
     out: dict[str, Any] = {}
     if split:
@@ -183,7 +185,7 @@ def _asked_logprobs(
             out["sample_logprobs"] = _logs(probs[resp.num_accepted, resp.bonus : resp.bonus + 1])
     else:
         samples = np.asarray(resp.complement_samples, dtype=np.int64)
-        own = [probs[j, y] if y >= 0 else torch.tensor(1.0) for j, y in enumerate(samples.tolist())]
+        own = [probs[j, y] if y >= 0 else torch.tensor(1.0, dtype=probs.dtype) for j, y in enumerate(samples.tolist())]
         bonus = [probs[gamma, resp.bonus]] if req.parents is None else []  # a tree's leaves hold theirs
         out["sample_logprobs"] = _logs(torch.stack([*own, *bonus]))
     if req.logprobs:
@@ -192,7 +194,7 @@ def _asked_logprobs(
 
 
 def _prompt_logprobs(
-    probs: torch.Tensor,  # [num_new − 1, V]: T(p_n) at the rows predicting tokens[1:]
+    probs: torch.Tensor,  # [num_new − 1, V]: T(p_n) at the rows predicting tokens[1:], normalised
     req: VerifyRequest,
 ) -> dict[str, Any]:
     following = torch.from_numpy(req.tokens[1:].astype(np.int64))

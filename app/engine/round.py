@@ -21,7 +21,7 @@ from core.math.aggregation import (
     reconstruct,
 )
 from core.math.random import Purpose, uniforms
-from core.math.sampling import Suppression
+from core.math.sampling import Suppression, normalised
 from core.math.tree import TokenTree
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
@@ -153,14 +153,16 @@ def lanes(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mixture(
     responses: list[VerifyResponse], vocab_size: int, weights: torch.Tensor, method: Reconstruction = Reconstruction.RENORMALIZE,
+    normalise: bool = True,
 ) -> torch.Tensor:
     """p̂ = Σ w_n p̂_n over the positions of the responses: ``[γ+1, V]`` float64 (``weights``:
-    ``[N]`` or per position, ``Round.weights``)."""
+    ``[N]`` or per position, ``Round.weights``). Whole rows are ``normalised`` (an fp32 row sums
+    to 1 ± 1e-6); greedy (``normalise=False``) compares them as sent, the same numbers in every mode."""
     dists = []
     for resp in responses:
         probs = torch.tensor(array(resp.probs), dtype=torch.float64)
         if resp.ids is None:
-            dists.append(probs)  # as sent: greedy compares the same numbers in every mode
+            dists.append(normalised(probs) if normalise else probs)
         else:
             ids = torch.from_numpy(np.array(resp.ids, dtype=np.int64))
             dists.append(reconstruct(ids, probs, vocab_size, method, torch.tensor(array(resp.tail_mass))))

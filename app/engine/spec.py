@@ -8,6 +8,7 @@ from app.targets.base import Traffic
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams
 from core.math.tree import SegmentSchedule, TreeShape
+from core.modes import Guarantee, Payload, guarantee
 from core.names import Mode, Reconstruction
 
 
@@ -48,9 +49,25 @@ class SpecOptions:
         return self.mode is Mode.EXACT or (self.mode is Mode.TREE and self.tree_payload is Mode.EXACT)
 
     @property
+    def payload(self) -> Payload:
+        """What the targets answer with for each row (``core.modes``)."""
+        if self.engine_targets:
+            return Payload.ENGINE
+        if self.mode is Mode.AUTOREGRESSIVE:
+            return Payload.SAMPLES
+        if self.sparse:
+            return Payload.SPARSE
+        return Payload.FULL if self.k is None else Payload.TOP_K
+
+    @property
+    def relaxed(self) -> bool:
+        return self.relaxation is not None and self.relaxation.tau_max > 0
+
+    @property
     def is_lossless(self) -> bool:
-        relaxed = self.relaxation is not None and self.relaxation.tau_max > 0
-        return not self.engine_targets and not relaxed and (self.mode is Mode.AUTOREGRESSIVE or self.sparse or self.k is None)
+        """What the response claims (usage ``speculative.lossless``): the table of ``core.modes``,
+        which tests/app/test_lossless_matrix.py proves cell by cell."""
+        return guarantee(self.payload, self.relaxed) is Guarantee.LOSSLESS
 
     @property
     def truncation(self) -> tuple[int, float]:

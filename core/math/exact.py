@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from core.math.aggregation import normalise_weights
-from core.math.random import sample_index
+from core.math.random import accepts, sample_index
 from core.math.speculative import Verdict, acceptance_probs, count_accepted
 
 
@@ -27,6 +27,16 @@ class ExactPosition:
     p: torch.Tensor  # [N, s]: p_n on S_j, per worker
     complement: torch.Tensor  # [N]: c_n = Σ_{x∉S_j} p_n(x), per worker
     samples: list[int]  # [N]: y_n ~ p_n(· | x ∉ S_j); −1 where c_n = 0
+
+
+def normalised_payload(
+    p: torch.Tensor,  # [N, s]: p_n on S as sent (fp32 values)
+    complement: torch.Tensor,  # [N]: c_n, the rest of the row summed
+) -> tuple[torch.Tensor, torch.Tensor]:  # [N, s], [N] float64: each worker's row summing to 1
+    """One row of ``exact``'s payload scaled so that each worker's p_n on S plus c_n is 1: the
+    fp32 row it came from sums to 1 ± 1e-6 (``core.math.sampling.normalised``)."""
+    total = p.double().sum(dim=-1) + complement.double()
+    return p.double() / total[:, None], complement.double() / total
 
 
 def extended_residual(
@@ -77,7 +87,7 @@ def verify_exact(
         accepted = count_accepted(p_draft, q_draft, accept_u)
     else:  # accept with τ + (1 − τ)·min(1, p/q): the law becomes τ q̂ + (1 − τ) p
         probs = taus.double() + (1 - taus.double()) * acceptance_probs(p_draft, q_draft)
-        accepted = next((j for j in range(len(positions)) if not accept_u[j] < probs[j]), len(positions))
+        accepted = next((j for j in range(len(positions)) if not accepts(float(accept_u[j]), float(probs[j]))), len(positions))
     if accepted < len(positions):
         pos = positions[accepted]
         extended = extended_residual(p_mix[accepted], pos.q, pos.complement, at[accepted])

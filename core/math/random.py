@@ -65,6 +65,15 @@ def philox4x32(counter: tuple[int, int, int, int], key: tuple[int, int], rounds:
     return c0, c1, c2, c3
 
 
+def accepts(
+    u: float,  # U[0, 1)
+    probability: float,  # of a yes
+) -> bool:
+    """A yes/no draw: ``u < probability`` (an accept test). With ``sample_index`` and
+    ``sample_rows``, the only places a uniform is consumed (tests enumerate every draw there)."""
+    return u < probability
+
+
 def sample_index(
     probs: torch.Tensor,  # [V], ≥ 0, need not be normalised
     u: float,  # U[0, 1)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.math.random import sample_index
+from core.math.random import accepts, sample_index
 from core.math.speculative import Verdict, argmax_lowest, beta, residual
 
 
@@ -110,7 +110,7 @@ def verify_relaxed(
     index = torch.tensor(draft, dtype=torch.long)[:, None]
     probs = relaxed_acceptance_probs(p[:gamma].gather(-1, index)[:, 0], q.gather(-1, index)[:, 0], taus)
     for j in range(gamma):
-        if not accept_u[j] < probs[j]:
+        if not accepts(float(accept_u[j]), float(probs[j])):
             return Verdict(j, sample_index(residual(p[j], q[j]), float(final_u[j])), is_bonus=False)
     return Verdict(gamma, sample_index(p[gamma], float(final_u[gamma])), is_bonus=True)
 

@@ -51,6 +51,17 @@ def apply_sampling(
     return torch.softmax(logits, dim=-1)
 
 
+def normalised(
+    probs: torch.Tensor,  # [..., V] ≥ 0: a distribution's rows as a model computed them (fp32)
+) -> torch.Tensor:  # [..., V] float64, each row summing to 1 to float64 rounding
+    """fp32 rows of V entries sum to 1 ± V·2⁻²⁴ (6e-8 at V = 3, up to 1e-6 at V = 49,152), and
+    speculative sampling turns a row that does not sum to 1 into an output off the row's own law
+    by as much: sampling renormalises, min(1, p/q) does not. Every row that feeds the accept
+    test, the residual or a draw at T > 0 goes through here first."""
+    p = probs.double()
+    return p / p.sum(dim=-1, keepdim=True).clamp(min=1e-300)
+
+
 def mask_top_k(
     logits: torch.Tensor,  # [num_positions, V]
     k: int,
@@ -137,22 +148,23 @@ class Suppression:
 def suppress(
     logits: torch.Tensor,  # [m, V]: the rows' logits
     probs: torch.Tensor,  # [m, V]: T(p) of them
-    rows: int,  # the first ``rows`` rows are suppressed
+    rows: torch.Tensor,  # [m] bool: the rows suppressed (a chain's first ones; a tree's by depth)
     ids: torch.Tensor,  # [e] long: the ids they cannot emit
     params: SamplingParams,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [m, V] fp32, [m] float64
-    """T(p) with ``ids`` removed and renormalised on the first ``rows`` rows, and κ per row: the
+    """T(p) with ``ids`` removed and renormalised on the ``rows`` chosen, and κ per row: the
     mass T(p) kept off ``ids`` (1 on the rows left alone). The mixture of several workers is then
     Σ w_n κ_n p'_n / Σ w_n κ_n (``core.math.aggregation.kept_weights``). A row that keeps nothing
     (top_k 1 on an EOS) takes T of the logits with ``ids`` masked first, as vLLM does, with κ = 0."""
     kept = torch.ones(probs.shape[0], dtype=torch.float64)
-    if rows <= 0 or ids.numel() == 0:
+    chosen = rows.nonzero()[:, 0]
+    if not len(chosen) or ids.numel() == 0:
         return probs, kept
-    head = probs[:rows].double().index_fill(-1, ids, 0.0)
-    kept[:rows] = head.sum(dim=-1)
+    head = probs[chosen].double().index_fill(-1, ids, 0.0)
+    kept[chosen] = head.sum(dim=-1)
     out = probs.clone()
-    out[:rows] = (head / kept[:rows, None].clamp(min=1e-300)).float()
-    empty = (kept[:rows] <= 0).nonzero()[:, 0]
+    out[chosen] = (head / kept[chosen, None].clamp(min=1e-300)).float()
+    empty = chosen[kept[chosen] <= 0]
     if len(empty):
         out[empty] = apply_sampling(mask_ids(logits[empty], ids), params)
         kept[empty] = 0.0

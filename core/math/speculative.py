@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.math.random import sample_index
+from core.math.random import accepts, sample_index
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def count_accepted(
     """Draft tokens kept: x_j is accepted while r_j < min(1, p_j(x_j) / q̂_j(x_j))."""
     probs = acceptance_probs(p_draft, q_draft)
     for j in range(len(probs)):
-        if not accept_u[j] < probs[j]:
+        if not accepts(float(accept_u[j]), float(probs[j])):
             return j
     return len(probs)
 

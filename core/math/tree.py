@@ -38,7 +38,7 @@ from enum import StrEnum
 import torch
 
 from core.math.aggregation import normalise_weights
-from core.math.random import sample_index
+from core.math.random import accepts, sample_index
 from core.math.speculative import acceptance_probs, argmax_lowest, residual
 
 
@@ -172,6 +172,13 @@ class TokenTree:
     @cached_property
     def is_chain(self) -> bool:
         return self._parent_list == list(range(-1, len(self) - 1))
+
+    @property
+    def is_sampled_chain(self) -> bool:
+        """A chain each of whose tokens was drawn from q̂ (or greedy): what the chain verifiers
+        (``verify_sampled``, ``verify_exact``, DSD's relaxed test) assume. A chain of fixed
+        (top-1) children is not: it needs the walk's fixed rule (DESIGN §3.6)."""
+        return self.is_chain and self.rule is not ChildRule.FIXED
 
     @cached_property
     def _parent_list(self) -> list[int]:
@@ -370,7 +377,7 @@ def try_children(
     """The rank of the accepted candidate (None if all are rejected) and p' at that point."""
     p_now, q_now = p.double(), q.double()
     for rank, token in enumerate(candidates):
-        if float(accept_u[rank]) < accept_probability(p_now, q_now, token, rule):
+        if accepts(float(accept_u[rank]), accept_probability(p_now, q_now, token, rule)):
             return rank, p_now
         p_now, q_now = after_rejection(p_now, q_now, token, rule)
     return None, p_now
@@ -478,16 +485,17 @@ def extended_node(
 def verify_tree_exact(
     rows: list[SparseNode],  # [n+1]: the root's row, then each node's
     tree: TokenTree,
-    weights: torch.Tensor,  # [N]
+    weights: torch.Tensor,  # [N]; or [n+1, N] per row (min_tokens: kept_weights)
     accept_u: torch.Tensor,  # [D, W]
     final_u: torch.Tensor,  # [D+1]
 ) -> TreeVerdict:
     """The walk of ``verify_tree`` on the sparse payload: the same rule, the same draws."""
-    w = normalise_weights(weights)
+    normalised = normalise_weights(weights)
     node, path = -1, list[int]()
     while True:
         row, children = rows[node + 1], tree.children(node)
         u = float(final_u[len(path)])
+        w = normalised if normalised.dim() == 1 else normalised[node + 1]
         if not children:
             return TreeVerdict(path, row.samples[sample_index(w, u)], is_bonus=True)
         p, q = extended_node(row, *tree.support(node), w)

@@ -9,7 +9,9 @@ fields only those that differ from their defaults (a decoder fills in the rest, 
 decoder does: a 4-byte answer travels with a ~70-byte header, not ~130);
 the arrays follow in that order, C-contiguous, with no padding. dtypes: ``u16``/``u32`` for
 token ids (u16 when the vocabulary fits, DESIGN §4), ``i32``, ``f16``/``f32`` for
-probabilities (``f32`` wherever a mode claims to be exact).
+probabilities (``f32`` wherever a mode claims to be exact), ``f64`` for the few scalars an exact
+mode computes in float64 and needs back to the last bit (split's q̂_j(x_j), exact's complement
+mass, min_tokens' kept mass): rounded to f32 they would move the output off the target by ~1e-8.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _DTYPES: dict[str, np.dtype] = {
     "i32": np.dtype("<i4"),
     "f16": np.dtype("<f2"),
     "f32": np.dtype("<f4"),
+    "f64": np.dtype("<f8"),
 }
 _MAX_HEADER_BYTES = 64 * 1024
 _MAX_NDIM = 2
@@ -209,7 +212,7 @@ def _read_array(body: bytes, offset: int, spec: Any) -> tuple[str, np.ndarray, i
 
 
 def _array_from_json(name: str, value: Any, kind: str) -> np.ndarray:
-    dtype = np.int64 if kind == "ids" else np.float32
+    dtype = np.int64 if kind == "ids" else np.float64 if kind == "f64" else np.float32
     try:
         arr = np.asarray(value, dtype=dtype)
     except (TypeError, ValueError, OverflowError) as exc:

@@ -71,7 +71,7 @@ class VerifyRequest(Message):
     """
 
     ARRAYS: ClassVar[dict[str, str]] = {
-        "tokens": "ids", "draft": "ids", "draft_probs": "f32", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids",
+        "tokens": "ids", "draft": "ids", "draft_probs": "f64", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids",
         "suppress_ids": "ids", "parents": "i32", "path": "i32",
     }
     EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "suppress_until"})
@@ -92,7 +92,7 @@ class VerifyRequest(Message):
     choice: int = 0  # the choice index (of n) this session generates
     worker: int = 0  # this worker's index in the gateway's federation
     return_probs: bool = True  # autoregressive at T > 0: also send the distribution
-    draft_probs: np.ndarray | None = None  # [γ] f32, split: q̂_j(x_j) of each draft token
+    draft_probs: np.ndarray | None = None  # [γ] f64, split: q̂_j(x_j) of each draft token
     support_ids: np.ndarray | None = None  # [Σ_j s_j] int, exact: S_j of every draft position, concatenated
     support_sizes: np.ndarray | None = None  # [γ] i32, exact: s_j = |S_j|
     logprobs: int | None = None  # None: none; n ≥ 0: log T(p_n) of what only the worker knows (its samples; split: the draft tokens) and its top-n per scored position
@@ -130,10 +130,10 @@ class VerifyResponse(Message):
 
     ARRAYS: ClassVar[dict[str, str]] = {
         "ids": "ids", "probs": "probs", "tail_mass": "f32", "recon_error": "f32", "samples": "i32",
-        "support_probs": "f32", "complement": "f32", "complement_samples": "i32",
+        "support_probs": "f32", "complement": "f64", "complement_samples": "i32",
         "draft_logprobs": "f32", "sample_logprobs": "f32", "top_ids": "ids", "top_logprobs": "f32",
         "prompt_logprobs": "f32", "prompt_top_ids": "ids", "prompt_top_logprobs": "f32", "score_logprobs": "f32",
-        "kept_mass": "f32",
+        "kept_mass": "f64",
     }
 
     held: int  # tokens the worker holds after the call: prefix_len + num_new + γ
@@ -145,7 +145,7 @@ class VerifyResponse(Message):
     num_accepted: int = -1  # split: draft tokens the worker accepted; -1 in other modes
     bonus: int = -1  # split: the bonus token when all were accepted; exact: z_n ~ p_n at slot γ
     support_probs: np.ndarray | None = None  # [Σ_j s_j] f32, exact: p_n on each S_j, as sent
-    complement: np.ndarray | None = None  # [γ] f32, exact: c_n = Σ_{x∉S_j} p_n(x), summed directly
+    complement: np.ndarray | None = None  # [γ] f64, exact: c_n = Σ_{x∉S_j} p_n(x), summed directly
     complement_samples: np.ndarray | None = None  # [γ] i32, exact: y_n ~ p_n(· | x ∉ S_j); −1 if c_n = 0
     probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of ``probs``
     model_ms: float = 0.0  # milliseconds the worker spent in its model for this call (the scheduler step's forward)
@@ -160,7 +160,7 @@ class VerifyResponse(Message):
     prompt_top_logprobs: np.ndarray | None = None  # [num_new − 1, n] f32
     score_logprobs: np.ndarray | None = None  # [m] f32, score_ids: of each asked id at the scored position
     # only when the request has ``suppress_ids``:
-    kept_mass: np.ndarray | None = None  # [γ+1] f32 (score_ids: [1]): κ_n, the mass T(p_n) kept off them (1 where not suppressed)
+    kept_mass: np.ndarray | None = None  # [γ+1] f64 (score_ids: [1]): κ_n, the mass T(p_n) kept off them (1 where not suppressed)
 
     def array_dtype(self, name: str, vocab_size: int) -> str:
         if name == "probs":

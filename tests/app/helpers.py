@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -10,10 +11,19 @@ from typing import Any
 
 import httpx
 import orjson
+import pytest
 import uvicorn
 
 from clients.procs import free_port
 from core.config import SpecgateConfig, parse_config
+
+
+# Statistical sweeps whose property a cheaper test proves in the default run — the exact law of
+# every cell through the same engine, tests/app/test_lossless_matrix.py — run with the real
+# random streams when SPECGATE_FULL_STATISTICS=1 is set.
+FULL_STATISTICS = pytest.mark.skipif(
+    not os.environ.get("SPECGATE_FULL_STATISTICS"), reason="proven exactly by tests/app/test_lossless_matrix.py; set SPECGATE_FULL_STATISTICS=1",
+)
 
 
 def gateway_config(**overrides: Any) -> SpecgateConfig:

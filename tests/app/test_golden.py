@@ -1,7 +1,8 @@
 """Golden outputs of the engine on the Markov fakes: every mode × T ∈ {0, 1} × overlap off/on
 (and the options that change what a round sends: top-k, draft truncation, relaxation, logprobs,
 min_tokens, ignore_eos), seeded, recorded before the core is reshaped (issue 15). A refactor
-must keep every token, every round's (drafted, accepted) and every logprob **bit for bit**.
+must keep every token and every round's (drafted, accepted) **bit for bit**, and every logprob
+to 1e-4 (``tests.matching``: fp32 kernels differ between CPUs in the last bits).
 
 Re-record only for a deliberate change of numbers, saying why in the commit:
 ``SPECGATE_RECORD_GOLDEN=1 python -m pytest tests/app/test_golden.py``.
@@ -22,6 +23,7 @@ from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams
 from core.names import Mode, Reconstruction
 from tests.app.fakes import MarkovRunner, make_engine, random_table
+from tests.matching import matches
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "markov.json"
 RECORD = os.environ.get("SPECGATE_RECORD_GOLDEN") == "1"
@@ -138,4 +140,5 @@ def test_every_case_is_recorded(golden: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("name", CASES)
 def test_seeded_output_is_unchanged(golden: dict[str, Any], name: str) -> None:
-    assert _outputs(name) == golden[name]
+    actual = _outputs(name)
+    assert matches(actual, golden[name]), f"{actual} != {golden[name]}"

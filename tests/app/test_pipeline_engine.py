@@ -3,7 +3,9 @@ code over Markov fakes split into stages (DESIGN §3.7): the first two emitted t
 target (lossless) while segments are in flight, pruned and expanded; a walk that draws the
 recovered token from p instead of p' (the rejected children not zeroed) is rejected by the same
 test; greedy follows the target's argmax; a stage that loses the session makes it start again
-with the same output; the stages free the session at the end."""
+with the same output; the stages free the session at the end. The chi-square and its negative
+control run with SPECGATE_FULL_STATISTICS=1: the default run proves the same law exactly
+(tests/app/test_lossless_matrix.py, with the same negative control)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from core.math.sampling import SamplingParams
 from core.math.tree import ChildRule, SegmentSchedule, TreeShape
 from core.names import Mode, Reconstruction
 from tests.app.fakes import FakePipeline, pipeline_engine, split_pipeline
+from tests.app.helpers import FULL_STATISTICS
 from tests.app.test_engine import DRAFT, PROMPT, TARGETS, V, _target_joint, pooled_chisquare
 
 SAMPLES = 20_000
@@ -75,11 +78,13 @@ def _pooled(function: object, num: int) -> torch.Tensor:
         return sum(pool.map(function, [range(num // 2), range(num // 2, num)]), torch.zeros(V, V))  # type: ignore[arg-type]
 
 
+@FULL_STATISTICS
 def test_first_two_tokens_follow_the_target() -> None:
     counts = _pooled(_first_two, SAMPLES)
     assert pooled_chisquare(counts.flatten(), _target_joint([(TARGET, 1.0)]).flatten() * SAMPLES) > SIGNIFICANCE
 
 
+@FULL_STATISTICS
 def test_negative_control_residual_without_zeroing_is_rejected() -> None:
     num = SAMPLES // 4
     counts = _pooled(_without_zeroing, num)

@@ -168,6 +168,15 @@ async def test_bad_requests_get_the_envelope(client: httpx.AsyncClient, body: di
     assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200  # still serving
 
 
+@pytest.mark.parametrize("temperature, rule", [(1.0, "sampled_distinct"), (0.0, "fixed")])
+async def test_a_tree_that_names_only_its_payload_takes_the_default_shape(client: httpx.AsyncClient, temperature: float, rule: str) -> None:
+    """``{"tree": {"payload": "exact"}}`` names no shape: the default by temperature (issue 32:
+    it used to pick the fixed EAGLE-2 tree at T > 0 too, which the docs do not say)."""
+    body = {**CHAT, "temperature": temperature, "speculative": {"mode": "tree", "tree": {"payload": "exact"}}}
+    spec = (await client.post("/v1/chat/completions", json=body)).json()["usage"]["speculative"]
+    assert spec["tree"]["rule"] == rule and spec["tree"]["payload"] == "exact" and spec["lossless"] is True
+
+
 async def test_malformed_json_and_what_chat_uis_send(client: httpx.AsyncClient) -> None:
     resp = await client.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     assert_error(resp, 400, contains="malformed JSON")

@@ -1,13 +1,13 @@
 """Mode ``tree`` through the real engine, draft and worker code over Markov fakes (DESIGN §3.6):
 the first two emitted tokens follow the target for each child rule, with one and three weighted
 workers; TSLT's Algorithm 5 applied to fixed children is rejected by the same test; greedy
-follows the mixture's argmax."""
+follows the mixture's argmax. The chi-squares run with SPECGATE_FULL_STATISTICS=1: the default
+run proves the same law exactly, cell by cell (tests/app/test_lossless_matrix.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import os
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 
@@ -20,6 +20,7 @@ from core.math.sampling import SamplingParams
 from core.math.tree import ChildRule, TreeShape
 from core.names import Mode, Reconstruction
 from tests.app.fakes import MarkovRunner, make_engine
+from tests.app.helpers import FULL_STATISTICS
 from tests.app.test_engine import DRAFT, PROMPT, TARGETS, V, WEIGHTS_3, _target_joint, pooled_chisquare
 
 SAMPLES = 20_000
@@ -77,17 +78,14 @@ def processes() -> Iterator[Executor]:
         yield pool
 
 
-# Every shape through three weighted workers, and exact's payload with the default tree at T > 0
-# (children without replacement). One worker (w = (1)) differs only in the walk's arithmetic,
-# proven by the closed form and the walk's chi-square (tests/core/math/test_tree_exact.py): those
-# runs cost the suite a minute, so they run when SPECGATE_FULL_STATISTICS=1 is set.
-FULL_ONLY = pytest.mark.skipif(not os.environ.get("SPECGATE_FULL_STATISTICS"), reason="one worker: set SPECGATE_FULL_STATISTICS=1")
-RUNS = [
-    pytest.param(shape, workers, "aggregate k: full", marks=[FULL_ONLY] if workers == "1 worker" else [])
-    for shape in SHAPES for workers in WORKERS
-] + [("sampled without replacement ⟨3,2⟩", "3 weighted workers", "exact, draft top-3")]
+# Every shape through one and three weighted workers, and exact's payload with the default tree
+# at T > 0 (children without replacement): the real random streams, with
+# SPECGATE_FULL_STATISTICS=1. The default run proves every rule, shape and payload exactly
+# (tests/app/test_lossless_matrix.py) and runs fixed chains this way (tests/app/test_fixed_chains.py).
+RUNS = [(shape, workers, "aggregate k: full") for shape in SHAPES for workers in WORKERS] + [("sampled without replacement ⟨3,2⟩", "3 weighted workers", "exact, draft top-3")]
 
 
+@FULL_STATISTICS
 @pytest.mark.parametrize("shape, workers, payload", RUNS)
 def test_first_two_tokens_follow_the_target(shape: str, workers: str, payload: str, processes: Executor) -> None:
     half = SAMPLES // 2
@@ -104,6 +102,7 @@ def _algorithm_5_counts(seeds: range) -> torch.Tensor:
     return _first_two(make_engine(DRAFT, WORKERS["1 worker"]), SHAPES["fixed (EAGLE-2, 5 nodes)"], seeds)
 
 
+@FULL_STATISTICS
 def test_negative_control_algorithm_5_on_fixed_children_is_rejected() -> None:
     """Fixed children verified with the sampled rule are biased: rejected. (Fresh processes: the
     break dies with them.)"""

@@ -16,6 +16,7 @@ from app.engine.spec import RoundResult
 from app.engine.strategies.base import Strategy
 from core.math.aggregation import bias_bound
 from core.math.relaxed import relaxation_factors, relaxed_distance, verify_relaxed
+from core.math.sampling import normalised
 from core.math.tree import verify_tree, verify_tree_greedy
 from core.names import Mode
 
@@ -29,10 +30,10 @@ class AggregateStrategy(Strategy):
     async def verify(self, rnd: Round) -> RoundResult:
         req, spec = rnd.req, rnd.req.spec
         responses = await rnd.call(mode=Mode.AGGREGATE.value, k=spec.k, reconstruction=spec.reconstruction.value)
-        target = mixture(responses, rnd.vocab_size, rnd.weights, spec.reconstruction)
+        target = mixture(responses, rnd.vocab_size, rnd.weights, spec.reconstruction, normalise=not req.params.is_greedy)
         tree = rnd.draft
-        relaxed = spec.relaxation is not None and spec.relaxation.tau_max > 0 and not req.params.is_greedy and len(tree)
-        if relaxed:  # DSD's relaxed test is for chains: it needs the dense q̂ rows
+        relaxed = spec.relaxed and not req.params.is_greedy and len(tree) > 0 and tree.is_sampled_chain
+        if relaxed:  # DSD's relaxed test is for sampled chains: it needs the dense q̂ rows
             assert spec.relaxation is not None
             q = tree.q_rows(rnd.vocab_size)
             taus = relaxation_factors(target, q, spec.relaxation)
@@ -44,7 +45,7 @@ class AggregateStrategy(Strategy):
             tokens, accepted = verdict.output(tree), verdict.num_accepted
             rows = [0, *(node + 1 for node in verdict.path)]  # the root's row, then each accepted node's
         used = len(tokens)
-        logprobs = token_logprobs(target[rows], tokens, req.top_logprobs) if req.top_logprobs is not None else None
+        logprobs = token_logprobs(normalised(target[rows]), tokens, req.top_logprobs) if req.top_logprobs is not None else None
         result = RoundResult(tokens, drafted=len(tree), accepted=accepted, traffic=rnd.traffic, logprobs=logprobs)
         if not relaxed and not tree.is_chain:
             result.path = list(verdict.path)

@@ -10,6 +10,7 @@ from app.engine.strategies.base import Strategy
 from core.math.aggregation import bias_bound, normalise_weights
 from core.math.greedy import certify_argmax
 from core.math.random import Purpose, sample_index, uniform
+from core.math.sampling import normalised
 from core.math.speculative import argmax_lowest
 from core.names import Mode
 
@@ -32,7 +33,7 @@ class AutoregressiveStrategy(Strategy):
             chosen = sample_index(normalise_weights(weights_at(rnd.weights, 0)), u)
             token = int(array(responses[chosen].samples)[0])
             target = mixture(responses, rnd.vocab_size, rnd.weights) if want_logprobs else None
-        logprobs = token_logprobs(target, [token], req.top_logprobs) if target is not None else None
+        logprobs = token_logprobs(normalised(target[:1]), [token], req.top_logprobs) if target is not None else None
         result = RoundResult([token], drafted=0, accepted=0, traffic=rnd.traffic, logprobs=logprobs)
         if not req.spec.is_lossless:  # engine targets: z_n came from a top-k of p_n
             sigma = torch.tensor([[float(array(r.tail_mass)[0]) if r.tail_mass is not None else 0.0] for r in rnd.responses])
@@ -45,7 +46,7 @@ class AutoregressiveStrategy(Strategy):
         while True:
             responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, k=k)
             if k is None:
-                target = mixture(responses, rnd.vocab_size, rnd.weights)
+                target = mixture(responses, rnd.vocab_size, rnd.weights, normalise=False)
                 return argmax_lowest(target[:1])[0], target
             if single:  # its top-1, ties to the lowest id, is the argmax
                 return int(array(responses[0].ids)[0, 0]), None

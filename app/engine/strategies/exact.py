@@ -10,7 +10,7 @@ from app.engine.spec import RoundResult
 from app.engine.strategies.base import Strategy
 from app.engine.strategies.greedy import certified_greedy
 from core.math.aggregation import mixed_probability, normalise_weights
-from core.math.exact import ExactPosition, verify_exact
+from core.math.exact import ExactPosition, normalised_payload, verify_exact
 from core.math.random import Purpose, uniform
 from core.math.relaxed import relaxation_factor_on_support, relaxed_distance
 from core.math.speculative import Verdict
@@ -21,13 +21,15 @@ from core.protocol import VerifyResponse
 
 class ExactStrategy(Strategy):
     """Lossless federated verification with sparse payloads (DESIGN §3.5): each worker sends
-    p_n on the draft supports, the mass off them, one sample from off them, one bonus sample."""
+    p_n on the draft supports, the mass off them, one sample from off them, one bonus sample.
+    A chain drawn from q̂ is verified by ``verify_exact``; a tree, or a chain of fixed (top-1)
+    children, by the tree walk, whose rule is the children's (DESIGN §3.6)."""
 
     async def verify(self, rnd: Round) -> RoundResult:
         if rnd.req.params.is_greedy:
             return await certified_greedy(rnd)
-        if not rnd.draft.is_chain:
-            return await exact_tree(rnd)
+        if not rnd.draft.is_sampled_chain:
+            return await exact_walk(rnd)
         req, draft = rnd.req, rnd.draft
         supports = [draft.support(j - 1)[0] for j in range(len(draft))]  # S_j, ascending ids
         ids = torch.cat(supports).numpy() if supports else np.zeros(0, np.int64)
@@ -71,43 +73,48 @@ async def exact_final_logprob(rnd: Round, positions: list[ExactPosition], verdic
     return await rnd.score(len(rnd.sequence) + a, token)
 
 
-def exact_positions(responses: list[VerifyResponse], supports: list[torch.Tensor], draft: TokenTree) -> list[ExactPosition]:
+def sparse_rows(responses: list[VerifyResponse], supports: list[torch.Tensor]) -> list[SparseNode]:
+    """Each row of the workers' answers (one per support sent): p_n on S, the mass off it and
+    the samples from off it, each worker's row scaled to sum to 1 (``normalised_payload``)."""
     bounds = np.cumsum([0] + [len(s) for s in supports])
-    positions = []
+    rows = []
     for j, support in enumerate(supports):
         p = torch.stack([torch.tensor(array(r.support_probs)[bounds[j] : bounds[j + 1]], dtype=torch.float64) for r in responses])
         complement = torch.tensor([float(array(r.complement)[j]) for r in responses], dtype=torch.float64)
-        samples = [int(array(r.complement_samples)[j]) for r in responses]
-        positions.append(ExactPosition(support, draft.support(j - 1)[1].double(), p, complement, samples))
-    return positions
+        rows.append(SparseNode(support, *normalised_payload(p, complement), [int(array(r.complement_samples)[j]) for r in responses]))
+    return rows
 
 
-async def exact_tree(rnd: Round) -> RoundResult:
-    """A tree on exact's payload (DESIGN §3.5, §3.6): every row (the root, each node) answers on
-    S_v — q̂'s support there and the children, empty at a leaf — with the mass off it and a
-    sample from off it; the walk runs on that extended support (``core.math.tree``)."""
+def exact_positions(responses: list[VerifyResponse], supports: list[torch.Tensor], draft: TokenTree) -> list[ExactPosition]:
+    return [
+        ExactPosition(row.support, draft.support(j - 1)[1].double(), row.p, row.complement, row.samples)
+        for j, row in enumerate(sparse_rows(responses, supports))
+    ]
+
+
+async def exact_walk(rnd: Round) -> RoundResult:
+    """A tree — or a chain of fixed children — on exact's payload (DESIGN §3.5, §3.6): every row
+    (the root, each node) answers on S_v — q̂'s support there and the children, empty at a
+    leaf — with the mass off it and a sample from off it; the walk runs on that extended
+    support by the rule of the children (``core.math.tree``). A chain travels as a chain: its
+    rows are its positions, and its leaf's sample is each worker's bonus sample."""
     req, tree = rnd.req, rnd.draft
     supports = node_supports(tree)
+    sent = supports[:-1] if tree.is_chain else supports
     responses = await rnd.call(
-        mode=Mode.EXACT.value, support_ids=torch.cat(supports).numpy(), support_sizes=np.array([len(s) for s in supports], dtype=np.int32),
-        logprobs=req.top_logprobs,
+        mode=Mode.EXACT.value, support_ids=torch.cat(sent).numpy() if sent else np.zeros(0, np.int64),
+        support_sizes=np.array([len(s) for s in sent], dtype=np.int32), logprobs=req.top_logprobs,
     )
-    bounds = np.cumsum([0] + [len(s) for s in supports])
-    rows = [
-        SparseNode(
-            support,
-            torch.stack([torch.tensor(array(r.support_probs)[bounds[j] : bounds[j + 1]], dtype=torch.float64) for r in responses]),
-            torch.tensor([float(array(r.complement)[j]) for r in responses], dtype=torch.float64),
-            [int(array(r.complement_samples)[j]) for r in responses],
-        )
-        for j, support in enumerate(supports)
-    ]
+    rows = sparse_rows(responses, sent)
+    if tree.is_chain:  # the leaf: nothing on its (empty) support, each worker's z_n ~ p_n
+        n = len(responses)
+        rows.append(SparseNode(supports[-1], torch.zeros(n, 0, dtype=torch.float64), torch.ones(n, dtype=torch.float64), [r.bonus for r in responses]))
     verdict = verify_tree_exact(rows, tree, rnd.weights, *lanes(rnd))
     tokens = verdict.output(tree)
-    result = RoundResult(tokens, drafted=len(tree), accepted=verdict.num_accepted, traffic=rnd.traffic, path=list(verdict.path))
+    result = RoundResult(tokens, drafted=len(tree), accepted=verdict.num_accepted, traffic=rnd.traffic, path=None if tree.is_chain else list(verdict.path))
     if req.top_logprobs is not None:
         path_rows = [0, *(node + 1 for node in verdict.path)]  # the row each emitted token was decided at
-        values = [_on_support(rows[row], token, rnd.weights) for row, token in zip(path_rows, tokens)]
+        values = [_on_support(rows[row], token, weights_at(rnd.weights, row)) for row, token in zip(path_rows, tokens)]
         accepted = [v for v in values[:-1] if v is not None]
         assert len(accepted) == verdict.num_accepted  # an accepted node lies on its parent's support
         last = values[-1]

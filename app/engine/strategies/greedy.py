@@ -8,6 +8,7 @@ import torch
 from app.engine.round import Round, array, mixture, row_ids, token_logprobs, weights_at
 from app.engine.spec import RoundResult
 from core.math.greedy import certify_argmax
+from core.math.sampling import normalised
 from core.math.tree import TokenTree, verify_tree_greedy
 from core.names import Mode
 
@@ -20,10 +21,10 @@ async def certified_greedy(rnd: Round) -> RoundResult:
     workers send whole distributions (the payload grows only then)."""
     draft = rnd.draft
     if rnd.req.top_logprobs is not None:
-        target = mixture(await rnd.call(mode=Mode.EXACT.value, k=None), rnd.vocab_size, rnd.weights)
+        target = mixture(await rnd.call(mode=Mode.EXACT.value, k=None), rnd.vocab_size, rnd.weights, normalise=False)
         verdict = verify_tree_greedy(target, draft)
         tokens = verdict.output(draft)
-        logprobs = token_logprobs(target[[0, *(node + 1 for node in verdict.path)]], tokens, rnd.req.top_logprobs)
+        logprobs = token_logprobs(normalised(target[[0, *(node + 1 for node in verdict.path)]]), tokens, rnd.req.top_logprobs)
         return RoundResult(tokens, drafted=len(draft), accepted=verdict.num_accepted, traffic=rnd.traffic, logprobs=logprobs, path=_kept(draft, verdict.path))
     k: int | None = min(CERTIFY_K, rnd.vocab_size)
     while True:

@@ -47,6 +47,7 @@ from app.engine.strategies.base import Strategy
 from app.targets.base import Traffic, WorkerError
 from app.targets.pipeline import PipelineTarget, Segment, StageDown, StageShort
 from core.math.random import Purpose, sample_index, uniform
+from core.math.sampling import normalised
 from core.math.speculative import argmax_lowest
 from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape, try_children
 from core.protocol import StageResponse
@@ -340,6 +341,8 @@ class PipelineRun:
         if resp.ids is not None:  # top-k rows (greedy): the rest of each row is 0
             ids = torch.from_numpy(np.asarray(resp.ids, dtype=np.int64))
             probs = torch.zeros(len(ids), self.vocab_size, dtype=torch.float64).scatter_(1, ids, probs)
+        elif not self.req.params.is_greedy:
+            probs = normalised(probs)  # an fp32 row sums to 1 ± 1e-6 (core.math.sampling)
         for key, row in zip(scored, probs):
             self.dist.setdefault(key, row)
 

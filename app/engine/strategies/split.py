@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from app.engine.round import Round, array, mixture, worker_logprobs
@@ -20,7 +19,7 @@ class SplitStrategy(Strategy):
     async def verify(self, rnd: Round) -> RoundResult:
         req, spec, draft = rnd.req, rnd.req.spec, rnd.draft
         gamma = len(draft)
-        q_draft = draft.q_values().numpy().astype(np.float32)
+        q_draft = draft.q_values().double().numpy()  # f64: the worker tests with the very q̂ the residual uses
         resp = (await rnd.call(mode=Mode.SPLIT.value, k=spec.k, draft_probs=q_draft, logprobs=req.top_logprobs))[0]
         accepted, result_bound = resp.num_accepted, []
         if accepted == gamma or req.params.is_greedy:

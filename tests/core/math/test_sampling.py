@@ -93,7 +93,7 @@ def test_suppression_reweighs_the_mixture_to_the_target_without_eos(params: Samp
     logits[0, :, 4] += 4.0  # worker 0 puts most of its mass on EOS
     eos, w = torch.tensor([4, 7]), torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     probs = torch.stack([apply_sampling(lg, params) for lg in logits])
-    suppressed = [suppress(lg, p, 1, eos, params) for lg, p in zip(logits, probs)]
+    suppressed = [suppress(lg, p, torch.tensor([True, False]), eos, params) for lg, p in zip(logits, probs)]
     kept = torch.stack([k for _, k in suppressed])  # [N, rows]
     mixed = aggregate(torch.stack([p for p, _ in suppressed]), kept_weights(w, kept))
     target = aggregate(probs, w)
@@ -108,7 +108,7 @@ def test_a_row_that_keeps_nothing_takes_vllms_order() -> None:
     the fallback; κ = 0 there, and kept_weights keeps w where every worker kept nothing."""
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
     params = SamplingParams(temperature=1.0, top_k=1)
-    probs, kept = suppress(logits, apply_sampling(logits, params), 1, torch.tensor([1]), params)
+    probs, kept = suppress(logits, apply_sampling(logits, params), torch.tensor([True]), torch.tensor([1]), params)
     assert float(kept[0]) == 0.0 and torch.equal(probs[0], torch.tensor([0.0, 0.0, 0.0, 1.0]))
     w = torch.tensor([2.0, 1.0], dtype=torch.float64)
     assert torch.allclose(kept_weights(w, torch.zeros(2, 1, dtype=torch.float64))[0], w / 3)

@@ -1,0 +1,515 @@
+"""The lossless matrix: every configuration the API accepts, generated from the code's own
+registries, each checked by the exact law of its output through the real engine.
+
+Cells come from ``core.modes`` (the served modes, the fields each takes, the payloads each may
+answer with), ``ChildRule``, ``Reconstruction`` and the tree payloads: mode × payload × child
+rule × shape (the degenerate ones included: one node, top-1, widths ⟨1⟩ and ⟨1,1⟩, depth 1,
+EAGLE-2 trees that prune to chains) × workers (one; two with unequal weights) × sampling
+(T = 0, T = 1, with top-k, with top-p) × DSD overlap; then each further option a mode takes
+(draft truncation, reconstruction, relaxation, ``min_tokens``) crossed with every mode,
+payload, worker set and sampling. A field, mode, payload or rule the generator does not know
+fails ``test_the_matrix_covers_every_registry``, so a new one cannot go untested.
+
+Each cell runs the real DraftModel, engine, strategy and worker scoring over Markov fakes
+(V = 3, EOS among the tokens) with every random draw enumerated (``tests.draws``): the law
+of the first round's tokens (two rounds with overlap, the first tree's walk in a pipeline) is
+exact, completed by the target's own conditionals after it — what the next rounds emit if they
+are lossless, by induction. A cell that the response calls lossless (``core.modes.guarantee``,
+the table the usage block's ``lossless`` reads) must give the target's law to 1e-9; a lossy
+one must report a bound at the first position no smaller than the exact distance there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+from typing import Any, get_args
+
+import pytest
+import torch
+
+from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions
+from app.engine import loop as loop_module
+from app.engine import round as round_module
+from app.engine.round import Round
+from app.engine.strategies import STRATEGIES, Strategy
+from app.engine.strategies import pipeline as pipeline_strategy
+from core.config import TreeParams
+from core.math.relaxed import Relaxation
+from core.math.sampling import SamplingParams, apply_sampling, normalised, suppress
+from core.math import tree as tree_math
+from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape
+from core.modes import GUARANTEES, MODES, SERVED_MODES, Guarantee, Payload, guarantee
+from core.names import Mode, Reconstruction
+from tests.app.fakes import MarkovRunner, make_engine, pipeline_engine, random_table, split_pipeline
+from tests.draws import ExactDraws
+
+V = 3
+EOS = 2
+PROMPT = [1, 0]
+SEED = 11
+MAX_TOKENS = 16  # never the limit of a checked round
+TOLERANCE = 1e-9
+
+
+SAMPLINGS = {
+    "T=0": SamplingParams(temperature=0.0),
+    "T=1": SamplingParams(temperature=1.0),
+    "T=1 top-k 2": SamplingParams(temperature=1.0, top_k=2),
+    "T=0.8 top-p 0.8": SamplingParams(temperature=0.8, top_p=0.8),
+}
+
+
+def _table(seed: int) -> torch.Tensor:
+    table = random_table(V, seed)
+    table[:, EOS] -= 1.0  # EOS now and then
+    return table
+
+
+DRAFT = MarkovRunner(_table(500), eos_ids=[EOS], name="draft")
+TARGETS = [MarkovRunner(_table(600 + i), eos_ids=[EOS], name=f"t{i}") for i in range(2)]
+WORKER_SETS = {"1 worker": [1.0], "2 workers 0.7/0.3": [0.7, 0.3]}
+CHAIN_SHAPES = {"γ=1": 1, "γ=2": 2}
+TREE_SHAPES: dict[ChildRule, dict[str, dict[str, Any]]] = {  # TreeParams as a request gives them
+    ChildRule.SAMPLED: {"⟨1⟩": {"widths": [1]}, "⟨1,1⟩": {"widths": [1, 1]}, "⟨2⟩": {"widths": [2]}, "⟨2,1⟩": {"widths": [2, 1]}},
+    ChildRule.SAMPLED_DISTINCT: {"⟨1⟩": {"widths": [1]}, "⟨1,1⟩": {"widths": [1, 1]}, "⟨2⟩": {"widths": [2]}, "⟨2,1⟩": {"widths": [2, 1]}},
+    ChildRule.FIXED: {
+        "nodes 1": {"nodes": 1, "depth": 1, "top_k": 1},
+        "top-1 chain of 2": {"nodes": 2, "depth": 2, "top_k": 1},
+        "nodes 2 depth 2 top-2 (a chain or a fork)": {"nodes": 2, "depth": 2, "top_k": 2},
+        "nodes 3 depth 2 top-2": {"nodes": 3, "depth": 2, "top_k": 2},
+    },
+}
+PIPELINE_SHAPES = {
+    "nodes 1, segments of 1": SegmentSchedule(TreeShape(ChildRule.FIXED, nodes=1, depth=1, top_k=1), segment=1, in_flight=1, expand=False),
+    "top-1 chain of 2, segments of 1": SegmentSchedule(TreeShape(ChildRule.FIXED, nodes=2, depth=2, top_k=1), segment=1, in_flight=2, expand=False),
+    "nodes 3 depth 2 top-2, segments of 2, expanding": SegmentSchedule(TreeShape(ChildRule.FIXED, nodes=3, depth=2, top_k=2), segment=2, in_flight=2),
+}
+TREE_PAYLOADS = {Payload.FULL: ("aggregate", None), Payload.TOP_K: ("aggregate", 2), Payload.SPARSE: ("exact", None)}
+TOP_K = 2  # k of the top-k payload: one of the three ids left out
+DRAFT_TOP_K = 2  # exact's truncation: one id off every draft support
+
+# What the generator does with each field of ``speculative`` (core.modes): a field it does not
+# know fails test_the_matrix_covers_every_registry.
+PRIMARY_FIELDS = {"mode", "k", "tree", "num_draft_tokens", "overlap", "pipeline"}  # in the full product
+SECONDARY_FIELDS = {"draft_top_k", "draft_top_p", "reconstruction", "relaxation", "profile"}  # each value crossed with mode × payload × workers × sampling
+
+
+@dataclass(frozen=True)
+class Cell:
+    mode: Mode
+    payload: Payload
+    rule: str  # the draft's child rule ("chain": a sampled chain; "greedy" at T = 0)
+    shape: str
+    workers: str
+    sampling: str
+    overlap: bool = False
+    option: str = ""  # the secondary option, if any
+    spec: SpecOptions = field(compare=False, default=None)  # type: ignore[assignment]
+    min_tokens: int = 0
+
+    @property
+    def name(self) -> str:
+        parts = [self.mode.value, self.payload.value, self.rule, self.shape, self.workers, self.sampling]
+        return " · ".join([*parts, *(["overlap"] if self.overlap else []), *([self.option] if self.option else [])])
+
+    @property
+    def params(self) -> SamplingParams:
+        return SAMPLINGS[self.sampling]
+
+    @property
+    def claim(self) -> Guarantee:
+        return guarantee(self.spec.payload, self.spec.relaxed)
+
+
+def _spec(mode: Mode, payload: Payload, **options: Any) -> SpecOptions:
+    k = TOP_K if payload is Payload.TOP_K else None
+    draft_top_k = options.pop("draft_top_k", DRAFT_TOP_K if payload is Payload.SPARSE and "draft_top_p" not in options else 0)
+    return SpecOptions(
+        mode, options.pop("gamma", 2), k, options.pop("reconstruction", Reconstruction.RENORMALIZE), draft_top_k=draft_top_k,
+        draft_top_p=options.pop("draft_top_p", 1.0), overlap=options.pop("overlap", False), relaxation=options.pop("relaxation", None),
+        tree=options.pop("tree", None), tree_payload=options.pop("tree_payload", Mode.AGGREGATE), pipeline=options.pop("pipeline", None),
+        profile=options.pop("profile", False),
+    )
+
+
+def _shapes(mode: Mode, payload: Payload) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """(rule, shape, SpecOptions fields) of every draft shape the mode takes."""
+    takes = MODES[mode].fields
+    if "tree" in takes:
+        for rule in ChildRule:
+            for label, given in TREE_SHAPES[rule].items():
+                shape = TreeParams(rule=rule, payload=TREE_PAYLOADS[payload][0], **given).shape()
+                yield rule.value, label, {"tree": shape, "tree_payload": Mode(TREE_PAYLOADS[payload][0])}
+    elif "pipeline" in takes:
+        for label, schedule in PIPELINE_SHAPES.items():
+            yield ChildRule.FIXED.value, label, {"pipeline": schedule}
+    elif "num_draft_tokens" in takes:
+        for label, gamma in CHAIN_SHAPES.items():
+            yield "chain", label, {"gamma": gamma}
+    else:
+        yield "none", "one token a round", {}
+
+
+def _secondary(mode: Mode, payload: Payload, sampling: str) -> Iterator[tuple[str, dict[str, Any], int]]:
+    """(label, SpecOptions fields, min_tokens) of each further option the mode takes."""
+    takes = MODES[mode].fields
+    if "draft_top_k" in takes and payload is not Payload.SPARSE:
+        yield "draft top-k 2", {"draft_top_k": 2}, 0
+    if "draft_top_p" in takes:
+        yield "draft top-p 0.7", {"draft_top_p": 0.7, "draft_top_k": 0}, 0
+    if "reconstruction" in takes and payload is Payload.TOP_K:
+        yield "residual reconstruction", {"reconstruction": Reconstruction.RESIDUAL}, 0
+    if "relaxation" in takes and sampling != "T=0":
+        yield "relaxed τ_max 0.5", {"relaxation": Relaxation(0.5, 1.0)}, 0
+    if "profile" in takes:
+        yield "profile", {"profile": True}, 0
+    if MODES[mode].min_tokens:
+        yield "min_tokens 2", {}, 2
+
+
+def _payloads(mode: Mode) -> list[Payload]:
+    return [p for p in Payload if p in MODES[mode].payloads and p is not Payload.ENGINE]  # engines: test_openai_target
+
+
+def _worker_sets(mode: Mode) -> list[str]:
+    return list(WORKER_SETS)[:1] if MODES[mode].one_worker else list(WORKER_SETS)
+
+
+def cells() -> list[Cell]:
+    out = []
+    for mode in SERVED_MODES:
+        for payload in _payloads(mode):
+            shapes = list(_shapes(mode, payload))
+            for workers, sampling in itertools.product(_worker_sets(mode), SAMPLINGS):
+                rule_of = (lambda rule: "greedy" if sampling == "T=0" and rule != "none" else rule)
+                overlaps = [False, True] if "overlap" in MODES[mode].fields else [False]
+                for (rule, shape, options), overlap in itertools.product(shapes, overlaps):
+                    if overlap and options.get("gamma", 1) > 1:
+                        continue  # two rounds enumerated: γ = 1 (γ = 2 takes ~9,000 runs a cell)
+                    spec = _spec(mode, payload, overlap=overlap, **options)
+                    out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, overlap, spec=spec))
+                rule, shape, options = shapes[-1]
+                for label, extra, min_tokens in _secondary(mode, payload, sampling):
+                    spec = _spec(mode, payload, **{**options, **extra})
+                    out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option=label, spec=spec, min_tokens=min_tokens))
+    return out
+
+
+CELLS = cells()
+
+
+# ----------------------------------------------------------------------------- the law of a cell
+
+
+def _engine(cell: Cell) -> Engine:
+    weights = WORKER_SETS[cell.workers]
+    if cell.mode is Mode.PIPELINE:
+        return pipeline_engine(DRAFT, split_pipeline(TARGETS[0].table, [1], 2, eos_ids=[EOS]), eos_ids=[EOS])
+    return make_engine(DRAFT, list(zip(TARGETS, weights)), eos_ids=[EOS])
+
+
+Outcome = tuple[tuple[int, ...], float, Any]  # the tokens checked, the bound reported at the first, the second round's draft (overlap)
+
+
+class _SecondDraft(Exception):
+    """Raised by ``_Recording`` at the second round: what it was to verify."""
+
+    def __init__(self, draft: TokenTree) -> None:
+        rows = tuple(tuple(zip(*(t.tolist() for t in draft.support(node)))) for node in range(-1, len(draft)))  # q̂ per row, pads dropped
+        self.signature = (tuple(draft.ids()), tuple(draft.parents.tolist()), draft.rule.value, rows)
+
+
+class _Recording(Strategy):
+    """The mode's strategy for the first round; at the second, the draft it was given, and no verdict."""
+
+    def __init__(self, inner: Strategy) -> None:
+        self.inner, self.rounds = inner, 0
+
+    async def verify(self, rnd: Round) -> RoundResult:
+        self.rounds += 1
+        if self.rounds > 1:
+            raise _SecondDraft(rnd.draft)
+        return await self.inner.verify(rnd)
+
+
+def cell_law(cell: Cell) -> tuple[dict[Outcome, float], int, float]:
+    """The exact law of the cell's checked tokens, how many runs it took, and its seconds. With
+    overlap: the first round's tokens and the second round's draft, with overlap and without it
+    (the second round verifies the same draft by the same code: the laws must be equal)."""
+    started = time.perf_counter()
+    if not cell.overlap:
+        law, runs = _law(cell, cell.spec, second_draft=False)
+        return law, runs, time.perf_counter() - started
+    law, runs = _law(cell, cell.spec, second_draft=True)
+    plain, more = _law(cell, replace(cell.spec, overlap=False), second_draft=True)
+    return {("with overlap", *key): mass for key, mass in law.items()} | {("without", *key): mass for key, mass in plain.items()}, runs + more, time.perf_counter() - started
+
+
+def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcome, float], int]:
+    engine = _engine(cell)
+    loop = asyncio.new_event_loop()
+    count = itertools.count()
+    recording = _Recording(STRATEGIES[cell.mode])
+
+    async def once() -> Outcome:
+        req = GenerationRequest(f"m{next(count)}", PROMPT, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=True, min_tokens=cell.min_tokens)
+        tokens: list[int] = []
+        bound, seen, drafted = 0.0, 0, None
+        recording.rounds = 0
+        try:
+            async with aclosing(engine.generate(req)) as results:
+                async for result in results:
+                    if not tokens and result.tokens:  # τ(1 − β) to p̂, then p̂ to p
+                        bound = (result.relaxed_tv or [0.0])[0] + (result.bound or [0.0])[0]
+                    tokens += result.tokens
+                    seen += result.rounds_ended if cell.mode is Mode.PIPELINE else int(bool(result.tokens))
+                    if (seen >= 1 and not second_draft) or result.finish_reason:
+                        break
+        except _SecondDraft as second:
+            drafted = second.signature
+        return tuple(tokens), bound, drafted
+
+    def run() -> Outcome:
+        outcome = loop.run_until_complete(once())
+        loop.run_until_complete(_cancel_the_rest())  # a pipeline's segments still in flight
+        return outcome
+
+    strategies = dict(loop_module.STRATEGIES)
+    loop_module.STRATEGIES[cell.mode] = recording
+    try:
+        with ExactDraws() as draws:
+            law = draws.law(run)
+    finally:
+        loop_module.STRATEGIES.clear()
+        loop_module.STRATEGIES.update(strategies)
+        loop.close()
+    return law, draws.runs
+
+
+async def _cancel_the_rest() -> None:
+    left = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
+
+
+def target_next(cell: Cell, last: int, generated: int) -> torch.Tensor:  # [V] float64
+    """The target after ``last`` with ``generated`` tokens so far: Σ w_n T(p_n), each T(p_n) the
+    worker's own fp32 row normalised in float64; before ``min_tokens`` each worker's row without
+    EOS, mixed by w_n κ_n (κ_n its mass off EOS); at T = 0 the argmax of the rows as they are."""
+    weights = torch.tensor(WORKER_SETS[cell.workers], dtype=torch.float64)
+    logits = [t.table[last].float()[None] for t in TARGETS[: len(weights)]]
+    rows = [apply_sampling(row, cell.params) for row in logits]
+    if generated < cell.min_tokens and not cell.params.is_greedy:  # p_n(· | not EOS), mixed by w_n κ_n
+        pairs = [suppress(row, probs, torch.tensor([True]), torch.tensor([EOS]), cell.params) for row, probs in zip(logits, rows)]
+        rows = [probs for probs, _ in pairs]
+        weights = weights * torch.tensor([float(kept[0]) for _, kept in pairs], dtype=torch.float64)
+    weights = weights / weights.sum()
+    p = sum((w * (row[0].double() if cell.params.is_greedy else normalised(row[0])) for w, row in zip(weights, rows)), torch.zeros(V, dtype=torch.float64))
+    if cell.params.is_greedy:
+        if generated < cell.min_tokens:
+            p[EOS] = 0.0
+        return torch.nn.functional.one_hot(torch.argmax(p), V).double()  # argmax: the lowest id of the ties
+    return p
+
+
+def sequence_law(cell: Cell, length: int) -> dict[tuple[int, ...], float]:
+    """The target's law of the first ``length`` tokens (a sequence ends early at EOS)."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def grow(prefix: tuple[int, ...], mass: float) -> None:
+        if len(prefix) == length or (prefix and prefix[-1] == EOS):
+            out[prefix] = out.get(prefix, 0.0) + mass
+            return
+        p = target_next(cell, prefix[-1] if prefix else PROMPT[-1], len(prefix))
+        for token in range(V):
+            if p[token] > 0:
+                grow((*prefix, token), mass * float(p[token]))
+
+    grow((), 1.0)
+    return out
+
+
+def completed(cell: Cell, law: dict[tuple[int, ...], float], length: int) -> dict[tuple[int, ...], float]:
+    """The checked tokens' law, each outcome followed by the target's conditionals up to ``length``."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def grow(prefix: tuple[int, ...], mass: float) -> None:
+        if len(prefix) >= length or (prefix and prefix[-1] == EOS):
+            key = prefix[:length]
+            out[key] = out.get(key, 0.0) + mass
+            return
+        p = target_next(cell, prefix[-1] if prefix else PROMPT[-1], len(prefix))
+        for token in range(V):
+            if p[token] > 0:
+                grow((*prefix, token), mass * float(p[token]))
+
+    for tokens, mass in law.items():
+        grow(tokens, mass)
+    return out
+
+
+def tokens_law(law: dict[Outcome, float]) -> dict[tuple[int, ...], float]:
+    out: dict[tuple[int, ...], float] = {}
+    for (tokens, _, _), mass in law.items():
+        out[tokens] = out.get(tokens, 0.0) + mass
+    return out
+
+
+def distance(a: dict[tuple[int, ...], float], b: dict[tuple[int, ...], float]) -> float:
+    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in {*a, *b})
+
+
+# ----------------------------------------------------------------------------- running the matrix
+
+
+def _run_cells(names: list[str]) -> dict[str, tuple[dict[Outcome, float], int, float]]:
+    torch.set_num_threads(1)
+    by_name = {c.name: c for c in CELLS}
+    return {name: cell_law(by_name[name]) for name in names}
+
+
+@pytest.fixture(scope="module")
+def laws() -> dict[str, tuple[dict[Outcome, float], int, float]]:
+    """Every cell's law, the cells dealt out to two processes (one per core)."""
+    names = [c.name for c in CELLS]
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = pool.map(_run_cells, [names[i::8] for i in range(8)])
+        out: dict[str, tuple[dict[Outcome, float], int, float]] = {}
+        for part in parts:
+            out.update(part)
+    return out
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[c.name for c in CELLS])
+def test_cell(cell: Cell, laws: dict[str, tuple[dict[Outcome, float], int, float]]) -> None:
+    law, _, _ = laws[cell.name]
+    if cell.overlap:  # the same law with overlap as without, the second round's draft included
+        with_overlap = {key[1:]: mass for key, mass in law.items() if key[0] == "with overlap"}
+        without = {key[1:]: mass for key, mass in law.items() if key[0] == "without"}
+        assert max(abs(with_overlap.get(k, 0.0) - without.get(k, 0.0)) for k in {*with_overlap, *without}) <= TOLERANCE
+        return
+    assert abs(sum(law.values()) - 1) < TOLERANCE
+    tokens = tokens_law(law)
+    length = max(len(t) for t in tokens)
+    if cell.claim is Guarantee.LOSSLESS:
+        assert distance(completed(cell, tokens, length), sequence_law(cell, length)) <= TOLERANCE
+        return
+    first: dict[tuple[int, ...], float] = {}
+    for key, mass in tokens.items():
+        first[key[:1]] = first.get(key[:1], 0.0) + mass
+    tv = 0.5 * sum(abs(first.get((t,), 0.0) - float(target_next(cell, PROMPT[-1], 0)[t])) for t in range(V))
+    bound = sum(mass * b for (_, b, _), mass in law.items())
+    assert tv <= bound + TOLERANCE, f"TV {tv:.3e} at the first token above the reported bound {bound:.3e}"
+
+
+# ----------------------------------------------------------------------------- what the matrix covers
+
+
+def _literals(annotation: Any) -> set[str]:
+    """The string values of a ``Literal[...] | None`` annotation."""
+    out: set[str] = set()
+    for arg in get_args(annotation):
+        out |= {a for a in get_args(arg) if isinstance(a, str)} if get_args(arg) else ({arg} if isinstance(arg, str) else set())
+    return out
+
+
+def test_the_matrix_covers_every_registry() -> None:
+    """A mode, field, payload, child rule, reconstruction or tree payload that the generator does
+    not know fails here: it must be taught to the matrix, not left untested."""
+    known = PRIMARY_FIELDS | SECONDARY_FIELDS
+    for mode in SERVED_MODES:
+        assert MODES[mode].fields <= known, f"mode {mode.value} takes {sorted(MODES[mode].fields - known)}: enumerate them in the matrix"
+        for payload in MODES[mode].payloads - {Payload.ENGINE}:
+            assert any(c.mode is mode and c.payload is payload for c in CELLS), f"no cell for {mode.value} on {payload.value}"
+    assert set(GUARANTEES) == set(Payload)
+    assert GUARANTEES[Payload.ENGINE] is Guarantee.BOUNDED  # an engine's rows are a worker's top-k (test_openai_target): the TOP_K cells' bound
+    assert {c.rule for c in CELLS if c.mode is Mode.TREE} == {*(r.value for r in ChildRule), "greedy"}
+    assert {c.spec.reconstruction for c in CELLS if c.payload is Payload.TOP_K} == set(Reconstruction)
+    assert {c.spec.tree_payload.value for c in CELLS if c.mode is Mode.TREE} == _literals(TreeParams.model_fields["payload"].annotation)
+    assert {c.sampling for c in CELLS} == set(SAMPLINGS) and {c.workers for c in CELLS} == set(WORKER_SETS)
+    assert {c.claim for c in CELLS} == set(Guarantee)
+    assert any(c.overlap for c in CELLS) and any(c.min_tokens for c in CELLS)
+    for cell in CELLS:  # the generator's label is what the engine computes, and the response claims what the table says
+        assert cell.spec.payload is cell.payload and cell.spec.is_lossless == (cell.claim is Guarantee.LOSSLESS)
+
+
+def test_the_degenerate_shapes_are_in_the_matrix() -> None:
+    trees = [c.spec.tree for c in CELLS if c.spec.tree is not None]
+    fixed = [t for t in trees if t.rule is ChildRule.FIXED]
+    assert any(t.nodes == 1 for t in fixed) and any(t.top_k == 1 and t.nodes > 1 for t in fixed) and any(t.depth == 1 for t in fixed)
+    assert {(1,), (1, 1)} <= {t.widths for t in trees if t.rule is not ChildRule.FIXED}
+    schedules = [c.spec.pipeline for c in CELLS if c.spec.pipeline is not None]
+    assert any(s.tree.nodes == 1 for s in schedules) and any(s.tree.top_k == 1 and s.tree.nodes > 1 for s in schedules)
+
+
+# ----------------------------------------------------------------------------- negative controls
+
+
+def _fails(cell: Cell) -> bool:
+    try:
+        test_cell(cell, {cell.name: cell_law(cell)})
+    except AssertionError:
+        return True
+    return False
+
+
+def test_negative_control_the_chain_shortcut_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bug this matrix was built for (issue 32): a chain of fixed children sent to the chain
+    verifier under exact's payload. Put back, the matrix rejects it — with one worker and two."""
+    monkeypatch.setattr(TokenTree, "is_sampled_chain", property(lambda tree: tree.is_chain))
+    caught = [c for c in CELLS if c.mode is Mode.TREE and c.payload is Payload.SPARSE and c.rule == "fixed" and c.sampling == "T=1" and not c.option and _fails(c)]
+    assert {c.shape for c in caught} >= {"nodes 1", "top-1 chain of 2"} and {c.workers for c in caught} == set(WORKER_SETS)
+
+
+def test_negative_control_algorithm_5_on_fixed_children_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampled rule min(1, p'/q̂) on children chosen as the top-k (DESIGN §3.6) is biased: the
+    matrix rejects it on aggregate's payload and on exact's, for chains and trees alike."""
+    real = tree_math.try_children
+
+    def sampled_rule(p: torch.Tensor, q: torch.Tensor, candidates: list[int], rule: ChildRule, accept_u: torch.Tensor) -> Any:
+        return real(p, q, candidates, ChildRule.SAMPLED if rule is ChildRule.FIXED else rule, accept_u)
+
+    monkeypatch.setattr(tree_math, "try_children", sampled_rule)
+    picked = [c for c in CELLS if c.mode is Mode.TREE and c.rule == "fixed" and c.workers == "1 worker" and c.sampling == "T=1" and not c.option]
+    caught = {(c.payload, c.shape) for c in picked if c.payload is not Payload.TOP_K and _fails(c)}
+    assert {(Payload.FULL, "nodes 3 depth 2 top-2"), (Payload.SPARSE, "nodes 3 depth 2 top-2"), (Payload.FULL, "nodes 1")} <= caught
+
+
+def _caught(picked: list[Cell]) -> set[str]:
+    return {c.name for c in picked if _fails(c)}
+
+
+def test_negative_control_a_verifier_without_the_residual_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The classic bug: at a rejection, resample from p, not norm(max(0, p − q̂)) — caught in
+    every sampled chain and tree (fixed children do not use that residual: they zero and renormalise)."""
+    monkeypatch.setattr(tree_math, "residual", lambda p, q: p.double() / p.double().sum())
+    picked = [c for c in CELLS if c.mode in (Mode.AGGREGATE, Mode.TREE) and c.payload is Payload.FULL and c.sampling == "T=1" and not c.option and not c.overlap]
+    assert _caught(picked) == {c.name for c in picked if c.rule != "fixed"}
+
+
+def test_negative_control_min_tokens_with_the_configured_weights_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each worker's p_n without EOS mixed by w_n, κ_n ignored, is another law."""
+    monkeypatch.setattr(round_module, "response_weights", lambda responses, weights: weights)
+    picked = [c for c in CELLS if c.min_tokens and c.workers == "2 workers 0.7/0.3" and c.sampling == "T=1"]
+    assert {c.mode for c in picked if c.name in _caught(picked)} == {Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.EXACT}
+
+
+def test_negative_control_a_pipeline_walk_that_keeps_the_rejected_mass_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipeline's walk drawing the recovered token from p, not from p' (the rejected children
+    not zeroed)."""
+    real = pipeline_strategy.try_children
+
+    def kept_mass(p: torch.Tensor, q: torch.Tensor, candidates: list[int], rule: ChildRule, accept_u: torch.Tensor) -> Any:
+        return real(p, q, candidates, rule, accept_u)[0], p.double()
+
+    monkeypatch.setattr(pipeline_strategy, "try_children", kept_mass)
+    picked = [c for c in CELLS if c.mode is Mode.PIPELINE and c.sampling == "T=1" and not c.option]
+    assert _caught(picked) == {c.name for c in picked}

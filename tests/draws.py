@@ -1,0 +1,181 @@
+"""The exact law of a run of the real code, by enumerating every random draw it makes.
+
+Every random number of specgate is a uniform of ``core.math.random`` (``uniform``,
+``uniforms``), and every uniform is consumed by one of three functions: ``accepts`` (u < a),
+``sample_index`` and ``sample_rows`` (inverse CDF). ``ExactDraws`` stands in for the five:
+
+- a uniform becomes a **tag**, a float that names its key (seed, choice, position, purpose,
+  worker, lane) — the same key gives the same tag, as the same key gives the same number;
+- a tag holds the interval of U[0, 1) its number may still lie in (at first all of it);
+- a test ``u < a`` or an inverse-CDF draw splits that interval; each piece is one branch, whose
+  probability is the piece's length over the interval's.
+
+``law(run)`` runs ``run`` once per sequence of branches (depth first, replaying the choices
+already made), so every outcome comes with its exact probability, through the very code that
+serves requests: the draft's sampling, the gateway's walk, the workers' samples. A number read
+twice is cut twice (a stream shared by two purposes shows in the law); a uniform consumed any
+other way (compared by hand, converted to float32) is not a tag and raises.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+import core.math.random as random_module
+from core.math.random import Purpose
+
+T = TypeVar("T", bound=Hashable)
+
+Key = tuple[int, int, int, int, int, int]  # seed, choice, position, purpose, worker, lane
+Decision = tuple[int, int]  # (tag, how many decisions on that tag came before)
+
+
+@dataclass
+class _Run:
+    """One execution: the branches it was told to take, the new ones it met, its probability."""
+
+    script: dict[Decision, int]
+    intervals: dict[int, tuple[float, float]] = field(default_factory=dict)
+    cuts: dict[int, int] = field(default_factory=dict)
+    new: list[tuple[Decision, int]] = field(default_factory=list)
+    probability: float = 1.0
+
+
+class ExactDraws:
+    """Usage: ``with ExactDraws() as draws: law = draws.law(lambda: run_once())``."""
+
+    MAX_RUNS = 200_000  # a run with more branches than this is not a closed form but a hang
+
+    def __init__(self) -> None:
+        self._tags: dict[Key, int] = {}
+        self._values: dict[float, int] = {}
+        self._run: _Run | None = None
+        self.runs = 0
+
+    # ----------------------------------------------------------------- the law
+
+    def law(self, run: Callable[[], T]) -> dict[T, float]:
+        """Every outcome of ``run`` with its exact probability."""
+        out: dict[T, float] = defaultdict(float)
+        stack: list[dict[Decision, int]] = [{}]
+        while stack:
+            script = stack.pop()
+            self._run = current = _Run(script)
+            try:
+                outcome = run()
+            finally:
+                self._run = None
+            self.runs += 1
+            if self.runs > self.MAX_RUNS:
+                raise RuntimeError(f"more than {self.MAX_RUNS} branches: shrink the case")
+            out[outcome] += current.probability
+            taken: dict[Decision, int] = {}
+            for decision, options in current.new:
+                stack.extend({**script, **taken, decision: option} for option in range(1, options))
+                taken[decision] = 0
+        return dict(out)
+
+    # ----------------------------------------------------------------- the stand-ins
+
+    def _tag(self, seed: int, choice: int, position: int, purpose: Purpose, worker: int = 0, lane: int = 0) -> float:
+        key = (seed, choice, position, int(purpose), worker, lane)
+        if key not in self._tags:
+            self._tags[key] = len(self._tags)
+            self._values[self._value(self._tags[key])] = self._tags[key]
+        return self._value(self._tags[key])
+
+    @staticmethod
+    def _value(tag: int) -> float:
+        return (tag + 0.5) / 2**24  # exact in float32 and float64, distinct, in (0, 1)
+
+    def uniform(self, seed: int, choice: int, position: int, purpose: Purpose, worker: int = 0, lane: int = 0) -> float:
+        return self._tag(seed, choice, position, purpose, worker, lane)
+
+    def uniforms(self, seed: int, choice: int, positions: list[int], purpose: Purpose, worker: int = 0, lane: int = 0) -> torch.Tensor:
+        return torch.tensor([self._tag(seed, choice, p, purpose, worker, lane) for p in positions], dtype=torch.float64)
+
+    def accepts(self, u: float, probability: float) -> bool:
+        a = float(probability)
+        return bool(self._cut(u, [(True, None, a), (False, a, None)]))
+
+    def sample_index(self, probs: torch.Tensor, u: float) -> int:
+        cdf = torch.cumsum(probs.double(), dim=0)
+        total = float(cdf[-1])
+        if not total > 0:
+            raise ValueError("cannot sample from a distribution with no mass")
+        bounds = [0.0, *(float(c) / total for c in cdf)]
+        return int(self._cut(u, [(i, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]))
+
+    def sample_rows(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(probs.shape[0], dtype=torch.long)
+        for row in range(probs.shape[0]):
+            if float(probs[row].double().sum()) > 0:
+                out[row] = self.sample_index(probs[row], float(u[row]))
+        return out
+
+    def _cut(self, u: float, pieces: list[tuple[Any, float | None, float | None]]) -> Any:
+        """The branch taken among ``pieces`` (value, from, to) of U[0, 1) for the tag ``u``."""
+        run = self._run
+        assert run is not None, "a draw outside ExactDraws.law"
+        tag = self._values.get(float(u))
+        if tag is None:
+            raise AssertionError(f"{u!r} is not a uniform of core.math.random: a draw escaped the enumeration")
+        lo, hi = run.intervals.get(tag, (0.0, 1.0))
+        options = []
+        for value, start, end in pieces:
+            a, b = max(lo, start if start is not None else lo), min(hi, end if end is not None else hi)
+            if b > a:
+                options.append((value, a, b))
+        decision = (tag, run.cuts.get(tag, 0))
+        run.cuts[tag] = decision[1] + 1
+        if len(options) == 1:
+            choice = 0
+        elif decision in run.script:
+            choice = run.script[decision]
+        else:
+            choice = 0
+            run.new.append((decision, len(options)))
+        value, a, b = options[choice]
+        run.probability *= (b - a) / (hi - lo)
+        run.intervals[tag] = (a, b)
+        return value
+
+    # ----------------------------------------------------------------- installing
+
+    def __enter__(self) -> ExactDraws:
+        self._patches = list(_patches(self))
+        for module, name, _, new in self._patches:
+            setattr(module, name, new)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for module, name, old, _ in self._patches:
+            setattr(module, name, old)
+
+
+_STAND_INS = ("uniform", "uniforms", "accepts", "sample_index", "sample_rows")
+
+
+def _patches(draws: ExactDraws) -> Iterator[tuple[Any, str, Any, Any]]:
+    """(module, name, original, stand-in) for every project module that holds one of the five."""
+    originals = {name: getattr(random_module, name) for name in _STAND_INS}
+    for module in list(sys.modules.values()):
+        if module is None or not getattr(module, "__name__", "").startswith(("app", "core", "workers", "clients", "tests")):
+            continue
+        for name, original in originals.items():
+            for attr, value in list(vars(module).items()):
+                if value is original:
+                    yield module, attr, original, getattr(draws, name)
+
+
+@contextmanager
+def exact_draws() -> Iterator[ExactDraws]:
+    with ExactDraws() as draws:
+        yield draws
