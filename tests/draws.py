@@ -13,8 +13,10 @@ Every random number of specgate is a uniform of ``core.math.random`` (``uniform`
 ``law(run)`` runs ``run`` once per sequence of branches (depth first, replaying the choices
 already made), so every outcome comes with its exact probability, through the very code that
 serves requests: the draft's sampling, the gateway's walk, the workers' samples. A number read
-twice is cut twice (a stream shared by two purposes shows in the law); a uniform consumed any
-other way (compared by hand, converted to float32) is not a tag and raises.
+twice is cut twice (a stream shared by two purposes shows in the law). A tag is not a float32
+value, so a uniform converted to float32 (or rounded any other way) is no longer a tag and raises
+at its draw. What it cannot see: a uniform compared by hand (``u < a`` outside ``accepts``) takes
+the branch of the tag's value, not both — keep every comparison in ``core.math.random``.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class ExactDraws:
 
     @staticmethod
     def _value(tag: int) -> float:
-        return (tag + 0.5) / 2**24  # exact in float32 and float64, distinct, in (0, 1)
+        return (tag + 0.5) / 2**24 + 2**-40  # distinct, in (0, 1), exact in float64 and not in float32
 
     def uniform(self, seed: int, choice: int, position: int, purpose: Purpose, worker: int = 0, lane: int = 0) -> float:
         return self._tag(seed, choice, position, purpose, worker, lane)

@@ -139,6 +139,8 @@ def _distributions(
             held=held, probs=probs.numpy(), tail_mass=zeros, recon_error=zeros,
             samples=samples, probs_dtype=req.probs_dtype, model_ms=model_ms,
         )
+    if req.suppress_ids is not None:  # rows without EOS are not renormalised (suppress): σ and e_n of p(· | not EOS)
+        probs = normalised(probs)
     top = compress_top_k(probs, req.k)
     method = Reconstruction(req.reconstruction)
     if method is Reconstruction.RENORMALIZE:

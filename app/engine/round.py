@@ -157,12 +157,14 @@ def mixture(
 ) -> torch.Tensor:
     """p̂ = Σ w_n p̂_n over the positions of the responses: ``[γ+1, V]`` float64 (``weights``:
     ``[N]`` or per position, ``Round.weights``). Whole rows are ``normalised`` (an fp32 row sums
-    to 1 ± 1e-6); greedy (``normalise=False``) compares them as sent, the same numbers in every mode."""
+    to 1 ± 1e-6); greedy (``normalise=False``) compares them as sent, the same numbers in every mode
+    — except rows that min_tokens stripped of EOS, sent unnormalised (``suppress``): weighted by
+    w_n κ_n, they are normalised at every temperature."""
     dists = []
     for resp in responses:
         probs = torch.tensor(array(resp.probs), dtype=torch.float64)
         if resp.ids is None:
-            dists.append(normalised(probs) if normalise else probs)
+            dists.append(normalised(probs) if normalise or resp.kept_mass is not None else probs)
         else:
             ids = torch.from_numpy(np.array(resp.ids, dtype=np.int64))
             dists.append(reconstruct(ids, probs, vocab_size, method, torch.tensor(array(resp.tail_mass))))

@@ -152,18 +152,23 @@ def suppress(
     ids: torch.Tensor,  # [e] long: the ids they cannot emit
     params: SamplingParams,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [m, V] fp32, [m] float64
-    """T(p) with ``ids`` removed and renormalised on the ``rows`` chosen, and κ per row: the
-    mass T(p) kept off ``ids`` (1 on the rows left alone). The mixture of several workers is then
-    Σ w_n κ_n p'_n / Σ w_n κ_n (``core.math.aggregation.kept_weights``). A row that keeps nothing
-    (top_k 1 on an EOS) takes T of the logits with ``ids`` masked first, as vLLM does, with κ = 0."""
+    """T(p) with ``ids`` zeroed on the ``rows`` chosen, and κ per row: the mass T(p) keeps off
+    ``ids``, of the row's own total (1 on the rows left alone). The rows are not renormalised:
+    their values stay T(p)'s fp32 numbers, exact on the wire, and every reader normalises in
+    float64 (``normalised``, ``sample_index``, ``normalised_payload``, ``reconstruct``) — an fp32
+    row renormalised here would be off p(· | not ids) by its rounding, ~1e-8. The mixture of several
+    workers is then Σ w_n κ_n p'_n / Σ w_n κ_n (``core.math.aggregation.kept_weights``). A row that
+    keeps nothing (top_k 1 on an EOS) takes T of the logits with ``ids`` masked first, as vLLM does,
+    with κ = 0."""
     kept = torch.ones(probs.shape[0], dtype=torch.float64)
     chosen = rows.nonzero()[:, 0]
     if not len(chosen) or ids.numel() == 0:
         return probs, kept
-    head = probs[chosen].double().index_fill(-1, ids, 0.0)
-    kept[chosen] = head.sum(dim=-1)
+    rows_64 = probs[chosen].double()
+    head = rows_64.index_fill(-1, ids, 0.0)
+    kept[chosen] = head.sum(dim=-1) / rows_64.sum(dim=-1).clamp(min=1e-300)  # of the row's own total: an fp32 row sums to 1 ± 1e-7
     out = probs.clone()
-    out[chosen] = (head / kept[chosen, None].clamp(min=1e-300)).float()
+    out[chosen] = probs[chosen].index_fill(-1, ids, 0.0)
     empty = chosen[kept[chosen] <= 0]
     if len(empty):
         out[empty] = apply_sampling(mask_ids(logits[empty], ids), params)

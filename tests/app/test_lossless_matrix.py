@@ -11,7 +11,7 @@ payload, worker set and sampling. A field, mode, payload or rule the generator d
 fails ``test_the_matrix_covers_every_registry``, so a new one cannot go untested.
 
 Each cell runs the real DraftModel, engine, strategy and worker scoring over Markov fakes
-(V = 3, EOS among the tokens) with every random draw enumerated (``tests.draws``): the law
+(V = 4, EOS among the tokens) with every random draw enumerated (``tests.draws``): the law
 of the first round's tokens (two rounds with overlap, the first tree's walk in a pipeline) is
 exact, completed by the target's own conditionals after it — what the next rounds emit if they
 are lossless, by induction. A cell that the response calls lossless (``core.modes.guarantee``,
@@ -42,7 +42,7 @@ from app.engine.strategies import STRATEGIES, Strategy
 from app.engine.strategies import pipeline as pipeline_strategy
 from core.config import TreeParams
 from core.math.relaxed import Relaxation
-from core.math.sampling import SamplingParams, apply_sampling, normalised, suppress
+from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.math import tree as tree_math
 from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape
 from core.modes import GUARANTEES, MODES, SERVED_MODES, Guarantee, Payload, guarantee
@@ -50,9 +50,9 @@ from core.names import Mode, Reconstruction
 from tests.app.fakes import MarkovRunner, make_engine, pipeline_engine, random_table, split_pipeline
 from tests.draws import ExactDraws
 
-V = 3
-EOS = 2
-PROMPT = [1, 0]
+V = 4
+EOS = 3
+PROMPT = [1, 0]  # the draft's top-1 after 0 is 0, then 0: fixed chains of two rows, forks at three nodes
 SEED = 11
 MAX_TOKENS = 16  # never the limit of a checked round
 TOLERANCE = 1e-9
@@ -82,7 +82,7 @@ TREE_SHAPES: dict[ChildRule, dict[str, dict[str, Any]]] = {  # TreeParams as a r
     ChildRule.FIXED: {
         "nodes 1": {"nodes": 1, "depth": 1, "top_k": 1},
         "top-1 chain of 2": {"nodes": 2, "depth": 2, "top_k": 1},
-        "nodes 2 depth 2 top-2 (a chain or a fork)": {"nodes": 2, "depth": 2, "top_k": 2},
+        "nodes 2 depth 2 top-2 (prunes to a chain)": {"nodes": 2, "depth": 2, "top_k": 2},
         "nodes 3 depth 2 top-2": {"nodes": 3, "depth": 2, "top_k": 2},
     },
 }
@@ -92,8 +92,8 @@ PIPELINE_SHAPES = {
     "nodes 3 depth 2 top-2, segments of 2, expanding": SegmentSchedule(TreeShape(ChildRule.FIXED, nodes=3, depth=2, top_k=2), segment=2, in_flight=2),
 }
 TREE_PAYLOADS = {Payload.FULL: ("aggregate", None), Payload.TOP_K: ("aggregate", 2), Payload.SPARSE: ("exact", None)}
-TOP_K = 2  # k of the top-k payload: one of the three ids left out
-DRAFT_TOP_K = 2  # exact's truncation: one id off every draft support
+TOP_K = 2  # k of the top-k payload: two of the four ids left out
+DRAFT_TOP_K = 2  # exact's truncation: two ids off every draft support (the complement sample is a real draw)
 
 # What the generator does with each field of ``speculative`` (core.modes): a field it does not
 # know fails test_the_matrix_covers_every_registry.
@@ -182,22 +182,42 @@ def _worker_sets(mode: Mode) -> list[str]:
     return list(WORKER_SETS)[:1] if MODES[mode].one_worker else list(WORKER_SETS)
 
 
+def _affordable(mode: Mode, payload: Payload, workers: str, shapes: list[tuple[str, str, dict[str, Any]]]) -> list[tuple[str, str, dict[str, Any]]]:
+    """Exact's payload draws a complement sample per row and worker, every one of them enumerated:
+    two workers with two ids off each support on a three-node tree is 12,000–17,000 runs (70–90 s)
+    a cell. With two workers exact's payload leaves one id off (``_two_workers``: the complement is
+    a draw at the leaves only — one worker keeps two off) and a tree has one or two nodes there
+    (⟨1⟩, ⟨1,1⟩, the fork ⟨2⟩, one fixed node, the top-1 chain, the tree that prunes to a chain);
+    the three-node trees run with one worker, and with two on the other payloads."""
+    if mode is Mode.TREE and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
+        return [shape for shape in shapes if shape[1] not in ("⟨2,1⟩", "nodes 3 depth 2 top-2")]
+    return shapes
+
+
+def _two_workers(payload: Payload, workers: str, options: dict[str, Any]) -> dict[str, Any]:
+    if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and "draft_top_k" not in options and "draft_top_p" not in options:
+        return {**options, "draft_top_k": V - 1}
+    return options
+
+
 def cells() -> list[Cell]:
     out = []
     for mode in SERVED_MODES:
         for payload in _payloads(mode):
-            shapes = list(_shapes(mode, payload))
             for workers, sampling in itertools.product(_worker_sets(mode), SAMPLINGS):
+                shapes = _affordable(mode, payload, workers, list(_shapes(mode, payload)))
                 rule_of = (lambda rule: "greedy" if sampling == "T=0" and rule != "none" else rule)
                 overlaps = [False, True] if "overlap" in MODES[mode].fields else [False]
                 for (rule, shape, options), overlap in itertools.product(shapes, overlaps):
                     if overlap and options.get("gamma", 1) > 1:
                         continue  # two rounds enumerated: γ = 1 (γ = 2 takes ~9,000 runs a cell)
-                    spec = _spec(mode, payload, overlap=overlap, **options)
+                    spec = _spec(mode, payload, overlap=overlap, **_two_workers(payload, workers, options))
                     out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, overlap, spec=spec))
                 rule, shape, options = shapes[-1]
                 for label, extra, min_tokens in _secondary(mode, payload, sampling):
-                    spec = _spec(mode, payload, **{**options, **extra})
+                    if "draft_top_p" in extra and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
+                        continue  # a complement of two ids per row and worker again (6,000 runs): one worker has it
+                    spec = _spec(mode, payload, **_two_workers(payload, workers, {**options, **extra}))
                     out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option=label, spec=spec, min_tokens=min_tokens))
     return out
 
@@ -229,12 +249,12 @@ class _SecondDraft(Exception):
 class _Recording(Strategy):
     """The mode's strategy for the first round; at the second, the draft it was given, and no verdict."""
 
-    def __init__(self, inner: Strategy) -> None:
-        self.inner, self.rounds = inner, 0
+    def __init__(self, inner: Strategy, stop_at: int = 2) -> None:
+        self.inner, self.rounds, self.stop_at = inner, 0, stop_at
 
     async def verify(self, rnd: Round) -> RoundResult:
         self.rounds += 1
-        if self.rounds > 1:
+        if self.rounds >= self.stop_at:
             raise _SecondDraft(rnd.draft)
         return await self.inner.verify(rnd)
 
@@ -301,59 +321,51 @@ async def _cancel_the_rest() -> None:
 
 
 def target_next(cell: Cell, last: int, generated: int) -> torch.Tensor:  # [V] float64
-    """The target after ``last`` with ``generated`` tokens so far: Σ w_n T(p_n), each T(p_n) the
-    worker's own fp32 row normalised in float64; before ``min_tokens`` each worker's row without
-    EOS, mixed by w_n κ_n (κ_n its mass off EOS); at T = 0 the argmax of the rows as they are."""
+    """The target after ``last`` with ``generated`` tokens so far, from the definitions and not
+    the serving code: Σ w_n T(p_n), each T(p_n) the worker's own fp32 row normalised in float64;
+    before ``min_tokens`` EOS zeroed in that mixture and the rest renormalised (the law of
+    p(· | not EOS)); at T = 0 the argmax of the rows as they are, EOS excluded before ``min_tokens``."""
     weights = torch.tensor(WORKER_SETS[cell.workers], dtype=torch.float64)
-    logits = [t.table[last].float()[None] for t in TARGETS[: len(weights)]]
-    rows = [apply_sampling(row, cell.params) for row in logits]
-    if generated < cell.min_tokens and not cell.params.is_greedy:  # p_n(· | not EOS), mixed by w_n κ_n
-        pairs = [suppress(row, probs, torch.tensor([True]), torch.tensor([EOS]), cell.params) for row, probs in zip(logits, rows)]
-        rows = [probs for probs, _ in pairs]
-        weights = weights * torch.tensor([float(kept[0]) for _, kept in pairs], dtype=torch.float64)
     weights = weights / weights.sum()
-    p = sum((w * (row[0].double() if cell.params.is_greedy else normalised(row[0])) for w, row in zip(weights, rows)), torch.zeros(V, dtype=torch.float64))
+    rows = [apply_sampling(t.table[last].float()[None], cell.params)[0] for t in TARGETS[: len(weights)]]
+    p = sum((w * (row.double() if cell.params.is_greedy else normalised(row)) for w, row in zip(weights, rows)), torch.zeros(V, dtype=torch.float64))
+    if generated < cell.min_tokens:
+        p[EOS] = 0.0
+        p = p if cell.params.is_greedy else p / p.sum()
     if cell.params.is_greedy:
-        if generated < cell.min_tokens:
-            p[EOS] = 0.0
         return torch.nn.functional.one_hot(torch.argmax(p), V).double()  # argmax: the lowest id of the ties
     return p
 
 
-def sequence_law(cell: Cell, length: int) -> dict[tuple[int, ...], float]:
-    """The target's law of the first ``length`` tokens (a sequence ends early at EOS)."""
-    out: dict[tuple[int, ...], float] = {}
+def prefix_distance(cell: Cell, law: dict[tuple[int, ...], float]) -> float:
+    """How far the checked tokens' law, each outcome followed by the target's conditionals, is
+    from the target's own law of sequences: the largest |C(s) − P(s)| over the prefixes s that
+    decide it — every proper prefix of an outcome and each of its V one-token extensions. (Past
+    those no outcome goes on, so C(s·x) = C(s) p(x | s) = P(s·x) by induction: equal there, equal
+    at every length, without enumerating Vᴸ sequences.) A sequence ends at EOS."""
+    rows: dict[tuple[int, int], torch.Tensor] = {}
 
-    def grow(prefix: tuple[int, ...], mass: float) -> None:
-        if len(prefix) == length or (prefix and prefix[-1] == EOS):
-            out[prefix] = out.get(prefix, 0.0) + mass
-            return
-        p = target_next(cell, prefix[-1] if prefix else PROMPT[-1], len(prefix))
-        for token in range(V):
-            if p[token] > 0:
-                grow((*prefix, token), mass * float(p[token]))
+    def p_next(prefix: tuple[int, ...]) -> torch.Tensor:
+        key = (prefix[-1] if prefix else PROMPT[-1], len(prefix))
+        if key not in rows:
+            rows[key] = target_next(cell, *key)
+        return rows[key]
 
-    grow((), 1.0)
-    return out
+    def target(s: tuple[int, ...], start: int = 0) -> float:  # P(s[start:] | s[:start])
+        mass = 1.0
+        for i in range(start, len(s)):
+            if i and s[i - 1] == EOS:
+                return 0.0
+            mass *= float(p_next(s[:i])[s[i]])
+        return mass
 
-
-def completed(cell: Cell, law: dict[tuple[int, ...], float], length: int) -> dict[tuple[int, ...], float]:
-    """The checked tokens' law, each outcome followed by the target's conditionals up to ``length``."""
-    out: dict[tuple[int, ...], float] = {}
-
-    def grow(prefix: tuple[int, ...], mass: float) -> None:
-        if len(prefix) >= length or (prefix and prefix[-1] == EOS):
-            key = prefix[:length]
-            out[key] = out.get(key, 0.0) + mass
-            return
-        p = target_next(cell, prefix[-1] if prefix else PROMPT[-1], len(prefix))
-        for token in range(V):
-            if p[token] > 0:
-                grow((*prefix, token), mass * float(p[token]))
-
-    for tokens, mass in law.items():
-        grow(tokens, mass)
-    return out
+    internal = {t[:i] for t in law for i in range(len(t))}
+    checks = internal | {(*s, x) for s in internal if not (s and s[-1] == EOS) for x in range(V)}
+    worst = 0.0
+    for s in checks:
+        reached = sum(mass * (1.0 if t[: len(s)] == s else target(s, len(t)) if s[: len(t)] == t else 0.0) for t, mass in law.items())
+        worst = max(worst, abs(reached - target(s)))
+    return worst
 
 
 def tokens_law(law: dict[Outcome, float]) -> dict[tuple[int, ...], float]:
@@ -361,10 +373,6 @@ def tokens_law(law: dict[Outcome, float]) -> dict[tuple[int, ...], float]:
     for (tokens, _, _), mass in law.items():
         out[tokens] = out.get(tokens, 0.0) + mass
     return out
-
-
-def distance(a: dict[tuple[int, ...], float], b: dict[tuple[int, ...], float]) -> float:
-    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in {*a, *b})
 
 
 # ----------------------------------------------------------------------------- running the matrix
@@ -398,16 +406,15 @@ def test_cell(cell: Cell, laws: dict[str, tuple[dict[Outcome, float], int, float
         return
     assert abs(sum(law.values()) - 1) < TOLERANCE
     tokens = tokens_law(law)
-    length = max(len(t) for t in tokens)
     if cell.claim is Guarantee.LOSSLESS:
-        assert distance(completed(cell, tokens, length), sequence_law(cell, length)) <= TOLERANCE
+        assert prefix_distance(cell, tokens) <= TOLERANCE
         return
     first: dict[tuple[int, ...], float] = {}
     for key, mass in tokens.items():
         first[key[:1]] = first.get(key[:1], 0.0) + mass
     tv = 0.5 * sum(abs(first.get((t,), 0.0) - float(target_next(cell, PROMPT[-1], 0)[t])) for t in range(V))
-    bound = sum(mass * b for (_, b, _), mass in law.items())
-    assert tv <= bound + TOLERANCE, f"TV {tv:.3e} at the first token above the reported bound {bound:.3e}"
+    bound = sum(mass * b for (_, b, _), mass in law.items())  # σ travels as fp32: equal to the TV up to its rounding
+    assert tv <= bound * (1 + 2**-23) + TOLERANCE, f"TV {tv:.3e} at the first token above the reported bound {bound:.3e}"
 
 
 # ----------------------------------------------------------------------------- what the matrix covers
@@ -441,11 +448,47 @@ def test_the_matrix_covers_every_registry() -> None:
         assert cell.spec.payload is cell.payload and cell.spec.is_lossless == (cell.claim is Guarantee.LOSSLESS)
 
 
+def first_draft(cell: Cell) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(ids, parents) of the tree the cell's first round verifies (a fixed tree does not depend
+    on the draws)."""
+    loop = asyncio.new_event_loop()
+    recording = _Recording(STRATEGIES[cell.mode], stop_at=1)
+    strategies = dict(loop_module.STRATEGIES)
+    loop_module.STRATEGIES[cell.mode] = recording
+
+    async def once() -> Any:
+        req = GenerationRequest("m", PROMPT, MAX_TOKENS, cell.params, SEED, 0, cell.spec, seeded=True)
+        try:
+            async with aclosing(_engine(cell).generate(req)) as results:
+                async for _ in results:
+                    pass
+        except _SecondDraft as first:
+            return first.signature
+        raise AssertionError("no round was verified")
+
+    try:
+        ids, parents, _, _ = loop.run_until_complete(once())
+    finally:
+        loop_module.STRATEGIES.clear()
+        loop_module.STRATEGIES.update(strategies)
+        loop.close()
+    return ids, parents
+
+
 def test_the_degenerate_shapes_are_in_the_matrix() -> None:
+    """The shapes are not only configured but drafted: one node; a fixed chain of two rows whose
+    leaf bonus is emitted; a fixed tree that prunes to a chain; a fixed tree that forks."""
     trees = [c.spec.tree for c in CELLS if c.spec.tree is not None]
     fixed = [t for t in trees if t.rule is ChildRule.FIXED]
     assert any(t.nodes == 1 for t in fixed) and any(t.top_k == 1 and t.nodes > 1 for t in fixed) and any(t.depth == 1 for t in fixed)
     assert {(1,), (1, 1)} <= {t.widths for t in trees if t.rule is not ChildRule.FIXED}
+    exact = {c.shape: c for c in CELLS if c.mode is Mode.TREE and c.payload is Payload.SPARSE and c.rule == "fixed" and c.workers == "1 worker" and c.sampling == "T=1" and not c.option}
+    assert first_draft(exact["nodes 1"])[1] == (-1,)
+    assert first_draft(exact["top-1 chain of 2"])[1] == (-1, 0)
+    assert first_draft(exact["nodes 2 depth 2 top-2 (prunes to a chain)"])[1] == (-1, 0)  # pruned to a chain
+    assert first_draft(exact["nodes 3 depth 2 top-2"])[1] in {(-1, 0, -1), (-1, -1, 0), (-1, -1, 1)}  # a fork at the root
+    law, _, _ = cell_law(exact["top-1 chain of 2"])
+    assert sum(mass for (tokens, _, _), mass in law.items() if len(tokens) == 3) > 0  # both rows accepted, the leaf's bonus emitted
     schedules = [c.spec.pipeline for c in CELLS if c.spec.pipeline is not None]
     assert any(s.tree.nodes == 1 for s in schedules) and any(s.tree.top_k == 1 and s.tree.nodes > 1 for s in schedules)
 
@@ -491,7 +534,7 @@ def test_negative_control_a_verifier_without_the_residual_is_caught(monkeypatch:
     """The classic bug: at a rejection, resample from p, not norm(max(0, p − q̂)) — caught in
     every sampled chain and tree (fixed children do not use that residual: they zero and renormalise)."""
     monkeypatch.setattr(tree_math, "residual", lambda p, q: p.double() / p.double().sum())
-    picked = [c for c in CELLS if c.mode in (Mode.AGGREGATE, Mode.TREE) and c.payload is Payload.FULL and c.sampling == "T=1" and not c.option and not c.overlap]
+    picked = [c for c in CELLS if c.mode in (Mode.AGGREGATE, Mode.TREE) and c.payload is Payload.FULL and c.sampling == "T=1" and c.workers == "1 worker" and not c.option and not c.overlap]
     assert _caught(picked) == {c.name for c in picked if c.rule != "fixed"}
 
 
@@ -511,5 +554,5 @@ def test_negative_control_a_pipeline_walk_that_keeps_the_rejected_mass_is_caught
         return real(p, q, candidates, rule, accept_u)[0], p.double()
 
     monkeypatch.setattr(pipeline_strategy, "try_children", kept_mass)
-    picked = [c for c in CELLS if c.mode is Mode.PIPELINE and c.sampling == "T=1" and not c.option]
+    picked = [c for c in CELLS if c.mode is Mode.PIPELINE and c.sampling == "T=1" and not c.option and "expanding" not in c.shape]  # the expanding tree: 40 s more
     assert _caught(picked) == {c.name for c in picked}

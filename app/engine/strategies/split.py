@@ -30,7 +30,7 @@ class SplitStrategy(Strategy):
             u = uniform(req.seed, req.choice, rnd.positions[accepted], Purpose.RESIDUAL)
             token = sample_index(residual(p_row, draft.q_row(accepted - 1, rnd.vocab_size)), u)
             final = float(torch.log(p_row[token].clamp(min=1e-45)))  # from the row sent: p, or p̂ of its top-k
-            result_bound = [float(array(resp.tail_mass)[0])] if spec.k is not None else []
+            result_bound = [0.0] * accepted + [float(array(resp.tail_mass)[0])] if spec.k is not None else []  # p̂ decided the last token only
         tokens = [*draft.ids()[:accepted], token]
         result = RoundResult(tokens, drafted=gamma, accepted=accepted, traffic=rnd.traffic)
         if req.top_logprobs is not None:

@@ -9,7 +9,7 @@ import torch
 
 from core.math.aggregation import aggregate, kept_weights
 from core.math.random import sample_index, sample_rows
-from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_top_k, mask_top_p, suppress, truncate, truncated_support
+from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_top_k, mask_top_p, normalised, suppress, truncate, truncated_support
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
 
@@ -85,9 +85,9 @@ def test_bad_params_raise(kwargs: dict[str, float]) -> None:
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=4), SamplingParams(temperature=0)])
 def test_suppression_reweighs_the_mixture_to_the_target_without_eos(params: SamplingParams) -> None:
-    """Closed form: with p'_n = T(p_n) without E renormalised and κ_n its kept mass, the mixture
-    Σ w'_n p'_n with w' = kept_weights(w, κ) is the mixture T-mixed without E, renormalised — on
-    the suppressed rows; the others are left alone (κ = 1)."""
+    """Closed form: with p'_n = T(p_n) without E (as sent: zeroed, renormalised by the reader) and
+    κ_n its kept mass, the mixture Σ w'_n p'_n with w' = kept_weights(w, κ) is the mixture T-mixed
+    without E, renormalised — on the suppressed rows; the others are left alone (κ = 1)."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(3, 2, 10, generator=g) * 2  # [N, rows, V]
     logits[0, :, 4] += 4.0  # worker 0 puts most of its mass on EOS
@@ -95,7 +95,8 @@ def test_suppression_reweighs_the_mixture_to_the_target_without_eos(params: Samp
     probs = torch.stack([apply_sampling(lg, params) for lg in logits])
     suppressed = [suppress(lg, p, torch.tensor([True, False]), eos, params) for lg, p in zip(logits, probs)]
     kept = torch.stack([k for _, k in suppressed])  # [N, rows]
-    mixed = aggregate(torch.stack([p for p, _ in suppressed]), kept_weights(w, kept))
+    mixed = aggregate(torch.stack([normalised(p) for p, _ in suppressed]), kept_weights(w, kept))
+    assert all(torch.equal(p[0].index_fill(0, eos, 0.0), sent[0]) for p, (sent, _) in zip(probs, suppressed))  # T(p)'s own fp32 numbers
     target = aggregate(probs, w)
     expected_first = target[0].index_fill(0, eos, 0.0)
     assert torch.allclose(mixed[0], expected_first / expected_first.sum(), atol=1e-6)
