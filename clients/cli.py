@@ -13,7 +13,7 @@
     specgate bench pipeline [--stages 2,3] [--hop-ms 0,5,20] [--runs N] [--json FILE]
     specgate chat [--url URL] [--mode MODE] [--api-key KEY]
     specgate eval [--url URL | --serve] [--json FILE]
-    specgate law [--url URL | --serve] [--gguf PATH] [--speculative JSON] [--samples N] [--json FILE]
+    specgate law [--url URL | --serve] [--gguf PATH] [--speculative JSON]... [--samples N] [--json FILE]
 
 The CLI is the composition root: it starts servers as processes (``python -m workers``,
 ``python -m app``) and speaks HTTP to them, so it imports neither ``app/`` nor ``workers/``.
@@ -62,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     law.add_argument("--config", default=None, help="with --serve: its config (default: the built-in one)")
     law.add_argument("--startup-timeout", type=float, default=600.0, help="with --serve: seconds to wait (default: 600)")
     law.add_argument("--gguf", default=None, help="the target's GGUF file (default: the built-in target)")
-    law.add_argument("--speculative", default=None, help='the request\'s "speculative" object, as JSON (default: the gateway\'s mode)')
+    law.add_argument("--speculative", action="append", default=None, help='the request\'s "speculative" object, as JSON (default: the gateway\'s mode); repeat it to check several against one reference')
     law.add_argument("--samples", type=int, default=1500, help="seeded answers of two tokens (default: 1500)")
+    law.add_argument("--max-tokens", type=int, default=2, help="tokens per answer, of which the first two are read: above a tree's depth to draft it whole (default: 2)")
     law.add_argument("--prompt", default="The three longest rivers in the world are", help="the prompt, tokenized by llama.cpp (default: 'The three longest rivers in the world are')")
     law.add_argument("--temperature", type=float, default=1.0, help="T > 0 (default: 1.0)")
     law.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: 4)")

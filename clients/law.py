@@ -4,13 +4,20 @@ tokens of N seeded answers at T > 0, against the target GGUF evaluated by llama-
 
 The prompt is sent as token ids (llama.cpp's tokenization of ``--prompt``), so gateway and
 reference read the same tokens. The reference law is p(a) p(b | a) at temperature T from the
-GGUF's own logits: every first token a of mass ≥ 1e-4 or seen in the answers gets its second
-row; cells expected fewer than 5 times are pooled per first token, then all together (a
-chi-square law needs no cell that rare). A lossless gateway gives a p-value spread uniformly
-over (0, 1); a biased one, a p-value near 0 that shrinks as ``--samples`` grows.
+GGUF's own logits. The cells are fixed before any answer is read (a cell chosen from the answers
+biases the test: a first token that was seen would move its mass out of the pooled cell and its
+count into a rare one): every first token of mass ≥ 1e-4 gets its second row, the other first
+tokens share one cell; cells expected fewer than 5 times are pooled per first token, then all
+together. A lossless gateway gives a p-value spread uniformly over (0, 1); a biased one, a
+p-value near 0 that shrinks as ``--samples`` grows. The first token's empirical TV is printed
+next to its noise floor (the median TV of as many draws from the target itself): only the
+excess over the floor says anything.
+
+``--speculative`` may be given several times: one gateway, one reference, one line per
+configuration (``autoregressive`` is the control every run should pass).
 
 Usage: ``specgate law [--url http://127.0.0.1:8000 | --serve [--config F]] [--gguf PATH]
-[--speculative JSON] [--samples 1500] [--json FILE]``
+[--speculative JSON]... [--samples 1500] [--max-tokens 2] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from clients.report import progress, write_json
 
 PROMPT = "The three longest rivers in the world are"
 MIN_EXPECTED = 5.0  # a chi-square cell expected fewer times than this is pooled
-ROW_MASS = 1e-4  # first tokens below this mass and never seen share one pooled cell
+ROW_MASS = 1e-4  # first tokens below this mass share one cell, (−1, None)
 
 Pair = tuple[int, int | None]  # the first two tokens; None: the answer ended after the first
 
@@ -45,36 +52,39 @@ def check_law(args: argparse.Namespace) -> int:
     gguf = args.gguf or str(builtin_gguf())
     reference = Llama(model_path=gguf, n_ctx=512, logits_all=True, verbose=False, n_threads=args.threads, flash_attn=True)
     prompt = reference.tokenize(args.prompt.encode(), add_bos=False, special=True)
-    spec = json.loads(args.speculative) if args.speculative else None
+    specs = [json.loads(text) for text in args.speculative] if args.speculative else [None]
+    expected = _reference_law(reference, prompt, args.temperature, reference.token_eos())
+    runs: list[dict[str, Any]] = []
     with _gateway(args) as url:
         if url is None:
             return 1
-        pairs = _answers(url, prompt, spec, args)
-    if not pairs:
-        return 1
-    eos = reference.token_eos()
-    observed = Counter(pairs)
-    expected = _reference_law(reference, prompt, args.temperature, {a for a, _ in pairs}, eos)
-    statistic, dof, pvalue = _chi_square(observed, expected, len(pairs))
-    results = {
-        "url": url, "gguf": gguf, "prompt": args.prompt, "prompt_ids": prompt, "speculative": spec, "temperature": args.temperature,
-        "samples": len(pairs), "chi_square": statistic, "degrees_of_freedom": dof, "p_value": pvalue,
-        "first_token_tv": _first_token_tv(observed, expected, len(pairs)),
-    }
-    print(f"{len(pairs)} answers, {json.dumps(spec)}: chi-square {statistic:.1f} on {dof} degrees of freedom, p = {pvalue:.3g}; "
-          f"TV of the first token's empirical law to the target {results['first_token_tv']:.4f}")
-    write_json(args.json_path, results)
+        for spec in specs:
+            pairs = _answers(url, prompt, spec, args)
+            if not pairs:
+                return 1
+            observed = Counter(pairs)
+            statistic, dof, pvalue = chi_square(observed, expected, len(pairs))
+            tv, floor = first_token_tv(observed, expected, len(pairs)), tv_floor(expected, len(pairs))
+            runs.append({
+                "speculative": spec, "samples": len(pairs), "chi_square": statistic, "degrees_of_freedom": dof, "p_value": pvalue,
+                "first_token_tv": tv, "first_token_tv_floor": floor, "pairs": [list(pair) for pair in pairs],
+            })
+            print(f"{len(pairs)} answers, {json.dumps(spec)}: chi-square {statistic:.1f} on {dof} degrees of freedom, p = {pvalue:.3g}; "
+                  f"first token's empirical TV to the target {tv:.4f} (noise floor at {len(pairs)} draws {floor:.4f})", flush=True)
+    write_json(args.json_path, {"url": url, "gguf": gguf, "prompt": args.prompt, "prompt_ids": prompt, "temperature": args.temperature, "max_tokens": args.max_tokens, "runs": runs})
     return 0
 
 
 def _answers(url: str, prompt: list[int], spec: dict[str, Any] | None, args: argparse.Namespace) -> list[Pair]:
-    """The first two tokens of ``--samples`` seeded answers (seeds 0, 1, …), as token ids."""
+    """The first two tokens of ``--samples`` seeded answers (seeds 0, 1, …), as token ids. An
+    answer is ``--max-tokens`` long: a gateway drafts at most max_tokens − 1 tokens a round, so a
+    tree deeper than one node needs more than two to be drafted whole."""
     with httpx.Client(base_url=url, timeout=httpx.Timeout(600, connect=10), headers=_auth()) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
 
         def one(seed: int) -> Pair:
             body: dict[str, Any] = {
-                "model": model, "prompt": prompt, "max_tokens": 2, "temperature": args.temperature, "seed": seed,
+                "model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": seed,
                 "logprobs": 0, "return_tokens_as_token_ids": True,
             }
             if spec is not None:
@@ -106,11 +116,11 @@ def _probs(reference: Any, tokens: list[int], temperature: float) -> np.ndarray:
     return p / p.sum()
 
 
-def _reference_law(reference: Any, prompt: list[int], temperature: float, seen: set[int], eos: int) -> dict[Pair, float]:
-    """p(a) p(b | a) for every first token worth a row; the rest of the first tokens' mass under
-    (−1, None), the pooled cell of first tokens without a row."""
+def _reference_law(reference: Any, prompt: list[int], temperature: float, eos: int) -> dict[Pair, float]:
+    """p(a) p(b | a) for every first token of mass ≥ ROW_MASS; the rest of the first tokens' mass
+    under (−1, None), the one cell of first tokens without a row. Chosen from the target alone."""
     first = _probs(reference, prompt, temperature)
-    rows = sorted({int(a) for a in np.nonzero(first >= ROW_MASS)[0]} | seen)
+    rows = [int(a) for a in np.nonzero(first >= ROW_MASS)[0]]
     law: dict[Pair, float] = {(-1, None): float(first.sum() - first[rows].sum())}
     for i, a in enumerate(rows):
         if a == eos:
@@ -124,16 +134,21 @@ def _reference_law(reference: Any, prompt: list[int], temperature: float, seen: 
     return law
 
 
-def _chi_square(observed: Counter[Pair], expected: dict[Pair, float], samples: int) -> tuple[float, int, float]:
+def chi_square(observed: Counter[Pair], expected: dict[Pair, float], samples: int) -> tuple[float, int, float]:
     """Pearson's statistic over cells expected ≥ MIN_EXPECTED times, rare cells pooled per first
     token and then all together; its degrees of freedom and p-value (the chi-square survival
-    function, as the regularised upper incomplete gamma)."""
+    function, as the regularised upper incomplete gamma). The cells come from ``expected``
+    alone; an observed pair lands in its own cell, else its first token's rare cell, else (a first
+    token without a row) the cell (−1, None)."""
     cells: dict[Any, list[float]] = {}
     for pair, mass in expected.items():
         key = pair if mass * samples >= MIN_EXPECTED else ("rare", pair[0])
         cells.setdefault(key, [0.0, 0.0])[1] += mass * samples
+    rows = {a for a, _ in expected}
     for pair, count in observed.items():
-        key = pair if pair in cells else ("rare", pair[0]) if ("rare", pair[0]) in cells else ("rare", -1)
+        if pair[0] not in rows:
+            pair = (-1, None)
+        key = pair if pair in cells else ("rare", pair[0])
         cells.setdefault(key, [0.0, 0.0])[0] += count
     pooled = [0.0, 0.0]
     for key in [k for k, (_, e) in cells.items() if e < MIN_EXPECTED]:
@@ -148,12 +163,27 @@ def _chi_square(observed: Counter[Pair], expected: dict[Pair, float], samples: i
     return statistic, dof, pvalue
 
 
-def _first_token_tv(observed: Counter[Pair], expected: dict[Pair, float], samples: int) -> float:
-    seen: Counter[int] = Counter()
-    for (a, _), count in observed.items():
-        seen[a] += count
+def _first_token_law(expected: dict[Pair, float]) -> dict[int, float]:
     target: dict[int, float] = {}
     for (a, _), mass in expected.items():
-        if a >= 0:
-            target[a] = target.get(a, 0.0) + mass
+        target[a] = target.get(a, 0.0) + mass
+    return target
+
+
+def first_token_tv(observed: Counter[Pair], expected: dict[Pair, float], samples: int) -> float:
+    """TV between the first token's empirical law and the target's, over the rows' tokens and
+    the one cell (−1) of first tokens without a row."""
+    target = _first_token_law(expected)
+    seen: Counter[int] = Counter()
+    for (a, _), count in observed.items():
+        seen[a if a in target else -1] += count
     return 0.5 * sum(abs(seen[a] / samples - target.get(a, 0.0)) for a in {*seen, *target})
+
+
+def tv_floor(expected: dict[Pair, float], samples: int, draws: int = 200) -> float:
+    """The median first-token TV of ``samples`` draws from the target itself (seeded): what a
+    lossless gateway shows at this many answers."""
+    target = _first_token_law(expected)
+    mass = np.array(list(target.values()))
+    counts = np.random.default_rng(0).multinomial(samples, mass / mass.sum(), size=draws)
+    return float(np.median(0.5 * np.abs(counts / samples - mass).sum(axis=1)))
