@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 import httpx
 import orjson
+import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -66,6 +67,7 @@ def create_app(
         metrics.watch_draft(draft_model)
         gateway = Gateway(config, draft_model, pool, metrics)
         app.state.gateway = gateway
+        app.state.draft_threads = runner.threads
         for entry in await gateway.check_workers():
             if entry.get("fatal"):  # a pipeline whose stages answer but cannot make it (DESIGN §3.7)
                 log.error("%s", entry["error"])
@@ -100,8 +102,9 @@ def _gateway(request: Request) -> Gateway:
 
 def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
-    async def health(request: Request) -> dict[str, str]:
-        return {"status": "ok", "instance_id": request.app.state.instance_id}
+    async def health(request: Request) -> dict[str, Any]:
+        threads = {"draft": getattr(request.app.state, "draft_threads", None), "torch": torch.get_num_threads()}
+        return {"status": "ok", "instance_id": request.app.state.instance_id, "threads": threads}
 
     @app.get("/", include_in_schema=False)
     async def chat_page(request: Request) -> Response:

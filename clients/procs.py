@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -30,6 +31,16 @@ def worker_command(
     return command + (["--threads", str(threads)] if threads else [])
 
 
+def child_env(threads: int | None) -> dict[str, str] | None:
+    """The environment of a child given ``threads`` cores: native thread pools (OpenMP, MKL,
+    OpenBLAS) sized to its share from the start, before it reaches ``load_runner``'s
+    ``torch.set_num_threads``; None (inherit) when it takes every core."""
+    if not threads:
+        return None
+    pools = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    return {**os.environ, **{name: str(threads) for name in pools}}
+
+
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
     """SIGTERM, then SIGKILL after ``grace_s``; always reaps the child."""
     if proc.poll() is None:
@@ -48,13 +59,15 @@ class ServerProcess:
     Usage: ``with WorkerProcess("builtin", "llama.cpp") as url: httpx.get(url + "/v1/info")``
     """
 
-    def __init__(self, command: list[str], port: int, ready_path: str = "/health", timeout_s: float = 300.0, cwd: str | None = None) -> None:
-        self.command, self.port, self.ready_path, self.timeout_s, self.cwd = command, port, ready_path, timeout_s, cwd
+    def __init__(
+        self, command: list[str], port: int, ready_path: str = "/health", timeout_s: float = 300.0, cwd: str | None = None, threads: int | None = None,
+    ) -> None:
+        self.command, self.port, self.ready_path, self.timeout_s, self.cwd, self.threads = command, port, ready_path, timeout_s, cwd, threads
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> str:
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, cwd=self.cwd)
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, cwd=self.cwd, env=child_env(self.threads))
         deadline = time.monotonic() + self.timeout_s
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
@@ -77,13 +90,13 @@ class ServerProcess:
 def WorkerProcess(model: str, backend: str, port: int | None = None, threads: int | None = None, timeout_s: float = 300.0, cwd: str | None = None) -> ServerProcess:
     """A real worker on 127.0.0.1 (a free port unless given); ``cwd``: the code of another checkout."""
     port = port or free_port()
-    return ServerProcess(worker_command(model, backend, port, threads), port, "/health", timeout_s, cwd)
+    return ServerProcess(worker_command(model, backend, port, threads), port, "/health", timeout_s, cwd, threads)
 
 
 def StageProcess(layers: str, model: str = "builtin", port: int | None = None, threads: int | None = 1, link_rtt_ms: float = 0.0, timeout_s: float = 300.0) -> ServerProcess:
     """A pipeline stage worker (transformers) serving ``layers`` (first:end) on 127.0.0.1."""
     port = port or free_port()
-    return ServerProcess(worker_command(model, "transformers", port, threads, layers=layers, link_rtt_ms=link_rtt_ms), port, "/health", timeout_s)
+    return ServerProcess(worker_command(model, "transformers", port, threads, layers=layers, link_rtt_ms=link_rtt_ms), port, "/health", timeout_s, threads=threads)
 
 
 def GatewayProcess(config_path: str, port: int | None = None, timeout_s: float = 300.0, cwd: str | None = None) -> ServerProcess:

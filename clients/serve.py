@@ -25,7 +25,7 @@ from types import FrameType
 
 import httpx
 
-from clients.procs import free_port, stop_process, worker_command
+from clients.procs import child_env, free_port, stop_process, worker_command
 from core.config import SpecgateConfig, StageEntry, WorkerEntry, dump_config, load_config
 from core.errors import SpecgateError
 
@@ -62,7 +62,7 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
             resolved.write_text(dump_config(config))
             print(f"specgate serve: starting the gateway on http://{config.host}:{config.port}", flush=True)
             command = [sys.executable, "-m", "app", "--config", str(resolved), "--log-level", "warning", "--instance-id", f"{instance}-gateway"]
-            procs["gateway"] = _start(command)
+            procs["gateway"] = _start(command, config.draft.threads)
             gateway = {"gateway": (f"http://{config.host}:{config.port}/health/ready", f"{instance}-gateway")}
             if not wait_ready(gateway, procs, startup_timeout, stop):
                 return 1
@@ -97,7 +97,7 @@ def start_worker(config: SpecgateConfig, entry: WorkerEntry, instance_id: str) -
     assert entry.model is not None and entry.port is not None
     url = config.worker_url(entry)
     print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}, threads={entry.threads}) on {url}", flush=True)
-    return _start([*worker_command(entry.model, entry.backend.value, entry.port, entry.threads), "--instance-id", instance_id])
+    return _start([*worker_command(entry.model, entry.backend.value, entry.port, entry.threads), "--instance-id", instance_id], entry.threads)
 
 
 def local_stages(config: SpecgateConfig) -> list[tuple[str, StageEntry]]:
@@ -110,13 +110,14 @@ def start_stage(name: str, stage: StageEntry, instance_id: str) -> subprocess.Po
     link = f", link {stage.link_rtt_ms:g} ms rtt" if stage.link_rtt_ms else ""
     print(f"specgate serve: starting {name}: {stage.model} layers {stage.layers} (transformers, threads={stage.threads}{link}) on http://127.0.0.1:{stage.port}", flush=True)
     command = worker_command(stage.model, "transformers", stage.port, stage.threads, layers=stage.layers, link_rtt_ms=stage.link_rtt_ms, link_mbps=stage.link_mbps)
-    return _start([*command, "--instance-id", instance_id])
+    return _start([*command, "--instance-id", instance_id], stage.threads)
 
 
-def _start(command: list[str]) -> subprocess.Popen[bytes]:
+def _start(command: list[str], threads: int | None) -> subprocess.Popen[bytes]:
     # its own process group: a terminal's Ctrl-C reaches `serve` alone, which stops the
-    # gateway first (it drains its streams, which still need the workers), then the workers
-    return subprocess.Popen(command, process_group=0, preexec_fn=_die_with_parent())
+    # gateway first (it drains its streams, which still need the workers), then the workers;
+    # its share of the cores for every thread pool it has (``child_env``, ``load_runner``)
+    return subprocess.Popen(command, process_group=0, preexec_fn=_die_with_parent(), env=child_env(threads))
 
 
 def _die_with_parent() -> Callable[[], None] | None:

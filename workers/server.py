@@ -371,8 +371,9 @@ def _stage_request(state: WorkerState, body: bytes, content_type: str | None) ->
 
 def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok", "instance_id": settings.instance_id}
+    async def health(request: Request) -> dict[str, Any]:
+        threads = {"model": _state(request).runner.threads, "torch": torch.get_num_threads()}
+        return {"status": "ok", "instance_id": settings.instance_id, "threads": threads}
 
     @app.get("/v1/info")
     async def info(request: Request) -> Response:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from core.errors import ModelLoadError
 from core.names import Backend
 from core.runners.base import ModelRunner, RunnerInfo
@@ -45,13 +47,10 @@ def load_runner(
     if backend == Backend.LLAMA_CPP.value and source.is_tiny_random:
         raise ModelLoadError("tiny-random is built in code: use --backend transformers")
     tokenizer = load_tokenizer(source)
+    threads = share_cores(threads)
     if backend == Backend.TRANSFORMERS.value:
         from core.runners.transformers_runner import TransformersRunner
 
-        if threads:
-            import torch
-
-            torch.set_num_threads(threads)
         runner: ModelRunner = TransformersRunner(
             source, tokenizer, max_context=max_context, device=device, dtype=dtype,
             memory_cap_mb=memory_cap_mb, gpu_memory_utilization=gpu_memory_utilization, layers=layers,
@@ -63,8 +62,21 @@ def load_runner(
         runner = LlamaCppRunner(source, tokenizer, max_context=max_context, memory_cap_mb=memory_cap_mb, n_threads=threads)
     else:
         raise ModelLoadError(f"unknown backend {backend!r}: use transformers or llama.cpp")
+    runner.threads = threads
     check_vocab(len(runner.tokenizer), runner.info.vocab_size, str(source.path or source.name))
     return runner
+
+
+def share_cores(threads: int | None) -> int:
+    """Give this process ``threads`` cores (default: every core) for torch's OpenMP pool as well
+    as for its model, and return the number. Every process that imports torch has that pool, a
+    llama.cpp one too: three processes on two cores, each with a pool of every core, spin against
+    each other and made a few torch ops on γ + 1 rows 20× slower (issue 33)."""
+    import torch
+
+    threads = threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    return threads
 
 
 def check_vocab(num_tokens: int, vocab_size: int, where: str) -> None:

@@ -106,6 +106,7 @@ class ModelRunner(ABC):
     keeps_subtrees = False  # ``keep`` takes a prefix plus a subtree (FlowSpec's prune), not only a path
     hidden_size = 0  # the model's hidden states' width (what a stage passes on)
     num_layers: int | None = None  # the whole model's decoder layers, where the backend says (a stage must)
+    threads: int | None = None  # the CPU threads its model and torch's pool run on (``load_runner`` sets it)
 
     @property
     def is_first_stage(self) -> bool:

@@ -68,8 +68,13 @@ def test_serve_starts_gateway_and_workers_prints_ready_and_stops_them(tmp_path: 
     try:
         lines = _read_until(proc, "specgate: ready", timeout_s=240)
         assert any("curl" in line for line in _read_lines(proc, 1))
+        share = max(1, (os.cpu_count() or 1) // 2)  # two local workers: each, and the draft, a half of the cores
         for port in ports:
             assert httpx.get(f"http://127.0.0.1:{port}/v1/info", timeout=10).json()["vocab_size"] == 49152
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["threads"] == {"model": share, "torch": share}
+        assert httpx.get(f"http://127.0.0.1:{gateway_port}/health", timeout=10).json()["threads"] == {"draft": share, "torch": share}
+        for child in psutil.Process(proc.pid).children():
+            assert child.environ()["OMP_NUM_THREADS"] == str(share)
         body = {"model": "specgate", "prompt": "Hi", "max_tokens": 3}
         resp = httpx.post(f"http://127.0.0.1:{gateway_port}/v1/completions", json=body, timeout=60)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
