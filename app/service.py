@@ -7,6 +7,7 @@ final text (incremental detokenisation, stop strings) and counts what happened.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -520,8 +521,19 @@ class Gateway:
         def entry(token: int, logprob: float) -> dict[str, Any]:
             return {"token": name(token), "logprob": logprob, "bytes": list(self._piece(token).encode("utf-8"))}
 
-        content = [{**entry(lp.token, lp.logprob or 0.0), "top_logprobs": [entry(t, v) for t, v in lp.top or []]} for lp in logprobs]
+        # the tokens join to message.content, as OpenAI's do: a special token (the end of the
+        # turn, <|im_end|>) is not in the content, so it is not in its logprobs either
+        special = self._special_ids
+        content = [
+            {**entry(lp.token, lp.logprob or 0.0), "top_logprobs": [entry(t, v) for t, v in lp.top or []]}
+            for lp in logprobs if lp.token not in special
+        ]
         return {"content": content, "refusal": None}  # OpenAI's schema requires refusal (null here)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """What the detokenizer leaves out of the text (``skip_special_tokens``)."""
+        return frozenset(int(t) for t in getattr(self.tokenizer, "all_special_ids", []))
 
     def _namer(self, job: Job) -> Callable[[int], str]:
         """How a token is named in logprobs: its text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""

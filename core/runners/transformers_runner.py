@@ -15,6 +15,8 @@ model's logits would be rounded enough to flip argmaxes).
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import os
 import shutil
@@ -218,7 +220,7 @@ class TransformersRunner(ModelRunner):
             if self.layer_range is None:
                 hidden = self._decoder(
                     input_ids=tokens.to(self.device), attention_mask=mask[:, None].to(self.device),
-                    position_ids=positions.to(self.device), past_key_values=view, use_cache=True,
+                    position_ids=positions.to(self.device), use_cache=True, **{_cache_kwarg(self._decoder.forward): view},
                 ).last_hidden_state
             else:
                 hidden = self._stage_layers(work, firsts, counts, tokens, positions, mask, view)
@@ -258,10 +260,10 @@ class TransformersRunner(ModelRunner):
         position_ids = positions.to(self.device)
         attention = mask[:, None].to(self.device)
         rotary = decoder.rotary_emb(states, position_ids=position_ids)
-        for layer in decoder.layers[self._first_layer:self._end_layer]:
-            states = layer(
-                states, attention_mask=attention, position_ids=position_ids, past_key_values=view, use_cache=True, position_embeddings=rotary,
-            )
+        layers = decoder.layers[self._first_layer:self._end_layer]
+        cache = {_cache_kwarg(layers[0].forward): view} if len(layers) else {}
+        for layer in layers:
+            states = layer(states, attention_mask=attention, position_ids=position_ids, use_cache=True, position_embeddings=rotary, **cache)
         return decoder.norm(states) if self.is_last_stage else states
 
     # ----------------------------------------------------------------- slots
@@ -309,6 +311,20 @@ class TransformersRunner(ModelRunner):
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         out = self.model(input_ids=input_ids, use_cache=False)
         return out.logits[0, -num_logits:].float().cpu()
+
+
+@functools.cache
+def _cache_kwarg_of(function: Any) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
+
+
+def _cache_kwarg(method: Any) -> str:
+    """The name a forward takes its KV cache by: ``cache`` since transformers 5.x renamed it
+    (``past_key_values`` still works there, with a FutureWarning on every call), the old name
+    before."""
+    return _cache_kwarg_of(getattr(method, "__func__", method))
 
 
 class _SlotView:

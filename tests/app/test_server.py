@@ -11,11 +11,14 @@ import httpx
 import pytest
 import torch
 
+from app.engine.spec import TokenLogprob
+from app.server import create_app
+from app.schemas import ChatCompletionRequest
 from core.config import parse_config
 from core.runners import ModelRunner
 from tests.app.conftest import Gateway
 from tests.app.fakes import FAVOURITE, V, FakeWorkerTransport
-from tests.app.helpers import assert_error, sse_events
+from tests.app.helpers import assert_error, gateway_config, sse_events
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}
 COMPLETION = {"model": "test-model", "prompt": "Once upon a time", "max_tokens": 6}
@@ -340,3 +343,19 @@ async def test_min_tokens_looks_for_stop_strings_only_after_it(client: httpx.Asy
     assert (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"] == ""
     choice = (await client.post("/v1/completions", json={**body, "min_tokens": 3})).json()["choices"][0]
     assert choice["text"] == piece * 3 and choice["finish_reason"] == "stop"
+
+
+async def test_chat_logprobs_join_to_the_content_without_the_end_token(tiny_runner: ModelRunner, fakes: FakeWorkerTransport) -> None:
+    """The end of the turn (<|im_end|>) is left out of message.content, so out of its logprobs
+    too: the tokens join to the content, as OpenAI's do (issue 33)."""
+    app = create_app(gateway_config(), draft_runner=tiny_runner, transport=fakes.transport())
+    async with app.router.lifespan_context(app):
+        gateway = app.state.gateway
+        tokenizer = gateway.tokenizer
+        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        tokens = [*tokenizer.encode("Hello there"), end]
+        logprobs = [TokenLogprob(t, -0.5, [(t, -0.5)]) for t in tokens]
+        job = gateway.chat_job(ChatCompletionRequest(model=gateway.config.model, messages=[{"role": "user", "content": "Hi"}], logprobs=True))  # type: ignore[list-item]
+        content = gateway.chat_logprobs(job, logprobs)
+    assert content is not None and [c["token"] for c in content["content"]] == [tokenizer.decode([t]) for t in tokens[:-1]]
+    assert "".join(c["token"] for c in content["content"]) == tokenizer.decode(tokens, skip_special_tokens=True)

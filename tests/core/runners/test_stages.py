@@ -111,3 +111,16 @@ def test_a_range_outside_the_model_is_refused(layers: tuple[int, int]) -> None:
 def test_llama_cpp_cannot_be_a_stage() -> None:
     with pytest.raises(ModelLoadError, match="--backend transformers"):
         load_runner("builtin", "llama.cpp", layers=(0, 15))
+
+
+def test_a_forward_warns_of_nothing(whole: ModelRunner) -> None:
+    """The KV cache goes by transformers' current name: no FutureWarning on every forward of a
+    stage or the whole model (a normal run's log stays clean)."""
+    import warnings
+
+    stages = _stages(whole, SPLITS["2 stages"])
+    item = ForwardItem("quiet", 0, PROMPT, list(range(-1, len(PROMPT) - 1)), [len(PROMPT) - 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _through(stages, item)
+        whole.forward([ForwardItem("quiet-whole", 0, PROMPT, list(range(-1, len(PROMPT) - 1)), [len(PROMPT) - 1])])
