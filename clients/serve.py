@@ -1,11 +1,17 @@
 """``specgate serve``: the local workers of a config, then — once they answer — the gateway;
 report when ready.
 
-Every process it starts is stopped by pid when it exits (Ctrl-C, SIGTERM, or a child dying),
-and dies with it when it dies hard (``kill -9``, the OOM killer): on Linux each child asks the
-kernel for SIGTERM when its parent goes (``prctl(PR_SET_PDEATHSIG)``). Each child gets an
-instance id that its ``/health`` reports, so a process left on a port by something else is
+Every process it starts is stopped by pid when it exits (Ctrl-C, SIGTERM, or the gateway
+dying), and dies with it when it dies hard (``kill -9``, the OOM killer): on Linux each child
+asks the kernel for SIGTERM when its parent goes (``prctl(PR_SET_PDEATHSIG)``). Each child gets
+an instance id that its ``/health`` reports, so a process left on a port by something else is
 never taken for one of ours. Local workers without a ``port`` take free ports.
+
+A local worker or stage that dies once serving is started again on its port (``Restarts``: 1 s,
+2 s, 4 s … up to 30 s between tries, logged; its ``/metrics`` counts ``specgate:worker_restarts``),
+and the gateway's breaker closes when it answers again. ``serve`` gives up — and stops
+everything, with the reason — only when one of them dies ``MAX_DEATHS`` times within
+``DEATH_WINDOW_S``.
 """
 
 from __future__ import annotations
@@ -46,16 +52,19 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
         return 2
     stop, instance = _StopFlag(), uuid.uuid4().hex[:12]
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    restarts = Restarts()
     with tempfile.TemporaryDirectory(prefix="specgate-") as tmp:
         try:
             local = [w for w in config.workers if w.is_local]
             for worker in local:
-                procs[worker.name or ""] = start_worker(config, worker, f"{instance}-{worker.name}")
-            # the gateway checks its workers at start-up: start it once they answer
-            workers = {w.name or "": (f"{config.worker_url(w)}/health", f"{instance}-{w.name}") for w in local}
+                name = worker.name or ""
+                restarts.add(name, f"{config.worker_url(worker)}/health", lambda n, w=worker: start_worker(config, w, f"{instance}-{w.name}-{n}", n))
             for name, stage in local_stages(config):
-                procs[name] = start_stage(name, stage, f"{instance}-{name}")
-                workers[name] = (f"http://127.0.0.1:{stage.port}/health", f"{instance}-{name}")
+                restarts.add(name, f"http://127.0.0.1:{stage.port}/health", lambda n, name=name, stage=stage: start_stage(name, stage, f"{instance}-{name}-{n}", n))
+            for name in restarts.names:
+                procs[name] = restarts.start(name)
+            # the gateway checks its workers at start-up: start it once they answer
+            workers = {name: (restarts.health[name], f"{instance}-{name}-0") for name in restarts.names}
             if not wait_ready(workers, procs, startup_timeout, stop):
                 return 1
             resolved = Path(tmp) / "config.yaml"
@@ -67,7 +76,7 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
             if not wait_ready(gateway, procs, startup_timeout, stop):
                 return 1
             print(ready_message(config), flush=True)
-            return watch(procs, stop)
+            return watch(procs, stop, restarts)
         finally:
             stop_all(procs, config.limits.drain_timeout_s)
 
@@ -93,11 +102,12 @@ def _can_bind(host: str, port: int) -> bool:
     return True
 
 
-def start_worker(config: SpecgateConfig, entry: WorkerEntry, instance_id: str) -> subprocess.Popen[bytes]:
+def start_worker(config: SpecgateConfig, entry: WorkerEntry, instance_id: str, restarts: int = 0) -> subprocess.Popen[bytes]:
     assert entry.model is not None and entry.port is not None
     url = config.worker_url(entry)
     print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}, threads={entry.threads}) on {url}", flush=True)
-    return _start([*worker_command(entry.model, entry.backend.value, entry.port, entry.threads), "--instance-id", instance_id], entry.threads)
+    command = [*worker_command(entry.model, entry.backend.value, entry.port, entry.threads), "--instance-id", instance_id]
+    return _start(command + (["--restarts", str(restarts)] if restarts else []), entry.threads)
 
 
 def local_stages(config: SpecgateConfig) -> list[tuple[str, StageEntry]]:
@@ -105,12 +115,12 @@ def local_stages(config: SpecgateConfig) -> list[tuple[str, StageEntry]]:
     return [(f"{w.name} stage {i + 1}", s) for w in config.workers for i, s in enumerate(w.pipeline or []) if s.is_local]
 
 
-def start_stage(name: str, stage: StageEntry, instance_id: str) -> subprocess.Popen[bytes]:
+def start_stage(name: str, stage: StageEntry, instance_id: str, restarts: int = 0) -> subprocess.Popen[bytes]:
     assert stage.model is not None and stage.port is not None
     link = f", link {stage.link_rtt_ms:g} ms rtt" if stage.link_rtt_ms else ""
     print(f"specgate serve: starting {name}: {stage.model} layers {stage.layers} (transformers, threads={stage.threads}{link}) on http://127.0.0.1:{stage.port}", flush=True)
     command = worker_command(stage.model, "transformers", stage.port, stage.threads, layers=stage.layers, link_rtt_ms=stage.link_rtt_ms, link_mbps=stage.link_mbps)
-    return _start([*command, "--instance-id", instance_id], stage.threads)
+    return _start([*command, "--instance-id", instance_id] + (["--restarts", str(restarts)] if restarts else []), stage.threads)
 
 
 def _start(command: list[str], threads: int | None) -> subprocess.Popen[bytes]:
@@ -177,14 +187,91 @@ def ready_message(config: SpecgateConfig) -> str:
     )
 
 
-def watch(procs: dict[str, subprocess.Popen[bytes]], stop: _StopFlag) -> int:
-    while not stop.is_set:
-        for name, proc in procs.items():
-            if proc.poll() is not None:
-                print(f"specgate serve: worker {name} exited with {proc.returncode}", file=sys.stderr)
-                return 1
-        time.sleep(0.5)
+MAX_DEATHS = 5  # a worker that dies this often …
+DEATH_WINDOW_S = 300.0  # … within this long is given up on: serve stops, saying why
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+
+
+class Restarts:
+    """Who ``serve`` restarts (its local workers and stages), how, and when: a death waits
+    FIRST_BACKOFF_S, doubled for each earlier death in the window, at most MAX_BACKOFF_S; the
+    MAX_DEATHS-th death within DEATH_WINDOW_S is final."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.starters: dict[str, Callable[[int], subprocess.Popen[bytes]]] = {}
+        self.health: dict[str, str] = {}
+        self.count: dict[str, int] = {}  # restarts so far (what the worker's /metrics reports)
+        self.deaths: dict[str, list[float]] = {}
+        self.due: dict[str, float] = {}  # name -> when to start it again
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.starters)
+
+    def add(self, name: str, health_url: str, starter: Callable[[int], subprocess.Popen[bytes]]) -> None:
+        self.starters[name], self.health[name], self.count[name], self.deaths[name] = starter, health_url, 0, []
+
+    def start(self, name: str) -> subprocess.Popen[bytes]:
+        self.due.pop(name, None)
+        return self.starters[name](self.count[name])
+
+    def died(self, name: str) -> float | None:
+        """Record a death: the seconds until the restart, or None to give up."""
+        now = self.clock()
+        recent = [t for t in self.deaths[name] if now - t < DEATH_WINDOW_S] + [now]
+        self.deaths[name] = recent
+        if len(recent) >= MAX_DEATHS:
+            return None
+        delay = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (len(recent) - 1))
+        self.count[name] += 1
+        self.due[name] = now + delay
+        return delay
+
+    def ready_to_start(self) -> list[str]:
+        now = self.clock()
+        return [name for name, at in self.due.items() if at <= now]
+
+
+def watch(procs: dict[str, subprocess.Popen[bytes]], stop: _StopFlag, restarts: Restarts | None = None) -> int:
+    """Until a signal: restart a worker or stage that died (``Restarts``); a dead gateway, or a
+    worker that keeps dying, ends ``serve`` (1)."""
+    restarts = restarts or Restarts()
+    back: dict[str, str] = {}  # restarted, not yet answering: name -> its health URL
+    with httpx.Client(timeout=2.0) as client:
+        while not stop.is_set:
+            for name, proc in procs.items():
+                if proc.poll() is None or name in restarts.due:
+                    continue
+                if name not in restarts.starters:
+                    print(f"specgate serve: {name} exited with {proc.returncode}; stopping", file=sys.stderr, flush=True)
+                    return 1
+                delay = restarts.died(name)
+                back.pop(name, None)
+                if delay is None:
+                    print(
+                        f"specgate serve: worker {name} exited with {proc.returncode}, its {MAX_DEATHS}th death within "
+                        f"{DEATH_WINDOW_S:.0f} s: giving up, stopping everything (see its log above)", file=sys.stderr, flush=True,
+                    )
+                    return 1
+                print(f"specgate serve: worker {name} exited with {proc.returncode}; restarting it in {delay:.0f} s (restart {restarts.count[name]})", file=sys.stderr, flush=True)
+            for name in restarts.ready_to_start():
+                procs[name] = restarts.start(name)
+                back[name] = restarts.health[name]
+            for name, url in list(back.items()):
+                if procs[name].poll() is None and _up(client, url):
+                    print(f"specgate serve: worker {name} is back (restart {restarts.count[name]})", flush=True)
+                    del back[name]
+            time.sleep(0.5)
     return 0
+
+
+def _up(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def stop_all(procs: dict[str, subprocess.Popen[bytes]], drain_s: float = 30.0) -> None:

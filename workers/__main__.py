@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--link-mbps", type=float, help="a stage: emulated bandwidth to the next stage, Mbit/s (default: 0 = no limit)")
     parser.add_argument("--threads", type=int, help="CPU threads of the model (default: every core; split the cores between processes on one machine)")
     parser.add_argument("--instance-id", help="an id /health reports (default: a random one; `specgate serve` passes its own)")
+    parser.add_argument("--restarts", type=int, help="how many times `specgate serve` restarted this worker (its /metrics reports it; default: 0)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.settings import WorkerSettings, load_target
 
     try:
-        flags = ("model", "backend", "host", "port", "max_context", "memory_cap_mb", "max_sessions", "threads", "device", "dtype", "gpu_memory_utilization", "instance_id", "layers", "next", "link_rtt_ms", "link_mbps")
+        flags = ("model", "backend", "host", "port", "max_context", "memory_cap_mb", "max_sessions", "threads", "device", "dtype", "gpu_memory_utilization", "instance_id", "layers", "next", "link_rtt_ms", "link_mbps", "restarts")
         settings = WorkerSettings(**{f: getattr(args, f) for f in flags if getattr(args, f) is not None})
         # load before binding, so a bad model is a one-line error and not a traceback; on the
         # thread every later call of the runner runs on

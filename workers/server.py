@@ -468,6 +468,7 @@ class _WorkerCollector(Collector):
         for code, count in sorted(state.errors.items()):
             errors.add_metric([code], count)
         yield errors
+        yield CounterMetricFamily("specgate:worker_restarts", "Times `specgate serve` restarted this worker after it died.", value=state.settings.restarts)
         yield GaugeMetricFamily("specgate:sessions", "Sessions held.", value=len(state.sessions))
         yield CounterMetricFamily("specgate:sessions_evicted", "Sessions evicted (LRU, TTL, memory).", value=state.sessions.num_evicted)
         yield GaugeMetricFamily("specgate:session_memory_bytes", "Memory the sessions' caches take.", value=state.runner.memory_bytes())

@@ -39,6 +39,7 @@ class WorkerSettings(BaseSettings):
     token: str | None = None  # SPECGATE_WORKER_TOKEN: /v1/* requires 'Authorization: Bearer <token>'
     drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, open calls get this long
     instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex)  # /health reports it: `serve` checks it started what answers
+    restarts: int = Field(default=0, ge=0)  # how many times `serve` restarted this worker after it died (its /metrics reports it)
 
     @property
     def layer_range(self) -> tuple[int, int] | None:

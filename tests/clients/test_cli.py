@@ -56,7 +56,7 @@ def test_serve_with_a_bad_config_names_the_key(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
-def test_serve_starts_gateway_and_workers_prints_ready_and_stops_them(tmp_path: Path) -> None:
+def test_serve_starts_gateway_and_workers_prints_ready_restarts_a_dead_worker_and_stops_them(tmp_path: Path) -> None:
     ports = [free_port(), free_port()]
     gateway_port = free_port()
     config = tmp_path / "two.yaml"
@@ -77,6 +77,21 @@ def test_serve_starts_gateway_and_workers_prints_ready_and_stops_them(tmp_path: 
             assert child.environ()["OMP_NUM_THREADS"] == str(share)
         body = {"model": "specgate", "prompt": "Hi", "max_tokens": 3}
         resp = httpx.post(f"http://127.0.0.1:{gateway_port}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+
+        # a worker killed hard is started again on its port, and the next request succeeds
+        w1 = f"http://127.0.0.1:{ports[1]}"
+        before = httpx.get(f"{w1}/health", timeout=10).json()["instance_id"]
+        (victim,) = [c for c in psutil.Process(proc.pid).children() if any(k.laddr.port == ports[1] for k in c.net_connections("tcp"))]
+        victim.kill()
+        lines += _read_until(proc, "worker w1 is back (restart 1)", timeout_s=180)
+        assert any("worker w1 exited with -9; restarting it in 1 s" in line for line in lines), lines
+        after = httpx.get(f"{w1}/health", timeout=10).json()["instance_id"]
+        assert after != before and after.endswith("-1")
+        assert "specgate:worker_restarts_total 1.0" in httpx.get(f"{w1}/metrics", timeout=10).text
+        deadline = time.monotonic() + 60  # the gateway's breaker closes once the worker answers its probe
+        while (resp := httpx.post(f"http://127.0.0.1:{gateway_port}/v1/completions", json=body, timeout=60)).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(1)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, lines
@@ -197,3 +212,22 @@ def test_serve_the_pipeline_config_answers_through_the_openai_api() -> None:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_serve_restarts_with_backoff_and_gives_up_on_a_worker_that_keeps_dying() -> None:
+    from clients.serve import DEATH_WINDOW_S, MAX_BACKOFF_S, MAX_DEATHS, Restarts
+
+    now = [0.0]
+    restarts = Restarts(clock=lambda: now[0])
+    restarts.add("w1", "http://127.0.0.1:1/health", lambda n: None)  # type: ignore[arg-type, return-value]
+    delays = []
+    for _ in range(MAX_DEATHS - 1):
+        delays.append(restarts.died("w1"))
+        now[0] += 10.0
+    assert delays == [min(MAX_BACKOFF_S, 2.0**i) for i in range(MAX_DEATHS - 1)] and restarts.count["w1"] == MAX_DEATHS - 1
+    assert restarts.died("w1") is None  # the MAX_DEATHS-th death within the window: give up
+    calm = Restarts(clock=lambda: now[0])
+    calm.add("w1", "http://127.0.0.1:1/health", lambda n: None)  # type: ignore[arg-type, return-value]
+    for _ in range(3 * MAX_DEATHS):  # deaths further apart than the window never add up
+        assert calm.died("w1") == 1.0
+        now[0] += DEATH_WINDOW_S
