@@ -26,6 +26,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import FrameType
 
@@ -57,10 +58,9 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
         try:
             local = [w for w in config.workers if w.is_local]
             for worker in local:
-                name = worker.name or ""
-                restarts.add(name, f"{config.worker_url(worker)}/health", lambda n, w=worker: start_worker(config, w, f"{instance}-{w.name}-{n}", n))
+                restarts.add(worker.name or "", f"{config.worker_url(worker)}/health", partial(_start_worker, config, worker, instance))
             for name, stage in local_stages(config):
-                restarts.add(name, f"http://127.0.0.1:{stage.port}/health", lambda n, name=name, stage=stage: start_stage(name, stage, f"{instance}-{name}-{n}", n))
+                restarts.add(name, f"http://127.0.0.1:{stage.port}/health", partial(_start_stage, name, stage, instance))
             for name in restarts.names:
                 procs[name] = restarts.start(name)
             # the gateway checks its workers at start-up: start it once they answer
@@ -121,6 +121,15 @@ def start_stage(name: str, stage: StageEntry, instance_id: str, restarts: int = 
     print(f"specgate serve: starting {name}: {stage.model} layers {stage.layers} (transformers, threads={stage.threads}{link}) on http://127.0.0.1:{stage.port}", flush=True)
     command = worker_command(stage.model, "transformers", stage.port, stage.threads, layers=stage.layers, link_rtt_ms=stage.link_rtt_ms, link_mbps=stage.link_mbps)
     return _start([*command, "--instance-id", instance_id] + (["--restarts", str(restarts)] if restarts else []), stage.threads)
+
+
+def _start_worker(config: SpecgateConfig, entry: WorkerEntry, instance: str, restarts: int) -> subprocess.Popen[bytes]:
+    """``start_worker`` as ``Restarts`` calls it: the instance id names the restart."""
+    return start_worker(config, entry, f"{instance}-{entry.name}-{restarts}", restarts)
+
+
+def _start_stage(name: str, stage: StageEntry, instance: str, restarts: int) -> subprocess.Popen[bytes]:
+    return start_stage(name, stage, f"{instance}-{name}-{restarts}", restarts)
 
 
 def _start(command: list[str], threads: int | None) -> subprocess.Popen[bytes]:
