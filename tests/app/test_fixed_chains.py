@@ -26,7 +26,7 @@ from tests.app.fakes import make_engine
 from tests.app.helpers import FULL_STATISTICS
 from tests.app.test_engine import DRAFT, PROMPT, TARGETS, V, _target_joint, pooled_chisquare
 
-SAMPLES = 20_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 4_000  # the shortcut's bias gives p < 1e-15 at 1,000
+SAMPLES = 20_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 2_000  # the shortcut's bias gives p < 1e-15 at 1,000
 SIGNIFICANCE = 1e-3
 SHAPES = {"nodes 1": TreeShape(ChildRule.FIXED, nodes=1, depth=1, top_k=1), "top-1 chain of 3": TreeShape(ChildRule.FIXED, nodes=3, depth=3, top_k=1)}
 WORKERS = {"1 worker": [(TARGETS[0], 1.0)], "2 workers 0.7/0.3": [(TARGETS[0], 0.7), (TARGETS[1], 0.3)]}

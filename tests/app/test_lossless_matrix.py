@@ -92,6 +92,7 @@ PIPELINE_SHAPES = {
     "nodes 3 depth 2 top-2, segments of 2, expanding": SegmentSchedule(TreeShape(ChildRule.FIXED, nodes=3, depth=2, top_k=2), segment=2, in_flight=2),
 }
 TREE_PAYLOADS = {Payload.FULL: ("aggregate", None), Payload.TOP_K: ("aggregate", 2), Payload.SPARSE: ("exact", None)}
+PROFILED = ("T=0", "T=1 top-k 2")  # the samplings ``profile`` (timing on) is crossed with
 TOP_K = 2  # k of the top-k payload: two of the four ids left out
 DRAFT_TOP_K = 2  # exact's truncation: two ids off every draft support (the complement sample is a real draw)
 
@@ -168,7 +169,7 @@ def _secondary(mode: Mode, payload: Payload, sampling: str) -> Iterator[tuple[st
         yield "residual reconstruction", {"reconstruction": Reconstruction.RESIDUAL}, 0
     if "relaxation" in takes and sampling != "T=0":
         yield "relaxed τ_max 0.5", {"relaxation": Relaxation(0.5, 1.0)}, 0
-    if "profile" in takes:
+    if "profile" in takes and sampling in PROFILED:  # timing only: the law must not move, greedy or sampled
         yield "profile", {"profile": True}, 0
     if MODES[mode].min_tokens:
         yield "min_tokens 2", {}, 2
