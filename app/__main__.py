@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         thread = ModelThread()  # the draft's every call runs on the thread that loaded it
         draft = thread.call(load_runner, config.draft.model, config.draft.backend.value, config.draft_context, config.draft.memory_cap_mb, config.draft.threads, config.draft.device, config.draft.dtype)
         thread.call(lambda: draft.fingerprint)  # computed before the first request
+        thread.call(draft.warm_up)  # weights paged in, buffers made: the first request as fast as the next
     except SpecgateError as exc:
         print(f"specgate gateway: error: {exc}", file=sys.stderr)
         return 2

@@ -61,6 +61,7 @@ def create_app(
             draft = config.draft
             runner = await thread.run(load_runner, draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads, draft.device, draft.dtype)
             await thread.run(lambda: runner.fingerprint)
+            await thread.run(runner.warm_up)
         pool = TargetSet.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size, runner.tokenizer), transport)
         metrics.watch(pool)
         draft_model = DraftModel(runner, thread, config.draft.max_batch_tokens)

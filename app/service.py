@@ -57,6 +57,7 @@ class Usage:
     draft_s: float = 0.0
     verify_s: float = 0.0
     model_s: float = 0.0
+    busy_s: float = 0.0
     prepared: int = 0
     prepared_used: int = 0
     gammas: list[int] = field(default_factory=list)  # chosen by num_draft_tokens: auto
@@ -83,6 +84,7 @@ class Usage:
         self.draft_s += result.draft_s
         self.verify_s += result.verify_s
         self.model_s += result.model_s
+        self.busy_s += result.busy_s
         self.round_s += result.draft_s + result.verify_s
         for name, seconds in result.seconds.items():
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
@@ -150,6 +152,7 @@ class Usage:
             "draft_ms": round(self.draft_s * 1e3, 3),
             "verify_ms": round(self.verify_s * 1e3, 3),
             "worker_model_ms": round(self.model_s * 1e3, 3),
+            "worker_busy_ms": round(self.busy_s * 1e3, 3),
             "timing_ms": self.timing_ms(),
             "lossless": spec.is_lossless,
             "draft_top_k": spec.draft_top_k or None,

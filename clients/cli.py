@@ -5,7 +5,7 @@
     specgate serve  [--config FILE] [--port N]
     specgate bench [--json FILE] [--runs N] [--quick]
     specgate bench worker [--json FILE] [--repeats N] [--quick]
-    specgate bench tree-device [--device cuda|cpu] [--dtype D] [--json FILE]
+    specgate bench tree-device [--device cuda|cpu] [--dtype D] [--prefix N] [--json FILE]
     specgate bench step-device [--device cuda|cpu] [--dtype D] [--json FILE]
     specgate bench dsd [--json FILE] [--runs N] [--plots DIR] [--quick]
     specgate bench overhead [--json FILE] [--runs N] [--baseline DIR] [--quick]
@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     device.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default: float32)")
     device.add_argument("--repeats", type=int, default=30, help="timed rounds per cell (default: 30)")
     device.add_argument("--budgets", nargs="+", type=int, default=[1, 4, 8, 14, 32], help="verified nodes per round")
+    device.add_argument("--prefix", type=int, default=128, help="agreed tokens before each round (default: 128)")
     step = benches.add_parser("step-device", help="a worker's scheduler step (batch × positions) beside the bare model forward, on a device (random weights of the built-in architecture)")
     step.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     step.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (default: cuda if present)")
@@ -142,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _concurrency_levels(text: str) -> list[int]:
-    from clients.bench_load import concurrency_levels
+    from clients.bench.load import concurrency_levels
 
     return concurrency_levels(text)
 
@@ -173,37 +174,37 @@ def main(argv: list[str] | None = None) -> int:
 
         return chat(args)
     if args.command == "bench" and args.bench == "load":
-        from clients.bench_load import bench_load
+        from clients.bench.load import bench_load
 
         return bench_load(args)
     if args.command == "bench" and args.bench == "overhead":
-        from clients.bench_overhead import bench_overhead
+        from clients.bench.overhead import bench_overhead
 
         return bench_overhead(args)
     if args.command == "bench" and args.bench == "dsd":
-        from clients.bench_dsd import bench_dsd
+        from clients.bench.dsd import bench_dsd
 
         return bench_dsd(args)
     if args.command == "bench" and args.bench == "tree":
-        from clients.bench_tree import bench_tree
+        from clients.bench.tree import bench_tree
 
         return bench_tree(args)
     if args.command == "bench" and args.bench == "pipeline":
-        from clients.bench_pipeline import bench_pipeline
+        from clients.bench.pipeline import bench_pipeline
 
         return bench_pipeline(args)
     if args.command == "bench" and args.bench == "tree-device":
-        forwarded = ["--device", args.device, "--dtype", args.dtype, "--repeats", str(args.repeats), "--budgets", *map(str, args.budgets)]
-        return subprocess.call([sys.executable, "-m", "workers.round_cost", *forwarded, *(["--json", args.json_path] if args.json_path else [])])
+        forwarded = ["--device", args.device, "--dtype", args.dtype, "--repeats", str(args.repeats), "--budgets", *map(str, args.budgets), "--prefix", str(args.prefix)]
+        return subprocess.call([sys.executable, "-m", "clients.bench.round_cost", *forwarded, *(["--json", args.json_path] if args.json_path else [])])
     if args.command == "bench" and args.bench == "step-device":
         forwarded = ["--device", args.device, "--dtype", args.dtype, "--repeats", str(args.repeats), "--batches", *map(str, args.batches), "--positions", *map(str, args.positions)]
-        return subprocess.call([sys.executable, "-m", "workers.step_cost", *forwarded, *(["--json", args.json_path] if args.json_path else [])])
+        return subprocess.call([sys.executable, "-m", "clients.bench.step_cost", *forwarded, *(["--json", args.json_path] if args.json_path else [])])
     if args.command == "bench" and args.bench == "worker":
-        from clients.bench_worker import bench_worker
+        from clients.bench.worker import bench_worker
 
         return bench_worker(args)
     if args.command == "bench":
-        from clients.bench_modes import bench_modes
+        from clients.bench.modes import bench_modes
 
         return bench_modes(args)
     return 2

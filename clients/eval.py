@@ -31,7 +31,7 @@ import httpx
 
 from clients.procs import free_port, serve_process
 from clients.prompts import PROMPTS as ALL_PROMPTS
-from clients.report import progress, write_json
+from clients.bench.common import progress, write_json
 
 PROMPTS = ALL_PROMPTS[:4]
 SETTINGS: list[tuple[str, dict[str, Any]]] = [

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from clients.eval import _auth, _gateway
-from clients.report import progress, write_json
+from clients.bench.common import progress, write_json
 
 PROMPT = "The three longest rivers in the world are"
 MIN_EXPECTED = 5.0  # a chi-square cell expected fewer times than this is pooled

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         thread = ModelThread()
         runner = thread.call(load_target, settings)
         thread.call(lambda: runner.fingerprint)  # computed once, before the first /v1/info
+        thread.call(runner.warm_up)  # weights paged in, buffers made: the first request as fast as the next
     except ValidationError as exc:
         first = exc.errors()[0]
         print(f"specgate worker: error: {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)

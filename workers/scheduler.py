@@ -3,7 +3,7 @@
 Calls wait in one FIFO queue. Each step takes the waiting calls from the front — one per
 session (a second call of a session waits for the next step), up to ``max_batch_tokens`` new
 tokens in all (the first call always goes, whatever its size) — and runs them on the model
-thread as **one** runner forward (``WorkerState.verify_batch``): each call is checked, cropped
+thread as **one** runner forward (its host's ``verify_batch``: ``WorkerState`` in workers/server.py): each call is checked, cropped
 and scored on its own, so one that fails (a prefix that does not match, a malformed tree) fails
 alone. Anything else that touches the runner — ``DELETE``, the close at shutdown — is queued
 as an *exclusive* entry: it runs between two steps, in its place in the queue. The event loop
@@ -24,12 +24,10 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from core.protocol import StageRequest, VerifyRequest
-
-if TYPE_CHECKING:
-    from workers.server import WorkerState
+from core.runners.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -66,8 +64,16 @@ class StepLog:
         self.tokens.append(sum(c.tokens for c in calls))
 
 
+class StepHost(Protocol):
+    """What the scheduler runs its steps on (``workers.server.WorkerState``)."""
+
+    thread: ModelThread
+
+    def verify_batch(self, reqs: list[VerifyRequest | StageRequest], timings: list[dict[str, float]]) -> list[Any]: ...
+
+
 class VerifyScheduler:
-    def __init__(self, state: WorkerState, max_batch_tokens: int) -> None:
+    def __init__(self, state: StepHost, max_batch_tokens: int) -> None:
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be ≥ 1, got {max_batch_tokens}")
         self.state, self.max_batch_tokens = state, max_batch_tokens

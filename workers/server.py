@@ -331,6 +331,7 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thre
             own = ModelThread()
             loaded = await own.run(load_target, settings)
             await own.run(lambda: loaded.fingerprint)
+            await own.run(loaded.warm_up)
             app.state.worker = WorkerState.build(settings, loaded, own)
         log.info("worker ready: %s on %s", settings.model, settings.backend.value)
         yield

@@ -94,7 +94,7 @@ class Engine:
                     if preparing is not None:
                         preparing[1].set()  # it ends after the token in progress; nobody waits for it
                     raise
-                result.draft_s, result.verify_s, result.model_s = drafted - started, time.perf_counter() - drafted, rnd.model_s
+                result.draft_s, result.verify_s, result.model_s, result.busy_s = drafted - started, time.perf_counter() - drafted, rnd.model_s, rnd.busy_s
                 result.seconds = {**timing, **rnd.seconds, "gateway_math": max(result.verify_s - rnd.calls_s, 0.0)}
                 result.prepared_used = int(used)
                 if preparing is not None:
@@ -162,6 +162,7 @@ class Engine:
         ]
         result = RoundResult([], drafted=0, accepted=0, traffic=traffic, prompt_logprobs=logprobs)
         result.verify_s, result.model_s = time.perf_counter() - started, max(r.model_ms for r in responses) / 1e3
+        result.busy_s = sum(r.model_ms for r in responses) / 1e3
         return result
 
     def _room(self, req: GenerationRequest, sequence: list[int]) -> int:

@@ -42,7 +42,8 @@ class Round:
     traffic: Traffic
     suppression: Suppression | None = None  # min_tokens: EOS is removed from the target before it
     path: list[int] | None = None  # the previous round's accepted tree path, the first call's ``path`` (v1.1)
-    model_s: float = 0.0
+    model_s: float = 0.0  # per call the slowest worker's model seconds, summed (the round's latency)
+    busy_s: float = 0.0  # every worker's model seconds, summed over workers and calls (the targets' cost)
     responses: list[VerifyResponse] = field(default_factory=list)  # of the last call
     calls_s: float = 0.0  # seconds waiting on the workers' answers, every call of the round
     seconds: dict[str, float] = field(default_factory=dict)  # those seconds by part, each call's slowest worker (Traffic.seconds)
@@ -77,6 +78,7 @@ class Round:
         results = await self._timed(requests, self.sequence)
         self.responses = [resp for resp, _ in results]
         self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
+        self.busy_s += sum(resp.model_ms for resp, _ in results) / 1e3
         for n, (_, traffic) in enumerate(results):
             self.agreed[n] = len(self.sequence)
             self.traffic.add(traffic)
@@ -121,6 +123,7 @@ class Round:
         ]
         results = await self._timed(requests, held)
         self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
+        self.busy_s += sum(resp.model_ms for resp, _ in results) / 1e3
         for _, traffic in results:
             self.traffic.add(traffic)
         weights = weights_at(response_weights([resp for resp, _ in results], self.configured), 0)

@@ -125,6 +125,7 @@ class RoundResult:
     taus: list[float] = field(default_factory=list)  # τ_j per emitted draft position (relaxation only)
     verify_s: float = 0.0  # seconds from sending to the workers to the verdict (network included)
     model_s: float = 0.0  # seconds the slowest worker spent in its model, per call, summed
+    busy_s: float = 0.0  # seconds every worker (every stage) spent in its model, summed: the targets' cost
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's, before any round
     path: list[int] | None = None  # a tree round: the accepted nodes, root to leaf (the next call's ``path``)
     seconds: dict[str, float] = field(default_factory=dict)  # where the round's time went, by part (``ROUND_PARTS``)

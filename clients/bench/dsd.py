@@ -24,7 +24,7 @@ with R rounds, D draft tokens, U rounds that used a prepared draft, γ the cell'
 measured without overlap (the cell's own, or for an overlap cell the same γ's cell without
 it), since the time a round waits for a prepared draft is not drafting time. The physical
 bound is the same formula with llama.cpp's floors, measured in the same run, for t_d and t_v
-(``clients.floors``; ``specgate bench`` says more).
+(``clients.bench.floors``; ``specgate bench`` says more).
 """
 
 from __future__ import annotations
@@ -38,17 +38,10 @@ from typing import Any
 
 import httpx
 
-from clients.floors import Floors, measure_floors
-from clients.bench_modes import (
-    LINKS,
-    _Bar,
-    _start_gateway,
-    _start_workers,
-    measure,
-    request,
-)
+from clients.bench.common import Bar, measure, progress, request, write_json
+from clients.bench.floors import Floors, measure_floors
+from clients.bench.modes import LINKS, _start_gateway, _start_workers
 from clients.prompts import PROMPTS as ALL_PROMPTS
-from clients.report import progress, write_json
 from core.config import LinkConfig
 
 GAMMAS = (2, 4, 6, 8)
@@ -69,7 +62,7 @@ def bench_dsd(args: argparse.Namespace) -> int:
     plan = _plan(args)
     specs = cells()
     groups = [(1, link) for link in plan["links"]] + [(2, LINKS[0])] * plan["builtin_pair"]
-    bar = _Bar(len(groups) * len(specs) * plan["runs"])
+    bar = Bar(len(groups) * len(specs) * plan["runs"])
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
         urls = _start_workers(stack)
@@ -91,7 +84,7 @@ def bench_dsd(args: argparse.Namespace) -> int:
     _print(results)
     write_json(args.json_path, results)
     if args.plots:
-        from clients.plots import plot_dsd
+        from clients.bench.plots import plot_dsd
 
         for path in plot_dsd(results, Path(args.plots)):
             progress(f"wrote {path}")
@@ -107,7 +100,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _run_cells(client: httpx.Client, specs: list[tuple[str, dict[str, Any]]], plan: dict[str, Any], bar: _Bar, label: str) -> dict[str, list[dict[str, float]]]:
+def _run_cells(client: httpx.Client, specs: list[tuple[str, dict[str, Any]]], plan: dict[str, Any], bar: Bar, label: str) -> dict[str, list[dict[str, float]]]:
     samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in specs}
     request(client, plan["prompts"][0], 4, plan["temperature"], specs[1][1], seed=0)  # warm-up
     for run in range(plan["runs"]):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
+from clients.bench.common import median
 from clients.procs import ServerProcess, free_port
 from core.runners.llama_cpp_tools import quiet_llama_cpp
 from core.runners.model_thread import CallingThread
@@ -202,7 +202,7 @@ async def bare_app(scope: dict[str, Any], receive: Callable[..., Any], send: Cal
 def BareServer() -> ServerProcess:
     """``bare_app`` under uvicorn (its defaults, as the worker's) on 127.0.0.1."""
     port = free_port()
-    command = [sys.executable, "-m", "uvicorn", "clients.floors:bare_app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    command = [sys.executable, "-m", "uvicorn", "clients.bench.floors:bare_app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     return ServerProcess(command, port, "/health", timeout_s=60)
 
 
@@ -225,33 +225,36 @@ def http_round_trip_ms(url: str, up_bytes: int, down_bytes: int, repeats: int = 
     return asyncio.run(run())
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 # --------------------------------------------------------------------------- the physical bound
 
 
 @dataclass(frozen=True)
 class Floors:
-    """llama.cpp's own costs on this machine: a draft step, and a verify call's scoring of m
-    positions (m → seconds)."""
+    """llama.cpp's own costs on this machine: a draft step, a verify call's scoring of m
+    positions (m → seconds), and the target's own step when it generates alone (a decode of one
+    token + a sample from the whole vocabulary: the *direct* baseline)."""
 
     threads: int
     draft_step_s: float
     scoring_s: dict[int, float]
+    direct_step_s: float = 0.0
 
     def scoring(self, positions: float) -> float:
         """Seconds to score ``positions`` (a cell's mean γ + 1: the nearest measured)."""
         return self.scoring_s[min(self.scoring_s, key=lambda m: abs(m - positions))]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"threads": self.threads, "draft_step_ms": self.draft_step_s * 1e3, "scoring_ms": {m: s * 1e3 for m, s in self.scoring_s.items()}}
+        return {
+            "threads": self.threads, "draft_step_ms": self.draft_step_s * 1e3, "scoring_ms": {m: s * 1e3 for m, s in self.scoring_s.items()},
+            "direct_step_ms": self.direct_step_s * 1e3,
+        }
 
 
 def measure_floors(threads: int, positions: list[int], prompt: str) -> Floors:
     """The draft's and the worker's floors with ``threads`` threads (what the bench gives the
-    draft and each worker), after the chat prompt ``prompt``: medians of a few repeats."""
+    draft and each worker), after the chat prompt ``prompt``: medians of a few repeats. The
+    target's direct step is its decode + llama.cpp's sampler over the whole vocabulary (top-k 0
+    is off)."""
     from core.runners.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model("builtin"))
@@ -260,4 +263,5 @@ def measure_floors(threads: int, positions: list[int], prompt: str) -> Floors:
         step = median(draft.draft_step_ms(32)) / 1e3
     with LlamaFloor("builtin", threads, ids) as target:
         scoring = {m: median(target.scoring_ms(m)) / 1e3 for m in sorted(set(positions))}
-    return Floors(threads, step, scoring)
+        direct = median(target.draft_step_ms(0)) / 1e3
+    return Floors(threads, step, scoring, direct)

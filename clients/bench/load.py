@@ -20,9 +20,9 @@ import httpx
 import orjson
 import psutil
 
+from clients.bench.common import progress, write_json
 from clients.procs import free_port, serve_process
 from clients.prompts import PROMPTS as ALL_PROMPTS
-from clients.report import progress, write_json
 
 PROMPTS = ALL_PROMPTS
 

@@ -12,7 +12,7 @@ link in the same run. Each cell also gets the analytic bound from its own measur
 with α implied by the measured tokens per round, t_d the draft time per token, t_v the
 workers' model time per round, bytes per worker per round. That bound only checks the time
 model. The physical bound puts llama.cpp's own costs, measured in the same run
-(``clients.floors``: a decode + top-k sampler on the draft, a decode of γ+1 positions on the
+(``clients.bench.floors``: a decode + top-k sampler on the draft, a decode of γ+1 positions on the
 target, the bench's threads) in place of t_d and t_v: what the same α, γ, bytes and link
 would give if our draft and worker cost what llama.cpp costs. ``meas/phys`` is the measured
 tokens/s over it; ``spd/phys`` the measured speed-up over the physical bound's speed-up.
@@ -24,17 +24,16 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from clients.floors import Floors, measure_floors
+from clients.bench.common import Bar, measure, medians, progress, request, write_json
+from clients.bench.floors import Floors, measure_floors
 from clients.procs import GatewayProcess, WorkerProcess
 from clients.prompts import PROMPTS as ALL_PROMPTS
-from clients.report import progress, write_json
 from core.config import LinkConfig, builtin_config, dump_config
 
 PROMPTS = ALL_PROMPTS[:3]
@@ -56,7 +55,7 @@ LINKS: list[tuple[str, LinkConfig]] = [
 def bench_modes(args: argparse.Namespace) -> int:
     plan = _plan(args)
     rows: list[dict[str, Any]] = []
-    bar = _Bar(sum(len(_modes(n, plan)) for n in plan["workers"]) * len(plan["links"]) * len(plan["temperatures"]) * plan["runs"])
+    bar = Bar(sum(len(_modes(n, plan)) for n in plan["workers"]) * len(plan["links"]) * len(plan["temperatures"]) * plan["runs"])
     with ExitStack() as stack:
         urls = _start_workers(stack)
         floors = _floors(plan["gamma"])
@@ -74,7 +73,7 @@ def bench_modes(args: argparse.Namespace) -> int:
     _print_table(results)
     write_json(args.json_path, results)
     if args.plots:
-        from clients.plots import plot_bench
+        from clients.bench.plots import plot_bench
 
         for path in plot_bench(results, Path(args.plots)):
             progress(f"wrote {path}")
@@ -124,7 +123,7 @@ def _start_gateway(stack: ExitStack, urls: list[str], link: LinkConfig, gamma: i
     return stack.enter_context(GatewayProcess(str(path)))
 
 
-def _run_cells(client: httpx.Client, modes: list[tuple[str, dict[str, Any]]], plan: dict[str, Any], temperature: float, bar: _Bar, label: str) -> dict[str, list[dict[str, float]]]:
+def _run_cells(client: httpx.Client, modes: list[tuple[str, dict[str, Any]]], plan: dict[str, Any], temperature: float, bar: Bar, label: str) -> dict[str, list[dict[str, float]]]:
     samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in modes}
     request(client, plan["prompts"][0], 4, temperature, modes[0][1], seed=0)  # warm-up
     for run in range(plan["runs"]):
@@ -134,54 +133,6 @@ def _run_cells(client: httpx.Client, modes: list[tuple[str, dict[str, Any]]], pl
     return samples
 
 
-def measure(client: httpx.Client, prompts: list[str], max_tokens: int, temperature: float, spec: dict[str, Any], seed: int | None) -> dict[str, float]:
-    """One cell-run: the prompts in turn through the gateway; its totals and per-round figures
-    from the usage blocks (the DSD fields where the request used them)."""
-    totals: dict[str, float] = {}
-    gammas = []
-    for prompt in prompts:
-        elapsed, usage = request(client, prompt, max_tokens, temperature, spec, seed)
-        block = usage["speculative"]
-        for key, value in (("tokens", usage["completion_tokens"]), ("seconds", elapsed), ("rounds", block["rounds"]),
-                           ("drafted", block["draft_tokens"]), ("accepted", block["accepted_tokens"]),
-                           ("sent", block["bytes_to_workers"]), ("received", block["bytes_from_workers"]),
-                           ("draft_ms", block["draft_ms"]), ("model_ms", block["worker_model_ms"]),
-                           ("prepared", block.get("prepared_drafts", 0)), ("used", block.get("prepared_drafts_used", 0))):
-            totals[key] = totals.get(key, 0.0) + value
-        if "gamma_chosen_mean" in block:
-            gammas.append((block["gamma_chosen_mean"], block["rounds"]))
-    rounds = max(totals["rounds"], 1.0)
-    cell = {
-        "tokens_per_s": totals["tokens"] / totals["seconds"],
-        "tokens": totals["tokens"], "seconds": totals["seconds"], "rounds": totals["rounds"], "drafted": totals["drafted"],
-        "mean_accepted_length": totals["tokens"] / rounds,
-        "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else float("nan"),
-        "bytes_up_per_round": totals["sent"] / rounds,
-        "bytes_down_per_round": totals["received"] / rounds,
-        "draft_ms_per_token": totals["draft_ms"] / totals["drafted"] if totals["drafted"] else 0.0,
-        "verify_model_ms_per_round": totals["model_ms"] / rounds,
-        "prepared": totals["prepared"], "prepared_used": totals["used"],
-    }
-    if gammas:
-        cell["gamma_mean"] = sum(g * r for g, r in gammas) / max(sum(r for _, r in gammas), 1)
-    return cell
-
-
-def request(client: httpx.Client, prompt: str, max_tokens: int, temperature: float, spec: dict[str, Any], seed: int | None) -> tuple[float, dict[str, Any]]:
-    """One chat completion (no seed when ``seed`` is None); its seconds and usage block."""
-    body: dict[str, Any] = {
-        "model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "temperature": temperature, "speculative": spec,
-    }
-    if seed is not None:
-        body["seed"] = seed
-    started = time.perf_counter()
-    resp = client.post("/v1/chat/completions", json=body)
-    elapsed = time.perf_counter() - started
-    resp.raise_for_status()
-    return elapsed, resp.json()["usage"]
-
-
 def _summarise(
     samples: dict[str, list[dict[str, float]]], modes: list[tuple[str, dict[str, Any]]], gamma: int, num_workers: int, link_name: str, link: LinkConfig,
     temperature: float, floors: Floors,
@@ -189,13 +140,15 @@ def _summarise(
     baseline = samples[modes[0][0]]
     rows = []
     for name, runs in samples.items():
-        medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-        row: dict[str, Any] = {"mode": name, "workers": num_workers, "link": link_name, "rtt_ms": link.rtt_ms, "temperature": temperature, "runs": len(runs), **medians}
+        cell = medians(runs)
+        row: dict[str, Any] = {"mode": name, "workers": num_workers, "link": link_name, "rtt_ms": link.rtt_ms, "temperature": temperature, "runs": len(runs), **cell}
         row["speedup_vs_autoregressive"] = statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline))
         drafting = name != "autoregressive"
-        row["alpha_implied"] = implied_alpha(medians["mean_accepted_length"], gamma) if drafting else None
+        row["alpha_implied"] = implied_alpha(cell["mean_accepted_length"], gamma) if drafting else None
         row["bound_tokens_per_s"] = analytic_bound(row, gamma if drafting else 0, link, num_workers)
         row["measured_over_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
+        row["direct_tokens_per_s"] = direct_tokens_per_s(cell["tokens_per_answer"], link, floors)
+        row["vs_direct"] = row["tokens_per_s"] / row["direct_tokens_per_s"] if row["direct_tokens_per_s"] else None
         row["physical_bound_tokens_per_s"] = physical_bound(row, gamma if drafting else 0, link, num_workers, floors)
         row["measured_over_physical"] = row["tokens_per_s"] / row["physical_bound_tokens_per_s"]
         rows.append(row)
@@ -210,6 +163,21 @@ def physical_bound(row: dict[str, Any], gamma: int, link: LinkConfig, num_worker
     """``analytic_bound`` with llama.cpp's floors for the draft step and the verify call."""
     floored = row | {"draft_ms_per_token": floors.draft_step_s * 1e3, "verify_model_ms_per_round": floors.scoring(gamma + 1) * 1e3}
     return analytic_bound(floored, gamma, link, num_workers)
+
+
+DIRECT_REQUEST_BYTES = 2_000  # a chat request up the link
+DIRECT_CHUNK_BYTES = 200  # an SSE chunk of one token down it (OpenAI's shape)
+
+
+def direct_tokens_per_s(tokens_per_answer: float, link: LinkConfig, floors: Floors) -> float:
+    """The *direct* baseline: the target generating alone on its own machine (llama.cpp's decode +
+    sampler, ``floors.direct_step_s``) and streaming its tokens over the same link — the round trip
+    paid once per answer, each token's chunk serialised while the next is generated."""
+    if not floors.direct_step_s or tokens_per_answer <= 0:
+        return 0.0
+    chunk = link.delay_s(DIRECT_CHUNK_BYTES, upstream=False) - link.delay_s(0, upstream=False)
+    seconds = link.delay_s(DIRECT_REQUEST_BYTES, upstream=True) + link.delay_s(0, upstream=False) + tokens_per_answer * max(floors.direct_step_s, chunk)
+    return tokens_per_answer / seconds
 
 
 def analytic_bound(row: dict[str, Any], gamma: int, link: LinkConfig, num_workers: int) -> float:
@@ -231,31 +199,20 @@ def implied_alpha(mean_length: float, gamma: int) -> float:
     return (low + high) / 2
 
 
-class _Bar:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.started = total, 0, time.monotonic()
-
-    def step(self, note: str) -> None:
-        self.done += 1
-        filled = int(30 * self.done / self.total)
-        elapsed = time.monotonic() - self.started
-        left = elapsed / self.done * (self.total - self.done)
-        progress(f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} ~{left:.0f}s left  {note}")
-
-
 def _print_table(results: dict[str, Any]) -> None:
     setup = results["setup"]
     print(f"\nspecgate bench: γ = {setup['gamma']}, {len(setup['prompts'])} prompt(s) × ≤ {setup['max_tokens']} tokens, median of {setup['runs']} runs")
     floors = results["floors"]
     print(f"physical bound from llama.cpp's floors ({floors['threads']} thread(s)): draft step {floors['draft_step_ms']:.2f} ms, "
           + ", ".join(f"scoring {m} {ms:.2f} ms" for m, ms in floors["scoring_ms"].items()))
-    print(f"{'N':>2} {'link':<17}{'T':>3} {'mode':<17}{'tok/s':>7}{'speed-up':>9}{'tok/rnd':>8}{'α':>6}{'up B/rnd':>10}{'down B/rnd':>12}{'bound':>8}{'meas/bnd':>9}{'phys':>7}{'meas/phys':>10}{'spd/phys':>9}")
+    print(f"direct: the target alone, llama.cpp's decode + sampler {floors.get('direct_step_ms', 0.0):.2f} ms a token, the link's round trip once per answer; "
+          "tgt ms/tok: the workers' model time per generated token, summed over workers")
+    print(f"{'N':>2} {'link':<17}{'T':>3} {'mode':<17}{'tok/s':>7}{'speed-up':>9}{'direct':>7}{'vs dir':>7}{'tgt ms/tok':>11}{'tok/rnd':>8}{'α':>6}{'up B/rnd':>10}{'down B/rnd':>12}{'bound':>8}{'meas/bnd':>9}{'phys':>7}{'meas/phys':>10}{'spd/phys':>9}")
     for r in results["cells"]:
         alpha = "" if r["alpha_implied"] is None else f"{r['alpha_implied']:.2f}"
         print(
             f"{r['workers']:>2} {r['link']:<17}{r['temperature']:>3g} {r['mode']:<17}{r['tokens_per_s']:>7.1f}{r['speedup_vs_autoregressive']:>8.2f}×"
+            f"{r['direct_tokens_per_s']:>7.1f}{(r['vs_direct'] or 0.0):>6.2f}×{r['target_ms_per_token']:>11.2f}"
             f"{r['mean_accepted_length']:>8.2f}{alpha:>6}{r['bytes_up_per_round']:>10.0f}{r['bytes_down_per_round']:>12.0f}"
             f"{r['bound_tokens_per_s']:>8.1f}{r['measured_over_bound']:>9.2f}"
             f"{r['physical_bound_tokens_per_s']:>7.1f}{r['measured_over_physical']:>10.2f}{r['speedup_over_physical']:>9.2f}"

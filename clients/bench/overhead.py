@@ -7,7 +7,7 @@ math, gateway codec, HTTP, worker codec / queue / model / scoring / other) and t
 first round of a request also prefills the prompt, so it is left out; the figures are medians
 over the other rounds of every run.
 
-Beside them, measured in the same run between the cells (``clients.floors``): llama.cpp's own
+Beside them, measured in the same run between the cells (``clients.bench.floors``): llama.cpp's own
 decode + top-k sampler on the draft (the draft's floor), its own decode of the same positions
 on the target (the worker's floor), and a bare uvicorn ↔ httpx round trip of the same bytes.
 
@@ -29,10 +29,10 @@ from typing import Any
 
 import httpx
 
-from clients.floors import BareServer, DraftAlone, LlamaFloor, http_round_trip_ms, median
+from clients.bench.common import median, progress, write_json
+from clients.bench.floors import BareServer, DraftAlone, LlamaFloor, http_round_trip_ms
 from clients.procs import GatewayProcess, WorkerProcess
 from clients.prompts import PROMPTS
-from clients.report import progress, write_json
 from core.config import builtin_config, dump_config
 
 PARTS = (

@@ -23,10 +23,9 @@ from typing import Any
 
 import httpx
 
-from clients.bench_modes import _Bar, request
+from clients.bench.common import Bar, medians, progress, request, write_json
 from clients.procs import GatewayProcess, StageProcess
 from clients.prompts import PROMPTS
-from clients.report import progress, write_json
 from core.config import dump_config, parse_config
 
 NUM_LAYERS = 30  # the built-in model's
@@ -43,7 +42,7 @@ def bench_pipeline(args: argparse.Namespace) -> int:
     hops = [float(h) for h in str(args.hop_ms).split(",")]
     prompts = PROMPTS[: args.prompts]
     cells = [("autoregressive", {"mode": "autoregressive"}), ("pipeline", {"mode": "pipeline"})]
-    bar, rows = _Bar(len(stage_counts) * len(hops) * len(cells) * args.runs), []
+    bar, rows = Bar(len(stage_counts) * len(hops) * len(cells) * args.runs), []
     for stages in stage_counts:
         for hop in hops:
             with ExitStack() as stack:
@@ -99,7 +98,7 @@ def _measure(client: httpx.Client, prompts: list[str], max_tokens: int, spec: di
 def _summarise(samples: dict[str, list[dict[str, float]]], stages: int, hop: float) -> dict[str, Any]:
     row: dict[str, Any] = {"stages": stages, "hop_ms": hop, "layers": split(stages)}
     for name, runs in samples.items():
-        row[name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        row[name] = medians(runs)
     row["speedup"] = statistics.median(p["tokens_per_s"] / a["tokens_per_s"] for p, a in zip(samples["pipeline"], samples["autoregressive"]))
     return row
 

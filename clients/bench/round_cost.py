@@ -1,5 +1,5 @@
 """What one verify round costs the worker, chain vs tree, at equal verified-node budgets, on a
-device (DESIGN §3.6, §9): ``specgate bench tree-device`` runs it as ``python -m workers.round_cost``.
+device (DESIGN §3.6, §9): ``specgate bench tree-device`` runs it as ``python -m clients.bench.round_cost``.
 
 The round is the worker's own in-process path of a ``tree`` / ``aggregate k: full`` call: crop
 the session back to its prefix, one runner ``forward`` of the new token plus the draft (a chain
@@ -16,17 +16,15 @@ look like this); its cost depends on N and the mask, not on which tokens it hold
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from clients.bench.common import device_parser, progress, write_json
 from core.protocol import VerifyRequest
 from core.runners.base import ModelRunner
 from core.runners.models import ModelSource
@@ -55,17 +53,17 @@ def tree_parents(nodes: int, branches: int = 4) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.round_cost", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (default: cuda if present)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default: float32)")
-    parser.add_argument("--repeats", type=int, default=30, help="timed rounds per cell (default: 30)")
+    parser = device_parser("python -m clients.bench.round_cost", __doc__.splitlines()[0], "float32", 30, "rounds")
     parser.add_argument("--budgets", nargs="+", type=int, default=BUDGETS, help="verified nodes per round")
+    parser.add_argument("--prefix", type=int, default=PREFIX, help=f"agreed tokens before each round (default: {PREFIX})")
     return measure(parser.parse_args(argv))
 
 
 def measure(args: argparse.Namespace) -> int:
-    from core.runners.transformers_runner import TransformersRunner, builtin_architecture_model
+    from core.runners.transformers_runner import (
+        TransformersRunner,
+        builtin_architecture_model,
+    )
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
@@ -73,7 +71,7 @@ def measure(args: argparse.Namespace) -> int:
     source = ModelSource("builtin-architecture", None, None)
     runner = TransformersRunner(source, _Vocabulary(), max_context=4096, device=device, model=builtin_architecture_model(dtype=dtype))
     generator = np.random.default_rng(0)
-    prompt = generator.integers(0, 49152, PREFIX).tolist()
+    prompt = generator.integers(0, 49152, args.prefix).tolist()
     cells: dict[str, Callable[[], None]] = {}
     for n in args.budgets:
         draft = generator.integers(0, 49152, n).tolist()
@@ -96,22 +94,15 @@ def measure(args: argparse.Namespace) -> int:
     ]
     one = statistics.median(times["chain 1"]) if "chain 1" in times else float("nan")
     print(f"\nworker verify round on {device} ({args.dtype}, {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}), "
-          f"prefix {PREFIX}, median of {args.repeats}:")
+          f"prefix {args.prefix}, median of {args.repeats}:")
     print(f"{'cell':<10} {'ms/round':>9} {'× chain 1':>10}")
     for name, ms in times.items():
         print(f"{name:<10} {statistics.median(ms):>9.2f} {statistics.median(ms) / one:>10.2f}")
-    results: dict[str, Any] = {"device": device, "dtype": args.dtype, "prefix": PREFIX, "rows": rows}
+    results: dict[str, Any] = {"device": device, "dtype": args.dtype, "prefix": args.prefix, "rows": rows}
     if device == "cuda":
         results["gpu"] = torch.cuda.get_device_name()
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(results, indent=2))
-        progress(f"wrote {args.json_path}")
+    write_json(args.json_path, results)
     return 0
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def _round(runner: ModelRunner, session: str, prompt: list[int], draft: list[int], parents: list[int] | None) -> Callable[[], None]:

@@ -1,6 +1,6 @@
 """What one scheduler step costs the worker on a device, by batch × positions, beside the bare
 model's forward in the same run (DESIGN §9): ``specgate bench step-device`` runs it as
-``python -m workers.step_cost``.
+``python -m clients.bench.step_cost``.
 
 A **step** is what the worker's ``VerifyScheduler`` runs for B waiting calls of distinct
 sessions, each holding ``PREFIX`` agreed tokens and bringing one new token and P − 1 draft
@@ -16,20 +16,19 @@ Cells alternate within each repeat; each figure is the median over repeats, in m
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from clients.bench.common import device_parser, progress, write_json
+from clients.bench.round_cost import _Vocabulary
 from core.protocol import VerifyRequest
 from core.runners.models import ModelSource
-from workers.round_cost import _Vocabulary, progress
 from workers.scoring import score
 
 BATCHES = [1, 4, 8, 16]
@@ -38,18 +37,17 @@ PREFIX = 256
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.step_cost", description=__doc__.splitlines()[0])
-    parser.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (default: cuda if present)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help="model dtype (default: bfloat16)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed steps per cell (default: 20)")
+    parser = device_parser("python -m clients.bench.step_cost", __doc__.splitlines()[0], "bfloat16", 20, "steps")
     parser.add_argument("--batches", nargs="+", type=int, default=BATCHES, help="sessions per step")
     parser.add_argument("--positions", nargs="+", type=int, default=POSITIONS, help="positions per session (new token + draft)")
     return measure(parser.parse_args(argv))
 
 
 def measure(args: argparse.Namespace) -> int:
-    from core.runners.transformers_runner import TransformersRunner, builtin_architecture_model
+    from core.runners.transformers_runner import (
+        TransformersRunner,
+        builtin_architecture_model,
+    )
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
@@ -85,10 +83,7 @@ def measure(args: argparse.Namespace) -> int:
         print(f"{b:>5} {p:>9} {bare_med:>8.2f} {step_med:>8.2f} {step_med / bare_med:>9.2f}")
         rows.append({"batch": b, "positions": p, "bare_ms": bare_med, "step_ms": step_med, "ratio": step_med / bare_med, "repeats": len(step_ms)})
     results: dict[str, Any] = {"device": device, "dtype": args.dtype, "gpu": name, "prefix": PREFIX, "rows": rows}
-    if args.json_path:
-        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_path).write_text(json.dumps(results, indent=2))
-        progress(f"wrote {args.json_path}")
+    write_json(args.json_path, results)
     return 0
 
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import httpx
 
-from clients.bench_modes import _Bar, _start_gateway, measure, request
+from clients.bench.common import Bar, measure, medians, progress, request, write_json
+from clients.bench.modes import _start_gateway
 from clients.procs import WorkerProcess
 from clients.prompts import PROMPTS
-from clients.report import progress, write_json
 from core.config import LinkConfig
 
 BUDGETS = [4, 8, 14, 32]
@@ -62,7 +62,7 @@ def cells(budgets: list[int], temperature: float) -> list[tuple[str, dict[str, A
 def bench_tree(args: argparse.Namespace) -> int:
     plan = _plan(args)
     total = len(plan["links"]) * len(plan["temperatures"]) * len(cells(plan["budgets"], 0)) * plan["runs"]
-    bar, rows = _Bar(total), []
+    bar, rows = Bar(total), []
     with ExitStack() as stack:
         progress("starting one worker (builtin, llama.cpp, one thread) on 127.0.0.1")
         url = stack.enter_context(WorkerProcess("builtin", "llama.cpp", threads=max(1, (os.cpu_count() or 2) // 2)))  # the draft gets the rest
@@ -98,9 +98,9 @@ def _summarise(samples: dict[str, list[dict[str, float]]], link: str, rtt_ms: fl
     baseline = samples["autoregressive"]
     rows = []
     for name, runs in samples.items():
-        medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        cell = medians(runs)
         kind, _, budget = name.partition(" ")
-        row: dict[str, Any] = {"cell": name, "shape": kind, "budget": int(budget) if budget else 0, "link": link, "rtt_ms": rtt_ms, "temperature": temperature, "runs": len(runs), **medians}
+        row: dict[str, Any] = {"cell": name, "shape": kind, "budget": int(budget) if budget else 0, "link": link, "rtt_ms": rtt_ms, "temperature": temperature, "runs": len(runs), **cell}
         row["speedup_vs_autoregressive"] = statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline))
         rows.append(row)
     for row in rows:  # the tree against the chain of the same budget, same link and T
@@ -132,7 +132,7 @@ def plot_tree(results: dict[str, Any], folder: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from clients.plots import _save
+    from clients.bench.plots import _save
 
     folder.mkdir(parents=True, exist_ok=True)
     rows = results["cells"]

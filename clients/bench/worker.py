@@ -20,10 +20,10 @@ import httpx
 import numpy as np
 import torch
 
+from clients.bench.common import progress, write_json
+from clients.procs import WorkerProcess
 from core.math.sampling import SamplingParams, apply_sampling
 from core.protocol import VerifyRequest, VerifyResponse, decode, encode
-from clients.report import progress, write_json
-from clients.procs import WorkerProcess
 from core.runners import ModelRunner, load_runner
 
 PROMPTS = [

@@ -278,6 +278,21 @@ class ModelRunner(ABC):
         for session_id in self.session_ids():
             self.free(session_id)
 
+    def warm_up(self) -> None:
+        """A prefill and a verify-sized decode in a session then forgotten, before the first
+        request: the model's weights are paged in and its compute buffers made (a cold first
+        request paid seconds for them, issue 33). A whole model only (a stage takes hidden
+        states)."""
+        if self.layer_range is not None:
+            return
+        session = "__warm_up__"
+        ids = [i % self.info.vocab_size for i in range(1, 41)]  # 40 tokens: a decode batch of 32, then 8
+        try:
+            self.prefill(session, ids, num_logits=1)
+            self.append(session, ids[:5], num_logits=5)
+        finally:
+            self.free(session)
+
     def close(self) -> None:
         """Free every session and what the backend holds; the runner is unusable after."""
         self.free_all()

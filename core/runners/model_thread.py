@@ -39,7 +39,7 @@ class ModelThread:
 
 class CallingThread(ModelThread):
     """A ``ModelThread`` that runs each call where it is made: for single-threaded tools
-    (``clients.floors``) and tests, where the thread hop would only add its own cost."""
+    (``clients.bench.floors``) and tests, where the thread hop would only add its own cost."""
 
     def __init__(self) -> None:
         pass

@@ -16,7 +16,7 @@ import pytest
 
 from app.server import create_app
 from app.targets.base import server_timing
-from clients.bench_overhead import PARTS, round_figures
+from clients.bench.overhead import PARTS, round_figures
 from core.runners import ModelRunner, load_runner
 from tests.app.fake_engine import Router
 from tests.app.helpers import gateway_config
@@ -100,3 +100,24 @@ def test_a_workers_server_timing_is_read_by_part() -> None:
     assert parts == pytest.approx({"codec": 25e-5, "queue": 1e-3, "model": 7.5e-3, "scoring": 8e-4, "total": 9.9e-3})
     assert server_timing("") == {}
     assert server_timing("model;desc=x, junk, score;dur=abc, cpu;dur=3") == {}  # what it cannot read, it leaves out
+
+
+async def test_busy_time_counts_every_worker(runners: tuple[ModelRunner, ModelRunner]) -> None:
+    """``worker_model_ms`` is the slowest worker's per call (latency); ``worker_busy_ms`` every
+    worker's (the targets' cost, `specgate bench`'s target-cost column): two workers whose
+    models sleep the same time cost about twice the latency."""
+    draft, target = runners
+    draft.free_all()
+    target.free_all()
+    second = _slowed(load_runner("tiny-random", "transformers"), MODEL_S)
+    workers = {f"w{n}": httpx.ASGITransport(app=create_worker(WorkerSettings(model="tiny-random", backend="transformers"), runner=r)) for n, r in enumerate((target, second))}
+    config = gateway_config(workers=[{"url": "http://w0:1", "weight": 0.6}, {"url": "http://w1:1", "weight": 0.4}], speculative={"mode": "exact", "num_draft_tokens": 3})
+    app = create_app(config, draft_runner=draft, transport=Router(workers))
+    body = {"model": "test-model", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 3}
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=60) as client:
+            resp = await client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    block = resp.json()["usage"]["speculative"]
+    assert block["worker_model_ms"] >= 1e3 * MODEL_S * block["rounds"] * 0.95
+    assert 1.6 * block["worker_model_ms"] <= block["worker_busy_ms"] <= 2.0 * block["worker_model_ms"] + 0.01

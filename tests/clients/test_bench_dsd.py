@@ -7,10 +7,16 @@ from dataclasses import replace
 
 import pytest
 
-from clients.bench_dsd import auto_verdict, bound_tokens_per_s, cells, physical_bound, summarise
-from clients.bench_modes import analytic_bound
-from clients.bench_modes import physical_bound as modes_physical_bound
-from clients.floors import Floors
+from clients.bench.dsd import (
+    auto_verdict,
+    bound_tokens_per_s,
+    cells,
+    physical_bound,
+    summarise,
+)
+from clients.bench.floors import Floors
+from clients.bench.modes import analytic_bound, direct_tokens_per_s
+from clients.bench.modes import physical_bound as modes_physical_bound
 from core.config import LinkConfig
 
 LINK = LinkConfig(rtt_ms=50, up_mbps=10, down_mbps=10)
@@ -74,3 +80,15 @@ def test_the_physical_bound_is_the_bound_with_llama_cpps_costs() -> None:
     assert physical_bound(run, 3.4, LINK, 1, FLOORS) == pytest.approx(physical_bound(run, 3.4, LINK, 1, replace(FLOORS, scoring_s={3: 0.030, 5: 0.045})))
     ar = physical_bound(_run(5.0, rounds=27, drafted=0), 0.0, LINK, 1, FLOORS)  # one position, no draft
     assert ar == pytest.approx(27 / (27 * (LINK.delay_s(400, upstream=True) + LINK.delay_s(700, upstream=False) + 0.020)))
+
+
+def test_the_direct_baseline_pays_the_round_trip_once() -> None:
+    floors = replace(FLOORS, direct_step_s=0.010)
+    assert direct_tokens_per_s(50, LinkConfig(), floors) == pytest.approx(100.0)  # 1 / step on loopback
+    # 50 ms each way of a 100 ms RTT, the request's 2,000 bytes at 10 Mbps, then 50 steps
+    seconds = 0.1 + 2_000 * 8 / 10e6 + 50 * 0.010
+    assert direct_tokens_per_s(50, LinkConfig(rtt_ms=100, up_mbps=10), floors) == pytest.approx(50 / seconds)
+    # a link too slow for the stream: the chunks, not the model, set the pace
+    slow = LinkConfig(down_mbps=0.08)  # 200-byte chunks at 80 kbit/s: 20 ms each
+    assert direct_tokens_per_s(50, slow, floors) == pytest.approx(50.0)
+    assert direct_tokens_per_s(50, LinkConfig(), FLOORS) == 0.0  # not measured: no column

@@ -32,12 +32,12 @@ def test_bench_tree_device_times_each_cell_and_writes_json(tmp_path: Path) -> No
     """The worker's verify round on the built-in architecture (random weights, CPU here): a row
     per cell, the tree cells through the runner's tree forward."""
     out = tmp_path / "device.json"
-    args = ["bench", "tree-device", "--device", "cpu", "--repeats", "1", "--budgets", "1", "4", "--json", str(out)]
+    args = ["bench", "tree-device", "--device", "cpu", "--repeats", "1", "--budgets", "1", "4", "--prefix", "8", "--json", str(out)]
     run = subprocess.run([*SPECGATE, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr
     rows = json.loads(out.read_text())["rows"]
     assert [r["cell"] for r in rows] == ["chain 1", "chain 4", "tree 4"] and all(r["ms_median"] > 0 and r["repeats"] == 1 for r in rows)
-    assert "tree 4" in run.stdout and "ms/round" in run.stdout
+    assert "tree 4" in run.stdout and "ms/round" in run.stdout and "prefix 8" in run.stdout
 
 
 def test_worker_with_a_missing_model_is_a_one_line_error() -> None:

@@ -16,7 +16,7 @@ import torch
 from core.runners.base import ForwardItem
 from core.runners.models import ModelSource
 from core.runners.transformers_runner import TransformersRunner, tiny_random_model
-from workers.round_cost import _Vocabulary
+from clients.bench.round_cost import _Vocabulary
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

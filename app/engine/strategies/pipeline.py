@@ -143,7 +143,7 @@ class PipelineRun:
                 restarts = 0
                 result = RoundResult([], drafted=0, accepted=0, traffic=traffic, logprobs=[] if self.req.top_logprobs is not None else None)
                 result.verify_s = time.perf_counter() - waited
-                result.model_s = float(np.asarray(resp.stage_ms).sum()) / 1e3 if resp.stage_ms is not None else 0.0
+                result.model_s = result.busy_s = float(np.asarray(resp.stage_ms).sum()) / 1e3 if resp.stage_ms is not None else 0.0
                 result.hop_bytes = [int(b) for b in np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [])]
                 result.turns = 1
                 if flight.round == self.round:

@@ -165,3 +165,12 @@ def test_crop_and_free(builtin_llama: ModelRunner, tokens: list[int]) -> None:
     assert torch.equal(logits, builtin_llama.forward_full(tokens + [9], 1))
     builtin_llama.free("c")
     assert not builtin_llama.has_session("c")
+
+
+def test_a_warm_up_leaves_nothing_behind(builtin_llama: ModelRunner, tokens: list[int]) -> None:
+    """``warm_up`` (what a worker and the gateway run before they bind: issue 33's cold first
+    request) holds no session after it and changes no later row."""
+    before = builtin_llama.forward_full(tokens, 3)
+    builtin_llama.warm_up()
+    assert builtin_llama.session_ids() == [] and builtin_llama.memory_bytes() == 0
+    assert torch.equal(builtin_llama.forward_full(tokens, 3), before)

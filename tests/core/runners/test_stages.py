@@ -100,6 +100,9 @@ def test_a_loaded_stage_keeps_only_its_layers_and_matches_the_whole_model() -> N
     logits = last.forward([ForwardItem("s", 0, PROMPT, logits_at=[7, 8, 9], hidden=states)])[0]
     torch.testing.assert_close(logits, whole.forward([ForwardItem("s", 0, PROMPT, logits_at=[7, 8, 9])])[0], atol=1e-4, rtol=1e-4)
     assert load_runner("tiny-random", "transformers", layers=(0, 2)).layer_range is None  # all of them: the whole model
+    for runner in (first, last, whole):  # a stage's warm-up does nothing (it takes hidden states); the whole model's forgets its session
+        runner.warm_up()
+        assert "__warm_up__" not in runner.session_ids()
 
 
 @pytest.mark.parametrize("layers", [(0, 0), (1, 3), (-1, 1)])
