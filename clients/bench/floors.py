@@ -62,8 +62,12 @@ class LlamaFloor:
         self.ctx = _internals.LlamaContext(model=self.model, params=ctx_params, verbose=False)
         self.batch = _internals.LlamaBatch(n_tokens=_DECODE_TOKENS, embd=0, n_seq_max=1, verbose=False)
         self.vocab_size = int(self.model.n_vocab())
+        self._decode(self.prompt[:1], 0, logits=False)  # the first decode pages the weights in: not timed
+        self._trim(0)
+        started = time.perf_counter()
         for begin in range(0, len(self.prompt), _DECODE_TOKENS):
             self._decode(self.prompt[begin:begin + _DECODE_TOKENS], begin, logits=False)
+        self.prefill_ms = (time.perf_counter() - started) * 1e3  # the prompt, as a target alone would prefill it
 
     def __enter__(self) -> LlamaFloor:
         return self
@@ -238,6 +242,7 @@ class Floors:
     draft_step_s: float
     scoring_s: dict[int, float]
     direct_step_s: float = 0.0
+    direct_prefill_s: float = 0.0  # the bench's first prompt on the target alone
 
     def scoring(self, positions: float) -> float:
         """Seconds to score ``positions`` (a cell's mean γ + 1: the nearest measured)."""
@@ -246,7 +251,7 @@ class Floors:
     def as_dict(self) -> dict[str, Any]:
         return {
             "threads": self.threads, "draft_step_ms": self.draft_step_s * 1e3, "scoring_ms": {m: s * 1e3 for m, s in self.scoring_s.items()},
-            "direct_step_ms": self.direct_step_s * 1e3,
+            "direct_step_ms": self.direct_step_s * 1e3, "direct_prefill_ms": self.direct_prefill_s * 1e3,
         }
 
 
@@ -254,7 +259,7 @@ def measure_floors(threads: int, positions: list[int], prompt: str) -> Floors:
     """The draft's and the worker's floors with ``threads`` threads (what the bench gives the
     draft and each worker), after the chat prompt ``prompt``: medians of a few repeats. The
     target's direct step is its decode + llama.cpp's sampler over the whole vocabulary (top-k 0
-    is off)."""
+    is off), after its prefill of the prompt (timed once)."""
     from core.runners.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model("builtin"))
@@ -264,4 +269,5 @@ def measure_floors(threads: int, positions: list[int], prompt: str) -> Floors:
     with LlamaFloor("builtin", threads, ids) as target:
         scoring = {m: median(target.scoring_ms(m)) / 1e3 for m in sorted(set(positions))}
         direct = median(target.draft_step_ms(0)) / 1e3
-    return Floors(threads, step, scoring, direct)
+        prefill = target.prefill_ms / 1e3
+    return Floors(threads, step, scoring, direct, prefill)

@@ -170,13 +170,14 @@ DIRECT_CHUNK_BYTES = 200  # an SSE chunk of one token down it (OpenAI's shape)
 
 
 def direct_tokens_per_s(tokens_per_answer: float, link: LinkConfig, floors: Floors) -> float:
-    """The *direct* baseline: the target generating alone on its own machine (llama.cpp's decode +
-    sampler, ``floors.direct_step_s``) and streaming its tokens over the same link — the round trip
-    paid once per answer, each token's chunk serialised while the next is generated."""
+    """The *direct* baseline: the target generating alone on its own machine (its prefill of the
+    prompt, then llama.cpp's decode + sampler per token: ``floors.direct_*``) and streaming its
+    tokens over the same link — the round trip paid once per answer, each token's chunk
+    serialised while the next is generated."""
     if not floors.direct_step_s or tokens_per_answer <= 0:
         return 0.0
     chunk = link.delay_s(DIRECT_CHUNK_BYTES, upstream=False) - link.delay_s(0, upstream=False)
-    seconds = link.delay_s(DIRECT_REQUEST_BYTES, upstream=True) + link.delay_s(0, upstream=False) + tokens_per_answer * max(floors.direct_step_s, chunk)
+    seconds = link.delay_s(DIRECT_REQUEST_BYTES, upstream=True) + link.delay_s(0, upstream=False) + floors.direct_prefill_s + tokens_per_answer * max(floors.direct_step_s, chunk)
     return tokens_per_answer / seconds
 
 
@@ -205,7 +206,8 @@ def _print_table(results: dict[str, Any]) -> None:
     floors = results["floors"]
     print(f"physical bound from llama.cpp's floors ({floors['threads']} thread(s)): draft step {floors['draft_step_ms']:.2f} ms, "
           + ", ".join(f"scoring {m} {ms:.2f} ms" for m, ms in floors["scoring_ms"].items()))
-    print(f"direct: the target alone, llama.cpp's decode + sampler {floors.get('direct_step_ms', 0.0):.2f} ms a token, the link's round trip once per answer; "
+    print(f"direct: the target alone, its prefill {floors.get('direct_prefill_ms', 0.0):.1f} ms, then llama.cpp's decode + sampler {floors.get('direct_step_ms', 0.0):.2f} ms a token, "
+          "the link's round trip once per answer; "
           "tgt ms/tok: the workers' model time per generated token, summed over workers")
     print(f"{'N':>2} {'link':<17}{'T':>3} {'mode':<17}{'tok/s':>7}{'speed-up':>9}{'direct':>7}{'vs dir':>7}{'tgt ms/tok':>11}{'tok/rnd':>8}{'α':>6}{'up B/rnd':>10}{'down B/rnd':>12}{'bound':>8}{'meas/bnd':>9}{'phys':>7}{'meas/phys':>10}{'spd/phys':>9}")
     for r in results["cells"]:

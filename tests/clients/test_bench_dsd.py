@@ -92,3 +92,4 @@ def test_the_direct_baseline_pays_the_round_trip_once() -> None:
     slow = LinkConfig(down_mbps=0.08)  # 200-byte chunks at 80 kbit/s: 20 ms each
     assert direct_tokens_per_s(50, slow, floors) == pytest.approx(50.0)
     assert direct_tokens_per_s(50, LinkConfig(), FLOORS) == 0.0  # not measured: no column
+    assert direct_tokens_per_s(50, LinkConfig(), replace(floors, direct_prefill_s=0.5)) == pytest.approx(50.0)  # 0.5 s + 50 × 10 ms
