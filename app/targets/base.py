@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import httpx
 import numpy as np
 
+from app.targets.fastpost import Answer, FastPost
 from core.config import LinkConfig
 from core.errors import ProtocolError, SpecgateError
 from core.protocol import (
@@ -111,8 +112,9 @@ class Channel:
     """One target's way to its replicas: the shared HTTP client, its timeout, the emulated link
     (delays each direction, never blocks the loop), the round-latency hook and the bytes."""
 
-    def __init__(self, name: str, client: httpx.AsyncClient, timeout: httpx.Timeout, link: LinkConfig | None = None) -> None:
+    def __init__(self, name: str, client: httpx.AsyncClient, timeout: httpx.Timeout, link: LinkConfig | None = None, fast: FastPost | None = None) -> None:
         self.name, self.client, self.timeout, self.link = name, client, timeout, link
+        self.fast = fast  # the rounds' POSTs without httpx's layers (real sockets only)
         self.traffic = Traffic()
         self.on_call: Callable[[str, float], None] = lambda worker, seconds: None  # metrics hook
 
@@ -120,12 +122,17 @@ class Channel:
         """One HTTP request; transport failures as ReplicaFailure (not a round: no link, no bytes)."""
         try:
             return await self.client.request(method, f"{replica.url}{path}", timeout=self.timeout, **kwargs)
-        except httpx.TimeoutException as exc:
-            raise ReplicaFailure("timeout", f"{path} at {replica.url}: {describe(exc)}") from exc
-        except httpx.ConnectError as exc:
-            raise ReplicaFailure("connect", f"{path} at {replica.url}: {describe(exc)}") from exc
-        except httpx.HTTPError as exc:  # reset, closed mid-body, …
-            raise ReplicaFailure("transport", f"{path} at {replica.url}: {describe(exc)}") from exc
+        except httpx.HTTPError as exc:
+            raise _failure(exc, path, replica) from exc
+
+    async def _post(self, replica: Replica, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response | Answer:
+        url = f"{replica.url}{path}"
+        if self.fast is None or not self.fast.handles(url):
+            return await self.request("POST", replica, path, content=body, headers=headers)
+        try:
+            return await self.fast.post(url, body, headers, self.timeout)
+        except httpx.HTTPError as exc:
+            raise _failure(exc, path, replica) from exc
 
     async def exchange(self, replica: Replica, path: str, body: bytes, headers: dict[str, str], traffic: Traffic) -> tuple[int, bytes]:
         """One POST of a round: the emulated link, the round-latency hook, bytes both ways."""
@@ -133,7 +140,7 @@ class Channel:
         if self.link is not None:
             await asyncio.sleep(self.link.delay_s(len(body), upstream=True))
         started = time.perf_counter()
-        resp = await self.request("POST", replica, path, content=body, headers=headers)
+        resp = await self._post(replica, path, body, headers)
         answered = time.perf_counter()
         if self.link is not None:
             await asyncio.sleep(self.link.delay_s(len(resp.content), upstream=False))
@@ -148,6 +155,13 @@ class Channel:
         parts["worker_other"] = max(handler - sum(worker.values()), 0.0) if worker else 0.0
         traffic.time(link=ended - answered + started - linked, http=answered - started - handler, **parts)
         return resp.status_code, resp.content
+
+
+def _failure(exc: httpx.HTTPError, path: str, replica: Replica) -> ReplicaFailure:
+    """A transport failure as the replica set's kind: timeout, connect, or transport (reset,
+    closed mid-body, …)."""
+    kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "connect" if isinstance(exc, httpx.ConnectError) else "transport"
+    return ReplicaFailure(kind, f"{path} at {replica.url}: {describe(exc)}")
 
 
 class Dialect(Protocol):

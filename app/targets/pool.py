@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 
 from app.targets.base import Channel, Dialect, Expected
+from app.targets.fastpost import FastPost
 from app.targets.openai_logprobs import EngineDialect
 from app.targets.pipeline import PipelineTarget
 from app.targets.replicas import ReplicaSet
@@ -18,8 +19,8 @@ from core.config import SpecgateConfig
 
 
 class TargetSet:
-    def __init__(self, workers: list[ReplicaSet | PipelineTarget], client: httpx.AsyncClient, probe_interval_s: float) -> None:
-        self.workers, self.client, self.probe_interval_s = workers, client, probe_interval_s
+    def __init__(self, workers: list[ReplicaSet | PipelineTarget], client: httpx.AsyncClient, probe_interval_s: float, fast: FastPost | None = None) -> None:
+        self.workers, self.client, self.probe_interval_s, self.fast = workers, client, probe_interval_s, fast
         self._prober: asyncio.Task[None] | None = None
 
     @classmethod
@@ -27,16 +28,17 @@ class TargetSet:
         headers = {"authorization": f"Bearer {config.worker_token}"} if config.worker_token else None
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=4 * config.limits.max_concurrent_requests)
         client = httpx.AsyncClient(transport=transport or httpx.AsyncHTTPTransport(retries=0, limits=limits), headers=headers)
+        fast = FastPost(headers) if transport is None else None  # the rounds' POSTs on real sockets
         workers: list[ReplicaSet | PipelineTarget] = []
         for w in config.workers:
             name = w.name or ""
-            channel = Channel(name, client, httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), w.link)
+            channel = Channel(name, client, httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), w.link, fast)
             if w.pipeline is not None:
                 workers.append(PipelineTarget(name, config.stage_replicas(w), w.weight, channel, expected, config.health.failure_threshold))
                 continue
             dialect: Dialect = EngineDialect(name, channel, expected, w) if w.is_engine else SpecgateDialect(name, channel, expected)
             workers.append(ReplicaSet(name, config.worker_urls(w), w.weight, channel, dialect, expected, config.health.failure_threshold))
-        return cls(workers, client, config.health.probe_interval_s)
+        return cls(workers, client, config.health.probe_interval_s, fast)
 
     def scorable(self, sequence: list[int], draft: list[int]) -> int:
         """How many leading draft tokens every target can score (engines cannot score every token)."""
@@ -76,3 +78,5 @@ class TargetSet:
             self._prober.cancel()
             await asyncio.gather(self._prober, return_exceptions=True)
         await self.client.aclose()
+        if self.fast is not None:
+            await self.fast.aclose()
