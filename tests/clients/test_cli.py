@@ -194,18 +194,22 @@ def test_worker_settings_from_the_environment_are_validated() -> None:
 
 
 @pytest.mark.integration
-def test_serve_the_pipeline_config_answers_through_the_openai_api() -> None:
-    """``specgate serve --config config/pipeline.yaml``: three local stages of the built-in
-    model (free ports), the gateway in mode pipeline, a chat completion through the SDK."""
+@pytest.mark.parametrize(("config", "mode", "started"), [
+    ("config/pipeline.yaml", "pipeline", 3), ("config/one-worker.yaml", "aggregate", 1), ("config/federated.yaml", "aggregate", 2),
+])
+def test_a_shipped_config_starts_and_answers_through_the_openai_api(config: str, mode: str, started: int) -> None:
+    """``specgate serve --config config/…``: its local workers or stages, the gateway in the
+    config's mode, a chat completion through the SDK. (``config/builtin.yaml`` is the default
+    serve's, tested above; ``config/engine.yaml`` needs an engine running elsewhere.)"""
     port = free_port()
-    proc = subprocess.Popen([*SPECGATE, "serve", "--config", "config/pipeline.yaml", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    proc = subprocess.Popen([*SPECGATE, "serve", "--config", config, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
         lines = _read_until(proc, "specgate: ready", timeout_s=300)
-        assert sum("stage" in line and "layers" in line for line in lines) == 3, lines
+        assert sum("specgate serve: starting" in line and "gateway" not in line for line in lines) == started, lines
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
         chat = client.chat.completions.create(model="specgate", messages=[{"role": "user", "content": "Say hello"}], max_tokens=8, temperature=0)
         assert chat.choices[0].message.content and chat.usage is not None
-        assert chat.usage.model_extra["speculative"]["mode"] == "pipeline"  # type: ignore[index]
+        assert chat.usage.model_extra["speculative"]["mode"] == mode  # type: ignore[index]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
