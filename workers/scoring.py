@@ -86,7 +86,7 @@ def _split(
         return VerifyResponse(held=held, num_accepted=verdict.num_accepted, bonus=verdict.token, model_ms=model_ms)
     draft = torch.from_numpy(req.draft.astype(np.int64))
     accept_u = uniforms(req.seed, req.choice, list(range(base, base + gamma)), Purpose.ACCEPT, req.worker)
-    q_draft = torch.from_numpy(np.asarray(req.draft_probs, dtype=np.float64))
+    q_draft = torch.from_numpy(np.array(req.draft_probs, dtype=np.float64))  # a copy: the decoded frame is read-only
     accepted = count_accepted(normalised(probs[:gamma])[torch.arange(gamma), draft], q_draft, accept_u)  # an fp32 row sums to 1 ± 1e-6
     if accepted == gamma:
         bonus = sample_index(probs[gamma], uniform(req.seed, req.choice, base + gamma, Purpose.BONUS, req.worker))

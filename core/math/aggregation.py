@@ -116,7 +116,7 @@ def merge_top_logprobs(
     w = normalise_weights(weights)
     mass: dict[int, float] = {}
     for (ids, logprobs), weight in zip(tops, w.tolist()):
-        for token, value in zip(torch.as_tensor(ids[row]).tolist(), torch.as_tensor(logprobs[row]).double().exp().tolist()):
+        for token, value in zip(torch.tensor(ids[row]).tolist(), torch.tensor(logprobs[row]).double().exp().tolist()):  # copies: a decoded frame is read-only
             mass[token] = mass.get(token, 0.0) + weight * value
     best = sorted(mass.items(), key=lambda item: (-item[1], item[0]))[:n]
     return [(token, float(torch.log(torch.tensor(max(p, _LOG_FLOOR), dtype=torch.float64)))) for token, p in best]
