@@ -59,17 +59,23 @@ def main(argv: list[str] | None = None) -> int:
     return measure(parser.parse_args(argv))
 
 
-def measure(args: argparse.Namespace) -> int:
+def random_runner(args: argparse.Namespace, max_context: int) -> tuple[Any, Any, str]:
+    """The built-in architecture with random weights on ``args.device`` in ``args.dtype`` (what
+    the device benches time): the HF model, a runner around it, the device."""
     from core.runners.transformers_runner import (
         TransformersRunner,
         builtin_architecture_model,
     )
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype)
     progress(f"building the built-in architecture with random weights ({args.dtype}) on {device}")
-    source = ModelSource("builtin-architecture", None, None)
-    runner = TransformersRunner(source, _Vocabulary(), max_context=4096, device=device, model=builtin_architecture_model(dtype=dtype))
+    model = builtin_architecture_model(dtype=getattr(torch, args.dtype)).to(device).eval()
+    runner = TransformersRunner(ModelSource("builtin-architecture", None, None), _Vocabulary(), max_context=max_context, device=device, model=model)
+    return model, runner, device
+
+
+def measure(args: argparse.Namespace) -> int:
+    _, runner, device = random_runner(args, max_context=4096)
     generator = np.random.default_rng(0)
     prompt = generator.integers(0, 49152, args.prefix).tolist()
     cells: dict[str, Callable[[], None]] = {}

@@ -26,9 +26,8 @@ import numpy as np
 import torch
 
 from clients.bench.common import device_parser, progress, write_json
-from clients.bench.round_cost import _Vocabulary
+from clients.bench.round_cost import random_runner
 from core.protocol import VerifyRequest
-from core.runners.models import ModelSource
 from workers.scoring import score
 
 BATCHES = [1, 4, 8, 16]
@@ -44,16 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    from core.runners.transformers_runner import (
-        TransformersRunner,
-        builtin_architecture_model,
-    )
-
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, args.dtype)
-    progress(f"building the built-in architecture with random weights ({args.dtype}) on {device}")
-    model = builtin_architecture_model(dtype=dtype).to(device).eval()
-    runner = TransformersRunner(ModelSource("builtin-architecture", None, None), _Vocabulary(), max_context=1024, device=device, model=model)
+    model, runner, device = random_runner(args, max_context=1024)
     progress(f"slot cache: {runner.num_slots} slots of {runner.slot_length} cells")
     generator = np.random.default_rng(0)
     prompt = generator.integers(0, 49152, PREFIX).tolist()
