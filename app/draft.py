@@ -26,6 +26,7 @@ from core.math.tree import ChildRule, SparseRow, TokenTree, TreeShape, sparse_ro
 from core.runners import ModelRunner
 from core.runners.base import ForwardItem, common_prefix
 from core.runners.model_thread import ModelThread
+from core.transform import Transformer
 
 DEFAULT_BATCH_TOKENS = 128  # a draft step's new rows, all requests together (DraftConfig.max_batch_tokens)
 
@@ -108,7 +109,7 @@ class DraftModel:
     async def propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
-        timing: dict[str, float] | None = None,
+        timing: dict[str, float] | None = None, transformer: Transformer | None = None,
     ) -> TokenTree:
         """Draft ``gamma`` tokens after ``sequence`` (the agreed tokens of the session);
         ``truncation`` = (draft_top_k, draft_top_p) sparsifies q̂ (TSLT), losslessly. Once
@@ -116,22 +117,23 @@ class DraftModel:
         assumption failed). The tokens depend on ``sequence`` and the positions only: the draws
         are keyed by position, so a draft prepared ahead equals the one drafted later.
         ``suppression`` (min_tokens) masks its ids where the target cannot emit them; ``timing``
-        gets the seconds of the draft model and of the sampling (``DraftClock``)."""
+        gets the seconds of the draft model and of the sampling (``DraftClock``); ``transformer``
+        (DESIGN §3.9) reshapes each position's logits as the workers reshape theirs."""
         await self._idle(session_id)
         if cancel is not None and cancel.is_set():
             return TokenTree.chain([], [])
-        steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression)
+        steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression, transformer)
         return await self._run(session_id, steps, timing)
 
     async def propose_tree(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float] = (0, 1.0), timing: dict[str, float] | None = None,
+        truncation: tuple[int, float] = (0, 1.0), timing: dict[str, float] | None = None, transformer: Transformer | None = None,
     ) -> TokenTree:
         """Draft a tree of ``shape`` after ``sequence`` (DESIGN §3.6): one batched draft decode
         per depth over the nodes that get children. The draws are keyed by position and lane
         (a draw's rank at its depth), so lane 0 of a one-wide tree draws the chain's numbers."""
         await self._idle(session_id)
-        return await self._run(session_id, self._tree_of(session_id, sequence, shape, params, seed, choice, truncation), timing)
+        return await self._run(session_id, self._tree_of(session_id, sequence, shape, params, seed, choice, truncation, transformer), timing)
 
     async def free(self, session_id: str) -> None:
         """Forget the session, after its draft in progress (if any) has ended."""
@@ -232,7 +234,7 @@ class DraftModel:
 
     def _chain(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float], cancel: threading.Event | None, suppression: Suppression | None,
+        truncation: tuple[int, float], cancel: threading.Event | None, suppression: Suppression | None, transformer: Transformer | None = None,
     ) -> Steps:
         runner = self.runner
         common = common_prefix(runner.tokens(session_id), sequence)
@@ -248,6 +250,8 @@ class DraftModel:
             if j < masked:
                 assert suppression is not None
                 logits = mask_ids(logits, torch.tensor(suppression.ids, dtype=torch.long))
+            if transformer is not None:
+                logits = transformer.rows(logits[None], sequence, [tokens])[0]
             q = apply_sampling(logits[None], params)[0]
             if truncating:  # renormalised in float64 on the support
                 ids, probs = truncated_support(q, *truncation)
@@ -265,14 +269,14 @@ class DraftModel:
 
     def _tree_of(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float],
+        truncation: tuple[int, float], transformer: Transformer | None = None,
     ) -> Steps:
         runner, eos = self.runner, set(self.runner.info.eos_ids)
         common = common_prefix(runner.tokens(session_id), sequence)
         runner.crop(session_id, common)
         logits = yield from self._feed(session_id, sequence[common:])
         start = len(sequence)
-        q_at = {-1: self._q(logits, params, truncation)}
+        q_at = {-1: self._q(self._shaped(transformer, logits, sequence, []), params, truncation)}
         tokens: list[int] = []
         parents: list[int] = []
         scores: list[float] = []  # cumulative draft log-probability (the fixed rule's ranking)
@@ -295,7 +299,7 @@ class DraftModel:
                 rows = yield ForwardItem(session_id, held, [tokens[n] for n in frontier], [row_of[parents[n]] for n in frontier], list(range(len(frontier))))
                 for i, (node, node_logits) in enumerate(zip(frontier, rows)):
                     row_of[node] = held + i
-                    q_at[node] = self._q(node_logits, params, truncation)
+                    q_at[node] = self._q(self._shaped(transformer, node_logits, sequence, _path(node, tokens, parents)), params, truncation)
         finally:
             if runner.has_session(session_id):
                 runner.crop(session_id, start)  # the session is the agreed sequence again
@@ -304,9 +308,22 @@ class DraftModel:
         return _tree(tokens, parents, q_at, shape.rule, self.vocab_size)
 
     @staticmethod
+    def _shaped(transformer: Transformer | None, logits: torch.Tensor, sequence: list[int], path: list[int]) -> torch.Tensor:
+        return logits if transformer is None else transformer.rows(logits[None], sequence, [path])[0]
+
+    @staticmethod
     def _q(logits: torch.Tensor, params: SamplingParams, truncation: tuple[int, float]) -> torch.Tensor:
         q = apply_sampling(logits[None], params)[0]
         return truncate(q, *truncation) if not params.is_greedy and truncation != (0, 1.0) else normalised(q)  # q̂ as sampled, in float64
+
+
+def _path(node: int, tokens: list[int], parents: list[int]) -> list[int]:
+    """The tokens from the root's child down to ``node``."""
+    path = []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
 
 
 def _settle(d: _Drafting) -> None:

@@ -12,7 +12,7 @@ from core.names import Mode, Reconstruction
 
 # Known OpenAI parameters that this gateway does not implement: a 400 names them.
 UNSUPPORTED = {
-    "suffix", "best_of", "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "suffix", "best_of", "functions", "function_call",
     "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "service_tier",
 }
 
@@ -64,10 +64,35 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
 
-    type: str
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of a schema, a regex, choices or a grammar."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
 
 
 class _Common(BaseModel):
@@ -84,10 +109,13 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=20)  # vLLM's (> 0 there; below 0.01 a logit ÷ it overflows fp32)
+    min_p: float = Field(default=0.0, ge=0, lt=1)  # vLLM's
+    logit_bias: dict[str, float] | None = None  # token id (as a string) → [−100, 100], added to its logit
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
     speculative: SpeculativeParams | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     ignore_eos: bool = False  # vLLM's (benchmark clients fix output lengths with it): EOS does not end the answer
@@ -100,20 +128,22 @@ class _Common(BaseModel):
             raise ValueError("at most 4 stop sequences")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys are token ids (integers ≥ 0 as strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values lie in [-100, 100], got {bias} for token {key}")
+        return value
+
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every parameter set to something this gateway does not do."""
         found = [(name, "is not supported") for name in sorted(self.model_extra or {})]
-        if self.presence_penalty != 0:
-            found.append(("presence_penalty", "is supported only as 0"))
-        if self.frequency_penalty != 0:
-            found.append(("frequency_penalty", "is supported only as 0"))
-        if self.logit_bias:
-            found.append(("logit_bias", "is supported only empty"))
-        if self.response_format is not None and self.response_format.type != "text":
-            found.append(("response_format", "is supported only as {'type': 'text'}"))
         if self.stream_options is not None and not self.stream:
             found.append(("stream_options", "is only allowed with stream: true"))
         return found
@@ -133,6 +163,63 @@ class CompletionRequest(_Common):
         return value
 
 
+class FunctionDef(BaseModel):
+    """``tools[i].function``: a function the model may call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of an object; none: no arguments
+    strict: bool | None = None  # the arguments always follow ``parameters`` here
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("a function's parameters are a JSON schema of type object")
+        return value
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": …}}``: call this one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str  # JSON text, as the API sends it
+
+
+class MessageToolCall(BaseModel):
+    """An assistant message's ``tool_calls[i]`` in the conversation."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -143,9 +230,11 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -159,6 +248,18 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
+    tools: list[ToolDef] | None = Field(default=None, min_length=1, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
     def chat_messages(self) -> list[dict[str, Any]]:
         role = {"developer": "system"}
-        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+        out = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": role.get(m.role, m.role), "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in m.tool_calls]
+            if m.role == "tool":
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out

@@ -32,6 +32,7 @@ from app.targets.pool import TargetSet
 from app.schemas import ChatCompletionRequest, CompletionRequest
 from app.errors import ApiError
 from app.service import ChoiceEvent, Gateway, Job
+from app.tools import ToolOutput
 from core.config import SpecgateConfig
 from core.errors import ConfigError
 from core.runners import ModelRunner, load_runner
@@ -134,12 +135,14 @@ def _add_routes(app: FastAPI) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         gateway = _gateway(request)
         job = gateway.completion_job(body)
+        await gateway.compile(job)
         return await _respond(request, job, body.stream, _include_usage(body), _completion_chunks(gateway, job), _completion_body(gateway, job))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         gateway = _gateway(request)
         job = gateway.chat_job(body)
+        await gateway.compile(job)
         return await _respond(request, job, body.stream, _include_usage(body), _chat_chunks(gateway, job), _chat_body(gateway, job))
 
     @app.get("/metrics")
@@ -265,16 +268,21 @@ def _completion_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]]
 
 
 def _chat_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]], dict[str, Any]]:
+    def message(e: ChoiceEvent) -> tuple[dict[str, Any], str | None]:
+        if not job.tools:
+            return {"role": "assistant", "content": e.text, "refusal": None}, e.finish_reason
+        output = ToolOutput()
+        output.push(e.text)
+        output.flush()
+        if output.calls and e.finish_reason == "stop":
+            return {"role": "assistant", "content": None, "refusal": None, "tool_calls": [c.to_dict() for c in output.calls]}, "tool_calls"
+        return {"role": "assistant", "content": output.content, "refusal": None}, e.finish_reason
+
     def build(events: list[ChoiceEvent]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": e.index,
-                "message": {"role": "assistant", "content": e.text, "refusal": None},
-                "logprobs": gateway.chat_logprobs(job, e.logprobs),
-                "finish_reason": e.finish_reason,
-            }
-            for e in events
-        ]
+        choices = []
+        for e in events:
+            body, finish = message(e)
+            choices.append({"index": e.index, "message": body, "logprobs": gateway.chat_logprobs(job, e.logprobs), "finish_reason": finish})
         return {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model, "choices": choices, **_usage(job)}
 
     return build
@@ -307,14 +315,28 @@ def _chat_chunks(gateway: Gateway, job: Job) -> Callable[[ChoiceEvent | None], l
     def choice(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
         return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
+    outputs = {c.choice: ToolOutput() for c in job.choices} if job.tools else {}
+
+    def deltas(event: ChoiceEvent) -> list[dict[str, Any]]:
+        """The event's text as deltas: itself, or (tools) the generic format read into OpenAI's shapes."""
+        if not job.tools:
+            return [{"content": event.text}] if event.text else []
+        output = outputs[event.index]
+        return output.push(event.text) + (output.flush() if event.finish_reason else [])
+
     def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
         if event is None:  # one role delta per choice index, first
-            return [choice(c.choice, {"role": "assistant", "content": ""}) for c in job.choices]
+            return [choice(c.choice, {"role": "assistant", "content": None if job.tools else ""}) for c in job.choices]  # a call has no content
         out = []
-        if event.text or event.logprobs:
-            out.append({**choice(event.index, {"content": event.text}, gateway.chat_logprobs(job, event.logprobs)), **_round_field(event)})
+        pieces = deltas(event)
+        if event.logprobs and not pieces:
+            pieces = [{"content": ""}]
+        for i, delta in enumerate(pieces):
+            logprobs = gateway.chat_logprobs(job, event.logprobs) if i == 0 else None
+            out.append({**choice(event.index, delta, logprobs), **(_round_field(event) if i == 0 else {})})
         if event.finish_reason:
-            out.append(choice(event.index, {}, None, event.finish_reason))
+            called = job.tools and outputs[event.index].calls and event.finish_reason == "stop"
+            out.append(choice(event.index, {}, None, "tool_calls" if called else event.finish_reason))
         return out
 
     return build
@@ -350,7 +372,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ())]
         if first.get("type") == "json_invalid":
             return _error(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
-        param = ".".join(loc)
+        param = ".".join(loc[1:] if loc[:1] == ["body"] else loc)  # the request's own field, as OpenAI names it
         return _error(400, f"{param}: {first.get('msg')}", param, "invalid_value")
 
     @app.exception_handler(HTTPException)

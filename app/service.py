@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import secrets
 import time
@@ -26,13 +27,16 @@ from app.metrics import GatewayMetrics
 from app.targets.base import WorkerError
 from app.targets.pipeline import PipelineTarget
 from app.targets.pool import TargetSet
-from app.schemas import ChatCompletionRequest, CompletionRequest, SpeculativeParams
+from app.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SpeculativeParams
 from app.text import IncrementalDetokenizer, StopMatcher
+from app.tools import Tool, generic_schema, render_messages, tools_prompt
 from core.config import PipelineParams, SpecgateConfig, TreeParams
 from core.modes import MODES, SERVED_MODES
 from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
 from core.math.tree import ChildRule, SegmentSchedule, TreeShape
+from core.transform import TransformSpec
+from core.grammar import GrammarError, GrammarKind, GrammarLimits, Grammars, GrammarSpec
 from core.names import Mode
 
 log = logging.getLogger(__name__)
@@ -71,10 +75,12 @@ class Usage:
     turns: int = 0  # mode pipeline: segments answered
     trees: int = 0  # mode pipeline: rounds (trees) walked to their end
     hop_bytes: list[int] = field(default_factory=list)  # mode pipeline: stage-to-stage bytes per hop
+    forced_tokens: int = 0  # tokens a grammar forced: emitted by the gateway without a round (DESIGN §3.9)
 
     def add(self, result: RoundResult) -> None:
         self.completion_tokens += len(result.tokens)
-        self.rounds += 1 if result.tokens else 0
+        self.rounds += 1 if result.tokens and not result.forced else 0  # forced tokens take no round (DESIGN §3.9)
+        self.forced_tokens += result.forced
         self.draft_tokens += result.drafted
         self.accepted_tokens += result.accepted
         self.bytes_sent += result.traffic.sent
@@ -88,7 +94,7 @@ class Usage:
         self.round_s += result.draft_s + result.verify_s
         for name, seconds in result.seconds.items():
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        if self.spec.profile and result.tokens:
+        if self.spec.profile and result.tokens and not result.forced:
             self.profile.append(round_profile(result))
         self.prepared += result.prepared
         self.prepared_used += result.prepared_used
@@ -180,6 +186,8 @@ class Usage:
             }
             block["nodes_per_round"] = self.draft_tokens / self.trees if self.trees else None
             block["accepted_per_round"] = self.accepted_tokens / self.trees if self.trees else None
+        if self.forced_tokens:
+            block["forced_tokens"] = self.forced_tokens
         if spec.relaxation is not None:  # DSD's relaxed verification: lossy by exactly τ (1 − β) per position
             block["relaxation"] = {"tau_max": spec.relaxation.tau_max, "kl_scale": spec.relaxation.kl_scale}
             block["relaxed_tv_mean"] = sum(self.relaxed_tv) / len(self.relaxed_tv) if self.relaxed_tv else 0.0
@@ -199,6 +207,41 @@ class Usage:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "speculative": block,
         }
+
+
+def request_grammar(body: CompletionRequest | ChatCompletionRequest) -> tuple[GrammarSpec | None, str]:
+    """The grammar a request asks for (``response_format`` or vLLM's ``structured_outputs``),
+    and the parameter that asked (what an error names)."""
+    fmt, outputs = body.response_format, body.structured_outputs
+    asked = fmt is not None and fmt.type != "text"
+    if asked and outputs is not None:
+        raise ApiError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+    if fmt is not None and fmt.type == "json_object":
+        return GrammarSpec.json_schema({"type": "object"}), "response_format"
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs json_schema: {name, schema}", "response_format.json_schema")
+        schema = fmt.json_schema.json_schema
+        return GrammarSpec.json_schema({"type": "object"} if schema is None else schema), "response_format.json_schema"
+    if outputs is None:
+        return None, "response_format"
+    given = [name for name, value in (("json", outputs.json_), ("regex", outputs.regex), ("choice", outputs.choice), ("grammar", outputs.grammar)) if value is not None]
+    if len(given) != 1:
+        raise ApiError(400, f"structured_outputs takes exactly one of json, regex, choice, grammar (got {given or 'none'})", "structured_outputs")
+    param = f"structured_outputs.{given[0]}"
+    if outputs.json_ is not None:
+        given_schema = outputs.json_
+        if isinstance(given_schema, str):
+            try:
+                given_schema = json.loads(given_schema)
+            except ValueError as exc:
+                raise ApiError(400, f"{param} is not valid JSON: {exc}", param) from None
+        return GrammarSpec.json_schema(given_schema), param
+    if outputs.regex is not None:
+        return GrammarSpec(GrammarKind.REGEX, outputs.regex), param
+    if outputs.choice is not None:
+        return GrammarSpec(GrammarKind.CHOICE, json.dumps(outputs.choice)), param
+    return GrammarSpec(GrammarKind.GRAMMAR, outputs.grammar or ""), param
 
 
 def round_profile(result: RoundResult) -> dict[str, Any]:
@@ -251,6 +294,9 @@ class Job:
     echo_logprobs: bool = False  # the prompt's tokens carry logprobs: its text leaves with them (first event)
     tokens_as_ids: bool = False  # logprobs name tokens token_id:N (vLLM's return_tokens_as_token_ids)
     arrived: float = field(default_factory=time.monotonic)  # for time to first token / latency
+    grammar_param: str = "response_format"  # the parameter that asked for the grammar (what an error names)
+    tools: bool = False  # the answer is in the generic tool format (app.tools): calls or a response
+    tool_parameters: list[dict[str, Any]] = field(default_factory=list)  # each tool's schema (what a compile error names)
 
 
 class Gateway:
@@ -308,9 +354,46 @@ class Gateway:
         self._check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        prompt = list(self.tokenizer.apply_chat_template(body.chat_messages(), add_generation_prompt=True, tokenize=True, return_dict=False))
+        messages, grammar = self._tool_messages(body)
+        try:
+            prompt = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation (jinja raises anything)
+            raise ApiError(400, f"the chat template refuses these messages: {exc}", "messages") from None
         top = (body.top_logprobs or 0) if body.logprobs else None
-        return self._job(body, prompt, "chatcmpl", body.max_completion_tokens or body.max_tokens, top)
+        job = self._job(body, prompt, "chatcmpl", body.max_completion_tokens or body.max_tokens, top, grammar=grammar)
+        job.tools = grammar is not None and grammar[1] == "tools"
+        job.tool_parameters = [t.function.parameters or {} for t in body.tools or []] if job.tools else []
+        return job
+
+    def _tool_messages(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], tuple[GrammarSpec | None, str] | None]:
+        """The conversation to render and, with tools to call, the generic format's grammar
+        (DESIGN §3.9; the built-in template has no tool format of its own)."""
+        messages = body.chat_messages()
+        for i, m in enumerate(messages):
+            if m["role"] == "tool" and not m.get("tool_call_id"):
+                raise ApiError(400, f"messages[{i}]: a message of role tool needs tool_call_id", f"messages.{i}.tool_call_id")
+        tools = [Tool(t.function.name, t.function.description or "", t.function.parameters or {"type": "object", "properties": {}}) for t in body.tools or []]
+        choice = body.tool_choice
+        if choice is not None and not tools and choice != "none":
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        if len({t.name for t in tools}) != len(tools):
+            raise ApiError(400, "tools: two functions share a name", "tools")
+        if isinstance(choice, NamedToolChoice):
+            named = [t for t in tools if t.name == choice.function.name]
+            if not named:
+                raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools {[t.name for t in tools]}", "tool_choice")
+            tools = named
+        if not tools or choice == "none":
+            return render_messages(messages, None), None
+        if body.structured_outputs is not None:
+            raise ApiError(400, "tools cannot be combined with structured_outputs", "structured_outputs")
+        required = choice == "required" or isinstance(choice, NamedToolChoice)
+        response = None
+        if body.response_format is not None and body.response_format.type != "text":
+            given, _ = request_grammar(body)
+            response = json.loads(given.source) if given is not None else None
+        schema = generic_schema(tools, required, body.parallel_tool_calls, response)
+        return render_messages(messages, tools_prompt(tools, schema, required)), (GrammarSpec.json_schema(schema), "tools")
 
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         if body.model != self.config.model:
@@ -322,7 +405,7 @@ class Gateway:
 
     def _job(
         self, body: CompletionRequest | ChatCompletionRequest, prompt: list[int], prefix: str, max_tokens: int | None, top_logprobs: int | None,
-        prompt_logprobs: int | None = None,
+        prompt_logprobs: int | None = None, grammar: tuple[GrammarSpec | None, str] | None = None,
     ) -> Job:
         limits = self.config.limits
         if not prompt:
@@ -349,20 +432,83 @@ class Gateway:
         if not MODES[spec.mode].min_tokens and body.min_tokens and not body.ignore_eos:
             raise ApiError(400, f"min_tokens is not served in {spec.mode.value} mode yet: use a chain mode (exact, aggregate, split)", "min_tokens")
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0  # as vLLM: tiny T is greedy
-        params = SamplingParams(temperature=temperature, top_k=max(body.top_k, 0), top_p=body.top_p)
+        params = SamplingParams(temperature=temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p)
+        grammar = grammar or request_grammar(body)
+        transform = self._transform(body, len(prompt), spec, *grammar)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         choices = [
             GenerationRequest(
                 request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs, body.seed is not None, prompt_logprobs, body.ignore_eos,
-                body.min_tokens,
+                body.min_tokens, transform,
             )
             for index in range(body.n)
         ]
         job = Job(request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt), tree=_used_tree(spec, params)))
         job.echo_logprobs = prompt_logprobs is not None
         job.tokens_as_ids = body.return_tokens_as_token_ids
+        job.grammar_param = grammar[1]
         return job
+
+    def _transform(
+        self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int, spec: SpecOptions, grammar: GrammarSpec | None, param: str,
+    ) -> TransformSpec | None:
+        """The request's transform (DESIGN §3.9) with ``grammar`` (asked for by ``param``), checked
+        against what the targets can apply; None when it asks for none. Its grammar is compiled
+        later, off the event loop (``compile``)."""
+        bias = tuple(sorted((int(key), float(value)) for key, value in (body.logit_bias or {}).items()))
+        if any(token >= self.draft.vocab_size for token, _ in bias):
+            raise ApiError(400, f"logit_bias names a token id ≥ the vocabulary size {self.draft.vocab_size}", "logit_bias")
+        transform = TransformSpec(bias, body.presence_penalty, body.frequency_penalty, body.repetition_penalty, grammar, prompt_len)
+        asked = [name for name, on in (
+            (param, grammar is not None), ("logit_bias", bool(bias)), ("presence_penalty", body.presence_penalty != 0),
+            ("frequency_penalty", body.frequency_penalty != 0), ("repetition_penalty", body.repetition_penalty != 1), ("min_p", body.min_p != 0),
+        ) if on]
+        if not asked:
+            return None
+        engines = [w.name for w in self.pool.workers if w.is_engine]
+        if engines:
+            raise ApiError(400, f"{asked[0]} needs specgate workers: {engines[0]} is an openai-logprobs engine, whose log-probabilities do not carry it", asked[0])
+        if spec.mode is Mode.PIPELINE:
+            raise ApiError(400, f"{asked[0]} is not served in pipeline mode yet: use exact, tree or another mode", asked[0])
+        if grammar is not None and body.ignore_eos:
+            raise ApiError(400, f"ignore_eos cannot be combined with {param}: the grammar decides where the answer ends", "ignore_eos")
+        if grammar is not None and body.min_tokens:
+            raise ApiError(400, f"min_tokens cannot be combined with {param}: the grammar decides where the answer ends", "min_tokens")
+        return None if transform.is_identity else transform
+
+    def grammars(self) -> Grammars:
+        """The gateway's grammar engine over the draft's tokenizer (built on first use)."""
+        if self.engine.grammars is None:
+            info = self.draft.runner.info
+            limits = GrammarLimits(max_source_bytes=self.config.limits.max_grammar_bytes)
+            self.engine.grammars = Grammars(self.tokenizer, info.vocab_size, info.eos_ids, limits)
+        return self.engine.grammars
+
+    async def compile(self, job: Job) -> None:
+        """Compile the job's grammar (cached by content) off the event loop, within the limit:
+        a 400 naming the parameter when it does not compile or takes too long."""
+        transform = job.choices[0].transform
+        if transform is None or transform.grammar is None:
+            return
+        grammar, param = transform.grammar, job.grammar_param
+        limit = self.config.limits.grammar_compile_s
+        try:
+            await asyncio.wait_for(asyncio.to_thread(lambda: self.grammars().compile(grammar)), limit)
+        except GrammarError as exc:
+            param = await self._culprit(job) or param
+            raise ApiError(400, f"{param}: {exc}", param, "invalid_grammar") from None
+        except TimeoutError:
+            raise ApiError(400, f"{param}: the {grammar.kind.value} took longer than {limit:g} s to compile (limits.grammar_compile_s)", param, "grammar_too_complex") from None
+
+    async def _culprit(self, job: Job) -> str | None:
+        """The tool whose parameters make the generic format's schema fail to compile."""
+        for i, parameters in enumerate(job.tool_parameters):
+            try:
+                await asyncio.to_thread(lambda: self.grammars().compile(GrammarSpec.json_schema(parameters)))
+            except GrammarError:
+                return f"tools.{i}.function.parameters"
+        return None
 
     def _spec(self, override: SpeculativeParams | None) -> SpecOptions:
         base = self.config.speculative

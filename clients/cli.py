@@ -10,6 +10,8 @@
     specgate bench dsd [--json FILE] [--runs N] [--plots DIR] [--quick]
     specgate bench overhead [--json FILE] [--runs N] [--baseline DIR] [--quick]
     specgate bench load [--concurrency N[,N...]] [--duration S] [--json FILE]
+    specgate bench grammar [--repeats N] [--json FILE]
+    specgate bench structured [--runs N] [--quick] [--json FILE]
     specgate bench pipeline [--stages 2,3] [--hop-ms 0,5,20] [--runs N] [--json FILE]
     specgate chat [--url URL] [--mode MODE] [--api-key KEY]
     specgate eval [--url URL | --serve] [--json FILE]
@@ -128,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--prompts", type=int, default=2, help="prompts per cell and run, 1–5 (default: 2)")
     overhead.add_argument("--baseline", default=None, help="a checkout of an earlier commit: its servers run beside ours, cell by cell")
     overhead.add_argument("--quick", action="store_true", help="one run, one prompt, 16 tokens: under 3 minutes")
+    grammar = benches.add_parser("grammar", help="the grammar engines on the built-in vocabulary: compile, mask, accept, rollback, fork")
+    grammar.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (default: 5)")
+    grammar.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    structured = benches.add_parser("structured", help="json_schema and tool calls vs the same prompts unconstrained, per mode and T")
+    structured.add_argument("--runs", type=int, default=2, help="seeds per prompt and cell (default: 2)")
+    structured.add_argument("--max-tokens", type=int, default=96, help="tokens per request (default: 96)")
+    structured.add_argument("--quick", action="store_true", help="one seed, T = 1 only, exact and autoregressive")
+    structured.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     load = benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS")
     load.add_argument(
         "--concurrency", type=_concurrency_levels, default=[64],
@@ -177,6 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         from clients.bench.load import bench_load
 
         return bench_load(args)
+    if args.command == "bench" and args.bench == "grammar":
+        from clients.bench.grammar import bench_grammar
+
+        return bench_grammar(args)
+    if args.command == "bench" and args.bench == "structured":
+        from clients.bench.structured import bench_structured
+
+        return bench_structured(args)
     if args.command == "bench" and args.bench == "overhead":
         from clients.bench.overhead import bench_overhead
 

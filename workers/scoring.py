@@ -21,7 +21,7 @@ from core.runners.base import ForwardItem
 
 
 def sampling_params(req: VerifyRequest) -> SamplingParams:
-    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
+    return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p)
 
 
 def score(

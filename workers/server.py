@@ -41,7 +41,9 @@ from core.protocol import (
 from core.runners import ModelRunner
 from core.runners.base import ForwardItem
 from core.runners.model_thread import ModelThread
+from core.grammar import GrammarLimits, Grammars
 from core.serving import Guard
+from core.transform import Transformer, TransformSpec
 from workers.scheduler import VerifyScheduler
 from workers.scoring import score, tree_item
 from workers.sessions import SessionStore
@@ -63,6 +65,7 @@ class WorkerState:
     errors: Counter[str] = field(default_factory=Counter)  # refused calls, by error code
     order: StageOrder = field(default_factory=lambda: StageOrder())  # a stage: each session's messages in seq order
     _client: httpx.AsyncClient | None = None  # a stage: to the next stage
+    _grammars: Grammars | None = None  # the grammar engine, built by the first call that carries a grammar
 
     def __post_init__(self) -> None:
         self.scheduler = VerifyScheduler(self, self.settings.max_batch_tokens)
@@ -130,7 +133,7 @@ class WorkerState:
                 answers[i] = exc
         started = time.perf_counter()
         try:
-            outputs = self.runner.forward_each([item for item, _ in items]) if items else []
+            outputs = self.runner.forward_each([item for item, *_ in items]) if items else []
         finally:
             for i in order:
                 self.sessions.touch(reqs[i].session_id)
@@ -139,7 +142,7 @@ class WorkerState:
         model_ms = (time.perf_counter() - started) * 1e3
         self.counters["model_seconds"] += model_ms / 1e3
         self.counters["steps"] += 1
-        for (item, scored_tokens), i, logits in zip(items, order, outputs):
+        for (item, scored_tokens, shaping), i, logits in zip(items, order, outputs):
             if isinstance(logits, Exception):
                 answers[i] = logits
                 continue
@@ -151,16 +154,21 @@ class WorkerState:
             self.counters["positions_scored"] += len(req.draft) + 1
             scored = time.perf_counter()
             try:
-                resp = score(logits[scored_tokens:], req, self.runner.length(req.session_id), model_ms, logits[:scored_tokens] if req.score_tokens else None)
+                rows = logits[scored_tokens:]
+                if shaping is not None:  # DESIGN §3.9: each row by its own prefix
+                    transformer, agreed, paths = shaping
+                    rows = transformer.rows(rows, agreed, paths)
+                resp = score(rows, req, self.runner.length(req.session_id), model_ms, logits[:scored_tokens] if req.score_tokens else None)
                 answers[i] = replace(resp, batch_sessions=len(items)) if len(items) > 1 else resp
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
             timings[i]["model"], timings[i]["score"] = model_ms, (time.perf_counter() - scored) * 1e3
         return answers
 
-    def _prepare(self, req: VerifyRequest) -> tuple[ForwardItem, int]:
-        """Check a call and crop its session: the item it forwards, and how many of its logits
-        rows score its own tokens (echo) before the γ+1 decided positions."""
+    def _prepare(self, req: VerifyRequest) -> tuple[ForwardItem, int, Shaping | None]:
+        """Check a call and crop its session: the item it forwards, how many of its logits
+        rows score its own tokens (echo) before the γ+1 decided positions, and how its rows are
+        transformed (DESIGN §3.9; None: they are not)."""
         self.check_limits(req)
         if req.path is not None:  # v1.1: the previous tree's accepted path becomes agreed tokens (hash checked there)
             self.sessions.keep_path(req.session_id, req.prefix_len, req.prefix_hash, req.path.tolist())
@@ -168,13 +176,45 @@ class WorkerState:
             self.sessions.check_prefix(req.session_id, req.prefix_len, req.prefix_hash)
         self.sessions.admit(req.session_id, tree=req.parents is not None)
         self.runner.crop(req.session_id, req.prefix_len)
+        shaping = self._shaping(req)
         scored_tokens = max(len(req.tokens) - 1, 0) if req.score_tokens else 0  # echo: the prompt's own rows too
         if req.parents is not None:  # a tree: the root's and every node's row in one forward
-            return tree_item(req, self.runner.tokens(req.session_id)), scored_tokens
+            return tree_item(req, self.runner.tokens(req.session_id)), scored_tokens, shaping
         tokens = [*req.tokens.tolist(), *req.draft.tolist()]
-        return self.runner.append_item(req.session_id, tokens, len(req.draft) + 1 + scored_tokens), scored_tokens
+        return self.runner.append_item(req.session_id, tokens, len(req.draft) + 1 + scored_tokens), scored_tokens, shaping
 
-    def _prepare_stage(self, req: StageRequest) -> tuple[ForwardItem, int]:
+    def _shaping(self, req: VerifyRequest) -> Shaping | None:
+        """The session's transform (set by a call that starts it, prefix_len 0) with the agreed
+        tokens and each scored row's path after them: a chain's draft[:j], a tree node's path."""
+        transforms = self.sessions.transforms
+        if req.prefix_len == 0:
+            transforms.pop(req.session_id, None)
+            if req.transform is not None:
+                transforms[req.session_id] = self._transformer(req.transform)
+        transformer = transforms.get(req.session_id)
+        if transformer is None:
+            return None
+        agreed = [*self.runner.tokens(req.session_id)[: req.prefix_len], *req.tokens.tolist()]
+        draft = req.draft.tolist()
+        if req.parents is None:
+            return transformer, agreed, [draft[:j] for j in range(len(draft) + 1)]
+        return transformer, agreed, [[], *tree_paths(draft, req.parents.tolist())]
+
+    def _transformer(self, wire: dict[str, Any]) -> Transformer:
+        try:
+            spec = TransformSpec.from_wire(wire)
+            return Transformer.build(spec, self.runner.info.vocab_size, self.grammars() if spec.grammar is not None else None)
+        except ValueError as exc:  # GrammarError included
+            raise InvalidRequest(str(exc), param="transform") from exc
+
+    def grammars(self) -> Grammars:
+        """The grammar engine over this model's tokenizer (built on first use: ~0.25 s)."""
+        if self._grammars is None:
+            info = self.runner.info
+            self._grammars = Grammars(self.runner.tokenizer, info.vocab_size, info.eos_ids, GrammarLimits())
+        return self._grammars
+
+    def _prepare_stage(self, req: StageRequest) -> tuple[ForwardItem, int, None]:
         """A stage's segment: keep the rows that survive, check the rows held, the item to run."""
         self.stage_keep(req)
         if not len(req.tokens):
@@ -186,7 +226,7 @@ class WorkerState:
         hidden = torch.from_numpy(np.array(req.hidden, dtype=np.float32)) if req.hidden is not None else None
         scored = list(range(req.score_from, count)) or [count - 1]
         parents = req.parents.tolist() if req.parents is not None else None
-        return ForwardItem(req.session_id, req.prefix_len, req.tokens.tolist(), parents, scored, hidden), 0
+        return ForwardItem(req.session_id, req.prefix_len, req.tokens.tolist(), parents, scored, hidden), 0, None
 
     def stage_keep(self, req: StageRequest) -> int:
         """Apply a stage message's ``keep`` and check the session then holds ``prefix_len``
@@ -274,6 +314,17 @@ class WorkerState:
                 f"exceeds the context of {self.max_context}",
                 param="draft",
             )
+
+
+Shaping = tuple[Transformer, list[int], list[list[int]]]  # a call's transform, its agreed tokens, each scored row's path after them
+
+
+def tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """Each node's tokens from the root's child down to itself (parents come before children)."""
+    paths: list[list[int]] = []
+    for node, parent in enumerate(parents):
+        paths.append([*(paths[parent] if parent >= 0 else []), tokens[node]])
+    return paths
 
 
 @dataclass

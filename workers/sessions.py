@@ -12,6 +12,7 @@ from collections.abc import Callable
 from core.errors import InvalidRequest, SessionShort, WorkerFull
 from core.protocol import prefix_hash
 from core.runners.base import ModelRunner
+from core.transform import Transformer
 
 RETRY_AFTER_S = 1  # what a WorkerFull answer's Retry-After says: a round frees a session in about that
 
@@ -35,6 +36,7 @@ class SessionStore:
         self.num_evicted = 0
         self._last_used: OrderedDict[str, float] = OrderedDict()
         self._trees: set[str] = set()  # sessions that sent tree calls
+        self.transforms: dict[str, Transformer] = {}  # a session's transform (DESIGN §3.9), from the call that started it
 
     def __len__(self) -> int:
         return len(self._last_used)
@@ -98,6 +100,7 @@ class SessionStore:
     def free(self, session_id: str) -> bool:
         existed = self._last_used.pop(session_id, None) is not None
         self._trees.discard(session_id)
+        self.transforms.pop(session_id, None)
         self.runner.free(session_id)
         return existed
 

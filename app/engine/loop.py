@@ -20,7 +20,7 @@ import torch
 
 from app.adaptive import GammaController
 from app.draft import DraftModel
-from app.engine.round import Round, all_workers, array
+from app.engine.round import Round, all_workers, array, transform_wire
 from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
 from app.engine.strategies import STRATEGIES
 from app.engine.strategies.pipeline import PipelineRun
@@ -31,8 +31,10 @@ from core.math.aggregation import merge_top_logprobs, mixed_logprob
 from core.math.sampling import Suppression
 from core.math.tree import SegmentSchedule, TokenTree, TreeShape
 from core.modes import MODES
+from core.grammar import Grammars
 from core.names import Mode
 from core.protocol import VerifyRequest
+from core.transform import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class Engine:
         self.max_context = max_context
         self.vocab_size = draft.vocab_size
         self.weights = torch.tensor(pool.weights, dtype=torch.float64)
+        self.grammars: Grammars | None = None  # the gateway's grammar engine (set by the service on first use)
 
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[RoundResult, None]:
         """Rounds of one choice until EOS or a length limit; the caller may stop early."""
@@ -61,6 +64,7 @@ class Engine:
         ahead: TokenTree | None = None  # the next round's draft, prepared during this round's flight
         path: list[int] | None = None  # the last tree round's accepted nodes: every worker holds them as tree rows
         suppression = self._suppression(req)
+        transformer = self._transformer(req)
         drafts = MODES[req.spec.mode].drafts
         auto = GammaController(req.spec.overlap) if req.spec.auto_gamma and not req.seeded and drafts else None
         try:
@@ -72,22 +76,31 @@ class Engine:
                 if room <= 0:
                     yield RoundResult([], drafted=0, accepted=0, traffic=Traffic(), finish_reason="length")
                     return
+                forced = self._forced(transformer, sequence, room, req)
+                if forced is not None:  # the grammar allows one token: decided here, no draft, no call
+                    ahead = None
+                    sequence.extend(forced.tokens)
+                    forced.finish_reason = self._finish(forced, len(sequence) - len(req.prompt), req, len(sequence))
+                    yield forced
+                    if forced.finish_reason:
+                        return
+                    continue
                 wanted = auto.choose() if auto is not None else req.spec.num_draft_tokens
                 gamma = min(wanted, room - 1) if drafts else 0
                 started = time.perf_counter()
                 used = ahead is not None
                 timing: dict[str, float] = {}
                 if req.spec.mode is Mode.TREE:
-                    draft = await self._draft_tree(session_id, sequence, room, req, timing)
+                    draft = await self._draft_tree(session_id, sequence, room, req, timing, transformer)
                 else:
-                    draft = ahead.head(gamma) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression, timing)
+                    draft = ahead.head(gamma) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression, timing, transformer)
                 ahead = None
                 scorable = self.pool.scorable(sequence, draft.ids())  # an engine may not score every token
                 if scorable < len(draft):
                     draft = draft.head(scorable)
                 drafted = time.perf_counter()
                 rnd = Round(self.pool, self.weights, self.vocab_size, req, session_id, sequence, agreed, draft, Traffic(), suppression, path=path)
-                preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression) if req.spec.overlap and drafts else None
+                preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression, transformer) if req.spec.overlap and drafts else None
                 try:
                     result = await strategy.verify(rnd)
                 except BaseException:
@@ -143,7 +156,7 @@ class Engine:
         prompt, n = req.prompt, req.prompt_logprobs
         requests = [
             VerifyRequest.after(
-                session_id, [], prompt, [], temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p,
+                session_id, [], prompt, [], temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p, **transform_wire(req),
                 seed=req.seed, choice=req.choice, worker=w, mode=Mode.AUTOREGRESSIVE.value, k=1, return_probs=False,
                 score_tokens=True, logprobs=n,
             )
@@ -176,6 +189,7 @@ class Engine:
 
     def _prepare(
         self, session_id: str, sequence: list[int], draft: TokenTree, room: int, gamma: int, req: GenerationRequest, suppression: Suppression | None,
+        transformer: Transformer | None = None,
     ) -> tuple[asyncio.Task[TokenTree], threading.Event] | None:
         """DSD's overlap: while the round is verified, draft on as if every draft token were
         accepted — one token for the bonus position, then the next round's γ. None when there is
@@ -188,6 +202,7 @@ class Engine:
         assumed = [*sequence, *tokens]
         task = asyncio.create_task(self.draft.propose(
             session_id, assumed, 1 + min(gamma, after - 1), req.params, req.seed, req.choice, req.spec.truncation, cancel, suppression,
+            transformer=transformer,
         ))
         task.add_done_callback(_retrieve)  # a round that fails leaves it unawaited
         return task, cancel
@@ -210,20 +225,53 @@ class Engine:
 
     async def _draft(
         self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest, suppression: Suppression | None, timing: dict[str, float],
+        transformer: Transformer | None = None,
     ) -> TokenTree:
         if gamma <= 0:
             return TokenTree.chain([], [])
         return await self.draft.propose(
             session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, suppression=suppression, timing=timing,
+            transformer=transformer,
         )
 
-    async def _draft_tree(self, session_id: str, sequence: list[int], room: int, req: GenerationRequest, timing: dict[str, float]) -> TokenTree:
+    async def _draft_tree(
+        self, session_id: str, sequence: list[int], room: int, req: GenerationRequest, timing: dict[str, float], transformer: Transformer | None = None,
+    ) -> TokenTree:
         """Mode tree's draft: the request's shape (else the default by temperature), no deeper
         than the room left after the round's last token."""
         if room <= 1:
             return TokenTree.chain([], [])
         shape = req.spec.tree or TreeShape.default(req.params.is_greedy)
-        return await self.draft.propose_tree(session_id, sequence, shape.cut(room - 1), req.params, req.seed, req.choice, req.spec.truncation, timing)
+        return await self.draft.propose_tree(session_id, sequence, shape.cut(room - 1), req.params, req.seed, req.choice, req.spec.truncation, timing, transformer)
+
+    def _transformer(self, req: GenerationRequest) -> Transformer | None:
+        """The gateway's side of the request's transform: the draft's, and the forced tokens'."""
+        if req.transform is None:
+            return None
+        return Transformer.build(req.transform, self.vocab_size, self.grammars)
+
+    def _forced(self, transformer: Transformer | None, sequence: list[int], room: int, req: GenerationRequest) -> RoundResult | None:
+        """The tokens the grammar forces after ``sequence`` (DESIGN §3.9), one after another while
+        it allows exactly one (EOS included), within ``room``: T_x(p_n) is a point mass for every
+        worker there, so emitting them is exact. None when the next token is not forced."""
+        if transformer is None or transformer.matcher is None:
+            return None
+        started = time.perf_counter()
+        tokens: list[int] = []
+        while len(tokens) < room:
+            token = transformer.forced([*sequence, *tokens], self.eos_ids)
+            if token is None:
+                break
+            tokens.append(token)
+            if token in self.eos_ids:
+                break
+        if not tokens:
+            return None
+        result = RoundResult(tokens, drafted=0, accepted=0, traffic=Traffic(), forced=len(tokens))
+        if req.top_logprobs is not None:
+            result.logprobs = [TokenLogprob(t, 0.0, [(t, 0.0)] if req.top_logprobs else []) for t in tokens]
+        result.seconds = {"gateway_math": time.perf_counter() - started}
+        return result
 
     def _finish(self, result: RoundResult, generated: int, req: GenerationRequest, length: int) -> str | None:
         for i, token in enumerate(result.tokens):

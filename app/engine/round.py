@@ -70,7 +70,7 @@ class Round:
         requests = [
             VerifyRequest.after(
                 self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.ids(),
-                temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p,
+                temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p, **transform_wire(req),
                 seed=req.seed, choice=req.choice, worker=n, **self._suppressing(self.positions[0], len(self.positions)), **self.tree_wire, **kept, **wire,  # type: ignore[arg-type]
             )
             for n in range(len(pool.workers))
@@ -116,7 +116,7 @@ class Round:
         requests = [
             VerifyRequest.after(
                 self.session_id, held[:-1], held[-1:], [], temperature=req.params.temperature, top_k=req.params.top_k,
-                top_p=req.params.top_p, seed=req.seed, choice=req.choice, worker=n, mode=Mode.AUTOREGRESSIVE.value,
+                top_p=req.params.top_p, seed=req.seed, choice=req.choice, worker=n, mode=Mode.AUTOREGRESSIVE.value, **transform_wire(req),
                 score_ids=np.array([token], dtype=np.int64), **self._suppressing(position, 1),  # type: ignore[arg-type]
             )
             for n in range(len(pool.workers))
@@ -128,6 +128,17 @@ class Round:
             self.traffic.add(traffic)
         weights = weights_at(response_weights([resp for resp, _ in results], self.configured), 0)
         return mixed_logprob([float(array(resp.score_logprobs)[0]) for resp, _ in results], weights)
+
+
+def transform_wire(req: GenerationRequest) -> dict[str, object]:
+    """min_p and the transform on a verify call (DESIGN §3.9); the transform is sent only on a
+    call that starts the session (``VerifyRequest.on_wire``)."""
+    out: dict[str, object] = {}
+    if req.params.min_p:
+        out["min_p"] = req.params.min_p
+    if req.transform is not None:
+        out["transform"] = req.transform.to_wire()
+    return out
 
 
 def round_uniforms(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from core.math.sampling import SamplingParams
 from core.math.tree import SegmentSchedule, TreeShape
 from core.modes import Guarantee, Payload, guarantee
 from core.names import Mode, Reconstruction
+from core.transform import TransformSpec
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # echo with logprobs: the prompt's tokens too (n alternatives)
     ignore_eos: bool = False  # vLLM's: EOS is sampled as the target says but does not end the answer
     min_tokens: int = 0  # vLLM's: EOS cannot be emitted before this many tokens (the target without it, renormalised)
+    transform: TransformSpec | None = None  # DESIGN §3.9: logit_bias, penalties, a grammar; every worker and the draft apply it
 
 
 @dataclass(frozen=True)
@@ -132,3 +134,4 @@ class RoundResult:
     turns: int = 0  # mode pipeline: segments answered (pipeline turns) in this result
     rounds_ended: int = 0  # mode pipeline: trees whose walk ended (a recovered or bonus token drawn)
     hop_bytes: list[int] = field(default_factory=list)  # mode pipeline: the answered segment's bytes per stage-to-stage hop
+    forced: int = 0  # tokens the grammar forced (DESIGN §3.9): emitted by the gateway with no draft and no call

@@ -65,7 +65,7 @@ class SpecgateDialect:
         resends, waits = 0, [0.0]  # the pauses so far for a full worker
         while resends <= _MAX_RESENDS:
             started = time.perf_counter()
-            body, content_type = encode(req, self.expected.vocab_size)
+            body, content_type = encode(req.on_wire(), self.expected.vocab_size)
             traffic.time(gateway_codec=time.perf_counter() - started)
             status, answer = await self.channel.exchange(replica, "/v1/verify", body, _HEADERS, traffic)
             if status == 200:

@@ -21,6 +21,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off: drop tokens below min_p × the row's largest probability (vLLM's; after temperature)
 
     def __post_init__(self) -> None:
         if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
@@ -29,6 +30,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be ≥ 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must lie in [0, 1), got {self.min_p}")
 
     @property
     def is_greedy(self) -> bool:
@@ -39,11 +42,13 @@ def apply_sampling(
     logits: torch.Tensor,  # [num_positions, V]
     params: SamplingParams,
 ) -> torch.Tensor:  # [num_positions, V] fp32, rows sum to 1
-    """``T(p)``: temperature, then top-k, then top-p, renormalised (vLLM's order)."""
+    """``T(p)``: temperature, then min-p, top-k, top-p, renormalised (vLLM's order)."""
     logits = logits.float()
     if params.is_greedy:
         return torch.softmax(logits, dim=-1)
     logits = logits / params.temperature
+    if params.min_p > 0:
+        logits = mask_min_p(logits, params.min_p)
     if 0 < params.top_k < logits.shape[-1]:
         logits = mask_top_k(logits, params.top_k)
     if params.top_p < 1:
@@ -60,6 +65,15 @@ def normalised(
     test, the residual or a draw at T > 0 goes through here first."""
     p = probs.double()
     return p / p.sum(dim=-1, keepdim=True).clamp(min=1e-300)
+
+
+def mask_min_p(
+    logits: torch.Tensor,  # [num_positions, V]
+    min_p: float,
+) -> torch.Tensor:  # [num_positions, V], -inf below min_p × the row's largest probability
+    """vLLM's min-p: keep the tokens whose probability is at least ``min_p`` times the largest."""
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
 
 
 def mask_top_k(

@@ -46,6 +46,8 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         raise InvalidRequest("top_k must be ≥ 0 (0 = off)", param="top_k")
     if not 0 < req.top_p <= 1:
         raise InvalidRequest("top_p must lie in (0, 1]", param="top_p")
+    if not 0 <= req.min_p < 1:
+        raise InvalidRequest("min_p must lie in [0, 1)", param="min_p")
     if req.probs_dtype not in {d.value for d in ProbsDtype}:
         raise InvalidRequest(f"probs_dtype must be fp16 or fp32, got {req.probs_dtype!r}", param="probs_dtype")
     if req.mode not in SERVED_MODES:

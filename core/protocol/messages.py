@@ -15,7 +15,7 @@ Errors always travel as JSON in the OpenAI envelope (``ErrorBody``), whatever wa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -74,7 +74,7 @@ class VerifyRequest(Message):
         "tokens": "ids", "draft": "ids", "draft_probs": "f64", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids",
         "suppress_ids": "ids", "parents": "i32", "path": "i32",
     }
-    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "suppress_until"})
+    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "suppress_until", "min_p", "transform"})
 
     session_id: str  # the gateway's id of this session (request, choice, worker)
     prefix_len: int  # tokens, ≥ 0: the agreed prefix the worker must already hold
@@ -101,7 +101,14 @@ class VerifyRequest(Message):
     suppress_ids: np.ndarray | None = None  # [e] int, min_tokens: ids (EOS) removed from T(p_n) at positions < suppress_until
     suppress_until: int = 0  # absolute position: the scored positions below it answer for T(p_n) without suppress_ids, renormalised
     parents: np.ndarray | None = None  # [γ] i32, v1.1: the draft is a tree; node i follows node parents[i] (−1 = the root, the last agreed token); rows answer for the root then each node: [γ+1, …]
+    min_p: float = 0.0  # [0, 1), 0 = off: after temperature, tokens below min_p × the row's largest probability are dropped (vLLM's)
+    transform: dict[str, Any] | None = None  # DESIGN §3.9, sent on a call that starts the session (prefix_len 0) and kept by it: logit_bias, penalties, grammar (core.transform.TransformSpec's wire form)
     path: np.ndarray | None = None  # [a] i32, v1.1: the accepted nodes (root to leaf) of the tree the previous call left; the worker keeps them as the last a of the prefix_len agreed tokens, dropping the rest of that tree; absent after a resend
+
+    def on_wire(self) -> VerifyRequest:
+        """What is sent: the transform only on a call that starts the session (prefix_len 0,
+        a first call or a resend from zero); the session keeps it for the calls after."""
+        return self if self.transform is None or self.prefix_len == 0 else replace(self, transform=None)
 
     @classmethod
     def after(cls, session_id: str, agreed: list[int], tokens: list[int], draft: list[int], **params: Any) -> VerifyRequest:

@@ -187,11 +187,11 @@ class FakeWorker:
         """The worker's answer; on session_short, the resend the specgate dialect builds."""
         self.calls.append(req)
         try:
-            resp = self.state.verify(req)
+            resp = self.state.verify(req.on_wire())  # what the worker receives: the transform on a session's first call only
         except SessionShort as short:
             req = resend(req, agreed, short.held if short.held < req.prefix_len else 0)
             self.calls.append(req)
-            resp = self.state.verify(req)
+            resp = self.state.verify(req.on_wire())
         check_verify_response(resp, req, self.state.runner.info.vocab_size)
         return resp, Traffic(sent=1, received=1, calls=1)
 
@@ -305,3 +305,62 @@ class FakeWorkerTransport:
             return httpx.Response(200, content=mode(resp), headers={"content-type": BINARY_CONTENT_TYPE})
         body, content_type = encode(resp, V)
         return httpx.Response(200, content=body, headers={"content-type": content_type})
+
+
+class TableMatcher:
+    """A grammar over the Markov fakes' 4 tokens (EOS = 3), with the interface of
+    ``core.grammar.Matcher``: the first token is forced to 2; after 1 only 0 (forced); 2 never
+    follows 2; EOS only after two tokens. The engine above it is what the tests check."""
+
+    def __init__(self, vocab_size: int = 4, eos: int = 3) -> None:
+        self.vocab_size, self.eos = vocab_size, eos
+        self.tokens: list[int] = []
+
+    @staticmethod
+    def allowed_after(tokens: list[int] | tuple[int, ...], vocab_size: int = 4, eos: int = 3) -> torch.Tensor:  # [V] bool
+        mask = torch.ones(vocab_size, dtype=torch.bool)
+        if not tokens:
+            mask[:] = False
+            mask[2] = True
+            return mask
+        if tokens[-1] == 1:
+            mask[:] = False
+            mask[0] = True
+            return mask
+        if tokens[-1] == 2:
+            mask[2] = False
+        if len(tokens) < 2:
+            mask[eos] = False
+        return mask
+
+    def consume(self, token: int) -> bool:
+        self.tokens.append(token)
+        return True
+
+    def rollback(self, count: int) -> None:
+        del self.tokens[len(self.tokens) - count :]
+
+    def sync(self, tokens: list[int]) -> None:
+        self.tokens = list(tokens)
+
+    def allowed(self) -> torch.Tensor:
+        return self.allowed_after(self.tokens, self.vocab_size, self.eos)
+
+
+class TableGrammars:
+    """``core.grammar.Grammars`` for ``TableMatcher``: every spec compiles to it."""
+
+    def compile(self, spec: Any) -> Any:
+        return self
+
+    def matcher(self) -> TableMatcher:
+        return TableMatcher()
+
+
+def with_table_grammar(engine: Engine) -> Engine:
+    """The engine and its in-memory workers compile every grammar to ``TableMatcher``."""
+    engine.grammars = TableGrammars()  # type: ignore[assignment]
+    for worker in engine.pool.workers:
+        if isinstance(worker, FakeWorker):
+            worker.state._grammars = TableGrammars()  # type: ignore[assignment]
+    return engine

@@ -47,7 +47,9 @@ from core.math import tree as tree_math
 from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape
 from core.modes import GUARANTEES, MODES, SERVED_MODES, Guarantee, Payload, guarantee
 from core.names import Mode, Reconstruction
-from tests.app.fakes import MarkovRunner, make_engine, pipeline_engine, random_table, split_pipeline
+from core.grammar import GrammarKind, GrammarSpec
+from core.transform import TransformSpec
+from tests.app.fakes import MarkovRunner, TableMatcher, make_engine, pipeline_engine, random_table, split_pipeline, with_table_grammar
 from tests.draws import ExactDraws
 
 V = 4
@@ -96,6 +98,17 @@ PROFILED = ("T=0", "T=1 top-k 2")  # the samplings ``profile`` (timing on) is cr
 TOP_K = 2  # k of the top-k payload: two of the four ids left out
 DRAFT_TOP_K = 2  # exact's truncation: two ids off every draft support (the complement sample is a real draw)
 
+# Transforms (DESIGN §3.9), each crossed with every mode (pipeline: not served yet), payload,
+# worker set and sampling; the grammar is ``TableMatcher`` (it forces the first token, and 0 after 1).
+_GRAMMAR = GrammarSpec(GrammarKind.REGEX, "the table grammar")
+TRANSFORMS = {
+    "logit_bias": TransformSpec(logit_bias=((0, -1.5), (2, 2.0)), prompt_len=len(PROMPT)),
+    "presence + frequency": TransformSpec(presence_penalty=1.2, frequency_penalty=0.7, prompt_len=len(PROMPT)),
+    "repetition": TransformSpec(repetition_penalty=1.8, prompt_len=len(PROMPT)),
+    "grammar": TransformSpec(grammar=_GRAMMAR, prompt_len=len(PROMPT)),
+    "all": TransformSpec(logit_bias=((2, 0.5),), presence_penalty=0.6, frequency_penalty=0.9, repetition_penalty=1.3, grammar=_GRAMMAR, prompt_len=len(PROMPT)),
+}
+
 # What the generator does with each field of ``speculative`` (core.modes): a field it does not
 # know fails test_the_matrix_covers_every_registry.
 PRIMARY_FIELDS = {"mode", "k", "tree", "num_draft_tokens", "overlap", "pipeline"}  # in the full product
@@ -114,11 +127,12 @@ class Cell:
     option: str = ""  # the secondary option, if any
     spec: SpecOptions = field(compare=False, default=None)  # type: ignore[assignment]
     min_tokens: int = 0
+    transform: str = ""  # a key of TRANSFORMS
 
     @property
     def name(self) -> str:
         parts = [self.mode.value, self.payload.value, self.rule, self.shape, self.workers, self.sampling]
-        return " · ".join([*parts, *(["overlap"] if self.overlap else []), *([self.option] if self.option else [])])
+        return " · ".join([*parts, *(["overlap"] if self.overlap else []), *([self.option] if self.option else []), *([self.transform] if self.transform else [])])
 
     @property
     def params(self) -> SamplingParams:
@@ -220,6 +234,19 @@ def cells() -> list[Cell]:
                         continue  # a complement of two ids per row and worker again (6,000 runs): one worker has it
                     spec = _spec(mode, payload, **_two_workers(payload, workers, {**options, **extra}))
                     out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option=label, spec=spec, min_tokens=min_tokens))
+                out += _transform_cells(mode, payload, workers, sampling, shapes, rule_of)
+    return out
+
+
+def _transform_cells(mode: Mode, payload: Payload, workers: str, sampling: str, shapes: list[tuple[str, str, dict[str, Any]]], rule_of: Any) -> list[Cell]:
+    """All the transforms together on every shape; each one alone on the mode's last shape."""
+    if mode is Mode.PIPELINE:
+        return []
+    picked = [(shape, "all") for shape in shapes] + [(shapes[-1], name) for name in TRANSFORMS if name != "all"]
+    out = []
+    for (rule, shape, options), name in picked:
+        spec = _spec(mode, payload, **_two_workers(payload, workers, options))
+        out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, spec=spec, transform=name))
     return out
 
 
@@ -233,7 +260,7 @@ def _engine(cell: Cell) -> Engine:
     weights = WORKER_SETS[cell.workers]
     if cell.mode is Mode.PIPELINE:
         return pipeline_engine(DRAFT, split_pipeline(TARGETS[0].table, [1], 2, eos_ids=[EOS]), eos_ids=[EOS])
-    return make_engine(DRAFT, list(zip(TARGETS, weights)), eos_ids=[EOS])
+    return with_table_grammar(make_engine(DRAFT, list(zip(TARGETS, weights)), eos_ids=[EOS]))
 
 
 Outcome = tuple[tuple[int, ...], float, Any]  # the tokens checked, the bound reported at the first, the second round's draft (overlap)
@@ -280,7 +307,9 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
     recording = _Recording(STRATEGIES[cell.mode])
 
     async def once() -> Outcome:
-        req = GenerationRequest(f"m{next(count)}", PROMPT, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=True, min_tokens=cell.min_tokens)
+        req = GenerationRequest(
+            f"m{next(count)}", PROMPT, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=True, min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform),
+        )
         tokens: list[int] = []
         bound, seen, drafted = 0.0, 0, None
         recording.rounds = 0
@@ -290,7 +319,7 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
                     if not tokens and result.tokens:  # τ(1 − β) to p̂, then p̂ to p
                         bound = (result.relaxed_tv or [0.0])[0] + (result.bound or [0.0])[0]
                     tokens += result.tokens
-                    seen += result.rounds_ended if cell.mode is Mode.PIPELINE else int(bool(result.tokens))
+                    seen += result.rounds_ended if cell.mode is Mode.PIPELINE else int(bool(result.tokens) and not result.forced)  # forced tokens take no round
                     if (seen >= 1 and not second_draft) or result.finish_reason:
                         break
         except _SecondDraft as second:
@@ -321,14 +350,33 @@ async def _cancel_the_rest() -> None:
     await asyncio.gather(*left, return_exceptions=True)
 
 
-def target_next(cell: Cell, last: int, generated: int) -> torch.Tensor:  # [V] float64
-    """The target after ``last`` with ``generated`` tokens so far, from the definitions and not
+def transformed(logits: torch.Tensor, generated: tuple[int, ...], spec: TransformSpec) -> torch.Tensor:  # [V] fp32
+    """DESIGN §3.9 from its definition, token by token in the workers' fp32 arithmetic: + bias,
+    the repetition penalty over prompt and output, presence and frequency over the output, the mask."""
+    out = logits.float().clone()
+    for token, bias in spec.logit_bias:
+        out[token] += torch.tensor(bias, dtype=torch.float32)
+    if spec.repetition_penalty != 1:
+        for token in set(PROMPT) | set(generated):
+            out[token] = out[token] / spec.repetition_penalty if out[token] > 0 else out[token] * spec.repetition_penalty
+    for token in set(generated):
+        out[token] -= torch.tensor(float(generated.count(token))) * spec.frequency_penalty + spec.presence_penalty
+    if spec.grammar is not None:
+        out[~TableMatcher.allowed_after(generated)] = float("-inf")
+    return out
+
+
+def target_next(cell: Cell, last: int, generated: int, prefix: tuple[int, ...] = ()) -> torch.Tensor:  # [V] float64
+    """The target after ``last`` with ``generated`` tokens so far (``prefix``: those tokens,
+    which a transform reads), from the definitions and not
     the serving code: Σ w_n T(p_n), each T(p_n) the worker's own fp32 row normalised in float64;
     before ``min_tokens`` EOS zeroed in that mixture and the rest renormalised (the law of
     p(· | not EOS)); at T = 0 the argmax of the rows as they are, EOS excluded before ``min_tokens``."""
     weights = torch.tensor(WORKER_SETS[cell.workers], dtype=torch.float64)
     weights = weights / weights.sum()
-    rows = [apply_sampling(t.table[last].float()[None], cell.params)[0] for t in TARGETS[: len(weights)]]
+    spec = TRANSFORMS.get(cell.transform)
+    logits = [t.table[last].float() if spec is None else transformed(t.table[last], prefix, spec) for t in TARGETS[: len(weights)]]
+    rows = [apply_sampling(row[None], cell.params)[0] for row in logits]
     p = sum((w * (row.double() if cell.params.is_greedy else normalised(row)) for w, row in zip(weights, rows)), torch.zeros(V, dtype=torch.float64))
     if generated < cell.min_tokens:
         p[EOS] = 0.0
@@ -344,10 +392,10 @@ def prefix_distance(cell: Cell, law: dict[tuple[int, ...], float]) -> float:
     decide it — every proper prefix of an outcome and each of its V one-token extensions. (Past
     those no outcome goes on, so C(s·x) = C(s) p(x | s) = P(s·x) by induction: equal there, equal
     at every length, without enumerating Vᴸ sequences.) A sequence ends at EOS."""
-    rows: dict[tuple[int, int], torch.Tensor] = {}
+    rows: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
 
     def p_next(prefix: tuple[int, ...]) -> torch.Tensor:
-        key = (prefix[-1] if prefix else PROMPT[-1], len(prefix))
+        key = (prefix[-1] if prefix else PROMPT[-1], len(prefix), prefix if cell.transform else ())
         if key not in rows:
             rows[key] = target_next(cell, *key)
         return rows[key]
@@ -557,3 +605,30 @@ def test_negative_control_a_pipeline_walk_that_keeps_the_rejected_mass_is_caught
     monkeypatch.setattr(pipeline_strategy, "try_children", kept_mass)
     picked = [c for c in CELLS if c.mode is Mode.PIPELINE and c.sampling == "T=1" and not c.option and "expanding" not in c.shape]  # the expanding tree: 40 s more
     assert _caught(picked) == {c.name for c in picked}
+
+
+def test_negative_control_a_transform_from_the_parents_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every scored row transformed as the round's first row (penalty counts not advanced along
+    the path, the grammar's mask taken before the draft's tokens): caught in every drafting
+    lossless cell. (Autoregressive scores one row; the top-k cells' check is the first row's bound.)"""
+    from workers.server import WorkerState
+
+    real = WorkerState._shaping
+
+    def parents_row(self: WorkerState, req: Any) -> Any:
+        shaping = real(self, req)
+        return None if shaping is None else (shaping[0], shaping[1], [[] for _ in shaping[2]])
+
+    monkeypatch.setattr(WorkerState, "_shaping", parents_row)
+    picked = [c for c in CELLS if c.transform in ("all", "presence + frequency", "grammar") and c.workers == "1 worker" and c.sampling == "T=1"]
+    expected = {c.name for c in picked if c.claim is Guarantee.LOSSLESS and MODES[c.mode].drafts}
+    assert expected and _caught(picked) == expected
+
+
+def test_every_transform_is_in_the_matrix() -> None:
+    """Each transform alone and all together, in every mode that serves them, on every payload."""
+    for mode in SERVED_MODES:
+        if mode is Mode.PIPELINE:
+            continue
+        for payload in _payloads(mode):
+            assert {c.transform for c in CELLS if c.mode is mode and c.payload is payload} >= set(TRANSFORMS), (mode, payload)

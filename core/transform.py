@@ -1,0 +1,184 @@
+"""Transforms (DESIGN §3.9): a request's reshaping of the target, one definition for the draft
+and every worker.
+
+At each position, with prefix x (the agreed tokens, then a row's path through the draft), a
+model's logits become: + logit_bias → penalties (counts over x's generated part) → the grammar
+mask (−∞ outside what the grammar allows after x; EOS only where it may end) — then the
+sampling parameters (temperature → min-p, top-k, top-p; ``core.math.sampling``). A
+``TransformSpec`` is what a request asks (it travels once per session); a ``Transformer`` is one
+session's state (a grammar matcher at the agreed tokens) that transforms the rows of a round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from core.grammar import Grammars, GrammarSpec, Matcher
+
+MAX_BIAS = 100.0  # OpenAI: logit_bias values lie in [−100, 100]
+MAX_PENALTY = 2.0  # OpenAI: presence / frequency penalties lie in [−2, 2]
+MAX_REPETITION = 20.0  # vLLM's repetition_penalty: > 0; beyond this it only says "never repeat"
+MIN_REPETITION = 0.01  # below it a positive logit ÷ the penalty can overflow fp32
+
+
+@dataclass(frozen=True)
+class TransformSpec:
+    """What a request asks of the target's logits, beside the sampling parameters."""
+
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit), ids ascending
+    presence_penalty: float = 0.0  # subtracted once from every token generated so far
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # vLLM's: logits of tokens in the prompt or output divided (> 0) or multiplied (≤ 0) by it
+    grammar: GrammarSpec | None = None
+    prompt_len: int = 0  # the generated part of a prefix starts here (penalties count it)
+
+    def __post_init__(self) -> None:
+        if any(not -MAX_BIAS <= v <= MAX_BIAS for _, v in self.logit_bias):
+            raise ValueError(f"logit_bias values must lie in [−{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        if not (-MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY and -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY):
+            raise ValueError(f"presence_penalty and frequency_penalty must lie in [−{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        if not MIN_REPETITION <= self.repetition_penalty <= MAX_REPETITION:
+            raise ValueError(f"repetition_penalty must lie in [{MIN_REPETITION:g}, {MAX_REPETITION:g}]")
+        if self.prompt_len < 0:
+            raise ValueError("prompt_len must be ≥ 0")
+
+    @property
+    def is_identity(self) -> bool:
+        return not self.logit_bias and self.presence_penalty == 0 and self.frequency_penalty == 0 and self.repetition_penalty == 1 and self.grammar is None
+
+    @property
+    def penalises(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_len": self.prompt_len}
+        if self.logit_bias:
+            out["logit_bias"] = [[t, v] for t, v in self.logit_bias]
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                out[name] = getattr(self, name)
+        if self.repetition_penalty != 1:
+            out["repetition_penalty"] = self.repetition_penalty
+        if self.grammar is not None:
+            out["grammar"] = self.grammar.to_wire()
+        return out
+
+    @classmethod
+    def from_wire(cls, value: Any) -> TransformSpec:
+        """ValueError (naming the field) on anything malformed."""
+        if not isinstance(value, dict):
+            raise ValueError("transform must be an object")
+        known = {"prompt_len", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "grammar"}
+        if set(value) - known:
+            raise ValueError(f"transform has unknown fields {sorted(set(value) - known)}")
+        try:
+            bias = tuple(sorted((int(t), float(v)) for t, v in value.get("logit_bias", [])))
+            grammar = GrammarSpec.from_wire(value["grammar"]) if "grammar" in value else None
+            return cls(
+                logit_bias=bias, presence_penalty=float(value.get("presence_penalty", 0.0)), frequency_penalty=float(value.get("frequency_penalty", 0.0)),
+                repetition_penalty=float(value.get("repetition_penalty", 1.0)), grammar=grammar, prompt_len=int(value.get("prompt_len", 0)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"transform: {exc}") from exc
+
+
+def penalise(
+    logits: torch.Tensor,  # [V] one row's logits (biased)
+    prompt: np.ndarray,  # [P] int: the prefix's prompt tokens (the repetition penalty counts them)
+    generated: np.ndarray,  # [G] int: the prefix's generated tokens (every penalty counts them)
+    spec: TransformSpec,
+) -> torch.Tensor:  # [V]
+    """OpenAI's presence and frequency penalties over the generated tokens, then vLLM's
+    repetition penalty over the prompt and generated ones."""
+    out = logits.clone()
+    if spec.repetition_penalty != 1:
+        seen = torch.from_numpy(np.unique(np.concatenate([prompt, generated]).astype(np.int64)))
+        values = out[seen]
+        out[seen] = torch.where(values > 0, values / spec.repetition_penalty, values * spec.repetition_penalty)
+    if (spec.presence_penalty or spec.frequency_penalty) and len(generated):
+        ids, counts = np.unique(generated.astype(np.int64), return_counts=True)
+        ids_t = torch.from_numpy(ids)
+        out[ids_t] -= torch.from_numpy(counts).to(out.dtype) * spec.frequency_penalty + spec.presence_penalty
+    return out
+
+
+@dataclass
+class Transformer:
+    """One session's transform: the spec, and a grammar matcher kept at the agreed tokens."""
+
+    spec: TransformSpec
+    vocab_size: int
+    matcher: Matcher | None = None
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
+
+    @classmethod
+    def build(cls, spec: TransformSpec, vocab_size: int, grammars: Grammars | None) -> Transformer:
+        """GrammarError when the grammar does not compile; ValueError for a bias id off the vocabulary."""
+        if any(not 0 <= t < vocab_size for t, _ in spec.logit_bias):
+            raise ValueError(f"logit_bias names a token id outside [0, {vocab_size})")
+        matcher = None
+        if spec.grammar is not None:
+            if grammars is None:
+                raise ValueError("this side has no grammar engine")
+            matcher = grammars.compile(spec.grammar).matcher()
+        return cls(spec, vocab_size, matcher)
+
+    def rows(
+        self,
+        logits: torch.Tensor,  # [R, V]: a model's logits at R rows
+        agreed: list[int],  # the tokens every row's prefix starts with (prompt + generated so far)
+        paths: list[list[int]],  # [R]: each row's tokens after ``agreed`` (a chain's draft[:j], a node's path)
+    ) -> torch.Tensor:  # [R, V] fp32, transformed
+        """Every row's logits transformed by its own prefix (DESIGN §3.9). Leaves the matcher at ``agreed``."""
+        out = logits.float().clone()
+        if self.spec.logit_bias:
+            ids, values = self._bias_tensors()
+            out[:, ids] += values
+        if self.spec.penalises:
+            base = np.asarray(agreed, dtype=np.int64)
+            prompt, generated = base[: self.spec.prompt_len], base[self.spec.prompt_len :]
+            for r, path in enumerate(paths):
+                out[r] = penalise(out[r], prompt, np.concatenate([generated, np.asarray(path, dtype=np.int64)]), self.spec)
+        if self.matcher is not None:
+            out.masked_fill_(~self.masks(agreed, paths), float("-inf"))
+        return out
+
+    def masks(self, agreed: list[int], paths: list[list[int]]) -> torch.Tensor:  # [R, V] bool
+        """The grammar's allowed set after each row's prefix (all True without a grammar)."""
+        if self.matcher is None:
+            return torch.ones(len(paths), self.vocab_size, dtype=torch.bool)
+        matcher = self.matcher
+        matcher.sync(self._generated(agreed))
+        out = torch.empty(len(paths), self.vocab_size, dtype=torch.bool)
+        for r, path in enumerate(paths):
+            for token in path:
+                matcher.consume(token)
+            out[r] = matcher.allowed()
+            matcher.rollback(len(path))
+        return out
+
+    def forced(self, agreed: list[int], eos_ids: set[int] | frozenset[int] = frozenset()) -> int | None:
+        """The one token the grammar allows after ``agreed``, if it allows exactly one — or the
+        lowest EOS id where it allows only end tokens (any of them ends the answer alike)."""
+        if self.matcher is None:
+            return None
+        self.matcher.sync(self._generated(agreed))
+        allowed = self.matcher.allowed().nonzero()[:, 0].tolist()
+        if len(allowed) == 1 or (allowed and set(allowed) <= eos_ids):
+            return int(allowed[0])
+        return None
+
+    def _generated(self, agreed: list[int]) -> list[int]:
+        return list(agreed[self.spec.prompt_len :])
+
+    def _bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._bias is None:
+            self._bias = (
+                torch.tensor([t for t, _ in self.spec.logit_bias], dtype=torch.long),
+                torch.tensor([v for _, v in self.spec.logit_bias], dtype=torch.float32),
+            )
+        return self._bias

@@ -1,0 +1,90 @@
+"""Transforms (DESIGN §3.9) on hand-built logits: the wire form, each penalty's definition, a
+row's prefix (agreed tokens + its path), the forced token, and min-p."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from core.math.sampling import SamplingParams, apply_sampling
+from core.transform import Transformer, TransformSpec, penalise
+from tests.app.fakes import TableGrammars, TableMatcher
+
+PROMPT = [1, 0]
+
+
+def test_the_wire_form_round_trips_and_refuses_garbage() -> None:
+    spec = TransformSpec(((0, -1.0), (3, 2.5)), 0.5, -0.25, 1.2, None, 7)
+    assert TransformSpec.from_wire(spec.to_wire()) == spec
+    assert TransformSpec.from_wire({"prompt_len": 3}).is_identity
+    for bad in ({"prompt_len": 1, "colour": 1}, {"logit_bias": [[0, 101]]}, {"presence_penalty": 2.5}, {"repetition_penalty": 0}, "x", {"logit_bias": [["a", 1]]}):
+        with pytest.raises(ValueError):
+            TransformSpec.from_wire(bad)
+
+
+def test_penalties_follow_their_definitions() -> None:
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    prompt, generated = np.array([4]), np.array([0, 0, 2])
+    spec = TransformSpec(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
+    out = penalise(logits, prompt, generated, spec)
+    # repetition over prompt + output (÷ when > 0, × otherwise), then OpenAI's count·f + presence over the output
+    expected = torch.tensor([2.0 / 2 - (2 * 0.25 + 0.5), -1.0, 0.5 / 2 - (0.25 + 0.5), 3.0, -2.0 * 2])
+    assert torch.allclose(out, expected)
+    assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0]))  # not in place
+
+
+def test_each_row_is_transformed_by_its_own_prefix() -> None:
+    spec = TransformSpec(((1, 1.0),), presence_penalty=0.0, frequency_penalty=1.0, grammar=None, prompt_len=len(PROMPT))
+    transformer = Transformer.build(spec, 4, None)
+    logits = torch.zeros(3, 4)
+    agreed = [*PROMPT, 2]
+    out = transformer.rows(logits, agreed, [[], [1], [1, 1]])
+    assert out[:, 1].tolist() == [1.0, 0.0, -1.0]  # the bias, less one per 1 along the path
+    assert out[:, 2].tolist() == [-1.0, -1.0, -1.0]  # the agreed 2 counts in every row
+    assert out[:, 0].tolist() == [0.0, 0.0, 0.0]  # the prompt's tokens are not counted
+
+
+def test_the_grammar_masks_each_row_after_its_path_and_forces_single_tokens() -> None:
+    transformer = Transformer.build(TransformSpec(grammar=_grammar(), prompt_len=len(PROMPT)), 4, TableGrammars())  # type: ignore[arg-type]
+    out = transformer.rows(torch.zeros(3, 4), [*PROMPT, 2], [[], [1], [1, 0]])
+    allowed = torch.isfinite(out)
+    assert torch.equal(allowed[0], TableMatcher.allowed_after((2,)))
+    assert allowed[1].nonzero().flatten().tolist() == [0]  # after 1 only 0
+    assert torch.equal(allowed[2], TableMatcher.allowed_after((2, 1, 0)))
+    assert transformer.forced(list(PROMPT)) == 2  # the first token is forced
+    assert transformer.forced([*PROMPT, 1]) == 0
+    assert transformer.forced([*PROMPT, 2]) is None
+
+
+def test_a_bias_id_off_the_vocabulary_is_refused() -> None:
+    with pytest.raises(ValueError, match="outside"):
+        Transformer.build(TransformSpec(((4, 1.0),)), 4, None)
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = apply_sampling(logits, SamplingParams(temperature=1.0, min_p=0.2))[0]  # keeps p ≥ 0.1
+    assert torch.allclose(p, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    with pytest.raises(ValueError):
+        SamplingParams(min_p=1.0)
+
+
+def _grammar():  # type: ignore[no-untyped-def]
+    from core.grammar import GrammarKind, GrammarSpec
+
+    return GrammarSpec(GrammarKind.REGEX, "the table grammar")
+
+
+def test_the_transform_travels_on_a_sessions_first_call_and_on_a_resend_from_zero() -> None:
+    from app.targets.base import resend
+    from core.protocol import VerifyRequest, decode, encode
+
+    wire = TransformSpec(((1, 2.0),), frequency_penalty=0.5, prompt_len=2).to_wire()
+    first = VerifyRequest.after("s", [], [1, 0], [2], transform=wire)
+    later = VerifyRequest.after("s", [1, 0, 2], [3], [2], transform=wire)
+    assert first.on_wire().transform == wire and later.on_wire().transform is None
+    assert len(encode(later.on_wire(), 4)[0]) == len(encode(VerifyRequest.after("s", [1, 0, 2], [3], [2]), 4)[0])  # per-round bytes unchanged
+    again = resend(later, [1, 0, 2, 3], 0)  # the worker lost the session: from zero, with the transform
+    assert again.on_wire().transform == wire
+    assert decode(VerifyRequest, *encode(again.on_wire(), 4)).transform == wire
