@@ -116,7 +116,7 @@ class Grammars:
             raise GrammarError(f"the {spec.kind.value} is {len(spec.source.encode())} bytes; the limit is {self.limits.max_source_bytes}")
         try:
             if spec.kind is GrammarKind.JSON_SCHEMA:  # compact JSON, as OpenAI's: the separators are then forced tokens
-                text = llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
+                text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(strict(json.loads(spec.source))), defaults=JSON_OPTIONS)
             else:
                 text = llguidance.grammar_from(spec.kind.value, spec.source)  # type: ignore[arg-type]  # a GrammarKind is one of its formats
         except (ValueError, TypeError) as exc:
@@ -223,6 +223,31 @@ class Matcher:
     def is_finished(self) -> bool:
         """The grammar is complete and takes nothing more but EOS."""
         return self._stop_at is not None or bool(self._engine.is_stopped())
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # keyword → {name: schema}
+
+
+def strict(schema: Any) -> Any:
+    """A JSON schema whose objects with ``properties`` take no others unless it says so
+    (``additionalProperties`` absent → false): OpenAI's strict mode, xgrammar's default (and so
+    vLLM's). Without it a small model fills a permissive object with invented keys until
+    ``max_tokens``."""
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: strict(sub) for name, sub in value.items()}
+        elif key in ("const", "enum", "default", "examples"):
+            out[key] = value  # values, not schemas
+        else:
+            out[key] = strict(value)
+    if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _first_line(message: str) -> str:

@@ -22,7 +22,7 @@ SPECGATE = [sys.executable, "-m", "clients.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("args", [[], ["worker"], ["gateway"], ["serve"], ["bench"], ["bench", "worker"], ["bench", "dsd"], ["bench", "load"], ["bench", "tree"], ["bench", "tree-device"]])
+@pytest.mark.parametrize("args", [[], ["worker"], ["gateway"], ["serve"], ["bench"], ["bench", "worker"], ["bench", "dsd"], ["bench", "load"], ["bench", "tree"], ["bench", "tree-device"], ["bench", "grammar"], ["bench", "structured"]])
 def test_every_command_has_help(args: list[str]) -> None:
     out = subprocess.run([*SPECGATE, *args, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0 and "usage: specgate" in out.stdout
@@ -38,6 +38,29 @@ def test_bench_tree_device_times_each_cell_and_writes_json(tmp_path: Path) -> No
     rows = json.loads(out.read_text())["rows"]
     assert [r["cell"] for r in rows] == ["chain 1", "chain 4", "tree 4"] and all(r["ms_median"] > 0 and r["repeats"] == 1 for r in rows)
     assert "tree 4" in run.stdout and "ms/round" in run.stdout and "prefix 8" in run.stdout
+
+
+def test_bench_grammar_measures_each_grammar_and_writes_json(tmp_path: Path) -> None:
+    """llguidance on the built-in vocabulary (xgrammar too where it is installed)."""
+    out = tmp_path / "grammar.json"
+    run = subprocess.run([*SPECGATE, "bench", "grammar", "--repeats", "1", "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    engine = json.loads(out.read_text())["engines"]["llguidance"]
+    assert set(engine["grammars"]) == {"json_schema (6 fields)", "tools (2, generic format)", "regex (phone)"}
+    assert all(0 < g["mask_ms_median"] and 0 < g["compile_cold_ms"] and g["answer_tokens"] > 1 for g in engine["grammars"].values())
+    assert "llguidance" in run.stdout and "compile" in run.stdout
+
+
+def test_bench_structured_summarises_a_cell() -> None:
+    """The figures of one cell from its requests (the bench itself starts ``specgate serve``)."""
+    from clients.bench.structured import _summary
+
+    def sample(tokens: int, rounds: int, forced: int, valid: bool | None) -> dict[str, object]:
+        return {"tokens": tokens, "seconds": 1.0, "rounds": rounds, "forced": forced, "bytes": 100 * tokens, "gateway_ms": 1.0, "worker_ms": 2.0, "valid": valid}
+
+    row = _summary("exact", 1.0, "schema", {True: [sample(20, 5, 4, True), sample(20, 5, 2, False)], False: [sample(20, 10, 0, None)] * 2})
+    assert row["tokens_per_round_ratio"] == 2.0 and row["constrained"]["forced_per_answer"] == 3 and row["valid_share"] == 0.5
+    assert row["speed_ratio"] == 1.0 and row["mask_gateway_ms"] == 0.0 and row["constrained"]["bytes_per_token"] == 100
 
 
 def test_worker_with_a_missing_model_is_a_one_line_error() -> None:

@@ -116,3 +116,17 @@ def test_rollback_over_eos_and_a_refused_token(grammars: Grammars, tokenizer) ->
     assert not matcher.consume(EOS) and matcher.is_dead  # EOS before the grammar may end: refused
     matcher.rollback(1)
     assert torch.equal(matcher.allowed(), before)
+
+
+def test_objects_with_properties_take_no_others_unless_the_schema_says_so(grammars: Grammars, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from core.grammar import strict
+
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {"const": {"properties": 1}}}}}, "$defs": {"d": {"properties": {}}}}
+    assert strict(schema) == {
+        "type": "object", "additionalProperties": False, "$defs": {"d": {"properties": {}, "additionalProperties": False}},
+        "properties": {"properties": {"type": "object", "properties": {"x": {"const": {"properties": 1}}}, "additionalProperties": False}},
+    }
+    assert strict({"type": "object"}) == {"type": "object"} and strict({"properties": {}, "additionalProperties": True})["additionalProperties"] is True
+    matcher = grammars.compile(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})).matcher()
+    matcher.sync(tokenizer.encode('{"a":1'))
+    assert not matcher.allowed()[tokenizer.encode(",")[0]]  # no second key
