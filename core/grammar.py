@@ -237,7 +237,7 @@ def strict(schema: Any) -> Any:
         return [strict(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: strict(sub) for name, sub in value.items()}
