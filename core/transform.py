@@ -92,8 +92,8 @@ def penalise(
     generated: np.ndarray,  # [G] int: the prefix's generated tokens (every penalty counts them)
     spec: TransformSpec,
 ) -> torch.Tensor:  # [V]
-    """OpenAI's presence and frequency penalties over the generated tokens, then vLLM's
-    repetition penalty over the prompt and generated ones."""
+    """vLLM's repetition penalty over the prompt and generated tokens, then OpenAI's presence
+    and frequency penalties over the generated ones (the order of DESIGN §3.9's penalties step)."""
     out = logits.clone()
     if spec.repetition_penalty != 1:
         seen = torch.from_numpy(np.unique(np.concatenate([prompt, generated]).astype(np.int64)))
