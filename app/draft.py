@@ -109,7 +109,7 @@ class DraftModel:
     async def propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
-        timing: dict[str, float] | None = None, transformer: Transformer | None = None,
+        timing: dict[str, float] | None = None, transformer: Transformer | None = None, limit: int | None = None,
     ) -> TokenTree:
         """Draft ``gamma`` tokens after ``sequence`` (the agreed tokens of the session);
         ``truncation`` = (draft_top_k, draft_top_p) sparsifies q̂ (TSLT), losslessly. Once
@@ -118,11 +118,13 @@ class DraftModel:
         are keyed by position, so a draft prepared ahead equals the one drafted later.
         ``suppression`` (min_tokens) masks its ids where the target cannot emit them; ``timing``
         gets the seconds of the draft model and of the sampling (``DraftClock``); ``transformer``
-        (DESIGN §3.9) reshapes each position's logits as the workers reshape theirs."""
+        (DESIGN §3.9) reshapes each position's logits as the workers reshape theirs; with a
+        grammar, the tokens it forces are drafted without a draft step of their own (one decode
+        feeds a run of them) and do not count in ``gamma``, up to ``limit`` tokens in all."""
         await self._idle(session_id)
         if cancel is not None and cancel.is_set():
             return TokenTree.chain([], [])
-        steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression, transformer)
+        steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression, transformer, limit)
         return await self._run(session_id, steps, timing)
 
     async def propose_tree(
@@ -235,18 +237,24 @@ class DraftModel:
     def _chain(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float], cancel: threading.Event | None, suppression: Suppression | None, transformer: Transformer | None = None,
+        limit: int | None = None,
     ) -> Steps:
         runner = self.runner
+        eos = set(runner.info.eos_ids)
         common = common_prefix(runner.tokens(session_id), sequence)
         runner.crop(session_id, common)
         logits = yield from self._feed(session_id, sequence[common:])
-        draws = uniforms(seed, choice, list(range(len(sequence), len(sequence) + gamma)), Purpose.DRAFT_SAMPLE)
+        grammar = transformer is not None and transformer.matcher is not None
+        limit = max(gamma, limit or gamma) if grammar else gamma
+        draws = uniforms(seed, choice, list(range(len(sequence), len(sequence) + limit)), Purpose.DRAFT_SAMPLE)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []  # dense q̂ rows, or
         supports: list[SparseRow] = []  # truncated ones, sampled on their support (DESIGN §9)
         masked = suppression.rows(len(sequence), gamma) if suppression is not None else 0
         truncating = not params.is_greedy and truncation != (0, 1.0)
-        for j in range(gamma):
+        sampled = 0  # tokens that took a draft step (forced ones do not)
+        while True:
+            j = len(tokens)
             if j < masked:
                 assert suppression is not None
                 logits = mask_ids(logits, torch.tensor(suppression.ids, dtype=torch.long))
@@ -262,10 +270,33 @@ class DraftModel:
                 token = int(torch.argmax(q)) if params.is_greedy else sample_index(q, float(draws[j]))
                 rows.append(q)
             tokens.append(token)
-            if token in runner.info.eos_ids or j == gamma - 1 or (cancel is not None and cancel.is_set()):
+            sampled += 1
+            forced = self._forced_run(transformer, sequence, tokens, limit, eos) if grammar and token not in eos else []
+            for token in forced:  # T(q) is a point mass there, as every worker's T(p)
+                tokens.append(token)
+                if truncating:
+                    supports.append((torch.tensor([token]), torch.ones(1, dtype=torch.float64)))
+                else:
+                    rows.append(torch.zeros_like(rows[-1]).index_fill_(0, torch.tensor([token]), 1.0))
+            if tokens[-1] in eos or sampled == gamma or len(tokens) >= limit or (cancel is not None and cancel.is_set()):
                 break
-            logits = (yield runner.append_item(session_id, [token], 1))[0]
+            logits = (yield runner.append_item(session_id, tokens[-1 - len(forced) :], 1))[0]  # the sampled token and the run after it, one decode
         return TokenTree.chain(tokens, supports if truncating else rows)
+
+    @staticmethod
+    def _forced_run(transformer: Transformer | None, sequence: list[int], tokens: list[int], limit: int, eos: set[int]) -> list[int]:
+        """The tokens the grammar forces after ``sequence`` + ``tokens``, one after another (an
+        EOS ends the run), within ``limit`` tokens drafted in all."""
+        assert transformer is not None
+        out: list[int] = []
+        while len(tokens) + len(out) < limit:
+            token = transformer.forced([*sequence, *tokens, *out], eos)
+            if token is None:
+                break
+            out.append(token)
+            if token in eos:
+                break
+        return out
 
     def _tree_of(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,

@@ -131,6 +131,7 @@ class Usage:
             num_spec_tokens = self.tree.max_depth  # tokens a round may accept
         if self.spec.pipeline is not None:  # a pipeline's tree grows as it is walked: the deepest seen
             num_spec_tokens = max(self.spec.pipeline.tree.depth, len(self.acceptance_histogram) - 1)
+        num_spec_tokens = max(num_spec_tokens, len(self.acceptance_histogram) - 1)  # a chain carries a grammar's forced tokens on top of γ
         histogram = self.acceptance_histogram + [0] * (num_spec_tokens + 1 - len(self.acceptance_histogram))
         return {"speculative_decoding": {
             "mean_acceptance_length": 1 + self.accepted_tokens / steps if steps else None,
@@ -469,13 +470,26 @@ class Gateway:
         engines = [w.name for w in self.pool.workers if w.is_engine]
         if engines:
             raise ApiError(400, f"{asked[0]} needs specgate workers: {engines[0]} is an openai-logprobs engine, whose log-probabilities do not carry it", asked[0])
-        if spec.mode is Mode.PIPELINE:
-            raise ApiError(400, f"{asked[0]} is not served in pipeline mode yet: use exact, tree or another mode", asked[0])
+        if grammar is not None:
+            self._check_eos(param)
         if grammar is not None and body.ignore_eos:
             raise ApiError(400, f"ignore_eos cannot be combined with {param}: the grammar decides where the answer ends", "ignore_eos")
         if grammar is not None and body.min_tokens:
             raise ApiError(400, f"min_tokens cannot be combined with {param}: the grammar decides where the answer ends", "min_tokens")
         return None if transform.is_identity else transform
+
+    def _check_eos(self, param: str) -> None:
+        """A grammar lets a worker end the answer with its own EOS ids: each must be one of the
+        gateway's, or the gateway would take it for text its grammar does not allow."""
+        ours = set(self.draft.runner.info.eos_ids)
+        for worker in self.pool.workers:
+            for replica in getattr(worker, "replicas", []):
+                info = getattr(replica, "info", None)
+                if info is not None and not set(info.eos_ids) <= ours:
+                    raise ApiError(
+                        400, f"{param} needs every worker's EOS ids among the draft's {sorted(ours)}: "
+                        f"{worker.name} ({replica.url}) ends with {sorted(info.eos_ids)}", param,
+                    )
 
     def grammars(self) -> Grammars:
         """The gateway's grammar engine over the draft's tokenizer (built on first use)."""

@@ -133,7 +133,10 @@ class Transformer:
         agreed: list[int],  # the tokens every row's prefix starts with (prompt + generated so far)
         paths: list[list[int]],  # [R]: each row's tokens after ``agreed`` (a chain's draft[:j], a node's path)
     ) -> torch.Tensor:  # [R, V] fp32, transformed
-        """Every row's logits transformed by its own prefix (DESIGN §3.9). Leaves the matcher at ``agreed``."""
+        """Every row's logits transformed by its own prefix (DESIGN §3.9). Leaves the matcher at
+        ``agreed``, which holds the whole prompt (a path is generated tokens only)."""
+        if len(agreed) < self.spec.prompt_len:
+            raise ValueError(f"the rows' common prefix ({len(agreed)} tokens) is shorter than the prompt ({self.spec.prompt_len})")
         out = logits.float().clone()
         if self.spec.logit_bias:
             ids, values = self._bias_tensors()
@@ -162,15 +165,15 @@ class Transformer:
         return out
 
     def forced(self, agreed: list[int], eos_ids: set[int] | frozenset[int] = frozenset()) -> int | None:
-        """The one token the grammar allows after ``agreed``, if it allows exactly one — or the
-        lowest EOS id where it allows only end tokens (any of them ends the answer alike)."""
+        """The one token the grammar allows after ``agreed``, if it allows exactly one. Where it
+        allows only end tokens and there are several, none is forced: each target spreads its
+        mass over them its own way, which the token ids and log-probabilities show (a round
+        decides)."""
         if self.matcher is None:
             return None
         self.matcher.sync(self._generated(agreed))
         allowed = self.matcher.allowed().nonzero()[:, 0].tolist()
-        if len(allowed) == 1 or (allowed and set(allowed) <= eos_ids):
-            return int(allowed[0])
-        return None
+        return int(allowed[0]) if len(allowed) == 1 else None
 
     def _generated(self, agreed: list[int]) -> list[int]:
         return list(agreed[self.spec.prompt_len :])

@@ -46,14 +46,19 @@ def score(
     if req.score_ids is not None:
         ids = torch.from_numpy(np.asarray(req.score_ids, dtype=np.int64))
         return VerifyResponse(held=held, score_logprobs=_logs(normalised(probs[:1])[0, ids]), model_ms=model_ms, **asked)
-    resp = _answer(probs, req, held, model_ms, params)
+    finite = torch.isfinite(logits)
+    resp = _answer(probs, req, held, model_ms, params, None if bool(finite.all()) else finite)
     asked.update(_asked_logprobs(probs, req, resp))
     if req.score_tokens and prompt_logits is not None:
         asked.update(_prompt_logprobs(normalised(apply_sampling(prompt_logits, params)), req))
     return replace(resp, **asked) if asked else resp
 
 
-def _answer(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float, params: SamplingParams) -> VerifyResponse:
+def _answer(
+    probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float, params: SamplingParams, allowed: torch.Tensor | None = None,
+) -> VerifyResponse:
+    """``allowed``: a grammar's ids per row (the logits it left finite), where the gateway's
+    residual reconstruction spreads σ: e_n is measured on what the gateway rebuilds."""
     if req.mode == Mode.SPLIT.value:
         return _split(probs, req, held, model_ms)
     if req.mode == Mode.EXACT.value and not params.is_greedy:
@@ -65,7 +70,7 @@ def _answer(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float,
         samples = np.array([sample_index(probs[0], u)], dtype=np.int32)
         if not req.return_probs:
             return VerifyResponse(held=held, samples=samples, model_ms=model_ms)
-    return _distributions(probs, req, held, model_ms, samples)
+    return _distributions(probs, req, held, model_ms, samples, allowed)
 
 
 def _first_position(req: VerifyRequest) -> int:
@@ -132,6 +137,7 @@ def _distributions(
     held: int,
     model_ms: float,
     samples: np.ndarray | None,
+    allowed: torch.Tensor | None = None,  # [γ+1, V] bool
 ) -> VerifyResponse:
     zeros = np.zeros(probs.shape[0], dtype=np.float32)
     if req.k is None or req.k == probs.shape[-1]:
@@ -146,7 +152,7 @@ def _distributions(
     if method is Reconstruction.RENORMALIZE:
         error = top.tail_mass  # TV(p/ρ on S, p) = σ exactly
     else:
-        rebuilt = reconstruct(top.ids, top.probs, probs.shape[-1], method, top.tail_mass)
+        rebuilt = reconstruct(top.ids, top.probs, probs.shape[-1], method, top.tail_mass, allowed)
         error = tv_distance(rebuilt, probs).float()
     return VerifyResponse(
         held=held, ids=top.ids.numpy(), probs=top.probs.numpy(), tail_mass=top.tail_mass.numpy(),

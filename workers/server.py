@@ -148,7 +148,10 @@ class WorkerState:
                 continue
             req = reqs[i]
             if isinstance(req, StageRequest):
-                answers[i] = self._stage_answer(req, logits, model_ms)
+                try:
+                    answers[i] = self._stage_answer(req, logits, model_ms)
+                except Exception as exc:  # noqa: BLE001 - this call's answer
+                    answers[i] = exc
                 timings[i]["model"] = model_ms
                 continue
             self.counters["positions_scored"] += len(req.draft) + 1
@@ -222,11 +225,27 @@ class WorkerState:
         if req.prefix_len + len(req.tokens) > self.max_context:
             raise ContextOverflow(f"the session would hold {req.prefix_len + len(req.tokens)} rows, the context is {self.max_context}", param="tokens")
         self.sessions.admit(req.session_id, tree=True)
+        if req.prefix_len == 0 and self.runner.is_last_stage:  # the session's transform, set by the message that starts it
+            self.sessions.transforms.pop(req.session_id, None)
+            if req.transform is not None:
+                self.sessions.transforms[req.session_id] = self._transformer(req.transform)
         count = len(req.tokens)
         hidden = torch.from_numpy(np.array(req.hidden, dtype=np.float32)) if req.hidden is not None else None
         scored = list(range(req.score_from, count)) or [count - 1]
         parents = req.parents.tolist() if req.parents is not None else None
         return ForwardItem(req.session_id, req.prefix_len, req.tokens.tolist(), parents, scored, hidden), 0, None
+
+    def _stage_shaping(self, req: StageRequest, held: int, scored: int) -> Shaping | None:
+        """The last stage's ``_shaping``: the session's transform, and each of the ``scored``
+        rows' prefix — the row's ancestors' tokens and its own — split into what they share and
+        each row's rest."""
+        transformer = self.sessions.transforms.get(req.session_id)
+        if transformer is None:
+            return None
+        first = held - len(req.tokens) + req.score_from
+        contexts = [self.runner.context(req.session_id, row) for row in range(first, first + scored)]
+        agreed = contexts[0][: _common_prefix(contexts)]
+        return transformer, agreed, [c[len(agreed) :] for c in contexts]
 
     def stage_keep(self, req: StageRequest) -> int:
         """Apply a stage message's ``keep`` and check the session then holds ``prefix_len``
@@ -253,9 +272,14 @@ class WorkerState:
         as_verify = VerifyRequest(
             session_id=req.session_id, prefix_len=0, prefix_hash="", tokens=np.zeros(0, np.int64), draft=np.zeros(max(len(rows) - 1, 0), np.int64),
             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, k=req.k, probs_dtype=req.probs_dtype, reconstruction=req.reconstruction,
+            min_p=req.min_p,
         )
         if not len(rows):
             return StageResponse(held=held, stage_ms=np.array([model_ms], np.float32), hop_bytes=np.zeros(0, np.int32))
+        shaping = self._stage_shaping(req, held, len(rows))
+        if shaping is not None:  # DESIGN §3.9: each scored row by its own prefix
+            transformer, agreed, paths = shaping
+            rows = transformer.rows(rows, agreed, paths)
         scored = score(rows, as_verify, held, model_ms)
         return StageResponse(
             held=held, probs=scored.probs, tail_mass=scored.tail_mass, ids=scored.ids, recon_error=scored.recon_error,
@@ -314,6 +338,12 @@ class WorkerState:
                 f"exceeds the context of {self.max_context}",
                 param="draft",
             )
+
+
+def _common_prefix(sequences: list[list[int]]) -> int:
+    """How many leading tokens every sequence shares."""
+    shortest = min(len(s) for s in sequences)
+    return next((i for i in range(shortest) if any(s[i] != sequences[0][i] for s in sequences)), shortest)
 
 
 Shaping = tuple[Transformer, list[int], list[list[int]]]  # a call's transform, its agreed tokens, each scored row's path after them

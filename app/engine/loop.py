@@ -37,6 +37,8 @@ from core.protocol import VerifyRequest
 from core.transform import Transformer
 
 log = logging.getLogger(__name__)
+FORCED_EXTRA = 8  # tokens a grammar forces that a chain may carry beyond γ (free: no draft step of their own)
+MAX_DRAFT = 32  # the longest chain sent (γ ≤ 32; a worker decodes tokens + draft, ≤ 32 keeps llama.cpp's numerics)
 
 
 class Engine:
@@ -65,6 +67,7 @@ class Engine:
         path: list[int] | None = None  # the last tree round's accepted nodes: every worker holds them as tree rows
         suppression = self._suppression(req)
         transformer = self._transformer(req)
+        verifier = self._transformer(req) if transformer is not None and transformer.matcher is not None else None  # its own matcher: the draft's runs ahead with overlap
         drafts = MODES[req.spec.mode].drafts
         auto = GammaController(req.spec.overlap) if req.spec.auto_gamma and not req.seeded and drafts else None
         try:
@@ -93,13 +96,13 @@ class Engine:
                 if req.spec.mode is Mode.TREE:
                     draft = await self._draft_tree(session_id, sequence, room, req, timing, transformer)
                 else:
-                    draft = ahead.head(gamma) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression, timing, transformer)
+                    draft = ahead.head(gamma) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression, timing, transformer, room - 1)
                 ahead = None
                 scorable = self.pool.scorable(sequence, draft.ids())  # an engine may not score every token
                 if scorable < len(draft):
                     draft = draft.head(scorable)
                 drafted = time.perf_counter()
-                rnd = Round(self.pool, self.weights, self.vocab_size, req, session_id, sequence, agreed, draft, Traffic(), suppression, path=path)
+                rnd = Round(self.pool, self.weights, self.vocab_size, req, session_id, sequence, agreed, draft, Traffic(), suppression, path=path, transformer=verifier)
                 preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression, transformer) if req.spec.overlap and drafts else None
                 try:
                     result = await strategy.verify(rnd)
@@ -135,7 +138,8 @@ class Engine:
         target = self.pool.workers[0]
         if not isinstance(target, PipelineTarget) or len(self.pool.workers) != 1:
             raise WorkerError(getattr(target, "name", "w0"), "mode pipeline needs exactly one target, a pipeline of stage workers", 400)
-        run = PipelineRun(self.draft, target, req, session_id, req.spec.pipeline or SegmentSchedule(), self.vocab_size, self.max_context, self.eos_ids)
+        transformers = (self._transformer(req), self._transformer(req))
+        run = PipelineRun(self.draft, target, req, session_id, req.spec.pipeline or SegmentSchedule(), self.vocab_size, self.max_context, self.eos_ids, transformers)
         try:
             async with aclosing(run.run()) as results:
                 async for result in results:
@@ -225,13 +229,16 @@ class Engine:
 
     async def _draft(
         self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest, suppression: Suppression | None, timing: dict[str, float],
-        transformer: Transformer | None = None,
+        transformer: Transformer | None = None, room: int | None = None,
     ) -> TokenTree:
+        """A chain of ``gamma`` tokens; with a grammar, the tokens it forces come on top, free
+        (up to FORCED_EXTRA more and ``room``)."""
         if gamma <= 0:
             return TokenTree.chain([], [])
+        limit = min(room if room is not None else gamma, max(gamma, min(gamma + FORCED_EXTRA, MAX_DRAFT)))
         return await self.draft.propose(
             session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, suppression=suppression, timing=timing,
-            transformer=transformer,
+            transformer=transformer, limit=limit,
         )
 
     async def _draft_tree(

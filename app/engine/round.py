@@ -25,6 +25,7 @@ from core.math.sampling import Suppression, normalised
 from core.math.tree import TokenTree
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
+from core.transform import Transformer
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Round:
     traffic: Traffic
     suppression: Suppression | None = None  # min_tokens: EOS is removed from the target before it
     path: list[int] | None = None  # the previous round's accepted tree path, the first call's ``path`` (v1.1)
+    transformer: Transformer | None = None  # the request's grammar, the gateway's own matcher (not the draft's): ``allowed``
     model_s: float = 0.0  # per call the slowest worker's model seconds, summed (the round's latency)
     busy_s: float = 0.0  # every worker's model seconds, summed over workers and calls (the targets' cost)
     responses: list[VerifyResponse] = field(default_factory=list)  # of the last call
@@ -53,6 +55,15 @@ class Round:
         """Absolute index of the token decided at each depth of the walk (γ+1 for a chain)."""
         start = len(self.sequence)
         return list(range(start, start + self.draft.max_depth() + 1))
+
+    def allowed(self) -> torch.Tensor | None:  # [rows, V] bool
+        """The grammar's allowed ids at each scored row (the root's, then each node's path),
+        or None without a grammar."""
+        if self.transformer is None or self.transformer.matcher is None:
+            return None
+        ids = self.draft.ids()
+        paths = [[], *([ids[n] for n in self.draft.path_to(node)] for node in range(len(self.draft)))]
+        return self.transformer.masks(self.sequence, paths)
 
     @property
     def tree_wire(self) -> dict[str, object]:
@@ -167,13 +178,14 @@ def lanes(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mixture(
     responses: list[VerifyResponse], vocab_size: int, weights: torch.Tensor, method: Reconstruction = Reconstruction.RENORMALIZE,
-    normalise: bool = True,
+    normalise: bool = True, allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """p̂ = Σ w_n p̂_n over the positions of the responses: ``[γ+1, V]`` float64 (``weights``:
     ``[N]`` or per position, ``Round.weights``). Whole rows are ``normalised`` (an fp32 row sums
     to 1 ± 1e-6); greedy (``normalise=False``) compares them as sent, the same numbers in every mode
     — except rows that min_tokens stripped of EOS, sent unnormalised (``suppress``): weighted by
-    w_n κ_n, they are normalised at every temperature."""
+    w_n κ_n, they are normalised at every temperature. ``allowed``: a grammar's ids per row, where
+    ``residual`` reconstruction spreads the tail mass."""
     dists = []
     for resp in responses:
         probs = torch.tensor(array(resp.probs), dtype=torch.float64)
@@ -181,7 +193,7 @@ def mixture(
             dists.append(normalised(probs) if normalise or resp.kept_mass is not None else probs)
         else:
             ids = torch.from_numpy(np.array(resp.ids, dtype=np.int64))
-            dists.append(reconstruct(ids, probs, vocab_size, method, torch.tensor(array(resp.tail_mass))))
+            dists.append(reconstruct(ids, probs, vocab_size, method, torch.tensor(array(resp.tail_mass)), allowed))
     return aggregate(torch.stack(dists), weights)
 
 

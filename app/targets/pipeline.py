@@ -251,12 +251,7 @@ class PipelineTarget:
         if stage.chain != self.chain:
             raise StageShort("a stage moved to a replica since the session's last segment")
         seq, stage.seq = stage.seq, stage.seq + 1  # taken now: segments in flight keep their order
-        req = StageRequest(
-            session_id=stage.id, seq=seq, prefix_len=segment.prefix_len, tokens=np.asarray(segment.tokens, dtype=np.int64),
-            parents=None if segment.parents is None else np.asarray(segment.parents, dtype=np.int32),
-            keep=None if segment.keep is None else np.asarray(segment.keep, dtype=np.int32),
-            score_from=segment.score_from, next=[r.url for r in self.replicas[1:]], **sampling,
-        )
+        req = self.stage_request(stage, seq, segment, sampling, next=[r.url for r in self.replicas[1:]])
         traffic, first = Traffic(), self.replicas[0]
         body, _ = encode(req, self.expected.vocab_size)
         try:
@@ -286,6 +281,19 @@ class PipelineTarget:
         for hop, size in enumerate(np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [], dtype=np.int64)[: len(self.hop_bytes)]):
             self.hop_bytes[hop] += int(size)
         return resp, traffic
+
+    @staticmethod
+    def stage_request(stage: StageSession, seq: int, segment: Segment, sampling: dict[str, Any], **more: Any) -> StageRequest:
+        """The message that carries ``segment``: the transform (DESIGN §3.9) rides only on the
+        one that starts the stage session (prefix_len 0); the last stage keeps it."""
+        if segment.prefix_len and sampling.get("transform") is not None:
+            sampling = {**sampling, "transform": None}
+        return StageRequest(
+            session_id=stage.id, seq=seq, prefix_len=segment.prefix_len, tokens=np.asarray(segment.tokens, dtype=np.int64),
+            parents=None if segment.parents is None else np.asarray(segment.parents, dtype=np.int32),
+            keep=None if segment.keep is None else np.asarray(segment.keep, dtype=np.int32),
+            score_from=segment.score_from, **sampling, **more,
+        )
 
     def _failed_stage(self, answer: bytes) -> int:
         """Which stage a 5xx came from: the one a stage names in the error's ``param`` (a stage
@@ -463,7 +471,7 @@ def _sampling(req: VerifyRequest) -> dict[str, Any]:
     full = req.mode == Mode.AUTOREGRESSIVE.value and req.temperature > 0  # the sample is drawn here, from p
     return {
         "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "k": None if full else req.k,
-        "probs_dtype": req.probs_dtype, "reconstruction": req.reconstruction,
+        "probs_dtype": req.probs_dtype, "reconstruction": req.reconstruction, "min_p": req.min_p, "transform": req.transform,
     }
 
 

@@ -17,8 +17,11 @@ def reconstruct(
     vocab_size: int,
     method: Reconstruction = Reconstruction.RENORMALIZE,
     tail_mass: torch.Tensor | None = None,  # [m]: σ_n as the worker summed it; else 1 − ρ_n
+    allowed: torch.Tensor | None = None,  # [m, V] bool: the grammar's allowed ids per row (DESIGN §3.9)
 ) -> torch.Tensor:  # [m, V] float64, rows sum to 1
-    """p̂_n from the top-k ids and probabilities of worker n."""
+    """p̂_n from the top-k ids and probabilities of worker n. With a grammar, ``residual``
+    spreads σ_n over the allowed ids outside the top-k only (T(p_n) has no mass on the others,
+    so the bound TV(p̂_n, p_n) ≤ σ_n holds as before, and no masked id can be emitted)."""
     probs = probs.double()
     dense = torch.zeros(probs.shape[0], vocab_size, dtype=torch.float64).scatter(-1, ids.long(), probs)
     rho = probs.sum(dim=-1, keepdim=True)
@@ -28,8 +31,14 @@ def reconstruct(
     k = ids.shape[-1]
     if k == vocab_size:
         return dense / rho
-    fill = (sigma.clamp(min=0) / (vocab_size - k)).expand(-1, vocab_size)
     seen = torch.zeros_like(dense, dtype=torch.bool).scatter(-1, ids.long(), True)
+    if allowed is not None:
+        region = allowed & ~seen
+        count = region.sum(dim=-1, keepdim=True)
+        filled = torch.where(region, sigma.clamp(min=0) / count.clamp(min=1), dense)
+        out = torch.where(count > 0, filled, dense)
+        return out / out.sum(dim=-1, keepdim=True)
+    fill = (sigma.clamp(min=0) / (vocab_size - k)).expand(-1, vocab_size)
     out = torch.where(seen, dense, fill)
     return out / out.sum(dim=-1, keepdim=True)
 

@@ -290,5 +290,7 @@ def check_stage_request(req: StageRequest, vocab_size: int, hidden_size: int, fi
         raise InvalidRequest(f"probs_dtype must be fp16 or fp32, got {req.probs_dtype!r}", param="probs_dtype")
     if req.reconstruction not in RECONSTRUCTIONS:
         raise InvalidRequest(f"reconstruction must be one of {list(RECONSTRUCTIONS)}", param="reconstruction")
+    if not 0 <= req.min_p < 1:
+        raise InvalidRequest("min_p must lie in [0, 1)", param="min_p")
     if req.next is not None and not all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in req.next):
         raise InvalidRequest("next must list the stages' http(s) base URLs", param="next")

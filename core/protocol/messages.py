@@ -200,6 +200,7 @@ class StageRequest(Message):
     """
 
     ARRAYS: ClassVar[dict[str, str]] = {"tokens": "ids", "parents": "i32", "keep": "i32", "hidden": "f16"}
+    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"min_p", "transform"})
 
     session_id: str  # the gateway's id of this session
     seq: int  # ≥ 0: the message's place in the session's stream (consecutive from 0)
@@ -217,6 +218,8 @@ class StageRequest(Message):
     k: int | None = None  # entries per row; None = the full distribution
     probs_dtype: str = ProbsDtype.FP32.value
     reconstruction: str = Reconstruction.RENORMALIZE.value
+    min_p: float = 0.0  # as VerifyRequest, applied by the last stage
+    transform: dict[str, Any] | None = None  # as VerifyRequest (DESIGN §3.9): on the message that starts the session (prefix_len 0); the last stage keeps it and transforms each scored row by its ancestors
 
     def array_dtype(self, name: str, vocab_size: int) -> str:
         if name == "hidden":

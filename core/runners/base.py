@@ -138,6 +138,12 @@ class ModelRunner(ABC):
         rows = self._rows.get(session_id)
         return list(rows.tokens) if rows is not None else []
 
+    def context(self, session_id: str, row: int) -> list[int]:
+        """The tokens row ``row`` reads: its ancestors' and its own, from row 0 (a tree row's
+        prefix). KeyError for an unknown session."""
+        rows = self._rows[session_id]
+        return [rows.tokens[r] for r in rows.ancestors(row)]
+
     def length(self, session_id: str) -> int:
         rows = self._rows.get(session_id)
         return len(rows) if rows is not None else 0

@@ -131,12 +131,7 @@ class FakePipeline(PipelineTarget):
         self.segments.append(segment)
         if seq in self.short_at and stage.restarts == 0:
             raise StageShort(f"message {seq} lost")
-        req: StageRequest | Any = StageRequest(
-            session_id=stage.id, seq=seq, prefix_len=segment.prefix_len, tokens=torch.tensor(segment.tokens).numpy(),
-            parents=None if segment.parents is None else torch.tensor(segment.parents, dtype=torch.int32).numpy(),
-            keep=None if segment.keep is None else torch.tensor(segment.keep, dtype=torch.int32).numpy(),
-            score_from=segment.score_from, hidden_dtype="f32", **sampling,
-        )
+        req: StageRequest | Any = self.stage_request(stage, seq, segment, sampling, hidden_dtype="f32")
         for state in self.states:
             answer = state.verify_batch([req], [{}])[0]
             if isinstance(answer, SessionShort):
@@ -236,7 +231,8 @@ Mutation = Callable[[VerifyResponse], bytes]  # a correct answer → the bytes a
 
 class FakeWorkerTransport:
     """Answers protocol v1 for several fake workers, told apart by host; ``behaviour[host]``
-    breaks one: "down", "500", "garbage", "short-once", "other-tokenizer", "sleep:S" (answers
+    breaks one: "down", "500", "garbage", "short-once", "other-tokenizer", "other-eos" (its
+    /v1/info names EOS 7, not 2), "sleep:S" (answers
     after S seconds), "die-after:N" (down after N verify calls), "full" (503 worker_full to every
     verify call; "full:N" to the next N), or a Mutation of its answers."""
 
@@ -274,7 +270,8 @@ class FakeWorkerTransport:
         if request.url.path == "/health":
             return httpx.Response(200, json={"status": "ok"})
         if request.url.path == "/v1/info":
-            info = InfoResponse(1, ["aggregate", "autoregressive"], host, V, "other" if mode == "other-tokenizer" else self.fingerprint, [2], 2048, "fake")
+            eos_ids = [7] if mode == "other-eos" else [2]
+            info = InfoResponse(1, ["aggregate", "autoregressive"], host, V, "other" if mode == "other-tokenizer" else self.fingerprint, eos_ids, 2048, "fake")
             return httpx.Response(200, content=encode_json(info), headers={"content-type": "application/json"})
         if request.method == "DELETE":
             self.deleted.append(request.url.path)
@@ -363,4 +360,7 @@ def with_table_grammar(engine: Engine) -> Engine:
     for worker in engine.pool.workers:
         if isinstance(worker, FakeWorker):
             worker.state._grammars = TableGrammars()  # type: ignore[assignment]
+        if isinstance(worker, FakePipeline):
+            for state in worker.states:
+                state._grammars = TableGrammars()  # type: ignore[assignment]
     return engine

@@ -142,3 +142,38 @@ async def test_an_abandoned_draft_ends_at_its_next_step_and_free_waits_for_it() 
     runner.free_all()
     assert _trees_equal(second, await draft.propose("c", [1, 2, 9], 3, t1, 3, 0))
     assert len(first) == 3
+
+
+async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
+    """DESIGN §3.9: a run of forced tokens takes no draft step of its own and does not count in
+    γ; its q̂ rows are point masses; ``limit`` caps the chain (the room left)."""
+    from core.transform import Transformer, TransformSpec
+    from core.grammar import GrammarKind, GrammarSpec
+    from tests.app.fakes import TableGrammars
+
+    table = torch.full((4, 4), -5.0, dtype=torch.float64)
+    table[2, 1] = table[0, 1] = table[1, 0] = 5.0  # greedy: 1 after 2 and after 0; after 1 the grammar forces 0
+    runner = MarkovRunner(table, eos_ids=[3])
+    draft = DraftModel(runner, ModelThread())
+    sequence = [0, 2]  # a prompt of one token, then the forced first token
+    spec = TransformSpec(grammar=GrammarSpec(GrammarKind.REGEX, "the table grammar"), prompt_len=1)
+    greedy = SamplingParams(temperature=0.0)
+
+    def transformer() -> Transformer:
+        return Transformer.build(spec, 4, TableGrammars())  # type: ignore[arg-type]
+
+    appended: list[list[int]] = []
+    real = runner.append_item
+
+    def recording(session_id: str, tokens: list[int], num_logits: int) -> ForwardItem:
+        appended.append(list(tokens))
+        return real(session_id, tokens, num_logits)
+
+    runner.append_item = recording  # type: ignore[method-assign]
+    chain = await draft.propose("g", sequence, 2, greedy, 1, 0, transformer=transformer(), limit=10)
+    assert chain.ids() == [1, 0, 1, 0]
+    q = chain.q_values().tolist()
+    assert q[1] == q[3] == 1.0
+    assert appended == [sequence, [1, 0]]  # two draft steps: the prompt's, then the sampled 1 with the forced 0
+    assert (await draft.propose("g", sequence, 2, greedy, 1, 0, transformer=transformer(), limit=3)).ids() == [1, 0, 1]
+    assert (await draft.propose("g", sequence, 2, greedy, 1, 0)).ids() == [1, 0]  # no grammar: γ tokens, each a step

@@ -98,7 +98,7 @@ PROFILED = ("T=0", "T=1 top-k 2")  # the samplings ``profile`` (timing on) is cr
 TOP_K = 2  # k of the top-k payload: two of the four ids left out
 DRAFT_TOP_K = 2  # exact's truncation: two ids off every draft support (the complement sample is a real draw)
 
-# Transforms (DESIGN §3.9), each crossed with every mode (pipeline: not served yet), payload,
+# Transforms (DESIGN §3.9), each crossed with every mode, payload,
 # worker set and sampling; the grammar is ``TableMatcher`` (it forces the first token, and 0 after 1).
 _GRAMMAR = GrammarSpec(GrammarKind.REGEX, "the table grammar")
 TRANSFORMS = {
@@ -128,11 +128,13 @@ class Cell:
     spec: SpecOptions = field(compare=False, default=None)  # type: ignore[assignment]
     min_tokens: int = 0
     transform: str = ""  # a key of TRANSFORMS
+    rounds: int = 1  # the decided rounds whose tokens are checked
 
     @property
     def name(self) -> str:
         parts = [self.mode.value, self.payload.value, self.rule, self.shape, self.workers, self.sampling]
-        return " · ".join([*parts, *(["overlap"] if self.overlap else []), *([self.option] if self.option else []), *([self.transform] if self.transform else [])])
+        more = [*(["overlap"] if self.overlap else []), *([self.option] if self.option else []), *([self.transform] if self.transform else []), *([f"{self.rounds} rounds"] if self.rounds > 1 else [])]
+        return " · ".join([*parts, *more])
 
     @property
     def params(self) -> SamplingParams:
@@ -238,15 +240,36 @@ def cells() -> list[Cell]:
     return out
 
 
+TWO_ROUND_TREES = ("⟨1⟩", "⟨2⟩", "nodes 1", "top-1 chain of 2", "nodes 2 depth 2 top-2 (prunes to a chain)")
+
+
+def _two_rounds_affordable(payload: Payload, workers: str, shape: str, options: dict[str, Any]) -> bool:
+    """The second round checks the session's stored transform, past the call that carried it.
+    Enumerating two rounds multiplies the runs: a chain of γ = 1 and the trees of one or two
+    nodes stay under ~1,300 runs with one worker; γ = 2 takes 3,700, ⟨2,1⟩ 12,000–49,000 and
+    ⟨1,1⟩ on exact's payload 2,500, and exact's payload with two workers 2,500–81,000."""
+    if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
+        return False
+    if "gamma" in options:
+        return options["gamma"] == 1
+    return "tree" not in options or shape in TWO_ROUND_TREES
+
+
 def _transform_cells(mode: Mode, payload: Payload, workers: str, sampling: str, shapes: list[tuple[str, str, dict[str, Any]]], rule_of: Any) -> list[Cell]:
-    """All the transforms together on every shape; each one alone on the mode's last shape."""
-    if mode is Mode.PIPELINE:
-        return []
-    picked = [(shape, "all") for shape in shapes] + [(shapes[-1], name) for name in TRANSFORMS if name != "all"]
+    """All the transforms together on every shape; each one alone on the mode's last shape (a
+    pipeline's first: without the grammar's forced tokens its expanding tree is 1,100 to over
+    3,000 runs a transform)."""
+    alone = shapes[0] if mode is Mode.PIPELINE else shapes[-1]
+    picked = [(shape, "all") for shape in shapes] + [(alone, name) for name in TRANSFORMS if name != "all"]
     out = []
     for (rule, shape, options), name in picked:
         spec = _spec(mode, payload, **_two_workers(payload, workers, options))
-        out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, spec=spec, transform=name))
+        rounds = 2 if name == "all" and _two_rounds_affordable(payload, workers, shape, options) else 1
+        out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, spec=spec, transform=name, rounds=rounds))
+    if payload is Payload.TOP_K and "reconstruction" in MODES[mode].fields:  # σ spread over the grammar's allowed ids only
+        rule, shape, options = shapes[0]
+        spec = _spec(mode, payload, **options, reconstruction=Reconstruction.RESIDUAL)
+        out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option="residual reconstruction", spec=spec, transform="grammar", rounds=2))
     return out
 
 
@@ -259,7 +282,7 @@ CELLS = cells()
 def _engine(cell: Cell) -> Engine:
     weights = WORKER_SETS[cell.workers]
     if cell.mode is Mode.PIPELINE:
-        return pipeline_engine(DRAFT, split_pipeline(TARGETS[0].table, [1], 2, eos_ids=[EOS]), eos_ids=[EOS])
+        return with_table_grammar(pipeline_engine(DRAFT, split_pipeline(TARGETS[0].table, [1], 2, eos_ids=[EOS]), eos_ids=[EOS]))
     return with_table_grammar(make_engine(DRAFT, list(zip(TARGETS, weights)), eos_ids=[EOS]))
 
 
@@ -304,7 +327,7 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
     engine = _engine(cell)
     loop = asyncio.new_event_loop()
     count = itertools.count()
-    recording = _Recording(STRATEGIES[cell.mode])
+    recording = _Recording(STRATEGIES[cell.mode], stop_at=2 if second_draft else cell.rounds + 1)
 
     async def once() -> Outcome:
         req = GenerationRequest(
@@ -320,7 +343,7 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
                         bound = (result.relaxed_tv or [0.0])[0] + (result.bound or [0.0])[0]
                     tokens += result.tokens
                     seen += result.rounds_ended if cell.mode is Mode.PIPELINE else int(bool(result.tokens) and not result.forced)  # forced tokens take no round
-                    if (seen >= 1 and not second_draft) or result.finish_reason:
+                    if (seen >= cell.rounds and not second_draft) or result.finish_reason:
                         break
         except _SecondDraft as second:
             drafted = second.signature
@@ -455,6 +478,8 @@ def test_cell(cell: Cell, laws: dict[str, tuple[dict[Outcome, float], int, float
         return
     assert abs(sum(law.values()) - 1) < TOLERANCE
     tokens = tokens_law(law)
+    if cell.transform and TRANSFORMS[cell.transform].grammar is not None:  # lossy or not, nothing the grammar masks
+        assert all(TableMatcher.allowed_after(t[:i])[t[i]] for t in tokens for i in range(len(t))), "a token the grammar masks"
     if cell.claim is Guarantee.LOSSLESS:
         assert prefix_distance(cell, tokens) <= TOLERANCE
         return
@@ -603,7 +628,7 @@ def test_negative_control_a_pipeline_walk_that_keeps_the_rejected_mass_is_caught
         return real(p, q, candidates, rule, accept_u)[0], p.double()
 
     monkeypatch.setattr(pipeline_strategy, "try_children", kept_mass)
-    picked = [c for c in CELLS if c.mode is Mode.PIPELINE and c.sampling == "T=1" and not c.option and "expanding" not in c.shape]  # the expanding tree: 40 s more
+    picked = [c for c in CELLS if c.mode is Mode.PIPELINE and c.sampling == "T=1" and not c.option and not c.transform and "expanding" not in c.shape]  # the expanding tree: 40 s more
     assert _caught(picked) == {c.name for c in picked}
 
 
@@ -613,22 +638,53 @@ def test_negative_control_a_transform_from_the_parents_row_is_caught(monkeypatch
     lossless cell. (Autoregressive scores one row; the top-k cells' check is the first row's bound.)"""
     from workers.server import WorkerState
 
-    real = WorkerState._shaping
+    def parents_row(real: Any) -> Any:
+        def shaping(self: WorkerState, req: Any, *more: Any) -> Any:
+            got = real(self, req, *more)
+            return None if got is None else (got[0], got[1], [[] for _ in got[2]])
 
-    def parents_row(self: WorkerState, req: Any) -> Any:
-        shaping = real(self, req)
-        return None if shaping is None else (shaping[0], shaping[1], [[] for _ in shaping[2]])
+        return shaping
 
-    monkeypatch.setattr(WorkerState, "_shaping", parents_row)
+    monkeypatch.setattr(WorkerState, "_shaping", parents_row(WorkerState._shaping))
+    monkeypatch.setattr(WorkerState, "_stage_shaping", parents_row(WorkerState._stage_shaping))
     picked = [c for c in CELLS if c.transform in ("all", "presence + frequency", "grammar") and c.workers == "1 worker" and c.sampling == "T=1"]
     expected = {c.name for c in picked if c.claim is Guarantee.LOSSLESS and MODES[c.mode].drafts}
-    assert expected and _caught(picked) == expected
+    caught = _caught(picked)
+    assert expected and expected <= caught  # and lossy cells whose answers hold a token the grammar masks
+    assert caught <= {c.name for c in picked if MODES[c.mode].drafts}
+
+
+def test_negative_control_a_transform_dropped_after_the_first_call_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transform travels once, on the call that starts the session (prefix_len 0): a worker
+    that forgets it on the calls after scores the second round untransformed. The cells that
+    check two rounds catch it in every drafting mode, on every payload."""
+    from workers.server import WorkerState
+
+    def forgetful(real: Any) -> Any:
+        def shaping(self: WorkerState, req: Any, *more: Any) -> Any:
+            return real(self, req, *more) if req.prefix_len == 0 else None
+
+        return shaping
+
+    monkeypatch.setattr(WorkerState, "_shaping", forgetful(WorkerState._shaping))
+    monkeypatch.setattr(WorkerState, "_stage_shaping", forgetful(WorkerState._stage_shaping))
+    picked = [c for c in CELLS if c.rounds > 1 and c.workers == "1 worker" and c.sampling == "T=1"]  # at T = 0 the table's argmax outlives the transform
+    caught = _caught(picked)
+    assert {c.name for c in picked if c.claim is Guarantee.LOSSLESS} <= caught
+    assert {(c.mode, c.payload) for c in picked if c.name in caught} == {(c.mode, c.payload) for c in CELLS if c.transform}
+
+
+def test_negative_control_a_residual_fill_over_masked_ids_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Top-k's residual reconstruction spreading σ over the whole vocabulary, the grammar ignored:
+    a masked id can be drawn at a rejection. Caught at T = 1 (the top-k 2 and top-p samplings
+    leave σ = 0)."""
+    monkeypatch.setattr(round_module.Round, "allowed", lambda self: None)
+    picked = [c for c in CELLS if c.option == "residual reconstruction" and c.transform and c.sampling == "T=1"]
+    assert picked and _caught(picked) == {c.name for c in picked}
 
 
 def test_every_transform_is_in_the_matrix() -> None:
     """Each transform alone and all together, in every mode that serves them, on every payload."""
     for mode in SERVED_MODES:
-        if mode is Mode.PIPELINE:
-            continue
         for payload in _payloads(mode):
             assert {c.transform for c in CELLS if c.mode is mode and c.payload is payload} >= set(TRANSFORMS), (mode, payload)

@@ -42,6 +42,19 @@ async def test_ready_refuses_a_worker_with_another_tokenizer(gateway: Gateway, f
         assert_error(await client.post("/v1/chat/completions", json=CHAT), 503, contains="w1")
 
 
+async def test_a_grammar_needs_the_workers_to_end_with_the_drafts_eos(gateway: Gateway, fakes: FakeWorkerTransport, tiny_runner: Any) -> None:
+    """A worker whose grammar may end with an EOS id the gateway does not know (the gateway
+    would take it for text its own grammar does not allow): a grammar gets a 400 naming the
+    worker; the rest is served."""
+    assert 7 not in tiny_runner.info.eos_ids
+    fakes.behaviour["w1"] = "other-eos"
+    async with gateway() as client:
+        assert (await client.get("/health/ready")).status_code == 200
+        body = {**CHAT, "response_format": {"type": "json_object"}}
+        assert_error(await client.post("/v1/chat/completions", json=body), 400, "response_format", contains="w1")
+        assert (await client.post("/v1/chat/completions", json={**CHAT, "logit_bias": {"5": 1}})).status_code == 200
+
+
 async def test_completion_with_usage(client: httpx.AsyncClient, fakes: FakeWorkerTransport) -> None:
     body = (await client.post("/v1/completions", json={**COMPLETION, "temperature": 0})).json()
     choice = body["choices"][0]

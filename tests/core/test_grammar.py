@@ -41,6 +41,19 @@ def test_a_schema_walks_to_its_end_and_then_allows_only_eos(grammars: Grammars, 
     assert matcher.consume(EOS) and matcher.is_finished
 
 
+def test_only_a_single_allowed_token_is_forced(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """At a complete answer the grammar allows only EOS: one EOS id is forced; with two (the
+    built-in model's 0 and 2) none is — each target weighs them its own way, and the token id
+    and its log-probability show which (a round decides)."""
+    from core.transform import Transformer, TransformSpec
+
+    done = tokenizer.encode('{"a":1,"b":""}')
+    for eos_ids, forced in (([EOS], EOS), ([0, EOS], None)):
+        grammars = Grammars(tokenizer, V, eos_ids, GrammarLimits(max_source_bytes=4096))
+        transformer = Transformer.build(TransformSpec(grammar=GrammarSpec.json_schema(SCHEMA)), V, grammars)
+        assert transformer.forced(done, set(eos_ids)) == forced
+
+
 def test_properties_keep_their_order_and_json_is_compact(grammars: Grammars, tokenizer) -> None:  # type: ignore[no-untyped-def]
     matcher = grammars.compile(GrammarSpec.json_schema(SCHEMA)).matcher()
     matcher.sync(tokenizer.encode('{"'))

@@ -7,6 +7,7 @@ stream with an error event and ``[DONE]``, and the other stages free the session
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -94,6 +96,41 @@ def test_sampled_pipeline_is_reproducible_by_seed(gateway: str) -> None:
         for _ in range(2)
     ]
     assert texts[0] == texts[1] and texts[0]
+
+
+COLOURS = {
+    "type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["colour", "count"], "additionalProperties": False,
+}
+CONSTRAINED = {  # DESIGN §3.9: the last stage transforms each scored row by its ancestors
+    "response_format": {"type": "json_schema", "json_schema": {"name": "colours", "schema": COLOURS, "strict": True}},
+    "frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {"45": 2.0},
+}
+
+
+def _constrained(base: str, mode: str, **params: Any) -> openai.types.Completion:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    return client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=40, extra_body={"speculative": {"mode": mode}, **CONSTRAINED}, **params,
+    )
+
+
+def test_a_schema_with_penalties_and_bias_through_the_pipeline_equals_autoregressive(gateway: str, whole_worker: str) -> None:
+    """Greedy: the pipeline's answer is the whole model's, constrained alike; sampled and seeded,
+    it follows the schema."""
+    answer = _constrained(gateway, "pipeline", temperature=0)
+    config = _config([{"url": whole_worker}], mode="autoregressive")
+    with served(create_app(config)) as single:
+        reference = _constrained(single, "autoregressive", temperature=0).choices[0].text
+    assert answer.choices[0].text == reference and answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reference), COLOURS)
+    assert _constrained(gateway, "autoregressive", temperature=0).choices[0].text == reference  # the stages as a target of another mode
+    speculative = answer.usage.model_extra["speculative"]  # type: ignore[union-attr, index]
+    assert speculative["lossless"] is True
+    for seed in range(3):
+        sampled = _constrained(gateway, "pipeline", temperature=1.0, seed=seed).choices[0]
+        assert sampled.finish_reason == "stop", sampled
+        jsonschema.validate(json.loads(sampled.text), COLOURS)
 
 
 def _start_up_error(stages: list[Any]) -> str:

@@ -17,6 +17,7 @@ from core.protocol import BINARY_CONTENT_TYPE, StageRequest, StageResponse, deco
 from core.runners import load_runner, resolve_model
 from core.runners.base import ForwardItem
 from core.runners.transformers_runner import TransformersRunner
+from core.transform import Transformer, TransformSpec
 from tests.app.helpers import assert_error, served
 from workers.server import create_app
 from workers.settings import WorkerSettings
@@ -94,6 +95,41 @@ def test_three_stages_answer_the_whole_models_distributions_at_every_node(whole:
     for url in stages:
         for session in ("a", "h"):
             assert httpx.delete(f"{url}/v1/sessions/{session}").status_code == 204
+
+
+def test_the_last_stage_transforms_each_row_by_its_ancestors(whole: TransformersRunner, stages: list[str]) -> None:
+    """DESIGN §3.9 at the last stage: the transform rides on the message that starts the session
+    and is kept; each scored row is transformed by its own prefix (its ancestors' tokens), on
+    the later messages too. A bad transform or min_p is a 400 naming it; the stages serve on."""
+    spec = TransformSpec(logit_bias=((12, 12.0), (260, -2.0)), presence_penalty=0.8, frequency_penalty=1.1, prompt_len=len(PROMPT))
+    transformer = Transformer.build(spec, V, None)
+    tokens, parents = PROMPT + TREE, list(range(-1, len(PROMPT) - 1)) + TREE_PARENTS
+    req = StageRequest(
+        "t", 0, 0, np.array(tokens), parents=np.array(parents, np.int32), hidden_dtype="f32", score_from=len(PROMPT) - 1, next=stages[1:],
+        transform=spec.to_wire(),
+    )
+    resp = _answer(_post(stages[0], req))
+    logits = whole.forward([ForwardItem("ref-t", 0, tokens, parents, list(range(len(PROMPT) - 1, len(tokens))))])[0]
+    paths = [[], [12], [907], [12, 260], [12, 31], [907, 4000]]
+    expected = torch.softmax(transformer.rows(logits, PROMPT, paths).double(), dim=-1)
+    assert resp.probs is not None and float(np.abs(resp.probs - expected.numpy()).max()) <= 1e-4
+    assert float(np.abs(resp.probs - torch.softmax(logits.double(), -1).numpy()).max()) > 0.01  # it did change them
+
+    kept = list(range(len(PROMPT))) + [10, 12, 13]  # node 12 (…, 12, 260) and 13 (…, 12, 31) get a child each
+    seg = StageRequest("t", 1, len(kept), np.array([9, 640]), parents=np.array([11, 12], np.int32), keep=np.array(kept, np.int32), hidden_dtype="f32", next=stages[1:])
+    resp = _answer(_post(stages[0], seg))
+    fresh_tokens, fresh_parents = PROMPT + [12, 260, 31, 9, 640], list(range(-1, len(PROMPT) - 1)) + [9, 10, 10, 11, 12]
+    logits = whole.forward([ForwardItem("ref-t2", 0, fresh_tokens, fresh_parents, [13, 14])])[0]
+    expected = torch.softmax(transformer.rows(logits, [*PROMPT, 12], [[260, 9], [31, 640]]).double(), dim=-1)
+    assert resp.probs is not None and float(np.abs(resp.probs - expected.numpy()).max()) <= 1e-4
+
+    bad = StageRequest("t-bad", 0, 0, np.array(PROMPT), next=stages[1:], transform={"logit_bias": [[V + 5, 1.0]]})
+    assert_error(_post(stages[0], bad), 400, param="transform")
+    assert_error(_post(stages[0], StageRequest("t-bad2", 0, 0, np.array(PROMPT), next=stages[1:], min_p=1.5)), 400, param="min_p")
+    assert _answer(_post(stages[0], StageRequest("t-ok", 0, 0, np.array(PROMPT), next=stages[1:]))).held == len(PROMPT)
+    for url in stages:
+        for session in ("t", "t-bad", "t-bad2", "t-ok"):
+            httpx.delete(f"{url}/v1/sessions/{session}")
 
 
 def test_a_sessions_messages_are_taken_in_seq_order(stages: list[str]) -> None:

@@ -18,7 +18,7 @@ from core.math.aggregation import bias_bound
 from core.math.relaxed import relaxation_factors, relaxed_distance, verify_relaxed
 from core.math.sampling import normalised
 from core.math.tree import verify_tree, verify_tree_greedy
-from core.names import Mode
+from core.names import Mode, Reconstruction
 
 
 class AggregateStrategy(Strategy):
@@ -30,7 +30,8 @@ class AggregateStrategy(Strategy):
     async def verify(self, rnd: Round) -> RoundResult:
         req, spec = rnd.req, rnd.req.spec
         responses = await rnd.call(mode=Mode.AGGREGATE.value, k=spec.k, reconstruction=spec.reconstruction.value)
-        target = mixture(responses, rnd.vocab_size, rnd.weights, spec.reconstruction, normalise=not req.params.is_greedy)
+        allowed = rnd.allowed() if spec.k is not None and spec.reconstruction is Reconstruction.RESIDUAL else None
+        target = mixture(responses, rnd.vocab_size, rnd.weights, spec.reconstruction, normalise=not req.params.is_greedy, allowed=allowed)
         tree = rnd.draft
         relaxed = spec.relaxed and not req.params.is_greedy and len(tree) > 0 and tree.is_sampled_chain
         if relaxed:  # DSD's relaxed test is for sampled chains: it needs the dense q̂ rows

@@ -51,6 +51,7 @@ from core.math.sampling import normalised
 from core.math.speculative import argmax_lowest
 from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape, try_children
 from core.protocol import StageResponse
+from core.transform import Transformer
 
 Key = tuple[Any, ...]  # a row: ("s", position) an agreed token; ("n", round, node) a node of that round's tree
 _EXPAND_DEPTH = 4  # levels one expansion adds below a leaf
@@ -89,9 +90,10 @@ class PipelineRun:
 
     def __init__(
         self, draft: DraftModel, target: PipelineTarget, req: GenerationRequest, session_id: str, schedule: SegmentSchedule,
-        vocab_size: int, max_context: int, eos_ids: set[int],
+        vocab_size: int, max_context: int, eos_ids: set[int], transformers: tuple[Transformer | None, Transformer | None] = (None, None),
     ) -> None:
         self.draft, self.target, self.req, self.session_id = draft, target, req, session_id
+        self.drafting, self.forcing = transformers  # the request's transform (DESIGN §3.9): the draft's; the walk's forced tokens (its own matcher)
         self.schedule, self.vocab_size, self.max_context, self.eos_ids = schedule, vocab_size, max_context, eos_ids
         self.in_flight = schedule.in_flight or target.stages
         self.sequence = list(req.prompt)
@@ -111,6 +113,7 @@ class PipelineRun:
         greedy_k = max(1, req.top_logprobs or 0) if req.params.is_greedy else None
         self.sampling = {
             "temperature": req.params.temperature, "top_k": req.params.top_k, "top_p": req.params.top_p, "k": greedy_k,
+            "min_p": req.params.min_p, "transform": req.transform.to_wire() if req.transform is not None else None,
         }
 
     # ----------------------------------------------------------------- the loop
@@ -233,7 +236,7 @@ class PipelineRun:
 
     async def _propose(self, context: list[int], shape: TreeShape, timing: dict[str, float]) -> TokenTree:
         req = self.req
-        return await self.draft.propose_tree(self.session_id, context, shape, req.params, req.seed, req.choice, req.spec.truncation, timing)
+        return await self.draft.propose_tree(self.session_id, context, shape, req.params, req.seed, req.choice, req.spec.truncation, timing, self.drafting)
 
     def _attach(self, tree: TokenTree, under: int) -> None:
         """The draft's tree as the children of ``under`` (−1: the root), scores accumulated."""
@@ -352,7 +355,12 @@ class PipelineRun:
         """Decide every position the distributions received allow; True when the round ended."""
         req = self.req
         while self._room() > 0:
-            p = self.dist.get(self._key(self.at))
+            forced = self.forcing.forced(self.sequence, self.eos_ids) if self.forcing is not None and self.forcing.matcher is not None else None
+            if forced is not None:  # the grammar allows one token: T(p) is a point mass there, no need to wait for its row
+                p = torch.zeros(self.vocab_size, dtype=torch.float64)
+                p[forced] = 1.0
+            else:
+                p = self.dist.get(self._key(self.at))
             if p is None:
                 return False
             children = self.nodes[self.at].children if self.at >= 0 else self.root_children
@@ -370,7 +378,9 @@ class PipelineRun:
                     token = sample_index(left, uniform(req.seed, req.choice, position, purpose))
             self.sequence.append(token if rank is None else tokens[rank])
             result.tokens.append(self.sequence[-1])
-            if result.logprobs is not None:
+            if result.logprobs is not None and forced is not None:
+                result.logprobs.append(TokenLogprob(forced, 0.0, [(forced, 0.0)] if req.top_logprobs else []))
+            elif result.logprobs is not None:
                 result.logprobs.extend(self._logprobs(p, self.sequence[-1]))
             if rank is None:
                 return True

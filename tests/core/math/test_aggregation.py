@@ -28,6 +28,19 @@ def test_residual_is_eq_6() -> None:
     assert torch.allclose(p_hat, torch.tensor([[0.5, 0.3, 0.1, 0.1]], dtype=torch.float64), atol=1e-7)
 
 
+def test_residual_under_a_grammar_fills_the_allowed_ids_only() -> None:
+    """T(p) is zero on the ids a grammar masks: σ goes to the allowed ids outside the top-k, the
+    bound TV(p̂, p) ≤ σ still holds, and a row whose allowed ids are all in the top-k renormalises."""
+    p = torch.tensor([[0.5, 0.3, 0.0, 0.15, 0.05, 0.0], [0.6, 0.4, 0.0, 0.0, 0.0, 0.0]])
+    allowed = torch.tensor([[True, True, False, True, True, False], [True, True, False, False, False, False]])
+    top = compress_top_k(p, 2)
+    p_hat = reconstruct(top.ids, top.probs, 6, Reconstruction.RESIDUAL, top.tail_mass, allowed)
+    expected = torch.tensor([[0.5, 0.3, 0.0, 0.1, 0.1, 0.0], [0.6, 0.4, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    assert torch.allclose(p_hat, expected, atol=1e-7)
+    assert (tv_distance(p_hat, p.double()) <= top.tail_mass.double() + 1e-7).all()
+    assert reconstruct(top.ids, top.probs, 6, Reconstruction.RESIDUAL, top.tail_mass)[0, 2] > 0  # without it: masked ids filled
+
+
 def test_full_k_reconstructs_exactly() -> None:
     p = _dists(3, 50, 0)
     top = compress_top_k(p.float(), 50)
