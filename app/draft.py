@@ -130,12 +130,56 @@ class DraftModel:
     async def propose_tree(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), timing: dict[str, float] | None = None, transformer: Transformer | None = None,
+        depth_limit: int | None = None, extra: int = 0,
     ) -> TokenTree:
         """Draft a tree of ``shape`` after ``sequence`` (DESIGN §3.6): one batched draft decode
         per depth over the nodes that get children. The draws are keyed by position and lane
-        (a draw's rank at its depth), so lane 0 of a one-wide tree draws the chain's numbers."""
+        (a draw's rank at its depth), so lane 0 of a one-wide tree draws the chain's numbers.
+        With a grammar and ``extra`` > 0, the runs of tokens it forces after the leaves (best
+        first) hang below them, free: up to ``extra`` nodes more, no deeper than ``depth_limit``."""
         await self._idle(session_id)
-        return await self._run(session_id, self._tree_of(session_id, sequence, shape, params, seed, choice, truncation, transformer), timing)
+        tree = await self._run(session_id, self._tree_of(session_id, sequence, shape, params, seed, choice, truncation, transformer), timing)
+        if extra > 0 and transformer is not None and transformer.matcher is not None:
+            tree = self._with_forced_runs(tree, transformer, sequence, depth_limit if depth_limit is not None else tree.max_depth(), extra)
+        return tree
+
+    def _with_forced_runs(self, tree: TokenTree, transformer: Transformer, sequence: list[int], depth_limit: int, extra: int) -> TokenTree:
+        """``tree`` with the tokens the grammar forces after each leaf hung below it: each such
+        child is drawn from a point mass (its parent's q̂ row is δ), as every target's T(p) is there."""
+        eos = set(self.runner.info.eos_ids)
+        tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+        n = len(tokens)
+        logq = [math.log(q) if q > 0 else -1e9 for q in tree.q_values().tolist()]
+        score, depth = [0.0] * n, [0] * n
+        for v in range(n):
+            above = parents[v]
+            score[v] = (score[above] if above >= 0 else 0.0) + logq[v]
+            depth[v] = (depth[above] if above >= 0 else 0) + 1
+        inner = set(parents)
+        leaves = sorted((v for v in range(n) if v not in inner and tokens[v] not in eos), key=lambda v: (-score[v], v))
+        added: list[tuple[int, int]] = []  # (parent, token)
+        for leaf in leaves:
+            room = min(extra - len(added), depth_limit - depth[leaf])
+            if room <= 0:
+                continue
+            path = [tokens[v] for v in tree.path_to(leaf)]
+            parent = leaf
+            for token in self._forced_run(transformer, sequence, path, len(path) + room, eos):
+                added.append((parent, token))
+                parent = n + len(added) - 1
+        if not added:
+            return tree
+        width = tree.q_ids.shape[1]
+        ids = torch.cat([tree.q_ids, torch.full((len(added), width), -1, dtype=tree.q_ids.dtype)])
+        probs = torch.cat([tree.q_probs, torch.zeros(len(added), width, dtype=tree.q_probs.dtype)])
+        for parent, token in added:  # the parent's row: δ at its forced child (a leaf had none)
+            ids[parent + 1] = -1
+            probs[parent + 1] = 0
+            ids[parent + 1, 0], probs[parent + 1, 0] = token, 1.0
+        return TokenTree(
+            torch.tensor([*tokens, *(t for _, t in added)], dtype=torch.long), torch.tensor([*parents, *(p for p, _ in added)], dtype=torch.long),
+            ids, probs, tree.rule,
+        )
 
     async def free(self, session_id: str) -> None:
         """Forget the session, after its draft in progress (if any) has ended."""

@@ -249,7 +249,11 @@ class Engine:
         if room <= 1:
             return TokenTree.chain([], [])
         shape = req.spec.tree or TreeShape.default(req.params.is_greedy)
-        return await self.draft.propose_tree(session_id, sequence, shape.cut(room - 1), req.params, req.seed, req.choice, req.spec.truncation, timing, transformer)
+        cut = shape.cut(room - 1)
+        extra = max(0, min(FORCED_EXTRA, MAX_DRAFT - cut.size))  # the grammar's forced runs below the leaves, free
+        return await self.draft.propose_tree(
+            session_id, sequence, cut, req.params, req.seed, req.choice, req.spec.truncation, timing, transformer, depth_limit=room - 1, extra=extra,
+        )
 
     def _transformer(self, req: GenerationRequest) -> Transformer | None:
         """The gateway's side of the request's transform: the draft's, and the forced tokens'."""

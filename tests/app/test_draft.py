@@ -177,3 +177,11 @@ async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
     assert appended == [sequence, [1, 0]]  # two draft steps: the prompt's, then the sampled 1 with the forced 0
     assert (await draft.propose("g", sequence, 2, greedy, 1, 0, transformer=transformer(), limit=3)).ids() == [1, 0, 1]
     assert (await draft.propose("g", sequence, 2, greedy, 1, 0)).ids() == [1, 0]  # no grammar: γ tokens, each a step
+
+    # a tree: the run hangs below its leaf, drawn from δ (the leaf's q̂ row), within depth_limit and extra
+    shape = TreeShape(ChildRule.FIXED, nodes=1, depth=1, top_k=1)
+    tree = await draft.propose_tree("t", sequence, shape, greedy, 1, 0, transformer=transformer(), depth_limit=4, extra=8)
+    assert tree.ids() == [1, 0] and tree.parents.tolist() == [-1, 0] and tree.q_values().tolist()[1] == 1.0
+    assert tree.rule is ChildRule.FIXED and tree.support(0)[0].tolist() == [0]
+    for limit, extra in ((1, 8), (4, 0)):
+        assert (await draft.propose_tree("t", sequence, shape, greedy, 1, 0, transformer=transformer(), depth_limit=limit, extra=extra)).ids() == [1]

@@ -240,15 +240,17 @@ def cells() -> list[Cell]:
     return out
 
 
-TWO_ROUND_TREES = ("⟨1⟩", "⟨2⟩", "nodes 1", "top-1 chain of 2", "nodes 2 depth 2 top-2 (prunes to a chain)")
+TWO_ROUND_TREES = ("⟨1⟩", "nodes 1", "top-1 chain of 2", "nodes 2 depth 2 top-2 (prunes to a chain)")
 
 
 def _two_rounds_affordable(payload: Payload, workers: str, shape: str, options: dict[str, Any]) -> bool:
     """The second round checks the session's stored transform, past the call that carried it.
-    Enumerating two rounds multiplies the runs: a chain of γ = 1 and the trees of one or two
-    nodes stay under ~1,300 runs with one worker; γ = 2 takes 3,700, ⟨2,1⟩ 12,000–49,000 and
-    ⟨1,1⟩ on exact's payload 2,500, and exact's payload with two workers 2,500–81,000."""
-    if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
+    Enumerating two rounds multiplies the runs (the grammar's forced runs hang below a tree's
+    leaves too): a chain of γ = 1 and the trees of one node or one chain of two stay under
+    ~1,200 runs with one worker; γ = 2 takes 3,700, ⟨2⟩ 500–3,200, ⟨2,1⟩ 12,000–49,000 and
+    ⟨1,1⟩ on exact's payload 2,500, and exact's payload with two workers 2,500–81,000 (one
+    worker: its chains of two, 850–1,000)."""
+    if payload is Payload.SPARSE and (len(WORKER_SETS[workers]) > 1 or shape not in ("⟨1⟩", "nodes 1") and "tree" in options):
         return False
     if "gamma" in options:
         return options["gamma"] == 1
