@@ -164,7 +164,7 @@ class DraftModel:
                 continue
             path = [tokens[v] for v in tree.path_to(leaf)]
             parent = leaf
-            for token in self._forced_run(transformer, sequence, path, len(path) + room, eos):
+            for token in transformer.forced_run([*sequence, *path], room, eos):
                 added.append((parent, token))
                 parent = n + len(added) - 1
         if not added:
@@ -315,7 +315,7 @@ class DraftModel:
                 rows.append(q)
             tokens.append(token)
             sampled += 1
-            forced = self._forced_run(transformer, sequence, tokens, limit, eos) if grammar and token not in eos else []
+            forced = transformer.forced_run([*sequence, *tokens], limit - len(tokens), eos) if transformer is not None and grammar and token not in eos else []
             for token in forced:  # T(q) is a point mass there, as every worker's T(p)
                 tokens.append(token)
                 if truncating:
@@ -326,21 +326,6 @@ class DraftModel:
                 break
             logits = (yield runner.append_item(session_id, tokens[-1 - len(forced) :], 1))[0]  # the sampled token and the run after it, one decode
         return TokenTree.chain(tokens, supports if truncating else rows)
-
-    @staticmethod
-    def _forced_run(transformer: Transformer | None, sequence: list[int], tokens: list[int], limit: int, eos: set[int]) -> list[int]:
-        """The tokens the grammar forces after ``sequence`` + ``tokens``, one after another (an
-        EOS ends the run), within ``limit`` tokens drafted in all."""
-        assert transformer is not None
-        out: list[int] = []
-        while len(tokens) + len(out) < limit:
-            token = transformer.forced([*sequence, *tokens, *out], eos)
-            if token is None:
-                break
-            out.append(token)
-            if token in eos:
-                break
-        return out
 
     def _tree_of(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,

@@ -164,7 +164,7 @@ class Transformer:
             matcher.rollback(len(path))
         return out
 
-    def forced(self, agreed: list[int], eos_ids: set[int] | frozenset[int] = frozenset()) -> int | None:
+    def forced(self, agreed: list[int]) -> int | None:
         """The one token the grammar allows after ``agreed``, if it allows exactly one. Where it
         allows only end tokens and there are several, none is forced: each target spreads its
         mass over them its own way, which the token ids and log-probabilities show (a round
@@ -174,6 +174,19 @@ class Transformer:
         self.matcher.sync(self._generated(agreed))
         allowed = self.matcher.allowed().nonzero()[:, 0].tolist()
         return int(allowed[0]) if len(allowed) == 1 else None
+
+    def forced_run(self, agreed: list[int], most: int, eos_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """The tokens forced after ``agreed`` one after another, at most ``most`` (an EOS ends
+        the run): T_x(p_n) is a point mass at each for every model, so deciding them is exact."""
+        out: list[int] = []
+        while len(out) < most:
+            token = self.forced([*agreed, *out])
+            if token is None:
+                break
+            out.append(token)
+            if token in eos_ids:
+                break
+        return out
 
     def _generated(self, agreed: list[int]) -> list[int]:
         return list(agreed[self.spec.prompt_len :])

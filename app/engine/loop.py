@@ -262,20 +262,12 @@ class Engine:
         return Transformer.build(req.transform, self.vocab_size, self.grammars)
 
     def _forced(self, transformer: Transformer | None, sequence: list[int], room: int, req: GenerationRequest) -> RoundResult | None:
-        """The tokens the grammar forces after ``sequence`` (DESIGN §3.9), one after another while
-        it allows exactly one (EOS included), within ``room``: T_x(p_n) is a point mass for every
-        worker there, so emitting them is exact. None when the next token is not forced."""
+        """The tokens the grammar forces after ``sequence`` (DESIGN §3.9), within ``room``,
+        emitted without a round; None when the next token is not forced."""
         if transformer is None or transformer.matcher is None:
             return None
         started = time.perf_counter()
-        tokens: list[int] = []
-        while len(tokens) < room:
-            token = transformer.forced([*sequence, *tokens], self.eos_ids)
-            if token is None:
-                break
-            tokens.append(token)
-            if token in self.eos_ids:
-                break
+        tokens = transformer.forced_run(sequence, room, self.eos_ids)
         if not tokens:
             return None
         result = RoundResult(tokens, drafted=0, accepted=0, traffic=Traffic(), forced=len(tokens))

@@ -51,7 +51,8 @@ def test_only_a_single_allowed_token_is_forced(tokenizer) -> None:  # type: igno
     for eos_ids, forced in (([EOS], EOS), ([0, EOS], None)):
         grammars = Grammars(tokenizer, V, eos_ids, GrammarLimits(max_source_bytes=4096))
         transformer = Transformer.build(TransformSpec(grammar=GrammarSpec.json_schema(SCHEMA)), V, grammars)
-        assert transformer.forced(done, set(eos_ids)) == forced
+        assert transformer.forced(done) == forced
+        assert transformer.forced_run(done, 4, set(eos_ids)) == ([] if forced is None else [EOS])
 
 
 def test_properties_keep_their_order_and_json_is_compact(grammars: Grammars, tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -355,7 +355,7 @@ class PipelineRun:
         """Decide every position the distributions received allow; True when the round ended."""
         req = self.req
         while self._room() > 0:
-            forced = self.forcing.forced(self.sequence, self.eos_ids) if self.forcing is not None and self.forcing.matcher is not None else None
+            forced = self.forcing.forced(self.sequence) if self.forcing is not None and self.forcing.matcher is not None else None
             if forced is not None:  # the grammar allows one token: T(p) is a point mass there, no need to wait for its row
                 p = torch.zeros(self.vocab_size, dtype=torch.float64)
                 p[forced] = 1.0
