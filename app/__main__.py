@@ -22,10 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from app.server import create_app
+    from app.server import create_app, load_draft
     from core.config import load_config
     from core.errors import SpecgateError
-    from core.runners import load_runner
     from core.runners.model_thread import ModelThread
     from core.serving import run_server
 
@@ -38,9 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.api_key:
             config.api_key = args.api_key
         thread = ModelThread()  # the draft's every call runs on the thread that loaded it
-        draft = thread.call(load_runner, config.draft.model, config.draft.backend.value, config.draft_context, config.draft.memory_cap_mb, config.draft.threads, config.draft.device, config.draft.dtype)
-        thread.call(lambda: draft.fingerprint)  # computed before the first request
-        thread.call(draft.warm_up)  # weights paged in, buffers made: the first request as fast as the next
+        draft = thread.call(load_draft, config)
     except SpecgateError as exc:
         print(f"specgate gateway: error: {exc}", file=sys.stderr)
         return 2

@@ -6,6 +6,11 @@ tree depth) and gets that item's logits back. ``DraftModel``'s step loop runs on
 ``forward_each`` per step over the items of every draft in progress, on the model thread, so
 the event loop keeps streaming while a step runs and N concurrent drafts cost one decode per
 token position, not N (continuous batching: a draft joins at the next step, leaves when done).
+
+Lookup (DESIGN §3.10, ``Drafter``): the session's context is indexed (``PromptLookup``) and the
+outputs of ended sessions go into a bounded ``SuffixIndex``; a lookup proposal is a chain of
+deterministic tokens (q̂ = δ), drafted with no model step (``lookup``) or checked by the draft
+model in one decode and kept while it is the model's top-1 (``model+lookup``).
 """
 
 from __future__ import annotations
@@ -15,14 +20,16 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Collection, Generator
 from dataclasses import dataclass, field
 
 import torch
 
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_ids, normalised, truncate, truncated_support
+from core.lookup import LookupParams, PromptLookup, Proposal, SuffixIndex
 from core.math.tree import ChildRule, SparseRow, TokenTree, TreeShape, sparse_rows
+from core.names import Drafter
 from core.runners import ModelRunner
 from core.runners.base import ForwardItem, common_prefix
 from core.runners.model_thread import ModelThread
@@ -98,6 +105,10 @@ class DraftModel:
         self.prefill_chunk = max(1, max_batch_tokens // 2)  # a prompt's rows per step: others ride along
         self.steps: deque[int] = deque(maxlen=1024)  # drafts per step, the latest steps (tests)
         self.num_steps = self.num_step_drafts = 0  # since start (metrics: the mean draft batch)
+        self.lookup_params = LookupParams()
+        self._lookups: dict[str, PromptLookup] = {}  # session -> its context's n-grams
+        self.suffixes = SuffixIndex(self.lookup_params)  # the outputs of ended sessions
+        self.num_lookups = self.num_lookup_hits = self.num_lookup_tokens = 0  # since start (metrics)
         self._arrived: list[_Drafting] = []
         self._busy: dict[str, asyncio.Future[TokenTree]] = {}  # session -> its draft in progress
         self._loop_task: asyncio.Task[None] | None = None
@@ -110,6 +121,7 @@ class DraftModel:
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
         timing: dict[str, float] | None = None, transformer: Transformer | None = None, limit: int | None = None,
+        drafter: Drafter = Drafter.MODEL,
     ) -> TokenTree:
         """Draft ``gamma`` tokens after ``sequence`` (the agreed tokens of the session);
         ``truncation`` = (draft_top_k, draft_top_p) sparsifies q̂ (TSLT), losslessly. Once
@@ -120,12 +132,43 @@ class DraftModel:
         gets the seconds of the draft model and of the sampling (``DraftClock``); ``transformer``
         (DESIGN §3.9) reshapes each position's logits as the workers reshape theirs; with a
         grammar, the tokens it forces are drafted without a draft step of their own (one decode
-        feeds a run of them) and do not count in ``gamma``, up to ``limit`` tokens in all."""
+        feeds a run of them) and do not count in ``gamma``, up to ``limit`` tokens in all.
+        ``drafter`` (DESIGN §3.10): ``lookup`` drafts the lookup's proposal alone (δ rows, no
+        model step); ``model+lookup`` puts the part of it the model agrees with first, free."""
         await self._idle(session_id)
         if cancel is not None and cancel.is_set():
             return TokenTree.chain([], [])
-        steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression, transformer, limit)
+        most = max(gamma, limit or gamma)
+        if drafter is Drafter.LOOKUP:
+            started = time.perf_counter()
+            tokens = self._lookup_run(session_id, sequence, most, transformer)
+            if timing is not None:
+                timing["draft_sampling"] = timing.get("draft_sampling", 0.0) + time.perf_counter() - started
+            return TokenTree.chain(tokens, [_delta_support(t) for t in tokens])
+        run = self._lookup_run(session_id, sequence, most, transformer) if drafter is Drafter.MODEL_LOOKUP else []
+        steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression, transformer, limit, run)
         return await self._run(session_id, steps, timing)
+
+    def _lookup_run(self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None) -> list[int]:
+        """The lookup's proposal after ``sequence``: prompt lookup in the session's context, else
+        the suffix index of ended sessions' outputs; cut before an EOS's successors and before
+        the first token a grammar does not allow (it could not be accepted)."""
+        index = self._lookups.setdefault(session_id, PromptLookup(self.lookup_params))
+        index.sync(sequence)
+        proposal: Proposal = index.propose(count)
+        if not proposal.tokens:
+            proposal = self.suffixes.propose(sequence, count)
+        tokens = proposal.tokens
+        eos = set(self.runner.info.eos_ids)
+        end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
+        tokens = tokens[:end]
+        if tokens and transformer is not None and transformer.matcher is not None:
+            masks = transformer.masks(sequence, [tokens[:j] for j in range(len(tokens))])  # [len, V]
+            tokens = tokens[:next((j for j, t in enumerate(tokens) if not bool(masks[j, t])), len(tokens))]
+        self.num_lookups += 1
+        self.num_lookup_hits += bool(tokens)
+        self.num_lookup_tokens += len(tokens)
+        return tokens
 
     async def propose_tree(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
@@ -135,12 +178,18 @@ class DraftModel:
         """Draft a tree of ``shape`` after ``sequence`` (DESIGN §3.6): one batched draft decode
         per depth over the nodes that get children. The draws are keyed by position and lane
         (a draw's rank at its depth), so lane 0 of a one-wide tree draws the chain's numbers.
-        With a grammar and ``extra`` > 0, the runs of tokens it forces after the leaves (best
-        first) hang below them, free: up to ``extra`` nodes more, no deeper than ``depth_limit``."""
+        With a grammar and ``extra`` > 0, the runs of tokens it forces come free, up to ``extra``
+        nodes in all, no deeper than ``depth_limit``: after each node that gets children (best
+        first), fed with it in its depth's decode, and taking no depth of ``shape`` (its children
+        follow the run); then below the leaves."""
         await self._idle(session_id)
-        tree = await self._run(session_id, self._tree_of(session_id, sequence, shape, params, seed, choice, truncation, transformer), timing)
-        if extra > 0 and transformer is not None and transformer.matcher is not None:
-            tree = self._with_forced_runs(tree, transformer, sequence, depth_limit if depth_limit is not None else tree.max_depth(), extra)
+        grammar = extra > 0 and transformer is not None and transformer.matcher is not None
+        limit = (depth_limit if depth_limit is not None else shape.max_depth) if grammar else 0
+        left = [extra if grammar else 0]
+        steps = self._tree_of(session_id, sequence, shape, params, seed, choice, truncation, transformer, limit, left)
+        tree = await self._run(session_id, steps, timing)
+        if left[0] > 0 and transformer is not None:
+            tree = self._with_forced_runs(tree, transformer, sequence, limit, left[0])
         return tree
 
     def _with_forced_runs(self, tree: TokenTree, transformer: Transformer, sequence: list[int], depth_limit: int, extra: int) -> TokenTree:
@@ -181,9 +230,13 @@ class DraftModel:
             ids, probs, tree.rule,
         )
 
-    async def free(self, session_id: str) -> None:
-        """Forget the session, after its draft in progress (if any) has ended."""
+    async def free(self, session_id: str, output: list[int] | None = None) -> None:
+        """Forget the session, after its draft in progress (if any) has ended; its ``output``
+        (the tokens it generated) joins the suffix index."""
         await self._idle(session_id)
+        self._lookups.pop(session_id, None)
+        if output:
+            self.suffixes.add(output)
         await self.thread.run(self.runner.free, session_id)
 
     # ----------------------------------------------------------------- the step loop
@@ -281,29 +334,48 @@ class DraftModel:
     def _chain(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float], cancel: threading.Event | None, suppression: Suppression | None, transformer: Transformer | None = None,
-        limit: int | None = None,
+        limit: int | None = None, run: list[int] | None = None,
     ) -> Steps:
         runner = self.runner
         eos = set(runner.info.eos_ids)
+        if not runner.has_session(session_id):
+            runner.adopt(session_id, sequence)  # a prompt cache's rows (a long system prompt: tools)
         common = common_prefix(runner.tokens(session_id), sequence)
         runner.crop(session_id, common)
         logits = yield from self._feed(session_id, sequence[common:])
         grammar = transformer is not None and transformer.matcher is not None
-        limit = max(gamma, limit or gamma) if grammar else gamma
+        limit = max(gamma, limit or gamma) if grammar or run else gamma
         draws = uniforms(seed, choice, list(range(len(sequence), len(sequence) + limit)), Purpose.DRAFT_SAMPLE)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []  # dense q̂ rows, or
         supports: list[SparseRow] = []  # truncated ones, sampled on their support (DESIGN §9)
-        masked = suppression.rows(len(sequence), gamma) if suppression is not None else 0
+        masked = suppression.rows(len(sequence), limit) if suppression is not None else 0
         truncating = not params.is_greedy and truncation != (0, 1.0)
         sampled = 0  # tokens that took a draft step (forced ones do not)
-        while True:
-            j = len(tokens)
+
+        def shaped(logits: torch.Tensor, j: int) -> torch.Tensor:  # [V]: position j's logits as the targets' are transformed
             if j < masked:
                 assert suppression is not None
                 logits = mask_ids(logits, torch.tensor(suppression.ids, dtype=torch.long))
-            if transformer is not None:
-                logits = transformer.rows(logits[None], sequence, [tokens])[0]
+            return logits if transformer is None else transformer.rows(logits[None], sequence, [tokens])[0]
+
+        if run:  # model+lookup: one decode scores the lookup's run; its tokens stay while each is the model's top-1
+            after = yield runner.append_item(session_id, run[: limit], min(len(run), limit))  # [len, V]: the row after each
+            for token in run[:limit]:
+                if int(torch.argmax(shaped(logits, len(tokens)))) != token:
+                    break
+                tokens.append(token)
+                logits = after[len(tokens) - 1]
+                if truncating:
+                    supports.append(_delta_support(token))
+                else:
+                    rows.append(_delta(token, self.vocab_size))
+            runner.crop(session_id, len(sequence) + len(tokens))
+            if tokens and (tokens[-1] in eos or len(tokens) >= limit):
+                return TokenTree.chain(tokens, supports if truncating else rows)
+        while True:
+            j = len(tokens)
+            logits = shaped(logits, j)
             q = apply_sampling(logits[None], params)[0]
             if truncating:  # renormalised in float64 on the support
                 ids, probs = truncated_support(q, *truncation)
@@ -321,7 +393,7 @@ class DraftModel:
                 if truncating:
                     supports.append((torch.tensor([token]), torch.ones(1, dtype=torch.float64)))
                 else:
-                    rows.append(torch.zeros_like(rows[-1]).index_fill_(0, torch.tensor([token]), 1.0))
+                    rows.append(_delta(token, self.vocab_size))
             if tokens[-1] in eos or sampled == gamma or len(tokens) >= limit or (cancel is not None and cancel.is_set()):
                 break
             logits = (yield runner.append_item(session_id, tokens[-1 - len(forced) :], 1))[0]  # the sampled token and the run after it, one decode
@@ -329,9 +401,15 @@ class DraftModel:
 
     def _tree_of(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float], transformer: Transformer | None = None,
+        truncation: tuple[int, float], transformer: Transformer | None = None, depth_limit: int = 0, left: list[int] | None = None,
     ) -> Steps:
+        """The tree's drafting. With ``left`` = [n > 0] (a grammar's free nodes still to place;
+        what is not used is left there), a node that gets children first gets the run of tokens
+        the grammar forces after it, no deeper than ``depth_limit``: the run is fed with the node
+        in the depth's decode, and the node's children come after it (the run's rows are δ)."""
         runner, eos = self.runner, set(self.runner.info.eos_ids)
+        if not runner.has_session(session_id):
+            runner.adopt(session_id, sequence)
         common = common_prefix(runner.tokens(session_id), sequence)
         runner.crop(session_id, common)
         logits = yield from self._feed(session_id, sequence[common:])
@@ -342,30 +420,76 @@ class DraftModel:
         scores: list[float] = []  # cumulative draft log-probability (the fixed rule's ranking)
         row_of = {-1: start - 1}  # node -> its row in the draft session
         frontier = [-1]
+        depths: list[int] = []  # per node: its depth in the tree (forced runs included)
+        free: set[int] = set()  # the nodes of forced runs
+        lanes: dict[int, int] = {}  # position -> draws taken there (a draw's key: position, lane)
         try:
             for depth in range(1, shape.max_depth + 1):
                 fresh = []
-                for parent, token, score in _children(frontier, q_at, scores, shape, depth, start + depth - 1, params, seed, choice):
+                for parent, token, score in _children(frontier, q_at, scores, shape, depth, start, depths, lanes, params, seed, choice):
                     tokens.append(token)
                     parents.append(parent)
                     scores.append(score)
+                    depths.append(depths[parent] + 1 if parent >= 0 else 1)
                     fresh.append(len(tokens) - 1)
                 frontier = [n for n in fresh if tokens[n] not in eos]
                 if shape.rule is ChildRule.FIXED:  # EAGLE-2: expand the best top_k of this depth
                     frontier = sorted(frontier, key=lambda n: (-scores[n], n))[: shape.top_k]
                 if depth == shape.max_depth or not frontier:
                     break
+                runs = {n: self._forced_below(n, tokens, parents, scores, depths, free, transformer, sequence, depth_limit, left, eos) for n in frontier}
+                feed: list[int] = []
+                feed_parents: list[int] = []
+                ends: list[int] = []
                 held = runner.length(session_id)
-                rows = yield ForwardItem(session_id, held, [tokens[n] for n in frontier], [row_of[parents[n]] for n in frontier], list(range(len(frontier))))
-                for i, (node, node_logits) in enumerate(zip(frontier, rows)):
-                    row_of[node] = held + i
-                    q_at[node] = self._q(self._shaped(transformer, node_logits, sequence, _path(node, tokens, parents)), params, truncation)
+                for n in frontier:
+                    for k, node in enumerate([n, *runs[n]]):
+                        feed_parents.append(row_of[parents[node]] if k == 0 else held + len(feed) - 1)
+                        row_of[node] = held + len(feed)
+                        feed.append(tokens[node])
+                    ends.append(len(feed) - 1)
+                rows = yield ForwardItem(session_id, held, feed, feed_parents, ends)
+                expand = []
+                for n, node_logits in zip(frontier, rows):
+                    run = [n, *runs[n]]
+                    for above, below in zip(run, run[1:]):
+                        q_at[above] = _delta(tokens[below], self.vocab_size)
+                    last = run[-1]
+                    q_at[last] = self._q(self._shaped(transformer, node_logits, sequence, _path(last, tokens, parents)), params, truncation)
+                    if tokens[last] not in eos and (not free or depths[last] < depth_limit):
+                        expand.append(last)
+                frontier = expand
+                if not frontier:
+                    break
         finally:
             if runner.has_session(session_id):
                 runner.crop(session_id, start)  # the session is the agreed sequence again
         if shape.rule is ChildRule.FIXED:
-            return _best_nodes(tokens, parents, scores, q_at, shape.nodes, self.vocab_size)
+            return _best_nodes(tokens, parents, scores, q_at, shape.nodes, self.vocab_size, free)
         return _tree(tokens, parents, q_at, shape.rule, self.vocab_size)
+
+    def _forced_below(
+        self, node: int, tokens: list[int], parents: list[int], scores: list[float], depths: list[int], free: set[int],
+        transformer: Transformer | None, sequence: list[int], depth_limit: int, left: list[int] | None, eos: set[int],
+    ) -> list[int]:
+        """Hang the run of tokens the grammar forces after ``node`` below it (new nodes, within
+        ``left`` and ``depth_limit``); the nodes added, top down."""
+        if left is None or left[0] <= 0 or transformer is None or transformer.matcher is None:
+            return []
+        room = min(left[0], depth_limit - depths[node])
+        if room <= 0:
+            return []
+        added: list[int] = []
+        for token in transformer.forced_run([*sequence, *_path(node, tokens, parents)], room, eos):
+            above = added[-1] if added else node
+            tokens.append(token)
+            parents.append(above)
+            scores.append(scores[above])  # log 1
+            depths.append(depths[above] + 1)
+            free.add(len(tokens) - 1)
+            added.append(len(tokens) - 1)
+        left[0] -= len(added)
+        return added
 
     @staticmethod
     def _shaped(transformer: Transformer | None, logits: torch.Tensor, sequence: list[int], path: list[int]) -> torch.Tensor:
@@ -386,6 +510,14 @@ def _path(node: int, tokens: list[int], parents: list[int]) -> list[int]:
     return path[::-1]
 
 
+def _drafted_above(node: int, parents: list[int], free: Collection[int]) -> int:
+    """The nearest ancestor of ``node`` that was drafted (not forced); −1 for the root."""
+    node = parents[node]
+    while node >= 0 and node in free:
+        node = parents[node]
+    return node
+
+
 def _settle(d: _Drafting) -> None:
     """On the event loop: hand a finished (or stopped) draft's outcome to its caller."""
     if d.done.done():
@@ -398,29 +530,42 @@ def _settle(d: _Drafting) -> None:
         d.done.cancel()
 
 
+def _delta(token: int, vocab_size: int) -> torch.Tensor:
+    row = torch.zeros(vocab_size, dtype=torch.float64)
+    row[token] = 1.0
+    return row
+
+
+def _delta_support(token: int) -> SparseRow:
+    return torch.tensor([token]), torch.ones(1, dtype=torch.float64)
+
+
 def _children(
-    frontier: list[int], q_at: dict[int, torch.Tensor], scores: list[float], shape: TreeShape, depth: int, position: int,
-    params: SamplingParams, seed: int, choice: int,
+    frontier: list[int], q_at: dict[int, torch.Tensor], scores: list[float], shape: TreeShape, depth: int, start: int, depths: list[int],
+    lanes: dict[int, int], params: SamplingParams, seed: int, choice: int,
 ) -> list[tuple[int, int, float]]:
     """(parent, token, cumulative log q̂) of the children of every frontier node, in order:
-    the ``top_k`` most likely (fixed), or ``widths[depth − 1]`` draws (sampled, each draw of the
-    depth on its own lane; without replacement a drawn token leaves q̂ for its siblings)."""
+    the ``top_k`` most likely (fixed), or ``widths[depth − 1]`` draws (sampled; without
+    replacement a drawn token leaves q̂ for its siblings). A draw is keyed by its position and
+    its lane, the draws already taken at that position (``lanes``): without forced runs, every
+    node of a depth has one position and its draws take lanes 0, 1, … in order."""
     out: list[tuple[int, int, float]] = []
-    lane = 0
     for parent in frontier:
         q = q_at[parent]
         base = scores[parent] if parent >= 0 else 0.0
+        position = start + (depths[parent] if parent >= 0 else 0)
         if shape.rule is ChildRule.FIXED:
             top = torch.topk(q, max(1, min(shape.top_k, int((q > 0).sum()))))
             out.extend((parent, int(t), base + math.log(float(p))) for t, p in zip(top.indices, top.values) if p > 0)
             continue
         left = q.clone()
         for _ in range(shape.widths[depth - 1]):
+            lane = lanes.get(position, 0)
+            lanes[position] = lane + 1
             if params.is_greedy:
                 token = int(torch.argmax(left))
             else:
                 token = sample_index(left, uniform(seed, choice, position, Purpose.DRAFT_SAMPLE, lane=lane))
-            lane += 1
             out.append((parent, token, base + math.log(max(float(q[token]), 1e-45))))
             if shape.rule is ChildRule.SAMPLED_DISTINCT:
                 left[token] = 0
@@ -438,10 +583,16 @@ def _tree(tokens: list[int], parents: list[int], q_at: dict[int, torch.Tensor], 
 
 def _best_nodes(
     tokens: list[int], parents: list[int], scores: list[float], q_at: dict[int, torch.Tensor], budget: int, vocab_size: int,
+    free: Collection[int] = (),
 ) -> TokenTree:
     """EAGLE-2's rerank: the ``budget`` nodes of best cumulative score — a node never outscores
-    its parent, so they form a tree — ordered by depth, siblings best first."""
-    kept = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))[:budget]
+    its parent, so they form a tree — ordered by depth, siblings best first. The ``free`` nodes
+    (forced runs) are not counted: one stays when the drafted node above its run stays."""
+    kept_set = set(sorted((n for n in range(len(tokens)) if n not in free), key=lambda n: (-scores[n], n))[:budget])
+    for n in range(len(tokens)):  # parents come first
+        if n in free and _drafted_above(n, parents, free) in kept_set | {-1}:
+            kept_set.add(n)
+    kept = sorted(kept_set, key=lambda n: (-scores[n], n))
     depth: dict[int, int] = {-1: 0}
     for n in range(len(tokens)):
         depth[n] = depth[parents[n]] + 1

@@ -141,3 +141,6 @@ class _DraftCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily("specgate:draft_steps", "Draft model steps (one forward over every draft in progress).", value=self.draft.num_steps)
         yield CounterMetricFamily("specgate:draft_step_drafts", "Drafts carried by the draft's steps, summed over steps.", value=self.draft.num_step_drafts)
+        yield CounterMetricFamily("specgate:lookups", "Lookups for a draft (drafter lookup or model+lookup).", value=self.draft.num_lookups)
+        yield CounterMetricFamily("specgate:lookup_hits", "Lookups that proposed at least one token.", value=self.draft.num_lookup_hits)
+        yield CounterMetricFamily("specgate:lookup_tokens", "Tokens lookups proposed (model+lookup: before the model's check).", value=self.draft.num_lookup_tokens)

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.config import PipelineParams, TreeParams
-from core.names import Mode, Reconstruction
+from core.names import Drafter, Mode, Reconstruction
 
 # Known OpenAI parameters that this gateway does not implement: a 400 names them.
 UNSUPPORTED = {
@@ -42,6 +42,7 @@ class SpeculativeParams(BaseModel):
     tree: TreeParams | None = None
     pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments (DESIGN §3.7)
     profile: bool | None = None  # usage speculative.profile: each round's time by part, bytes and tokens
+    drafter: Drafter | None = None  # model | lookup | model+lookup: where a chain's draft comes from (DESIGN §3.10)
 
     @field_validator("k")
     @classmethod

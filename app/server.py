@@ -37,11 +37,27 @@ from core.config import SpecgateConfig
 from core.errors import ConfigError
 from core.runners import ModelRunner, load_runner
 from core.runners.model_thread import ModelThread
+from core.runners.models import BUILTIN
+from core.runners.tokenizer_only import NONE, tokenizer_only
 from core.serving import Guard
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 T = TypeVar("T")
+
+
+def load_draft(config: SpecgateConfig) -> ModelRunner:
+    """The gateway's draft runner, on the thread that will run it: the model, its fingerprint
+    computed and a warm-up run (the first request as fast as the next); with ``draft.model:
+    none``, a tokenizer alone (lookup drafts, DESIGN §3.10)."""
+    draft = config.draft
+    if draft.model == NONE:
+        runner: ModelRunner = tokenizer_only(draft.tokenizer or BUILTIN, config.draft_context)
+    else:
+        runner = load_runner(draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads, draft.device, draft.dtype)
+    runner.fingerprint  # noqa: B018 - computed before the first request
+    runner.warm_up()
+    return runner
 
 
 def create_app(
@@ -59,10 +75,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
         runner, thread = draft_runner, model_thread or ModelThread()
         if runner is None:
-            draft = config.draft
-            runner = await thread.run(load_runner, draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads, draft.device, draft.dtype)
-            await thread.run(lambda: runner.fingerprint)
-            await thread.run(runner.warm_up)
+            runner = await thread.run(load_draft, config)
         pool = TargetSet.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size, runner.tokenizer), transport)
         metrics.watch(pool)
         draft_model = DraftModel(runner, thread, config.draft.max_batch_tokens)
@@ -121,7 +134,8 @@ def _add_routes(app: FastAPI) -> None:
     async def ready(request: Request) -> Response:
         report = await _gateway(request).check_workers()
         ok = all(e["ready"] for e in report)
-        body = {"status": "ready" if ok else "not_ready", "instance_id": request.app.state.instance_id, "draft": "loaded", "workers": report}
+        draft = "loaded" if _gateway(request).draft.runner.has_weights else "none"
+        body = {"status": "ready" if ok else "not_ready", "instance_id": request.app.state.instance_id, "draft": draft, "workers": report}
         return JSONResponse(body, status_code=200 if ok else 503, headers=None if ok else {"Retry-After": "5"})
 
     @app.get("/v1/models")

@@ -37,7 +37,7 @@ from core.math.sampling import MIN_TEMPERATURE, SamplingParams
 from core.math.tree import ChildRule, SegmentSchedule, TreeShape
 from core.transform import TransformSpec
 from core.grammar import GrammarError, GrammarKind, GrammarLimits, Grammars, GrammarSpec
-from core.names import Mode
+from core.names import Drafter, Mode
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +167,8 @@ class Usage:
             "logprobs_source": "target" if spec.is_lossless else "reconstruction",
             "overlap": spec.overlap,
         }
+        if "drafter" in MODES[spec.mode].fields:
+            block["drafter"] = spec.drafter.value
         if spec.auto_gamma and MODES[spec.mode].drafts:  # seeded: fixed (the output depends on γ)
             block["gamma_chosen_mean"] = sum(self.gammas) / len(self.gammas) if self.gammas else float(spec.num_draft_tokens)
             block["gamma_auto"] = bool(self.gammas)
@@ -553,6 +555,10 @@ class Gateway:
             raise ApiError(400, "a tree with exact's payload sends no top-k: drop k, or use payload aggregate", "speculative.k")
         if (mode is Mode.EXACT or tree_payload is Mode.EXACT) and not top_k and (top_p is None or top_p == 1):
             top_k = _EXACT_DRAFT_TOP_K
+        drafter = self._drafter(mode, given.get("drafter"))
+        overlap = "overlap" in takes.fields and given.get("overlap", base.overlap)
+        if overlap and drafter is not Drafter.MODEL:
+            raise ApiError(400, f"overlap drafts the next round with the draft model alone: drafter {drafter.value!r} cannot prepare it", "speculative.overlap")
         return SpecOptions(
             mode=mode,
             num_draft_tokens=DEFAULT_GAMMA if gamma == "auto" else gamma,
@@ -563,12 +569,26 @@ class Gateway:
             draft_top_k=top_k or 0,
             draft_top_p=1.0 if top_p is None else top_p,
             engine_targets=bool(engines),
-            overlap="overlap" in takes.fields and given.get("overlap", base.overlap),
+            overlap=overlap,
             tree=_tree_shape(given.get("tree"), base.tree) if mode is Mode.TREE else None,
             tree_payload=tree_payload,
             pipeline=_schedule(given.get("pipeline"), base.pipeline) if mode is Mode.PIPELINE else None,
             profile=bool(given.get("profile", False)),
+            drafter=drafter,
         )
+
+    def _drafter(self, mode: Mode, given: str | None) -> Drafter:
+        """The request's drafter, else the configured one, else the draft model (lookup when the
+        gateway has none); a mode that drafts without taking ``drafter`` needs the model."""
+        has_model = self.draft.runner.has_weights
+        if "drafter" not in MODES[mode].fields:
+            if MODES[mode].drafts and not has_model:
+                raise ApiError(400, f"mode {mode.value!r} drafts with a model and this gateway has none (draft.model: none): use aggregate, split or exact (lookup drafts) or autoregressive", "speculative.mode")
+            return Drafter.MODEL
+        drafter = Drafter(given or self.config.speculative.drafter or (Drafter.MODEL if has_model else Drafter.LOOKUP))
+        if drafter is not Drafter.LOOKUP and not has_model:
+            raise ApiError(400, f"drafter {drafter.value!r} needs a draft model and this gateway has none (draft.model: none): use drafter 'lookup'", "speculative.drafter")
+        return drafter
 
     # ----------------------------------------------------------------- running
 

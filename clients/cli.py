@@ -12,6 +12,7 @@
     specgate bench load [--concurrency N[,N...]] [--duration S] [--json FILE]
     specgate bench grammar [--repeats N] [--json FILE]
     specgate bench structured [--runs N] [--quick] [--json FILE]
+    specgate bench workload [--prompts N] [--max-tokens N] [--quick] [--json FILE]
     specgate bench pipeline [--stages 2,3] [--hop-ms 0,5,20] [--runs N] [--json FILE]
     specgate chat [--url URL] [--mode MODE] [--api-key KEY]
     specgate eval [--url URL | --serve] [--json FILE]
@@ -138,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--max-tokens", type=int, default=96, help="tokens per request (default: 96)")
     structured.add_argument("--quick", action="store_true", help="one seed, T = 1 only, exact and autoregressive")
     structured.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    workload = benches.add_parser("workload", help="drafters model, lookup and model+lookup per category of a bundled prompt set, T = 0 and 1, two links")
+    workload.add_argument("--prompts", type=int, default=8, help="prompts per category, 1 to 8 (default: 8)")
+    workload.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: 64)")
+    workload.add_argument("--quick", action="store_true", help="zero link and T = 0 only")
+    workload.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     load = benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS")
     load.add_argument(
         "--concurrency", type=_concurrency_levels, default=[64],
@@ -195,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         from clients.bench.structured import bench_structured
 
         return bench_structured(args)
+    if args.command == "bench" and args.bench == "workload":
+        from clients.bench.workload import bench_workload
+
+        return bench_workload(args)
     if args.command == "bench" and args.bench == "overhead":
         from clients.bench.overhead import bench_overhead
 

@@ -30,7 +30,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from core.errors import ConfigError
 from core.math.tree import ChildRule, SegmentSchedule, TreeShape
 from core.modes import ENGINE_MODES, PIPELINE_TARGET_MODES, SERVED_MODES
-from core.names import Backend, Mode, Reconstruction, TargetType
+from core.names import Backend, Drafter, Mode, Reconstruction, TargetType
 
 FIRST_LOCAL_PORT = 8101
 
@@ -38,7 +38,8 @@ FIRST_LOCAL_PORT = 8101
 class DraftConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "builtin-draft"  # any --model value
+    model: str = "builtin-draft"  # any --model value, or none: no draft model (lookup drafts alone, DESIGN §3.10)
+    tokenizer: str | None = None  # model none: whose tokenizer the gateway uses (a --model value; default builtin)
     backend: Backend = Backend.LLAMA_CPP  # model runner of the draft
     memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of the draft, all sessions
     threads: int | None = Field(default=None, gt=0)  # CPU threads; None = every core (serve splits them)
@@ -117,6 +118,7 @@ class SpeculativeConfig(BaseModel):
     overlap: bool = False  # DSD: draft the next round while this one is verified (same output, less waiting)
     tree: TreeParams | None = None  # mode tree: the draft tree; None = the default by temperature
     pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments; None = the defaults
+    drafter: Drafter | None = None  # model | lookup | model+lookup (chains); None = model, or lookup when draft.model is none
 
     @field_validator("tree")
     @classmethod

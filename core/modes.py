@@ -42,7 +42,7 @@ def guarantee(payload: Payload, relaxed: bool) -> Guarantee:
 
 
 _EVERY = frozenset({"mode", "profile"})
-_DRAFTING = _EVERY | {"num_draft_tokens", "draft_top_k", "draft_top_p", "overlap"}
+_DRAFTING = _EVERY | {"num_draft_tokens", "draft_top_k", "draft_top_p", "overlap", "drafter"}
 
 
 @dataclass(frozen=True)

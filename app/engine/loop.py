@@ -103,7 +103,7 @@ class Engine:
                     draft = draft.head(scorable)
                 drafted = time.perf_counter()
                 rnd = Round(self.pool, self.weights, self.vocab_size, req, session_id, sequence, agreed, draft, Traffic(), suppression, path=path, transformer=verifier)
-                preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression, transformer) if req.spec.overlap and drafts else None
+                preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression, transformer) if req.spec.overlap and drafts else None  # drafter model only
                 try:
                     result = await strategy.verify(rnd)
                 except BaseException:
@@ -131,7 +131,7 @@ class Engine:
                 if result.finish_reason:
                     return
         finally:
-            await asyncio.shield(self._free(session_id))
+            await asyncio.shield(self._free(session_id, sequence[len(req.prompt):]))
 
     async def _pipeline(self, session_id: str, req: GenerationRequest) -> AsyncGenerator[RoundResult, None]:
         """Mode pipeline (DESIGN §3.7): its strategy's own loop over the one pipeline target."""
@@ -232,13 +232,13 @@ class Engine:
         transformer: Transformer | None = None, room: int | None = None,
     ) -> TokenTree:
         """A chain of ``gamma`` tokens; with a grammar, the tokens it forces come on top, free
-        (up to FORCED_EXTRA more and ``room``)."""
+        (up to FORCED_EXTRA more and ``room``), and so do a lookup's (``drafter``)."""
         if gamma <= 0:
             return TokenTree.chain([], [])
         limit = min(room if room is not None else gamma, max(gamma, min(gamma + FORCED_EXTRA, MAX_DRAFT)))
         return await self.draft.propose(
             session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, suppression=suppression, timing=timing,
-            transformer=transformer, limit=limit,
+            transformer=transformer, limit=limit, drafter=req.spec.drafter,
         )
 
     async def _draft_tree(
@@ -287,8 +287,8 @@ class Engine:
             return "length"
         return None
 
-    async def _free(self, session_id: str) -> None:
-        await asyncio.gather(self.pool.delete_sessions(session_id), self.draft.free(session_id), return_exceptions=True)
+    async def _free(self, session_id: str, output: list[int] | None = None) -> None:
+        await asyncio.gather(self.pool.delete_sessions(session_id), self.draft.free(session_id, output), return_exceptions=True)
 
 
 def _retrieve(task: asyncio.Task[TokenTree]) -> None:

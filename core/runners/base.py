@@ -107,6 +107,7 @@ class ModelRunner(ABC):
     hidden_size = 0  # the model's hidden states' width (what a stage passes on)
     num_layers: int | None = None  # the whole model's decoder layers, where the backend says (a stage must)
     threads: int | None = None  # the CPU threads its model and torch's pool run on (``load_runner`` sets it)
+    has_weights = True  # False: a tokenizer alone (``draft.model: none``)
 
     @property
     def is_first_stage(self) -> bool:
@@ -233,9 +234,18 @@ class ModelRunner(ABC):
         else:
             self._rows[session_id] = _pruned(held, kept, place)
 
+    def adopt(self, session_id: str, tokens: list[int]) -> int:
+        """A session not held yet that is about to start with ``tokens``: it takes what the
+        backend's prompt cache holds of them, as rows already held. How many (< ``len(tokens)``,
+        so the caller feeds at least one); 0 without a cache."""
+        return 0
+
     def free(self, session_id: str) -> None:
-        """Forget the session and release its KV cache at once."""
-        if self._rows.pop(session_id, None) is not None:
+        """Forget the session and release its KV cache at once (a backend with a prompt cache
+        keeps the cells of its chain for the next session that starts the same: ``_retire``)."""
+        rows = self._rows.pop(session_id, None)
+        if rows is not None:
+            self._retire(session_id, rows)
             self._free_cache(session_id)
 
     # ----------------------------------------------------------------- chain shims
@@ -367,6 +377,10 @@ class ModelRunner(ABC):
 
     @abstractmethod
     def _free_cache(self, session_id: str) -> None: ...
+
+    def _retire(self, session_id: str, rows: Rows) -> None:
+        """Before ``_free_cache`` of a session that ends, with its last rows: a backend that keeps
+        a prompt cache detaches the session's place here, holding the cells of its chain."""
 
     def _drop_cache(self, session_id: str) -> None:
         """Forget the KV entries (not the rows): after a failed forward."""

@@ -20,6 +20,12 @@ Three facts of llama.cpp shape it (measured here, ``research/tree-and-pipeline.m
      as a chain. Their decodes do not batch.
    When more chain sessions want a stream than there are, the least recently used one is
    rebuilt from its rows on its next call, the same way.
+4. **Prompt cache**: a session that ends leaves its chain's cells where they are (its stream or
+   context goes idle holding them, as llama.cpp's server keeps a slot's prompt); a new session
+   takes the idle place whose cells share the longest prefix with its tokens, drops the rest and
+   decodes only what follows. The cells kept are the prefix's positions in order, as a crop keeps
+   them, so the rows score bit for bit as decoded afresh. A long shared system prompt (tools) is
+   then prefilled once, not per request.
 3. Inside a tree session's context, a tree is one sequence id per root-to-leaf path
    (``kv_unified``); a node carries the ids of every leaf below it, so it attends to its
    ancestors only.
@@ -36,14 +42,14 @@ import logging
 import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from core.errors import ContextOverflow, ModelLoadError
 from core.names import Backend
-from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged, lend
+from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged, chain_rows, common_prefix, lend
 from core.runners.llama_cpp_tools import quiet_llama_cpp
 from core.runners.models import ModelSource
 from core.runners.tokenizer import eos_ids
@@ -72,12 +78,13 @@ class _Slot:
     below: dict[int, int] = field(default_factory=dict)  # tree row -> a leaf sequence through it
     leaves: dict[int, int] = field(default_factory=dict)  # tree leaf row -> its sequence
     last_used: int = 0
+    cached: list[int] = field(default_factory=list)  # idle: the tokens of chain cells 0.. it holds (a prompt cache)
 
     def tree_seqs(self) -> set[int]:
         return set(self.below.values()) | set(self.leaves.values())
 
     def reset(self, session_id: str | None) -> None:
-        self.session_id, self.rows = session_id, 0
+        self.session_id, self.rows, self.cached = session_id, 0, []
         self.cell.clear()
         self.below.clear()
         self.leaves.clear()
@@ -93,6 +100,10 @@ class _Stream:
     session_id: str | None = None
     rows: int = 0
     last_used: int = 0
+    cached: list[int] = field(default_factory=list)  # idle: the tokens of cells 0.. it holds (a prompt cache)
+
+
+_P = TypeVar("_P", _Slot, _Stream)
 
 
 class LlamaCppRunner(ModelRunner):
@@ -142,6 +153,7 @@ class LlamaCppRunner(ModelRunner):
         self._streams = [_Stream(seq) for seq in range(self.num_streams)]
         self._tree_sessions: set[str] = set()  # sessions that held tree rows: they live in _slots
         self._clock = 0
+        self.reused_rows = 0  # rows a new session took from the prompt cache, since start
         self.max_decode_tokens = 0  # the largest decode issued so far (tests assert ≤ DECODE_TOKENS)
 
     def kv_bytes_per_token(self) -> int:
@@ -183,7 +195,7 @@ class LlamaCppRunner(ModelRunner):
         return [r for r in out if r is not None]
 
     def _compute_alone(self, session_id: str, rows: Rows, logits_rows: list[int]) -> torch.Tensor:
-        slot = self._slot_for(session_id)
+        slot = self._slot_for(session_id, rows, min(logits_rows))
         wanted, out = set(logits_rows), dict[int, np.ndarray]()
         if slot.rows < rows.chain:
             self._decode_chain(slot, rows, wanted, out)
@@ -196,7 +208,7 @@ class LlamaCppRunner(ModelRunner):
         each session's new rows at position = row in its own stream, split across decodes
         wherever the budget falls (a position scores the same in any decode below 64 tokens)."""
         self._clock += 1
-        streams = [self._stream_for(w.session_id, [x.session_id for x in work]) for w in work]
+        streams = [self._stream_for(w.session_id, [x.session_id for x in work], w.rows, min(w.logits_rows)) for w in work]
         entries: list[tuple[int, int, Any, bool]] = []
         owners: list[tuple[int, int]] = []  # per entry: (work index, row)
         for i, (w, stream) in enumerate(zip(work, streams)):
@@ -226,14 +238,58 @@ class LlamaCppRunner(ModelRunner):
         sessions hold contexts of their own (``num_contexts``), lent LRU: never full."""
         return not tree and len(set(chains) - self._tree_sessions) >= self.num_streams
 
-    def _stream_for(self, session_id: str, busy: list[str]) -> _Stream:
-        """The session's stream; else a free one, else the least recently used one not in ``busy``
-        (its session is rebuilt from its rows on its next call)."""
-        stream, fresh = lend(self._streams, session_id, busy, self._release)
-        if fresh and self._shared is None:
+    def _stream_for(self, session_id: str, busy: list[str], rows: Rows, most: int) -> _Stream:
+        """The session's stream; else an idle one — the one whose cached cells share the most of
+        the session's first ``most`` rows (kept), else an empty one, else the least recently used
+        — else the least recently used one not in ``busy`` (its session is rebuilt from its rows
+        on its next call)."""
+        stream, common = self._idle_place(self._streams, session_id, rows.tokens, most)
+        if stream is None:
+            stream, _ = lend(self._streams, session_id, busy, self._release)
+        elif stream.session_id is None:
+            if self._shared is not None and stream.rows > common:
+                self._llama_cpp.llama_memory_seq_rm(self._shared.memory, stream.seq, common, -1)
+            stream.session_id, stream.rows, stream.cached = session_id, common, []
+            self.reused_rows += common
+        if self._shared is None:
             self._shared = self._new_context(self.num_streams * self.n_ctx_stream, self.num_streams, unified=False)
         stream.last_used = self._clock
         return stream
+
+    def adopt(self, session_id: str, tokens: list[int]) -> int:
+        if self.has_session(session_id) or session_id == _REFERENCE_SESSION:
+            return 0
+        stream, common = self._idle_place(self._streams, session_id, tokens, len(tokens) - 1)
+        if stream is None or stream.session_id is not None or common <= 0 or self._shared is None:
+            return 0
+        self._clock += 1
+        self._llama_cpp.llama_memory_seq_rm(self._shared.memory, stream.seq, common, -1)
+        stream.session_id, stream.rows, stream.cached, stream.last_used = session_id, common, [], self._clock
+        self._rows[session_id] = chain_rows(tokens[:common])
+        self.reused_rows += common
+        return common
+
+    def _idle_place(self, pool: list[_P], session_id: str, tokens: list[int], most: int) -> tuple[_P | None, int]:
+        """The session's own place (and 0); else the idle place to lend it and how many of its
+        cells the session keeps (≤ ``most``): the one that shares the longest start with it when
+        that is at least half of what it holds, else an empty one, else the least recently used;
+        (None, 0) when no place is idle."""
+        held = next((p for p in pool if p.session_id == session_id), None)
+        if held is not None:
+            return held, 0
+        idle = [p for p in pool if p.session_id is None]
+        if not idle:
+            return None, 0
+        if session_id == _REFERENCE_SESSION:  # the tests' reference decodes everything afresh
+            hits = {id(p): 0 for p in idle}
+        else:
+            hits = {id(p): min(common_prefix(p.cached, tokens), most) for p in idle}
+        best = max(idle, key=lambda p: (hits[id(p)], -p.last_used))
+        if hits[id(best)] > 0 and 2 * hits[id(best)] >= len(best.cached):
+            return best, hits[id(best)]  # the new session keeps most of what it holds
+        # a short shared start (a chat template's first line) is not worth another prompt's cells
+        spare = min(idle, key=lambda p: (bool(p.cached), p.last_used))  # an empty place, else the least recently used
+        return spare, hits[id(spare)]
 
     def _stream_of(self, session_id: str) -> _Stream | None:
         return next((s for s in self._streams if s.session_id == session_id), None)
@@ -241,7 +297,7 @@ class LlamaCppRunner(ModelRunner):
     def _release(self, stream: _Stream) -> None:
         if self._shared is not None and (stream.session_id is not None or stream.rows):
             self._llama_cpp.llama_memory_seq_rm(self._shared.memory, stream.seq, -1, -1)
-        stream.session_id, stream.rows = None, 0
+        stream.session_id, stream.rows, stream.cached = None, 0, []
 
     def _to_tree_session(self, session_id: str) -> None:
         """From its first tree row on, a session lives in a context of its own."""
@@ -360,6 +416,28 @@ class LlamaCppRunner(ModelRunner):
         slot.leaves.clear()
         slot.rows = in_place
 
+    def _retire(self, session_id: str, rows: Rows) -> None:
+        """The session ends: its place goes idle holding the cells of its chain (a prompt cache)."""
+        if session_id == _REFERENCE_SESSION:
+            return
+        self._clock += 1
+        stream = self._stream_of(session_id)
+        if stream is not None:
+            stream.session_id, stream.cached, stream.last_used = None, rows.tokens[:stream.rows], self._clock
+            return
+        slot = self._slot_of(session_id)
+        if slot is None:
+            return
+        kept = min(slot.rows, rows.chain)  # chain rows sit in sequence 0's cells 0.. in order
+        memory, api = slot.ctx.memory, self._llama_cpp
+        api.llama_memory_seq_rm(memory, 0, kept, -1)
+        for seq in slot.tree_seqs():
+            api.llama_memory_seq_rm(memory, seq, -1, -1)
+        slot.cell.clear()
+        slot.below.clear()
+        slot.leaves.clear()
+        slot.session_id, slot.rows, slot.cached, slot.last_used = None, kept, rows.tokens[:kept], self._clock
+
     def _free_cache(self, session_id: str) -> None:
         self._tree_sessions.discard(session_id)
         self._drop_cache(session_id)
@@ -377,12 +455,21 @@ class LlamaCppRunner(ModelRunner):
     def _slot_of(self, session_id: str) -> _Slot | None:
         return next((s for s in self._slots if s.session_id == session_id), None)
 
-    def _slot_for(self, session_id: str) -> _Slot:
+    def _slot_for(self, session_id: str, rows: Rows, most: int) -> _Slot:
+        """The session's context; else the idle one whose cached chain shares the most of its
+        first ``most`` rows (kept); else an empty idle one, a new one while the pool has room, an
+        idle one, the least recently used one (its session is rebuilt from its rows)."""
         self._clock += 1
-        slot = self._slot_of(session_id)
-        if slot is None:
-            free = next((s for s in self._slots if s.session_id is None), None)  # reuse before growing
-            slot = free or (self._new_slot() if len(self._slots) < self.num_contexts else self._lru_slot())
+        lead = 0 if self._slot_of(session_id) is not None else next((i for i, p in enumerate(rows.parents) if p != i - 1), len(rows))
+        slot, common = self._idle_place(self._slots, session_id, rows.tokens, min(most, lead))
+        if slot is not None and slot.session_id is None and common > 0:
+            self._llama_cpp.llama_memory_seq_rm(slot.ctx.memory, 0, common, -1)
+            slot.session_id, slot.rows, slot.cached = session_id, common, []
+            rows.chain = max(rows.chain, common)  # they are a chain (a tree call's agreed rows come with parents): sequence 0's cells
+            self.reused_rows += common
+        elif slot is None or slot.session_id is None:
+            if slot is None or slot.cached:  # grow before a cache is lost
+                slot = self._new_slot() if len(self._slots) < self.num_contexts else (slot or self._lru_slot())
             slot.reset(session_id)  # the session it held keeps its rows: rebuilt on its next call
         slot.last_used = self._clock
         return slot

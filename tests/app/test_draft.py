@@ -185,3 +185,29 @@ async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
     assert tree.rule is ChildRule.FIXED and tree.support(0)[0].tolist() == [0]
     for limit, extra in ((1, 8), (4, 0)):
         assert (await draft.propose_tree("t", sequence, shape, greedy, 1, 0, transformer=transformer(), depth_limit=limit, extra=extra)).ids() == [1]
+
+    # inside a tree: a node's run is fed with it, takes no depth of the shape, its children follow the run
+    appended.clear()
+    items: list[ForwardItem] = []
+    real_each = runner.forward_each
+
+    def recording_each(batch: Sequence[ForwardItem]) -> list[torch.Tensor | Exception]:
+        items.extend(batch)
+        return real_each(batch)
+
+    runner.forward_each = recording_each  # type: ignore[method-assign]
+    deep = TreeShape(ChildRule.FIXED, nodes=2, depth=2, top_k=1)
+    tree = await draft.propose_tree("t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=8)
+    assert tree.ids() == [1, 0, 1, 0] and tree.parents.tolist() == [-1, 0, 1, 2]  # nodes=2 counts the drafted nodes only
+    assert [item.tokens for item in items[1:]] == [[1, 0]]  # one draft step below the prompt's: the node and its run
+    assert (await draft.propose_tree("t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=1)).ids() == [1, 0, 1]
+    assert (await draft.propose_tree("t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=2, extra=8)).ids() == [1, 0]
+    # sampled: a one-wide tree is the chain, draw for draw (a draw is keyed by its position)
+    t1 = SamplingParams(temperature=1.0)
+    for seed in range(6):
+        chain = await draft.propose("g", sequence, 3, t1, seed, 0, transformer=transformer(), limit=12)
+        tree = await draft.propose_tree(
+            "t", sequence, TreeShape(ChildRule.SAMPLED, widths=(1, 1, 1)), t1, seed, 0, transformer=transformer(), depth_limit=12, extra=9,
+        )
+        assert tree.ids() == chain.ids() and tree.parents.tolist() == list(range(-1, len(chain) - 1)), seed
+        assert torch.equal(tree.q_values(), chain.q_values()), seed

@@ -46,7 +46,8 @@ from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.math import tree as tree_math
 from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape
 from core.modes import GUARANTEES, MODES, SERVED_MODES, Guarantee, Payload, guarantee
-from core.names import Mode, Reconstruction
+from core.lookup import LookupParams, SuffixIndex
+from core.names import Drafter, Mode, Reconstruction
 from core.grammar import GrammarKind, GrammarSpec
 from core.transform import TransformSpec
 from tests.app.fakes import MarkovRunner, TableMatcher, make_engine, pipeline_engine, random_table, split_pipeline, with_table_grammar
@@ -112,7 +113,15 @@ TRANSFORMS = {
 # What the generator does with each field of ``speculative`` (core.modes): a field it does not
 # know fails test_the_matrix_covers_every_registry.
 PRIMARY_FIELDS = {"mode", "k", "tree", "num_draft_tokens", "overlap", "pipeline"}  # in the full product
-SECONDARY_FIELDS = {"draft_top_k", "draft_top_p", "reconstruction", "relaxation", "profile"}  # each value crossed with mode × payload × workers × sampling
+SECONDARY_FIELDS = {"draft_top_k", "draft_top_p", "reconstruction", "relaxation", "profile", "drafter"}  # each value crossed with mode × payload × workers × sampling
+
+# Lookup drafting (DESIGN §3.10): (prompt, outputs already in the suffix index). The prompt's last
+# "1 0" recurs at its start, so prompt lookup proposes 0 2 1 0 — the draft model's top-1 after 0
+# is 0, so model+lookup keeps the first and drafts on from there; with no repeat in the prompt,
+# the suffix index's "0" continues as 0 2 1.
+LOOKUPS = {"prompt lookup": ((1, 0, 0, 2, 1, 0), ()), "suffix index": (tuple(PROMPT), ((2, 0, 0, 2, 1),))}
+LOOKUP_TOKENS = 2  # a lookup's chain at most: exact's payload draws a complement sample at each of its δ rows (4 tokens: 1,600–200,000 runs)
+DRAFTER_CELLS = ((Drafter.LOOKUP, "prompt lookup"), (Drafter.LOOKUP, "suffix index"), (Drafter.MODEL_LOOKUP, "prompt lookup"))
 
 
 @dataclass(frozen=True)
@@ -129,11 +138,16 @@ class Cell:
     min_tokens: int = 0
     transform: str = ""  # a key of TRANSFORMS
     rounds: int = 1  # the decided rounds whose tokens are checked
+    lookup: str = ""  # a key of LOOKUPS: the prompt and what the suffix index holds
+
+    @property
+    def prompt(self) -> list[int]:
+        return list(LOOKUPS[self.lookup][0]) if self.lookup else PROMPT
 
     @property
     def name(self) -> str:
         parts = [self.mode.value, self.payload.value, self.rule, self.shape, self.workers, self.sampling]
-        more = [*(["overlap"] if self.overlap else []), *([self.option] if self.option else []), *([self.transform] if self.transform else []), *([f"{self.rounds} rounds"] if self.rounds > 1 else [])]
+        more = [*(["overlap"] if self.overlap else []), *([self.option] if self.option else []), *([self.lookup] if self.lookup else []), *([self.transform] if self.transform else []), *([f"{self.rounds} rounds"] if self.rounds > 1 else [])]
         return " · ".join([*parts, *more])
 
     @property
@@ -152,7 +166,7 @@ def _spec(mode: Mode, payload: Payload, **options: Any) -> SpecOptions:
         mode, options.pop("gamma", 2), k, options.pop("reconstruction", Reconstruction.RENORMALIZE), draft_top_k=draft_top_k,
         draft_top_p=options.pop("draft_top_p", 1.0), overlap=options.pop("overlap", False), relaxation=options.pop("relaxation", None),
         tree=options.pop("tree", None), tree_payload=options.pop("tree_payload", Mode.AGGREGATE), pipeline=options.pop("pipeline", None),
-        profile=options.pop("profile", False),
+        profile=options.pop("profile", False), drafter=options.pop("drafter", Drafter.MODEL),
     )
 
 
@@ -237,6 +251,12 @@ def cells() -> list[Cell]:
                     spec = _spec(mode, payload, **_two_workers(payload, workers, {**options, **extra}))
                     out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option=label, spec=spec, min_tokens=min_tokens))
                 out += _transform_cells(mode, payload, workers, sampling, shapes, rule_of)
+                if "drafter" in MODES[mode].fields:  # lookup chains: δ rows, alone or before the model's
+                    for drafter, lookup in DRAFTER_CELLS:
+                        if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and (drafter, lookup) != DRAFTER_CELLS[0]:
+                            continue  # two workers' complement draws at every δ row: 7,800–9,200 runs a cell; one such cell
+                        spec = _spec(mode, payload, **_two_workers(payload, workers, {**options, "drafter": drafter}))
+                        out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option=f"drafter {drafter.value}", spec=spec, lookup=lookup))
     return out
 
 
@@ -332,8 +352,12 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
     recording = _Recording(STRATEGIES[cell.mode], stop_at=2 if second_draft else cell.rounds + 1)
 
     async def once() -> Outcome:
+        engine.draft.lookup_params = LookupParams(max_tokens=LOOKUP_TOKENS)
+        engine.draft.suffixes = SuffixIndex(engine.draft.lookup_params)  # what each run's lookup sees: the cell's, not earlier runs' outputs
+        for output in LOOKUPS[cell.lookup][1] if cell.lookup else ():
+            engine.draft.suffixes.add(list(output))
         req = GenerationRequest(
-            f"m{next(count)}", PROMPT, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=True, min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform),
+            f"m{next(count)}", cell.prompt, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=True, min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform),
         )
         tokens: list[int] = []
         bound, seen, drafted = 0.0, 0, None
@@ -420,7 +444,7 @@ def prefix_distance(cell: Cell, law: dict[tuple[int, ...], float]) -> float:
     rows: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
 
     def p_next(prefix: tuple[int, ...]) -> torch.Tensor:
-        key = (prefix[-1] if prefix else PROMPT[-1], len(prefix), prefix if cell.transform else ())
+        key = (prefix[-1] if prefix else cell.prompt[-1], len(prefix), prefix if cell.transform else ())
         if key not in rows:
             rows[key] = target_next(cell, *key)
         return rows[key]
@@ -488,7 +512,7 @@ def test_cell(cell: Cell, laws: dict[str, tuple[dict[Outcome, float], int, float
     first: dict[tuple[int, ...], float] = {}
     for key, mass in tokens.items():
         first[key[:1]] = first.get(key[:1], 0.0) + mass
-    tv = 0.5 * sum(abs(first.get((t,), 0.0) - float(target_next(cell, PROMPT[-1], 0)[t])) for t in range(V))
+    tv = 0.5 * sum(abs(first.get((t,), 0.0) - float(target_next(cell, cell.prompt[-1], 0)[t])) for t in range(V))
     bound = sum(mass * b for (_, b, _), mass in law.items())  # σ travels as fp32: equal to the TV up to its rounding
     assert tv <= bound * (1 + 2**-23) + TOLERANCE, f"TV {tv:.3e} at the first token above the reported bound {bound:.3e}"
 
@@ -612,6 +636,18 @@ def test_negative_control_a_verifier_without_the_residual_is_caught(monkeypatch:
     monkeypatch.setattr(tree_math, "residual", lambda p, q: p.double() / p.double().sum())
     picked = [c for c in CELLS if c.mode in (Mode.AGGREGATE, Mode.TREE) and c.payload is Payload.FULL and c.sampling == "T=1" and c.workers == "1 worker" and not c.option and not c.overlap]
     assert _caught(picked) == {c.name for c in picked if c.rule != "fixed"}
+
+
+def test_negative_control_a_lookup_token_tested_as_a_draw_from_a_spread_q_hat_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup token is drawn from δ (DESIGN §3.10). Sent with a row that says it was drawn from
+    a spread q̂ (uniform here: min(1, p/q̂) at the test, max(0, p − q̂) at a rejection), the law
+    moves — caught in every lossless lookup cell at T = 1 (alone and before the model's tokens)."""
+    from app import draft as draft_module
+
+    monkeypatch.setattr(draft_module, "_delta", lambda token, vocab: torch.full((vocab,), 1.0 / vocab, dtype=torch.float64))
+    monkeypatch.setattr(draft_module, "_delta_support", lambda token: (torch.arange(V), torch.full((V,), 1.0 / V, dtype=torch.float64)))
+    picked = [c for c in CELLS if c.lookup and c.sampling == "T=1" and c.claim is Guarantee.LOSSLESS]
+    assert len(picked) >= 10 and _caught(picked) == {c.name for c in picked}
 
 
 def test_negative_control_min_tokens_with_the_configured_weights_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

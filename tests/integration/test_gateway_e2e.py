@@ -33,10 +33,10 @@ def worker_urls() -> Iterator[list[str]]:
         yield [stack.enter_context(WorkerProcess(model, "llama.cpp", threads=1)) for model in ("builtin", "builtin-alt")]
 
 
-def _gateway(stack: ExitStack, directory: Path, urls: list[str], weights: list[float] | None = None) -> str:
+def _gateway(stack: ExitStack, directory: Path, urls: list[str], weights: list[float] | None = None, draft: dict[str, object] | None = None) -> str:
     config = parse_config({
         "model": MODEL,
-        "draft": {"model": "builtin-draft", "threads": 1},
+        "draft": draft or {"model": "builtin-draft", "threads": 1},
         "workers": [{"url": url, "weight": w} for url, w in zip(urls, weights or [1.0] * len(urls))],
         "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": "full"},
     })
@@ -138,11 +138,38 @@ def test_greedy_text_is_the_same_in_every_mode(worker_urls: list[str], tmp_path:
         chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=32, temperature=0, extra_body={"speculative": spec})  # type: ignore[arg-type]
         return chat.choices[0].message.content
 
-    modes = [{"mode": "autoregressive"}, {"mode": "aggregate", "k": "full"}, {"mode": "exact"}, {"mode": "split"}]
+    modes = [
+        {"mode": "autoregressive"}, {"mode": "aggregate", "k": "full"}, {"mode": "exact"}, {"mode": "split"},
+        {"mode": "exact", "drafter": "model+lookup"}, {"mode": "split", "drafter": "lookup"},
+    ]
     with ExitStack() as stack:
         one = _gateway(stack, tmp_path, worker_urls[:1])
-        texts = {m["mode"]: greedy(one, m) for m in modes}
+        texts = {json.dumps(m): greedy(one, m) for m in modes}
     assert len(set(texts.values())) == 1, texts
+
+
+def test_a_gateway_without_a_draft_model_drafts_by_lookup(worker_urls: list[str], tmp_path: Path) -> None:
+    """``draft: {model: none}`` (DESIGN §3.10): no draft weights are loaded; chains are drafted by
+    lookup, and greedy text is autoregressive's; a mode or drafter that needs the model is a 400."""
+    prompt = "Count with me: one two three four, one two three four, one two three four, one two three four,"
+    with ExitStack() as stack:
+        url = _gateway(stack, tmp_path, worker_urls, draft={"model": "none"})
+        assert httpx.get(f"{url}/health/ready", timeout=30).json()["draft"] == "none"
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        texts, blocks = {}, {}
+        for mode in ("autoregressive", "aggregate", "exact"):
+            out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"speculative": {"mode": mode}})
+            texts[mode], blocks[mode] = out.choices[0].text, out.usage.model_extra["speculative"]  # type: ignore[union-attr, index]
+        assert len(set(texts.values())) == 1, texts
+        for mode in ("aggregate", "exact"):
+            assert blocks[mode]["drafter"] == "lookup" and blocks[mode]["accepted_tokens"] > 0, blocks[mode]
+            assert blocks[mode]["rounds"] < 24 - 4  # the repeats came several tokens a round
+        sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, seed=2, extra_body={"speculative": {"mode": "exact"}})
+        assert sampled.usage.model_extra["speculative"]["lossless"] is True  # type: ignore[union-attr, index]
+        with pytest.raises(openai.BadRequestError, match="has none"):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"speculative": {"mode": "tree"}})
+        with pytest.raises(openai.BadRequestError, match=r"drafter 'model\+lookup' needs a draft model"):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"speculative": {"drafter": "model+lookup"}})
 
 
 def test_sampled_split_and_exact_run_through_the_api(client: openai.OpenAI) -> None:

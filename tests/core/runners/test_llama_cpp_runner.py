@@ -31,6 +31,12 @@ def tree_item(session: str, prefix: int, nodes: list[tuple[int, int]]) -> Forwar
     return ForwardItem(session, prefix, [t for t, _ in nodes], parents=parents, logits_at=list(range(len(nodes))))
 
 
+def prompt_and_tree(session: str, prompt: list[int], nodes: list[tuple[int, int]]) -> ForwardItem:
+    """A session's first call: its prompt and a tree after it, every row's logits."""
+    parents = [*range(-1, len(prompt) - 1), *(len(prompt) - 1 if p < 0 else len(prompt) + p for _, p in nodes)]
+    return ForwardItem(session, 0, prompt + [t for t, _ in nodes], parents=parents, logits_at=list(range(len(prompt) - 1, len(prompt) + len(nodes))))
+
+
 def path_to(nodes: list[tuple[int, int]], node: int) -> list[int]:
     path = []
     while node >= 0:
@@ -174,3 +180,58 @@ def test_a_warm_up_leaves_nothing_behind(builtin_llama: ModelRunner, tokens: lis
     builtin_llama.warm_up()
     assert builtin_llama.session_ids() == [] and builtin_llama.memory_bytes() == 0
     assert torch.equal(builtin_llama.forward_full(tokens, 3), before)
+
+
+def test_a_new_session_takes_the_cells_of_an_ended_one_that_starts_the_same(tokens: list[int]) -> None:
+    """The prompt cache: a session that ends leaves its chain's cells; a new session whose tokens
+    start the same decodes only the rest — chain sessions (streams) and tree sessions (their own
+    contexts) alike — and every row scores bit for bit what it scores afresh."""
+    runner = load_runner("builtin", "llama.cpp")
+    assert isinstance(runner, LlamaCppRunner)
+    system = (tokens * 3)[:70]
+    try:
+        runner.prefill("first", system + [11, 12], 1)
+        runner.free("first")
+        before = runner.reused_rows
+        chain = runner.prefill("second", system + [13, 14, 15], 3)
+        assert runner.reused_rows - before == len(system)
+        assert torch.equal(chain, runner.forward_full(system + [13, 14, 15], 3))
+        runner.free("second")
+        whole = runner.prefill("third", system, 2)  # all of it cached: the rows that return logits are decoded again
+        assert runner.reused_rows - before == 2 * len(system) - 2
+        assert torch.equal(whole, runner.forward_full(system, 2))
+        runner.free("third")
+
+        runner.forward([prompt_and_tree("tree", system + [21], TREE[:3])])  # tree sessions: a context of their own
+        runner.keep("tree", [*range(len(system) + 1), len(system) + 1])  # a round's path kept
+        runner.free("tree")
+        before = runner.reused_rows
+        out = runner.forward([prompt_and_tree("again", system + [22], TREE)])[0]
+        assert runner.reused_rows - before == len(system)  # the chain up to the first token that differs
+        for node in range(len(TREE)):
+            path = [TREE[i][0] for i in path_to(TREE, node)]
+            assert torch.equal(out[1 + node], runner.forward_full(system + [22] + path, 1)[0]), node
+        runner.free("again")
+
+        # a session that shares only a short start (a chat template's first line) takes an empty place, not a long prompt's cells
+        runner.prefill("short", system[:3] + [40, 41], 1)
+        runner.free("short")
+        before = runner.reused_rows
+        runner.prefill("long again", system + [42], 1)
+        assert runner.reused_rows - before == len(system)
+        runner.free("long again")
+
+        # adopt: a session about to start takes the cached rows first, then feeds the rest in chunks
+        assert runner.adopt("fifth", system + [23, 24]) == len(system) and runner.tokens("fifth") == system
+        assert runner.adopt("fifth", system) == 0  # held already
+        adopted = runner.append("fifth", [23, 24], 2)
+        assert torch.equal(adopted, runner.forward_full(system + [23, 24], 2))
+        runner.free("fifth")
+
+        cold = load_runner("builtin", "llama.cpp")
+        try:
+            assert torch.equal(runner.prefill("fourth", system + [9], 1), cold.prefill("fourth", system + [9], 1))
+        finally:
+            cold.close()
+    finally:
+        runner.close()
