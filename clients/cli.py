@@ -12,7 +12,7 @@
     specgate bench load [--concurrency N[,N...]] [--duration S] [--json FILE]
     specgate bench grammar [--repeats N] [--json FILE]
     specgate bench structured [--runs N] [--quick] [--json FILE]
-    specgate bench workload [--prompts N] [--max-tokens N] [--quick] [--json FILE]
+    specgate bench workload [--prompts N] [--max-tokens N] [--categories A,B] [--quick] [--json FILE]
     specgate bench pipeline [--stages 2,3] [--hop-ms 0,5,20] [--runs N] [--json FILE]
     specgate chat [--url URL] [--mode MODE] [--api-key KEY]
     specgate eval [--url URL | --serve] [--json FILE]
@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--prompts", type=int, default=8, help="prompts per category, 1 to 8 (default: 8)")
     workload.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: 64)")
     workload.add_argument("--quick", action="store_true", help="zero link and T = 0 only")
+    workload.add_argument("--categories", default=None, help="a comma-separated subset of the categories (default: all six)")
     workload.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     load = benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS")
     load.add_argument(

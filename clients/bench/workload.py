@@ -61,9 +61,13 @@ def bench_workload(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
     links = [WORKLOAD_LINKS[0]] if args.quick else WORKLOAD_LINKS
+    categories = args.categories.split(",") if args.categories else list(PROMPTS)
+    unknown = [c for c in categories if c not in PROMPTS]
+    if unknown:
+        raise SystemExit(f"specgate bench workload: unknown categories {unknown}; the categories are {list(PROMPTS)}")
     return {
         "prompts": max(1, min(args.prompts, 8)), "max_tokens": args.max_tokens, "gamma": 4, "links": links,
-        "temperatures": [0.0] if args.quick else [0.0, 1.0], "categories": list(PROMPTS),
+        "temperatures": [0.0] if args.quick else [0.0, 1.0], "categories": categories,
     }
 
 

@@ -22,7 +22,7 @@ SPECGATE = [sys.executable, "-m", "clients.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("args", [[], ["worker"], ["gateway"], ["serve"], ["bench"], ["bench", "worker"], ["bench", "dsd"], ["bench", "load"], ["bench", "tree"], ["bench", "tree-device"], ["bench", "grammar"], ["bench", "structured"]])
+@pytest.mark.parametrize("args", [[], ["worker"], ["gateway"], ["serve"], ["bench"], ["bench", "worker"], ["bench", "dsd"], ["bench", "load"], ["bench", "tree"], ["bench", "tree-device"], ["bench", "grammar"], ["bench", "structured"], ["bench", "workload"]])
 def test_every_command_has_help(args: list[str]) -> None:
     out = subprocess.run([*SPECGATE, *args, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0 and "usage: specgate" in out.stdout
@@ -61,6 +61,22 @@ def test_bench_structured_summarises_a_cell() -> None:
     row = _summary("exact", 1.0, "schema", {True: [sample(20, 5, 4, True), sample(20, 5, 2, False)], False: [sample(20, 10, 0, None)] * 2})
     assert row["tokens_per_round_ratio"] == 2.0 and row["constrained"]["forced_per_answer"] == 3 and row["valid_share"] == 0.5
     assert row["speed_ratio"] == 1.0 and row["mask_gateway_ms"] == 0.0 and row["constrained"]["bytes_per_token"] == 100
+
+
+def test_bench_workload_runs_each_drafter_and_writes_json(tmp_path: Path) -> None:
+    """The smoke test: one summarization prompt, T = 0, zero link, through real workers and a
+    gateway: a row per drafter, lookup's with its hit rate; an unknown category is one line."""
+    out = tmp_path / "workload.json"
+    args = ["bench", "workload", "--quick", "--prompts", "1", "--max-tokens", "12", "--categories", "summarization", "--json", str(out)]
+    run = subprocess.run([*SPECGATE, *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    cells = json.loads(out.read_text())["cells"]
+    assert [c["drafter"] for c in cells] == ["model", "lookup", "model+lookup"] and all(c["category"] == "summarization" for c in cells)
+    assert all(c["tokens"] > 0 and c["tokens_per_round"] >= 1 for c in cells)
+    assert cells[0]["lookup_hit_rate"] is None and cells[1]["lookup_hit_rate"] is not None
+    assert "model+lookup / model" in run.stdout
+    bad = subprocess.run([*SPECGATE, "bench", "workload", "--categories", "poetry"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "unknown categories ['poetry']" in bad.stderr
 
 
 def test_worker_with_a_missing_model_is_a_one_line_error() -> None:
