@@ -121,7 +121,7 @@ class DraftModel:
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
         timing: dict[str, float] | None = None, transformer: Transformer | None = None, limit: int | None = None,
-        drafter: Drafter = Drafter.MODEL,
+        drafter: Drafter = Drafter.MODEL, shared: bool = True,
     ) -> TokenTree:
         """Draft ``gamma`` tokens after ``sequence`` (the agreed tokens of the session);
         ``truncation`` = (draft_top_k, draft_top_p) sparsifies q̂ (TSLT), losslessly. Once
@@ -134,29 +134,32 @@ class DraftModel:
         grammar, the tokens it forces are drafted without a draft step of their own (one decode
         feeds a run of them) and do not count in ``gamma``, up to ``limit`` tokens in all.
         ``drafter`` (DESIGN §3.10): ``lookup`` drafts the lookup's proposal alone (δ rows, no
-        model step); ``model+lookup`` puts the part of it the model agrees with first, free."""
+        model step); ``model+lookup`` puts the part of it the model agrees with first, free.
+        ``shared`` = False (a seeded request) leaves out the suffix index of other sessions'
+        outputs: those may come from the same seed, whose draws would then test a draft they
+        shaped, and a seeded answer must not depend on what ran before it."""
         await self._idle(session_id)
         if cancel is not None and cancel.is_set():
             return TokenTree.chain([], [])
         most = max(gamma, limit or gamma)
         if drafter is Drafter.LOOKUP:
             started = time.perf_counter()
-            tokens = self._lookup_run(session_id, sequence, most, transformer)
+            tokens = self._lookup_run(session_id, sequence, most, transformer, shared)
             if timing is not None:
                 timing["draft_sampling"] = timing.get("draft_sampling", 0.0) + time.perf_counter() - started
             return TokenTree.chain(tokens, [_delta_support(t) for t in tokens])
-        run = self._lookup_run(session_id, sequence, most, transformer) if drafter is Drafter.MODEL_LOOKUP else []
+        run = self._lookup_run(session_id, sequence, most, transformer, shared) if drafter is Drafter.MODEL_LOOKUP else []
         steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression, transformer, limit, run)
         return await self._run(session_id, steps, timing)
 
-    def _lookup_run(self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None) -> list[int]:
+    def _lookup_run(self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None, shared: bool = True) -> list[int]:
         """The lookup's proposal after ``sequence``: prompt lookup in the session's context, else
         the suffix index of ended sessions' outputs; cut before an EOS's successors and before
         the first token a grammar does not allow (it could not be accepted)."""
         index = self._lookups.setdefault(session_id, PromptLookup(self.lookup_params))
         index.sync(sequence)
         proposal: Proposal = index.propose(count)
-        if not proposal.tokens:
+        if not proposal.tokens and shared:
             proposal = self.suffixes.propose(sequence, count)
         tokens = proposal.tokens
         eos = set(self.runner.info.eos_ids)
@@ -185,16 +188,21 @@ class DraftModel:
         await self._idle(session_id)
         grammar = extra > 0 and transformer is not None and transformer.matcher is not None
         limit = (depth_limit if depth_limit is not None else shape.max_depth) if grammar else 0
+        # sampled children: each path gets its own ``extra`` (a budget shared across branches would let
+        # one branch's draws shape another's round, and the next round redraws those keys); fixed
+        # children draw nothing: one budget for the tree
+        per_path = shape.rule is not ChildRule.FIXED
         left = [extra if grammar else 0]
-        steps = self._tree_of(session_id, sequence, shape, params, seed, choice, truncation, transformer, limit, left)
+        steps = self._tree_of(session_id, sequence, shape, params, seed, choice, truncation, transformer, limit, left, per_path)
         tree = await self._run(session_id, steps, timing)
-        if left[0] > 0 and transformer is not None:
-            tree = self._with_forced_runs(tree, transformer, sequence, limit, left[0])
+        if grammar and transformer is not None and (per_path or left[0] > 0):
+            tree = self._with_forced_runs(tree, transformer, sequence, limit, extra if per_path else left[0], per_path)
         return tree
 
-    def _with_forced_runs(self, tree: TokenTree, transformer: Transformer, sequence: list[int], depth_limit: int, extra: int) -> TokenTree:
+    def _with_forced_runs(self, tree: TokenTree, transformer: Transformer, sequence: list[int], depth_limit: int, extra: int, per_path: bool = False) -> TokenTree:
         """``tree`` with the tokens the grammar forces after each leaf hung below it: each such
-        child is drawn from a point mass (its parent's q̂ row is δ), as every target's T(p) is there."""
+        child is drawn from a point mass (its parent's q̂ row is δ), as every target's T(p) is there.
+        ``per_path``: each leaf's run within ``extra`` less the point masses on its path already."""
         eos = set(self.runner.info.eos_ids)
         tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
         n = len(tokens)
@@ -208,7 +216,8 @@ class DraftModel:
         leaves = sorted((v for v in range(n) if v not in inner and tokens[v] not in eos), key=lambda v: (-score[v], v))
         added: list[tuple[int, int]] = []  # (parent, token)
         for leaf in leaves:
-            room = min(extra - len(added), depth_limit - depth[leaf])
+            used = sum(1 for v in tree.path_to(leaf) if logq[v] == 0.0) if per_path else len(added)
+            room = min(extra - used, depth_limit - depth[leaf])
             if room <= 0:
                 continue
             path = [tokens[v] for v in tree.path_to(leaf)]
@@ -402,6 +411,7 @@ class DraftModel:
     def _tree_of(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float], transformer: Transformer | None = None, depth_limit: int = 0, left: list[int] | None = None,
+        per_path: bool = False,
     ) -> Steps:
         """The tree's drafting. With ``left`` = [n > 0] (a grammar's free nodes still to place;
         what is not used is left there), a node that gets children first gets the run of tokens
@@ -437,7 +447,7 @@ class DraftModel:
                     frontier = sorted(frontier, key=lambda n: (-scores[n], n))[: shape.top_k]
                 if depth == shape.max_depth or not frontier:
                     break
-                runs = {n: self._forced_below(n, tokens, parents, scores, depths, free, transformer, sequence, depth_limit, left, eos) for n in frontier}
+                runs = {n: self._forced_below(n, tokens, parents, scores, depths, free, transformer, sequence, depth_limit, left, eos, per_path) for n in frontier}
                 feed: list[int] = []
                 feed_parents: list[int] = []
                 ends: list[int] = []
@@ -471,12 +481,20 @@ class DraftModel:
     def _forced_below(
         self, node: int, tokens: list[int], parents: list[int], scores: list[float], depths: list[int], free: set[int],
         transformer: Transformer | None, sequence: list[int], depth_limit: int, left: list[int] | None, eos: set[int],
+        per_path: bool = False,
     ) -> list[int]:
         """Hang the run of tokens the grammar forces after ``node`` below it (new nodes, within
         ``left`` and ``depth_limit``); the nodes added, top down."""
         if left is None or left[0] <= 0 or transformer is None or transformer.matcher is None:
             return []
-        room = min(left[0], depth_limit - depths[node])
+        if per_path:  # ``left`` is each path's budget: its forced nodes so far count against it
+            above, used = node, 0
+            while above >= 0:
+                used += above in free
+                above = parents[above]
+            room = min(left[0] - used, depth_limit - depths[node])
+        else:
+            room = min(left[0], depth_limit - depths[node])
         if room <= 0:
             return []
         added: list[int] = []
@@ -488,7 +506,8 @@ class DraftModel:
             depths.append(depths[above] + 1)
             free.add(len(tokens) - 1)
             added.append(len(tokens) - 1)
-        left[0] -= len(added)
+        if not per_path:
+            left[0] -= len(added)
         return added
 
     @staticmethod

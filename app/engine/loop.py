@@ -238,7 +238,7 @@ class Engine:
         limit = min(room if room is not None else gamma, max(gamma, min(gamma + FORCED_EXTRA, MAX_DRAFT)))
         return await self.draft.propose(
             session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, suppression=suppression, timing=timing,
-            transformer=transformer, limit=limit, drafter=req.spec.drafter,
+            transformer=transformer, limit=limit, drafter=req.spec.drafter, shared=not req.seeded,
         )
 
     async def _draft_tree(

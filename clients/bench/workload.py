@@ -4,7 +4,8 @@ The bundled prompt set (``clients.bench.workload_prompts``: six categories, eigh
 each) through two real workers (builtin, builtin-alt) and a gateway per emulated link (zero,
 and 50 ms / 10 Mbps), mode ``exact`` (the built-in default's: draft top-32). Per link × T (0,
 1) × category, each prompt goes once per drafter — ``model``, ``lookup``, ``model+lookup`` —
-one after the other (the machine's noise falls on all three), seeded. Figures per cell:
+one after the other (the machine's noise falls on all three), unseeded (a seeded request does not
+use the suffix index). Figures per cell:
 tokens per round, tok/s, the draft's ms per round, and the lookup hit rate (lookups that
 proposed a token, from the gateway's ``/metrics``).
 """
@@ -72,7 +73,9 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _chat(client: httpx.Client, messages: Messages, temperature: float, seed: int, spec: dict[str, Any], max_tokens: int) -> tuple[float, dict[str, Any]]:
-    body = {"model": "specgate", "messages": messages, "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "speculative": spec}
+    """No ``seed`` is sent: a seeded request leaves the suffix index out (its outputs may share the
+    seed), and the bench measures what unseeded traffic gets; ``seed`` is kept for the signature."""
+    body = {"model": "specgate", "messages": messages, "max_tokens": max_tokens, "temperature": temperature, "speculative": spec}
     started = time.perf_counter()
     resp = client.post("/v1/chat/completions", json=body).raise_for_status()
     return time.perf_counter() - started, resp.json()["usage"]

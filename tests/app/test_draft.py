@@ -144,6 +144,19 @@ async def test_an_abandoned_draft_ends_at_its_next_step_and_free_waits_for_it() 
     assert len(first) == 3
 
 
+async def test_a_seeded_draft_leaves_the_suffix_index_of_other_sessions_out() -> None:
+    """Other sessions' outputs may come from the same seed: a seeded request's lookup uses its own
+    context only (``shared=False``), so its answer does not depend on what ran before."""
+    from core.names import Drafter
+
+    draft = DraftModel(MarkovRunner(random_table(4, 1), eos_ids=[3]), ModelThread())
+    draft.suffixes.add([0, 2, 1, 0, 2])
+    greedy = SamplingParams(temperature=0.0)
+    assert (await draft.propose("a", [1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP)).ids() == [2]  # "1 0" then 2, in the outputs
+    assert (await draft.propose("b", [1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP, shared=False)).ids() == []
+    assert (await draft.propose("c", [1, 0, 2, 1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP, shared=False)).ids() == [2, 1]
+
+
 async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
     """DESIGN §3.9: a run of forced tokens takes no draft step of its own and does not count in
     γ; its q̂ rows are point masses; ``limit`` caps the chain (the room left)."""
@@ -202,6 +215,9 @@ async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
     assert [item.tokens for item in items[1:]] == [[1, 0]]  # one draft step below the prompt's: the node and its run
     assert (await draft.propose_tree("t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=1)).ids() == [1, 0, 1]
     assert (await draft.propose_tree("t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=2, extra=8)).ids() == [1, 0]
+    # sampled children: each path has its own budget (a shared one let one branch's draws shape another's round)
+    two = TreeShape(ChildRule.SAMPLED, widths=(2,))
+    assert (await draft.propose_tree("t", sequence, two, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=1)).ids() == [1, 1, 0, 0]
     # sampled: a one-wide tree is the chain, draw for draw (a draw is keyed by its position)
     t1 = SamplingParams(temperature=1.0)
     for seed in range(6):

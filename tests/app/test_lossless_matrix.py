@@ -357,7 +357,7 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
         for output in LOOKUPS[cell.lookup][1] if cell.lookup else ():
             engine.draft.suffixes.add(list(output))
         req = GenerationRequest(
-            f"m{next(count)}", cell.prompt, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=True, min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform),
+            f"m{next(count)}", cell.prompt, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=cell.lookup != "suffix index", min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform),
         )
         tokens: list[int] = []
         bound, seen, drafted = 0.0, 0, None
