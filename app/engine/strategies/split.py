@@ -40,7 +40,7 @@ class SplitStrategy(Strategy):
             result.logprobs = worker_logprobs(rnd, tokens, values)
         if not spec.is_lossless:
             result.bound = result_bound + [0.0] * (len(tokens) - len(result_bound))
-            result.error = list(result.bound)  # renormalize: e = σ at the one position sent
+            result.error = list(result.bound)  # the one position p̂ decided: its residual's bound (_residual_bound)
         return result
 
 
