@@ -27,7 +27,7 @@ import torch
 
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_ids, normalised, truncate, truncated_support
-from core.lookup import LookupParams, PromptLookup, Proposal, SuffixIndex
+from core.lookup import NO_PROPOSAL, AcceptanceStats, LookupParams, PromptLookup, Proposal, SuffixIndex
 from core.math.tree import ChildRule, SparseRow, TokenTree, TreeShape, sparse_rows
 from core.names import Drafter
 from core.runners import ModelRunner
@@ -36,6 +36,9 @@ from core.runners.model_thread import ModelThread
 from core.transform import Transformer
 
 DEFAULT_BATCH_TOKENS = 128  # a draft step's new rows, all requests together (DraftConfig.max_batch_tokens)
+LOOKUP_PRIOR = 0.5  # a lookup token's acceptance, given the one before it was accepted, before any is measured
+MODEL_PRIOR = 0.7  # a draft model token's (a chain's), likewise
+SLOT_PRIOR = (0.7, 0.15)  # a sampled tree's node's acceptance per level of its path: first child, a later one (before measured)
 
 
 @dataclass
@@ -109,6 +112,8 @@ class DraftModel:
         self._lookups: dict[str, PromptLookup] = {}  # session -> its context's n-grams
         self.suffixes = SuffixIndex(self.lookup_params)  # the outputs of ended sessions
         self.num_lookups = self.num_lookup_hits = self.num_lookup_tokens = 0  # since start (metrics)
+        self.acceptance = AcceptanceStats()  # measured: lookup tokens by place and match, tree nodes by place in their shape
+        self._records: dict[str, _Record] = {}  # session -> what its last tree's nodes were (``observe``)
         self._arrived: list[_Drafting] = []
         self._busy: dict[str, asyncio.Future[TokenTree]] = {}  # session -> its draft in progress
         self._loop_task: asyncio.Task[None] | None = None
@@ -148,14 +153,23 @@ class DraftModel:
             if timing is not None:
                 timing["draft_sampling"] = timing.get("draft_sampling", 0.0) + time.perf_counter() - started
             return TokenTree.chain(tokens, [_delta_support(t) for t in tokens])
-        run = self._lookup_run(session_id, sequence, most, transformer, shared) if drafter is Drafter.MODEL_LOOKUP else []
-        steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression, transformer, limit, run)
-        return await self._run(session_id, steps, timing)
+        branch = self._branch(session_id, sequence, most, transformer, shared, params.is_greedy) if drafter is Drafter.MODEL_LOOKUP else None
+        record = _Record() if branch is not None else None
+        steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression, transformer, limit, branch, record)
+        tree = await self._run(session_id, steps, timing)
+        if record is not None:
+            self._records[session_id] = record
+        return tree
 
     def _lookup_run(self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None, shared: bool = True) -> list[int]:
+        return self._lookup(session_id, sequence, count, transformer, shared).tokens
+
+    def _lookup(self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None, shared: bool = True) -> Proposal:
         """The lookup's proposal after ``sequence``: prompt lookup in the session's context, else
         the suffix index of ended sessions' outputs; cut before an EOS's successors and before
         the first token a grammar does not allow (it could not be accepted)."""
+        if count <= 0:
+            return NO_PROPOSAL
         index = self._lookups.setdefault(session_id, PromptLookup(self.lookup_params))
         index.sync(sequence)
         proposal: Proposal = index.propose(count)
@@ -171,12 +185,35 @@ class DraftModel:
         self.num_lookups += 1
         self.num_lookup_hits += bool(tokens)
         self.num_lookup_tokens += len(tokens)
-        return tokens
+        return Proposal(tokens, proposal.match if tokens else 0)
+
+    def _branch(self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None, shared: bool, greedy: bool) -> _Branch:
+        """The lookup's proposal as a branch: each token's acceptance given the one before it, as
+        measured for its place in the run, its match's length and greedy or not (the prior alone
+        for a seeded request: ``shared`` = False); and a model token's, likewise (a chain's)."""
+        proposal = self._lookup(session_id, sequence, count, transformer, shared)
+        keys: list[tuple[object, ...]] = [("lookup", greedy, min(proposal.match, 4), j) for j in range(len(proposal.tokens))]
+        model = ("model", greedy)
+        return _Branch(proposal.tokens, keys, [self.acceptance.rate(key, LOOKUP_PRIOR, shared) for key in keys], shared, model, self.acceptance.rate(model, MODEL_PRIOR, shared))
+
+    def observe(self, session_id: str, path: list[int]) -> None:
+        """The walk of the session's last tree accepted ``path``: its lookup tokens (each tested
+        once the one before it was accepted) and its nodes' places count in ``acceptance``."""
+        record = self._records.pop(session_id, None)
+        if record is None:
+            return
+        accepted = set(path)
+        for j, (node, key) in enumerate(record.lookup):
+            if j and record.lookup[j - 1][0] not in accepted:
+                break
+            self.acceptance.observe(key, node in accepted)
+        for node, key in record.slots:
+            self.acceptance.observe(key, node in accepted)
 
     async def propose_tree(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float] = (0, 1.0), timing: dict[str, float] | None = None, transformer: Transformer | None = None,
-        depth_limit: int | None = None, extra: int = 0,
+        depth_limit: int | None = None, extra: int = 0, drafter: Drafter = Drafter.MODEL, shared: bool = True,
     ) -> TokenTree:
         """Draft a tree of ``shape`` after ``sequence`` (DESIGN §3.6): one batched draft decode
         per depth over the nodes that get children. The draws are keyed by position and lane
@@ -184,8 +221,25 @@ class DraftModel:
         With a grammar and ``extra`` > 0, the runs of tokens it forces come free, up to ``extra``
         nodes in all, no deeper than ``depth_limit``: after each node that gets children (best
         first), fed with it in its depth's decode, and taking no depth of ``shape`` (its children
-        follow the run); then below the leaves."""
+        follow the run); then below the leaves.
+        ``drafter`` (DESIGN §3.10): ``model+lookup`` joins the lookup's proposal to the tree as a
+        branch of deterministic children (first at the root; merged where the model drafted the
+        same token), sharing the node budget: with fixed children its tokens rank by their
+        measured acceptance among the model's by draft probability (EAGLE-2's top N); with
+        sampled ones each displaces the model's least valuable place in the shape while its
+        expected acceptance is higher (``_displaced``), and the root's drawn children come from
+        q̂ without the lookup's token. ``lookup`` drafts the proposal alone (δ rows, no model
+        step). ``shared`` as in ``propose`` (and a seeded request's weighing uses priors only)."""
         await self._idle(session_id)
+        room = depth_limit if depth_limit is not None else shape.max_depth
+        if drafter is Drafter.LOOKUP:
+            started = time.perf_counter()
+            tokens = self._lookup_run(session_id, sequence, room, transformer, shared)
+            if timing is not None:
+                timing["draft_sampling"] = timing.get("draft_sampling", 0.0) + time.perf_counter() - started
+            return TokenTree.chain(tokens, [_delta_support(t) for t in tokens])
+        branch = self._branch(session_id, sequence, room, transformer, shared, params.is_greedy) if drafter is Drafter.MODEL_LOOKUP else None
+        record = _Record() if branch is not None else None
         grammar = extra > 0 and transformer is not None and transformer.matcher is not None
         limit = (depth_limit if depth_limit is not None else shape.max_depth) if grammar else 0
         # sampled children: each path gets its own ``extra`` (a budget shared across branches would let
@@ -193,10 +247,12 @@ class DraftModel:
         # children draw nothing: one budget for the tree
         per_path = shape.rule is not ChildRule.FIXED
         left = [extra if grammar else 0]
-        steps = self._tree_of(session_id, sequence, shape, params, seed, choice, truncation, transformer, limit, left, per_path)
+        steps = self._tree_of(session_id, sequence, shape, params, seed, choice, truncation, transformer, limit, left, per_path, branch, record)
         tree = await self._run(session_id, steps, timing)
         if grammar and transformer is not None and (per_path or left[0] > 0):
             tree = self._with_forced_runs(tree, transformer, sequence, limit, extra if per_path else left[0], per_path)
+        if record is not None:
+            self._records[session_id] = record
         return tree
 
     def _with_forced_runs(self, tree: TokenTree, transformer: Transformer, sequence: list[int], depth_limit: int, extra: int, per_path: bool = False) -> TokenTree:
@@ -234,9 +290,10 @@ class DraftModel:
             ids[parent + 1] = -1
             probs[parent + 1] = 0
             ids[parent + 1, 0], probs[parent + 1, 0] = token, 1.0
+        flags = None if tree.deterministic is None else torch.cat([tree.deterministic, torch.zeros(len(added), dtype=torch.bool)])
         return TokenTree(
             torch.tensor([*tokens, *(t for _, t in added)], dtype=torch.long), torch.tensor([*parents, *(p for p, _ in added)], dtype=torch.long),
-            ids, probs, tree.rule,
+            ids, probs, tree.rule, flags,
         )
 
     async def free(self, session_id: str, output: list[int] | None = None) -> None:
@@ -244,6 +301,7 @@ class DraftModel:
         (the tokens it generated) joins the suffix index."""
         await self._idle(session_id)
         self._lookups.pop(session_id, None)
+        self._records.pop(session_id, None)
         if output:
             self.suffixes.add(output)
         await self.thread.run(self.runner.free, session_id)
@@ -343,8 +401,14 @@ class DraftModel:
     def _chain(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float], cancel: threading.Event | None, suppression: Suppression | None, transformer: Transformer | None = None,
-        limit: int | None = None, run: list[int] | None = None,
+        limit: int | None = None, branch: _Branch | None = None, record: _Record | None = None,
     ) -> Steps:
+        """A chain of ``gamma`` drafted tokens (forced ones free, within ``limit``). ``branch``
+        (model+lookup): the lookup's run first, one decode scoring it, each token kept while it
+        is the model's top-1 there or its measured acceptance is at least a model token's (a
+        confident lookup the small model does not see); the model drafts on after what was kept.
+        ``record`` gets each token's kind (``observe``)."""
+        run = branch.tokens if branch is not None else []
         runner = self.runner
         eos = set(runner.info.eos_ids)
         if not runner.has_session(session_id):
@@ -369,9 +433,10 @@ class DraftModel:
             return logits if transformer is None else transformer.rows(logits[None], sequence, [tokens])[0]
 
         if run:  # model+lookup: one decode scores the lookup's run; its tokens stay while each is the model's top-1
+            assert branch is not None
             after = yield runner.append_item(session_id, run[: limit], min(len(run), limit))  # [len, V]: the row after each
-            for token in run[:limit]:
-                if int(torch.argmax(shaped(logits, len(tokens)))) != token:
+            for j, token in enumerate(run[:limit]):
+                if int(torch.argmax(shaped(logits, len(tokens)))) != token and branch.rates[j] < branch.model_rate:
                     break
                 tokens.append(token)
                 logits = after[len(tokens) - 1]
@@ -380,6 +445,8 @@ class DraftModel:
                 else:
                     rows.append(_delta(token, self.vocab_size))
             runner.crop(session_id, len(sequence) + len(tokens))
+            if record is not None:
+                record.lookup = list(enumerate(branch.keys[: len(tokens)]))
             if tokens and (tokens[-1] in eos or len(tokens) >= limit):
                 return TokenTree.chain(tokens, supports if truncating else rows)
         while True:
@@ -403,6 +470,8 @@ class DraftModel:
                     supports.append((torch.tensor([token]), torch.ones(1, dtype=torch.float64)))
                 else:
                     rows.append(_delta(token, self.vocab_size))
+            if record is not None and branch is not None:
+                record.lookup.append((len(tokens) - 1 - len(forced), branch.model_key))  # forced ones are decided: never tested
             if tokens[-1] in eos or sampled == gamma or len(tokens) >= limit or (cancel is not None and cancel.is_set()):
                 break
             logits = (yield runner.append_item(session_id, tokens[-1 - len(forced) :], 1))[0]  # the sampled token and the run after it, one decode
@@ -411,12 +480,14 @@ class DraftModel:
     def _tree_of(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
         truncation: tuple[int, float], transformer: Transformer | None = None, depth_limit: int = 0, left: list[int] | None = None,
-        per_path: bool = False,
+        per_path: bool = False, branch: _Branch | None = None, record: _Record | None = None,
     ) -> Steps:
         """The tree's drafting. With ``left`` = [n > 0] (a grammar's free nodes still to place;
         what is not used is left there), a node that gets children first gets the run of tokens
         the grammar forces after it, no deeper than ``depth_limit``: the run is fed with the node
-        in the depth's decode, and the node's children come after it (the run's rows are δ)."""
+        in the depth's decode, and the node's children come after it (the run's rows are δ).
+        ``branch``: a lookup proposal joined as deterministic children (``propose_tree``); what
+        the tree's nodes were goes into ``record``."""
         runner, eos = self.runner, set(self.runner.info.eos_ids)
         if not runner.has_session(session_id):
             runner.adopt(session_id, sequence)
@@ -433,10 +504,13 @@ class DraftModel:
         depths: list[int] = []  # per node: its depth in the tree (forced runs included)
         free: set[int] = set()  # the nodes of forced runs
         lanes: dict[int, int] = {}  # position -> draws taken there (a draw's key: position, lane)
+        sampled = shape.rule is not ChildRule.FIXED
+        plan = self._plan(shape, branch) if sampled and branch is not None else None  # decided before any draw
+        excluded = {-1: branch.tokens[0]} if plan is not None and branch is not None and plan[0] else {}  # drawn after the lookup's child: from q̂ without it
         try:
             for depth in range(1, shape.max_depth + 1):
                 fresh = []
-                for parent, token, score in _children(frontier, q_at, scores, shape, depth, start, depths, lanes, params, seed, choice):
+                for parent, token, score in _children(frontier, q_at, scores, shape, depth, start, depths, lanes, params, seed, choice, excluded):
                     tokens.append(token)
                     parents.append(parent)
                     scores.append(score)
@@ -475,8 +549,24 @@ class DraftModel:
             if runner.has_session(session_id):
                 runner.crop(session_id, start)  # the session is the agreed sequence again
         if shape.rule is ChildRule.FIXED:
-            return _best_nodes(tokens, parents, scores, q_at, shape.nodes, self.vocab_size, free)
-        return _tree(tokens, parents, q_at, shape.rule, self.vocab_size)
+            marks = _merged(branch, tokens, parents, scores, depths) if branch is not None else []
+            tree, order = _best_nodes(tokens, parents, scores, q_at, shape.nodes, self.vocab_size, free, marks)
+            if record is not None and branch is not None:
+                kept = {n: i for i, n in enumerate(order)}
+                record.lookup = [(kept[n], key) for n, key in zip(marks, branch.keys) if n in kept]
+            return tree
+        if branch is None or plan is None:
+            return _tree(tokens, parents, q_at, shape.rule, self.vocab_size)
+        return _with_branch(tokens, parents, q_at, free, shape, branch, plan, record, self.vocab_size)
+
+    def _plan(self, shape: TreeShape, branch: _Branch) -> _Plan:
+        """A sampled tree's share between the lookup's branch and the model's places
+        (``_displaced``), from the measured rates (priors for a seeded request)."""
+        keys: dict[tuple[int, ...], tuple[object, ...]] = {place: ("slot", shape.rule.value, shape.widths, place) for place in _shape_places(shape.widths)}
+        values = {place: self.acceptance.rate(key, _slot_prior(place), branch.measured) for place, key in keys.items()}
+        count, gone = _displaced(values, branch.rates)
+        return count, gone, keys
+
 
     def _forced_below(
         self, node: int, tokens: list[int], parents: list[int], scores: list[float], depths: list[int], free: set[int],
@@ -520,6 +610,37 @@ class DraftModel:
         return truncate(q, *truncation) if not params.is_greedy and truncation != (0, 1.0) else normalised(q)  # q̂ as sampled, in float64
 
 
+_Plan = tuple[int, set[tuple[int, ...]], dict[tuple[int, ...], tuple[object, ...]]]  # lookup tokens taken, places given up, each place's kind
+
+
+def _with_branch(
+    tokens: list[int], parents: list[int], q_at: dict[int, torch.Tensor], free: set[int], shape: TreeShape, branch: _Branch, plan: _Plan,
+    record: _Record | None, vocab_size: int,
+) -> TokenTree:
+    """A sampled tree with the lookup's branch first at the root: its tokens displace the model's
+    places the plan gives up (those nodes and what hangs below them go)."""
+    count, gone, keys = plan
+    places = _places(tokens, parents, free)
+    dropped: set[int] = set()
+    for n in range(len(tokens)):
+        if (n not in free and places[n] in gone) or (parents[n] >= 0 and parents[n] in dropped):
+            dropped.add(n)
+    kept = [n for n in range(len(tokens)) if n not in dropped]
+    index = {-1: -1, **{n: count + i for i, n in enumerate(kept)}}
+    empty = torch.zeros(vocab_size)
+    rows = [q_at[-1], *([empty] * count), *(q_at.get(n, empty) for n in kept)]  # a lookup node's row: no draft there
+    ids, probs = sparse_rows(rows)
+    tree = TokenTree(
+        torch.tensor([*branch.tokens[:count], *(tokens[n] for n in kept)], dtype=torch.long),
+        torch.tensor([*range(-1, count - 1), *(index[parents[n]] for n in kept)], dtype=torch.long),
+        ids, probs, shape.rule, torch.tensor([True] * count + [False] * len(kept)),
+    )
+    if record is not None:
+        record.lookup = list(zip(range(count), branch.keys))
+        record.slots = [(index[n], keys[places[n]]) for n in kept if n not in free and places[n] in keys]
+    return tree
+
+
 def _path(node: int, tokens: list[int], parents: list[int]) -> list[int]:
     """The tokens from the root's child down to ``node``."""
     path = []
@@ -561,13 +682,14 @@ def _delta_support(token: int) -> SparseRow:
 
 def _children(
     frontier: list[int], q_at: dict[int, torch.Tensor], scores: list[float], shape: TreeShape, depth: int, start: int, depths: list[int],
-    lanes: dict[int, int], params: SamplingParams, seed: int, choice: int,
+    lanes: dict[int, int], params: SamplingParams, seed: int, choice: int, excluded: dict[int, int] | None = None,
 ) -> list[tuple[int, int, float]]:
     """(parent, token, cumulative log q̂) of the children of every frontier node, in order:
     the ``top_k`` most likely (fixed), or ``widths[depth − 1]`` draws (sampled; without
     replacement a drawn token leaves q̂ for its siblings). A draw is keyed by its position and
     its lane, the draws already taken at that position (``lanes``): without forced runs, every
-    node of a depth has one position and its draws take lanes 0, 1, … in order."""
+    node of a depth has one position and its draws take lanes 0, 1, … in order. ``excluded``:
+    parent -> the token of its deterministic (lookup) child, which its draws leave out."""
     out: list[tuple[int, int, float]] = []
     for parent in frontier:
         q = q_at[parent]
@@ -578,7 +700,11 @@ def _children(
             out.extend((parent, int(t), base + math.log(float(p))) for t, p in zip(top.indices, top.values) if p > 0)
             continue
         left = q.clone()
+        if excluded and parent in excluded:
+            left[excluded[parent]] = 0
         for _ in range(shape.widths[depth - 1]):
+            if not bool((left > 0).any()):
+                break
             lane = lanes.get(position, 0)
             lanes[position] = lane + 1
             if params.is_greedy:
@@ -602,24 +728,130 @@ def _tree(tokens: list[int], parents: list[int], q_at: dict[int, torch.Tensor], 
 
 def _best_nodes(
     tokens: list[int], parents: list[int], scores: list[float], q_at: dict[int, torch.Tensor], budget: int, vocab_size: int,
-    free: Collection[int] = (),
-) -> TokenTree:
+    free: Collection[int] = (), marks: Collection[int] = (),
+) -> tuple[TokenTree, list[int]]:  # the tree, and which node each of its nodes was
     """EAGLE-2's rerank: the ``budget`` nodes of best cumulative score — a node never outscores
-    its parent, so they form a tree — ordered by depth, siblings best first. The ``free`` nodes
-    (forced runs) are not counted: one stays when the drafted node above its run stays."""
+    its parent, so they form a tree — ordered by depth, siblings best first (``marks``, the
+    lookup's deterministic children, first of all). The ``free`` nodes (forced runs) are not
+    counted: one stays when the drafted node above its run stays."""
     kept_set = set(sorted((n for n in range(len(tokens)) if n not in free), key=lambda n: (-scores[n], n))[:budget])
     for n in range(len(tokens)):  # parents come first
         if n in free and _drafted_above(n, parents, free) in kept_set | {-1}:
             kept_set.add(n)
-    kept = sorted(kept_set, key=lambda n: (-scores[n], n))
+        elif n in kept_set and parents[n] >= 0 and parents[n] not in kept_set:  # below a run that went (a lookup's child)
+            kept_set.discard(n)
     depth: dict[int, int] = {-1: 0}
     for n in range(len(tokens)):
         depth[n] = depth[parents[n]] + 1
-    order = sorted(kept, key=lambda n: (depth[n], -scores[n], n))
+    marked = set(marks)
+    order = sorted(kept_set, key=lambda n: (depth[n], n not in marked, -scores[n], n))
     index = {-1: -1, **{n: i for i, n in enumerate(order)}}
     empty = torch.zeros(vocab_size)
     ids, probs = sparse_rows([q_at[-1], *(q_at.get(n, empty) for n in order)])
-    return TokenTree(
+    flags = torch.tensor([n in marked for n in order], dtype=torch.bool) if marked else None
+    tree = TokenTree(
         torch.tensor([tokens[n] for n in order], dtype=torch.long), torch.tensor([index[parents[n]] for n in order], dtype=torch.long),
-        ids, probs, ChildRule.FIXED,
+        ids, probs, ChildRule.FIXED, flags,
     )
+    return tree, order
+
+
+@dataclass
+class _Branch:
+    """A lookup proposal: its tokens, their kinds (``AcceptanceStats`` keys), each one's
+    acceptance given the one before it, whether those were measured (not a prior), and a draft
+    model token's kind and acceptance (what a chain weighs a lookup token against)."""
+
+    tokens: list[int]
+    keys: list[tuple[object, ...]]
+    rates: list[float]
+    measured: bool
+    model_key: tuple[object, ...] = ("model",)
+    model_rate: float = MODEL_PRIOR
+
+
+@dataclass
+class _Record:
+    """What a draft's nodes were, for ``DraftModel.observe``: (node, kind) of its lookup nodes in
+    run order — a chain's every token, lookup or model, in order: each is tested once the one
+    before it was accepted — and of a sampled tree's drafted nodes by their place in its shape."""
+
+    lookup: list[tuple[int, tuple[object, ...]]] = field(default_factory=list)
+    slots: list[tuple[int, tuple[object, ...]]] = field(default_factory=list)
+
+
+def _merged(branch: _Branch, tokens: list[int], parents: list[int], scores: list[float], depths: list[int]) -> list[int]:
+    """The lookup's branch joined to a fixed tree's nodes: each token is the child of the one
+    before it (the root's for the first), merged with a drafted sibling of the same token;
+    scored by the log of its measured acceptance on top of its parent's (a node never outscores
+    its parent: EAGLE-2's rerank keeps a tree). The branch's nodes, in run order."""
+    above, out = -1, []
+    for token, rate in zip(branch.tokens, branch.rates):
+        score = (scores[above] if above >= 0 else 0.0) + math.log(max(rate, 1e-9))
+        match = next((n for n in range(len(tokens)) if parents[n] == above and tokens[n] == token), None)
+        if match is None:
+            tokens.append(token)
+            parents.append(above)
+            scores.append(score)
+            depths.append(depths[above] + 1 if above >= 0 else 1)
+            match = len(tokens) - 1
+        else:
+            scores[match] = max(scores[match], score)
+        out.append(match)
+        above = match
+    return out
+
+
+def _places(tokens: list[int], parents: list[int], free: Collection[int]) -> dict[int, tuple[int, ...]]:
+    """Each drafted node's place in its sampled shape: the ranks of its path among the drafted
+    children of each node above (forced runs take no place)."""
+    places: dict[int, tuple[int, ...]] = {}
+    ranks: dict[int, int] = {}  # drafted parent -> its drafted children so far
+    for n in range(len(tokens)):
+        if n in free:
+            continue
+        above = _drafted_above(n, parents, free)
+        rank = ranks.get(above, 0)
+        ranks[above] = rank + 1
+        places[n] = (*(places[above] if above >= 0 else ()), rank)
+    return places
+
+
+def _shape_places(widths: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every place of a full sampled tree of ``widths``, depth by depth."""
+    out: list[tuple[int, ...]] = []
+    level: list[tuple[int, ...]] = [()]
+    for k in widths:
+        level = [(*place, rank) for place in level for rank in range(k)]
+        out.extend(level)
+    return out
+
+
+def _slot_prior(place: tuple[int, ...]) -> float:
+    value = 1.0
+    for rank in place:
+        value *= SLOT_PRIOR[0] if rank == 0 else SLOT_PRIOR[1]
+    return value
+
+
+def _displaced(values: dict[tuple[int, ...], float], rates: list[float]) -> tuple[int, set[tuple[int, ...]]]:
+    """How many of the lookup's tokens join a sampled tree and the shape's places they take:
+    the j-th token's expected acceptance (the product of the rates up to it) against the least
+    valuable place that can go — a leaf of what is left, the last of its siblings — while it is
+    higher. The choice depends on the context and the measured rates, never on the draws."""
+    left, gone, reach = set(values), set[tuple[int, ...]](), 1.0
+    for rate in rates:
+        reach *= rate
+        removable = [
+            place for place in left
+            if not any(len(other) == len(place) + 1 and other[:-1] == place for other in left)
+            and not any(other[:-1] == place[:-1] and other[-1] > place[-1] for other in left if len(other) == len(place))
+        ]
+        if not removable:
+            break
+        low = min(removable, key=lambda place: (values[place], -len(place), [-r for r in place]))
+        if values[low] >= reach:
+            break
+        left.discard(low)
+        gone.add(low)
+    return len(gone), gone

@@ -583,9 +583,11 @@ class Gateway:
         has_model = self.draft.runner.has_weights
         if "drafter" not in MODES[mode].fields:
             if MODES[mode].drafts and not has_model:
-                raise ApiError(400, f"mode {mode.value!r} drafts with a model and this gateway has none (draft.model: none): use aggregate, split or exact (lookup drafts) or autoregressive", "speculative.mode")
+                raise ApiError(400, f"mode {mode.value!r} drafts with a model and this gateway has none (draft.model: none): use aggregate, split, exact or tree (lookup drafts) or autoregressive", "speculative.mode")
             return Drafter.MODEL
         drafter = Drafter(given or self.config.speculative.drafter or (Drafter.MODEL if has_model else Drafter.LOOKUP))
+        if mode is Mode.PIPELINE and drafter is Drafter.LOOKUP:
+            raise ApiError(400, "a pipeline keeps its stages busy by expanding its tree with the draft model: use drafter 'model' or 'model+lookup'" + ("" if has_model else " (this gateway has none: draft.model: none)"), "speculative.drafter")
         if drafter is not Drafter.LOOKUP and not has_model:
             raise ApiError(400, f"drafter {drafter.value!r} needs a draft model and this gateway has none (draft.model: none): use drafter 'lookup'", "speculative.drafter")
         return drafter

@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--prompts", type=int, default=8, help="prompts per category, 1 to 8 (default: 8)")
     workload.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: 64)")
     workload.add_argument("--quick", action="store_true", help="zero link and T = 0 only")
+    workload.add_argument("--mode", choices=["exact", "aggregate", "tree"], default="exact", help="the mode every request asks for (default: exact; tree: the lookup joins the default trees)")
     workload.add_argument("--categories", default=None, help="a comma-separated subset of the categories (default: all six)")
     workload.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     load = benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS")

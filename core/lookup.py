@@ -16,6 +16,7 @@ turns it into deterministic candidates (q̂ = δ), which every verification rule
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 
@@ -166,3 +167,39 @@ class SuffixIndex:
 
 def _size(node: _Node) -> int:
     return 1 + sum(_size(child) for child in node.children.values())
+
+
+class AcceptanceStats:
+    """Measured acceptance of draft candidates by kind (a key: a lookup token's place in its run
+    and how long its match was; a model node's place in a tree's shape), with a prior worth
+    ``weight`` observations: what a tree draft weighs a lookup branch against the model nodes
+    it would displace by (their expected accepted tokens). Counts are halved past ``horizon``
+    (recent rounds weigh more) and the kinds are bounded (``max_keys``: cleared past it)."""
+
+    def __init__(self, weight: float = 2.0, horizon: int = 2000, max_keys: int = 4096) -> None:
+        self.weight, self.horizon, self.max_keys = weight, horizon, max_keys
+        self._counts: dict[Hashable, list[float]] = {}  # key -> [tested, accepted]
+
+    def observe(self, key: Hashable, accepted: bool) -> None:
+        counts = self._counts.get(key)
+        if counts is None:
+            if len(self._counts) >= self.max_keys:
+                self._counts.clear()
+            counts = self._counts[key] = [0.0, 0.0]
+        counts[0] += 1
+        counts[1] += accepted
+        if counts[0] >= self.horizon:
+            counts[0] /= 2
+            counts[1] /= 2
+
+    def rate(self, key: Hashable, prior: float, measured: bool = True) -> float:
+        """The posterior mean of the acceptance of ``key``'s kind (``prior`` alone when not
+        ``measured``: a seeded request's draft must not depend on what ran before it)."""
+        counts = self._counts.get(key) if measured else None
+        if counts is None:
+            return prior
+        return (counts[1] + self.weight * prior) / (counts[0] + self.weight)
+
+    def tested(self, key: Hashable) -> float:
+        counts = self._counts.get(key)
+        return counts[0] if counts is not None else 0.0

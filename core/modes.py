@@ -71,10 +71,10 @@ MODES: dict[Mode, ModeSpec] = {
     Mode.SPLIT: ModeSpec(Mode.SPLIT, _DRAFTING | {"k"}, frozenset({Payload.FULL, Payload.TOP_K}), one_worker=True),
     Mode.EXACT: ModeSpec(Mode.EXACT, _DRAFTING | {"relaxation"}, frozenset({Payload.SPARSE})),
     Mode.TREE: ModeSpec(
-        Mode.TREE, _EVERY | {"tree", "k", "reconstruction", "draft_top_k", "draft_top_p"}, frozenset({Payload.FULL, Payload.TOP_K, Payload.SPARSE}),
+        Mode.TREE, _EVERY | {"tree", "k", "reconstruction", "draft_top_k", "draft_top_p", "drafter"}, frozenset({Payload.FULL, Payload.TOP_K, Payload.SPARSE}),
         pipelines=True, min_tokens=False,
     ),
-    Mode.PIPELINE: ModeSpec(Mode.PIPELINE, _EVERY | {"pipeline"}, frozenset({Payload.FULL}), one_worker=True, pipelines=True, min_tokens=False),  # one pipeline target, full distributions
+    Mode.PIPELINE: ModeSpec(Mode.PIPELINE, _EVERY | {"pipeline", "drafter"}, frozenset({Payload.FULL}), one_worker=True, pipelines=True, min_tokens=False),  # one pipeline target, full distributions
 }
 
 SERVED_MODES = tuple(m for m, spec in MODES.items() if spec.served)

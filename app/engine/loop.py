@@ -32,7 +32,7 @@ from core.math.sampling import Suppression
 from core.math.tree import SegmentSchedule, TokenTree, TreeShape
 from core.modes import MODES
 from core.grammar import Grammars
-from core.names import Mode
+from core.names import Drafter, Mode
 from core.protocol import VerifyRequest
 from core.transform import Transformer
 
@@ -124,6 +124,8 @@ class Engine:
                 # they hold sequence + draft: a chain's accepted tokens are theirs, a tree's path they
                 # keep when the next call names it (v1.1 ``path``); without a path it is resent
                 path = result.path if not draft.is_chain else None
+                if req.spec.drafter is Drafter.MODEL_LOOKUP:  # what its lookup tokens, model tokens and places got
+                    self.draft.observe(session_id, path if path is not None else list(range(result.accepted)))
                 agreed[:] = [len(sequence) + (result.accepted if draft.is_chain else len(path or ()))] * len(agreed)
                 sequence.extend(result.tokens)
                 result.finish_reason = self._finish(result, len(sequence) - len(req.prompt), req, len(sequence))
@@ -253,6 +255,7 @@ class Engine:
         extra = max(0, min(FORCED_EXTRA, MAX_DRAFT - cut.size))  # the grammar's forced runs below the leaves, free
         return await self.draft.propose_tree(
             session_id, sequence, cut, req.params, req.seed, req.choice, req.spec.truncation, timing, transformer, depth_limit=room - 1, extra=extra,
+            drafter=req.spec.drafter, shared=not req.seeded,
         )
 
     def _transformer(self, req: GenerationRequest) -> Transformer | None:

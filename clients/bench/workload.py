@@ -2,7 +2,8 @@
 
 The bundled prompt set (``clients.bench.workload_prompts``: six categories, eight chat prompts
 each) through two real workers (builtin, builtin-alt) and a gateway per emulated link (zero,
-and 50 ms / 10 Mbps), mode ``exact`` (the built-in default's: draft top-32). Per link × T (0,
+and 50 ms / 10 Mbps), mode ``exact`` (the built-in default's: draft top-32; ``--mode tree``: the
+default trees, the lookup joining them as a branch). Per link × T (0,
 1) × category, each prompt goes once per drafter — ``model``, ``lookup``, ``model+lookup`` —
 one after the other (the machine's noise falls on all three), unseeded (a seeded request does not
 use the suffix index). Figures per cell:
@@ -42,13 +43,13 @@ def bench_workload(args: argparse.Namespace) -> int:
         urls = _start_workers(stack)
         for link_name, link in plan["links"]:
             with ExitStack() as gateway_stack, httpx.Client(base_url=_start_gateway(gateway_stack, urls, link, plan["gamma"]), timeout=900) as client:
-                _chat(client, PROMPTS["translation"][0], 0.0, 0, {"mode": "exact"}, 4)  # warm-up
+                _chat(client, PROMPTS["translation"][0], 0.0, 0, {"mode": plan["mode"]}, 4)  # warm-up
                 for t in plan["temperatures"]:
                     for category in plan["categories"]:
                         samples: dict[str, list[dict[str, float]]] = {d: [] for d in DRAFTERS}
                         for i, messages in enumerate(PROMPTS[category][: plan["prompts"]]):
                             for drafter in DRAFTERS:
-                                samples[drafter].append(_measured(client, messages, t, i, drafter, plan["max_tokens"]))
+                                samples[drafter].append(_measured(client, messages, t, i, drafter, plan["max_tokens"], plan["mode"]))
                                 done += 1
                         rows += [_row(link_name, t, category, d, samples[d]) for d in DRAFTERS]
                         left = (time.monotonic() - started) / done * (total - done)
@@ -68,7 +69,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"specgate bench workload: unknown categories {unknown}; the categories are {list(PROMPTS)}")
     return {
         "prompts": max(1, min(args.prompts, 8)), "max_tokens": args.max_tokens, "gamma": 4, "links": links,
-        "temperatures": [0.0] if args.quick else [0.0, 1.0], "categories": categories,
+        "temperatures": [0.0] if args.quick else [0.0, 1.0], "categories": categories, "mode": getattr(args, "mode", "exact") or "exact",
     }
 
 
@@ -81,9 +82,9 @@ def _chat(client: httpx.Client, messages: Messages, temperature: float, seed: in
     return time.perf_counter() - started, resp.json()["usage"]
 
 
-def _measured(client: httpx.Client, messages: Messages, temperature: float, seed: int, drafter: str, max_tokens: int) -> dict[str, float]:
+def _measured(client: httpx.Client, messages: Messages, temperature: float, seed: int, drafter: str, max_tokens: int, mode: str = "exact") -> dict[str, float]:
     before = _lookups(client)
-    seconds, usage = _chat(client, messages, temperature, seed, {"mode": "exact", "drafter": drafter}, max_tokens)
+    seconds, usage = _chat(client, messages, temperature, seed, {"mode": mode, "drafter": drafter}, max_tokens)
     after = _lookups(client)
     block = usage["speculative"]
     return {
@@ -115,7 +116,8 @@ def _row(link: str, temperature: float, category: str, drafter: str, samples: li
 
 def print_table(results: dict[str, Any]) -> None:
     cells = results["cells"]
-    print(f"\nspecgate bench workload: exact (draft top-32), two workers, {results['setup']['prompts']} prompt(s) per category, ≤ {results['setup']['max_tokens']} tokens")
+    mode = results["setup"].get("mode", "exact")
+    print(f"\nspecgate bench workload: {'exact (draft top-32)' if mode == 'exact' else mode}, two workers, {results['setup']['prompts']} prompt(s) per category, ≤ {results['setup']['max_tokens']} tokens")
     print(f"{'link':18} {'T':>2} {'category':16} {'drafter':13} {'tokens/round':>12} {'tok/s':>7} {'draft ms/rd':>11} {'hit rate':>8}")
     for c in cells:
         hit = "" if c["lookup_hit_rate"] is None else f"{c['lookup_hit_rate']:.0%}"

@@ -16,6 +16,12 @@ were chosen — using another one is biased:
 - ``fixed`` (top-k, EAGLE-2's cumulative score): accept c with probability p'(c); else
   p'(c) ← 0, renormalised. A duplicate sibling has p'(c) = 0 by then: never accepted.
 
+Deterministic children (lookup candidates, DESIGN §3.10: drawn from δ_c) come first among their
+siblings (``TokenTree.deterministic``) and are tested by the fixed rule whatever the tree's; a
+rejected one also leaves q̂ (renormalised), since the sampled siblings after it were drawn from q̂
+without the deterministic ones: each candidate is tested with the law it was drawn from given
+the candidates before it, which is what keeps a mixed sibling set exact.
+
 An accepted child becomes the node (p' = p there); at a node whose children are all rejected
 the walk ends with the recovered token drawn from p', at a leaf with the bonus token from p.
 Each candidate draws from its own lane (its rank among its siblings): ``accept_u[d, rank]`` at
@@ -139,6 +145,7 @@ class TokenTree:
     q_ids: torch.Tensor  # [n+1, s] long: the support of q̂ at the root (row 0) and at node i (row i+1); −1 pads
     q_probs: torch.Tensor  # [n+1, s] fp32 (or the draft's own float64, kept bit for bit): q̂ on those ids (0 on pads)
     rule: ChildRule = ChildRule.SAMPLED
+    deterministic: torch.Tensor | None = None  # [n] bool: lookup children (drawn from δ, tested by the fixed rule), first among their siblings; None = none
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
@@ -148,6 +155,14 @@ class TokenTree:
             raise ValueError(f"q_ids and q_probs must be [n+1, s] = [{n + 1}, s], got {tuple(self.q_ids.shape)} and {tuple(self.q_probs.shape)}")
         if n and not bool(((self.parents >= -1) & (self.parents < torch.arange(n))).all()):
             raise ValueError("every parent must be −1 (the root) or an earlier node")
+        if self.deterministic is not None:
+            if self.deterministic.shape != (n,) or self.deterministic.dtype != torch.bool:
+                raise ValueError(f"deterministic must be [n] = [{n}] bool, got {tuple(self.deterministic.shape)} {self.deterministic.dtype}")
+            flags = self.deterministic.tolist()
+            for children in self._children_of.values():
+                marks = [flags[c] for c in children]
+                if marks != sorted(marks, reverse=True):
+                    raise ValueError("a node's deterministic children come before its drawn ones")
 
     @classmethod
     def chain(
@@ -177,8 +192,9 @@ class TokenTree:
     def is_sampled_chain(self) -> bool:
         """A chain each of whose tokens was drawn from q̂ (or greedy): what the chain verifiers
         (``verify_sampled``, ``verify_exact``, DSD's relaxed test) assume. A chain of fixed
-        (top-1) children is not: it needs the walk's fixed rule (DESIGN §3.6)."""
-        return self.is_chain and self.rule is not ChildRule.FIXED
+        (top-1) children is not, nor one with lookup nodes whose parents' rows are not δ: they
+        need the walk's fixed rule (DESIGN §3.6, §3.10)."""
+        return self.is_chain and self.rule is not ChildRule.FIXED and (self.deterministic is None or not bool(self.deterministic.any()))
 
     @cached_property
     def _parent_list(self) -> list[int]:
@@ -202,13 +218,15 @@ class TokenTree:
         """A chain's first ``n`` nodes."""
         assert self.is_chain, "head() cuts chains"
         n = min(n, len(self))
-        return TokenTree(self.tokens[:n], self.parents[:n], self.q_ids[: n + 1], self.q_probs[: n + 1], self.rule)
+        flags = None if self.deterministic is None else self.deterministic[:n]
+        return TokenTree(self.tokens[:n], self.parents[:n], self.q_ids[: n + 1], self.q_probs[: n + 1], self.rule, flags)
 
     def tail(self, k: int) -> TokenTree:
         """A chain without its first ``k`` nodes: node k becomes the root's child."""
         assert self.is_chain, "tail() cuts chains"
         k = min(k, len(self))
-        return TokenTree(self.tokens[k:], self.parents[k:] - k, self.q_ids[k:], self.q_probs[k:], self.rule)
+        flags = None if self.deterministic is None else self.deterministic[k:]
+        return TokenTree(self.tokens[k:], self.parents[k:] - k, self.q_ids[k:], self.q_probs[k:], self.rule, flags)
 
     def support(self, node: int) -> tuple[torch.Tensor, torch.Tensor]:  # [s] long ids (ascending), [s] probs: q̂ at ``node`` (−1 = root)
         keep = self.q_ids[node + 1] >= 0
@@ -242,6 +260,12 @@ class TokenTree:
     def children(self, node: int) -> list[int]:
         """The children of ``node`` (−1 = the root), in draft order."""
         return list(self._children_of.get(node, ()))
+
+    def num_deterministic(self, node: int) -> int:
+        """How many of ``node``'s children (its first ones) are deterministic (lookup) children."""
+        if self.deterministic is None:
+            return 0
+        return sum(1 for c in self._children_of.get(node, ()) if bool(self.deterministic[c]))
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to ``node``."""
@@ -338,9 +362,10 @@ def accept_probability(
     q: torch.Tensor,  # [V]: q̂' at the node
     token: int,
     rule: ChildRule,
+    deterministic: bool = False,  # a lookup child (drawn from δ): the fixed rule whatever ``rule``
 ) -> float:
     """The probability of accepting the candidate ``token`` under ``rule``."""
-    if rule is ChildRule.FIXED:
+    if rule is ChildRule.FIXED or deterministic:
         return float(p[token])
     if not q[token] > 0:
         return 0.0  # a sampled child has q̂ > 0; one without it (a malformed tree) is never accepted
@@ -352,12 +377,19 @@ def after_rejection(
     q: torch.Tensor,  # [V]
     token: int,
     rule: ChildRule,
+    deterministic: bool = False,  # a lookup child: p' and (sampled rules) q̂' lose it
 ) -> tuple[torch.Tensor, torch.Tensor]:  # p', q' after the candidate ``token`` was rejected
-    if rule is ChildRule.FIXED:
+    if rule is ChildRule.FIXED or deterministic:
         kept = p.double().clone()
         kept[token] = 0.0
         total = kept.sum()
-        return (kept / total if total > 0 else p.double()), q
+        p_next = kept / total if total > 0 else p.double()
+        if rule is ChildRule.FIXED:
+            return p_next, q
+        q_next = q.double().clone()  # the drawn siblings after it came from q̂ without it
+        q_next[token] = 0.0
+        left = q_next.sum()
+        return p_next, (q_next / left if left > 0 else q_next)
     p_next = residual(p, q)
     if rule is ChildRule.SAMPLED_DISTINCT:
         q_next = q.double().clone()
@@ -373,13 +405,15 @@ def try_children(
     candidates: list[int],  # the children's tokens, in draft order
     rule: ChildRule,
     accept_u: torch.Tensor,  # [≥ len(candidates)]: one draw per candidate lane
+    deterministic: int = 0,  # the first ``deterministic`` candidates are lookup children (drawn from δ)
 ) -> tuple[int | None, torch.Tensor]:
     """The rank of the accepted candidate (None if all are rejected) and p' at that point."""
     p_now, q_now = p.double(), q.double()
     for rank, token in enumerate(candidates):
-        if accepts(float(accept_u[rank]), accept_probability(p_now, q_now, token, rule)):
+        fixed = rank < deterministic
+        if accepts(float(accept_u[rank]), accept_probability(p_now, q_now, token, rule, fixed)):
             return rank, p_now
-        p_now, q_now = after_rejection(p_now, q_now, token, rule)
+        p_now, q_now = after_rejection(p_now, q_now, token, rule, fixed)
     return None, p_now
 
 
@@ -399,7 +433,7 @@ def verify_tree(
         if not children:
             return TreeVerdict(path, sample_index(p[node + 1], float(final_u[len(path)])), is_bonus=True)
         candidates = [int(tree.tokens[c]) for c in children]
-        rank, p_left = try_children(p[node + 1], tree.q_row(node, vocab), candidates, tree.rule, accept_u[len(path)])
+        rank, p_left = try_children(p[node + 1], tree.q_row(node, vocab), candidates, tree.rule, accept_u[len(path)], tree.num_deterministic(node))
         if rank is None:
             return TreeVerdict(path, sample_index(p_left, float(final_u[len(path)])), is_bonus=False)
         node = children[rank]
@@ -428,16 +462,17 @@ def tree_step_law(
     q: torch.Tensor,  # [V]: q̂ at the node
     candidates: list[int],  # the children's tokens, in draft order
     rule: ChildRule,
+    deterministic: int = 0,  # the first ones are lookup children
 ) -> torch.Tensor:  # [V] float64
     """Closed-form law of the token emitted at a node with these children (the accepted child,
     or the recovered token), composed from the walk's own functions."""
     law = torch.zeros(p.shape[-1], dtype=torch.float64)
     p_now, q_now, left = p.double(), q.double(), 1.0
-    for token in candidates:
-        a = accept_probability(p_now, q_now, token, rule)
+    for rank, token in enumerate(candidates):
+        a = accept_probability(p_now, q_now, token, rule, rank < deterministic)
         law[token] += left * a
         left *= 1 - a
-        p_now, q_now = after_rejection(p_now, q_now, token, rule)
+        p_now, q_now = after_rejection(p_now, q_now, token, rule, rank < deterministic)
     return law + left * p_now / p_now.sum()
 
 
@@ -500,7 +535,7 @@ def verify_tree_exact(
             return TreeVerdict(path, row.samples[sample_index(w, u)], is_bonus=True)
         p, q = extended_node(row, *tree.support(node), w)
         candidates = [int(i) for i in torch.searchsorted(row.support, tree.tokens[children]).tolist()]
-        rank, p_left = try_children(p, q, candidates, tree.rule, accept_u[len(path)])
+        rank, p_left = try_children(p, q, candidates, tree.rule, accept_u[len(path)], tree.num_deterministic(node))
         if rank is None:
             index = sample_index(p_left, u)
             size = row.support.shape[0]
@@ -515,6 +550,7 @@ def exact_tree_step_law(
     q: torch.Tensor,  # [V]: q̂ at the node
     candidates: list[int],  # the children's tokens, in draft order
     rule: ChildRule,
+    deterministic: int = 0,  # the first ones are lookup children
 ) -> torch.Tensor:  # [V] float64
     """Closed-form law of the token emitted at a node under ``exact``'s payload, composed from
     the walk's functions: each candidate's acceptance, then the recovered draw over the
@@ -528,11 +564,11 @@ def exact_tree_step_law(
     p_now, q_now = extended_node(row, q_ids, q.double()[q_ids], w)
     local = torch.searchsorted(support, torch.tensor(candidates, dtype=torch.long)).tolist()
     law, left = torch.zeros(q.shape[0], dtype=torch.float64), 1.0
-    for token, index in zip(candidates, local):
-        a = accept_probability(p_now, q_now, index, rule)
+    for rank, (token, index) in enumerate(zip(candidates, local)):
+        a = accept_probability(p_now, q_now, index, rule, rank < deterministic)
         law[token] += left * a
         left *= 1 - a
-        p_now, q_now = after_rejection(p_now, q_now, index, rule)
+        p_now, q_now = after_rejection(p_now, q_now, index, rule, rank < deterministic)
     recovered = p_now / p_now.sum()
     law[support] += left * recovered[: support.shape[0]]
     for n in range(p_n.shape[0]):

@@ -227,3 +227,98 @@ async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
         )
         assert tree.ids() == chain.ids() and tree.parents.tolist() == list(range(-1, len(chain) - 1)), seed
         assert torch.equal(tree.q_values(), chain.q_values()), seed
+
+
+# ----------------------------------------------------------------------------- lookup branches in trees (DESIGN §3.10)
+
+
+def _lookup_draft() -> tuple[DraftModel, list[int]]:
+    """A Markov draft and a context whose last token came before: prompt lookup proposes what followed."""
+    draft = DraftModel(MarkovRunner(random_table(16, 7, sharpness=3.0), eos_ids=[15]), ModelThread())
+    return draft, [3, 9, 4, 8, 2, 5, 3]  # "3" then 9 4 8 2 5 3
+
+
+async def test_a_fixed_tree_takes_the_lookup_branch_first_within_its_budget() -> None:
+    from core.names import Drafter
+
+    draft, context = _lookup_draft()
+    greedy = SamplingParams(temperature=0.0)
+    shape = TreeShape(ChildRule.FIXED, nodes=8, depth=3, top_k=2)
+    alone = await draft.propose_tree("a", context, shape, greedy, 1, 0)
+    mixed = await draft.propose_tree("b", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+    assert mixed.deterministic is not None and len(mixed) <= shape.nodes
+    first = mixed.children(-1)[0]
+    assert int(mixed.tokens[first]) == 9 and bool(mixed.deterministic[first])  # the branch: 9 4 8 …, first at the root
+    run = [first]
+    while (below := [c for c in mixed.children(run[-1]) if bool(mixed.deterministic[c])]):
+        run.append(below[0])
+    assert [int(mixed.tokens[n]) for n in run] == [9, 4, 8, 2, 5, 3][: len(run)] and len(run) >= 2
+    model_only = {tuple(int(alone.tokens[n]) for n in alone.path_to(v)) for v in range(len(alone))}
+    kept = {tuple(int(mixed.tokens[n]) for n in mixed.path_to(v)) for v in range(len(mixed)) if not bool(mixed.deterministic[v])}
+    assert kept <= model_only  # the budget is shared: the model's nodes that stay are its best ones
+    for _ in range(500):  # measured: the lookup's tokens are never accepted here
+        draft.acceptance.observe(("lookup", True, 1, 0), False)
+    low = await draft.propose_tree("c", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+    assert _trees_equal(low, alone) and (low.deterministic is None or not bool(low.deterministic.any()))  # a weak branch displaces nothing
+    seeded = await draft.propose_tree("d", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
+    assert _trees_equal(seeded, mixed)  # a seeded request weighs by the priors: what ran before does not count
+
+
+async def test_a_sampled_tree_draws_its_root_children_without_the_lookup_token_and_keeps_its_size() -> None:
+    from core.names import Drafter
+
+    draft, context = _lookup_draft()
+    t1 = SamplingParams(temperature=1.0)
+    shape = TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1))
+    for seed in range(20):
+        tree = await draft.propose_tree(f"s{seed}", context, shape, t1, seed, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
+        assert tree.deterministic is not None and len(tree) <= shape.size
+        lookups = [n for n in range(len(tree)) if bool(tree.deterministic[n])]
+        assert lookups and int(tree.tokens[lookups[0]]) == 9 and tree.children(-1)[0] == lookups[0]
+        drawn = [int(tree.tokens[c]) for c in tree.children(-1)[1:]]
+        assert 9 not in drawn and len(drawn) == 2  # the root's places stay; deep ones gave way
+    for _ in range(100):
+        draft.acceptance.observe(("lookup", False, 1, 0), False)
+    tree = await draft.propose_tree("w", context, shape, t1, 3, 0, drafter=Drafter.MODEL_LOOKUP)
+    assert not bool(tree.deterministic.any()) and _trees_equal(tree, await draft.propose_tree("m", context, shape, t1, 3, 0))  # type: ignore[union-attr]
+
+
+async def test_observe_counts_the_lookup_tokens_tested_and_the_places_accepted() -> None:
+    from core.names import Drafter
+
+    draft, context = _lookup_draft()
+    shape = TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1))
+    tree = await draft.propose_tree("s", context, shape, SamplingParams(temperature=1.0), 5, 0, drafter=Drafter.MODEL_LOOKUP)
+    lookups = [n for n in range(len(tree)) if bool(tree.deterministic[n])]  # type: ignore[index]
+    draft.observe("s", [lookups[0]])  # the first accepted, the second rejected, the rest never tested
+    assert draft.acceptance.tested(("lookup", False, 1, 0)) == 1 and draft.acceptance.rate(("lookup", False, 1, 0), 0.5) > 0.5
+    assert draft.acceptance.tested(("lookup", False, 1, 1)) == 1 and draft.acceptance.rate(("lookup", False, 1, 1), 0.5) < 0.5
+    assert draft.acceptance.tested(("lookup", False, 1, 2)) == 0
+    assert draft.acceptance.tested(("slot", "sampled_distinct", (2, 1, 1, 1), (0,))) == 1
+    draft.observe("s", [])  # once per tree
+    assert draft.acceptance.tested(("lookup", False, 1, 0)) == 1
+
+
+async def test_a_chain_keeps_a_lookup_token_the_model_disagrees_with_once_lookups_measure_better() -> None:
+    """model+lookup: a lookup token stays while it is the model's top-1 — or while its measured
+    acceptance is at least a model token's; a seeded request (the priors) keeps to the first rule."""
+    from core.names import Drafter
+
+    draft, context = _lookup_draft()
+    greedy = SamplingParams(temperature=0.0)
+    plain = await draft.propose("p", context, 4, greedy, 1, 0)
+    assert plain.ids()[0] != 9  # the model's top-1 after "3" is not the lookup's 9
+    first = await draft.propose("a", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+    assert first.ids() == plain.ids()
+    draft.observe("a", [0])  # a model token accepted, the next rejected
+    assert draft.acceptance.tested(("model", True)) == 2
+    for _ in range(40):
+        draft.acceptance.observe(("lookup", True, 1, 0), True)
+        draft.acceptance.observe(("lookup", True, 1, 1), True)
+    trusted = await draft.propose("b", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+    assert trusted.ids()[:2] == [9, 4] and trusted.q_values()[:2].tolist() == [1.0, 1.0]  # δ rows: exact under any rule
+    seeded = await draft.propose("c", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
+    assert seeded.ids() == plain.ids()
+    tested = draft.acceptance.tested(("lookup", True, 1, 0))
+    draft.observe("b", [0])  # the first lookup token accepted, the second rejected, the model's after it never tested
+    assert draft.acceptance.tested(("lookup", True, 1, 0)) == tested + 1 and draft.acceptance.tested(("model", True)) == 2

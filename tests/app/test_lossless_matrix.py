@@ -46,7 +46,7 @@ from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.math import tree as tree_math
 from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape
 from core.modes import GUARANTEES, MODES, SERVED_MODES, Guarantee, Payload, guarantee
-from core.lookup import LookupParams, SuffixIndex
+from core.lookup import AcceptanceStats, LookupParams, SuffixIndex
 from core.names import Drafter, Mode, Reconstruction
 from core.grammar import GrammarKind, GrammarSpec
 from core.transform import TransformSpec
@@ -251,12 +251,40 @@ def cells() -> list[Cell]:
                     spec = _spec(mode, payload, **_two_workers(payload, workers, {**options, **extra}))
                     out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option=label, spec=spec, min_tokens=min_tokens))
                 out += _transform_cells(mode, payload, workers, sampling, shapes, rule_of)
-                if "drafter" in MODES[mode].fields:  # lookup chains: δ rows, alone or before the model's
+                if "drafter" in MODES[mode].fields:  # lookup chains: δ rows, alone or before the model's; in trees, a branch of deterministic children
                     for drafter, lookup in DRAFTER_CELLS:
                         if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and (drafter, lookup) != DRAFTER_CELLS[0]:
                             continue  # two workers' complement draws at every δ row: 7,800–9,200 runs a cell; one such cell
-                        spec = _spec(mode, payload, **_two_workers(payload, workers, {**options, "drafter": drafter}))
-                        out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option=f"drafter {drafter.value}", spec=spec, lookup=lookup))
+                        if mode is Mode.PIPELINE and drafter is Drafter.LOOKUP:
+                            continue  # a pipeline expands its tree with the model (a 400)
+                        if mode is Mode.TREE and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
+                            continue  # exact's chain cell has it (7,800 runs here); the lookup branch cells run two workers
+                        at, label, given = shapes[1] if mode is Mode.PIPELINE else (rule, shape, options)  # a pipeline's expanding tree with a branch: 2,000 runs, 22 s
+                        spec = _spec(mode, payload, **_two_workers(payload, workers, {**given, "drafter": drafter}))
+                        out.append(Cell(mode, payload, rule_of(at), label, workers, sampling, option=f"drafter {drafter.value}", spec=spec, lookup=lookup))
+                if mode is Mode.TREE:
+                    out += _lookup_branch_cells(payload, workers, sampling, rule_of)
+    return out
+
+
+# A lookup branch in a sampled tree (DESIGN §3.10): with the priors, ⟨2⟩ becomes the lookup's
+# first token and one child drawn from q̂ without it; ⟨2,1⟩ the lookup's two tokens (the second
+# under the first, a row with no draft) and the first drawn child with its own.
+LOOKUP_TREES = {"⟨2⟩": [2], "⟨2,1⟩": [2, 1]}
+
+
+def _lookup_branch_cells(payload: Payload, workers: str, sampling: str, rule_of: Any) -> list[Cell]:
+    out = []
+    for rule in (ChildRule.SAMPLED, ChildRule.SAMPLED_DISTINCT):
+        for label, widths in LOOKUP_TREES.items():
+            for lookup in LOOKUPS:
+                if label == "⟨2,1⟩" and (payload is not Payload.FULL or len(WORKER_SETS[workers]) > 1 or lookup != "prompt lookup"):
+                    continue  # the two-token branch on one payload and worker set: its law is the walk's, not the payload's
+                if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and lookup != "prompt lookup":
+                    continue
+                shape = TreeParams(rule=rule, payload=TREE_PAYLOADS[payload][0], widths=widths).shape()
+                spec = _spec(Mode.TREE, payload, **_two_workers(payload, workers, {"tree": shape, "tree_payload": Mode(TREE_PAYLOADS[payload][0]), "drafter": Drafter.MODEL_LOOKUP}))
+                out.append(Cell(Mode.TREE, payload, rule_of(rule.value), label, workers, sampling, option="lookup branch", spec=spec, lookup=lookup))
     return out
 
 
@@ -354,6 +382,7 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
     async def once() -> Outcome:
         engine.draft.lookup_params = LookupParams(max_tokens=LOOKUP_TOKENS)
         engine.draft.suffixes = SuffixIndex(engine.draft.lookup_params)  # what each run's lookup sees: the cell's, not earlier runs' outputs
+        engine.draft.acceptance = AcceptanceStats()  # and its measured rates: the priors, whatever ran before
         for output in LOOKUPS[cell.lookup][1] if cell.lookup else ():
             engine.draft.suffixes.add(list(output))
         req = GenerationRequest(
@@ -617,8 +646,8 @@ def test_negative_control_algorithm_5_on_fixed_children_is_caught(monkeypatch: p
     matrix rejects it on aggregate's payload and on exact's, for chains and trees alike."""
     real = tree_math.try_children
 
-    def sampled_rule(p: torch.Tensor, q: torch.Tensor, candidates: list[int], rule: ChildRule, accept_u: torch.Tensor) -> Any:
-        return real(p, q, candidates, ChildRule.SAMPLED if rule is ChildRule.FIXED else rule, accept_u)
+    def sampled_rule(p: torch.Tensor, q: torch.Tensor, candidates: list[int], rule: ChildRule, accept_u: torch.Tensor, deterministic: int = 0) -> Any:
+        return real(p, q, candidates, ChildRule.SAMPLED if rule is ChildRule.FIXED else rule, accept_u, deterministic)
 
     monkeypatch.setattr(tree_math, "try_children", sampled_rule)
     picked = [c for c in CELLS if c.mode is Mode.TREE and c.rule == "fixed" and c.workers == "1 worker" and c.sampling == "T=1" and not c.option]
@@ -646,8 +675,34 @@ def test_negative_control_a_lookup_token_tested_as_a_draw_from_a_spread_q_hat_is
 
     monkeypatch.setattr(draft_module, "_delta", lambda token, vocab: torch.full((vocab,), 1.0 / vocab, dtype=torch.float64))
     monkeypatch.setattr(draft_module, "_delta_support", lambda token: (torch.arange(V), torch.full((V,), 1.0 / V, dtype=torch.float64)))
-    picked = [c for c in CELLS if c.lookup and c.sampling == "T=1" and c.claim is Guarantee.LOSSLESS]
+    chains = (Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT)
+    picked = [c for c in CELLS if c.lookup and c.sampling == "T=1" and c.claim is Guarantee.LOSSLESS and (c.mode in chains or c.option == "drafter lookup")]
     assert len(picked) >= 10 and _caught(picked) == {c.name for c in picked}
+
+
+def test_lookup_tokens_kept_against_the_models_top_1_keep_the_law(monkeypatch: pytest.MonkeyPatch) -> None:
+    """model+lookup keeps a lookup token the draft model disagrees with once lookups measure better
+    than model tokens (here the priors say so): the run 0 2 is kept whole where the model's top-1
+    after 0 is 0, and every chain cell's law (or bound) still holds."""
+    from app import draft as draft_module
+
+    monkeypatch.setattr(draft_module, "MODEL_PRIOR", 0.1)
+    picked = [c for c in CELLS if c.option == "drafter model+lookup" and c.mode in (Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT) and c.workers == "1 worker"]
+    assert len(picked) >= 8 and not _caught(picked)
+
+
+def test_negative_control_a_lookup_child_tested_with_min_1_p_over_q_hat_in_a_tree_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree's lookup child tested as a draw from its parent's q̂ (min(1, p'/q̂), the residual
+    after it) instead of the fixed rule: caught in the sampled trees' lookup branch cells at T = 1
+    (a fixed tree's children take the fixed rule anyway)."""
+    real = tree_math.try_children
+
+    def as_drawn(p: torch.Tensor, q: torch.Tensor, candidates: list[int], rule: ChildRule, accept_u: torch.Tensor, deterministic: int = 0) -> Any:
+        return real(p, q, candidates, rule, accept_u, 0)
+
+    monkeypatch.setattr(tree_math, "try_children", as_drawn)
+    picked = [c for c in CELLS if c.option == "lookup branch" and c.sampling == "T=1" and c.claim is Guarantee.LOSSLESS]
+    assert len(picked) >= 8 and _caught(picked) == {c.name for c in picked}
 
 
 def test_negative_control_min_tokens_with_the_configured_weights_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -140,7 +140,7 @@ def test_greedy_text_is_the_same_in_every_mode(worker_urls: list[str], tmp_path:
 
     modes = [
         {"mode": "autoregressive"}, {"mode": "aggregate", "k": "full"}, {"mode": "exact"}, {"mode": "split"},
-        {"mode": "exact", "drafter": "model+lookup"}, {"mode": "split", "drafter": "lookup"},
+        {"mode": "exact", "drafter": "model+lookup"}, {"mode": "split", "drafter": "lookup"}, {"mode": "tree", "drafter": "model+lookup"},
     ]
     with ExitStack() as stack:
         one = _gateway(stack, tmp_path, worker_urls[:1])
@@ -157,17 +157,17 @@ def test_a_gateway_without_a_draft_model_drafts_by_lookup(worker_urls: list[str]
         assert httpx.get(f"{url}/health/ready", timeout=30).json()["draft"] == "none"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         texts, blocks = {}, {}
-        for mode in ("autoregressive", "aggregate", "exact"):
+        for mode in ("autoregressive", "aggregate", "exact", "tree"):
             out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"speculative": {"mode": mode}})
             texts[mode], blocks[mode] = out.choices[0].text, out.usage.model_extra["speculative"]  # type: ignore[union-attr, index]
         assert len(set(texts.values())) == 1, texts
-        for mode in ("aggregate", "exact"):
+        for mode in ("aggregate", "exact", "tree"):
             assert blocks[mode]["drafter"] == "lookup" and blocks[mode]["accepted_tokens"] > 0, blocks[mode]
             assert blocks[mode]["rounds"] < 24 - 4  # the repeats came several tokens a round
         sampled = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, seed=2, extra_body={"speculative": {"mode": "exact"}})
         assert sampled.usage.model_extra["speculative"]["lossless"] is True  # type: ignore[union-attr, index]
-        with pytest.raises(openai.BadRequestError, match="has none"):
-            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"speculative": {"mode": "tree"}})
+        with pytest.raises(openai.BadRequestError, match=r"drafter 'model\+lookup' needs a draft model"):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"speculative": {"mode": "tree", "drafter": "model+lookup"}})
         with pytest.raises(openai.BadRequestError, match=r"drafter 'model\+lookup' needs a draft model"):
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, extra_body={"speculative": {"drafter": "model+lookup"}})
 

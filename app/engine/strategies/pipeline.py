@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.draft import DraftModel
+from app.draft import LOOKUP_PRIOR, DraftModel
 from app.engine.round import token_logprobs
 from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
 from app.engine.strategies.base import Strategy
@@ -236,7 +236,9 @@ class PipelineRun:
 
     async def _propose(self, context: list[int], shape: TreeShape, timing: dict[str, float]) -> TokenTree:
         req = self.req
-        return await self.draft.propose_tree(self.session_id, context, shape, req.params, req.seed, req.choice, req.spec.truncation, timing, self.drafting)
+        return await self.draft.propose_tree(
+            self.session_id, context, shape, req.params, req.seed, req.choice, req.spec.truncation, timing, self.drafting, drafter=req.spec.drafter, shared=not req.seeded,
+        )
 
     def _attach(self, tree: TokenTree, under: int) -> None:
         """The draft's tree as the children of ``under`` (−1: the root), scores accumulated."""
@@ -244,9 +246,10 @@ class PipelineRun:
         base_depth = self.nodes[under].depth if under >= 0 else 0
         base_score = self.nodes[under].score if under >= 0 else 0.0
         qs = tree.q_values().tolist()
+        lookup = tree.deterministic.tolist() if tree.deterministic is not None else [False] * len(tree)
         for i, (token, parent) in enumerate(zip(tree.tokens.tolist(), parents)):
             above = under if parent < 0 else first + parent
-            q = qs[i]
+            q = LOOKUP_PRIOR if lookup[i] and not qs[i] > LOOKUP_PRIOR else qs[i]  # a lookup node the draft did not score: its prior
             score = (self.nodes[above].score if above >= 0 else base_score) + (math.log(q) if q > 0 else -1e9)
             depth = (self.nodes[above].depth if above >= 0 else base_depth) + 1
             self.nodes.append(_Node(int(token), above, depth, score))
