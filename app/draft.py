@@ -148,11 +148,7 @@ class DraftModel:
             return TokenTree.chain([], [])
         most = max(gamma, limit or gamma)
         if drafter is Drafter.LOOKUP:
-            started = time.perf_counter()
-            tokens = self._lookup_run(session_id, sequence, most, transformer, shared)
-            if timing is not None:
-                timing["draft_sampling"] = timing.get("draft_sampling", 0.0) + time.perf_counter() - started
-            return TokenTree.chain(tokens, [_delta_support(t) for t in tokens])
+            return self._lookup_chain(session_id, sequence, most, transformer, shared, timing)
         branch = self._branch(session_id, sequence, most, transformer, shared, params.is_greedy) if drafter is Drafter.MODEL_LOOKUP else None
         record = _Record() if branch is not None else None
         steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression, transformer, limit, branch, record)
@@ -161,8 +157,15 @@ class DraftModel:
             self._records[session_id] = record
         return tree
 
-    def _lookup_run(self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None, shared: bool = True) -> list[int]:
-        return self._lookup(session_id, sequence, count, transformer, shared).tokens
+    def _lookup_chain(
+        self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None, shared: bool, timing: dict[str, float] | None,
+    ) -> TokenTree:
+        """The lookup's proposal alone: a chain of δ rows, no model step (its time is the draft's sampling)."""
+        started = time.perf_counter()
+        tokens = self._lookup(session_id, sequence, count, transformer, shared).tokens
+        if timing is not None:
+            timing["draft_sampling"] = timing.get("draft_sampling", 0.0) + time.perf_counter() - started
+        return TokenTree.chain(tokens, [_delta_support(t) for t in tokens])
 
     def _lookup(self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None, shared: bool = True) -> Proposal:
         """The lookup's proposal after ``sequence``: prompt lookup in the session's context, else
@@ -198,7 +201,11 @@ class DraftModel:
 
     def observe(self, session_id: str, path: list[int]) -> None:
         """The walk of the session's last tree accepted ``path``: its lookup tokens (each tested
-        once the one before it was accepted) and its nodes' places count in ``acceptance``."""
+        once the one before it was accepted) and its nodes' places count in ``acceptance`` —
+        only the candidates the walk tested: which nodes exist below that depends on draws at
+        positions past the round's end, which the next round draws again (keyed by position), and
+        rates that moved with them would make the next round's draft depend on its own draws (a
+        cold counter-example hunt measured TV 0.095 when every drafted node counted)."""
         record = self._records.pop(session_id, None)
         if record is None:
             return
@@ -207,8 +214,9 @@ class DraftModel:
             if j and record.lookup[j - 1][0] not in accepted:
                 break
             self.acceptance.observe(key, node in accepted)
-        for node, key in record.slots:
-            self.acceptance.observe(key, node in accepted)
+        for node, parent, key in record.slots:  # a node whose test the walk reached: one below the root or an accepted node
+            if parent < 0 or parent in accepted:  # (whether the others exist depends on draws past the walk's end, which the next round redraws)
+                self.acceptance.observe(key, node in accepted)
 
     async def propose_tree(
         self, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
@@ -233,11 +241,7 @@ class DraftModel:
         await self._idle(session_id)
         room = depth_limit if depth_limit is not None else shape.max_depth
         if drafter is Drafter.LOOKUP:
-            started = time.perf_counter()
-            tokens = self._lookup_run(session_id, sequence, room, transformer, shared)
-            if timing is not None:
-                timing["draft_sampling"] = timing.get("draft_sampling", 0.0) + time.perf_counter() - started
-            return TokenTree.chain(tokens, [_delta_support(t) for t in tokens])
+            return self._lookup_chain(session_id, sequence, room, transformer, shared, timing)
         branch = self._branch(session_id, sequence, room, transformer, shared, params.is_greedy) if drafter is Drafter.MODEL_LOOKUP else None
         record = _Record() if branch is not None else None
         grammar = extra > 0 and transformer is not None and transformer.matcher is not None
@@ -637,7 +641,7 @@ def _with_branch(
     )
     if record is not None:
         record.lookup = list(zip(range(count), branch.keys))
-        record.slots = [(index[n], keys[places[n]]) for n in kept if n not in free and places[n] in keys]
+        record.slots = [(index[n], index[parents[n]], keys[places[n]]) for n in kept if n not in free and places[n] in keys]
     return tree
 
 
@@ -777,7 +781,7 @@ class _Record:
     before it was accepted — and of a sampled tree's drafted nodes by their place in its shape."""
 
     lookup: list[tuple[int, tuple[object, ...]]] = field(default_factory=list)
-    slots: list[tuple[int, tuple[object, ...]]] = field(default_factory=list)
+    slots: list[tuple[int, int, tuple[object, ...]]] = field(default_factory=list)  # (node, its parent, kind)
 
 
 def _merged(branch: _Branch, tokens: list[int], parents: list[int], scores: list[float], depths: list[int]) -> list[int]:

@@ -42,7 +42,7 @@ class SpeculativeParams(BaseModel):
     tree: TreeParams | None = None
     pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments (DESIGN §3.7)
     profile: bool | None = None  # usage speculative.profile: each round's time by part, bytes and tokens
-    drafter: Drafter | None = None  # model | lookup | model+lookup: where a chain's draft comes from (DESIGN §3.10)
+    drafter: Drafter | None = None  # model | lookup | model+lookup: where a draft comes from (DESIGN §3.10)
 
     @field_validator("k")
     @classmethod

@@ -118,7 +118,7 @@ class SpeculativeConfig(BaseModel):
     overlap: bool = False  # DSD: draft the next round while this one is verified (same output, less waiting)
     tree: TreeParams | None = None  # mode tree: the draft tree; None = the default by temperature
     pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments; None = the defaults
-    drafter: Drafter | None = None  # model | lookup | model+lookup (chains); None = model, or lookup when draft.model is none
+    drafter: Drafter | None = None  # model | lookup | model+lookup (chains, tree; pipeline: not lookup); None = model, or lookup when draft.model is none
 
     @field_validator("tree")
     @classmethod

@@ -31,7 +31,7 @@ class SpecOptions:
     tree_payload: Mode = Mode.AGGREGATE  # mode tree: what each node's row carries — aggregate's or exact's (DESIGN §3.6)
     pipeline: SegmentSchedule | None = None  # mode pipeline: the tree and its segments; None = the defaults
     profile: bool = False  # usage lists every round: its time by part, bytes and tokens (``specgate bench overhead``)
-    drafter: Drafter = Drafter.MODEL  # where a chain's draft comes from (DESIGN §3.10)
+    drafter: Drafter = Drafter.MODEL  # where a draft comes from (DESIGN §3.10)
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 1:

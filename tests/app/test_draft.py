@@ -295,6 +295,7 @@ async def test_observe_counts_the_lookup_tokens_tested_and_the_places_accepted()
     assert draft.acceptance.tested(("lookup", False, 1, 1)) == 1 and draft.acceptance.rate(("lookup", False, 1, 1), 0.5) < 0.5
     assert draft.acceptance.tested(("lookup", False, 1, 2)) == 0
     assert draft.acceptance.tested(("slot", "sampled_distinct", (2, 1, 1, 1), (0,))) == 1
+    assert draft.acceptance.tested(("slot", "sampled_distinct", (2, 1, 1, 1), (0, 0))) == 0  # below a rejected node: never tested, not counted
     draft.observe("s", [])  # once per tree
     assert draft.acceptance.tested(("lookup", False, 1, 0)) == 1
 
@@ -322,3 +323,52 @@ async def test_a_chain_keeps_a_lookup_token_the_model_disagrees_with_once_lookup
     tested = draft.acceptance.tested(("lookup", True, 1, 0))
     draft.observe("b", [0])  # the first lookup token accepted, the second rejected, the model's after it never tested
     assert draft.acceptance.tested(("lookup", True, 1, 0)) == tested + 1 and draft.acceptance.tested(("model", True)) == 2
+
+
+async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cold counter-example hunt's case, exactly: a sampled ⟨1,1,1,1⟩ tree whose second node
+    may be EOS (drawn with U, at a position the walk does not reach, which the next round draws
+    again with U). If ``observe`` counted the nodes below an EOS-free path as rejected, the next
+    round's plan (a lookup child in or out) would depend on U: TV 0.095 at its first token.
+    Counting only the candidates the walk tested, the law over U is the target's."""
+    from app import draft as draft_module
+    from core.math.tree import tree_step_law
+    from core.names import Drafter
+
+    V, EOS, d, c, a, b = 5, 4, 0, 1, 2, 3
+    table = torch.zeros(V, V, dtype=torch.float64)
+    table[a] = -200.0
+    table[a, b] = 0.0  # after a: b, surely
+    table[b] = torch.tensor([0.0, 0.3, -0.2, 0.1, 0.4])  # after b: EOS has mass
+    table[d] = torch.tensor([0.2, 0.9, -0.5, 0.4, -0.3])  # the next round's root q̂
+    table[c] = table[EOS] = torch.tensor([0.1, 0.2, 0.3, -0.1, -1.0])
+    p_next = torch.tensor([0.10, 0.15, 0.40, 0.30, 0.05], dtype=torch.float64)
+    reused = {"u": 0.5}
+    monkeypatch.setattr(draft_module, "uniform", lambda seed, choice, position, purpose, worker=0, lane=0: reused["u"] if position == 4 else {3: 0.3}.get(position, 0.0))
+    shape = TreeShape(ChildRule.SAMPLED, widths=(1, 1, 1, 1))
+
+    async def law(u: float) -> torch.Tensor:
+        reused["u"] = u
+        draft = DraftModel(MarkovRunner(table.float(), eos_ids=[EOS]), ModelThread())
+        for _ in range(2):  # earlier requests' measurements
+            draft.acceptance.observe(("slot", "sampled", (1, 1, 1, 1), (0, 0, 0, 0)), True)
+        await draft.propose_tree("s", [d, c, a], shape, SamplingParams(temperature=1.0), 7, 0, drafter=Drafter.MODEL_LOOKUP)
+        draft.observe("s", [])  # its root child rejected: d recovered
+        tree = await draft.propose_tree("s", [d, c, a, d], shape, SamplingParams(temperature=1.0), 7, 0, drafter=Drafter.MODEL_LOOKUP)  # lookup: c
+        return tree_step_law(p_next, tree.q_row(-1, V), [int(tree.tokens[k]) for k in tree.children(-1)], tree.rule, tree.num_deterministic(-1))
+
+    def q_hat(row: torch.Tensor) -> torch.Tensor:  # the draft's q̂ there, as it samples it
+        q = torch.softmax(row.float()[None], -1)[0].double()
+        return q / q.sum()
+
+    cuts = {0.0, 1.0}
+    without_c = q_hat(table[d])
+    without_c[c] = 0
+    for q in (q_hat(table[b]), q_hat(table[d]), without_c):
+        cuts |= set((torch.cumsum(q, 0) / q.sum()).clamp(max=1.0).tolist())
+    edges = sorted(cuts)
+    total = torch.zeros(V, dtype=torch.float64)
+    for lo, hi in zip(edges, edges[1:]):
+        if hi > lo:
+            total += (hi - lo) * await law((lo + hi) / 2)
+    assert torch.allclose(total, p_next, atol=1e-9, rtol=0), total

@@ -67,10 +67,10 @@ def whole_worker() -> Iterator[str]:
     runner.close()
 
 
-def _text(base: str, mode: str, max_tokens: int = 24) -> tuple[str, dict[str, Any]]:
+def _text(base: str, mode: str, max_tokens: int = 24, **spec: Any) -> tuple[str, dict[str, Any]]:
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
     completion = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0, extra_body={"speculative": {"mode": mode}},
+        model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0, extra_body={"speculative": {"mode": mode, **spec}},
     )
     assert completion.usage is not None
     return completion.choices[0].text, completion.usage.model_extra["speculative"]  # type: ignore[index]
@@ -87,6 +87,8 @@ def test_greedy_pipeline_text_equals_autoregressive_through_a_whole_model_worker
     assert block["alt"] > 0 and block["alr"] >= 1 and len(block["hop_bytes"]) == 2 and min(block["hop_bytes"]) > 0
     # the same stages as one target of autoregressive: pipelined autoregressive decoding (the baseline)
     assert _text(gateway, "autoregressive")[0] == reference
+    merged, block = _text(gateway, "pipeline", drafter="model+lookup")  # the lookup's branch joins its trees (DESIGN §3.10)
+    assert merged == reference and block["drafter"] == "model+lookup"
 
 
 def test_sampled_pipeline_is_reproducible_by_seed(gateway: str) -> None:

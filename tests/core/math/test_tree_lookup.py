@@ -10,7 +10,6 @@ as if drawn from q̂, min(1, p'/q̂) — that the same test rejects.
 
 from __future__ import annotations
 
-import itertools
 import os
 
 import pytest
@@ -21,6 +20,7 @@ from core.math.aggregation import normalise_weights
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import truncate
 from core.math.tree import ChildRule, TokenTree, exact_tree_step_law, sparse_rows, tree_step_law, verify_tree
+from tests.core.math.test_tree_exact import _draws as exact_draws
 
 V = 5
 SIGNIFICANCE = 1e-3
@@ -55,22 +55,11 @@ def _without(q: torch.Tensor, lookups: list[int]) -> torch.Tensor:
 
 def _draws(q: torch.Tensor, k: int, rule: ChildRule) -> list[tuple[list[int], float]]:
     """Every list of k drawn children with its probability (fixed: q̂'s top-k, duplicates of a
-    lookup token included: the walk never accepts them)."""
-    if rule is ChildRule.FIXED:
-        return [(torch.topk(q, k).indices.tolist(), 1.0)]
-    if not bool((q > 0).any()):
+    lookup token included: the walk never accepts them); fewer without replacement where q̂
+    without the lookups has fewer tokens, none where it has none."""
+    if rule is not ChildRule.FIXED and not bool((q > 0).any()):
         return [([], 1.0)]
-    if rule is ChildRule.SAMPLED:
-        return [(list(c), float(torch.prod(q[list(c)]))) for c in itertools.product(range(V), repeat=k) if float(torch.prod(q[list(c)])) > 0]
-    out = []
-    for c in itertools.permutations(range(V), min(k, int((q > 0).sum()))):
-        weight, left = 1.0, 1.0
-        for token in c:
-            weight *= float(q[token]) / left if left > 0 else 0.0
-            left -= float(q[token])
-        if weight > 0:
-            out.append((list(c), weight))
-    return out
+    return exact_draws(q, min(k, int((q > 0).sum())) if rule is ChildRule.SAMPLED_DISTINCT else k, rule)
 
 
 def _mixed_law(q: torch.Tensor, lookups: list[int], k: int, rule: ChildRule, law) -> torch.Tensor:  # type: ignore[no-untyped-def]
