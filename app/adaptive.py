@@ -16,7 +16,11 @@ decay by 0.1 a round, as it needs several m). The first round's draft and model 
 the prompt's prefill, so it teaches only α and the RTT; the first two rounds use γ = 4. Every
 fourth round probes γ + 1 (γ − 1 at the ceiling), so the line sees more than one m (a fit from one m would charge a call's
 fixed cost to every position and drive γ down). With a ``seed`` the output depends on γ, so
-``auto`` is off for seeded requests: they draft DEFAULT_GAMMA tokens every round.
+``auto`` is off for seeded requests: they draft DEFAULT_GAMMA tokens every round. Since γ follows
+what the last rounds drew (a draft cut short by EOS, and its time), each round of an ``auto``
+request draws from its own seed (``core.math.random.round_seed``): keyed by position alone, a
+round would reuse numbers that chose its γ, which moves the law (measured in
+tests/app/test_adaptive.py).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class VerifyLine:
 class GammaController:
     overlap: bool = False
     max_gamma: int = MAX_AUTO_GAMMA
+    start: int = DEFAULT_GAMMA  # the first rounds' γ (the request's num_draft_tokens: DEFAULT_GAMMA with auto)
     reached: list[float] = field(default_factory=list)  # per draft position: rounds that got there
     accepted: list[float] = field(default_factory=list)  # ... and accepted its token
     draft_s: float | None = None
@@ -82,7 +87,7 @@ class GammaController:
 
     def choose(self) -> int:
         if self.draft_s is None:  # set from the second round on, with the line and the RTT
-            gamma = DEFAULT_GAMMA
+            gamma = self.start
         else:
             gamma = choose_gamma(self.costs(), self.max_gamma)
             if len(self.chosen) % PROBE_EVERY == PROBE_EVERY - 1:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.math.random import Purpose, sample_index, uniform, uniforms
-from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_ids, normalised, truncate, truncated_support
+from core.math.sampling import SamplingParams, apply_sampling, normalised, truncate, truncated_support
 from core.lookup import NO_PROPOSAL, AcceptanceStats, LookupParams, PromptLookup, Proposal, SuffixIndex
 from core.math.tree import ChildRule, SparseRow, TokenTree, TreeShape, sparse_rows
 from core.names import Drafter
@@ -124,7 +124,7 @@ class DraftModel:
 
     async def propose(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None, suppression: Suppression | None = None,
+        truncation: tuple[int, float] = (0, 1.0), cancel: threading.Event | None = None,
         timing: dict[str, float] | None = None, transformer: Transformer | None = None, limit: int | None = None,
         drafter: Drafter = Drafter.MODEL, shared: bool = True,
     ) -> TokenTree:
@@ -133,9 +133,9 @@ class DraftModel:
         ``cancel`` is set, drafting stops after the token in progress (a prepared draft whose
         assumption failed). The tokens depend on ``sequence`` and the positions only: the draws
         are keyed by position, so a draft prepared ahead equals the one drafted later.
-        ``suppression`` (min_tokens) masks its ids where the target cannot emit them; ``timing``
-        gets the seconds of the draft model and of the sampling (``DraftClock``); ``transformer``
-        (DESIGN §3.9) reshapes each position's logits as the workers reshape theirs; with a
+        ``timing`` gets the seconds of the draft model and of the sampling (``DraftClock``);
+        ``transformer`` (DESIGN §3.9, min_tokens included) reshapes each position's logits as the
+        workers reshape theirs; with a
         grammar, the tokens it forces are drafted without a draft step of their own (one decode
         feeds a run of them) and do not count in ``gamma``, up to ``limit`` tokens in all.
         ``drafter`` (DESIGN §3.10): ``lookup`` drafts the lookup's proposal alone (δ rows, no
@@ -151,7 +151,7 @@ class DraftModel:
             return self._lookup_chain(session_id, sequence, most, transformer, shared, timing)
         branch = self._branch(session_id, sequence, most, transformer, shared, params.is_greedy) if drafter is Drafter.MODEL_LOOKUP else None
         record = _Record() if branch is not None else None
-        steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, suppression, transformer, limit, branch, record)
+        steps = self._chain(session_id, sequence, gamma, params, seed, choice, truncation, cancel, transformer, limit, branch, record)
         tree = await self._run(session_id, steps, timing)
         if record is not None:
             self._records[session_id] = record
@@ -182,7 +182,7 @@ class DraftModel:
         eos = set(self.runner.info.eos_ids)
         end = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
         tokens = tokens[:end]
-        if tokens and transformer is not None and transformer.matcher is not None:
+        if tokens and transformer is not None and transformer.masks_any:
             masks = transformer.masks(sequence, [tokens[:j] for j in range(len(tokens))])  # [len, V]
             tokens = tokens[:next((j for j, t in enumerate(tokens) if not bool(masks[j, t])), len(tokens))]
         self.num_lookups += 1
@@ -404,7 +404,7 @@ class DraftModel:
 
     def _chain(
         self, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int,
-        truncation: tuple[int, float], cancel: threading.Event | None, suppression: Suppression | None, transformer: Transformer | None = None,
+        truncation: tuple[int, float], cancel: threading.Event | None, transformer: Transformer | None = None,
         limit: int | None = None, branch: _Branch | None = None, record: _Record | None = None,
     ) -> Steps:
         """A chain of ``gamma`` drafted tokens (forced ones free, within ``limit``). ``branch``
@@ -426,21 +426,17 @@ class DraftModel:
         tokens: list[int] = []
         rows: list[torch.Tensor] = []  # dense q̂ rows, or
         supports: list[SparseRow] = []  # truncated ones, sampled on their support (DESIGN §9)
-        masked = suppression.rows(len(sequence), limit) if suppression is not None else 0
         truncating = not params.is_greedy and truncation != (0, 1.0)
         sampled = 0  # tokens that took a draft step (forced ones do not)
 
-        def shaped(logits: torch.Tensor, j: int) -> torch.Tensor:  # [V]: position j's logits as the targets' are transformed
-            if j < masked:
-                assert suppression is not None
-                logits = mask_ids(logits, torch.tensor(suppression.ids, dtype=torch.long))
+        def shaped(logits: torch.Tensor) -> torch.Tensor:  # [V]: the next position's logits as the targets' are transformed
             return logits if transformer is None else transformer.rows(logits[None], sequence, [tokens])[0]
 
         if run:  # model+lookup: one decode scores the lookup's run; its tokens stay while each is the model's top-1
             assert branch is not None
             after = yield runner.append_item(session_id, run[: limit], min(len(run), limit))  # [len, V]: the row after each
             for j, token in enumerate(run[:limit]):
-                if int(torch.argmax(shaped(logits, len(tokens)))) != token and branch.rates[j] < branch.model_rate:
+                if int(torch.argmax(shaped(logits))) != token and branch.rates[j] < branch.model_rate:
                     break
                 tokens.append(token)
                 logits = after[len(tokens) - 1]
@@ -455,7 +451,7 @@ class DraftModel:
                 return TokenTree.chain(tokens, supports if truncating else rows)
         while True:
             j = len(tokens)
-            logits = shaped(logits, j)
+            logits = shaped(logits)
             q = apply_sampling(logits[None], params)[0]
             if truncating:  # renormalised in float64 on the support
                 ids, probs = truncated_support(q, *truncation)

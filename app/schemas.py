@@ -3,11 +3,13 @@ extension. Pydantic lives here, at the HTTP boundary, and nowhere deeper."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.config import PipelineParams, TreeParams
+from core.grammar import MAX_JSON_DEPTH, json_depth
 from core.names import Drafter, Mode, Reconstruction
 
 # Known OpenAI parameters that this gateway does not implement: a 400 names them.
@@ -15,6 +17,18 @@ UNSUPPORTED = {
     "suffix", "best_of", "functions", "function_call",
     "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "service_tier",
 }
+
+
+_TOKEN_ID = re.compile(r"\s*([0-9]{1,10})\s*")  # ASCII digits only: str.isdigit takes "²", which int() refuses
+
+
+def _shallow(value: Any) -> Any:
+    """A JSON value nested at most MAX_JSON_DEPTH levels (the schema rewrite and the grammar
+    engine walk it recursively: deeper, they would run out of stack)."""
+    depth = json_depth(value)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"nested {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
+    return value
 
 
 class RelaxationParams(BaseModel):
@@ -75,6 +89,8 @@ class JsonSchemaFormat(BaseModel):
     json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
+    _depth = field_validator("json_schema")(_shallow)
+
 
 class ResponseFormat(BaseModel):
     """``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
@@ -94,6 +110,8 @@ class StructuredOutputs(BaseModel):
     regex: str | None = None
     choice: list[str] | None = Field(default=None, min_length=1)
     grammar: str | None = None
+
+    _depth = field_validator("json_")(_shallow)
 
 
 class _Common(BaseModel):
@@ -132,12 +150,21 @@ class _Common(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (value or {}).items():
-            if not key.strip().isdigit():
-                raise ValueError(f"logit_bias keys are token ids (integers ≥ 0 as strings), got {key!r}")
+        """Keys as canonical ids ("07" → "7"); two spellings of one id are refused, not merged."""
+        if value is None:
+            return None
+        out: dict[str, float] = {}
+        for key, bias in value.items():
+            match = _TOKEN_ID.fullmatch(key)
+            if match is None:
+                raise ValueError(f"logit_bias keys are token ids (integers ≥ 0 written in ASCII digits), got {key!r}")
             if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values lie in [-100, 100], got {bias} for token {key}")
-        return value
+                raise ValueError(f"logit_bias values lie in [-100, 100], got {bias} for token {key!r}")
+            token = str(int(match.group(1)))
+            if token in out:
+                raise ValueError(f"logit_bias names token {token} twice (as {key!r} and another spelling)")
+            out[token] = bias
+        return out
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -179,7 +206,7 @@ class FunctionDef(BaseModel):
     def _parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None and value.get("type", "object") != "object":
             raise ValueError("a function's parameters are a JSON schema of type object")
-        return value
+        return _shallow(value)
 
 
 class ToolDef(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+import json
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -32,7 +33,7 @@ from app.targets.pool import TargetSet
 from app.schemas import ChatCompletionRequest, CompletionRequest
 from app.errors import ApiError
 from app.service import ChoiceEvent, Gateway, Job
-from app.tools import ToolOutput
+from app.tools import message_of
 from core.config import SpecgateConfig
 from core.errors import ConfigError
 from core.runners import ModelRunner, load_runner
@@ -242,13 +243,19 @@ async def _sse(request: Request, job: Job, include_usage: bool, chunks: Callable
         yield _data(ApiError(exc.status, str(exc), code="worker_error", kind="server_error").body())
     except ApiError as exc:
         yield _data(exc.body())
+    except Exception as exc:  # noqa: BLE001 - never a stream cut short: an error event, then [DONE]
+        log.exception("stream %s failed", job.id)
+        yield _data(ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error", kind="server_error").body())
     finally:
         release()
     yield {"data": "[DONE]"}
 
 
 def _data(payload: dict[str, Any]) -> dict[str, str]:
-    return {"data": orjson.dumps(payload).decode()}
+    try:
+        return {"data": orjson.dumps(payload).decode()}
+    except orjson.JSONEncodeError:  # a lone surrogate quoted from a request: JSON's escapes carry it
+        return {"data": json.dumps(payload, ensure_ascii=True, separators=(",", ":"))}
 
 
 def _usage(job: Job) -> dict[str, Any]:
@@ -282,21 +289,15 @@ def _completion_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]]
 
 
 def _chat_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]], dict[str, Any]]:
-    def message(e: ChoiceEvent) -> tuple[dict[str, Any], str | None]:
-        if not job.tools:
-            return {"role": "assistant", "content": e.text, "refusal": None}, e.finish_reason
-        output = ToolOutput()
-        output.push(e.text)
-        output.flush()
-        if output.calls and e.finish_reason == "stop":
-            return {"role": "assistant", "content": None, "refusal": None, "tool_calls": [c.to_dict() for c in output.calls]}, "tool_calls"
-        return {"role": "assistant", "content": output.content, "refusal": None}, e.finish_reason
+    def message(e: ChoiceEvent) -> dict[str, Any]:
+        if e.deltas is None:
+            return {"role": "assistant", "content": e.text, "refusal": None}
+        return message_of(e.deltas)  # what the stream's deltas add up to (tools)
 
     def build(events: list[ChoiceEvent]) -> dict[str, Any]:
         choices = []
         for e in events:
-            body, finish = message(e)
-            choices.append({"index": e.index, "message": body, "logprobs": gateway.chat_logprobs(job, e.logprobs), "finish_reason": finish})
+            choices.append({"index": e.index, "message": message(e), "logprobs": gateway.chat_logprobs(job, e.logprobs), "finish_reason": e.finish_reason})
         return {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model, "choices": choices, **_usage(job)}
 
     return build
@@ -329,14 +330,11 @@ def _chat_chunks(gateway: Gateway, job: Job) -> Callable[[ChoiceEvent | None], l
     def choice(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
         return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
-    outputs = {c.choice: ToolOutput() for c in job.choices} if job.tools else {}
-
     def deltas(event: ChoiceEvent) -> list[dict[str, Any]]:
         """The event's text as deltas: itself, or (tools) the generic format read into OpenAI's shapes."""
-        if not job.tools:
-            return [{"content": event.text}] if event.text else []
-        output = outputs[event.index]
-        return output.push(event.text) + (output.flush() if event.finish_reason else [])
+        if event.deltas is not None:
+            return event.deltas
+        return [{"content": event.text}] if event.text else []
 
     def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
         if event is None:  # one role delta per choice index, first
@@ -349,8 +347,7 @@ def _chat_chunks(gateway: Gateway, job: Job) -> Callable[[ChoiceEvent | None], l
             logprobs = gateway.chat_logprobs(job, event.logprobs) if i == 0 else None
             out.append({**choice(event.index, delta, logprobs), **(_round_field(event) if i == 0 else {})})
         if event.finish_reason:
-            called = job.tools and outputs[event.index].calls and event.finish_reason == "stop"
-            out.append(choice(event.index, {}, None, "tool_calls" if called else event.finish_reason))
+            out.append(choice(event.index, {}, None, event.finish_reason))
         return out
 
     return build
@@ -365,8 +362,15 @@ def _round_field(event: ChoiceEvent) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- errors
 
 
+class _AsciiJSON(JSONResponse):
+    """JSON in ASCII: an error message may quote what a client sent, lone surrogates included."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 def _error(status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(ApiError(status, message, param, code, kind).body(), status_code=status, headers=headers)
+    return _AsciiJSON(ApiError(status, message, param, code, kind).body(), status_code=status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -386,12 +390,17 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ())]
         if first.get("type") == "json_invalid":
             return _error(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
+        if loc == ["body"]:  # the body itself: not a JSON object (or sent without Content-Type: application/json)
+            return _error(400, "the body must be a JSON object, sent with Content-Type: application/json", None, "invalid_json")
         param = ".".join(loc[1:] if loc[:1] == ["body"] else loc)  # the request's own field, as OpenAI names it
-        return _error(400, f"{param}: {first.get('msg')}", param, "invalid_value")
+        message = str(first.get("msg", "")).removeprefix("Value error, ")
+        return _error(400, f"{param}: {message}", param, "invalid_value")
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's, for JSON its parser cannot take
+            return _error(400, "malformed JSON body: it could not be parsed (nested too deeply?)", None, "invalid_json")
         return _error(exc.status_code, str(exc.detail), None, None, kind)
 
     @app.exception_handler(Exception)

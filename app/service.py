@@ -28,15 +28,15 @@ from app.targets.base import WorkerError
 from app.targets.pipeline import PipelineTarget
 from app.targets.pool import TargetSet
 from app.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SpeculativeParams
-from app.text import IncrementalDetokenizer, StopMatcher
-from app.tools import Tool, generic_schema, render_messages, tools_prompt
+from app.text import ChoiceText, delta_text
+from app.tools import Tool, ToolOutput, generic_schema, render_messages, tools_prompt
 from core.config import PipelineParams, SpecgateConfig, TreeParams
 from core.modes import MODES, SERVED_MODES
 from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
 from core.math.tree import ChildRule, SegmentSchedule, TreeShape
 from core.transform import TransformSpec
-from core.grammar import GrammarError, GrammarKind, GrammarLimits, Grammars, GrammarSpec
+from core.grammar import GrammarError, GrammarKind, GrammarLimits, Grammars, GrammarSpec, engine_version, load_schema
 from core.names import Drafter, Mode
 
 log = logging.getLogger(__name__)
@@ -236,9 +236,9 @@ def request_grammar(body: CompletionRequest | ChatCompletionRequest) -> tuple[Gr
         given_schema = outputs.json_
         if isinstance(given_schema, str):
             try:
-                given_schema = json.loads(given_schema)
-            except ValueError as exc:
-                raise ApiError(400, f"{param} is not valid JSON: {exc}", param) from None
+                given_schema = load_schema(given_schema)
+            except GrammarError as exc:
+                raise ApiError(400, f"{param}: {exc}", param) from None
         return GrammarSpec.json_schema(given_schema), param
     if outputs.regex is not None:
         return GrammarSpec(GrammarKind.REGEX, outputs.regex), param
@@ -267,6 +267,7 @@ class ChoiceEvent:
     finish_reason: str | None = None
     round: RoundInfo | None = None  # where the text came from (the stream's ``speculative`` field)
     is_prompt: bool = False  # the echoed prompt's logprobs (echo with logprobs), before any token
+    deltas: list[dict[str, Any]] | None = None  # tools: the text read into OpenAI's deltas (content, tool_calls pieces)
 
 
 @dataclass(frozen=True)
@@ -299,6 +300,8 @@ class Job:
     arrived: float = field(default_factory=time.monotonic)  # for time to first token / latency
     grammar_param: str = "response_format"  # the parameter that asked for the grammar (what an error names)
     tools: bool = False  # the answer is in the generic tool format (app.tools): calls or a response
+    tool_response_schema: bool = False  # tools: the response has a schema of its own (response_format): its JSON is the content
+    has_grammar: bool = False  # a grammar writes the answer (stop strings apply only to a tools answer's free text)
     tool_parameters: list[dict[str, Any]] = field(default_factory=list)  # each tool's schema (what a compile error names)
 
 
@@ -313,6 +316,7 @@ class Gateway:
         self.tokenizer = draft.runner.tokenizer
         self.engine = Engine(draft, pool, draft.runner.info.eos_ids, draft.runner.info.max_context)
         self._workers_checked = False
+        self._engine_warned: set[str] = set()
 
     # ----------------------------------------------------------------- workers
 
@@ -324,7 +328,19 @@ class Gateway:
             self.engine.max_context = min([self.draft.runner.info.max_context] + [e["max_context"] for e in ready])
         if len(ready) == len(report):
             self._workers_checked = True
+        self._warn_engines()
         return report
+
+    def _warn_engines(self) -> None:
+        """A worker whose grammar engine is not the gateway's, logged once: it serves no grammar (``_check_peers``)."""
+        engine = engine_version()
+        for worker in self.pool.workers:
+            for replica in getattr(worker, "replicas", []):
+                info = getattr(replica, "info", None)
+                theirs = getattr(info, "grammar_engine", None)
+                if theirs is not None and theirs != engine and replica.url not in self._engine_warned:
+                    self._engine_warned.add(replica.url)
+                    log.warning("worker %s (%s) runs %s, the gateway %s: requests with a grammar get a 400 until they match", worker.name, replica.url, theirs, engine)
 
     async def ensure_workers(self) -> None:
         """Before the first request: every worker has a ready replica (503 naming one that has not)."""
@@ -365,6 +381,7 @@ class Gateway:
         top = (body.top_logprobs or 0) if body.logprobs else None
         job = self._job(body, prompt, "chatcmpl", body.max_completion_tokens or body.max_tokens, top, grammar=grammar)
         job.tools = grammar is not None and grammar[1] == "tools"
+        job.tool_response_schema = job.tools and body.response_format is not None and body.response_format.type != "text"
         job.tool_parameters = [t.function.parameters or {} for t in body.tools or []] if job.tools else []
         return job
 
@@ -372,9 +389,15 @@ class Gateway:
         """The conversation to render and, with tools to call, the generic format's grammar
         (DESIGN §3.9; the built-in template has no tool format of its own)."""
         messages = body.chat_messages()
+        called: set[str] = set()
         for i, m in enumerate(messages):
+            called.update(call["id"] for call in m.get("tool_calls", []))
             if m["role"] == "tool" and not m.get("tool_call_id"):
                 raise ApiError(400, f"messages[{i}]: a message of role tool needs tool_call_id", f"messages.{i}.tool_call_id")
+            if m["role"] == "tool" and m["tool_call_id"] not in called:
+                raise ApiError(
+                    400, f"messages[{i}]: tool_call_id {m['tool_call_id']!r} answers no call of an earlier assistant message", f"messages.{i}.tool_call_id",
+                )
         tools = [Tool(t.function.name, t.function.description or "", t.function.parameters or {"type": "object", "properties": {}}) for t in body.tools or []]
         choice = body.tool_choice
         if choice is not None and not tools and choice != "none":
@@ -399,6 +422,9 @@ class Gateway:
         return render_messages(messages, tools_prompt(tools, schema, required)), (GrammarSpec.json_schema(schema), "tools")
 
     def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        where = _lone_surrogate(body.model_dump(by_alias=True, exclude_defaults=True))
+        if where is not None:
+            raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair): not text", where)
         if body.model != self.config.model:
             raise ApiError(404, f"model {body.model!r} does not exist; this gateway serves {self.config.model!r}", "model", "model_not_found")
         unsupported = body.unsupported()
@@ -411,29 +437,23 @@ class Gateway:
         prompt_logprobs: int | None = None, grammar: tuple[GrammarSpec | None, str] | None = None,
     ) -> Job:
         limits = self.config.limits
+        param = "messages" if prefix == "chatcmpl" else "prompt"  # where the prompt came from
         if not prompt:
-            raise ApiError(400, "the prompt must not be empty", "prompt")
+            raise ApiError(400, "the prompt must not be empty", param)
         if len(prompt) > limits.max_prompt_tokens:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than max_prompt_tokens {limits.max_prompt_tokens}", "prompt", "context_length_exceeded")
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than max_prompt_tokens {limits.max_prompt_tokens}", param, "context_length_exceeded")
         if len(prompt) >= self.engine.max_context:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens, the context is {self.engine.max_context}", "prompt", "context_length_exceeded")
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens, the context is {self.engine.max_context}", param, "context_length_exceeded")
+        limit = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"  # the field that set it
         if max_tokens is not None and len(prompt) + max_tokens > self.engine.max_context:
             raise ApiError(
-                400, f"the context is {self.engine.max_context} tokens: {len(prompt)} in the prompt plus max_tokens {max_tokens} do not fit",
-                "max_tokens", "context_length_exceeded",
+                400, f"the context is {self.engine.max_context} tokens: {len(prompt)} in the prompt plus {limit} {max_tokens} do not fit",
+                limit, "context_length_exceeded",
             )
         if max_tokens is not None and body.min_tokens > max_tokens:
-            raise ApiError(400, f"min_tokens ({body.min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
-        engines = [w.name for w in self.pool.workers if w.is_engine]
-        if body.min_tokens and not body.ignore_eos and engines and len(self.pool.workers) > 1:
-            raise ApiError(
-                400, f"min_tokens over several targets needs specgate workers: {engines[0]} is an openai-logprobs engine, whose "
-                "listing cannot say how much mass EOS takes from it (one engine alone serves min_tokens)", "min_tokens",
-            )
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) must be at most {limit} ({max_tokens})", "min_tokens")
         max_tokens = limits.max_tokens if max_tokens is None else min(max_tokens, limits.max_tokens)  # the config caps it
         spec = self._spec(body.speculative)
-        if not MODES[spec.mode].min_tokens and body.min_tokens and not body.ignore_eos:
-            raise ApiError(400, f"min_tokens is not served in {spec.mode.value} mode yet: use a chain mode (exact, aggregate, split)", "min_tokens")
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0  # as vLLM: tiny T is greedy
         params = SamplingParams(temperature=temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p)
         grammar = grammar or request_grammar(body)
@@ -451,6 +471,7 @@ class Gateway:
         job.echo_logprobs = prompt_logprobs is not None
         job.tokens_as_ids = body.return_tokens_as_token_ids
         job.grammar_param = grammar[1]
+        job.has_grammar = transform is not None and transform.grammar is not None
         return job
 
     def _transform(
@@ -473,24 +494,36 @@ class Gateway:
         if engines:
             raise ApiError(400, f"{asked[0]} needs specgate workers: {engines[0]} is an openai-logprobs engine, whose log-probabilities do not carry it", asked[0])
         if grammar is not None:
-            self._check_eos(param)
+            self._check_peers(grammar, param)
         if grammar is not None and body.ignore_eos:
             raise ApiError(400, f"ignore_eos cannot be combined with {param}: the grammar decides where the answer ends", "ignore_eos")
         if grammar is not None and body.min_tokens:
             raise ApiError(400, f"min_tokens cannot be combined with {param}: the grammar decides where the answer ends", "min_tokens")
         return None if transform.is_identity else transform
 
-    def _check_eos(self, param: str) -> None:
-        """A grammar lets a worker end the answer with its own EOS ids: each must be one of the
-        gateway's, or the gateway would take it for text its grammar does not allow."""
-        ours = set(self.draft.runner.info.eos_ids)
+    def _check_peers(self, grammar: GrammarSpec, param: str) -> None:
+        """Every worker can apply ``grammar`` as the gateway does: the same grammar engine (its
+        forced tokens and masks must agree with theirs), a source within the worker's limit, and
+        EOS ids among the gateway's (else it would take a worker's EOS for text its grammar does
+        not allow). The workers' /v1/info says, from the first check on."""
+        ours, engine, size = set(self.draft.runner.info.eos_ids), engine_version(), len(grammar.source.encode())
         for worker in self.pool.workers:
             for replica in getattr(worker, "replicas", []):
                 info = getattr(replica, "info", None)
-                if info is not None and not set(info.eos_ids) <= ours:
+                if info is None:
+                    continue
+                where = f"{worker.name} ({replica.url})"
+                if not set(info.eos_ids) <= ours:
+                    raise ApiError(400, f"{param} needs every worker's EOS ids among the draft's {sorted(ours)}: {where} ends with {sorted(info.eos_ids)}", param)
+                if info.grammar_engine is not None and info.grammar_engine != engine:
                     raise ApiError(
-                        400, f"{param} needs every worker's EOS ids among the draft's {sorted(ours)}: "
-                        f"{worker.name} ({replica.url}) ends with {sorted(info.eos_ids)}", param,
+                        400, f"{param} needs the gateway's grammar engine ({engine}) on every worker: {where} has {info.grammar_engine}; "
+                        "install the same version on both", param, "grammar_engine_mismatch",
+                    )
+                if info.max_grammar_bytes is not None and info.max_grammar_bytes < size <= self.config.limits.max_grammar_bytes:  # past the gateway's own: compile says so
+                    raise ApiError(
+                        400, f"{param}: the {grammar.kind.value} is {size} bytes; {where} compiles at most {info.max_grammar_bytes} "
+                        "(its max_grammar_bytes)", param, "grammar_too_large",
                     )
 
     def grammars(self) -> Grammars:
@@ -630,17 +663,9 @@ class Gateway:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _choice_events(self, job: Job, choice: GenerationRequest) -> AsyncGenerator[ChoiceEvent, None]:
-        detok, matcher = IncrementalDetokenizer(self.tokenizer), StopMatcher(job.stops)
-        mode, last, is_first, generated = choice.spec.mode.value, job.arrived, True, 0
-
-        def text_of(tokens: list[int]) -> str:
-            """The final text of ``tokens``; stop strings are looked for only after min_tokens, as vLLM does."""
-            nonlocal generated
-            early = max(0, min(len(tokens), choice.min_tokens - generated))
-            generated += len(tokens)
-            head = matcher.skip(detok.push(tokens[:early])) if early else ""
-            return head + matcher.push(detok.push(tokens[early:]))
-
+        tools = ToolOutput(raw_response=job.tool_response_schema) if job.tools else None
+        reader = ChoiceText(self.tokenizer, job.stops, choice.min_tokens, tools, grammar=job.has_grammar)
+        mode, last, is_first = choice.spec.mode.value, job.arrived, True
         if choice.choice == 0:
             self.metrics.prompt_tokens.inc(len(choice.prompt))
         async with aclosing(self.engine.generate(choice)) as rounds:
@@ -655,15 +680,15 @@ class Gateway:
                     self.metrics.observe_tokens(mode, now - last, len(result.tokens), is_first)
                     last, is_first = now, False
                 accepted = min(result.accepted, len(result.tokens))  # EOS may have cut the round short
-                draft_text = text_of(result.tokens[:accepted])
-                text = draft_text + text_of(result.tokens[accepted:])
-                info = RoundInfo(accepted, result.drafted, len(draft_text), result.traffic.sent + result.traffic.received)
-                finish = "stop" if matcher.stopped else result.finish_reason
-                if finish and not matcher.stopped:
-                    text += matcher.push(detok.flush())
-                    finish = "stop" if matcher.stopped else finish
-                    text += matcher.flush()
-                yield ChoiceEvent(choice.choice, text, result.logprobs, finish, info)
+                deltas = reader.push(result.tokens[:accepted])
+                draft_chars = len(delta_text(deltas))
+                deltas += [] if reader.stopped else reader.push(result.tokens[accepted:])
+                finish = "stop" if reader.stopped else result.finish_reason
+                if finish:
+                    last_deltas, finish = reader.finish(finish)
+                    deltas += last_deltas
+                info = RoundInfo(accepted, result.drafted, draft_chars, result.traffic.sent + result.traffic.received)
+                yield ChoiceEvent(choice.choice, delta_text(deltas), result.logprobs, finish, info, deltas=deltas if tools is not None else None)
                 if finish:
                     self.metrics.observe_finish(mode, finish, time.monotonic() - job.arrived)
                     return
@@ -678,6 +703,8 @@ class Gateway:
                 if event.logprobs is not None and into.logprobs is not None:
                     into.logprobs.extend(event.logprobs)
                 into.finish_reason = event.finish_reason or into.finish_reason
+                if event.deltas is not None:
+                    into.deltas = (into.deltas or []) + event.deltas
         return merged
 
     # ----------------------------------------------------------------- formatting
@@ -726,6 +753,23 @@ class Gateway:
 
     def _piece(self, token: int) -> str:
         return str(self.tokenizer.decode([token]))
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The path (``messages.0.content``) of the first string in ``value`` that holds half a
+    surrogate pair — JSON lets a body escape one, no text can hold one — or None."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if any("\ud800" <= ch <= "\udfff" for ch in item):
+                return ascii(path)[1:-1] or "body"  # a key may hold one too
+        elif isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in item.items())
+            stack.extend((k, path) for k in item if isinstance(k, str))
+        elif isinstance(item, list | tuple):
+            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(item))
+    return None
 
 
 def _tree_shape(given: dict[str, Any] | None, base: TreeParams | None) -> TreeShape | None:

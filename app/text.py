@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.tools import ToolOutput
+
 _REPLACEMENT = "\ufffd"
 
 
@@ -98,3 +100,77 @@ class StopMatcher:
                     best = size
                     break
         return best
+
+
+class ChoiceText:
+    """One choice's tokens → what its client sees: the text, and (tools) the deltas of the
+    generic format read into calls (``app.tools.ToolOutput``).
+
+    Stop strings apply where the model writes freely — the whole answer without a grammar, a
+    text ``response`` in the tools format — and not inside what a grammar writes (a schema's
+    JSON, a tool call's arguments): those end where their grammar ends, so that a stop string
+    cannot cut them into something that does not parse. As vLLM's min_tokens, no stop string is
+    looked for in the first ``min_tokens`` tokens' text.
+    """
+
+    def __init__(self, tokenizer: Any, stops: list[str], min_tokens: int = 0, tools: ToolOutput | None = None, grammar: bool = False) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        free = tools is not None and not tools.raw_response if grammar else True
+        self.matcher = StopMatcher(stops if free else [])
+        self.min_tokens = min_tokens
+        self.tools = tools
+        self.generated = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.stopped
+
+    def push(self, tokens: list[int]) -> list[dict[str, Any]]:
+        """The deltas of ``tokens``: ``{"content": …}``, and ``{"tool_calls": […]}`` with tools."""
+        early = max(0, min(len(tokens), self.min_tokens - self.generated))
+        self.generated += len(tokens)
+        head = self.detok.push(tokens[:early]) if early else ""
+        rest = self.detok.push(tokens[early:])
+        if self.tools is None:
+            return _content((self.matcher.skip(head) if early else "") + self.matcher.push(rest))
+        return self._stopped(self.tools.push(head + rest))
+
+    def finish(self, reason: str) -> tuple[list[dict[str, Any]], str]:
+        """The last deltas (what was held back) and the finish reason the client sees: ``stop``
+        when a stop string ended it, ``tool_calls`` when a whole answer made calls."""
+        if self.stopped:
+            return [], "stop"
+        tail = self.detok.flush()
+        if self.tools is None:
+            out = _content(self.matcher.push(tail))
+            return out + _content(self.matcher.flush()) if not self.stopped else out, "stop" if self.stopped else reason
+        deltas = self._stopped(self.tools.push(tail))
+        if self.stopped:
+            return deltas, "stop"
+        deltas += self._stopped(self.tools.flush(cut=reason == "length"))
+        deltas += _content(self.matcher.flush())
+        if self.stopped:
+            return deltas, "stop"
+        called = reason == "stop" and self.tools.calls and self.tools.is_complete
+        return deltas, "tool_calls" if called else reason
+
+    def _stopped(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``deltas`` with the stop strings applied to their content, up to where one matched."""
+        out: list[dict[str, Any]] = []
+        for delta in deltas:
+            if "content" not in delta:
+                out.append(delta)
+                continue
+            out += _content(self.matcher.push(delta["content"]))
+            if self.stopped:
+                break
+        return out
+
+
+def _content(text: str) -> list[dict[str, Any]]:
+    return [{"content": text}] if text else []
+
+
+def delta_text(deltas: list[dict[str, Any]]) -> str:
+    """The content of ``deltas``, joined."""
+    return "".join(d.get("content", "") for d in deltas)

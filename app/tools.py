@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.grammar import MAX_JSON_DEPTH, json_depth
+
 TOOL_PROMPT = (
     "You can call these tools:\n{tools}\n\n"
     "Answer with one JSON object that follows this JSON schema: either the tool calls to make "
@@ -105,21 +107,40 @@ class ToolCall:
 class ToolOutput:
     """Reads an answer in the generic format as it arrives (a character scanner: the grammar makes
     the JSON compact, with ``name`` before ``arguments``). ``push`` returns what is new as
-    OpenAI deltas: ``{"content": …}`` for a response's text, ``{"tool_calls": [piece]}`` for calls."""
+    OpenAI deltas: ``{"content": …}`` for a response's text, ``{"tool_calls": [piece]}`` for calls.
 
+    ``raw_response``: the response has a schema of its own (response_format), so its JSON text is
+    the content; otherwise it is a string, whose decoded text is the content. The text read so
+    far is either shown (content, call pieces) or structure (the wrapper's keys and brackets);
+    ``flush`` at a cut (``max_tokens``) shows what is neither yet — a half-written opening or
+    call name — as content, so an answer cut short loses none of what was generated.
+    """
+
+    raw_response: bool = False
     calls: list[ToolCall] = field(default_factory=list)
     content: str = ""
     _buffer: str = ""
-    _at: int = 0  # characters of the buffer read
+    _at: int = 0  # characters of the buffer read (shown or structure)
     _state: str = "start"
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
-    _escape: str = ""  # a response's pending escape (\uXXXX in the making)
 
     @property
     def is_calls(self) -> bool:
         return bool(self.calls)
+
+    @property
+    def is_complete(self) -> bool:
+        """The answer is whole: its JSON closed, and every call's arguments parse."""
+        if self._state != "done" or self._buffer[self._at :].strip("}"):
+            return False
+        return all(_parses(call.arguments) for call in self.calls)
+
+    @property
+    def is_free_text(self) -> bool:
+        """What is read now is a string response's text (where stop strings apply)."""
+        return self._state in ("text", "raw")
 
     def push(self, text: str) -> list[dict[str, Any]]:
         self._buffer += text
@@ -136,34 +157,13 @@ class ToolOutput:
     def _step(self) -> dict[str, Any] | None:
         rest = self._buffer[self._at :]
         if self._state == "start":
-            for opening, state in (('{"tool_calls":[', "call"), ('{"response":"', "text")):
-                if rest.startswith(opening):
-                    self._at += len(opening)
-                    self._state = state
-                    return None
-            if rest.startswith('{"response":') and len(rest) > len('{"response":'):  # not a string: a value of its own schema
-                self._at += len('{"response":')
-                self._state = "value"
-                return None
-            return None if any(o.startswith(rest) for o in ('{"tool_calls":[', '{"response":"')) else self._give_up()
+            return self._opening(rest)
         if self._state == "text":
-            return self._text_char(rest)
+            return self._text(rest)
         if self._state == "value":  # a response with a schema of its own: its JSON, as it comes
             return self._raw_value(rest, into_content=True)
         if self._state == "call":
-            opening = '{"name":"'
-            if rest.startswith(opening) and '"' in rest[len(opening) :]:
-                end = rest.index('"', len(opening))
-                name = rest[len(opening) : end]
-                if rest[end:].startswith('","arguments":'):
-                    self._at += end + len('","arguments":')
-                    call = ToolCall(len(self.calls), call_id(), name)
-                    self.calls.append(call)
-                    self._state, self._depth = "arguments", 0
-                    return {"tool_calls": [{"index": call.index, "id": call.id, "type": "function", "function": {"name": name, "arguments": ""}}]}
-                if len(rest) > end + len('","arguments":'):
-                    return self._give_up()
-            return None
+            return self._call(rest)
         if self._state == "arguments":
             return self._raw_value(rest, into_content=False)
         if self._state == "between":  # "}" closes the call, then "," or "]"
@@ -176,42 +176,70 @@ class ToolOutput:
             elif len(rest) >= 2:
                 return self._give_up()
             return None
-        self._at = len(self._buffer)  # done: the closing braces
+        if self._state == "done":  # the wrapper's closing braces
+            closing = len(rest) - len(rest.lstrip("}"))
+            self._at += closing
+            return None if closing == len(rest) else self._give_up()
+        return self._give_up()  # raw: not the generic format
+
+    def _opening(self, rest: str) -> dict[str, Any] | None:
+        calls, response = '{"tool_calls":[', '{"response":'
+        if rest.startswith(calls):
+            self._at += len(calls)
+            self._state = "call"
+        elif rest.startswith(response) and len(rest) > len(response):
+            is_text = rest[len(response)] == '"' and not self.raw_response  # else: a value of its own schema
+            self._at += len(response) + is_text
+            self._state = "text" if is_text else "value"
+        elif not (calls.startswith(rest) or response.startswith(rest)):
+            return self._give_up()
         return None
 
-    def _text_char(self, rest: str) -> dict[str, Any] | None:
-        out = []
-        i = 0
+    def _call(self, rest: str) -> dict[str, Any] | None:
+        opening, closing = '{"name":"', '","arguments":'
+        if not rest.startswith(opening[: len(rest)]):
+            return self._give_up()
+        end = rest.find('"', len(opening))
+        if end < 0:
+            return None
+        if not rest[end:].startswith(closing):
+            return None if closing.startswith(rest[end:]) else self._give_up()
+        name = rest[len(opening) : end]
+        self._at += end + len(closing)
+        call = ToolCall(len(self.calls), call_id(), name)
+        self.calls.append(call)
+        self._state, self._depth = "arguments", 0
+        return {"tool_calls": [{"index": call.index, "id": call.id, "type": "function", "function": {"name": name, "arguments": ""}}]}
+
+    def _text(self, rest: str) -> dict[str, Any] | None:
+        """A string response's characters, escapes decoded (a surrogate pair as one character)."""
+        out, i = [], 0
         while i < len(rest):
             ch = rest[i]
-            if self._escape:
-                self._escape += ch
-                i += 1
-                decoded = _decode_escape(self._escape)
-                if decoded is not None:
-                    out.append(decoded)
-                    self._escape = ""
-                continue
-            if ch == "\\":
-                self._escape = ch
-            elif ch == '"':
+            if ch == '"':
                 i += 1
                 self._state = "done"
                 break
-            else:
+            if ch != "\\":
                 out.append(ch)
-            i += 1
+                i += 1
+                continue
+            decoded = _escape_at(rest, i)
+            if decoded is None:
+                break  # the escape is not complete yet
+            out.append(decoded[0])
+            i += decoded[1]
         self._at += i
         piece = "".join(out)
         self.content += piece
         return {"content": piece} if piece else None
 
     def _raw_value(self, rest: str, into_content: bool) -> dict[str, Any] | None:
-        """An object or array value, as raw JSON, up to the bracket that closes it."""
+        """A value as raw JSON, up to its end: the bracket that closes an object or array, or —
+        for a number, string, true, false or null at the top — the wrapper's "}" after it."""
         i, ended = 0, False
         while i < len(rest) and not ended:
             ch = rest[i]
-            i += 1
             if self._in_string:
                 if self._escaped:
                     self._escaped = False
@@ -224,8 +252,12 @@ class ToolOutput:
             elif ch in "{[":
                 self._depth += 1
             elif ch in "}]":
+                if self._depth == 0:  # the wrapper's: a scalar value ended before it
+                    ended = True
+                    break
                 self._depth -= 1
                 ended = self._depth == 0
+            i += 1
         piece = rest[:i]
         self._at += i
         if ended:
@@ -236,12 +268,17 @@ class ToolOutput:
         self.calls[-1].arguments += piece
         return {"tool_calls": [{"index": self.calls[-1].index, "function": {"arguments": piece}}]} if piece else None
 
-    def flush(self) -> list[dict[str, Any]]:
-        """At the end of the answer: an opening never completed (cut short) as content."""
-        if self._state != "start":
+    def flush(self, cut: bool = False) -> list[dict[str, Any]]:
+        """At the end of the answer: text read but not yet shown, as content. An opening never
+        completed is content at any end; ``cut`` (the answer ended at max_tokens) shows the
+        rest too — a half-written call or escape — and, when nothing was shown at all, the
+        whole text generated (a cut before the first call's name)."""
+        if not cut and self._state != "start":
             return []
-        delta = self._give_up()
-        return [delta] if delta else []
+        rest = self._buffer[self._at :] if self.calls or self.content else self._buffer
+        self._at, self._state = len(self._buffer), "raw"
+        self.content += rest
+        return [{"content": rest}] if rest else []
 
     def _give_up(self) -> dict[str, Any] | None:
         """Not the generic format after all (the grammar was cut short): the rest is content."""
@@ -252,15 +289,46 @@ class ToolOutput:
         return {"content": rest} if rest else None
 
 
-def _decode_escape(escape: str) -> str | None:
-    """A JSON string escape once complete (``\\n``, ``\\u00e9``); None while it is not."""
-    if len(escape) < 2:
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def _escape_at(text: str, i: int) -> tuple[str, int] | None:
+    """The JSON string escape at ``text[i]`` (a backslash): its character and length; None
+    while it may still grow. A surrogate pair (two \\uXXXX) is one character; a lone
+    surrogate, which no text can hold, is U+FFFD."""
+    if len(text) < i + 2:
         return None
-    if escape[1] == "u":
-        if len(escape) < 6:
+    if text[i + 1] != "u":
+        try:
+            return json.loads(f'"{text[i : i + 2]}"'), 2
+        except ValueError:
+            return text[i + 1], 2  # not an escape JSON has (the grammar allows none): kept as written
+    if len(text) < i + 6:
+        return None
+    code = _hex(text[i + 2 : i + 6])
+    if code is None:
+        return text[i : i + 6], 6
+    if 0xD800 <= code < 0xDC00:  # a high surrogate: its low half follows as \uXXXX, or it is alone
+        tail = text[i + 6 : i + 12]
+        if len(tail) < 6 and "\\u".startswith(tail[:2]) and set(tail[2:]) <= _HEX:
             return None
-        return chr(int(escape[2:6], 16))
-    return json.loads(f'"{escape}"')
+        low = _hex(tail[2:]) if tail.startswith("\\u") else None
+        if low is not None and 0xDC00 <= low < 0xE000:
+            return chr(0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00)), 12
+        return "\ufffd", 6
+    return ("\ufffd" if 0xDC00 <= code < 0xE000 else chr(code)), 6
+
+
+def _hex(digits: str) -> int | None:
+    return int(digits, 16) if len(digits) == 4 and set(digits) <= _HEX else None
+
+
+def _parses(arguments: str) -> bool:
+    try:
+        json.loads(arguments)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -279,11 +347,29 @@ def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _arguments(value: str) -> Any:
+    """A call's arguments as the JSON they hold (as sent when they hold none, or nest past the stack)."""
     try:
-        return json.loads(value)
-    except ValueError:
+        parsed = json.loads(value)
+    except (ValueError, RecursionError):
         return value
+    return parsed if json_depth(parsed) <= MAX_JSON_DEPTH else value
 
 
 def _compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def message_of(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """The assistant message the ``deltas`` of one answer add up to, as a client reassembles a
+    stream: content joined (None when the answer is calls alone), calls by index."""
+    content = "".join(d["content"] for d in deltas if "content" in d)
+    calls: dict[int, dict[str, Any]] = {}
+    for delta in deltas:
+        for piece in delta.get("tool_calls", []):
+            call = calls.setdefault(piece["index"], {"id": piece.get("id"), "type": "function", "function": {"name": "", "arguments": ""}})
+            call["function"]["name"] += piece.get("function", {}).get("name", "")
+            call["function"]["arguments"] += piece.get("function", {}).get("arguments", "")
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message

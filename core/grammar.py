@@ -22,6 +22,7 @@ import torch
 
 
 JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance's JSON compiler: "," and ":" with no whitespace
+MAX_JSON_DEPTH = 64  # levels of nesting a schema may have (each walk of it recurses; the engine's own parser stops at 128)
 
 
 class GrammarKind(StrEnum):
@@ -29,6 +30,13 @@ class GrammarKind(StrEnum):
     REGEX = "regex"  # source: a regular expression (Rust regex syntax)
     CHOICE = "choice"  # source: a JSON list of the strings allowed
     GRAMMAR = "grammar"  # source: a Lark or GBNF grammar
+
+
+def engine_version() -> str:
+    """The grammar engine and its version: gateway and workers must mask alike (``/v1/info``)."""
+    from importlib.metadata import version
+
+    return f"llguidance {version('llguidance')}"
 
 
 class GrammarError(ValueError):
@@ -116,7 +124,7 @@ class Grammars:
             raise GrammarError(f"the {spec.kind.value} is {len(spec.source.encode())} bytes; the limit is {self.limits.max_source_bytes}")
         try:
             if spec.kind is GrammarKind.JSON_SCHEMA:  # compact JSON, as OpenAI's: the separators are then forced tokens
-                text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(strict(json.loads(spec.source))), defaults=JSON_OPTIONS)
+                text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(strict(load_schema(spec.source))), defaults=JSON_OPTIONS)
             else:
                 text = llguidance.grammar_from(spec.kind.value, spec.source)  # type: ignore[arg-type]  # a GrammarKind is one of its formats
         except (ValueError, TypeError) as exc:
@@ -248,6 +256,35 @@ def strict(schema: Any) -> Any:
     if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def json_depth(value: Any) -> int:
+    """Levels of nesting of a JSON value (a scalar: 0), without recursion: a value nested
+    deeper than the stack allows is measured, not crashed on."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            deepest = max(deepest, depth)
+            continue
+        deepest = max(deepest, depth + 1)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def load_schema(source: str) -> Any:
+    """A schema given as JSON text, within MAX_JSON_DEPTH; GrammarError (a ValueError) otherwise."""
+    try:
+        schema = json.loads(source)
+    except RecursionError:
+        raise GrammarError(f"the json_schema is nested too deeply; at most {MAX_JSON_DEPTH} levels are allowed") from None
+    except ValueError as exc:
+        raise GrammarError(f"the json_schema is not valid JSON: {exc}") from None
+    depth = json_depth(schema)
+    if depth > MAX_JSON_DEPTH:
+        raise GrammarError(f"the json_schema is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
+    return schema
 
 
 def _first_line(message: str) -> str:

@@ -55,7 +55,6 @@ class ModeSpec:
     one_worker: bool = False  # verifies on exactly one worker (split)
     engines: bool = False  # openai-logprobs engines may be among the targets (DESIGN §8)
     pipelines: bool = False  # pipeline targets (stage workers, DESIGN §3.7) may be among the targets
-    min_tokens: bool = True  # serves min_tokens (EOS suppressed before it); trees and pipelines do not yet
 
     @property
     def takes_k(self) -> bool:
@@ -72,9 +71,9 @@ MODES: dict[Mode, ModeSpec] = {
     Mode.EXACT: ModeSpec(Mode.EXACT, _DRAFTING | {"relaxation"}, frozenset({Payload.SPARSE})),
     Mode.TREE: ModeSpec(
         Mode.TREE, _EVERY | {"tree", "k", "reconstruction", "draft_top_k", "draft_top_p", "drafter"}, frozenset({Payload.FULL, Payload.TOP_K, Payload.SPARSE}),
-        pipelines=True, min_tokens=False,
+        pipelines=True,
     ),
-    Mode.PIPELINE: ModeSpec(Mode.PIPELINE, _EVERY | {"pipeline", "drafter"}, frozenset({Payload.FULL}), one_worker=True, pipelines=True, min_tokens=False),  # one pipeline target, full distributions
+    Mode.PIPELINE: ModeSpec(Mode.PIPELINE, _EVERY | {"pipeline", "drafter"}, frozenset({Payload.FULL}), one_worker=True, pipelines=True),  # one pipeline target, full distributions
 }
 
 SERVED_MODES = tuple(m for m, spec in MODES.items() if spec.served)

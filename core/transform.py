@@ -2,8 +2,9 @@
 and every worker.
 
 At each position, with prefix x (the agreed tokens, then a row's path through the draft), a
-model's logits become: + logit_bias → penalties (counts over x's generated part) → the grammar
-mask (−∞ outside what the grammar allows after x; EOS only where it may end) — then the
+model's logits become: min_tokens (EOS at −∞ while x's generated part is shorter: vLLM's order,
+before everything else) → + logit_bias → penalties (counts over x's generated part) → the
+grammar mask (−∞ outside what the grammar allows after x; EOS only where it may end) — then the
 sampling parameters (temperature → min-p, top-k, top-p; ``core.math.sampling``). A
 ``TransformSpec`` is what a request asks (it travels once per session); a ``Transformer`` is one
 session's state (a grammar matcher at the agreed tokens) that transforms the rows of a round.
@@ -11,7 +12,7 @@ session's state (a grammar matcher at the agreed tokens) that transforms the row
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,8 @@ class TransformSpec:
     repetition_penalty: float = 1.0  # vLLM's: logits of tokens in the prompt or output divided (> 0) or multiplied (≤ 0) by it
     grammar: GrammarSpec | None = None
     prompt_len: int = 0  # the generated part of a prefix starts here (penalties count it)
+    min_tokens: int = 0  # vLLM's: ``eos_ids`` at −∞ in every row whose prefix holds fewer generated tokens
+    eos_ids: tuple[int, ...] = ()  # what min_tokens keeps out: the gateway's EOS ids, ascending
 
     def __post_init__(self) -> None:
         if any(not -MAX_BIAS <= v <= MAX_BIAS for _, v in self.logit_bias):
@@ -43,12 +46,25 @@ class TransformSpec:
             raise ValueError(f"presence_penalty and frequency_penalty must lie in [−{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         if not MIN_REPETITION <= self.repetition_penalty <= MAX_REPETITION:
             raise ValueError(f"repetition_penalty must lie in [{MIN_REPETITION:g}, {MAX_REPETITION:g}]")
-        if self.prompt_len < 0:
-            raise ValueError("prompt_len must be ≥ 0")
+        if self.prompt_len < 0 or self.min_tokens < 0:
+            raise ValueError("prompt_len and min_tokens must be ≥ 0")
+        if any(t < 0 for t in self.eos_ids):
+            raise ValueError("eos_ids are token ids ≥ 0")
 
     @property
     def is_identity(self) -> bool:
-        return not self.logit_bias and self.presence_penalty == 0 and self.frequency_penalty == 0 and self.repetition_penalty == 1 and self.grammar is None
+        plain = not self.logit_bias and self.presence_penalty == 0 and self.frequency_penalty == 0 and self.repetition_penalty == 1
+        return plain and self.grammar is None and not self.suppresses
+
+    @property
+    def suppresses(self) -> bool:
+        """min_tokens keeps EOS out of the first rows."""
+        return self.min_tokens > 0 and bool(self.eos_ids)
+
+    @property
+    def is_min_tokens_only(self) -> bool:
+        """What an engine target can apply itself, to its listing (``app.targets.openai_logprobs``)."""
+        return replace(self, min_tokens=0, eos_ids=()).is_identity
 
     @property
     def penalises(self) -> bool:
@@ -65,6 +81,8 @@ class TransformSpec:
             out["repetition_penalty"] = self.repetition_penalty
         if self.grammar is not None:
             out["grammar"] = self.grammar.to_wire()
+        if self.suppresses:
+            out["min_tokens"], out["eos_ids"] = self.min_tokens, list(self.eos_ids)
         return out
 
     @classmethod
@@ -72,7 +90,7 @@ class TransformSpec:
         """ValueError (naming the field) on anything malformed."""
         if not isinstance(value, dict):
             raise ValueError("transform must be an object")
-        known = {"prompt_len", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "grammar"}
+        known = {"prompt_len", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "grammar", "min_tokens", "eos_ids"}
         if set(value) - known:
             raise ValueError(f"transform has unknown fields {sorted(set(value) - known)}")
         try:
@@ -81,6 +99,7 @@ class TransformSpec:
             return cls(
                 logit_bias=bias, presence_penalty=float(value.get("presence_penalty", 0.0)), frequency_penalty=float(value.get("frequency_penalty", 0.0)),
                 repetition_penalty=float(value.get("repetition_penalty", 1.0)), grammar=grammar, prompt_len=int(value.get("prompt_len", 0)),
+                min_tokens=int(value.get("min_tokens", 0)), eos_ids=tuple(sorted({int(t) for t in value.get("eos_ids", [])})),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"transform: {exc}") from exc
@@ -120,6 +139,8 @@ class Transformer:
         """GrammarError when the grammar does not compile; ValueError for a bias id off the vocabulary."""
         if any(not 0 <= t < vocab_size for t, _ in spec.logit_bias):
             raise ValueError(f"logit_bias names a token id outside [0, {vocab_size})")
+        if any(t >= vocab_size for t in spec.eos_ids) or (spec.eos_ids and len(spec.eos_ids) >= vocab_size):
+            raise ValueError(f"eos_ids must be ids in [0, {vocab_size}), not the whole vocabulary")
         matcher = None
         if spec.grammar is not None:
             if grammars is None:
@@ -138,6 +159,10 @@ class Transformer:
         if len(agreed) < self.spec.prompt_len:
             raise ValueError(f"the rows' common prefix ({len(agreed)} tokens) is shorter than the prompt ({self.spec.prompt_len})")
         out = logits.float().clone()
+        if self.spec.suppresses:  # min_tokens, first (vLLM's order): before bias, penalties, min-p, top-k and top-p
+            early = self._early_rows(agreed, paths)
+            if early:
+                out[torch.tensor(early)[:, None], torch.tensor(self.spec.eos_ids)[None, :]] = float("-inf")
         if self.spec.logit_bias:
             ids, values = self._bias_tensors()
             out[:, ids] += values
@@ -150,19 +175,33 @@ class Transformer:
             out.masked_fill_(~self.masks(agreed, paths), float("-inf"))
         return out
 
+    @property
+    def masks_any(self) -> bool:
+        """Some row may have ids at −∞ (a grammar, min_tokens): ``masks`` says which."""
+        return self.matcher is not None or self.spec.suppresses
+
     def masks(self, agreed: list[int], paths: list[list[int]]) -> torch.Tensor:  # [R, V] bool
-        """The grammar's allowed set after each row's prefix (all True without a grammar)."""
-        if self.matcher is None:
-            return torch.ones(len(paths), self.vocab_size, dtype=torch.bool)
-        matcher = self.matcher
-        matcher.sync(self._generated(agreed))
-        out = torch.empty(len(paths), self.vocab_size, dtype=torch.bool)
-        for r, path in enumerate(paths):
-            for token in path:
-                matcher.consume(token)
-            out[r] = matcher.allowed()
-            matcher.rollback(len(path))
+        """The ids each row may emit: the grammar's allowed set after the row's prefix, without
+        EOS where min_tokens keeps it out (all True when neither applies)."""
+        out = torch.ones(len(paths), self.vocab_size, dtype=torch.bool)
+        if self.matcher is not None:
+            matcher = self.matcher
+            matcher.sync(self._generated(agreed))
+            for r, path in enumerate(paths):
+                for token in path:
+                    matcher.consume(token)
+                out[r] = matcher.allowed()
+                matcher.rollback(len(path))
+        if self.spec.suppresses:
+            early = self._early_rows(agreed, paths)
+            if early:
+                out[torch.tensor(early)[:, None], torch.tensor(self.spec.eos_ids)[None, :]] = False
         return out
+
+    def _early_rows(self, agreed: list[int], paths: list[list[int]]) -> list[int]:
+        """The rows whose prefix holds fewer than min_tokens generated tokens."""
+        generated = len(agreed) - self.spec.prompt_len
+        return [r for r, path in enumerate(paths) if generated + len(path) < self.spec.min_tokens]
 
     def forced(self, agreed: list[int]) -> int | None:
         """The one token the grammar allows after ``agreed``, if it allows exactly one. Where it

@@ -181,3 +181,32 @@ def _patches(draws: ExactDraws) -> Iterator[tuple[Any, str, Any, Any]]:
 def exact_draws() -> Iterator[ExactDraws]:
     with ExactDraws() as draws:
         yield draws
+
+
+def prefix_distance(
+    law: dict[tuple[int, ...], float],  # outcome (the tokens checked) → its exact probability
+    p_next: Callable[[tuple[int, ...]], torch.Tensor],  # [V] float64: the target after a prefix of generated tokens
+    eos: int,
+    vocab_size: int,
+) -> float:
+    """How far the checked tokens' law, each outcome followed by the target's conditionals, is
+    from the target's own law of sequences: the largest |C(s) − P(s)| over the prefixes s that
+    decide it — every proper prefix of an outcome and each of its V one-token extensions. (Past
+    those no outcome goes on, so C(s·x) = C(s) p(x | s) = P(s·x) by induction: equal there, equal
+    at every length, without enumerating Vᴸ sequences.) A sequence ends at EOS."""
+
+    def target(s: tuple[int, ...], start: int = 0) -> float:  # P(s[start:] | s[:start])
+        mass = 1.0
+        for i in range(start, len(s)):
+            if i and s[i - 1] == eos:
+                return 0.0
+            mass *= float(p_next(s[:i])[s[i]])
+        return mass
+
+    internal = {t[:i] for t in law for i in range(len(t))}
+    checks = internal | {(*s, x) for s in internal if not (s and s[-1] == eos) for x in range(vocab_size)}
+    worst = 0.0
+    for s in checks:
+        reached = sum(mass * (1.0 if t[: len(s)] == s else target(s, len(t)) if s[: len(t)] == t else 0.0) for t, mass in law.items())
+        worst = max(worst, abs(reached - target(s)))
+    return worst

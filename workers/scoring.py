@@ -14,7 +14,7 @@ from core.math.aggregation import reconstruct, tv_distance
 from core.math.compression import compress_top_k
 from core.math.random import Purpose, sample_index, sample_rows, uniform, uniforms
 from core.math.speculative import count_accepted, verify_greedy
-from core.math.sampling import SamplingParams, apply_sampling, normalised, suppress
+from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
 from core.runners.base import ForwardItem
@@ -37,15 +37,9 @@ def score(
     params = sampling_params(req)
     probs = apply_sampling(logits, params)
     asked: dict[str, Any] = {}
-    if req.suppress_ids is not None:  # min_tokens
-        ids = torch.from_numpy(np.asarray(req.suppress_ids, dtype=np.int64))
-        depths = row_depths(req.parents.tolist()) if req.parents is not None else range(probs.shape[0])  # a tree's row decides first + its depth
-        rows = torch.tensor([_first_position(req) + d < req.suppress_until for d in depths][: probs.shape[0]], dtype=torch.bool)
-        probs, kept = suppress(logits, probs, rows, ids, params)
-        asked["kept_mass"] = kept.numpy()  # f64: the mixture's weights to the last bit
     if req.score_ids is not None:
         ids = torch.from_numpy(np.asarray(req.score_ids, dtype=np.int64))
-        return VerifyResponse(held=held, score_logprobs=_logs(normalised(probs[:1])[0, ids]), model_ms=model_ms, **asked)
+        return VerifyResponse(held=held, score_logprobs=_logs(normalised(probs[:1])[0, ids]), model_ms=model_ms)
     finite = torch.isfinite(logits)
     resp = _answer(probs, req, held, model_ms, params, None if bool(finite.all()) else finite)
     asked.update(_asked_logprobs(probs, req, resp))
@@ -145,8 +139,6 @@ def _distributions(
             held=held, probs=probs.numpy(), tail_mass=zeros, recon_error=zeros,
             samples=samples, probs_dtype=req.probs_dtype, model_ms=model_ms,
         )
-    if req.suppress_ids is not None:  # rows without EOS are not renormalised (suppress): σ and e_n of p(· | not EOS)
-        probs = normalised(probs)
     top = compress_top_k(probs, req.k)
     method = Reconstruction(req.reconstruction)
     if method is Reconstruction.RENORMALIZE:

@@ -41,7 +41,7 @@ from core.protocol import (
 from core.runners import ModelRunner
 from core.runners.base import ForwardItem
 from core.runners.model_thread import ModelThread
-from core.grammar import GrammarLimits, Grammars
+from core.grammar import GrammarLimits, Grammars, GrammarSpec, engine_version
 from core.serving import Guard
 from core.transform import Transformer, TransformSpec
 from workers.scheduler import VerifyScheduler
@@ -107,6 +107,8 @@ class WorkerState:
             backend=info.backend,
             layer_range=list(self.runner.layer_range) if self.runner.layer_range is not None else None,
             num_layers=self.runner.num_layers,
+            grammar_engine=engine_version(),
+            max_grammar_bytes=self.settings.max_grammar_bytes,
         )
 
     def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
@@ -210,11 +212,23 @@ class WorkerState:
         except ValueError as exc:  # GrammarError included
             raise InvalidRequest(str(exc), param="transform") from exc
 
+    async def precompile(self, wire: dict[str, Any] | None, starts: bool) -> None:
+        """Compile the grammar of a call that starts a session (``starts``) off the model thread,
+        into the engine's cache by content: the step that builds the session's transform finds it
+        there, and the sessions batched with it do not wait for a compile."""
+        if not starts or not isinstance(wire, dict) or "grammar" not in wire:
+            return
+        try:
+            spec = GrammarSpec.from_wire(wire["grammar"])
+            await asyncio.to_thread(lambda: self.grammars().compile(spec))
+        except ValueError as exc:  # GrammarError included
+            raise InvalidRequest(f"transform: {exc}", param="transform") from exc
+
     def grammars(self) -> Grammars:
         """The grammar engine over this model's tokenizer (built on first use: ~0.25 s)."""
         if self._grammars is None:
             info = self.runner.info
-            self._grammars = Grammars(self.runner.tokenizer, info.vocab_size, info.eos_ids, GrammarLimits())
+            self._grammars = Grammars(self.runner.tokenizer, info.vocab_size, info.eos_ids, GrammarLimits(max_source_bytes=self.settings.max_grammar_bytes))
         return self._grammars
 
     def _prepare_stage(self, req: StageRequest) -> tuple[ForwardItem, int, None]:
@@ -469,6 +483,7 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         req = decode(VerifyRequest, body, request.headers.get("content-type"))
         if state.is_stage:
             raise InvalidRequest(f"this worker is a pipeline stage (layers {state.settings.layers}): it answers /v1/stage/forward, not /v1/verify", param="mode")
+        await state.precompile(req.transform, req.prefix_len == 0)
         decoded = time.perf_counter()
         timing: dict[str, float] = {}
         resp = await state.scheduler.verify(req, timing)
@@ -488,6 +503,7 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         state = _state(request)
         body = await request.body()
         req = _stage_request(state, body, request.headers.get("content-type"))
+        await state.precompile(req.transform, req.prefix_len == 0 and state.runner.is_last_stage)
         await state.order.turn(req.session_id, req.seq, state.settings.stage_wait_s)
         try:
             out = await state.scheduler.verify(req, {})

@@ -26,6 +26,7 @@ class WorkerSettings(BaseSettings):
     session_live_s: float = Field(default=10.0, gt=0)  # a session used this recently keeps its KV slot: a new session finding every slot so held gets 503 + Retry-After
     max_body_bytes: int = Field(default=8 * 2**20, gt=0)  # larger request bodies get a 413
     max_draft: int = Field(default=64, gt=0)  # draft tokens one verify call may carry
+    max_grammar_bytes: int = Field(default=64 * 1024, gt=0)  # the longest grammar source compiled (/v1/info reports it: the gateway refuses longer ones)
     max_batch_tokens: int = Field(default=256, gt=0)  # new tokens one scheduler step feeds the model, all its calls together (one call always goes)
     threads: int | None = Field(default=None, gt=0)  # CPU threads of the model; None = every core
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the model runs (auto = cuda if present); llama.cpp: the CPU

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -28,13 +29,13 @@ from app.targets.base import Traffic, WorkerError
 from app.targets.pipeline import PipelineTarget
 from app.targets.pool import TargetSet
 from core.math.aggregation import merge_top_logprobs, mixed_logprob
-from core.math.sampling import Suppression
+from core.math.random import round_seed
 from core.math.tree import SegmentSchedule, TokenTree, TreeShape
 from core.modes import MODES
 from core.grammar import Grammars
 from core.names import Drafter, Mode
 from core.protocol import VerifyRequest
-from core.transform import Transformer
+from core.transform import Transformer, TransformSpec
 
 log = logging.getLogger(__name__)
 FORCED_EXTRA = 8  # tokens a grammar forces that a chain may carry beyond γ (free: no draft step of their own)
@@ -54,6 +55,7 @@ class Engine:
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[RoundResult, None]:
         """Rounds of one choice until EOS or a length limit; the caller may stop early."""
         session_id = f"{req.request_id}-{req.choice}"
+        req = self._with_min_tokens(req)
         if req.spec.mode is Mode.PIPELINE:
             async for result in self._pipeline(session_id, req):
                 yield result
@@ -65,11 +67,11 @@ class Engine:
         agreed = [0] * len(self.pool.workers)
         ahead: TokenTree | None = None  # the next round's draft, prepared during this round's flight
         path: list[int] | None = None  # the last tree round's accepted nodes: every worker holds them as tree rows
-        suppression = self._suppression(req)
         transformer = self._transformer(req)
-        verifier = self._transformer(req) if transformer is not None and transformer.matcher is not None else None  # its own matcher: the draft's runs ahead with overlap
+        verifier = self._transformer(req) if transformer is not None and transformer.masks_any else None  # its own matcher: the draft's runs ahead with overlap
         drafts = MODES[req.spec.mode].drafts
-        auto = GammaController(req.spec.overlap) if req.spec.auto_gamma and not req.seeded and drafts else None
+        auto = GammaController(req.spec.overlap, start=req.spec.num_draft_tokens) if req.spec.auto_gamma and not req.seeded and drafts else None
+        rounds = 0  # verified so far
         try:
             if req.prompt_logprobs is not None:
                 yield await self._score_prompt(session_id, req)
@@ -90,26 +92,29 @@ class Engine:
                     continue
                 wanted = auto.choose() if auto is not None else req.spec.num_draft_tokens
                 gamma = min(wanted, room - 1) if drafts else 0
+                keyed = _keyed(req, auto is not None, rounds)  # auto: each round its own draws
                 started = time.perf_counter()
                 used = ahead is not None
                 timing: dict[str, float] = {}
                 if req.spec.mode is Mode.TREE:
-                    draft = await self._draft_tree(session_id, sequence, room, req, timing, transformer)
+                    draft = await self._draft_tree(session_id, sequence, room, keyed, timing, transformer)
                 else:
-                    draft = ahead.head(gamma) if ahead is not None else await self._draft(session_id, sequence, gamma, req, suppression, timing, transformer, room - 1)
+                    draft = ahead.head(gamma) if ahead is not None else await self._draft(session_id, sequence, gamma, keyed, timing, transformer, room - 1)
                 ahead = None
                 scorable = self.pool.scorable(sequence, draft.ids())  # an engine may not score every token
                 if scorable < len(draft):
                     draft = draft.head(scorable)
                 drafted = time.perf_counter()
-                rnd = Round(self.pool, self.weights, self.vocab_size, req, session_id, sequence, agreed, draft, Traffic(), suppression, path=path, transformer=verifier)
-                preparing = self._prepare(session_id, sequence, draft, room, wanted, req, suppression, transformer) if req.spec.overlap and drafts else None  # drafter model only
+                rnd = Round(self.pool, self.weights, self.vocab_size, keyed, session_id, sequence, agreed, draft, Traffic(), path=path, transformer=verifier)
+                ahead_req = _keyed(req, auto is not None, rounds + 1)  # the next round's draws
+                preparing = self._prepare(session_id, sequence, draft, room, wanted, ahead_req, transformer) if req.spec.overlap and drafts else None  # drafter model only
                 try:
                     result = await strategy.verify(rnd)
                 except BaseException:
                     if preparing is not None:
                         preparing[1].set()  # it ends after the token in progress; nobody waits for it
                     raise
+                rounds += 1
                 result.draft_s, result.verify_s, result.model_s, result.busy_s = drafted - started, time.perf_counter() - drafted, rnd.model_s, rnd.busy_s
                 result.seconds = {**timing, **rnd.seconds, "gateway_math": max(result.verify_s - rnd.calls_s, 0.0)}
                 result.prepared_used = int(used)
@@ -187,15 +192,17 @@ class Engine:
     def _room(self, req: GenerationRequest, sequence: list[int]) -> int:
         return min(req.max_tokens - (len(sequence) - len(req.prompt)), self.max_context - len(sequence))
 
-    def _suppression(self, req: GenerationRequest) -> Suppression | None:
-        """min_tokens as the positions where no EOS is decided (none with ignore_eos, as in vLLM)."""
+    def _with_min_tokens(self, req: GenerationRequest) -> GenerationRequest:
+        """min_tokens as the first step of the request's transform (vLLM's order, DESIGN §3.9):
+        the gateway's EOS ids at −∞ in every row before it, on every worker and in the draft
+        (none with ignore_eos, as in vLLM)."""
         if req.min_tokens <= 0 or req.ignore_eos or not self.eos_ids:
-            return None
-        return Suppression(tuple(sorted(self.eos_ids)), len(req.prompt) + req.min_tokens)
+            return req
+        base = req.transform if req.transform is not None else TransformSpec(prompt_len=len(req.prompt))
+        return replace(req, transform=replace(base, min_tokens=req.min_tokens, eos_ids=tuple(sorted(self.eos_ids))))
 
     def _prepare(
-        self, session_id: str, sequence: list[int], draft: TokenTree, room: int, gamma: int, req: GenerationRequest, suppression: Suppression | None,
-        transformer: Transformer | None = None,
+        self, session_id: str, sequence: list[int], draft: TokenTree, room: int, gamma: int, req: GenerationRequest, transformer: Transformer | None = None,
     ) -> tuple[asyncio.Task[TokenTree], threading.Event] | None:
         """DSD's overlap: while the round is verified, draft on as if every draft token were
         accepted — one token for the bonus position, then the next round's γ. None when there is
@@ -207,8 +214,7 @@ class Engine:
         cancel = threading.Event()
         assumed = [*sequence, *tokens]
         task = asyncio.create_task(self.draft.propose(
-            session_id, assumed, 1 + min(gamma, after - 1), req.params, req.seed, req.choice, req.spec.truncation, cancel, suppression,
-            transformer=transformer,
+            session_id, assumed, 1 + min(gamma, after - 1), req.params, req.seed, req.choice, req.spec.truncation, cancel, transformer=transformer,
         ))
         task.add_done_callback(_retrieve)  # a round that fails leaves it unawaited
         return task, cancel
@@ -230,8 +236,8 @@ class Engine:
         return prepared.tail(1)
 
     async def _draft(
-        self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest, suppression: Suppression | None, timing: dict[str, float],
-        transformer: Transformer | None = None, room: int | None = None,
+        self, session_id: str, sequence: list[int], gamma: int, req: GenerationRequest, timing: dict[str, float], transformer: Transformer | None = None,
+        room: int | None = None,
     ) -> TokenTree:
         """A chain of ``gamma`` tokens; with a grammar, the tokens it forces come on top, free
         (up to FORCED_EXTRA more and ``room``), and so do a lookup's (``drafter``)."""
@@ -239,8 +245,7 @@ class Engine:
             return TokenTree.chain([], [])
         limit = min(room if room is not None else gamma, max(gamma, min(gamma + FORCED_EXTRA, MAX_DRAFT)))
         return await self.draft.propose(
-            session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, suppression=suppression, timing=timing,
-            transformer=transformer, limit=limit, drafter=req.spec.drafter, shared=not req.seeded,
+            session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, timing=timing, transformer=transformer, limit=limit, drafter=req.spec.drafter, shared=not req.seeded,
         )
 
     async def _draft_tree(
@@ -292,6 +297,12 @@ class Engine:
 
     async def _free(self, session_id: str, output: list[int] | None = None) -> None:
         await asyncio.gather(self.pool.delete_sessions(session_id), self.draft.free(session_id, output), return_exceptions=True)
+
+
+def _keyed(req: GenerationRequest, own_draws: bool, round_index: int) -> GenerationRequest:
+    """The request as one round draws with it: its own seed, when earlier rounds chose its shape
+    (``core.math.random.round_seed``)."""
+    return replace(req, seed=round_seed(req.seed, round_index)) if own_draws else req
 
 
 def _retrieve(task: asyncio.Task[TokenTree]) -> None:

@@ -15,13 +15,12 @@ from app.targets.base import Traffic, WorkerError
 from app.targets.pool import TargetSet
 from core.math.aggregation import (
     aggregate,
-    kept_weights,
     merge_top_logprobs,
     mixed_logprob,
     reconstruct,
 )
 from core.math.random import Purpose, uniforms
-from core.math.sampling import Suppression, normalised
+from core.math.sampling import normalised
 from core.math.tree import TokenTree
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
@@ -41,9 +40,8 @@ class Round:
     agreed: list[int]  # per worker: tokens of ``sequence`` it holds
     draft: TokenTree  # a chain, or a tree in ``tree`` mode
     traffic: Traffic
-    suppression: Suppression | None = None  # min_tokens: EOS is removed from the target before it
     path: list[int] | None = None  # the previous round's accepted tree path, the first call's ``path`` (v1.1)
-    transformer: Transformer | None = None  # the request's grammar, the gateway's own matcher (not the draft's): ``allowed``
+    transformer: Transformer | None = None  # the request's masks (grammar, min_tokens), the gateway's own matcher (not the draft's): ``allowed``
     model_s: float = 0.0  # per call the slowest worker's model seconds, summed (the round's latency)
     busy_s: float = 0.0  # every worker's model seconds, summed over workers and calls (the targets' cost)
     responses: list[VerifyResponse] = field(default_factory=list)  # of the last call
@@ -57,9 +55,9 @@ class Round:
         return list(range(start, start + self.draft.max_depth() + 1))
 
     def allowed(self) -> torch.Tensor | None:  # [rows, V] bool
-        """The grammar's allowed ids at each scored row (the root's, then each node's path),
-        or None without a grammar."""
-        if self.transformer is None or self.transformer.matcher is None:
+        """The ids each scored row may emit (the root's, then each node's path): the grammar's,
+        without EOS before min_tokens; None when nothing is masked."""
+        if self.transformer is None or not self.transformer.masks_any:
             return None
         ids = self.draft.ids()
         paths = [[], *([ids[n] for n in self.draft.path_to(node)] for node in range(len(self.draft)))]
@@ -82,7 +80,7 @@ class Round:
             VerifyRequest.after(
                 self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.ids(),
                 temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p, **transform_wire(req),
-                seed=req.seed, choice=req.choice, worker=n, **self._suppressing(self.positions[0], len(self.positions)), **self.tree_wire, **kept, **wire,  # type: ignore[arg-type]
+                seed=req.seed, choice=req.choice, worker=n, **self.tree_wire, **kept, **wire,  # type: ignore[arg-type]
             )
             for n in range(len(pool.workers))
         ]
@@ -106,16 +104,10 @@ class Round:
         return results
 
     @property
-    def weights(self) -> torch.Tensor:
-        """The mixture's weights at the last call's positions: as configured ``[N]``; ``[γ+1, N]``
-        where min_tokens removed EOS (w_n κ_n, renormalised: the mixture of p_n(· | not EOS))."""
-        return response_weights(self.responses, self.configured)
-
-    def _suppressing(self, first: int, rows: int) -> dict[str, object]:
-        """The wire fields of min_tokens, when any of ``rows`` positions from ``first`` is suppressed."""
-        if self.suppression is None or not self.suppression.rows(first, rows):
-            return {}
-        return {"suppress_ids": np.array(self.suppression.ids, dtype=np.int64), "suppress_until": self.suppression.until}
+    def weights(self) -> torch.Tensor:  # [N]
+        """The mixture's weights, as configured: each target transformed as it would be alone
+        (min_tokens included), the federation mixing them (DESIGN §3.9)."""
+        return self.configured
 
     async def score(self, position: int, token: int, drafted: list[int] | None = None) -> float:
         """log p(token) at ``position`` (absolute, within sequence + ``drafted``: the draft's
@@ -128,7 +120,7 @@ class Round:
             VerifyRequest.after(
                 self.session_id, held[:-1], held[-1:], [], temperature=req.params.temperature, top_k=req.params.top_k,
                 top_p=req.params.top_p, seed=req.seed, choice=req.choice, worker=n, mode=Mode.AUTOREGRESSIVE.value, **transform_wire(req),
-                score_ids=np.array([token], dtype=np.int64), **self._suppressing(position, 1),  # type: ignore[arg-type]
+                score_ids=np.array([token], dtype=np.int64),  # type: ignore[arg-type]
             )
             for n in range(len(pool.workers))
         ]
@@ -137,8 +129,7 @@ class Round:
         self.busy_s += sum(resp.model_ms for resp, _ in results) / 1e3
         for _, traffic in results:
             self.traffic.add(traffic)
-        weights = weights_at(response_weights([resp for resp, _ in results], self.configured), 0)
-        return mixed_logprob([float(array(resp.score_logprobs)[0]) for resp, _ in results], weights)
+        return mixed_logprob([float(array(resp.score_logprobs)[0]) for resp, _ in results], self.configured)
 
 
 def transform_wire(req: GenerationRequest) -> dict[str, object]:
@@ -181,16 +172,15 @@ def mixture(
     normalise: bool = True, allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """p̂ = Σ w_n p̂_n over the positions of the responses: ``[γ+1, V]`` float64 (``weights``:
-    ``[N]`` or per position, ``Round.weights``). Whole rows are ``normalised`` (an fp32 row sums
-    to 1 ± 1e-6); greedy (``normalise=False``) compares them as sent, the same numbers in every mode
-    — except rows that min_tokens stripped of EOS, sent unnormalised (``suppress``): weighted by
-    w_n κ_n, they are normalised at every temperature. ``allowed``: a grammar's ids per row, where
-    ``residual`` reconstruction spreads the tail mass."""
+    ``[N]``). Whole rows are ``normalised`` (an fp32 row sums to 1 ± 1e-6); greedy
+    (``normalise=False``) compares them as sent, the same numbers in every mode. ``allowed``:
+    the ids each row may emit (a grammar's, min_tokens'), where ``residual`` reconstruction
+    spreads the tail mass."""
     dists = []
     for resp in responses:
         probs = torch.tensor(array(resp.probs), dtype=torch.float64)
         if resp.ids is None:
-            dists.append(normalised(probs) if normalise or resp.kept_mass is not None else probs)
+            dists.append(normalised(probs) if normalise else probs)
         else:
             ids = torch.from_numpy(np.array(resp.ids, dtype=np.int64))
             dists.append(reconstruct(ids, probs, vocab_size, method, torch.tensor(array(resp.tail_mass)), allowed))
@@ -226,24 +216,6 @@ def first_worker_error(failures: BaseExceptionGroup) -> BaseException:
     return (errors or failures).exceptions[0]
 
 
-def response_weights(responses: list[VerifyResponse], weights: torch.Tensor) -> torch.Tensor:
-    """``weights`` ``[N]``, or ``[rows, N]`` scaled by each worker's kept mass κ_n where the
-    responses carry it (min_tokens: the mixture of p_n(· | not EOS), core.math.aggregation)."""
-    if not responses or responses[0].kept_mass is None:
-        return weights
-    return kept_weights(weights, torch.stack([torch.tensor(array(r.kept_mass), dtype=torch.float64) for r in responses]))
-
-
-def weights_at(weights: torch.Tensor, row: int) -> torch.Tensor:
-    """The weights ``[N]`` at one position of ``response_weights``."""
-    return weights if weights.dim() == 1 else weights[row]
-
-
-def first_rows(weights: torch.Tensor, rows: int) -> torch.Tensor:
-    """The weights of ``response_weights`` for its first ``rows`` positions."""
-    return weights if weights.dim() == 1 else weights[:rows]
-
-
 def row_ids(resp: VerifyResponse, row: int, vocab_size: int) -> torch.Tensor:
     """The ids of one position's probabilities (all of V when sent in full)."""
     if resp.ids is None:
@@ -263,4 +235,4 @@ def worker_logprobs(rnd: Round, tokens: list[int], values: list[float], rows: li
     n, weights = rnd.req.top_logprobs, rnd.weights
     tops = [(array(r.top_ids), array(r.top_logprobs)) for r in rnd.responses] if n else []
     rows = list(range(len(tokens))) if rows is None else rows
-    return [TokenLogprob(t, v, merge_top_logprobs(tops, j, n or 0, weights_at(weights, j))) for j, t, v in zip(rows, tokens, values)]
+    return [TokenLogprob(t, v, merge_top_logprobs(tops, j, n or 0, weights)) for j, t, v in zip(rows, tokens, values)]

@@ -51,10 +51,11 @@ from app.targets.base import (
 from core.config import WorkerEntry
 from core.errors import ProtocolError
 from core.math.random import Purpose, sample_index, uniform
-from core.math.sampling import SamplingParams, Suppression
+from core.math.sampling import SamplingParams
 from core.math.tempering import temper_top_k
 from core.modes import ENGINE_MODES
 from core.names import Mode
+from core.transform import TransformSpec
 from core.protocol import (
     PROTOCOL_VERSION,
     InfoResponse,
@@ -440,7 +441,7 @@ class EngineDialect:
         in autoregressive (``position``: absolute index of the first row's token)."""
         params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
         first = position - len(req.draft)  # the absolute index of the token drawn at row 0
-        rows, kept = self._suppressed(rows, req, first, params)
+        rows = self._suppressed(rows, req, first)
         width = min([len(r) for r, _ in rows] + ([req.k] if req.k else []))
         ids, probs, tails = [], [], []
         for row, ceiling in rows:
@@ -457,40 +458,31 @@ class EngineDialect:
             sample = ids[0][sample_index(torch.from_numpy(probs[0]).double(), u)]
             samples = np.array([sample], dtype=np.int32)
             if not req.return_probs:
-                return VerifyResponse(held=position, samples=samples, tail_mass=tail, model_ms=model_ms, kept_mass=kept)
+                return VerifyResponse(held=position, samples=samples, tail_mass=tail, model_ms=model_ms)
         else:
             samples = None
         return VerifyResponse(
             held=position, ids=np.asarray(ids, dtype=np.int64), probs=np.stack(probs).astype(np.float32),
-            tail_mass=tail, recon_error=tail, samples=samples, model_ms=model_ms, kept_mass=kept,
+            tail_mass=tail, recon_error=tail, samples=samples, model_ms=model_ms,
         )
 
-    def _suppressed(
-        self, rows: list[tuple[dict[int, float], float]], req: VerifyRequest, first: int, params: SamplingParams,
-    ) -> tuple[list[tuple[dict[int, float], float]], np.ndarray | None]:
-        """min_tokens: the rows before ``suppress_until`` without the suppressed ids, and the mass
-        κ the listing says T(p) keeps off them (an estimate: the engine's tail is unknown; the
-        gateway uses it only to weigh several targets, which min_tokens refuses with engines).
-        T(p) on the rest stays within its bound: the removed mass counts as tail, which only
-        loosens it."""
-        if req.suppress_ids is None:
-            return rows, None
-        ids = frozenset(np.asarray(req.suppress_ids).tolist())
-        masked = Suppression(tuple(ids), req.suppress_until).rows(first, len(rows))
-        out, kept = [], np.ones(len(rows), dtype=np.float32)
+    def _suppressed(self, rows: list[tuple[dict[int, float], float]], req: VerifyRequest, first: int) -> list[tuple[dict[int, float], float]]:
+        """min_tokens, in vLLM's order: the rows before it without EOS, before temperature, top-k
+        and top-p are applied to what is left (``_response``) — as the engine would had it masked
+        EOS itself. The removed mass counts as tail, which only loosens the bound. (An engine
+        carries no other transform: the service refuses those with a 400.)"""
+        spec = TransformSpec.from_wire(req.transform) if req.transform is not None else None
+        if spec is None or not spec.suppresses:
+            return rows
+        ids, generated = frozenset(spec.eos_ids), first - spec.prompt_len
+        out = []
         for r, (row, ceiling) in enumerate(rows):
-            if r < masked:
-                rest = {t: v for t, v in row.items() if t not in ids}
-                if not rest:
+            if generated + r < spec.min_tokens:
+                row = {t: v for t, v in row.items() if t not in ids}
+                if not row:
                     raise WorkerError(self.name, f"the engine listed only EOS at position {first + r}: min_tokens needs a larger logprobs in its entry")
-                listed = list(row)
-                raw = torch.tensor([math.exp(row[t]) for t in listed], dtype=torch.float64)
-                tempered = temper_top_k(raw, self.vocab_size, params, ceiling=max(ceiling, float(raw.min())))
-                removed = sum(float(tempered.probs[i]) for i, t in enumerate(listed) if t in ids) * (1 - tempered.tail_bound)
-                kept[r] = 1.0 - removed
-                row = rest
             out.append((row, ceiling))
-        return out, kept
+        return out
 
     async def free(self, replica: Replica, session_id: str) -> None:
         """Engines hold no session of ours."""

@@ -458,8 +458,6 @@ def _unserved(req: VerifyRequest) -> str | None:
     """What of a verify call a pipeline cannot do (its stages speak segments: T(p) rows only)."""
     if req.mode in (Mode.SPLIT.value, Mode.EXACT.value):
         return f"mode {req.mode} (use autoregressive, aggregate, tree with aggregate's payload, or pipeline)"
-    if req.suppress_ids is not None:
-        return "min_tokens"
     if req.score_ids is not None or req.score_tokens:
         return "scoring given tokens (echo with logprobs)"
     if req.logprobs is not None and req.k is not None:

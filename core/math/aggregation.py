@@ -45,32 +45,16 @@ def reconstruct(
 
 def aggregate(
     dists: torch.Tensor,  # [N, m, V]: p̂_n (or p_n) per worker
-    weights: torch.Tensor,  # [N], ≥ 0; or [m, N]: per position (kept_weights)
-) -> torch.Tensor:  # [m, V] float64: Σ_n w_n p̂_n with w normalised (eq. 7)
-    w = normalise_weights(weights)
-    if w.dim() == 2:
-        return torch.einsum("mn,nmv->mv", w, dists.double())
-    return torch.einsum("n,nmv->mv", w, dists.double())
-
-
-def normalise_weights(weights: torch.Tensor) -> torch.Tensor:  # [N] (or [m, N]) float64, rows sum to 1
-    w = weights.double()
-    if (w < 0).any() or not (w.sum(dim=-1) > 0).all():
-        raise ValueError(f"weights must be ≥ 0 and not all 0, got {weights.tolist()}")
-    return w / w.sum(dim=-1, keepdim=True)
-
-
-def kept_weights(
     weights: torch.Tensor,  # [N], ≥ 0
-    kept: torch.Tensor,  # [N, m]: κ_n per position, the mass T(p_n) keeps off the suppressed ids
-) -> torch.Tensor:  # [m, N] float64, rows sum to 1
-    """The weights of the mixture once ids are suppressed (vLLM's min_tokens): with each worker's
-    p'_n = p_n(· | x ∉ E), p(· | x ∉ E) = Σ_n w_n κ_n p'_n / Σ_n w_n κ_n. A position where every
-    κ_n is 0 keeps w (each p'_n is then its worker's vLLM-masked T, DESIGN §3.2)."""
-    w = normalise_weights(weights)
-    scaled = w[None, :] * kept.double().T.clamp(min=0)
-    total = scaled.sum(dim=-1, keepdim=True)
-    return torch.where(total > 0, scaled / total.clamp(min=1e-300), w[None, :])
+) -> torch.Tensor:  # [m, V] float64: Σ_n w_n p̂_n with w normalised (eq. 7)
+    return torch.einsum("n,nmv->mv", normalise_weights(weights), dists.double())
+
+
+def normalise_weights(weights: torch.Tensor) -> torch.Tensor:  # [N] float64, summing to 1
+    w = weights.double()
+    if (w < 0).any() or not w.sum() > 0:
+        raise ValueError(f"weights must be ≥ 0 and not all 0, got {weights.tolist()}")
+    return w / w.sum()
 
 
 def tv_distance(
@@ -82,12 +66,9 @@ def tv_distance(
 
 def bias_bound(
     tail_mass: torch.Tensor,  # [N, m]: σ_n per worker and position
-    weights: torch.Tensor,  # [N]; or [m, N] per position
+    weights: torch.Tensor,  # [N]
 ) -> torch.Tensor:  # [m]: Σ_n w_n σ_n, the bound on TV(p̂, p) and on Δβ (Theorems 2–3)
-    w = normalise_weights(weights)
-    if w.dim() == 2:
-        return torch.einsum("mn,nm->m", w, tail_mass.double())
-    return torch.einsum("n,nm->m", w, tail_mass.double())
+    return torch.einsum("n,nm->m", normalise_weights(weights), tail_mass.double())
 
 
 # ----------------------------------------------------------------------------- logprobs of the mixture

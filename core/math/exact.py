@@ -72,15 +72,14 @@ def verify_exact(
     positions: list[ExactPosition],  # [γ]
     draft_index: list[int],  # [γ]: where x_j sits in S_j
     bonus_samples: list[int],  # [N]: z_n ~ p_n at position γ+1
-    weights: torch.Tensor,  # [N]; or [γ+1, N] per position (min_tokens: kept_weights)
+    weights: torch.Tensor,  # [N]
     accept_u: torch.Tensor,  # [γ]
     residual_u: torch.Tensor,  # [γ]
     bonus_choice_u: float,  # which worker's z_n is the bonus
     taus: torch.Tensor | None = None,  # [γ]: DSD's relaxation τ_j (core.math.relaxed); None = strict
 ) -> Verdict:
-    normalised = normalise_weights(weights)
-    at = [normalised if normalised.dim() == 1 else normalised[j] for j in range(len(positions) + 1)]  # w per position
-    p_mix = [w @ pos.p.double() for w, pos in zip(at, positions)]  # [γ] × [s]
+    w = normalise_weights(weights)
+    p_mix = [w @ pos.p.double() for pos in positions]  # [γ] × [s]
     p_draft = torch.stack([pm[i] for pm, i in zip(p_mix, draft_index)]) if positions else torch.empty(0)
     q_draft = torch.stack([pos.q.double()[i] for pos, i in zip(positions, draft_index)]) if positions else torch.empty(0)
     if taus is None:
@@ -90,9 +89,9 @@ def verify_exact(
         accepted = next((j for j in range(len(positions)) if not accepts(float(accept_u[j]), float(probs[j]))), len(positions))
     if accepted < len(positions):
         pos = positions[accepted]
-        extended = extended_residual(p_mix[accepted], pos.q, pos.complement, at[accepted])
+        extended = extended_residual(p_mix[accepted], pos.q, pos.complement, w)
         return Verdict(accepted, draw_extended(pos, extended, float(residual_u[accepted])), is_bonus=False)
-    chosen = sample_index(at[-1], bonus_choice_u)
+    chosen = sample_index(w, bonus_choice_u)
     return Verdict(accepted, bonus_samples[chosen], is_bonus=True)
 
 

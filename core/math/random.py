@@ -46,6 +46,16 @@ def _uniform(key: tuple[int, int], position: int, lane: int = 0) -> float:
     return ((w0 | (w1 << 32)) >> 11) * 2.0**-53  # 53 random bits
 
 
+def round_seed(seed: int, round_index: int) -> int:
+    """The seed of one round's draws, for a request whose rounds take their shape from what the
+    rounds before drew (``num_draft_tokens: auto``: γ follows the last draft's length and time).
+    A draft cut short by EOS at a position the round left undecided tells the next γ about a
+    number that the next round, keyed by position, would draw again: its own seed keeps every
+    round's numbers independent of what chose its γ. In [0, 2**63)."""
+    digest = hashlib.blake2b(f"{seed}:round:{round_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def _stream_key(seed: int, choice: int, purpose: Purpose, worker: int) -> tuple[int, int]:
     digest = hashlib.blake2b(f"{seed}:{choice}:{int(purpose)}:{worker}".encode(), digest_size=8).digest()
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")

@@ -520,17 +520,16 @@ def extended_node(
 def verify_tree_exact(
     rows: list[SparseNode],  # [n+1]: the root's row, then each node's
     tree: TokenTree,
-    weights: torch.Tensor,  # [N]; or [n+1, N] per row (min_tokens: kept_weights)
+    weights: torch.Tensor,  # [N]
     accept_u: torch.Tensor,  # [D, W]
     final_u: torch.Tensor,  # [D+1]
 ) -> TreeVerdict:
     """The walk of ``verify_tree`` on the sparse payload: the same rule, the same draws."""
-    normalised = normalise_weights(weights)
+    w = normalise_weights(weights)
     node, path = -1, list[int]()
     while True:
         row, children = rows[node + 1], tree.children(node)
         u = float(final_u[len(path)])
-        w = normalised if normalised.dim() == 1 else normalised[node + 1]
         if not children:
             return TreeVerdict(path, row.samples[sample_index(w, u)], is_bonus=True)
         p, q = extended_node(row, *tree.support(node), w)

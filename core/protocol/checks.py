@@ -66,10 +66,6 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         if req.draft.size or req.score_ids.ndim != 1:
             raise InvalidRequest("score_ids scores one position: the draft must be empty", param="score_ids")
         check_ids(req.score_ids, vocab_size, "score_ids")
-    if req.suppress_ids is not None:
-        if req.suppress_ids.ndim != 1 or len(np.unique(req.suppress_ids)) != req.suppress_ids.size or req.suppress_ids.size >= vocab_size:
-            raise InvalidRequest("suppress_ids must be distinct token ids, not the whole vocabulary", param="suppress_ids")
-        check_ids(req.suppress_ids, vocab_size, "suppress_ids")
     if req.parents is not None:
         _check_parents(req)
     if req.path is not None:
@@ -96,8 +92,8 @@ def _check_parents(req: VerifyRequest) -> None:
         )
     if req.mode not in (Mode.AGGREGATE.value, Mode.TREE.value, Mode.EXACT.value):
         raise InvalidRequest(f"trees ride on aggregate's or exact's payload; mode {req.mode!r} verifies chains", param="parents")
-    if req.score_tokens or req.score_ids is not None or req.suppress_ids is not None:
-        raise InvalidRequest("a tree takes no score_tokens, score_ids or suppress_ids", param="parents")
+    if req.score_tokens or req.score_ids is not None:
+        raise InvalidRequest("a tree takes no score_tokens or score_ids", param="parents")
 
 
 def _check_path(req: VerifyRequest) -> None:
@@ -147,8 +143,6 @@ def _check_supports(req: VerifyRequest, vocab_size: int) -> None:
 def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
     """Raise ProtocolError unless ``resp`` is a well-formed answer to ``req``."""
     gamma, sampled = len(req.draft), req.temperature > 0
-    if req.suppress_ids is not None:
-        _check_kept(resp.kept_mass, 1 if req.score_ids is not None else gamma + 1)
     if req.score_ids is not None:
         _check_logprobs("score_logprobs", resp.score_logprobs, (len(req.score_ids),))
         return
@@ -236,13 +230,6 @@ def _check_asked_logprobs(resp: VerifyResponse, req: VerifyRequest, vocab_size: 
         _check_logprobs("sample_logprobs", resp.sample_logprobs, (gamma + 1,))
     if top and req.mode in (Mode.SPLIT.value, Mode.EXACT.value):
         _check_top(resp.top_ids, resp.top_logprobs, (gamma + 1, top), vocab_size, "top")
-
-
-def _check_kept(kept: np.ndarray | None, rows: int) -> None:
-    if kept is None or kept.shape != (rows,):
-        raise ProtocolError(f"kept_mass missing or of the wrong shape, expected ({rows},)")
-    if not np.all(np.isfinite(kept)) or kept.min(initial=0) < 0 or kept.max(initial=0) > 1 + 1e-3:
-        raise ProtocolError("kept_mass: values must be finite probabilities in [0, 1]")
 
 
 def _check_logprobs(name: str, values: np.ndarray | None, shape: tuple[int, ...]) -> None:

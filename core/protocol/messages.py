@@ -46,6 +46,8 @@ class InfoResponse(Message):
     backend: str  # Backend value
     layer_range: list[int] | None = None  # [first, end) for a pipeline stage; None = whole model
     num_layers: int | None = None  # the whole model's decoder layers (a stage's reports it: the gateway checks the stages cover them)
+    grammar_engine: str | None = None  # "llguidance 1.9.1": the gateway serves grammars only where every worker's equals its own
+    max_grammar_bytes: int | None = None  # the longest grammar source the worker compiles: the gateway refuses longer ones with a 400
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,9 +74,9 @@ class VerifyRequest(Message):
 
     ARRAYS: ClassVar[dict[str, str]] = {
         "tokens": "ids", "draft": "ids", "draft_probs": "f64", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids",
-        "suppress_ids": "ids", "parents": "i32", "path": "i32",
+        "parents": "i32", "path": "i32",
     }
-    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "suppress_until", "min_p", "transform"})
+    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "min_p", "transform"})
 
     session_id: str  # the gateway's id of this session (request, choice, worker)
     prefix_len: int  # tokens, ≥ 0: the agreed prefix the worker must already hold
@@ -98,11 +100,9 @@ class VerifyRequest(Message):
     logprobs: int | None = None  # None: none; n ≥ 0: log T(p_n) of what only the worker knows (its samples; split: the draft tokens) and its top-n per scored position
     score_tokens: bool = False  # echo: also score ``tokens`` themselves (the rows predicting tokens[1:]); needs prefix_len 0
     score_ids: np.ndarray | None = None  # [m] int: answer only log T(p_n) of these ids at the one scored position (γ = 0)
-    suppress_ids: np.ndarray | None = None  # [e] int, min_tokens: ids (EOS) removed from T(p_n) at positions < suppress_until
-    suppress_until: int = 0  # absolute position: the scored positions below it answer for T(p_n) without suppress_ids, renormalised
     parents: np.ndarray | None = None  # [γ] i32, v1.1: the draft is a tree; node i follows node parents[i] (−1 = the root, the last agreed token); rows answer for the root then each node: [γ+1, …]
     min_p: float = 0.0  # [0, 1), 0 = off: after temperature, tokens below min_p × the row's largest probability are dropped (vLLM's)
-    transform: dict[str, Any] | None = None  # DESIGN §3.9, sent on a call that starts the session (prefix_len 0) and kept by it: logit_bias, penalties, grammar (core.transform.TransformSpec's wire form)
+    transform: dict[str, Any] | None = None  # DESIGN §3.9, sent on a call that starts the session (prefix_len 0) and kept by it: min_tokens, logit_bias, penalties, grammar (core.transform.TransformSpec's wire form)
     path: np.ndarray | None = None  # [a] i32, v1.1: the accepted nodes (root to leaf) of the tree the previous call left; the worker keeps them as the last a of the prefix_len agreed tokens, dropping the rest of that tree; absent after a resend
 
     def on_wire(self) -> VerifyRequest:
@@ -140,7 +140,6 @@ class VerifyResponse(Message):
         "support_probs": "f32", "complement": "f64", "complement_samples": "i32",
         "draft_logprobs": "f32", "sample_logprobs": "f32", "top_ids": "ids", "top_logprobs": "f32",
         "prompt_logprobs": "f32", "prompt_top_ids": "ids", "prompt_top_logprobs": "f32", "score_logprobs": "f32",
-        "kept_mass": "f64",
     }
 
     held: int  # tokens the worker holds after the call: prefix_len + num_new + γ
@@ -166,8 +165,6 @@ class VerifyResponse(Message):
     prompt_top_ids: np.ndarray | None = None  # [num_new − 1, n] int, score_tokens: top-n there
     prompt_top_logprobs: np.ndarray | None = None  # [num_new − 1, n] f32
     score_logprobs: np.ndarray | None = None  # [m] f32, score_ids: of each asked id at the scored position
-    # only when the request has ``suppress_ids``:
-    kept_mass: np.ndarray | None = None  # [γ+1] f64 (score_ids: [1]): κ_n, the mass T(p_n) kept off them (1 where not suppressed)
 
     def array_dtype(self, name: str, vocab_size: int) -> str:
         if name == "probs":

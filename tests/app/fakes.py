@@ -232,7 +232,8 @@ Mutation = Callable[[VerifyResponse], bytes]  # a correct answer → the bytes a
 class FakeWorkerTransport:
     """Answers protocol v1 for several fake workers, told apart by host; ``behaviour[host]``
     breaks one: "down", "500", "garbage", "short-once", "other-tokenizer", "other-eos" (its
-    /v1/info names EOS 7, not 2), "sleep:S" (answers
+    /v1/info names EOS 7, not 2), "grammar:ENGINE:BYTES" (its /v1/info names that grammar engine
+    and limit), "sleep:S" (answers
     after S seconds), "die-after:N" (down after N verify calls), "full" (503 worker_full to every
     verify call; "full:N" to the next N), or a Mutation of its answers."""
 
@@ -272,6 +273,9 @@ class FakeWorkerTransport:
         if request.url.path == "/v1/info":
             eos_ids = [7] if mode == "other-eos" else [2]
             info = InfoResponse(1, ["aggregate", "autoregressive"], host, V, "other" if mode == "other-tokenizer" else self.fingerprint, eos_ids, 2048, "fake")
+            if isinstance(mode, str) and mode.startswith("grammar:"):
+                _, engine, size = mode.split(":")
+                info = replace(info, grammar_engine=engine, max_grammar_bytes=int(size))
             return httpx.Response(200, content=encode_json(info), headers={"content-type": "application/json"})
         if request.method == "DELETE":
             self.deleted.append(request.url.path)

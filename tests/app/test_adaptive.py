@@ -4,18 +4,23 @@ them, and the API: auto on unseeded requests, a fixed γ for seeded ones."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+from contextlib import aclosing
 from dataclasses import replace
 
 import pytest
+import torch
 
 from app.adaptive import DEFAULT_GAMMA, GammaController, VerifyLine
 from app.engine import GenerationRequest, SpecOptions
+from app.engine import loop as loop_module
 from core.math.draft_length import RoundCosts, choose_gamma
-from core.math.sampling import SamplingParams
+from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.names import Mode, Reconstruction
 from tests.app.conftest import Gateway
 from tests.app.fakes import MarkovRunner, make_engine, random_table
 from tests.app.helpers import assert_error
+from tests.draws import ExactDraws, prefix_distance
 
 
 def _feed(controller: GammaController, rounds: int, accepted: int, rtt_s: float, draft_s: float = 0.006, verify: tuple[float, float] = (0.0, 0.004)) -> None:
@@ -112,3 +117,68 @@ async def test_auto_through_the_api(gateway: Gateway) -> None:
         for bad in (0, 33, "sometimes"):
             resp = await client.post("/v1/completions", json={**body, "speculative": {"num_draft_tokens": bad}})
             assert_error(resp, 400, contains="num_draft_tokens")
+
+
+# ----------------------------------------------------------------------------- a round's own draws (issue 46)
+
+_EOS = 3
+_DRAFT = MarkovRunner(torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05], [0.1, 0.1, 0.7, 0.1], [0.1, 0.05, 0.05, 0.8], [0.5, 0.2, 0.2, 0.1]])), eos_ids=[_EOS], name="d")
+_TARGET = MarkovRunner(torch.log(torch.tensor([[0.3, 0.5, 0.1, 0.1], [0.2, 0.2, 0.5, 0.1], [0.3, 0.1, 0.1, 0.5], [0.4, 0.3, 0.2, 0.1]])), eos_ids=[_EOS], name="t")
+_TOP2 = SamplingParams(temperature=1.0, top_k=2)  # two branches per draw: the law in a few thousand runs
+
+
+class _LengthWatcher:
+    """A controller that chooses by the last draft's length alone, as the real one does in part
+    (its draft time and its verify line's m): γ 4, then 1 after a draft EOS cut short, else 2."""
+
+    def __init__(self, overlap: bool = False, start: int = 4) -> None:
+        self.last: int | None = None
+
+    def choose(self) -> int:
+        return 4 if self.last is None else 1 if self.last < 4 else 2
+
+    def observe(self, drafted: int, *rest: object) -> None:
+        self.last = drafted
+
+
+def _two_rounds_distance(monkeypatch: pytest.MonkeyPatch) -> float:
+    """The exact law (every draw enumerated) of two unseeded auto rounds, against the target."""
+    monkeypatch.setattr(loop_module, "GammaController", _LengthWatcher)
+    engine = make_engine(_DRAFT, [(_TARGET, 1.0)], eos_ids=[_EOS])
+    spec = SpecOptions(Mode.AGGREGATE, DEFAULT_GAMMA, None, Reconstruction.RENORMALIZE, auto_gamma=True)
+    loop, count = asyncio.new_event_loop(), itertools.count()
+
+    async def once() -> tuple[int, ...]:
+        req = GenerationRequest(f"a{next(count)}", [1, 0], 16, _TOP2, 11, 0, spec)
+        tokens, rounds = list[int](), 0
+        async with aclosing(engine.generate(req)) as results:
+            async for result in results:
+                tokens, rounds = tokens + result.tokens, rounds + 1
+                if rounds == 2 or result.finish_reason:
+                    break
+        return tuple(tokens)
+
+    try:
+        with ExactDraws() as draws:
+            law = draws.law(lambda: loop.run_until_complete(once()))
+    finally:
+        loop.close()
+
+    def p_next(prefix: tuple[int, ...]) -> torch.Tensor:
+        last = prefix[-1] if prefix else 0
+        return normalised(apply_sampling(_TARGET.table[last][None].float(), _TOP2))[0]
+
+    return prefix_distance(law, p_next, _EOS, 4)
+
+
+def test_auto_rounds_draw_their_own_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """γ that follows the last draft's length sees whether the draft drew EOS at a position the
+    round left undecided; keyed by position alone, the next round would draw that number again
+    (1.6e-3 off the target at T = 1 on the matrix's pair, 4.2e-4 here). Each auto round draws from
+    its own seed: the law is the target's, exactly."""
+    assert _two_rounds_distance(monkeypatch) < 1e-12
+
+
+def test_negative_control_auto_rounds_keyed_by_position_alone_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop_module, "_keyed", lambda req, own_draws, round_index: req)
+    assert _two_rounds_distance(monkeypatch) > 1e-4

@@ -12,17 +12,18 @@ import itertools
 import multiprocessing
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
 from scipy import stats
 
-from app.engine import round as round_module
 from app.engine import Engine, GenerationRequest, SpecOptions
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams, truncate
 from core.math import tree
 from core.names import Mode, Reconstruction
+from core.transform import TransformSpec
 from tests.app.fakes import MarkovRunner, make_engine, random_table
 from tests.app.helpers import FULL_STATISTICS
 
@@ -277,7 +278,7 @@ for _table, _boost in zip(EOS_TABLES, [3.0, 0.0, -2.0]):
     _table[:, EOS] += _boost
 EOS_TARGETS = [MarkovRunner(t, eos_ids=[EOS], name=f"e{i}") for i, t in enumerate(EOS_TABLES)]
 EOS_DRAFT = MarkovRunner(random_table(V, 100), eos_ids=[EOS], name="draft")
-MIN_TOKENS_SAMPLES = 4_000  # the law without re-weighing is 0.22 away in TV: p ≈ 1e-200 at this size
+MIN_TOKENS_SAMPLES = 4_000
 
 
 def _min_tokens_request(seed: int, spec: SpecOptions, min_tokens: int, max_tokens: int = 2, temperature: float = 1.0, ignore_eos: bool = False) -> GenerationRequest:
@@ -287,10 +288,15 @@ def _min_tokens_request(seed: int, spec: SpecOptions, min_tokens: int, max_token
 
 
 def _joint_without_eos_first(workers: list[tuple[MarkovRunner, float]]) -> torch.Tensor:
-    """p(a, b) with the first token drawn from the mixture without EOS, renormalised (min_tokens 1)."""
-    joint = _target_joint(workers)
-    joint[EOS] = 0.0
-    return joint / joint.sum()
+    """p(a, b) under min_tokens 1 in vLLM's order (issue 46): the first token from Σ w_n T(p_n)
+    with EOS removed from each worker's logits before anything else — each p_n(· | not EOS)
+    normalised alone, the federation mixing them with its weights —, then the target."""
+    w = torch.tensor([x for _, x in workers], dtype=torch.float64)
+    w /= w.sum()
+    masked = [r.table[PROMPT[-1]].double().index_fill(0, torch.tensor([EOS]), float("-inf")) for r, _ in workers]
+    first = sum((wn * torch.softmax(m, dim=-1) for m, wn in zip(masked, w)), torch.zeros(V, dtype=torch.float64))
+    then = _target_joint(workers) / _target_joint(workers).sum(dim=1, keepdim=True)  # p(b | a)
+    return first[:, None] * then
 
 
 MIN_TOKENS_CASES = {
@@ -303,10 +309,11 @@ MIN_TOKENS_CASES = {
 
 def _min_tokens_counts(case: str, seeds: range, broken: bool = False) -> torch.Tensor:
     """One pool process's share: min_tokens 1 with γ = 3 (the round's first position is
-    suppressed, the next ones not). ``broken``: each worker's p_n without EOS mixed with the
-    configured weights, κ_n ignored (the negative control)."""
+    suppressed, the next ones not). ``broken``: the transform reaches the workers without
+    min_tokens — the draft keeps EOS out, the targets do not (the negative control)."""
     if broken:
-        round_module.response_weights = lambda responses, weights: weights  # type: ignore[assignment]
+        real = TransformSpec.to_wire
+        TransformSpec.to_wire = lambda self: real(replace(self, min_tokens=0))  # type: ignore[method-assign]
     mode, workers = MIN_TOKENS_CASES[case]
     engine = make_engine(EOS_DRAFT, workers, eos_ids=[EOS])
 
@@ -315,7 +322,7 @@ def _min_tokens_counts(case: str, seeds: range, broken: bool = False) -> torch.T
 
     counts = torch.zeros(V, V)
     for tokens in asyncio.run(run()):
-        counts[tokens[0], tokens[1]] += 1
+        counts[tokens[0], tokens[1] if len(tokens) > 1 else EOS] += 1  # an answer that ended at once (EOS first: what the target rules out)
     return counts
 
 
@@ -326,20 +333,20 @@ def _min_tokens_chi_square(pool: Executor, case: str, broken: bool = False) -> f
 
 @pytest.mark.parametrize("case", [c if c.startswith("exact") else pytest.param(c, marks=FULL_STATISTICS) for c in MIN_TOKENS_CASES])
 def test_min_tokens_follows_the_target_without_eos(case: str, processes: Executor) -> None:
-    """vLLM's min_tokens, lossless: before it the target is the mixture with EOS removed and
-    renormalised — Σ w_n κ_n p_n(· | not EOS) / Σ w_n κ_n — and after it the mixture itself."""
+    """vLLM's min_tokens, lossless: before it the target is each worker's distribution with EOS
+    removed from its logits first, mixed — Σ w_n p_n(· | not EOS) — and after it the mixture itself."""
     assert _min_tokens_chi_square(processes, case) > SIGNIFICANCE
 
 
 @FULL_STATISTICS
-def test_negative_control_min_tokens_without_reweighing_the_workers_is_rejected() -> None:
-    """Each worker's p_n without EOS mixed with the configured weights (κ_n ignored) is another
-    law: the same test rejects it."""
+def test_negative_control_min_tokens_the_workers_do_not_apply_is_rejected() -> None:
+    """Workers that score without min_tokens (the transform sent without it) emit EOS where the
+    target cannot: the same test rejects it."""
     with _patched_pool() as pool:
         assert _min_tokens_chi_square(pool, "exact, 3 weighted workers, draft top-3", broken=True) < SIGNIFICANCE
 
 
-@pytest.mark.parametrize("mode", [Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT])
+@pytest.mark.parametrize("mode", [Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT, Mode.TREE])
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
 def test_min_tokens_never_ends_before_its_count(mode: Mode, temperature: float) -> None:
     """EOS is likely everywhere here; no answer ends before min_tokens, and after it EOS may end it.
@@ -364,6 +371,8 @@ def test_min_tokens_never_ends_before_its_count(mode: Mode, temperature: float) 
 
 
 def test_greedy_min_tokens_is_the_argmax_without_eos() -> None:
+    """T = 0: argmax Σ w_n softmax(l_n with EOS at −∞) (DESIGN §3.9), each worker's row
+    renormalised without EOS before the mixture."""
     table = random_table(V, 5)
     table[:, EOS] += 9.0  # EOS is every position's argmax
     workers = list(zip([MarkovRunner(table, eos_ids=[EOS]), *EOS_TARGETS[1:]], WEIGHTS_3))
@@ -371,8 +380,7 @@ def test_greedy_min_tokens_is_the_argmax_without_eos() -> None:
     w /= w.sum()
     seq = list(PROMPT)
     for _ in range(3):
-        mix = sum(wn * torch.softmax(r.table[seq[-1]].float(), -1).double() for (r, _), wn in zip(workers, w))
-        mix[EOS] = 0.0  # type: ignore[index]
+        mix = sum(wn * torch.softmax(r.table[seq[-1]].float().index_fill(0, torch.tensor([EOS]), float("-inf")), -1).double() for (r, _), wn in zip(workers, w))
         seq.append(int(torch.argmax(mix)))  # type: ignore[call-overload]
     expected = seq[len(PROMPT):] + [EOS]
 

@@ -52,6 +52,7 @@ from core.grammar import GrammarKind, GrammarSpec
 from core.transform import TransformSpec
 from tests.app.fakes import MarkovRunner, TableMatcher, make_engine, pipeline_engine, random_table, split_pipeline, with_table_grammar
 from tests.draws import ExactDraws
+from tests.draws import prefix_distance as draws_prefix_distance
 
 V = 4
 EOS = 3
@@ -97,6 +98,8 @@ PIPELINE_SHAPES = {
 TREE_PAYLOADS = {Payload.FULL: ("aggregate", None), Payload.TOP_K: ("aggregate", 2), Payload.SPARSE: ("exact", None)}
 PROFILED = ("T=0", "T=1 top-k 2")  # the samplings ``profile`` (timing on) is crossed with
 TOP_K = 2  # k of the top-k payload: two of the four ids left out
+MIN_P = 0.3  # with min_tokens: EOS leaves before min-p takes its share of the top (issue 46)
+EOS_TOP_PROMPT = (0, 1)  # t0's top token after 1 is EOS (0.68): min-p's threshold there depends on whether EOS went first
 DRAFT_TOP_K = 2  # exact's truncation: two ids off every draft support (the complement sample is a real draw)
 
 # Transforms (DESIGN §3.9), each crossed with every mode, payload,
@@ -136,12 +139,15 @@ class Cell:
     option: str = ""  # the secondary option, if any
     spec: SpecOptions = field(compare=False, default=None)  # type: ignore[assignment]
     min_tokens: int = 0
+    min_p: float = 0.0  # on top of the sampling (a min_tokens cell's: EOS goes before min-p, vLLM's order)
     transform: str = ""  # a key of TRANSFORMS
     rounds: int = 1  # the decided rounds whose tokens are checked
     lookup: str = ""  # a key of LOOKUPS: the prompt and what the suffix index holds
 
     @property
     def prompt(self) -> list[int]:
+        if self.min_p:
+            return list(EOS_TOP_PROMPT)
         return list(LOOKUPS[self.lookup][0]) if self.lookup else PROMPT
 
     @property
@@ -152,7 +158,7 @@ class Cell:
 
     @property
     def params(self) -> SamplingParams:
-        return SAMPLINGS[self.sampling]
+        return replace(SAMPLINGS[self.sampling], min_p=self.min_p) if self.min_p else SAMPLINGS[self.sampling]
 
     @property
     def claim(self) -> Guarantee:
@@ -166,7 +172,7 @@ def _spec(mode: Mode, payload: Payload, **options: Any) -> SpecOptions:
         mode, options.pop("gamma", 2), k, options.pop("reconstruction", Reconstruction.RENORMALIZE), draft_top_k=draft_top_k,
         draft_top_p=options.pop("draft_top_p", 1.0), overlap=options.pop("overlap", False), relaxation=options.pop("relaxation", None),
         tree=options.pop("tree", None), tree_payload=options.pop("tree_payload", Mode.AGGREGATE), pipeline=options.pop("pipeline", None),
-        profile=options.pop("profile", False), drafter=options.pop("drafter", Drafter.MODEL),
+        profile=options.pop("profile", False), drafter=options.pop("drafter", Drafter.MODEL), auto_gamma=options.pop("auto_gamma", False),
     )
 
 
@@ -189,7 +195,8 @@ def _shapes(mode: Mode, payload: Payload) -> Iterator[tuple[str, str, dict[str, 
 
 
 def _secondary(mode: Mode, payload: Payload, sampling: str) -> Iterator[tuple[str, dict[str, Any], int]]:
-    """(label, SpecOptions fields, min_tokens) of each further option the mode takes."""
+    """(label, SpecOptions fields, min_tokens) of each further option the mode takes; min_tokens
+    in every mode (with min_p at T = 1: the order of the two is vLLM's, EOS first)."""
     takes = MODES[mode].fields
     if "draft_top_k" in takes and payload is not Payload.SPARSE:
         yield "draft top-k 2", {"draft_top_k": 2}, 0
@@ -201,8 +208,11 @@ def _secondary(mode: Mode, payload: Payload, sampling: str) -> Iterator[tuple[st
         yield "relaxed τ_max 0.5", {"relaxation": Relaxation(0.5, 1.0)}, 0
     if "profile" in takes and sampling in PROFILED:  # timing only: the law must not move, greedy or sampled
         yield "profile", {"profile": True}, 0
-    if MODES[mode].min_tokens:
-        yield "min_tokens 2", {}, 2
+    if "num_draft_tokens" in takes:  # two unseeded rounds, each drawing from its own seed (issue 46)
+        yield "num_draft_tokens auto from γ 1", {"auto_gamma": True, "gamma": 1}, 0
+    yield "min_tokens 2", {}, 2
+    if sampling == "T=1":
+        yield f"min_tokens 2, min_p {MIN_P}", {}, 2
 
 
 def _payloads(mode: Mode) -> list[Payload]:
@@ -249,7 +259,9 @@ def cells() -> list[Cell]:
                     if "draft_top_p" in extra and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
                         continue  # a complement of two ids per row and worker again (6,000 runs): one worker has it
                     spec = _spec(mode, payload, **_two_workers(payload, workers, {**options, **extra}))
-                    out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option=label, spec=spec, min_tokens=min_tokens))
+                    min_p = MIN_P if "min_p" in label else 0.0
+                    rounds = 2 if spec.auto_gamma else 1
+                    out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option=label, spec=spec, min_tokens=min_tokens, min_p=min_p, rounds=rounds))
                 out += _transform_cells(mode, payload, workers, sampling, shapes, rule_of)
                 if "drafter" in MODES[mode].fields:  # lookup chains: δ rows, alone or before the model's; in trees, a branch of deterministic children
                     for drafter, lookup in DRAFTER_CELLS:
@@ -386,7 +398,8 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
         for output in LOOKUPS[cell.lookup][1] if cell.lookup else ():
             engine.draft.suffixes.add(list(output))
         req = GenerationRequest(
-            f"m{next(count)}", cell.prompt, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=cell.lookup != "suffix index", min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform),
+            f"m{next(count)}", cell.prompt, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=cell.lookup != "suffix index" and not spec.auto_gamma,
+            min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform),
         )
         tokens: list[int] = []
         bound, seen, drafted = 0.0, 0, None
@@ -448,28 +461,24 @@ def target_next(cell: Cell, last: int, generated: int, prefix: tuple[int, ...] =
     """The target after ``last`` with ``generated`` tokens so far (``prefix``: those tokens,
     which a transform reads), from the definitions and not
     the serving code: Σ w_n T(p_n), each T(p_n) the worker's own fp32 row normalised in float64;
-    before ``min_tokens`` EOS zeroed in that mixture and the rest renormalised (the law of
-    p(· | not EOS)); at T = 0 the argmax of the rows as they are, EOS excluded before ``min_tokens``."""
+    before ``min_tokens`` each worker's EOS logit at −∞ first, before the transform and the
+    sampling (vLLM's order); at T = 0 the argmax of the rows as they are."""
     weights = torch.tensor(WORKER_SETS[cell.workers], dtype=torch.float64)
     weights = weights / weights.sum()
     spec = TRANSFORMS.get(cell.transform)
-    logits = [t.table[last].float() if spec is None else transformed(t.table[last], prefix, spec) for t in TARGETS[: len(weights)]]
+    raw = [t.table[last].float() for t in TARGETS[: len(weights)]]
+    if generated < cell.min_tokens:
+        raw = [row.index_fill(0, torch.tensor([EOS]), float("-inf")) for row in raw]
+    logits = [row if spec is None else transformed(row, prefix, spec) for row in raw]
     rows = [apply_sampling(row[None], cell.params)[0] for row in logits]
     p = sum((w * (row.double() if cell.params.is_greedy else normalised(row)) for w, row in zip(weights, rows)), torch.zeros(V, dtype=torch.float64))
-    if generated < cell.min_tokens:
-        p[EOS] = 0.0
-        p = p if cell.params.is_greedy else p / p.sum()
     if cell.params.is_greedy:
         return torch.nn.functional.one_hot(torch.argmax(p), V).double()  # argmax: the lowest id of the ties
     return p
 
 
 def prefix_distance(cell: Cell, law: dict[tuple[int, ...], float]) -> float:
-    """How far the checked tokens' law, each outcome followed by the target's conditionals, is
-    from the target's own law of sequences: the largest |C(s) − P(s)| over the prefixes s that
-    decide it — every proper prefix of an outcome and each of its V one-token extensions. (Past
-    those no outcome goes on, so C(s·x) = C(s) p(x | s) = P(s·x) by induction: equal there, equal
-    at every length, without enumerating Vᴸ sequences.) A sequence ends at EOS."""
+    """``tests.draws.prefix_distance`` from the cell's target (``target_next``)."""
     rows: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
 
     def p_next(prefix: tuple[int, ...]) -> torch.Tensor:
@@ -478,21 +487,7 @@ def prefix_distance(cell: Cell, law: dict[tuple[int, ...], float]) -> float:
             rows[key] = target_next(cell, *key)
         return rows[key]
 
-    def target(s: tuple[int, ...], start: int = 0) -> float:  # P(s[start:] | s[:start])
-        mass = 1.0
-        for i in range(start, len(s)):
-            if i and s[i - 1] == EOS:
-                return 0.0
-            mass *= float(p_next(s[:i])[s[i]])
-        return mass
-
-    internal = {t[:i] for t in law for i in range(len(t))}
-    checks = internal | {(*s, x) for s in internal if not (s and s[-1] == EOS) for x in range(V)}
-    worst = 0.0
-    for s in checks:
-        reached = sum(mass * (1.0 if t[: len(s)] == s else target(s, len(t)) if s[: len(t)] == t else 0.0) for t, mass in law.items())
-        worst = max(worst, abs(reached - target(s)))
-    return worst
+    return draws_prefix_distance(law, p_next, EOS, V)
 
 
 def tokens_law(law: dict[Outcome, float]) -> dict[tuple[int, ...], float]:
@@ -705,11 +700,41 @@ def test_negative_control_a_lookup_child_tested_with_min_1_p_over_q_hat_in_a_tre
     assert len(picked) >= 8 and _caught(picked) == {c.name for c in picked}
 
 
-def test_negative_control_min_tokens_with_the_configured_weights_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each worker's p_n without EOS mixed by w_n, κ_n ignored, is another law."""
-    monkeypatch.setattr(round_module, "response_weights", lambda responses, weights: weights)
-    picked = [c for c in CELLS if c.min_tokens and c.workers == "2 workers 0.7/0.3" and c.sampling == "T=1"]
-    assert {c.mode for c in picked if c.name in _caught(picked)} == {Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.EXACT}
+def test_negative_control_min_tokens_the_workers_do_not_apply_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The transform sent without min_tokens: the draft keeps EOS out, the workers' rows do not.
+    Caught in every lossless min_tokens cell at T = 1, in every mode."""
+    real = TransformSpec.to_wire
+    monkeypatch.setattr(TransformSpec, "to_wire", lambda self: real(replace(self, min_tokens=0)))
+    picked = [c for c in CELLS if c.min_tokens and c.sampling == "T=1" and not c.min_p]
+    lossless = {c.name for c in picked if c.claim is Guarantee.LOSSLESS}
+    assert {c.mode for c in picked} == set(SERVED_MODES) and lossless <= _caught(picked)
+
+
+def test_negative_control_eos_removed_after_min_p_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order this replaced: EOS taken out of each worker's T(p) after temperature and min-p
+    (zeroed there, renormalised by the readers), not out of its logits first. Caught in the min_p
+    cells of every mode."""
+    from core import transform as transform_module
+    from workers import scoring
+
+    real_rows, real_sampling, early = transform_module.Transformer.rows, scoring.apply_sampling, set[int]()
+
+    def rows_keeping_eos(self: Any, logits: torch.Tensor, agreed: list[int], paths: list[list[int]]) -> torch.Tensor:
+        early.clear()
+        early.update(self._early_rows(agreed, paths) if self.spec.suppresses else ())  # the worker's next sampling zeroes EOS there
+        return real_rows(transform_module.Transformer(replace(self.spec, min_tokens=0), self.vocab_size, self.matcher), logits, agreed, paths)
+
+    def sampling_then_eos(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        probs = real_sampling(logits, params)
+        rows = [r for r in early if r < probs.shape[0] and float(probs[r].sum() - probs[r, EOS]) > 0]
+        probs[rows, EOS] = 0.0
+        early.clear()
+        return probs
+
+    monkeypatch.setattr(transform_module.Transformer, "rows", rows_keeping_eos)
+    monkeypatch.setattr(scoring, "apply_sampling", sampling_then_eos)
+    picked = [c for c in CELLS if c.min_p and c.claim is Guarantee.LOSSLESS and c.workers == "1 worker"]
+    assert {c.mode for c in picked} == set(SERVED_MODES) and _caught(picked) == {c.name for c in picked}
 
 
 def test_negative_control_a_pipeline_walk_that_keeps_the_rejected_mass_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -761,7 +786,7 @@ def test_negative_control_a_transform_dropped_after_the_first_call_is_caught(mon
 
     monkeypatch.setattr(WorkerState, "_shaping", forgetful(WorkerState._shaping))
     monkeypatch.setattr(WorkerState, "_stage_shaping", forgetful(WorkerState._stage_shaping))
-    picked = [c for c in CELLS if c.rounds > 1 and c.workers == "1 worker" and c.sampling == "T=1"]  # at T = 0 the table's argmax outlives the transform
+    picked = [c for c in CELLS if c.rounds > 1 and c.transform and c.workers == "1 worker" and c.sampling == "T=1"]  # at T = 0 the table's argmax outlives the transform
     caught = _caught(picked)
     assert {c.name for c in picked if c.claim is Guarantee.LOSSLESS} <= caught
     assert {(c.mode, c.payload) for c in picked if c.name in caught} == {(c.mode, c.payload) for c in CELLS if c.transform}

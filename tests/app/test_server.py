@@ -4,10 +4,12 @@ tiny-random draft: the OpenAI surface, streaming, errors in the envelope."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ from app.engine.spec import TokenLogprob
 from app.server import create_app
 from app.schemas import ChatCompletionRequest
 from core.config import parse_config
+from core.grammar import engine_version
+from core.transform import TransformSpec
 from core.runners import ModelRunner
 from tests.app.conftest import Gateway
 from tests.app.fakes import FAVOURITE, V, FakeWorkerTransport
@@ -22,6 +26,9 @@ from tests.app.helpers import assert_error, gateway_config, sse_events
 
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}
 COMPLETION = {"model": "test-model", "prompt": "Once upon a time", "max_tokens": 6}
+DEEP_SCHEMA: dict[str, Any] = {"type": "integer"}
+for _ in range(300):  # anyOf inside anyOf: the schema rewrite used to recurse past the stack (a 500)
+    DEEP_SCHEMA = {"anyOf": [DEEP_SCHEMA]}
 
 
 async def test_models_health_and_ready(client: httpx.AsyncClient) -> None:
@@ -53,6 +60,27 @@ async def test_a_grammar_needs_the_workers_to_end_with_the_drafts_eos(gateway: G
         body = {**CHAT, "response_format": {"type": "json_object"}}
         assert_error(await client.post("/v1/chat/completions", json=body), 400, "response_format", contains="w1")
         assert (await client.post("/v1/chat/completions", json={**CHAT, "logit_bias": {"5": 1}})).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "behaviour, body, code",
+    [
+        ("grammar:llguidance 0.0.1:65536", {"response_format": {"type": "json_object"}}, "grammar_engine_mismatch"),
+        ("grammar:SAME:40", {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object", "properties": {"answer": {"type": "string"}}}}}}, "grammar_too_large"),
+    ],
+)
+async def test_a_grammar_needs_the_workers_engine_and_limit(gateway: Gateway, fakes: FakeWorkerTransport, behaviour: str, body: dict[str, Any], code: str) -> None:
+    """Issue 46: a worker with another grammar engine, or a smaller max_grammar_bytes, as its
+    /v1/info reports them: a grammar gets a 400 naming the worker and the reason (not a 502
+    from the worker's refusal); the rest is served."""
+    fakes.behaviour["w1"] = behaviour.replace("SAME", engine_version())
+    async with gateway() as client:
+        assert (await client.get("/health/ready")).status_code == 200
+        assert_error(await client.post("/v1/chat/completions", json={**CHAT, **body}), 400, code=code, contains="w1")
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+    fakes.behaviour["w1"] = f"grammar:{engine_version()}:65536"  # the same engine, a limit that holds it: served
+    async with gateway() as client:
+        assert (await client.post("/v1/chat/completions", json={**CHAT, **body})).status_code == 200
 
 
 async def test_completion_with_usage(client: httpx.AsyncClient, fakes: FakeWorkerTransport) -> None:
@@ -177,11 +205,22 @@ async def test_a_worker_that_lost_its_session_gets_the_prefix_again(gateway: Gat
         ({**CHAT, "speculative": {"mode": "exact", "k": 4}}, 400, "speculative.k"),
         ({**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
         ({**CHAT, "speculative": {"k": 0}}, 400, None),
-        ({**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}, 400, "prompt"),
+        ({**CHAT, "messages": [{"role": "user", "content": "word " * 200}]}, 400, "messages"),
+        # issue 46: what parsing user input used to raise on (500s), and what it used to take ambiguously
+        ({**CHAT, "logit_bias": {"\u00b2": 3}}, 400, "logit_bias"),  # str.isdigit takes "²", int() does not
+        ({**CHAT, "logit_bias": {"7": 3, "07": -3}}, 400, "logit_bias"),  # two spellings of one id
+        ({**CHAT, "logit_bias": {"1" * 5000: 3}}, 400, "logit_bias"),  # int() refuses 5,000 digits
+        ({**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": DEEP_SCHEMA}}}, 400, "response_format.json_schema.schema"),
+        ({**CHAT, "structured_outputs": {"json": json.dumps(DEEP_SCHEMA)}}, 400, "structured_outputs.json"),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": DEEP_SCHEMA}}}}]}, 400, "tools.0.function.parameters"),
+        ({**CHAT, "messages": [{"role": "user", "content": "a \ud83d b"}]}, 400, "messages.0.content"),  # a lone surrogate
+        ({**CHAT, "stop": ["\udc00"]}, 400, "stop.0"),
+        ({**CHAT, "messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "sunny", "tool_call_id": "call_x"}]}, 400, "messages.1.tool_call_id"),
     ],
 )
 async def test_bad_requests_get_the_envelope(client: httpx.AsyncClient, body: dict[str, Any], status: int, param: str | None) -> None:
-    assert_error(await client.post("/v1/chat/completions", json=body), status, param)
+    content = json.dumps(body)  # ASCII JSON: a lone surrogate travels as its escape, as a client may send it
+    assert_error(await client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"}), status, param)
     assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200  # still serving
 
 
@@ -197,6 +236,10 @@ async def test_a_tree_that_names_only_its_payload_takes_the_default_shape(client
 async def test_malformed_json_and_what_chat_uis_send(client: httpx.AsyncClient) -> None:
     resp = await client.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     assert_error(resp, 400, contains="malformed JSON")
+    deep = b'{"model": ' + b"[" * 5000 + b"]" * 5000 + b"}"  # past the parser's stack
+    assert_error(await client.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"}), 400, code="invalid_json")
+    for body, headers in ((b"[1, 2]", {"content-type": "application/json"}), (orjson.dumps(CHAT), {})):  # not an object; no content type
+        assert_error(await client.post("/v1/chat/completions", content=body, headers=headers), 400, code="invalid_json", contains="JSON object")
     accepted = {**CHAT, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "user": "u1", "response_format": {"type": "text"}}
     assert (await client.post("/v1/chat/completions", json=accepted)).status_code == 200
 
@@ -332,7 +375,7 @@ async def test_vllm_per_request_speculative_metrics(client: httpx.AsyncClient, s
 
 async def test_vllm_benchmark_parameters_are_accepted(client: httpx.AsyncClient, fakes: FakeWorkerTransport) -> None:
     """ignore_eos and min_tokens (vLLM's benchmark_serving and AIPerf send them) in every mode:
-    min_tokens puts the EOS ids on the wire only while positions before it are scored."""
+    min_tokens travels in the transform, on the call that starts the session."""
     for mode in ("autoregressive", "aggregate", "exact"):
         for extra in ({"ignore_eos": True}, {"min_tokens": 3}):
             fakes.requests.clear()
@@ -341,10 +384,12 @@ async def test_vllm_benchmark_parameters_are_accepted(client: httpx.AsyncClient,
             assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
             verifies = [r for _, r in fakes.requests]
             if "min_tokens" in extra:
-                assert verifies[0].suppress_ids is not None and verifies[0].suppress_until == verifies[0].prefix_len + len(verifies[0].tokens) + 3
-                assert verifies[-1].suppress_ids is None  # past min_tokens: frames as without it
+                starts = [r for r in verifies if r.prefix_len == 0]
+                specs = [TransformSpec.from_wire(r.transform) for r in starts]
+                assert specs and all((s.min_tokens, s.prompt_len) == (3, len(r.tokens)) and 2 in s.eos_ids for s, r in zip(specs, starts))  # the draft's EOS ids
+                assert all(r.transform is None for r in verifies if r.prefix_len)  # the session keeps it
             else:
-                assert all(r.suppress_ids is None for r in verifies)
+                assert all(r.transform is None for r in verifies)
     too_many = {**COMPLETION, "min_tokens": 7, "max_tokens": 6}
     assert_error(await client.post("/v1/completions", json=too_many), 400, "min_tokens", contains="at most max_tokens")
     assert_error(await client.post("/v1/completions", json={**COMPLETION, "min_tokens": -1}), 400, contains="min_tokens")

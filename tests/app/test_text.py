@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
-from app.text import IncrementalDetokenizer, StopMatcher
+from app.text import ChoiceText, IncrementalDetokenizer, StopMatcher, delta_text
+from app.tools import ToolOutput, message_of
 from core.runners import ModelRunner
 
 
@@ -79,3 +81,42 @@ def test_a_long_answer_costs_linear_decoding(tokenizer: Any, round_size: int) ->
     pieces = [detok.push(ids[i : i + round_size]) for i in range(0, len(ids), round_size)] + [detok.flush()]
     assert "".join(pieces) == tokenizer.decode(ids)
     assert detok.num_decoded <= 6 * len(ids), detok.num_decoded  # re-decoding everything: ~n²/2 = 2,000,000
+
+
+def _read_all(reader: ChoiceText, tokenizer: Any, text: str, reason: str = "stop") -> tuple[list[dict[str, Any]], str]:
+    deltas: list[dict[str, Any]] = []
+    for token in tokenizer.encode(text):
+        deltas += reader.push([token])
+        if reader.stopped:
+            break
+    tail, finish = reader.finish("stop" if reader.stopped else reason)
+    return deltas + tail, finish
+
+
+def test_stop_strings_do_not_cut_a_tool_call(tokenizer: Any) -> None:
+    """Issue 46: a stop string matching inside the call's JSON cut it, and the cut call was still
+    reported with arguments that do not parse. Stop strings apply to free text only."""
+    calls = '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris. STOP here"}}]}'
+    deltas, finish = _read_all(ChoiceText(tokenizer, ["STOP", "."], tools=ToolOutput(), grammar=True), tokenizer, calls)
+    message = message_of(deltas)
+    assert finish == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris. STOP here"}
+    answer = '{"response":"It is sunny. STOP now"}'
+    deltas, finish = _read_all(ChoiceText(tokenizer, ["STOP"], tools=ToolOutput(), grammar=True), tokenizer, answer)
+    assert finish == "stop" and message_of(deltas)["content"] == "It is sunny. " and "tool_calls" not in message_of(deltas)
+
+
+def test_stop_strings_do_not_cut_what_a_schema_writes(tokenizer: Any) -> None:
+    text = '{"a":"x, y"}'
+    deltas, finish = _read_all(ChoiceText(tokenizer, [","], grammar=True), tokenizer, text)
+    assert finish == "stop" and delta_text(deltas) == text  # the grammar ended it; the schema's JSON is whole
+    deltas, finish = _read_all(ChoiceText(tokenizer, [","]), tokenizer, text)
+    assert finish == "stop" and delta_text(deltas) == '{"a":"x'  # free text: cut
+
+
+def test_a_call_cut_by_max_tokens_is_reported_as_it_is(tokenizer: Any) -> None:
+    """Issue 46: the text of an answer cut inside a call was lost; now the partial call comes
+    with finish_reason length, and a cut before the call's name is the text itself."""
+    deltas, finish = _read_all(ChoiceText(tokenizer, [], tools=ToolOutput(), grammar=True), tokenizer, '{"tool_calls":[{"name":"get_weather","arguments":{"ci', "length")
+    assert finish == "length" and message_of(deltas)["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    deltas, finish = _read_all(ChoiceText(tokenizer, [], tools=ToolOutput(), grammar=True), tokenizer, '{"tool_calls":[{"na', "length")
+    assert finish == "length" and message_of(deltas) == {"role": "assistant", "content": '{"tool_calls":[{"na', "refusal": None}

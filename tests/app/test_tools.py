@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from app.tools import Tool, ToolOutput, generic_schema, render_messages, tools_prompt
+from app.tools import Tool, ToolOutput, generic_schema, message_of, render_messages, tools_prompt
 
 WEATHER = Tool("get_weather", "The weather in a city", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 TIME = Tool("get_time", "The time", {"type": "object", "properties": {}})
@@ -75,3 +75,63 @@ def test_an_answer_cut_short_before_its_form_is_content() -> None:
     output = ToolOutput()
     assert output.push('{"tool_') == []
     assert output.flush() == [{"content": '{"tool_'}] and output.content == '{"tool_'
+
+
+def _read(text: str, size: int, output: ToolOutput | None = None, cut: bool = False) -> tuple[ToolOutput, list[dict[str, object]]]:
+    output = output or ToolOutput()
+    deltas = []
+    for start in range(0, len(text), size):
+        deltas += output.push(text[start : start + size])
+    return output, deltas + output.flush(cut)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 7, 1000])
+def test_an_escaped_surrogate_pair_is_one_character(size: int) -> None:
+    """Issue 46: ``\\ud83d\\ude00`` was decoded half by half into two lone surrogates, which
+    cut the stream (no error, no [DONE]) and made the whole answer a 500."""
+    text = json.dumps({"response": "hi 😀 there 𝄞"}, separators=(",", ":"), ensure_ascii=True)
+    assert "\\ud83d\\ude00" in text
+    output, deltas = _read(text, size)
+    assert "".join(str(d["content"]) for d in deltas) == "hi 😀 there 𝄞" == output.content and output.is_complete
+
+
+@pytest.mark.parametrize("escaped, shown", [("a\\ud83d b", "a\ufffd b"), ("a\\ude00", "a\ufffd"), ("\\ud83d\\u0041", "\ufffdA"), ("\\ud83d\\ud83d\\ude00", "\ufffd😀")])
+def test_a_lone_surrogate_is_the_replacement_character(escaped: str, shown: str) -> None:
+    for size in (1, 3, 1000):
+        output, _ = _read('{"response":"' + escaped + '"}', size)
+        assert output.content == shown and output.is_complete
+        output.content.encode("utf-8")  # text a response can carry
+
+
+@pytest.mark.parametrize("value", [4, -2.5e3, 'abc " x \\', True, None, [1, {"a": "}"}], {"a": [1, "]"]}])
+def test_a_response_with_a_schema_of_its_own_is_its_json(value: object) -> None:
+    """Issue 46: an integer response kept the wrapper's closing brace (``'4}'``); a string one
+    was decoded instead of being the JSON its schema describes."""
+    raw = json.dumps(value, separators=(",", ":"))
+    for size in (1, 2, 1000):
+        output, deltas = _read('{"response":' + raw + "}", size, ToolOutput(raw_response=True))
+        assert output.content == raw == "".join(str(d["content"]) for d in deltas) and json.loads(output.content) == value
+        assert output.is_complete and not output.calls
+
+
+def test_an_answer_cut_inside_a_call_keeps_what_was_generated() -> None:
+    """Issue 46: at max_tokens inside a call the text was lost (``content: ""``, no calls)."""
+    output, deltas = _read('{"tool_calls":[{"name":"get_w', 3, cut=True)
+    assert output.content == '{"tool_calls":[{"name":"get_w' and not output.calls and deltas == [{"content": output.content}]
+    output, deltas = _read('{"tool_calls":[{"name":"get_weather","arguments":{"city":"Par', 4, cut=True)
+    assert [c.name for c in output.calls] == ["get_weather"] and output.calls[0].arguments == '{"city":"Par' and not output.content
+    assert not output.is_complete
+    output, _ = _read('{"tool_calls":[{"name":"get_time","arguments":{}},{"name":"get_w', 1000, cut=True)
+    assert [c.arguments for c in output.calls] == ["{}"] and output.content == '{"name":"get_w'
+    output, _ = _read('{"response":"Hello \\ud83d', 1000, cut=True)
+    assert output.content == "Hello \\ud83d"  # the escape never completed: as generated
+
+
+def test_the_message_is_what_the_deltas_add_up_to() -> None:
+    output, deltas = _read(CALLS, 4)
+    message = message_of(deltas)
+    assert message["content"] is None and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [c["arguments"] for c in json.loads(CALLS)["tool_calls"]]
+    assert [c["id"] for c in message["tool_calls"]] == [c.id for c in output.calls]
+    assert message_of([{"content": "a"}, {"content": "b"}]) == {"role": "assistant", "content": "ab", "refusal": None}
+    assert message_of([]) == {"role": "assistant", "content": "", "refusal": None}

@@ -27,6 +27,7 @@ from core.protocol import (
     encode_binary,
     prefix_hash,
 )
+from core.transform import TransformSpec
 
 VOCAB_SMALL, VOCAB_LARGE = 49152, 100_000
 
@@ -240,8 +241,6 @@ def _req(**overrides: object) -> VerifyRequest:
         ({"mode": "exact", "support_ids": np.array([4, 5]), "support_sizes": np.array([2], np.int32)}, "support_ids"),
         ({"mode": "exact", "support_ids": np.array([3, 3]), "support_sizes": np.array([2], np.int32)}, "support_ids"),
         ({"mode": "exact", "support_ids": np.array([3]), "support_sizes": np.array([2], np.int32)}, "support_sizes"),
-        ({"suppress_ids": np.array([2, 2]), "suppress_until": 5}, "suppress_ids"),
-        ({"suppress_ids": np.array([VOCAB_SMALL]), "suppress_until": 5}, "suppress_ids"),
     ],
 )
 def test_out_of_range_requests_name_the_field(overrides: dict[str, object], param: str) -> None:
@@ -297,20 +296,15 @@ def test_split_and_exact_checks() -> None:
             check_verify_response(bad, exact, VOCAB_SMALL)
 
 
-def test_min_tokens_fields_travel_only_when_set_and_kept_mass_is_checked() -> None:
-    plain = VerifyRequest.after("s", [], [1], [2], temperature=0.0)
-    suppressed = replace(plain, suppress_ids=np.array([0, 7]), suppress_until=3)
-    assert b"suppress" not in encode_binary(plain, VOCAB_SMALL)
+def test_min_tokens_travels_in_the_transform() -> None:
+    """Issue 46: min_tokens is the transform's first step (vLLM's order), sent with it on the call
+    that starts the session; no field of its own on the wire."""
+    spec = TransformSpec(prompt_len=1, min_tokens=3, eos_ids=(0, 7))
+    req = VerifyRequest.after("s", [], [1], [2], temperature=1.0, transform=spec.to_wire())
     for as_json in (False, True):
-        body, content_type = encode(suppressed, VOCAB_SMALL, as_json)
-        assert decode(VerifyRequest, body, content_type) == suppressed
-    good = VerifyResponse(1, np.full((2, 2), 0.5, np.float32), np.zeros(2, np.float32), np.array([[0, 1], [2, 3]]), kept_mass=np.array([0.4, 1.0], np.float32))
-    check_verify_response(good, suppressed, VOCAB_SMALL)
-    body, content_type = encode(good, VOCAB_SMALL)
-    assert decode(VerifyResponse, body, content_type) == good
-    for kept in (None, np.array([0.4], np.float32), np.array([1.5, 1.0], np.float32), np.array([np.nan, 1.0], np.float32)):
-        with pytest.raises(ProtocolError, match="kept_mass"):
-            check_verify_response(replace(good, kept_mass=kept), suppressed, VOCAB_SMALL)
+        body, content_type = encode(req, VOCAB_SMALL, as_json)
+        assert TransformSpec.from_wire(decode(VerifyRequest, body, content_type).transform) == spec
+    assert "suppress_ids" not in VerifyRequest.ARRAYS and "kept_mass" not in VerifyResponse.ARRAYS
 
 
 @settings(max_examples=50)

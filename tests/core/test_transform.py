@@ -88,3 +88,55 @@ def test_the_transform_travels_on_a_sessions_first_call_and_on_a_resend_from_zer
     again = resend(later, [1, 0, 2, 3], 0)  # the worker lost the session: from zero, with the transform
     assert again.on_wire().transform == wire
     assert decode(VerifyRequest, *encode(again.on_wire(), 4)).transform == wire
+
+
+# ----------------------------------------------------------------------------- min_tokens (issue 46: vLLM's order)
+
+A, B, EOS = 0, 1, 2
+
+
+def _min_tokens(min_tokens: int = 1, **more: object) -> Transformer:
+    spec = TransformSpec(prompt_len=len(PROMPT), min_tokens=min_tokens, eos_ids=(EOS,), **more)  # type: ignore[arg-type]
+    return Transformer.build(spec, 3, None)
+
+
+def test_min_tokens_removes_eos_before_min_p_as_vllm_does() -> None:
+    """The issue's example: logits EOS 3, A 1, B 0.5 with min_p 0.1. vLLM removes EOS from the
+    logits first, so min_p is taken of A's share of what is left: A 0.62, B 0.38. (Removed after
+    min_p, as before, B would fall under 0.1 × EOS's probability: A 1.0.)"""
+    logits = torch.tensor([[1.0, 0.5, 3.0]])
+    params = SamplingParams(temperature=1.0, min_p=0.1)
+    p = apply_sampling(_min_tokens().rows(logits, PROMPT, [[]]), params)[0].double()
+    expected = torch.softmax(torch.tensor([1.0, 0.5], dtype=torch.float64), dim=-1)
+    assert p[EOS] == 0 and torch.allclose(p[:2], expected, atol=1e-6) and round(float(p[A]), 2) == 0.62
+    old = apply_sampling(logits, params)[0].double()
+    old[EOS] = 0
+    assert float(old[B] / old.sum()) == 0.0  # the order this replaces
+
+
+def test_min_tokens_removes_eos_before_top_k_and_bias() -> None:
+    logits = torch.tensor([[1.0, 0.5, 3.0]])
+    p = apply_sampling(_min_tokens().rows(logits, PROMPT, [[]]), SamplingParams(temperature=1.0, top_k=1))[0]
+    assert p.tolist() == [1.0, 0.0, 0.0]  # top-1 of what is left (EOS first would have left nothing)
+    p = apply_sampling(_min_tokens(logit_bias=((EOS, 100.0),)).rows(logits, PROMPT, [[]]), SamplingParams())[0]
+    assert p[EOS] == 0  # a bias cannot bring EOS back
+
+
+def test_min_tokens_counts_each_rows_generated_tokens() -> None:
+    """A row's prefix is the agreed tokens plus its path: EOS is out while fewer than min_tokens
+    tokens are generated there, and allowed from the row that has them."""
+    transformer = _min_tokens(min_tokens=3)
+    logits = torch.zeros(4, 3)
+    rows = transformer.rows(logits, [*PROMPT, A], [[], [B], [B, A], [B, A, A]])  # 1, 2, 3, 4 generated tokens
+    assert [bool(torch.isinf(r[EOS])) for r in rows] == [True, True, False, False]
+    assert transformer.masks([*PROMPT, A], [[], [B], [B, A]])[:, EOS].tolist() == [False, False, True]
+    assert torch.equal(rows[:, :2], logits[:, :2])  # nothing else moves
+
+
+def test_min_tokens_travels_in_the_transform() -> None:
+    spec = TransformSpec(prompt_len=4, min_tokens=5, eos_ids=(2, 9))
+    assert TransformSpec.from_wire(spec.to_wire()) == spec and not spec.is_identity and spec.is_min_tokens_only
+    assert not TransformSpec(prompt_len=4, min_tokens=5).suppresses  # no EOS to keep out: the identity
+    assert not TransformSpec(((1, 1.0),), prompt_len=4, min_tokens=5, eos_ids=(2,)).is_min_tokens_only
+    with pytest.raises(ValueError):
+        Transformer.build(TransformSpec(min_tokens=1, eos_ids=(7,)), 4, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -383,3 +384,29 @@ async def test_metrics_count_what_was_served(client: httpx.AsyncClient) -> None:
     assert values[("specgate:verify_bytes_out_total", ())] == len(answer.content)
     assert values[("specgate:verify_errors_total", (("code", "invalid_request"),))] == 1
     assert values[("specgate:sessions", ())] == 1
+
+
+async def test_grammars_compile_off_the_model_thread_once_per_content(tiny_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46: a grammar compiled on the model thread stalled every session batched with it.
+    It compiles on another thread, once per content; the worker's limit is its setting, and
+    /v1/info reports it with the grammar engine (what the gateway checks)."""
+    from core.grammar import GrammarSpec, Grammars, engine_version
+
+    threads: list[str] = []
+    build = Grammars._build
+
+    def recording(self: Grammars, spec: GrammarSpec) -> Any:
+        threads.append(threading.current_thread().name)
+        return build(self, spec)
+
+    monkeypatch.setattr(Grammars, "_build", recording)
+    async with await _client(tiny_runner, max_grammar_bytes=200) as client:
+        info = decode(InfoResponse, (await client.get("/v1/info")).content, JSON_CONTENT_TYPE)
+        assert (info.grammar_engine, info.max_grammar_bytes) == (engine_version(), 200)
+        transform = {"prompt_len": len(PROMPT), "grammar": GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}).to_wire()}
+        for session in ("s1", "s2"):
+            await _scores(client, _request(session, [], PROMPT, [], transform=transform))
+        assert len(threads) == 1 and not threads[0].startswith("model")  # once for both sessions, not on the model thread
+        too_long = {"prompt_len": len(PROMPT), "grammar": GrammarSpec.json_schema({"enum": ["x" * 300]}).to_wire()}
+        resp = await _verify(client, _request("s3", [], PROMPT, [], transform=too_long))
+        assert resp.status_code == 400 and "limit is 200" in resp.text

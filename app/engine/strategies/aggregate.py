@@ -57,7 +57,6 @@ class AggregateStrategy(Strategy):
         if not spec.is_lossless:
             sigma = torch.stack([torch.tensor(array(r.tail_mass)) for r in responses])[:, rows]
             error = torch.stack([torch.tensor(array(r.recon_error)) for r in responses])[:, rows]
-            weights = rnd.weights if rnd.weights.dim() == 1 else rnd.weights[rows]
-            result.bound = bias_bound(sigma, weights).tolist()
-            result.error = bias_bound(error, weights).tolist()
+            result.bound = bias_bound(sigma, rnd.weights).tolist()
+            result.error = bias_bound(error, rnd.weights).tolist()
         return result

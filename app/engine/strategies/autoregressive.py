@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from app.engine.round import Round, array, mixture, row_ids, token_logprobs, weights_at
+from app.engine.round import Round, array, mixture, row_ids, token_logprobs
 from app.engine.spec import RoundResult
 from app.engine.strategies.base import Strategy
 from core.math.aggregation import bias_bound, normalise_weights
@@ -30,7 +30,7 @@ class AutoregressiveStrategy(Strategy):
         else:
             responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs)
             u = uniform(req.seed, req.choice, rnd.positions[0], Purpose.WORKER_CHOICE)
-            chosen = sample_index(normalise_weights(weights_at(rnd.weights, 0)), u)
+            chosen = sample_index(normalise_weights(rnd.weights), u)
             token = int(array(responses[chosen].samples)[0])
             target = mixture(responses, rnd.vocab_size, rnd.weights) if want_logprobs else None
         logprobs = token_logprobs(normalised(target[:1]), [token], req.top_logprobs) if target is not None else None
@@ -52,7 +52,7 @@ class AutoregressiveStrategy(Strategy):
                 return int(array(responses[0].ids)[0, 0]), None
             ids = [row_ids(r, 0, vocab) for r in responses]
             probs = [torch.tensor(array(r.probs)[0]) for r in responses]
-            token = certify_argmax(ids, probs, weights_at(rnd.weights, 0), vocab)
+            token = certify_argmax(ids, probs, rnd.weights, vocab)
             if token is not None:
                 return token, None
             k = None if k * 8 >= vocab else k * 8

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from app.engine.round import Round, array, lanes, round_uniforms, weights_at, worker_logprobs
+from app.engine.round import Round, array, lanes, round_uniforms, worker_logprobs
 from app.engine.spec import RoundResult
 from app.engine.strategies.base import Strategy
 from app.engine.strategies.greedy import certified_greedy
@@ -42,20 +42,20 @@ class ExactStrategy(Strategy):
         relaxation = req.spec.relaxation if req.spec.relaxation is not None and req.spec.relaxation.tau_max > 0 and positions else None
         taus, weights = None, rnd.weights
         if relaxation is not None:
-            w = [normalise_weights(weights_at(weights, j)) for j in range(len(positions))]
+            w = normalise_weights(weights)
             taus = torch.tensor([
-                relaxation_factor_on_support(w[j] @ pos.p.double(), pos.q, float(w[j] @ pos.complement.double()), relaxation) for j, pos in enumerate(positions)
+                relaxation_factor_on_support(w @ pos.p.double(), pos.q, float(w @ pos.complement.double()), relaxation) for pos in positions
             ], dtype=torch.float64)
         verdict = verify_exact(positions, draft_index, [r.bonus for r in responses], weights, accept_u, final_u[:-1], choice_u, taus)
         tokens = verdict.output(draft.ids())
         result = RoundResult(tokens, drafted=len(draft), accepted=verdict.num_accepted, traffic=rnd.traffic)
         if req.top_logprobs is not None:
-            values = [mixed_probability(pos.p[:, i], weights_at(weights, j)) for j, (pos, i) in enumerate(zip(positions, draft_index[: verdict.num_accepted]))]
+            values = [mixed_probability(pos.p[:, i], weights) for pos, i in zip(positions, draft_index[: verdict.num_accepted])]
             result.logprobs = worker_logprobs(rnd, tokens, [*values, await exact_final_logprob(rnd, positions, verdict)])
         if taus is not None:  # the emitted draft positions follow τ q̂ + (1 − τ) p; the bonus position p itself
             at = min(len(tokens), len(positions))
             result.taus = taus[:at].tolist()
-            result.relaxed_tv = [float(relaxed_distance(w[j] @ pos.p.double(), pos.q, taus[j])) for j, pos in enumerate(positions[:at])] + [0.0] * (len(tokens) - at)
+            result.relaxed_tv = [float(relaxed_distance(w @ pos.p.double(), pos.q, taus[j])) for j, pos in enumerate(positions[:at])] + [0.0] * (len(tokens) - at)
         return result
 
 
@@ -67,7 +67,7 @@ async def exact_final_logprob(rnd: Round, positions: list[ExactPosition], verdic
     if a < len(positions):
         on_support = (positions[a].support == token).nonzero()
         if len(on_support):
-            return mixed_probability(positions[a].p[:, int(on_support[0, 0])], weights_at(rnd.weights, a))
+            return mixed_probability(positions[a].p[:, int(on_support[0, 0])], rnd.weights)
     if len(rnd.responses) == 1:
         return float(array(rnd.responses[0].sample_logprobs)[a])
     return await rnd.score(len(rnd.sequence) + a, token)
@@ -114,7 +114,7 @@ async def exact_walk(rnd: Round) -> RoundResult:
     result = RoundResult(tokens, drafted=len(tree), accepted=verdict.num_accepted, traffic=rnd.traffic, path=None if tree.is_chain else list(verdict.path))
     if req.top_logprobs is not None:
         path_rows = [0, *(node + 1 for node in verdict.path)]  # the row each emitted token was decided at
-        values = [_on_support(rows[row], token, weights_at(rnd.weights, row)) for row, token in zip(path_rows, tokens)]
+        values = [_on_support(rows[row], token, rnd.weights) for row, token in zip(path_rows, tokens)]
         accepted = [v for v in values[:-1] if v is not None]
         assert len(accepted) == verdict.num_accepted  # an accepted node lies on its parent's support
         last = values[-1]

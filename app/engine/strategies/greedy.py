@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from app.engine.round import Round, array, mixture, row_ids, token_logprobs, weights_at
+from app.engine.round import Round, array, mixture, row_ids, token_logprobs
 from app.engine.spec import RoundResult
 from core.math.greedy import certify_argmax
 from core.math.sampling import normalised
@@ -34,7 +34,7 @@ async def certified_greedy(rnd: Round) -> RoundResult:
             row = node + 1
             ids = [row_ids(r, row, rnd.vocab_size) for r in responses]
             probs = [torch.tensor(array(r.probs)[row]) for r in responses]
-            target = certify_argmax(ids, probs, weights_at(rnd.weights, row), rnd.vocab_size)
+            target = certify_argmax(ids, probs, rnd.weights, rnd.vocab_size)
             match = next((c for c in draft.children(node) if int(draft.tokens[c]) == target), None) if target is not None else None
             if match is None:
                 break

@@ -7,9 +7,8 @@ import math
 import pytest
 import torch
 
-from core.math.aggregation import aggregate, kept_weights
 from core.math.random import sample_index, sample_rows
-from core.math.sampling import SamplingParams, Suppression, apply_sampling, mask_top_k, mask_top_p, normalised, suppress, truncate, truncated_support
+from core.math.sampling import SamplingParams, apply_sampling, mask_top_k, mask_top_p, truncate, truncated_support
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
 
@@ -78,47 +77,6 @@ def test_rows_sum_to_one_on_random_logits() -> None:
 def test_bad_params_raise(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
-
-
-# ----------------------------------------------------------------------------- min_tokens
-
-
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.7, top_k=4), SamplingParams(temperature=0)])
-def test_suppression_reweighs_the_mixture_to_the_target_without_eos(params: SamplingParams) -> None:
-    """Closed form: with p'_n = T(p_n) without E (as sent: zeroed, renormalised by the reader) and
-    κ_n its kept mass, the mixture Σ w'_n p'_n with w' = kept_weights(w, κ) is the mixture T-mixed
-    without E, renormalised — on the suppressed rows; the others are left alone (κ = 1)."""
-    g = torch.Generator().manual_seed(3)
-    logits = torch.randn(3, 2, 10, generator=g) * 2  # [N, rows, V]
-    logits[0, :, 4] += 4.0  # worker 0 puts most of its mass on EOS
-    eos, w = torch.tensor([4, 7]), torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
-    probs = torch.stack([apply_sampling(lg, params) for lg in logits])
-    suppressed = [suppress(lg, p, torch.tensor([True, False]), eos, params) for lg, p in zip(logits, probs)]
-    kept = torch.stack([k for _, k in suppressed])  # [N, rows]
-    mixed = aggregate(torch.stack([normalised(p) for p, _ in suppressed]), kept_weights(w, kept))
-    assert all(torch.equal(p[0].index_fill(0, eos, 0.0), sent[0]) for p, (sent, _) in zip(probs, suppressed))  # T(p)'s own fp32 numbers
-    target = aggregate(probs, w)
-    expected_first = target[0].index_fill(0, eos, 0.0)
-    assert torch.allclose(mixed[0], expected_first / expected_first.sum(), atol=1e-6)
-    assert torch.allclose(mixed[1], target[1], atol=1e-6) and torch.equal(kept[:, 1], torch.ones(3, dtype=torch.float64))
-    assert torch.allclose(kept[:, 0], 1 - probs[:, 0, eos].double().sum(-1), atol=1e-6)
-
-
-def test_a_row_that_keeps_nothing_takes_vllms_order() -> None:
-    """top_k 1 on an EOS leaves nothing without it: vLLM masks EOS before truncating, and so does
-    the fallback; κ = 0 there, and kept_weights keeps w where every worker kept nothing."""
-    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
-    params = SamplingParams(temperature=1.0, top_k=1)
-    probs, kept = suppress(logits, apply_sampling(logits, params), torch.tensor([True]), torch.tensor([1]), params)
-    assert float(kept[0]) == 0.0 and torch.equal(probs[0], torch.tensor([0.0, 0.0, 0.0, 1.0]))
-    w = torch.tensor([2.0, 1.0], dtype=torch.float64)
-    assert torch.allclose(kept_weights(w, torch.zeros(2, 1, dtype=torch.float64))[0], w / 3)
-    assert torch.allclose(kept_weights(w, torch.tensor([[0.0], [0.5]], dtype=torch.float64))[0], torch.tensor([0.0, 1.0], dtype=torch.float64))
-
-
-def test_suppression_rows_count_positions_before_until() -> None:
-    s = Suppression((4,), until=10)
-    assert [s.rows(first, 4) for first in (5, 7, 9, 10, 12)] == [4, 3, 1, 0, 0]
 
 
 def test_sample_rows_draws_what_sample_index_draws_row_by_row() -> None:

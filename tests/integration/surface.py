@@ -1,0 +1,341 @@
+"""Generated requests for the whole request surface (issue 46), and the checks every answer must
+pass: what ``tests/integration/test_request_surface.py`` sends to a running gateway.
+
+A request is built field by field: each parameter is absent, valid, or — deliberately — broken
+(a wrong type, a value out of range, a spelling no parser should take). Valid values reach far:
+text in every script (digits of other scripts, control characters, emoji, lone surrogates),
+prompts past the limit, schemas nested past the limit, tools with their own schemas, every
+mode and drafter, stream and not, n, stop strings, logprobs. The body is serialised by hand
+(ASCII JSON, so a lone surrogate travels as a client would send it; sometimes a key twice).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+from hypothesis import strategies as st
+
+from core.modes import MODES
+from core.names import Drafter
+
+MODEL = "specgate-surface"
+BROKEN = object()  # the marker of a deliberately broken field in ``Case.broken``
+
+# Text a careful client may send: other scripts' digits, controls, combining marks, emoji, the
+# chat template's own markers, JSON's quote and backslash; a lone surrogate now and then.
+_PIECES = ["²", "٣", "۷", "߂", "१", "𝟘", "Ⅻ", "\x00", "\x1b[0m", "\u200b", "\u202e", "e\u0301", "😀", "👩‍👩‍👧", "𝄞", "<|im_end|>", "<|im_start|>", '"', "\\", "\n", "{", "}"]
+LONE_SURROGATES = ["\ud83d", "\udc00"]
+WORDS = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+TEXT = st.lists(st.one_of(WORDS, st.sampled_from(_PIECES), st.sampled_from(["Tell me about the sea.", "Say hello", "weather in Paris?", " the"])), max_size=5).map("".join)
+
+
+@dataclass
+class Case:
+    """One generated request: where it goes, its body, and what the checks need to know."""
+
+    path: str
+    body: dict[str, Any]
+    broken: list[str] = field(default_factory=list)  # the fields deliberately made invalid
+    duplicate: str | None = None  # a key written twice (the second value wins: JSON parsers take the last)
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    def text(self) -> str:
+        """The body as ASCII JSON, a key written twice when ``duplicate`` says so."""
+        body = dict(self.body)
+        if self.duplicate is None or self.duplicate not in body:
+            return json.dumps(body, ensure_ascii=True)
+        first = json.dumps({self.duplicate: "an earlier value"}, ensure_ascii=True)[1:-1]
+        return "{" + first + ", " + json.dumps(body, ensure_ascii=True)[1:]
+
+
+# ----------------------------------------------------------------------------- schemas and tools
+
+_LEAF_SCHEMAS = st.sampled_from([
+    {"type": "string", "maxLength": 12}, {"type": "integer", "minimum": -5, "maximum": 50}, {"type": "number"}, {"type": "boolean"},
+    {"type": "null"}, {"enum": ["red", "green", "٣"]}, {"const": "fixed"}, {"type": "string", "enum": ["a", "b"]},
+])
+
+
+def _object(children: st.SearchStrategy[Any]) -> st.SearchStrategy[dict[str, Any]]:
+    names = st.sampled_from(["name", "city", "n", "unit", "ok", "items", "x"])
+    return st.dictionaries(names, children, min_size=1, max_size=3).flatmap(
+        lambda props: st.sets(st.sampled_from(sorted(props)), max_size=len(props)).map(
+            lambda required: {"type": "object", "properties": props, "required": sorted(required), "additionalProperties": False},
+        ),
+    )
+
+
+SCHEMAS = st.recursive(
+    _LEAF_SCHEMAS,
+    lambda inner: st.one_of(_object(inner), st.builds(lambda s: {"type": "array", "items": s, "maxItems": 2}, inner), st.builds(lambda a, b: {"anyOf": [a, b]}, inner, inner)),
+    max_leaves=6,
+)
+OBJECT_SCHEMAS = _object(SCHEMAS)
+
+
+def deep_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"anyOf": [schema]}
+    return schema
+
+
+TOOL_NAMES = st.sampled_from(["get_weather", "get_time", "lookup", "add-2"])
+
+
+@st.composite
+def tools(draw: st.DrawFn) -> list[dict[str, Any]]:
+    names = draw(st.lists(TOOL_NAMES, min_size=1, max_size=3, unique=True))
+    out = []
+    for name in names:
+        function: dict[str, Any] = {"name": name}
+        if draw(st.booleans()):
+            function["description"] = draw(TEXT)
+        if draw(st.integers(0, 3)):
+            function["parameters"] = draw(OBJECT_SCHEMAS)
+        out.append({"type": "function", "function": function})
+    return out
+
+
+# ----------------------------------------------------------------------------- fields
+
+def _valid_or_broken(draw: st.DrawFn, case: Case, name: str, valid: st.SearchStrategy[Any], broken: st.SearchStrategy[Any], chance: float = 0.5) -> None:
+    """Set ``name``: absent, valid, or (rarely) broken — recorded in ``case.broken``."""
+    roll = draw(st.floats(0, 1))
+    if roll < 1 - chance:
+        return
+    if roll > 0.97:
+        case.body[name] = draw(broken)
+        case.broken.append(name)
+    else:
+        case.body[name] = draw(valid)
+
+
+WRONG = st.sampled_from(["many", [1], {"a": 1}])  # no type above takes these (None and booleans some do)
+
+
+@st.composite
+def messages(draw: st.DrawFn, with_tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if draw(st.booleans()):
+        out.append({"role": draw(st.sampled_from(["system", "developer"])), "content": draw(TEXT)})
+    for turn in range(draw(st.integers(0, 2))):
+        out.append({"role": "user", "content": draw(TEXT)})
+        if with_tools and draw(st.booleans()):
+            call = {"id": f"call_{turn}", "type": "function", "function": {"name": with_tools[0]["function"]["name"], "arguments": draw(st.sampled_from(['{"city":"Paris"}', "{}", "not json", "[[[[1]]]]"]))}}
+            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            out.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": draw(TEXT)})
+        else:
+            out.append({"role": "assistant", "content": draw(st.one_of(TEXT, st.just([{"type": "text", "text": "parts"}])))})
+    out.append({"role": "user", "content": draw(st.one_of(TEXT, st.just([{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}])))})
+    return out
+
+
+@st.composite
+def speculative(draw: st.DrawFn) -> dict[str, Any]:
+    mode = draw(st.sampled_from([m.value for m in MODES]))
+    spec: dict[str, Any] = {"mode": mode}
+    takes = MODES[next(m for m in MODES if m.value == mode)].fields
+    if "num_draft_tokens" in takes and draw(st.booleans()):
+        spec["num_draft_tokens"] = draw(st.one_of(st.integers(1, 6), st.just("auto")))
+    if "k" in takes and draw(st.booleans()):
+        spec["k"] = draw(st.one_of(st.integers(1, 40), st.just("full")))
+    if "draft_top_k" in takes and draw(st.booleans()):
+        spec["draft_top_k"] = draw(st.integers(0, 64))
+    if "overlap" in takes and draw(st.booleans()):
+        spec["overlap"] = True
+    if "drafter" in takes and draw(st.booleans()):
+        spec["drafter"] = draw(st.sampled_from([d.value for d in Drafter]))
+    if "tree" in takes and draw(st.booleans()):
+        spec["tree"] = draw(st.one_of(
+            st.builds(lambda w: {"rule": "sampled", "widths": w}, st.lists(st.integers(1, 2), min_size=1, max_size=3)),
+            st.builds(lambda n: {"rule": "fixed", "nodes": n, "depth": 2, "top_k": 2}, st.integers(1, 4)),
+            st.just({"payload": "exact"}),
+        ))
+    if draw(st.floats(0, 1)) > 0.95:
+        spec[draw(st.sampled_from(["k", "tree", "bogus"]))] = draw(WRONG)  # a field the mode does not take, or garbage
+    return spec
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> Case:
+    chat = draw(st.booleans())
+    case = Case("/v1/chat/completions" if chat else "/v1/completions", {})
+    body = case.body
+    body["model"] = MODEL
+    if draw(st.floats(0, 1)) > 0.97:
+        body["model"] = draw(st.sampled_from(["nope", "", "٣", 7]))
+        case.broken.append("model")
+    given_tools = draw(tools()) if chat and draw(st.floats(0, 1)) < 0.25 else None
+    if chat:
+        body["messages"] = draw(messages(given_tools))
+        if draw(st.floats(0, 1)) > 0.98:
+            body["messages"] = draw(st.sampled_from([[], "hi", [{"role": "wizard", "content": "x"}]]))
+            case.broken.append("messages")
+    else:
+        body["prompt"] = draw(st.one_of(TEXT.filter(bool), st.lists(st.integers(0, 49151), min_size=1, max_size=6)))
+        if draw(st.floats(0, 1)) > 0.98:
+            body["prompt"] = draw(st.sampled_from([[-1], [1, 10**12], {"text": "x"}]))
+            case.broken.append("prompt")
+    key = "messages" if chat else "prompt"
+    if draw(st.floats(0, 1)) > 0.97:  # extreme sizes: past max_prompt_tokens (a 400)
+        long = "word " * draw(st.sampled_from([1500, 6000]))
+        body[key] = [{"role": "user", "content": long}] if chat else long
+        case.broken.append(key)
+    elif draw(st.floats(0, 1)) > 0.97:  # half a surrogate pair, which no text holds (a 400)
+        lone = draw(st.sampled_from(LONE_SURROGATES))
+        body[key] = [{"role": "user", "content": f"a{lone}b"}] if chat else f"a{lone}b"
+        case.broken.append(key)
+    token_limit = "max_completion_tokens" if chat and draw(st.booleans()) else "max_tokens"
+    _valid_or_broken(draw, case, token_limit, st.integers(1, 8), st.one_of(st.just(-3), st.just(10**30), st.just(1.5), WRONG), chance=0.9)
+    _valid_or_broken(draw, case, "temperature", st.sampled_from([0, 0.0, 1e-9, 0.7, 1.0, 2.0]), st.one_of(st.just(-1), st.just(9.5), st.just("hot")))
+    _valid_or_broken(draw, case, "top_p", st.sampled_from([0.1, 0.9, 1.0]), st.one_of(st.just(0), st.just(1.5)), chance=0.2)
+    _valid_or_broken(draw, case, "top_k", st.sampled_from([-1, 0, 1, 5, 50, 10**6, 10**40]), st.just(-2), chance=0.2)
+    _valid_or_broken(draw, case, "n", st.integers(1, 3), st.one_of(st.just(0), st.just(99)), chance=0.25)
+    _valid_or_broken(draw, case, "seed", st.integers(0, 2**63 - 1), st.one_of(st.just(-1), st.just(2**64)), chance=0.6)
+    _valid_or_broken(draw, case, "stop", st.one_of(TEXT, st.lists(TEXT, max_size=4), st.sampled_from([".", "\n", "\"", "}", ",", " the"])), st.just(["a", "b", "c", "d", "e"]), chance=0.3)
+    _valid_or_broken(draw, case, "stream", st.booleans(), st.just("maybe"), chance=0.5)
+    if case.stream and draw(st.booleans()):
+        body["stream_options"] = {"include_usage": draw(st.booleans())}
+    _valid_or_broken(draw, case, "presence_penalty", st.sampled_from([-2, -0.5, 0, 1.5]), st.just(2.5), chance=0.15)
+    _valid_or_broken(draw, case, "frequency_penalty", st.sampled_from([-1, 0.5, 2]), st.just(-3), chance=0.15)
+    _valid_or_broken(draw, case, "repetition_penalty", st.sampled_from([0.5, 1.0, 1.3, 20]), st.just(0), chance=0.15)
+    _valid_or_broken(draw, case, "min_p", st.sampled_from([0.0, 0.05, 0.5]), st.just(1.0), chance=0.15)
+    ids = st.integers(0, 49151).map(str)
+    odd_keys = st.sampled_from(["²", "٣", "-1", "1e3", "0x10", "99999999999999999999"])
+    _valid_or_broken(draw, case, "logit_bias", st.dictionaries(ids, st.sampled_from([-100, -5, 0, 3.5, 100]), max_size=4), st.dictionaries(odd_keys, st.just(1.0), min_size=1, max_size=2), chance=0.2)
+    _valid_or_broken(draw, case, "min_tokens", st.integers(0, 4), st.just(-1), chance=0.15)
+    _valid_or_broken(draw, case, "ignore_eos", st.booleans(), st.just("nah"), chance=0.1)
+    if chat:
+        _valid_or_broken(draw, case, "logprobs", st.booleans(), st.just(3), chance=0.15)
+        if body.get("logprobs") is True and draw(st.booleans()):
+            body["top_logprobs"] = draw(st.integers(0, 5))
+    else:
+        _valid_or_broken(draw, case, "logprobs", st.integers(0, 5), st.just(21), chance=0.15)
+        _valid_or_broken(draw, case, "echo", st.booleans(), st.just("x"), chance=0.1)
+    schema_formats = st.one_of(
+        st.just({"type": "text"}), st.just({"type": "json_object"}),
+        st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "answer", "schema": s, "strict": True}}, st.one_of(OBJECT_SCHEMAS, SCHEMAS)),
+    )
+    _valid_or_broken(draw, case, "response_format", schema_formats, st.sampled_from([{"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "d", "schema": deep_schema(300)}}]), chance=0.25)
+    if "response_format" not in body and draw(st.floats(0, 1)) < 0.1:
+        body["structured_outputs"] = draw(st.one_of(
+            st.builds(lambda c: {"choice": c}, st.lists(st.sampled_from(["yes", "no", "٣", "maybe so"]), min_size=1, max_size=3, unique=True)),
+            st.just({"regex": "[a-z]{1,6}"}), st.just({"regex": "(cat|dog)s?"}),
+            st.builds(lambda s: {"json": s}, OBJECT_SCHEMAS), st.just({"json": json.dumps(deep_schema(300))}), st.just({"grammar": 'start: "ab" | "cd"'}),
+        ))
+    if given_tools is not None:
+        body["tools"] = given_tools
+        names = [t["function"]["name"] for t in given_tools]
+        choice = draw(st.sampled_from(["auto", "required", "none", "named", None]))
+        if choice == "named":
+            body["tool_choice"] = {"type": "function", "function": {"name": draw(st.sampled_from(names))}}
+        elif choice is not None:
+            body["tool_choice"] = choice
+        if draw(st.booleans()):
+            body["parallel_tool_calls"] = draw(st.booleans())
+    if draw(st.floats(0, 1)) < 0.5:
+        body["speculative"] = draw(speculative())
+    if draw(st.floats(0, 1)) > 0.98:
+        body[draw(st.sampled_from(["suffix", "best_of", "functions", "colour"]))] = 1  # unsupported or unknown
+    if draw(st.floats(0, 1)) > 0.95:
+        case.duplicate = draw(st.sampled_from(sorted(body)))
+    return case
+
+
+# ----------------------------------------------------------------------------- checks
+
+def check_error(status: int, payload: Any, case: Case) -> None:
+    """A 4xx in the OpenAI envelope; with one field broken on purpose, the error names it."""
+    assert 400 <= status < 500, f"status {status}: {payload}"
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"} and isinstance(error["message"], str) and error["message"]
+    if len(case.broken) == 1 and case.duplicate is None and status == 400:
+        assert isinstance(error["param"], str) and error["param"].split(".")[0] == case.broken[0], f"{case.broken[0]} broken, error names {error['param']!r}: {error['message']}"
+
+
+@dataclass
+class Answer:
+    """One choice as a client holds it at the end: its content, tool calls and finish reason."""
+
+    content: str | None
+    calls: list[tuple[str, str]]  # (name, arguments)
+    finish_reason: str | None
+
+
+def check_answer(answer: Answer, case: Case) -> None:
+    """What a well-formed choice must hold given what the request asked for."""
+    body = case.body
+    assert answer.finish_reason in ("stop", "length", "tool_calls"), answer
+    if answer.finish_reason == "tool_calls":
+        assert answer.calls, "finish_reason tool_calls without a call"
+        parameters = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}} for t in body.get("tools", [])}
+        for name, arguments in answer.calls:
+            assert name in parameters, f"a call of {name!r}, not among the tools"
+            jsonschema.validate(json.loads(arguments), parameters[name])  # parses, and follows the tool's parameters
+    elif answer.calls:
+        assert answer.finish_reason == "length", f"tool calls reported with finish_reason {answer.finish_reason}"
+    if answer.finish_reason != "stop" or answer.calls:
+        return
+    schema = _content_schema(body)
+    if schema is not None and not body.get("echo"):
+        jsonschema.validate(json.loads(answer.content or ""), schema)
+    outputs = body.get("structured_outputs") or {}
+    if "choice" in outputs:
+        assert answer.content in outputs["choice"], answer.content
+    if "regex" in outputs:
+        assert re.fullmatch(outputs["regex"], answer.content or ""), answer.content
+
+
+def _content_schema(body: dict[str, Any]) -> Any:
+    fmt = body.get("response_format") or {}
+    if fmt.get("type") == "json_object":
+        return {"type": "object"}
+    if fmt.get("type") == "json_schema":
+        return fmt["json_schema"].get("schema", {"type": "object"})
+    outputs = body.get("structured_outputs") or {}
+    if "json" in outputs:
+        return json.loads(outputs["json"]) if isinstance(outputs["json"], str) else outputs["json"]
+    return None
+
+
+def answers_of_body(payload: dict[str, Any], chat: bool) -> dict[int, Answer]:
+    out = {}
+    for choice in payload["choices"]:
+        if chat:
+            message = choice["message"]
+            calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
+            out[choice["index"]] = Answer(message.get("content"), calls, choice["finish_reason"])
+        else:
+            out[choice["index"]] = Answer(choice["text"], [], choice["finish_reason"])
+    return out
+
+
+def answers_of_stream(events: list[Any], chat: bool) -> dict[int, Answer]:
+    """The choices a client reassembles from a stream's chunks (the SDK's way: tool calls by index)."""
+    content: dict[int, str] = {}
+    calls: dict[int, dict[int, list[str]]] = {}
+    finish: dict[int, str] = {}
+    for event in events:
+        for choice in event.get("choices", []):
+            i = choice["index"]
+            assert i not in finish, f"choice {i} went on after its finish_reason"
+            piece = choice["delta"] if chat else {"content": choice["text"]}
+            content[i] = content.get(i, "") + (piece.get("content") or "")
+            for call in piece.get("tool_calls") or []:
+                entry = calls.setdefault(i, {}).setdefault(call["index"], ["", ""])
+                if "id" in call:
+                    assert call["id"].startswith("call_") and call["function"]["name"], call
+                entry[0] += call.get("function", {}).get("name") or ""
+                entry[1] += call.get("function", {}).get("arguments") or ""
+            if choice.get("finish_reason"):
+                finish[i] = choice["finish_reason"]
+    indices = set(content) | set(finish)
+    return {i: Answer(content.get(i, ""), [tuple(calls[i][k]) for k in sorted(calls.get(i, {}))], finish.get(i)) for i in indices}  # type: ignore[misc]
