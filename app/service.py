@@ -455,7 +455,8 @@ class Gateway:
         max_tokens = limits.max_tokens if max_tokens is None else min(max_tokens, limits.max_tokens)  # the config caps it
         spec = self._spec(body.speculative)
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0  # as vLLM: tiny T is greedy
-        params = SamplingParams(temperature=temperature, top_k=max(body.top_k, 0), top_p=body.top_p, min_p=body.min_p)
+        top_k = body.top_k if 0 < body.top_k < self.draft.vocab_size else 0  # −1, 0 or the whole vocabulary (or more): no truncation
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=body.top_p, min_p=body.min_p)
         grammar = grammar or request_grammar(body)
         transform = self._transform(body, len(prompt), spec, *grammar)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
@@ -463,7 +464,7 @@ class Gateway:
         choices = [
             GenerationRequest(
                 request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs, body.seed is not None, prompt_logprobs, body.ignore_eos,
-                body.min_tokens, transform,
+                min(body.min_tokens, max_tokens), transform,  # no answer is longer than max_tokens
             )
             for index in range(body.n)
         ]

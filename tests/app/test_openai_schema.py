@@ -55,6 +55,15 @@ def check(instance: Any, schema: str) -> None:
     assert not errors, f"{schema}: {errors[0].message} at {list(errors[0].absolute_path)}"
 
 
+def check_completion_chunk(chunk: dict[str, Any]) -> None:
+    """A streamed completion chunk: the spec says it shares CreateCompletionResponse's shape, but
+    allows no null finish_reason or usage (the chat chunks' schema does); OpenAI and vLLM send
+    null until the last chunk (with include_usage), and so do we: only those two nulls pass."""
+    assert all("finish_reason" in c for c in chunk["choices"])
+    choices = [{**c, "finish_reason": c["finish_reason"] or "stop"} for c in chunk["choices"]]
+    check({k: v for k, v in chunk.items() if not (k == "usage" and v is None)} | {"choices": choices}, "CreateCompletionResponse")
+
+
 def test_the_check_rejects_what_the_schema_forbids() -> None:
     """The negative control: a chat message without ``refusal`` (what we sent before) fails."""
     good = {"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": [
@@ -89,13 +98,8 @@ async def test_completion_responses_follow_the_schema(client: httpx.AsyncClient,
     check((await client.post("/v1/completions", json={**COMPLETION, **extra})).json(), "CreateCompletionResponse")
     events = sse_events((await client.post("/v1/completions", json={**COMPLETION, **extra, "stream": True, "stream_options": {"include_usage": True}})).text)
     for chunk in events[:-1]:
-        # the spec says streamed chunks share this shape, but allows no null finish_reason or
-        # usage (the chat chunks' schema does); OpenAI and vLLM send null until the last chunk
-        # with include_usage, and so do we: only those two nulls are let through here
-        assert "usage" in chunk and all("finish_reason" in c for c in chunk["choices"])
-        choices = [{**c, "finish_reason": c["finish_reason"] or "stop"} for c in chunk["choices"]]
-        chunk = {k: v for k, v in chunk.items() if not (k == "usage" and v is None)} | {"choices": choices}
-        check(chunk, "CreateCompletionResponse")
+        assert "usage" in chunk
+        check_completion_chunk(chunk)
 
 
 async def test_models_and_errors_follow_the_schema(client: httpx.AsyncClient) -> None:

@@ -40,6 +40,7 @@ class Case:
     path: str
     body: dict[str, Any]
     broken: list[str] = field(default_factory=list)  # the fields deliberately made invalid
+    faults: bool = True  # fields may be broken on purpose
     duplicate: str | None = None  # a key written twice (the second value wins: JSON parsers take the last)
 
     @property
@@ -87,6 +88,10 @@ def deep_schema(depth: int) -> dict[str, Any]:
     return schema
 
 
+STRUCTURED = st.one_of(  # vLLM's structured_outputs
+    st.builds(lambda c: {"choice": c}, st.lists(st.sampled_from(["yes", "no", "٣", "maybe so"]), min_size=1, max_size=3, unique=True)),
+    st.just({"regex": "[a-z]{1,6}"}), st.just({"regex": "(cat|dog)s?"}), st.builds(lambda s: {"json": s}, OBJECT_SCHEMAS), st.just({"grammar": 'start: "ab" | "cd"'}),
+)
 TOOL_NAMES = st.sampled_from(["get_weather", "get_time", "lookup", "add-2"])
 
 
@@ -106,15 +111,19 @@ def tools(draw: st.DrawFn) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- fields
 
-def _valid_or_broken(draw: st.DrawFn, case: Case, name: str, valid: st.SearchStrategy[Any], broken: st.SearchStrategy[Any], chance: float = 0.5) -> None:
-    """Set ``name``: absent, valid, or (rarely) broken — recorded in ``case.broken``."""
-    roll = draw(st.floats(0, 1))
-    if roll < 1 - chance:
-        return
-    if roll > 0.97:
+def chance(draw: st.DrawFn, percent: int) -> bool:
+    """True about ``percent`` times in a hundred (hypothesis leans floats to 0 and 1: not them)."""
+    return draw(st.sampled_from(range(100))) >= 100 - percent
+
+
+def _valid_or_broken(draw: st.DrawFn, case: Case, name: str, valid: st.SearchStrategy[Any], broken: st.SearchStrategy[Any], present: int = 50) -> None:
+    """Set ``name``: absent, valid (``present`` percent of the time), or — 2 %, when the case
+    takes faults — broken, recorded in ``case.broken``."""
+    roll = draw(st.sampled_from(range(100)))
+    if roll >= 98 and case.faults:
         case.body[name] = draw(broken)
         case.broken.append(name)
-    else:
+    elif roll >= 98 - present:
         case.body[name] = draw(valid)
 
 
@@ -159,93 +168,112 @@ def speculative(draw: st.DrawFn) -> dict[str, Any]:
             st.builds(lambda n: {"rule": "fixed", "nodes": n, "depth": 2, "top_k": 2}, st.integers(1, 4)),
             st.just({"payload": "exact"}),
         ))
-    if draw(st.floats(0, 1)) > 0.95:
-        spec[draw(st.sampled_from(["k", "tree", "bogus"]))] = draw(WRONG)  # a field the mode does not take, or garbage
     return spec
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
-    chat = draw(st.booleans())
-    case = Case("/v1/chat/completions" if chat else "/v1/completions", {})
+def cases(draw: st.DrawFn, faults: bool = True, structured: bool = False) -> Case:
+    """A request; ``faults``: some fields broken on purpose; ``structured``: a chat request with
+    tools or a grammar, and room for them to finish (what checks calls and schemas)."""
+    chat = structured or draw(st.booleans())
+    case = Case("/v1/chat/completions" if chat else "/v1/completions", {}, faults=faults)
     body = case.body
     body["model"] = MODEL
-    if draw(st.floats(0, 1)) > 0.97:
+
+    def fault(percent: int) -> bool:
+        return faults and chance(draw, percent)
+
+    if fault(3):
         body["model"] = draw(st.sampled_from(["nope", "", "٣", 7]))
         case.broken.append("model")
-    given_tools = draw(tools()) if chat and draw(st.floats(0, 1)) < 0.25 else None
+    given_tools = draw(tools()) if chat and chance(draw, 50 if structured else 25) else None
     if chat:
         body["messages"] = draw(messages(given_tools))
-        if draw(st.floats(0, 1)) > 0.98:
+        if fault(2):
             body["messages"] = draw(st.sampled_from([[], "hi", [{"role": "wizard", "content": "x"}]]))
             case.broken.append("messages")
     else:
         body["prompt"] = draw(st.one_of(TEXT.filter(bool), st.lists(st.integers(0, 49151), min_size=1, max_size=6)))
-        if draw(st.floats(0, 1)) > 0.98:
+        if fault(2):
             body["prompt"] = draw(st.sampled_from([[-1], [1, 10**12], {"text": "x"}]))
             case.broken.append("prompt")
     key = "messages" if chat else "prompt"
-    if draw(st.floats(0, 1)) > 0.97:  # extreme sizes: past max_prompt_tokens (a 400)
+    if fault(3):  # extreme sizes: past max_prompt_tokens (a 400)
         long = "word " * draw(st.sampled_from([1500, 6000]))
         body[key] = [{"role": "user", "content": long}] if chat else long
         case.broken.append(key)
-    elif draw(st.floats(0, 1)) > 0.97:  # half a surrogate pair, which no text holds (a 400)
+    elif fault(3):  # half a surrogate pair, which no text holds (a 400)
         lone = draw(st.sampled_from(LONE_SURROGATES))
         body[key] = [{"role": "user", "content": f"a{lone}b"}] if chat else f"a{lone}b"
         case.broken.append(key)
     token_limit = "max_completion_tokens" if chat and draw(st.booleans()) else "max_tokens"
-    _valid_or_broken(draw, case, token_limit, st.integers(1, 8), st.one_of(st.just(-3), st.just(10**30), st.just(1.5), WRONG), chance=0.9)
+    _valid_or_broken(draw, case, token_limit, st.integers(1, 8), st.one_of(st.just(-3), st.just(10**30), st.just(1.5), WRONG), present=90)
     _valid_or_broken(draw, case, "temperature", st.sampled_from([0, 0.0, 1e-9, 0.7, 1.0, 2.0]), st.one_of(st.just(-1), st.just(9.5), st.just("hot")))
-    _valid_or_broken(draw, case, "top_p", st.sampled_from([0.1, 0.9, 1.0]), st.one_of(st.just(0), st.just(1.5)), chance=0.2)
-    _valid_or_broken(draw, case, "top_k", st.sampled_from([-1, 0, 1, 5, 50, 10**6, 10**40]), st.just(-2), chance=0.2)
-    _valid_or_broken(draw, case, "n", st.integers(1, 3), st.one_of(st.just(0), st.just(99)), chance=0.25)
-    _valid_or_broken(draw, case, "seed", st.integers(0, 2**63 - 1), st.one_of(st.just(-1), st.just(2**64)), chance=0.6)
-    _valid_or_broken(draw, case, "stop", st.one_of(TEXT, st.lists(TEXT, max_size=4), st.sampled_from([".", "\n", "\"", "}", ",", " the"])), st.just(["a", "b", "c", "d", "e"]), chance=0.3)
-    _valid_or_broken(draw, case, "stream", st.booleans(), st.just("maybe"), chance=0.5)
+    _valid_or_broken(draw, case, "top_p", st.sampled_from([0.1, 0.9, 1.0]), st.one_of(st.just(0), st.just(1.5)), present=20)
+    _valid_or_broken(draw, case, "top_k", st.sampled_from([-1, 0, 1, 5, 50, 10**6, 10**40]), st.just(-2), present=20)
+    _valid_or_broken(draw, case, "n", st.integers(1, 3), st.one_of(st.just(0), st.just(99)), present=25)
+    _valid_or_broken(draw, case, "seed", st.integers(0, 2**63 - 1), st.one_of(st.just(-1), st.just(2**64)), present=60)
+    _valid_or_broken(draw, case, "stop", st.one_of(TEXT, st.lists(TEXT, max_size=4), st.sampled_from([".", "\n", "\"", "}", ",", " the"])), st.just(["a", "b", "c", "d", "e"]), present=30)
+    _valid_or_broken(draw, case, "stream", st.booleans(), st.just("maybe"), present=50)
     if case.stream and draw(st.booleans()):
         body["stream_options"] = {"include_usage": draw(st.booleans())}
-    _valid_or_broken(draw, case, "presence_penalty", st.sampled_from([-2, -0.5, 0, 1.5]), st.just(2.5), chance=0.15)
-    _valid_or_broken(draw, case, "frequency_penalty", st.sampled_from([-1, 0.5, 2]), st.just(-3), chance=0.15)
-    _valid_or_broken(draw, case, "repetition_penalty", st.sampled_from([0.5, 1.0, 1.3, 20]), st.just(0), chance=0.15)
-    _valid_or_broken(draw, case, "min_p", st.sampled_from([0.0, 0.05, 0.5]), st.just(1.0), chance=0.15)
+    _valid_or_broken(draw, case, "presence_penalty", st.sampled_from([-2, -0.5, 0, 1.5]), st.just(2.5), present=15)
+    _valid_or_broken(draw, case, "frequency_penalty", st.sampled_from([-1, 0.5, 2]), st.just(-3), present=15)
+    _valid_or_broken(draw, case, "repetition_penalty", st.sampled_from([0.5, 1.0, 1.3, 20]), st.just(0), present=15)
+    _valid_or_broken(draw, case, "min_p", st.sampled_from([0.0, 0.05, 0.5]), st.just(1.0), present=15)
     ids = st.integers(0, 49151).map(str)
     odd_keys = st.sampled_from(["²", "٣", "-1", "1e3", "0x10", "99999999999999999999"])
-    _valid_or_broken(draw, case, "logit_bias", st.dictionaries(ids, st.sampled_from([-100, -5, 0, 3.5, 100]), max_size=4), st.dictionaries(odd_keys, st.just(1.0), min_size=1, max_size=2), chance=0.2)
-    _valid_or_broken(draw, case, "min_tokens", st.integers(0, 4), st.just(-1), chance=0.15)
-    _valid_or_broken(draw, case, "ignore_eos", st.booleans(), st.just("nah"), chance=0.1)
+    _valid_or_broken(draw, case, "logit_bias", st.dictionaries(ids, st.sampled_from([-100, -5, 0, 3.5, 100]), max_size=4), st.dictionaries(odd_keys, st.just(1.0), min_size=1, max_size=2), present=20)
+    if not structured:  # with a grammar: a 400 (the grammar decides where the answer ends)
+        _valid_or_broken(draw, case, "min_tokens", st.sampled_from([0, 1, 2, 4, 10**30]), st.just(-1), present=15)
+        _valid_or_broken(draw, case, "ignore_eos", st.booleans(), st.just("nah"), present=10)
     if chat:
-        _valid_or_broken(draw, case, "logprobs", st.booleans(), st.just(3), chance=0.15)
+        _valid_or_broken(draw, case, "logprobs", st.booleans(), st.just(3), present=15)
         if body.get("logprobs") is True and draw(st.booleans()):
             body["top_logprobs"] = draw(st.integers(0, 5))
     else:
-        _valid_or_broken(draw, case, "logprobs", st.integers(0, 5), st.just(21), chance=0.15)
-        _valid_or_broken(draw, case, "echo", st.booleans(), st.just("x"), chance=0.1)
+        _valid_or_broken(draw, case, "logprobs", st.integers(0, 5), st.just(21), present=15)
+        _valid_or_broken(draw, case, "echo", st.booleans(), st.just("x"), present=10)
     schema_formats = st.one_of(
         st.just({"type": "text"}), st.just({"type": "json_object"}),
         st.builds(lambda s: {"type": "json_schema", "json_schema": {"name": "answer", "schema": s, "strict": True}}, st.one_of(OBJECT_SCHEMAS, SCHEMAS)),
     )
-    _valid_or_broken(draw, case, "response_format", schema_formats, st.sampled_from([{"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "d", "schema": deep_schema(300)}}]), chance=0.25)
-    if "response_format" not in body and draw(st.floats(0, 1)) < 0.1:
-        body["structured_outputs"] = draw(st.one_of(
-            st.builds(lambda c: {"choice": c}, st.lists(st.sampled_from(["yes", "no", "٣", "maybe so"]), min_size=1, max_size=3, unique=True)),
-            st.just({"regex": "[a-z]{1,6}"}), st.just({"regex": "(cat|dog)s?"}),
-            st.builds(lambda s: {"json": s}, OBJECT_SCHEMAS), st.just({"json": json.dumps(deep_schema(300))}), st.just({"grammar": 'start: "ab" | "cd"'}),
-        ))
+    if structured and given_tools is None:
+        body["response_format"] = draw(schema_formats.filter(lambda f: f["type"] != "text")) if draw(st.integers(0, 3)) else {"type": "text"}
+        if body["response_format"]["type"] == "text":
+            del body["response_format"]
+            body["structured_outputs"] = draw(STRUCTURED)
+    elif structured and chance(draw, 25):  # tools, and a response of a schema of its own
+        body["response_format"] = draw(schema_formats.filter(lambda f: f["type"] != "text"))
+    if not structured:
+        _valid_or_broken(draw, case, "response_format", schema_formats, st.sampled_from([{"type": "yaml"}, {"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "d", "schema": deep_schema(300)}}]), present=25)
+    if "response_format" not in body and "structured_outputs" not in body and given_tools is None and chance(draw, 10):
+        body["structured_outputs"] = draw(STRUCTURED)
+        if fault(10):
+            body["structured_outputs"] = {"json": json.dumps(deep_schema(300))}
+            case.broken.append("structured_outputs")
+    if structured and token_limit not in case.broken:  # room to finish what the grammar writes
+        body[token_limit] = 40
     if given_tools is not None:
         body["tools"] = given_tools
         names = [t["function"]["name"] for t in given_tools]
-        choice = draw(st.sampled_from(["auto", "required", "none", "named", None]))
+        choice = draw(st.sampled_from(["required", "named", "required", "auto"] if structured else ["auto", "required", "none", "named", None]))
         if choice == "named":
             body["tool_choice"] = {"type": "function", "function": {"name": draw(st.sampled_from(names))}}
         elif choice is not None:
             body["tool_choice"] = choice
         if draw(st.booleans()):
             body["parallel_tool_calls"] = draw(st.booleans())
-    if draw(st.floats(0, 1)) < 0.5:
+    if chance(draw, 50):
         body["speculative"] = draw(speculative())
-    if draw(st.floats(0, 1)) > 0.98:
-        body[draw(st.sampled_from(["suffix", "best_of", "functions", "colour"]))] = 1  # unsupported or unknown
-    if draw(st.floats(0, 1)) > 0.95:
+        if fault(3):
+            body["speculative"][draw(st.sampled_from(["k", "tree", "bogus"]))] = draw(WRONG)  # a field the mode may not take, or garbage
+            case.broken.append("speculative")
+    if fault(2):
+        name = draw(st.sampled_from(["suffix", "best_of", "functions", "colour"]))  # unsupported or unknown
+        body[name] = 1
+        case.broken.append(name)
+    if chance(draw, 5):
         case.duplicate = draw(st.sampled_from(sorted(body)))
     return case
 

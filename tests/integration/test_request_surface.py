@@ -28,11 +28,14 @@ from clients.procs import GatewayProcess, WorkerProcess
 from core.config import dump_config, parse_config
 from tests.app.helpers import sse_events
 from tests.app.test_openai_schema import check as check_openai_schema
+from tests.app.test_openai_schema import check_completion_chunk
 from tests.integration.surface import MODEL, Case, answers_of_body, answers_of_stream, cases, check_answer, check_error
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_EXAMPLES") or (2000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 200))
+_FULL = bool(os.environ.get("SPECGATE_FULL_STATISTICS"))
+EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_EXAMPLES") or (2000 if _FULL else 100))
+STRUCTURED_EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_STRUCTURED") or (500 if _FULL else 12))
 STATS: Counter[str] = Counter()
 
 
@@ -44,7 +47,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "model": MODEL, "draft": {"model": "builtin-draft", "threads": 1},
             "workers": [{"url": worker, "name": "w0"}],
             "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": "full"},
-            "limits": {"max_tokens": 8, "max_prompt_tokens": 1024},
+            "limits": {"max_tokens": 48, "max_prompt_tokens": 1024},
         })
         path = tmp_path_factory.mktemp("surface") / "config.yaml"
         path.write_text(dump_config(config))
@@ -71,7 +74,10 @@ def _check(client: httpx.Client, case: Case) -> None:
     STATS[f"{'stream' if case.stream else 'whole'} {status}"] += 1
     assert status < 500, f"{status} for {case.text()[:600]}: {payload}"
     if status != 200:
+        assert case.faults or status != 400 or "the prompt has" in payload["error"]["message"], f"a valid request refused: {payload} for {case.text()[:600]}"
         check_error(status, payload, case)
+        STATS[f"param {payload['error']['param']}"] += 1
+
         return
     assert not case.broken, f"{case.broken} broken, yet a 200"
     chat = case.path.endswith("chat/completions")
@@ -79,7 +85,7 @@ def _check(client: httpx.Client, case: Case) -> None:
         errors = [e for e in payload if "error" in e]
         assert not errors, f"an error event after a 200: {errors[0]}"
         for chunk in payload:
-            check_openai_schema(chunk, "CreateChatCompletionStreamResponse" if chat else "CreateCompletionResponse")
+            check_openai_schema(chunk, "CreateChatCompletionStreamResponse") if chat else check_completion_chunk(chunk)
         answers = answers_of_stream(payload, chat)
     else:
         check_openai_schema(payload, "CreateChatCompletionResponse" if chat else "CreateCompletionResponse")
@@ -88,8 +94,10 @@ def _check(client: httpx.Client, case: Case) -> None:
     for answer in answers.values():
         check_answer(answer, case)
         STATS[f"finish {answer.finish_reason}"] += 1
+        STATS[f"{_kind(case.body)} {answer.finish_reason}"] += 1
     if isinstance(case.body.get("seed"), int):  # the same seeded answer the other way
-        other = Case(case.path, {**case.body, "stream": not case.stream})
+        flipped = {k: v for k, v in case.body.items() if k != "stream_options"} | {"stream": not case.stream}
+        other = Case(case.path, flipped)
         other_status, other_payload = _send(client, other)
         assert other_status == 200, other_payload
         again = answers_of_stream(other_payload, chat) if other.stream else answers_of_body(other_payload, chat)
@@ -97,21 +105,39 @@ def _check(client: httpx.Client, case: Case) -> None:
         STATS["stream = whole"] += 1
 
 
+def _kind(body: dict[str, Any]) -> str:
+    if "tools" in body:
+        return "tools"
+    return "grammar" if body.get("response_format", {}).get("type", "text") != "text" or "structured_outputs" in body else "text"
+
+
 def _comparable(answers: dict[int, Any]) -> dict[int, tuple[Any, ...]]:
     return {i: (a.content or "", tuple(a.calls), a.finish_reason) for i, a in answers.items()}  # call ids differ: names and arguments
 
 
-def test_generated_requests_get_no_5xx_no_cut_stream_and_no_malformed_200(base_url: str) -> None:
+def _run(base_url: str, examples: int, **strategy: bool) -> None:
     STATS.clear()
     with httpx.Client(base_url=base_url, timeout=120) as client:
 
-        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
-        @given(case=cases())
+        @settings(max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+        @given(case=cases(**strategy))
         def run(case: Case) -> None:
             _check(client, case)
 
         run()
         assert client.get("/health").status_code == 200  # and it serves on
     print("surface:", dict(sorted(STATS.items())))
+
+
+def test_generated_requests_get_no_5xx_no_cut_stream_and_no_malformed_200(base_url: str) -> None:
+    """The whole surface, fields broken on purpose among them."""
+    _run(base_url, EXAMPLES)
     assert STATS["whole 200"] + STATS["stream 200"] >= EXAMPLES // 4  # a good share reached the model
     assert sum(v for k, v in STATS.items() if k.split(" ")[-1].startswith("4")) >= EXAMPLES // 10  # and a good share was refused
+
+
+def test_generated_tool_calls_and_schemas_finish_whole_and_valid(base_url: str) -> None:
+    """Valid requests with tools or a grammar and room to finish: calls whose arguments parse and
+    follow the tool's parameters, content that follows the schema, streamed as whole."""
+    _run(base_url, STRUCTURED_EXAMPLES, faults=False, structured=True)
+    assert STATS["tools tool_calls"] >= 1 and STATS["grammar stop"] >= 1  # whole answers with calls, and with a grammar, checked
