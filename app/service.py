@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,7 @@ from core.math.tree import ChildRule, SegmentSchedule, TreeShape
 from core.transform import TransformSpec
 from core.grammar import GrammarError, GrammarKind, GrammarLimits, Grammars, GrammarSpec, engine_version, load_schema
 from core.names import Drafter, Mode
+from core.protocol import InfoResponse
 
 log = logging.getLogger(__name__)
 
@@ -334,13 +335,18 @@ class Gateway:
     def _warn_engines(self) -> None:
         """A worker whose grammar engine is not the gateway's, logged once: it serves no grammar (``_check_peers``)."""
         engine = engine_version()
+        for where, info in self._replica_infos():
+            if info.grammar_engine is not None and info.grammar_engine != engine and where not in self._engine_warned:
+                self._engine_warned.add(where)
+                log.warning("worker %s runs %s, the gateway %s: requests with a grammar get a 400 until they match", where, info.grammar_engine, engine)
+
+    def _replica_infos(self) -> Iterator[tuple[str, InfoResponse]]:
+        """("name (url)", /v1/info) of every replica checked so far."""
         for worker in self.pool.workers:
             for replica in getattr(worker, "replicas", []):
                 info = getattr(replica, "info", None)
-                theirs = getattr(info, "grammar_engine", None)
-                if theirs is not None and theirs != engine and replica.url not in self._engine_warned:
-                    self._engine_warned.add(replica.url)
-                    log.warning("worker %s (%s) runs %s, the gateway %s: requests with a grammar get a 400 until they match", worker.name, replica.url, theirs, engine)
+                if info is not None:
+                    yield f"{worker.name} ({replica.url})", info
 
     async def ensure_workers(self) -> None:
         """Before the first request: every worker has a ready replica (503 naming one that has not)."""
@@ -508,24 +514,19 @@ class Gateway:
         EOS ids among the gateway's (else it would take a worker's EOS for text its grammar does
         not allow). The workers' /v1/info says, from the first check on."""
         ours, engine, size = set(self.draft.runner.info.eos_ids), engine_version(), len(grammar.source.encode())
-        for worker in self.pool.workers:
-            for replica in getattr(worker, "replicas", []):
-                info = getattr(replica, "info", None)
-                if info is None:
-                    continue
-                where = f"{worker.name} ({replica.url})"
-                if not set(info.eos_ids) <= ours:
-                    raise ApiError(400, f"{param} needs every worker's EOS ids among the draft's {sorted(ours)}: {where} ends with {sorted(info.eos_ids)}", param)
-                if info.grammar_engine is not None and info.grammar_engine != engine:
-                    raise ApiError(
-                        400, f"{param} needs the gateway's grammar engine ({engine}) on every worker: {where} has {info.grammar_engine}; "
-                        "install the same version on both", param, "grammar_engine_mismatch",
-                    )
-                if info.max_grammar_bytes is not None and info.max_grammar_bytes < size <= self.config.limits.max_grammar_bytes:  # past the gateway's own: compile says so
-                    raise ApiError(
-                        400, f"{param}: the {grammar.kind.value} is {size} bytes; {where} compiles at most {info.max_grammar_bytes} "
-                        "(its max_grammar_bytes)", param, "grammar_too_large",
-                    )
+        for where, info in self._replica_infos():
+            if not set(info.eos_ids) <= ours:
+                raise ApiError(400, f"{param} needs every worker's EOS ids among the draft's {sorted(ours)}: {where} ends with {sorted(info.eos_ids)}", param)
+            if info.grammar_engine is not None and info.grammar_engine != engine:
+                raise ApiError(
+                    400, f"{param} needs the gateway's grammar engine ({engine}) on every worker: {where} has {info.grammar_engine}; "
+                    "install the same version on both", param, "grammar_engine_mismatch",
+                )
+            if info.max_grammar_bytes is not None and info.max_grammar_bytes < size <= self.config.limits.max_grammar_bytes:  # past the gateway's own: compile says so
+                raise ApiError(
+                    400, f"{param}: the {grammar.kind.value} is {size} bytes; {where} compiles at most {info.max_grammar_bytes} "
+                    "(its max_grammar_bytes)", param, "grammar_too_large",
+                )
 
     def grammars(self) -> Grammars:
         """The gateway's grammar engine over the draft's tokenizer (built on first use)."""

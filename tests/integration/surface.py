@@ -20,7 +20,7 @@ import jsonschema
 from hypothesis import strategies as st
 
 from core.modes import MODES
-from core.names import Drafter
+from core.names import Drafter, Mode
 
 MODEL = "specgate-surface"
 BROKEN = object()  # the marker of a deliberately broken field in ``Case.broken``
@@ -148,8 +148,9 @@ def messages(draw: st.DrawFn, with_tools: list[dict[str, Any]] | None) -> list[d
 
 
 @st.composite
-def speculative(draw: st.DrawFn) -> dict[str, Any]:
-    mode = draw(st.sampled_from([m.value for m in MODES]))
+def speculative(draw: st.DrawFn, every_mode: bool = True) -> dict[str, Any]:
+    """A ``speculative`` object; ``every_mode`` False leaves out ``pipeline`` (a 400 without a pipeline target)."""
+    mode = draw(st.sampled_from([m.value for m in MODES if every_mode or m is not Mode.PIPELINE]))
     spec: dict[str, Any] = {"mode": mode}
     takes = MODES[next(m for m in MODES if m.value == mode)].fields
     if "num_draft_tokens" in takes and draw(st.booleans()):
@@ -168,6 +169,11 @@ def speculative(draw: st.DrawFn) -> dict[str, Any]:
             st.builds(lambda n: {"rule": "fixed", "nodes": n, "depth": 2, "top_k": 2}, st.integers(1, 4)),
             st.just({"payload": "exact"}),
         ))
+    if not every_mode:  # the combinations a mode refuses (each a 400 of its own, tested in tests/app)
+        if spec.get("overlap"):
+            spec.pop("drafter", None)
+        if spec.get("tree", {}).get("payload") == "exact":
+            spec.pop("k", None)
     return spec
 
 
@@ -265,7 +271,7 @@ def cases(draw: st.DrawFn, faults: bool = True, structured: bool = False) -> Cas
         if draw(st.booleans()):
             body["parallel_tool_calls"] = draw(st.booleans())
     if chance(draw, 50):
-        body["speculative"] = draw(speculative())
+        body["speculative"] = draw(speculative(every_mode=faults))
         if fault(3):
             body["speculative"][draw(st.sampled_from(["k", "tree", "bogus"]))] = draw(WRONG)  # a field the mode may not take, or garbage
             case.broken.append("speculative")
@@ -275,7 +281,30 @@ def cases(draw: st.DrawFn, faults: bool = True, structured: bool = False) -> Cas
         case.broken.append(name)
     if chance(draw, 5):
         case.duplicate = draw(st.sampled_from(sorted(body)))
+    case.broken += [name for name in _combined_faults(body) if name not in case.broken]
     return case
+
+
+def _combined_faults(body: dict[str, Any]) -> list[str]:
+    """Fields refused for what they are combined with (each a 400 of its own): a case with one
+    of them is not one with a single field at fault."""
+    out = []
+    limit = next((body[k] for k in ("max_completion_tokens", "max_tokens") if isinstance(body.get(k), int)), None)
+    grammar = "tools" in body and body.get("tool_choice") != "none" or _field_object(body, "response_format").get("type", "text") != "text" or "structured_outputs" in body
+    if isinstance(body.get("min_tokens"), int) and (limit is not None and body["min_tokens"] > limit or grammar and body["min_tokens"] > 0):
+        out.append("min_tokens")
+    if grammar and body.get("ignore_eos") is True:
+        out.append("ignore_eos")
+    spec = _field_object(body, "speculative")
+    if spec.get("mode") == "pipeline" or spec.get("overlap") and spec.get("drafter", "model") != "model" or _field_object(spec, "tree").get("payload") == "exact" and isinstance(spec.get("k"), int):
+        out.append("speculative")
+    return out
+
+
+def _field_object(parent: dict[str, Any], key: str) -> dict[str, Any]:
+    """``parent[key]`` where it is an object (a field broken on purpose may be anything)."""
+    value = parent.get(key)
+    return value if isinstance(value, dict) else {}
 
 
 # ----------------------------------------------------------------------------- checks

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import sync_playwright
 
-from clients.procs import GatewayProcess, WorkerProcess
+from clients.procs import GatewayProcess
 from core.config import dump_config, parse_config
 
 pytestmark = pytest.mark.integration
@@ -24,9 +24,9 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 
 @pytest.fixture(scope="module")
-def gateway_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def gateway_url(builtin_workers: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with ExitStack() as stack:
-        worker = stack.enter_context(WorkerProcess("builtin", "llama.cpp", threads=1))
+        worker = builtin_workers[0]
         config = parse_config({"model": "specgate-page", "draft": {"model": "builtin-draft", "threads": 1}, "workers": [{"url": worker}]})
         path = tmp_path_factory.mktemp("page") / "config.yaml"
         path.write_text(dump_config(config))

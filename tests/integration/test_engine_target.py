@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from clients.procs import GatewayProcess, ServerProcess, WorkerProcess, free_port
+from clients.procs import GatewayProcess, ServerProcess, free_port
 from core.config import dump_config, parse_config
 from core.runners.models import builtin_gguf
 
@@ -40,10 +40,10 @@ def EngineProcess() -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def servers(builtin_workers: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     with ExitStack() as stack:
         engine = stack.enter_context(EngineProcess())
-        builtin, alt = (stack.enter_context(WorkerProcess(m, "llama.cpp", threads=1)) for m in ("builtin", "builtin-alt"))
+        builtin, alt = builtin_workers
         gateways = {}
         for name, first in (("engine", {"type": "openai-logprobs", "url": engine, "model": "smollm2", "logprobs": K, "read_timeout_s": 120}), ("worker", {"url": builtin})):
             config = parse_config({

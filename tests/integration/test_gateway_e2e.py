@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from clients.procs import GatewayProcess, WorkerProcess
+from clients.procs import GatewayProcess
 from core.config import dump_config, parse_config
 from core.protocol import VerifyRequest, VerifyResponse, decode, encode
 
@@ -27,10 +27,8 @@ MESSAGES = [{"role": "user", "content": "Write two sentences about the sea."}]
 
 
 @pytest.fixture(scope="module")
-def worker_urls() -> Iterator[list[str]]:
-    with ExitStack() as stack:
-        # one core each, as `specgate serve` splits them: oversubscribed llama.cpp threads crawl
-        yield [stack.enter_context(WorkerProcess(model, "llama.cpp", threads=1)) for model in ("builtin", "builtin-alt")]
+def worker_urls(builtin_workers: list[str]) -> list[str]:
+    return builtin_workers  # one core each, as `specgate serve` splits them: oversubscribed llama.cpp threads crawl
 
 
 def _gateway(stack: ExitStack, directory: Path, urls: list[str], weights: list[float] | None = None, draft: dict[str, object] | None = None) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 import openai
 import pytest
 
-from clients.procs import GatewayProcess, WorkerProcess
+from clients.procs import GatewayProcess
 from core.config import dump_config, parse_config
 from tests.matching import matches
 
@@ -67,9 +67,9 @@ def _gateway(stack: ExitStack, directory: Path, urls: list[str]) -> openai.OpenA
 
 
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, openai.OpenAI]]:
+def clients(builtin_workers: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, openai.OpenAI]]:
     with ExitStack() as stack:
-        urls = [stack.enter_context(WorkerProcess(model, "llama.cpp", threads=1)) for model in ("builtin", "builtin-alt")]
+        urls = builtin_workers
         yield {"pair": _gateway(stack, tmp_path_factory.mktemp("pair"), urls), "one": _gateway(stack, tmp_path_factory.mktemp("one"), urls[:1])}
 
 

@@ -24,11 +24,11 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from clients.procs import GatewayProcess, WorkerProcess
+from clients.procs import GatewayProcess
 from core.config import dump_config, parse_config
 from tests.app.helpers import sse_events
 from tests.app.test_openai_schema import check as check_openai_schema
-from tests.app.test_openai_schema import check_completion_chunk
+from tests.app.test_openai_schema import check_completion, check_completion_chunk
 from tests.integration.surface import MODEL, Case, answers_of_body, answers_of_stream, cases, check_answer, check_error
 
 pytestmark = pytest.mark.integration
@@ -40,9 +40,9 @@ STATS: Counter[str] = Counter()
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def base_url(builtin_workers: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with ExitStack() as stack:
-        worker = stack.enter_context(WorkerProcess("builtin", "llama.cpp", threads=1))
+        worker = builtin_workers[0]
         config = parse_config({
             "model": MODEL, "draft": {"model": "builtin-draft", "threads": 1},
             "workers": [{"url": worker, "name": "w0"}],
@@ -88,7 +88,7 @@ def _check(client: httpx.Client, case: Case) -> None:
             check_openai_schema(chunk, "CreateChatCompletionStreamResponse") if chat else check_completion_chunk(chunk)
         answers = answers_of_stream(payload, chat)
     else:
-        check_openai_schema(payload, "CreateChatCompletionResponse" if chat else "CreateCompletionResponse")
+        check_openai_schema(payload, "CreateChatCompletionResponse") if chat else check_completion(payload)
         answers = answers_of_body(payload, chat)
     assert sorted(answers) == list(range(case.body.get("n", 1))), f"choices {sorted(answers)}"
     for answer in answers.values():
