@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from app.draft import DraftModel
+from app.drafting import DraftModel
 from app.engine import RoundResult
 from app.targets.base import FAILURE_KINDS
 from app.targets.pool import TargetSet
@@ -139,8 +139,8 @@ class _DraftCollector(Collector):
         self.draft = draft
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        yield CounterMetricFamily("specgate:draft_steps", "Draft model steps (one forward over every draft in progress).", value=self.draft.num_steps)
-        yield CounterMetricFamily("specgate:draft_step_drafts", "Drafts carried by the draft's steps, summed over steps.", value=self.draft.num_step_drafts)
-        yield CounterMetricFamily("specgate:lookups", "Lookups for a draft (drafter lookup or model+lookup).", value=self.draft.num_lookups)
-        yield CounterMetricFamily("specgate:lookup_hits", "Lookups that proposed at least one token.", value=self.draft.num_lookup_hits)
-        yield CounterMetricFamily("specgate:lookup_tokens", "Tokens lookups proposed (model+lookup: before the model's check).", value=self.draft.num_lookup_tokens)
+        yield CounterMetricFamily("specgate:draft_steps", "Draft model steps (one forward over every draft in progress).", value=self.draft.batcher.num_steps)
+        yield CounterMetricFamily("specgate:draft_step_drafts", "Drafts carried by the draft's steps, summed over steps.", value=self.draft.batcher.num_step_drafts)
+        yield CounterMetricFamily("specgate:lookups", "Lookups for a draft (drafter lookup or model+lookup).", value=self.draft.lookup.num_lookups)
+        yield CounterMetricFamily("specgate:lookup_hits", "Lookups that proposed at least one token.", value=self.draft.lookup.num_lookup_hits)
+        yield CounterMetricFamily("specgate:lookup_tokens", "Tokens lookups proposed (model+lookup: before the model's check).", value=self.draft.lookup.num_lookup_tokens)

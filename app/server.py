@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 
 from app.adaptive import MAX_AUTO_GAMMA
 from app.admission import Admission, Release
-from app.draft import DraftModel
+from app.drafting import DraftModel
 from app.metrics import GatewayMetrics
 from app.targets.base import Expected, WorkerError
 from app.targets.pool import TargetSet

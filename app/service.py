@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.adaptive import DEFAULT_GAMMA
-from app.draft import DraftModel
+from app.drafting import DraftModel
 from app.errors import ApiError
 from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions, TokenLogprob
 from app.engine.spec import ROUND_PARTS

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from app.adaptive import GammaController
-from app.draft import DraftModel
+from app.drafting import DraftModel
 from app.engine.round import Round, all_workers, array, transform_wire
 from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
 from app.engine.strategies import STRATEGIES
@@ -213,9 +213,7 @@ class Engine:
             return None
         cancel = threading.Event()
         assumed = [*sequence, *tokens]
-        task = asyncio.create_task(self.draft.propose(
-            session_id, assumed, 1 + min(gamma, after - 1), req.params, req.seed, req.choice, req.spec.truncation, cancel, transformer=transformer,
-        ))
+        task = asyncio.create_task(self.draft.propose(req.draft(session_id, assumed, transformer, Drafter.MODEL), 1 + min(gamma, after - 1), cancel=cancel))
         task.add_done_callback(_retrieve)  # a round that fails leaves it unawaited
         return task, cancel
 
@@ -244,9 +242,7 @@ class Engine:
         if gamma <= 0:
             return TokenTree.chain([], [])
         limit = min(room if room is not None else gamma, max(gamma, min(gamma + FORCED_EXTRA, MAX_DRAFT)))
-        return await self.draft.propose(
-            session_id, sequence, gamma, req.params, req.seed, req.choice, req.spec.truncation, timing=timing, transformer=transformer, limit=limit, drafter=req.spec.drafter, shared=not req.seeded,
-        )
+        return await self.draft.propose(req.draft(session_id, sequence, transformer), gamma, limit, timing=timing)
 
     async def _draft_tree(
         self, session_id: str, sequence: list[int], room: int, req: GenerationRequest, timing: dict[str, float], transformer: Transformer | None = None,
@@ -258,10 +254,7 @@ class Engine:
         shape = req.spec.tree or TreeShape.default(req.params.is_greedy)
         cut = shape.cut(room - 1)
         extra = max(0, min(FORCED_EXTRA, MAX_DRAFT - cut.size))  # the grammar's forced runs below the leaves, free
-        return await self.draft.propose_tree(
-            session_id, sequence, cut, req.params, req.seed, req.choice, req.spec.truncation, timing, transformer, depth_limit=room - 1, extra=extra,
-            drafter=req.spec.drafter, shared=not req.seeded,
-        )
+        return await self.draft.propose_tree(req.draft(session_id, sequence, transformer), cut, room - 1, extra, timing)
 
     def _transformer(self, req: GenerationRequest) -> Transformer | None:
         """The gateway's side of the request's transform: the draft's, and the forced tokens'."""

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from app.drafting import DraftRequest
 from app.targets.base import Traffic
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams
 from core.math.tree import SegmentSchedule, TreeShape
 from core.modes import Guarantee, Payload, guarantee
 from core.names import Drafter, Mode, Reconstruction
-from core.transform import TransformSpec
+from core.transform import Transformer, TransformSpec
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,13 @@ class GenerationRequest:
     ignore_eos: bool = False  # vLLM's: EOS is sampled as the target says but does not end the answer
     min_tokens: int = 0  # vLLM's: EOS cannot be emitted before this many tokens (the target without it, renormalised)
     transform: TransformSpec | None = None  # DESIGN §3.9: logit_bias, penalties, a grammar; every worker and the draft apply it
+
+    def draft(self, session_id: str, sequence: list[int], transformer: Transformer | None, drafter: Drafter | None = None) -> DraftRequest:
+        """What the draft is asked after ``sequence`` (``drafter``: the request's, unless given)."""
+        return DraftRequest(
+            session_id, sequence, self.params, self.seed, self.choice, self.spec.truncation, transformer,
+            self.spec.drafter if drafter is None else drafter, shared=not self.seeded,
+        )
 
 
 @dataclass(frozen=True)

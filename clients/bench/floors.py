@@ -137,7 +137,7 @@ class LlamaFloor:
 
 
 class DraftAlone:
-    """Our own draft — ``app.draft.DraftModel``: the runner and our sampling — in this process,
+    """Our own draft — ``app.drafting.DraftModel``: the runner and our sampling — in this process,
     alone on the cores (the bench's servers sit idle meanwhile): a draft step without the
     worker's process beside it, to set against the step inside the gateway and against
     llama.cpp's floor. Its runner is called on the calling thread, the floors' thread: one
@@ -147,7 +147,7 @@ class DraftAlone:
     """
 
     def __init__(self, threads: int, prompt: list[int]) -> None:
-        from app.draft import DraftModel
+        from app.drafting import DraftModel
         from core.runners import load_runner
 
         self.prompt = list(prompt)
@@ -162,16 +162,17 @@ class DraftAlone:
     def step_ms(self, temperature: float, top_k: int = 0, gamma: int = 8, repeats: int = 3) -> list[float]:
         """ms per drafted token of ``repeats`` drafts of ``gamma`` after the prompt (its prefill
         done first, then each draft re-feeds the prompt's last token, as a round's catch-up does)."""
+        from app.drafting import DraftRequest
         from core.math.sampling import SamplingParams
 
         params = SamplingParams(temperature)
 
         async def drafts() -> list[float]:
-            await self.draft.propose("alone", self.prompt, 1, params, 0, 0, (top_k, 1.0))
+            await self.draft.propose(DraftRequest("alone", self.prompt, params, 0, 0, (top_k, 1.0)), 1)
             times = []
             for seed in range(repeats):
                 timing: dict[str, float] = {}
-                draft = await self.draft.propose("alone", self.prompt, gamma, params, seed, 0, (top_k, 1.0), timing=timing)
+                draft = await self.draft.propose(DraftRequest("alone", self.prompt, params, seed, 0, (top_k, 1.0)), gamma, timing=timing)
                 times.append(sum(timing.values()) * 1e3 / max(len(draft), 1))
             await self.draft.free("alone")
             return times

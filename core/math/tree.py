@@ -202,10 +202,7 @@ class TokenTree:
 
     @cached_property
     def _depth_list(self) -> list[int]:
-        out: list[int] = []
-        for parent in self._parent_list:
-            out.append(1 if parent < 0 else out[parent] + 1)
-        return out
+        return depths_of(self._parent_list)
 
     @cached_property
     def _children_of(self) -> dict[int, list[int]]:
@@ -269,11 +266,7 @@ class TokenTree:
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to ``node``."""
-        path = []
-        while node >= 0:
-            path.append(node)
-            node = int(self.parents[node])
-        return path[::-1]
+        return path_of(node, self._parent_list)
 
     def q_row(self, node: int, vocab_size: int) -> torch.Tensor:  # [V] float64: q̂ at ``node`` (−1 = root)
         row = node + 1
@@ -295,6 +288,24 @@ class TokenTree:
     def max_width(self) -> int:
         """The most children of one node (the lanes a walk may use)."""
         return max((len(c) for c in self._children_of.values()), default=0)
+
+
+def path_of(node: int, parents: Sequence[int]) -> list[int]:
+    """The nodes from the root's child down to ``node`` (−1 = the root: none), given each
+    node's parent (−1 below the root)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def depths_of(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (1 below the root), parents listed before their children."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(depths[parent] + 1 if parent >= 0 else 1)
+    return depths
 
 
 def sparse_rows(

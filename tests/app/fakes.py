@@ -12,7 +12,7 @@ import torch
 from dataclasses import replace
 from typing import Any
 
-from app.draft import DraftModel
+from app.drafting import DraftModel
 from app.engine import Engine
 from app.targets.base import Channel, Expected, Traffic, resend
 from app.targets.pipeline import PipelineTarget, Segment, StageShort

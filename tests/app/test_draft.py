@@ -1,4 +1,4 @@
-"""The draft's step loop (app/draft.py): concurrent drafts share the runner's decodes, each
+"""The draft's step loop (app/drafting/batcher.py): concurrent drafts share the runner's decodes, each
 draft's tokens and q̂ are those it gets alone, a step keeps to its token budget, and a failing
 or abandoned draft ends alone without leaving its session in use."""
 
@@ -10,11 +10,13 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from app.draft import DraftModel
+from app.drafting import DraftModel, DraftRequest
 from core.math.sampling import SamplingParams
 from core.math.tree import ChildRule, TokenTree, TreeShape
 from core.runners.base import ForwardItem, ModelRunner, Rows
+from core.names import Drafter
 from core.runners.model_thread import ModelThread
+from core.transform import Transformer
 from tests.app.fakes import MarkovRunner, random_table
 
 TEXTS = [
@@ -27,6 +29,23 @@ TEXTS = [
     "Water boils at",
     "A list of prime numbers: 2, 3, 5, 7,",
 ]
+
+
+async def propose(
+    draft: DraftModel, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int, truncation: tuple[int, float] = (0, 1.0),
+    *, transformer: Transformer | None = None, limit: int | None = None, drafter: Drafter = Drafter.MODEL, shared: bool = True,
+) -> TokenTree:
+    """A chain from ``draft``, asked with the fields of a ``DraftRequest`` in a row."""
+    return await draft.propose(DraftRequest(session_id, sequence, params, seed, choice, truncation, transformer, drafter, shared), gamma, limit)
+
+
+async def propose_tree(
+    draft: DraftModel, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
+    truncation: tuple[int, float] = (0, 1.0), *, transformer: Transformer | None = None, depth_limit: int | None = None, extra: int = 0,
+    drafter: Drafter = Drafter.MODEL, shared: bool = True,
+) -> TokenTree:
+    """A tree from ``draft``, likewise."""
+    return await draft.propose_tree(DraftRequest(session_id, sequence, params, seed, choice, truncation, transformer, drafter, shared), shape, depth_limit, extra)
 
 
 def _trees_equal(a: TokenTree, b: TokenTree) -> bool:
@@ -47,7 +66,7 @@ def _calls(runner: ModelRunner, sequences: list[list[int]]) -> list[tuple[str, t
 
 
 async def _draft(draft: DraftModel, kind: str, args: tuple) -> TokenTree:
-    return await (draft.propose(*args) if kind == "chain" else draft.propose_tree(*args))
+    return await (propose(draft, *args) if kind == "chain" else propose_tree(draft, *args))
 
 
 async def _alone_then_together(runner: ModelRunner, max_batch_tokens: int = 128) -> tuple[list[TokenTree], list[TokenTree], DraftModel, DraftModel]:
@@ -66,9 +85,9 @@ async def test_on_the_builtin_model_concurrent_drafts_share_steps_bit_for_bit(bu
     alone, together, alone_draft, together_draft = await _alone_then_together(builtin_llama)
     for i, (a, b) in enumerate(zip(alone, together)):
         assert len(a) > 0 and _trees_equal(a, b), f"draft {i} changed when it shared steps"
-    assert max(alone_draft.steps) == 1
-    assert max(together_draft.steps) == 8  # every draft in the first steps
-    assert len(together_draft.steps) < len(alone_draft.steps) / 3
+    assert max(alone_draft.batcher.steps) == 1
+    assert max(together_draft.batcher.steps) == 8  # every draft in the first steps
+    assert len(together_draft.batcher.steps) < len(alone_draft.batcher.steps) / 3
 
 
 async def test_a_step_keeps_to_its_token_budget(builtin_llama: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,8 +101,8 @@ async def test_a_step_keeps_to_its_token_budget(builtin_llama: ModelRunner, monk
     monkeypatch.setattr(builtin_llama, "forward_each", counting)
     alone, together, _, together_draft = await _alone_then_together(builtin_llama, max_batch_tokens=12)
     assert all(_trees_equal(a, b) for a, b in zip(alone, together))
-    assert together_draft.prefill_chunk == 6
-    assert max(step_tokens) <= 12 and max(together_draft.steps) > 1
+    assert together_draft.batcher.prefill_chunk == 6
+    assert max(step_tokens) <= 12 and max(together_draft.batcher.steps) > 1
 
 
 class _Failing(MarkovRunner):
@@ -99,17 +118,17 @@ async def test_a_failing_draft_fails_alone() -> None:
     runner = _Failing(random_table(64, seed=3))
     draft = DraftModel(runner, ModelThread())
     t1 = SamplingParams(temperature=1.0)
-    expected = await draft.propose("ok", [1, 2, 3], 4, t1, 5, 0)
+    expected = await propose(draft, "ok", [1, 2, 3], 4, t1, 5, 0)
     runner.free_all()
     results = await asyncio.gather(
-        draft.propose("ok", [1, 2, 3], 4, t1, 5, 0), draft.propose("bad", [4, 5], 4, t1, 5, 0),
-        draft.propose_tree("bad-tree", [6, 7], TreeShape.default(False), t1, 5, 0), return_exceptions=True,
+        propose(draft, "ok", [1, 2, 3], 4, t1, 5, 0), propose(draft, "bad", [4, 5], 4, t1, 5, 0),
+        propose_tree(draft, "bad-tree", [6, 7], TreeShape.default(False), t1, 5, 0), return_exceptions=True,
     )
     assert isinstance(results[0], TokenTree) and _trees_equal(results[0], expected)
     assert isinstance(results[1], RuntimeError) and "bad" in str(results[1])
     assert isinstance(results[2], RuntimeError)
-    assert await draft.propose("ok", [1, 2, 3], 4, t1, 5, 0) is not None  # the loop keeps serving
-    assert not draft._busy
+    assert await propose(draft, "ok", [1, 2, 3], 4, t1, 5, 0) is not None  # the loop keeps serving
+    assert not draft.batcher.busy
 
 
 class _Slow(MarkovRunner):
@@ -126,21 +145,21 @@ async def test_an_abandoned_draft_ends_at_its_next_step_and_free_waits_for_it() 
     runner = _Slow(random_table(64, seed=4))
     draft = DraftModel(runner, ModelThread())
     t1 = SamplingParams(temperature=1.0)
-    task = asyncio.create_task(draft.propose("a", [1, 2, 3], 8, t1, 1, 0))
+    task = asyncio.create_task(propose(draft, "a", [1, 2, 3], 8, t1, 1, 0))
     await asyncio.sleep(0.03)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert "a" in draft._busy  # still in its step: the session is not free yet
+    assert "a" in draft.batcher.busy  # still in its step: the session is not free yet
     await draft.free("a")  # waits for the step loop to close it
-    assert not draft._busy and not runner.has_session("a")
+    assert not draft.batcher.busy and not runner.has_session("a")
     # free while a draft is in progress: the draft finishes whole, then the session goes
-    drafted, _ = await asyncio.gather(draft.propose("b", [1, 2], 5, t1, 2, 0), draft.free("b"))
+    drafted, _ = await asyncio.gather(propose(draft, "b", [1, 2], 5, t1, 2, 0), draft.free("b"))
     assert len(drafted) == 5 and not runner.has_session("b")
     # two drafts of one session run one after the other, each as if alone
-    first, second = await asyncio.gather(draft.propose("c", [1, 2], 3, t1, 3, 0), draft.propose("c", [1, 2, 9], 3, t1, 3, 0))
+    first, second = await asyncio.gather(propose(draft, "c", [1, 2], 3, t1, 3, 0), propose(draft, "c", [1, 2, 9], 3, t1, 3, 0))
     runner.free_all()
-    assert _trees_equal(second, await draft.propose("c", [1, 2, 9], 3, t1, 3, 0))
+    assert _trees_equal(second, await propose(draft, "c", [1, 2, 9], 3, t1, 3, 0))
     assert len(first) == 3
 
 
@@ -150,11 +169,11 @@ async def test_a_seeded_draft_leaves_the_suffix_index_of_other_sessions_out() ->
     from core.names import Drafter
 
     draft = DraftModel(MarkovRunner(random_table(4, 1), eos_ids=[3]), ModelThread())
-    draft.suffixes.add([0, 2, 1, 0, 2])
+    draft.lookup.suffixes.add([0, 2, 1, 0, 2])
     greedy = SamplingParams(temperature=0.0)
-    assert (await draft.propose("a", [1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP)).ids() == [2]  # "1 0" then 2, in the outputs
-    assert (await draft.propose("b", [1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP, shared=False)).ids() == []
-    assert (await draft.propose("c", [1, 0, 2, 1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP, shared=False)).ids() == [2, 1]
+    assert (await propose(draft, "a", [1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP)).ids() == [2]  # "1 0" then 2, in the outputs
+    assert (await propose(draft, "b", [1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP, shared=False)).ids() == []
+    assert (await propose(draft, "c", [1, 0, 2, 1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP, shared=False)).ids() == [2, 1]
 
 
 async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
@@ -183,21 +202,21 @@ async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
         return real(session_id, tokens, num_logits)
 
     runner.append_item = recording  # type: ignore[method-assign]
-    chain = await draft.propose("g", sequence, 2, greedy, 1, 0, transformer=transformer(), limit=10)
+    chain = await propose(draft, "g", sequence, 2, greedy, 1, 0, transformer=transformer(), limit=10)
     assert chain.ids() == [1, 0, 1, 0]
     q = chain.q_values().tolist()
     assert q[1] == q[3] == 1.0
     assert appended == [sequence, [1, 0]]  # two draft steps: the prompt's, then the sampled 1 with the forced 0
-    assert (await draft.propose("g", sequence, 2, greedy, 1, 0, transformer=transformer(), limit=3)).ids() == [1, 0, 1]
-    assert (await draft.propose("g", sequence, 2, greedy, 1, 0)).ids() == [1, 0]  # no grammar: γ tokens, each a step
+    assert (await propose(draft, "g", sequence, 2, greedy, 1, 0, transformer=transformer(), limit=3)).ids() == [1, 0, 1]
+    assert (await propose(draft, "g", sequence, 2, greedy, 1, 0)).ids() == [1, 0]  # no grammar: γ tokens, each a step
 
     # a tree: the run hangs below its leaf, drawn from δ (the leaf's q̂ row), within depth_limit and extra
     shape = TreeShape(ChildRule.FIXED, nodes=1, depth=1, top_k=1)
-    tree = await draft.propose_tree("t", sequence, shape, greedy, 1, 0, transformer=transformer(), depth_limit=4, extra=8)
+    tree = await propose_tree(draft, "t", sequence, shape, greedy, 1, 0, transformer=transformer(), depth_limit=4, extra=8)
     assert tree.ids() == [1, 0] and tree.parents.tolist() == [-1, 0] and tree.q_values().tolist()[1] == 1.0
     assert tree.rule is ChildRule.FIXED and tree.support(0)[0].tolist() == [0]
     for limit, extra in ((1, 8), (4, 0)):
-        assert (await draft.propose_tree("t", sequence, shape, greedy, 1, 0, transformer=transformer(), depth_limit=limit, extra=extra)).ids() == [1]
+        assert (await propose_tree(draft, "t", sequence, shape, greedy, 1, 0, transformer=transformer(), depth_limit=limit, extra=extra)).ids() == [1]
 
     # inside a tree: a node's run is fed with it, takes no depth of the shape, its children follow the run
     appended.clear()
@@ -210,19 +229,19 @@ async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
 
     runner.forward_each = recording_each  # type: ignore[method-assign]
     deep = TreeShape(ChildRule.FIXED, nodes=2, depth=2, top_k=1)
-    tree = await draft.propose_tree("t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=8)
+    tree = await propose_tree(draft, "t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=8)
     assert tree.ids() == [1, 0, 1, 0] and tree.parents.tolist() == [-1, 0, 1, 2]  # nodes=2 counts the drafted nodes only
     assert [item.tokens for item in items[1:]] == [[1, 0]]  # one draft step below the prompt's: the node and its run
-    assert (await draft.propose_tree("t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=1)).ids() == [1, 0, 1]
-    assert (await draft.propose_tree("t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=2, extra=8)).ids() == [1, 0]
+    assert (await propose_tree(draft, "t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=1)).ids() == [1, 0, 1]
+    assert (await propose_tree(draft, "t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=2, extra=8)).ids() == [1, 0]
     # sampled children: each path has its own budget (a shared one let one branch's draws shape another's round)
     two = TreeShape(ChildRule.SAMPLED, widths=(2,))
-    assert (await draft.propose_tree("t", sequence, two, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=1)).ids() == [1, 1, 0, 0]
+    assert (await propose_tree(draft, "t", sequence, two, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=1)).ids() == [1, 1, 0, 0]
     # sampled: a one-wide tree is the chain, draw for draw (a draw is keyed by its position)
     t1 = SamplingParams(temperature=1.0)
     for seed in range(6):
-        chain = await draft.propose("g", sequence, 3, t1, seed, 0, transformer=transformer(), limit=12)
-        tree = await draft.propose_tree(
+        chain = await propose(draft, "g", sequence, 3, t1, seed, 0, transformer=transformer(), limit=12)
+        tree = await propose_tree(draft, 
             "t", sequence, TreeShape(ChildRule.SAMPLED, widths=(1, 1, 1)), t1, seed, 0, transformer=transformer(), depth_limit=12, extra=9,
         )
         assert tree.ids() == chain.ids() and tree.parents.tolist() == list(range(-1, len(chain) - 1)), seed
@@ -244,8 +263,8 @@ async def test_a_fixed_tree_takes_the_lookup_branch_first_within_its_budget() ->
     draft, context = _lookup_draft()
     greedy = SamplingParams(temperature=0.0)
     shape = TreeShape(ChildRule.FIXED, nodes=8, depth=3, top_k=2)
-    alone = await draft.propose_tree("a", context, shape, greedy, 1, 0)
-    mixed = await draft.propose_tree("b", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+    alone = await propose_tree(draft, "a", context, shape, greedy, 1, 0)
+    mixed = await propose_tree(draft, "b", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
     assert mixed.deterministic is not None and len(mixed) <= shape.nodes
     first = mixed.children(-1)[0]
     assert int(mixed.tokens[first]) == 9 and bool(mixed.deterministic[first])  # the branch: 9 4 8 …, first at the root
@@ -257,10 +276,10 @@ async def test_a_fixed_tree_takes_the_lookup_branch_first_within_its_budget() ->
     kept = {tuple(int(mixed.tokens[n]) for n in mixed.path_to(v)) for v in range(len(mixed)) if not bool(mixed.deterministic[v])}
     assert kept <= model_only  # the budget is shared: the model's nodes that stay are its best ones
     for _ in range(500):  # measured: the lookup's tokens are never accepted here
-        draft.acceptance.observe(("lookup", True, 1, 0), False)
-    low = await draft.propose_tree("c", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+        draft.lookup.acceptance.observe(("lookup", True, 1, 0), False)
+    low = await propose_tree(draft, "c", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
     assert _trees_equal(low, alone) and (low.deterministic is None or not bool(low.deterministic.any()))  # a weak branch displaces nothing
-    seeded = await draft.propose_tree("d", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
+    seeded = await propose_tree(draft, "d", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
     assert _trees_equal(seeded, mixed)  # a seeded request weighs by the priors: what ran before does not count
 
 
@@ -271,16 +290,16 @@ async def test_a_sampled_tree_draws_its_root_children_without_the_lookup_token_a
     t1 = SamplingParams(temperature=1.0)
     shape = TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1))
     for seed in range(20):
-        tree = await draft.propose_tree(f"s{seed}", context, shape, t1, seed, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
+        tree = await propose_tree(draft, f"s{seed}", context, shape, t1, seed, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
         assert tree.deterministic is not None and len(tree) <= shape.size
         lookups = [n for n in range(len(tree)) if bool(tree.deterministic[n])]
         assert lookups and int(tree.tokens[lookups[0]]) == 9 and tree.children(-1)[0] == lookups[0]
         drawn = [int(tree.tokens[c]) for c in tree.children(-1)[1:]]
         assert 9 not in drawn and len(drawn) == 2  # the root's places stay; deep ones gave way
     for _ in range(100):
-        draft.acceptance.observe(("lookup", False, 1, 0), False)
-    tree = await draft.propose_tree("w", context, shape, t1, 3, 0, drafter=Drafter.MODEL_LOOKUP)
-    assert not bool(tree.deterministic.any()) and _trees_equal(tree, await draft.propose_tree("m", context, shape, t1, 3, 0))  # type: ignore[union-attr]
+        draft.lookup.acceptance.observe(("lookup", False, 1, 0), False)
+    tree = await propose_tree(draft, "w", context, shape, t1, 3, 0, drafter=Drafter.MODEL_LOOKUP)
+    assert not bool(tree.deterministic.any()) and _trees_equal(tree, await propose_tree(draft, "m", context, shape, t1, 3, 0))  # type: ignore[union-attr]
 
 
 async def test_observe_counts_the_lookup_tokens_tested_and_the_places_accepted() -> None:
@@ -288,16 +307,16 @@ async def test_observe_counts_the_lookup_tokens_tested_and_the_places_accepted()
 
     draft, context = _lookup_draft()
     shape = TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1))
-    tree = await draft.propose_tree("s", context, shape, SamplingParams(temperature=1.0), 5, 0, drafter=Drafter.MODEL_LOOKUP)
+    tree = await propose_tree(draft, "s", context, shape, SamplingParams(temperature=1.0), 5, 0, drafter=Drafter.MODEL_LOOKUP)
     lookups = [n for n in range(len(tree)) if bool(tree.deterministic[n])]  # type: ignore[index]
     draft.observe("s", [lookups[0]])  # the first accepted, the second rejected, the rest never tested
-    assert draft.acceptance.tested(("lookup", False, 1, 0)) == 1 and draft.acceptance.rate(("lookup", False, 1, 0), 0.5) > 0.5
-    assert draft.acceptance.tested(("lookup", False, 1, 1)) == 1 and draft.acceptance.rate(("lookup", False, 1, 1), 0.5) < 0.5
-    assert draft.acceptance.tested(("lookup", False, 1, 2)) == 0
-    assert draft.acceptance.tested(("slot", "sampled_distinct", (2, 1, 1, 1), (0,))) == 1
-    assert draft.acceptance.tested(("slot", "sampled_distinct", (2, 1, 1, 1), (0, 0))) == 0  # below a rejected node: never tested, not counted
+    assert draft.lookup.acceptance.tested(("lookup", False, 1, 0)) == 1 and draft.lookup.acceptance.rate(("lookup", False, 1, 0), 0.5) > 0.5
+    assert draft.lookup.acceptance.tested(("lookup", False, 1, 1)) == 1 and draft.lookup.acceptance.rate(("lookup", False, 1, 1), 0.5) < 0.5
+    assert draft.lookup.acceptance.tested(("lookup", False, 1, 2)) == 0
+    assert draft.lookup.acceptance.tested(("slot", "sampled_distinct", (2, 1, 1, 1), (0,))) == 1
+    assert draft.lookup.acceptance.tested(("slot", "sampled_distinct", (2, 1, 1, 1), (0, 0))) == 0  # below a rejected node: never tested, not counted
     draft.observe("s", [])  # once per tree
-    assert draft.acceptance.tested(("lookup", False, 1, 0)) == 1
+    assert draft.lookup.acceptance.tested(("lookup", False, 1, 0)) == 1
 
 
 async def test_a_chain_keeps_a_lookup_token_the_model_disagrees_with_once_lookups_measure_better() -> None:
@@ -307,22 +326,22 @@ async def test_a_chain_keeps_a_lookup_token_the_model_disagrees_with_once_lookup
 
     draft, context = _lookup_draft()
     greedy = SamplingParams(temperature=0.0)
-    plain = await draft.propose("p", context, 4, greedy, 1, 0)
+    plain = await propose(draft, "p", context, 4, greedy, 1, 0)
     assert plain.ids()[0] != 9  # the model's top-1 after "3" is not the lookup's 9
-    first = await draft.propose("a", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+    first = await propose(draft, "a", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
     assert first.ids() == plain.ids()
     draft.observe("a", [0])  # a model token accepted, the next rejected
-    assert draft.acceptance.tested(("model", True)) == 2
+    assert draft.lookup.acceptance.tested(("model", True)) == 2
     for _ in range(40):
-        draft.acceptance.observe(("lookup", True, 1, 0), True)
-        draft.acceptance.observe(("lookup", True, 1, 1), True)
-    trusted = await draft.propose("b", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+        draft.lookup.acceptance.observe(("lookup", True, 1, 0), True)
+        draft.lookup.acceptance.observe(("lookup", True, 1, 1), True)
+    trusted = await propose(draft, "b", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
     assert trusted.ids()[:2] == [9, 4] and trusted.q_values()[:2].tolist() == [1.0, 1.0]  # δ rows: exact under any rule
-    seeded = await draft.propose("c", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
+    seeded = await propose(draft, "c", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
     assert seeded.ids() == plain.ids()
-    tested = draft.acceptance.tested(("lookup", True, 1, 0))
+    tested = draft.lookup.acceptance.tested(("lookup", True, 1, 0))
     draft.observe("b", [0])  # the first lookup token accepted, the second rejected, the model's after it never tested
-    assert draft.acceptance.tested(("lookup", True, 1, 0)) == tested + 1 and draft.acceptance.tested(("model", True)) == 2
+    assert draft.lookup.acceptance.tested(("lookup", True, 1, 0)) == tested + 1 and draft.lookup.acceptance.tested(("model", True)) == 2
 
 
 async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_draft(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -331,7 +350,7 @@ async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_dr
     again with U). If ``observe`` counted the nodes below an EOS-free path as rejected, the next
     round's plan (a lookup child in or out) would depend on U: TV 0.095 at its first token.
     Counting only the candidates the walk tested, the law over U is the target's."""
-    from app import draft as draft_module
+    from app.drafting import tree as draft_module
     from core.math.tree import tree_step_law
     from core.names import Drafter
 
@@ -351,10 +370,10 @@ async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_dr
         reused["u"] = u
         draft = DraftModel(MarkovRunner(table.float(), eos_ids=[EOS]), ModelThread())
         for _ in range(2):  # earlier requests' measurements
-            draft.acceptance.observe(("slot", "sampled", (1, 1, 1, 1), (0, 0, 0, 0)), True)
-        await draft.propose_tree("s", [d, c, a], shape, SamplingParams(temperature=1.0), 7, 0, drafter=Drafter.MODEL_LOOKUP)
+            draft.lookup.acceptance.observe(("slot", "sampled", (1, 1, 1, 1), (0, 0, 0, 0)), True)
+        await propose_tree(draft, "s", [d, c, a], shape, SamplingParams(temperature=1.0), 7, 0, drafter=Drafter.MODEL_LOOKUP)
         draft.observe("s", [])  # its root child rejected: d recovered
-        tree = await draft.propose_tree("s", [d, c, a, d], shape, SamplingParams(temperature=1.0), 7, 0, drafter=Drafter.MODEL_LOOKUP)  # lookup: c
+        tree = await propose_tree(draft, "s", [d, c, a, d], shape, SamplingParams(temperature=1.0), 7, 0, drafter=Drafter.MODEL_LOOKUP)  # lookup: c
         return tree_step_law(p_next, tree.q_row(-1, V), [int(tree.tokens[k]) for k in tree.children(-1)], tree.rule, tree.num_deterministic(-1))
 
     def q_hat(row: torch.Tensor) -> torch.Tensor:  # the draft's q̂ there, as it samples it

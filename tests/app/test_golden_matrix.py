@@ -57,11 +57,11 @@ def _output(cell: Cell) -> dict[str, Any]:
     """The cell's seeded answer: per result, [tokens, drafted, accepted, forced, turns, rounds
     ended, bound, relaxed TV], and the finish."""
     engine = _engine(cell)
-    engine.draft.lookup_params = LookupParams(max_tokens=LOOKUP_TOKENS)
-    engine.draft.suffixes = SuffixIndex(engine.draft.lookup_params)
-    engine.draft.acceptance = AcceptanceStats()
+    engine.draft.lookup.params = LookupParams(max_tokens=LOOKUP_TOKENS)
+    engine.draft.lookup.suffixes = SuffixIndex(engine.draft.lookup.params)
+    engine.draft.lookup.acceptance = AcceptanceStats()
     for output in LOOKUPS[cell.lookup][1] if cell.lookup else ():
-        engine.draft.suffixes.add(list(output))
+        engine.draft.lookup.suffixes.add(list(output))
     req = GenerationRequest(
         "golden", cell.prompt, MAX_TOKENS, cell.params, SEED, 0, cell.spec, seeded=cell.lookup != "suffix index" or cell.spec.auto_gamma,
         min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform),

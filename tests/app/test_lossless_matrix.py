@@ -392,11 +392,11 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
     recording = _Recording(STRATEGIES[cell.mode], stop_at=2 if second_draft else cell.rounds + 1)
 
     async def once() -> Outcome:
-        engine.draft.lookup_params = LookupParams(max_tokens=LOOKUP_TOKENS)
-        engine.draft.suffixes = SuffixIndex(engine.draft.lookup_params)  # what each run's lookup sees: the cell's, not earlier runs' outputs
-        engine.draft.acceptance = AcceptanceStats()  # and its measured rates: the priors, whatever ran before
+        engine.draft.lookup.params = LookupParams(max_tokens=LOOKUP_TOKENS)
+        engine.draft.lookup.suffixes = SuffixIndex(engine.draft.lookup.params)  # what each run's lookup sees: the cell's, not earlier runs' outputs
+        engine.draft.lookup.acceptance = AcceptanceStats()  # and its measured rates: the priors, whatever ran before
         for output in LOOKUPS[cell.lookup][1] if cell.lookup else ():
-            engine.draft.suffixes.add(list(output))
+            engine.draft.lookup.suffixes.add(list(output))
         req = GenerationRequest(
             f"m{next(count)}", cell.prompt, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=cell.lookup != "suffix index" and not spec.auto_gamma,
             min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform),
@@ -666,10 +666,11 @@ def test_negative_control_a_lookup_token_tested_as_a_draw_from_a_spread_q_hat_is
     """A lookup token is drawn from δ (DESIGN §3.10). Sent with a row that says it was drawn from
     a spread q̂ (uniform here: min(1, p/q̂) at the test, max(0, p − q̂) at a rejection), the law
     moves — caught in every lossless lookup cell at T = 1 (alone and before the model's tokens)."""
-    from app import draft as draft_module
+    from app.drafting import chain, lookup, tree
 
-    monkeypatch.setattr(draft_module, "_delta", lambda token, vocab: torch.full((vocab,), 1.0 / vocab, dtype=torch.float64))
-    monkeypatch.setattr(draft_module, "_delta_support", lambda token: (torch.arange(V), torch.full((V,), 1.0 / V, dtype=torch.float64)))
+    for module in (chain, lookup, tree):  # where a lookup token's row is made
+        monkeypatch.setattr(module, "delta", lambda token, vocab: torch.full((vocab,), 1.0 / vocab, dtype=torch.float64), raising=False)
+        monkeypatch.setattr(module, "delta_support", lambda token: (torch.arange(V), torch.full((V,), 1.0 / V, dtype=torch.float64)), raising=False)
     chains = (Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT)
     picked = [c for c in CELLS if c.lookup and c.sampling == "T=1" and c.claim is Guarantee.LOSSLESS and (c.mode in chains or c.option == "drafter lookup")]
     assert len(picked) >= 10 and _caught(picked) == {c.name for c in picked}
@@ -679,9 +680,9 @@ def test_lookup_tokens_kept_against_the_models_top_1_keep_the_law(monkeypatch: p
     """model+lookup keeps a lookup token the draft model disagrees with once lookups measure better
     than model tokens (here the priors say so): the run 0 2 is kept whole where the model's top-1
     after 0 is 0, and every chain cell's law (or bound) still holds."""
-    from app import draft as draft_module
+    from app.drafting import lookup
 
-    monkeypatch.setattr(draft_module, "MODEL_PRIOR", 0.1)
+    monkeypatch.setattr(lookup, "MODEL_PRIOR", 0.1)
     picked = [c for c in CELLS if c.option == "drafter model+lookup" and c.mode in (Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT) and c.workers == "1 worker"]
     assert len(picked) >= 8 and not _caught(picked)
 

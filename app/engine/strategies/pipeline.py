@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.draft import LOOKUP_PRIOR, DraftModel
+from app.drafting import DraftModel
+from app.drafting.lookup import LOOKUP_PRIOR
 from app.engine.round import token_logprobs
 from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
 from app.engine.strategies.base import Strategy
@@ -235,10 +236,7 @@ class PipelineRun:
         self._fill()
 
     async def _propose(self, context: list[int], shape: TreeShape, timing: dict[str, float]) -> TokenTree:
-        req = self.req
-        return await self.draft.propose_tree(
-            self.session_id, context, shape, req.params, req.seed, req.choice, req.spec.truncation, timing, self.drafting, drafter=req.spec.drafter, shared=not req.seeded,
-        )
+        return await self.draft.propose_tree(self.req.draft(self.session_id, context, self.drafting), shape, timing=timing)
 
     def _attach(self, tree: TokenTree, under: int) -> None:
         """The draft's tree as the children of ``under`` (−1: the root), scores accumulated."""

@@ -1,0 +1,210 @@
+"""The draft's step batcher: every draft in progress shares the runner's decodes.
+
+A draft is a generator (``Steps``) that yields the ``ForwardItem`` it needs next (a prompt
+chunk, a drafted token, a tree depth) and gets that item's logits back. ``StepBatcher`` runs
+one runner ``forward_each`` per step over the items of every draft in progress, on the model
+thread, so the event loop keeps streaming while a step runs and N concurrent drafts cost one
+decode per token position, not N (continuous batching: a draft joins at the next step, leaves
+when done). One draft per session at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import torch
+
+from core.math.tree import TokenTree
+from core.runners import ModelRunner
+from core.runners.base import ForwardItem, common_prefix
+from core.runners.model_thread import ModelThread
+
+DEFAULT_BATCH_TOKENS = 128  # a draft step's new rows, all requests together (DraftConfig.max_batch_tokens)
+
+Steps = Generator[ForwardItem, torch.Tensor, TokenTree]  # a draft: yields items, gets their logits
+
+
+@dataclass
+class DraftClock:
+    """Where one draft's seconds went: in the runner (``draft_model``: the steps it shared),
+    and the rest of the drafting — sampling, truncation, the tree's bookkeeping —
+    (``draft_sampling``)."""
+
+    model_s: float = 0.0
+    total_s: float = 0.0
+
+    def parts(self) -> dict[str, float]:
+        return {"draft_model": self.model_s, "draft_sampling": max(self.total_s - self.model_s, 0.0)}
+
+
+@dataclass(eq=False)
+class Drafting:
+    """A draft in progress: its generator, the item it waits on, its clock and its outcome."""
+
+    steps: Steps
+    done: asyncio.Future[TokenTree]
+    clock: DraftClock = field(default_factory=DraftClock)
+    item: ForwardItem | None = None
+    started: bool = False
+    stop: bool = False  # its caller went away: closed at the next step
+    result: TokenTree | None = None
+    error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    def advance(self, logits: torch.Tensor | None) -> None:
+        """Run the draft on to its next item (or its end) with the logits of the last one."""
+        started = time.perf_counter()
+        try:
+            self.item = self.steps.send(logits)  # type: ignore[arg-type]  # None primes it
+        except StopIteration as end:
+            self.item, self.result = None, end.value
+        except Exception as exc:  # noqa: BLE001 - the draft's own failure, handed to its caller
+            self.item, self.error = None, exc
+        finally:
+            self.clock.total_s += time.perf_counter() - started
+
+    def fail(self, exc: BaseException) -> None:
+        """Its item failed: raise it in the draft (its ``finally`` runs), and end it."""
+        try:
+            self.steps.throw(exc)
+        except BaseException as raised:  # noqa: BLE001 - the item's failure, handed to the caller
+            self.error = raised
+        else:
+            self.error = exc
+            self.steps.close()
+        self.item = None
+
+    def settle(self) -> None:
+        """On the event loop: hand a finished (or stopped) draft's outcome to its caller."""
+        if self.done.done():
+            return
+        if self.result is not None:
+            self.done.set_result(self.result)
+        elif self.error is not None:
+            self.done.set_exception(self.error)
+        else:
+            self.done.cancel()
+
+
+class StepBatcher:
+    """Runs drafts (``Steps``) on one runner, one shared ``forward_each`` per step."""
+
+    def __init__(self, runner: ModelRunner, thread: ModelThread | None = None, max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be ≥ 1, got {max_batch_tokens}")
+        self.runner = runner
+        self.thread = thread or ModelThread()  # every runner call (core.runners.model_thread)
+        self.max_batch_tokens = max_batch_tokens  # new rows per step, all drafts together (one always goes)
+        self.prefill_chunk = max(1, max_batch_tokens // 2)  # a prompt's rows per step: others ride along
+        self.steps: deque[int] = deque(maxlen=1024)  # drafts per step, the latest steps (tests)
+        self.num_steps = self.num_step_drafts = 0  # since start (metrics: the mean draft batch)
+        self.busy: dict[str, asyncio.Future[TokenTree]] = {}  # session -> its draft in progress
+        self._arrived: list[Drafting] = []
+        self._loop_task: asyncio.Task[None] | None = None
+
+    async def idle(self, session_id: str) -> None:
+        """Wait until the session has no draft in progress (one draft per session at a time)."""
+        while (busy := self.busy.get(session_id)) is not None:
+            await asyncio.wait([busy])
+
+    async def run(self, session_id: str, steps: Steps, timing: dict[str, float] | None) -> TokenTree:
+        """The draft ``steps`` to its end, its seconds added to ``timing`` (``DraftClock``)."""
+        drafting = Drafting(steps, asyncio.get_running_loop().create_future())
+        self.busy[session_id] = drafting.done
+        drafting.done.add_done_callback(lambda done: self.busy.pop(session_id) if self.busy.get(session_id) is done else None)
+        self._arrived.append(drafting)
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._step_loop())
+        try:
+            tree = await asyncio.shield(drafting.done)
+        except asyncio.CancelledError:
+            drafting.stop = True  # the step loop closes it; the session stays busy until then
+            raise
+        if timing is not None:
+            for name, seconds in drafting.clock.parts().items():
+                timing[name] = timing.get(name, 0.0) + seconds
+        return tree
+
+    def catch_up(self, session_id: str, sequence: list[int]) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
+        """Bring the session to ``sequence`` (a new one adopts a prompt cache's rows first: a
+        long system prompt, tools): cropped to what it shares with it, the rest fed; the logits
+        after its last token."""
+        runner = self.runner
+        if not runner.has_session(session_id):
+            runner.adopt(session_id, sequence)
+        common = common_prefix(runner.tokens(session_id), sequence)
+        runner.crop(session_id, common)
+        return (yield from self.feed(session_id, sequence[common:]))
+
+    def feed(self, session_id: str, tokens: list[int]) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
+        """Append ``tokens`` to the session in chunks of ≤ ``prefill_chunk`` rows, one per step
+        (an empty list feeds the last held row again); the logits of the last row."""
+        logits = None
+        for begin in range(0, max(len(tokens), 1), self.prefill_chunk):
+            logits = yield self.runner.append_item(session_id, tokens[begin:begin + self.prefill_chunk], 1)
+        assert logits is not None
+        return logits[0]
+
+    async def _step_loop(self) -> None:
+        """Steps while any draft is in progress; a draft that arrives joins the next step."""
+        active: list[Drafting] = []
+        try:
+            while True:
+                active += self._arrived
+                self._arrived = []
+                if not active:
+                    return
+                try:
+                    await self.thread.run(self._step, active)
+                except Exception as exc:  # noqa: BLE001 - a broken step fails its drafts, not the loop
+                    for d in active:
+                        d.item, d.error = None, d.error or exc
+                for d in active:
+                    if d.finished or d.stop:
+                        d.settle()
+                active = [d for d in active if not d.done.done()]
+        finally:
+            self._loop_task = None
+            for d in [*active, *self._arrived]:  # the loop was cancelled (shutdown)
+                if not d.done.done():
+                    d.done.cancel()
+
+    def _step(self, drafts: list[Drafting]) -> None:
+        """On the model thread: start new drafts and close stopped ones, then one
+        ``forward_each`` over the waiting items, oldest first, within ``max_batch_tokens``
+        (one always goes), and run each draft on to its next item."""
+        for d in drafts:
+            if d.stop and not d.finished:
+                d.steps.close()
+                d.item = None
+            elif not d.started:
+                d.started = True
+                d.advance(None)
+        taken: list[Drafting] = []
+        budget = self.max_batch_tokens
+        for d in drafts:
+            if d.item is not None and not d.stop and (not taken or len(d.item.tokens) <= budget):
+                taken.append(d)
+                budget -= len(d.item.tokens)
+        if not taken:
+            return
+        started = time.perf_counter()
+        results = self.runner.forward_each([d.item for d in taken if d.item is not None])
+        seconds = time.perf_counter() - started
+        self.steps.append(len(taken))
+        self.num_steps += 1
+        self.num_step_drafts += len(taken)
+        for d, result in zip(taken, results):
+            d.clock.model_s += seconds
+            d.clock.total_s += seconds
+            if isinstance(result, Exception):
+                d.fail(result)
+            else:
+                d.advance(result)

@@ -1,0 +1,64 @@
+"""What one draft is asked for, and the rows q̂ it draws from (DESIGN §3.1–3.2, §9)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.math.sampling import SamplingParams, apply_sampling, normalised, truncate
+from core.math.tree import SparseRow
+from core.names import Drafter
+from core.transform import Transformer
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One draft of one session: after ``sequence`` (the agreed tokens), with the request's
+    sampling, its seed and choice (the draws are keyed by position), ``truncation`` =
+    (draft_top_k, draft_top_p) sparsifying q̂ (TSLT, lossless), ``transformer`` reshaping each
+    position's logits as the workers reshape theirs (DESIGN §3.9), where the tokens come from
+    (``drafter``, DESIGN §3.10), and ``shared`` = False for a seeded request: it leaves out the
+    suffix index of other sessions' outputs (those may come from the same seed, whose draws
+    would then test a draft they shaped) and weighs lookups by the priors alone."""
+
+    session_id: str
+    sequence: list[int]
+    params: SamplingParams
+    seed: int
+    choice: int
+    truncation: tuple[int, float] = (0, 1.0)
+    transformer: Transformer | None = None
+    drafter: Drafter = Drafter.MODEL
+    shared: bool = True
+
+    @property
+    def truncating(self) -> bool:
+        """q̂ is sampled on a truncated support (a sampled request with draft truncation)."""
+        return not self.params.is_greedy and self.truncation != (0, 1.0)
+
+    @property
+    def grammar(self) -> bool:
+        """A grammar shapes the draft (its forced runs come free)."""
+        return self.transformer is not None and self.transformer.matcher is not None
+
+    def shaped(self, logits: torch.Tensor, path: list[int]) -> torch.Tensor:  # [V] -> [V]
+        """The logits after ``sequence`` + ``path`` as the targets' are transformed."""
+        return logits if self.transformer is None else self.transformer.rows(logits[None], self.sequence, [path])[0]
+
+    def q(self, logits: torch.Tensor) -> torch.Tensor:  # [V] -> [V] float64
+        """q̂ as sampled (truncated where the request truncates), in float64."""
+        q = apply_sampling(logits[None], self.params)[0]
+        return truncate(q, *self.truncation) if self.truncating else normalised(q)
+
+
+def delta(token: int, vocab_size: int) -> torch.Tensor:  # [V] float64
+    """A point mass: the row of a deterministic token (a lookup's, a grammar's forced one)."""
+    row = torch.zeros(vocab_size, dtype=torch.float64)
+    row[token] = 1.0
+    return row
+
+
+def delta_support(token: int) -> SparseRow:
+    """``delta`` on its support."""
+    return torch.tensor([token]), torch.ones(1, dtype=torch.float64)
