@@ -78,8 +78,7 @@ class Round:
         self.path = None
         requests = [
             VerifyRequest.after(
-                self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.ids(),
-                temperature=req.params.temperature, top_k=req.params.top_k, top_p=req.params.top_p, **transform_wire(req),
+                self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.ids(), **req.sampling_wire(),
                 seed=req.seed, choice=req.choice, worker=n, **self.tree_wire, **kept, **wire,  # type: ignore[arg-type]
             )
             for n in range(len(pool.workers))
@@ -118,8 +117,7 @@ class Round:
         held = [*self.sequence, *(self.draft.ids() if drafted is None else drafted)][:position]
         requests = [
             VerifyRequest.after(
-                self.session_id, held[:-1], held[-1:], [], temperature=req.params.temperature, top_k=req.params.top_k,
-                top_p=req.params.top_p, seed=req.seed, choice=req.choice, worker=n, mode=Mode.AUTOREGRESSIVE.value, **transform_wire(req),
+                self.session_id, held[:-1], held[-1:], [], **req.sampling_wire(), seed=req.seed, choice=req.choice, worker=n, mode=Mode.AUTOREGRESSIVE.value,  # type: ignore[arg-type]
                 score_ids=np.array([token], dtype=np.int64),  # type: ignore[arg-type]
             )
             for n in range(len(pool.workers))
@@ -130,17 +128,6 @@ class Round:
         for _, traffic in results:
             self.traffic.add(traffic)
         return mixed_logprob([float(array(resp.score_logprobs)[0]) for resp, _ in results], self.configured)
-
-
-def transform_wire(req: GenerationRequest) -> dict[str, object]:
-    """min_p and the transform on a verify call (DESIGN §3.9); the transform is sent only on a
-    call that starts the session (``VerifyRequest.on_wire``)."""
-    out: dict[str, object] = {}
-    if req.params.min_p:
-        out["min_p"] = req.params.min_p
-    if req.transform is not None:
-        out["transform"] = req.transform.to_wire()
-    return out
 
 
 def round_uniforms(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,6 +47,12 @@ class SpecOptions:
             raise ValueError("a tree's payload is aggregate's or exact's")
 
     @property
+    def verifier(self) -> Mode:
+        """The mode whose strategy verifies a round: a tree's payload's (DESIGN §3.6: a tree is a
+        draft shape), else the mode's own."""
+        return self.tree_payload if self.mode is Mode.TREE else self.mode
+
+    @property
     def sparse(self) -> bool:
         """exact's sparse payload: mode exact, or a tree that carries it."""
         return self.mode is Mode.EXACT or (self.mode is Mode.TREE and self.tree_payload is Mode.EXACT)
@@ -92,6 +98,17 @@ class GenerationRequest:
     ignore_eos: bool = False  # vLLM's: EOS is sampled as the target says but does not end the answer
     min_tokens: int = 0  # vLLM's: EOS cannot be emitted before this many tokens (the target without it, renormalised)
     transform: TransformSpec | None = None  # DESIGN §3.9: logit_bias, penalties, a grammar; every worker and the draft apply it
+
+    def sampling_wire(self) -> dict[str, object]:
+        """The request's sampling on a target's call: temperature, top-k, top-p, and min-p and the
+        transform where set (DESIGN §3.9; the transform is sent only on a call that starts the
+        session: ``VerifyRequest.on_wire``)."""
+        out: dict[str, object] = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
+        if self.params.min_p:
+            out["min_p"] = self.params.min_p
+        if self.transform is not None:
+            out["transform"] = self.transform.to_wire()
+        return out
 
     def draft(self, session_id: str, sequence: list[int], transformer: Transformer | None, drafter: Drafter | None = None) -> DraftRequest:
         """What the draft is asked after ``sequence`` (``drafter``: the request's, unless given)."""

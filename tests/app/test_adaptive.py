@@ -14,6 +14,7 @@ import torch
 from app.adaptive import DEFAULT_GAMMA, GammaController, VerifyLine
 from app.engine import GenerationRequest, SpecOptions
 from app.engine import loop as loop_module
+from app.engine.session import Session
 from core.math.draft_length import RoundCosts, choose_gamma
 from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.names import Mode, Reconstruction
@@ -180,5 +181,5 @@ def test_auto_rounds_draw_their_own_numbers(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_negative_control_auto_rounds_keyed_by_position_alone_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loop_module, "_keyed", lambda req, own_draws, round_index: req)
+    monkeypatch.setattr(Session, "keyed", lambda self, ahead=0: self.req)
     assert _two_rounds_distance(monkeypatch) > 1e-4

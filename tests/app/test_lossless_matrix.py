@@ -38,7 +38,7 @@ from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions
 from app.engine import loop as loop_module
 from app.engine import round as round_module
 from app.engine.round import Round
-from app.engine.strategies import STRATEGIES, Strategy
+from app.engine.strategies import STRATEGIES, RoundStrategy
 from app.engine.strategies import pipeline as pipeline_strategy
 from core.config import TreeParams
 from core.math.relaxed import Relaxation
@@ -359,10 +359,10 @@ class _SecondDraft(Exception):
         self.signature = (tuple(draft.ids()), tuple(draft.parents.tolist()), draft.rule.value, rows)
 
 
-class _Recording(Strategy):
+class _Recording(RoundStrategy):
     """The mode's strategy for the first round; at the second, the draft it was given, and no verdict."""
 
-    def __init__(self, inner: Strategy, stop_at: int = 2) -> None:
+    def __init__(self, inner: RoundStrategy, stop_at: int = 2) -> None:
         self.inner, self.rounds, self.stop_at = inner, 0, stop_at
 
     async def verify(self, rnd: Round) -> RoundResult:
@@ -389,7 +389,8 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
     engine = _engine(cell)
     loop = asyncio.new_event_loop()
     count = itertools.count()
-    recording = _Recording(STRATEGIES[cell.mode], stop_at=2 if second_draft else cell.rounds + 1)
+    inner = STRATEGIES[cell.spec.verifier]
+    recording = _Recording(inner, stop_at=2 if second_draft else cell.rounds + 1) if isinstance(inner, RoundStrategy) else inner  # a pipeline's own loop: no rounds to record
 
     async def once() -> Outcome:
         engine.draft.lookup.params = LookupParams(max_tokens=LOOKUP_TOKENS)
@@ -403,7 +404,8 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
         )
         tokens: list[int] = []
         bound, seen, drafted = 0.0, 0, None
-        recording.rounds = 0
+        if isinstance(recording, _Recording):
+            recording.rounds = 0
         try:
             async with aclosing(engine.generate(req)) as results:
                 async for result in results:
@@ -423,7 +425,7 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
         return outcome
 
     strategies = dict(loop_module.STRATEGIES)
-    loop_module.STRATEGIES[cell.mode] = recording
+    loop_module.STRATEGIES[cell.spec.verifier] = recording
     try:
         with ExactDraws() as draws:
             law = draws.law(run)
@@ -576,9 +578,11 @@ def first_draft(cell: Cell) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(ids, parents) of the tree the cell's first round verifies (a fixed tree does not depend
     on the draws)."""
     loop = asyncio.new_event_loop()
-    recording = _Recording(STRATEGIES[cell.mode], stop_at=1)
+    inner = STRATEGIES[cell.spec.verifier]
+    assert isinstance(inner, RoundStrategy)
+    recording = _Recording(inner, stop_at=1)
     strategies = dict(loop_module.STRATEGIES)
-    loop_module.STRATEGIES[cell.mode] = recording
+    loop_module.STRATEGIES[cell.spec.verifier] = recording
 
     async def once() -> Any:
         req = GenerationRequest("m", PROMPT, MAX_TOKENS, cell.params, SEED, 0, cell.spec, seeded=True)

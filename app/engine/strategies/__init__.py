@@ -1,19 +1,26 @@
-"""The strategies, one per served mode (``core.modes`` says what each takes and needs)."""
+"""The strategies, one per mode whose rows they verify (``core.modes`` says what each takes
+and needs); a tree is a draft shape, verified on its payload's (``SpecOptions.verifier``)."""
 
+from app.engine.spec import SpecOptions
 from app.engine.strategies.aggregate import AggregateStrategy
 from app.engine.strategies.autoregressive import AutoregressiveStrategy
-from app.engine.strategies.base import Strategy
+from app.engine.strategies.base import RoundStrategy, Strategy
 from app.engine.strategies.exact import ExactStrategy
 from app.engine.strategies.pipeline import PipelineStrategy
 from app.engine.strategies.split import SplitStrategy
-from app.engine.strategies.tree import TreeStrategy
 from core.names import Mode
 
 STRATEGIES: dict[Mode, Strategy] = {
     Mode.AUTOREGRESSIVE: AutoregressiveStrategy(),
-    Mode.AGGREGATE: AggregateStrategy(),
+    Mode.AGGREGATE: AggregateStrategy(),  # chains and trees on full or top-k rows
     Mode.SPLIT: SplitStrategy(),
-    Mode.EXACT: ExactStrategy(),
-    Mode.TREE: TreeStrategy(),  # a row per node on aggregate's or exact's payload (DESIGN §3.6)
+    Mode.EXACT: ExactStrategy(),  # chains and trees on sparse rows
     Mode.PIPELINE: PipelineStrategy(),  # owns its loop: segments of a tree through stage workers (DESIGN §3.7)
 }
+
+
+def strategy_for(spec: SpecOptions) -> Strategy:
+    return STRATEGIES[spec.verifier]
+
+
+__all__ = ["STRATEGIES", "RoundStrategy", "Strategy", "strategy_for"]

@@ -13,7 +13,7 @@ from app.engine.round import (
     token_logprobs,
 )
 from app.engine.spec import RoundResult
-from app.engine.strategies.base import Strategy
+from app.engine.strategies.base import RoundStrategy
 from core.math.aggregation import bias_bound
 from core.math.relaxed import relaxation_factors, relaxed_distance, verify_relaxed
 from core.math.sampling import normalised
@@ -21,7 +21,7 @@ from core.math.tree import verify_tree, verify_tree_greedy
 from core.names import Mode, Reconstruction
 
 
-class AggregateStrategy(Strategy):
+class AggregateStrategy(RoundStrategy):
     """SpecFed (DESIGN §3.3): every worker sends T(p_n) at the γ+1 positions, full or top-k;
     the gateway reconstructs p̂_n, aggregates p̂ = Σ w_n p̂_n and verifies the draft with it.
     ``tree`` mode is the same with a tree: a row per node plus the root, walked by the rule of

@@ -6,7 +6,7 @@ import torch
 
 from app.engine.round import Round, array, mixture, row_ids, token_logprobs
 from app.engine.spec import RoundResult
-from app.engine.strategies.base import Strategy
+from app.engine.strategies.base import RoundStrategy
 from core.math.aggregation import bias_bound, normalise_weights
 from core.math.greedy import certify_argmax
 from core.math.random import Purpose, sample_index, uniform
@@ -17,7 +17,7 @@ from core.names import Mode
 _CERTIFY_K = 8  # first top-k asked for a greedy autoregressive step over several workers
 
 
-class AutoregressiveStrategy(Strategy):
+class AutoregressiveStrategy(RoundStrategy):
     """The baseline: one target position per round. At T > 0 each worker sends its own sample
     z_n ~ T(p_n) and the gateway emits z_n with n ~ w (lossless, 4 bytes); at T = 0 workers
     send top-k and the gateway certifies the mixture's argmax, asking again with a larger k."""

@@ -1,16 +1,44 @@
-"""A strategy is how one mode verifies a round (DESIGN §3): what it asks of the targets, which
-pure function of ``core.math`` decides, what the round emits. What a mode accepts and needs is
-``core.modes``; the engine's loop (``app.engine.loop``) is the same for every strategy."""
+"""A strategy is how one mode runs a choice (DESIGN §3). Most verify round by round: what a
+round asks of the targets, which pure function of ``core.math`` decides, what it emits
+(``RoundStrategy``, run by the engine's loop, ``Engine.rounds``); the pipeline runs its own
+loop of segments (``PipelineStrategy``). What a mode accepts and needs is ``core.modes``."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator
+from typing import Protocol
 
+from app.drafting import DraftModel
 from app.engine.round import Round
-from app.engine.spec import RoundResult
+from app.engine.session import Session
+from app.engine.spec import GenerationRequest, RoundResult
+from app.targets.pool import TargetSet
+from core.transform import Transformer
+
+
+class Engine(Protocol):
+    """What a strategy uses of the engine (``app.engine.loop.Engine``)."""
+
+    draft: DraftModel
+    pool: TargetSet
+    vocab_size: int
+
+    def transformer(self, req: GenerationRequest) -> Transformer | None: ...
+
+    def rounds(self, session: Session, strategy: RoundStrategy) -> AsyncGenerator[RoundResult, None]: ...
 
 
 class Strategy(ABC):
+    @abstractmethod
+    def run(self, engine: Engine, session: Session) -> AsyncGenerator[RoundResult, None]:
+        """The results of one choice, until one carries a finish reason."""
+
+
+class RoundStrategy(Strategy):
+    def run(self, engine: Engine, session: Session) -> AsyncGenerator[RoundResult, None]:
+        return engine.rounds(session, self)
+
     @abstractmethod
     async def verify(self, rnd: Round) -> RoundResult:
         """Verify the round's draft (none in autoregressive) and say what it emits."""

@@ -7,7 +7,7 @@ import torch
 
 from app.engine.round import Round, array, lanes, round_uniforms, worker_logprobs
 from app.engine.spec import RoundResult
-from app.engine.strategies.base import Strategy
+from app.engine.strategies.base import RoundStrategy
 from app.engine.strategies.greedy import certified_greedy
 from core.math.aggregation import mixed_probability, normalise_weights
 from core.math.exact import ExactPosition, normalised_payload, verify_exact
@@ -19,7 +19,7 @@ from core.names import Mode
 from core.protocol import VerifyResponse
 
 
-class ExactStrategy(Strategy):
+class ExactStrategy(RoundStrategy):
     """Lossless federated verification with sparse payloads (DESIGN §3.5): each worker sends
     p_n on the draft supports, the mass off them, one sample from off them, one bonus sample.
     A chain drawn from q̂ is verified by ``verify_exact``; a tree, or a chain of fixed (top-1)

@@ -34,6 +34,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +44,9 @@ import torch
 from app.drafting import DraftModel
 from app.drafting.lookup import LOOKUP_PRIOR
 from app.engine.round import token_logprobs
+from app.engine.session import Session, finish_reason
 from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
-from app.engine.strategies.base import Strategy
+from app.engine.strategies.base import Engine, Strategy
 from app.targets.base import Traffic, WorkerError
 from app.targets.pipeline import PipelineTarget, Segment, StageDown, StageShort
 from core.math.random import Purpose, sample_index, uniform
@@ -80,10 +82,23 @@ class _Flight:
 
 
 class PipelineStrategy(Strategy):
-    """Mode ``pipeline``: owns its loop (``PipelineRun``); there is no round to verify."""
+    """Mode ``pipeline`` (DESIGN §3.7): its own loop (``PipelineRun``) over the one pipeline target."""
 
-    async def verify(self, rnd: Any) -> RoundResult:
-        raise TypeError("mode pipeline runs its own loop (PipelineRun), not rounds")
+    async def run(self, engine: Engine, session: Session) -> AsyncGenerator[RoundResult, None]:
+        req, target = session.req, engine.pool.workers[0]
+        if not isinstance(target, PipelineTarget) or len(engine.pool.workers) != 1:
+            raise WorkerError(getattr(target, "name", "w0"), "mode pipeline needs exactly one target, a pipeline of stage workers", 400)
+        transformers = (session.transformer, engine.transformer(req))
+        run = PipelineRun(engine.draft, target, req, session.id, req.spec.pipeline or SegmentSchedule(), engine.vocab_size, session.max_context, session.eos_ids, transformers)
+        async with aclosing(run.run()) as results:
+            async for result in results:
+                result.finish_reason = finish_reason(result, len(run.sequence) - len(req.prompt), len(run.sequence), req, session.eos_ids, session.max_context)
+                if result.finish_reason and not result.rounds_ended:
+                    result.rounds_ended = 1  # the last tree, cut short by EOS or the length
+                    result.drafted, result.accepted = run.round_nodes, len(run.path)
+                yield result
+                if result.finish_reason:
+                    return
 
 
 class PipelineRun:
@@ -112,10 +127,7 @@ class PipelineRun:
         # greedy decides by the argmax (ties to the lowest id, as compress_top_k keeps them) and
         # reports at most top_logprobs alternatives: the top-k rows carry all of it, exactly
         greedy_k = max(1, req.top_logprobs or 0) if req.params.is_greedy else None
-        self.sampling = {
-            "temperature": req.params.temperature, "top_k": req.params.top_k, "top_p": req.params.top_p, "k": greedy_k,
-            "min_p": req.params.min_p, "transform": req.transform.to_wire() if req.transform is not None else None,
-        }
+        self.sampling = {**req.sampling_wire(), "k": greedy_k}
 
     # ----------------------------------------------------------------- the loop
 

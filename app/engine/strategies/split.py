@@ -6,13 +6,13 @@ import torch
 
 from app.engine.round import Round, array, mixture, worker_logprobs
 from app.engine.spec import RoundResult
-from app.engine.strategies.base import Strategy
+from app.engine.strategies.base import RoundStrategy
 from core.math.random import Purpose, sample_index, uniform
 from core.math.speculative import residual
 from core.names import Mode
 
 
-class SplitStrategy(Strategy):
+class SplitStrategy(RoundStrategy):
     """DSSD (DESIGN §3.4), one worker: it runs the accept test with q̂_j(x_j) and its own
     stream; the gateway draws the recovered token from norm(max(0, p − q̂)) with its own q̂."""
 
