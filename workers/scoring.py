@@ -4,7 +4,7 @@ The math is core's: the gateway reconstructs with the very functions used here f
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -16,12 +16,33 @@ from core.math.random import Purpose, sample_index, sample_rows, uniform, unifor
 from core.math.speculative import count_accepted, verify_greedy
 from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.names import Mode, Reconstruction
-from core.protocol import VerifyRequest, VerifyResponse
+from core.protocol import StageRequest, VerifyRequest, VerifyResponse
 from core.runners.base import ForwardItem
 
 
-def sampling_params(req: VerifyRequest) -> SamplingParams:
+def sampling_params(req: VerifyRequest | StageRequest) -> SamplingParams:
     return SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, min_p=req.min_p)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """How rows of logits go on the wire as distributions: T(·) (``params``), compressed to the
+    top ``k`` (None: whole) with its ``reconstruction`` for e_n, in ``probs_dtype``."""
+
+    params: SamplingParams
+    k: int | None
+    reconstruction: str
+    probs_dtype: str
+
+    @classmethod
+    def of(cls, req: VerifyRequest | StageRequest) -> RowSpec:
+        return cls(sampling_params(req), req.k, req.reconstruction, req.probs_dtype)
+
+
+def score_rows(logits: torch.Tensor, spec: RowSpec, held: int, model_ms: float) -> VerifyResponse:  # logits: [rows, V] fp32
+    """T(p) at each row as ``spec`` says (a pipeline's last stage: its scored rows)."""
+    finite = torch.isfinite(logits)
+    return _distributions(apply_sampling(logits, spec.params), spec, held, model_ms, None, None if bool(finite.all()) else finite)
 
 
 def score(
@@ -127,7 +148,7 @@ def _exact(
 
 def _distributions(
     probs: torch.Tensor,  # [γ+1, V]
-    req: VerifyRequest,
+    req: VerifyRequest | RowSpec,
     held: int,
     model_ms: float,
     samples: np.ndarray | None,

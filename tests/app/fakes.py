@@ -33,7 +33,8 @@ from core.protocol import (
 from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged
 from core.runners.model_thread import CallingThread
 from workers.scoring import score
-from workers.server import StageStates, WorkerState
+from workers.stage import StageStates
+from workers.state import WorkerState
 from workers.settings import WorkerSettings
 
 

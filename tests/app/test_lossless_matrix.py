@@ -759,7 +759,7 @@ def test_negative_control_a_transform_from_the_parents_row_is_caught(monkeypatch
     """Every scored row transformed as the round's first row (penalty counts not advanced along
     the path, the grammar's mask taken before the draft's tokens): caught in every drafting
     lossless cell. (Autoregressive scores one row; the top-k cells' check is the first row's bound.)"""
-    from workers.server import WorkerState
+    from workers.state import WorkerState
 
     def parents_row(real: Any) -> Any:
         def shaping(self: WorkerState, req: Any, *more: Any) -> Any:
@@ -781,7 +781,7 @@ def test_negative_control_a_transform_dropped_after_the_first_call_is_caught(mon
     """The transform travels once, on the call that starts the session (prefix_len 0): a worker
     that forgets it on the calls after scores the second round untransformed. The cells that
     check two rounds catch it in every drafting mode, on every payload."""
-    from workers.server import WorkerState
+    from workers.state import WorkerState
 
     def forgetful(real: Any) -> Any:
         def shaping(self: WorkerState, req: Any, *more: Any) -> Any:

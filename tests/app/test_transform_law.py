@@ -44,7 +44,7 @@ CELLS = [("exact chain γ=2", "2 workers 0.7/0.3"), ("tree sampled ⟨2,1⟩, fu
 def _counts(spec_name: str, workers: str, seeds: range, parents_row: bool = False) -> dict[tuple[int, ...], int]:
     """In a pool process: how often each outcome (the first LENGTH tokens, cut at EOS) came."""
     if parents_row:
-        from workers.server import WorkerState
+        from workers.state import WorkerState
 
         real = WorkerState._shaping
         WorkerState._shaping = lambda self, req: (lambda s: None if s is None else (s[0], s[1], [[] for _ in s[2]]))(real(self, req))  # type: ignore[method-assign]

@@ -1,0 +1,136 @@
+"""A pipeline stage (DESIGN §3.7): its messages' rows kept and checked, the item its step
+runs, and what it answers — the last stage the payload at the scored rows, another its states to
+send on (``workers.link``); each session's messages taken in ``seq`` order."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from core.errors import ContextOverflow, InvalidRequest, SessionShort
+from core.protocol import StageRequest, StageResponse, check_stage_request
+from core.runners.base import ForwardItem
+from workers.scoring import RowSpec, score_rows
+from workers.transforms import SessionTransforms, Shaping
+
+
+class StageSteps(SessionTransforms):
+    """Part of ``WorkerState`` (``workers.state``): a stage's side of a step."""
+
+    counters: defaultdict[str, float]
+
+    @property
+    def max_context(self) -> int:
+        return min(self.settings.max_context, self.runner.info.max_context)
+
+    def _prepare_stage(self, req: StageRequest) -> tuple[ForwardItem, int, None]:
+        """A stage's segment: keep the rows that survive, check the rows held, the item to run."""
+        self.stage_keep(req)
+        if not len(req.tokens):
+            raise InvalidRequest("a stage forward appends at least one row (a prune alone goes to /v1/stage/keep)", param="tokens")
+        if req.prefix_len + len(req.tokens) > self.max_context:
+            raise ContextOverflow(f"the session would hold {req.prefix_len + len(req.tokens)} rows, the context is {self.max_context}", param="tokens")
+        self.sessions.admit(req.session_id, tree=True)
+        if req.prefix_len == 0 and self.runner.is_last_stage:  # the session's transform, set by the message that starts it
+            self.start_transform(req.session_id, req.transform)
+        count = len(req.tokens)
+        hidden = torch.from_numpy(np.array(req.hidden, dtype=np.float32)) if req.hidden is not None else None
+        scored = list(range(req.score_from, count)) or [count - 1]
+        parents = req.parents.tolist() if req.parents is not None else None
+        return ForwardItem(req.session_id, req.prefix_len, req.tokens.tolist(), parents, scored, hidden), 0, None
+
+    def _stage_shaping(self, req: StageRequest, held: int, scored: int) -> Shaping | None:
+        """The last stage's ``_shaping``: the session's transform, and each of the ``scored``
+        rows' prefix — the row's ancestors' tokens and its own — split into what they share and
+        each row's rest."""
+        transformer = self.sessions.transforms.get(req.session_id)
+        if transformer is None:
+            return None
+        first = held - len(req.tokens) + req.score_from
+        contexts = [self.runner.context(req.session_id, row) for row in range(first, first + scored)]
+        agreed = contexts[0][: shared_prefix(contexts)]
+        return transformer, agreed, [c[len(agreed) :] for c in contexts]
+
+    def stage_keep(self, req: StageRequest) -> int:
+        """Apply a stage message's ``keep`` and check the session then holds ``prefix_len``
+        rows (409 session_short otherwise); the rows held."""
+        check_stage_request(req, self.runner.info.vocab_size, self.runner.hidden_size, self.runner.is_first_stage)
+        held = self.runner.length(req.session_id) if req.session_id in self.sessions else 0
+        if req.keep is not None and held:
+            try:
+                self.runner.keep(req.session_id, req.keep.tolist())
+            except ValueError as exc:
+                raise InvalidRequest(f"keep: {exc}", param="keep") from exc
+            held = self.runner.length(req.session_id)
+        if held != req.prefix_len:
+            raise SessionShort(req.session_id, held, f"the stage holds {held} rows, the call assumes {req.prefix_len}")
+        return held
+
+    def _stage_answer(self, req: StageRequest, output: torch.Tensor, model_ms: float) -> StageResponse | StageStates:
+        """The last stage's payload at the scored rows; another stage's states, to send on."""
+        held = self.runner.length(req.session_id)
+        self.counters["positions_scored"] += len(req.tokens) - req.score_from
+        if not self.runner.is_last_stage:
+            return StageStates(output, model_ms, held)
+        rows = output if req.score_from < len(req.tokens) else output[:0]
+        if not len(rows):
+            return StageResponse(held=held, stage_ms=np.array([model_ms], np.float32), hop_bytes=np.zeros(0, np.int32))
+        shaping = self._stage_shaping(req, held, len(rows))
+        if shaping is not None:  # DESIGN §3.9: each scored row by its own prefix
+            transformer, agreed, paths = shaping
+            rows = transformer.rows(rows, agreed, paths)
+        scored = score_rows(rows, RowSpec.of(req), held, model_ms)
+        return StageResponse(
+            held=held, probs=scored.probs, tail_mass=scored.tail_mass, ids=scored.ids, recon_error=scored.recon_error,
+            probs_dtype=scored.probs_dtype, stage_ms=np.array([model_ms], np.float32), hop_bytes=np.zeros(0, np.int32),
+        )
+
+
+def shared_prefix(sequences: list[list[int]]) -> int:
+    """How many leading tokens every sequence shares."""
+    shortest = min(len(s) for s in sequences)
+    return next((i for i in range(shortest) if any(s[i] != sequences[0][i] for s in sequences)), shortest)
+
+
+
+@dataclass
+class StageStates:
+    """A stage's output before the last: the new rows' states, to send on."""
+
+    states: torch.Tensor  # [t, hidden]
+    model_ms: float
+    held: int
+
+
+class StageOrder:
+    """Each session's stage messages in ``seq`` order: they come by different paths (from the
+    stage before, or from the gateway) and may overtake each other."""
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {}
+        self._changed = asyncio.Condition()
+
+    async def turn(self, session_id: str, seq: int, wait_s: float) -> None:
+        """Return once every earlier message of the session was taken; 409 if ``seq`` was
+        taken already, or the earlier ones do not come within ``wait_s``."""
+        async with self._changed:
+            if seq < self._next.get(session_id, 0):
+                raise SessionShort(session_id, 0, f"message {seq} came after message {self._next[session_id] - 1}")
+            try:
+                await asyncio.wait_for(self._changed.wait_for(lambda: self._next.get(session_id, 0) == seq), wait_s)
+            except TimeoutError:
+                raise SessionShort(session_id, 0, f"message {seq} waited {wait_s:g} s for message {self._next.get(session_id, 0)}") from None
+
+    async def done(self, session_id: str, seq: int) -> None:
+        async with self._changed:
+            self._next[session_id] = max(self._next.get(session_id, 0), seq + 1)
+            self._changed.notify_all()
+
+    def forget(self, session_id: str) -> None:
+        self._next.pop(session_id, None)
+
+

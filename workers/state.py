@@ -1,0 +1,73 @@
+"""Everything one worker app owns (DESIGN §4): its settings, runner, sessions, model thread and
+scheduler, its counters; built by ``create_app``, never a module global. What it does in a step
+is ``workers.step`` (a pipeline stage's side: ``workers.stage``), with the request's transform
+(``workers.transforms``)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+from core.grammar import Grammars, engine_version
+from core.protocol import PROTOCOL_VERSION, SERVED_MODES, InfoResponse
+from core.runners import ModelRunner
+from core.runners.model_thread import ModelThread
+from workers.link import StageLink
+from workers.scheduler import VerifyScheduler
+from workers.sessions import SessionStore
+from workers.settings import WorkerSettings
+from workers.stage import StageOrder
+from workers.step import Steps
+
+
+@dataclass
+class WorkerState(Steps):
+    """Everything one worker app owns; built by ``create_app``, never a module global."""
+
+    settings: WorkerSettings
+    runner: ModelRunner
+    sessions: SessionStore
+    thread: ModelThread = field(default_factory=ModelThread)  # every runner call (core.runners.model_thread)
+    scheduler: VerifyScheduler = field(init=False)  # every call that touches the runner, in steps
+    counters: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # see _WorkerCollector
+    errors: Counter[str] = field(default_factory=Counter)  # refused calls, by error code
+    order: StageOrder = field(default_factory=lambda: StageOrder())  # a stage: each session's messages in seq order
+    link: StageLink = field(init=False)  # a stage: to the next stage
+    _grammars: Grammars | None = None  # the grammar engine, built by the first call that carries a grammar
+
+    def __post_init__(self) -> None:
+        self.scheduler = VerifyScheduler(self, self.settings.max_batch_tokens)
+        self.link = StageLink(self.settings, self.runner.info.vocab_size)
+
+    @property
+    def is_stage(self) -> bool:
+        return self.runner.layer_range is not None
+
+    @classmethod
+    def build(cls, settings: WorkerSettings, runner: ModelRunner, thread: ModelThread | None = None) -> WorkerState:
+        sessions = SessionStore(
+            runner,
+            max_sessions=settings.max_sessions,
+            ttl_s=settings.session_ttl_s,
+            memory_cap_bytes=settings.memory_cap_mb * 2**20,
+            live_s=settings.session_live_s,
+        )
+        return cls(settings=settings, runner=runner, sessions=sessions, thread=thread or ModelThread())
+
+    def info(self) -> InfoResponse:
+        info = self.runner.info
+        return InfoResponse(
+            protocol_version=PROTOCOL_VERSION,
+            modes=list(SERVED_MODES),
+            model_id=info.model_id,
+            vocab_size=info.vocab_size,
+            tokenizer_fingerprint=self.runner.fingerprint,
+            eos_ids=info.eos_ids,
+            max_context=self.max_context,
+            backend=info.backend,
+            layer_range=list(self.runner.layer_range) if self.runner.layer_range is not None else None,
+            num_layers=self.runner.num_layers,
+            grammar_engine=engine_version(),
+            max_grammar_bytes=self.settings.max_grammar_bytes,
+        )
+
