@@ -32,8 +32,9 @@ from app.targets.base import Expected, WorkerError
 from app.targets.pool import TargetSet
 from app.schemas import ChatCompletionRequest, CompletionRequest
 from app.errors import ApiError
-from app.service import ChoiceEvent, Gateway, Job
-from app.tools import message_of
+from app.requests import Job
+from app.responses import Logprobs, chat_body, chat_chunks, completion_body, completion_chunks, envelope, usage
+from app.service import ChoiceEvent, Gateway
 from core.config import SpecgateConfig
 from core.errors import ConfigError
 from core.runners import ModelRunner, load_runner
@@ -83,6 +84,7 @@ def create_app(
         metrics.watch_draft(draft_model)
         gateway = Gateway(config, draft_model, pool, metrics)
         app.state.gateway = gateway
+        app.state.logprobs = Logprobs(gateway.tokenizer)
         app.state.draft_threads = runner.threads
         for entry in await gateway.check_workers():
             if entry.get("fatal"):  # a pipeline whose stages answer but cannot make it (DESIGN §3.7)
@@ -148,17 +150,17 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        gateway = _gateway(request)
+        gateway, logprobs = _gateway(request), request.app.state.logprobs
         job = gateway.completion_job(body)
         await gateway.compile(job)
-        return await _respond(request, job, body.stream, _include_usage(body), _completion_chunks(gateway, job), _completion_body(gateway, job))
+        return await _respond(request, job, body.stream, _include_usage(body), completion_chunks(logprobs, job), completion_body(logprobs, job))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        gateway = _gateway(request)
+        gateway, logprobs = _gateway(request), request.app.state.logprobs
         job = gateway.chat_job(body)
         await gateway.compile(job)
-        return await _respond(request, job, body.stream, _include_usage(body), _chat_chunks(gateway, job), _chat_body(gateway, job))
+        return await _respond(request, job, body.stream, _include_usage(body), chat_chunks(logprobs, job), chat_body(logprobs, job))
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -237,7 +239,7 @@ async def _sse(request: Request, job: Job, include_usage: bool, chunks: Callable
                 if admission.drain_expired():
                     raise ApiError(503, "the gateway shut down before this stream finished", code="shutting_down", kind="server_error")
         if include_usage:
-            yield _data({**_envelope(job), "choices": [], **_usage(job)})
+            yield _data({**envelope(job), "choices": [], **usage(job)})
     except WorkerError as exc:
         log.warning("stream %s failed: %s", job.id, exc)
         yield _data(ApiError(exc.status, str(exc), code="worker_error", kind="server_error").body())
@@ -258,105 +260,7 @@ def _data(payload: dict[str, Any]) -> dict[str, str]:
         return {"data": json.dumps(payload, ensure_ascii=True, separators=(",", ":"))}
 
 
-def _usage(job: Job) -> dict[str, Any]:
-    """``usage`` (with our ``speculative`` block) and, beside it, vLLM's ``metrics``."""
-    metrics = job.usage.vllm_metrics()
-    return {"usage": job.usage.to_dict(), **({"metrics": metrics} if metrics else {})}
-
-
-def _envelope(job: Job) -> dict[str, Any]:
-    kind = "chat.completion.chunk" if job.id.startswith("chatcmpl") else "text_completion"
-    return {"id": job.id, "object": kind, "created": job.created, "model": job.model}
-
-
 # ----------------------------------------------------------------------------- bodies
-
-
-def _completion_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]], dict[str, Any]]:
-    def build(events: list[ChoiceEvent]) -> dict[str, Any]:
-        choices = [
-            {
-                "index": e.index,
-                "text": job.prompt_text + e.text,
-                "logprobs": gateway.completion_logprobs(job, e.logprobs, 0 if job.echo_logprobs else len(job.prompt_text)),
-                "finish_reason": e.finish_reason,
-            }
-            for e in events
-        ]
-        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model, "choices": choices, **_usage(job)}
-
-    return build
-
-
-def _chat_body(gateway: Gateway, job: Job) -> Callable[[list[ChoiceEvent]], dict[str, Any]]:
-    def message(e: ChoiceEvent) -> dict[str, Any]:
-        if e.deltas is None:
-            return {"role": "assistant", "content": e.text, "refusal": None}
-        return message_of(e.deltas)  # what the stream's deltas add up to (tools)
-
-    def build(events: list[ChoiceEvent]) -> dict[str, Any]:
-        choices = []
-        for e in events:
-            choices.append({"index": e.index, "message": message(e), "logprobs": gateway.chat_logprobs(job, e.logprobs), "finish_reason": e.finish_reason})
-        return {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model, "choices": choices, **_usage(job)}
-
-    return build
-
-
-def _completion_chunks(gateway: Gateway, job: Job) -> Callable[[ChoiceEvent | None], list[dict[str, Any]]]:
-    offsets = {c.choice: len(job.prompt_text) for c in job.choices}
-    head = {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model}
-
-    def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
-        if event is None:  # the echoed prompt, before any token (with its logprobs: when they come)
-            echoed = job.prompt_text and not job.echo_logprobs
-            return [{**head, "choices": [{"index": c.choice, "text": job.prompt_text, "logprobs": None, "finish_reason": None}]} for c in job.choices] if echoed else []
-        if event.is_prompt:
-            choice = {"index": event.index, "text": job.prompt_text, "logprobs": gateway.completion_logprobs(job, event.logprobs, 0), "finish_reason": None}
-            return [{**head, "choices": [choice]}]
-        logprobs = gateway.completion_logprobs(job, event.logprobs, offsets[event.index])
-        offsets[event.index] += len(event.text)
-        if not event.text and not event.finish_reason and not event.logprobs:
-            return []
-        choice = {"index": event.index, "text": event.text, "logprobs": logprobs, "finish_reason": event.finish_reason}
-        return [{**head, "choices": [choice], **_round_field(event)}]
-
-    return build
-
-
-def _chat_chunks(gateway: Gateway, job: Job) -> Callable[[ChoiceEvent | None], list[dict[str, Any]]]:
-    head = {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": job.model}
-
-    def choice(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
-        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-
-    def deltas(event: ChoiceEvent) -> list[dict[str, Any]]:
-        """The event's text as deltas: itself, or (tools) the generic format read into OpenAI's shapes."""
-        if event.deltas is not None:
-            return event.deltas
-        return [{"content": event.text}] if event.text else []
-
-    def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
-        if event is None:  # one role delta per choice index, first
-            return [choice(c.choice, {"role": "assistant", "content": None if job.tools else ""}) for c in job.choices]  # a call has no content
-        out = []
-        pieces = deltas(event)
-        if event.logprobs and not pieces:
-            pieces = [{"content": ""}]
-        for i, delta in enumerate(pieces):
-            logprobs = gateway.chat_logprobs(job, event.logprobs) if i == 0 else None
-            out.append({**choice(event.index, delta, logprobs), **(_round_field(event) if i == 0 else {})})
-        if event.finish_reason:
-            out.append(choice(event.index, {}, None, event.finish_reason))
-        return out
-
-    return build
-
-
-def _round_field(event: ChoiceEvent) -> dict[str, Any]:
-    """The stream extension ``"speculative": {accepted, drafted, draft_chars, bytes}``: what the
-    chunk's round did. OpenAI clients ignore it; the chat page colours the text with it."""
-    return {"speculative": event.round.to_dict()} if event.round is not None else {}
 
 
 # ----------------------------------------------------------------------------- errors

@@ -1,0 +1,389 @@
+"""A request to a job (DESIGN §5): the body checked, the prompt tokenised (a chat rendered with
+its tools), the speculative options resolved against the config and the targets, the sampling
+and the transform built; every refusal a 400 naming its parameter."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.adaptive import DEFAULT_GAMMA
+from app.drafting import DraftModel
+from app.engine import Engine, GenerationRequest, SpecOptions
+from app.errors import ApiError
+from app.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SpeculativeParams
+from app.targets.pipeline import PipelineTarget
+from app.targets.pool import TargetSet
+from app.tools import Tool, generic_schema, render_messages, tools_prompt
+from app.usage import Usage, used_tree
+from core.config import PipelineParams, SpecgateConfig, TreeParams
+from core.grammar import GrammarError, GrammarKind, GrammarSpec, engine_version, load_schema
+from core.math.relaxed import Relaxation
+from core.math.sampling import MIN_TEMPERATURE, SamplingParams
+from core.math.tree import SegmentSchedule, TreeShape
+from core.modes import MODES, SERVED_MODES
+from core.names import Drafter, Mode
+from core.protocol import InfoResponse
+from core.transform import TransformSpec
+
+_EXACT_DRAFT_TOP_K = 32  # exact needs a truncated draft (DESIGN §3.5)
+
+
+@dataclass
+class Job:
+    """One parsed request, ready to run: its choices and how to report them."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[GenerationRequest]
+    stops: list[str]
+    usage: Usage
+    prompt_text: str = ""
+    echo_logprobs: bool = False  # the prompt's tokens carry logprobs: its text leaves with them (first event)
+    tokens_as_ids: bool = False  # logprobs name tokens token_id:N (vLLM's return_tokens_as_token_ids)
+    arrived: float = field(default_factory=time.monotonic)  # for time to first token / latency
+    grammar_param: str = "response_format"  # the parameter that asked for the grammar (what an error names)
+    tools: bool = False  # the answer is in the generic tool format (app.tools): calls or a response
+    tool_response_schema: bool = False  # tools: the response has a schema of its own (response_format): its JSON is the content
+    has_grammar: bool = False  # a grammar writes the answer (stop strings apply only to a tools answer's free text)
+    tool_parameters: list[dict[str, Any]] = field(default_factory=list)  # each tool's schema (what a compile error names)
+
+
+class Requests:
+    """Part of ``Gateway`` (``app.service``): requests to jobs."""
+
+    config: SpecgateConfig
+    draft: DraftModel
+    pool: TargetSet
+    engine: Engine
+    tokenizer: Any
+
+    def completion_job(self, body: CompletionRequest) -> Job:
+        self._check_common(body)
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens: 0 needs echo: true (the prompt's logprobs alone)", "max_tokens")
+        prompt_logprobs = body.logprobs if body.echo else None
+        if prompt_logprobs is not None and any(w.is_engine for w in self.pool.workers):
+            raise ApiError(400, "echo with logprobs needs specgate workers: an openai-logprobs engine does not score prompts here", "echo")
+        if prompt_logprobs is not None and any(isinstance(w, PipelineTarget) for w in self.pool.workers):
+            raise ApiError(400, "echo with logprobs needs whole-model workers: a pipeline's stages do not score prompts", "echo")
+        prompt = list(self.tokenizer.encode(body.prompt)) if isinstance(body.prompt, str) else list(body.prompt)
+        if any(t >= self.draft.vocab_size for t in prompt):
+            raise ApiError(400, f"prompt token ids must be < {self.draft.vocab_size}", "prompt")
+        job = self._job(body, prompt, "cmpl", body.max_tokens, body.logprobs, prompt_logprobs)
+        if body.echo:
+            job.prompt_text = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt)
+        return job
+
+    def chat_job(self, body: ChatCompletionRequest) -> Job:
+        self._check_common(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        messages, grammar = self._tool_messages(body)
+        try:
+            prompt = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation (jinja raises anything)
+            raise ApiError(400, f"the chat template refuses these messages: {exc}", "messages") from None
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        job = self._job(body, prompt, "chatcmpl", body.max_completion_tokens or body.max_tokens, top, grammar=grammar)
+        job.tools = grammar is not None and grammar[1] == "tools"
+        job.tool_response_schema = job.tools and body.response_format is not None and body.response_format.type != "text"
+        job.tool_parameters = [t.function.parameters or {} for t in body.tools or []] if job.tools else []
+        return job
+
+    def _tool_messages(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], tuple[GrammarSpec | None, str] | None]:
+        """The conversation to render and, with tools to call, the generic format's grammar
+        (DESIGN §3.9; the built-in template has no tool format of its own)."""
+        messages = body.chat_messages()
+        called: set[str] = set()
+        for i, m in enumerate(messages):
+            called.update(call["id"] for call in m.get("tool_calls", []))
+            if m["role"] == "tool" and not m.get("tool_call_id"):
+                raise ApiError(400, f"messages[{i}]: a message of role tool needs tool_call_id", f"messages.{i}.tool_call_id")
+            if m["role"] == "tool" and m["tool_call_id"] not in called:
+                raise ApiError(
+                    400, f"messages[{i}]: tool_call_id {m['tool_call_id']!r} answers no call of an earlier assistant message", f"messages.{i}.tool_call_id",
+                )
+        tools = [Tool(t.function.name, t.function.description or "", t.function.parameters or {"type": "object", "properties": {}}) for t in body.tools or []]
+        choice = body.tool_choice
+        if choice is not None and not tools and choice != "none":
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        if len({t.name for t in tools}) != len(tools):
+            raise ApiError(400, "tools: two functions share a name", "tools")
+        if isinstance(choice, NamedToolChoice):
+            named = [t for t in tools if t.name == choice.function.name]
+            if not named:
+                raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools {[t.name for t in tools]}", "tool_choice")
+            tools = named
+        if not tools or choice == "none":
+            return render_messages(messages, None), None
+        if body.structured_outputs is not None:
+            raise ApiError(400, "tools cannot be combined with structured_outputs", "structured_outputs")
+        required = choice == "required" or isinstance(choice, NamedToolChoice)
+        response = None
+        if body.response_format is not None and body.response_format.type != "text":
+            given, _ = request_grammar(body)
+            response = json.loads(given.source) if given is not None else None
+        schema = generic_schema(tools, required, body.parallel_tool_calls, response)
+        return render_messages(messages, tools_prompt(tools, schema, required)), (GrammarSpec.json_schema(schema), "tools")
+
+    def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        where = _lone_surrogate(body.model_dump(by_alias=True, exclude_defaults=True))
+        if where is not None:
+            raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair): not text", where)
+        if body.model != self.config.model:
+            raise ApiError(404, f"model {body.model!r} does not exist; this gateway serves {self.config.model!r}", "model", "model_not_found")
+        unsupported = body.unsupported()
+        if unsupported:
+            message = "; ".join(f"{param} {why}" for param, why in unsupported)
+            raise ApiError(400, message, unsupported[0][0], "unsupported_parameter")
+
+    def _job(
+        self, body: CompletionRequest | ChatCompletionRequest, prompt: list[int], prefix: str, max_tokens: int | None, top_logprobs: int | None,
+        prompt_logprobs: int | None = None, grammar: tuple[GrammarSpec | None, str] | None = None,
+    ) -> Job:
+        limits = self.config.limits
+        param = "messages" if prefix == "chatcmpl" else "prompt"  # where the prompt came from
+        if not prompt:
+            raise ApiError(400, "the prompt must not be empty", param)
+        if len(prompt) > limits.max_prompt_tokens:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than max_prompt_tokens {limits.max_prompt_tokens}", param, "context_length_exceeded")
+        if len(prompt) >= self.engine.max_context:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens, the context is {self.engine.max_context}", param, "context_length_exceeded")
+        limit = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"  # the field that set it
+        if max_tokens is not None and len(prompt) + max_tokens > self.engine.max_context:
+            raise ApiError(
+                400, f"the context is {self.engine.max_context} tokens: {len(prompt)} in the prompt plus {limit} {max_tokens} do not fit",
+                limit, "context_length_exceeded",
+            )
+        if max_tokens is not None and body.min_tokens > max_tokens:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) must be at most {limit} ({max_tokens})", "min_tokens")
+        max_tokens = limits.max_tokens if max_tokens is None else min(max_tokens, limits.max_tokens)  # the config caps it
+        spec = self._spec(body.speculative)
+        temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0  # as vLLM: tiny T is greedy
+        top_k = body.top_k if 0 < body.top_k < self.draft.vocab_size else 0  # −1, 0 or the whole vocabulary (or more): no truncation
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=body.top_p, min_p=body.min_p)
+        grammar = grammar or request_grammar(body)
+        transform = self._transform(body, len(prompt), spec, *grammar)
+        seed = body.seed if body.seed is not None else secrets.randbits(63)
+        request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        choices = [
+            GenerationRequest(
+                request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs, body.seed is not None, prompt_logprobs, body.ignore_eos,
+                min(body.min_tokens, max_tokens), transform,  # no answer is longer than max_tokens
+            )
+            for index in range(body.n)
+        ]
+        job = Job(request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt), tree=used_tree(spec, params)))
+        job.echo_logprobs = prompt_logprobs is not None
+        job.tokens_as_ids = body.return_tokens_as_token_ids
+        job.grammar_param = grammar[1]
+        job.has_grammar = transform is not None and transform.grammar is not None
+        return job
+
+    def _transform(
+        self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int, spec: SpecOptions, grammar: GrammarSpec | None, param: str,
+    ) -> TransformSpec | None:
+        """The request's transform (DESIGN §3.9) with ``grammar`` (asked for by ``param``), checked
+        against what the targets can apply; None when it asks for none. Its grammar is compiled
+        later, off the event loop (``compile``)."""
+        bias = tuple(sorted((int(key), float(value)) for key, value in (body.logit_bias or {}).items()))
+        if any(token >= self.draft.vocab_size for token, _ in bias):
+            raise ApiError(400, f"logit_bias names a token id ≥ the vocabulary size {self.draft.vocab_size}", "logit_bias")
+        transform = TransformSpec(bias, body.presence_penalty, body.frequency_penalty, body.repetition_penalty, grammar, prompt_len)
+        asked = [name for name, on in (
+            (param, grammar is not None), ("logit_bias", bool(bias)), ("presence_penalty", body.presence_penalty != 0),
+            ("frequency_penalty", body.frequency_penalty != 0), ("repetition_penalty", body.repetition_penalty != 1), ("min_p", body.min_p != 0),
+        ) if on]
+        if not asked:
+            return None
+        engines = [w.name for w in self.pool.workers if w.is_engine]
+        if engines:
+            raise ApiError(400, f"{asked[0]} needs specgate workers: {engines[0]} is an openai-logprobs engine, whose log-probabilities do not carry it", asked[0])
+        if grammar is not None:
+            self._check_peers(grammar, param)
+        if grammar is not None and body.ignore_eos:
+            raise ApiError(400, f"ignore_eos cannot be combined with {param}: the grammar decides where the answer ends", "ignore_eos")
+        if grammar is not None and body.min_tokens:
+            raise ApiError(400, f"min_tokens cannot be combined with {param}: the grammar decides where the answer ends", "min_tokens")
+        return None if transform.is_identity else transform
+
+    def _check_peers(self, grammar: GrammarSpec, param: str) -> None:
+        """Every worker can apply ``grammar`` as the gateway does: the same grammar engine (its
+        forced tokens and masks must agree with theirs), a source within the worker's limit, and
+        EOS ids among the gateway's (else it would take a worker's EOS for text its grammar does
+        not allow). The workers' /v1/info says, from the first check on."""
+        ours, engine, size = set(self.draft.runner.info.eos_ids), engine_version(), len(grammar.source.encode())
+        for where, info in self._replica_infos():
+            if not set(info.eos_ids) <= ours:
+                raise ApiError(400, f"{param} needs every worker's EOS ids among the draft's {sorted(ours)}: {where} ends with {sorted(info.eos_ids)}", param)
+            if info.grammar_engine is not None and info.grammar_engine != engine:
+                raise ApiError(
+                    400, f"{param} needs the gateway's grammar engine ({engine}) on every worker: {where} has {info.grammar_engine}; "
+                    "install the same version on both", param, "grammar_engine_mismatch",
+                )
+            if info.max_grammar_bytes is not None and info.max_grammar_bytes < size <= self.config.limits.max_grammar_bytes:  # past the gateway's own: compile says so
+                raise ApiError(
+                    400, f"{param}: the {grammar.kind.value} is {size} bytes; {where} compiles at most {info.max_grammar_bytes} "
+                    "(its max_grammar_bytes)", param, "grammar_too_large",
+                )
+
+    def _spec(self, override: SpeculativeParams | None) -> SpecOptions:
+        base = self.config.speculative
+        given = override.model_dump(exclude_none=True) if override else {}
+        mode = Mode(given.get("mode", base.mode))
+        if mode not in SERVED_MODES:
+            raise ApiError(400, f"speculative.mode {mode.value!r} is not available: use one of {[m.value for m in SERVED_MODES]}", "speculative.mode")
+        takes = MODES[mode]
+        extra = sorted(set(given) - takes.fields)
+        if extra:
+            raise ApiError(400, f"mode {mode.value!r} does not take {extra}", f"speculative.{extra[0]}")
+        engines = [w.name for w in self.pool.workers if w.is_engine]
+        if engines and not takes.engines:
+            raise ApiError(400, f"mode {mode.value!r} needs specgate workers; {engines[0]} is an openai-logprobs engine (it serves autoregressive and aggregate)", "speculative.mode")
+        pipelines = [w.name for w in self.pool.workers if isinstance(w, PipelineTarget)]
+        if mode is Mode.PIPELINE and not pipelines:
+            raise ApiError(400, "speculative.mode 'pipeline' needs one pipeline target (workers: [{pipeline: [stage URLs]}]); this gateway's workers are whole models", "speculative.mode")
+        if takes.one_worker and len(self.pool.workers) != 1:
+            raise ApiError(400, f"{mode.value} verifies on one worker; this gateway has {len(self.pool.workers)}", "speculative.mode")
+        if pipelines and not takes.pipelines:
+            raise ApiError(400, f"mode {mode.value!r} cannot verify on the pipeline target {pipelines[0]} (it serves autoregressive, aggregate, tree and pipeline)", "speculative.mode")
+        k = given.get("k", base.k)
+        gamma = given.get("num_draft_tokens", base.num_draft_tokens)
+        top_k = given.get("draft_top_k", base.draft_top_k)
+        top_p = given.get("draft_top_p", base.draft_top_p)
+        tree_payload = Mode(_tree_payload(given.get("tree"), base.tree)) if mode is Mode.TREE else Mode.AGGREGATE
+        if tree_payload is Mode.EXACT and isinstance(given.get("k"), int):
+            raise ApiError(400, "a tree with exact's payload sends no top-k: drop k, or use payload aggregate", "speculative.k")
+        if (mode is Mode.EXACT or tree_payload is Mode.EXACT) and not top_k and (top_p is None or top_p == 1):
+            top_k = _EXACT_DRAFT_TOP_K
+        drafter = self._drafter(mode, given.get("drafter"))
+        overlap = "overlap" in takes.fields and given.get("overlap", base.overlap)
+        if overlap and drafter is not Drafter.MODEL:
+            raise ApiError(400, f"overlap drafts the next round with the draft model alone: drafter {drafter.value!r} cannot prepare it", "speculative.overlap")
+        return SpecOptions(
+            mode=mode,
+            num_draft_tokens=DEFAULT_GAMMA if gamma == "auto" else gamma,
+            auto_gamma=gamma == "auto",
+            relaxation=Relaxation(**given["relaxation"]) if "relaxation" in given else None,
+            k=None if k == "full" or not takes.takes_k else k,
+            reconstruction=given.get("reconstruction", base.reconstruction),
+            draft_top_k=top_k or 0,
+            draft_top_p=1.0 if top_p is None else top_p,
+            engine_targets=bool(engines),
+            overlap=overlap,
+            tree=_tree_shape(given.get("tree"), base.tree) if mode is Mode.TREE else None,
+            tree_payload=tree_payload,
+            pipeline=_schedule(given.get("pipeline"), base.pipeline) if mode is Mode.PIPELINE else None,
+            profile=bool(given.get("profile", False)),
+            drafter=drafter,
+        )
+
+    def _drafter(self, mode: Mode, given: str | None) -> Drafter:
+        """The request's drafter, else the configured one, else the draft model (lookup when the
+        gateway has none); a mode that drafts without taking ``drafter`` needs the model."""
+        has_model = self.draft.runner.has_weights
+        if "drafter" not in MODES[mode].fields:
+            if MODES[mode].drafts and not has_model:
+                raise ApiError(400, f"mode {mode.value!r} drafts with a model and this gateway has none (draft.model: none): use aggregate, split, exact or tree (lookup drafts) or autoregressive", "speculative.mode")
+            return Drafter.MODEL
+        drafter = Drafter(given or self.config.speculative.drafter or (Drafter.MODEL if has_model else Drafter.LOOKUP))
+        if mode is Mode.PIPELINE and drafter is Drafter.LOOKUP:
+            raise ApiError(400, "a pipeline keeps its stages busy by expanding its tree with the draft model: use drafter 'model' or 'model+lookup'" + ("" if has_model else " (this gateway has none: draft.model: none)"), "speculative.drafter")
+        if drafter is not Drafter.LOOKUP and not has_model:
+            raise ApiError(400, f"drafter {drafter.value!r} needs a draft model and this gateway has none (draft.model: none): use drafter 'lookup'", "speculative.drafter")
+        return drafter
+
+    def _replica_infos(self) -> Iterator[tuple[str, InfoResponse]]:
+        """("name (url)", /v1/info) of every replica checked so far."""
+        for worker in self.pool.workers:
+            for replica in getattr(worker, "replicas", []):
+                info = getattr(replica, "info", None)
+                if info is not None:
+                    yield f"{worker.name} ({replica.url})", info
+
+
+def request_grammar(body: CompletionRequest | ChatCompletionRequest) -> tuple[GrammarSpec | None, str]:
+    """The grammar a request asks for (``response_format`` or vLLM's ``structured_outputs``),
+    and the parameter that asked (what an error names)."""
+    fmt, outputs = body.response_format, body.structured_outputs
+    asked = fmt is not None and fmt.type != "text"
+    if asked and outputs is not None:
+        raise ApiError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+    if fmt is not None and fmt.type == "json_object":
+        return GrammarSpec.json_schema({"type": "object"}), "response_format"
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs json_schema: {name, schema}", "response_format.json_schema")
+        schema = fmt.json_schema.json_schema
+        return GrammarSpec.json_schema({"type": "object"} if schema is None else schema), "response_format.json_schema"
+    if outputs is None:
+        return None, "response_format"
+    given = [name for name, value in (("json", outputs.json_), ("regex", outputs.regex), ("choice", outputs.choice), ("grammar", outputs.grammar)) if value is not None]
+    if len(given) != 1:
+        raise ApiError(400, f"structured_outputs takes exactly one of json, regex, choice, grammar (got {given or 'none'})", "structured_outputs")
+    param = f"structured_outputs.{given[0]}"
+    if outputs.json_ is not None:
+        given_schema = outputs.json_
+        if isinstance(given_schema, str):
+            try:
+                given_schema = load_schema(given_schema)
+            except GrammarError as exc:
+                raise ApiError(400, f"{param}: {exc}", param) from None
+        return GrammarSpec.json_schema(given_schema), param
+    if outputs.regex is not None:
+        return GrammarSpec(GrammarKind.REGEX, outputs.regex), param
+    if outputs.choice is not None:
+        return GrammarSpec(GrammarKind.CHOICE, json.dumps(outputs.choice)), param
+    return GrammarSpec(GrammarKind.GRAMMAR, outputs.grammar or ""), param
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The path (``messages.0.content``) of the first string in ``value`` that holds half a
+    surrogate pair — JSON lets a body escape one, no text can hold one — or None."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if any("\ud800" <= ch <= "\udfff" for ch in item):
+                return ascii(path)[1:-1] or "body"  # a key may hold one too
+        elif isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in item.items())
+            stack.extend((k, path) for k in item if isinstance(k, str))
+        elif isinstance(item, list | tuple):
+            stack.extend((v, f"{path}.{i}" if path else str(i)) for i, v in enumerate(item))
+    return None
+
+
+def _tree_shape(given: dict[str, Any] | None, base: TreeParams | None) -> TreeShape | None:
+    """The request's tree shape, else the configured one; None = the default by temperature. A
+    request that names only the payload keeps the configured shape."""
+    configured = base.shape() if base is not None else None
+    if given is None:
+        return configured
+    try:
+        return TreeParams(**given).shape() or configured
+    except ValueError as exc:
+        raise ApiError(400, f"speculative.tree: {exc}", "speculative.tree") from None
+
+
+def _schedule(given: dict[str, Any] | None, base: PipelineParams | None) -> SegmentSchedule:
+    """The request's pipeline schedule, else the configured one, else the defaults."""
+    try:
+        return PipelineParams(**given).schedule() if given is not None else (base.schedule() if base is not None else SegmentSchedule())
+    except ValueError as exc:
+        raise ApiError(400, f"speculative.pipeline: {exc}", "speculative.pipeline") from None
+
+
+def _tree_payload(given: dict[str, Any] | None, base: TreeParams | None) -> str:
+    """The request's tree payload, else the configured one; aggregate's by default."""
+    payload = given.get("payload") if given is not None else (base.payload if base is not None else None)
+    return payload or Mode.AGGREGATE.value
+
+

@@ -1,0 +1,167 @@
+"""Every OpenAI response and chunk the gateway sends (DESIGN §5), built here once: completion
+and chat bodies, their stream chunks, usage with our ``speculative`` block beside vLLM's
+``metrics``, and the logprobs of completions and chats."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from app.engine import TokenLogprob
+from app.requests import Job
+from app.service import ChoiceEvent
+from app.tools import message_of
+
+
+class Logprobs:
+    """Logprobs as OpenAI writes them, over the gateway's tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def completion(self, job: Job, logprobs: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        pieces = [self._piece(lp.token) for lp in logprobs]
+        offsets, at = [], offset
+        for piece in pieces:
+            offsets.append(at)
+            at += len(piece)
+        name = self._namer(job)
+        return {
+            "tokens": [name(lp.token) for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],  # None for an echoed prompt's first token, as vLLM
+            "top_logprobs": [None if lp.top is None else {name(t): v for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def chat(self, job: Job, logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        if logprobs is None:
+            return None
+        name = self._namer(job)
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            return {"token": name(token), "logprob": logprob, "bytes": list(self._piece(token).encode("utf-8"))}
+
+        # the tokens join to message.content, as OpenAI's do: a special token (the end of the
+        # turn, <|im_end|>) is not in the content, so it is not in its logprobs either
+        special = self._special_ids
+        content = [
+            {**entry(lp.token, lp.logprob or 0.0), "top_logprobs": [entry(t, v) for t, v in lp.top or []]}
+            for lp in logprobs if lp.token not in special
+        ]
+        return {"content": content, "refusal": None}  # OpenAI's schema requires refusal (null here)
+
+    @functools.cached_property
+    def _special_ids(self) -> frozenset[int]:
+        """What the detokenizer leaves out of the text (``skip_special_tokens``)."""
+        return frozenset(int(t) for t in getattr(self.tokenizer, "all_special_ids", []))
+
+    def _namer(self, job: Job) -> Callable[[int], str]:
+        """How a token is named in logprobs: its text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
+        return (lambda token: f"token_id:{token}") if job.tokens_as_ids else self._piece
+
+    def _piece(self, token: int) -> str:
+        return str(self.tokenizer.decode([token]))
+
+
+
+def usage(job: Job) -> dict[str, Any]:
+    """``usage`` (with our ``speculative`` block) and, beside it, vLLM's ``metrics``."""
+    metrics = job.usage.vllm_metrics()
+    return {"usage": job.usage.to_dict(), **({"metrics": metrics} if metrics else {})}
+
+
+def envelope(job: Job) -> dict[str, Any]:
+    kind = "chat.completion.chunk" if job.id.startswith("chatcmpl") else "text_completion"
+    return {"id": job.id, "object": kind, "created": job.created, "model": job.model}
+
+
+def completion_body(logprobs: Logprobs, job: Job) -> Callable[[list[ChoiceEvent]], dict[str, Any]]:
+    def build(events: list[ChoiceEvent]) -> dict[str, Any]:
+        choices = [
+            {
+                "index": e.index,
+                "text": job.prompt_text + e.text,
+                "logprobs": logprobs.completion(job, e.logprobs, 0 if job.echo_logprobs else len(job.prompt_text)),
+                "finish_reason": e.finish_reason,
+            }
+            for e in events
+        ]
+        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model, "choices": choices, **usage(job)}
+
+    return build
+
+
+def chat_body(logprobs: Logprobs, job: Job) -> Callable[[list[ChoiceEvent]], dict[str, Any]]:
+    def message(e: ChoiceEvent) -> dict[str, Any]:
+        if e.deltas is None:
+            return {"role": "assistant", "content": e.text, "refusal": None}
+        return message_of(e.deltas)  # what the stream's deltas add up to (tools)
+
+    def build(events: list[ChoiceEvent]) -> dict[str, Any]:
+        choices = []
+        for e in events:
+            choices.append({"index": e.index, "message": message(e), "logprobs": logprobs.chat(job, e.logprobs), "finish_reason": e.finish_reason})
+        return {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model, "choices": choices, **usage(job)}
+
+    return build
+
+
+def completion_chunks(logprobs: Logprobs, job: Job) -> Callable[[ChoiceEvent | None], list[dict[str, Any]]]:
+    offsets = {c.choice: len(job.prompt_text) for c in job.choices}
+    head = {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model}
+
+    def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
+        if event is None:  # the echoed prompt, before any token (with its logprobs: when they come)
+            echoed = job.prompt_text and not job.echo_logprobs
+            return [{**head, "choices": [{"index": c.choice, "text": job.prompt_text, "logprobs": None, "finish_reason": None}]} for c in job.choices] if echoed else []
+        if event.is_prompt:
+            choice = {"index": event.index, "text": job.prompt_text, "logprobs": logprobs.completion(job, event.logprobs, 0), "finish_reason": None}
+            return [{**head, "choices": [choice]}]
+        formatted = logprobs.completion(job, event.logprobs, offsets[event.index])
+        offsets[event.index] += len(event.text)
+        if not event.text and not event.finish_reason and not event.logprobs:
+            return []
+        choice = {"index": event.index, "text": event.text, "logprobs": formatted, "finish_reason": event.finish_reason}
+        return [{**head, "choices": [choice], **round_field(event)}]
+
+    return build
+
+
+def chat_chunks(logprobs: Logprobs, job: Job) -> Callable[[ChoiceEvent | None], list[dict[str, Any]]]:
+    head = {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": job.model}
+
+    def choice(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    def deltas(event: ChoiceEvent) -> list[dict[str, Any]]:
+        """The event's text as deltas: itself, or (tools) the generic format read into OpenAI's shapes."""
+        if event.deltas is not None:
+            return event.deltas
+        return [{"content": event.text}] if event.text else []
+
+    def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
+        if event is None:  # one role delta per choice index, first
+            return [choice(c.choice, {"role": "assistant", "content": None if job.tools else ""}) for c in job.choices]  # a call has no content
+        out = []
+        pieces = deltas(event)
+        if event.logprobs and not pieces:
+            pieces = [{"content": ""}]
+        for i, delta in enumerate(pieces):
+            formatted = logprobs.chat(job, event.logprobs) if i == 0 else None
+            out.append({**choice(event.index, delta, formatted), **(round_field(event) if i == 0 else {})})
+        if event.finish_reason:
+            out.append(choice(event.index, {}, None, event.finish_reason))
+        return out
+
+    return build
+
+
+def round_field(event: ChoiceEvent) -> dict[str, Any]:
+    """The stream extension ``"speculative": {accepted, drafted, draft_chars, bytes}``: what the
+    chunk's round did. OpenAI clients ignore it; the chat page colours the text with it."""
+    return {"speculative": event.round.to_dict()} if event.round is not None else {}
+
+
