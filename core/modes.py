@@ -50,7 +50,6 @@ class ModeSpec:
     mode: Mode
     fields: frozenset[str]  # the fields of ``speculative`` a request may set in this mode
     payloads: frozenset[Payload]  # what its targets may answer with (``SpecOptions.payload``)
-    served: bool = True  # built (every mode is now)
     drafts: bool = True  # the gateway drafts (autoregressive: no)
     one_worker: bool = False  # verifies on exactly one worker (split)
     engines: bool = False  # openai-logprobs engines may be among the targets (DESIGN §8)
@@ -76,6 +75,6 @@ MODES: dict[Mode, ModeSpec] = {
     Mode.PIPELINE: ModeSpec(Mode.PIPELINE, _EVERY | {"pipeline", "drafter"}, frozenset({Payload.FULL}), one_worker=True, pipelines=True),  # one pipeline target, full distributions
 }
 
-SERVED_MODES = tuple(m for m, spec in MODES.items() if spec.served)
+SERVED_MODES = tuple(MODES)
 ENGINE_MODES = tuple(m for m in SERVED_MODES if MODES[m].engines)
 PIPELINE_TARGET_MODES = tuple(m for m in SERVED_MODES if MODES[m].pipelines)

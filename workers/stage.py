@@ -13,7 +13,7 @@ import torch
 
 from core.errors import ContextOverflow, InvalidRequest, SessionShort
 from core.protocol import StageRequest, StageResponse, check_stage_request
-from core.runners.base import ForwardItem
+from core.runners.base import ForwardItem, common_prefix
 from workers.scoring import RowSpec, score_rows
 from workers.transforms import SessionTransforms, Shaping
 
@@ -52,7 +52,7 @@ class StageSteps(SessionTransforms):
             return None
         first = held - len(req.tokens) + req.score_from
         contexts = [self.runner.context(req.session_id, row) for row in range(first, first + scored)]
-        agreed = contexts[0][: shared_prefix(contexts)]
+        agreed = contexts[0][: common_prefix(*contexts)]
         return transformer, agreed, [c[len(agreed) :] for c in contexts]
 
     def stage_keep(self, req: StageRequest) -> int:
@@ -88,12 +88,6 @@ class StageSteps(SessionTransforms):
             held=held, probs=scored.probs, tail_mass=scored.tail_mass, ids=scored.ids, recon_error=scored.recon_error,
             probs_dtype=scored.probs_dtype, stage_ms=np.array([model_ms], np.float32), hop_bytes=np.zeros(0, np.int32),
         )
-
-
-def shared_prefix(sequences: list[list[int]]) -> int:
-    """How many leading tokens every sequence shares."""
-    shortest = min(len(s) for s in sequences)
-    return next((i for i in range(shortest) if any(s[i] != sequences[0][i] for s in sequences)), shortest)
 
 
 

@@ -9,7 +9,7 @@ from app.targets.base import Traffic
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams
 from core.math.tree import SegmentSchedule, TreeShape
-from core.modes import Guarantee, Payload, guarantee
+from core.modes import MODES, Guarantee, Payload, guarantee
 from core.names import Drafter, Mode, Reconstruction
 from core.transform import Transformer, TransformSpec
 
@@ -45,6 +45,8 @@ class SpecOptions:
             raise ValueError("exact needs draft truncation (draft_top_k or draft_top_p)")
         if self.tree_payload not in (Mode.AGGREGATE, Mode.EXACT):
             raise ValueError("a tree's payload is aggregate's or exact's")
+        if self.payload not in MODES[self.mode].payloads:
+            raise ValueError(f"mode {self.mode.value} does not verify {self.payload.value} rows")
 
     @property
     def verifier(self) -> Mode:

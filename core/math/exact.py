@@ -93,32 +93,3 @@ def verify_exact(
         return Verdict(accepted, draw_extended(pos, extended, float(residual_u[accepted])), is_bonus=False)
     chosen = sample_index(w, bonus_choice_u)
     return Verdict(accepted, bonus_samples[chosen], is_bonus=True)
-
-
-def exact_output_law(
-    p_n: torch.Tensor,  # [N, V]: each worker's T(p_n) at one position
-    weights: torch.Tensor,  # [N]
-    q_hat: torch.Tensor,  # [V]: the truncated draft distribution
-    tau: float = 0.0,  # DSD's relaxation at this position
-) -> torch.Tensor:  # [V] float64
-    """Closed-form law of the first token of an `exact` round, from the sampler's functions:
-    accepted draft mass, plus the rejection mass spread by the extended residual, whose
-    worker entries emit y_n ~ p_n(· | x ∉ S)."""
-    w = normalise_weights(weights)
-    support = (q_hat > 0).nonzero()[:, 0]
-    outside = torch.ones(q_hat.shape[0], dtype=torch.bool)
-    outside[support] = False
-    p_mix = w @ p_n.double()[:, support]
-    complement = (p_n.double() * outside).sum(dim=-1)
-    q = q_hat.double()[support]
-    kept = torch.zeros(q_hat.shape[0], dtype=torch.float64)
-    kept[support] = q * (tau + (1 - tau) * acceptance_probs(p_mix, q))
-    extended = extended_residual(p_mix, q, complement, w)
-    extended = extended / extended.sum()
-    law = kept.clone()
-    law[support] += (1 - kept.sum()) * extended[: support.shape[0]]
-    for n in range(p_n.shape[0]):
-        if complement[n] > 0:
-            conditional = p_n[n].double() * outside / complement[n]
-            law += (1 - kept.sum()) * extended[support.shape[0] + n] * conditional
-    return law

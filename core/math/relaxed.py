@@ -105,7 +105,7 @@ def verify_relaxed(
     final_u: torch.Tensor,  # [γ+1]: the residual / bonus draw at each position
     taus: torch.Tensor,  # [γ]
 ) -> Verdict:
-    """verify_sampled with the relaxed accept test; the residual and the bonus are the strict ones."""
+    """The chain verifier (``tests.oracles.verify_sampled``) with the relaxed accept test; the residual and the bonus are the strict ones."""
     gamma = len(draft)
     index = torch.tensor(draft, dtype=torch.long)[:, None]
     probs = relaxed_acceptance_probs(p[:gamma].gather(-1, index)[:, 0], q.gather(-1, index)[:, 0], taus)
@@ -113,22 +113,6 @@ def verify_relaxed(
         if not accepts(float(accept_u[j]), float(probs[j])):
             return Verdict(j, sample_index(residual(p[j], q[j]), float(final_u[j])), is_bonus=False)
     return Verdict(gamma, sample_index(p[gamma], float(final_u[gamma])), is_bonus=True)
-
-
-def relaxed_output_law(
-    p: torch.Tensor,  # [V]
-    q: torch.Tensor,  # [V]
-    tau: float,
-) -> torch.Tensor:  # [V] float64
-    """The law of the token emitted at a position, composed from the sampler's own functions:
-    Σ_x q(x)·a(x)·δ_x + (1 − Σ_x q(x)·a(x))·residual(p, q), a = relaxed_acceptance_probs.
-    It equals τ q + (1 − τ) p."""
-    q64 = q.double()
-    support = (q64 > 0).nonzero()[:, 0]
-    accept = torch.zeros_like(q64)
-    accept[support] = relaxed_acceptance_probs(p[support], q64[support], torch.full((len(support),), tau, dtype=torch.float64))
-    kept = q64 * accept
-    return kept + (1 - kept.sum()) * residual(p, q)
 
 
 def relaxed_distance(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.math.random import accepts, sample_index
+from core.math.random import accepts
 
 
 @dataclass(frozen=True)
@@ -69,22 +69,6 @@ def count_accepted(
     return len(probs)
 
 
-def verify_sampled(
-    p: torch.Tensor,  # [γ+1, V]: target at each draft position and the bonus position
-    q: torch.Tensor,  # [γ, V]: q̂ the draft sampled from
-    draft: list[int],  # [γ]: x_j
-    accept_u: torch.Tensor,  # [γ]: r_j ~ U[0, 1), one per draft position
-    final_u: torch.Tensor,  # [γ+1]: the residual / bonus draw at each position
-) -> Verdict:
-    """Accept x_j while r_j < min(1, p_j(x_j)/q̂_j(x_j)); resample at the first rejection."""
-    gamma = len(draft)
-    index = torch.tensor(draft, dtype=torch.long)[:, None]
-    accepted = count_accepted(p[:gamma].gather(-1, index)[:, 0], q.gather(-1, index)[:, 0], accept_u)
-    if accepted < gamma:
-        return Verdict(accepted, sample_index(residual(p[accepted], q[accepted]), float(final_u[accepted])), is_bonus=False)
-    return Verdict(gamma, sample_index(p[gamma], float(final_u[gamma])), is_bonus=True)
-
-
 def verify_greedy(
     p: torch.Tensor,  # [γ+1, V]
     draft: list[int],  # [γ]
@@ -102,19 +86,3 @@ def argmax_lowest(
 ) -> list[int]:  # [m]: argmax of each row, ties to the lowest id
     top = p.max(dim=-1, keepdim=True).values
     return [int(row.nonzero()[0]) for row in (p == top)]
-
-
-def output_law(
-    p: torch.Tensor,  # [V]: target at one position
-    q: torch.Tensor,  # [V]: q̂ the draft samples from
-    p_residual: torch.Tensor | None = None,  # [V]: what the residual is taken of (split with top-k: p̂)
-) -> torch.Tensor:  # [V] float64
-    """Closed-form law of the first emitted token of a round, composed from the sampler's own
-    functions: Σ_x q(x)·a(x)·δ_x + (1 − Σ_x q(x)·a(x))·residual(p, q), a = acceptance_probs.
-    ``p_residual`` stands in for p in the residual only (split's worker tests with the full p)."""
-    q64 = q.double()
-    support = (q64 > 0).nonzero()[:, 0]
-    accept = torch.zeros_like(q64)
-    accept[support] = acceptance_probs(p[support], q64[support])
-    kept = q64 * accept
-    return kept + (1 - kept.sum()) * residual(p if p_residual is None else p_residual, q)

@@ -3,7 +3,8 @@
 A ``TokenTree`` holds n draft nodes in topological order (``parents[i] < i``, −1 = the root,
 i.e. the last agreed token) and, for the root (row 0) and each node i (row i + 1), the draft's
 sparse q̂ there: the distribution that node's children were chosen from. A chain is the tree
-whose parents are [−1, 0, 1, …]; it verifies to the very numbers of ``verify_sampled``.
+whose parents are [−1, 0, 1, …]; it verifies to the very numbers of the textbook chain verifier
+(``tests.oracles.verify_sampled``).
 
 The target sends p at the root and at every node (``[n+1, V]``). The walk starts at the root
 with p' = p(root) and tries its children in draft order with the rule that matches how they
@@ -290,11 +291,11 @@ class TokenTree:
         return max((len(c) for c in self._children_of.values()), default=0)
 
 
-def path_of(node: int, parents: Sequence[int]) -> list[int]:
-    """The nodes from the root's child down to ``node`` (−1 = the root: none), given each
-    node's parent (−1 below the root)."""
+def path_of(node: int, parents: Sequence[int], stop: int = -1) -> list[int]:
+    """The nodes from the root's child (from below ``stop``) down to ``node`` (−1 = the root:
+    none), given each node's parent (−1 below the root)."""
     path = []
-    while node >= 0:
+    while node != stop and node >= 0:
         path.append(node)
         node = parents[node]
     return path[::-1]
@@ -468,25 +469,6 @@ def verify_tree_greedy(
         path.append(node)
 
 
-def tree_step_law(
-    p: torch.Tensor,  # [V]: target at the node
-    q: torch.Tensor,  # [V]: q̂ at the node
-    candidates: list[int],  # the children's tokens, in draft order
-    rule: ChildRule,
-    deterministic: int = 0,  # the first ones are lookup children
-) -> torch.Tensor:  # [V] float64
-    """Closed-form law of the token emitted at a node with these children (the accepted child,
-    or the recovered token), composed from the walk's own functions."""
-    law = torch.zeros(p.shape[-1], dtype=torch.float64)
-    p_now, q_now, left = p.double(), q.double(), 1.0
-    for rank, token in enumerate(candidates):
-        a = accept_probability(p_now, q_now, token, rule, rank < deterministic)
-        law[token] += left * a
-        left *= 1 - a
-        p_now, q_now = after_rejection(p_now, q_now, token, rule, rank < deterministic)
-    return law + left * p_now / p_now.sum()
-
-
 # ----------------------------------------------------------------------------- exact's sparse payload
 
 
@@ -552,36 +534,3 @@ def verify_tree_exact(
             return TreeVerdict(path, int(row.support[index]) if index < size else row.samples[index - size], is_bonus=False)
         node = children[rank]
         path.append(node)
-
-
-def exact_tree_step_law(
-    p_n: torch.Tensor,  # [N, V]: each worker's target at the node
-    weights: torch.Tensor,  # [N]
-    q: torch.Tensor,  # [V]: q̂ at the node
-    candidates: list[int],  # the children's tokens, in draft order
-    rule: ChildRule,
-    deterministic: int = 0,  # the first ones are lookup children
-) -> torch.Tensor:  # [V] float64
-    """Closed-form law of the token emitted at a node under ``exact``'s payload, composed from
-    the walk's functions: each candidate's acceptance, then the recovered draw over the
-    extended support, whose worker entries emit y_n ~ p_n(· | x ∉ S_v)."""
-    w = normalise_weights(weights)
-    q_ids = (q > 0).nonzero()[:, 0]
-    support = torch.unique(torch.cat([q_ids, torch.tensor(candidates, dtype=torch.long)]))
-    outside = torch.ones(q.shape[0], dtype=torch.bool)
-    outside[support] = False
-    row = SparseNode(support, p_n.double()[:, support], (p_n.double() * outside).sum(dim=-1), [0] * p_n.shape[0])
-    p_now, q_now = extended_node(row, q_ids, q.double()[q_ids], w)
-    local = torch.searchsorted(support, torch.tensor(candidates, dtype=torch.long)).tolist()
-    law, left = torch.zeros(q.shape[0], dtype=torch.float64), 1.0
-    for rank, (token, index) in enumerate(zip(candidates, local)):
-        a = accept_probability(p_now, q_now, index, rule, rank < deterministic)
-        law[token] += left * a
-        left *= 1 - a
-        p_now, q_now = after_rejection(p_now, q_now, index, rule, rank < deterministic)
-    recovered = p_now / p_now.sum()
-    law[support] += left * recovered[: support.shape[0]]
-    for n in range(p_n.shape[0]):
-        if row.complement[n] > 0:
-            law += left * recovered[support.shape[0] + n] * p_n[n].double() * outside / row.complement[n]
-    return law

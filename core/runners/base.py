@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from core.errors import ContextOverflow
+from core.math.tree import path_of
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,7 @@ class Rows:
 
     def ancestors(self, row: int) -> list[int]:
         """Rows ``row`` attends to: itself and its ancestors, in increasing order."""
-        out = []
-        while row >= 0:
-            out.append(row)
-            row = self.parents[row]
-        return out[::-1]
+        return path_of(row, self.parents)
 
 
 @dataclass
@@ -449,10 +446,7 @@ def _checked_parents(parents: list[int] | None, start: int, count: int) -> list[
     return out
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def common_prefix(*sequences: Sequence[int]) -> int:
+    """How many leading tokens every sequence shares."""
+    shortest = min(len(s) for s in sequences)
+    return next((i for i in range(shortest) if any(s[i] != sequences[0][i] for s in sequences)), shortest)

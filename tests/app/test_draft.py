@@ -351,7 +351,7 @@ async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_dr
     round's plan (a lookup child in or out) would depend on U: TV 0.095 at its first token.
     Counting only the candidates the walk tested, the law over U is the target's."""
     from app.drafting import tree as draft_module
-    from core.math.tree import tree_step_law
+    from tests.oracles import tree_step_law
     from core.names import Drafter
 
     V, EOS, d, c, a, b = 5, 4, 0, 1, 2, 3

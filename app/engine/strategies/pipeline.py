@@ -52,7 +52,7 @@ from app.targets.pipeline import PipelineTarget, Segment, StageDown, StageShort
 from core.math.random import Purpose, sample_index, uniform
 from core.math.sampling import normalised
 from core.math.speculative import argmax_lowest
-from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape, try_children
+from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape, path_of, try_children
 from core.protocol import StageResponse
 from core.transform import Transformer
 
@@ -267,11 +267,7 @@ class PipelineRun:
 
     def _path_to(self, node: int, stop: int = -1) -> list[int]:
         """The nodes from below ``stop`` down to ``node``, in order."""
-        out = []
-        while node != stop and node >= 0:
-            out.append(node)
-            node = self.nodes[node].parent
-        return out[::-1]
+        return path_of(node, [n.parent for n in self.nodes], stop)
 
     def _live_nodes(self) -> list[int]:
         """The walk's node and every node below it (all of the round's nodes at the root)."""

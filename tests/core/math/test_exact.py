@@ -8,7 +8,8 @@ import torch
 from scipy import stats
 
 from core.math import exact
-from core.math.exact import ExactPosition, exact_output_law, verify_exact
+from core.math.exact import ExactPosition, verify_exact
+from tests.oracles import exact_output_law
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import truncate
 

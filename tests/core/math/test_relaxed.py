@@ -15,10 +15,10 @@ from core.math.relaxed import (
     Relaxation,
     relaxation_factor,
     relaxed_distance,
-    relaxed_output_law,
     verify_relaxed,
 )
-from core.math.speculative import beta, verify_sampled
+from core.math.speculative import beta
+from tests.oracles import relaxed_output_law, verify_sampled
 from tests.core.math.test_speculative import CASES, SIGNIFICANCE
 
 SAMPLES = 10_000
@@ -98,7 +98,7 @@ def test_tau_is_large_only_where_the_models_agree() -> None:
 def test_exact_relaxed_law_in_closed_form(seed: int, tau: float) -> None:
     """exact's sampler with the relaxed accept test (three weighted workers, a top-3 draft):
     the first token follows τ q̂ + (1 − τ) p, p the mixture."""
-    from core.math.exact import exact_output_law
+    from tests.oracles import exact_output_law
     from core.math.sampling import truncate
 
     g = torch.Generator().manual_seed(seed)

@@ -7,18 +7,17 @@ import pytest
 import torch
 from scipy import stats
 
-from core.math import speculative
 from core.math.random import Purpose, philox4x32, sample_index, uniform, uniforms
 from core.math.speculative import (
     Verdict,
     acceptance_probs,
     argmax_lowest,
     beta,
-    output_law,
     residual,
     verify_greedy,
-    verify_sampled,
 )
+from tests import oracles
+from tests.oracles import output_law, verify_sampled
 
 SIGNIFICANCE = 1e-3  # chi-square tests reject below this p-value; seeds are fixed
 
@@ -133,7 +132,7 @@ def test_chi_square_first_token_follows_p(name: str) -> None:
 
 def test_negative_control_skipping_the_residual_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     p, q = CASES["random"]
-    monkeypatch.setattr(speculative, "residual", lambda p, q: p.double() / p.double().sum())
+    monkeypatch.setattr(oracles, "residual", lambda p, q: p.double() / p.double().sum())  # the reference chain verifier's
     counts, _ = _first_tokens(p, q, 20_000)
     assert stats.chisquare(counts.numpy(), (p * 20_000).numpy()).pvalue < SIGNIFICANCE
 

@@ -14,8 +14,10 @@ from scipy import stats
 
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import truncate
-from core.math.speculative import verify_greedy, verify_sampled
-from core.math.tree import ChildRule, TokenTree, sparse_rows, tree_step_law, verify_tree, verify_tree_greedy
+from core.math.speculative import verify_greedy
+from tests.oracles import verify_sampled
+from core.math.tree import ChildRule, TokenTree, sparse_rows, verify_tree, verify_tree_greedy
+from tests.oracles import tree_step_law
 
 V = 5
 SIGNIFICANCE = 1e-3

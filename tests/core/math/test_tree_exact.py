@@ -20,12 +20,12 @@ from core.math.tree import (
     ChildRule,
     SparseNode,
     TokenTree,
-    exact_tree_step_law,
     node_supports,
     sparse_rows,
     verify_tree_exact,
 )
 from tests.core.math.test_tree import _children
+from tests.oracles import exact_tree_step_law
 
 V = 5
 SIGNIFICANCE = 1e-3
