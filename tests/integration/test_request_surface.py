@@ -8,7 +8,8 @@ field broken on purpose; a stream never cut — chunks, then ``[DONE]``, no erro
 tool's parameters when ``finish_reason`` is ``tool_calls``, content that follows the asked schema
 when it is ``stop``; a seeded request's answer the same streamed and not. Seeded (derandomised)
 and bounded: EXAMPLES requests by default, SPECGATE_FULL_STATISTICS=1 runs 2,000,
-SPECGATE_SURFACE_EXAMPLES=N any number (docs/reliability.md has the long run's figures).
+SPECGATE_SURFACE_EXAMPLES=N any number, every failing example reported at the end
+(docs/reliability.md has the long run's figures).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ _FULL = bool(os.environ.get("SPECGATE_FULL_STATISTICS"))
 EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_EXAMPLES") or (2000 if _FULL else 100))
 STRUCTURED_EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_STRUCTURED") or (500 if _FULL else 12))
 STATS: Counter[str] = Counter()
+COLLECT = bool(os.environ.get("SPECGATE_SURFACE_EXAMPLES"))  # a long run: every failing example reported at the end, not the first alone
+FAILURES: list[str] = []
 
 
 @pytest.fixture(scope="module")
@@ -122,11 +125,20 @@ def _run(base_url: str, examples: int, **strategy: bool) -> None:
         @settings(max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
         @given(case=cases(**strategy))
         def run(case: Case) -> None:
-            _check(client, case)
+            if not COLLECT:
+                _check(client, case)
+                return
+            try:
+                _check(client, case)
+            except AssertionError as exc:
+                FAILURES.append(str(exc)[:2000])
+                STATS["failed"] += 1
 
+        FAILURES.clear()
         run()
         assert client.get("/health").status_code == 200  # and it serves on
     print("surface:", dict(sorted(STATS.items())))
+    assert not FAILURES, f"{len(FAILURES)} examples failed; the first: " + "\n---\n".join(FAILURES[:5])
 
 
 def test_generated_requests_get_no_5xx_no_cut_stream_and_no_malformed_200(base_url: str) -> None:
