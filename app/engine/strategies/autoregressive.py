@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from app.engine.round import Round, array, mixture, row_ids, token_logprobs
+from app.engine.round import Round, array, mixture, token_logprobs
 from app.engine.spec import RoundResult
 from app.engine.strategies.base import RoundStrategy
+from app.engine.strategies.greedy import CERTIFY_K, certified_argmax, growing_k
 from core.math.aggregation import bias_bound, normalise_weights
-from core.math.greedy import certify_argmax
 from core.math.random import Purpose, sample_index, uniform
 from core.math.sampling import normalised
 from core.math.speculative import argmax_lowest
 from core.names import Mode
-
-_CERTIFY_K = 8  # first top-k asked for a greedy autoregressive step over several workers
+from core.protocol import VerifyResponse
 
 
 class AutoregressiveStrategy(RoundStrategy):
@@ -42,17 +41,14 @@ class AutoregressiveStrategy(RoundStrategy):
 
     async def _greedy(self, rnd: Round, want_logprobs: bool) -> tuple[int, torch.Tensor | None]:
         vocab, single = rnd.vocab_size, len(rnd.targets.workers) == 1
-        k: int | None = None if want_logprobs else 1 if single else min(_CERTIFY_K, vocab)
-        while True:
-            responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, k=k)
+
+        def decide(responses: list[VerifyResponse], k: int | None) -> tuple[int, torch.Tensor | None] | None:
             if k is None:
                 target = mixture(responses, rnd.vocab_size, rnd.weights, normalise=False)
                 return argmax_lowest(target[:1])[0], target
             if single:  # its top-1, ties to the lowest id, is the argmax
                 return int(array(responses[0].ids)[0, 0]), None
-            ids = [row_ids(r, 0, vocab) for r in responses]
-            probs = [torch.tensor(array(r.probs)[0]) for r in responses]
-            token = certify_argmax(ids, probs, rnd.weights, vocab)
-            if token is not None:
-                return token, None
-            k = None if k * 8 >= vocab else k * 8
+            token = certified_argmax(rnd, responses, 0)
+            return (token, None) if token is not None else None
+
+        return await growing_k(rnd, Mode.AUTOREGRESSIVE, None if want_logprobs else 1 if single else min(CERTIFY_K, vocab), decide)
