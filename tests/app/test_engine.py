@@ -21,7 +21,7 @@ from scipy import stats
 from app.engine import Engine, GenerationRequest, SpecOptions
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams, truncate
-from core.math import tree
+from core.math import walk as tree
 from core.names import Mode, Reconstruction
 from core.transform import TransformSpec
 from tests.app.fakes import MarkovRunner, make_engine, random_table

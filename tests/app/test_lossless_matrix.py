@@ -43,7 +43,7 @@ from app.engine.strategies import pipeline as pipeline_strategy
 from core.config import TreeParams
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams, apply_sampling, normalised
-from core.math import tree as tree_math
+from core.math import walk as tree_math
 from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape
 from core.modes import GUARANTEES, MODES, SERVED_MODES, Guarantee, Payload, guarantee
 from core.lookup import AcceptanceStats, LookupParams, SuffixIndex

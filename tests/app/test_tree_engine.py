@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from app.engine import Engine, GenerationRequest, SpecOptions
-from core.math import tree as tree_math
+from core.math import walk as tree_math
 from core.math.sampling import SamplingParams
 from core.math.tree import ChildRule, TreeShape
 from core.names import Mode, Reconstruction

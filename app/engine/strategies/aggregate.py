@@ -17,7 +17,7 @@ from app.engine.strategies.base import RoundStrategy
 from core.math.aggregation import bias_bound
 from core.math.relaxed import relaxation_factors, relaxed_distance, verify_relaxed
 from core.math.sampling import normalised
-from core.math.tree import verify_tree, verify_tree_greedy
+from core.math.walk import verify_tree, verify_tree_greedy
 from core.names import Mode, Reconstruction
 
 

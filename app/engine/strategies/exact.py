@@ -14,7 +14,8 @@ from core.math.exact import ExactPosition, normalised_payload, verify_exact
 from core.math.random import Purpose, uniform
 from core.math.relaxed import relaxation_factor_on_support, relaxed_distance
 from core.math.speculative import Verdict
-from core.math.tree import SparseNode, TokenTree, node_supports, verify_tree_exact
+from core.math.tree import TokenTree
+from core.math.walk import SparseNode, node_supports, verify_tree_exact
 from core.names import Mode
 from core.protocol import VerifyResponse
 

@@ -12,7 +12,8 @@ from app.engine.round import Round, array, mixture, row_ids, token_logprobs
 from app.engine.spec import RoundResult
 from core.math.greedy import certify_argmax
 from core.math.sampling import normalised
-from core.math.tree import TokenTree, verify_tree_greedy
+from core.math.tree import TokenTree
+from core.math.walk import verify_tree_greedy
 from core.names import Mode
 from core.protocol import VerifyResponse
 

@@ -19,7 +19,8 @@ from scipy import stats
 from core.math.aggregation import normalise_weights
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import truncate
-from core.math.tree import ChildRule, TokenTree, sparse_rows, verify_tree
+from core.math.tree import ChildRule, TokenTree, sparse_rows
+from core.math.walk import verify_tree
 from tests.oracles import exact_tree_step_law, tree_step_law
 from tests.core.math.test_tree_exact import _draws as exact_draws
 
