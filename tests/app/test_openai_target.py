@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from app.targets.base import Expected, ReplicaFailure
-from app.targets.openai_logprobs import EngineDialect, TokenTable, parse_listing, token_id
+from app.targets.engine_listing import TokenTable, parse_listing, token_id
+from app.targets.openai_logprobs import EngineDialect
 from app.targets.pool import TargetSet
 from core.config import parse_config
 from core.errors import ConfigError
