@@ -26,7 +26,7 @@ from core.grammar import GrammarError, GrammarKind, GrammarSpec, engine_version,
 from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
 from core.math.tree import SegmentSchedule, TreeShape
-from core.modes import MODES, SERVED_MODES
+from core.modes import MODES, SERVED_MODES, target_problem
 from core.names import Drafter, Mode
 from core.protocol import InfoResponse
 from core.transform import TransformSpec
@@ -245,15 +245,10 @@ class Requests:
         if extra:
             raise ApiError(400, f"mode {mode.value!r} does not take {extra}", f"speculative.{extra[0]}")
         engines = [w.name for w in self.pool.workers if w.is_engine]
-        if engines and not takes.engines:
-            raise ApiError(400, f"mode {mode.value!r} needs specgate workers; {engines[0]} is an openai-logprobs engine (it serves autoregressive and aggregate)", "speculative.mode")
         pipelines = [w.name for w in self.pool.workers if isinstance(w, PipelineTarget)]
-        if mode is Mode.PIPELINE and not pipelines:
-            raise ApiError(400, "speculative.mode 'pipeline' needs one pipeline target (workers: [{pipeline: [stage URLs]}]); this gateway's workers are whole models", "speculative.mode")
-        if takes.one_worker and len(self.pool.workers) != 1:
-            raise ApiError(400, f"{mode.value} verifies on one worker; this gateway has {len(self.pool.workers)}", "speculative.mode")
-        if pipelines and not takes.pipelines:
-            raise ApiError(400, f"mode {mode.value!r} cannot verify on the pipeline target {pipelines[0]} (it serves autoregressive, aggregate, tree and pipeline)", "speculative.mode")
+        problem = target_problem(mode, len(self.pool.workers), engines, pipelines)
+        if problem is not None:
+            raise ApiError(400, f"speculative.{problem}", "speculative.mode")
         k = given.get("k", base.k)
         gamma = given.get("num_draft_tokens", base.num_draft_tokens)
         top_k = given.get("draft_top_k", base.draft_top_k)

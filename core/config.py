@@ -29,7 +29,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from core.errors import ConfigError
 from core.math.tree import ChildRule, SegmentSchedule, TreeShape
-from core.modes import ENGINE_MODES, PIPELINE_TARGET_MODES, SERVED_MODES
+from core.modes import SERVED_MODES, target_problem
 from core.names import Backend, Drafter, Mode, Reconstruction, TargetType
 
 FIRST_LOCAL_PORT = 8101
@@ -310,20 +310,11 @@ class SpecgateConfig(BaseSettings):
         names = [w.name for w in self.workers]
         if len(set(names)) != len(names):
             raise ValueError(f"workers: names must be unique, got {names}")
-        pipelines = [w.name for w in self.workers if w.pipeline is not None]
-        if self.speculative.mode is Mode.PIPELINE and (len(self.workers) != 1 or not pipelines):
-            raise ValueError("speculative.mode 'pipeline' needs exactly one worker, a pipeline: workers: [{pipeline: [stage URLs]}]")
-        if pipelines and self.speculative.mode not in PIPELINE_TARGET_MODES:
-            raise ValueError(
-                f"speculative.mode {self.speculative.mode.value!r} cannot use the pipeline target {pipelines[0]}: "
-                f"use one of {[m.value for m in PIPELINE_TARGET_MODES]}"
-            )
-        engines = [w.name for w in self.workers if w.is_engine]
-        if engines and self.speculative.mode not in ENGINE_MODES:
-            raise ValueError(
-                f"speculative.mode {self.speculative.mode.value!r} needs specgate workers; "
-                f"{engines[0]} is an openai-logprobs engine (use {' or '.join(m.value for m in ENGINE_MODES)})"
-            )
+        pipelines = [str(w.name) for w in self.workers if w.pipeline is not None]
+        engines = [str(w.name) for w in self.workers if w.is_engine]
+        problem = target_problem(self.speculative.mode, len(self.workers), engines, pipelines)
+        if problem is not None:
+            raise ValueError(f"speculative.{problem}")
         return self
 
     @property

@@ -5,6 +5,7 @@ strategy of the same name (``app.engine``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -78,3 +79,19 @@ MODES: dict[Mode, ModeSpec] = {
 SERVED_MODES = tuple(MODES)
 ENGINE_MODES = tuple(m for m in SERVED_MODES if MODES[m].engines)
 PIPELINE_TARGET_MODES = tuple(m for m in SERVED_MODES if MODES[m].pipelines)
+
+
+def target_problem(mode: Mode, num_targets: int, engines: Sequence[str], pipelines: Sequence[str]) -> str | None:
+    """Why ``mode`` cannot verify on these targets — ``num_targets`` of them, ``engines`` the
+    names of the openai-logprobs engines among them, ``pipelines`` of the pipeline targets — or
+    None. The config's check at start-up and a request's are this one."""
+    spec = MODES[mode]
+    if engines and not spec.engines:
+        return f"mode {mode.value!r} needs specgate workers; {engines[0]} is an openai-logprobs engine (use {' or '.join(m.value for m in ENGINE_MODES)})"
+    if mode is Mode.PIPELINE and not pipelines:
+        return "mode 'pipeline' needs one pipeline target (workers: [{pipeline: [stage URLs]}]); these workers are whole models"
+    if spec.one_worker and num_targets != 1:
+        return f"mode {mode.value} verifies on one worker; there are {num_targets}"
+    if pipelines and not spec.pipelines:
+        return f"mode {mode.value!r} cannot verify on the pipeline target {pipelines[0]}: use one of {[m.value for m in PIPELINE_TARGET_MODES]}"
+    return None

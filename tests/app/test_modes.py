@@ -7,7 +7,7 @@ from __future__ import annotations
 from app.engine.strategies import STRATEGIES
 from app.schemas import SpeculativeParams
 from core import config
-from core.modes import ENGINE_MODES, MODES, PIPELINE_TARGET_MODES, SERVED_MODES
+from core.modes import ENGINE_MODES, MODES, PIPELINE_TARGET_MODES, SERVED_MODES, target_problem
 from core.names import Mode
 from core.protocol import SERVED_MODES as WIRE_MODES
 
@@ -24,7 +24,7 @@ def test_the_fields_a_mode_takes_are_request_fields() -> None:
 
 
 def test_config_and_protocol_take_their_lists_from_the_registry() -> None:
-    assert config.SERVED_MODES is SERVED_MODES and config.ENGINE_MODES is ENGINE_MODES and config.PIPELINE_TARGET_MODES is PIPELINE_TARGET_MODES
+    assert config.SERVED_MODES is SERVED_MODES and config.target_problem is target_problem  # the start-up check is the requests' one
     assert WIRE_MODES == tuple(m.value for m in SERVED_MODES if m is not Mode.PIPELINE)  # pipeline's stages speak /v1/stage/forward
     assert ENGINE_MODES == (Mode.AUTOREGRESSIVE, Mode.AGGREGATE) and [m for m in MODES if MODES[m].one_worker] == [Mode.SPLIT, Mode.PIPELINE]
     assert PIPELINE_TARGET_MODES == (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.TREE, Mode.PIPELINE)
