@@ -25,7 +25,7 @@ from core.config import PipelineParams, SpecgateConfig, TreeParams
 from core.grammar import GrammarError, GrammarKind, GrammarSpec, engine_version, load_schema
 from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
-from core.math.tree import SegmentSchedule, TreeShape
+from core.math.shapes import SegmentSchedule, TreeShape
 from core.modes import MODES, SERVED_MODES, target_problem
 from core.names import Drafter, Mode
 from core.protocol import InfoResponse

@@ -9,7 +9,7 @@ from typing import Any
 from app.engine import RoundResult, SpecOptions
 from app.engine.spec import ROUND_PARTS
 from core.math.sampling import SamplingParams
-from core.math.tree import ChildRule, TreeShape
+from core.math.shapes import ChildRule, TreeShape
 from core.modes import MODES
 from core.names import Mode
 

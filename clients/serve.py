@@ -34,6 +34,7 @@ import httpx
 
 from clients.procs import child_env, free_port, stop_process, worker_command
 from core.config import SpecgateConfig, StageEntry, WorkerEntry, dump_config, load_config
+from core.cores import usable_cores
 from core.errors import SpecgateError
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -41,7 +42,7 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 def serve(config_path: str | None, port: int | None, startup_timeout: float) -> int:
     try:
-        config = load_config(config_path).with_local_urls(free_port).with_split_cores(os.cpu_count() or 1)
+        config = load_config(config_path).with_local_urls(free_port).with_split_cores(usable_cores())
     except SpecgateError as exc:
         print(f"specgate serve: error: {exc}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from core.errors import ConfigError
-from core.math.tree import ChildRule, SegmentSchedule, TreeShape
+from core.math.shapes import ChildRule, SegmentSchedule, TreeShape
 from core.modes import SERVED_MODES, target_problem
 from core.names import Backend, Drafter, Mode, Reconstruction, TargetType
 

@@ -1,13 +1,56 @@
-"""Shared fixtures: real models loaded once per test session (they take seconds to load)."""
+"""Shared fixtures: real models loaded once per test session (they take seconds to load), and
+the split of the cores between pytest-xdist's test processes.
+
+``make test`` runs one test process per core (``-n auto``, capped at ``MAX_TEST_PROCESSES``), a
+module per process at a time (``--dist loadfile``: a module's fixtures and servers start once),
+and pins each process to its own cores: every server a test starts inherits the pin, and
+sizes its threads from it (``core.cores.usable_cores``), so two processes' llama.cpp threads
+never spin against each other on one core. ``-n 0`` runs everything in one process, unpinned.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from core.cores import usable_cores
 from core.runners import ModelRunner, load_runner
+
+MAX_TEST_PROCESSES = 4  # each starts its own pair of built-in workers (tests/integration/conftest.py)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return max(1, min(MAX_TEST_PROCESSES, usable_cores()))
+
+
+def _pin_this_test_process() -> None:
+    """Under xdist: this process (and every server it starts) on its share of the cores."""
+    name, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not name or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if count <= len(cores):
+        os.sched_setaffinity(0, cores[int(name.removeprefix("gw")) % count::count])
+
+
+_pin_this_test_process()
+
+# The costliest modules first (measured: tests/app/test_lossless_matrix.py ~190 s on one core,
+# the CLI's servers ~160 s, the integration modules 40–90 s each): pytest-xdist hands modules out
+# in collection order, and the longest first leaves only short ones for the end.
+COSTLIEST_FIRST = (
+    "tests/app/test_lossless_matrix.py", "tests/clients/test_cli.py", "tests/integration/test_gateway_e2e.py",
+    "tests/integration/test_pipeline_real.py", "tests/integration/test_structured_real.py", "tests/integration/test_request_surface.py",
+    "tests/app/test_engine.py", "tests/integration/test_faults_real.py", "tests/integration/test_engine_target.py", "tests/app/test_schema_fuzz.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(COSTLIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: a module's own order kept
 
 # The statistical tests run many tiny tensor ops: one thread avoids the pool's overhead, and
 # leaves the other core to the servers the integration tests start.

@@ -11,7 +11,7 @@ from core.math.exact import extended_residual
 from core.math.random import sample_index
 from core.math.relaxed import relaxed_acceptance_probs
 from core.math.speculative import Verdict, acceptance_probs, count_accepted, residual
-from core.math.tree import ChildRule
+from core.math.shapes import ChildRule
 from core.math.walk import SparseNode, accept_probability, after_rejection, extended_node
 
 

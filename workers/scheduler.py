@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from core.protocol import StageRequest, VerifyRequest
-from core.runners.model_thread import ModelThread
+from core.runners.model_thread import ModelThread, take_within
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -128,29 +128,16 @@ class VerifyScheduler:
                     await self._step(self._take())
 
     def _take(self) -> list[_Call]:
-        """The step's calls: from the front, one per session, within the token budget; calls
-        it passes over keep their places."""
-        taken: list[_Call] = []
-        sessions: set[str] = set()
-        tokens = 0
-        kept: deque[_Call | _Exclusive] = deque()
-        while self._queue:
-            entry = self._queue[0]
+        """The step's calls (``take_within``) from those before the first exclusive entry; calls
+        it passes over keep their places, calls whose client left are dropped."""
+        waiting: list[_Call] = []
+        for entry in self._queue:
             if isinstance(entry, _Exclusive):
                 break  # a barrier: what comes after it waits for it
-            self._queue.popleft()
-            if entry.done.done():  # its client left (cancelled)
-                continue
-            fits = not taken or tokens + entry.tokens <= self.max_batch_tokens
-            if entry.req.session_id in sessions or not fits:
-                kept.append(entry)
-                if not fits:
-                    break
-                continue
-            taken.append(entry)
-            sessions.add(entry.req.session_id)
-            tokens += entry.tokens
-        self._queue.extendleft(reversed(kept))
+            waiting.append(entry)
+        taken = take_within((c for c in waiting if not c.done.done()), lambda c: c.tokens, self.max_batch_tokens, lambda c: c.req.session_id)
+        gone = {id(c) for c in waiting if c.done.done()} | {id(c) for c in taken}
+        self._queue = deque(e for e in self._queue if id(e) not in gone)
         return taken
 
     async def _step(self, calls: list[_Call]) -> None:

@@ -21,7 +21,7 @@ import torch
 from core.math.tree import TokenTree
 from core.runners import ModelRunner
 from core.runners.base import ForwardItem, common_prefix
-from core.runners.model_thread import ModelThread
+from core.runners.model_thread import ModelThread, take_within
 
 DEFAULT_BATCH_TOKENS = 128  # a draft step's new rows, all requests together (DraftConfig.max_batch_tokens)
 
@@ -178,8 +178,8 @@ class StepBatcher:
 
     def _step(self, drafts: list[Drafting]) -> None:
         """On the model thread: start new drafts and close stopped ones, then one
-        ``forward_each`` over the waiting items, oldest first, within ``max_batch_tokens``
-        (one always goes), and run each draft on to its next item."""
+        ``forward_each`` over the waiting items (``take_within``: oldest first, within
+        ``max_batch_tokens``, one always goes), and run each draft on to its next item."""
         for d in drafts:
             if d.stop and not d.finished:
                 d.steps.close()
@@ -187,12 +187,8 @@ class StepBatcher:
             elif not d.started:
                 d.started = True
                 d.advance(None)
-        taken: list[Drafting] = []
-        budget = self.max_batch_tokens
-        for d in drafts:
-            if d.item is not None and not d.stop and (not taken or len(d.item.tokens) <= budget):
-                taken.append(d)
-                budget -= len(d.item.tokens)
+        waiting = [d for d in drafts if d.item is not None and not d.stop]
+        taken = take_within(waiting, lambda d: len(d.item.tokens) if d.item is not None else 0, self.max_batch_tokens, id)
         if not taken:
             return
         started = time.perf_counter()

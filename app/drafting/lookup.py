@@ -19,7 +19,8 @@ import torch
 from app.drafting.request import DraftRequest, delta_support
 from core.lookup import NO_PROPOSAL, AcceptanceStats, LookupParams, PromptLookup, Proposal, SuffixIndex
 from core.math.rerank import drafted_above
-from core.math.tree import TokenTree, TreeShape, sparse_rows
+from core.math.shapes import TreeShape
+from core.math.tree import TokenTree, sparse_rows
 from core.transform import Transformer
 
 LOOKUP_PRIOR = 0.5  # a lookup token's acceptance, given the one before it was accepted, before any is measured

@@ -12,7 +12,8 @@ from app.drafting.forced import with_forced_runs
 from app.drafting.lookup import LookupDrafter, Record
 from app.drafting.request import DraftRequest
 from app.drafting.tree import tree_steps
-from core.math.tree import ChildRule, TokenTree, TreeShape
+from core.math.shapes import ChildRule, TreeShape
+from core.math.tree import TokenTree
 from core.names import Drafter
 from core.runners import ModelRunner
 from core.runners.model_thread import ModelThread

@@ -16,7 +16,8 @@ from app.drafting.lookup import Branch, Plan, Record, merged, with_branch
 from app.drafting.request import DraftRequest, delta
 from core.math.random import Purpose, sample_index, uniform
 from core.math.rerank import best_nodes
-from core.math.tree import ChildRule, TokenTree, TreeShape, path_of, sparse_rows
+from core.math.shapes import ChildRule, TreeShape
+from core.math.tree import TokenTree, path_of, sparse_rows
 from core.runners.base import ForwardItem
 
 

@@ -9,7 +9,8 @@ from app.drafting import DraftModel
 from app.engine.session import Session
 from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
 from app.targets.base import Traffic
-from core.math.tree import TokenTree, TreeShape
+from core.math.shapes import TreeShape
+from core.math.tree import TokenTree
 from core.modes import MODES
 from core.names import Mode
 

@@ -8,7 +8,7 @@ from app.drafting import DraftRequest
 from app.targets.base import Traffic
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams
-from core.math.tree import SegmentSchedule, TreeShape
+from core.math.shapes import SegmentSchedule, TreeShape
 from core.modes import MODES, Guarantee, Payload, guarantee
 from core.names import Drafter, Mode, Reconstruction
 from core.transform import Transformer, TransformSpec

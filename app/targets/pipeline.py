@@ -28,12 +28,10 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 import numpy as np
-import torch
 
 from app.targets.base import (
     Breaker,
@@ -47,9 +45,8 @@ from app.targets.base import (
     error_message,
     status_failure,
 )
+from app.targets.segments import Segment, StageSession, as_verify, sampling, stage_request, unserved, verify_segment
 from core.errors import ProtocolError
-from core.math.random import Purpose, sample_index, uniform
-from core.names import Mode
 from core.protocol import (
     BINARY_CONTENT_TYPE,
     ErrorBody,
@@ -79,30 +76,6 @@ class StageDown(WorkerError):
     def __init__(self, worker: str, stage: int, message: str, status: int = 502) -> None:
         super().__init__(worker, message, status)
         self.stage = stage
-
-
-@dataclass
-class StageSession:
-    """What the stages know a gateway session by: its id there (a new one after each restart),
-    the next message's ``seq``; for ``verify``, the rows they hold and where the last draft began."""
-
-    id: str
-    seq: int = 0
-    restarts: int = 0
-    rows: int = 0
-    draft_at: int = 0
-    chain: int = 0  # the pipeline's chain (its failovers) when the session started
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One ``/v1/stage/forward`` of a session, as the strategy builds it."""
-
-    prefix_len: int  # rows the stages hold after ``keep``
-    tokens: list[int]  # the new rows
-    parents: list[int] | None  # their parent rows (absolute); None = a chain after the prefix
-    keep: list[int] | None  # rows that survive first; None = all
-    score_from: int  # the last stage answers new rows [score_from, len(tokens))
 
 
 class PipelineTarget:
@@ -251,7 +224,7 @@ class PipelineTarget:
         if stage.chain != self.chain:
             raise StageShort("a stage moved to a replica since the session's last segment")
         seq, stage.seq = stage.seq, stage.seq + 1  # taken now: segments in flight keep their order
-        req = self.stage_request(stage, seq, segment, sampling, next=[r.url for r in self.replicas[1:]])
+        req = stage_request(stage, seq, segment, sampling, next=[r.url for r in self.replicas[1:]])
         traffic, first = Traffic(), self.replicas[0]
         body, _ = encode(req, self.expected.vocab_size)
         try:
@@ -281,19 +254,6 @@ class PipelineTarget:
         for hop, size in enumerate(np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [], dtype=np.int64)[: len(self.hop_bytes)]):
             self.hop_bytes[hop] += int(size)
         return resp, traffic
-
-    @staticmethod
-    def stage_request(stage: StageSession, seq: int, segment: Segment, sampling: dict[str, Any], **more: Any) -> StageRequest:
-        """The message that carries ``segment``: the transform (DESIGN §3.9) rides only on the
-        one that starts the stage session (prefix_len 0); the last stage keeps it."""
-        if segment.prefix_len and sampling.get("transform") is not None:
-            sampling = {**sampling, "transform": None}
-        return StageRequest(
-            session_id=stage.id, seq=seq, prefix_len=segment.prefix_len, tokens=np.asarray(segment.tokens, dtype=np.int64),
-            parents=None if segment.parents is None else np.asarray(segment.parents, dtype=np.int32),
-            keep=None if segment.keep is None else np.asarray(segment.keep, dtype=np.int32),
-            score_from=segment.score_from, **sampling, **more,
-        )
 
     def _failed_stage(self, answer: bytes) -> int:
         """Which stage a 5xx came from: the one a stage names in the error's ``param`` (a stage
@@ -337,15 +297,15 @@ class PipelineTarget:
         """A verify call as one segment: the stages keep the agreed rows (a crop, or the
         previous tree's accepted path), append tokens + draft, and the last answers the γ+1 rows
         (a tree's root and nodes). Once more from zero, under a new id, after a 409."""
-        unserved = _unserved(req)
-        if unserved:
-            raise WorkerError(self.name, f"a pipeline target does not serve {unserved}", 400)
+        problem = unserved(req)
+        if problem:
+            raise WorkerError(self.name, f"a pipeline target does not serve {problem}", 400)
         shorts, from_zero = 0, False
         while shorts < 2:
             stage = self.session(req.session_id)
-            segment, held_until = self._verify_segment(stage, req, agreed, from_zero=from_zero)
+            segment, held_until = verify_segment(self.name, stage, req, agreed, from_zero)
             try:
-                resp, traffic = await self.forward(req.session_id, segment, _sampling(req))
+                resp, traffic = await self.forward(req.session_id, segment, sampling(req))
             except StageShort as exc:
                 log.info("pipeline %s lost session %s (%s): starting it again", self.name, req.session_id, exc)
                 shorts += 1
@@ -355,52 +315,10 @@ class PipelineTarget:
             else:
                 stage = self.session(req.session_id)
                 stage.rows, stage.draft_at = segment.prefix_len + len(segment.tokens), held_until
-                return self._as_verify(resp, req, held_until), traffic
+                return as_verify(resp, req, held_until), traffic
             self.restart(req.session_id)
             from_zero = True
         raise WorkerError(self.name, "the stages kept answering session_short after a start from zero")
-
-    def _verify_segment(self, stage: StageSession, req: VerifyRequest, agreed: list[int], from_zero: bool) -> tuple[Segment, int]:
-        keep: list[int] | None = None
-        prefix = req.prefix_len
-        if not from_zero and req.path is not None:  # the previous tree's accepted nodes become agreed rows
-            keep = [*range(stage.draft_at), *(stage.draft_at + int(n) for n in req.path)]
-            from_zero = len(keep) != prefix or stage.rows == 0
-        elif not from_zero:
-            from_zero = stage.rows < prefix
-            if not from_zero and stage.rows > prefix:
-                keep = list(range(prefix))
-        tokens = [int(t) for t in req.tokens]
-        if from_zero:
-            held_until = req.prefix_len + len(tokens)
-            tokens, keep, prefix = [int(t) for t in agreed[:held_until]], ([] if stage.rows else None), 0
-        if not tokens:
-            raise WorkerError(self.name, "a pipeline call appends at least the last agreed token (its row gives the first distribution)", 400)
-        base = prefix + len(tokens)  # where the draft's rows start
-        draft = [int(t) for t in req.draft]
-        parents: list[int] | None = None
-        if req.parents is not None:
-            chain = list(range(prefix - 1, base - 1))
-            parents = [*chain, *((base - 1) if int(p) < 0 else base + int(p) for p in req.parents)]
-        return Segment(prefix, [*tokens, *draft], parents, keep, len(tokens) - 1), base
-
-    def _as_verify(self, resp: StageResponse, req: VerifyRequest, held_until: int) -> VerifyResponse:
-        model_ms = float(np.asarray(resp.stage_ms).sum()) if resp.stage_ms is not None else 0.0
-        probs = np.asarray(resp.probs)
-        out = VerifyResponse(
-            held=held_until + len(req.draft), probs=resp.probs, tail_mass=resp.tail_mass, ids=resp.ids, recon_error=resp.recon_error,
-            probs_dtype=resp.probs_dtype, model_ms=model_ms,
-        )
-        extra: dict[str, Any] = {}
-        if req.mode == Mode.AUTOREGRESSIVE.value and req.temperature > 0:  # the worker's own draw, as a whole worker makes it
-            position = req.prefix_len + len(req.tokens)
-            u = uniform(req.seed, req.choice, position, Purpose.WORKER_SAMPLE, req.worker)
-            extra["samples"] = np.array([sample_index(torch.from_numpy(probs[0].astype(np.float64)), u)], dtype=np.int32)
-            if not req.return_probs:
-                extra.update(probs=None, tail_mass=None, recon_error=None)
-        if req.logprobs is not None:
-            extra.update(_top_logprobs(probs, req.logprobs))
-        return replace(out, **extra) if extra else out
 
     # ----------------------------------------------------------------- freeing
 
@@ -452,30 +370,4 @@ def layout_problem(replicas: list[Replica], infos: list[InfoResponse], expected:
     if at != total:
         return f"layers {at}:{total} are on no stage (the last stage ends at layer {at} of {total})"
     return None
-
-
-def _unserved(req: VerifyRequest) -> str | None:
-    """What of a verify call a pipeline cannot do (its stages speak segments: T(p) rows only)."""
-    if req.mode in (Mode.SPLIT.value, Mode.EXACT.value):
-        return f"mode {req.mode} (use autoregressive, aggregate, tree with aggregate's payload, or pipeline)"
-    if req.score_ids is not None or req.score_tokens:
-        return "scoring given tokens (echo with logprobs)"
-    if req.logprobs is not None and req.k is not None:
-        return "logprobs with a top-k payload (use k: full)"
-    return None
-
-
-def _sampling(req: VerifyRequest) -> dict[str, Any]:
-    full = req.mode == Mode.AUTOREGRESSIVE.value and req.temperature > 0  # the sample is drawn here, from p
-    return {
-        "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "k": None if full else req.k,
-        "probs_dtype": req.probs_dtype, "reconstruction": req.reconstruction, "min_p": req.min_p, "transform": req.transform,
-    }
-
-
-def _top_logprobs(probs: np.ndarray, n: int) -> dict[str, np.ndarray]:
-    """top-n ids and log-probabilities per row of full rows (ties to the lowest id)."""
-    order = np.argsort(-probs, axis=-1, kind="stable")[:, :n]
-    values = np.take_along_axis(probs, order, axis=-1)
-    return {"top_ids": order.astype(np.int64), "top_logprobs": np.log(np.clip(values, 1e-45, None)).astype(np.float32)}
 

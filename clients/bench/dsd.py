@@ -30,7 +30,6 @@ bound is the same formula with llama.cpp's floors, measured in the same run, for
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from contextlib import ExitStack
 from pathlib import Path
@@ -39,10 +38,11 @@ from typing import Any
 import httpx
 
 from clients.bench.common import Bar, measure, progress, request, write_json
-from clients.bench.floors import Floors, measure_floors
+from clients.bench.floors import Floors, bound_tokens_per_s, measure_floors, physical_bound
 from clients.bench.modes import LINKS, _start_gateway, _start_workers
 from clients.prompts import PROMPTS as ALL_PROMPTS
 from core.config import LinkConfig
+from core.cores import usable_cores
 
 GAMMAS = (2, 4, 6, 8)
 AUTO_TOLERANCE = 0.05  # auto becomes the built-in default only if never worse than the best fixed γ by more
@@ -66,7 +66,7 @@ def bench_dsd(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
         urls = _start_workers(stack)
-        threads = max(1, (os.cpu_count() or 1) // 2)
+        threads = max(1, usable_cores() // 2)
         progress(f"measuring llama.cpp's floors ({threads} thread(s)): a draft step, scoring 1–{max(GAMMAS) + 1} positions")
         floors = measure_floors(threads, list(range(1, max(GAMMAS) + 2)), ALL_PROMPTS[0])
         for num_workers, (link_name, link) in groups:
@@ -76,7 +76,7 @@ def bench_dsd(args: argparse.Namespace) -> int:
                     samples = _run_cells(client, specs, plan, bar, f"N={num_workers} {link_name}")
                 rows += summarise(samples, num_workers, link_name, link, floors)
     results = {
-        "setup": {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]], "cpu_count": os.cpu_count(), "mode": "exact, draft top-32", "temperature": plan["temperature"]},
+        "setup": {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]], "cpu_count": usable_cores(), "mode": "exact, draft top-32", "temperature": plan["temperature"]},
         "floors": floors.as_dict(),
         "cells": rows,
         "auto_vs_best_fixed": auto_verdict(rows),
@@ -119,22 +119,6 @@ def cell_gamma(name: str, run: dict[str, float]) -> float:
     if name.startswith("auto"):
         return run.get("gamma_mean", 4.0)
     return float(name.split()[0].removeprefix("γ="))
-
-
-def bound_tokens_per_s(run: dict[str, float], gamma: float, draft_s: float, link: LinkConfig, num_workers: int) -> float:
-    """tokens / (R·flight + (D − U·γ)·t_d + U·max(0, (γ + 1)·t_d − flight)), from one run of a cell."""
-    rounds = max(run["rounds"], 1.0)
-    up, down = run["bytes_up_per_round"] / num_workers, run["bytes_down_per_round"] / num_workers  # the links run in parallel
-    flight = link.delay_s(int(up), upstream=True) + link.delay_s(int(down), upstream=False) + run["verify_model_ms_per_round"] / 1e3
-    used = run["prepared_used"]
-    seconds = rounds * flight + max(run["drafted"] - used * gamma, 0.0) * draft_s + used * max(0.0, (gamma + 1) * draft_s - flight)
-    return run["tokens"] / seconds
-
-
-def physical_bound(run: dict[str, float], gamma: float, link: LinkConfig, num_workers: int, floors: Floors) -> float:
-    """``bound_tokens_per_s`` with llama.cpp's floors for t_d and t_v (γ + 1 positions per round)."""
-    floored = run | {"verify_model_ms_per_round": floors.scoring(gamma + 1) * 1e3}
-    return bound_tokens_per_s(floored, gamma, floors.draft_step_s, link, num_workers)
 
 
 def summarise(samples: dict[str, list[dict[str, float]]], num_workers: int, link_name: str, link: LinkConfig, floors: Floors) -> list[dict[str, Any]]:

@@ -26,6 +26,8 @@ import numpy as np
 
 from clients.bench.common import median
 from clients.procs import ServerProcess, free_port
+from core.config import LinkConfig
+from core.math.draft_length import RoundCosts
 from core.runners.llama_cpp_tools import quiet_llama_cpp
 from core.runners.model_thread import CallingThread
 from core.runners.models import resolve_model
@@ -254,6 +256,27 @@ class Floors:
             "threads": self.threads, "draft_step_ms": self.draft_step_s * 1e3, "scoring_ms": {m: s * 1e3 for m, s in self.scoring_s.items()},
             "direct_step_ms": self.direct_step_s * 1e3, "direct_prefill_ms": self.direct_prefill_s * 1e3,
         }
+
+
+def bound_tokens_per_s(run: dict[str, float], gamma: float, draft_s: float, link: LinkConfig, num_workers: int) -> float:
+    """A run's tokens over what its rounds would take at these costs: ``core.math.draft_length``'s
+    round (overlapped at the run's share of prepared drafts used) × its rounds, plus the drafting
+    its rounds did beyond γ each — R·T(γ) + (D − R·γ)·t_d, with the run's own bytes (the workers'
+    links in parallel) and model time."""
+    rounds = max(run["rounds"], 1.0)
+    costs = RoundCosts(
+        alphas=(), draft_s=draft_s, verify_s=(run["verify_model_ms_per_round"] / 1e3, 0.0), rtt_s=link.rtt_ms / 1e3,
+        up_bytes=(run["bytes_up_per_round"] / num_workers, 0.0), down_bytes=(run["bytes_down_per_round"] / num_workers, 0.0),
+        up_bits_per_s=(link.up_mbps or 0) * 1e6 or None, down_bits_per_s=(link.down_mbps or 0) * 1e6 or None,
+        overlap=True, prepared_used=run.get("prepared_used", 0.0) / rounds,
+    )
+    return run["tokens"] / (rounds * costs.round_s(gamma) + (run["drafted"] - rounds * gamma) * draft_s)
+
+
+def physical_bound(run: dict[str, float], gamma: float, link: LinkConfig, num_workers: int, floors: Floors) -> float:
+    """``bound_tokens_per_s`` with llama.cpp's floors for t_d and t_v (γ + 1 positions a round)."""
+    floored = run | {"verify_model_ms_per_round": floors.scoring(gamma + 1) * 1e3}
+    return bound_tokens_per_s(floored, gamma, floors.draft_step_s, link, num_workers)
 
 
 def measure_floors(threads: int, positions: list[int], prompt: str) -> Floors:

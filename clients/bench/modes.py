@@ -21,7 +21,6 @@ tokens/s over it; ``spd/phys`` the measured speed-up over the physical bound's s
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 from contextlib import ExitStack
@@ -31,10 +30,11 @@ from typing import Any
 import httpx
 
 from clients.bench.common import Bar, measure, medians, progress, request, write_json
-from clients.bench.floors import Floors, measure_floors
+from clients.bench.floors import Floors, bound_tokens_per_s, measure_floors, physical_bound
 from clients.procs import GatewayProcess, WorkerProcess
 from clients.prompts import PROMPTS as ALL_PROMPTS
 from core.config import LinkConfig, builtin_config, dump_config
+from core.cores import usable_cores
 
 PROMPTS = ALL_PROMPTS[:3]
 MODES: list[tuple[str, dict[str, Any]]] = [
@@ -68,7 +68,7 @@ def bench_modes(args: argparse.Namespace) -> int:
                             modes = _modes(num_workers, plan)
                             samples = _run_cells(client, modes, plan, temperature, bar, f"N={num_workers} {link_name} T={temperature:g}")
                             rows += _summarise(samples, modes, plan["gamma"], num_workers, link_name, link, temperature, floors)
-    setup = {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]], "cpu_count": os.cpu_count()}
+    setup = {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]], "cpu_count": usable_cores()}
     results = {"setup": setup, "floors": floors.as_dict(), "cells": rows}
     _print_table(results)
     write_json(args.json_path, results)
@@ -97,7 +97,7 @@ def _modes(num_workers: int, plan: dict[str, Any]) -> list[tuple[str, dict[str, 
 
 
 def _start_workers(stack: ExitStack) -> list[str]:
-    config = builtin_config().with_local_urls().with_split_cores(os.cpu_count() or 1)
+    config = builtin_config().with_local_urls().with_split_cores(usable_cores())
     progress("starting two workers (builtin, builtin-alt) on 127.0.0.1")
     urls = []
     for entry in config.workers:
@@ -108,13 +108,13 @@ def _start_workers(stack: ExitStack) -> list[str]:
 
 def _floors(gamma: int) -> Floors:
     """llama.cpp's floors with the threads each process of the bench gets (two workers)."""
-    threads = max(1, (os.cpu_count() or 1) // 2)
+    threads = max(1, usable_cores() // 2)
     progress(f"measuring llama.cpp's floors ({threads} thread(s)): a draft step, scoring 1 and {gamma + 1} positions")
     return measure_floors(threads, [1, gamma + 1], PROMPTS[0])
 
 
 def _start_gateway(stack: ExitStack, urls: list[str], link: LinkConfig, gamma: int) -> str:
-    base = builtin_config().with_split_cores(os.cpu_count() or 1)
+    base = builtin_config().with_split_cores(usable_cores())
     workers = [{"url": url, "weight": 1.0, "link": link.model_dump()} for url in urls]
     data = base.model_dump(mode="json", exclude_none=True) | {"workers": workers}
     data["speculative"] = {"mode": "aggregate", "num_draft_tokens": gamma}  # cells pick their mode; exact truncates to top-32
@@ -149,7 +149,7 @@ def _summarise(
         row["measured_over_bound"] = row["tokens_per_s"] / row["bound_tokens_per_s"]
         row["direct_tokens_per_s"] = direct_tokens_per_s(cell["tokens_per_answer"], link, floors)
         row["vs_direct"] = row["tokens_per_s"] / row["direct_tokens_per_s"] if row["direct_tokens_per_s"] else None
-        row["physical_bound_tokens_per_s"] = physical_bound(row, gamma if drafting else 0, link, num_workers, floors)
+        row["physical_bound_tokens_per_s"] = physical_bound(per_round(row, gamma if drafting else 0), gamma if drafting else 0, link, num_workers, floors)
         row["measured_over_physical"] = row["tokens_per_s"] / row["physical_bound_tokens_per_s"]
         rows.append(row)
     autoregressive = rows[0]["physical_bound_tokens_per_s"]
@@ -157,12 +157,6 @@ def _summarise(
         row["physical_speedup_bound"] = row["physical_bound_tokens_per_s"] / autoregressive
         row["speedup_over_physical"] = row["speedup_vs_autoregressive"] / row["physical_speedup_bound"]
     return rows
-
-
-def physical_bound(row: dict[str, Any], gamma: int, link: LinkConfig, num_workers: int, floors: Floors) -> float:
-    """``analytic_bound`` with llama.cpp's floors for the draft step and the verify call."""
-    floored = row | {"draft_ms_per_token": floors.draft_step_s * 1e3, "verify_model_ms_per_round": floors.scoring(gamma + 1) * 1e3}
-    return analytic_bound(floored, gamma, link, num_workers)
 
 
 DIRECT_REQUEST_BYTES = 2_000  # a chat request up the link
@@ -181,13 +175,14 @@ def direct_tokens_per_s(tokens_per_answer: float, link: LinkConfig, floors: Floo
     return tokens_per_answer / seconds
 
 
+def per_round(row: dict[str, Any], gamma: int) -> dict[str, Any]:
+    """A cell's medians as one round of ``bound_tokens_per_s``: E tokens (1 without a draft), γ drafted."""
+    return row | {"rounds": 1.0, "tokens": row["mean_accepted_length"] if gamma else 1.0, "drafted": float(gamma), "prepared_used": 0.0}
+
+
 def analytic_bound(row: dict[str, Any], gamma: int, link: LinkConfig, num_workers: int) -> float:
     """E / (γ·t_d + RTT + serialisation both ways + t_v), from the cell's own figures."""
-    tokens_per_round = row["mean_accepted_length"] if gamma else 1.0
-    up, down = row["bytes_up_per_round"] / num_workers, row["bytes_down_per_round"] / num_workers  # links run in parallel
-    network = link.delay_s(int(up), upstream=True) + link.delay_s(int(down), upstream=False)
-    seconds = gamma * row["draft_ms_per_token"] / 1e3 + network + row["verify_model_ms_per_round"] / 1e3
-    return tokens_per_round / seconds
+    return bound_tokens_per_s(per_round(row, gamma), gamma, row["draft_ms_per_token"] / 1e3, link, num_workers)
 
 
 def implied_alpha(mean_length: float, gamma: int) -> float:

@@ -19,7 +19,6 @@ time outside the worker's model per round and the draft's time per drafted token
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
@@ -34,6 +33,7 @@ from clients.bench.floors import BareServer, DraftAlone, LlamaFloor, http_round_
 from clients.procs import GatewayProcess, WorkerProcess
 from clients.prompts import PROMPTS
 from core.config import builtin_config, dump_config
+from core.cores import usable_cores
 
 PARTS = (
     "draft_model", "draft_sampling", "gateway_math", "gateway_codec", "link", "http",
@@ -52,7 +52,7 @@ GOAL_RATIO = 1.2  # a draft step / worker scoring over its floor
 
 def bench_overhead(args: argparse.Namespace) -> int:
     plan = _plan(args)
-    threads = max(1, os.cpu_count() or 1)  # one request at a time: the draft and the worker take turns
+    threads = max(1, usable_cores())  # one request at a time: the draft and the worker take turns
     with ExitStack() as stack:
         progress(f"starting a worker (builtin) and a gateway (draft builtin-draft) on 127.0.0.1, {threads} threads each")
         ours = _start_pair(stack, threads, None)
@@ -65,7 +65,7 @@ def bench_overhead(args: argparse.Namespace) -> int:
         worker_floor = stack.enter_context(LlamaFloor("builtin", threads, prompt_ids))
         alone = stack.enter_context(DraftAlone(threads, prompt_ids))
         rows, floors = _run(plan, client, old, draft_floor, worker_floor, alone, http_url)
-    results = {"setup": plan | {"threads": threads, "cpu_count": os.cpu_count(), "baseline": args.baseline}, "floors": floors, "cells": rows}
+    results = {"setup": plan | {"threads": threads, "cpu_count": usable_cores(), "baseline": args.baseline}, "floors": floors, "cells": rows}
     print_table(results)
     write_json(args.json_path, results)
     return 0

@@ -14,7 +14,6 @@ tokens per tree; bytes per hop: the states sent stage to stage, per token.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 from contextlib import ExitStack
@@ -27,6 +26,7 @@ from clients.bench.common import Bar, medians, progress, request, write_json
 from clients.procs import GatewayProcess, StageProcess
 from clients.prompts import PROMPTS
 from core.config import dump_config, parse_config
+from core.cores import usable_cores
 
 NUM_LAYERS = 30  # the built-in model's
 
@@ -57,7 +57,7 @@ def bench_pipeline(args: argparse.Namespace) -> int:
                             samples[name].append(_measure(client, prompts, args.max_tokens, spec))
                             bar.step(f"{stages} stages, {hop:g} ms/hop, {name}: {samples[name][-1]['tokens_per_s']:.2f} tok/s")
                 rows.append(_summarise(samples, stages, hop))
-    results = {"setup": {"stages": stage_counts, "hop_ms": hops, "runs": args.runs, "max_tokens": args.max_tokens, "prompts": prompts, "cpu_count": os.cpu_count()}, "cells": rows}
+    results = {"setup": {"stages": stage_counts, "hop_ms": hops, "runs": args.runs, "max_tokens": args.max_tokens, "prompts": prompts, "cpu_count": usable_cores()}, "cells": rows}
     _print_table(results)
     write_json(args.json_path, results)
     return 0

@@ -14,7 +14,6 @@ link in the same run.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 from contextlib import ExitStack
 from pathlib import Path
@@ -27,6 +26,7 @@ from clients.bench.modes import _start_gateway
 from clients.procs import WorkerProcess
 from clients.prompts import PROMPTS
 from core.config import LinkConfig
+from core.cores import usable_cores
 
 BUDGETS = [4, 8, 14, 32]
 EXACT_BUDGET = 14  # the default trees' size: the one budget also run on exact's payload
@@ -65,7 +65,7 @@ def bench_tree(args: argparse.Namespace) -> int:
     bar, rows = Bar(total), []
     with ExitStack() as stack:
         progress("starting one worker (builtin, llama.cpp, one thread) on 127.0.0.1")
-        url = stack.enter_context(WorkerProcess("builtin", "llama.cpp", threads=max(1, (os.cpu_count() or 2) // 2)))  # the draft gets the rest
+        url = stack.enter_context(WorkerProcess("builtin", "llama.cpp", threads=max(1, usable_cores() // 2)))  # the draft gets the rest
         for link_name, link in plan["links"]:
             with ExitStack() as gateway_stack:
                 base = _start_gateway(gateway_stack, [url], link, 4)
@@ -79,7 +79,7 @@ def bench_tree(args: argparse.Namespace) -> int:
                                 samples[name].append(measure(client, plan["prompts"], plan["max_tokens"], temperature, spec, seed=run))
                                 bar.step(f"{link_name} T={temperature:g} {name}: {samples[name][-1]['mean_accepted_length']:.2f} tok/round")
                         rows += _summarise(samples, link_name, link.rtt_ms, temperature)
-    results = {"setup": {k: v for k, v in plan.items() if k != "links"} | {"links": [n for n, _ in plan["links"]], "cpu_count": os.cpu_count()}, "cells": rows}
+    results = {"setup": {k: v for k, v in plan.items() if k != "links"} | {"links": [n for n, _ in plan["links"]], "cpu_count": usable_cores()}, "cells": rows}
     _print_table(results)
     write_json(args.json_path, results)
     if args.plots:

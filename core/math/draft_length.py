@@ -40,7 +40,7 @@ class RoundCosts:
     def alpha(self, j: int) -> float:
         return self.alphas[min(j, len(self.alphas) - 1)] if self.alphas else 0.0
 
-    def flight_s(self, gamma: int) -> float:
+    def flight_s(self, gamma: float) -> float:
         """Send to verdict: the link both ways and the workers' scoring."""
         up = self.up_bytes[0] + self.up_bytes[1] * gamma
         down = self.down_bytes[0] + self.down_bytes[1] * (gamma + 1)
@@ -48,7 +48,7 @@ class RoundCosts:
         wire += 8 * down / self.down_bits_per_s if self.down_bits_per_s else 0.0
         return self.rtt_s + wire + self.verify_s[0] + self.verify_s[1] * (gamma + 1)
 
-    def round_s(self, gamma: int) -> float:
+    def round_s(self, gamma: float) -> float:
         flight, drafting = self.flight_s(gamma), gamma * self.draft_s
         if not self.overlap:
             return drafting + flight

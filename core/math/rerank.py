@@ -7,7 +7,8 @@ from collections.abc import Collection
 
 import torch
 
-from core.math.tree import ChildRule, TokenTree, depths_of, sparse_rows
+from core.math.shapes import ChildRule
+from core.math.tree import TokenTree, depths_of, sparse_rows
 
 
 def drafted_above(node: int, parents: list[int], free: Collection[int]) -> int:

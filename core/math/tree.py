@@ -16,100 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from enum import StrEnum
 
 import torch
 
-
+from core.math.shapes import ChildRule
 
 SparseRow = tuple[torch.Tensor, torch.Tensor]  # [s] long ids (ascending), [s] probs: one distribution's support
-
-
-class ChildRule(StrEnum):
-    """How a node's children were chosen: it fixes the accept rule (module docstring)."""
-
-    SAMPLED = "sampled"
-    SAMPLED_DISTINCT = "sampled_distinct"
-    FIXED = "fixed"
-
-
-MAX_TREE_NODES = 63  # nodes of one tree at most (a worker scores them in llama.cpp decodes of ≤ 32)
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """How the draft grows a tree (DESIGN §3.6), one batched draft decode per depth.
-
-    Sampled rules: each node at depth d gets ``widths[d-1]`` children drawn from q̂ there (with
-    replacement, TSLT's ⟨k_1,…,k_L⟩; or without). ``fixed`` (EAGLE-2): per depth, the ``top_k``
-    best nodes by cumulative draft log-probability are expanded into their ``top_k`` most likely
-    children, down to ``depth``; the tree keeps the best ``nodes`` overall.
-    """
-
-    rule: ChildRule
-    widths: tuple[int, ...] = ()
-    nodes: int = 14
-    depth: int = 6
-    top_k: int = 4
-
-    def __post_init__(self) -> None:
-        if self.rule is ChildRule.FIXED:
-            if not 1 <= self.nodes <= MAX_TREE_NODES or not 1 <= self.depth <= 32 or not 1 <= self.top_k <= 16:
-                raise ValueError(f"a fixed tree needs nodes in [1, {MAX_TREE_NODES}], depth in [1, 32], top_k in [1, 16]")
-        else:
-            if not self.widths or not all(1 <= k <= 16 for k in self.widths) or len(self.widths) > 32:
-                raise ValueError("a sampled tree needs widths: 1 to 32 depths of 1 to 16 children each")
-            if self.size > MAX_TREE_NODES:
-                raise ValueError(f"widths {list(self.widths)} make {self.size} nodes; a tree has at most {MAX_TREE_NODES}")
-
-    @property
-    def size(self) -> int:
-        """Nodes of a full tree of this shape."""
-        if self.rule is ChildRule.FIXED:
-            return self.nodes
-        total, level = 0, 1
-        for k in self.widths:
-            level *= k
-            total += level
-        return total
-
-    @property
-    def max_depth(self) -> int:
-        return self.depth if self.rule is ChildRule.FIXED else len(self.widths)
-
-    @classmethod
-    def default(cls, greedy: bool) -> TreeShape:
-        """What pays on the built-in pair (research/tree-and-pipeline.md §3.4): EAGLE-2 at T = 0,
-        a 2-way root with chains below, drawn without replacement, at T > 0 (14 nodes each)."""
-        if greedy:
-            return cls(ChildRule.FIXED, nodes=14, depth=6, top_k=4)
-        return cls(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1, 1, 1, 1))
-
-    def cut(self, depth: int) -> TreeShape:
-        """The same shape no deeper than ``depth`` (≥ 1): what room is left allows."""
-        if self.rule is ChildRule.FIXED:
-            return TreeShape(self.rule, nodes=self.nodes, depth=min(self.depth, depth), top_k=self.top_k)
-        return TreeShape(self.rule, widths=self.widths[:depth])
-
-
-@dataclass(frozen=True)
-class SegmentSchedule:
-    """Mode ``pipeline`` (FlowSpec, DESIGN §3.7): each round drafts an EAGLE-2 tree (``tree``,
-    fixed children), sends its nodes best first in segments of ``segment`` nodes, at most
-    ``in_flight`` segments in the stages at once (0 = one per stage), and, while the live part
-    of the tree has fewer than ``segment`` nodes left to send, expands its best live leaf by a
-    small EAGLE-2 tree (``expand``: no deeper than ``tree.depth`` below the walk)."""
-
-    tree: TreeShape = TreeShape(ChildRule.FIXED, nodes=10, depth=5, top_k=3)  # every draft level and node costs on CPU: small trees pay (docs/performance.md)
-    segment: int = 6
-    in_flight: int = 2
-    expand: bool = True
-
-    def __post_init__(self) -> None:
-        if self.tree.rule is not ChildRule.FIXED:
-            raise ValueError("a pipeline's tree has fixed children (EAGLE-2): its segments are verified as they come")
-        if not 1 <= self.segment <= MAX_TREE_NODES or not 0 <= self.in_flight <= 16:
-            raise ValueError(f"a pipeline's segment takes 1 to {MAX_TREE_NODES} nodes, in_flight 0 (one per stage) to 16")
 
 
 @dataclass(frozen=True)

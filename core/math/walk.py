@@ -39,7 +39,8 @@ import torch
 from core.math.aggregation import normalise_weights
 from core.math.random import accepts, sample_index
 from core.math.speculative import acceptance_probs, argmax_lowest, residual
-from core.math.tree import ChildRule, TokenTree
+from core.math.shapes import ChildRule
+from core.math.tree import TokenTree
 
 
 @dataclass(frozen=True)

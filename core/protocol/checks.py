@@ -8,7 +8,7 @@ import numpy as np
 
 from core.errors import InvalidRequest, ProtocolError
 from core.math.sampling import MIN_TEMPERATURE
-from core.math.tree import MAX_TREE_NODES
+from core.math.shapes import MAX_TREE_NODES
 from core.names import Mode, ProbsDtype
 from core.protocol.messages import (
     MAX_LOGPROBS,

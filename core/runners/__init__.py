@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
+from core.cores import usable_cores
 from core.errors import ModelLoadError
 from core.names import Backend
 from core.runners.base import ModelRunner, RunnerInfo
@@ -74,7 +73,7 @@ def share_cores(threads: int | None) -> int:
     each other and made a few torch ops on γ + 1 rows 20× slower (issue 33)."""
     import torch
 
-    threads = threads or os.cpu_count() or 1
+    threads = threads or usable_cores()
     torch.set_num_threads(threads)
     return threads
 

@@ -39,12 +39,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from typing import Any
 
 import numpy as np
 import torch
 
+from core.cores import usable_cores
 from core.errors import ContextOverflow, ModelLoadError
 from core.names import Backend
 from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged
@@ -96,7 +96,7 @@ class LlamaCppRunner(CellPlaces, ModelRunner):
         context_bytes = self.n_ctx * self._kv_bytes + 2 * TREE_SEQUENCES * vocab_size * 4
         self.num_contexts = max(1, int(cap * (1 - STREAMS_SHARE)) // context_bytes)
         self.num_streams = max(1, min(MAX_STREAMS, int(cap * STREAMS_SHARE) // (self.n_ctx_stream * self._kv_bytes)))
-        self._n_threads = n_threads or os.cpu_count() or 1
+        self._n_threads = n_threads or usable_cores()
         self._batch = _internals.LlamaBatch(n_tokens=DECODE_TOKENS, embd=0, n_seq_max=TREE_SEQUENCES, verbose=False)
         self._slots: list[Slot] = []
         self._shared: Any = None  # the chain sessions' context (made on first use)

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from core.cores import usable_cores
 from core.errors import ModelLoadError
 
 
@@ -28,7 +29,7 @@ def quantize_gguf(source: Path, target: Path, ftype: int) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.allow_requantize = True
-    params.nthread = os.cpu_count() or 1
+    params.nthread = usable_cores()
     # the quantizer writes its notes (fallback types for odd-sized tensors) to the C stderr past
     # the log callback: kept out of a normal start, shown when it fails
     with tempfile.TemporaryFile() as notes, _c_stderr_to(notes.fileno()):

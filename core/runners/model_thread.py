@@ -11,11 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+def take_within(waiting: Iterable[T], rows: Callable[[T], int], budget: int, key: Callable[[T], Hashable]) -> list[T]:
+    """One step's share of what waits, oldest first: one entry per ``key`` (a session), within
+    ``budget`` new rows in all — the first always goes, whatever its size — up to the first that
+    does not fit (so none is passed over for long). The draft's ``StepBatcher`` and the worker's
+    ``VerifyScheduler`` take every step with it."""
+    taken: list[T] = []
+    keys: set[Hashable] = set()
+    used = 0
+    for entry in waiting:
+        if key(entry) in keys:
+            continue
+        if taken and used + rows(entry) > budget:
+            break
+        taken.append(entry)
+        keys.add(key(entry))
+        used += rows(entry)
+    return taken
 
 
 class ModelThread:

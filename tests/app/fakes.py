@@ -16,6 +16,7 @@ from app.drafting import DraftModel
 from app.engine import Engine
 from app.targets.base import Channel, Expected, Traffic, resend
 from app.targets.pipeline import PipelineTarget, Segment, StageShort
+from app.targets.segments import stage_request
 from core.errors import SessionShort
 from core.protocol import (
     BINARY_CONTENT_TYPE,
@@ -132,7 +133,7 @@ class FakePipeline(PipelineTarget):
         self.segments.append(segment)
         if seq in self.short_at and stage.restarts == 0:
             raise StageShort(f"message {seq} lost")
-        req: StageRequest | Any = self.stage_request(stage, seq, segment, sampling, hidden_dtype="f32")
+        req: StageRequest | Any = stage_request(stage, seq, segment, sampling, hidden_dtype="f32")
         for state in self.states:
             answer = state.verify_batch([req], [{}])[0]
             if isinstance(answer, SessionShort):

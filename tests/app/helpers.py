@@ -1,20 +1,25 @@
-"""What the gateway's HTTP tests share: a config over fake workers, SSE parsing, error checks."""
+"""What the gateway's tests share: a config over fake workers, SSE parsing, error checks, and
+the pool a statistical test deals its seeds out to."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+import torch
 import uvicorn
 
 from clients.procs import free_port
+from core.cores import usable_cores
 from core.config import SpecgateConfig, parse_config
 
 
@@ -24,6 +29,27 @@ from core.config import SpecgateConfig, parse_config
 FULL_STATISTICS = pytest.mark.skipif(
     not os.environ.get("SPECGATE_FULL_STATISTICS"), reason="proven exactly by tests/app/test_lossless_matrix.py; set SPECGATE_FULL_STATISTICS=1",
 )
+
+
+def seed_pool(fresh: bool = False) -> Executor:
+    """Where a statistical test deals out its seeds (every draw is keyed by its seed: the counts
+    are the same wherever they run): two spawned processes, one torch thread each, where this
+    process may use two cores or more; this process itself where it may use one (a test process
+    pinned to its core: spawning would only add the processes' start-up). ``fresh``: processes
+    always — a negative control's task breaks the code it runs, and the break must end with them."""
+    if fresh or usable_cores() >= 2:
+        return ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,))
+    return _InThisProcess()
+
+
+class _InThisProcess(Executor):
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, as a pool would
+            future.set_exception(exc)
+        return future
 
 
 def gateway_config(**overrides: Any) -> SpecgateConfig:

@@ -12,7 +12,8 @@ import torch
 
 from app.drafting import DraftModel, DraftRequest
 from core.math.sampling import SamplingParams
-from core.math.tree import ChildRule, TokenTree, TreeShape
+from core.math.shapes import ChildRule, TreeShape
+from core.math.tree import TokenTree
 from core.runners.base import ForwardItem, ModelRunner, Rows
 from core.names import Drafter
 from core.runners.model_thread import ModelThread

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing
 from collections.abc import Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import replace
 
 import pytest
@@ -19,13 +18,13 @@ import torch
 from scipy import stats
 
 from app.engine import Engine, GenerationRequest, SpecOptions
+from core.math import walk as tree
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams, truncate
-from core.math import walk as tree
 from core.names import Mode, Reconstruction
 from core.transform import TransformSpec
 from tests.app.fakes import MarkovRunner, make_engine, random_table
-from tests.app.helpers import FULL_STATISTICS
+from tests.app.helpers import FULL_STATISTICS, seed_pool
 
 V = 6
 PROMPT = [3, 1]
@@ -113,20 +112,13 @@ def _case_counts(case: str, seeds: range) -> tuple[torch.Tensor, int, int]:
 def processes() -> Iterator[Executor]:
     """Two processes: a run's seeds split between the machine's two cores (every draw is keyed
     by its seed, so the counts are those of one process)."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(2, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    with seed_pool() as pool:
         yield pool
 
 
 def _halves(samples: int) -> list[range]:
     """A run's seeds, one half per pool process."""
     return [range(samples // 2), range(samples // 2, samples)]
-
-
-def _patched_pool() -> ProcessPoolExecutor:
-    """Two fresh processes for a negative control, whose task breaks the code it runs: the
-    break dies with them and cannot reach the shared pool's later tasks."""
-    return ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,))
 
 
 DEFAULT_RUN = {"split, full p", "exact, 3 weighted workers, draft top-3"}  # the rest: SPECGATE_FULL_STATISTICS=1
@@ -170,7 +162,7 @@ def _without_residual_counts(seeds: range) -> torch.Tensor:
 def test_negative_control_a_verifier_without_the_residual_is_rejected() -> None:
     """The same test as above, on a verifier without the residual: rejected (the patch lives in
     fresh pool processes, which end with the test)."""
-    with _patched_pool() as pool:
+    with seed_pool(fresh=True) as pool:
         counts = sum(pool.map(_without_residual_counts, _halves(SAMPLES)), torch.zeros(V, V))
     assert pooled_chisquare(counts.flatten(), _target_joint([(TARGETS[0], 1.0)]).flatten() * SAMPLES) < SIGNIFICANCE
 
@@ -342,7 +334,7 @@ def test_min_tokens_follows_the_target_without_eos(case: str, processes: Executo
 def test_negative_control_min_tokens_the_workers_do_not_apply_is_rejected() -> None:
     """Workers that score without min_tokens (the transform sent without it) emit EOS where the
     target cannot: the same test rejects it."""
-    with _patched_pool() as pool:
+    with seed_pool(fresh=True) as pool:
         assert _min_tokens_chi_square(pool, "exact, 3 weighted workers, draft top-3", broken=True) < SIGNIFICANCE
 
 

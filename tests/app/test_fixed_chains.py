@@ -4,15 +4,15 @@ walked by the fixed rule on every payload. The first two tokens follow the targe
 real Philox streams, one worker and two weighted ones, aggregate's ``k: full`` and exact's
 payload); the chain shortcut that sent them to the sampled chain's verifier is rejected by the
 same test. ``tests/app/test_lossless_matrix.py`` proves the same cells exactly; this test runs
-the real random numbers. ``SPECGATE_FULL_STATISTICS=1`` draws 20,000 samples a cell."""
+the real random numbers: by default on one cell of each payload and with the control on two
+workers; ``SPECGATE_FULL_STATISTICS=1`` runs every cell, with 20,000 samples a cell."""
 
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 from collections.abc import Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor
 from contextlib import aclosing
 
 import pytest
@@ -20,10 +20,11 @@ import torch
 
 from app.engine import GenerationRequest, SpecOptions
 from core.math.sampling import SamplingParams
-from core.math.tree import ChildRule, TokenTree, TreeShape
+from core.math.shapes import ChildRule, TreeShape
+from core.math.tree import TokenTree
 from core.names import Mode, Reconstruction
 from tests.app.fakes import make_engine
-from tests.app.helpers import FULL_STATISTICS
+from tests.app.helpers import FULL_STATISTICS, seed_pool
 from tests.app.test_engine import DRAFT, PROMPT, TARGETS, V, _target_joint, pooled_chisquare
 
 SAMPLES = 20_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 2_000  # the shortcut's bias gives p < 1e-15 at 1,000
@@ -32,8 +33,8 @@ SHAPES = {"nodes 1": TreeShape(ChildRule.FIXED, nodes=1, depth=1, top_k=1), "top
 WORKERS = {"1 worker": [(TARGETS[0], 1.0)], "2 workers 0.7/0.3": [(TARGETS[0], 0.7), (TARGETS[1], 0.3)]}
 PAYLOADS = {"aggregate k: full": Mode.AGGREGATE, "exact, draft top-3": Mode.EXACT}
 CELLS = [
-    ("nodes 1", "1 worker", "aggregate k: full"), ("nodes 1", "2 workers 0.7/0.3", "aggregate k: full"),
-    ("nodes 1", "1 worker", "exact, draft top-3"), ("nodes 1", "2 workers 0.7/0.3", "exact, draft top-3"),
+    ("nodes 1", "1 worker", "aggregate k: full"), pytest.param("nodes 1", "2 workers 0.7/0.3", "aggregate k: full", marks=FULL_STATISTICS),
+    pytest.param("nodes 1", "1 worker", "exact, draft top-3", marks=FULL_STATISTICS), ("nodes 1", "2 workers 0.7/0.3", "exact, draft top-3"),
     pytest.param("top-1 chain of 3", "2 workers 0.7/0.3", "exact, draft top-3", marks=FULL_STATISTICS),
 ]
 
@@ -66,13 +67,9 @@ def _counts(shape: str, workers: str, payload: str, seeds: range, shortcut: bool
     return asyncio.run(run())
 
 
-def _pool() -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,))
-
-
 @pytest.fixture(scope="module")
 def processes() -> Iterator[Executor]:
-    with _pool() as pool:
+    with seed_pool() as pool:
         yield pool
 
 
@@ -87,8 +84,8 @@ def test_a_chain_of_fixed_children_follows_the_target(processes: Executor, shape
     assert _pvalue(processes, shape, workers, payload, SAMPLES) > SIGNIFICANCE
 
 
-@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("workers", [w if w == "2 workers 0.7/0.3" else pytest.param(w, marks=FULL_STATISTICS) for w in WORKERS])
 def test_negative_control_the_chain_shortcut_is_rejected(workers: str) -> None:
     """Issue 32's bug put back (in fresh processes, which end with the test): rejected."""
-    with _pool() as pool:
+    with seed_pool(fresh=True) as pool:
         assert _pvalue(pool, "nodes 1", workers, "exact, draft top-3", 1_000, shortcut=True) < SIGNIFICANCE

@@ -23,11 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing
 import os
 import time
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
@@ -45,13 +43,15 @@ from core.config import TreeParams
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.math import walk as tree_math
-from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape
+from core.math.shapes import ChildRule, SegmentSchedule, TreeShape
+from core.math.tree import TokenTree
 from core.modes import GUARANTEES, MODES, SERVED_MODES, Guarantee, Payload, guarantee
 from core.lookup import AcceptanceStats, LookupParams, SuffixIndex
 from core.names import Drafter, Mode, Reconstruction
 from core.grammar import GrammarKind, GrammarSpec
 from core.transform import TransformSpec
 from tests.app.fakes import MarkovRunner, TableMatcher, make_engine, pipeline_engine, random_table, split_pipeline, with_table_grammar
+from tests.app.helpers import seed_pool
 from tests.draws import ExactDraws
 from tests.draws import prefix_distance as draws_prefix_distance
 
@@ -268,8 +268,8 @@ def cells() -> list[Cell]:
                 out += _transform_cells(mode, payload, workers, sampling, shapes, rule_of)
                 if "drafter" in MODES[mode].fields:  # lookup chains: δ rows, alone or before the model's; in trees, a branch of deterministic children
                     for drafter, lookup in DRAFTER_CELLS:
-                        if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and (drafter, lookup) != DRAFTER_CELLS[0]:
-                            continue  # two workers' complement draws at every δ row: 7,800–9,200 runs a cell; one such cell
+                        if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and ((drafter, lookup) != DRAFTER_CELLS[0] or sampling == "T=1"):
+                            continue  # two workers' complement draws at every δ row: 7,800–9,200 runs a cell at T = 1; one cell, with top-k 2 sampling (96 runs)
                         if mode is Mode.PIPELINE and drafter is Drafter.LOOKUP:
                             continue  # a pipeline expands its tree with the model (a 400)
                         if mode is Mode.TREE and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
@@ -514,9 +514,10 @@ def _run_cells(names: list[str]) -> dict[str, tuple[dict[Outcome, float], int, f
 
 @pytest.fixture(scope="module")
 def laws() -> dict[str, tuple[dict[Outcome, float], int, float]]:
-    """Every cell's law, the cells dealt out to two processes (one per core)."""
+    """Every cell's law, the cells dealt out to two processes (one per core; this process where
+    it has one)."""
     names = [c.name for c in CELLS]
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with seed_pool() as pool:
         parts = pool.map(_run_cells, [names[i::8] for i in range(8)])
         out: dict[str, tuple[dict[Outcome, float], int, float]] = {}
         for part in parts:

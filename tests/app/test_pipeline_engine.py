@@ -10,8 +10,6 @@ control run with SPECGATE_FULL_STATISTICS=1: the default run proves the same law
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 
 from typing import Any
 
@@ -21,10 +19,10 @@ import torch
 from app.engine import Engine, GenerationRequest, SpecOptions
 from app.engine.strategies import pipeline as pipeline_strategy
 from core.math.sampling import SamplingParams
-from core.math.tree import ChildRule, SegmentSchedule, TreeShape
+from core.math.shapes import ChildRule, SegmentSchedule, TreeShape
 from core.names import Mode, Reconstruction
 from tests.app.fakes import FakePipeline, pipeline_engine, split_pipeline
-from tests.app.helpers import FULL_STATISTICS
+from tests.app.helpers import FULL_STATISTICS, seed_pool
 from tests.app.test_engine import DRAFT, PROMPT, TARGETS, V, _target_joint, pooled_chisquare
 
 SAMPLES = 20_000
@@ -73,8 +71,7 @@ def _without_zeroing(seeds: range) -> torch.Tensor:
 
 def _pooled(function: object, num: int) -> torch.Tensor:
     """``function`` over ``num`` seeds split between two fresh processes (a break dies with them)."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(2, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    with seed_pool(fresh=True) as pool:
         return sum(pool.map(function, [range(num // 2), range(num // 2, num)]), torch.zeros(V, V))  # type: ignore[arg-type]
 
 

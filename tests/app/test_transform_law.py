@@ -4,16 +4,14 @@ the real engine, draft and worker scoring on Markov fakes, a chain and trees, on
 two weighted ones. The first three tokens must follow the transformed target (chi-square);
 the broken variant that transforms every row as the round's first (penalty counts not advanced
 along the path, the mask taken before the draft's tokens) is rejected by the same test.
-``tests/app/test_lossless_matrix.py`` proves the same cells exactly; ``SPECGATE_FULL_STATISTICS=1``
-draws 20,000 samples a cell."""
+``tests/app/test_lossless_matrix.py`` proves the same cells exactly; by default the chain runs here
+with its control, ``SPECGATE_FULL_STATISTICS=1`` adds the trees and draws 20,000 samples a cell."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import aclosing
 
 import pytest
@@ -21,9 +19,10 @@ import torch
 
 from app.engine import GenerationRequest, SpecOptions
 from core.math.sampling import SamplingParams, apply_sampling, normalised
-from core.math.tree import ChildRule, TreeShape
+from core.math.shapes import ChildRule, TreeShape
 from core.names import Mode, Reconstruction
 from tests.app.fakes import make_engine, with_table_grammar
+from tests.app.helpers import FULL_STATISTICS, seed_pool
 from tests.app.test_engine import pooled_chisquare
 from tests.app.test_lossless_matrix import DRAFT, EOS, PROMPT, TARGETS, TRANSFORMS, V, transformed
 
@@ -38,7 +37,11 @@ SPECS = {
         Mode.TREE, 1, None, Reconstruction.RENORMALIZE, draft_top_k=3, tree=TreeShape(ChildRule.FIXED, nodes=3, depth=2, top_k=2), tree_payload=Mode.EXACT,
     ),
 }
-CELLS = [("exact chain γ=2", "2 workers 0.7/0.3"), ("tree sampled ⟨2,1⟩, full rows", "1 worker"), ("tree fixed 3 nodes, exact payload", "2 workers 0.7/0.3")]
+CELLS = [  # the trees' cells: the matrix's transforms on every shape prove them exactly (FULL_STATISTICS runs them here too)
+    ("exact chain γ=2", "2 workers 0.7/0.3"),
+    pytest.param("tree sampled ⟨2,1⟩, full rows", "1 worker", marks=FULL_STATISTICS),
+    pytest.param("tree fixed 3 nodes, exact payload", "2 workers 0.7/0.3", marks=FULL_STATISTICS),
+]
 
 
 def _counts(spec_name: str, workers: str, seeds: range, parents_row: bool = False) -> dict[tuple[int, ...], int]:
@@ -89,7 +92,7 @@ def _target(workers: str) -> dict[tuple[int, ...], float]:
 
 
 def _pvalue(spec_name: str, workers: str, samples: int, parents_row: bool = False) -> float:
-    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    with seed_pool(fresh=parents_row) as pool:
         halves = [range(samples // 2), range(samples // 2, samples)]
         parts = list(pool.map(_counts, [spec_name] * 2, [workers] * 2, halves, [parents_row] * 2))
     counts: dict[tuple[int, ...], int] = {}

@@ -7,9 +7,8 @@ run proves the same law exactly, cell by cell (tests/app/test_lossless_matrix.py
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 from collections.abc import Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures import Executor
 
 import pytest
 import torch
@@ -17,10 +16,10 @@ import torch
 from app.engine import Engine, GenerationRequest, SpecOptions
 from core.math import walk as tree_math
 from core.math.sampling import SamplingParams
-from core.math.tree import ChildRule, TreeShape
+from core.math.shapes import ChildRule, TreeShape
 from core.names import Mode, Reconstruction
 from tests.app.fakes import MarkovRunner, make_engine
-from tests.app.helpers import FULL_STATISTICS
+from tests.app.helpers import FULL_STATISTICS, seed_pool
 from tests.app.test_engine import DRAFT, PROMPT, TARGETS, V, WEIGHTS_3, _target_joint, pooled_chisquare
 
 SAMPLES = 20_000
@@ -73,8 +72,7 @@ def _counts(shape: str, workers: str, seeds: range, payload: str) -> torch.Tenso
 def processes() -> Iterator[Executor]:
     """Two processes: the seeds of a run split between the machine's two cores (the counts
     are the same as in one process: every draw is keyed by its seed)."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(2, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    with seed_pool() as pool:
         yield pool
 
 
@@ -107,8 +105,7 @@ def test_negative_control_algorithm_5_on_fixed_children_is_rejected() -> None:
     """Fixed children verified with the sampled rule are biased: rejected. (Fresh processes: the
     break dies with them.)"""
     num = SAMPLES // 4
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(2, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    with seed_pool(fresh=True) as pool:
         counts = sum(pool.map(_algorithm_5_counts, [range(num // 2), range(num // 2, num)]), torch.zeros(V, V))
     assert pooled_chisquare(counts.flatten(), _target_joint(WORKERS["1 worker"]).flatten() * num) < SIGNIFICANCE
 

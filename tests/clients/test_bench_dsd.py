@@ -7,16 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from clients.bench.dsd import (
-    auto_verdict,
-    bound_tokens_per_s,
-    cells,
-    physical_bound,
-    summarise,
-)
-from clients.bench.floors import Floors
-from clients.bench.modes import analytic_bound, direct_tokens_per_s
-from clients.bench.modes import physical_bound as modes_physical_bound
+from clients.bench.dsd import auto_verdict, cells, summarise
+from clients.bench.floors import Floors, bound_tokens_per_s, physical_bound
+from clients.bench.modes import analytic_bound, direct_tokens_per_s, per_round
 from core.config import LinkConfig
 
 LINK = LinkConfig(rtt_ms=50, up_mbps=10, down_mbps=10)
@@ -74,7 +67,7 @@ def test_the_physical_bound_is_the_bound_with_llama_cpps_costs() -> None:
     run = _run(8.0)
     own = Floors(threads=1, draft_step_s=0.030, scoring_s={5: 0.140})  # floors equal to the cell's own costs: the same bound
     assert physical_bound(run, 4, LINK, 1, own) == pytest.approx(bound_tokens_per_s(run, 4, 0.030, LINK, 1))
-    assert modes_physical_bound(run, 4, LINK, 1, own) == pytest.approx(analytic_bound(run, 4, LINK, 1))
+    assert physical_bound(per_round(run, 4), 4, LINK, 1, own) == pytest.approx(analytic_bound(run, 4, LINK, 1))
     flight = LINK.delay_s(400, upstream=True) + LINK.delay_s(700, upstream=False) + 0.045  # γ + 1 = 5 positions
     assert physical_bound(run, 4, LINK, 1, FLOORS) == pytest.approx(27 / (10 * flight + 40 * 0.010))
     assert physical_bound(run, 3.4, LINK, 1, FLOORS) == pytest.approx(physical_bound(run, 3.4, LINK, 1, replace(FLOORS, scoring_s={3: 0.030, 5: 0.045})))

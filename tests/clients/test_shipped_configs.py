@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from core.config import PipelineParams, SpeculativeConfig, TreeParams, load_config
-from core.math.tree import SegmentSchedule
+from core.math.shapes import SegmentSchedule
 from core.names import Mode
 from core.runners import resolve_model
 

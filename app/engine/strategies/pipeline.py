@@ -52,7 +52,8 @@ from app.targets.pipeline import PipelineTarget, Segment, StageDown, StageShort
 from core.math.random import Purpose, sample_index, uniform
 from core.math.sampling import normalised
 from core.math.speculative import argmax_lowest
-from core.math.tree import ChildRule, SegmentSchedule, TokenTree, TreeShape, path_of
+from core.math.shapes import ChildRule, SegmentSchedule, TreeShape
+from core.math.tree import TokenTree, path_of
 from core.math.walk import try_children
 from core.protocol import StageResponse
 from core.transform import Transformer

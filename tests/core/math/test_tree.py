@@ -16,7 +16,8 @@ from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import truncate
 from core.math.speculative import verify_greedy
 from tests.oracles import verify_sampled
-from core.math.tree import ChildRule, TokenTree, sparse_rows
+from core.math.shapes import ChildRule
+from core.math.tree import TokenTree, sparse_rows
 from core.math.walk import verify_tree, verify_tree_greedy
 from tests.oracles import tree_step_law
 

@@ -16,7 +16,8 @@ from scipy import stats
 from core.math.aggregation import normalise_weights
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import truncate
-from core.math.tree import ChildRule, TokenTree, sparse_rows
+from core.math.shapes import ChildRule
+from core.math.tree import TokenTree, sparse_rows
 from core.math.walk import SparseNode, node_supports, verify_tree_exact
 from tests.core.math.test_tree import _children
 from tests.oracles import exact_tree_step_law
