@@ -22,11 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from app.server import create_app, load_draft
-    from core.config import load_config
+    from core.config import load_config  # torch-free: a bad config is refused before the app loads
     from core.errors import SpecgateError
-    from core.runners.model_thread import ModelThread
-    from core.serving import run_server
 
     try:
         config = load_config(args.config).with_local_urls()
@@ -36,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
             config.port = args.port
         if args.api_key:
             config.api_key = args.api_key
+        from app.server import create_app, load_draft
+        from core.runners.model_thread import ModelThread
+        from core.serving import run_server
+
         thread = ModelThread()  # the draft's every call runs on the thread that loaded it
         draft = thread.call(load_draft, config)
     except SpecgateError as exc:

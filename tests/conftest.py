@@ -40,7 +40,8 @@ _pin_this_test_process()
 
 # The costliest modules first (measured: tests/app/test_lossless_matrix.py ~190 s on one core,
 # the CLI's servers ~160 s, the integration modules 40–90 s each): pytest-xdist hands modules out
-# in collection order, and the longest first leaves only short ones for the end.
+# in collection order (``--no-loadscope-reorder``: not by their number of tests), and the longest
+# first leaves only short ones for the end.
 COSTLIEST_FIRST = (
     "tests/app/test_lossless_matrix.py", "tests/clients/test_cli.py", "tests/integration/test_gateway_e2e.py",
     "tests/integration/test_pipeline_real.py", "tests/integration/test_structured_real.py", "tests/integration/test_request_surface.py",

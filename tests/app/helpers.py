@@ -31,6 +31,11 @@ FULL_STATISTICS = pytest.mark.skipif(
 )
 
 
+# The rest of a parametrized test whose first cells run by default and prove its property there
+# (each names why where it is used).
+FULL_RUN = pytest.mark.skipif(not os.environ.get("SPECGATE_FULL_STATISTICS"), reason="more cells of a test that runs by default; set SPECGATE_FULL_STATISTICS=1")
+
+
 def seed_pool(fresh: bool = False) -> Executor:
     """Where a statistical test deals out its seeds (every draw is keyed by its seed: the counts
     are the same wherever they run): two spawned processes, one torch thread each, where this

@@ -322,10 +322,12 @@ def _two_rounds_affordable(payload: Payload, workers: str, shape: str, options: 
 
 def _transform_cells(mode: Mode, payload: Payload, workers: str, sampling: str, shapes: list[tuple[str, str, dict[str, Any]]], rule_of: Any) -> list[Cell]:
     """All the transforms together on every shape (at T = 0 and T = 1; with top-k or top-p
-    sampling on one shape); each one alone on the mode's last shape (a pipeline's first: without
+    sampling, and a tree on exact's payload with two workers at T = 1, on one shape); each one alone on the mode's last shape (a pipeline's first: without
     the grammar's forced tokens its expanding tree is 1,100 to over 3,000 runs a transform)."""
     alone = shapes[0] if mode is Mode.PIPELINE else shapes[-1]
     every_shape = shapes if sampling in ("T=0", "T=1") else [alone]  # with top-k or top-p sampling: the transforms on one shape
+    if mode is Mode.TREE and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and sampling == "T=1":
+        every_shape = [alone]  # two workers' complement draws under each node: 17 s for every shape; one worker, and T = 0, have every shape
     picked = [(shape, "all") for shape in every_shape] + [(alone, name) for name in TRANSFORMS if name != "all"]
     out = []
     for (rule, shape, options), name in picked:

@@ -19,6 +19,7 @@ import pytest
 from clients.procs import GatewayProcess
 from core.config import dump_config, parse_config
 from core.protocol import VerifyRequest, VerifyResponse, decode, encode
+from tests.app.helpers import FULL_RUN
 
 pytestmark = pytest.mark.integration
 
@@ -276,8 +277,9 @@ def _target_rows(urls: list[str], weights: list[float], context: list[int], scor
     return np.log(np.einsum("n,nmv->mv", w, np.stack(rows)).astype(np.float64))  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("mode", ["split", "exact"])
-@pytest.mark.parametrize("temperature", [1.0, 0.0])
+@pytest.mark.parametrize(  # each mode at one temperature by default: the matrix and tests/app/test_logprobs.py prove both
+    "temperature, mode", [(1.0, "split"), (0.0, "exact"), pytest.param(0.0, "split", marks=FULL_RUN), pytest.param(1.0, "exact", marks=FULL_RUN)],
+)
 def test_logprobs_in_split_and_exact_are_the_targets(worker_urls: list[str], tmp_path: Path, mode: str, temperature: float) -> None:
     """logprobs with top alternatives in split and exact (the default mode): each token's logprob
     is the target's, recomputed from a worker's whole distribution at the same positions."""
@@ -298,7 +300,7 @@ def test_logprobs_in_split_and_exact_are_the_targets(worker_urls: list[str], tmp
     assert all(len(entry.top_logprobs) == 3 for entry in chat.choices[0].logprobs.content)
 
 
-@pytest.mark.parametrize("weights", [[1.0], [0.7, 0.3]])
+@pytest.mark.parametrize("weights", [[0.7, 0.3], pytest.param([1.0], marks=FULL_RUN)])  # two weighted workers by default: one is the weights' special case
 def test_echoed_prompt_logprobs_are_the_targets(worker_urls: list[str], tmp_path: Path, weights: list[float]) -> None:
     """lm-eval's loglikelihood request: echo, logprobs 2, max_tokens 0 and 1; the prompt's logprobs
     are the target's (the first token has none, as in vLLM), with one and two weighted workers."""
