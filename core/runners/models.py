@@ -13,10 +13,13 @@ written under a temporary name and renamed, so two processes starting at once ar
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,10 +74,30 @@ def cache_dir() -> Path:
     return Path(base) / "specgate"
 
 
+_KEY_SAMPLES, _KEY_SAMPLE_BYTES = 16, 1 << 18  # 4 MiB of a file, spread over it, and its size
+
+
 def file_key(path: Path) -> str:
-    """A short key for caches derived from ``path``: changes when the file does."""
-    stat = path.stat()
-    return hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    """A short key for caches derived from the file at ``path``, from its content: its size and
+    16 slices spread over it (head and tail among them). A copy elsewhere — the same wheel in
+    another virtualenv, a fresh clone's — shares the key; a changed file does not."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as f:
+        for i in range(_KEY_SAMPLES):
+            f.seek(max(0, size - _KEY_SAMPLE_BYTES) * i // (_KEY_SAMPLES - 1))
+            digest.update(f.read(_KEY_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def cache_lock(entry: Path) -> Iterator[None]:
+    """Held while a cache entry is made: processes that start together (a pipeline's stages,
+    a serve's workers) make it once — the others wait, then find it made."""
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with open(entry.with_name(f"{entry.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def builtin_gguf() -> Path:

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from core.errors import ModelLoadError
-from core.runners.models import ModelSource, cache_dir, file_key
+from core.runners.models import ModelSource, cache_dir, cache_lock, file_key
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,9 @@ def load_tokenizer(source: ModelSource) -> Any:
             return AutoTokenizer.from_pretrained(path)
         cached = _tokenizer_cache(path)
         if not (cached / "tokenizer_config.json").is_file():
-            _convert_gguf_tokenizer(path, cached)
+            with cache_lock(cached):  # processes that start together convert it once
+                if not (cached / "tokenizer_config.json").is_file():
+                    _convert_gguf_tokenizer(path, cached)
         return AutoTokenizer.from_pretrained(cached)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer of {path or source.hub_id}: {exc}") from exc

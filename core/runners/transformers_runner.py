@@ -30,7 +30,7 @@ import torch
 from core.errors import ModelLoadError, SessionShort
 from core.names import Backend
 from core.runners.base import ForwardItem, ModelRunner, Rows, RunnerInfo, Staged, lend
-from core.runners.models import ModelSource, cache_dir, file_key
+from core.runners.models import ModelSource, cache_dir, cache_lock, file_key
 from core.runners.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
@@ -387,21 +387,22 @@ def _load_gguf(path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     cached = cache_dir() / "dequantized" / file_key(path)
-    if (cached / "config.json").is_file():
-        return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
-    log.info("dequantizing %s for transformers (first use, cached in %s)", path.name, cached)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    # the weights are plain fp32 now: drop the GGUF quantizer marks that block save_pretrained
-    setattr(model, "hf_quantizer", None)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-    model.save_pretrained(tmp)
-    try:
-        os.rename(tmp, cached)
-    except OSError:  # another process saved the same weights first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return model
+    with cache_lock(cached):  # a pipeline's stages start together: one dequantizes, the others load its file
+        if (cached / "config.json").is_file():
+            return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
+        log.info("dequantizing %s for transformers (first use, cached in %s)", path.name, cached)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        # the weights are plain fp32 now: drop the GGUF quantizer marks that block save_pretrained
+        setattr(model, "hf_quantizer", None)
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        model.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cached)
+        except OSError:  # a cache made by an earlier version, without the lock
+            shutil.rmtree(tmp, ignore_errors=True)
+        return model
 
 
 def builtin_architecture_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:

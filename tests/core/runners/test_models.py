@@ -11,7 +11,7 @@ import pytest
 
 from core.errors import ModelLoadError
 from core.runners import check_vocab, load_runner, resolve_model
-from core.runners.models import BUILTIN_DRAFT, builtin_gguf, requantized
+from core.runners.models import BUILTIN_DRAFT, builtin_gguf, file_key, requantized
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -81,3 +81,31 @@ def test_requantization_is_safe_under_two_processes(tmp_path: Path) -> None:
     made = Path(paths.pop())
     assert made.is_file() and list(tmp_path.glob("*.tmp")) == []
     assert made.stat().st_size == requantized(BUILTIN_DRAFT).stat().st_size  # the same file as the user cache's
+
+
+def test_cache_keys_follow_the_content_not_the_path(tmp_path: Path) -> None:
+    """A fresh virtualenv's copy of the built-in GGUF (another path, another mtime) finds the
+    caches the first one made; a file whose bytes differ does not."""
+    data = bytearray(os.urandom(3 << 20))
+    first, copy, changed = tmp_path / "a.gguf", tmp_path / "b" / "a.gguf", tmp_path / "c.gguf"
+    copy.parent.mkdir()
+    first.write_bytes(data)
+    copy.write_bytes(data)
+    os.utime(copy, (1, 1))
+    data[len(data) // 2] ^= 1  # a byte in the middle slice
+    changed.write_bytes(data)
+    assert file_key(first) == file_key(copy) != file_key(changed)
+
+
+def test_a_cache_entry_is_made_once_by_processes_that_start_together(tmp_path: Path) -> None:
+    """Three processes (a pipeline's stages) ask for the same entry at once: one makes it."""
+    code = (
+        "import sys, time; from pathlib import Path; from core.runners.models import cache_lock\n"
+        "entry = Path(sys.argv[1]) / 'entry'\n"
+        "with cache_lock(entry):\n"
+        "    if not entry.exists():\n"
+        "        time.sleep(0.5); entry.mkdir(); (entry / sys.argv[2]).touch()\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"maker{i}"], cwd=ROOT) for i in range(3)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    assert len(list((tmp_path / "entry").iterdir())) == 1
