@@ -1,27 +1,5 @@
-"""``num_draft_tokens: auto`` (issue 8, DESIGN §3.1): per request, γ is chosen each round by
-``core.math.draft_length.choose_gamma`` from running estimates of what this request has met:
-
-    α_j        accepted / reached at draft position j, from a prior of α = 0.7 worth 4 rounds
-    t_d        the draft's seconds per token (rounds whose draft was not prepared ahead)
-    t_v(m)     v₀ + v₁·m: the workers' model seconds for m scored positions, a least-squares
-               line through the rounds (m = γ + 1); until m has varied, v₀ = v₁ (a call costs
-               one position more than it scores: llama.cpp's fixed cost per call is ~2 here)
-    RTT        the rest of a round's wall time: link both ways and serialisation, taken as a
-               constant per round (payloads grow with γ, but slowly next to the RTT on the
-               links where γ matters)
-    u          the share of prepared drafts used so far (overlap), from a prior of ½ worth one
-
-Each estimate weighs the newest round by 0.3 (an exponential moving average; the line's sums
-decay by 0.1 a round, as it needs several m). The first round's draft and model times include
-the prompt's prefill, so it teaches only α and the RTT; the first two rounds use γ = 4. Every
-fourth round probes γ + 1 (γ − 1 at the ceiling), so the line sees more than one m (a fit from one m would charge a call's
-fixed cost to every position and drive γ down). With a ``seed`` the output depends on γ, so
-``auto`` is off for seeded requests: they draft DEFAULT_GAMMA tokens every round. Since γ follows
-what the last rounds drew (a draft cut short by EOS, and its time), each round of an ``auto``
-request draws from its own seed (``core.math.random.round_seed``): keyed by position alone, a
-round would reuse numbers that chose its γ, which moves the law (measured in
-tests/app/test_adaptive.py).
-"""
+"""``num_draft_tokens: auto`` (DESIGN §3.1): γ chosen each round from running estimates of this
+request's acceptance and costs, as docs/modes.md ("Adaptive draft length") explains."""
 
 from __future__ import annotations
 

@@ -1,18 +1,5 @@
-"""The gateway's Prometheus metrics (DESIGN §5), with vLLM's names under the ``specgate:``
-prefix so existing dashboards carry over. One registry per app, never a module global.
-
-Speculative decoding, per mode (counted as vLLM does):
-    specgate:spec_decode_num_drafts_total                rounds that verified a draft
-    specgate:spec_decode_num_draft_tokens_total          draft tokens proposed
-    specgate:spec_decode_num_accepted_tokens_total       draft tokens accepted
-    specgate:spec_decode_num_accepted_tokens_per_pos_total{position}   accepted at draft position i
-Requests: prompt / generation tokens, ``request_success_total{finished_reason}``, running /
-waiting / rejected requests, histograms of time to first token, inter-token latency and
-end-to-end latency. Per worker (read from the pool at scrape time): bytes both ways, calls,
-the sessions that shared the worker's forward of each call (over calls: its mean batch),
-failures by kind, failovers, replicas up, and a histogram of round latency. The draft's steps
-and the drafts they carried (over steps: the draft's mean batch).
-"""
+"""The gateway's Prometheus metrics (DESIGN §5): vLLM's names under the ``specgate:`` prefix, so
+existing dashboards carry over; one registry per app; workers and draft read at scrape time."""
 
 from __future__ import annotations
 
@@ -55,16 +42,15 @@ class GatewayMetrics:
         self.round_latency = Histogram(
             "specgate:worker_round_latency_seconds", "One verify call to a worker, network included.", ["worker"], buckets=_LATENCY_BUCKETS, registry=r
         )
-        running = Gauge("specgate:num_requests_running", "Requests generating now.", registry=r)
-        running.set_function(lambda: admission.active)
-        waiting = Gauge("specgate:num_requests_waiting", "Requests queued for a slot.", registry=r)
-        waiting.set_function(lambda: admission.queued)
-        rejected = Gauge("specgate:num_requests_rejected", "429s given since start.", registry=r)
-        rejected.set_function(lambda: admission.rejected)
+        for name, help_text, read in (
+            ("num_requests_running", "Requests generating now.", lambda: admission.active),
+            ("num_requests_waiting", "Requests queued for a slot.", lambda: admission.queued),
+            ("num_requests_rejected", "429s given since start.", lambda: admission.rejected),
+        ):
+            Gauge(f"specgate:{name}", help_text, registry=r).set_function(read)
 
     def open_series(self, mode: str, num_positions: int) -> None:
-        """The labelled series of ``mode`` at 0 from start-up (as vLLM does), so dashboards and
-        ``rate()`` see them before the first request; per-position ones for ``num_positions``."""
+        """The series of ``mode`` at 0 from start-up (as vLLM), so ``rate()`` sees them before the first request."""
         for counter in (self.drafts, self.draft_tokens, self.accepted_tokens, self.generation_tokens):
             counter.labels(mode)
         for position in range(num_positions):

@@ -1,6 +1,5 @@
-"""A request to a job (DESIGN §5): the body checked, the prompt tokenised (a chat rendered with
-its tools), the speculative options resolved against the config and the targets, the sampling
-and the transform built; every refusal a 400 naming its parameter."""
+"""A request to a job (DESIGN §5): the body checked, the prompt tokenised, the speculative options,
+sampling and transform resolved against the config and the targets; every refusal a 400 naming its parameter."""
 
 from __future__ import annotations
 
@@ -8,9 +7,9 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from app.adaptive import DEFAULT_GAMMA
 from app.drafting import DraftModel
@@ -25,13 +24,14 @@ from core.config import PipelineParams, SpecgateConfig, TreeParams
 from core.grammar import GrammarError, GrammarKind, GrammarSpec, engine_version, load_schema
 from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
-from core.math.shapes import SegmentSchedule, TreeShape
 from core.modes import MODES, SERVED_MODES, target_problem
 from core.names import Drafter, Mode
 from core.protocol import InfoResponse
 from core.transform import TransformSpec
 
 _EXACT_DRAFT_TOP_K = 32  # exact needs a truncated draft (DESIGN §3.5)
+Body = CompletionRequest | ChatCompletionRequest
+T = TypeVar("T")
 
 
 @dataclass
@@ -98,8 +98,7 @@ class Requests:
         return job
 
     def _tool_messages(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], tuple[GrammarSpec | None, str] | None]:
-        """The conversation to render and, with tools to call, the generic format's grammar
-        (DESIGN §3.9; the built-in template has no tool format of its own)."""
+        """The conversation to render and, with tools to call, the generic format's grammar (DESIGN §3.9)."""
         messages = body.chat_messages()
         called: set[str] = set()
         for i, m in enumerate(messages):
@@ -133,7 +132,7 @@ class Requests:
         schema = generic_schema(tools, required, body.parallel_tool_calls, response)
         return render_messages(messages, tools_prompt(tools, schema, required)), (GrammarSpec.json_schema(schema), "tools")
 
-    def _check_common(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+    def _check_common(self, body: Body) -> None:
         where = _lone_surrogate(body.model_dump(by_alias=True, exclude_defaults=True))
         if where is not None:
             raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair): not text", where)
@@ -145,7 +144,7 @@ class Requests:
             raise ApiError(400, message, unsupported[0][0], "unsupported_parameter")
 
     def _job(
-        self, body: CompletionRequest | ChatCompletionRequest, prompt: list[int], prefix: str, max_tokens: int | None, top_logprobs: int | None,
+        self, body: Body, prompt: list[int], prefix: str, max_tokens: int | None, top_logprobs: int | None,
         prompt_logprobs: int | None = None, grammar: tuple[GrammarSpec | None, str] | None = None,
     ) -> Job:
         limits = self.config.limits
@@ -170,7 +169,7 @@ class Requests:
         top_k = body.top_k if 0 < body.top_k < self.draft.vocab_size else 0  # −1, 0 or the whole vocabulary (or more): no truncation
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=body.top_p, min_p=body.min_p)
         grammar = grammar or request_grammar(body)
-        transform = self._transform(body, len(prompt), spec, *grammar)
+        transform = self._transform(body, len(prompt), *grammar)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         choices = [
@@ -180,19 +179,14 @@ class Requests:
             )
             for index in range(body.n)
         ]
-        job = Job(request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt), tree=used_tree(spec, params)))
-        job.echo_logprobs = prompt_logprobs is not None
-        job.tokens_as_ids = body.return_tokens_as_token_ids
-        job.grammar_param = grammar[1]
-        job.has_grammar = transform is not None and transform.grammar is not None
-        return job
+        return Job(
+            request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt), tree=used_tree(spec, params)),
+            echo_logprobs=prompt_logprobs is not None, tokens_as_ids=body.return_tokens_as_token_ids, grammar_param=grammar[1],
+            has_grammar=transform is not None and transform.grammar is not None,
+        )
 
-    def _transform(
-        self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int, spec: SpecOptions, grammar: GrammarSpec | None, param: str,
-    ) -> TransformSpec | None:
-        """The request's transform (DESIGN §3.9) with ``grammar`` (asked for by ``param``), checked
-        against what the targets can apply; None when it asks for none. Its grammar is compiled
-        later, off the event loop (``compile``)."""
+    def _transform(self, body: Body, prompt_len: int, grammar: GrammarSpec | None, param: str) -> TransformSpec | None:
+        """The request's transform (DESIGN §3.9), checked against what the targets can apply; None when it asks for none."""
         bias = tuple(sorted((int(key), float(value)) for key, value in (body.logit_bias or {}).items()))
         if any(token >= self.draft.vocab_size for token, _ in bias):
             raise ApiError(400, f"logit_bias names a token id ≥ the vocabulary size {self.draft.vocab_size}", "logit_bias")
@@ -208,17 +202,14 @@ class Requests:
             raise ApiError(400, f"{asked[0]} needs specgate workers: {engines[0]} is an openai-logprobs engine, whose log-probabilities do not carry it", asked[0])
         if grammar is not None:
             self._check_peers(grammar, param)
-        if grammar is not None and body.ignore_eos:
-            raise ApiError(400, f"ignore_eos cannot be combined with {param}: the grammar decides where the answer ends", "ignore_eos")
-        if grammar is not None and body.min_tokens:
-            raise ApiError(400, f"min_tokens cannot be combined with {param}: the grammar decides where the answer ends", "min_tokens")
+            for flag in ("ignore_eos", "min_tokens"):
+                if getattr(body, flag):
+                    raise ApiError(400, f"{flag} cannot be combined with {param}: the grammar decides where the answer ends", flag)
         return None if transform.is_identity else transform
 
     def _check_peers(self, grammar: GrammarSpec, param: str) -> None:
-        """Every worker can apply ``grammar`` as the gateway does: the same grammar engine (its
-        forced tokens and masks must agree with theirs), a source within the worker's limit, and
-        EOS ids among the gateway's (else it would take a worker's EOS for text its grammar does
-        not allow). The workers' /v1/info says, from the first check on."""
+        """Every worker (its /v1/info) can apply ``grammar`` as the gateway does: the same engine (forced tokens
+        and masks agree), a source within its limit, EOS ids among ours (else its EOS would be taken for text)."""
         ours, engine, size = set(self.draft.runner.info.eos_ids), engine_version(), len(grammar.source.encode())
         for where, info in self._replica_infos():
             if not set(info.eos_ids) <= ours:
@@ -253,7 +244,8 @@ class Requests:
         gamma = given.get("num_draft_tokens", base.num_draft_tokens)
         top_k = given.get("draft_top_k", base.draft_top_k)
         top_p = given.get("draft_top_p", base.draft_top_p)
-        tree_payload = Mode(_tree_payload(given.get("tree"), base.tree)) if mode is Mode.TREE else Mode.AGGREGATE
+        tree, pipeline = (override.tree, override.pipeline) if override else (None, None)
+        tree_payload = Mode((tree or base.tree or TreeParams()).payload or Mode.AGGREGATE.value) if mode is Mode.TREE else Mode.AGGREGATE
         if tree_payload is Mode.EXACT and isinstance(given.get("k"), int):
             raise ApiError(400, "a tree with exact's payload sends no top-k: drop k, or use payload aggregate", "speculative.k")
         if (mode is Mode.EXACT or tree_payload is Mode.EXACT) and not top_k and (top_p is None or top_p == 1):
@@ -273,16 +265,15 @@ class Requests:
             draft_top_p=1.0 if top_p is None else top_p,
             engine_targets=bool(engines),
             overlap=overlap,
-            tree=_tree_shape(given.get("tree"), base.tree) if mode is Mode.TREE else None,
+            tree=((_parsed("tree", tree.shape) if tree else None) or (base.tree.shape() if base.tree else None)) if mode is Mode.TREE else None,
             tree_payload=tree_payload,
-            pipeline=_schedule(given.get("pipeline"), base.pipeline) if mode is Mode.PIPELINE else None,
+            pipeline=_parsed("pipeline", (pipeline or base.pipeline or PipelineParams()).schedule) if mode is Mode.PIPELINE else None,
             profile=bool(given.get("profile", False)),
             drafter=drafter,
         )
 
     def _drafter(self, mode: Mode, given: str | None) -> Drafter:
-        """The request's drafter, else the configured one, else the draft model (lookup when the
-        gateway has none); a mode that drafts without taking ``drafter`` needs the model."""
+        """The request's drafter, else the configured one, else the draft model (lookup when the gateway has none)."""
         has_model = self.draft.runner.has_weights
         if "drafter" not in MODES[mode].fields:
             if MODES[mode].drafts and not has_model:
@@ -304,9 +295,8 @@ class Requests:
                     yield f"{worker.name} ({replica.url})", info
 
 
-def request_grammar(body: CompletionRequest | ChatCompletionRequest) -> tuple[GrammarSpec | None, str]:
-    """The grammar a request asks for (``response_format`` or vLLM's ``structured_outputs``),
-    and the parameter that asked (what an error names)."""
+def request_grammar(body: Body) -> tuple[GrammarSpec | None, str]:
+    """The grammar a request asks for (``response_format`` or vLLM's ``structured_outputs``) and the parameter that asked."""
     fmt, outputs = body.response_format, body.structured_outputs
     asked = fmt is not None and fmt.type != "text"
     if asked and outputs is not None:
@@ -323,25 +313,18 @@ def request_grammar(body: CompletionRequest | ChatCompletionRequest) -> tuple[Gr
     given = [name for name, value in (("json", outputs.json_), ("regex", outputs.regex), ("choice", outputs.choice), ("grammar", outputs.grammar)) if value is not None]
     if len(given) != 1:
         raise ApiError(400, f"structured_outputs takes exactly one of json, regex, choice, grammar (got {given or 'none'})", "structured_outputs")
-    param = f"structured_outputs.{given[0]}"
-    if outputs.json_ is not None:
-        given_schema = outputs.json_
-        if isinstance(given_schema, str):
-            try:
-                given_schema = load_schema(given_schema)
-            except GrammarError as exc:
-                raise ApiError(400, f"{param}: {exc}", param) from None
-        return GrammarSpec.json_schema(given_schema), param
-    if outputs.regex is not None:
-        return GrammarSpec(GrammarKind.REGEX, outputs.regex), param
-    if outputs.choice is not None:
-        return GrammarSpec(GrammarKind.CHOICE, json.dumps(outputs.choice)), param
-    return GrammarSpec(GrammarKind.GRAMMAR, outputs.grammar or ""), param
+    param, given_schema = f"structured_outputs.{given[0]}", outputs.json_
+    if given_schema is None:  # a regex, choice or grammar: its kind
+        source = json.dumps(outputs.choice) if outputs.choice is not None else outputs.regex or outputs.grammar or ""
+        return GrammarSpec(GrammarKind(given[0]), source), param
+    try:
+        return GrammarSpec.json_schema(load_schema(given_schema) if isinstance(given_schema, str) else given_schema), param
+    except GrammarError as exc:  # a schema given as text that is not one
+        raise ApiError(400, f"{param}: {exc}", param) from None
 
 
 def _lone_surrogate(value: Any) -> str | None:
-    """The path (``messages.0.content``) of the first string in ``value`` that holds half a
-    surrogate pair — JSON lets a body escape one, no text can hold one — or None."""
+    """The path (``messages.0.content``) of the first string holding half a surrogate pair (JSON can escape one), or None."""
     stack: list[tuple[Any, str]] = [(value, "")]
     while stack:
         item, path = stack.pop()
@@ -356,29 +339,9 @@ def _lone_surrogate(value: Any) -> str | None:
     return None
 
 
-def _tree_shape(given: dict[str, Any] | None, base: TreeParams | None) -> TreeShape | None:
-    """The request's tree shape, else the configured one; None = the default by temperature. A
-    request that names only the payload keeps the configured shape."""
-    configured = base.shape() if base is not None else None
-    if given is None:
-        return configured
+def _parsed(key: str, make: Callable[[], T]) -> T:
+    """``make()``, its ValueError a 400 naming ``speculative.<key>``."""
     try:
-        return TreeParams(**given).shape() or configured
+        return make()
     except ValueError as exc:
-        raise ApiError(400, f"speculative.tree: {exc}", "speculative.tree") from None
-
-
-def _schedule(given: dict[str, Any] | None, base: PipelineParams | None) -> SegmentSchedule:
-    """The request's pipeline schedule, else the configured one, else the defaults."""
-    try:
-        return PipelineParams(**given).schedule() if given is not None else (base.schedule() if base is not None else SegmentSchedule())
-    except ValueError as exc:
-        raise ApiError(400, f"speculative.pipeline: {exc}", "speculative.pipeline") from None
-
-
-def _tree_payload(given: dict[str, Any] | None, base: TreeParams | None) -> str:
-    """The request's tree payload, else the configured one; aggregate's by default."""
-    payload = given.get("payload") if given is not None else (base.payload if base is not None else None)
-    return payload or Mode.AGGREGATE.value
-
-
+        raise ApiError(400, f"speculative.{key}: {exc}", f"speculative.{key}") from None

@@ -1,11 +1,12 @@
-"""Every OpenAI response and chunk the gateway sends (DESIGN §5), built here once: completion
-and chat bodies, their stream chunks, usage with our ``speculative`` block beside vLLM's
-``metrics``, and the logprobs of completions and chats."""
+"""Every OpenAI response and chunk the gateway sends (DESIGN §5), built here once: bodies, stream
+chunks, logprobs, and usage with our ``speculative`` block beside vLLM's ``metrics``."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 from app.engine import TokenLogprob
@@ -23,11 +24,7 @@ class Logprobs:
     def completion(self, job: Job, logprobs: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
         if logprobs is None:
             return None
-        pieces = [self._piece(lp.token) for lp in logprobs]
-        offsets, at = [], offset
-        for piece in pieces:
-            offsets.append(at)
-            at += len(piece)
+        offsets = list(itertools.accumulate([len(self._piece(lp.token)) for lp in logprobs], initial=offset))[:-1]
         name = self._namer(job)
         return {
             "tokens": [name(lp.token) for lp in logprobs],
@@ -66,7 +63,6 @@ class Logprobs:
         return str(self.tokenizer.decode([token]))
 
 
-
 def usage(job: Job) -> dict[str, Any]:
     """``usage`` (with our ``speculative`` block) and, beside it, vLLM's ``metrics``."""
     metrics = job.usage.vllm_metrics()
@@ -79,17 +75,14 @@ def envelope(job: Job) -> dict[str, Any]:
 
 
 def completion_body(logprobs: Logprobs, job: Job) -> Callable[[list[ChoiceEvent]], dict[str, Any]]:
+    offset = 0 if job.echo_logprobs else len(job.prompt_text)
+
     def build(events: list[ChoiceEvent]) -> dict[str, Any]:
         choices = [
-            {
-                "index": e.index,
-                "text": job.prompt_text + e.text,
-                "logprobs": logprobs.completion(job, e.logprobs, 0 if job.echo_logprobs else len(job.prompt_text)),
-                "finish_reason": e.finish_reason,
-            }
+            {"index": e.index, "text": job.prompt_text + e.text, "logprobs": logprobs.completion(job, e.logprobs, offset), "finish_reason": e.finish_reason}
             for e in events
         ]
-        return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model, "choices": choices, **usage(job)}
+        return {**envelope(job), "choices": choices, **usage(job)}
 
     return build
 
@@ -101,40 +94,33 @@ def chat_body(logprobs: Logprobs, job: Job) -> Callable[[list[ChoiceEvent]], dic
         return message_of(e.deltas)  # what the stream's deltas add up to (tools)
 
     def build(events: list[ChoiceEvent]) -> dict[str, Any]:
-        choices = []
-        for e in events:
-            choices.append({"index": e.index, "message": message(e), "logprobs": logprobs.chat(job, e.logprobs), "finish_reason": e.finish_reason})
-        return {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model, "choices": choices, **usage(job)}
+        choices = [{"index": e.index, "message": message(e), "logprobs": logprobs.chat(job, e.logprobs), "finish_reason": e.finish_reason} for e in events]
+        return {**envelope(job), "object": "chat.completion", "choices": choices, **usage(job)}
 
     return build
 
 
 def completion_chunks(logprobs: Logprobs, job: Job) -> Callable[[ChoiceEvent | None], list[dict[str, Any]]]:
     offsets = {c.choice: len(job.prompt_text) for c in job.choices}
-    head = {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model}
+    head = envelope(job)
 
     def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
         if event is None:  # the echoed prompt, before any token (with its logprobs: when they come)
             echoed = job.prompt_text and not job.echo_logprobs
-            return [{**head, "choices": [{"index": c.choice, "text": job.prompt_text, "logprobs": None, "finish_reason": None}]} for c in job.choices] if echoed else []
+            return [_chunk(head, c.choice, text=job.prompt_text) for c in job.choices] if echoed else []
         if event.is_prompt:
-            choice = {"index": event.index, "text": job.prompt_text, "logprobs": logprobs.completion(job, event.logprobs, 0), "finish_reason": None}
-            return [{**head, "choices": [choice]}]
+            return [_chunk(head, event.index, logprobs.completion(job, event.logprobs, 0), text=job.prompt_text)]
         formatted = logprobs.completion(job, event.logprobs, offsets[event.index])
         offsets[event.index] += len(event.text)
         if not event.text and not event.finish_reason and not event.logprobs:
             return []
-        choice = {"index": event.index, "text": event.text, "logprobs": formatted, "finish_reason": event.finish_reason}
-        return [{**head, "choices": [choice], **round_field(event)}]
+        return [{**_chunk(head, event.index, formatted, event.finish_reason, text=event.text), **round_field(event)}]
 
     return build
 
 
 def chat_chunks(logprobs: Logprobs, job: Job) -> Callable[[ChoiceEvent | None], list[dict[str, Any]]]:
-    head = {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": job.model}
-
-    def choice(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
-        return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    head = envelope(job)
 
     def deltas(event: ChoiceEvent) -> list[dict[str, Any]]:
         """The event's text as deltas: itself, or (tools) the generic format read into OpenAI's shapes."""
@@ -144,24 +130,28 @@ def chat_chunks(logprobs: Logprobs, job: Job) -> Callable[[ChoiceEvent | None], 
 
     def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
         if event is None:  # one role delta per choice index, first
-            return [choice(c.choice, {"role": "assistant", "content": None if job.tools else ""}) for c in job.choices]  # a call has no content
+            return [_chunk(head, c.choice, delta={"role": "assistant", "content": None if job.tools else ""}) for c in job.choices]  # a call has no content
         out = []
         pieces = deltas(event)
         if event.logprobs and not pieces:
             pieces = [{"content": ""}]
         for i, delta in enumerate(pieces):
             formatted = logprobs.chat(job, event.logprobs) if i == 0 else None
-            out.append({**choice(event.index, delta, formatted), **(round_field(event) if i == 0 else {})})
+            out.append({**_chunk(head, event.index, formatted, delta=delta), **(round_field(event) if i == 0 else {})})
         if event.finish_reason:
-            out.append(choice(event.index, {}, None, event.finish_reason))
+            out.append(_chunk(head, event.index, None, event.finish_reason, delta={}))
         return out
 
     return build
 
 
+def _chunk(head: dict[str, Any], index: int, logprobs: Any = None, finish: str | None = None, **body: Any) -> dict[str, Any]:
+    """A stream chunk of one choice: ``body`` is its text (completions) or delta (chat)."""
+    return {**head, "choices": [{"index": index, **body, "logprobs": logprobs, "finish_reason": finish}]}
+
+
 def round_field(event: ChoiceEvent) -> dict[str, Any]:
-    """The stream extension ``"speculative": {accepted, drafted, draft_chars, bytes}``: what the
-    chunk's round did. OpenAI clients ignore it; the chat page colours the text with it."""
-    return {"speculative": event.round.to_dict()} if event.round is not None else {}
+    """The stream extension ``"speculative"``: what the chunk's round did (OpenAI clients ignore it; the chat page colours text with it)."""
+    return {"speculative": asdict(event.round)} if event.round is not None else {}
 
 

@@ -1,5 +1,4 @@
-"""The OpenAI request bodies the gateway accepts (DESIGN §5), and the ``speculative``
-extension. Pydantic lives here, at the HTTP boundary, and nowhere deeper."""
+"""The OpenAI request bodies the gateway accepts and the ``speculative`` extension (DESIGN §5): pydantic at the HTTP boundary only."""
 
 from __future__ import annotations
 
@@ -8,42 +7,38 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from core.config import PipelineParams, TreeParams
+from core.config import PipelineParams, TreeParams, in_range
 from core.grammar import MAX_JSON_DEPTH, json_depth
 from core.names import Drafter, Mode, Reconstruction
-
-# Known OpenAI parameters that this gateway does not implement: a 400 names them.
-UNSUPPORTED = {
-    "suffix", "best_of", "functions", "function_call",
-    "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "service_tier",
-}
-
 
 _TOKEN_ID = re.compile(r"\s*([0-9]{1,10})\s*")  # ASCII digits only: str.isdigit takes "²", which int() refuses
 
 
 def _shallow(value: Any) -> Any:
-    """A JSON value nested at most MAX_JSON_DEPTH levels (the schema rewrite and the grammar
-    engine walk it recursively: deeper, they would run out of stack)."""
+    """A JSON value nested at most MAX_JSON_DEPTH levels (deeper, the schema rewrite and the grammar engine would run out of stack)."""
     depth = json_depth(value)
     if depth > MAX_JSON_DEPTH:
         raise ValueError(f"nested {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
     return value
 
 
-class RelaxationParams(BaseModel):
-    """``"speculative": {"relaxation": {...}}``: DSD's relaxed verification (lossy, DESIGN §3.8)."""
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a typo in a field is a 400, not ignored
 
-    model_config = ConfigDict(extra="forbid")
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")  # a request's extras are reported as unsupported, by name
+
+
+class RelaxationParams(_Strict):
+    """``"speculative": {"relaxation": {...}}``: DSD's relaxed verification (lossy, DESIGN §3.8)."""
 
     tau_max: float = Field(default=0.5, ge=0, lt=1)  # τ's ceiling; 0 = strict
     kl_scale: float = Field(default=1.0, gt=0)  # nats: τ falls by e per kl_scale of KL(q ‖ p)
 
 
-class SpeculativeParams(BaseModel):
+class SpeculativeParams(_Strict):
     """``"speculative": {...}`` in a request: overrides the configured decoding for it."""
-
-    model_config = ConfigDict(extra="forbid")
 
     mode: Mode | None = None
     num_draft_tokens: int | Literal["auto"] | None = None
@@ -58,31 +53,17 @@ class SpeculativeParams(BaseModel):
     profile: bool | None = None  # usage speculative.profile: each round's time by part, bytes and tokens
     drafter: Drafter | None = None  # model | lookup | model+lookup: where a draft comes from (DESIGN §3.10)
 
-    @field_validator("k")
-    @classmethod
-    def _k(cls, value: int | str | None) -> int | str | None:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("k must be ≥ 1 or 'full'")
-        return value
-
-    @field_validator("num_draft_tokens")
-    @classmethod
-    def _gamma(cls, value: int | str | None) -> int | str | None:
-        if isinstance(value, int) and not 1 <= value <= 32:
-            raise ValueError("num_draft_tokens must lie in [1, 32] or be 'auto'")
-        return value
+    _in_range = field_validator("k", "num_draft_tokens")(in_range)  # the config's checks (mode: a 400 of its own, app.requests)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_Strict):
     """``response_format.json_schema``: OpenAI's named schema."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
@@ -92,19 +73,15 @@ class JsonSchemaFormat(BaseModel):
     _depth = field_validator("json_schema")(_shallow)
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(_Strict):
     """``response_format``: ``text``, ``json_object`` (any JSON object) or ``json_schema``."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(_Strict):
     """vLLM's ``structured_outputs``: exactly one of a schema, a regex, choices or a grammar."""
-
-    model_config = ConfigDict(extra="forbid")
 
     json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
     regex: str | None = None
@@ -114,9 +91,7 @@ class StructuredOutputs(BaseModel):
     _depth = field_validator("json_")(_shallow)
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")  # extras are reported as unsupported, by name
-
+class _Common(_Open):
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
@@ -191,10 +166,8 @@ class CompletionRequest(_Common):
         return value
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(_Strict):
     """``tools[i].function``: a function the model may call."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
@@ -209,65 +182,56 @@ class FunctionDef(BaseModel):
         return _shallow(value)
 
 
-class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ToolDef(_Strict):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class FunctionName(_Strict):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Strict):
     """``tool_choice: {"type": "function", "function": {"name": …}}``: call this one."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["function"]
     function: FunctionName
 
 
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class CalledFunction(_Open):
     name: str
     arguments: str  # JSON text, as the API sends it
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(_Open):
     """An assistant message's ``tool_calls[i]`` in the conversation."""
-
-    model_config = ConfigDict(extra="allow")
 
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ContentPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+    def to_dict(self) -> dict[str, Any]:
+        """As the chat template takes it: the text, developer as system, the calls or the call answered."""
+        text = "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content or ""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in self.tool_calls]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_Common):
@@ -281,13 +245,4 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool = True
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        role = {"developer": "system"}
-        out = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": role.get(m.role, m.role), "content": m.text()}
-            if m.tool_calls:
-                message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in m.tool_calls]
-            if m.role == "tool":
-                message["tool_call_id"] = m.tool_call_id
-            out.append(message)
-        return out
+        return [m.to_dict() for m in self.messages]

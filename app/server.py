@@ -46,12 +46,14 @@ from core.serving import Guard
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 T = TypeVar("T")
+B = TypeVar("B", CompletionRequest, ChatCompletionRequest)
+Chunks = Callable[[ChoiceEvent | None], list[dict[str, Any]]]
+Whole = Callable[[list[ChoiceEvent]], dict[str, Any]]
 
 
 def load_draft(config: SpecgateConfig) -> ModelRunner:
-    """The gateway's draft runner, on the thread that will run it: the model, its fingerprint
-    computed and a warm-up run (the first request as fast as the next); with ``draft.model:
-    none``, a tokenizer alone (lookup drafts, DESIGN §3.10)."""
+    """The draft runner, loaded on the thread that will run it, fingerprinted and warmed up (the first
+    request as fast as the next); with ``draft.model: none`` a tokenizer alone (DESIGN §3.10)."""
     draft = config.draft
     if draft.model == NONE:
         runner: ModelRunner = tokenizer_only(draft.tokenizer or BUILTIN, config.draft_context)
@@ -69,9 +71,8 @@ def create_app(
     instance_id: str | None = None,
     model_thread: ModelThread | None = None,
 ) -> FastAPI:
-    """The gateway for ``config``. ``draft_runner`` and ``transport`` replace the draft model
-    and the HTTP transport to the workers (tests); ``/health`` reports ``instance_id`` (a random
-    one by default), so ``specgate serve`` knows the process answering is the one it started."""
+    """The gateway for ``config``; ``draft_runner`` and ``transport`` replace the draft and the workers'
+    transport (tests); ``/health`` reports ``instance_id``, so ``specgate serve`` knows it is its own."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
@@ -82,8 +83,7 @@ def create_app(
         metrics.watch(pool)
         draft_model = DraftModel(runner, thread, config.draft.max_batch_tokens)
         metrics.watch_draft(draft_model)
-        gateway = Gateway(config, draft_model, pool, metrics)
-        app.state.gateway = gateway
+        gateway = app.state.gateway = Gateway(config, draft_model, pool, metrics)
         app.state.logprobs = Logprobs(gateway.tokenizer)
         app.state.draft_threads = runner.threads
         for entry in await gateway.check_workers():
@@ -150,47 +150,35 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        gateway, logprobs = _gateway(request), request.app.state.logprobs
-        job = gateway.completion_job(body)
-        await gateway.compile(job)
-        return await _respond(request, job, body.stream, _include_usage(body), completion_chunks(logprobs, job), completion_body(logprobs, job))
+        return await _respond(request, body, _gateway(request).completion_job, completion_chunks, completion_body)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        gateway, logprobs = _gateway(request), request.app.state.logprobs
-        job = gateway.chat_job(body)
-        await gateway.compile(job)
-        return await _respond(request, job, body.stream, _include_usage(body), chat_chunks(logprobs, job), chat_body(logprobs, job))
+        return await _respond(request, body, _gateway(request).chat_job, chat_chunks, chat_body)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
-    return body.stream_options is not None and body.stream_options.include_usage
-
-
 async def _respond(
-    request: Request,
-    job: Job,
-    stream: bool,
-    include_usage: bool,
-    chunks: Callable[[ChoiceEvent | None], list[dict[str, Any]]],
-    whole: Callable[[list[ChoiceEvent]], dict[str, Any]],
+    request: Request, body: B, to_job: Callable[[B], Job], chunks: Callable[[Logprobs, Job], Chunks], whole: Callable[[Logprobs, Job], Whole],
 ) -> Response:
-    gateway = _gateway(request)
+    gateway, logprobs = _gateway(request), request.app.state.logprobs
+    job = to_job(body)
+    await gateway.compile(job)
     await gateway.ensure_workers()
     release = await request.app.state.admission.enter()  # 429 here, before any byte of a stream
-    if not stream:
+    if not body.stream:
         try:
             events = await _unless_disconnected(request, gateway.collect(job))
         finally:
             release()
-        return JSONResponse(whole(events))
-    body = _sse(request, job, include_usage, chunks, release)
+        return JSONResponse(whole(logprobs, job)(events))
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    stream = _sse(request, job, include_usage, chunks(logprobs, job), release)
     grace = gateway.config.limits.drain_timeout_s + 1  # our own deadline ends the stream first
-    return _Stream(body, release, ping=15, sep="\n", shutdown_grace_period=grace)
+    return _Stream(stream, release, ping=15, sep="\n", shutdown_grace_period=grace)
 
 
 class _Stream(EventSourceResponse):
@@ -223,10 +211,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def _sse(request: Request, job: Job, include_usage: bool, chunks: Callable[[ChoiceEvent | None], list[dict[str, Any]]], release: Release) -> AsyncGenerator[dict[str, str], None]:
-    """``data: {chunk}`` … ``data: [DONE]``; a failure mid-stream is an error event, then [DONE].
-    A client that goes away cancels this generator at its next await: the engine's ``finally``
-    frees the worker sessions."""
+async def _sse(request: Request, job: Job, include_usage: bool, chunks: Chunks, release: Release) -> AsyncGenerator[dict[str, str], None]:
+    """``data: {chunk}`` … ``data: [DONE]``; a failure mid-stream is an error event, then [DONE]. A client
+    that goes away cancels this generator at its next await (the engine's ``finally`` frees the sessions)."""
     admission: Admission = request.app.state.admission
     usage_field = {"usage": None} if include_usage else {}
     try:
@@ -240,14 +227,12 @@ async def _sse(request: Request, job: Job, include_usage: bool, chunks: Callable
                     raise ApiError(503, "the gateway shut down before this stream finished", code="shutting_down", kind="server_error")
         if include_usage:
             yield _data({**envelope(job), "choices": [], **usage(job)})
-    except WorkerError as exc:
-        log.warning("stream %s failed: %s", job.id, exc)
-        yield _data(ApiError(exc.status, str(exc), code="worker_error", kind="server_error").body())
-    except ApiError as exc:
-        yield _data(exc.body())
     except Exception as exc:  # noqa: BLE001 - never a stream cut short: an error event, then [DONE]
-        log.exception("stream %s failed", job.id)
-        yield _data(ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error", kind="server_error").body())
+        if isinstance(exc, WorkerError):
+            log.warning("stream %s failed: %s", job.id, exc)
+        elif not isinstance(exc, ApiError):
+            log.exception("stream %s failed", job.id)
+        yield _data(_api_error(exc).body())
     finally:
         release()
     yield {"data": "[DONE]"}
@@ -260,12 +245,6 @@ def _data(payload: dict[str, Any]) -> dict[str, str]:
         return {"data": json.dumps(payload, ensure_ascii=True, separators=(",", ":"))}
 
 
-# ----------------------------------------------------------------------------- bodies
-
-
-# ----------------------------------------------------------------------------- errors
-
-
 class _AsciiJSON(JSONResponse):
     """JSON in ASCII: an error message may quote what a client sent, lone surrogates included."""
 
@@ -273,41 +252,48 @@ class _AsciiJSON(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
-    return _AsciiJSON(ApiError(status, message, param, code, kind).body(), status_code=status, headers=headers)
+def _api_error(exc: Exception) -> ApiError:
+    """Any error as its client sees it: a worker's as ``worker_error``, an unexpected one as a 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, WorkerError):
+        return ApiError(exc.status, str(exc), code="worker_error", kind="server_error")
+    return ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error", kind="server_error")
+
+
+def _error(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return _AsciiJSON(error.body(), status_code=error.status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
-        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-        return _error(exc.status, exc.message, exc.param, exc.code, exc.kind, headers)
+        return _error(exc, {"Retry-After": "1"} if exc.status in (429, 503) else None)
 
     @app.exception_handler(WorkerError)
     async def worker_error(request: Request, exc: WorkerError) -> Response:
-        headers = {"Retry-After": "5"} if exc.status == 503 else None
-        return _error(exc.status, str(exc), None, "worker_error", "server_error", headers)
+        return _error(_api_error(exc), {"Retry-After": "5"} if exc.status == 503 else None)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0]
         loc = [str(p) for p in first.get("loc", ())]
         if first.get("type") == "json_invalid":
-            return _error(400, f"malformed JSON body: {first.get('msg')}", None, "invalid_json")
+            return _error(ApiError(400, f"malformed JSON body: {first.get('msg')}", code="invalid_json"))
         if loc == ["body"]:  # the body itself: not a JSON object (or sent without Content-Type: application/json)
-            return _error(400, "the body must be a JSON object, sent with Content-Type: application/json", None, "invalid_json")
+            return _error(ApiError(400, "the body must be a JSON object, sent with Content-Type: application/json", code="invalid_json"))
         param = ".".join(loc[1:] if loc[:1] == ["body"] else loc)  # the request's own field, as OpenAI names it
         message = str(first.get("msg", "")).removeprefix("Value error, ")
-        return _error(400, f"{param}: {message}", param, "invalid_value")
+        return _error(ApiError(400, f"{param}: {message}", param, "invalid_value"))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's, for JSON its parser cannot take
-            return _error(400, "malformed JSON body: it could not be parsed (nested too deeply?)", None, "invalid_json")
-        return _error(exc.status_code, str(exc.detail), None, None, kind)
+            return _error(ApiError(400, "malformed JSON body: it could not be parsed (nested too deeply?)", code="invalid_json"))
+        return _error(ApiError(exc.status_code, str(exc.detail), kind=kind))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error in %s", request.url.path)
-        return _error(500, f"internal error: {type(exc).__name__}", None, "internal_error", "server_error")
+        return _error(_api_error(exc))

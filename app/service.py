@@ -1,8 +1,5 @@
-"""The gateway's service (DESIGN §5): what the app holds — config, draft, targets, engine —
-the targets' readiness, the job's grammar compiled off the event loop, and its choices run:
-rounds to text events (incremental detokenisation, stop strings, tools), counted in usage and
-metrics. A request becomes a job in ``app.requests``; events become OpenAI bodies and chunks
-in ``app.responses``."""
+"""The gateway's service (DESIGN §5): the targets' readiness, a job's grammar compiled off the event loop, its choices run
+from rounds to text events, counted in usage and metrics (requests become jobs in app.requests, events bodies in app.responses)."""
 
 from __future__ import annotations
 
@@ -42,16 +39,12 @@ class ChoiceEvent:
 
 @dataclass(frozen=True)
 class RoundInfo:
-    """One round as a chat UI shows it: the first ``draft_chars`` characters of the event's text
-    are accepted draft tokens, the rest the target's (recovered or bonus) token."""
+    """One round as a chat UI shows it: the event's first ``draft_chars`` characters are accepted draft tokens, the rest the target's."""
 
     accepted: int
     drafted: int
     draft_chars: int
     bytes: int  # to and from the workers, this round
-
-    def to_dict(self) -> dict[str, int]:
-        return {"accepted": self.accepted, "drafted": self.drafted, "draft_chars": self.draft_chars, "bytes": self.bytes}
 
 
 class Gateway(Requests):
@@ -66,8 +59,6 @@ class Gateway(Requests):
         self.engine = Engine(draft, pool, draft.runner.info.eos_ids, draft.runner.info.max_context)
         self._workers_checked = False
         self._engine_warned: set[str] = set()
-
-    # ----------------------------------------------------------------- workers
 
     async def check_workers(self) -> list[dict[str, Any]]:
         """/v1/info of every replica of every worker, checked against the draft's tokenizer."""
@@ -105,8 +96,7 @@ class Gateway(Requests):
         return self.engine.grammars
 
     async def compile(self, job: Job) -> None:
-        """Compile the job's grammar (cached by content) off the event loop, within the limit:
-        a 400 naming the parameter when it does not compile or takes too long."""
+        """Compile the job's grammar off the event loop: a 400 naming the parameter if it fails or takes too long."""
         transform = job.choices[0].transform
         if transform is None or transform.grammar is None:
             return
@@ -128,8 +118,6 @@ class Gateway(Requests):
             except GrammarError:
                 return f"tools.{i}.function.parameters"
         return None
-
-    # ----------------------------------------------------------------- running
 
     async def events(self, job: Job) -> AsyncGenerator[ChoiceEvent, None]:
         """Events of every choice as they come; n > 1 choices run side by side."""

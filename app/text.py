@@ -1,9 +1,5 @@
-"""From tokens to streamed text: incremental detokenisation and stop strings (no I/O).
-
-Text leaves only when it is final: never half a UTF-8 character (the tokenizer's U+FFFD for
-an incomplete byte sequence is held back), never the beginning of what may become a stop
-string (held back until it is known not to be one).
-"""
+"""From tokens to streamed text, free of I/O: text leaves only when it is final, never half a
+UTF-8 character (the tokenizer's U+FFFD) nor what may begin a stop string."""
 
 from __future__ import annotations
 
@@ -15,14 +11,8 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Feeds token ids, returns the new text that is final.
-
-    As vLLM's detokenizer: only a window is decoded each time — the tokens from
-    ``prefix_offset`` on, where ``tokens[prefix_offset:read_offset]`` were decoded before (their
-    text gives the context a token's text may depend on, e.g. a leading space) — so a choice of
-    n tokens costs O(n) decoded tokens, not O(n²). The window moves on once its text ends in a
-    whole character; until then the part before the incomplete character is emitted.
-    """
+    """Feeds token ids, returns the new text that is final. As vLLM's, it decodes only a window
+    (``tokens[prefix_offset:]``, its head for context such as a leading space): O(n), not O(n²)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -35,8 +25,7 @@ class IncrementalDetokenizer:
     def push(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
         prefix, text = self._window()
-        stable = len(text.rstrip(_REPLACEMENT))
-        new = text[len(prefix) + self._emitted : stable] if stable > len(prefix) + self._emitted else ""
+        new = text[len(prefix) + self._emitted : len(text.rstrip(_REPLACEMENT))]  # empty while only an incomplete character is new
         self._emitted += len(new)
         if not text.endswith(_REPLACEMENT):
             self.prefix_offset, self.read_offset, self._emitted = self.read_offset, len(self.tokens), 0
@@ -80,12 +69,8 @@ class StopMatcher:
         return buffer[: len(buffer) - keep]
 
     def skip(self, text: str) -> str:
-        """``text`` (after what is held back) as final, unsearched: vLLM's min_tokens looks for no
-        stop string in the first tokens' text."""
-        if self.stopped:
-            return ""
-        out, self._pending = self._pending + text, ""
-        return out
+        """``text`` (after what is held back) as final, unsearched (min_tokens)."""
+        return self.flush() + text if not self.stopped else ""
 
     def flush(self) -> str:
         out, self._pending = ("" if self.stopped else self._pending), ""
@@ -103,15 +88,9 @@ class StopMatcher:
 
 
 class ChoiceText:
-    """One choice's tokens → what its client sees: the text, and (tools) the deltas of the
-    generic format read into calls (``app.tools.ToolOutput``).
-
-    Stop strings apply where the model writes freely — the whole answer without a grammar, a
-    text ``response`` in the tools format — and not inside what a grammar writes (a schema's
-    JSON, a tool call's arguments): those end where their grammar ends, so that a stop string
-    cannot cut them into something that does not parse. As vLLM's min_tokens, no stop string is
-    looked for in the first ``min_tokens`` tokens' text.
-    """
+    """One choice's tokens → the deltas its client sees (with tools: ``app.tools.ToolOutput``).
+    Stop strings apply only where the model writes freely, so a stop string cannot cut a grammar's
+    JSON into something that does not parse; as vLLM's min_tokens, none in the first tokens' text."""
 
     def __init__(self, tokenizer: Any, stops: list[str], min_tokens: int = 0, tools: ToolOutput | None = None, grammar: bool = False) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
@@ -136,22 +115,20 @@ class ChoiceText:
         return self._stopped(self.tools.push(head + rest))
 
     def finish(self, reason: str) -> tuple[list[dict[str, Any]], str]:
-        """The last deltas (what was held back) and the finish reason the client sees: ``stop``
-        when a stop string ended it, ``tool_calls`` when a whole answer made calls."""
+        """The last deltas (what was held back) and the finish reason the client sees (``stop``, ``tool_calls``)."""
         if self.stopped:
             return [], "stop"
         tail = self.detok.flush()
         if self.tools is None:
-            out = _content(self.matcher.push(tail))
-            return out + _content(self.matcher.flush()) if not self.stopped else out, "stop" if self.stopped else reason
-        deltas = self._stopped(self.tools.push(tail))
+            deltas = _content(self.matcher.push(tail))
+        else:
+            deltas = self._stopped(self.tools.push(tail))
+            if not self.stopped:
+                deltas += self._stopped(self.tools.flush(cut=reason == "length"))
+        deltas += _content(self.matcher.flush())  # nothing once stopped
         if self.stopped:
             return deltas, "stop"
-        deltas += self._stopped(self.tools.flush(cut=reason == "length"))
-        deltas += _content(self.matcher.flush())
-        if self.stopped:
-            return deltas, "stop"
-        called = reason == "stop" and self.tools.calls and self.tools.is_complete
+        called = self.tools is not None and reason == "stop" and self.tools.calls and self.tools.is_complete
         return deltas, "tool_calls" if called else reason
 
     def _stopped(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:

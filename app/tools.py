@@ -1,14 +1,5 @@
-"""Tool calls in the generic format (DESIGN §3.9, llama.cpp's anchor), free of I/O.
-
-The model answers with one JSON object, constrained by a grammar: either the calls,
-``{"tool_calls":[{"name":…,"arguments":{…}},…]}``, or a text answer, ``{"response":"…"}``
-(``tool_choice: required`` or a named function allow only the calls; ``none`` drops the grammar).
-The tools and that schema are described in a system message; earlier calls and tool results
-in the conversation are rendered in the same format. ``ToolOutput`` reads the answer as it is
-generated and turns it into OpenAI's shapes: ``content`` deltas for a response, and per call a
-first ``delta.tool_calls`` piece with ``index``, ``id``, ``type`` and the name, then pieces of
-``arguments`` (DESIGN §5).
-"""
+"""Tool calls in the generic format (DESIGN §3.9), free of I/O: the model answers ``{"tool_calls":[{"name":…,"arguments":{…}},…]}``
+or ``{"response":"…"}``, described in a system message; ``ToolOutput`` reads it, as generated, into OpenAI's deltas."""
 
 from __future__ import annotations
 
@@ -43,8 +34,7 @@ def call_schema(tool: Tool) -> dict[str, Any]:
 
 
 def generic_schema(tools: list[Tool], required: bool, parallel: bool, response: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The schema of the answer: the calls (one or, with ``parallel``, several), or — unless
-    ``required`` — a response (a string, or ``response``'s schema when response_format gives one)."""
+    """The answer's schema: the calls (several with ``parallel``), or unless ``required`` a response (``response``'s schema, else a string)."""
     calls = {"anyOf": [call_schema(t) for t in tools]} if len(tools) > 1 else call_schema(tools[0])
     items: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
     if not parallel:
@@ -63,9 +53,7 @@ def tools_prompt(tools: list[Tool], schema: dict[str, Any], required: bool) -> s
 
 
 def render_messages(messages: list[dict[str, Any]], system: str | None) -> list[dict[str, str]]:
-    """The conversation as the chat template takes it: an assistant's calls as the JSON it would
-    have answered, a tool's result as ``{"tool_response": {name, content}}``, and ``system``
-    (the tools' description) joined to the first system message or put before the rest."""
+    """For the chat template: calls as the model's JSON, results as ``{"tool_response": {name, content}}``, ``system`` joined to the first."""
     names: dict[str, str] = {}
     out: list[dict[str, str]] = []
     for m in messages:
@@ -88,10 +76,6 @@ def render_messages(messages: list[dict[str, Any]], system: str | None) -> list[
     return out
 
 
-def call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 @dataclass
 class ToolCall:
     index: int
@@ -99,22 +83,11 @@ class ToolCall:
     name: str
     arguments: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
 
 @dataclass
 class ToolOutput:
-    """Reads an answer in the generic format as it arrives (a character scanner: the grammar makes
-    the JSON compact, with ``name`` before ``arguments``). ``push`` returns what is new as
-    OpenAI deltas: ``{"content": …}`` for a response's text, ``{"tool_calls": [piece]}`` for calls.
-
-    ``raw_response``: the response has a schema of its own (response_format), so its JSON text is
-    the content; otherwise it is a string, whose decoded text is the content. The text read so
-    far is either shown (content, call pieces) or structure (the wrapper's keys and brackets);
-    ``flush`` at a cut (``max_tokens``) shows what is neither yet — a half-written opening or
-    call name — as content, so an answer cut short loses none of what was generated.
-    """
+    """Reads the generic format as it arrives into OpenAI deltas (``push``): a character scanner, as the grammar makes the JSON
+    compact, ``name`` before ``arguments``. With ``raw_response`` (response_format) a response's JSON text is the content."""
 
     raw_response: bool = False
     calls: list[ToolCall] = field(default_factory=list)
@@ -127,20 +100,11 @@ class ToolOutput:
     _escaped: bool = False
 
     @property
-    def is_calls(self) -> bool:
-        return bool(self.calls)
-
-    @property
     def is_complete(self) -> bool:
         """The answer is whole: its JSON closed, and every call's arguments parse."""
         if self._state != "done" or self._buffer[self._at :].strip("}"):
             return False
-        return all(_parses(call.arguments) for call in self.calls)
-
-    @property
-    def is_free_text(self) -> bool:
-        """What is read now is a string response's text (where stop strings apply)."""
-        return self._state in ("text", "raw")
+        return all(_loads(call.arguments) is not _INVALID for call in self.calls)
 
     def push(self, text: str) -> list[dict[str, Any]]:
         self._buffer += text
@@ -156,31 +120,20 @@ class ToolOutput:
 
     def _step(self) -> dict[str, Any] | None:
         rest = self._buffer[self._at :]
-        if self._state == "start":
-            return self._opening(rest)
-        if self._state == "text":
-            return self._text(rest)
-        if self._state == "value":  # a response with a schema of its own: its JSON, as it comes
-            return self._raw_value(rest, into_content=True)
-        if self._state == "call":
-            return self._call(rest)
-        if self._state == "arguments":
-            return self._raw_value(rest, into_content=False)
+        if self._state in ("value", "arguments"):  # JSON as it comes: a call's arguments, or a response with a schema of its own
+            return self._raw_value(rest, into_content=self._state == "value")
         if self._state == "between":  # "}" closes the call, then "," or "]"
-            if rest.startswith("},"):
-                self._at += 2
-                self._state = "call"
-            elif rest.startswith("}]"):
-                self._at += 2
-                self._state = "done"
-            elif len(rest) >= 2:
-                return self._give_up()
+            after = {"},": "call", "}]": "done"}.get(rest[:2])
+            if after is None:
+                return self._give_up() if len(rest) >= 2 else None
+            self._at, self._state = self._at + 2, after
             return None
         if self._state == "done":  # the wrapper's closing braces
             closing = len(rest) - len(rest.lstrip("}"))
             self._at += closing
             return None if closing == len(rest) else self._give_up()
-        return self._give_up()  # raw: not the generic format
+        step = {"start": self._opening, "text": self._text, "call": self._call}.get(self._state)
+        return step(rest) if step is not None else self._give_up()  # raw: not the generic format
 
     def _opening(self, rest: str) -> dict[str, Any] | None:
         calls, response = '{"tool_calls":[', '{"response":'
@@ -206,7 +159,7 @@ class ToolOutput:
             return None if closing.startswith(rest[end:]) else self._give_up()
         name = rest[len(opening) : end]
         self._at += end + len(closing)
-        call = ToolCall(len(self.calls), call_id(), name)
+        call = ToolCall(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", name)
         self.calls.append(call)
         self._state, self._depth = "arguments", 0
         return {"tool_calls": [{"index": call.index, "id": call.id, "type": "function", "function": {"name": name, "arguments": ""}}]}
@@ -214,29 +167,22 @@ class ToolOutput:
     def _text(self, rest: str) -> dict[str, Any] | None:
         """A string response's characters, escapes decoded (a surrogate pair as one character)."""
         out, i = [], 0
-        while i < len(rest):
-            ch = rest[i]
-            if ch == '"':
-                i += 1
-                self._state = "done"
-                break
-            if ch != "\\":
-                out.append(ch)
-                i += 1
-                continue
-            decoded = _escape_at(rest, i)
+        while i < len(rest) and rest[i] != '"':
+            decoded = _escape_at(rest, i) if rest[i] == "\\" else (rest[i], 1)
             if decoded is None:
                 break  # the escape is not complete yet
             out.append(decoded[0])
             i += decoded[1]
+        if rest[i : i + 1] == '"':
+            i += 1
+            self._state = "done"
         self._at += i
         piece = "".join(out)
         self.content += piece
         return {"content": piece} if piece else None
 
     def _raw_value(self, rest: str, into_content: bool) -> dict[str, Any] | None:
-        """A value as raw JSON, up to its end: the bracket that closes an object or array, or —
-        for a number, string, true, false or null at the top — the wrapper's "}" after it."""
+        """A value as raw JSON up to its end: the bracket that closes it, or (a scalar at the top) the wrapper's "}" after it."""
         i, ended = 0, False
         while i < len(rest) and not ended:
             ch = rest[i]
@@ -269,22 +215,16 @@ class ToolOutput:
         return {"tool_calls": [{"index": self.calls[-1].index, "function": {"arguments": piece}}]} if piece else None
 
     def flush(self, cut: bool = False) -> list[dict[str, Any]]:
-        """At the end of the answer: text read but not yet shown, as content. An opening never
-        completed is content at any end; ``cut`` (the answer ended at max_tokens) shows the
-        rest too — a half-written call or escape — and, when nothing was shown at all, the
-        whole text generated (a cut before the first call's name)."""
+        """At the end: an opening never completed as content; with ``cut`` (max_tokens) the rest too (all, when nothing was shown)."""
         if not cut and self._state != "start":
             return []
-        rest = self._buffer[self._at :] if self.calls or self.content else self._buffer
-        self._at, self._state = len(self._buffer), "raw"
-        self.content += rest
-        return [{"content": rest}] if rest else []
+        delta = self._give_up(whole=not (self.calls or self.content))
+        return [delta] if delta else []
 
-    def _give_up(self) -> dict[str, Any] | None:
+    def _give_up(self, whole: bool = False) -> dict[str, Any] | None:
         """Not the generic format after all (the grammar was cut short): the rest is content."""
-        rest = self._buffer[self._at :]
-        self._at = len(self._buffer)
-        self._state = "raw"
+        rest = self._buffer if whole else self._buffer[self._at :]
+        self._at, self._state = len(self._buffer), "raw"
         self.content += rest
         return {"content": rest} if rest else None
 
@@ -293,9 +233,7 @@ _HEX = frozenset("0123456789abcdefABCDEF")
 
 
 def _escape_at(text: str, i: int) -> tuple[str, int] | None:
-    """The JSON string escape at ``text[i]`` (a backslash): its character and length; None
-    while it may still grow. A surrogate pair (two \\uXXXX) is one character; a lone
-    surrogate, which no text can hold, is U+FFFD."""
+    """The JSON escape at ``text[i]``: (character, length), None while it may grow; a surrogate pair is one character, a lone one U+FFFD."""
     if len(text) < i + 2:
         return None
     if text[i + 1] != "u":
@@ -323,12 +261,14 @@ def _hex(digits: str) -> int | None:
     return int(digits, 16) if len(digits) == 4 and set(digits) <= _HEX else None
 
 
-def _parses(arguments: str) -> bool:
+_INVALID = object()  # what _loads returns for text that is not JSON (or nests past the stack)
+
+
+def _loads(text: str) -> Any:
     try:
-        json.loads(arguments)
+        return json.loads(text)
     except (ValueError, RecursionError):
-        return False
-    return True
+        return _INVALID
 
 
 def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -348,11 +288,8 @@ def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _arguments(value: str) -> Any:
     """A call's arguments as the JSON they hold (as sent when they hold none, or nest past the stack)."""
-    try:
-        parsed = json.loads(value)
-    except (ValueError, RecursionError):
-        return value
-    return parsed if json_depth(parsed) <= MAX_JSON_DEPTH else value
+    parsed = _loads(value)
+    return parsed if parsed is not _INVALID and json_depth(parsed) <= MAX_JSON_DEPTH else value
 
 
 def _compact(value: Any) -> str:
@@ -360,8 +297,7 @@ def _compact(value: Any) -> str:
 
 
 def message_of(deltas: list[dict[str, Any]]) -> dict[str, Any]:
-    """The assistant message the ``deltas`` of one answer add up to, as a client reassembles a
-    stream: content joined (None when the answer is calls alone), calls by index."""
+    """The assistant message the ``deltas`` of one answer add up to, as a client reassembles a stream."""
     content = "".join(d["content"] for d in deltas if "content" in d)
     calls: dict[int, dict[str, Any]] = {}
     for delta in deltas:

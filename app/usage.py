@@ -1,5 +1,4 @@
-"""What one response reports of its rounds (DESIGN §5): the token counts and the
-``speculative`` usage block, vLLM's per-request ``metrics``, and each round's profile."""
+"""What a response reports of its rounds (DESIGN §5): token counts, the ``speculative`` block, vLLM's ``metrics``, round profiles."""
 
 from __future__ import annotations
 
@@ -12,6 +11,13 @@ from core.math.sampling import SamplingParams
 from core.math.shapes import ChildRule, TreeShape
 from core.modes import MODES
 from core.names import Mode
+
+
+_SUMS = {  # what Usage.add sums over rounds: its field ← the RoundResult field
+    "forced_tokens": "forced", "draft_tokens": "drafted", "accepted_tokens": "accepted", "bound": "bound", "error": "error",
+    "draft_s": "draft_s", "verify_s": "verify_s", "model_s": "model_s", "busy_s": "busy_s", "prepared": "prepared",
+    "prepared_used": "prepared_used", "relaxed_tv": "relaxed_tv", "taus": "taus", "turns": "turns", "trees": "rounds_ended",
+}
 
 
 @dataclass
@@ -48,51 +54,33 @@ class Usage:
     forced_tokens: int = 0  # tokens a grammar forced: emitted by the gateway without a round (DESIGN §3.9)
 
     def add(self, result: RoundResult) -> None:
+        for mine, theirs in _SUMS.items():
+            setattr(self, mine, getattr(self, mine) + getattr(result, theirs))
+        is_round = bool(result.tokens) and not result.forced  # forced tokens take no round (DESIGN §3.9)
         self.completion_tokens += len(result.tokens)
-        self.rounds += 1 if result.tokens and not result.forced else 0  # forced tokens take no round (DESIGN §3.9)
-        self.forced_tokens += result.forced
-        self.draft_tokens += result.drafted
-        self.accepted_tokens += result.accepted
+        self.rounds += is_round
         self.bytes_sent += result.traffic.sent
         self.bytes_received += result.traffic.received
-        self.bound += result.bound
-        self.error += result.error
-        self.draft_s += result.draft_s
-        self.verify_s += result.verify_s
-        self.model_s += result.model_s
-        self.busy_s += result.busy_s
         self.round_s += result.draft_s + result.verify_s
         for name, seconds in result.seconds.items():
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        if self.spec.profile and result.tokens and not result.forced:
+        if self.spec.profile and is_round:
             self.profile.append(round_profile(result))
-        self.prepared += result.prepared
-        self.prepared_used += result.prepared_used
-        self.relaxed_tv += result.relaxed_tv
-        self.taus += result.taus
         if result.gamma is not None:
             self.gammas.append(result.gamma)
-        if result.drafted:
-            size = max(result.drafted, result.accepted) + 1  # a pipeline's expanded tree can accept more than one draft's depth
-            if len(self.acceptance_histogram) < size:
-                self.acceptance_histogram += [0] * (size - len(self.acceptance_histogram))
+        if result.drafted:  # a pipeline's expanded tree can accept more than one draft's depth
+            self.acceptance_histogram += [0] * (max(result.drafted, result.accepted) + 1 - len(self.acceptance_histogram))
             self.acceptance_histogram[result.accepted] += 1
-        self.turns += result.turns
-        self.trees += result.rounds_ended
-        if result.hop_bytes:
-            self.hop_bytes += [0] * (len(result.hop_bytes) - len(self.hop_bytes))
-            for hop, size in enumerate(result.hop_bytes):
-                self.hop_bytes[hop] += size
+        self.hop_bytes += [0] * (len(result.hop_bytes) - len(self.hop_bytes))
+        for hop, size in enumerate(result.hop_bytes):
+            self.hop_bytes[hop] += size
 
     def timing_ms(self) -> dict[str, float]:
-        """Where the rounds' time went (ROUND_PARTS), and ``rounds``: their sum — draft + verify
-        — of which ``other`` is the rest (thread hops, waits, what no part names)."""
-        parts = {name: round(self.seconds.get(name, 0.0) * 1e3, 3) for name in ROUND_PARTS}
-        return {**parts, "other": round(max(self.round_s - sum(self.seconds.values()), 0.0) * 1e3, 3), "rounds": round(self.round_s * 1e3, 3)}
+        """Where the rounds' time (``rounds``: draft + verify) went, by part."""
+        return {**_parts_ms(self.seconds, self.round_s), "rounds": _ms(self.round_s)}
 
     def vllm_metrics(self) -> dict[str, Any] | None:
-        """vLLM's per-request ``metrics.speculative_decoding`` (what AIPerf reads), from the
-        same counters as the ``speculative`` block; None in a mode that drafts nothing."""
+        """vLLM's per-request ``metrics.speculative_decoding`` (what AIPerf reads); None in a mode that drafts nothing."""
         if not MODES[self.spec.mode].drafts:
             return None
         steps = sum(self.acceptance_histogram)
@@ -105,7 +93,7 @@ class Usage:
         histogram = self.acceptance_histogram + [0] * (num_spec_tokens + 1 - len(self.acceptance_histogram))
         return {"speculative_decoding": {
             "mean_acceptance_length": 1 + self.accepted_tokens / steps if steps else None,
-            "draft_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
+            "draft_acceptance_rate": _ratio(self.accepted_tokens, self.draft_tokens),
             "acceptance_histogram": histogram,
             "num_spec_steps": steps,
             "num_accepted_draft_tokens": self.accepted_tokens,
@@ -122,14 +110,14 @@ class Usage:
             "rounds": self.rounds,
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
-            "acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
-            "mean_accepted_length": self.completion_tokens / self.rounds if self.rounds else None,
+            "acceptance_rate": _ratio(self.accepted_tokens, self.draft_tokens),
+            "mean_accepted_length": _ratio(self.completion_tokens, self.rounds),
             "bytes_to_workers": self.bytes_sent,
             "bytes_from_workers": self.bytes_received,
-            "draft_ms": round(self.draft_s * 1e3, 3),
-            "verify_ms": round(self.verify_s * 1e3, 3),
-            "worker_model_ms": round(self.model_s * 1e3, 3),
-            "worker_busy_ms": round(self.busy_s * 1e3, 3),
+            "draft_ms": _ms(self.draft_s),
+            "verify_ms": _ms(self.verify_s),
+            "worker_model_ms": _ms(self.model_s),
+            "worker_busy_ms": _ms(self.busy_s),
             "timing_ms": self.timing_ms(),
             "lossless": spec.is_lossless,
             "draft_top_k": spec.draft_top_k or None,
@@ -140,31 +128,27 @@ class Usage:
         if "drafter" in MODES[spec.mode].fields:
             block["drafter"] = spec.drafter.value
         if spec.auto_gamma and MODES[spec.mode].drafts:  # seeded: fixed (the output depends on γ)
-            block["gamma_chosen_mean"] = sum(self.gammas) / len(self.gammas) if self.gammas else float(spec.num_draft_tokens)
+            block["gamma_chosen_mean"] = _mean(self.gammas, float(spec.num_draft_tokens))
             block["gamma_auto"] = bool(self.gammas)
-        if self.tree is not None:  # nodes verified per round vs tokens emitted: what a tree buys
-            block["num_draft_tokens"] = None
+        trees = None  # a tree (mode tree or pipeline): nodes verified per round vs tokens accepted, what a tree buys
+        if self.tree is not None:
             block["tree"] = {**tree_block(self.tree), "payload": spec.tree_payload.value}
-            drafted_rounds = sum(self.acceptance_histogram)
-            block["nodes_per_round"] = self.draft_tokens / drafted_rounds if drafted_rounds else None
-            block["accepted_per_round"] = self.accepted_tokens / drafted_rounds if drafted_rounds else None
+            trees = sum(self.acceptance_histogram)
         if spec.mode is Mode.PIPELINE and spec.pipeline is not None:  # FlowSpec: tokens per pipeline turn and per tree
-            block["num_draft_tokens"] = None
             block["pipeline"] = {
                 **tree_block(spec.pipeline.tree), "segment": spec.pipeline.segment, "in_flight": spec.pipeline.in_flight or None,
-                "expand": spec.pipeline.expand, "turns": self.turns, "trees": self.trees,
-                "alt": self.completion_tokens / self.turns if self.turns else None,
-                "alr": self.completion_tokens / self.trees if self.trees else None,
-                "hop_bytes": self.hop_bytes,
+                "expand": spec.pipeline.expand, "turns": self.turns, "trees": self.trees, "alt": _ratio(self.completion_tokens, self.turns),
+                "alr": _ratio(self.completion_tokens, self.trees), "hop_bytes": self.hop_bytes,
             }
-            block["nodes_per_round"] = self.draft_tokens / self.trees if self.trees else None
-            block["accepted_per_round"] = self.accepted_tokens / self.trees if self.trees else None
+            trees = self.trees
+        if trees is not None:
+            block.update(num_draft_tokens=None, nodes_per_round=_ratio(self.draft_tokens, trees), accepted_per_round=_ratio(self.accepted_tokens, trees))
         if self.forced_tokens:
             block["forced_tokens"] = self.forced_tokens
         if spec.relaxation is not None:  # DSD's relaxed verification: lossy by exactly τ (1 − β) per position
             block["relaxation"] = {"tau_max": spec.relaxation.tau_max, "kl_scale": spec.relaxation.kl_scale}
-            block["relaxed_tv_mean"] = sum(self.relaxed_tv) / len(self.relaxed_tv) if self.relaxed_tv else 0.0
-            block["tau_mean"] = sum(self.taus) / len(self.taus) if self.taus else 0.0
+            block["relaxed_tv_mean"] = _mean(self.relaxed_tv, 0.0)
+            block["tau_mean"] = _mean(self.taus, 0.0)
         if spec.profile:
             block["profile"] = self.profile
         if spec.overlap:
@@ -172,8 +156,8 @@ class Usage:
             block["prepared_drafts_used"] = self.prepared_used  # their assumption held
         if not spec.is_lossless:
             block["reconstruction"] = spec.reconstruction.value
-            block["bias_bound_mean"] = sum(self.bound) / len(self.bound) if self.bound else None
-            block["reconstruction_error_mean"] = sum(self.error) / len(self.error) if self.error else None
+            block["bias_bound_mean"] = _mean(self.bound)
+            block["reconstruction_error_mean"] = _mean(self.error)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -183,15 +167,30 @@ class Usage:
 
 
 def round_profile(result: RoundResult) -> dict[str, Any]:
-    """One round of ``speculative.profile``: tokens, bytes, and its milliseconds by part
-    (ROUND_PARTS), ``other`` the rest of ``round`` (draft + verify)."""
+    """One round of ``speculative.profile``: tokens, bytes, and its milliseconds (draft + verify) by part."""
     total = result.draft_s + result.verify_s
-    parts = {name: round(result.seconds.get(name, 0.0) * 1e3, 3) for name in ROUND_PARTS}
     return {
         "tokens": len(result.tokens), "drafted": result.drafted, "accepted": result.accepted, "calls": result.traffic.calls,
-        "bytes_up": result.traffic.sent, "bytes_down": result.traffic.received, "round_ms": round(total * 1e3, 3),
-        "parts_ms": {**parts, "other": round(max(total - sum(result.seconds.values()), 0.0) * 1e3, 3)},
+        "bytes_up": result.traffic.sent, "bytes_down": result.traffic.received, "round_ms": _ms(total), "parts_ms": _parts_ms(result.seconds, total),
     }
+
+
+def _parts_ms(seconds: dict[str, float], total_s: float) -> dict[str, float]:
+    """Milliseconds by part (ROUND_PARTS); ``other``: the rest of ``total_s`` (thread hops, waits)."""
+    parts = {name: _ms(seconds.get(name, 0.0)) for name in ROUND_PARTS}
+    return {**parts, "other": _ms(max(total_s - sum(seconds.values()), 0.0))}
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return part / whole if whole else None
+
+
+def _mean(values: list[float] | list[int], empty: float | None = None) -> float | None:
+    return sum(values) / len(values) if values else empty
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
 
 
 def used_tree(spec: SpecOptions, params: SamplingParams) -> TreeShape | None:

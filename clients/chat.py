@@ -1,13 +1,9 @@
-"""``specgate chat``: an interactive terminal chat against a gateway, streaming, with the
-acceptance rate and tokens/s after each answer (from the stream's ``speculative`` field).
-
-Usage: ``specgate chat --url http://127.0.0.1:8000 [--mode exact]``; ``/quit`` or Ctrl-D ends it.
-"""
+"""``specgate chat``: an interactive streaming chat against a gateway, acceptance and tokens/s after each answer.
+Usage: ``specgate chat --url http://127.0.0.1:8000 [--mode exact]``; ``/quit`` or Ctrl-D ends it."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -15,6 +11,8 @@ from typing import Any, TextIO
 
 import httpx
 import orjson
+
+from clients.eval import _auth
 
 
 @dataclass
@@ -50,9 +48,7 @@ def parse_data_line(line: str) -> dict[str, Any] | str | None:
 
 
 def chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
-    key = args.api_key or os.environ.get("SPECGATE_API_KEY")
-    headers = {"authorization": f"Bearer {key}"} if key else None
-    with httpx.Client(base_url=args.url, headers=headers, timeout=httpx.Timeout(600, connect=10)) as client:
+    with httpx.Client(base_url=args.url, headers=_auth(args.api_key), timeout=httpx.Timeout(600, connect=10)) as client:
         try:
             model = args.model or client.get("/v1/models").json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, ValueError) as exc:
@@ -76,13 +72,8 @@ def chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.
 
 
 def _body(args: argparse.Namespace, model: str, history: list[dict[str, str]]) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": model, "messages": history, "stream": True, "stream_options": {"include_usage": True},
-        "max_tokens": args.max_tokens, "temperature": args.temperature,
-    }
-    if args.mode:
-        body["speculative"] = {"mode": args.mode}
-    return body
+    body = {"model": model, "messages": history, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": args.max_tokens}
+    return body | {"temperature": args.temperature} | ({"speculative": {"mode": args.mode}} if args.mode else {})
 
 
 def _answer(client: httpx.Client, body: dict[str, Any], out: TextIO) -> str | None:

@@ -1,22 +1,4 @@
-"""``specgate``: the one console script.
-
-    specgate worker --model MODEL [--backend transformers|llama.cpp] [--host H] [--port N]
-    specgate gateway [--config FILE] [--host H] [--port N]
-    specgate serve  [--config FILE] [--port N]
-    specgate bench [--json FILE] [--runs N] [--quick]
-    specgate bench worker [--json FILE] [--repeats N] [--quick]
-    specgate bench tree-device [--device cuda|cpu] [--dtype D] [--prefix N] [--json FILE]
-    specgate bench step-device [--device cuda|cpu] [--dtype D] [--json FILE]
-    specgate bench dsd [--json FILE] [--runs N] [--plots DIR] [--quick]
-    specgate bench overhead [--json FILE] [--runs N] [--baseline DIR] [--quick]
-    specgate bench load [--concurrency N[,N...]] [--duration S] [--json FILE]
-    specgate bench grammar [--repeats N] [--json FILE]
-    specgate bench structured [--runs N] [--quick] [--json FILE]
-    specgate bench workload [--prompts N] [--max-tokens N] [--categories A,B] [--quick] [--json FILE]
-    specgate bench pipeline [--stages 2,3] [--hop-ms 0,5,20] [--runs N] [--json FILE]
-    specgate chat [--url URL] [--mode MODE] [--api-key KEY]
-    specgate eval [--url URL | --serve] [--json FILE]
-    specgate law [--url URL | --serve] [--gguf PATH] [--speculative JSON]... [--samples N] [--json FILE]
+"""``specgate``: the one console script (``specgate --help``; each command has its own).
 
 The CLI is the composition root: it starts servers as processes (``python -m workers``,
 ``python -m app``) and speaks HTTP to them, so it imports neither ``app/`` nor ``workers/``.
@@ -25,12 +7,23 @@ The CLI is the composition root: it starts servers as processes (``python -m wor
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import subprocess
 import sys
 
+# command (or bench) -> (module, function); each module is imported only when its command runs
+COMMANDS: dict[str | None, tuple[str, str]] = {
+    "eval": ("clients.eval", "evaluate"), "law": ("clients.law", "check_law"), "chat": ("clients.chat", "chat"),
+    None: ("clients.bench.modes", "bench_modes"), "worker": ("clients.bench.worker", "bench_worker"),
+    **{bench: (f"clients.bench.{bench}", f"bench_{bench}") for bench in ("load", "grammar", "structured", "workload", "overhead", "dsd", "tree", "pipeline")},
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
+    from clients.bench.common import device_args
+    from clients.bench.load import concurrency_levels
+
     parser = argparse.ArgumentParser(prog="specgate", description="Distributed speculative decoding behind the OpenAI API.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser(
@@ -49,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--api-key", default=None, help="bearer key (default: $SPECGATE_API_KEY)")
     chat.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default: 256)")
     chat.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default: 0.7)")
-    evaluate = commands.add_parser("eval", help="each mode on a fixed prompt set: acceptance, accepted length, TV to the target vs its bound")
+    evaluate = _with_json(commands.add_parser("eval", help="each mode on a fixed prompt set: acceptance, accepted length, TV to the target vs its bound"))
     evaluate.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default: http://127.0.0.1:8000)")
     evaluate.add_argument("--serve", action="store_true", help="start `specgate serve` for the run instead of using --url")
     evaluate.add_argument("--config", default=None, help="with --serve: its config (default: the built-in one)")
@@ -58,8 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--seeds", type=int, default=2, help="seeds per prompt (default: 2)")
     evaluate.add_argument("--max-tokens", type=int, default=48, help="tokens per answer (default: 48)")
     evaluate.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
-    evaluate.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
-    law = commands.add_parser("law", help="the joint law of the first two tokens against the target GGUF evaluated by llama.cpp itself: chi-square")
+    law = _with_json(commands.add_parser("law", help="the joint law of the first two tokens against the target GGUF evaluated by llama.cpp itself: chi-square"))
     law.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default: http://127.0.0.1:8000)")
     law.add_argument("--serve", action="store_true", help="start `specgate serve` for the run instead of using --url")
     law.add_argument("--config", default=None, help="with --serve: its config (default: the built-in one)")
@@ -72,9 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     law.add_argument("--temperature", type=float, default=1.0, help="T > 0 (default: 1.0)")
     law.add_argument("--concurrency", type=int, default=4, help="requests in flight (default: 4)")
     law.add_argument("--threads", type=int, default=1, help="llama.cpp threads of the reference (default: 1)")
-    law.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
-    bench = commands.add_parser("bench", help="benchmarks that print figures and write JSON (default: the decoding modes)")
-    bench.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    bench = _with_json(commands.add_parser("bench", help="benchmarks that print figures and write JSON (default: the decoding modes)"))
     bench.add_argument("--runs", type=int, default=3, help="runs per cell, ≥ 3 (default: 3)")
     bench.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     bench.add_argument("--prompts", type=int, default=1, help="prompts per cell, 1–3 (default: 1)")
@@ -82,73 +72,58 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plots", default=None, help="write PNG plots into this folder (e.g. docs/bench)")
     bench.add_argument("--quick", action="store_true", help="1 worker, links 0 ms and 50 ms / 10 Mbps, T = 1, three modes: about a minute")
     benches = bench.add_subparsers(dest="bench", metavar="BENCH")
-    worker = benches.add_parser("worker", help="verify latency over HTTP vs in-process; draft acceptance α")
-    worker.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    worker = _with_json(benches.add_parser("worker", help="verify latency over HTTP vs in-process; draft acceptance α"))
     worker.add_argument("--repeats", type=int, default=20, help="timed calls per cell (default: 20)")
     worker.add_argument("--backends", nargs="+", default=["llama.cpp", "transformers"], help="backends to measure")
     worker.add_argument("--positions", nargs="+", type=int, default=[1, 4, 6, 9], help="positions scored per call")
     worker.add_argument("--quick", action="store_true", help="fewer repeats and tokens: about a minute")
-    tree = benches.add_parser("tree", help="token trees vs chains at equal verified-node budgets (4, 8, 14, 32), T = 0 and 1, per link")
-    tree.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    tree = _with_json(benches.add_parser("tree", help="token trees vs chains at equal verified-node budgets (4, 8, 14, 32), T = 0 and 1, per link"))
     tree.add_argument("--runs", type=int, default=1, help="runs per cell (default: 1)")
     tree.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     tree.add_argument("--prompts", type=int, default=2, help="prompts per cell, 1–3 (default: 2)")
     tree.add_argument("--plots", default=None, help="write PNG plots into this folder (e.g. docs/bench)")
     tree.add_argument("--quick", action="store_true", help="one run, one prompt, T = 0, budgets 4 and 14, no link: about a minute")
-    pipe = benches.add_parser("pipeline", help="FlowSpec's pipeline vs pipelined autoregressive through the same 2 and 3 stages at 0/5/20 ms per hop")
-    pipe.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    pipe = _with_json(benches.add_parser(
+        "pipeline", help="FlowSpec's pipeline vs pipelined autoregressive through the same 2 and 3 stages at 0/5/20 ms per hop",
+    ))
     pipe.add_argument("--stages", default="2,3", help="stage counts, comma-separated (default: 2,3)")
     pipe.add_argument("--hop-ms", default="0,5,20", help="one-way delay per hop in ms, comma-separated (default: 0,5,20)")
     pipe.add_argument("--runs", type=int, default=3, help="runs per cell (default: 3)")
     pipe.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     pipe.add_argument("--prompts", type=int, default=1, help="prompts per cell, 1–3 (default: 1)")
-    device = benches.add_parser("tree-device", help="a worker's verify round, chain vs tree, on a device (random weights of the built-in architecture)")
-    device.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
-    device.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (default: cuda if present)")
-    device.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (default: float32)")
-    device.add_argument("--repeats", type=int, default=30, help="timed rounds per cell (default: 30)")
-    device.add_argument("--budgets", nargs="+", type=int, default=[1, 4, 8, 14, 32], help="verified nodes per round")
-    device.add_argument("--prefix", type=int, default=128, help="agreed tokens before each round (default: 128)")
-    step = benches.add_parser("step-device", help="a worker's scheduler step (batch × positions) beside the bare model forward, on a device (random weights of the built-in architecture)")
-    step.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
-    step.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (default: cuda if present)")
-    step.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"], help="model dtype (default: bfloat16)")
-    step.add_argument("--repeats", type=int, default=20, help="timed steps per cell (default: 20)")
-    step.add_argument("--batches", nargs="+", type=int, default=[1, 4, 8, 16], help="sessions per step")
-    step.add_argument("--positions", nargs="+", type=int, default=[1, 5, 17], help="positions per session")
-    dsd = benches.add_parser("dsd", help="DSD: overlap on/off and auto vs fixed draft lengths per link, against autoregressive")
-    dsd.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    devices = {"tree-device": "a worker's verify round, chain vs tree", "step-device": "a worker's scheduler step (batch × positions) beside the bare model forward"}
+    for name, text in devices.items():
+        device_args(benches.add_parser(name, help=f"{text}, on a device (random weights of the built-in architecture)"), name)
+    dsd = _with_json(benches.add_parser("dsd", help="DSD: overlap on/off and auto vs fixed draft lengths per link, against autoregressive"))
     dsd.add_argument("--runs", type=int, default=5, help="runs per cell, ≥ 3 (default: 5)")
     dsd.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     dsd.add_argument("--prompts", type=int, default=1, help="prompts per cell and run, 1–5; each run starts one prompt further (default: 1)")
     dsd.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0)")
     dsd.add_argument("--plots", default=None, help="write PNG plots into this folder (e.g. docs/bench)")
     dsd.add_argument("--quick", action="store_true", help="one run, one prompt, the 50 ms link only: a few minutes")
-    overhead = benches.add_parser("overhead", help="where a round's time goes, part by part, beside llama.cpp's and bare HTTP's floors (zero link)")
-    overhead.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    overhead = _with_json(benches.add_parser("overhead", help="where a round's time goes, part by part, beside llama.cpp's and bare HTTP's floors (zero link)"))
     overhead.add_argument("--runs", type=int, default=3, help="runs per cell (default: 3)")
     overhead.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     overhead.add_argument("--prompts", type=int, default=2, help="prompts per cell and run, 1–5 (default: 2)")
     overhead.add_argument("--baseline", default=None, help="a checkout of an earlier commit: its servers run beside ours, cell by cell")
     overhead.add_argument("--quick", action="store_true", help="one run, one prompt, 16 tokens: under 3 minutes")
-    grammar = benches.add_parser("grammar", help="the grammar engines on the built-in vocabulary: compile, mask, accept, rollback, fork")
+    grammar = _with_json(benches.add_parser("grammar", help="the grammar engines on the built-in vocabulary: compile, mask, accept, rollback, fork"))
     grammar.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (default: 5)")
-    grammar.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
-    structured = benches.add_parser("structured", help="json_schema and tool calls vs the same prompts unconstrained, per mode and T")
+    structured = _with_json(benches.add_parser("structured", help="json_schema and tool calls vs the same prompts unconstrained, per mode and T"))
     structured.add_argument("--runs", type=int, default=2, help="seeds per prompt and cell (default: 2)")
     structured.add_argument("--max-tokens", type=int, default=96, help="tokens per request (default: 96)")
     structured.add_argument("--quick", action="store_true", help="one seed, T = 1 only, exact and autoregressive")
-    structured.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
-    workload = benches.add_parser("workload", help="drafters model, lookup and model+lookup per category of a bundled prompt set, T = 0 and 1, two links")
+    workload = _with_json(benches.add_parser(
+        "workload", help="drafters model, lookup and model+lookup per category of a bundled prompt set, T = 0 and 1, two links",
+    ))
     workload.add_argument("--prompts", type=int, default=8, help="prompts per category, 1 to 8 (default: 8)")
     workload.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default: 64)")
     workload.add_argument("--quick", action="store_true", help="zero link and T = 0 only")
     workload.add_argument("--mode", choices=["exact", "aggregate", "tree"], default="exact", help="the mode every request asks for (default: exact; tree: the lookup joins the default trees)")
     workload.add_argument("--categories", default=None, help="a comma-separated subset of the categories (default: all six)")
-    workload.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
-    load = benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS")
+    load = _with_json(benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS"))
     load.add_argument(
-        "--concurrency", type=_concurrency_levels, default=[64],
+        "--concurrency", type=concurrency_levels, default=[64],
         help="streaming clients at once; several levels, comma-separated (1,4,8,16), run in turn against one server (default: 64)",
     )
     load.add_argument("--duration", type=float, default=300.0, help="seconds of load (default: 300)")
@@ -156,14 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--config", default=None, help="config for specgate serve (default: the built-in one)")
     load.add_argument("--port", type=int, default=None, help="gateway port (default: a free one)")
     load.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the server (default: 600)")
-    load.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     return parser
 
 
-def _concurrency_levels(text: str) -> list[int]:
-    from clients.bench.load import concurrency_levels
-
-    return concurrency_levels(text)
+def _with_json(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,71 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         # each server owns its flags (and their --help); run it in this process's place
         os.execv(sys.executable, [sys.executable, "-m", servers[argv[0]], *argv[1:]])
     args = build_parser().parse_args(argv)
+    from clients.bench.common import DEVICE_BENCHES, device_argv
+
     if args.command == "serve":
         from clients.serve import serve
 
         if args.api_key:
             os.environ["SPECGATE_API_KEY"] = args.api_key  # the gateway child reads it; never on disk
         return serve(args.config, args.port, args.startup_timeout)
-    if args.command == "eval":
-        from clients.eval import evaluate
-
-        return evaluate(args)
-    if args.command == "law":
-        from clients.law import check_law
-
-        return check_law(args)
-    if args.command == "chat":
-        from clients.chat import chat
-
-        return chat(args)
-    if args.command == "bench" and args.bench == "load":
-        from clients.bench.load import bench_load
-
-        return bench_load(args)
-    if args.command == "bench" and args.bench == "grammar":
-        from clients.bench.grammar import bench_grammar
-
-        return bench_grammar(args)
-    if args.command == "bench" and args.bench == "structured":
-        from clients.bench.structured import bench_structured
-
-        return bench_structured(args)
-    if args.command == "bench" and args.bench == "workload":
-        from clients.bench.workload import bench_workload
-
-        return bench_workload(args)
-    if args.command == "bench" and args.bench == "overhead":
-        from clients.bench.overhead import bench_overhead
-
-        return bench_overhead(args)
-    if args.command == "bench" and args.bench == "dsd":
-        from clients.bench.dsd import bench_dsd
-
-        return bench_dsd(args)
-    if args.command == "bench" and args.bench == "tree":
-        from clients.bench.tree import bench_tree
-
-        return bench_tree(args)
-    if args.command == "bench" and args.bench == "pipeline":
-        from clients.bench.pipeline import bench_pipeline
-
-        return bench_pipeline(args)
-    if args.command == "bench" and args.bench == "tree-device":
-        forwarded = ["--device", args.device, "--dtype", args.dtype, "--repeats", str(args.repeats), "--budgets", *map(str, args.budgets), "--prefix", str(args.prefix)]
-        return subprocess.call([sys.executable, "-m", "clients.bench.round_cost", *forwarded, *(["--json", args.json_path] if args.json_path else [])])
-    if args.command == "bench" and args.bench == "step-device":
-        forwarded = ["--device", args.device, "--dtype", args.dtype, "--repeats", str(args.repeats), "--batches", *map(str, args.batches), "--positions", *map(str, args.positions)]
-        return subprocess.call([sys.executable, "-m", "clients.bench.step_cost", *forwarded, *(["--json", args.json_path] if args.json_path else [])])
-    if args.command == "bench" and args.bench == "worker":
-        from clients.bench.worker import bench_worker
-
-        return bench_worker(args)
-    if args.command == "bench":
-        from clients.bench.modes import bench_modes
-
-        return bench_modes(args)
-    return 2
+    if args.command == "bench" and args.bench in DEVICE_BENCHES:
+        return subprocess.call([sys.executable, "-m", DEVICE_BENCHES[args.bench][0], *device_argv(args, args.bench)])
+    module, function = COMMANDS[args.bench if args.command == "bench" else args.command]
+    return int(getattr(importlib.import_module(module), function)(args))
 
 
 if __name__ == "__main__":

@@ -1,20 +1,5 @@
-"""``specgate eval``: each decoding mode on a fixed prompt set against a gateway — acceptance,
-mean accepted length, and for the lossy settings the measured distance to the target next to
-its bound — as a table and JSON.
-
-The distance comes from the usage block: per position, Σ w_n e_n with e_n = TV(p̂_n, p_n)
-measured by each worker on its full distribution (exactly TV(p̂, p) with one worker, an upper
-bound on it with several), next to the bound Σ w_n σ_n from the tail masses. With the default
-``renormalize`` reconstruction the two coincide (TV(p̂_n, p_n) = σ_n exactly); ``residual``
-spreads the tail and lands below its bound.
-
-The relaxed rows (DSD's relaxed verification, issue 8) emit each draft position from
-τ_j q_j + (1 − τ_j) p_j; its distance to the target there is exactly τ_j (1 − β_j), computed
-by the gateway from the p_j and q_j it met (the usage block's ``relaxed_tv_mean``) — the
-"TV measured" of those rows, per emitted token (bonus positions count 0) — next to its a-priori
-bound: τ_j ≤ τ_max·β_j, so τ_j (1 − β_j) ≤ τ_max·β(1 − β) ≤ τ_max / 4. Their acceptance is
-compared with the strict row of the same mode on the same prompts and seeds.
-
+"""``specgate eval``: each decoding mode on a fixed prompt set against a gateway — acceptance, mean accepted length,
+and for the lossy settings the measured distance to the target beside its bound (docs/modes.md, "specgate eval").
 Usage: ``specgate eval [--url http://127.0.0.1:8000 | --serve] [--json FILE]``
 """
 
@@ -65,29 +50,29 @@ def evaluate(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _gateway(args: argparse.Namespace) -> Iterator[str | None]:
-    """The gateway to evaluate: ``--url``, or a ``specgate serve`` started for the run."""
-    if not args.serve:
-        try:
-            httpx.get(f"{args.url}/health", timeout=5)
-        except httpx.HTTPError:
-            print(f"specgate eval: no gateway at {args.url} (start one, or pass --serve)", file=sys.stderr)
-            yield None
-            return
-        yield args.url
+    """The gateway to evaluate: ``--url``, or a ``specgate serve`` started for the run (None: none answers)."""
+    if args.serve:
+        with serve_process(args.config, free_port(), args.startup_timeout) as url:
+            yield url
         return
-    with serve_process(args.config, free_port(), args.startup_timeout) as url:
-        yield url
+    try:
+        httpx.get(f"{args.url}/health", timeout=5)
+    except httpx.HTTPError:
+        print(f"specgate eval: no gateway at {args.url} (start one, or pass --serve)", file=sys.stderr)
+        yield None
+        return
+    yield args.url
 
 
-def _auth() -> dict[str, str] | None:
-    key = os.environ.get("SPECGATE_API_KEY")
+def _auth(key: str | None = None) -> dict[str, str] | None:
+    """The bearer header of ``key``, else of $SPECGATE_API_KEY (None: no key)."""
+    key = key or os.environ.get("SPECGATE_API_KEY")
     return {"authorization": f"Bearer {key}"} if key else None
 
 
 def _run(client: httpx.Client, model: str, name: str, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     totals = {"drafted": 0, "accepted": 0, "tokens": 0, "rounds": 0}
-    bounds, errors, lossless, note = [], [], True, None
-    relaxed, taus = [], []
+    bounds, errors, relaxed, taus, lossless, note = [], [], [], [], True, None
     for prompt in PROMPTS[: args.prompts]:
         for seed in range(args.seeds):
             body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": seed, "speculative": spec}
@@ -96,35 +81,27 @@ def _run(client: httpx.Client, model: str, name: str, spec: dict[str, Any], args
                 note = resp.json()["error"]["message"]
                 break
             usage = resp.json()["usage"]
-            block = usage["speculative"]
-            totals["drafted"] += block["draft_tokens"]
-            totals["accepted"] += block["accepted_tokens"]
-            totals["tokens"] += usage["completion_tokens"]
-            totals["rounds"] += block["rounds"]
+            block, n = usage["speculative"], usage["completion_tokens"]
+            for key, value in (("drafted", block["draft_tokens"]), ("accepted", block["accepted_tokens"]), ("tokens", n), ("rounds", block["rounds"])):
+                totals[key] += value
             lossless = lossless and block["lossless"]
             if "relaxation" in block:  # exactly τ(1 − β) per position, on top of any reconstruction error
-                tau_max = block["relaxation"]["tau_max"]
-                relaxed.append((block["relaxed_tv_mean"], usage["completion_tokens"]))
-                taus.append((block["tau_mean"], usage["completion_tokens"]))
-                bounds.append(((block["bias_bound_mean"] or 0.0) + tau_max / 4, usage["completion_tokens"]))
-                errors.append(((block["reconstruction_error_mean"] or 0.0) + block["relaxed_tv_mean"], usage["completion_tokens"]))
+                relaxed.append((block["relaxed_tv_mean"], n))
+                taus.append((block["tau_mean"], n))
+                bounds.append(((block["bias_bound_mean"] or 0.0) + block["relaxation"]["tau_max"] / 4, n))
+                errors.append(((block["reconstruction_error_mean"] or 0.0) + block["relaxed_tv_mean"], n))
             elif not block["lossless"]:
-                bounds.append((block["bias_bound_mean"], usage["completion_tokens"]))
-                errors.append((block["reconstruction_error_mean"], usage["completion_tokens"]))
+                bounds.append((block["bias_bound_mean"], n))
+                errors.append((block["reconstruction_error_mean"], n))
         if note:
             break
     progress(f"eval: {name}: {'skipped: ' + note if note else 'done'}")
     return {
-        "setting": name,
-        "skipped": note,
+        "setting": name, "skipped": note,
         "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else None,
         "mean_accepted_length": totals["tokens"] / totals["rounds"] if totals["rounds"] else None,
-        "tokens": totals["tokens"],
-        "lossless": lossless if not note else None,
-        "tv_measured": _weighted(errors),
-        "tv_bound": _weighted(bounds),
-        "relaxed_tv": _weighted(relaxed),
-        "tau_mean": _weighted(taus),
+        "tokens": totals["tokens"], "lossless": lossless if not note else None,
+        "tv_measured": _weighted(errors), "tv_bound": _weighted(bounds), "relaxed_tv": _weighted(relaxed), "tau_mean": _weighted(taus),
     }
 
 

@@ -1,23 +1,6 @@
-"""``specgate law``: does a gateway's output follow its target? The joint law of the first two
-tokens of N seeded answers at T > 0, against the target GGUF evaluated by llama-cpp-python itself
-(not specgate's runner), with a chi-square test.
-
-The prompt is sent as token ids (llama.cpp's tokenization of ``--prompt``), so gateway and
-reference read the same tokens. The reference law is p(a) p(b | a) at temperature T from the
-GGUF's own logits. The cells are fixed before any answer is read (a cell chosen from the answers
-biases the test: a first token that was seen would move its mass out of the pooled cell and its
-count into a rare one): every first token of mass ≥ 1e-4 gets its second row, the other first
-tokens share one cell; cells expected fewer than 5 times are pooled per first token, then all
-together. A lossless gateway gives a p-value spread uniformly over (0, 1); a biased one, a
-p-value near 0 that shrinks as ``--samples`` grows. The first token's empirical TV is printed
-next to its noise floor (the median TV of as many draws from the target itself): only the
-excess over the floor says anything.
-
-``--speculative`` may be given several times: one gateway, one reference, one line per
-configuration (``autoregressive`` is the control every run should pass).
-
-Usage: ``specgate law [--url http://127.0.0.1:8000 | --serve [--config F]] [--gguf PATH]
-[--speculative JSON]... [--samples 1500] [--max-tokens 2] [--json FILE]``
+"""``specgate law``: does a gateway's output follow its target? The joint law of the first two tokens of seeded
+answers against the target GGUF evaluated by llama-cpp-python itself, by chi-square (docs/modes.md); the prompt goes
+as llama.cpp's token ids, so both read the same tokens. Usage: ``specgate law [--url URL | --serve] [--speculative JSON]...``
 """
 
 from __future__ import annotations
@@ -76,9 +59,8 @@ def check_law(args: argparse.Namespace) -> int:
 
 
 def _answers(url: str, prompt: list[int], spec: dict[str, Any] | None, args: argparse.Namespace) -> list[Pair]:
-    """The first two tokens of ``--samples`` seeded answers (seeds 0, 1, …), as token ids. An
-    answer is ``--max-tokens`` long: a gateway drafts at most max_tokens − 1 tokens a round, so a
-    tree deeper than one node needs more than two to be drafted whole."""
+    """The first two tokens of ``--samples`` answers (seeds 0, 1, …), as token ids; each ``--max-tokens`` long
+    (a gateway drafts at most max_tokens − 1 tokens a round: a deeper tree needs more to be drafted whole)."""
     with httpx.Client(base_url=url, timeout=httpx.Timeout(600, connect=10), headers=_auth()) as client:
         model = client.get("/v1/models").json()["data"][0]["id"]
 
@@ -135,11 +117,8 @@ def _reference_law(reference: Any, prompt: list[int], temperature: float, eos: i
 
 
 def chi_square(observed: Counter[Pair], expected: dict[Pair, float], samples: int) -> tuple[float, int, float]:
-    """Pearson's statistic over cells expected ≥ MIN_EXPECTED times, rare cells pooled per first
-    token and then all together; its degrees of freedom and p-value (the chi-square survival
-    function, as the regularised upper incomplete gamma). The cells come from ``expected``
-    alone; an observed pair lands in its own cell, else its first token's rare cell, else (a first
-    token without a row) the cell (−1, None)."""
+    """Pearson's statistic over cells expected ≥ MIN_EXPECTED times (from ``expected`` alone), rare cells pooled
+    per first token, then all together; its degrees of freedom and p-value (regularised upper incomplete gamma)."""
     cells: dict[Any, list[float]] = {}
     for pair, mass in expected.items():
         key = pair if mass * samples >= MIN_EXPECTED else ("rare", pair[0])
@@ -150,12 +129,9 @@ def chi_square(observed: Counter[Pair], expected: dict[Pair, float], samples: in
             pair = (-1, None)
         key = pair if pair in cells else ("rare", pair[0])
         cells.setdefault(key, [0.0, 0.0])[0] += count
-    pooled = [0.0, 0.0]
-    for key in [k for k, (_, e) in cells.items() if e < MIN_EXPECTED]:
-        o, e = cells.pop(key)
-        pooled[0] += o
-        pooled[1] += e
-    if pooled[1] > 0 or pooled[0] > 0:
+    rare = [cells.pop(key) for key in [k for k, (_, e) in cells.items() if e < MIN_EXPECTED]]
+    pooled = [sum(o for o, _ in rare), sum(e for _, e in rare)]
+    if any(pooled):
         cells[("pooled",)] = pooled
     statistic = sum((o - e) ** 2 / e if e > 0 else math.inf for o, e in cells.values())
     dof = len(cells) - 1
@@ -171,8 +147,7 @@ def _first_token_law(expected: dict[Pair, float]) -> dict[int, float]:
 
 
 def first_token_tv(observed: Counter[Pair], expected: dict[Pair, float], samples: int) -> float:
-    """TV between the first token's empirical law and the target's, over the rows' tokens and
-    the one cell (−1) of first tokens without a row."""
+    """TV between the first token's empirical law and the target's (first tokens without a row: one cell, −1)."""
     target = _first_token_law(expected)
     seen: Counter[int] = Counter()
     for (a, _), count in observed.items():
@@ -181,8 +156,7 @@ def first_token_tv(observed: Counter[Pair], expected: dict[Pair, float], samples
 
 
 def tv_floor(expected: dict[Pair, float], samples: int, draws: int = 200) -> float:
-    """The median first-token TV of ``samples`` draws from the target itself (seeded): what a
-    lossless gateway shows at this many answers."""
+    """The median first-token TV of ``samples`` seeded draws from the target: a lossless gateway's at this many."""
     target = _first_token_law(expected)
     mass = np.array(list(target.values()))
     counts = np.random.default_rng(0).multinomial(samples, mass / mass.sum(), size=draws)

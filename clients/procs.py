@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import httpx
 
@@ -32,9 +30,8 @@ def worker_command(
 
 
 def child_env(threads: int | None) -> dict[str, str] | None:
-    """The environment of a child given ``threads`` cores: native thread pools (OpenMP, MKL,
-    OpenBLAS) sized to its share from the start, before it reaches ``load_runner``'s
-    ``torch.set_num_threads``; None (inherit) when it takes every core."""
+    """A child's environment with its native thread pools sized to ``threads`` from the start (before
+    ``load_runner``'s ``torch.set_num_threads``); None (inherit) when it takes every core."""
     if not threads:
         return None
     pools = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -53,16 +50,17 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
 
 
 class ServerProcess:
-    """A server started from ``command`` for the length of a ``with`` block; ready when
-    ``url + ready_path`` answers 200. Stopped by pid.
+    """A server from ``command`` for a ``with`` block, ready when ``url + ready_path`` answers 200; stopped by pid.
 
     Usage: ``with WorkerProcess("builtin", "llama.cpp") as url: httpx.get(url + "/v1/info")``
     """
 
     def __init__(
         self, command: list[str], port: int, ready_path: str = "/health", timeout_s: float = 300.0, cwd: str | None = None, threads: int | None = None,
+        grace_s: float = 10.0,
     ) -> None:
-        self.command, self.port, self.ready_path, self.timeout_s, self.cwd, self.threads = command, port, ready_path, timeout_s, cwd, threads
+        self.command, self.port, self.ready_path, self.timeout_s = command, port, ready_path, timeout_s
+        self.cwd, self.threads, self.grace_s = cwd, threads, grace_s
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -84,7 +82,7 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:
-            stop_process(self.proc)
+            stop_process(self.proc, self.grace_s)
 
 
 def WorkerProcess(model: str, backend: str, port: int | None = None, threads: int | None = None, timeout_s: float = 300.0, cwd: str | None = None) -> ServerProcess:
@@ -106,26 +104,8 @@ def GatewayProcess(config_path: str, port: int | None = None, timeout_s: float =
     return ServerProcess(command, port, "/health/ready", timeout_s, cwd)
 
 
-@contextlib.contextmanager
-def serve_process(config: str | None, port: int, timeout_s: float = 600.0) -> Iterator[str]:
-    """``specgate serve`` (gateway + its local workers) for the length of a ``with`` block; the
-    gateway's URL once ``/health/ready`` answers. SIGTERM at the end: it drains, then stops all."""
+def serve_process(config: str | None, port: int, timeout_s: float = 600.0) -> ServerProcess:
+    """``specgate serve`` (gateway + its local workers) on ``port``, ready when ``/health/ready`` answers;
+    SIGTERM at the end: it drains, then stops all."""
     command = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port)] + (["--config", config] if config else [])
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not _answers_200(f"{url}/health/ready"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"specgate serve did not become ready on {url}")
-            time.sleep(1)
-        yield url
-    finally:
-        stop_process(proc, grace_s=60)
-
-
-def _answers_200(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return ServerProcess(command, port, "/health/ready", timeout_s, grace_s=60)

@@ -1,18 +1,6 @@
-"""``specgate serve``: the local workers of a config, then — once they answer — the gateway;
-report when ready.
-
-Every process it starts is stopped by pid when it exits (Ctrl-C, SIGTERM, or the gateway
-dying), and dies with it when it dies hard (``kill -9``, the OOM killer): on Linux each child
-asks the kernel for SIGTERM when its parent goes (``prctl(PR_SET_PDEATHSIG)``). Each child gets
-an instance id that its ``/health`` reports, so a process left on a port by something else is
-never taken for one of ours. Local workers without a ``port`` take free ports.
-
-A local worker or stage that dies once serving is started again on its port (``Restarts``: 1 s,
-2 s, 4 s … up to 30 s between tries, logged; its ``/metrics`` counts ``specgate:worker_restarts``),
-and the gateway's breaker closes when it answers again. ``serve`` gives up — and stops
-everything, with the reason — only when one of them dies ``MAX_DEATHS`` times within
-``DEATH_WINDOW_S``.
-"""
+"""``specgate serve``: the local workers of a config, then — once they answer — the gateway. Every child
+is stopped by pid on exit and dies with ``serve`` (``PR_SET_PDEATHSIG``); its instance id, in its ``/health``,
+tells it from a stranger on its port; a local worker or stage that dies is restarted with backoff (``Restarts``)."""
 
 from __future__ import annotations
 
@@ -23,19 +11,19 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from types import FrameType
 
 import httpx
 
 from clients.procs import child_env, free_port, stop_process, worker_command
 from core.config import SpecgateConfig, StageEntry, WorkerEntry, dump_config, load_config
 from core.cores import usable_cores
-from core.errors import SpecgateError
+from core.errors import ConfigError, SpecgateError
 
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -43,36 +31,35 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def serve(config_path: str | None, port: int | None, startup_timeout: float) -> int:
     try:
         config = load_config(config_path).with_local_urls(free_port).with_split_cores(usable_cores())
+        if port is not None:
+            config.port = port
+        if taken := taken_port(config):
+            raise ConfigError(taken)
     except SpecgateError as exc:
         print(f"specgate serve: error: {exc}", file=sys.stderr)
         return 2
-    if port is not None:
-        config.port = port
-    taken = taken_port(config)
-    if taken:
-        print(f"specgate serve: error: {taken}", file=sys.stderr)
-        return 2
-    stop, instance = _StopFlag(), uuid.uuid4().hex[:12]
+    stop, instance = threading.Event(), uuid.uuid4().hex[:12]
+    for signum in (signal.SIGINT, signal.SIGTERM):  # the loops below end, and the children are stopped
+        signal.signal(signum, lambda *_: stop.set())
     procs: dict[str, subprocess.Popen[bytes]] = {}
     restarts = Restarts()
     with tempfile.TemporaryDirectory(prefix="specgate-") as tmp:
         try:
-            local = [w for w in config.workers if w.is_local]
-            for worker in local:
-                restarts.add(worker.name or "", f"{config.worker_url(worker)}/health", partial(_start_worker, config, worker, instance))
+            for worker in (w for w in config.workers if w.is_local):
+                restarts.add(worker.name or "", f"{config.worker_url(worker)}/health", partial(start_worker, config, worker, instance))
             for name, stage in local_stages(config):
-                restarts.add(name, f"http://127.0.0.1:{stage.port}/health", partial(_start_stage, name, stage, instance))
-            for name in restarts.names:
+                restarts.add(name, f"http://127.0.0.1:{stage.port}/health", partial(start_stage, name, stage, instance))
+            for name in restarts.starters:
                 procs[name] = restarts.start(name)
             # the gateway checks its workers at start-up: start it once they answer
-            workers = {name: (restarts.health[name], f"{instance}-{name}-0") for name in restarts.names}
+            workers = {name: (restarts.health[name], f"{instance}-{name}-0") for name in restarts.starters}
             if not wait_ready(workers, procs, startup_timeout, stop):
                 return 1
             resolved = Path(tmp) / "config.yaml"
             resolved.write_text(dump_config(config))
             print(f"specgate serve: starting the gateway on http://{config.host}:{config.port}", flush=True)
-            command = [sys.executable, "-m", "app", "--config", str(resolved), "--log-level", "warning", "--instance-id", f"{instance}-gateway"]
-            procs["gateway"] = _start(command, config.draft.threads)
+            command = [sys.executable, "-m", "app", "--config", str(resolved), "--log-level", "warning"]
+            procs["gateway"] = _start(command, config.draft.threads, f"{instance}-gateway")
             gateway = {"gateway": (f"http://{config.host}:{config.port}/health/ready", f"{instance}-gateway")}
             if not wait_ready(gateway, procs, startup_timeout, stop):
                 return 1
@@ -103,12 +90,12 @@ def _can_bind(host: str, port: int) -> bool:
     return True
 
 
-def start_worker(config: SpecgateConfig, entry: WorkerEntry, instance_id: str, restarts: int = 0) -> subprocess.Popen[bytes]:
+def start_worker(config: SpecgateConfig, entry: WorkerEntry, instance: str, restarts: int = 0) -> subprocess.Popen[bytes]:
+    """A local worker, as ``Restarts`` starts it: its instance id names the restart."""
     assert entry.model is not None and entry.port is not None
-    url = config.worker_url(entry)
-    print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}, threads={entry.threads}) on {url}", flush=True)
-    command = [*worker_command(entry.model, entry.backend.value, entry.port, entry.threads), "--instance-id", instance_id]
-    return _start(command + (["--restarts", str(restarts)] if restarts else []), entry.threads)
+    print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}, threads={entry.threads}) on {config.worker_url(entry)}", flush=True)
+    command = worker_command(entry.model, entry.backend.value, entry.port, entry.threads)
+    return _start(command, entry.threads, f"{instance}-{entry.name}-{restarts}", restarts)
 
 
 def local_stages(config: SpecgateConfig) -> list[tuple[str, StageEntry]]:
@@ -116,33 +103,24 @@ def local_stages(config: SpecgateConfig) -> list[tuple[str, StageEntry]]:
     return [(f"{w.name} stage {i + 1}", s) for w in config.workers for i, s in enumerate(w.pipeline or []) if s.is_local]
 
 
-def start_stage(name: str, stage: StageEntry, instance_id: str, restarts: int = 0) -> subprocess.Popen[bytes]:
+def start_stage(name: str, stage: StageEntry, instance: str, restarts: int = 0) -> subprocess.Popen[bytes]:
     assert stage.model is not None and stage.port is not None
     link = f", link {stage.link_rtt_ms:g} ms rtt" if stage.link_rtt_ms else ""
     print(f"specgate serve: starting {name}: {stage.model} layers {stage.layers} (transformers, threads={stage.threads}{link}) on http://127.0.0.1:{stage.port}", flush=True)
     command = worker_command(stage.model, "transformers", stage.port, stage.threads, layers=stage.layers, link_rtt_ms=stage.link_rtt_ms, link_mbps=stage.link_mbps)
-    return _start([*command, "--instance-id", instance_id] + (["--restarts", str(restarts)] if restarts else []), stage.threads)
+    return _start(command, stage.threads, f"{instance}-{name}-{restarts}", restarts)
 
 
-def _start_worker(config: SpecgateConfig, entry: WorkerEntry, instance: str, restarts: int) -> subprocess.Popen[bytes]:
-    """``start_worker`` as ``Restarts`` calls it: the instance id names the restart."""
-    return start_worker(config, entry, f"{instance}-{entry.name}-{restarts}", restarts)
-
-
-def _start_stage(name: str, stage: StageEntry, instance: str, restarts: int) -> subprocess.Popen[bytes]:
-    return start_stage(name, stage, f"{instance}-{name}-{restarts}", restarts)
-
-
-def _start(command: list[str], threads: int | None) -> subprocess.Popen[bytes]:
+def _start(command: list[str], threads: int | None, instance_id: str, restarts: int = 0) -> subprocess.Popen[bytes]:
     # its own process group: a terminal's Ctrl-C reaches `serve` alone, which stops the
     # gateway first (it drains its streams, which still need the workers), then the workers;
     # its share of the cores for every thread pool it has (``child_env``, ``load_runner``)
+    command = [*command, "--instance-id", instance_id] + (["--restarts", str(restarts)] if restarts else [])
     return subprocess.Popen(command, process_group=0, preexec_fn=_die_with_parent(), env=child_env(threads))
 
 
 def _die_with_parent() -> Callable[[], None] | None:
-    """For the child, between fork and exec: SIGTERM when this process dies, however it dies
-    (Linux's PR_SET_PDEATHSIG; elsewhere None: only a clean exit stops the children)."""
+    """For the child, between fork and exec: SIGTERM when this process dies, however (None off Linux)."""
     if not sys.platform.startswith("linux"):
         return None
     libc, parent = ctypes.CDLL(None, use_errno=True), os.getpid()
@@ -155,9 +133,8 @@ def _die_with_parent() -> Callable[[], None] | None:
     return arm
 
 
-def wait_ready(checks: dict[str, tuple[str, str]], procs: dict[str, subprocess.Popen[bytes]], timeout: float, stop: _StopFlag) -> bool:
-    """Poll each (URL, instance id) until it answers 200 with that instance id, in order; False
-    on timeout, a dead child or a signal."""
+def wait_ready(checks: dict[str, tuple[str, str]], procs: dict[str, subprocess.Popen[bytes]], timeout: float, stop: threading.Event) -> bool:
+    """Poll each (URL, instance id) in order until it answers; False on timeout, a dead child or a signal."""
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=2.0) as client:
         for name, (url, instance_id) in checks.items():
@@ -166,7 +143,7 @@ def wait_ready(checks: dict[str, tuple[str, str]], procs: dict[str, subprocess.P
                 if dead:
                     print(f"specgate serve: {dead[0]} exited with {procs[dead[0]].returncode}", file=sys.stderr)
                     return False
-                if stop.is_set or time.monotonic() > deadline:
+                if stop.is_set() or time.monotonic() > deadline:
                     print(f"specgate serve: {name} not ready after {timeout:.0f} s", file=sys.stderr)
                     return False
                 time.sleep(0.5)
@@ -174,11 +151,11 @@ def wait_ready(checks: dict[str, tuple[str, str]], procs: dict[str, subprocess.P
     return True
 
 
-def _answers(client: httpx.Client, url: str, instance_id: str) -> bool:
-    """200 from the process we started (another one on the port reports another id)."""
+def _answers(client: httpx.Client, url: str, instance_id: str | None = None) -> bool:
+    """200 (from the process we started: another one on the port reports another id)."""
     try:
         resp = client.get(url)
-        return resp.status_code == 200 and resp.json().get("instance_id") == instance_id
+        return resp.status_code == 200 and (instance_id is None or resp.json().get("instance_id") == instance_id)
     except (httpx.HTTPError, ValueError, AttributeError):
         return False
 
@@ -216,10 +193,6 @@ class Restarts:
         self.deaths: dict[str, list[float]] = {}
         self.due: dict[str, float] = {}  # name -> when to start it again
 
-    @property
-    def names(self) -> list[str]:
-        return list(self.starters)
-
     def add(self, name: str, health_url: str, starter: Callable[[int], subprocess.Popen[bytes]]) -> None:
         self.starters[name], self.health[name], self.count[name], self.deaths[name] = starter, health_url, 0, []
 
@@ -244,13 +217,11 @@ class Restarts:
         return [name for name, at in self.due.items() if at <= now]
 
 
-def watch(procs: dict[str, subprocess.Popen[bytes]], stop: _StopFlag, restarts: Restarts | None = None) -> int:
-    """Until a signal: restart a worker or stage that died (``Restarts``); a dead gateway, or a
-    worker that keeps dying, ends ``serve`` (1)."""
-    restarts = restarts or Restarts()
+def watch(procs: dict[str, subprocess.Popen[bytes]], stop: threading.Event, restarts: Restarts) -> int:
+    """Until a signal, restart what died (``Restarts``); a dead gateway, or a worker that keeps dying, ends ``serve`` (1)."""
     back: dict[str, str] = {}  # restarted, not yet answering: name -> its health URL
     with httpx.Client(timeout=2.0) as client:
-        while not stop.is_set:
+        while not stop.is_set():
             for name, proc in procs.items():
                 if proc.poll() is None or name in restarts.due:
                     continue
@@ -270,39 +241,20 @@ def watch(procs: dict[str, subprocess.Popen[bytes]], stop: _StopFlag, restarts: 
                 procs[name] = restarts.start(name)
                 back[name] = restarts.health[name]
             for name, url in list(back.items()):
-                if procs[name].poll() is None and _up(client, url):
+                if procs[name].poll() is None and _answers(client, url):
                     print(f"specgate serve: worker {name} is back (restart {restarts.count[name]})", flush=True)
                     del back[name]
             time.sleep(0.5)
     return 0
 
 
-def _up(client: httpx.Client, url: str) -> bool:
-    try:
-        return client.get(url).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def stop_all(procs: dict[str, subprocess.Popen[bytes]], drain_s: float = 30.0) -> None:
     """The gateway first (it drains its streams, which still need the workers), then the workers."""
-    gateway = procs.get("gateway")
-    if gateway is not None:
-        stop_process(gateway, grace_s=drain_s + 10)
+    if "gateway" in procs:
+        stop_process(procs["gateway"], grace_s=drain_s + 10)
     for proc in procs.values():
         if proc.poll() is None:
             proc.terminate()  # the workers at once, then reap each
     for proc in procs.values():
         stop_process(proc)
 
-
-class _StopFlag:
-    """Set by SIGINT / SIGTERM, so the loops above end and the children are stopped."""
-
-    def __init__(self) -> None:
-        self.is_set = False
-        signal.signal(signal.SIGINT, self._set)
-        signal.signal(signal.SIGTERM, self._set)
-
-    def _set(self, signum: int, frame: FrameType | None) -> None:
-        self.is_set = True

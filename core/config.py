@@ -1,21 +1,5 @@
-"""The YAML configuration (DESIGN §6), shared by the gateway and ``specgate serve``.
-
-Values come from the YAML file, overridden by ``SPECGATE_<SECTION>__<KEY>`` environment
-variables (e.g. ``SPECGATE_SPECULATIVE__MODE=autoregressive``, ``SPECGATE_PORT=9000``); a
-bad key or value is a ConfigError that names it.
-
-    model: specgate            # the id clients pass and /v1/models lists
-    host: 127.0.0.1
-    port: 8000
-    draft: {model: builtin-draft, backend: llama.cpp}
-    speculative: {mode: aggregate, num_draft_tokens: 4, k: full, reconstruction: renormalize}
-    workers:
-      - {url: http://10.0.0.5:8101, weight: 0.7}           # a worker running elsewhere
-      - {model: builtin-alt, weight: 0.3, port: 8102}      # started by `specgate serve`
-      - {urls: [http://10.0.0.6:8101, http://10.0.0.7:8101], weight: 0.5}  # replicas: failover
-    limits: {max_tokens: 512, max_prompt_tokens: 1536, max_concurrent_requests: 16}
-    api_key: ...               # better from SPECGATE_API_KEY; so is SPECGATE_WORKER_TOKEN
-"""
+"""The YAML configuration (DESIGN §6) of the gateway and ``specgate serve``, overridden by ``SPECGATE_<SECTION>__<KEY>``
+variables; a bad key is a ConfigError naming it. docs/configuration.md is generated from the comments below."""
 
 from __future__ import annotations
 
@@ -24,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from core.errors import ConfigError
@@ -50,8 +34,7 @@ class DraftConfig(BaseModel):
 
 
 class TreeParams(BaseModel):
-    """``"tree": {...}`` (config or request): the draft tree of mode ``tree`` (DESIGN §3.6).
-    Absent: EAGLE-2 at T = 0, a 2-way root with chains below (without replacement) at T > 0."""
+    """``"tree": {...}`` (config or request): mode ``tree``'s draft tree (DESIGN §3.6); absent: the default by temperature."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -63,8 +46,7 @@ class TreeParams(BaseModel):
     payload: Literal["aggregate", "exact"] | None = None  # per node on the wire: aggregate's (k: full or top-k; default) or exact's sparse one (needs draft truncation; draft_top_k defaults to 32)
 
     def shape(self) -> TreeShape | None:
-        """The TreeShape these settings make (ValueError when they make none); None when they
-        name no shape (``{"payload": "exact"}`` alone): the default by temperature, as without them."""
+        """The TreeShape these settings make (ValueError when they make none); None when they name none (payload alone)."""
         if self.rule is None and self.widths is None and self.nodes is None and self.depth is None and self.top_k is None:
             return None
         rule = self.rule or (ChildRule.SAMPLED_DISTINCT if self.widths is not None else ChildRule.FIXED)
@@ -79,9 +61,7 @@ class TreeParams(BaseModel):
 
 
 class PipelineParams(BaseModel):
-    """``"pipeline": {...}`` (config or request): mode ``pipeline``'s schedule (DESIGN §3.7).
-    Each round drafts an EAGLE-2 tree of ``nodes`` (``depth``, ``top_k``) and sends it best
-    node first in segments; absent keys take SegmentSchedule's defaults."""
+    """``"pipeline": {...}`` (config or request): mode ``pipeline``'s schedule (DESIGN §3.7); absent keys: the defaults."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -104,6 +84,17 @@ class PipelineParams(BaseModel):
         )
 
 
+def in_range(value: Any, info: ValidationInfo) -> Any:
+    """The range checks of ``speculative`` keys, in the config and in a request (app.schemas)."""
+    if info.field_name == "k" and isinstance(value, int) and value < 1:
+        raise ValueError("k must be ≥ 1 or 'full'")
+    if info.field_name == "num_draft_tokens" and isinstance(value, int) and not 1 <= value <= 32:
+        raise ValueError("num_draft_tokens must lie in [1, 32] or be 'auto'")
+    if info.field_name == "mode" and value not in SERVED_MODES:
+        raise ValueError(f"mode {value.value!r} is not available yet: use one of {[m.value for m in SERVED_MODES]}")
+    return value
+
+
 class SpeculativeConfig(BaseModel):
     """The default decoding mode; a request's ``speculative`` object overrides it."""
 
@@ -120,17 +111,12 @@ class SpeculativeConfig(BaseModel):
     pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments; None = the defaults
     drafter: Drafter | None = None  # model | lookup | model+lookup (chains, tree; pipeline: not lookup); None = model, or lookup when draft.model is none
 
-    @field_validator("tree")
+    @field_validator("tree", "pipeline")
     @classmethod
-    def _tree(cls, value: TreeParams | None) -> TreeParams | None:
-        if value is not None:
+    def _makes_shape(cls, value: TreeParams | PipelineParams | None) -> TreeParams | PipelineParams | None:
+        if isinstance(value, TreeParams):
             value.shape()
-        return value
-
-    @field_validator("pipeline")
-    @classmethod
-    def _pipeline(cls, value: PipelineParams | None) -> PipelineParams | None:
-        if value is not None:
+        elif value is not None:
             value.schedule()
         return value
 
@@ -139,26 +125,7 @@ class SpeculativeConfig(BaseModel):
     def _full(cls, value: Any) -> Any:
         return None if value == "full" else value
 
-    @field_validator("k")
-    @classmethod
-    def _positive(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
-            raise ValueError("k must be ≥ 1 or 'full'")
-        return value
-
-    @field_validator("num_draft_tokens")
-    @classmethod
-    def _gamma(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and not 1 <= value <= 32:
-            raise ValueError("num_draft_tokens must lie in [1, 32] or be 'auto'")
-        return value
-
-    @field_validator("mode")
-    @classmethod
-    def _served(cls, value: Mode) -> Mode:
-        if value not in SERVED_MODES:
-            raise ValueError(f"mode {value.value!r} is not available yet: use one of {[m.value for m in SERVED_MODES]}")
-        return value
+    _in_range = field_validator("k", "num_draft_tokens", "mode")(in_range)
 
 
 class LinkConfig(BaseModel):
@@ -177,9 +144,7 @@ class LinkConfig(BaseModel):
 
 
 class StageEntry(BaseModel):
-    """One stage of a ``pipeline`` target (DESIGN §3.7): ``url`` (a stage worker running
-    elsewhere, ``specgate worker --layers A:B``) or ``model`` + ``layers`` (started by
-    ``serve``, transformers backend). A bare string is a URL."""
+    """One stage of a ``pipeline`` target (DESIGN §3.7): ``url``, a bare string, or ``model`` + ``layers`` (started by ``serve``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -211,11 +176,7 @@ class StageEntry(BaseModel):
 
 
 class WorkerEntry(BaseModel):
-    """One target: ``url`` or ``urls`` (workers running elsewhere: replicas of one model, any
-    of which can take over a session) or ``model`` (a local worker started by ``serve``) or
-    ``pipeline`` (one target whose layers are split over stage workers, in order; DESIGN §3.7).
-    ``type: openai-logprobs`` makes it an existing OpenAI-compatible engine (vLLM,
-    llama-cpp-python's server) at ``url``/``urls`` serving ``model`` (DESIGN §8)."""
+    """One target: ``url`` / ``urls`` (remote replicas), ``model`` (local), ``pipeline`` (DESIGN §3.7) or an engine (DESIGN §8)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -319,13 +280,8 @@ class SpecgateConfig(BaseSettings):
 
     @property
     def draft_context(self) -> int:
-        """What the draft's runner is asked for (it caps it at the model's own context): the
-        configured one, else the longest request the limits let in."""
+        """The configured draft context, else the longest request the limits let in (the runner caps it)."""
         return self.draft.max_context or self.limits.max_prompt_tokens + self.limits.max_tokens
-
-    @property
-    def has_engines(self) -> bool:
-        return any(w.is_engine for w in self.workers)
 
     @classmethod
     def settings_customise_sources(
@@ -334,38 +290,31 @@ class SpecgateConfig(BaseSettings):
         return env_settings, init_settings  # environment over the YAML file
 
     def with_local_urls(self, pick_port: Callable[[], int] | None = None) -> SpecgateConfig:
-        """A copy in which each local worker has the URL ``serve`` starts it on: its ``port``,
-        else ``pick_port()`` (``serve``: a free one), else FIRST_LOCAL_PORT + its index."""
-        workers, fallback = [], FIRST_LOCAL_PORT + len(self.workers)  # stages without a port: after the workers'
-        for index, worker in enumerate(self.workers):
-            if worker.is_local:
-                port = worker.port or (pick_port() if pick_port else FIRST_LOCAL_PORT + index)
-                worker = worker.model_copy(update={"port": port})
-            if worker.pipeline is not None:
-                stages = []
-                for stage in worker.pipeline:
-                    if stage.is_local and stage.port is None:
-                        stage = stage.model_copy(update={"port": pick_port() if pick_port else fallback})
-                        fallback += 1
-                    stages.append(stage)
-                worker = worker.model_copy(update={"pipeline": stages})
-            workers.append(worker)
-        return self.model_copy(update={"workers": workers})
+        """A copy in which each local worker and stage has the port ``serve`` starts it on: its ``port``, else
+        ``pick_port()`` (``serve``: a free one), else FIRST_LOCAL_PORT + the worker's index (stages: after the workers')."""
+        fallback = iter(range(FIRST_LOCAL_PORT + len(self.workers), 1 << 16))
+        return self._with_locals(
+            lambda index, w: {"port": w.port or (pick_port() if pick_port else FIRST_LOCAL_PORT + index)},
+            lambda s: {"port": s.port or (pick_port() if pick_port else next(fallback))},
+        )
 
     def with_split_cores(self, cores: int) -> SpecgateConfig:
-        """A copy in which local workers and the draft that set no ``threads`` share ``cores``:
-        the local workers verify at the same time, so each gets an equal share."""
+        """A copy in which local workers, stages and the draft that set no ``threads`` share ``cores`` equally (they verify at once)."""
         local = [w for w in self.workers if w.is_local] + self.local_stages
         share = max(1, cores // max(1, len(local)))
-        workers = []
-        for w in self.workers:
-            if w.is_local:
-                w = w.model_copy(update={"threads": w.threads or share})
-            if w.pipeline is not None:
-                w = w.model_copy(update={"pipeline": [s.model_copy(update={"threads": s.threads or share}) if s.is_local else s for s in w.pipeline]})
-            workers.append(w)
         draft = self.draft.model_copy(update={"threads": self.draft.threads or (share if local else None)})
-        return self.model_copy(update={"workers": workers, "draft": draft})
+        return self._with_locals(lambda _, w: {"threads": w.threads or share}, lambda s: {"threads": s.threads or share}, draft=draft)
+
+    def _with_locals(self, worker: Callable[[int, WorkerEntry], dict[str, Any]], stage: Callable[[StageEntry], dict[str, Any]], **update: Any) -> SpecgateConfig:
+        """A copy with ``worker(index, w)`` applied to each local worker, ``stage(s)`` to each local stage, in order."""
+        workers = []
+        for index, w in enumerate(self.workers):
+            if w.is_local:
+                w = w.model_copy(update=worker(index, w))
+            if w.pipeline is not None:
+                w = w.model_copy(update={"pipeline": [s.model_copy(update=stage(s)) if s.is_local else s for s in w.pipeline]})
+            workers.append(w)
+        return self.model_copy(update={"workers": workers, **update})
 
     @property
     def local_stages(self) -> list[StageEntry]:
@@ -393,8 +342,7 @@ class SpecgateConfig(BaseSettings):
 
 
 def builtin_config() -> SpecgateConfig:
-    """The built-in default: draft builtin-draft, local workers builtin and builtin-alt (0.5 / 0.5),
-    mode exact (lossless for the federation, sparse both ways) with the draft truncated to top-32."""
+    """The built-in default: local workers builtin and builtin-alt (0.5 / 0.5), mode exact, draft top-32."""
     return parse_config({
         "speculative": {"mode": "exact", "draft_top_k": 32},
         "workers": [{"model": "builtin", "weight": 0.5}, {"model": "builtin-alt", "weight": 0.5}],

@@ -1,6 +1,5 @@
-"""How many cores this process may use: its CPU affinity (``taskset``, a cgroup cpuset, a
-Kubernetes pod with pinned CPUs, a test runner's pinned worker), else every core. Every default
-thread count and every split of the cores between local processes starts from it."""
+"""How many cores this process may use: its CPU affinity (``taskset``, a cgroup cpuset, a pod's pinned
+CPUs), else every core. Every default thread count and every split of the cores starts from it."""
 
 from __future__ import annotations
 

@@ -58,7 +58,5 @@ class WorkerFull(SpecgateError):
     next call, and under overload every step would. Answered 503 with ``Retry-After``."""
 
     def __init__(self, live: int, live_s: float, retry_after_s: int) -> None:
-        super().__init__(
-            f"worker full: every KV slot is held by one of the {live} sessions used in the last {live_s:g} s; retry after {retry_after_s} s"
-        )
+        super().__init__(f"worker full: every KV slot is held by one of the {live} sessions used in the last {live_s:g} s; retry after {retry_after_s} s")
         self.retry_after_s = retry_after_s

@@ -1,12 +1,5 @@
-"""Grammars (DESIGN §3.9): the one place that talks to the grammar engine.
-
-The engine is llguidance (measured against xgrammar on the built-in 49,152-token vocabulary,
-``specgate bench grammar``: both mask a row in microseconds; llguidance compiles a schema in
-about 1 ms, installs in 8 MB where xgrammar pulls a 1 GB triton wheel). A ``GrammarSpec`` is
-what a request asks for, by value; ``Grammars`` compiles it once per content (an LRU keyed by
-its digest) for one tokenizer; a ``Matcher`` is one session's position in it: consume the
-agreed tokens, read the allowed set of the next token, roll back what a round rejected.
-"""
+"""Grammars (DESIGN §3.9): the one place that talks to llguidance (chosen over xgrammar: ``specgate bench grammar``).
+``GrammarSpec``: a grammar by value; ``Grammars``: compiled once per content; ``Matcher``: one session's position."""
 
 from __future__ import annotations
 
@@ -141,24 +134,21 @@ class Grammars:
         return matcher
 
 
+@dataclass(frozen=True)
 class Grammar:
     """One compiled grammar; ``matcher()`` starts a session's walk through it."""
 
-    def __init__(self, template: Any, vocab_size: int, eos_ids: list[int]) -> None:
-        self._template = template
-        self.vocab_size = vocab_size
-        self.eos_ids = eos_ids
+    template: Any
+    vocab_size: int
+    eos_ids: list[int]
 
     def matcher(self) -> Matcher:
-        return Matcher(self._template.deep_copy(), self.vocab_size, self.eos_ids)
+        return Matcher(self.template.deep_copy(), self.vocab_size, self.eos_ids)
 
 
 class Matcher:
-    """A position in a grammar: the tokens consumed so far, the set allowed next.
-
-    A token the grammar does not allow puts the matcher in a dead state (``is_dead``): then
-    only EOS is allowed, so an answer ends instead of hanging. Rolling back past it revives it.
-    """
+    """A position in a grammar: the tokens consumed so far, the set allowed next. A token the grammar
+    does not allow makes it dead (``is_dead``: only EOS allowed, so an answer ends); rolling back revives it."""
 
     def __init__(self, engine: Any, vocab_size: int, eos_ids: list[int]) -> None:
         self._engine = engine
@@ -206,11 +196,7 @@ class Matcher:
 
     def sync(self, tokens: list[int]) -> None:
         """Make the consumed tokens equal ``tokens``: roll back to the common prefix, consume the rest."""
-        common = 0
-        for held, wanted in zip(self.tokens, tokens):
-            if held != wanted:
-                break
-            common += 1
+        common = next((i for i, (held, wanted) in enumerate(zip(self.tokens, tokens)) if held != wanted), min(len(self.tokens), len(tokens)))
         self.rollback(len(self.tokens) - common)
         for token in tokens[common:]:
             self.consume(token)
@@ -227,20 +213,13 @@ class Matcher:
         mask[self.eos_ids] = True
         return mask
 
-    @property
-    def is_finished(self) -> bool:
-        """The grammar is complete and takes nothing more but EOS."""
-        return self._stop_at is not None or bool(self._engine.is_stopped())
-
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # keyword → {name: schema}
 
 
 def strict(schema: Any) -> Any:
-    """A JSON schema whose objects with ``properties`` take no others unless it says so
-    (``additionalProperties`` absent → false): OpenAI's strict mode, xgrammar's default (and so
-    vLLM's). Without it a small model fills a permissive object with invented keys until
-    ``max_tokens``."""
+    """A JSON schema whose objects with ``properties`` take no others unless it says so: OpenAI's strict mode,
+    xgrammar's default (and vLLM's). Without it a small model fills an open object with invented keys."""
     if isinstance(schema, list):
         return [strict(item) for item in schema]
     if not isinstance(schema, dict):
@@ -259,8 +238,7 @@ def strict(schema: Any) -> Any:
 
 
 def json_depth(value: Any) -> int:
-    """Levels of nesting of a JSON value (a scalar: 0), without recursion: a value nested
-    deeper than the stack allows is measured, not crashed on."""
+    """Levels of nesting of a JSON value (a scalar: 0), without recursion: no value is too deep to measure."""
     deepest, stack = 0, [(value, 0)]
     while stack:
         item, depth = stack.pop()

@@ -1,23 +1,11 @@
-"""Lookup drafting (DESIGN §3.10): continuations of the context found in text already seen, at
-no model cost.
-
-- ``PromptLookup`` (prompt lookup decoding, vLLM's ``ngram``): one session's context — its
-  prompt and its output so far — indexed by n-grams; the context's last n tokens (n from
-  ``max_n`` down to ``min_n``) are matched at their most recent earlier place, and what followed
-  there is proposed.
-- ``SuffixIndex`` (suffix decoding, vLLM's ``suffix``): the recent outputs of the gateway in a
-  trie of their substrings with counts; the longest suffix of the context found there is
-  continued by its most frequent next tokens. Bounded: the oldest output leaves first.
-
-A proposal is a chain of tokens with how long the match was (its confidence); the drafter
-turns it into deterministic candidates (q̂ = δ), which every verification rule takes exactly.
-"""
+"""Lookup drafting (DESIGN §3.10): ``PromptLookup`` (vLLM's ``ngram``) matches the context's last n-gram in
+its own context; ``SuffixIndex`` (vLLM's ``suffix``) continues its longest suffix found in recent outputs."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -57,13 +45,8 @@ class PromptLookup:
         self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions it ends at, in order
 
     def sync(self, context: list[int]) -> None:
-        """Make the indexed tokens ``context``: what differs is taken back (a rejected draft the
-        session assumed), what is new is added."""
-        common = 0
-        for held, wanted in zip(self.tokens, context):
-            if held != wanted:
-                break
-            common += 1
+        """Make the indexed tokens ``context``: what differs is taken back (a rejected draft), what is new is added."""
+        common = next((i for i, (held, wanted) in enumerate(zip(self.tokens, context)) if held != wanted), min(len(self.tokens), len(context)))
         while len(self.tokens) > common:
             self._pop()
         for token in context[common:]:
@@ -99,12 +82,10 @@ class PromptLookup:
         self.tokens.pop()
 
 
+@dataclass(slots=True)
 class _Node:
-    __slots__ = ("count", "children")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, _Node] = {}
+    count: int = 0
+    children: dict[int, _Node] = field(default_factory=dict)
 
 
 class SuffixIndex:
@@ -131,8 +112,8 @@ class SuffixIndex:
             self.num_tokens -= len(oldest)
 
     def propose(self, context: list[int], count: int) -> Proposal:
-        """The longest suffix of ``context`` (shorter than ``depth``) found in the index, continued
-        by the most frequent next token at each step, up to ``count`` tokens."""
+        """The longest suffix of ``context`` (shorter than ``depth``) found in the index, continued by the most
+        frequent next token at each step, up to ``count`` tokens."""
         count = min(count, self.params.max_tokens)
         for m in range(min(self.params.depth - 1, len(context)), 0, -1):
             node: _Node | None = self._root
@@ -170,11 +151,8 @@ def _size(node: _Node) -> int:
 
 
 class AcceptanceStats:
-    """Measured acceptance of draft candidates by kind (a key: a lookup token's place in its run
-    and how long its match was; a model node's place in a tree's shape), with a prior worth
-    ``weight`` observations: what a tree draft weighs a lookup branch against the model nodes
-    it would displace by (their expected accepted tokens). Counts are halved past ``horizon``
-    (recent rounds weigh more) and the kinds are bounded (``max_keys``: cleared past it)."""
+    """Measured acceptance of draft candidates by kind, with a prior worth ``weight`` observations; counts halve
+    past ``horizon``, and are cleared past ``max_keys`` kinds."""
 
     def __init__(self, weight: float = 2.0, horizon: int = 2000, max_keys: int = 4096) -> None:
         self.weight, self.horizon, self.max_keys = weight, horizon, max_keys
@@ -196,10 +174,4 @@ class AcceptanceStats:
         """The posterior mean of the acceptance of ``key``'s kind (``prior`` alone when not
         ``measured``: a seeded request's draft must not depend on what ran before it)."""
         counts = self._counts.get(key) if measured else None
-        if counts is None:
-            return prior
-        return (counts[1] + self.weight * prior) / (counts[0] + self.weight)
-
-    def tested(self, key: Hashable) -> float:
-        counts = self._counts.get(key)
-        return counts[0] if counts is not None else 0.0
+        return prior if counts is None else (counts[1] + self.weight * prior) / (counts[0] + self.weight)

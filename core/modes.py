@@ -1,7 +1,5 @@
-"""What each decoding mode is (DESIGN §3), in one place: the fields of ``speculative`` it takes,
-whether the gateway drafts, what it needs of the targets. Config, the OpenAI service, the
-protocol and the worker derive their lists from here; how a mode verifies is the gateway's
-strategy of the same name (``app.engine``)."""
+"""What each decoding mode is (DESIGN §3), in one place: the fields of ``speculative`` it takes, whether
+the gateway drafts, what it needs of the targets; how it verifies is ``app.engine``'s strategy of its name."""
 
 from __future__ import annotations
 
@@ -82,9 +80,8 @@ PIPELINE_TARGET_MODES = tuple(m for m in SERVED_MODES if MODES[m].pipelines)
 
 
 def target_problem(mode: Mode, num_targets: int, engines: Sequence[str], pipelines: Sequence[str]) -> str | None:
-    """Why ``mode`` cannot verify on these targets — ``num_targets`` of them, ``engines`` the
-    names of the openai-logprobs engines among them, ``pipelines`` of the pipeline targets — or
-    None. The config's check at start-up and a request's are this one."""
+    """Why ``mode`` cannot verify on these targets (``engines``, ``pipelines``: the names of those among
+    them), or None: the config's check at start-up and a request's."""
     spec = MODES[mode]
     if engines and not spec.engines:
         return f"mode {mode.value!r} needs specgate workers; {engines[0]} is an openai-logprobs engine (use {' or '.join(m.value for m in ENGINE_MODES)})"

@@ -20,11 +20,9 @@ API_PREFIX = "/v1/"  # what the token guards and a drain refuses; /health, /metr
 
 
 class Guard:
-    """ASGI middleware, each refusal in the OpenAI envelope: 503 while draining, 401 without
-    ``Authorization: Bearer <token>`` (when a token is set), 413 for a body over ``max_body_bytes``.
-
-    Usage: ``app.add_middleware(Guard, token=key, max_body_bytes=2**20, is_draining=lambda: False)``
-    """
+    """ASGI middleware, each refusal in the OpenAI envelope: 503 while draining, 401 without the bearer token
+    (when one is set), 413 for a body over ``max_body_bytes``. Usage: ``app.add_middleware(Guard, token=key,
+    max_body_bytes=2**20, is_draining=lambda: False)``"""
 
     def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int, is_draining: Callable[[], bool]) -> None:
         self.app, self.token, self.max_body_bytes, self.is_draining = app, token, max_body_bytes, is_draining
@@ -94,9 +92,8 @@ async def _refuse(send: Send, status: int, message: str, kind: str, code: str, h
 
 
 def run_server(app: ASGIApp, host: str, port: int, log_level: str, drain_timeout_s: float, on_drain: Callable[[], None]) -> None:
-    """uvicorn until SIGINT / SIGTERM. On SIGTERM: ``on_drain()`` (the app answers 503 to new
-    requests), uvicorn stops accepting and waits for open requests (``drain_timeout_s`` plus a
-    margin for freeing sessions), then the process returns normally — exit status 0."""
+    """uvicorn until SIGINT / SIGTERM. On SIGTERM: ``on_drain()`` (new requests get 503), uvicorn stops
+    accepting, waits for open requests (``drain_timeout_s`` plus a margin) and the process exits 0."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout_s) + 5)
     DrainingServer(config, on_drain).run()
 

@@ -1,18 +1,10 @@
-"""Transforms (DESIGN §3.9): a request's reshaping of the target, one definition for the draft
-and every worker.
-
-At each position, with prefix x (the agreed tokens, then a row's path through the draft), a
-model's logits become: min_tokens (EOS at −∞ while x's generated part is shorter: vLLM's order,
-before everything else) → + logit_bias → penalties (counts over x's generated part) → the
-grammar mask (−∞ outside what the grammar allows after x; EOS only where it may end) — then the
-sampling parameters (temperature → min-p, top-k, top-p; ``core.math.sampling``). A
-``TransformSpec`` is what a request asks (it travels once per session); a ``Transformer`` is one
-session's state (a grammar matcher at the agreed tokens) that transforms the rows of a round.
-"""
+"""Transforms (DESIGN §3.9), one definition for the draft and every worker: per row, min_tokens → logit_bias →
+penalties → grammar mask, then ``core.math.sampling``. ``TransformSpec``: what a request asks; ``Transformer``: one session's state."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -53,18 +45,12 @@ class TransformSpec:
 
     @property
     def is_identity(self) -> bool:
-        plain = not self.logit_bias and self.presence_penalty == 0 and self.frequency_penalty == 0 and self.repetition_penalty == 1
-        return plain and self.grammar is None and not self.suppresses
+        return not self.logit_bias and not self.penalises and self.grammar is None and not self.suppresses
 
     @property
     def suppresses(self) -> bool:
         """min_tokens keeps EOS out of the first rows."""
         return self.min_tokens > 0 and bool(self.eos_ids)
-
-    @property
-    def is_min_tokens_only(self) -> bool:
-        """What an engine target can apply itself, to its listing (``app.targets.openai_logprobs``)."""
-        return replace(self, min_tokens=0, eos_ids=()).is_identity
 
     @property
     def penalises(self) -> bool:
@@ -74,11 +60,9 @@ class TransformSpec:
         out: dict[str, Any] = {"prompt_len": self.prompt_len}
         if self.logit_bias:
             out["logit_bias"] = [[t, v] for t, v in self.logit_bias]
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
+        for name, off in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
+            if getattr(self, name) != off:
                 out[name] = getattr(self, name)
-        if self.repetition_penalty != 1:
-            out["repetition_penalty"] = self.repetition_penalty
         if self.grammar is not None:
             out["grammar"] = self.grammar.to_wire()
         if self.suppresses:
@@ -90,7 +74,7 @@ class TransformSpec:
         """ValueError (naming the field) on anything malformed."""
         if not isinstance(value, dict):
             raise ValueError("transform must be an object")
-        known = {"prompt_len", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "grammar", "min_tokens", "eos_ids"}
+        known = {f.name for f in fields(cls)}
         if set(value) - known:
             raise ValueError(f"transform has unknown fields {sorted(set(value) - known)}")
         try:
@@ -132,7 +116,6 @@ class Transformer:
     spec: TransformSpec
     vocab_size: int
     matcher: Matcher | None = None
-    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
 
     @classmethod
     def build(cls, spec: TransformSpec, vocab_size: int, grammars: Grammars | None) -> Transformer:
@@ -160,11 +143,9 @@ class Transformer:
             raise ValueError(f"the rows' common prefix ({len(agreed)} tokens) is shorter than the prompt ({self.spec.prompt_len})")
         out = logits.float().clone()
         if self.spec.suppresses:  # min_tokens, first (vLLM's order): before bias, penalties, min-p, top-k and top-p
-            early = self._early_rows(agreed, paths)
-            if early:
-                out[torch.tensor(early)[:, None], torch.tensor(self.spec.eos_ids)[None, :]] = float("-inf")
+            self._suppress_eos(out, agreed, paths, float("-inf"))
         if self.spec.logit_bias:
-            ids, values = self._bias_tensors()
+            ids, values = self._bias
             out[:, ids] += values
         if self.spec.penalises:
             base = np.asarray(agreed, dtype=np.int64)
@@ -193,21 +174,22 @@ class Transformer:
                 out[r] = matcher.allowed()
                 matcher.rollback(len(path))
         if self.spec.suppresses:
-            early = self._early_rows(agreed, paths)
-            if early:
-                out[torch.tensor(early)[:, None], torch.tensor(self.spec.eos_ids)[None, :]] = False
+            self._suppress_eos(out, agreed, paths, False)
         return out
 
+    def _suppress_eos(self, out: torch.Tensor, agreed: list[int], paths: list[list[int]], value: float | bool) -> None:
+        """Set EOS to ``value`` in the rows whose prefix holds fewer than min_tokens generated tokens."""
+        early = self._early_rows(agreed, paths)
+        if early:
+            out[torch.tensor(early)[:, None], torch.tensor(self.spec.eos_ids)[None, :]] = value
+
     def _early_rows(self, agreed: list[int], paths: list[list[int]]) -> list[int]:
-        """The rows whose prefix holds fewer than min_tokens generated tokens."""
         generated = len(agreed) - self.spec.prompt_len
         return [r for r, path in enumerate(paths) if generated + len(path) < self.spec.min_tokens]
 
     def forced(self, agreed: list[int]) -> int | None:
-        """The one token the grammar allows after ``agreed``, if it allows exactly one. Where it
-        allows only end tokens and there are several, none is forced: each target spreads its
-        mass over them its own way, which the token ids and log-probabilities show (a round
-        decides)."""
+        """The one token the grammar allows after ``agreed``, if exactly one. Several end tokens are not
+        forced: each target spreads its mass over them its own way (a round decides)."""
         if self.matcher is None:
             return None
         self.matcher.sync(self._generated(agreed))
@@ -230,10 +212,6 @@ class Transformer:
     def _generated(self, agreed: list[int]) -> list[int]:
         return list(agreed[self.spec.prompt_len :])
 
-    def _bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._bias is None:
-            self._bias = (
-                torch.tensor([t for t, _ in self.spec.logit_bias], dtype=torch.long),
-                torch.tensor([v for _, v in self.spec.logit_bias], dtype=torch.float32),
-            )
-        return self._bias
+    @cached_property
+    def _bias(self) -> tuple[torch.Tensor, torch.Tensor]:  # [b] long ids, [b] fp32 values
+        return torch.tensor([t for t, _ in self.spec.logit_bias], dtype=torch.long), torch.tensor([v for _, v in self.spec.logit_bias], dtype=torch.float32)

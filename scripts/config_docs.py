@@ -1,7 +1,5 @@
-"""``docs/configuration.md``, generated from the settings models themselves (every key, its type,
-default, environment variable and the comment beside it in the source), so the page cannot
-drift from the code: ``python scripts/config_docs.py > docs/configuration.md`` (a test checks it).
-"""
+"""``python scripts/config_docs.py > docs/configuration.md``: the page generated from the settings models
+(each key's type, default, environment variable and source comment), so it cannot drift (a test checks it)."""
 
 from __future__ import annotations
 
@@ -37,15 +35,13 @@ The environment wins over the file. Without `--config` the built-in default is u
 
 
 def render() -> str:
-    parts = [HEADER, "## Gateway\n", _table(SpecgateConfig, "", "SPECGATE_")]
-    parts += ["\n## Worker\n", "`specgate worker` flags override these; the environment overrides the defaults.\n", _table(WorkerSettings, "", "SPECGATE_WORKER_")]
+    parts = [HEADER, "## Gateway\n", _table(SpecgateConfig, "SPECGATE_")]
+    parts += ["\n## Worker\n", "`specgate worker` flags override these; the environment overrides the defaults.\n", _table(WorkerSettings, "SPECGATE_WORKER_")]
     return "\n".join(parts)
 
 
-def _table(model: type[BaseModel], prefix: str, env: str) -> str:
-    rows = ["| key | type | default | environment | meaning |", "| --- | --- | --- | --- | --- |"]
-    rows += _rows(model, prefix, env)
-    return "\n".join(rows) + "\n"
+def _table(model: type[BaseModel], env: str) -> str:
+    return "\n".join(["| key | type | default | environment | meaning |", "| --- | --- | --- | --- | --- |", *_rows(model, "", env)]) + "\n"
 
 
 def _rows(model: type[BaseModel], prefix: str, env: str | None) -> list[str]:
@@ -55,7 +51,9 @@ def _rows(model: type[BaseModel], prefix: str, env: str | None) -> list[str]:
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         var = f"`{env}{name.upper()}`" if env is not None else "(in the list)"
-        section, item = _nested_model(field.annotation), _list_item(field.annotation)
+        args = get_args(field.annotation)
+        section = next((arg for arg in (field.annotation, *args) if _is_model(arg)), None)
+        item = args[0] if get_origin(field.annotation) is list and _is_model(args[0]) else None
         if section is not None and item is None:
             rows += _rows(section, f"{key}.", f"{env}{name.upper()}__" if env is not None else None)
             continue
@@ -69,7 +67,7 @@ def _comments(model: type[BaseModel]) -> dict[str, str]:
     """The ``# comment`` beside each field in the class source (the docstring for sections)."""
     found = {}
     for cls in reversed(model.__mro__):
-        if cls is BaseModel or not isinstance(cls, type) or not issubclass(cls, BaseModel):
+        if cls is BaseModel or not _is_model(cls):
             continue
         try:
             source = inspect.getsource(cls)
@@ -82,18 +80,8 @@ def _comments(model: type[BaseModel]) -> dict[str, str]:
     return found
 
 
-def _nested_model(annotation: Any) -> type[BaseModel] | None:
-    for arg in (annotation, *get_args(annotation)):
-        if isinstance(arg, type) and issubclass(arg, BaseModel):
-            return arg
-    return None
-
-
-def _list_item(annotation: Any) -> type[BaseModel] | None:
-    if get_origin(annotation) is list:
-        (item,) = get_args(annotation)
-        return item if isinstance(item, type) and issubclass(item, BaseModel) else None
-    return None
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
 def _type(annotation: Any) -> str:
@@ -110,16 +98,10 @@ def _type(annotation: Any) -> str:
 
 def _default(field: FieldInfo) -> str:
     if field.default_factory is not None:
-        value: Any = field.default_factory()  # type: ignore[call-arg]
-        return "`[]`" if value == [] else "(section)"
+        return "`[]`" if field.default_factory() == [] else "(section)"  # type: ignore[call-arg]
     if field.default is PydanticUndefined:
         return "required"
-    value = field.default
-    if value is None:
-        return "`null`"
-    if hasattr(value, "value"):
-        value = value.value
-    return f"`{value}`"
+    return "`null`" if field.default is None else f"`{getattr(field.default, 'value', field.default)}`"
 
 
 if __name__ == "__main__":

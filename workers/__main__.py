@@ -11,10 +11,7 @@ from core.names import Backend
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="specgate worker",
-        description="Serve a target model over worker protocol v1 (DESIGN §4).",
-    )
+    parser = argparse.ArgumentParser(prog="specgate worker", description="Serve a target model over worker protocol v1 (DESIGN §4).")
     # defaults live in WorkerSettings, so SPECGATE_WORKER_* variables apply to unset flags
     parser.add_argument("--model", help="builtin | builtin-draft | builtin-alt | tiny-random[:SEED] | GGUF file | HF folder (default: builtin)")
     parser.add_argument("--backend", choices=[b.value for b in Backend], help="model runner backend (default: llama.cpp)")
@@ -46,17 +43,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from core.runners.model_thread import ModelThread
     from workers.server import create_app
-    from workers.settings import WorkerSettings, load_target
+    from workers.settings import WorkerSettings, ready_target
 
     try:
-        flags = ("model", "backend", "host", "port", "max_context", "memory_cap_mb", "max_sessions", "threads", "device", "dtype", "gpu_memory_utilization", "instance_id", "layers", "next", "link_rtt_ms", "link_mbps", "restarts")
-        settings = WorkerSettings(**{f: getattr(args, f) for f in flags if getattr(args, f) is not None})
-        # load before binding, so a bad model is a one-line error and not a traceback; on the
-        # thread every later call of the runner runs on
+        settings = WorkerSettings(**{f: v for f, v in vars(args).items() if f != "log_level" and v is not None})
+        # load before binding (a bad model is a one-line error), on the thread every later call runs on
         thread = ModelThread()
-        runner = thread.call(load_target, settings)
-        thread.call(lambda: runner.fingerprint)  # computed once, before the first /v1/info
-        thread.call(runner.warm_up)  # weights paged in, buffers made: the first request as fast as the next
+        runner = thread.call(ready_target, settings)
     except ValidationError as exc:
         first = exc.errors()[0]
         print(f"specgate worker: error: {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)

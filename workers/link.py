@@ -24,7 +24,6 @@ class StageFailed(Exception):
         self.status, self.body = status, body
 
 
-
 class StageLink:
     """The outbound client of one stage worker."""
 
@@ -42,8 +41,7 @@ class StageLink:
             await self._client.aclose()
 
     async def send_on(self, req: StageRequest, states: StageStates) -> StageResponse:
-        """A stage before the last: its new rows' states to the next stage (after the emulated
-        link's delay), and that stage's answer with this one's time in front."""
+        """The new rows' states to the next stage; its answer with this one's time in front."""
         urls = list(req.next) if req.next else ([self.settings.next] if self.settings.next else [])
         if not urls:
             raise InvalidRequest(
@@ -79,4 +77,3 @@ class StageLink:
         stage_ms = np.concatenate([[states.model_ms], np.asarray(resp.stage_ms if resp.stage_ms is not None else [], np.float32)]).astype(np.float32)
         hops = np.concatenate([[len(payload)], np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [], np.int32)]).astype(np.int32)
         return replace(resp, stage_ms=stage_ms, hop_bytes=hops)
-

@@ -1,21 +1,6 @@
-"""The worker's ``VerifyScheduler`` (DESIGN §9): verify calls batched into scheduler steps.
-
-Calls wait in one FIFO queue. Each step takes the waiting calls from the front — one per
-session (a second call of a session waits for the next step), up to ``max_batch_tokens`` new
-tokens in all (the first call always goes, whatever its size) — and runs them on the model
-thread as **one** runner forward (its host's ``verify_batch``: ``WorkerState`` in workers/server.py): each call is checked, cropped
-and scored on its own, so one that fails (a prefix that does not match, a malformed tree) fails
-alone. Anything else that touches the runner — ``DELETE``, the close at shutdown — is queued
-as an *exclusive* entry: it runs between two steps, in its place in the queue. The event loop
-never waits for a step, so ``/health`` answers while one runs.
-
-Usage::
-
-    scheduler = VerifyScheduler(state, max_batch_tokens=256)
-    resp = await scheduler.verify(req, timing)          # from a route handler
-    await scheduler.exclusive(state.sessions.free, sid)  # ordered with the steps
-    await scheduler.close()
-"""
+"""The worker's ``VerifyScheduler`` (DESIGN §9): calls wait in one FIFO queue; a step takes from its front
+(``take_within``) and runs them as one runner forward (``workers.step``); ``exclusive`` entries (``DELETE``, the
+close) run between two steps, in their place in the queue."""
 
 from __future__ import annotations
 
@@ -39,11 +24,6 @@ class _Call:
     timing: dict[str, float]
     done: asyncio.Future[Any]
 
-    @property
-    def tokens(self) -> int:
-        """New tokens the call feeds (its budget)."""
-        return self.req.new_rows
-
 
 @dataclass
 class _Exclusive:
@@ -61,7 +41,7 @@ class StepLog:
 
     def add(self, calls: list[_Call]) -> None:
         self.sizes.append(len(calls))
-        self.tokens.append(sum(c.tokens for c in calls))
+        self.tokens.append(sum(c.req.new_rows for c in calls))
 
 
 class StepHost(Protocol):
@@ -83,17 +63,12 @@ class VerifyScheduler:
         self._task: asyncio.Task[None] | None = None
 
     async def verify(self, req: VerifyRequest | StageRequest, timing: dict[str, float]) -> Any:
-        """Queue a call (a verify call, or a pipeline stage's segment); its answer once its step
-        has run (or the exception it failed with)."""
-        call = _Call(req, timing, asyncio.get_running_loop().create_future())
-        self._enqueue(call)
-        return await call.done  # type: ignore[no-any-return]
+        """Queue a call (a verify call, or a pipeline stage's segment); its answer once its step has run."""
+        return await self._enqueue(_Call(req, timing, asyncio.get_running_loop().create_future()))
 
     async def exclusive(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on the model thread between two steps, in its place in the queue."""
-        entry = _Exclusive(fn, args, asyncio.get_running_loop().create_future())
-        self._enqueue(entry)
-        return await entry.done  # type: ignore[no-any-return]
+        return await self._enqueue(_Exclusive(fn, args, asyncio.get_running_loop().create_future()))  # type: ignore[no-any-return]
 
     async def close(self) -> None:
         """Stop after what is queued; later calls are refused."""
@@ -105,15 +80,15 @@ class VerifyScheduler:
             except asyncio.CancelledError:
                 pass
         for entry in self._queue:
-            if not entry.done.done():
-                entry.done.set_exception(RuntimeError("the worker is shutting down"))
+            _settle(entry.done, RuntimeError("the worker is shutting down"))
         self._queue.clear()
 
-    def _enqueue(self, entry: _Call | _Exclusive) -> None:
+    def _enqueue(self, entry: _Call | _Exclusive) -> asyncio.Future[Any]:
         self._queue.append(entry)
         self._wake.set()
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="verify-scheduler")
+        return entry.done
 
     async def _run(self) -> None:
         while True:
@@ -128,14 +103,11 @@ class VerifyScheduler:
                     await self._step(self._take())
 
     def _take(self) -> list[_Call]:
-        """The step's calls (``take_within``) from those before the first exclusive entry; calls
-        it passes over keep their places, calls whose client left are dropped."""
-        waiting: list[_Call] = []
-        for entry in self._queue:
-            if isinstance(entry, _Exclusive):
-                break  # a barrier: what comes after it waits for it
-            waiting.append(entry)
-        taken = take_within((c for c in waiting if not c.done.done()), lambda c: c.tokens, self.max_batch_tokens, lambda c: c.req.session_id)
+        """The step's calls from those before the first exclusive entry; calls passed over keep their
+        places, calls whose client left are dropped."""
+        barrier = next((i for i, entry in enumerate(self._queue) if isinstance(entry, _Exclusive)), len(self._queue))  # what comes after it waits
+        waiting = [entry for entry in list(self._queue)[:barrier] if isinstance(entry, _Call)]
+        taken = take_within((c for c in waiting if not c.done.done()), lambda c: c.req.new_rows, self.max_batch_tokens, lambda c: c.req.session_id)
         gone = {id(c) for c in waiting if c.done.done()} | {id(c) for c in taken}
         self._queue = deque(e for e in self._queue if id(e) not in gone)
         return taken
@@ -150,19 +122,21 @@ class VerifyScheduler:
             log.exception("verify step failed")
             answers = [exc] * len(calls)
         for call, answer in zip(calls, answers):
-            if call.done.done():
-                continue
-            if isinstance(answer, BaseException):
-                call.done.set_exception(answer)
-            else:
-                call.done.set_result(answer)
+            _settle(call.done, answer)
 
     async def _exclusive(self, entry: _Exclusive) -> None:
         try:
             result = await self.state.thread.run(entry.fn, *entry.args)
         except Exception as exc:  # noqa: BLE001 - the caller's
-            if not entry.done.done():
-                entry.done.set_exception(exc)
-            return
-        if not entry.done.done():
-            entry.done.set_result(result)
+            result = exc
+        _settle(entry.done, result)
+
+
+def _settle(done: asyncio.Future[Any], answer: Any) -> None:
+    """The answer (an exception: raised) to its waiter, if still waiting."""
+    if done.done():
+        return
+    if isinstance(answer, BaseException):
+        done.set_exception(answer)
+    else:
+        done.set_result(answer)

@@ -14,6 +14,7 @@ from core.math.aggregation import reconstruct, tv_distance
 from core.math.compression import compress_top_k
 from core.math.random import Purpose, sample_index, sample_rows, uniform, uniforms
 from core.math.speculative import count_accepted, verify_greedy
+from core.math.tree import depths_of
 from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.names import Mode, Reconstruction
 from core.protocol import StageRequest, VerifyRequest, VerifyResponse
@@ -52,18 +53,16 @@ def score(
     model_ms: float,
     prompt_logits: torch.Tensor | None = None,  # [num_new − 1, V] fp32, score_tokens only
 ) -> VerifyResponse:
-    """The answer to ``req`` from the target's logits at its γ+1 positions (``prompt_logits``:
-    the rows predicting tokens[1:], when the request scores its tokens), with the log-probabilities
-    it asked for."""
+    """The answer to ``req`` from the target's logits at its γ+1 positions (``prompt_logits``: the rows
+    predicting tokens[1:]), with the log-probabilities it asked for."""
     params = sampling_params(req)
     probs = apply_sampling(logits, params)
-    asked: dict[str, Any] = {}
     if req.score_ids is not None:
         ids = torch.from_numpy(np.asarray(req.score_ids, dtype=np.int64))
         return VerifyResponse(held=held, score_logprobs=_logs(normalised(probs[:1])[0, ids]), model_ms=model_ms)
     finite = torch.isfinite(logits)
     resp = _answer(probs, req, held, model_ms, params, None if bool(finite.all()) else finite)
-    asked.update(_asked_logprobs(probs, req, resp))
+    asked = _asked_logprobs(probs, req, resp)
     if req.score_tokens and prompt_logits is not None:
         asked.update(_prompt_logprobs(normalised(apply_sampling(prompt_logits, params)), req))
     return replace(resp, **asked) if asked else resp
@@ -80,25 +79,18 @@ def _answer(
         return _exact(probs, req, held, model_ms)
     samples = None
     if req.mode == Mode.AUTOREGRESSIVE.value and not params.is_greedy:
-        position = req.prefix_len + len(req.tokens)  # absolute index of the token drawn
-        u = uniform(req.seed, req.choice, position, Purpose.WORKER_SAMPLE, req.worker)
+        u = uniform(req.seed, req.choice, _first_position(req), Purpose.WORKER_SAMPLE, req.worker)
         samples = np.array([sample_index(probs[0], u)], dtype=np.int32)
         if not req.return_probs:
             return VerifyResponse(held=held, samples=samples, model_ms=model_ms)
     return _distributions(probs, req, held, model_ms, samples, allowed)
 
 
-def _first_position(req: VerifyRequest) -> int:
-    """Absolute index of the token decided at slot 0."""
+def _first_position(req: VerifyRequest) -> int:  # the absolute index of the token decided at slot 0
     return req.prefix_len + len(req.tokens)
 
 
-def _split(
-    probs: torch.Tensor,  # [γ+1, V]
-    req: VerifyRequest,
-    held: int,
-    model_ms: float,
-) -> VerifyResponse:
+def _split(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float) -> VerifyResponse:  # probs: [γ+1, V]
     """DSSD's worker half: the accept test with its own stream; the bonus, or p at the rejection."""
     gamma, base = len(req.draft), _first_position(req)
     if req.temperature == 0:  # greedy: accept while x_j is the argmax, then emit the argmax
@@ -115,20 +107,14 @@ def _split(
     return replace(rejected, num_accepted=accepted)
 
 
-def _exact(
-    probs: torch.Tensor,  # [γ+1, V]
-    req: VerifyRequest,
-    held: int,
-    model_ms: float,
-) -> VerifyResponse:
-    """p_n on each draft support S_j, the mass off it, one sample from off it; a bonus sample.
-    A tree: the same for every row (root, then each node; a leaf's support is empty, so its
-    sample is from all of p_n), drawn by depth; no separate bonus."""
+def _exact(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float) -> VerifyResponse:  # probs: [γ+1, V]
+    """p_n on each draft support S_j, the mass off it, one sample from off it; a bonus sample. A tree:
+    the same for every row (a leaf's support is empty: its sample is from all of p_n); no bonus."""
     gamma, base, tree = len(req.draft), _first_position(req), req.parents is not None
     sizes = torch.from_numpy(np.asarray(req.support_sizes, dtype=np.int64))
     ids = torch.from_numpy(np.asarray(req.support_ids, dtype=np.int64))
     rows = int(sizes.shape[0])
-    depths = row_depths(req.parents.tolist()) if req.parents is not None else list(range(gamma))
+    depths = [0, *depths_of(req.parents.tolist())] if req.parents is not None else list(range(gamma))
     row_of = torch.repeat_interleave(torch.arange(rows), sizes)
     outside = probs[:rows].double().index_put((row_of, ids), torch.zeros((), dtype=torch.float64))
     # summed directly, not 1 − the rest; row by row, since a batched sum adds in another order
@@ -137,23 +123,14 @@ def _exact(
     samples = sample_rows(outside, u) if rows else torch.zeros(0, dtype=torch.long)
     bonus = -1 if tree else sample_index(probs[gamma], uniform(req.seed, req.choice, base + gamma, Purpose.WORKER_BONUS, req.worker))
     return VerifyResponse(
-        held=held,
-        support_probs=probs[row_of, ids].numpy(),
-        complement=mass.numpy(),  # f64, as summed
-        complement_samples=torch.where(mass > 0, samples, -1).int().numpy(),
-        bonus=bonus,
-        model_ms=model_ms,
+        held=held, support_probs=probs[row_of, ids].numpy(), complement=mass.numpy(),  # complement: f64, as summed
+        complement_samples=torch.where(mass > 0, samples, -1).int().numpy(), bonus=bonus, model_ms=model_ms,
     )
 
 
 def _distributions(
-    probs: torch.Tensor,  # [γ+1, V]
-    req: VerifyRequest | RowSpec,
-    held: int,
-    model_ms: float,
-    samples: np.ndarray | None,
-    allowed: torch.Tensor | None = None,  # [γ+1, V] bool
-) -> VerifyResponse:
+    probs: torch.Tensor, req: VerifyRequest | RowSpec, held: int, model_ms: float, samples: np.ndarray | None, allowed: torch.Tensor | None = None,
+) -> VerifyResponse:  # probs: [γ+1, V]; allowed: [γ+1, V] bool
     zeros = np.zeros(probs.shape[0], dtype=np.float32)
     if req.k is None or req.k == probs.shape[-1]:
         return VerifyResponse(
@@ -186,14 +163,9 @@ def _top(probs: torch.Tensor, n: int) -> tuple[np.ndarray, np.ndarray]:  # [rows
     return top.indices.numpy(), _logs(top.values)
 
 
-def _asked_logprobs(
-    probs: torch.Tensor,  # [γ+1, V]: T(p_n) at the scored positions
-    req: VerifyRequest,
-    resp: VerifyResponse,
-) -> dict[str, Any]:
-    """What only this worker knows of the emitted tokens' log-probabilities (split: the draft
-    tokens and the bonus; exact: its own samples), and its top-n per position. Nothing unless
-    asked, and nothing in modes whose answer already holds the distributions."""
+def _asked_logprobs(probs: torch.Tensor, req: VerifyRequest, resp: VerifyResponse) -> dict[str, Any]:  # probs: [γ+1, V], T(p_n)
+    """What only this worker knows of the emitted tokens' log-probabilities (split: the draft tokens
+    and the bonus; exact: its own samples), and its top-n; only in modes whose answer lacks the rows."""
     split, sampled = req.mode == Mode.SPLIT.value, req.temperature > 0
     if req.logprobs is None or not (split or (req.mode == Mode.EXACT.value and sampled)):
         return {}
@@ -214,10 +186,7 @@ def _asked_logprobs(
     return out
 
 
-def _prompt_logprobs(
-    probs: torch.Tensor,  # [num_new − 1, V]: T(p_n) at the rows predicting tokens[1:], normalised
-    req: VerifyRequest,
-) -> dict[str, Any]:
+def _prompt_logprobs(probs: torch.Tensor, req: VerifyRequest) -> dict[str, Any]:  # probs: [num_new − 1, V], normalised T(p_n)
     following = torch.from_numpy(req.tokens[1:].astype(np.int64))
     out = {"prompt_logprobs": _logs(probs[torch.arange(len(following)), following])}
     if req.logprobs:
@@ -237,10 +206,3 @@ def tree_item(req: VerifyRequest, held: list[int]) -> ForwardItem:
     parents = [*range(start - 1, first - 1), *(first - 1 if p < 0 else first + p for p in req.parents.tolist())]
     return ForwardItem(req.session_id, start, [*tokens, *req.draft.tolist()], parents, list(range(len(tokens) - 1, len(tokens) + len(req.draft))))
 
-
-def row_depths(parents: list[int]) -> list[int]:
-    """Per row of a tree call (the root, then each node): its depth, 0 at the root."""
-    depths = [0]
-    for parent in parents:
-        depths.append(depths[parent + 1] + 1)
-    return depths

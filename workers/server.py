@@ -1,8 +1,5 @@
-"""The worker's FastAPI app (protocol v1, DESIGN §4): the routes, the errors in the OpenAI
-envelope, ``/metrics``. Route handlers parse, call, return; what the worker owns is
-``workers.state``. Verify calls are batched into steps by the ``VerifyScheduler``
-(workers/scheduler.py), each step one forward on the model thread (``workers.step``), so
-``/health`` answers while a step is running."""
+"""The worker's FastAPI app (protocol v1, DESIGN §4): the routes, the errors in the OpenAI envelope,
+``/metrics``. What the worker owns is ``workers.state``; calls run in the scheduler's steps."""
 
 from __future__ import annotations
 
@@ -10,6 +7,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import torch
@@ -24,7 +22,7 @@ from core.runners import ModelRunner
 from core.runners.model_thread import ModelThread
 from core.serving import Guard
 from workers.link import StageFailed
-from workers.settings import WorkerSettings, load_target
+from workers.settings import WorkerSettings, ready_target
 from workers.stage import StageStates
 from workers.state import WorkerState
 
@@ -39,10 +37,7 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thre
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if runner is None:
             own = ModelThread()
-            loaded = await own.run(load_target, settings)
-            await own.run(lambda: loaded.fingerprint)
-            await own.run(loaded.warm_up)
-            app.state.worker = WorkerState.build(settings, loaded, own)
+            app.state.worker = WorkerState.build(settings, await own.run(ready_target, settings), own)
         log.info("worker ready: %s on %s", settings.model, settings.backend.value)
         yield
         state: WorkerState | None = getattr(app.state, "worker", None)
@@ -71,6 +66,16 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thre
 
 def _state(request: Request) -> WorkerState:
     return request.app.state.worker
+
+
+def _encode(state: WorkerState, request: Request, resp: Any, received: int | None = None) -> tuple[bytes, str]:
+    """The answer's payload as the client accepts it; an answered call of ``received`` bytes counted."""
+    payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=JSON_CONTENT_TYPE in request.headers.get("accept", ""))
+    if received is not None:
+        state.counters["requests"] += 1
+        state.counters["bytes_in"] += received
+        state.counters["bytes_out"] += len(payload)
+    return payload, content_type
 
 
 def _stage_request(state: WorkerState, body: bytes, content_type: str | None) -> StageRequest:
@@ -102,11 +107,7 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         timing: dict[str, float] = {}
         resp = await state.scheduler.verify(req, timing)
         encoding = time.perf_counter()
-        as_json = JSON_CONTENT_TYPE in request.headers.get("accept", "")
-        payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=as_json)
-        state.counters["requests"] += 1
-        state.counters["bytes_in"] += len(body)
-        state.counters["bytes_out"] += len(payload)
+        payload, content_type = _encode(state, request, resp, len(body))
         done = time.perf_counter()
         queue = (encoding - decoded) * 1e3 - timing.get("model", 0.0) - timing.get("score", 0.0)  # waiting for its step, and the batch-mates' scoring
         timing.update(codec=(decoded - started + done - encoding) * 1e3, queue=max(queue, 0.0), total=(done - started) * 1e3)
@@ -118,16 +119,10 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         body = await request.body()
         req = _stage_request(state, body, request.headers.get("content-type"))
         await state.precompile(req.transform, req.prefix_len == 0 and state.runner.is_last_stage)
-        await state.order.turn(req.session_id, req.seq, state.settings.stage_wait_s)
-        try:
+        async with state.order.turn(req.session_id, req.seq, state.settings.stage_wait_s):
             out = await state.scheduler.verify(req, {})
-        finally:
-            await state.order.done(req.session_id, req.seq)  # the next message may run while this one goes on
         resp = await state.link.send_on(req, out) if isinstance(out, StageStates) else out
-        state.counters["requests"] += 1
-        state.counters["bytes_in"] += len(body)
-        payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=JSON_CONTENT_TYPE in request.headers.get("accept", ""))
-        state.counters["bytes_out"] += len(payload)
+        payload, content_type = _encode(state, request, resp, len(body))
         return Response(payload, media_type=content_type)
 
     @app.post("/v1/stage/keep")
@@ -136,12 +131,9 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         req = _stage_request(state, await request.body(), request.headers.get("content-type"))
         if len(req.tokens):
             raise InvalidRequest("/v1/stage/keep takes keep alone: no tokens", param="tokens")
-        await state.order.turn(req.session_id, req.seq, state.settings.stage_wait_s)
-        try:
+        async with state.order.turn(req.session_id, req.seq, state.settings.stage_wait_s):
             held = await state.scheduler.exclusive(state.stage_keep, req)
-        finally:
-            await state.order.done(req.session_id, req.seq)
-        payload, content_type = encode(StageResponse(held=held), state.runner.info.vocab_size, as_json=JSON_CONTENT_TYPE in request.headers.get("accept", ""))
+        payload, content_type = _encode(state, request, StageResponse(held=held))
         return Response(payload, media_type=content_type)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
@@ -158,8 +150,11 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
+@dataclass(eq=False)  # hashable: the registry keys on it
 class _WorkerCollector(Collector):
     """The worker's ``/metrics``, read from its state at scrape time."""
+
+    state: WorkerState
 
     _COUNTERS = {
         "requests": "Verify calls answered.",
@@ -168,9 +163,6 @@ class _WorkerCollector(Collector):
         "bytes_in": "Bytes of verify requests received.",
         "bytes_out": "Bytes of verify answers sent.",
     }
-
-    def __init__(self, state: WorkerState) -> None:
-        self.state = state
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         state = self.state
@@ -187,9 +179,8 @@ class _WorkerCollector(Collector):
 
 
 def server_timing(timing: dict[str, float]) -> str:
-    """The W3C ``Server-Timing`` header of a verify call: where its milliseconds went (codec:
-    decoding the request and encoding the answer; queue: waiting for the model; model; score:
-    logits to payload; total: the handler, body read to answer encoded)."""
+    """The W3C ``Server-Timing`` header of a verify call: where its milliseconds went (codec, queue,
+    model, score, total)."""
     return ", ".join(f"{name};dur={ms:.3f}" for name, ms in timing.items())
 
 
@@ -197,46 +188,37 @@ def _error(status: int, body: ErrorBody) -> Response:
     return Response(body.to_json(), status_code=status, media_type=JSON_CONTENT_TYPE)
 
 
+def _refusal(exc: Exception) -> tuple[int, ErrorBody]:
+    """The status and body of an error a route raised (its code is what ``/metrics`` counts)."""
+    if isinstance(exc, SessionShort):
+        return 409, ErrorBody(str(exc), "session_short", param="prefix_len", code="session_short", held=exc.held)
+    if isinstance(exc, StageFailed):
+        return exc.status, exc.body
+    if isinstance(exc, ProtocolError):
+        code = "context_length_exceeded" if isinstance(exc, ContextOverflow) else "invalid_request"
+        return 400, ErrorBody(str(exc), "invalid_request_error", param=exc.param, code=code)
+    if isinstance(exc, WorkerFull):
+        return 503, ErrorBody(str(exc), "server_error", code="worker_full")
+    if isinstance(exc, SpecgateError):
+        return 500, ErrorBody(str(exc), "server_error", code="server_error")
+    return 500, ErrorBody(f"internal error: {type(exc).__name__}", "server_error", code="server_error")
+
+
 def _add_error_handlers(app: FastAPI) -> None:
-    def count(request: Request, code: str) -> None:
+    async def refused(request: Request, exc: Exception) -> Response:
+        if not isinstance(exc, (SpecgateError, StageFailed)):
+            log.exception("unexpected error in %s", request.url.path)
+        status, body = _refusal(exc)
         state = getattr(request.app.state, "worker", None)
         if state is not None:
-            state.errors[code] += 1
-
-    @app.exception_handler(SessionShort)
-    async def session_short(request: Request, exc: SessionShort) -> Response:
-        count(request, "session_short")
-        body = ErrorBody(str(exc), "session_short", param="prefix_len", code="session_short", held=exc.held)
-        return _error(409, body)
-
-    @app.exception_handler(StageFailed)
-    async def stage_failed(request: Request, exc: StageFailed) -> Response:
-        count(request, exc.body.code or "stage_failed")
-        return _error(exc.status, exc.body)
-
-    @app.exception_handler(ProtocolError)
-    async def bad_request(request: Request, exc: ProtocolError) -> Response:
-        code = "context_length_exceeded" if isinstance(exc, ContextOverflow) else "invalid_request"
-        count(request, code)
-        return _error(400, ErrorBody(str(exc), "invalid_request_error", param=exc.param, code=code))
-
-    @app.exception_handler(WorkerFull)
-    async def worker_full(request: Request, exc: WorkerFull) -> Response:
-        count(request, "worker_full")
-        response = _error(503, ErrorBody(str(exc), "server_error", code="worker_full"))
-        response.headers["Retry-After"] = str(exc.retry_after_s)
+            state.errors[body.code or "stage_failed"] += 1
+        response = _error(status, body)
+        if isinstance(exc, WorkerFull):
+            response.headers["Retry-After"] = str(exc.retry_after_s)
         return response
 
-    @app.exception_handler(SpecgateError)
-    async def specgate_error(request: Request, exc: SpecgateError) -> Response:
-        count(request, "server_error")
-        return _error(500, ErrorBody(str(exc), "server_error", code="server_error"))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error in %s", request.url.path)
-        count(request, "server_error")
-        return _error(500, ErrorBody(f"internal error: {type(exc).__name__}", "server_error", code="server_error"))
+    for kind in (SpecgateError, StageFailed, Exception):  # subclasses by their MRO
+        app.add_exception_handler(kind, refused)
 
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException

@@ -1,13 +1,12 @@
 """The worker's sessions: which exist, and which to drop (LRU, session cap, TTL, memory cap).
-
-The KV caches themselves live in the runner; this store decides their lifetime.
-"""
+The KV caches themselves live in the runner; this store decides their lifetime."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from core.errors import InvalidRequest, SessionShort, WorkerFull
 from core.protocol import prefix_hash
@@ -17,26 +16,18 @@ from core.transform import Transformer
 RETRY_AFTER_S = 1  # what a WorkerFull answer's Retry-After says: a round frees a session in about that
 
 
+@dataclass(eq=False)
 class SessionStore:
-    def __init__(
-        self,
-        runner: ModelRunner,
-        max_sessions: int,
-        ttl_s: float,
-        memory_cap_bytes: int,
-        live_s: float = 10.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.runner = runner
-        self.max_sessions = max_sessions
-        self.ttl_s = ttl_s
-        self.memory_cap_bytes = memory_cap_bytes
-        self.live_s = live_s
-        self.clock = clock
-        self.num_evicted = 0
-        self._last_used: OrderedDict[str, float] = OrderedDict()
-        self._trees: set[str] = set()  # sessions that sent tree calls
-        self.transforms: dict[str, Transformer] = {}  # a session's transform (DESIGN §3.9), from the call that started it
+    runner: ModelRunner
+    max_sessions: int
+    ttl_s: float
+    memory_cap_bytes: int
+    live_s: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+    num_evicted: int = 0
+    _last_used: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    _trees: set[str] = field(default_factory=set)  # sessions that sent tree calls
+    transforms: dict[str, Transformer] = field(default_factory=dict)  # a session's transform (DESIGN §3.9), from the call that started it
 
     def __len__(self) -> int:
         return len(self._last_used)
@@ -55,10 +46,8 @@ class SessionStore:
             raise SessionShort(session_id, 0, "the prefix hash differs")
 
     def keep_path(self, session_id: str, prefix_len: int, expected_hash: str, path: list[int]) -> None:
-        """Protocol v1.1's ``path``: keep the accepted nodes of the tree the session holds as the
-        last ``len(path)`` of ``prefix_len`` agreed tokens, and drop the rest of the tree.
-        SessionShort when the session holds no such tree (or other tokens): the gateway resends
-        the path as tokens; InvalidRequest (naming ``path``) when it is no root-to-node path."""
+        """Protocol v1.1's ``path``: keep the accepted nodes of the held tree as the last ``len(path)`` of
+        ``prefix_len`` agreed tokens. SessionShort when no such tree is held (the gateway resends)."""
         base = prefix_len - len(path)
         tree = self.runner.tree_nodes(session_id, base) if session_id in self._last_used else None
         if tree is None:
@@ -77,11 +66,9 @@ class SessionStore:
         self.runner.keep(session_id, [*range(base), *(base + node for node in path)])
 
     def admit(self, session_id: str, tree: bool = False) -> None:
-        """A call's session, held from now on; a new one only while the runner has a KV place
-        that no session used in the last ``live_s`` seconds holds (``WorkerFull`` otherwise: a
-        503 + Retry-After, rather than rebuilding a live session's cache on its next call).
-        Live chain sessions are what count: tree sessions (``tree``: the call is a tree) are
-        the runner's to place."""
+        """A call's session, held from now on; a new one only while the runner has a KV place that no
+        session used in the last ``live_s`` seconds holds (else ``WorkerFull``: a 503 + Retry-After,
+        rather than rebuilding a live session's cache on its next call)."""
         if tree:
             self._trees.add(session_id)  # the runner may place it apart (llama.cpp: a context of its own)
         if session_id in self._last_used:
@@ -110,14 +97,11 @@ class SessionStore:
         for session_id, last in list(self._last_used.items()):
             if now - last > self.ttl_s and session_id != keep:
                 self._evict_one(session_id)
-        while self._over_caps():
+        while len(self._last_used) > self.max_sessions or self.runner.memory_bytes() > self.memory_cap_bytes:
             victim = next((s for s in self._last_used if s != keep), None)
             if victim is None:
                 break
             self._evict_one(victim)
-
-    def _over_caps(self) -> bool:
-        return len(self._last_used) > self.max_sessions or self.runner.memory_bytes() > self.memory_cap_bytes
 
     def _evict_one(self, session_id: str) -> None:
         self.free(session_id)

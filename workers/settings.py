@@ -51,12 +51,16 @@ class WorkerSettings(BaseSettings):
         return int(first), int(end)
 
 
-def load_target(settings: WorkerSettings) -> ModelRunner:
-    """The worker's runner, as ``settings`` say (call it on the thread that will run it)."""
+def ready_target(settings: WorkerSettings) -> ModelRunner:
+    """The worker's runner, as ``settings`` say, fingerprinted and warmed up (the first request as fast
+    as the next); call it on the thread that will run it."""
     from core.runners import load_runner
 
-    return load_runner(
+    runner = load_runner(
         settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads,
         device=settings.device, dtype=settings.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
         layers=settings.layer_range,
     )
+    _ = runner.fingerprint  # computed once, before the first /v1/info
+    runner.warm_up()
+    return runner

@@ -1,12 +1,13 @@
-"""A pipeline stage (DESIGN §3.7): its messages' rows kept and checked, the item its step
-runs, and what it answers — the last stage the payload at the scored rows, another its states to
-send on (``workers.link``); each session's messages taken in ``seq`` order."""
+"""A pipeline stage (DESIGN §3.7): its messages' rows kept and checked, taken in ``seq`` order; the last stage
+answers the payload at the scored rows, another its states to send on (``workers.link``)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -15,7 +16,7 @@ from core.errors import ContextOverflow, InvalidRequest, SessionShort
 from core.protocol import StageRequest, StageResponse, check_stage_request
 from core.runners.base import ForwardItem, common_prefix
 from workers.scoring import RowSpec, score_rows
-from workers.transforms import SessionTransforms, Shaping
+from workers.transforms import SessionTransforms, Shaping, shaped
 
 
 class StageSteps(SessionTransforms):
@@ -37,16 +38,13 @@ class StageSteps(SessionTransforms):
         self.sessions.admit(req.session_id, tree=True)
         if req.prefix_len == 0 and self.runner.is_last_stage:  # the session's transform, set by the message that starts it
             self.start_transform(req.session_id, req.transform)
-        count = len(req.tokens)
         hidden = torch.from_numpy(np.array(req.hidden, dtype=np.float32)) if req.hidden is not None else None
-        scored = list(range(req.score_from, count)) or [count - 1]
+        scored = list(range(req.score_from, len(req.tokens))) or [len(req.tokens) - 1]
         parents = req.parents.tolist() if req.parents is not None else None
         return ForwardItem(req.session_id, req.prefix_len, req.tokens.tolist(), parents, scored, hidden), 0, None
 
     def _stage_shaping(self, req: StageRequest, held: int, scored: int) -> Shaping | None:
-        """The last stage's ``_shaping``: the session's transform, and each of the ``scored``
-        rows' prefix — the row's ancestors' tokens and its own — split into what they share and
-        each row's rest."""
+        """The last stage's ``_shaping``: the transform, and each scored row's prefix (its ancestors' tokens and its own), shared part split off."""
         transformer = self.sessions.transforms.get(req.session_id)
         if transformer is None:
             return None
@@ -56,8 +54,7 @@ class StageSteps(SessionTransforms):
         return transformer, agreed, [c[len(agreed) :] for c in contexts]
 
     def stage_keep(self, req: StageRequest) -> int:
-        """Apply a stage message's ``keep`` and check the session then holds ``prefix_len``
-        rows (409 session_short otherwise); the rows held."""
+        """Apply a stage message's ``keep``; the rows held, which must be ``prefix_len`` (else 409)."""
         check_stage_request(req, self.runner.info.vocab_size, self.runner.hidden_size, self.runner.is_first_stage)
         held = self.runner.length(req.session_id) if req.session_id in self.sessions else 0
         if req.keep is not None and held:
@@ -76,19 +73,11 @@ class StageSteps(SessionTransforms):
         self.counters["positions_scored"] += len(req.tokens) - req.score_from
         if not self.runner.is_last_stage:
             return StageStates(output, model_ms, held)
-        rows = output if req.score_from < len(req.tokens) else output[:0]
-        if not len(rows):
-            return StageResponse(held=held, stage_ms=np.array([model_ms], np.float32), hop_bytes=np.zeros(0, np.int32))
-        shaping = self._stage_shaping(req, held, len(rows))
-        if shaping is not None:  # DESIGN §3.9: each scored row by its own prefix
-            transformer, agreed, paths = shaping
-            rows = transformer.rows(rows, agreed, paths)
-        scored = score_rows(rows, RowSpec.of(req), held, model_ms)
-        return StageResponse(
-            held=held, probs=scored.probs, tail_mass=scored.tail_mass, ids=scored.ids, recon_error=scored.recon_error,
-            probs_dtype=scored.probs_dtype, stage_ms=np.array([model_ms], np.float32), hop_bytes=np.zeros(0, np.int32),
-        )
-
+        resp = StageResponse(held=held, stage_ms=np.array([model_ms], np.float32), hop_bytes=np.zeros(0, np.int32))
+        if req.score_from >= len(req.tokens):
+            return resp
+        scored = score_rows(shaped(output, self._stage_shaping(req, held, len(output))), RowSpec.of(req), held, model_ms)
+        return replace(resp, probs=scored.probs, tail_mass=scored.tail_mass, ids=scored.ids, recon_error=scored.recon_error, probs_dtype=scored.probs_dtype)
 
 
 @dataclass
@@ -101,16 +90,16 @@ class StageStates:
 
 
 class StageOrder:
-    """Each session's stage messages in ``seq`` order: they come by different paths (from the
-    stage before, or from the gateway) and may overtake each other."""
+    """Each session's stage messages in ``seq`` order: they come by different paths (the stage before, the gateway) and may overtake each other."""
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}
         self._changed = asyncio.Condition()
 
-    async def turn(self, session_id: str, seq: int, wait_s: float) -> None:
-        """Return once every earlier message of the session was taken; 409 if ``seq`` was
-        taken already, or the earlier ones do not come within ``wait_s``."""
+    @asynccontextmanager
+    async def turn(self, session_id: str, seq: int, wait_s: float) -> AsyncIterator[None]:
+        """Held from when every earlier message of the session was taken until this one is; 409 if ``seq``
+        was taken already, or the earlier ones do not come within ``wait_s``."""
         async with self._changed:
             if seq < self._next.get(session_id, 0):
                 raise SessionShort(session_id, 0, f"message {seq} came after message {self._next[session_id] - 1}")
@@ -118,13 +107,12 @@ class StageOrder:
                 await asyncio.wait_for(self._changed.wait_for(lambda: self._next.get(session_id, 0) == seq), wait_s)
             except TimeoutError:
                 raise SessionShort(session_id, 0, f"message {seq} waited {wait_s:g} s for message {self._next.get(session_id, 0)}") from None
-
-    async def done(self, session_id: str, seq: int) -> None:
-        async with self._changed:
-            self._next[session_id] = max(self._next.get(session_id, 0), seq + 1)
-            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self._next[session_id] = max(self._next.get(session_id, 0), seq + 1)
+                self._changed.notify_all()
 
     def forget(self, session_id: str) -> None:
         self._next.pop(session_id, None)
-
-

@@ -1,7 +1,5 @@
-"""Everything one worker app owns (DESIGN §4): its settings, runner, sessions, model thread and
-scheduler, its counters; built by ``create_app``, never a module global. What it does in a step
-is ``workers.step`` (a pipeline stage's side: ``workers.stage``), with the request's transform
-(``workers.transforms``)."""
+"""Everything one worker app owns (DESIGN §4); what it does in a step is ``workers.step`` (a
+pipeline stage's side: ``workers.stage``), with the request's transform (``workers.transforms``)."""
 
 from __future__ import annotations
 
@@ -45,29 +43,15 @@ class WorkerState(Steps):
 
     @classmethod
     def build(cls, settings: WorkerSettings, runner: ModelRunner, thread: ModelThread | None = None) -> WorkerState:
-        sessions = SessionStore(
-            runner,
-            max_sessions=settings.max_sessions,
-            ttl_s=settings.session_ttl_s,
-            memory_cap_bytes=settings.memory_cap_mb * 2**20,
-            live_s=settings.session_live_s,
-        )
+        sessions = SessionStore(runner, settings.max_sessions, settings.session_ttl_s, settings.memory_cap_mb * 2**20, settings.session_live_s)
         return cls(settings=settings, runner=runner, sessions=sessions, thread=thread or ModelThread())
 
     def info(self) -> InfoResponse:
         info = self.runner.info
         return InfoResponse(
-            protocol_version=PROTOCOL_VERSION,
-            modes=list(SERVED_MODES),
-            model_id=info.model_id,
-            vocab_size=info.vocab_size,
-            tokenizer_fingerprint=self.runner.fingerprint,
-            eos_ids=info.eos_ids,
-            max_context=self.max_context,
-            backend=info.backend,
+            protocol_version=PROTOCOL_VERSION, modes=list(SERVED_MODES), model_id=info.model_id, vocab_size=info.vocab_size,
+            tokenizer_fingerprint=self.runner.fingerprint, eos_ids=info.eos_ids, max_context=self.max_context, backend=info.backend,
             layer_range=list(self.runner.layer_range) if self.runner.layer_range is not None else None,
-            num_layers=self.runner.num_layers,
-            grammar_engine=engine_version(),
-            max_grammar_bytes=self.settings.max_grammar_bytes,
+            num_layers=self.runner.num_layers, grammar_engine=engine_version(), max_grammar_bytes=self.settings.max_grammar_bytes,
         )
 

@@ -1,7 +1,5 @@
-"""One step of a worker (DESIGN §4), on the model thread: the calls of distinct sessions —
-verify calls and stage messages — checked and cropped one by one, **one** runner forward over
-all of them, then each scored (``workers.scoring``) with its rows transformed by its own prefix
-(DESIGN §3.9). The ``VerifyScheduler`` (workers/scheduler.py) batches calls into steps."""
+"""One step of a worker (DESIGN §4, §9), on the model thread: verify calls and stage messages of
+distinct sessions checked and cropped one by one, **one** runner forward, then each scored."""
 
 from __future__ import annotations
 
@@ -9,31 +7,30 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from core.errors import ContextOverflow, InvalidRequest
-from core.protocol import StageRequest, VerifyRequest, check_verify_request
+from core.protocol import StageRequest, VerifyRequest, VerifyResponse, check_verify_request
+from core.math.tree import path_of
 from core.runners.base import ForwardItem
 from workers.scoring import score, tree_item
 from workers.stage import StageSteps
-from workers.transforms import Shaping
+from workers.transforms import Shaping, shaped
 
 
 class Steps(StageSteps):
     """Part of ``WorkerState`` (``workers.state``): the verify step."""
 
     def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
-        """Crop, append, score: the body of ``POST /v1/verify`` for one call alone (runs on the
-        model thread). ``timing`` gets the milliseconds of the model and of the scoring."""
+        """``POST /v1/verify`` for one call alone; ``timing`` gets the model's and the scoring's ms."""
         answer = self.verify_batch([req], [timing if timing is not None else {}])[0]
         if isinstance(answer, Exception):
             raise answer
         return answer
 
     def verify_batch(self, reqs: list[VerifyRequest | StageRequest], timings: list[dict[str, float]]) -> list[Any]:
-        """One scheduler step (runs on the model thread): the calls of distinct sessions checked
-        and cropped one by one, then **one** runner forward over all of them, then each scored.
-        Per call its ``VerifyResponse``, or the exception it alone fails with (a prefix that
-        does not match, a malformed tree, …); its batch-mates are served. Each call's
-        ``model_ms`` is the step's forward; ``batch_sessions`` how many calls shared it."""
+        """One scheduler step: per call its answer, or the exception it alone fails with (its
+        batch-mates are served). Each call's ``model_ms`` is the step's forward."""
         answers: list[Any] = [None] * len(reqs)
         items, order = [], []
         for i, req in enumerate(reqs):
@@ -53,36 +50,35 @@ class Steps(StageSteps):
         model_ms = (time.perf_counter() - started) * 1e3
         self.counters["model_seconds"] += model_ms / 1e3
         self.counters["steps"] += 1
-        for (item, scored_tokens, shaping), i, logits in zip(items, order, outputs):
+        for (_, scored_tokens, shaping), i, logits in zip(items, order, outputs):
             if isinstance(logits, Exception):
                 answers[i] = logits
                 continue
-            req = reqs[i]
-            if isinstance(req, StageRequest):
-                try:
-                    answers[i] = self._stage_answer(req, logits, model_ms)
-                except Exception as exc:  # noqa: BLE001 - this call's answer
-                    answers[i] = exc
-                timings[i]["model"] = model_ms
-                continue
-            self.counters["positions_scored"] += len(req.draft) + 1
-            scored = time.perf_counter()
+            req, scored = reqs[i], time.perf_counter()
             try:
-                rows = logits[scored_tokens:]
-                if shaping is not None:  # DESIGN §3.9: each row by its own prefix
-                    transformer, agreed, paths = shaping
-                    rows = transformer.rows(rows, agreed, paths)
-                resp = score(rows, req, self.runner.length(req.session_id), model_ms, logits[:scored_tokens] if req.score_tokens else None)
-                answers[i] = replace(resp, batch_sessions=len(items)) if len(items) > 1 else resp
+                if isinstance(req, StageRequest):
+                    answers[i] = self._stage_answer(req, logits, model_ms)
+                else:
+                    answers[i] = self._verify_answer(req, logits, scored_tokens, shaping, model_ms, len(items))
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
-            timings[i]["model"], timings[i]["score"] = model_ms, (time.perf_counter() - scored) * 1e3
+            timings[i]["model"] = model_ms
+            if isinstance(req, VerifyRequest):
+                timings[i]["score"] = (time.perf_counter() - scored) * 1e3
         return answers
 
+    def _verify_answer(
+        self, req: VerifyRequest, logits: torch.Tensor, scored_tokens: int, shaping: Shaping | None, model_ms: float, batch: int,
+    ) -> VerifyResponse:
+        """A call's answer from its logits: ``scored_tokens`` rows of its own tokens (echo), then its γ+1 positions."""
+        self.counters["positions_scored"] += len(req.draft) + 1
+        rows = shaped(logits[scored_tokens:], shaping)
+        resp = score(rows, req, self.runner.length(req.session_id), model_ms, logits[:scored_tokens] if req.score_tokens else None)
+        return replace(resp, batch_sessions=batch) if batch > 1 else resp
+
     def _prepare(self, req: VerifyRequest) -> tuple[ForwardItem, int, Shaping | None]:
-        """Check a call and crop its session: the item it forwards, how many of its logits
-        rows score its own tokens (echo) before the γ+1 decided positions, and how its rows are
-        transformed (DESIGN §3.9; None: they are not)."""
+        """Check a call and crop its session: the item it forwards, how many logits rows score its own
+        tokens (echo) before the γ+1 decided positions, and how its rows are transformed."""
         self.check_limits(req)
         if req.path is not None:  # v1.1: the previous tree's accepted path becomes agreed tokens (hash checked there)
             self.sessions.keep_path(req.session_id, req.prefix_len, req.prefix_hash, req.path.tolist())
@@ -109,7 +105,8 @@ class Steps(StageSteps):
         draft = req.draft.tolist()
         if req.parents is None:
             return transformer, agreed, [draft[:j] for j in range(len(draft) + 1)]
-        return transformer, agreed, [[], *tree_paths(draft, req.parents.tolist())]
+        parents = req.parents.tolist()
+        return transformer, agreed, [[], *([draft[n] for n in path_of(node, parents)] for node in range(len(parents)))]
 
     def check_limits(self, req: VerifyRequest) -> None:
         check_verify_request(req, self.runner.info.vocab_size)
@@ -117,21 +114,6 @@ class Steps(StageSteps):
             raise InvalidRequest(f"draft of {len(req.draft)} tokens exceeds max_draft {self.settings.max_draft}", param="draft")
         if req.tokens.size == 0 and req.prefix_len == 0:
             raise InvalidRequest("a session starts with at least one token", param="tokens")
-        total = req.prefix_len + len(req.tokens) + len(req.draft)
-        if total > self.max_context:
-            raise ContextOverflow(
-                f"prefix {req.prefix_len} + {len(req.tokens)} tokens + draft {len(req.draft)} "
-                f"exceeds the context of {self.max_context}",
-                param="draft",
-            )
-
-
-
-def tree_paths(tokens: list[int], parents: list[int]) -> list[list[int]]:
-    """Each node's tokens from the root's child down to itself (parents come before children)."""
-    paths: list[list[int]] = []
-    for node, parent in enumerate(parents):
-        paths.append([*(paths[parent] if parent >= 0 else []), tokens[node]])
-    return paths
-
-
+        if req.prefix_len + len(req.tokens) + len(req.draft) > self.max_context:
+            message = f"prefix {req.prefix_len} + {len(req.tokens)} tokens + draft {len(req.draft)} exceeds the context of {self.max_context}"
+            raise ContextOverflow(message, param="draft")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import torch
+
 from core.errors import InvalidRequest
 from core.grammar import GrammarLimits, Grammars, GrammarSpec
 from core.runners import ModelRunner
@@ -15,6 +17,14 @@ from workers.sessions import SessionStore
 from workers.settings import WorkerSettings
 
 Shaping = tuple[Transformer, list[int], list[list[int]]]  # a call's transform, its agreed tokens, each scored row's path after them
+
+
+def shaped(rows: torch.Tensor, shaping: Shaping | None) -> torch.Tensor:
+    """``rows`` each transformed by its own prefix (DESIGN §3.9), when the call has a transform."""
+    if shaping is None:
+        return rows
+    transformer, agreed, paths = shaping
+    return transformer.rows(rows, agreed, paths)
 
 
 class SessionTransforms:
@@ -39,9 +49,8 @@ class SessionTransforms:
             self.sessions.transforms[session_id] = self.transformer(wire)
 
     async def precompile(self, wire: dict[str, Any] | None, starts: bool) -> None:
-        """Compile the grammar of a call that starts a session (``starts``) off the model thread,
-        into the engine's cache by content: the step that builds the session's transform finds it
-        there, and the sessions batched with it do not wait for a compile."""
+        """Compile the grammar of a call that starts a session (``starts``) into the engine's cache, off
+        the model thread: the sessions batched with it do not wait for a compile."""
         if not starts or not isinstance(wire, dict) or "grammar" not in wire:
             return
         try:

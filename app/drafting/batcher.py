@@ -1,12 +1,6 @@
-"""The draft's step batcher: every draft in progress shares the runner's decodes.
-
-A draft is a generator (``Steps``) that yields the ``ForwardItem`` it needs next (a prompt
-chunk, a drafted token, a tree depth) and gets that item's logits back. ``StepBatcher`` runs
-one runner ``forward_each`` per step over the items of every draft in progress, on the model
-thread, so the event loop keeps streaming while a step runs and N concurrent drafts cost one
-decode per token position, not N (continuous batching: a draft joins at the next step, leaves
-when done). One draft per session at a time.
-"""
+"""The draft's step batcher (continuous batching): a draft is a generator (``Steps``) that yields the
+``ForwardItem`` it needs next and gets its logits back; one runner ``forward_each`` per step, on the
+model thread, serves every draft in progress, so N concurrent drafts cost one decode per position."""
 
 from __future__ import annotations
 
@@ -30,9 +24,7 @@ Steps = Generator[ForwardItem, torch.Tensor, TokenTree]  # a draft: yields items
 
 @dataclass
 class DraftClock:
-    """Where one draft's seconds went: in the runner (``draft_model``: the steps it shared),
-    and the rest of the drafting — sampling, truncation, the tree's bookkeeping —
-    (``draft_sampling``)."""
+    """Where one draft's seconds went: in the runner (``draft_model``), and the rest (``draft_sampling``)."""
 
     model_s: float = 0.0
     total_s: float = 0.0
@@ -133,9 +125,8 @@ class StepBatcher:
         return tree
 
     def catch_up(self, session_id: str, sequence: list[int]) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
-        """Bring the session to ``sequence`` (a new one adopts a prompt cache's rows first: a
-        long system prompt, tools): cropped to what it shares with it, the rest fed; the logits
-        after its last token."""
+        """Bring the session to ``sequence`` (a new one adopts a prompt cache's rows first), cropped to
+        what it shares with it and the rest fed; the logits after its last token."""
         runner = self.runner
         if not runner.has_session(session_id):
             runner.adopt(session_id, sequence)
@@ -144,8 +135,7 @@ class StepBatcher:
         return (yield from self.feed(session_id, sequence[common:]))
 
     def feed(self, session_id: str, tokens: list[int]) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
-        """Append ``tokens`` to the session in chunks of ≤ ``prefill_chunk`` rows, one per step
-        (an empty list feeds the last held row again); the logits of the last row."""
+        """Append ``tokens`` in chunks of ≤ ``prefill_chunk`` rows, one per step (none: the last row again); its logits."""
         logits = None
         for begin in range(0, max(len(tokens), 1), self.prefill_chunk):
             logits = yield self.runner.append_item(session_id, tokens[begin:begin + self.prefill_chunk], 1)
@@ -177,9 +167,8 @@ class StepBatcher:
                     d.done.cancel()
 
     def _step(self, drafts: list[Drafting]) -> None:
-        """On the model thread: start new drafts and close stopped ones, then one
-        ``forward_each`` over the waiting items (``take_within``: oldest first, within
-        ``max_batch_tokens``, one always goes), and run each draft on to its next item."""
+        """On the model thread: start new drafts, close stopped ones, one ``forward_each`` over the waiting
+        items (``take_within`` ``max_batch_tokens``), and run each draft on to its next item."""
         for d in drafts:
             if d.stop and not d.finished:
                 d.steps.close()

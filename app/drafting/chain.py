@@ -37,12 +37,9 @@ def chain_steps(
     batcher: StepBatcher, request: DraftRequest, gamma: int, limit: int | None, cancel: threading.Event | None,
     branch: Branch | None = None, record: Record | None = None,
 ) -> Steps:
-    """A chain of ``gamma`` drafted tokens (forced ones free, within ``limit``). ``branch``
-    (model+lookup): the lookup's run first, one decode scoring it, each token kept while it
-    is the model's top-1 there or its measured acceptance is at least a model token's (a
-    confident lookup the small model does not see); the model drafts on after what was kept.
-    ``record`` gets each token's kind (``DraftModel.observe``). Stops after the token in
-    progress once ``cancel`` is set."""
+    """A chain of ``gamma`` drafted tokens (forced ones free, within ``limit``). ``branch`` (model+lookup):
+    the lookup's run first, each token kept while it is the model's top-1 or measures at least a model
+    token's acceptance; ``record`` gets each token's kind. Stops after the token in progress on ``cancel``."""
     runner, sequence, session_id = batcher.runner, request.sequence, request.session_id
     run = branch.tokens if branch is not None else []
     eos = set(runner.info.eos_ids)

@@ -1,42 +1,35 @@
-"""A grammar's forced runs in a draft (DESIGN §3.9): where the grammar allows one token, the
-draft carries it free — no draft step of its own, its row q̂ a point mass, as every target's
-T(p) is there. A chain takes them as it goes (``chain``); a tree hangs them below the nodes that
-get children and below its leaves (here)."""
+"""A grammar's forced runs in a tree draft (DESIGN §3.9): where the grammar allows one token the draft
+carries it free, its row q̂ a point mass as every target's T(p) is there."""
 
 from __future__ import annotations
 
 import math
+
 import torch
 
+from app.drafting.request import DraftNodes
 from core.math.tree import TokenTree, depths_of, path_of
 from core.transform import Transformer
 
 
 def forced_below(
-    node: int, tokens: list[int], parents: list[int], scores: list[float], depths: list[int], free: set[int],
-    transformer: Transformer | None, sequence: list[int], depth_limit: int, left: list[int] | None, eos: set[int],
+    node: int, nodes: DraftNodes, transformer: Transformer | None, sequence: list[int], depth_limit: int, left: list[int] | None, eos: set[int],
     per_path: bool = False,
 ) -> list[int]:
-    """Hang the run of tokens the grammar forces after ``node`` below it, as new nodes of the tree
-    being drafted (within ``left`` and ``depth_limit``); the nodes added, top down. ``per_path``:
-    ``left`` is each path's budget, its forced nodes so far count against it; else what the run
-    takes comes off ``left``."""
+    """The grammar's forced run after ``node``, hung below it as new nodes (within ``left`` and ``depth_limit``;
+    ``per_path``: ``left`` is each path's budget, else shared); the nodes added, top down."""
     if left is None or left[0] <= 0 or transformer is None or transformer.matcher is None:
         return []
-    path = path_of(node, parents)
-    used = sum(1 for v in path if v in free) if per_path else 0
-    room = min(left[0] - used, depth_limit - depths[node])
+    path = path_of(node, nodes.parents)
+    used = sum(1 for v in path if v in nodes.free) if per_path else 0
+    room = min(left[0] - used, depth_limit - nodes.depths[node])
     if room <= 0:
         return []
     added: list[int] = []
-    for token in transformer.forced_run([*sequence, *(tokens[v] for v in path)], room, eos):
+    for token in transformer.forced_run([*sequence, *(nodes.tokens[v] for v in path)], room, eos):
         above = added[-1] if added else node
-        tokens.append(token)
-        parents.append(above)
-        scores.append(scores[above])  # log 1
-        depths.append(depths[above] + 1)
-        free.add(len(tokens) - 1)
-        added.append(len(tokens) - 1)
+        added.append(nodes.add(above, token, nodes.scores[above]))  # log 1
+        nodes.free.add(added[-1])
     if not per_path:
         left[0] -= len(added)
     return added
@@ -45,10 +38,8 @@ def forced_below(
 def with_forced_runs(
     tree: TokenTree, transformer: Transformer, sequence: list[int], depth_limit: int, extra: int, eos: set[int], per_path: bool = False,
 ) -> TokenTree:
-    """``tree`` with the tokens the grammar forces after each leaf hung below it, best leaf first
-    (by cumulative log q̂): each such child is drawn from a point mass (its parent's q̂ row is δ).
-    ``per_path``: each leaf's run within ``extra`` less the point masses on its path already;
-    else ``extra`` for all the runs together."""
+    """``tree`` with the grammar's forced run after each leaf hung below it, best leaf first (``per_path``:
+    ``extra`` per path less its point masses already; else for all the runs together)."""
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     n = len(tokens)
     logq = [math.log(q) if q > 0 else -1e9 for q in tree.q_values().tolist()]

@@ -1,12 +1,5 @@
-"""Lookup drafting at the gateway (DESIGN §3.10): the proposal, how it joins a draft, and the
-acceptance it learns.
-
-The session's context is indexed (``PromptLookup``) and the outputs of ended sessions go into
-a bounded ``SuffixIndex``; a lookup proposal is a chain of deterministic tokens (q̂ = δ),
-drafted with no model step (``lookup``) or joined to the model's draft (``model+lookup``): in
-a chain, kept while the model agrees or it measures better; in a tree, a branch of
-deterministic children weighed by measured acceptance (``AcceptanceStats``).
-"""
+"""Lookup drafting at the gateway (DESIGN §3.10): a proposal (q̂ = δ) from the session's context or the
+outputs of ended sessions, how it joins a draft, and the acceptance it learns (``AcceptanceStats``)."""
 
 from __future__ import annotations
 
@@ -16,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.drafting.request import DraftRequest, delta_support
+from app.drafting.request import DraftNodes, DraftRequest, delta_support
 from core.lookup import NO_PROPOSAL, AcceptanceStats, LookupParams, PromptLookup, Proposal, SuffixIndex
 from core.math.rerank import drafted_above
 from core.math.shapes import TreeShape
@@ -34,9 +27,8 @@ Plan = tuple[int, set[Place], dict[Place, Kind]]  # lookup tokens taken, places 
 
 @dataclass
 class Branch:
-    """A lookup proposal: its tokens, their kinds, each one's acceptance given the one before
-    it, whether those were measured (not a prior), and a draft model token's kind and
-    acceptance (what a chain weighs a lookup token against)."""
+    """A lookup proposal: its tokens, their kinds, each one's acceptance given the one before it, whether
+    those were measured (not a prior), and a draft model token's kind and acceptance (a chain's yardstick)."""
 
     tokens: list[int]
     keys: list[Kind]
@@ -48,17 +40,15 @@ class Branch:
 
 @dataclass
 class Record:
-    """What a draft's nodes were, for ``LookupDrafter.observe``: (node, kind) of its lookup nodes
-    in run order — a chain's every token, lookup or model, in order: each is tested once the one
-    before it was accepted — and of a sampled tree's drafted nodes by their place in its shape."""
+    """What a draft's nodes were, for ``LookupDrafter.observe``: (node, kind) of its lookup nodes in run
+    order (a chain's every token), and of a sampled tree's drafted nodes by their place in its shape."""
 
     lookup: list[tuple[int, Kind]] = field(default_factory=list)
     slots: list[tuple[int, int, Kind]] = field(default_factory=list)  # (node, its parent, kind)
 
 
 class LookupDrafter:
-    """The lookup side of the draft: per-session context indexes, the suffix index of ended
-    sessions' outputs, the measured acceptance, and what each session's last draft was."""
+    """Per-session context indexes, the suffix index of ended sessions' outputs, the measured acceptance."""
 
     def __init__(self, eos_ids: list[int]) -> None:
         self.eos_ids = set(eos_ids)
@@ -70,9 +60,8 @@ class LookupDrafter:
         self._records: dict[str, Record] = {}  # session -> what its last draft's nodes were (``observe``)
 
     def propose(self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None, shared: bool = True) -> Proposal:
-        """The lookup's proposal after ``sequence``: prompt lookup in the session's context, else
-        the suffix index of ended sessions' outputs; cut before an EOS's successors and before
-        the first token a grammar does not allow (it could not be accepted)."""
+        """Prompt lookup in the session's context, else the suffix index; cut after an EOS and before the
+        first token a grammar does not allow (it could not be accepted)."""
         if count <= 0:
             return NO_PROPOSAL
         index = self._contexts.setdefault(session_id, PromptLookup(self.params))
@@ -100,9 +89,8 @@ class LookupDrafter:
         return TokenTree.chain(tokens, [delta_support(t) for t in tokens])
 
     def branch(self, request: DraftRequest, count: int) -> Branch:
-        """The lookup's proposal as a branch: each token's acceptance given the one before it, as
-        measured for its place in the run, its match's length and greedy or not (the prior alone
-        for a seeded request: ``shared`` = False); and a model token's, likewise (a chain's)."""
+        """The lookup's proposal as a branch, each token's acceptance as measured for its kind (the prior
+        alone for a seeded request); and a model token's, likewise."""
         proposal = self.propose(request.session_id, request.sequence, count, request.transformer, request.shared)
         greedy, shared = request.params.is_greedy, request.shared
         keys: list[Kind] = [("lookup", greedy, min(proposal.match, 4), j) for j in range(len(proposal.tokens))]
@@ -110,23 +98,20 @@ class LookupDrafter:
         return Branch(proposal.tokens, keys, [self.acceptance.rate(key, LOOKUP_PRIOR, shared) for key in keys], shared, model, self.acceptance.rate(model, MODEL_PRIOR, shared))
 
     def plan(self, shape: TreeShape, branch: Branch) -> Plan:
-        """A sampled tree's share between the lookup's branch and the model's places
-        (``displaced``), from the measured rates (priors for a seeded request)."""
+        """A sampled tree's share between the lookup's branch and the model's places (``displaced``)."""
         keys: dict[Place, Kind] = {place: ("slot", shape.rule.value, shape.widths, place) for place in shape_places(shape.widths)}
         values = {place: self.acceptance.rate(key, slot_prior(place), branch.measured) for place, key in keys.items()}
         count, gone = displaced(values, branch.rates)
         return count, gone, keys
 
-    def keep(self, session_id: str, record: Record) -> None:
-        self._records[session_id] = record
+    def keep(self, session_id: str, record: Record | None) -> None:
+        if record is not None:
+            self._records[session_id] = record
 
     def observe(self, session_id: str, path: list[int]) -> None:
-        """The walk of the session's last draft accepted ``path``: its lookup tokens (each tested
-        once the one before it was accepted) and its nodes' places count in ``acceptance`` —
-        only the candidates the walk tested: which nodes exist below that depends on draws at
-        positions past the round's end, which the next round draws again (keyed by position), and
-        rates that moved with them would make the next round's draft depend on its own draws (a
-        cold counter-example hunt measured TV 0.095 when every drafted node counted)."""
+        """The walk of the session's last draft accepted ``path``: only the candidates the walk tested count
+        in ``acceptance`` (which nodes exist below depends on draws the next round redraws; counting them
+        made the next draft depend on its own draws: TV 0.095 in a counter-example hunt)."""
         record = self._records.pop(session_id, None)
         if record is None:
             return
@@ -135,8 +120,8 @@ class LookupDrafter:
             if j and record.lookup[j - 1][0] not in accepted:
                 break
             self.acceptance.observe(key, node in accepted)
-        for node, parent, key in record.slots:  # a node whose test the walk reached: one below the root or an accepted node
-            if parent < 0 or parent in accepted:  # (whether the others exist depends on draws past the walk's end, which the next round redraws)
+        for node, parent, key in record.slots:
+            if parent < 0 or parent in accepted:  # a node whose test the walk reached
                 self.acceptance.observe(key, node in accepted)
 
     def forget(self, session_id: str, output: list[int] | None) -> None:
@@ -147,13 +132,10 @@ class LookupDrafter:
             self.suffixes.add(output)
 
 
-def with_branch(
-    tokens: list[int], parents: list[int], q_at: dict[int, torch.Tensor], free: set[int], shape: TreeShape, branch: Branch, plan: Plan,
-    record: Record | None, vocab_size: int,
-) -> TokenTree:
-    """A sampled tree with the lookup's branch first at the root: its tokens displace the model's
-    places the plan gives up (those nodes and what hangs below them go)."""
+def with_branch(nodes: DraftNodes, shape: TreeShape, branch: Branch, plan: Plan, record: Record | None, vocab_size: int) -> TokenTree:
+    """A sampled tree with the lookup's branch first at the root, in the places the plan gives up."""
     count, gone, keys = plan
+    tokens, parents, q_at, free = nodes.tokens, nodes.parents, nodes.q_at, nodes.free
     placed = places(parents, free)
     dropped: set[int] = set()
     for n in range(len(tokens)):
@@ -175,31 +157,24 @@ def with_branch(
     return tree
 
 
-def merged(branch: Branch, tokens: list[int], parents: list[int], scores: list[float], depths: list[int]) -> list[int]:
-    """The lookup's branch joined to a fixed tree's nodes: each token is the child of the one
-    before it (the root's for the first), merged with a drafted sibling of the same token;
-    scored by the log of its measured acceptance on top of its parent's (a node never outscores
-    its parent: EAGLE-2's rerank keeps a tree). The branch's nodes, in run order."""
+def merged(branch: Branch, nodes: DraftNodes) -> list[int]:
+    """The lookup's branch joined to a fixed tree's nodes (merged with a drafted sibling of the same token),
+    scored by the log of its measured acceptance on top of its parent's; its nodes, in run order."""
     above, out = -1, []
     for token, rate in zip(branch.tokens, branch.rates):
-        score = (scores[above] if above >= 0 else 0.0) + math.log(max(rate, 1e-9))
-        match = next((n for n in range(len(tokens)) if parents[n] == above and tokens[n] == token), None)
+        score = (nodes.scores[above] if above >= 0 else 0.0) + math.log(max(rate, 1e-9))
+        match = next((n for n in range(len(nodes.tokens)) if nodes.parents[n] == above and nodes.tokens[n] == token), None)
         if match is None:
-            tokens.append(token)
-            parents.append(above)
-            scores.append(score)
-            depths.append(depths[above] + 1 if above >= 0 else 1)
-            match = len(tokens) - 1
+            match = nodes.add(above, token, score)
         else:
-            scores[match] = max(scores[match], score)
+            nodes.scores[match] = max(nodes.scores[match], score)
         out.append(match)
         above = match
     return out
 
 
 def places(parents: list[int], free: set[int]) -> dict[int, Place]:
-    """Each drafted node's place in its sampled shape: the ranks of its path among the drafted
-    children of each node above (forced runs take no place)."""
+    """Each drafted node's place in its sampled shape: its path's ranks among drafted siblings."""
     out: dict[int, Place] = {}
     ranks: dict[int, int] = {}  # drafted parent -> its drafted children so far
     for n in range(len(parents)):
@@ -223,17 +198,12 @@ def shape_places(widths: tuple[int, ...]) -> list[Place]:
 
 
 def slot_prior(place: Place) -> float:
-    value = 1.0
-    for rank in place:
-        value *= SLOT_PRIOR[0] if rank == 0 else SLOT_PRIOR[1]
-    return value
+    return math.prod((SLOT_PRIOR[0] if rank == 0 else SLOT_PRIOR[1] for rank in place), start=1.0)
 
 
 def displaced(values: dict[Place, float], rates: list[float]) -> tuple[int, set[Place]]:
-    """How many of the lookup's tokens join a sampled tree and the shape's places they take:
-    the j-th token's expected acceptance (the product of the rates up to it) against the least
-    valuable place that can go — a leaf of what is left, the last of its siblings — while it is
-    higher. The choice depends on the context and the measured rates, never on the draws."""
+    """How many of the lookup's tokens join a sampled tree and the places they take: the j-th token's
+    expected acceptance against the least valuable removable place, while higher (never the draws)."""
     left, gone, reach = set(values), set[Place](), 1.0
     for rate in rates:
         reach *= rate

@@ -1,6 +1,5 @@
-"""The draft at the gateway (DESIGN §3.1–3.2, §3.6, §3.10): one runner serves every request,
-its decodes shared by the drafts in progress (``StepBatcher``); a draft is a chain or a tree of
-the model's tokens, a lookup's, or both."""
+"""The draft at the gateway (DESIGN §3.1–3.2, §3.6, §3.10): one runner, its decodes shared by the drafts
+in progress (``StepBatcher``); a chain or a tree of the model's tokens, a lookup's, or both."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from core.runners.model_thread import ModelThread
 
 
 class DraftModel:
-    """Proposes drafts from one runner: ``propose`` (a chain), ``propose_tree``; ``observe``
-    what a round accepted, ``free`` a session at its end."""
+    """Proposes drafts from one runner: ``propose`` (a chain), ``propose_tree``; ``observe``, ``free`` a session."""
 
     def __init__(self, runner: ModelRunner, thread: ModelThread | None = None, max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
         self.runner = runner
@@ -35,15 +33,8 @@ class DraftModel:
     async def propose(
         self, request: DraftRequest, gamma: int, limit: int | None = None, cancel: threading.Event | None = None, timing: dict[str, float] | None = None,
     ) -> TokenTree:
-        """Draft ``gamma`` tokens after the request's sequence. The tokens depend on the sequence
-        and the positions only: the draws are keyed by position, so a draft prepared ahead equals
-        the one drafted later. Once ``cancel`` is set, drafting stops after the token in progress
-        (a prepared draft whose assumption failed). ``timing`` gets the seconds of the draft
-        model and of the sampling (``DraftClock``). With a grammar, the tokens it forces are
-        drafted without a draft step of their own (one decode feeds a run of them) and do not
-        count in ``gamma``, up to ``limit`` tokens in all. ``lookup`` drafts the lookup's
-        proposal alone (δ rows, no model step); ``model+lookup`` puts the part of it the model
-        agrees with first, free."""
+        """A chain of ``gamma`` drafted tokens (``chain_steps``), a grammar's forced ones free up to ``limit`` in all;
+        ``cancel`` stops it after the token in progress. ``lookup``: the lookup's proposal alone (δ rows)."""
         await self.batcher.idle(request.session_id)
         if cancel is not None and cancel.is_set():
             return TokenTree.chain([], [])
@@ -53,24 +44,14 @@ class DraftModel:
         branch = self.lookup.branch(request, most) if request.drafter is Drafter.MODEL_LOOKUP else None
         record = Record() if branch is not None else None
         tree = await self.batcher.run(request.session_id, chain_steps(self.batcher, request, gamma, limit, cancel, branch, record), timing)
-        if record is not None:
-            self.lookup.keep(request.session_id, record)
+        self.lookup.keep(request.session_id, record)
         return tree
 
     async def propose_tree(
         self, request: DraftRequest, shape: TreeShape, depth_limit: int | None = None, extra: int = 0, timing: dict[str, float] | None = None,
     ) -> TokenTree:
-        """Draft a tree of ``shape`` after the request's sequence (``app.drafting.tree``). With a
-        grammar and ``extra`` > 0, the runs of tokens it forces come free, up to ``extra`` nodes
-        in all, no deeper than ``depth_limit``: after each node that gets children (best first),
-        fed with it in its depth's decode, and taking no depth of ``shape`` (its children follow
-        the run); then below the leaves. ``model+lookup`` joins the lookup's proposal to the tree
-        as a branch of deterministic children (first at the root; merged where the model drafted
-        the same token), sharing the node budget: with fixed children its tokens rank by their
-        measured acceptance among the model's by draft probability (EAGLE-2's top N); with
-        sampled ones each displaces the model's least valuable place in the shape while its
-        expected acceptance is higher (``lookup.displaced``), and the root's drawn children come
-        from q̂ without the lookup's token. ``lookup`` drafts the proposal alone."""
+        """A tree of ``shape`` (``tree_steps``); with a grammar, its forced runs free up to ``extra`` nodes, no deeper than
+        ``depth_limit`` (``with_forced_runs``); ``model+lookup`` joins the lookup's proposal as a branch."""
         await self.batcher.idle(request.session_id)
         room = depth_limit if depth_limit is not None else shape.max_depth
         if request.drafter is Drafter.LOOKUP:
@@ -81,16 +62,12 @@ class DraftModel:
         record = Record() if branch is not None else None
         grammar = extra > 0 and request.grammar
         limit = room if grammar else 0
-        # sampled children: each path gets its own ``extra`` (a budget shared across branches would let
-        # one branch's draws shape another's round, and the next round redraws those keys); fixed
-        # children draw nothing: one budget for the tree
-        left = [extra if grammar else 0]
+        left = [extra if grammar else 0]  # sampled: ``extra`` per path (a shared one would let one branch's draws shape another's)
         steps = tree_steps(self.batcher, request, shape, limit, left, sampled, branch, plan, record)
         tree = await self.batcher.run(request.session_id, steps, timing)
         if grammar and request.transformer is not None and (sampled or left[0] > 0):
             tree = with_forced_runs(tree, request.transformer, request.sequence, limit, extra if sampled else left[0], set(self.runner.info.eos_ids), sampled)
-        if record is not None:
-            self.lookup.keep(request.session_id, record)
+        self.lookup.keep(request.session_id, record)
         return tree
 
     def observe(self, session_id: str, path: list[int]) -> None:
@@ -98,8 +75,7 @@ class DraftModel:
         self.lookup.observe(session_id, path)
 
     async def free(self, session_id: str, output: list[int] | None = None) -> None:
-        """Forget the session, after its draft in progress (if any) has ended; its ``output``
-        (the tokens it generated) joins the suffix index."""
+        """Forget the session once its draft in progress ended; its ``output`` joins the suffix index."""
         await self.batcher.idle(session_id)
         self.lookup.forget(session_id, output)
         await self.batcher.thread.run(self.runner.free, session_id)

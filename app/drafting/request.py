@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from core.math.sampling import SamplingParams, apply_sampling, normalised, truncate
-from core.math.tree import SparseRow
+from core.math.tree import SparseRow, path_of
 from core.names import Drafter
 from core.transform import Transformer
 
 
 @dataclass(frozen=True)
 class DraftRequest:
-    """One draft of one session: after ``sequence`` (the agreed tokens), with the request's
-    sampling, its seed and choice (the draws are keyed by position), ``truncation`` =
-    (draft_top_k, draft_top_p) sparsifying q̂ (TSLT, lossless), ``transformer`` reshaping each
-    position's logits as the workers reshape theirs (DESIGN §3.9), where the tokens come from
-    (``drafter``, DESIGN §3.10), and ``shared`` = False for a seeded request: it leaves out the
-    suffix index of other sessions' outputs (those may come from the same seed, whose draws
-    would then test a draft they shaped) and weighs lookups by the priors alone."""
+    """One draft of one session after ``sequence``: ``truncation`` = (draft_top_k, draft_top_p), the
+    ``transformer`` as the workers apply it (DESIGN §3.9), the ``drafter`` (§3.10); ``shared`` = False for
+    a seeded request: no other sessions' outputs (the same seed's draws would test a draft they shaped)."""
 
     session_id: str
     sequence: list[int]
@@ -62,3 +58,28 @@ def delta(token: int, vocab_size: int) -> torch.Tensor:  # [V] float64
 def delta_support(token: int) -> SparseRow:
     """``delta`` on its support."""
     return torch.tensor([token]), torch.ones(1, dtype=torch.float64)
+
+
+@dataclass
+class DraftNodes:
+    """The nodes drafted so far, parents before children; ``scores``: cumulative log q̂; ``q_at``: q̂ at each
+    expanded node (−1 = the root); ``free``: the forced runs' nodes."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    q_at: dict[int, torch.Tensor] = field(default_factory=dict)
+    free: set[int] = field(default_factory=set)
+    lanes: dict[int, int] = field(default_factory=dict)  # position -> draws taken there (a draw's key: position, lane)
+
+    def add(self, parent: int, token: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.depths.append(self.depths[parent] + 1 if parent >= 0 else 1)
+        return len(self.tokens) - 1
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root's child down to ``node``."""
+        return [self.tokens[v] for v in path_of(node, self.parents)]

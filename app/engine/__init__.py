@@ -1,5 +1,4 @@
-"""The decoding engine (DESIGN §3): the loop (``loop``), what a request asks and a round gives
-(``spec``), a round as strategies see it (``round``), and one strategy per mode (``strategies``)."""
+"""The decoding engine (DESIGN §3): ``loop``, ``spec`` (what a request asks and a round gives), ``round``, ``strategies``."""
 
 from app.engine.loop import Engine
 from app.engine.round import token_logprobs

@@ -1,11 +1,5 @@
-"""The decoding engine: one loop for every mode that verifies round by round (DESIGN §3).
-
-A round: the tokens a grammar forces are emitted with no call; else the draft proposes (a chain
-of γ, a tree, none in ``autoregressive``), the mode's strategy decides what goes on the wire and
-which pure function of ``core.math`` verifies, and the round emits ``accepted + 1`` tokens
-(accepted draft tokens, then the recovered or bonus token). The gateway owns the token
-sequence (``Session``); a worker's KV cache is a cache it resends to when the worker lost it.
-"""
+"""The decoding engine: one loop for every mode that verifies round by round (DESIGN §3): forced
+tokens, or draft → verify (the mode's strategy) → commit ``accepted + 1`` tokens."""
 
 from __future__ import annotations
 
@@ -62,7 +56,7 @@ class Engine:
     async def rounds(self, session: Session, strategy: RoundStrategy) -> AsyncGenerator[RoundResult, None]:
         """forced? → propose → verify → commit, until EOS or a length limit."""
         if session.req.prompt_logprobs is not None:
-            yield session.scored_prompt(await score_prompt(self.pool, self.weights, session))
+            yield await score_prompt(self._round(session, session.req, TokenTree.chain([], [])))
         overlap = Overlap(self.draft, self.eos_ids) if session.req.spec.overlap else None
         while not session.finished:
             room = session.room()
@@ -78,7 +72,7 @@ class Engine:
             prepared = overlap.take() if overlap is not None else None
             draft = self._scorable(session, await propose(self.draft, session, room, wanted, keyed, timing, prepared))
             drafted = time.perf_counter()
-            rnd = Round(self.pool, self.weights, self.vocab_size, keyed, session.id, session.sequence, session.agreed, draft, Traffic(), path=session.path, transformer=session.verifier)
+            rnd = self._round(session, keyed, draft)
             if overlap is not None:
                 overlap.start(session, draft, room, wanted, session.keyed(1))
             result = _timed(await self._verify(strategy, rnd, overlap), rnd, started, drafted, timing, prepared is not None)
@@ -93,6 +87,12 @@ class Engine:
             return None
         return Transformer.build(req.transform, self.vocab_size, self.grammars)
 
+    def _round(self, session: Session, req: GenerationRequest, draft: TokenTree) -> Round:
+        return Round(
+            self.pool, self.weights, self.vocab_size, req, session.id, session.sequence, session.agreed, draft, Traffic(),
+            path=session.path, transformer=session.verifier,
+        )
+
     def _open(self, req: GenerationRequest) -> Session:
         transformer = self.transformer(req)
         verifier = self.transformer(req) if transformer is not None and transformer.masks_any else None  # its own matcher: the draft's runs ahead with overlap
@@ -101,9 +101,7 @@ class Engine:
         return Session(f"{req.request_id}-{req.choice}", req, list(req.prompt), agreed, self.max_context, self.eos_ids, transformer, verifier, auto)
 
     def _with_min_tokens(self, req: GenerationRequest) -> GenerationRequest:
-        """min_tokens as the first step of the request's transform (vLLM's order, DESIGN §3.9):
-        the gateway's EOS ids at −∞ in every row before it, on every worker and in the draft
-        (none with ignore_eos, as in vLLM)."""
+        """min_tokens as the first step of the request's transform (vLLM's order, DESIGN §3.9; none with ignore_eos)."""
         if req.min_tokens <= 0 or req.ignore_eos or not self.eos_ids:
             return req
         base = req.transform if req.transform is not None else TransformSpec(prompt_len=len(req.prompt))

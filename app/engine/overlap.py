@@ -1,7 +1,5 @@
-"""DSD's overlap (DESIGN §3.8): while a round is verified, the draft goes on as if every draft
-token were accepted — one token for the bonus position, then the next round's γ. The output is
-the same with overlap on or off: the draft's draws are keyed by position, so a prepared draft
-whose assumption held is exactly what drafting after the round would give."""
+"""DSD's overlap (DESIGN §3.8): while a round is verified, the draft goes on as if every draft token
+were accepted. The draws are keyed by position, so the output is the same with overlap on or off."""
 
 from __future__ import annotations
 
@@ -32,9 +30,7 @@ class Overlap:
         return ahead
 
     def start(self, session: Session, draft: TokenTree, room: int, gamma: int, keyed: GenerationRequest) -> None:
-        """Draft on after ``draft`` as if all of it were accepted (``keyed``: the next round's
-        draws); nothing when there is nothing to prepare (the draft ended in EOS, or no room is
-        left after this round)."""
+        """Draft on after ``draft`` as if all of it were accepted (``keyed``: the next round's draws), when there is room."""
         tokens = draft.ids()
         after = room - (len(tokens) + 1)
         self._preparing = None
@@ -52,8 +48,7 @@ class Overlap:
             self._preparing[1].set()
 
     async def settle(self, draft: TokenTree, result: RoundResult) -> None:
-        """After the round: keep the prepared draft if its assumption held — every draft token
-        accepted and its first token equal to the bonus token the round drew."""
+        """Keep the prepared draft if every draft token was accepted and its first token is the round's bonus token."""
         if self._preparing is None:
             return
         task, cancel = self._preparing

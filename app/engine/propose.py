@@ -1,5 +1,4 @@
-"""What a round verifies: the tokens a grammar forces (decided here, no call), or a draft of the
-request's shape — a chain of γ, or a tree (DESIGN §3.6) — within the room left."""
+"""What a round verifies: the tokens a grammar forces (no call), or a chain of γ or a tree (DESIGN §3.6)."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ MAX_DRAFT = 32  # the longest chain sent (γ ≤ 32; a worker decodes tokens + d
 
 
 def forced(session: Session, room: int) -> RoundResult | None:
-    """The tokens the grammar forces after the sequence (DESIGN §3.9), within ``room``, emitted
-    without a round; None when the next token is not forced."""
+    """The tokens the grammar forces after the sequence (DESIGN §3.9), within ``room``; None when the next is not forced."""
     transformer, req = session.transformer, session.req
     if transformer is None or transformer.matcher is None:
         return None
@@ -38,14 +36,13 @@ def forced(session: Session, room: int) -> RoundResult | None:
 async def propose(
     draft: DraftModel, session: Session, room: int, gamma: int, keyed: GenerationRequest, timing: dict[str, float], prepared: TokenTree | None = None,
 ) -> TokenTree:
-    """The round's draft after the sequence (``keyed``: the request as this round draws): the
-    request's tree, else a chain of ``gamma`` (the one ``prepared`` during the last round's
-    flight, with overlap); none in a mode that does not draft, or without room for a token."""
+    """The round's draft (``keyed``: the request as this round draws): the request's tree, else a chain of
+    ``gamma`` (the one ``prepared`` with overlap); none in a mode that does not draft or without room."""
     if not MODES[keyed.spec.mode].drafts:
         return TokenTree.chain([], [])
     request = keyed.draft(session.id, session.sequence, session.transformer)
-    shape = _tree_shape(keyed)
-    if shape is not None:
+    if keyed.spec.mode is Mode.TREE:  # the request's tree, else the default by temperature
+        shape = keyed.spec.tree or TreeShape.default(keyed.params.is_greedy)
         if room <= 1:
             return TokenTree.chain([], [])
         cut = shape.cut(room - 1)  # no deeper than the room left after the round's last token
@@ -58,10 +55,3 @@ async def propose(
         return TokenTree.chain([], [])
     limit = min(room - 1, max(gamma, min(gamma + FORCED_EXTRA, MAX_DRAFT)))  # a grammar's forced tokens on top, free
     return await draft.propose(request, gamma, limit, timing=timing)
-
-
-def _tree_shape(req: GenerationRequest) -> TreeShape | None:
-    """The request's draft tree (its own, else the default by temperature); None: a chain."""
-    if req.spec.mode is not Mode.TREE:
-        return None
-    return req.spec.tree or TreeShape.default(req.params.is_greedy)

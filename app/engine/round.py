@@ -1,10 +1,10 @@
-"""One round as a strategy sees it (DESIGN §3): the call to every target at once, the round's
-weights, the mixture of the answers, the round's random draws, the emitted tokens' logprobs."""
+"""One round as a strategy sees it (DESIGN §3): the calls, the mixture of the answers, the draws, the logprobs."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,12 +13,7 @@ import torch
 from app.engine.spec import GenerationRequest, TokenLogprob
 from app.targets.base import Traffic, WorkerError
 from app.targets.pool import TargetSet
-from core.math.aggregation import (
-    aggregate,
-    merge_top_logprobs,
-    mixed_logprob,
-    reconstruct,
-)
+from core.math.aggregation import aggregate, merge_top_logprobs, mixed_logprob, reconstruct
 from core.math.random import Purpose, uniforms
 from core.math.sampling import normalised
 from core.math.tree import TokenTree
@@ -32,7 +27,7 @@ class Round:
     """What a strategy sees of the round in progress."""
 
     targets: TargetSet
-    configured: torch.Tensor  # [N]: the targets' weights as configured
+    weights: torch.Tensor  # [N]: as configured, each target transformed as it would be alone (DESIGN §3.9)
     vocab_size: int
     req: GenerationRequest
     session_id: str
@@ -55,79 +50,55 @@ class Round:
         return list(range(start, start + self.draft.max_depth() + 1))
 
     def allowed(self) -> torch.Tensor | None:  # [rows, V] bool
-        """The ids each scored row may emit (the root's, then each node's path): the grammar's,
-        without EOS before min_tokens; None when nothing is masked."""
+        """The ids each scored row (the root's, then each node's) may emit; None when nothing is masked."""
         if self.transformer is None or not self.transformer.masks_any:
             return None
         ids = self.draft.ids()
         paths = [[], *([ids[n] for n in self.draft.path_to(node)] for node in range(len(self.draft)))]
         return self.transformer.masks(self.sequence, paths)
 
-    @property
-    def tree_wire(self) -> dict[str, object]:
-        """``parents`` on the wire (protocol v1.1) when the draft is not a chain."""
-        if self.draft.is_chain:
-            return {}
-        return {"parents": self.draft.parents.numpy().astype(np.int32)}
-
     async def call(self, **wire: object) -> list[VerifyResponse]:
         """Every worker at once; after it, each holds ``sequence`` + draft (a tree's rows too).
         The first call carries the previous tree's accepted path, which ends the agreed prefix."""
-        pool, req = self.targets, self.req
         kept = {"path": np.array(self.path, dtype=np.int32)} if self.path else {}
+        parents = {} if self.draft.is_chain else {"parents": self.draft.parents.numpy().astype(np.int32)}  # protocol v1.1
         self.path = None
-        requests = [
-            VerifyRequest.after(
-                self.session_id, self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.ids(), **req.sampling_wire(),
-                seed=req.seed, choice=req.choice, worker=n, **self.tree_wire, **kept, **wire,  # type: ignore[arg-type]
-            )
-            for n in range(len(pool.workers))
-        ]
-        results = await self._timed(requests, self.sequence)
-        self.responses = [resp for resp, _ in results]
-        self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
-        self.busy_s += sum(resp.model_ms for resp, _ in results) / 1e3
-        for n, (_, traffic) in enumerate(results):
-            self.agreed[n] = len(self.sequence)
-            self.traffic.add(traffic)
-        return [resp for resp, _ in results]
+        self.responses = await self._all(
+            self.sequence, lambda n: (self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.ids()), **parents, **kept, **wire,
+        )
+        self.agreed[:] = [len(self.sequence)] * len(self.agreed)
+        return self.responses
 
-    async def _timed(self, requests: list[VerifyRequest], agreed: list[int]) -> list[tuple[VerifyResponse, Traffic]]:
-        """``all_workers``, with its wall time and where the slowest worker's call spent it."""
+    async def score(self, position: int, token: int, drafted: list[int] | None = None) -> float:
+        """log p(token) at ``position`` of sequence + ``drafted`` under the mixture: one short call per worker
+        that re-reads the token before it; each then holds sequence + drafted up to ``position``."""
+        held = [*self.sequence, *(self.draft.ids() if drafted is None else drafted)][:position]
+        responses = await self._all(
+            held, lambda n: (held[:-1], held[-1:], []), mode=Mode.AUTOREGRESSIVE.value, score_ids=np.array([token], dtype=np.int64),
+        )
+        return mixed_logprob([float(array(resp.score_logprobs)[0]) for resp in responses], self.weights)
+
+    async def _all(self, agreed: list[int], lists: Callable[[int], tuple[list[int], list[int], list[int]]], **wire: object) -> list[VerifyResponse]:
+        """One call per worker n (prefix, tokens, draft: ``lists(n)``); its wall time, where the slowest
+        worker's call spent it, the model seconds and the bytes count in the round."""
+        req = self.req
+        requests = [
+            VerifyRequest.after(  # type: ignore[misc]
+                self.session_id, *lists(n), **req.sampling_wire(), seed=req.seed, choice=req.choice, worker=n, **wire,  # type: ignore[arg-type]
+            )
+            for n in range(len(self.targets.workers))
+        ]
         started = time.perf_counter()
         results = await all_workers(self.targets, requests, agreed)
         self.calls_s += time.perf_counter() - started
         slowest = max((traffic.seconds for _, traffic in results), key=lambda parts: sum(parts.values()))
         for name, seconds in slowest.items():
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        return results
-
-    @property
-    def weights(self) -> torch.Tensor:  # [N]
-        """The mixture's weights, as configured: each target transformed as it would be alone
-        (min_tokens included), the federation mixing them (DESIGN §3.9)."""
-        return self.configured
-
-    async def score(self, position: int, token: int, drafted: list[int] | None = None) -> float:
-        """log p(token) at ``position`` (absolute, within sequence + ``drafted``: the draft's
-        tokens, a tree's accepted path) under the mixture: one short call per worker that
-        re-reads the token before it and scores only ``token``. Each worker then holds sequence +
-        drafted up to ``position``, the round's agreed tokens (a tree's rows are gone)."""
-        pool, req = self.targets, self.req
-        held = [*self.sequence, *(self.draft.ids() if drafted is None else drafted)][:position]
-        requests = [
-            VerifyRequest.after(
-                self.session_id, held[:-1], held[-1:], [], **req.sampling_wire(), seed=req.seed, choice=req.choice, worker=n, mode=Mode.AUTOREGRESSIVE.value,  # type: ignore[arg-type]
-                score_ids=np.array([token], dtype=np.int64),  # type: ignore[arg-type]
-            )
-            for n in range(len(pool.workers))
-        ]
-        results = await self._timed(requests, held)
         self.model_s += max(resp.model_ms for resp, _ in results) / 1e3
         self.busy_s += sum(resp.model_ms for resp, _ in results) / 1e3
         for _, traffic in results:
             self.traffic.add(traffic)
-        return mixed_logprob([float(array(resp.score_logprobs)[0]) for resp, _ in results], self.configured)
+        return [resp for resp, _ in results]
 
 
 def round_uniforms(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,9 +113,7 @@ def round_uniforms(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def lanes(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
-    """The walk's draws (``core.math.tree``): r per depth and candidate lane ``[D, W]`` — lane 0
-    is the chain's stream, so a chain verifies to the chain verifier's numbers — and the
-    recovered / bonus draw per depth ``[D+1]``."""
+    """The walk's draws: r per depth and lane ``[D, W]`` (lane 0 is the chain's stream), the recovered / bonus draw ``[D+1]``."""
     accept, final = round_uniforms(rnd)
     width = rnd.draft.max_width()
     if width <= 1:
@@ -158,11 +127,8 @@ def mixture(
     responses: list[VerifyResponse], vocab_size: int, weights: torch.Tensor, method: Reconstruction = Reconstruction.RENORMALIZE,
     normalise: bool = True, allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """p̂ = Σ w_n p̂_n over the positions of the responses: ``[γ+1, V]`` float64 (``weights``:
-    ``[N]``). Whole rows are ``normalised`` (an fp32 row sums to 1 ± 1e-6); greedy
-    (``normalise=False``) compares them as sent, the same numbers in every mode. ``allowed``:
-    the ids each row may emit (a grammar's, min_tokens'), where ``residual`` reconstruction
-    spreads the tail mass."""
+    """p̂ = Σ w_n p̂_n: ``[γ+1, V]`` float64 (``weights``: ``[N]``). Whole rows are ``normalised`` unless greedy
+    compares them as sent; ``allowed`` (``[rows, V]``): where ``residual`` reconstruction spreads the tail."""
     dists = []
     for resp in responses:
         probs = torch.tensor(array(resp.probs), dtype=torch.float64)
@@ -192,15 +158,9 @@ async def all_workers(pool: TargetSet, requests: list[VerifyRequest], agreed: li
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(w.verify(r, agreed)) for w, r in zip(pool.workers, requests)]
-    except BaseExceptionGroup as failures:
-        raise first_worker_error(failures) from None
+    except BaseExceptionGroup as failures:  # the first WorkerError (what the client is told), else the first failure
+        raise (failures.subgroup(WorkerError) or failures).exceptions[0] from None
     return [t.result() for t in tasks]
-
-
-def first_worker_error(failures: BaseExceptionGroup) -> BaseException:
-    """The first WorkerError of a group (what the client is told), else the first failure."""
-    errors = failures.subgroup(WorkerError)
-    return (errors or failures).exceptions[0]
 
 
 def row_ids(resp: VerifyResponse, row: int, vocab_size: int) -> torch.Tensor:
@@ -216,9 +176,8 @@ def array(value: np.ndarray | None) -> np.ndarray:
 
 
 def worker_logprobs(rnd: Round, tokens: list[int], values: list[float], rows: list[int] | None = None) -> list[TokenLogprob]:
-    """The emitted tokens with the mixture's log-probabilities ``values`` and, when asked, the
-    top alternatives from the workers' top-n lists (at ``rows`` of the answers: a tree's path;
-    by default the chain's positions)."""
+    """The emitted tokens with the mixture's log-probabilities ``values`` and the workers' merged top-n
+    alternatives at ``rows`` of the answers (default: the chain's positions)."""
     n, weights = rnd.req.top_logprobs, rnd.weights
     tops = [(array(r.top_ids), array(r.top_logprobs)) for r in rnd.responses] if n else []
     rows = list(range(len(tokens))) if rows is None else rows

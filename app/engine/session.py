@@ -1,6 +1,4 @@
-"""One choice in progress (DESIGN §3): the agreed tokens, what each target holds of them, the
-room left and the finish. The gateway owns the token sequence; a target's KV cache is a cache
-it resends to when the target lost it."""
+"""One choice in progress (DESIGN §3): the agreed tokens, what each target holds of them, the room left and the finish."""
 
 from __future__ import annotations
 
@@ -15,11 +13,9 @@ from core.transform import Transformer
 
 @dataclass
 class Session:
-    """``agreed[n]``: the tokens of ``sequence`` target n holds; ``path``: the last tree
-    round's accepted nodes, which every target holds as tree rows and keeps when the next call
-    names it (v1.1 ``path``). ``transformer``: the request's transform on the draft's side (and
-    the forced tokens'); ``verifier``: the gateway's own copy for a round's masks (the draft's
-    runs ahead with overlap). ``auto``: the γ controller of ``num_draft_tokens: auto``."""
+    """``agreed[n]``: the tokens of ``sequence`` target n holds; ``path``: the last tree round's accepted nodes
+    (v1.1 ``path``). ``transformer``: the draft's side of the transform; ``verifier``: the gateway's own copy for a
+    round's masks (the draft's runs ahead with overlap); ``auto``: the γ controller of ``num_draft_tokens: auto``."""
 
     id: str
     req: GenerationRequest
@@ -51,19 +47,12 @@ class Session:
         return self.auto.choose() if self.auto is not None else self.req.spec.num_draft_tokens
 
     def keyed(self, ahead: int = 0) -> GenerationRequest:
-        """The request as round ``rounds + ahead`` draws with it: its own seed when earlier rounds
-        chose its shape (``num_draft_tokens: auto``, ``core.math.random.round_seed``)."""
+        """The request as round ``rounds + ahead`` draws with it: its own seed under ``num_draft_tokens: auto`` (``round_seed``)."""
         return replace(self.req, seed=round_seed(self.req.seed, self.rounds + ahead)) if self.auto is not None else self.req
 
-    def scored_prompt(self, result: RoundResult) -> RoundResult:
-        """Every target prefilled the prompt (echo with logprobs)."""
-        self.agreed[:] = [len(self.sequence)] * len(self.agreed)
-        return result
-
     def commit(self, result: RoundResult, draft: TokenTree | None = None) -> RoundResult:
-        """The round's tokens join the sequence; after a verified ``draft`` the targets hold
-        sequence + draft: a chain's accepted tokens are theirs, a tree's path they keep when the
-        next call names it (without a path it is resent). Forced tokens (no draft) were no call."""
+        """The round's tokens join the sequence; after a verified ``draft`` the targets hold a chain's
+        accepted tokens, or a tree's path they keep when the next call names it."""
         if draft is not None:
             self.rounds += 1
             self.path = result.path if not draft.is_chain else None
@@ -75,8 +64,7 @@ class Session:
 
 
 def finish_reason(result: RoundResult, generated: int, length: int, req: GenerationRequest, eos_ids: set[int], max_context: int) -> str | None:
-    """"stop" at an EOS the round emitted (its tokens and logprobs cut after it), "length" at
-    the request's max_tokens or the context; None while generating."""
+    """"stop" at an EOS the round emitted (cut after it), "length" at max_tokens or the context; None while generating."""
     for i, token in enumerate(result.tokens):
         if token in eos_ids and not req.ignore_eos:
             del result.tokens[i + 1 :]

@@ -35,23 +35,20 @@ class SpecOptions:
     drafter: Drafter = Drafter.MODEL  # where a draft comes from (DESIGN §3.10)
 
     def __post_init__(self) -> None:
-        if self.num_draft_tokens < 1:
-            raise ValueError("num_draft_tokens must be ≥ 1")
-        if self.k is not None and self.k < 1:
-            raise ValueError("k must be ≥ 1 or None (full)")
-        if self.draft_top_k < 0 or not 0 < self.draft_top_p <= 1:
-            raise ValueError("draft_top_k must be ≥ 0 and draft_top_p in (0, 1]")
-        if self.sparse and self.draft_top_k == 0 and self.draft_top_p == 1:
-            raise ValueError("exact needs draft truncation (draft_top_k or draft_top_p)")
-        if self.tree_payload not in (Mode.AGGREGATE, Mode.EXACT):
-            raise ValueError("a tree's payload is aggregate's or exact's")
-        if self.payload not in MODES[self.mode].payloads:
-            raise ValueError(f"mode {self.mode.value} does not verify {self.payload.value} rows")
+        for broken, message in (
+            (self.num_draft_tokens < 1, "num_draft_tokens must be ≥ 1"),
+            (self.k is not None and self.k < 1, "k must be ≥ 1 or None (full)"),
+            (self.draft_top_k < 0 or not 0 < self.draft_top_p <= 1, "draft_top_k must be ≥ 0 and draft_top_p in (0, 1]"),
+            (self.sparse and self.draft_top_k == 0 and self.draft_top_p == 1, "exact needs draft truncation (draft_top_k or draft_top_p)"),
+            (self.tree_payload not in (Mode.AGGREGATE, Mode.EXACT), "a tree's payload is aggregate's or exact's"),
+            (self.payload not in MODES[self.mode].payloads, f"mode {self.mode.value} does not verify {self.payload.value} rows"),
+        ):
+            if broken:
+                raise ValueError(message)
 
     @property
     def verifier(self) -> Mode:
-        """The mode whose strategy verifies a round: a tree's payload's (DESIGN §3.6: a tree is a
-        draft shape), else the mode's own."""
+        """The mode whose strategy verifies a round: a tree's payload's (a tree is a draft shape), else the mode's own."""
         return self.tree_payload if self.mode is Mode.TREE else self.mode
 
     @property
@@ -76,8 +73,7 @@ class SpecOptions:
 
     @property
     def is_lossless(self) -> bool:
-        """What the response claims (usage ``speculative.lossless``): the table of ``core.modes``,
-        which tests/app/test_lossless_matrix.py proves cell by cell."""
+        """What the response claims (usage ``speculative.lossless``): the table of ``core.modes``."""
         return guarantee(self.payload, self.relaxed) is Guarantee.LOSSLESS
 
     @property
@@ -102,9 +98,7 @@ class GenerationRequest:
     transform: TransformSpec | None = None  # DESIGN §3.9: logit_bias, penalties, a grammar; every worker and the draft apply it
 
     def sampling_wire(self) -> dict[str, object]:
-        """The request's sampling on a target's call: temperature, top-k, top-p, and min-p and the
-        transform where set (DESIGN §3.9; the transform is sent only on a call that starts the
-        session: ``VerifyRequest.on_wire``)."""
+        """The request's sampling on a target's call; min-p and the transform where set (DESIGN §3.9)."""
         out: dict[str, object] = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
         if self.params.min_p:
             out["min_p"] = self.params.min_p

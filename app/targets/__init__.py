@@ -1,2 +1,1 @@
-"""The targets of the federation (DESIGN §1): specgate workers and OpenAI-compatible engines,
-each a ``ReplicaSet`` speaking its ``Dialect``, gathered in a ``TargetSet``."""
+"""The targets of the federation (DESIGN §1): ``ReplicaSet``s speaking a ``Dialect``, pipelines, in a ``TargetSet``."""

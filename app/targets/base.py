@@ -1,17 +1,14 @@
-"""What every target of the federation shares (DESIGN §1, §4, §8): the ``Target`` protocol the
-engine speaks to, the ``Dialect`` a kind of target is spoken in (a specgate worker, an
-OpenAI-compatible engine), the ``Channel`` a dialect's calls go through (one HTTP client, the
-emulated link, bytes counted), and the failures:
+"""What every target shares (DESIGN §1, §4, §8): the ``Target`` base, a ``Dialect`` per kind of target, the
+``Channel`` its calls go through, and the failures:
 
-    ReplicaFailure   one replica failed one call (kind: connect | timeout | transport | http_5xx
-                     | garbage | fingerprint | unauthorized | rejected); the session moves on
-    WorkerError      what the engine sees: no replica of a target is left, or the target refused
-                     the request itself (a 4xx every replica would give)
+    ReplicaFailure   one replica failed one call (``kind``: one of FAILURE_KINDS); the session moves on
+    WorkerError      what the engine sees: no replica of a target is left, or the target refused the request itself
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -23,13 +20,9 @@ import numpy as np
 from app.targets.fastpost import Answer, FastPost
 from core.config import LinkConfig
 from core.errors import ProtocolError, SpecgateError
-from core.protocol import (
-    ErrorBody,
-    InfoResponse,
-    VerifyRequest,
-    VerifyResponse,
-    prefix_hash,
-)
+from core.protocol import ErrorBody, InfoResponse, VerifyRequest, VerifyResponse, decode, prefix_hash
+
+log = logging.getLogger(__name__)
 
 FAILURE_KINDS = ("connect", "timeout", "transport", "http_5xx", "garbage", "fingerprint", "unauthorized", "rejected")
 
@@ -39,8 +32,7 @@ class WorkerError(SpecgateError):
 
     def __init__(self, worker: str, message: str, status: int = 502) -> None:
         super().__init__(f"worker {worker}: {message}")
-        self.worker = worker
-        self.status = status
+        self.worker, self.status = worker, status
 
 
 class ReplicaFailure(SpecgateError):
@@ -62,11 +54,7 @@ class Expected:
 
 @dataclass
 class Traffic:
-    """Bytes on the wire with one worker, both directions (DESIGN §4), and — for one call —
-    where its seconds went (``seconds``: gateway_codec, link, http, and the worker's own parts
-    from its ``Server-Timing``: worker_codec, worker_queue, worker_model, worker_scoring,
-    worker_other). ``add`` sums the bytes only: calls made in parallel overlap in time, so
-    which call's seconds count is the caller's choice (``app.engine.round``)."""
+    """Bytes on the wire with one worker, both ways (DESIGN §4), and seconds by part (``ROUND_PARTS``); ``add`` sums the bytes only."""
 
     sent: int = 0
     received: int = 0
@@ -107,10 +95,13 @@ class Replica:
     last_error: str = ""
     traffic: Traffic = field(default_factory=Traffic)
 
+    def failed(self, exc: BaseException) -> None:
+        self.breaker.record(ok=False)
+        self.last_error = str(exc)
+
 
 class Channel:
-    """One target's way to its replicas: the shared HTTP client, its timeout, the emulated link
-    (delays each direction, never blocks the loop), the round-latency hook and the bytes."""
+    """One target's way to its replicas: the shared HTTP client, its timeout, the emulated link, the latency hook, the bytes."""
 
     def __init__(self, name: str, client: httpx.AsyncClient, timeout: httpx.Timeout, link: LinkConfig | None = None, fast: FastPost | None = None) -> None:
         self.name, self.client, self.timeout, self.link = name, client, timeout, link
@@ -125,12 +116,29 @@ class Channel:
         except httpx.HTTPError as exc:
             raise _failure(exc, path, replica) from exc
 
+    async def info(self, replica: Replica) -> InfoResponse:
+        """``/v1/info`` as it answered it (ReplicaFailure when it did not)."""
+        resp = await self.request("GET", replica, "/v1/info")
+        if resp.status_code != 200:
+            raise status_failure(resp.status_code, resp.content, "/v1/info")
+        try:
+            return decode(InfoResponse, resp.content, resp.headers.get("content-type"))
+        except ProtocolError as exc:
+            raise ReplicaFailure("garbage", f"/v1/info answered garbage: {exc}") from exc
+
+    async def free(self, replica: Replica, session_id: str) -> None:
+        """Free a session on a replica (best effort: workers evict anyway)."""
+        try:
+            await self.client.delete(f"{replica.url}/v1/sessions/{session_id}", timeout=5.0)
+        except httpx.HTTPError as exc:
+            log.warning("could not free session %s on %s (%s): %s", session_id, self.name, replica.url, describe(exc))
+
     async def _post(self, replica: Replica, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response | Answer:
         url = f"{replica.url}{path}"
-        if self.fast is None or not self.fast.handles(url):
-            return await self.request("POST", replica, path, content=body, headers=headers)
         try:
-            return await self.fast.post(url, body, headers, self.timeout)
+            if self.fast is not None and self.fast.handles(url):
+                return await self.fast.post(url, body, headers, self.timeout)
+            return await self.client.request("POST", url, timeout=self.timeout, content=body, headers=headers)
         except httpx.HTTPError as exc:
             raise _failure(exc, path, replica) from exc
 
@@ -158,56 +166,43 @@ class Channel:
 
 
 def _failure(exc: httpx.HTTPError, path: str, replica: Replica) -> ReplicaFailure:
-    """A transport failure as the replica set's kind: timeout, connect, or transport (reset,
-    closed mid-body, …)."""
+    """A transport failure as its kind: timeout, connect, or transport (reset, closed mid-body, …)."""
     kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "connect" if isinstance(exc, httpx.ConnectError) else "transport"
     return ReplicaFailure(kind, f"{path} at {replica.url}: {describe(exc)}")
 
 
 class Dialect(Protocol):
-    """How one kind of target is spoken to, replica by replica (the replica set does the rest:
-    which replica, failover, breakers)."""
+    """How one kind of target is spoken to, replica by replica (``ReplicaSet`` does the rest)."""
 
     health_path: str | None  # probed before ``info`` when a breaker is open; None: straight to ``info``
     is_engine: bool  # an OpenAI-compatible engine (DESIGN §8), not a specgate worker
 
-    async def info(self, replica: Replica) -> InfoResponse:
-        """What the replica serves, checked against Expected (ReplicaFailure otherwise)."""
-        ...
+    async def info(self, replica: Replica) -> InfoResponse: ...  # checked against Expected (ReplicaFailure otherwise)
 
-    async def verify(self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic) -> VerifyResponse:
-        """One verify call on one replica; ``agreed``: the whole sequence the prefix is part of."""
-        ...
+    async def verify(self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic) -> VerifyResponse: ...
 
-    async def free(self, replica: Replica, session_id: str) -> None:
-        """Free a session on a replica (best effort)."""
-        ...
+    async def free(self, replica: Replica, session_id: str) -> None: ...
 
-    def scorable(self, sequence: list[int], draft: list[int]) -> int:
-        """How many leading draft tokens this target can score after ``sequence``."""
-        ...
+    def scorable(self, sequence: list[int], draft: list[int]) -> int: ...  # leading draft tokens it can score
 
 
-class Target(Protocol):
-    """One weighted member of the federation, as the engine sees it."""
+class Target:
+    """One weighted member of the federation (``ReplicaSet``, ``PipelineTarget``): ``verify``, ``delete_session``, ``scorable``, ``check_all``."""
 
     name: str
     weight: float
-    is_engine: bool
+    channel: Channel
 
-    async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]: ...
-
-    async def delete_session(self, session_id: str) -> None: ...
-
-    def scorable(self, sequence: list[int], draft: list[int]) -> int: ...
+    @property
+    def traffic(self) -> Traffic:
+        return self.channel.traffic
 
 
 _WORKER_PARTS = {"codec": "codec", "queue": "queue", "model": "model", "score": "scoring", "total": "total"}
 
 
 def server_timing(header: str) -> dict[str, float]:
-    """A worker's ``Server-Timing`` (``name;dur=ms, …``) as seconds by part (scoring, not
-    score); names it does not know, and a header that is not one, are left out."""
+    """A worker's ``Server-Timing`` (``name;dur=ms, …``) as seconds by part; unknown names are left out."""
     out: dict[str, float] = {}
     for entry in header.split(","):
         name, _, rest = entry.strip().partition(";")
@@ -223,10 +218,7 @@ def server_timing(header: str) -> dict[str, float]:
 
 def status_failure(status: int, body: bytes, what: str) -> ReplicaFailure:
     """A non-200 answer: 5xx and 401/403 are the replica's fault; other 4xx are the request's."""
-    try:
-        message = f"{what}: HTTP {status}: {ErrorBody.from_json(body).message}"
-    except ProtocolError:
-        message = f"{what}: HTTP {status}: {body[:200]!r}"
+    message = f"{what}: HTTP {status}: {error_message(body)}"
     if status >= 500:
         return ReplicaFailure("http_5xx", message)
     if status in (401, 403):
@@ -234,12 +226,22 @@ def status_failure(status: int, body: bytes, what: str) -> ReplicaFailure:
     return ReplicaFailure("rejected", message)
 
 
+def refused(name: str, failure: ReplicaFailure) -> SpecgateError:
+    """A ``rejected`` failure is the request's own (every replica would refuse it): a WorkerError."""
+    return WorkerError(name, str(failure)) if failure.kind == "rejected" else failure
+
+
+def error_body(body: bytes) -> ErrorBody | None:
+    try:
+        return ErrorBody.from_json(body)
+    except ProtocolError:
+        return None
+
+
 def error_message(body: bytes) -> str:
     """The message of an error body in the OpenAI envelope, else the body's first bytes."""
-    try:
-        return ErrorBody.from_json(body).message
-    except ProtocolError:
-        return repr(body[:200])
+    error = error_body(body)
+    return error.message if error is not None else repr(body[:200])
 
 
 def describe(exc: httpx.HTTPError) -> str:
@@ -247,8 +249,7 @@ def describe(exc: httpx.HTTPError) -> str:
 
 
 def resend(req: VerifyRequest, agreed: list[int], prefix: int) -> VerifyRequest:
-    """``req`` from a shorter prefix: every other field as it was (replace, not field by field),
-    but no ``path``: the accepted path of the previous tree is then among the tokens resent."""
+    """``req`` from a shorter prefix, every other field as it was but no ``path`` (the tree's accepted path is resent)."""
     held_until = req.prefix_len + len(req.tokens)
     tokens = np.asarray(agreed[prefix:held_until], dtype=np.int64)
     return replace(req, prefix_len=prefix, prefix_hash=prefix_hash(agreed[:prefix]), tokens=tokens, path=None)

@@ -1,6 +1,5 @@
-"""What an OpenAI-compatible engine's completions listing says, read token by token (DESIGN §8):
-how the engine reads prompts and pairs its logprobs (``EngineFormat``, learnt by the probe), its
-entries (token, logprob, top logprobs), and our ids for its token strings (``TokenTable``)."""
+"""An OpenAI-compatible engine's completions listing, token by token (DESIGN §8): its ``EngineFormat``,
+its entries, and our ids for its token strings (``TokenTable``)."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ class Entry:
 
 
 def parse_listing(body: bytes) -> list[Entry]:
-    """The echoed tokens of a ``/v1/completions`` answer with ``logprobs`` (ProtocolError-free:
-    anything else is garbage)."""
+    """The echoed tokens of a ``/v1/completions`` answer with ``logprobs``; anything else is garbage."""
     try:
         logprobs = orjson.loads(body)["choices"][0]["logprobs"]
         tokens, values, tops = logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]
@@ -98,6 +96,5 @@ def parse_listing(body: bytes) -> list[Entry]:
 
 def token_id(text: str) -> int | None:
     """The id of a "token_id:N" string, else None."""
-    if text.startswith(_ID_PREFIX) and text[len(_ID_PREFIX):].isdigit():
-        return int(text[len(_ID_PREFIX):])
-    return None
+    digits = text.removeprefix(_ID_PREFIX)
+    return int(digits) if digits != text and digits.isdigit() else None

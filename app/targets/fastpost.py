@@ -1,22 +1,11 @@
-"""The round's POST without httpx's layers (issue 33): HTTP/1.1 over kept-alive asyncio streams.
-
-A verify call is one POST of a few hundred bytes to a worker the gateway talks to all day;
-httpx + httpcore + h11 cost ~0.35 ms of the gateway's CPU per exchange on loopback where the
-bytes need ~0.1 ms (measured against a bare uvicorn app: 0.51 vs 0.17 ms one at a time, 0.93 vs
-0.26 ms for two workers in parallel). ``FastPost`` sends the request line, headers and body in
-one write and reads a ``content-length`` or chunked answer. Connections are kept per host and
-port (at most ``MAX_IDLE`` idle) and reused one call at a time; a request on a kept connection
-that the server had closed is sent once more on a fresh one, when no byte of an answer came.
-
-Failures raise ``httpx`` exceptions of the same kinds (``ConnectError``, ``ReadTimeout``,
-``RemoteProtocolError``…), so ``Channel`` maps them to the same ``ReplicaFailure`` kinds.
-Only ``http://`` URLs; ``Channel`` uses httpx for anything else and for injected transports
-(tests).
-"""
+"""The round's POST without httpx's layers (issue 33, docs/performance.md): HTTP/1.1 over kept-alive asyncio streams
+per host and port, one call at a time (a kept one the server had closed is retried once on a fresh one). Failures raise
+``httpx`` exceptions of the same kinds, so ``Channel`` maps them alike. Only ``http://`` URLs: ``Channel`` uses httpx for the rest."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
@@ -25,13 +14,13 @@ _MAX_HEAD = 64 * 1024
 MAX_IDLE = 64  # kept-alive connections per host and port; past it a finished one is closed
 
 
+@dataclass(slots=True)
 class Answer:
     """What ``Channel.exchange`` reads of a response."""
 
-    __slots__ = ("status_code", "headers", "content")
-
-    def __init__(self, status_code: int, headers: dict[str, str], content: bytes) -> None:
-        self.status_code, self.headers, self.content = status_code, headers, content
+    status_code: int
+    headers: dict[str, str]
+    content: bytes
 
 
 class _Connection:

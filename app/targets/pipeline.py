@@ -1,36 +1,14 @@
-"""A pipeline as a target (DESIGN §3.7): one model whose layers are split over stage workers,
-in order. The gateway speaks to the first stage; each stage sends its states on to the next
-(the URLs ride with the call) and the last answers T(p) at the rows asked.
-
-Two ways in:
-- ``forward``: one segment of a session (mode ``pipeline``'s strategy, which keeps the rows'
-  bookkeeping itself and may have several segments in flight: each gets the session's next
-  ``seq`` when it is called, before anything is awaited);
-- ``verify``: a verify call made of segments (``autoregressive``, ``aggregate`` and ``tree``
-  through a pipeline, federated with other targets or alone: pipelined autoregressive decoding
-  is the baseline FlowSpec is measured against).
-
-At start-up ``check_all`` reads every stage's ``/v1/info``: one tokenizer, the draft's; stages
-that cover the model's layers exactly once, in the order listed. A gap, an overlap, a worker
-that is not a stage or another tokenizer is a configuration error (``fatal`` in the report),
-which stops the gateway; a stage that does not answer yet is only not ready.
-
-A stage that answers 409 (it lost the session's rows or a message) makes the session start
-again under a new stage session id, from zero: the gateway owns the tokens. A stage that fails
-(unreachable, a 5xx; the stage before it names it in the error's ``param``) is ``StageDown``:
-the request fails naming it, unless the stage lists replicas, in which case ``fail_over``
-moves the stage to a working one and every session of the pipeline starts again from zero.
-"""
+"""A pipeline as a target (DESIGN §3.7, docs/modes.md): a model's layers over stage workers, in order; ``forward``
+sends one segment (mode ``pipeline``), ``verify`` a verify call made of segments (the other modes)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
 
-import httpx
 import numpy as np
 
 from app.targets.base import (
@@ -39,9 +17,10 @@ from app.targets.base import (
     Expected,
     Replica,
     ReplicaFailure,
+    Target,
     Traffic,
     WorkerError,
-    describe,
+    error_body,
     error_message,
     status_failure,
 )
@@ -49,7 +28,6 @@ from app.targets.segments import Segment, StageSession, as_verify, sampling, sta
 from core.errors import ProtocolError
 from core.protocol import (
     BINARY_CONTENT_TYPE,
-    ErrorBody,
     InfoResponse,
     StageRequest,
     StageResponse,
@@ -62,12 +40,11 @@ from core.protocol import (
 log = logging.getLogger(__name__)
 
 _HEADERS = {"content-type": BINARY_CONTENT_TYPE, "accept": BINARY_CONTENT_TYPE}
-_FREE_TIMEOUT_S = 5.0
+_STAND_IN = attrgetter("layer_range", "num_layers", "tokenizer_fingerprint", "backend")  # what a replica shares with its stage
 
 
 class StageShort(Exception):
-    """A stage answered 409, or the pipeline failed over since the session's last segment: the
-    session must start again (``PipelineTarget.restart``)."""
+    """A stage answered 409, or the pipeline failed over since the session's last segment: ``restart`` it."""
 
 
 class StageDown(WorkerError):
@@ -78,7 +55,7 @@ class StageDown(WorkerError):
         self.stage = stage
 
 
-class PipelineTarget:
+class PipelineTarget(Target):
     """One weighted member of the federation whose model runs on stage workers, in order."""
 
     is_engine = False
@@ -92,7 +69,6 @@ class PipelineTarget:
         self.sessions: dict[str, StageSession] = {}
         self.failures: Counter[str] = Counter()  # by kind
         self.failovers = 0  # stages moved to a replica
-        self.hop_bytes = [0] * (len(stages) - 1)  # stage-to-stage bytes per hop, every call
         self.restarts = 0  # sessions started again after a 409 or a failover
 
     @property
@@ -108,52 +84,27 @@ class PipelineTarget:
     def stages(self) -> int:
         return len(self.members)
 
-    @property
-    def traffic(self) -> Traffic:
-        return self.channel.traffic
-
-    @property
-    def on_call(self) -> Callable[[str, float], None]:
-        return self.channel.on_call
-
-    @on_call.setter
-    def on_call(self, hook: Callable[[str, float], None]) -> None:
-        self.channel.on_call = hook
-
     def scorable(self, sequence: list[int], draft: list[int]) -> int:
         return len(draft)
 
     # ----------------------------------------------------------------- info and layout
 
-    async def _info(self, replica: Replica) -> InfoResponse:
-        resp = await self.channel.request("GET", replica, "/v1/info")
-        if resp.status_code != 200:
-            raise status_failure(resp.status_code, resp.content, "/v1/info")
-        try:
-            return decode(InfoResponse, resp.content, resp.headers.get("content-type"))
-        except ProtocolError as exc:
-            raise ReplicaFailure("garbage", f"/v1/info answered garbage: {exc}") from exc
-
     async def check_all(self) -> dict[str, Any]:
-        """Every stage replica's ``/v1/info`` at once, then the layout: the target's entry of
-        ``/health/ready`` (``fatal``: the stages answer but cannot make this pipeline). A stage
-        whose replica in use does not answer moves to one of its replicas that does."""
+        """Every stage replica's ``/v1/info`` at once, then the layout: the target's entry of ``/health/ready``.
+        A stage whose replica in use does not answer moves to one of its replicas that does."""
         flat = [(i, j, r) for i, members in enumerate(self.members) for j, r in enumerate(members)]
-        results = await asyncio.gather(*(self._info(r) for _, _, r in flat), return_exceptions=True)
-        answered: set[tuple[int, int]] = set()
-        for (i, j, replica), result in zip(flat, results):
+        results = await asyncio.gather(*(self.channel.info(r) for _, _, r in flat), return_exceptions=True)
+        for (_, _, replica), result in zip(flat, results):
             if isinstance(result, InfoResponse):
                 replica.info = result
                 replica.breaker.record(ok=True)
-                answered.add((i, j))
             else:
-                replica.breaker.record(ok=False)
-                replica.last_error = str(result)
+                replica.failed(result)
+        answered = {(i, j) for (i, j, _), result in zip(flat, results) if isinstance(result, InfoResponse)}
         for i, members in enumerate(self.members):
-            if (i, self.active[i]) not in answered:
-                spare = next((j for j in range(len(members)) if (i, j) in answered), None)
-                if spare is not None:
-                    self._switch(i, spare, f"it did not answer /v1/info: {members[self.active[i]].last_error}")
+            spare = next((j for j in range(len(members)) if (i, j) in answered), None)
+            if (i, self.active[i]) not in answered and spare is not None:
+                self._switch(i, spare, f"it did not answer /v1/info: {members[self.active[i]].last_error}")
         replicas = [
             {"url": r.url, "stage": i + 1, "active": j == self.active[i], "ready": (i, j) in answered}
             | ({"layers": r.info.layer_range} if (i, j) in answered and r.info is not None else {"error": r.last_error})
@@ -162,15 +113,12 @@ class PipelineTarget:
         entry: dict[str, Any] = {"name": self.name, "url": self.url, "weight": self.weight, "ready": False, "replicas": replicas}
         down = [r for r in replicas if r["active"] and not r["ready"]]
         if down:
-            entry["error"] = f"worker {self.name}: stage {down[0]['stage']} ({down[0]['url']}) not ready: {down[0]['error']}"
-            return entry
+            return entry | {"error": f"worker {self.name}: stage {down[0]['stage']} ({down[0]['url']}) not ready: {down[0]['error']}"}
         infos = [r.info for r in self.replicas if r.info is not None]
         problem = layout_problem(self.replicas, infos, self.expected) or self._replica_problem(answered)
         if problem is not None:
-            entry.update(error=f"pipeline {self.name}: {problem}", fatal=True)
-            return entry
-        entry.update(ready=True, model=infos[-1].model_id, max_context=min(i.max_context for i in infos), stages=self.stages)
-        return entry
+            return entry | {"error": f"pipeline {self.name}: {problem}", "fatal": True}
+        return entry | {"ready": True, "model": infos[-1].model_id, "max_context": min(i.max_context for i in infos), "stages": self.stages}
 
     def _replica_problem(self, answered: set[tuple[int, int]]) -> str | None:
         """A replica that answers but could not stand in for its stage, or None."""
@@ -178,9 +126,7 @@ class PipelineTarget:
             used = members[self.active[i]].info
             for j, replica in enumerate(members):
                 info = replica.info
-                if j == self.active[i] or (i, j) not in answered or info is None or used is None:
-                    continue
-                if (info.layer_range, info.num_layers, info.tokenizer_fingerprint, info.backend) != (used.layer_range, used.num_layers, used.tokenizer_fingerprint, used.backend):
+                if (i, j) in answered and info is not None and used is not None and _STAND_IN(info) != _STAND_IN(used):
                     return (
                         f"stage {i + 1}'s replica {replica.url} cannot stand in for {members[self.active[i]].url}: it serves layers "
                         f"{info.layer_range} of {info.num_layers} ({info.backend}), the stage {used.layer_range} of {used.num_layers} ({used.backend})"
@@ -193,17 +139,14 @@ class PipelineTarget:
             await self.check_all()
 
     def fail_over(self, stage: int) -> bool:
-        """Stage ``stage`` (0-based) failed: its replica in use is out (breaker open until a probe
-        passes) and the stage moves to a replica that answered its checks. False when it has none.
-        Every session of the pipeline starts again from zero on the new chain."""
+        """Stage ``stage`` (0-based) failed: its replica is out until a probe passes; False when no checked replica can take over."""
         members = self.members[stage]
         failed = members[self.active[stage]]
         failed.breaker.failures = max(failed.breaker.failures, failed.breaker.threshold)
         spare = next((j for j, r in enumerate(members) if r.info is not None and not r.breaker.is_open), None)
-        if spare is None:
-            return False
-        self._switch(stage, spare, failed.last_error or "it failed")
-        return True
+        if spare is not None:
+            self._switch(stage, spare, failed.last_error or "it failed")
+        return spare is not None
 
     def _switch(self, stage: int, to: int, why: str) -> None:
         members = self.members[stage]
@@ -218,8 +161,7 @@ class PipelineTarget:
         return self.sessions.setdefault(session_id, StageSession(session_id, chain=self.chain))
 
     async def forward(self, session_id: str, segment: Segment, sampling: dict[str, Any]) -> tuple[StageResponse, Traffic]:
-        """One segment through every stage; the last stage's answer. Raises StageShort on a
-        409 (``restart`` the session), WorkerError naming the stage on any other failure."""
+        """One segment through every stage; the last stage's answer (StageShort on a 409, else WorkerError naming the stage)."""
         stage = self.session(session_id)
         if stage.chain != self.chain:
             raise StageShort("a stage moved to a replica since the session's last segment")
@@ -230,7 +172,9 @@ class PipelineTarget:
         try:
             status, answer = await self.channel.exchange(first, "/v1/stage/forward", body, _HEADERS, traffic)
         except ReplicaFailure as exc:
-            self._failed(first, exc)
+            first.failed(exc)
+            self.failures[exc.kind] += 1
+            log.warning("pipeline %s: stage %s failed (%s): %s", self.name, first.url, exc.kind, exc)
             raise StageDown(self.name, 0, f"stage 1 ({first.url}) failed: {exc}", 503 if exc.kind in ("connect", "timeout") else 502) from None
         if status == 409:
             raise StageShort(error_message(answer))
@@ -251,20 +195,13 @@ class PipelineTarget:
             self.failures["garbage"] += 1
             raise WorkerError(self.name, f"the stages answered garbage: {exc}") from None
         first.breaker.record(ok=True)
-        for hop, size in enumerate(np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [], dtype=np.int64)[: len(self.hop_bytes)]):
-            self.hop_bytes[hop] += int(size)
         return resp, traffic
 
     def _failed_stage(self, answer: bytes) -> int:
-        """Which stage a 5xx came from: the one a stage names in the error's ``param`` (a stage
-        it could not reach, or that failed), else the first."""
-        try:
-            body = ErrorBody.from_json(answer)
-        except ProtocolError:
-            return 0
-        urls = [r.url for r in self.replicas]
-        named = (body.param or "").rstrip("/")
-        return urls.index(named) if body.code in ("stage_unreachable", "stage_failed") and named in urls else 0
+        """Which stage a 5xx came from: the one a stage names in the error's ``param``, else the first."""
+        body, urls = error_body(answer), [r.url for r in self.replicas]
+        named = (body.param or "").rstrip("/") if body is not None and body.code in ("stage_unreachable", "stage_failed") else None
+        return urls.index(named) if named in urls else 0
 
     def _check(self, resp: StageResponse, req: StageRequest) -> None:
         rows = len(req.tokens) - req.score_from
@@ -285,8 +222,7 @@ class PipelineTarget:
         """The session under a new stage session id, holding nothing (the old one is freed)."""
         old = self.session(session_id)
         self.restarts += 1
-        new = StageSession(f"{session_id}~{old.restarts + 1}", restarts=old.restarts + 1, chain=self.chain)
-        self.sessions[session_id] = new
+        new = self.sessions[session_id] = StageSession(f"{session_id}~{old.restarts + 1}", restarts=old.restarts + 1, chain=self.chain)
         asyncio.get_running_loop().create_task(self._free(old.id))
         log.info("pipeline %s: session %s starts again as %s", self.name, session_id, new.id)
         return new
@@ -294,11 +230,8 @@ class PipelineTarget:
     # ----------------------------------------------------------------- verify, made of segments
 
     async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
-        """A verify call as one segment: the stages keep the agreed rows (a crop, or the
-        previous tree's accepted path), append tokens + draft, and the last answers the γ+1 rows
-        (a tree's root and nodes). Once more from zero, under a new id, after a 409."""
-        problem = unserved(req)
-        if problem:
+        """A verify call as one segment (``verify_segment``); once more from zero, under a new id, after a 409."""
+        if problem := unserved(req):
             raise WorkerError(self.name, f"a pipeline target does not serve {problem}", 400)
         shorts, from_zero = 0, False
         while shorts < 2:
@@ -329,24 +262,11 @@ class PipelineTarget:
             await self._free(stage.id)
 
     async def _free(self, stage_id: str) -> None:
-        async def one(replica: Replica) -> None:
-            try:
-                await self.channel.client.delete(f"{replica.url}/v1/sessions/{stage_id}", timeout=_FREE_TIMEOUT_S)
-            except httpx.HTTPError as exc:
-                log.warning("could not free session %s on stage %s of %s: %s", stage_id, replica.url, self.name, describe(exc))
-
-        await asyncio.gather(*(one(r) for members in self.members for r in members if not r.breaker.is_open))
-
-    def _failed(self, replica: Replica, exc: ReplicaFailure) -> None:
-        replica.breaker.record(ok=False)
-        replica.last_error = str(exc)
-        self.failures[exc.kind] += 1
-        log.warning("pipeline %s: stage %s failed (%s): %s", self.name, replica.url, exc.kind, exc)
+        await asyncio.gather(*(self.channel.free(r, stage_id) for members in self.members for r in members if not r.breaker.is_open))
 
 
 def layout_problem(replicas: list[Replica], infos: list[InfoResponse], expected: Expected) -> str | None:
-    """What keeps these stages from being one pipeline of the draft's tokenizer, or None: each
-    serves a slice (transformers), one tokenizer, the slices in order cover every layer once."""
+    """What keeps these stages from being one pipeline of the draft's tokenizer (each a slice, in order, every layer once), or None."""
     for i, (replica, info) in enumerate(zip(replicas, infos)):
         where = f"stage {i + 1} ({replica.url})"
         if info.tokenizer_fingerprint != expected.fingerprint or info.vocab_size != expected.vocab_size:

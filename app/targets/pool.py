@@ -1,5 +1,4 @@
-"""The federation (DESIGN §3.3): every weighted target, built from the config, with one HTTP
-client shared by them all (transport retries off: each target's failover is the only retry)."""
+"""The federation (DESIGN §3.3): every weighted target, one HTTP client for all (retries off: failover is the only retry)."""
 
 from __future__ import annotations
 
@@ -50,13 +49,13 @@ class TargetSet:
 
     @property
     def on_call(self) -> Callable[[str, float], None]:
-        return self.workers[0].on_call
+        return self.workers[0].channel.on_call
 
     @on_call.setter
     def on_call(self, hook: Callable[[str, float], None]) -> None:
         """``hook(worker, seconds)`` after every verify call (the round-latency histogram)."""
         for worker in self.workers:
-            worker.on_call = hook
+            worker.channel.on_call = hook
 
     def start(self) -> None:
         """Probe open breakers in the background until ``close``."""

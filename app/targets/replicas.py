@@ -1,33 +1,15 @@
-"""A target with one or more replicas of the same model (DESIGN §4): which replica holds which
-session, failover between them, a circuit breaker per replica, probes of open breakers. The
-``Dialect`` says how a replica is spoken to; this is the same for every kind of target.
-
-The gateway owns the token sequence, so any replica can take a session over: the new one gets
-the agreed prefix resent from zero and answers exactly as the old one would have (the worker's
-random draws are keyed by the request's seed, position and the target's index, not by replica).
-"""
+"""A target with replicas of one model (DESIGN §4, docs/reliability.md): sessions, failover, breakers, probes."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import httpx
 
-from app.targets.base import (
-    Breaker,
-    Channel,
-    Dialect,
-    Expected,
-    Replica,
-    ReplicaFailure,
-    Traffic,
-    WorkerError,
-    resend,
-)
+from app.targets.base import Breaker, Channel, Dialect, Expected, Replica, ReplicaFailure, Target, Traffic, WorkerError, resend
 from core.protocol import InfoResponse, VerifyRequest, VerifyResponse
 
 log = logging.getLogger(__name__)
@@ -35,45 +17,20 @@ log = logging.getLogger(__name__)
 _PROBE_TIMEOUT = httpx.Timeout(2.0)  # a probe of a hung replica must not hold up the others
 
 
-class ReplicaSet:
+class ReplicaSet(Target):
     """One target of the federation: its weight, its replicas, which replica holds which session."""
 
     def __init__(self, name: str, urls: list[str], weight: float, channel: Channel, dialect: Dialect, expected: Expected, threshold: int) -> None:
         self.name, self.weight, self.channel, self.dialect, self.expected = name, weight, channel, dialect, expected
         self.replicas = [Replica(url.rstrip("/"), Breaker(threshold)) for url in urls]
+        self.url, self.is_engine = self.replicas[0].url, dialect.is_engine
         self.sessions: dict[str, Replica] = {}  # the replica that holds each session now
         self.held: dict[str, set[str]] = {}  # every replica a session was sent to (freed at the end)
         self.failures: Counter[str] = Counter()  # by kind
         self.failovers = 0  # sessions moved to another replica mid-request
 
-    @property
-    def url(self) -> str:
-        return self.replicas[0].url
-
-    @property
-    def is_engine(self) -> bool:
-        return self.dialect.is_engine
-
-    @property
-    def traffic(self) -> Traffic:
-        return self.channel.traffic
-
-    @property
-    def on_call(self) -> Callable[[str, float], None]:
-        return self.channel.on_call
-
-    @on_call.setter
-    def on_call(self, hook: Callable[[str, float], None]) -> None:
-        self.channel.on_call = hook
-
-    @property
-    def is_up(self) -> bool:
-        return any(not r.breaker.is_open for r in self.replicas)
-
     def scorable(self, sequence: list[int], draft: list[int]) -> int:
         return self.dialect.scorable(sequence, draft)
-
-    # ----------------------------------------------------------------- info and health
 
     async def check(self, replica: Replica) -> InfoResponse:
         """What one replica serves, against Expected; success closes its breaker."""
@@ -116,14 +73,8 @@ class ReplicaSet:
             except (httpx.HTTPError, ReplicaFailure):
                 continue
 
-    # ----------------------------------------------------------------- verify
-
     async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
-        """One verify call on the replica that holds the session, failing over to the others.
-
-        ``agreed`` is the whole token sequence the request's prefix is a part of: a resend moves
-        tokens from the prefix into ``tokens``.
-        """
+        """One verify call on the replica that holds the session, failing over to the others (``agreed``: for a resend)."""
         traffic, tried = Traffic(), set[str]()
         last: ReplicaFailure | None = None
         while True:
@@ -176,8 +127,7 @@ class ReplicaSet:
         return WorkerError(self.name, f"{which} failed: {last}", status)
 
     def _failed(self, replica: Replica, exc: ReplicaFailure) -> None:
-        replica.breaker.record(ok=False)
-        replica.last_error = str(exc)
+        replica.failed(exc)
         self.failures[exc.kind] += 1
         if replica.breaker.failures == replica.breaker.threshold:
             replica.info = None  # checked again before its next call

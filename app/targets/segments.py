@@ -1,6 +1,4 @@
-"""A verify call as pipeline segments (DESIGN §3.7), and the last stage's answer as a verify
-answer: the translation between what a target is asked (``VerifyRequest``) and what stages
-speak (``StageRequest`` rows), with nothing of the transport in it (app/targets/pipeline.py)."""
+"""A verify call as pipeline segments (DESIGN §3.7) and the last stage's answer as a verify answer, no transport."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ from core.protocol import StageRequest, StageResponse, VerifyRequest, VerifyResp
 
 @dataclass
 class StageSession:
-    """What the stages know a gateway session by: its id there (a new one after each restart),
-    the next message's ``seq``; for ``verify``, the rows they hold and where the last draft began."""
+    """A gateway session at the stages: its id there (new after each restart), the next ``seq``, the rows held."""
 
     id: str
     seq: int = 0
@@ -41,8 +38,7 @@ class Segment:
 
 
 def stage_request(stage: StageSession, seq: int, segment: Segment, sampling: dict[str, Any], **more: Any) -> StageRequest:
-    """The message that carries ``segment``: the transform (DESIGN §3.9) rides only on the
-    one that starts the stage session (prefix_len 0); the last stage keeps it."""
+    """The message that carries ``segment``; the transform rides only on the one that starts the stage session."""
     if segment.prefix_len and sampling.get("transform") is not None:
         sampling = {**sampling, "transform": None}
     return StageRequest(
@@ -54,9 +50,7 @@ def stage_request(stage: StageSession, seq: int, segment: Segment, sampling: dic
 
 
 def verify_segment(name: str, stage: StageSession, req: VerifyRequest, agreed: list[int], from_zero: bool) -> tuple[Segment, int]:
-    """The segment that carries a verify call, and where its draft's rows start: the stages keep
-    the agreed rows (a crop, or the previous tree's accepted path) and append tokens + draft —
-    or, from zero, every agreed token again."""
+    """The segment that carries a verify call (keep the agreed rows, append tokens + draft; or every token, from zero), and where its draft's rows start."""
     keep: list[int] | None = None
     prefix = req.prefix_len
     if not from_zero and req.path is not None:  # the previous tree's accepted nodes become agreed rows
@@ -66,39 +60,28 @@ def verify_segment(name: str, stage: StageSession, req: VerifyRequest, agreed: l
         from_zero = stage.rows < prefix
         if not from_zero and stage.rows > prefix:
             keep = list(range(prefix))
-    tokens = [int(t) for t in req.tokens]
+    tokens = req.tokens.tolist()
     if from_zero:
         held_until = req.prefix_len + len(tokens)
         tokens, keep, prefix = [int(t) for t in agreed[:held_until]], ([] if stage.rows else None), 0
     if not tokens:
         raise WorkerError(name, "a pipeline call appends at least the last agreed token (its row gives the first distribution)", 400)
     base = prefix + len(tokens)  # where the draft's rows start
-    draft = [int(t) for t in req.draft]
-    parents: list[int] | None = None
-    if req.parents is not None:
-        chain = list(range(prefix - 1, base - 1))
-        parents = [*chain, *((base - 1) if int(p) < 0 else base + int(p) for p in req.parents)]
-    return Segment(prefix, [*tokens, *draft], parents, keep, len(tokens) - 1), base
+    parents = None if req.parents is None else [*range(prefix - 1, base - 1), *(base - 1 if p < 0 else base + p for p in req.parents.tolist())]
+    return Segment(prefix, [*tokens, *req.draft.tolist()], parents, keep, len(tokens) - 1), base
+
 
 def as_verify(resp: StageResponse, req: VerifyRequest, held_until: int) -> VerifyResponse:
-    """The last stage's answer as the verify answer a whole worker gives (its own draw in
-    ``autoregressive``, its logprobs)."""
-    model_ms = float(np.asarray(resp.stage_ms).sum()) if resp.stage_ms is not None else 0.0
-    probs = np.asarray(resp.probs)
+    """The last stage's answer as the verify answer a whole worker gives (its draw in ``autoregressive``)."""
     out = VerifyResponse(
         held=held_until + len(req.draft), probs=resp.probs, tail_mass=resp.tail_mass, ids=resp.ids, recon_error=resp.recon_error,
-        probs_dtype=resp.probs_dtype, model_ms=model_ms,
+        probs_dtype=resp.probs_dtype, model_ms=float(np.asarray(resp.stage_ms).sum()) if resp.stage_ms is not None else 0.0,
     )
-    extra: dict[str, Any] = {}
-    if req.mode == Mode.AUTOREGRESSIVE.value and req.temperature > 0:  # the worker's own draw, as a whole worker makes it
-        position = req.prefix_len + len(req.tokens)
-        u = uniform(req.seed, req.choice, position, Purpose.WORKER_SAMPLE, req.worker)
-        extra["samples"] = np.array([sample_index(torch.from_numpy(probs[0].astype(np.float64)), u)], dtype=np.int32)
-        if not req.return_probs:
-            extra.update(probs=None, tail_mass=None, recon_error=None)
-    if req.logprobs is not None:
-        extra.update(top_logprobs(probs, req.logprobs))
-    return replace(out, **extra) if extra else out
+    if req.mode != Mode.AUTOREGRESSIVE.value or req.temperature <= 0:
+        return out
+    u = uniform(req.seed, req.choice, req.prefix_len + len(req.tokens), Purpose.WORKER_SAMPLE, req.worker)  # the worker's own draw, as a whole worker makes it
+    samples = np.array([sample_index(torch.from_numpy(np.asarray(resp.probs)[0].astype(np.float64)), u)], dtype=np.int32)
+    return replace(out, samples=samples) if req.return_probs else replace(out, samples=samples, probs=None, tail_mass=None, recon_error=None)
 
 
 def unserved(req: VerifyRequest) -> str | None:
@@ -107,8 +90,8 @@ def unserved(req: VerifyRequest) -> str | None:
         return f"mode {req.mode} (use autoregressive, aggregate, tree with aggregate's payload, or pipeline)"
     if req.score_ids is not None or req.score_tokens:
         return "scoring given tokens (echo with logprobs)"
-    if req.logprobs is not None and req.k is not None:
-        return "logprobs with a top-k payload (use k: full)"
+    if req.logprobs is not None:  # only split's, exact's and echo's calls ask the workers for them
+        return "the workers' top logprobs"
     return None
 
 
@@ -118,11 +101,4 @@ def sampling(req: VerifyRequest) -> dict[str, Any]:
         "temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "k": None if full else req.k,
         "probs_dtype": req.probs_dtype, "reconstruction": req.reconstruction, "min_p": req.min_p, "transform": req.transform,
     }
-
-
-def top_logprobs(probs: np.ndarray, n: int) -> dict[str, np.ndarray]:
-    """top-n ids and log-probabilities per row of full rows (ties to the lowest id)."""
-    order = np.argsort(-probs, axis=-1, kind="stable")[:, :n]
-    values = np.take_along_axis(probs, order, axis=-1)
-    return {"top_ids": order.astype(np.int64), "top_logprobs": np.log(np.clip(values, 1e-45, None)).astype(np.float32)}
 

@@ -1,6 +1,4 @@
-"""The specgate worker as a target (protocol v1, DESIGN §4): ``/v1/info`` checked against the
-draft's tokenizer, ``/v1/verify`` with the resend on ``409 session_short``, ``DELETE`` of a
-session."""
+"""The specgate worker as a target (protocol v1, DESIGN §4): ``/v1/info``, ``/v1/verify`` with the resend on a 409."""
 
 from __future__ import annotations
 
@@ -8,31 +6,9 @@ import asyncio
 import logging
 import time
 
-import httpx
-
-from app.targets.base import (
-    Channel,
-    Expected,
-    Replica,
-    ReplicaFailure,
-    Traffic,
-    WorkerError,
-    describe,
-    error_message,
-    resend,
-    status_failure,
-)
+from app.targets.base import Channel, Expected, Replica, ReplicaFailure, Traffic, WorkerError, error_body, error_message, refused, resend, status_failure
 from core.errors import ProtocolError
-from core.protocol import (
-    BINARY_CONTENT_TYPE,
-    ErrorBody,
-    InfoResponse,
-    VerifyRequest,
-    VerifyResponse,
-    check_verify_response,
-    decode,
-    encode,
-)
+from core.protocol import BINARY_CONTENT_TYPE, InfoResponse, VerifyRequest, VerifyResponse, check_verify_response, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +26,7 @@ class SpecgateDialect:
         self.name, self.channel, self.expected = name, channel, expected
 
     async def info(self, replica: Replica) -> InfoResponse:
-        resp = await self.channel.request("GET", replica, "/v1/info")
-        if resp.status_code != 200:
-            raise status_failure(resp.status_code, resp.content, "/v1/info")
-        try:
-            info = decode(InfoResponse, resp.content, resp.headers.get("content-type"))
-        except ProtocolError as exc:
-            raise ReplicaFailure("garbage", f"/v1/info answered garbage: {exc}") from exc
+        info = await self.channel.info(replica)
         if info.tokenizer_fingerprint != self.expected.fingerprint or info.vocab_size != self.expected.vocab_size:
             raise ReplicaFailure("fingerprint", f"serves another tokenizer/vocabulary ({info.model_id}, V={info.vocab_size})")
         return info
@@ -71,18 +41,20 @@ class SpecgateDialect:
             if status == 200:
                 started = time.perf_counter()
                 try:
-                    return self._parse(answer, req)
+                    resp = decode(VerifyResponse, answer, BINARY_CONTENT_TYPE)
+                    check_verify_response(resp, req, self.expected.vocab_size)
+                    return resp
+                except ProtocolError as exc:
+                    raise ReplicaFailure("garbage", f"answered garbage: {exc}") from exc
                 finally:
                     traffic.time(gateway_codec=time.perf_counter() - started)
-            if status == 503 and _code(answer) == "worker_full":
+            error = error_body(answer)
+            if status == 503 and error is not None and error.code == "worker_full":
                 await self._wait_full(req.session_id, answer, waits)
                 continue
             if status != 409:
-                failure = status_failure(status, answer, "verify")
-                if failure.kind == "rejected":  # the request itself: every replica would refuse it
-                    raise WorkerError(self.name, str(failure))
-                raise failure
-            held = _held(answer)
+                raise refused(self.name, status_failure(status, answer, "verify"))
+            held = error.held if error is not None and isinstance(error.held, int) and error.held >= 0 else 0
             prefix = held if held < req.prefix_len else 0  # held ≥ prefix_len: the hash differed
             log.info("worker %s lost session %s (holds %d): resending from %d", self.name, req.session_id, held, prefix)
             req = resend(req, agreed, prefix)
@@ -90,9 +62,7 @@ class SpecgateDialect:
         raise ReplicaFailure("garbage", "kept answering session_short after a resend from zero")
 
     async def _wait_full(self, session_id: str, answer: bytes, waits: list[float]) -> None:
-        """A worker whose KV slots are all held by live sessions (503 ``worker_full``) is
-        healthy, only busy: wait and ask again (0.25 s, doubling to 2 s) for as long as the
-        read timeout; past that the request fails with a 503 naming the worker."""
+        """A full worker (503 ``worker_full``) is only busy: ask again until the read timeout (docs/reliability.md)."""
         limit, waited = self.channel.timeout.read or _FULL_WAIT_S, sum(waits)
         if waited >= limit:
             raise WorkerError(self.name, f"{error_message(answer)} (waited {waited:.1f} s)", 503)
@@ -101,36 +71,8 @@ class SpecgateDialect:
         await asyncio.sleep(pause)
         waits.append(pause)
 
-    def _parse(self, body: bytes, req: VerifyRequest) -> VerifyResponse:
-        try:
-            resp = decode(VerifyResponse, body, BINARY_CONTENT_TYPE)
-            check_verify_response(resp, req, self.expected.vocab_size)
-        except ProtocolError as exc:
-            raise ReplicaFailure("garbage", f"answered garbage: {exc}") from exc
-        return resp
-
     async def free(self, replica: Replica, session_id: str) -> None:
-        try:
-            await self.channel.client.delete(f"{replica.url}/v1/sessions/{session_id}", timeout=5.0)
-        except httpx.HTTPError as exc:
-            log.warning("could not free session %s on worker %s (%s): %s", session_id, self.name, replica.url, describe(exc))
+        await self.channel.free(replica, session_id)
 
     def scorable(self, sequence: list[int], draft: list[int]) -> int:
-        """A worker scores every draft token."""
-        return len(draft)
-
-
-def _code(body: bytes) -> str | None:
-    try:
-        return ErrorBody.from_json(body).code
-    except ProtocolError:
-        return None
-
-
-
-def _held(body: bytes) -> int:
-    try:
-        held = ErrorBody.from_json(body).held
-    except ProtocolError:
-        return 0
-    return held if isinstance(held, int) and held >= 0 else 0
+        return len(draft)  # a worker scores every draft token

@@ -1,17 +1,42 @@
-"""What every benchmark shares: progress on stderr, JSON on request, medians, a progress bar,
-and the chat request a cell-run times through the gateway (its usage block read back)."""
+"""What every benchmark shares: the servers and the emulated links, the cell runner (cells
+alternating within each run), medians, a progress bar, and the tail (table, JSON, plots)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from clients.procs import GatewayProcess, WorkerProcess
+from core.config import LinkConfig, SpecgateConfig, builtin_config, dump_config
+from core.cores import usable_cores
+
+Samples = dict[str, list[dict[str, float]]]  # cell name -> its figures, one dict per run
+LINKS: list[tuple[str, LinkConfig]] = [
+    ("0 ms", LinkConfig()),
+    ("20 ms / 100 Mbps", LinkConfig(rtt_ms=20, up_mbps=100, down_mbps=100)),
+    ("50 ms / 10 Mbps", LinkConfig(rtt_ms=50, up_mbps=10, down_mbps=10)),
+    ("100 ms / 10 Mbps", LinkConfig(rtt_ms=100, up_mbps=10, down_mbps=10)),
+]
+# bench: (module, dtype, repeats, what a repeat times, its own flags: flag -> (default, help))
+DEVICE_BENCHES: dict[str, tuple[str, str, int, str, dict[str, tuple[Any, str]]]] = {
+    "tree-device": ("clients.bench.round_cost", "float32", 30, "rounds", {
+        "--budgets": ([1, 4, 8, 14, 32], "verified nodes per round"), "--prefix": (128, "agreed tokens before each round (default: 128)"),
+    }),
+    "step-device": ("clients.bench.step_cost", "bfloat16", 20, "steps", {
+        "--batches": ([1, 4, 8, 16], "sessions per step"), "--positions": ([1, 5, 17], "positions per session (new token + draft)"),
+    }),
+}
 
 
 def progress(message: str) -> None:
@@ -25,14 +50,41 @@ def write_json(path: str | None, results: dict[str, Any]) -> None:
         progress(f"wrote {path}")
 
 
-def device_parser(prog: str, description: str, dtype: str, repeats: int, unit: str) -> argparse.ArgumentParser:
-    """The flags the device benches share (``bench tree-device``, ``step-device``)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+def finish(results: dict[str, Any], args: argparse.Namespace, printer: Callable[[dict[str, Any]], None],
+           plot: Callable[[dict[str, Any], Path], list[Path]] | None = None) -> int:
+    """A bench's tail: its table, its JSON (``--json``), its plots (``--plots``); exit status 0."""
+    printer(results)
+    write_json(args.json_path, results)
+    if plot is not None and args.plots:
+        for path in plot(results, Path(args.plots)):
+            progress(f"wrote {path}")
+    return 0
+
+
+def setup(plan: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A plan as the JSON's ``setup``: its links by name."""
+    return {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]]} | extra
+
+
+def device_args(parser: argparse.ArgumentParser, bench: str) -> argparse.ArgumentParser:
+    """The flags of a device bench, alike on ``specgate bench BENCH`` and ``python -m MODULE``."""
+    _, dtype, repeats, unit, own = DEVICE_BENCHES[bench]
     parser.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (default: cuda if present)")
     parser.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16", "float16"], help=f"model dtype (default: {dtype})")
     parser.add_argument("--repeats", type=int, default=repeats, help=f"timed {unit} per cell (default: {repeats})")
+    for flag, (default, text) in own.items():
+        parser.add_argument(flag, nargs="+" if isinstance(default, list) else None, type=int, default=default, help=text)
     return parser
+
+
+def device_argv(args: argparse.Namespace, bench: str) -> list[str]:
+    """``args`` back as the device bench module's command line."""
+    argv = []
+    for flag in ("--device", "--dtype", "--repeats", *DEVICE_BENCHES[bench][4]):
+        value = getattr(args, flag[2:])
+        argv += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
+    return argv + (["--json", args.json_path] if args.json_path else [])
 
 
 def median(values: list[float]) -> float:
@@ -58,9 +110,47 @@ class Bar:
         progress(f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} ~{left:.0f}s left  {note}")
 
 
+def run_cells(specs: list[tuple[str, dict[str, Any]]], runs: int, bar: Bar, label: str, one: Callable[[int, dict[str, Any]], dict[str, float]],
+              note: str = "{tokens_per_s:.1f} tok/s") -> Samples:
+    """``one(run, spec)`` for every cell, the cells alternating within each run (the host's drift hits them alike)."""
+    samples: Samples = {name: [] for name, _ in specs}
+    for run in range(runs):
+        for name, spec in specs:
+            samples[name].append(one(run, spec))
+            bar.step(f"{label} {name}: " + note.format(**samples[name][-1]))
+    return samples
+
+
+def start_workers(stack: ExitStack) -> list[str]:
+    """The built-in default's two workers (builtin, builtin-alt), the cores split between them."""
+    config = builtin_config().with_local_urls().with_split_cores(usable_cores())
+    progress("starting two workers (builtin, builtin-alt) on 127.0.0.1")
+    urls = []
+    for entry in config.workers:
+        assert entry.model is not None
+        urls.append(stack.enter_context(WorkerProcess(entry.model, entry.backend.value, threads=entry.threads)))
+    return urls
+
+
+def start_gateway(stack: ExitStack, config: SpecgateConfig, cwd: str | None = None) -> str:
+    """A gateway process for ``config`` (written to a temporary file); its URL."""
+    path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specgate-bench-"))) / "config.yaml"
+    path.write_text(dump_config(config))
+    return stack.enter_context(GatewayProcess(str(path), cwd=cwd))
+
+
+@contextlib.contextmanager
+def gateway_client(urls: list[str], link: LinkConfig, gamma: int) -> Iterator[httpx.Client]:
+    """The built-in gateway over ``urls``, each worker entry carrying ``link``, and a client of it."""
+    base = builtin_config().with_split_cores(usable_cores())
+    data = base.model_dump(mode="json", exclude_none=True) | {"workers": [{"url": url, "weight": 1.0, "link": link.model_dump()} for url in urls]}
+    data["speculative"] = {"mode": "aggregate", "num_draft_tokens": gamma}  # cells pick their mode; exact truncates to top-32
+    with ExitStack() as stack:
+        yield stack.enter_context(httpx.Client(base_url=start_gateway(stack, type(base)(**data)), timeout=900))
+
+
 def measure(client: httpx.Client, prompts: list[str], max_tokens: int, temperature: float, spec: dict[str, Any], seed: int | None) -> dict[str, float]:
-    """One cell-run: the prompts in turn through the gateway; its totals and per-round figures
-    from the usage blocks (the DSD fields where the request used them)."""
+    """One cell-run: the prompts in turn through the gateway; its totals and per-round figures from the usage blocks."""
     totals: dict[str, float] = {}
     gammas = []
     for prompt in prompts:
@@ -80,8 +170,7 @@ def measure(client: httpx.Client, prompts: list[str], max_tokens: int, temperatu
         "tokens": totals["tokens"], "seconds": totals["seconds"], "rounds": totals["rounds"], "drafted": totals["drafted"],
         "mean_accepted_length": totals["tokens"] / rounds,
         "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else float("nan"),
-        "bytes_up_per_round": totals["sent"] / rounds,
-        "bytes_down_per_round": totals["received"] / rounds,
+        "bytes_up_per_round": totals["sent"] / rounds, "bytes_down_per_round": totals["received"] / rounds,
         "draft_ms_per_token": totals["draft_ms"] / totals["drafted"] if totals["drafted"] else 0.0,
         "verify_model_ms_per_round": totals["model_ms"] / rounds,
         "target_ms_per_token": totals["busy_ms"] / totals["tokens"] if totals["tokens"] else 0.0,
@@ -93,12 +182,12 @@ def measure(client: httpx.Client, prompts: list[str], max_tokens: int, temperatu
     return cell
 
 
-def request(client: httpx.Client, prompt: str, max_tokens: int, temperature: float, spec: dict[str, Any], seed: int | None) -> tuple[float, dict[str, Any]]:
-    """One chat completion (no seed when ``seed`` is None); its seconds and usage block."""
-    body: dict[str, Any] = {
-        "model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "temperature": temperature, "speculative": spec,
-    }
+def request(
+    client: httpx.Client, prompt: str | list[dict[str, str]], max_tokens: int, temperature: float, spec: dict[str, Any], seed: int | None,
+) -> tuple[float, dict[str, Any]]:
+    """One chat completion of a prompt (or messages), no seed when ``seed`` is None; its seconds and usage block."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    body: dict[str, Any] = {"model": "specgate", "messages": messages, "max_tokens": max_tokens, "temperature": temperature, "speculative": spec}
     if seed is not None:
         body["seed"] = seed
     started = time.perf_counter()

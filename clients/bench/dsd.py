@@ -1,45 +1,19 @@
-"""``specgate bench dsd``: DSD's overlapped drafting and adaptive γ (issue 8, DESIGN §3.8)
-against fixed draft lengths, per emulated link.
-
-The same real workers as ``specgate bench`` (builtin, builtin-alt); for each (worker count,
-link) a gateway whose worker entries carry that link. Per link the cells are
-``autoregressive``, the built-in mode (``exact``, draft top-32) at γ ∈ {2, 4, 6, 8} with
-overlap off and on, and ``num_draft_tokens: auto`` with overlap off and on. Within a run the
-cells alternate and share their prompts (run r starts at prompt r of the fixed set);
-figures are medians over runs. Fixed-γ cells are seeded (seed = run), so a
-cell with overlap emits exactly the tokens of the same cell without it and their ratio is a
-paired comparison. ``auto`` is off for seeded requests (the output depends on γ), so its
-cells send no seed.
-
-Each cell's bound comes from its own figures, as in ``specgate bench``, with DSD's overlap:
-a round whose draft was prepared during the previous round's flight drafted it for free up
-to that flight, and a prepared draft counts only when it was used (its assumption held):
-
-    flight = RTT + bytes_up·8/BW_up + bytes_down·8/BW_down + t_v        per round
-    seconds = R·flight + (D − U·γ)·t_d + U·max(0, (γ + 1)·t_d − flight)
-    bound = tokens / seconds
-
-with R rounds, D draft tokens, U rounds that used a prepared draft, γ the cell's (for
-``auto`` its mean), t_v the workers' model time per round, and t_d the draft's time per token
-measured without overlap (the cell's own, or for an overlap cell the same γ's cell without
-it), since the time a round waits for a prepared draft is not drafting time. The physical
-bound is the same formula with llama.cpp's floors, measured in the same run, for t_d and t_v
-(``clients.bench.floors``; ``specgate bench`` says more).
-"""
+"""``specgate bench dsd``: DSD's overlapped drafting and adaptive γ (DESIGN §3.8) against fixed
+draft lengths per emulated link, each cell beside its bound and physical bound with the overlap
+counted where it happened; the cells, the pairing and the formula are in docs/performance.md ("DSD")."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from clients.bench.common import Bar, measure, progress, request, write_json
+from clients.bench.common import LINKS, Bar, Samples, finish, gateway_client, measure, request, run_cells, setup, start_workers
 from clients.bench.floors import Floors, bound_tokens_per_s, measure_floors, physical_bound
-from clients.bench.modes import LINKS, _start_gateway, _start_workers
+from clients.bench.plots import plot_dsd
 from clients.prompts import PROMPTS as ALL_PROMPTS
 from core.config import LinkConfig
 from core.cores import usable_cores
@@ -65,51 +39,33 @@ def bench_dsd(args: argparse.Namespace) -> int:
     bar = Bar(len(groups) * len(specs) * plan["runs"])
     rows: list[dict[str, Any]] = []
     with ExitStack() as stack:
-        urls = _start_workers(stack)
-        threads = max(1, usable_cores() // 2)
-        progress(f"measuring llama.cpp's floors ({threads} thread(s)): a draft step, scoring 1–{max(GAMMAS) + 1} positions")
-        floors = measure_floors(threads, list(range(1, max(GAMMAS) + 2)), ALL_PROMPTS[0])
+        urls = start_workers(stack)
+        floors = measure_floors(list(range(1, max(GAMMAS) + 2)), ALL_PROMPTS[0], f"1–{max(GAMMAS) + 1}")
         for num_workers, (link_name, link) in groups:
-            with ExitStack() as gateway_stack:
-                base = _start_gateway(gateway_stack, urls[:num_workers], link, 4)
-                with httpx.Client(base_url=base, timeout=900) as client:
-                    samples = _run_cells(client, specs, plan, bar, f"N={num_workers} {link_name}")
-                rows += summarise(samples, num_workers, link_name, link, floors)
+            with gateway_client(urls[:num_workers], link, 4) as client:
+                request(client, plan["prompts"][0], 4, plan["temperature"], specs[1][1], seed=0)  # warm-up
+                samples = run_cells(specs, plan["runs"], bar, f"N={num_workers} {link_name}", lambda run, spec: _measure(client, plan, run, spec))
+            rows += summarise(samples, num_workers, link_name, link, floors)
     results = {
-        "setup": {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]], "cpu_count": usable_cores(), "mode": "exact, draft top-32", "temperature": plan["temperature"]},
-        "floors": floors.as_dict(),
-        "cells": rows,
-        "auto_vs_best_fixed": auto_verdict(rows),
+        "setup": setup(plan, cpu_count=usable_cores(), mode="exact, draft top-32"), "floors": floors.as_dict(),
+        "cells": rows, "auto_vs_best_fixed": auto_verdict(rows),
     }
-    _print(results)
-    write_json(args.json_path, results)
-    if args.plots:
-        from clients.bench.plots import plot_dsd
-
-        for path in plot_dsd(results, Path(args.plots)):
-            progress(f"wrote {path}")
-    return 0
+    return finish(results, args, _print, plot_dsd)
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
-    if args.quick:
-        return {"runs": 1, "prompts": ALL_PROMPTS, "prompts_per_cell": 1, "max_tokens": 16, "temperature": args.temperature, "links": [LINKS[2]], "builtin_pair": False}
+    quick = args.quick  # one run, one prompt, the 50 ms link only
     return {
-        "runs": max(3, args.runs), "prompts": ALL_PROMPTS, "prompts_per_cell": args.prompts, "max_tokens": args.max_tokens,
-        "temperature": args.temperature, "links": LINKS, "builtin_pair": True,
+        "runs": 1 if quick else max(3, args.runs), "prompts": ALL_PROMPTS, "prompts_per_cell": 1 if quick else args.prompts,
+        "max_tokens": 16 if quick else args.max_tokens, "temperature": args.temperature, "links": [LINKS[2]] if quick else LINKS, "builtin_pair": not quick,
     }
 
 
-def _run_cells(client: httpx.Client, specs: list[tuple[str, dict[str, Any]]], plan: dict[str, Any], bar: Bar, label: str) -> dict[str, list[dict[str, float]]]:
-    samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in specs}
-    request(client, plan["prompts"][0], 4, plan["temperature"], specs[1][1], seed=0)  # warm-up
-    for run in range(plan["runs"]):
-        for name, spec in specs:
-            seed = None if spec.get("num_draft_tokens") == "auto" else run
-            prompts = [plan["prompts"][(run + i) % len(plan["prompts"])] for i in range(plan["prompts_per_cell"])]
-            samples[name].append(measure(client, prompts, plan["max_tokens"], plan["temperature"], spec, seed))
-            bar.step(f"{label} {name}: {samples[name][-1]['tokens_per_s']:.1f} tok/s")
-    return samples
+def _measure(client: httpx.Client, plan: dict[str, Any], run: int, spec: dict[str, Any]) -> dict[str, float]:
+    """Run r starts at prompt r; ``auto`` sends no seed (it is off for seeded requests)."""
+    seed = None if spec.get("num_draft_tokens") == "auto" else run
+    prompts = [plan["prompts"][(run + i) % len(plan["prompts"])] for i in range(plan["prompts_per_cell"])]
+    return measure(client, prompts, plan["max_tokens"], plan["temperature"], spec, seed)
 
 
 def cell_gamma(name: str, run: dict[str, float]) -> float:
@@ -121,16 +77,14 @@ def cell_gamma(name: str, run: dict[str, float]) -> float:
     return float(name.split()[0].removeprefix("γ="))
 
 
-def summarise(samples: dict[str, list[dict[str, float]]], num_workers: int, link_name: str, link: LinkConfig, floors: Floors) -> list[dict[str, Any]]:
+def summarise(samples: Samples, num_workers: int, link_name: str, link: LinkConfig, floors: Floors) -> list[dict[str, Any]]:
     """Medians per cell, the paired ratios, and each run's bound and physical bound (medians reported)."""
     baseline = samples["autoregressive"]
     rows = []
     for name, runs in samples.items():
         plain = samples[name.removesuffix(" overlap")]
         medians = {key: statistics.median(r[key] for r in runs if key in r) for key in runs[0]}
-        bounds = [
-            bound_tokens_per_s(r, cell_gamma(name, r), p["draft_ms_per_token"] / 1e3, link, num_workers) for r, p in zip(runs, plain)
-        ]
+        bounds = [bound_tokens_per_s(r, cell_gamma(name, r), p["draft_ms_per_token"] / 1e3, link, num_workers) for r, p in zip(runs, plain)]
         ar_bounds = [bound_tokens_per_s(b, 0.0, 0.0, link, num_workers) for b in baseline]
         physical = [physical_bound(r, cell_gamma(name, r), link, num_workers, floors) for r in runs]
         ar_physical = [physical_bound(b, 0.0, link, num_workers, floors) for b in baseline]

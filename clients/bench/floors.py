@@ -1,15 +1,6 @@
-"""What a round would cost with nothing of ours in it: the floors ``specgate bench overhead``
-(and the physical-bound column of ``specgate bench`` / ``bench dsd``) set beside our parts.
-
-    draft floor    llama.cpp's own decode of one token + its own top-k sampler (top-k, temperature,
-                   dist), on the draft's GGUF with the draft's threads
-    worker floor   llama.cpp's own decode of m tokens with logits at each (a verify call's
-                   positions), on the target's GGUF with the worker's threads
-    HTTP floor     a bare uvicorn app ↔ httpx on loopback, the same bytes each way
-
-Each runs in this process (the servers of the bench sit idle meanwhile); the contexts are made
-as the runner makes them (flash attention on, decodes ≤ 32 tokens) so only our code differs.
-"""
+"""What a round would cost with nothing of ours in it: llama.cpp's draft step and scoring, a bare HTTP round
+trip (docs/performance.md, "Where a round's time goes"); each in this process, its llama.cpp context made as
+the runner makes it, so only our code differs."""
 
 from __future__ import annotations
 
@@ -18,31 +9,30 @@ import ctypes
 import sys
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import numpy as np
 
-from clients.bench.common import median
+from clients.bench.common import median, progress
 from clients.procs import ServerProcess, free_port
 from core.config import LinkConfig
+from core.cores import usable_cores
 from core.math.draft_length import RoundCosts
 from core.runners.llama_cpp_tools import quiet_llama_cpp
 from core.runners.model_thread import CallingThread
 from core.runners.models import resolve_model
-
-T = TypeVar("T")
 
 _CONTEXT = 1024
 _DECODE_TOKENS = 32  # as the runner: never a decode of 64 or more
 
 
 class LlamaFloor:
-    """One GGUF in a bare llama.cpp context (the runner's parameters) and a prompt prefilled;
-    ``draft_step_ms`` and ``scoring_ms`` time llama.cpp's own calls after it.
+    """One GGUF in a bare llama.cpp context (the runner's parameters), a prompt prefilled.
 
-    Usage: ``with LlamaFloor("builtin-draft", threads=2, prompt=ids) as f: f.draft_step_ms(32)``
+    Usage: ``with closing(LlamaFloor("builtin-draft", threads=2, prompt=ids)) as f: f.draft_step_ms(32)``
     """
 
     def __init__(self, model: str, threads: int, prompt: list[int]) -> None:
@@ -71,15 +61,8 @@ class LlamaFloor:
             self._decode(self.prompt[begin:begin + _DECODE_TOKENS], begin, logits=False)
         self.prefill_ms = (time.perf_counter() - started) * 1e3  # the prompt, as a target alone would prefill it
 
-    def __enter__(self) -> LlamaFloor:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def draft_step_ms(self, top_k: int, steps: int = 8, repeats: int = 3) -> list[float]:
-        """Per step: a decode of one token with its logits, then llama.cpp's sampler chain
-        (top-k → temperature 1 → dist) picks the next token."""
+        """Per step: a decode of one token, then llama.cpp's sampler chain (top-k → temperature 1 → dist)."""
         api = self.api
         chain = api.llama_sampler_chain_init(api.llama_sampler_chain_default_params())
         for sampler in (api.llama_sampler_init_top_k(top_k), api.llama_sampler_init_temp(1.0), api.llama_sampler_init_dist(0)):
@@ -101,8 +84,7 @@ class LlamaFloor:
         return times
 
     def scoring_ms(self, positions: int, repeats: int = 5) -> list[float]:
-        """A decode of ``positions`` tokens after the prompt with logits at every one (what a
-        verify call of γ+1 positions asks of the model), the logits read in place."""
+        """A decode of ``positions`` tokens after the prompt with logits at every one, read in place (a verify call's)."""
         tokens = (self.prompt * (positions // len(self.prompt) + 1))[:positions]
         times = []
         for _ in range(repeats):
@@ -139,13 +121,10 @@ class LlamaFloor:
 
 
 class DraftAlone:
-    """Our own draft — ``app.drafting.DraftModel``: the runner and our sampling — in this process,
-    alone on the cores (the bench's servers sit idle meanwhile): a draft step without the
-    worker's process beside it, to set against the step inside the gateway and against
-    llama.cpp's floor. Its runner is called on the calling thread, the floors' thread: one
-    OpenMP team for every llama.cpp call of the process (``core.runners.model_thread``).
+    """Our own ``DraftModel`` alone in this process, the servers idle; called on the calling thread
+    (the floors'): one OpenMP team for every llama.cpp call of the process.
 
-    Usage: ``with DraftAlone(threads=2, prompt=ids) as d: d.step_ms(temperature=1.0, top_k=32)``
+    Usage: ``with closing(DraftAlone(threads=2, prompt=ids)) as d: d.step_ms(temperature=1.0, top_k=32)``
     """
 
     def __init__(self, threads: int, prompt: list[int]) -> None:
@@ -155,15 +134,11 @@ class DraftAlone:
         self.prompt = list(prompt)
         self.draft = DraftModel(load_runner("builtin-draft", threads=threads), CallingThread())
 
-    def __enter__(self) -> DraftAlone:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         self.draft.runner.close()
 
     def step_ms(self, temperature: float, top_k: int = 0, gamma: int = 8, repeats: int = 3) -> list[float]:
-        """ms per drafted token of ``repeats`` drafts of ``gamma`` after the prompt (its prefill
-        done first, then each draft re-feeds the prompt's last token, as a round's catch-up does)."""
+        """ms per drafted token of ``repeats`` drafts of ``gamma`` after the prompt (prefilled first)."""
         from app.drafting import DraftRequest
         from core.math.sampling import SamplingParams
 
@@ -182,20 +157,8 @@ class DraftAlone:
         return asyncio.run(drafts())
 
 
-# --------------------------------------------------------------------------- HTTP
-
-
 async def bare_app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-    """An ASGI app that reads the body and answers ``x-answer-bytes`` zero bytes: HTTP and
-    nothing else (no framework, no middleware)."""
-    if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+    """An ASGI app that reads the body and answers ``x-answer-bytes`` zero bytes: HTTP and nothing else (no lifespan)."""
     more = True
     while more:
         message = await receive()
@@ -209,13 +172,12 @@ async def bare_app(scope: dict[str, Any], receive: Callable[..., Any], send: Cal
 def BareServer() -> ServerProcess:
     """``bare_app`` under uvicorn (its defaults, as the worker's) on 127.0.0.1."""
     port = free_port()
-    command = [sys.executable, "-m", "uvicorn", "clients.bench.floors:bare_app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    command = [sys.executable, "-m", "uvicorn", "clients.bench.floors:bare_app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--lifespan", "off"]
     return ServerProcess(command, port, "/health", timeout_s=60)
 
 
 def http_round_trip_ms(url: str, up_bytes: int, down_bytes: int, repeats: int = 20) -> list[float]:
-    """POSTs of ``up_bytes`` answered with ``down_bytes``, through one httpx.AsyncClient (as
-    the gateway's: keep-alive, no retries)."""
+    """POSTs of ``up_bytes`` answered with ``down_bytes``, through one httpx.AsyncClient (keep-alive, no retries)."""
 
     async def run() -> list[float]:
         body, headers = bytes(up_bytes), {"x-answer-bytes": str(down_bytes), "content-type": "application/octet-stream"}
@@ -230,9 +192,6 @@ def http_round_trip_ms(url: str, up_bytes: int, down_bytes: int, repeats: int = 
         return times
 
     return asyncio.run(run())
-
-
-# --------------------------------------------------------------------------- the physical bound
 
 
 @dataclass(frozen=True)
@@ -259,10 +218,8 @@ class Floors:
 
 
 def bound_tokens_per_s(run: dict[str, float], gamma: float, draft_s: float, link: LinkConfig, num_workers: int) -> float:
-    """A run's tokens over what its rounds would take at these costs: ``core.math.draft_length``'s
-    round (overlapped at the run's share of prepared drafts used) × its rounds, plus the drafting
-    its rounds did beyond γ each — R·T(γ) + (D − R·γ)·t_d, with the run's own bytes (the workers'
-    links in parallel) and model time."""
+    """A run's tokens over R·T(γ) + (D − R·γ)·t_d: ``core.math.draft_length``'s round (overlapped at the
+    run's share of prepared drafts used), with the run's own bytes (links in parallel) and model time."""
     rounds = max(run["rounds"], 1.0)
     costs = RoundCosts(
         alphas=(), draft_s=draft_s, verify_s=(run["verify_model_ms_per_round"] / 1e3, 0.0), rtt_s=link.rtt_ms / 1e3,
@@ -279,19 +236,24 @@ def physical_bound(run: dict[str, float], gamma: float, link: LinkConfig, num_wo
     return bound_tokens_per_s(floored, gamma, floors.draft_step_s, link, num_workers)
 
 
-def measure_floors(threads: int, positions: list[int], prompt: str) -> Floors:
-    """The draft's and the worker's floors with ``threads`` threads (what the bench gives the
-    draft and each worker), after the chat prompt ``prompt``: medians of a few repeats. The
-    target's direct step is its decode + llama.cpp's sampler over the whole vocabulary (top-k 0
-    is off), after its prefill of the prompt (timed once)."""
-    from core.runners.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(resolve_model("builtin"))
-    ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
-    with LlamaFloor("builtin-draft", threads, ids) as draft:
+def measure_floors(positions: list[int], prompt: str, scored: str) -> Floors:
+    """The floors with the threads each process of a two-worker bench gets, after the chat prompt ``prompt``
+    (medians); the target's direct step samples from the whole vocabulary (top-k 0 is off)."""
+    threads = max(1, usable_cores() // 2)
+    progress(f"measuring llama.cpp's floors ({threads} thread(s)): a draft step, scoring {scored} positions")
+    ids = chat_ids(prompt)
+    with closing(LlamaFloor("builtin-draft", threads, ids)) as draft:
         step = median(draft.draft_step_ms(32)) / 1e3
-    with LlamaFloor("builtin", threads, ids) as target:
+    with closing(LlamaFloor("builtin", threads, ids)) as target:
         scoring = {m: median(target.scoring_ms(m)) / 1e3 for m in sorted(set(positions))}
         direct = median(target.draft_step_ms(0)) / 1e3
         prefill = target.prefill_ms / 1e3
     return Floors(threads, step, scoring, direct, prefill)
+
+
+def chat_ids(prompt: str, tokenizer: Any = None) -> list[int]:
+    """The chat prompt's token ids under ``tokenizer``'s template (default: the built-in target's)."""
+    from core.runners.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model("builtin")) if tokenizer is None else tokenizer
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))

@@ -1,11 +1,6 @@
-"""``specgate bench grammar``: the grammar engines on the built-in vocabulary (49,152 tokens).
-
-For each engine installed — llguidance (ours, a dependency) and xgrammar (``pip install
-xgrammar`` to compare; not a dependency) — and each grammar (a JSON schema of 6 fields, the
-generic tool format of two tools, a regex): the tokenizer set-up once, the compile (cold, then
-cached by content where the engine caches), the mask of one row along a real answer (median
-and worst), accepting a token, rolling back 2 and forking a matcher. Medians of ``--repeats``.
-"""
+"""``specgate bench grammar``: the grammar engines installed (llguidance, ours; xgrammar where
+``pip install xgrammar`` put it) on the built-in vocabulary, per grammar: the tokenizer set-up,
+compile (cold, cached), a row's mask along a real answer (median, worst), accept, rollback 2, fork."""
 
 from __future__ import annotations
 
@@ -64,7 +59,7 @@ def bench_grammar(args: argparse.Namespace) -> int:
     return 0
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     started = time.perf_counter()
     out = fn()
     return (time.perf_counter() - started) * 1e3, out
@@ -73,67 +68,68 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 def _llguidance(tokenizer: Any, repeats: int) -> dict[str, Any]:
     from core.grammar import GrammarKind, Grammars, GrammarSpec
 
-    setup_ms, grammars = _timed(lambda: Grammars(tokenizer, V, [EOS]))
+    setup_ms, grammars = timed(lambda: Grammars(tokenizer, V, [EOS]))
     out: dict[str, Any] = {"tokenizer_setup_ms": setup_ms, "grammars": {}}
     for name, (kind, source, answer) in GRAMMARS.items():
         spec = GrammarSpec(GrammarKind(kind), source)
         cold = []
         for _ in range(repeats):
             grammars._cache.clear()  # cold: compiled again
-            cold.append(_timed(lambda: grammars.compile(spec))[0])
-        cached = [_timed(lambda: grammars.compile(spec))[0] for _ in range(repeats)]
-        tokens = tokenizer.encode(answer)
-        masks, accepts, rollbacks, forks = [], [], [], []
-        for _ in range(repeats):
+            cold.append(timed(lambda: grammars.compile(spec))[0])
+        cached = [timed(lambda: grammars.compile(spec))[0] for _ in range(repeats)]
+
+        def start(spec: Any = spec) -> tuple[Callable[..., Any], ...]:
             matcher = grammars.compile(spec).matcher()
-            for token in tokens:
-                masks.append(_timed(matcher.allowed)[0])
-                accepts.append(_timed(lambda: matcher.consume(token))[0])
-            rollbacks.append(_timed(lambda: matcher.rollback(min(2, len(tokens))))[0])
-            forks.append(_timed(lambda: grammars.compile(spec).matcher())[0])
-        out["grammars"][name] = _row(cold, cached, masks, accepts, rollbacks, forks, len(tokens))
+            return matcher.allowed, matcher.consume, matcher.rollback, lambda: grammars.compile(spec).matcher()
+
+        out["grammars"][name] = _row(cold, cached, tokenizer.encode(answer), repeats, start)
     return out
 
 
 def _xgrammar(tokenizer: Any, repeats: int) -> dict[str, Any]:
     import xgrammar as xgr
 
-    setup_ms, info = _timed(lambda: xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=V))
+    setup_ms, info = timed(lambda: xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=V))
     out: dict[str, Any] = {"tokenizer_setup_ms": setup_ms, "grammars": {}}
+    bitmask, shifts = xgr.allocate_token_bitmask(1, V), torch.arange(32, dtype=torch.int32)
     for name, (kind, source, answer) in GRAMMARS.items():
         def compile_with(compiler: Any, kind: str = kind, source: str = source) -> Any:
             return compiler.compile_json_schema(source, any_whitespace=False) if kind == "json_schema" else compiler.compile_regex(source)
 
-        cold = [_timed(lambda: compile_with(xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)))[0] for _ in range(repeats)]
+        cold = [timed(lambda: compile_with(xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)))[0] for _ in range(repeats)]
         cached_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         compile_with(cached_compiler)
-        cached = [_timed(lambda: compile_with(cached_compiler))[0] for _ in range(repeats)]
+        cached = [timed(lambda: compile_with(cached_compiler))[0] for _ in range(repeats)]
         compiled = compile_with(cached_compiler)
-        bitmask = xgr.allocate_token_bitmask(1, V)
-        shifts = torch.arange(32, dtype=torch.int32)
-        tokens = tokenizer.encode(answer)
-        masks, accepts, rollbacks, forks = [], [], [], []
-        for _ in range(repeats):
+
+        def start(compiled: Any = compiled) -> tuple[Callable[..., Any], ...]:
             matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=64)
 
             def mask() -> torch.Tensor:  # the same [V] bool our Matcher.allowed returns
                 matcher.fill_next_token_bitmask(bitmask)
                 return ((bitmask[0, :, None] >> shifts) & 1).bool().flatten()[:V]
 
-            for token in tokens:
-                masks.append(_timed(mask)[0])
-                accepts.append(_timed(lambda: matcher.accept_token(token))[0])
-            rollbacks.append(_timed(lambda: matcher.rollback(min(2, len(tokens))))[0])
-            forks.append(_timed(matcher.fork)[0])
-        out["grammars"][name] = _row(cold, cached, masks, accepts, rollbacks, forks, len(tokens))
+            return mask, matcher.accept_token, matcher.rollback, matcher.fork
+
+        out["grammars"][name] = _row(cold, cached, tokenizer.encode(answer), repeats, start)
     return out
 
 
-def _row(cold: list[float], cached: list[float], masks: list[float], accepts: list[float], rollbacks: list[float], forks: list[float], tokens: int) -> dict[str, Any]:
+def _row(cold: list[float], cached: list[float], tokens: list[int], repeats: int, start: Callable[[], tuple[Callable[..., Any], ...]]) -> dict[str, Any]:
+    """The compiles' medians; per repeat a fresh matcher (``start``: its mask, accept, rollback, fork) along
+    the answer: each token's mask and accept, then a rollback of 2 and a fork."""
+    masks, accepts, rollbacks, forks = [], [], [], []
+    for _ in range(repeats):
+        mask, accept, rollback, fork = start()
+        for token in tokens:
+            masks.append(timed(mask)[0])
+            accepts.append(timed(lambda: accept(token))[0])
+        rollbacks.append(timed(lambda: rollback(min(2, len(tokens))))[0])
+        forks.append(timed(fork)[0])
     return {
         "compile_cold_ms": statistics.median(cold), "compile_cached_ms": statistics.median(cached),
         "mask_ms_median": statistics.median(masks), "mask_ms_max": max(masks), "accept_ms": statistics.median(accepts),
-        "rollback_2_ms": statistics.median(rollbacks), "fork_ms": statistics.median(forks), "answer_tokens": tokens,
+        "rollback_2_ms": statistics.median(rollbacks), "fork_ms": statistics.median(forks), "answer_tokens": len(tokens),
     }
 
 

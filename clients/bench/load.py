@@ -1,10 +1,6 @@
-"""``specgate bench load``: many concurrent streaming clients against ``specgate serve`` for a
-fixed time, at one or several concurrency levels in turn (``--concurrency 1,4,8,16``: one
-server, each level after the other). Prints and writes, per level: requests done, errors (by
-message), 429s (each retried after its Retry-After), aggregate tokens/s, p50 / p99 time to
-first token, inter-token latency (the gaps between a stream's content events) and end-to-end
-latency, and the RSS of the gateway and of each worker at the start (after a warm-up burst)
-and at the end; with several levels, each level's tokens/s over the first level's."""
+"""``specgate bench load``: concurrent streaming clients against ``specgate serve`` for a fixed time, at
+one or several concurrency levels in turn (one server): errors, 429s (retried after Retry-After), tokens/s,
+TTFT, inter-token and end-to-end latency percentiles, mean batches, cores busy, RSS at the start and end."""
 
 from __future__ import annotations
 
@@ -17,14 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import orjson
 import psutil
 
 from clients.bench.common import progress, write_json
+from clients.chat import parse_data_line
 from clients.procs import free_port, serve_process
-from clients.prompts import PROMPTS as ALL_PROMPTS
-
-PROMPTS = ALL_PROMPTS
+from clients.prompts import PROMPTS
 
 
 @dataclass
@@ -43,21 +37,21 @@ def concurrency_levels(text: str) -> list[int]:
     try:
         levels = [int(part) for part in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--concurrency takes positive integers separated by commas, not {text!r}") from None
+        levels = []
     if not levels or min(levels) < 1:
         raise argparse.ArgumentTypeError(f"--concurrency takes positive integers separated by commas, not {text!r}")
     return levels
 
 
 def bench_load(args: argparse.Namespace) -> int:
-    levels = args.concurrency if isinstance(args.concurrency, list) else [args.concurrency]
     port = args.port or free_port()
     progress(f"bench load: starting specgate serve on port {port}")
     runs = []
-    with serve_process(args.config, port, args.startup_timeout) as base:
-        serve_pid = _serve_pid(port)
-        for concurrency in levels:
-            runs.append(asyncio.run(_run(base, serve_pid, concurrency, args)))
+    server = serve_process(args.config, port, args.startup_timeout)
+    with server as base:
+        assert server.proc is not None
+        for concurrency in args.concurrency:  # a list: ``concurrency_levels``
+            runs.append(asyncio.run(_run(base, server.proc.pid, concurrency, args)))
             _print(runs[-1])
     if len(runs) > 1:
         for run in runs:
@@ -65,15 +59,6 @@ def bench_load(args: argparse.Namespace) -> int:
         _print_levels(runs)
     write_json(args.json_path, {"levels": runs} if len(runs) > 1 else runs[0])
     return 0 if not any(run["errors"] for run in runs) else 1
-
-
-def _serve_pid(port: int) -> int:
-    """The ``specgate serve`` process started for ``port`` (the parent of gateway and workers)."""
-    for proc in psutil.process_iter(["cmdline"]):
-        cmdline = proc.info["cmdline"] or []
-        if "serve" in cmdline and "--port" in cmdline and cmdline[cmdline.index("--port") + 1] == str(port):
-            return int(proc.pid)
-    raise RuntimeError(f"no specgate serve process for port {port}")
 
 
 def _processes(serve_pid: int) -> dict[str, psutil.Process]:
@@ -90,13 +75,9 @@ def _processes(serve_pid: int) -> dict[str, psutil.Process]:
     return found
 
 
-def _cpu_s(processes: dict[str, psutil.Process]) -> dict[str, float]:
-    """CPU seconds (user + system) each process has used so far."""
-    return {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
-
-
-def _rss_mb(processes: dict[str, psutil.Process]) -> dict[str, float]:
-    return {name: round(p.memory_info().rss / 2**20, 1) for name, p in processes.items()}
+def _rss_mb_and_cpu_s(processes: dict[str, psutil.Process]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per process: its RSS in MB, and the CPU seconds (user + system) it has used so far."""
+    return {n: round(p.memory_info().rss / 2**20, 1) for n, p in processes.items()}, {n: sum(p.cpu_times()[:2]) for n, p in processes.items()}
 
 
 async def _run(base: str, serve_pid: int, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -107,7 +88,7 @@ async def _run(base: str, serve_pid: int, concurrency: int, args: argparse.Names
         # at the start is the steady state and growth over the run means a leak
         progress(f"bench load: {concurrency} clients: warm-up burst of {concurrency} requests")
         await asyncio.gather(*(_one(client, i, 8, LoadStats()) for i in range(concurrency)))
-        rss_start, cpu_start = _rss_mb(processes), _cpu_s(processes)
+        rss_start, cpu_start = _rss_mb_and_cpu_s(processes)
         counters_start = _counters((await client.get("/metrics")).text)
         stats = LoadStats()
         started = time.monotonic()
@@ -116,30 +97,16 @@ async def _run(base: str, serve_pid: int, concurrency: int, args: argparse.Names
         await asyncio.gather(*(_client_loop(client, i, concurrency, deadline, args, stats) for i in range(concurrency)))
         elapsed = time.monotonic() - started
         reporter.cancel()
-        rss_end, cpu_end = _rss_mb(processes), _cpu_s(processes)
+        rss_end, cpu_end = _rss_mb_and_cpu_s(processes)
         metrics = (await client.get("/metrics")).text
-    batches = _mean_batches(counters_start, _counters(metrics))
     return {
-        "concurrency": concurrency,
-        "duration_s": args.duration,
-        "elapsed_s": round(elapsed, 1),
-        "max_tokens": args.max_tokens,
-        "requests_done": stats.done,
-        "errors": sum(stats.errors.values()),
-        "error_messages": dict(stats.errors.most_common(10)),
-        "rejected_429_retried": stats.rejected,
-        "tokens": stats.tokens,
-        "tokens_per_s": round(stats.tokens / elapsed, 2),
-        "ttft_p50_s": _percentile(stats.ttft_s, 50),
-        "ttft_p99_s": _percentile(stats.ttft_s, 99),
-        "latency_p50_s": _percentile(stats.latency_s, 50),
-        "latency_p99_s": _percentile(stats.latency_s, 99),
-        "itl_p50_s": _percentile(stats.itl_s, 50),
-        "itl_p99_s": _percentile(stats.itl_s, 99),
-        "mean_batch": batches,
+        "concurrency": concurrency, "duration_s": args.duration, "elapsed_s": round(elapsed, 1), "max_tokens": args.max_tokens,
+        "requests_done": stats.done, "errors": sum(stats.errors.values()), "error_messages": dict(stats.errors.most_common(10)),
+        "rejected_429_retried": stats.rejected, "tokens": stats.tokens, "tokens_per_s": round(stats.tokens / elapsed, 2),
+        **{f"{name}_p{q}_s": _percentile(getattr(stats, f"{name}_s"), q) for name in ("ttft", "latency", "itl") for q in (50, 99)},
+        "mean_batch": _mean_batches(counters_start, _counters(metrics)),
         "cpu_cores_busy": {n: round((cpu_end[n] - cpu_start[n]) / elapsed, 2) for n in cpu_start if n in cpu_end},
-        "rss_start_mb": rss_start,
-        "rss_end_mb": rss_end,
+        "rss_start_mb": rss_start, "rss_end_mb": rss_end,
         "rss_growth_pct": {n: round(100 * (rss_end[n] - rss_start[n]) / rss_start[n], 1) for n in rss_start if n in rss_end},
         "gateway_metrics": [line for line in metrics.splitlines() if "failures_total" in line and not line.endswith(" 0.0")],
     }
@@ -173,12 +140,12 @@ async def _one(client: httpx.AsyncClient, turn: int, max_tokens: int, stats: Loa
                 return
             tokens, finished = 0, False
             async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if line == "data: [DONE]":
+                event = parse_data_line(line)
+                if event == "[DONE]":
                     finished = True
                     break
-                event = orjson.loads(line[len("data: "):])
+                if not isinstance(event, dict):
+                    continue
                 if "error" in event:
                     stats.errors[f"stream: {event['error']['message'][:160]}"] += 1
                     return
@@ -212,12 +179,8 @@ async def _report_progress(stats: LoadStats, started: float, duration: float) ->
 def _counters(metrics: str) -> dict[str, float]:
     """The counters the mean batches come from, by series (``name{labels}``), from ``/metrics``."""
     wanted = ("specgate:draft_steps_total", "specgate:draft_step_drafts_total", "specgate:worker_calls_total", "specgate:worker_batch_sessions_total")
-    out = {}
-    for line in metrics.splitlines():
-        if line.startswith(wanted):
-            series, _, value = line.rpartition(" ")
-            out[series] = float(value)
-    return out
+    pairs = (line.rpartition(" ") for line in metrics.splitlines() if line.startswith(wanted))
+    return {series: float(value) for series, _, value in pairs}
 
 
 def _mean_batches(start: dict[str, float], end: dict[str, float]) -> dict[str, float | None]:

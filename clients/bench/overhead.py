@@ -1,53 +1,34 @@
-"""``specgate bench overhead``: where a round's time goes, part by part, beside the floors.
-
-One worker (builtin) and one gateway (draft builtin-draft) on 127.0.0.1, zero link, one
-request at a time. Each cell (mode × T) asks for ``speculative.profile``: every round's
-milliseconds by part (``app.engine.spec.ROUND_PARTS``: draft model, draft sampling, gateway
-math, gateway codec, HTTP, worker codec / queue / model / scoring / other) and the rest. The
-first round of a request also prefills the prompt, so it is left out; the figures are medians
-over the other rounds of every run.
-
-Beside them, measured in the same run between the cells (``clients.bench.floors``): llama.cpp's own
-decode + top-k sampler on the draft (the draft's floor), its own decode of the same positions
-on the target (the worker's floor), and a bare uvicorn ↔ httpx round trip of the same bytes.
-
-``--baseline DIR`` (a checkout of an earlier commit) starts its worker and gateway too and runs
-each cell on both, alternately: tokens/s and, from the usage both report, the verify side's
-time outside the worker's model per round and the draft's time per drafted token.
-"""
+"""``specgate bench overhead``: where a round's time goes, part by part (``speculative.profile``),
+beside llama.cpp's and bare HTTP's floors measured in the same run (``clients.bench.floors``);
+``--baseline DIR`` runs an earlier checkout's servers beside ours. See docs/performance.md."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
-import time
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from clients.bench.common import median, progress, write_json
-from clients.bench.floors import BareServer, DraftAlone, LlamaFloor, http_round_trip_ms
-from clients.procs import GatewayProcess, WorkerProcess
+from clients.bench import common
+from clients.bench.common import Bar, finish, median, progress, start_gateway
+from clients.bench.floors import BareServer, DraftAlone, LlamaFloor, chat_ids, http_round_trip_ms
+from clients.procs import WorkerProcess
 from clients.prompts import PROMPTS
-from core.config import builtin_config, dump_config
+from core.config import builtin_config
 from core.cores import usable_cores
 
 PARTS = (
     "draft_model", "draft_sampling", "gateway_math", "gateway_codec", "link", "http",
     "worker_codec", "worker_queue", "worker_model", "worker_scoring", "worker_other", "other",
 )
-CELLS: list[tuple[str, dict[str, Any]]] = [
-    ("autoregressive", {"mode": "autoregressive"}),
-    ("aggregate k=32", {"mode": "aggregate", "k": 32}),
-    ("split", {"mode": "split"}),
-    ("exact", {"mode": "exact"}),
-    ("tree", {"mode": "tree"}),
-]
+CELLS: dict[str, dict[str, Any]] = {
+    "autoregressive": {"mode": "autoregressive"}, "aggregate k=32": {"mode": "aggregate", "k": 32},
+    "split": {"mode": "split"}, "exact": {"mode": "exact"}, "tree": {"mode": "tree"},
+}
 GOAL_OUTSIDE_MS = 2.0  # outside the models, per round (issue 16)
-GOAL_RATIO = 1.2  # a draft step / worker scoring over its floor
 
 
 def bench_overhead(args: argparse.Namespace) -> int:
@@ -61,20 +42,20 @@ def bench_overhead(args: argparse.Namespace) -> int:
         client = stack.enter_context(httpx.Client(base_url=ours, timeout=600))
         old = stack.enter_context(httpx.Client(base_url=before, timeout=600)) if before else None
         prompt_ids = _prompt_ids(client, plan["prompts"][0])
-        draft_floor = stack.enter_context(LlamaFloor("builtin-draft", threads, prompt_ids))
-        worker_floor = stack.enter_context(LlamaFloor("builtin", threads, prompt_ids))
-        alone = stack.enter_context(DraftAlone(threads, prompt_ids))
+        draft_floor = stack.enter_context(closing(LlamaFloor("builtin-draft", threads, prompt_ids)))
+        worker_floor = stack.enter_context(closing(LlamaFloor("builtin", threads, prompt_ids)))
+        alone = stack.enter_context(closing(DraftAlone(threads, prompt_ids)))
         rows, floors = _run(plan, client, old, draft_floor, worker_floor, alone, http_url)
     results = {"setup": plan | {"threads": threads, "cpu_count": usable_cores(), "baseline": args.baseline}, "floors": floors, "cells": rows}
-    print_table(results)
-    write_json(args.json_path, results)
-    return 0
+    return finish(results, args, print_table)
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
-    if args.quick:
-        return {"runs": 1, "prompts": PROMPTS[:1], "max_tokens": 16, "temperatures": [0.0, 1.0], "cells": [name for name, _ in CELLS]}
-    return {"runs": max(1, args.runs), "prompts": PROMPTS[: args.prompts], "max_tokens": args.max_tokens, "temperatures": [0.0, 1.0], "cells": [name for name, _ in CELLS]}
+    quick = args.quick
+    return {
+        "runs": 1 if quick else max(1, args.runs), "prompts": PROMPTS[: 1 if quick else args.prompts], "max_tokens": 16 if quick else args.max_tokens,
+        "temperatures": [0.0, 1.0], "cells": list(CELLS),
+    }
 
 
 def _start_pair(stack: ExitStack, threads: int, checkout: str | None) -> str:
@@ -82,23 +63,16 @@ def _start_pair(stack: ExitStack, threads: int, checkout: str | None) -> str:
     cwd = str(Path(checkout).resolve()) if checkout else None
     url = stack.enter_context(WorkerProcess("builtin", "llama.cpp", threads=threads, cwd=cwd))
     config = builtin_config()
-    data = config.model_dump(mode="json", exclude_none=True)
-    data["workers"] = [{"url": url, "weight": 1.0}]
+    data = config.model_dump(mode="json", exclude_none=True) | {"workers": [{"url": url, "weight": 1.0}]}
     data["draft"] = {**data.get("draft", {}), "threads": threads}
-    path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specgate-overhead-"))) / "config.yaml"
-    path.write_text(dump_config(type(config)(**data)))
-    return stack.enter_context(GatewayProcess(str(path), cwd=cwd))
+    return start_gateway(stack, type(config)(**data), cwd)
 
 
 def _prompt_ids(client: httpx.Client, prompt: str) -> list[int]:
-    """The chat prompt's token ids, as the gateway makes them (echo of a one-token completion)."""
+    """The chat prompt's token ids, checked against the gateway's count (a one-token completion)."""
     body = {"model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, "temperature": 0}
     usage = client.post("/v1/chat/completions", json=body).raise_for_status().json()["usage"]
-    from core.runners.models import resolve_model
-    from core.runners.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(resolve_model("builtin"))
-    ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids = chat_ids(prompt)
     assert len(ids) == usage["prompt_tokens"], "the bench's chat template differs from the gateway's"
     return ids
 
@@ -106,62 +80,45 @@ def _prompt_ids(client: httpx.Client, prompt: str) -> list[int]:
 def _run(
     plan: dict[str, Any], client: httpx.Client, old: httpx.Client | None, draft_floor: LlamaFloor, worker_floor: LlamaFloor, alone: DraftAlone, http_url: str,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    specs = dict(CELLS)
     cells = [(name, t) for t in plan["temperatures"] for name in plan["cells"]]
     samples: dict[tuple[str, float], list[dict[str, Any]]] = {cell: [] for cell in cells}
     baseline: dict[tuple[str, float], list[dict[str, float]]] = {cell: [] for cell in cells}
     floors: dict[str, list[float]] = {"draft_step_ms": []}
     for name, t in cells:  # warm-up: every code path once
-        request(client, plan["prompts"][0], 4, t, specs[name], seed=0)
-    total, done, started = plan["runs"] * len(cells), 0, time.monotonic()
+        request(client, plan["prompts"][0], 4, t, CELLS[name], seed=0)
+    bar = Bar(plan["runs"] * len(cells))
     for run in range(plan["runs"]):
         for cell in cells:
             name, t = cell
             for prompt in plan["prompts"]:
-                samples[cell].append(request(client, prompt, plan["max_tokens"], t, specs[name], seed=run))
+                samples[cell].append(request(client, prompt, plan["max_tokens"], t, CELLS[name], seed=run))
                 if old is not None:
-                    baseline[cell].append(coarse(request(old, prompt, plan["max_tokens"], t, specs[name] | {"profile": None}, seed=run)))
-            done += 1
-            left = (time.monotonic() - started) / done * (total - done)
-            progress(f"[{done}/{total}] ~{left:.0f}s left  {name} T={t:g}: {samples[cell][-1]['tokens_per_s']:.1f} tok/s")
+                    baseline[cell].append(coarse(request(old, prompt, plan["max_tokens"], t, CELLS[name] | {"profile": None}, seed=run)))
+            bar.step(f"{name} T={t:g}: {samples[cell][-1]['tokens_per_s']:.1f} tok/s")
         floors["draft_step_ms"] += draft_floor.draft_step_ms(32)
         for t, top_k in sorted({(t, _draft_top_k(name) if t > 0 else 0) for t in plan["temperatures"] for name in plan["cells"]}):
             floors.setdefault(_alone_key(t, top_k), []).extend(alone.step_ms(t, top_k))
-        _measure_floors(samples, floors, worker_floor, http_url)
+        for runs in samples.values():  # the worker's floor at every cell's positions per call, the HTTP floor at its bytes
+            rounds = [r for s in runs for r in s["rounds"]]
+            if rounds:
+                positions, up, down = _call_shape(rounds)
+                floors.setdefault(f"worker_scoring_ms@{positions}", []).extend(worker_floor.scoring_ms(positions, repeats=3))
+                floors.setdefault(f"http_ms@{up}/{down}", []).extend(http_round_trip_ms(http_url, up, down, repeats=10))
     rows = [summarise(name, t, samples[(name, t)], baseline[(name, t)], floors) for name, t in cells]
     return rows, {key: median(values) for key, values in floors.items()}
 
 
-def _measure_floors(samples: dict[tuple[str, float], list[dict[str, Any]]], floors: dict[str, list[float]], worker_floor: LlamaFloor, http_url: str) -> None:
-    """The worker's floor at every cell's positions per call, the HTTP floor at its bytes."""
-    for runs in samples.values():
-        rounds = [r for s in runs for r in s["rounds"]]
-        if not rounds:
-            continue
-        positions = int(statistics.median(r["drafted"] + 1 for r in rounds))
-        key = f"worker_scoring_ms@{positions}"
-        floors.setdefault(key, []).extend(worker_floor.scoring_ms(positions, repeats=3))
-        up, down = int(statistics.median(r["bytes_up"] / r["calls"] for r in rounds)), int(statistics.median(r["bytes_down"] / r["calls"] for r in rounds))
-        floors.setdefault(f"http_ms@{up}/{down}", []).extend(http_round_trip_ms(http_url, up, down, repeats=10))
+def _call_shape(rounds: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """A cell's positions per verify call and bytes up / down per call (medians over its rounds)."""
+    positions = int(statistics.median(r["drafted"] + 1 for r in rounds))
+    return positions, int(statistics.median(r["bytes_up"] / r["calls"] for r in rounds)), int(statistics.median(r["bytes_down"] / r["calls"] for r in rounds))
 
 
 def request(client: httpx.Client, prompt: str, max_tokens: int, temperature: float, spec: dict[str, Any], seed: int) -> dict[str, Any]:
-    """One chat completion with ``speculative.profile``: its seconds, usage, and rounds (the
-    first, which prefills the prompt, left out)."""
-    body = {
-        "model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": temperature,
-        "seed": seed, "speculative": {k: v for k, v in ({"profile": True} | spec).items() if v is not None},
-    }
-    started = time.perf_counter()
-    resp = client.post("/v1/chat/completions", json=body)
-    elapsed = time.perf_counter() - started
-    resp.raise_for_status()
-    usage = resp.json()["usage"]
-    block = usage["speculative"]
-    return {
-        "seconds": elapsed, "usage": usage, "rounds": block.get("profile", [])[1:],
-        "tokens_per_s": usage["completion_tokens"] / elapsed,
-    }
+    """One chat completion with ``speculative.profile``: its seconds, usage, and rounds (the first, with the prefill, left out)."""
+    spec = {k: v for k, v in ({"profile": True} | spec).items() if v is not None}
+    elapsed, usage = common.request(client, prompt, max_tokens, temperature, spec, seed)
+    return {"seconds": elapsed, "usage": usage, "rounds": usage["speculative"].get("profile", [])[1:], "tokens_per_s": usage["completion_tokens"] / elapsed}
 
 
 def coarse(sample: dict[str, Any]) -> dict[str, float]:
@@ -186,10 +143,9 @@ def summarise(name: str, temperature: float, runs: list[dict[str, Any]], baselin
         (s["seconds"] * 1e3 - s["usage"]["speculative"]["timing_ms"]["rounds"]) / max(s["usage"]["speculative"]["rounds"], 1) for s in runs
     )
     if rounds:
-        positions = int(statistics.median(r["drafted"] + 1 for r in rounds))
+        positions, up, down = _call_shape(rounds)
         row["worker_floor_ms"] = median(floors.get(f"worker_scoring_ms@{positions}", []))
         row["worker_over_floor"] = (row["parts_ms"]["worker_model"] + row["parts_ms"]["worker_scoring"]) / row["worker_floor_ms"]
-        up, down = int(statistics.median(r["bytes_up"] / r["calls"] for r in rounds)), int(statistics.median(r["bytes_down"] / r["calls"] for r in rounds))
         row["http_floor_ms"] = median(floors.get(f"http_ms@{up}/{down}", []))
         if row["drafted_per_round"] and name != "tree":  # a tree's draft decodes per depth, not per node
             row["draft_floor_ms"] = median(floors["draft_step_ms"])

@@ -1,31 +1,21 @@
 """``specgate bench pipeline``: FlowSpec's pipeline against pipelined autoregressive decoding
-through the same stages (DESIGN §3.7).
-
-For each stage count (2, 3) and per-hop delay (0, 5, 20 ms) the built-in model is split evenly
-over that many stage workers (transformers, one thread each) whose outgoing links carry the
-delay, behind a gateway whose link to the first stage carries it too (each way). Then, at T = 0
-on the same prompts, cells alternate within each run: ``autoregressive`` through the pipeline
-(one token per pass through every stage) and ``pipeline`` (an EAGLE-2 tree per round, sent in
-segments, several in flight). Each figure is the median over runs; the speed-up is the ratio
-of tokens/s measured side by side. ALT: tokens per pipeline turn (segment answered); ALR:
-tokens per tree; bytes per hop: the states sent stage to stage, per token.
-"""
+through the same stages, per stage count and per-hop delay (DESIGN §3.7; docs/performance.md,
+"Pipeline"). ALT: tokens per pipeline turn (segment answered); ALR: tokens per tree; bytes per
+hop: the states sent stage to stage, per token."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from clients.bench.common import Bar, medians, progress, request, write_json
-from clients.procs import GatewayProcess, StageProcess
+from clients.bench.common import Bar, Samples, finish, medians, progress, request, run_cells, start_gateway
+from clients.procs import StageProcess
 from clients.prompts import PROMPTS
-from core.config import dump_config, parse_config
+from core.config import parse_config
 from core.cores import usable_cores
 
 NUM_LAYERS = 30  # the built-in model's
@@ -48,30 +38,18 @@ def bench_pipeline(args: argparse.Namespace) -> int:
             with ExitStack() as stack:
                 progress(f"starting {stages} stages ({', '.join(split(stages))}), {hop:g} ms per hop")
                 urls = [stack.enter_context(StageProcess(layers, link_rtt_ms=2 * hop)) for layers in split(stages)]
-                base = _gateway(stack, urls, hop)
-                with httpx.Client(base_url=base, timeout=900) as client:
+                config = parse_config({
+                    "draft": {"model": "builtin-draft", "threads": 1},
+                    "speculative": {"mode": "pipeline"},
+                    "workers": [{"name": "pipe", "pipeline": urls, "read_timeout_s": 300, "link": {"rtt_ms": 2 * hop}}],
+                })
+                with httpx.Client(base_url=start_gateway(stack, config), timeout=900) as client:
                     request(client, prompts[0], 4, 0.0, {"mode": "pipeline"}, seed=0)  # warm-up
-                    samples: dict[str, list[dict[str, float]]] = {name: [] for name, _ in cells}
-                    for run in range(args.runs):
-                        for name, spec in cells:
-                            samples[name].append(_measure(client, prompts, args.max_tokens, spec))
-                            bar.step(f"{stages} stages, {hop:g} ms/hop, {name}: {samples[name][-1]['tokens_per_s']:.2f} tok/s")
+                    samples = run_cells(cells, args.runs, bar, f"{stages} stages, {hop:g} ms/hop,",
+                                        lambda run, spec: _measure(client, prompts, args.max_tokens, spec), note="{tokens_per_s:.2f} tok/s")
                 rows.append(_summarise(samples, stages, hop))
     results = {"setup": {"stages": stage_counts, "hop_ms": hops, "runs": args.runs, "max_tokens": args.max_tokens, "prompts": prompts, "cpu_count": usable_cores()}, "cells": rows}
-    _print_table(results)
-    write_json(args.json_path, results)
-    return 0
-
-
-def _gateway(stack: ExitStack, urls: list[str], hop_ms: float) -> str:
-    config = parse_config({
-        "draft": {"model": "builtin-draft", "threads": 1},
-        "speculative": {"mode": "pipeline"},
-        "workers": [{"name": "pipe", "pipeline": urls, "read_timeout_s": 300, "link": {"rtt_ms": 2 * hop_ms}}],
-    })
-    path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specgate-bench-"))) / "config.yaml"
-    path.write_text(dump_config(config))
-    return stack.enter_context(GatewayProcess(str(path)))
+    return finish(results, args, _print_table)
 
 
 def _measure(client: httpx.Client, prompts: list[str], max_tokens: int, spec: dict[str, Any]) -> dict[str, float]:
@@ -95,10 +73,8 @@ def _measure(client: httpx.Client, prompts: list[str], max_tokens: int, spec: di
     }
 
 
-def _summarise(samples: dict[str, list[dict[str, float]]], stages: int, hop: float) -> dict[str, Any]:
-    row: dict[str, Any] = {"stages": stages, "hop_ms": hop, "layers": split(stages)}
-    for name, runs in samples.items():
-        row[name] = medians(runs)
+def _summarise(samples: Samples, stages: int, hop: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"stages": stages, "hop_ms": hop, "layers": split(stages)} | {name: medians(runs) for name, runs in samples.items()}
     row["speedup"] = statistics.median(p["tokens_per_s"] / a["tokens_per_s"] for p, a in zip(samples["pipeline"], samples["autoregressive"]))
     return row
 

@@ -1,17 +1,7 @@
-"""What one verify round costs the worker, chain vs tree, at equal verified-node budgets, on a
-device (DESIGN §3.6, §9): ``specgate bench tree-device`` runs it as ``python -m clients.bench.round_cost``.
+"""What one verify round costs the worker, chain vs tree, at equal verified-node budgets, on a device (DESIGN §3.6, §9).
 
-The round is the worker's own in-process path of a ``tree`` / ``aggregate k: full`` call: crop
-the session back to its prefix, one runner ``forward`` of the new token plus the draft (a chain
-of N tokens, or a tree of N nodes), then the scoring that builds the response. The model is the
-built-in target's architecture (SmolLM2-135M: 30 layers, V = 49,152) with random weights — a
-forward costs the same whatever the weights, so a machine without the GGUF (a GPU box) can time
-it; the transformers backend, the one that runs on CUDA. Cells alternate within each repeat;
-each figure is the median over repeats, in milliseconds.
-
-The tree of N nodes is a 4-way root with a chain under each child (EAGLE-2's trees at depth ≤ 6
-look like this); its cost depends on N and the mask, not on which tokens it holds.
-"""
+``specgate bench tree-device`` runs it: the worker's own path (crop, one runner ``forward``, scoring with ``k: full``)
+on the built-in architecture with random weights (a forward costs the same whatever the weights)."""
 
 from __future__ import annotations
 
@@ -24,14 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from clients.bench.common import device_parser, progress, write_json
+from clients.bench.common import device_args, progress, write_json
 from core.protocol import VerifyRequest
 from core.runners.base import ModelRunner
 from core.runners.models import ModelSource
 from workers.scoring import score, tree_item
-
-BUDGETS = [1, 4, 8, 14, 32]
-PREFIX = 128  # agreed tokens before each round
 
 
 class _Vocabulary:
@@ -47,21 +34,17 @@ class _Vocabulary:
 
 
 def tree_parents(nodes: int, branches: int = 4) -> list[int]:
-    """A ``branches``-way root with a chain under each child: node i < branches hangs at the root,
-    node i ≥ branches under node i − branches."""
+    """A ``branches``-way root with a chain under each child: node i ≥ branches hangs under node i − branches."""
     return [-1 if i < branches else i - branches for i in range(nodes)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = device_parser("python -m clients.bench.round_cost", __doc__.splitlines()[0], "float32", 30, "rounds")
-    parser.add_argument("--budgets", nargs="+", type=int, default=BUDGETS, help="verified nodes per round")
-    parser.add_argument("--prefix", type=int, default=PREFIX, help=f"agreed tokens before each round (default: {PREFIX})")
-    return measure(parser.parse_args(argv))
+    parser = argparse.ArgumentParser(prog="python -m clients.bench.round_cost", description=__doc__.splitlines()[0])
+    return measure(device_args(parser, "tree-device").parse_args(argv))
 
 
 def random_runner(args: argparse.Namespace, max_context: int) -> tuple[Any, Any, str]:
-    """The built-in architecture with random weights on ``args.device`` in ``args.dtype`` (what
-    the device benches time): the HF model, a runner around it, the device."""
+    """The built-in architecture with random weights on ``args.device`` in ``args.dtype``: the HF model, a runner, the device."""
     from core.runners.transformers_runner import (
         TransformersRunner,
         builtin_architecture_model,
@@ -84,16 +67,7 @@ def measure(args: argparse.Namespace) -> int:
         cells[f"chain {n}"] = _round(runner, f"c{n}", prompt, draft, None)
         if n > 1:
             cells[f"tree {n}"] = _round(runner, f"t{n}", prompt, draft, tree_parents(n))
-    for cell in cells.values():  # warm-up: kernels, allocator, the first prefill
-        cell()
-        cell()
-    times: dict[str, list[float]] = {name: [] for name in cells}
-    for repeat in range(args.repeats):
-        for name, cell in cells.items():
-            started = time.perf_counter()
-            cell()
-            times[name].append((time.perf_counter() - started) * 1e3)
-        progress(f"repeat {repeat + 1}/{args.repeats}")
+    times = time_cells(cells, args.repeats)
     rows = [
         {"cell": name, "nodes": int(name.split()[1]), "ms_median": statistics.median(ms), "ms_min": min(ms), "repeats": len(ms)}
         for name, ms in times.items()
@@ -109,6 +83,24 @@ def measure(args: argparse.Namespace) -> int:
         results["gpu"] = torch.cuda.get_device_name()
     write_json(args.json_path, results)
     return 0
+
+
+def time_cells(cells: dict[Any, Callable[[], None]], repeats: int, device: str | None = None) -> dict[Any, list[float]]:
+    """Each cell's ms per call, the cells alternating within each repeat, after two warm-up calls
+    each (kernels, allocator, the prefills); ``device``: synchronised around each call."""
+    for cell in cells.values():
+        cell(), cell()
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    times: dict[Any, list[float]] = {key: [] for key in cells}
+    for repeat in range(repeats):
+        for key, cell in cells.items():
+            sync()
+            started = time.perf_counter()
+            cell()
+            sync()
+            times[key].append((time.perf_counter() - started) * 1e3)
+        progress(f"repeat {repeat + 1}/{repeats}")
+    return times
 
 
 def _round(runner: ModelRunner, session: str, prompt: list[int], draft: list[int], parents: list[int] | None) -> Callable[[], None]:

@@ -1,16 +1,6 @@
-"""``specgate bench structured``: constrained answers beside the same prompts unconstrained.
-
-``specgate serve`` on the built-in default (two local workers, the draft, 2 cores), zero link,
-one request at a time. Per mode (autoregressive, exact, tree) × T (0, 1) × workload — a
-json_schema of 6 fields, and a required tool call (two tools, the generic format) — each prompt
-is sent constrained and unconstrained, alternately, with ``speculative.profile``. Figures per
-cell: tokens per round (forced tokens count as tokens and take no round), tok/s, forced tokens
-per answer, the gateway's and the worker's time per round that the transform adds (constrained
-minus unconstrained: the draft's sampling + the gateway's math, and the worker's scoring, which
-hold the masks and penalties), bytes per token, and how often a constrained answer ends with
-``stop`` (tool calls: ``tool_calls``). The grammars' compile ms, cold and cached, are measured
-in-process on the same tokenizer.
-"""
+"""``specgate bench structured``: constrained answers (a json_schema, a required tool call) beside the
+same prompts unconstrained, alternately, per mode × T through ``specgate serve`` on the built-in default:
+tokens per round, tok/s, forced tokens, the time the masks add per round, bytes per token, valid share."""
 
 from __future__ import annotations
 
@@ -22,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from clients.bench.common import median, progress, write_json
-from clients.bench.grammar import SCHEMA, TOOLS
+from clients.bench.common import Bar, finish, median, progress
+from clients.bench.grammar import SCHEMA, TOOLS, timed
 from clients.procs import free_port, serve_process
 
 MODES: dict[str, dict[str, Any]] = {"autoregressive": {"mode": "autoregressive"}, "exact": {"mode": "exact"}, "tree": {"mode": "tree"}}
@@ -46,10 +36,7 @@ def bench_structured(args: argparse.Namespace) -> int:
         for workload in ("schema", "tool"):  # warm-up: the grammars compiled, every path once
             _request(client, workload, True, MODES["exact"], 1.0, 0, 8)
         rows = _run(plan, client)
-    results = {"setup": plan, "compile_ms": compile_ms, "cells": rows}
-    print_table(results)
-    write_json(args.json_path, results)
-    return 0
+    return finish({"setup": plan, "compile_ms": compile_ms, "cells": rows}, args, print_table)
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -68,12 +55,7 @@ def _compile_ms() -> dict[str, dict[str, float]]:
     out = {}
     for name, schema in (("schema", SCHEMA), ("tool", generic_schema(TOOLS, True, True))):
         spec = GrammarSpec.json_schema(schema)
-        started = time.perf_counter()
-        grammars.compile(spec)
-        cold = (time.perf_counter() - started) * 1e3
-        started = time.perf_counter()
-        grammars.compile(spec)
-        out[name] = {"cold": cold, "cached": (time.perf_counter() - started) * 1e3}
+        out[name] = {"cold": timed(lambda: grammars.compile(spec))[0], "cached": timed(lambda: grammars.compile(spec))[0]}
     return out
 
 
@@ -117,18 +99,15 @@ def _valid(workload: str, constrained: bool, choice: dict[str, Any]) -> bool | N
 
 
 def _run(plan: dict[str, Any], client: httpx.Client) -> list[dict[str, Any]]:
-    rows, total, done, started = [], len(plan["cells"]), 0, time.monotonic()
+    rows, bar = [], Bar(len(plan["cells"]))
     for mode, t, workload in plan["cells"]:
         runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
         for seed in range(plan["runs"]):
             for prompt in range(3):
                 for constrained in (True, False):  # alternately: the machine's noise falls on both
                     runs[constrained].append(_request(client, workload, constrained, MODES[mode], t, seed, plan["max_tokens"], prompt))
-        rows.append(_summary(mode, t, workload, runs))
-        done += 1
-        left = (time.monotonic() - started) / done * (total - done)
-        r = rows[-1]
-        progress(f"[{done}/{total}] ~{left:.0f}s left  {mode} T={t:g} {workload}: {r['constrained']['tokens_per_s']:.1f} vs {r['unconstrained']['tokens_per_s']:.1f} tok/s")
+        rows.append(r := _summary(mode, t, workload, runs))
+        bar.step(f"{mode} T={t:g} {workload}: {r['constrained']['tokens_per_s']:.1f} vs {r['unconstrained']['tokens_per_s']:.1f} tok/s")
     return rows
 
 

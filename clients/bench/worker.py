@@ -1,12 +1,6 @@
-"""``specgate bench worker``: what a verify call costs, and how often the built-in draft wins.
-
-For each backend on the built-in model it starts a real worker (``python -m workers``) on
-127.0.0.1, and times ``POST /v1/verify`` scoring m positions (a session in steady state:
-crop to the agreed prefix, append one token and m − 1 draft tokens) next to the same forward
-pass called in-process. Then it measures the acceptance α = E[Σ_x min(p, q)] of the built-in
-draft against the built-in target along sequences sampled from the target (T = 1).
-Figures are medians; everything runs side by side in one process, one cell after another.
-"""
+"""``specgate bench worker``: a verify call over HTTP to a real worker beside the same forward
+in-process, per backend and positions scored; and the acceptance α = E[Σ_x min(p, q)] of the
+built-in draft against the built-in target at T = 1. Medians; cells alternate."""
 
 from __future__ import annotations
 
@@ -21,18 +15,14 @@ import numpy as np
 import torch
 
 from clients.bench.common import progress, write_json
+from clients.bench.floors import chat_ids
 from clients.procs import WorkerProcess
+from clients.prompts import PROMPTS as ALL_PROMPTS
 from core.math.sampling import SamplingParams, apply_sampling
 from core.protocol import VerifyRequest, VerifyResponse, decode, encode
 from core.runners import ModelRunner, load_runner
 
-PROMPTS = [
-    "Explain in two sentences why the sky is blue.",
-    "Write a short poem about a lighthouse keeper.",
-    "List three tips for learning a new programming language.",
-    "What is the capital of France, and what is it known for?",
-]
-_K_SETTINGS: list[int | None] = [None, 32]
+PROMPTS = [*ALL_PROMPTS[:3], "What is the capital of France, and what is it known for?"]  # the fourth as measured so far
 
 
 def bench_worker(args: argparse.Namespace) -> int:
@@ -41,7 +31,7 @@ def bench_worker(args: argparse.Namespace) -> int:
     for backend in args.backends:
         progress(f"[{backend}] loading the built-in model in-process")
         runner = load_runner("builtin", backend)
-        prompt = _chat_ids(runner, PROMPTS[0])
+        prompt = chat_ids(PROMPTS[0], runner.tokenizer)
         progress(f"[{backend}] starting a real worker on 127.0.0.1")
         with WorkerProcess("builtin", backend) as url:
             results["latency"] += _latency_rows(runner, url, prompt, args.positions, repeats, backend)
@@ -52,9 +42,6 @@ def bench_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- latency
-
-
 def _latency_rows(runner: ModelRunner, url: str, prompt: list[int], positions: list[int], repeats: int, backend: str) -> list[dict[str, Any]]:
     """One row per m; the in-process and HTTP calls alternate, so noise hits them alike."""
     rows = []
@@ -63,12 +50,9 @@ def _latency_rows(runner: ModelRunner, url: str, prompt: list[int], positions: l
         for m in positions:
             draft = prompt[1:m]  # any real tokens will do; m − 1 of them
             cells: dict[str, Callable[[], tuple[int, int]]] = {"in_process": lambda: _in_process(runner, prompt, draft)}
-            for k in _K_SETTINGS:
-                label = "full" if k is None else f"k{k}"
-                cells[f"http_{label}"] = _http_call(client, prompt, draft, k, vocab_size)
+            cells |= {f"http_{'full' if k is None else f'k{k}'}": _http_call(client, prompt, draft, k, vocab_size) for k in (None, 32)}
             times, sizes = _alternate(cells, repeats)
-            row: dict[str, Any] = {"backend": backend, "positions": m}
-            row.update({f"{name}_ms": statistics.median(ts) for name, ts in times.items()})
+            row: dict[str, Any] = {"backend": backend, "positions": m} | {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
             for name, (up, down) in sizes.items():
                 if name.startswith("http_"):
                     row[f"bytes_up_{name[5:]}"], row[f"bytes_down_{name[5:]}"] = up, down
@@ -115,9 +99,6 @@ def _post(client: httpx.Client, req: VerifyRequest, vocab_size: int) -> tuple[in
     return len(body), len(resp.content)
 
 
-# --------------------------------------------------------------------------- acceptance
-
-
 def _acceptance(num_tokens: int, seed: int = 0) -> dict[str, Any]:
     """α of builtin-draft vs builtin (llama.cpp, T = 1) along target-sampled continuations."""
     progress("[acceptance] loading builtin (target) and builtin-draft (draft)")
@@ -127,7 +108,7 @@ def _acceptance(num_tokens: int, seed: int = 0) -> dict[str, Any]:
     betas: list[float] = []
     per_prompt = []
     for i, text in enumerate(PROMPTS):
-        ids = _chat_ids(target, text)
+        ids = chat_ids(text, target.tokenizer)
         prompt_betas = _prompt_betas(target, draft, ids, num_tokens, params, generator)
         per_prompt.append({"prompt": text, "alpha": float(np.mean(prompt_betas))})
         betas += prompt_betas
@@ -151,14 +132,6 @@ def _prompt_betas(target: ModelRunner, draft: ModelRunner, ids: list[int], num_t
     target.free("alpha")
     draft.free("alpha")
     return betas
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _chat_ids(runner: ModelRunner, text: str) -> list[int]:
-    messages = [{"role": "user", "content": text}]
-    return list(runner.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def _print_tables(results: dict[str, Any]) -> None:

@@ -1,15 +1,6 @@
-"""``specgate bench workload``: where lookup drafting pays (issue 35, DESIGN §3.10).
-
-The bundled prompt set (``clients.bench.workload_prompts``: six categories, eight chat prompts
-each) through two real workers (builtin, builtin-alt) and a gateway per emulated link (zero,
-and 50 ms / 10 Mbps), mode ``exact`` (the built-in default's: draft top-32; ``--mode tree``: the
-default trees, the lookup joining them as a branch). Per link × T (0,
-1) × category, each prompt goes once per drafter — ``model``, ``lookup``, ``model+lookup`` —
-one after the other (the machine's noise falls on all three), unseeded (a seeded request does not
-use the suffix index). Figures per cell:
-tokens per round, tok/s, the draft's ms per round, and the lookup hit rate (lookups that
-proposed a token, from the gateway's ``/metrics``).
-"""
+"""``specgate bench workload``: where lookup drafting pays (DESIGN §3.10): the bundled prompt set
+(``clients.bench.workload_prompts``) per link × T × category, each prompt once per drafter in turn,
+unseeded (a seeded request does not use the suffix index); docs/performance.md, "Lookup drafters"."""
 
 from __future__ import annotations
 
@@ -21,15 +12,13 @@ from typing import Any
 
 import httpx
 
-from clients.bench.common import progress, write_json
-from clients.bench.modes import LINKS, _start_gateway, _start_workers
+from clients.bench.common import LINKS, Samples, finish, gateway_client, progress, request, setup, start_workers
 from clients.bench.workload_prompts import PROMPTS, Messages
 
 DRAFTERS = ("model", "lookup", "model+lookup")
 WORKLOAD_LINKS = [LINKS[0], LINKS[2]]  # zero, 50 ms / 10 Mbps
 GOAL_MERGED = 1.3  # model+lookup over model, tokens/round, where the answer repeats its context
 GOAL_OTHERS = 0.97  # ... and no worse elsewhere
-GOAL_LOOKUP_SUMMARY = 1.5  # lookup alone, tokens/round on summarization
 REPEATING = ("summarization", "passage QA", "code editing")
 
 
@@ -40,25 +29,22 @@ def bench_workload(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     done, started = 0, time.monotonic()
     with ExitStack() as stack:
-        urls = _start_workers(stack)
+        urls = start_workers(stack)
         for link_name, link in plan["links"]:
-            with ExitStack() as gateway_stack, httpx.Client(base_url=_start_gateway(gateway_stack, urls, link, plan["gamma"]), timeout=900) as client:
-                _chat(client, PROMPTS["translation"][0], 0.0, 0, {"mode": plan["mode"]}, 4)  # warm-up
+            with gateway_client(urls, link, plan["gamma"]) as client:
+                request(client, PROMPTS["translation"][0], 4, 0.0, {"mode": plan["mode"]}, None)  # warm-up
                 for t in plan["temperatures"]:
                     for category in plan["categories"]:
-                        samples: dict[str, list[dict[str, float]]] = {d: [] for d in DRAFTERS}
-                        for i, messages in enumerate(PROMPTS[category][: plan["prompts"]]):
+                        samples: Samples = {d: [] for d in DRAFTERS}
+                        for messages in PROMPTS[category][: plan["prompts"]]:
                             for drafter in DRAFTERS:
-                                samples[drafter].append(_measured(client, messages, t, i, drafter, plan["max_tokens"], plan["mode"]))
+                                samples[drafter].append(_measured(client, messages, t, drafter, plan["max_tokens"], plan["mode"]))
                                 done += 1
                         rows += [_row(link_name, t, category, d, samples[d]) for d in DRAFTERS]
                         left = (time.monotonic() - started) / done * (total - done)
                         progress(f"[{done}/{total}] ~{left:.0f}s left  {link_name} T={t:g} {category}: " + ", ".join(
                             f"{r['drafter']} {r['tokens_per_round']:.2f}" for r in rows[-3:]) + " tokens/round")
-    results = {"setup": {k: v for k, v in plan.items() if k != "links"} | {"links": [n for n, _ in plan["links"]]}, "cells": rows}
-    print_table(results)
-    write_json(args.json_path, results)
-    return 0
+    return finish({"setup": setup(plan), "cells": rows}, args, print_table)
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -73,18 +59,10 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _chat(client: httpx.Client, messages: Messages, temperature: float, seed: int, spec: dict[str, Any], max_tokens: int) -> tuple[float, dict[str, Any]]:
-    """No ``seed`` is sent: a seeded request leaves the suffix index out (its outputs may share the
-    seed), and the bench measures what unseeded traffic gets; ``seed`` is kept for the signature."""
-    body = {"model": "specgate", "messages": messages, "max_tokens": max_tokens, "temperature": temperature, "speculative": spec}
-    started = time.perf_counter()
-    resp = client.post("/v1/chat/completions", json=body).raise_for_status()
-    return time.perf_counter() - started, resp.json()["usage"]
-
-
-def _measured(client: httpx.Client, messages: Messages, temperature: float, seed: int, drafter: str, max_tokens: int, mode: str = "exact") -> dict[str, float]:
+def _measured(client: httpx.Client, messages: Messages, temperature: float, drafter: str, max_tokens: int, mode: str) -> dict[str, float]:
     before = _lookups(client)
-    seconds, usage = _chat(client, messages, temperature, seed, {"mode": mode, "drafter": drafter}, max_tokens)
+    # unseeded: a seeded request leaves the suffix index out, and the bench measures what unseeded traffic gets
+    seconds, usage = request(client, messages, max_tokens, temperature, {"mode": mode, "drafter": drafter}, None)
     after = _lookups(client)
     block = usage["speculative"]
     return {

@@ -1,8 +1,6 @@
-"""The bundled prompt set of ``specgate bench workload`` (issue 35): chat requests in six
-categories, eight each, written for this project. Passages are short (a few sentences) so a
-2-core machine spends its time decoding, not prefilling; the categories differ in how much the
-answer repeats its context — what lookup drafting lives on.
-"""
+"""The bundled prompt set of ``specgate bench workload``: six categories, eight chat requests each, short
+passages (a 2-core machine decodes rather than prefills); the categories differ in how much the answer
+repeats its context — what lookup drafting lives on."""
 
 from __future__ import annotations
 

@@ -25,21 +25,17 @@ def reconstruct(
     probs = probs.double()
     dense = torch.zeros(probs.shape[0], vocab_size, dtype=torch.float64).scatter(-1, ids.long(), probs)
     rho = probs.sum(dim=-1, keepdim=True)
-    if method is Reconstruction.RENORMALIZE:
-        return dense / rho
-    sigma = (1 - rho) if tail_mass is None else tail_mass.double()[:, None]
     k = ids.shape[-1]
-    if k == vocab_size:
+    if method is Reconstruction.RENORMALIZE or k == vocab_size:
         return dense / rho
+    sigma = ((1 - rho) if tail_mass is None else tail_mass.double()[:, None]).clamp(min=0)
     seen = torch.zeros_like(dense, dtype=torch.bool).scatter(-1, ids.long(), True)
     if allowed is not None:
         region = allowed & ~seen
         count = region.sum(dim=-1, keepdim=True)
-        filled = torch.where(region, sigma.clamp(min=0) / count.clamp(min=1), dense)
-        out = torch.where(count > 0, filled, dense)
-        return out / out.sum(dim=-1, keepdim=True)
-    fill = (sigma.clamp(min=0) / (vocab_size - k)).expand(-1, vocab_size)
-    out = torch.where(seen, dense, fill)
+        out = torch.where(count > 0, torch.where(region, sigma / count.clamp(min=1), dense), dense)
+    else:
+        out = torch.where(seen, dense, (sigma / (vocab_size - k)).expand(-1, vocab_size))
     return out / out.sum(dim=-1, keepdim=True)
 
 
@@ -70,8 +66,6 @@ def bias_bound(
 ) -> torch.Tensor:  # [m]: Σ_n w_n σ_n, the bound on TV(p̂, p) and on Δβ (Theorems 2–3)
     return torch.einsum("n,nm->m", normalise_weights(weights), tail_mass.double())
 
-
-# ----------------------------------------------------------------------------- logprobs of the mixture
 
 _LOG_FLOOR = 1e-45  # log 0 is reported as log 1e-45 (finite in JSON)
 

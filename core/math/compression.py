@@ -20,11 +20,7 @@ def compress_top_k(
     probs: torch.Tensor,  # [num_positions, V]
     k: int,
 ) -> TopK:
-    """Top-k of each row; ``σ`` is summed directly over the rest, not taken as ``1 − ρ``.
-
-    O(V) per row (no full sort): everything above the k-th largest value, then the
-    lowest ids among the entries equal to it, then those k ordered by falling probability.
-    """
+    """Top-k of each row in O(V) (no full sort); ``σ`` is summed directly over the rest, not taken as ``1 − ρ``."""
     if not 0 < k <= probs.shape[-1]:
         raise ValueError(f"k must lie in [1, {probs.shape[-1]}], got {k}")
     kept, ids = top_k_entries(probs, k)  # [num_positions, V] mask, [num_positions, k] ascending ids

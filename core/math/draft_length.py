@@ -1,20 +1,6 @@
-"""Choosing the draft length γ (DESIGN §3.1, issue 8): the analytic throughput of a round, and
-the γ that maximises it.
-
-A round with γ draft tokens yields, with α_j the acceptance at draft position j,
-
-    E(γ) = Σ_{i=0}^{γ} Π_{j<i} α_j          tokens   ((1 − α^{γ+1}) / (1 − α) for one α)
-
-and, from sending one round to sending the next,
-
-    flight(γ) = RTT + 8·up(γ)/BW_up + 8·down(γ)/BW_down + t_v(γ + 1)
-    plain:    T(γ) = γ·t_d + flight(γ)
-    overlap:  T(γ) = u·max(flight(γ), (γ + 1)·t_d) + (1 − u)·(flight(γ) + γ·t_d)
-
-where t_d is the draft's time per token, t_v(m) = v₀ + v₁·m the workers' time to score m
-positions, up(γ) = u₀ + u₁·γ and down(γ) = d₀ + d₁·(γ + 1) bytes per round, and u the chance
-that a draft prepared during the flight is used (its assumption held: every token accepted and
-its first token equal to the bonus). Throughput is E(γ) / T(γ).
+"""Choosing the draft length γ (DESIGN §3.1, issue 8): the γ that maximises the analytic throughput
+E(γ) / T(γ) of a round, with E(γ) = Σ_{i=0}^{γ} Π_{j<i} α_j tokens (α_j the acceptance at draft position j)
+and T(γ) its time from sending one round to sending the next (``RoundCosts.round_s``).
 """
 
 from __future__ import annotations
@@ -34,8 +20,8 @@ class RoundCosts:
     down_bytes: tuple[float, float] = (0.0, 0.0)  # (d₀, d₁): bytes down = d₀ + d₁·(γ + 1)
     up_bits_per_s: float | None = None  # None = unlimited
     down_bits_per_s: float | None = None
-    overlap: bool = False
-    prepared_used: float = 0.0  # u: the share of prepared drafts used (overlap only)
+    overlap: bool = False  # DSD: the next draft is prepared during the flight
+    prepared_used: float = 0.0  # u: the share of prepared drafts used (every token accepted, its first the bonus)
 
     def alpha(self, j: int) -> float:
         return self.alphas[min(j, len(self.alphas) - 1)] if self.alphas else 0.0
@@ -49,25 +35,12 @@ class RoundCosts:
         return self.rtt_s + wire + self.verify_s[0] + self.verify_s[1] * (gamma + 1)
 
     def round_s(self, gamma: float) -> float:
+        """T(γ) = γ·t_d + flight(γ); overlapped, u·max(flight(γ), (γ + 1)·t_d) + (1 − u)·(flight(γ) + γ·t_d)."""
         flight, drafting = self.flight_s(gamma), gamma * self.draft_s
         if not self.overlap:
             return drafting + flight
         used = self.prepared_used
         return used * max(flight, (gamma + 1) * self.draft_s) + (1 - used) * (flight + drafting)
-
-
-def expected_tokens(costs: RoundCosts, gamma: int) -> float:
-    """E(γ) = Σ_{i=0}^{γ} Π_{j<i} α_j."""
-    total, reach = 1.0, 1.0
-    for j in range(gamma):
-        reach *= costs.alpha(j)
-        total += reach
-    return total
-
-
-def throughput(costs: RoundCosts, gamma: int) -> float:
-    """Expected tokens per second at draft length γ."""
-    return expected_tokens(costs, gamma) / costs.round_s(gamma)
 
 
 def choose_gamma(costs: RoundCosts, max_gamma: int) -> int:

@@ -1,10 +1,5 @@
-"""`exact` (DESIGN §3.5): lossless federated verification with sparse payloads.
-
-The draft samples x_j from its truncated q̂_j with support S_j. Worker n sends, per draft
-position, p_n(x) for x ∈ S_j, its complement mass c_n = Σ_{x∉S_j} p_n(x), and one sample
-y_n ~ p_n(· | x ∉ S_j); at the bonus position one sample z_n ~ p_n. From those the gateway
-runs §3.1 for p = Σ_n w_n p_n exactly: the residual is max(0, p − q̂_j) on S_j and p off S_j,
-whose off-S_j part is drawn by picking worker n with probability ∝ w_n c_n and emitting y_n.
+"""`exact` (DESIGN §3.5): lossless federated verification with sparse payloads: §3.1 for
+p = Σ_n w_n p_n from each worker's p_n on S_j, its complement mass c_n and one sample y_n off S_j.
 """
 
 from __future__ import annotations
@@ -14,19 +9,26 @@ from dataclasses import dataclass
 import torch
 
 from core.math.aggregation import normalise_weights
-from core.math.random import accepts, sample_index
-from core.math.speculative import Verdict, acceptance_probs, count_accepted
+from core.math.random import sample_index
+from core.math.relaxed import relaxed_acceptance_probs
+from core.math.speculative import Verdict, acceptance_probs, first_rejection
 
 
 @dataclass(frozen=True)
-class ExactPosition:
-    """What the gateway holds for one draft position j."""
+class SparseNode:
+    """What the workers sent for one row (a chain's draft position j, or a tree's root or node v)."""
 
-    support: torch.Tensor  # [s] long: S_j, the ids of q̂_j's support
-    q: torch.Tensor  # [s]: q̂_j on S_j (sums to 1)
+    support: torch.Tensor  # [s] long, ascending: S_j, the ids of q̂_j's support (a tree's: and the children; empty at a leaf)
     p: torch.Tensor  # [N, s]: p_n on S_j, per worker
     complement: torch.Tensor  # [N]: c_n = Σ_{x∉S_j} p_n(x), per worker
     samples: list[int]  # [N]: y_n ~ p_n(· | x ∉ S_j); −1 where c_n = 0
+
+
+@dataclass(frozen=True)
+class ExactPosition(SparseNode):
+    """What the gateway holds for one draft position j of a chain: the workers' row and q̂_j."""
+
+    q: torch.Tensor  # [s]: q̂_j on S_j (sums to 1)
 
 
 def normalised_payload(
@@ -50,22 +52,18 @@ def extended_residual(
     on_support = torch.clamp(p_mix.double() - q.double(), min=0.0)
     off_support = weights.double() * complement.double()
     extended = torch.cat([on_support, off_support])
-    if extended.sum() > 0:
-        return extended
-    return torch.cat([p_mix.double(), off_support])
+    return extended if extended.sum() > 0 else torch.cat([p_mix.double(), off_support])
 
 
 def draw_extended(
-    position: ExactPosition,
-    extended: torch.Tensor,  # [s + N]
+    support: torch.Tensor,  # [s]: S_j
+    samples: list[int],  # [N]: each worker's sample from off S_j
+    extended: torch.Tensor,  # [s + N]: mass on S_j, then each worker's off it
     u: float,  # the residual draw
 ) -> int:
-    """A token from the extended residual: an id of S_j, or worker n's complement sample."""
+    """A token from an extended distribution: an id of S_j, or worker n's complement sample."""
     index = sample_index(extended, u)
-    size = position.support.shape[0]
-    if index < size:
-        return int(position.support[index])
-    return position.samples[index - size]
+    return int(support[index]) if index < support.shape[0] else samples[index - support.shape[0]]
 
 
 def verify_exact(
@@ -82,14 +80,11 @@ def verify_exact(
     p_mix = [w @ pos.p.double() for pos in positions]  # [γ] × [s]
     p_draft = torch.stack([pm[i] for pm, i in zip(p_mix, draft_index)]) if positions else torch.empty(0)
     q_draft = torch.stack([pos.q.double()[i] for pos, i in zip(positions, draft_index)]) if positions else torch.empty(0)
-    if taus is None:
-        accepted = count_accepted(p_draft, q_draft, accept_u)
-    else:  # accept with τ + (1 − τ)·min(1, p/q): the law becomes τ q̂ + (1 − τ) p
-        probs = taus.double() + (1 - taus.double()) * acceptance_probs(p_draft, q_draft)
-        accepted = next((j for j in range(len(positions)) if not accepts(float(accept_u[j]), float(probs[j]))), len(positions))
+    probs = acceptance_probs(p_draft, q_draft) if taus is None else relaxed_acceptance_probs(p_draft, q_draft, taus)
+    accepted = first_rejection(probs, accept_u)
     if accepted < len(positions):
         pos = positions[accepted]
         extended = extended_residual(p_mix[accepted], pos.q, pos.complement, w)
-        return Verdict(accepted, draw_extended(pos, extended, float(residual_u[accepted])), is_bonus=False)
+        return Verdict(accepted, draw_extended(pos.support, pos.samples, extended, float(residual_u[accepted])), is_bonus=False)
     chosen = sample_index(w, bonus_choice_u)
     return Verdict(accepted, bonus_samples[chosen], is_bonus=True)

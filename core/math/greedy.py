@@ -15,12 +15,8 @@ def certify_argmax(
     weights: torch.Tensor,  # [N]
     vocab_size: int,
 ) -> int | None:
-    """The mixture's argmax if the top-k payloads prove it, else None.
-
-    A token's lower bound is Σ_{n∋y} w_n p_n(y); its upper bound adds w_n p_n^{(k)} (the k-th
-    largest of worker n) for each worker that did not send it. Certified when the best lower
-    bound beats every other upper bound, including that of the tokens nobody sent.
-    """
+    """The mixture's argmax if the top-k payloads prove it (its lower bound beats every other upper bound,
+    DESIGN §3.5), else None."""
     w = normalise_weights(weights)
     union = torch.unique(torch.cat([i.long() for i in ids]))  # ascending: ties go to the lowest id
     column = {int(token): c for c, token in enumerate(union.tolist())}

@@ -1,11 +1,5 @@
-"""Counter-based random streams (DESIGN §3.2).
-
-Every random number is a pure function of (request seed, choice index, absolute position,
-purpose, worker, lane): Philox-4x32-10 keyed by a hash of (seed, choice, purpose, worker), with
-the position in counter words 0–1 and the **lane** in word 2 (DESIGN §3.6: a tree candidate's
-rank among its siblings; lane 0 gives the numbers of a chain, as before lanes existed). No two
-purposes share a stream, and a retried or failed-over round draws the same numbers again.
-"""
+"""Counter-based random streams (DESIGN §3.2): every number a pure function of (seed, choice, position,
+purpose, worker, lane), Philox-4x32-10 keyed by (seed, choice, purpose, worker); lane 0 is a chain's stream (§3.6)."""
 
 from __future__ import annotations
 
@@ -47,11 +41,9 @@ def _uniform(key: tuple[int, int], position: int, lane: int = 0) -> float:
 
 
 def round_seed(seed: int, round_index: int) -> int:
-    """The seed of one round's draws, for a request whose rounds take their shape from what the
-    rounds before drew (``num_draft_tokens: auto``: γ follows the last draft's length and time).
-    A draft cut short by EOS at a position the round left undecided tells the next γ about a
-    number that the next round, keyed by position, would draw again: its own seed keeps every
-    round's numbers independent of what chose its γ. In [0, 2**63)."""
+    """The seed of one round's draws (in [0, 2**63)), for a request whose rounds take their shape from what
+    the rounds before drew (``num_draft_tokens: auto``): keyed by position alone, a round would draw again
+    a number that chose its γ (a draft cut short by EOS at a position left undecided)."""
     digest = hashlib.blake2b(f"{seed}:round:{round_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 

@@ -1,22 +1,12 @@
 """Relaxed verification (DSD, DESIGN §3.8): opt-in and lossy, with its distance known exactly.
 
-A per-position relaxation τ_j ∈ [0, 1), a function of (p_j, q_j) only, loosens the accept test:
-
-    accept x_j  iff  r_j < τ_j + (1 − τ_j)·min(1, p_j(x_j) / q_j(x_j)),   else the §3.1 residual,
-
-so the token emitted at that position follows τ_j q_j + (1 − τ_j) p_j, at TV distance exactly
-τ_j (1 − β_j) from p_j (β_j = Σ min(p_j, q_j)). τ = 0 is strict speculative sampling.
-
-τ_j (DSD gives the three signals, not their weights; these are ours):
+Accept x_j iff r_j < τ_j + (1 − τ_j)·min(1, p_j(x_j) / q_j(x_j)), else the §3.1 residual: the token
+follows τ_j q_j + (1 − τ_j) p_j, at TV distance τ_j (1 − β_j) from p_j. DSD names the signals of
+τ_j; the weights are ours:
 
     τ_j = τ_max · [argmax q_j = argmax p_j] · exp(−KL(q_j ‖ p_j) / kl_scale) · β_j
 
-    top-1 agreement        0 unless draft and target agree on the most likely token
-    cross-entropy contrast KL(q‖p) = H(q, p) − H(q): 0 when they agree, ∞ when q puts mass where p has none
-    distributional agreement β_j = 1 − TV(p_j, q_j)
-
-so τ is large only where the two models agree on the token and on the distribution, and it
-vanishes where they disagree — DSD's "strict where it matters".
+so τ is large only where the models agree on the token and on the distribution (β_j = 1 − TV).
 """
 
 from __future__ import annotations
@@ -26,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from core.math.random import accepts, sample_index
-from core.math.speculative import Verdict, argmax_lowest, beta, residual
+from core.math.random import sample_index
+from core.math.speculative import Verdict, argmax_lowest, beta, first_rejection, residual
 
 
 @dataclass(frozen=True)
@@ -50,9 +40,7 @@ def relaxation_factor(
     settings: Relaxation,
 ) -> float:
     """τ_j of one position (see the module's docstring); 0 when the models disagree on top-1."""
-    if settings.tau_max == 0 or argmax_lowest(p[None])[0] != argmax_lowest(q[None])[0]:
-        return 0.0
-    return _tau(p.double(), q.double(), settings)
+    return relaxation_factor_on_support(p, q, -math.inf, settings)
 
 
 def relaxation_factor_on_support(
@@ -61,18 +49,14 @@ def relaxation_factor_on_support(
     off_mass: float,  # the target's mass outside S
     settings: Relaxation,
 ) -> float:
-    """τ where the target is known on the draft's support only (``exact``): KL(q‖p) and β need
-    nothing more; top-1 agreement counts only when p's largest entry on S beats the whole mass
-    outside it (so no outside token can be p's argmax)."""
+    """τ where the target is known on the draft's support only (``exact``): top-1 agreement counts only when
+    p's largest entry on S beats the whole mass outside it (so no outside token can be p's argmax)."""
     if settings.tau_max == 0:
         return 0.0
     top = argmax_lowest(p[None])[0]
     if top != argmax_lowest(q[None])[0] or not float(p[top]) > off_mass:
         return 0.0
-    return _tau(p.double(), q.double(), settings)
-
-
-def _tau(p64: torch.Tensor, q64: torch.Tensor, settings: Relaxation) -> float:
+    p64, q64 = p.double(), q.double()
     support = q64 > 0
     if bool((p64[support] <= 0).any()):
         return 0.0  # KL(q ‖ p) = ∞
@@ -108,10 +92,9 @@ def verify_relaxed(
     """The chain verifier (``tests.oracles.verify_sampled``) with the relaxed accept test; the residual and the bonus are the strict ones."""
     gamma = len(draft)
     index = torch.tensor(draft, dtype=torch.long)[:, None]
-    probs = relaxed_acceptance_probs(p[:gamma].gather(-1, index)[:, 0], q.gather(-1, index)[:, 0], taus)
-    for j in range(gamma):
-        if not accepts(float(accept_u[j]), float(probs[j])):
-            return Verdict(j, sample_index(residual(p[j], q[j]), float(final_u[j])), is_bonus=False)
+    j = first_rejection(relaxed_acceptance_probs(p[:gamma].gather(-1, index)[:, 0], q.gather(-1, index)[:, 0], taus), accept_u)
+    if j < gamma:
+        return Verdict(j, sample_index(residual(p[j], q[j]), float(final_u[j])), is_bonus=False)
     return Verdict(gamma, sample_index(p[gamma], float(final_u[gamma])), is_bonus=True)
 
 

@@ -24,10 +24,8 @@ def best_nodes(
     tokens: list[int], parents: list[int], scores: list[float], q_at: dict[int, torch.Tensor], budget: int, vocab_size: int,
     free: Collection[int] = (), marks: Collection[int] = (),
 ) -> tuple[TokenTree, list[int]]:  # the tree, and which node each of its nodes was
-    """The ``budget`` nodes of best cumulative score (``scores``), ordered by depth, siblings best
-    first (``marks``, the lookup's deterministic children, first of all), with q̂ at the root
-    (``q_at[-1]``, [V]) and at each kept node that was expanded. The ``free`` nodes (forced runs)
-    are not counted: one stays when the drafted node above its run stays."""
+    """The ``budget`` nodes of best cumulative score, by depth, siblings best first (``marks``, the lookup's children,
+    first of all); the ``free`` nodes (forced runs) are not counted: one stays when the drafted node above it stays."""
     kept_set = set(sorted((n for n in range(len(tokens)) if n not in free), key=lambda n: (-scores[n], n))[:budget])
     for n in range(len(tokens)):  # parents come first
         if n in free and drafted_above(n, parents, free) in kept_set | {-1}:

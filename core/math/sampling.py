@@ -12,11 +12,8 @@ MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon: below it logits / T overflow;
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How logits become the distribution a token is drawn from.
-
-    ``temperature == 0`` is greedy: the distribution is then ``softmax(logits)`` untruncated,
-    whose argmax is the token (DESIGN §3.2), so workers can be aggregated before the argmax.
-    """
+    """How logits become the distribution a token is drawn from. ``temperature == 0`` is greedy: the
+    distribution is then ``softmax(logits)`` untruncated, so workers aggregate before the argmax (DESIGN §3.2)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
@@ -59,10 +56,8 @@ def apply_sampling(
 def normalised(
     probs: torch.Tensor,  # [..., V] ≥ 0: a distribution's rows as a model computed them (fp32)
 ) -> torch.Tensor:  # [..., V] float64, each row summing to 1 to float64 rounding
-    """fp32 rows of V entries sum to 1 ± V·2⁻²⁴ (6e-8 at V = 3, up to 1e-6 at V = 49,152), and
-    speculative sampling turns a row that does not sum to 1 into an output off the row's own law
-    by as much: sampling renormalises, min(1, p/q) does not. Every row that feeds the accept
-    test, the residual or a draw at T > 0 goes through here first."""
+    """fp32 rows sum to 1 ± V·2⁻²⁴, and min(1, p/q) does not renormalise (an output off the row's law by as much):
+    every row that feeds the accept test, the residual or a draw at T > 0 goes through here first."""
     p = probs.double()
     return p / p.sum(dim=-1, keepdim=True).clamp(min=1e-300)
 
@@ -118,10 +113,8 @@ def truncated_support(
     top_k: int = 0,  # keep the k most likely (0 = off)
     top_p: float = 1.0,  # keep the smallest nucleus of mass ≥ top_p (1 = off)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [s] long ascending ids, [s] float64 probs summing to 1
-    """``truncate`` on the support alone (DESIGN §9): the same ids, the same ties, the
-    probabilities renormalised over the kept entries only — equal to ``truncate``'s up to the
-    last bits of the float64 sum — with no full-vocabulary log, sort or softmax when ``top_k``
-    is set. The draft samples from these, so lossless stays lossless."""
+    """``truncate`` on the support alone (DESIGN §9): the same ids and ties, the probabilities renormalised over
+    the kept entries (``truncate``'s up to the last bits), with no full-vocabulary log, sort or softmax at top_k."""
     ids = None
     if 0 < top_k < probs.shape[-1]:
         top = torch.topk(probs, top_k)

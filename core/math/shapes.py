@@ -1,10 +1,9 @@
-"""The shapes a draft may take (DESIGN §3.6, §3.7): how a tree grows (``TreeShape``, by its
-``ChildRule``) and how a pipeline sends it (``SegmentSchedule``). Plain settings, checked when
-made: the config reads them without loading torch (a ``specgate`` command that only checks a
-config starts in a fraction of a second); ``core.math.tree`` holds the trees themselves."""
+"""The shapes a draft may take (DESIGN §3.6, §3.7): ``TreeShape`` and a pipeline's ``SegmentSchedule``.
+Plain settings without torch: the config reads them (checking a config takes a fraction of a second)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -22,13 +21,9 @@ MAX_TREE_NODES = 63  # nodes of one tree at most (a worker scores them in llama.
 
 @dataclass(frozen=True)
 class TreeShape:
-    """How the draft grows a tree (DESIGN §3.6), one batched draft decode per depth.
-
-    Sampled rules: each node at depth d gets ``widths[d-1]`` children drawn from q̂ there (with
-    replacement, TSLT's ⟨k_1,…,k_L⟩; or without). ``fixed`` (EAGLE-2): per depth, the ``top_k``
-    best nodes by cumulative draft log-probability are expanded into their ``top_k`` most likely
-    children, down to ``depth``; the tree keeps the best ``nodes`` overall.
-    """
+    """How the draft grows a tree (DESIGN §3.6). Sampled rules: each node at depth d gets ``widths[d-1]``
+    children drawn from q̂. ``fixed`` (EAGLE-2): per depth the ``top_k`` best nodes get their ``top_k``
+    most likely children, down to ``depth``; the best ``nodes`` overall stay."""
 
     rule: ChildRule
     widths: tuple[int, ...] = ()
@@ -51,11 +46,7 @@ class TreeShape:
         """Nodes of a full tree of this shape."""
         if self.rule is ChildRule.FIXED:
             return self.nodes
-        total, level = 0, 1
-        for k in self.widths:
-            level *= k
-            total += level
-        return total
+        return sum(math.prod(self.widths[:depth]) for depth in range(1, len(self.widths) + 1))
 
     @property
     def max_depth(self) -> int:
@@ -78,11 +69,9 @@ class TreeShape:
 
 @dataclass(frozen=True)
 class SegmentSchedule:
-    """Mode ``pipeline`` (FlowSpec, DESIGN §3.7): each round drafts an EAGLE-2 tree (``tree``,
-    fixed children), sends its nodes best first in segments of ``segment`` nodes, at most
-    ``in_flight`` segments in the stages at once (0 = one per stage), and, while the live part
-    of the tree has fewer than ``segment`` nodes left to send, expands its best live leaf by a
-    small EAGLE-2 tree (``expand``: no deeper than ``tree.depth`` below the walk)."""
+    """Mode ``pipeline`` (FlowSpec, DESIGN §3.7): each round's EAGLE-2 ``tree`` goes best node first in
+    segments of ``segment`` nodes, ``in_flight`` at once (0 = one per stage); while the live tree runs short,
+    ``expand`` grows its best live leaf (no deeper than ``tree.depth`` below the walk)."""
 
     tree: TreeShape = TreeShape(ChildRule.FIXED, nodes=10, depth=5, top_k=3)  # every draft level and node costs on CPU: small trees pay (docs/performance.md)
     segment: int = 6

@@ -44,9 +44,7 @@ def residual(
     """norm(max(0, p − q)); ``p`` itself when that has no mass (possible only with a reconstructed p̂)."""
     diff = torch.clamp(p.double() - q.double(), min=0.0)
     total = diff.sum()
-    if total > 0:
-        return diff / total
-    return p.double() / p.double().sum()
+    return diff / total if total > 0 else p.double() / p.double().sum()
 
 
 def beta(
@@ -62,11 +60,14 @@ def count_accepted(
     accept_u: torch.Tensor,  # [γ]: r_j ~ U[0, 1)
 ) -> int:
     """Draft tokens kept: x_j is accepted while r_j < min(1, p_j(x_j) / q̂_j(x_j))."""
-    probs = acceptance_probs(p_draft, q_draft)
-    for j in range(len(probs)):
-        if not accepts(float(accept_u[j]), float(probs[j])):
-            return j
-    return len(probs)
+    return first_rejection(acceptance_probs(p_draft, q_draft), accept_u)
+
+
+def first_rejection(
+    probs: torch.Tensor,  # [γ]: the probability of accepting x_j
+    accept_u: torch.Tensor,  # [γ]: r_j ~ U[0, 1)
+) -> int:  # the first j whose test fails (γ when none does)
+    return next((j for j in range(len(probs)) if not accepts(float(accept_u[j]), float(probs[j]))), len(probs))
 
 
 def verify_greedy(

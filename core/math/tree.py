@@ -1,15 +1,5 @@
-"""Token trees (DESIGN §3.6): a draft with several candidates per node, verified in one walk.
-
-A ``TokenTree`` holds n draft nodes in topological order (``parents[i] < i``, −1 = the root,
-i.e. the last agreed token) and, for the root (row 0) and each node i (row i + 1), the draft's
-sparse q̂ there: the distribution that node's children were chosen from. A chain is the tree
-whose parents are [−1, 0, 1, …]; it verifies to the very numbers of the textbook chain verifier
-(``tests.oracles.verify_sampled``).
-
-How a tree is verified — the walk, by the rule of how each node's children were chosen — is
-``core.math.walk``.
-"""
-
+"""Token trees (DESIGN §3.6), verified in one walk (``core.math.walk``). A chain is the tree whose parents are
+[−1, 0, 1, …]: it verifies to the very numbers of the textbook chain verifier (``tests.oracles.verify_sampled``)."""
 
 from __future__ import annotations
 
@@ -26,6 +16,8 @@ SparseRow = tuple[torch.Tensor, torch.Tensor]  # [s] long ids (ascending), [s] p
 
 @dataclass(frozen=True)
 class TokenTree:
+    """n draft nodes in topological order, with the draft's sparse q̂ at the root and at each node: what its children were drawn from."""
+
     tokens: torch.Tensor  # [n] long: the draft token at each node
     parents: torch.Tensor  # [n] long: each node's parent, −1 = the root; parents[i] < i
     q_ids: torch.Tensor  # [n+1, s] long: the support of q̂ at the root (row 0) and at node i (row i+1); −1 pads
@@ -76,10 +68,8 @@ class TokenTree:
 
     @property
     def is_sampled_chain(self) -> bool:
-        """A chain each of whose tokens was drawn from q̂ (or greedy): what the chain verifiers
-        (``verify_sampled``, ``verify_exact``, DSD's relaxed test) assume. A chain of fixed
-        (top-1) children is not, nor one with lookup nodes whose parents' rows are not δ: they
-        need the walk's fixed rule (DESIGN §3.6, §3.10)."""
+        """A chain each of whose tokens was drawn from q̂ (or greedy), as the chain verifiers assume; fixed (top-1)
+        or lookup children need the walk's fixed rule (DESIGN §3.6, §3.10)."""
         return self.is_chain and self.rule is not ChildRule.FIXED and (self.deterministic is None or not bool(self.deterministic.any()))
 
     @cached_property
@@ -99,30 +89,23 @@ class TokenTree:
 
     def head(self, n: int) -> TokenTree:
         """A chain's first ``n`` nodes."""
-        assert self.is_chain, "head() cuts chains"
-        n = min(n, len(self))
-        flags = None if self.deterministic is None else self.deterministic[:n]
-        return TokenTree(self.tokens[:n], self.parents[:n], self.q_ids[: n + 1], self.q_probs[: n + 1], self.rule, flags)
+        return self._cut(0, min(n, len(self)))
 
     def tail(self, k: int) -> TokenTree:
         """A chain without its first ``k`` nodes: node k becomes the root's child."""
-        assert self.is_chain, "tail() cuts chains"
-        k = min(k, len(self))
-        flags = None if self.deterministic is None else self.deterministic[k:]
-        return TokenTree(self.tokens[k:], self.parents[k:] - k, self.q_ids[k:], self.q_probs[k:], self.rule, flags)
+        return self._cut(min(k, len(self)), len(self))
+
+    def _cut(self, start: int, end: int) -> TokenTree:  # a chain's nodes [start, end), node start the root's child
+        assert self.is_chain, "only chains are cut"
+        flags = None if self.deterministic is None else self.deterministic[start:end]
+        rows = slice(start, end + 1)
+        return TokenTree(self.tokens[start:end], self.parents[start:end] - start, self.q_ids[rows], self.q_probs[rows], self.rule, flags)
 
     def support(self, node: int) -> tuple[torch.Tensor, torch.Tensor]:  # [s] long ids (ascending), [s] probs: q̂ at ``node`` (−1 = root)
         keep = self.q_ids[node + 1] >= 0
         return self.q_ids[node + 1][keep], self.q_probs[node + 1][keep]
 
-    def q_of(self, node: int) -> float:
-        """q̂(x) of ``node``'s token x under its parent's q̂ (what it was drawn from); one row
-        only (``q_values`` for every node at once)."""
-        row = int(self.parents[node]) + 1
-        hits = (self.q_ids[row] == self.tokens[node]).nonzero()
-        return float(self.q_probs[row, hits[0, 0]]) if len(hits) else 0.0
-
-    def q_values(self) -> torch.Tensor:  # [n] in q_probs' dtype: q_of of every node, in one pass (pads, −1, match no token)
+    def q_values(self) -> torch.Tensor:  # [n] in q_probs' dtype: q̂(x) of each node's token under its parent's q̂ (pads, −1, match no token)
         n = len(self)
         ids, probs = (self.q_ids[:n], self.q_probs[:n]) if self.is_chain else (self.q_ids[self.parents + 1], self.q_probs[self.parents + 1])
         hits = ids == self.tokens[:, None]
@@ -132,32 +115,22 @@ class TokenTree:
     def depths(self) -> torch.Tensor:  # [n] long: 1 for the root's children; position = agreed length + depth − 1
         return torch.tensor(self._depth_list, dtype=torch.long)
 
-    def ancestor_mask(self) -> torch.Tensor:  # [n, n] bool: node i attends to node j (j an ancestor of i, or i itself)
-        n = len(self)
-        mask = torch.eye(n, dtype=torch.bool)
-        for i, parent in enumerate(self.parents.tolist()):
-            if parent >= 0:
-                mask[i] |= mask[parent]
-        return mask
-
     def children(self, node: int) -> list[int]:
         """The children of ``node`` (−1 = the root), in draft order."""
         return list(self._children_of.get(node, ()))
 
     def num_deterministic(self, node: int) -> int:
         """How many of ``node``'s children (its first ones) are deterministic (lookup) children."""
-        if self.deterministic is None:
-            return 0
-        return sum(1 for c in self._children_of.get(node, ()) if bool(self.deterministic[c]))
+        flags = self.deterministic
+        return 0 if flags is None else sum(1 for c in self._children_of.get(node, ()) if bool(flags[c]))
 
     def path_to(self, node: int) -> list[int]:
         """The nodes from the root's child down to ``node``."""
         return path_of(node, self._parent_list)
 
     def q_row(self, node: int, vocab_size: int) -> torch.Tensor:  # [V] float64: q̂ at ``node`` (−1 = root)
-        row = node + 1
-        keep = self.q_ids[row] >= 0
-        return torch.zeros(vocab_size, dtype=torch.float64).index_put_((self.q_ids[row][keep],), self.q_probs[row][keep].double(), accumulate=True)
+        ids, probs = self.support(node)
+        return torch.zeros(vocab_size, dtype=torch.float64).index_put_((ids,), probs.double(), accumulate=True)
 
     def q_rows(self, vocab_size: int) -> torch.Tensor:  # [n, V] in q_probs' dtype: each node's q̂ (its parent's row)
         """Dense rows of the q̂ each node was drawn from (for the chain-only relaxed test)."""

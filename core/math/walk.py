@@ -1,34 +1,6 @@
-"""The walk that verifies a token tree (DESIGN §3.6, ``core.math.tree``).
-
-The target sends p at the root and at every node (``[n+1, V]``). The walk starts at the root
-with p' = p(root) and tries its children in draft order with the rule that matches how they
-were chosen — using another one is biased:
-
-- ``sampled`` (i.i.d. from q̂ with replacement; SpecInfer, TSLT Algorithm 5): accept c if
-  r < min(1, p'(c)/q̂(c)); else p' ← norm(max(0, p' − q̂)). Duplicates are tried again.
-- ``sampled_distinct`` (without replacement, Gumbel-top-k; Sequoia): the same, and q̂ also
-  loses the rejected token (renormalised).
-- ``fixed`` (top-k, EAGLE-2's cumulative score): accept c with probability p'(c); else
-  p'(c) ← 0, renormalised. A duplicate sibling has p'(c) = 0 by then: never accepted.
-
-Deterministic children (lookup candidates, DESIGN §3.10: drawn from δ_c) come first among their
-siblings (``TokenTree.deterministic``) and are tested by the fixed rule whatever the tree's; a
-rejected one also leaves q̂ (renormalised), since the sampled siblings after it were drawn from q̂
-without the deterministic ones: each candidate is tested with the law it was drawn from given
-the candidates before it, which is what keeps a mixed sibling set exact.
-
-An accepted child becomes the node (p' = p there); at a node whose children are all rejected
-the walk ends with the recovered token drawn from p', at a leaf with the bonus token from p.
-Each candidate draws from its own lane (its rank among its siblings): ``accept_u[d, rank]`` at
-walk depth d; the recovered / bonus draw at depth d is ``final_u[d]``. T = 0 follows argmax p.
-
-``exact``'s sparse payload (DESIGN §3.5) walks the same way on an extended support per node:
-the ids S_v the gateway sent (q̂'s support there, and the children), then one entry per worker
-holding w_n c_n, its mass off S_v. Off S_v q̂ is 0 and no child lies there, so every rule leaves
-that part of p' proportional to p: a draw that lands on worker n's entry emits its sample
-y_n ~ p_n(· | x ∉ S_v). At a leaf the worker sent y_n ~ p_n (S_v empty), chosen with weight w_n.
-
-"""
+"""The walk that verifies a token tree (DESIGN §3.6): each node's children tried in draft order by the rule
+of how they were chosen, one lane per candidate rank (``accept_u[d, rank]``, then ``final_u[d]``); lookup
+children first, by the fixed rule (§3.10); ``exact``'s sparse payload on S_v plus one entry per worker (§3.5)."""
 
 from __future__ import annotations
 
@@ -37,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from core.math.aggregation import normalise_weights
+from core.math.exact import SparseNode, draw_extended
 from core.math.random import accepts, sample_index
 from core.math.speculative import acceptance_probs, argmax_lowest, residual
 from core.math.shapes import ChildRule
@@ -56,9 +29,6 @@ class TreeVerdict:
     def output(self, tree: TokenTree) -> list[int]:
         """The tokens the round emits: the accepted path's, then the recovered / bonus one."""
         return [int(tree.tokens[i]) for i in self.path] + [self.token]
-
-
-# ----------------------------------------------------------------------------- one node
 
 
 def accept_probability(
@@ -84,23 +54,20 @@ def after_rejection(
     deterministic: bool = False,  # a lookup child: p' and (sampled rules) q̂' lose it
 ) -> tuple[torch.Tensor, torch.Tensor]:  # p', q' after the candidate ``token`` was rejected
     if rule is ChildRule.FIXED or deterministic:
-        kept = p.double().clone()
-        kept[token] = 0.0
-        total = kept.sum()
-        p_next = kept / total if total > 0 else p.double()
-        if rule is ChildRule.FIXED:
-            return p_next, q
-        q_next = q.double().clone()  # the drawn siblings after it came from q̂ without it
-        q_next[token] = 0.0
-        left = q_next.sum()
-        return p_next, (q_next / left if left > 0 else q_next)
-    p_next = residual(p, q)
-    if rule is ChildRule.SAMPLED_DISTINCT:
-        q_next = q.double().clone()
-        q_next[token] = 0.0
-        total = q_next.sum()
-        q = q_next / total if total > 0 else q_next
-    return p_next, q
+        p_next = _without(p, token, if_empty=p.double())
+        return p_next, (q if rule is ChildRule.FIXED else _without(q, token))  # the drawn siblings after it came from q̂ without it
+    return residual(p, q), (_without(q, token) if rule is ChildRule.SAMPLED_DISTINCT else q)
+
+
+def _without(
+    dist: torch.Tensor,  # [V]
+    token: int,
+    if_empty: torch.Tensor | None = None,  # what to return when nothing is left; None: the zeros
+) -> torch.Tensor:  # [V] float64: ``dist`` with ``token`` at 0, renormalised
+    out = dist.double().clone()
+    out[token] = 0.0
+    total = out.sum()
+    return out / total if total > 0 else out if if_empty is None else if_empty
 
 
 def try_children(
@@ -119,9 +86,6 @@ def try_children(
             return rank, p_now
         p_now, q_now = after_rejection(p_now, q_now, token, rule, fixed)
     return None, p_now
-
-
-# ----------------------------------------------------------------------------- the walk
 
 
 def verify_tree(
@@ -161,31 +125,13 @@ def verify_tree_greedy(
         path.append(node)
 
 
-# ----------------------------------------------------------------------------- exact's sparse payload
-
-
-@dataclass(frozen=True)
-class SparseNode:
-    """What the workers sent for one row of a tree under ``exact`` (the root, or a node)."""
-
-    support: torch.Tensor  # [s] long, ascending: S_v (empty at a leaf)
-    p: torch.Tensor  # [N, s]: p_n on S_v, per worker
-    complement: torch.Tensor  # [N]: c_n = Σ_{x∉S_v} p_n(x)
-    samples: list[int]  # [N]: y_n ~ p_n(· | x ∉ S_v); −1 where c_n = 0
-
-
 def node_supports(tree: TokenTree) -> list[torch.Tensor]:
     """S_v per row (root, then each node): q̂'s support there and the children's tokens,
     ascending; empty at a leaf (its worker sample is then drawn from all of p_n)."""
-    out = []
-    for node in range(-1, len(tree)):
-        children = tree.children(node)
-        if not children:
-            out.append(torch.zeros(0, dtype=torch.long))
-            continue
-        ids, _ = tree.support(node)
-        out.append(torch.unique(torch.cat([ids, tree.tokens[children]])))
-    return out
+    return [
+        torch.unique(torch.cat([tree.support(node)[0], tree.tokens[tree.children(node)]])) if tree.children(node) else torch.zeros(0, dtype=torch.long)
+        for node in range(-1, len(tree))
+    ]
 
 
 def extended_node(
@@ -221,8 +167,6 @@ def verify_tree_exact(
         candidates = [int(i) for i in torch.searchsorted(row.support, tree.tokens[children]).tolist()]
         rank, p_left = try_children(p, q, candidates, tree.rule, accept_u[len(path)], tree.num_deterministic(node))
         if rank is None:
-            index = sample_index(p_left, u)
-            size = row.support.shape[0]
-            return TreeVerdict(path, int(row.support[index]) if index < size else row.samples[index - size], is_bonus=False)
+            return TreeVerdict(path, draw_extended(row.support, row.samples, p_left, u), is_bonus=False)
         node = children[rank]
         path.append(node)

@@ -10,61 +10,58 @@ from core.errors import InvalidRequest, ProtocolError
 from core.math.sampling import MIN_TEMPERATURE
 from core.math.shapes import MAX_TREE_NODES
 from core.names import Mode, ProbsDtype
-from core.protocol.messages import (
-    MAX_LOGPROBS,
-    RECONSTRUCTIONS,
-    SERVED_MODES,
-    StageRequest,
-    VerifyRequest,
-    VerifyResponse,
-)
+from core.protocol.messages import MAX_LOGPROBS, RECONSTRUCTIONS, SERVED_MODES, StageRequest, VerifyRequest, VerifyResponse
+
+
+Rule = tuple[bool, str, str]  # (broken, message, param): the first broken rule is the 400
+
+
+def _first_broken(rules: list[Rule]) -> None:
+    for broken, message, param in rules:
+        if broken:
+            raise InvalidRequest(message, param=param)
 
 
 def check_ids(ids: np.ndarray, vocab_size: int, name: str) -> None:
     """Raise InvalidRequest unless every id of ``ids`` lies in [0, vocab_size)."""
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise InvalidRequest(
-            f"{name}: token ids must lie in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}",
-            param=name,
-        )
+        raise InvalidRequest(f"{name}: token ids must lie in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}", param=name)
+
+
+def _check_tokens(arr: np.ndarray, vocab_size: int, name: str) -> None:
+    if arr.ndim != 1:
+        raise InvalidRequest(f"{name} must be one-dimensional", param=name)
+    check_ids(arr, vocab_size, name)
+
+
+def _sampling_rules(req: VerifyRequest | StageRequest, vocab_size: int) -> list[Rule]:
+    """What a verify call and a pipeline's last stage share: T(p)'s parameters and the payload's form."""
+    return [
+        (req.k is not None and not 0 < req.k <= vocab_size, f"k must lie in [1, {vocab_size}], got {req.k}", "k"),
+        (not (req.temperature == 0 or MIN_TEMPERATURE <= req.temperature < np.inf), f"temperature must be 0 or ≥ {MIN_TEMPERATURE}", "temperature"),
+        (req.top_k < 0, "top_k must be ≥ 0 (0 = off)", "top_k"),
+        (not 0 < req.top_p <= 1, "top_p must lie in (0, 1]", "top_p"),
+        (not 0 <= req.min_p < 1, "min_p must lie in [0, 1)", "min_p"),
+        (req.probs_dtype not in {d.value for d in ProbsDtype}, f"probs_dtype must be fp16 or fp32, got {req.probs_dtype!r}", "probs_dtype"),
+        (req.reconstruction not in RECONSTRUCTIONS, f"reconstruction must be one of {list(RECONSTRUCTIONS)}", "reconstruction"),
+    ]
 
 
 def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
     """Range checks of a decoded VerifyRequest against a vocabulary of ``vocab_size``."""
-    for name in ("tokens", "draft"):
-        arr = getattr(req, name)
-        if arr.ndim != 1:
-            raise InvalidRequest(f"{name} must be one-dimensional", param=name)
-        check_ids(arr, vocab_size, name)
-    if req.prefix_len < 0:
-        raise InvalidRequest(f"prefix_len must be ≥ 0, got {req.prefix_len}", param="prefix_len")
-    if req.k is not None and not 0 < req.k <= vocab_size:
-        raise InvalidRequest(f"k must lie in [1, {vocab_size}], got {req.k}", param="k")
-    if not (req.temperature == 0 or MIN_TEMPERATURE <= req.temperature < np.inf):
-        raise InvalidRequest(f"temperature must be 0 or ≥ {MIN_TEMPERATURE}", param="temperature")
-    if req.top_k < 0:
-        raise InvalidRequest("top_k must be ≥ 0 (0 = off)", param="top_k")
-    if not 0 < req.top_p <= 1:
-        raise InvalidRequest("top_p must lie in (0, 1]", param="top_p")
-    if not 0 <= req.min_p < 1:
-        raise InvalidRequest("min_p must lie in [0, 1)", param="min_p")
-    if req.probs_dtype not in {d.value for d in ProbsDtype}:
-        raise InvalidRequest(f"probs_dtype must be fp16 or fp32, got {req.probs_dtype!r}", param="probs_dtype")
-    if req.mode not in SERVED_MODES:
-        raise InvalidRequest(f"mode {req.mode!r} is not served: use one of {list(SERVED_MODES)}", param="mode")
-    if req.mode == Mode.AUTOREGRESSIVE.value and req.draft.size:
-        raise InvalidRequest("autoregressive scores one position: the draft must be empty", param="draft")
-    if req.reconstruction not in RECONSTRUCTIONS:
-        raise InvalidRequest(f"reconstruction must be one of {list(RECONSTRUCTIONS)}", param="reconstruction")
-    if not 0 <= req.seed < 2**63 or req.choice < 0 or req.worker < 0:
-        raise InvalidRequest("seed must lie in [0, 2**63); choice and worker must be ≥ 0", param="seed")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise InvalidRequest(f"logprobs must lie in [0, {MAX_LOGPROBS}]", param="logprobs")
-    if req.score_tokens and req.prefix_len != 0:
-        raise InvalidRequest("score_tokens scores a whole prompt: prefix_len must be 0", param="score_tokens")
+    _check_tokens(req.tokens, vocab_size, "tokens")
+    _check_tokens(req.draft, vocab_size, "draft")
+    _first_broken([
+        (req.prefix_len < 0, f"prefix_len must be ≥ 0, got {req.prefix_len}", "prefix_len"),
+        *_sampling_rules(req, vocab_size),
+        (req.mode not in SERVED_MODES, f"mode {req.mode!r} is not served: use one of {list(SERVED_MODES)}", "mode"),
+        (req.mode == Mode.AUTOREGRESSIVE.value and req.draft.size > 0, "autoregressive scores one position: the draft must be empty", "draft"),
+        (not 0 <= req.seed < 2**63 or req.choice < 0 or req.worker < 0, "seed must lie in [0, 2**63); choice and worker must be ≥ 0", "seed"),
+        (req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS, f"logprobs must lie in [0, {MAX_LOGPROBS}]", "logprobs"),
+        (req.score_tokens and req.prefix_len != 0, "score_tokens scores a whole prompt: prefix_len must be 0", "score_tokens"),
+        (req.score_ids is not None and (req.draft.size > 0 or req.score_ids.ndim != 1), "score_ids scores one position: the draft must be empty", "score_ids"),
+    ])
     if req.score_ids is not None:
-        if req.draft.size or req.score_ids.ndim != 1:
-            raise InvalidRequest("score_ids scores one position: the draft must be empty", param="score_ids")
         check_ids(req.score_ids, vocab_size, "score_ids")
     if req.parents is not None:
         _check_parents(req)
@@ -82,18 +79,14 @@ def _check_parents(req: VerifyRequest) -> None:
     assert parents is not None
     if parents.ndim != 1 or parents.shape != req.draft.shape:
         raise InvalidRequest(f"parents must hold one parent per draft node: {parents.shape} for {len(req.draft)} nodes", param="parents")
-    if len(parents) > MAX_TREE_NODES:
-        raise InvalidRequest(f"a tree of {len(parents)} nodes exceeds the {MAX_TREE_NODES} a worker scores", param="draft")
-    bad = next((i for i, parent in enumerate(parents.tolist()) if not -1 <= parent < i), None)
-    if bad is not None:
-        raise InvalidRequest(
-            f"parents[{bad}] = {int(parents[bad])}: a node's parent is −1 (the root) or an earlier node (no parent after its child, no cycle)",
-            param="parents",
-        )
-    if req.mode not in (Mode.AGGREGATE.value, Mode.TREE.value, Mode.EXACT.value):
-        raise InvalidRequest(f"trees ride on aggregate's or exact's payload; mode {req.mode!r} verifies chains", param="parents")
-    if req.score_tokens or req.score_ids is not None:
-        raise InvalidRequest("a tree takes no score_tokens or score_ids", param="parents")
+    bad, parent = next(((i, parent) for i, parent in enumerate(parents.tolist()) if not -1 <= parent < i), (None, None))
+    _first_broken([
+        (len(parents) > MAX_TREE_NODES, f"a tree of {len(parents)} nodes exceeds the {MAX_TREE_NODES} a worker scores", "draft"),
+        (bad is not None, f"parents[{bad}] = {parent}: a node's parent is −1 (the root) or an earlier node (no parent after its child, no cycle)", "parents"),
+        (req.mode not in (Mode.AGGREGATE.value, Mode.TREE.value, Mode.EXACT.value),
+         f"trees ride on aggregate's or exact's payload; mode {req.mode!r} verifies chains", "parents"),
+        (req.score_tokens or req.score_ids is not None, "a tree takes no score_tokens or score_ids", "parents"),
+    ])
 
 
 def _check_path(req: VerifyRequest) -> None:
@@ -122,7 +115,7 @@ def _check_supports(req: VerifyRequest, vocab_size: int) -> None:
     """Chains: one support per draft token (S_j holds x_j). Trees: one per row, the root's then
     each node's, empty at a leaf; each node's token lies in its parent's support."""
     ids, sizes, tree = req.support_ids, req.support_sizes, req.parents is not None
-    rows = len(req.draft) + 1 if tree else len(req.draft)
+    rows = len(req.draft) + tree
     if ids is None or sizes is None or sizes.shape != (rows,) or ids.ndim != 1:
         what = "one support per row (the root, then each node)" if tree else "one support per draft token"
         raise InvalidRequest(f"exact needs support_ids and support_sizes, {what}", param="support_ids")
@@ -171,23 +164,25 @@ def _check_split(resp: VerifyResponse, vocab_size: int, gamma: int, greedy: bool
 
 
 def _check_exact(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
-    gamma = len(req.draft)
-    size = int(np.asarray(req.support_sizes).sum()) if gamma else 0
+    tree = req.parents is not None
+    size = int(np.asarray(req.support_sizes).sum()) if len(req.draft) or tree else 0
     probs, mass, samples = resp.support_probs, resp.complement, resp.complement_samples
     if probs is None or mass is None or samples is None:
         raise ProtocolError("exact answers need support_probs, complement and complement_samples")
-    rows = gamma + 1 if req.parents is not None else gamma  # a tree: every row, leaves too (their sample is the bonus)
-    if req.parents is not None:
-        size = int(np.asarray(req.support_sizes).sum())
+    rows = len(req.draft) + tree  # a tree: every row, leaves too (their sample is the bonus)
     if probs.shape != (size,) or mass.shape != (rows,) or samples.shape != (rows,):
         raise ProtocolError(f"exact arrays of shapes {probs.shape}, {mass.shape}, {samples.shape}; expected ({size},), ({rows},), ({rows},)")
-    for name, arr in (("support_probs", probs), ("complement", mass)):
-        if not np.all(np.isfinite(arr)) or arr.min(initial=0) < 0 or arr.max(initial=0) > 1 + 1e-3:
-            raise ProtocolError(f"{name}: values must be finite probabilities in [0, 1]")
+    _check_unit("support_probs", probs)
+    _check_unit("complement", mass)
     if np.any((samples < 0) & (mass > 0)) or samples.max(initial=-1) >= vocab_size or samples.min(initial=-1) < -1:
         raise ProtocolError("complement_samples must be token ids, −1 only where the complement is empty")
-    if req.parents is None:
+    if not tree:
         check_ids(np.array([resp.bonus]), vocab_size, "bonus")
+
+
+def _check_unit(name: str, arr: np.ndarray) -> None:
+    if not np.all(np.isfinite(arr)) or arr.min(initial=0) < 0 or arr.max(initial=0) > 1 + 1e-3:
+        raise ProtocolError(f"{name}: values must be finite probabilities in [0, 1]")
 
 
 def _check_probs(resp: VerifyResponse, vocab_size: int, num_positions: int) -> None:
@@ -199,15 +194,13 @@ def _check_probs(resp: VerifyResponse, vocab_size: int, num_positions: int) -> N
         raise ProtocolError(f"probs shape {probs.shape}, expected {(num_positions, width)}")
     if resp.ids is not None:
         check_ids(np.asarray(resp.ids), vocab_size, "ids")
-    checked = [("probs", probs), ("tail_mass", resp.tail_mass)]
-    if resp.recon_error is not None:
-        checked.append(("recon_error", resp.recon_error))
-    for name, arr in checked[1:]:
-        if arr.shape != (num_positions,):
+    per_position = {"tail_mass": resp.tail_mass, "recon_error": resp.recon_error}
+    for name, arr in per_position.items():
+        if arr is not None and arr.shape != (num_positions,):
             raise ProtocolError(f"{name} shape {arr.shape}, expected {(num_positions,)}")
-    for name, arr in checked:
-        if not np.all(np.isfinite(arr)) or arr.min(initial=0) < 0 or arr.max(initial=0) > 1 + 1e-3:
-            raise ProtocolError(f"{name}: values must be finite probabilities in [0, 1]")
+    for name, arr in {"probs": probs, **per_position}.items():
+        if arr is not None:
+            _check_unit(name, arr)
     if not np.all(probs.sum(axis=-1) <= 1 + 1e-2):
         raise ProtocolError("probs: a position sums to more than 1")
 
@@ -248,36 +241,19 @@ def _check_top(ids: np.ndarray | None, values: np.ndarray | None, shape: tuple[i
 
 def check_stage_request(req: StageRequest, vocab_size: int, hidden_size: int, first_stage: bool) -> None:
     """Range checks of a decoded StageRequest, at a stage of a model with ``hidden_size``."""
-    if req.tokens.ndim != 1:
-        raise InvalidRequest("tokens must be one-dimensional", param="tokens")
-    check_ids(req.tokens, vocab_size, "tokens")
+    _check_tokens(req.tokens, vocab_size, "tokens")
     count = len(req.tokens)
-    if req.seq < 0 or req.prefix_len < 0:
-        raise InvalidRequest("seq and prefix_len must be ≥ 0", param="seq")
-    if req.parents is not None and req.parents.shape != (count,):
-        raise InvalidRequest(f"parents must have one entry per new row ({count})", param="parents")
-    if req.keep is not None and req.keep.ndim != 1:
-        raise InvalidRequest("keep must be one-dimensional", param="keep")
-    if req.hidden_dtype not in ("f16", "f32"):
-        raise InvalidRequest(f"hidden_dtype must be f16 or f32, got {req.hidden_dtype!r}", param="hidden_dtype")
-    if first_stage and req.hidden is not None:
-        raise InvalidRequest("the first stage embeds the tokens: hidden must be absent", param="hidden")
-    if not first_stage and count and (req.hidden is None or req.hidden.shape != (count, hidden_size)):
-        shape = None if req.hidden is None else list(req.hidden.shape)
-        raise InvalidRequest(f"a later stage needs hidden states [{count}, {hidden_size}], got {shape}", param="hidden")
-    if not 0 <= req.score_from <= count:
-        raise InvalidRequest(f"score_from must lie in [0, {count}]", param="score_from")
-    if req.k is not None and not 0 < req.k <= vocab_size:
-        raise InvalidRequest(f"k must lie in [1, {vocab_size}], got {req.k}", param="k")
-    if not (req.temperature == 0 or MIN_TEMPERATURE <= req.temperature < np.inf):
-        raise InvalidRequest(f"temperature must be 0 or ≥ {MIN_TEMPERATURE}", param="temperature")
-    if req.top_k < 0 or not 0 < req.top_p <= 1:
-        raise InvalidRequest("top_k must be ≥ 0 and top_p in (0, 1]", param="top_k")
-    if req.probs_dtype not in {d.value for d in ProbsDtype}:
-        raise InvalidRequest(f"probs_dtype must be fp16 or fp32, got {req.probs_dtype!r}", param="probs_dtype")
-    if req.reconstruction not in RECONSTRUCTIONS:
-        raise InvalidRequest(f"reconstruction must be one of {list(RECONSTRUCTIONS)}", param="reconstruction")
-    if not 0 <= req.min_p < 1:
-        raise InvalidRequest("min_p must lie in [0, 1)", param="min_p")
-    if req.next is not None and not all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in req.next):
-        raise InvalidRequest("next must list the stages' http(s) base URLs", param="next")
+    hidden = None if req.hidden is None else list(req.hidden.shape)
+    _first_broken([
+        (req.seq < 0 or req.prefix_len < 0, "seq and prefix_len must be ≥ 0", "seq"),
+        (req.parents is not None and req.parents.shape != (count,), f"parents must have one entry per new row ({count})", "parents"),
+        (req.keep is not None and req.keep.ndim != 1, "keep must be one-dimensional", "keep"),
+        (req.hidden_dtype not in ("f16", "f32"), f"hidden_dtype must be f16 or f32, got {req.hidden_dtype!r}", "hidden_dtype"),
+        (first_stage and hidden is not None, "the first stage embeds the tokens: hidden must be absent", "hidden"),
+        (not first_stage and count > 0 and hidden != [count, hidden_size],
+         f"a later stage needs hidden states [{count}, {hidden_size}], got {hidden}", "hidden"),
+        (not 0 <= req.score_from <= count, f"score_from must lie in [0, {count}]", "score_from"),
+        *_sampling_rules(req, vocab_size),
+        (req.next is not None and not all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in req.next),
+         "next must list the stages' http(s) base URLs", "next"),
+    ])

@@ -1,18 +1,8 @@
 """Protocol v1's frame (DESIGN §4): the binary and JSON encodings every message shares.
 
-Binary frame (all integers little-endian)::
-
-    b"SGv1"  u32 header_len  header (header_len bytes of JSON)  array bytes ...
-
-The JSON header is ``{"fields": {...scalars...}, "arrays": [[name, dtype, shape], ...]}``, its
-fields only those that differ from their defaults (a decoder fills in the rest, as every v1
-decoder does: a 4-byte answer travels with a ~70-byte header, not ~130);
-the arrays follow in that order, C-contiguous, with no padding. dtypes: ``u16``/``u32`` for
-token ids (u16 when the vocabulary fits, DESIGN §4), ``i32``, ``f16``/``f32`` for
-probabilities (``f32`` wherever a mode claims to be exact), ``f64`` for the few scalars an exact
-mode computes in float64 and needs back to the last bit (split's q̂_j(x_j), exact's complement
-mass, min_tokens' kept mass): rounded to f32 they would move the output off the target by ~1e-8.
-"""
+Binary (little-endian): ``b"SGv1"  u32 header_len  header (JSON)  array bytes ...``; the header is
+``{"fields": {...}, "arrays": [[name, dtype, shape], ...]}`` (fields: only those off their defaults), the arrays
+follow in that order, C-contiguous. ``f64`` carries what an exact mode needs to the last bit (in f32: off by ~1e-8)."""
 
 from __future__ import annotations
 
@@ -33,12 +23,7 @@ MAGIC = b"SGv1"
 
 _PREFIX = struct.Struct("<4sI")
 _DTYPES: dict[str, np.dtype] = {
-    "u16": np.dtype("<u2"),
-    "u32": np.dtype("<u4"),
-    "i32": np.dtype("<i4"),
-    "f16": np.dtype("<f2"),
-    "f32": np.dtype("<f4"),
-    "f64": np.dtype("<f8"),
+    "u16": np.dtype("<u2"), "u32": np.dtype("<u4"), "i32": np.dtype("<i4"), "f16": np.dtype("<f2"), "f32": np.dtype("<f4"), "f64": np.dtype("<f8"),
 }
 _MAX_HEADER_BYTES = 64 * 1024
 _MAX_NDIM = 2
@@ -55,23 +40,23 @@ def prefix_hash(tokens: list[int] | np.ndarray) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-
-# --------------------------------------------------------------------------- messages
-
 M = TypeVar("M", bound="Message")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Message:
-    """A protocol message: scalar fields plus named numpy arrays (``ARRAYS``)."""
+    """A protocol message: scalar fields plus named numpy arrays (``ARRAYS``); equal when both are."""
 
-    # name -> wire dtype for the arrays of this message; float arrays use ``probs_dtype``
+    # name -> wire dtype for the arrays of this message; "ids" by the vocabulary, "probs" by ``probs_dtype``
     ARRAYS: ClassVar[dict[str, str]] = {}
     # scalars added after v1.0: on the wire only when set, so frames (and older peers) are as before
     EXTENSIONS: ClassVar[frozenset[str]] = frozenset()
 
     def array_dtype(self, name: str, vocab_size: int) -> str:
-        return ids_dtype(vocab_size) if self.ARRAYS[name] == "ids" else self.ARRAYS[name]
+        kind = self.ARRAYS[name]
+        if kind == "probs":
+            return "f16" if getattr(self, "probs_dtype") == "fp16" else "f32"
+        return ids_dtype(vocab_size) if kind == "ids" else kind
 
     def scalars(self) -> dict[str, Any]:
         return {
@@ -80,26 +65,13 @@ class Message:
         }
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {
-            name: getattr(self, name) for name in self.ARRAYS if getattr(self, name) is not None
-        }
+        return {name: getattr(self, name) for name in self.ARRAYS if getattr(self, name) is not None}
 
-
-def messages_equal(a: Message, b: object) -> bool:
-    if type(a) is not type(b):
-        return False
-    if a.scalars() != b.scalars():  # type: ignore[attr-defined]
-        return False
-    for name in a.ARRAYS:
-        x, y = getattr(a, name), getattr(b, name)
-        if (x is None) != (y is None):
+    def __eq__(self, other: object) -> bool:
+        if type(self) is not type(other) or self.scalars() != other.scalars():  # type: ignore[attr-defined]
             return False
-        if x is not None and not np.array_equal(np.asarray(x), np.asarray(y)):
-            return False
-    return True
-
-
-# --------------------------------------------------------------------------- encoding
+        pairs = [(getattr(self, name), getattr(other, name)) for name in self.ARRAYS]
+        return all((x is None) == (y is None) and (x is None or np.array_equal(np.asarray(x), np.asarray(y))) for x, y in pairs)
 
 
 def encode_binary(msg: Message, vocab_size: int) -> bytes:
@@ -114,11 +86,10 @@ def encode_binary(msg: Message, vocab_size: int) -> bytes:
     return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *chunks])
 
 
-_DEFAULTS: dict[type, dict[str, Any]] = {}
+_DEFAULTS: dict[type, dict[str, Any]] = {}  # per message class: the fields that have a default, with it
 
 
 def _defaults(cls: type[Message]) -> dict[str, Any]:
-    """The fields of ``cls`` that have a default, with it (once per class)."""
     if cls not in _DEFAULTS:
         _DEFAULTS[cls] = {f.name: f.default for f in fields(cls) if f.default is not MISSING}
     return _DEFAULTS[cls]
@@ -126,25 +97,17 @@ def _defaults(cls: type[Message]) -> dict[str, Any]:
 
 def _not_default(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """The scalars a decoder could not fill in itself (a bool is never taken for 0 or 1)."""
-    return {
-        k: v for k, v in values.items()
-        if k not in defaults or type(v) is not type(defaults[k]) or v != defaults[k]
-    }
+    return {k: v for k, v in values.items() if k not in defaults or type(v) is not type(defaults[k]) or v != defaults[k]}
 
 
 def encode_json(msg: Message) -> bytes:
     """The JSON form of ``msg``: scalars and arrays (as nested lists) side by side."""
-    body = dict(msg.scalars())
-    for name, arr in msg.arrays().items():
-        body[name] = np.asarray(arr).tolist()
-    return orjson.dumps(body)
+    return orjson.dumps({**msg.scalars(), **{name: np.asarray(arr).tolist() for name, arr in msg.arrays().items()}})
 
 
 def encode(msg: Message, vocab_size: int, as_json: bool = False) -> tuple[bytes, str]:
     """``(body, content_type)`` of ``msg`` in the asked encoding."""
-    if as_json:
-        return encode_json(msg), JSON_CONTENT_TYPE
-    return encode_binary(msg, vocab_size), BINARY_CONTENT_TYPE
+    return (encode_json(msg), JSON_CONTENT_TYPE) if as_json else (encode_binary(msg, vocab_size), BINARY_CONTENT_TYPE)
 
 
 def decode(cls: type[M], body: bytes, content_type: str | None) -> M:
@@ -203,10 +166,7 @@ def _read_array(body: bytes, offset: int, spec: Any) -> tuple[str, np.ndarray, i
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     nbytes = count * _DTYPES[dtype].itemsize
     if offset + nbytes > len(body):
-        raise ProtocolError(
-            f"truncated body: array {name!r} needs {nbytes} bytes, {len(body) - offset} left",
-            param=str(name),
-        )
+        raise ProtocolError(f"truncated body: array {name!r} needs {nbytes} bytes, {len(body) - offset} left", param=str(name))
     arr = np.frombuffer(body, dtype=_DTYPES[dtype], count=count, offset=offset).reshape(shape)
     return str(name), arr, offset + nbytes
 
@@ -222,34 +182,21 @@ def _array_from_json(name: str, value: Any, kind: str) -> np.ndarray:
     return arr
 
 
-_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
-    "int": (int,),
-    "float": (int, float),
-    "str": (str,),
-    "bool": (bool,),
-}
+_SCALAR_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
 
 
 def _build(cls: type[M], values: dict[str, Any], arrays: dict[str, np.ndarray]) -> M:
     kwargs: dict[str, Any] = {}
     for f in fields(cls):
-        if f.name in cls.ARRAYS:
-            if f.name in arrays:
-                kwargs[f.name] = arrays[f.name]
-            elif _required(f):
-                raise ProtocolError(f"missing array {f.name!r}", param=f.name)
-        elif f.name in values:
-            kwargs[f.name] = _check_scalar(f.name, values[f.name], str(f.type))
-        elif _required(f):
-            raise ProtocolError(f"missing field {f.name!r}", param=f.name)
+        is_array = f.name in cls.ARRAYS
+        if f.name in (arrays if is_array else values):
+            kwargs[f.name] = arrays[f.name] if is_array else _check_scalar(f.name, values[f.name], str(f.type))
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise ProtocolError(f"missing {'array' if is_array else 'field'} {f.name!r}", param=f.name)
     unknown = set(values) - {f.name for f in fields(cls)}
     if unknown:
         raise ProtocolError(f"unknown fields {sorted(unknown)}", param=sorted(unknown)[0])
     return cls(**kwargs)
-
-
-def _required(f: Any) -> bool:
-    return f.default is MISSING and f.default_factory is MISSING
 
 
 def _check_scalar(name: str, value: Any, annotation: str) -> Any:

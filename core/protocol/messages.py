@@ -7,10 +7,6 @@ Paths (all under the worker's base URL):
     POST   /v1/stage/forward      StageRequest -> StageResponse (a pipeline stage, DESIGN §3.7)
     POST   /v1/stage/keep         StageRequest (``keep`` only) -> StageResponse (``held``)
     GET    /health, GET /metrics
-
-Encodings. Every message has two: compact binary (the default, ``core.protocol.frame``) and JSON
-(for debugging; the client asks for it with ``Content-Type`` / ``Accept: application/json``).
-Errors always travel as JSON in the OpenAI envelope (``ErrorBody``), whatever was asked.
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ import orjson
 from core.errors import ProtocolError
 from core.modes import SERVED_MODES as MODES_SERVED
 from core.names import Mode, ProbsDtype, Reconstruction
-from core.protocol.frame import Message, loads, messages_equal, prefix_hash
+from core.protocol.frame import Message, loads, prefix_hash
 
 SERVED_MODES = tuple(m.value for m in MODES_SERVED if m is not Mode.PIPELINE)  # what /v1/verify answers (core.modes; pipeline speaks /v1/stage/forward)
 RECONSTRUCTIONS = tuple(r.value for r in Reconstruction)
@@ -52,25 +48,9 @@ class InfoResponse(Message):
 
 @dataclass(frozen=True, eq=False)
 class VerifyRequest(Message):
-    """``POST /v1/verify``: append tokens to a session and score the draft.
-
-    The worker crops the session to ``prefix_len`` (checking ``prefix_hash``), appends
-    ``tokens`` then ``draft``, and answers for the γ+1 positions that predict ``draft[0..γ-1]``
-    and the bonus token (DESIGN §3.1), by ``mode``:
-
-    - ``aggregate``: T(p_n) at each position, full or top-k, with σ_n and e_n;
-    - ``autoregressive`` (γ = 0): at T > 0 one token z_n ~ T(p_n) drawn from the stream
-      (seed, choice, position, WORKER_SAMPLE, worker); at T = 0 the top-k of softmax(l_n)
-      for the gateway's certification. ``return_probs`` adds the distribution to a sample.
-    - ``split`` (DSSD): the worker runs the accept test with ``draft_probs`` and its own
-      stream, and returns the number accepted and the bonus token, or T(p) at the first
-      rejected position (full or top-k);
-    - ``exact``: per draft position, p_n on the draft's support S_j, the complement mass
-      c_n and one complement sample y_n ~ p_n(· | x ∉ S_j); and a bonus sample z_n ~ p_n.
-      At T = 0 it answers like ``aggregate`` (top-k, for certification).
-
-    Positions are absolute: the token decided at slot j has index prefix_len + num_new + j.
-    """
+    """``POST /v1/verify``: crop the session to ``prefix_len``, append ``tokens`` then ``draft``, and answer
+    for the γ+1 positions that predict ``draft`` and the bonus token, by ``mode`` (DESIGN §3). Positions are
+    absolute: the token decided at slot j has index prefix_len + num_new + j."""
 
     ARRAYS: ClassVar[dict[str, str]] = {
         "tokens": "ids", "draft": "ids", "draft_probs": "f64", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids",
@@ -114,21 +94,14 @@ class VerifyRequest(Message):
     def after(cls, session_id: str, agreed: list[int], tokens: list[int], draft: list[int], **params: Any) -> VerifyRequest:
         """The request that appends ``tokens`` + ``draft`` to a session holding ``agreed``."""
         return cls(
-            session_id=session_id,
-            prefix_len=len(agreed),
-            prefix_hash=prefix_hash(agreed),
-            tokens=np.asarray(tokens, dtype=np.int64),
-            draft=np.asarray(draft, dtype=np.int64),
-            **params,
+            session_id=session_id, prefix_len=len(agreed), prefix_hash=prefix_hash(agreed),
+            tokens=np.asarray(tokens, dtype=np.int64), draft=np.asarray(draft, dtype=np.int64), **params,
         )
 
     @property
     def new_rows(self) -> int:
         """Rows the call appends (a scheduler step's budget)."""
         return len(self.tokens) + len(self.draft)
-
-    def __eq__(self, other: object) -> bool:
-        return messages_equal(self, other)
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,35 +139,12 @@ class VerifyResponse(Message):
     prompt_top_logprobs: np.ndarray | None = None  # [num_new − 1, n] f32
     score_logprobs: np.ndarray | None = None  # [m] f32, score_ids: of each asked id at the scored position
 
-    def array_dtype(self, name: str, vocab_size: int) -> str:
-        if name == "probs":
-            return "f16" if self.probs_dtype == ProbsDtype.FP16.value else "f32"
-        return super().array_dtype(name, vocab_size)
-
-    @property
-    def num_positions(self) -> int:
-        present = self.probs if self.probs is not None else self.samples
-        return 0 if present is None else int(present.shape[0])
-
-    def __eq__(self, other: object) -> bool:
-        return messages_equal(self, other)
-
 
 @dataclass(frozen=True, eq=False)
 class StageRequest(Message):
-    """``POST /v1/stage/forward``: one segment of a session through a pipeline's stages
-    (DESIGN §3.7), each stage holding its own layers' KV cache of the session's rows.
-
-    Each stage takes a session's messages in ``seq`` order (they reach it by different paths:
-    from the stage before, or straight from the gateway). It applies ``keep`` (the rows that
-    survive a prune: increasing, each with its parent kept), checks it then holds ``prefix_len``
-    rows, appends the new rows (``tokens`` with their ``parents``) and runs its layers over
-    them: the first stage embeds ``tokens``, a later one starts from ``hidden``, the states the
-    stage before computed. A stage that is not the last sends its new rows' states to
-    ``next[0]`` (with ``next[1:]``; its own ``--next`` when the list is empty) and answers what
-    that stage answers; the last answers T(p) at new rows ``[score_from, num_new)`` as
-    ``aggregate``'s payload. ``/v1/stage/keep`` applies ``keep`` alone (no tokens), at one stage.
-    """
+    """``POST /v1/stage/forward``: one segment of a session through a pipeline's stages (DESIGN §3.7), in ``seq``
+    order: ``keep``, then the new rows through the stage's layers; a stage not the last sends their states on to
+    ``next[0]`` (else its ``--next``), the last answers T(p) at rows ``[score_from, num_new)`` as aggregate's payload."""
 
     ARRAYS: ClassVar[dict[str, str]] = {"tokens": "ids", "parents": "i32", "keep": "i32", "hidden": "f16"}
     EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"min_p", "transform"})
@@ -227,9 +177,6 @@ class StageRequest(Message):
     def new_rows(self) -> int:
         return len(self.tokens)
 
-    def __eq__(self, other: object) -> bool:
-        return messages_equal(self, other)
-
 
 @dataclass(frozen=True, eq=False)
 class StageResponse(Message):
@@ -249,14 +196,6 @@ class StageResponse(Message):
     stage_ms: np.ndarray | None = None  # [stages] f32: milliseconds each stage spent in its model step, first stage first
     hop_bytes: np.ndarray | None = None  # [stages − 1] i32: bytes of each stage-to-stage request (the states), first hop first
 
-    def array_dtype(self, name: str, vocab_size: int) -> str:
-        if name == "probs":
-            return "f16" if self.probs_dtype == ProbsDtype.FP16.value else "f32"
-        return super().array_dtype(name, vocab_size)
-
-    def __eq__(self, other: object) -> bool:
-        return messages_equal(self, other)
-
 
 @dataclass(frozen=True)
 class ErrorBody(Message):
@@ -270,10 +209,7 @@ class ErrorBody(Message):
 
     def to_json(self) -> bytes:
         err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        body: dict[str, Any] = {"error": err}
-        if self.held is not None:
-            body["held"] = self.held
-        return orjson.dumps(body)
+        return orjson.dumps({"error": err} if self.held is None else {"error": err, "held": self.held})
 
     @classmethod
     def from_json(cls, body: bytes) -> ErrorBody:
@@ -281,10 +217,4 @@ class ErrorBody(Message):
         err = data.get("error")
         if not isinstance(err, dict) or not isinstance(err.get("message"), str):
             raise ProtocolError("error body without an 'error.message'")
-        return cls(
-            message=err["message"],
-            type=str(err.get("type", "")),
-            param=err.get("param"),
-            code=err.get("code"),
-            held=data.get("held"),
-        )
+        return cls(err["message"], str(err.get("type", "")), err.get("param"), err.get("code"), data.get("held"))

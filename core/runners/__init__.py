@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from core.cores import usable_cores
 from core.errors import ModelLoadError
 from core.names import Backend
@@ -23,15 +25,8 @@ def load_runner(
     gpu_memory_utilization: float = 0.9,
     layers: tuple[int, int] | None = None,
 ) -> ModelRunner:
-    """Load ``model`` (a builtin name, GGUF file, HF folder or hub id) on ``backend``.
-
-    ``threads``: CPU threads for the model (default: every core). Processes that share a
-    machine must split the cores: llama.cpp's spinning threads slow down many-fold when
-    oversubscribed. ``device`` (auto | cpu | cuda[:N]) and ``dtype`` (auto | float32 |
-    bfloat16 | float16) are the transformers backend's; llama.cpp runs GGUF on the CPU.
-    ``gpu_memory_utilization``: the share of a GPU's memory the model and its KV slots may
-    fill (vLLM's rule). ``layers``: a pipeline stage's slice ``(first, end)`` (transformers only).
-    """
+    """Load ``model`` (a builtin name, GGUF file, HF folder or hub id) on ``backend``, on ``threads`` CPU threads
+    (default: every core); ``device``, ``dtype``, ``gpu_memory_utilization`` and ``layers`` (a stage's) are transformers'."""
     if backend == Backend.LLAMA_CPP.value and (device not in ("auto", "cpu") or dtype != "auto"):
         raise ModelLoadError(
             f"the llama.cpp backend runs GGUF files on the CPU in their own types (asked: device {device}, dtype {dtype}): "
@@ -46,7 +41,9 @@ def load_runner(
     if backend == Backend.LLAMA_CPP.value and source.is_tiny_random:
         raise ModelLoadError("tiny-random is built in code: use --backend transformers")
     tokenizer = load_tokenizer(source)
-    threads = share_cores(threads)
+    # processes sharing the cores must split them: pools of every core spin against each other (issue 33: 20× slower)
+    threads = threads or usable_cores()
+    torch.set_num_threads(threads)
     if backend == Backend.TRANSFORMERS.value:
         from core.runners.transformers_runner import TransformersRunner
 
@@ -57,7 +54,6 @@ def load_runner(
     elif backend == Backend.LLAMA_CPP.value:
         from core.runners.llama_cpp_runner import LlamaCppRunner
 
-
         runner = LlamaCppRunner(source, tokenizer, max_context=max_context, memory_cap_mb=memory_cap_mb, n_threads=threads)
     else:
         raise ModelLoadError(f"unknown backend {backend!r}: use transformers or llama.cpp")
@@ -66,21 +62,7 @@ def load_runner(
     return runner
 
 
-def share_cores(threads: int | None) -> int:
-    """Give this process ``threads`` cores (default: every core) for torch's OpenMP pool as well
-    as for its model, and return the number. Every process that imports torch has that pool, a
-    llama.cpp one too: three processes on two cores, each with a pool of every core, spin against
-    each other and made a few torch ops on γ + 1 rows 20× slower (issue 33)."""
-    import torch
-
-    threads = threads or usable_cores()
-    torch.set_num_threads(threads)
-    return threads
-
-
 def check_vocab(num_tokens: int, vocab_size: int, where: str) -> None:
     """A tokenizer with more tokens than the model has rows cannot share ids with it."""
     if num_tokens > vocab_size:
-        raise ModelLoadError(
-            f"vocabulary mismatch in {where}: the tokenizer has {num_tokens} tokens, the model {vocab_size} rows"
-        )
+        raise ModelLoadError(f"vocabulary mismatch in {where}: the tokenizer has {num_tokens} tokens, the model {vocab_size} rows")

@@ -1,21 +1,17 @@
 """The ModelRunner interface (DESIGN §7): one per backend, used for the draft and the target.
 
 A runner holds sessions: rows of tokens with their KV cache. Rows ``[0, chain)`` are a causal
-chain; rows after it are tree rows, each with its parent row, attending to its ancestors
-only. ``forward(items)`` appends rows (a chain, or tree nodes with parents) and returns the
-logits of the rows asked for; ``keep(session, rows)`` compacts a session to a chain of kept
-rows (a prefix, or a prefix plus an accepted tree path). ``append``, ``prefill`` and ``crop``
-are chain shims over the two. The caller (gateway or worker) owns the sequence; the runner's
-copy is a cache it may drop and rebuild from the tokens.
+chain; rows after it are tree rows, each attending to its ancestors only. The caller owns the
+sequence; the runner's copy is a cache it may drop and rebuild from the tokens.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,13 +36,9 @@ class RunnerInfo:
 
 @dataclass(frozen=True)
 class ForwardItem:
-    """One session's share of a ``forward``.
-
-    ``prefix_len``: held rows to keep (a prefix; later rows are dropped first). ``tokens``: the
-    new rows. ``parents``: per new row, the row it follows (an absolute row index, earlier than
-    itself); ``None`` = a causal chain after the prefix. ``logits_at``: which new rows (0-based
-    among the new) return logits; ``None`` = the last.
-    """
+    """One session's share of a ``forward``. ``prefix_len``: held rows to keep (later ones are
+    dropped first). ``parents``: per new row, the absolute row it follows; ``None`` = a chain.
+    ``logits_at``: which new rows (0-based among the new) return logits; ``None`` = the last."""
 
     session_id: str
     prefix_len: int
@@ -78,10 +70,6 @@ class Rows:
             self.parents.append(parent)
             self.depths.append(self.depths[parent] + 1 if parent >= 0 else 0)
 
-    def ancestors(self, row: int) -> list[int]:
-        """Rows ``row`` attends to: itself and its ancestors, in increasing order."""
-        return path_of(row, self.parents)
-
 
 @dataclass
 class Staged:
@@ -104,6 +92,7 @@ class ModelRunner(ABC):
     hidden_size = 0  # the model's hidden states' width (what a stage passes on)
     num_layers: int | None = None  # the whole model's decoder layers, where the backend says (a stage must)
     threads: int | None = None  # the CPU threads its model and torch's pool run on (``load_runner`` sets it)
+    _kv_bytes = 0  # KV cache bytes per row
     has_weights = True  # False: a tokenizer alone (``draft.model: none``)
 
     @property
@@ -133,36 +122,28 @@ class ModelRunner(ABC):
 
     def tokens(self, session_id: str) -> list[int]:
         """The tokens of the session's rows (a copy); empty for an unknown session."""
-        rows = self._rows.get(session_id)
-        return list(rows.tokens) if rows is not None else []
+        return list(self._rows.get(session_id, Rows()).tokens)
 
     def context(self, session_id: str, row: int) -> list[int]:
-        """The tokens row ``row`` reads: its ancestors' and its own, from row 0 (a tree row's
-        prefix). KeyError for an unknown session."""
+        """The tokens row ``row`` reads: its ancestors' and its own, from row 0."""
         rows = self._rows[session_id]
-        return [rows.tokens[r] for r in rows.ancestors(row)]
+        return [rows.tokens[r] for r in path_of(row, rows.parents)]
 
     def length(self, session_id: str) -> int:
-        rows = self._rows.get(session_id)
-        return len(rows) if rows is not None else 0
+        return len(self._rows.get(session_id, Rows()))
 
     def sequence_length(self, session_id: str) -> int:
-        """Rows that read as one sequence from row 0 (each the child of the row before): the
-        prefix a caller may crop to and compare tokens with."""
-        rows = self._rows.get(session_id)
-        if rows is None:
-            return 0
+        """Rows that read as one sequence from row 0 (each the child of the row before)."""
+        rows = self._rows.get(session_id, Rows())
         n = rows.chain
         while n < len(rows) and rows.parents[n] == n - 1:
             n += 1
         return n
 
     def tree_nodes(self, session_id: str, base: int) -> tuple[list[int], list[int]] | None:
-        """The tree a session holds after its first ``base`` rows: each later row's token and
-        parent as a node of that tree (−1 = the root, row ``base − 1``). None unless rows
-        ``[0, base)`` read as one sequence and a tree of at least one node hangs at its end."""
-        rows = self._rows.get(session_id)
-        if rows is None or not 0 < base < len(rows):
+        """The tree after the first ``base`` rows: tokens and parents (−1 = row ``base − 1``); None unless ``[0, base)`` is one sequence."""
+        rows = self._rows.get(session_id, Rows())
+        if not 0 < base < len(rows):
             return None
         if any(rows.parents[i] != i - 1 for i in range(rows.chain, base)) or min(rows.parents[base:]) < base - 1:
             return None
@@ -178,9 +159,7 @@ class ModelRunner(ABC):
         return [self._forward_item(item) for item in items]
 
     def forward_each(self, items: Sequence[ForwardItem]) -> list[torch.Tensor | Exception]:
-        """``forward`` of items of distinct sessions, where one item's failure is its own: per
-        item its logits, or the exception that left its session as it was before the call. A
-        backend that batches (llama.cpp's streams) runs the items' rows in shared decodes."""
+        """``forward`` of items of distinct sessions: per item its logits, or the exception that left its session as it was."""
         out: list[torch.Tensor | Exception | None] = [None] * len(items)
         staged: list[tuple[int, Staged]] = []
         for i, item in enumerate(items):
@@ -188,7 +167,12 @@ class ModelRunner(ABC):
                 staged.append((i, self._stage(item)))
             except Exception as exc:  # noqa: BLE001 - handed to the item's caller
                 out[i] = exc
-        results = self._compute_each([work for _, work in staged])
+        try:
+            results = self._compute_each([work for _, work in staged])
+        except BaseException:
+            for _, work in staged:
+                self._unstage(work)
+            raise
         for (i, work), result in zip(staged, results):
             if isinstance(result, Exception):
                 self._unstage(work)
@@ -196,10 +180,7 @@ class ModelRunner(ABC):
         return [r for r in out if r is not None]
 
     def keep(self, session_id: str, rows: Sequence[int]) -> None:
-        """Compact the session to ``rows``: increasing, from row 0, each the child of the one
-        before (a prefix, or a prefix plus a tree path). They become a plain chain. A runner
-        that ``keeps_subtrees`` also takes rows whose parents are kept rows (a prefix, a path and
-        the subtree below it: FlowSpec's prune); its tree rows stay tree rows, renumbered."""
+        """Compact the session to ``rows``: a root-to-row path (it becomes a chain), or where ``keeps_subtrees`` a path plus a subtree."""
         held = self._rows.get(session_id)
         if held is None:
             if len(rows):
@@ -225,21 +206,15 @@ class ModelRunner(ABC):
             held.truncate(len(kept))
             if path:
                 held.chain = len(kept)
-        elif path:
-            tokens = [held.tokens[r] for r in kept]
-            self._rows[session_id] = chain_rows(tokens)
-        else:
+        else:  # renumbered: a path comes out a chain
             self._rows[session_id] = _pruned(held, kept, place)
 
     def adopt(self, session_id: str, tokens: list[int]) -> int:
-        """A session not held yet that is about to start with ``tokens``: it takes what the
-        backend's prompt cache holds of them, as rows already held. How many (< ``len(tokens)``,
-        so the caller feeds at least one); 0 without a cache."""
+        """How many of ``tokens`` (< ``len(tokens)``) a new session takes from a prompt cache as held rows; 0 without one."""
         return 0
 
     def free(self, session_id: str) -> None:
-        """Forget the session and release its KV cache at once (a backend with a prompt cache
-        keeps the cells of its chain for the next session that starts the same: ``_retire``)."""
+        """Forget the session and release its KV cache (a prompt cache may keep it: ``_retire``)."""
         rows = self._rows.pop(session_id, None)
         if rows is not None:
             self._retire(session_id, rows)
@@ -253,10 +228,7 @@ class ModelRunner(ABC):
         return self.append(session_id, tokens, num_logits)
 
     def append(self, session_id: str, tokens: list[int], num_logits: int) -> torch.Tensor:
-        """Append a chain; fp32 logits ``[num_logits, V]`` of the last positions.
-
-        ``num_logits`` may exceed ``len(tokens)``: earlier held positions are fed again.
-        """
+        """Append a chain; fp32 logits ``[num_logits, V]`` of the last positions (held ones fed again if need be)."""
         return self._forward_item(self.append_item(session_id, tokens, num_logits))
 
     def append_item(self, session_id: str, tokens: list[int], num_logits: int) -> ForwardItem:
@@ -278,9 +250,7 @@ class ModelRunner(ABC):
             self.keep(session_id, range(max(length, 0)))
 
     def is_full(self, chains: Collection[str], trees: Collection[str], tree: bool = False) -> bool:
-        """Whether a new session (``tree``: its call is a tree) would take the KV place of a
-        live one (``chains`` and ``trees``: the sessions in use, by the calls they sent) — a
-        fixed pool, all in use. A runner without a fixed pool is never full."""
+        """Whether a new session (``tree``: a tree call) would take the KV place of one of the live ``chains`` and ``trees``."""
         return False
 
     def memory_bytes(self) -> int:
@@ -292,11 +262,8 @@ class ModelRunner(ABC):
             self.free(session_id)
 
     def warm_up(self) -> None:
-        """A prefill and a verify-sized decode in a session then forgotten, before the first
-        request: the model's weights are paged in and its compute buffers made (a cold first
-        request paid seconds for them, issue 33). A whole model only (a stage takes hidden
-        states)."""
-        if self.layer_range is not None:
+        """A prefill and a decode, so the first request does not pay seconds to page in weights (issue 33); whole models only."""
+        if self.layer_range is not None or not self.has_weights:
             return
         session = "__warm_up__"
         ids = [i % self.info.vocab_size for i in range(1, 41)]  # 40 tokens: a decode batch of 32, then 8
@@ -313,12 +280,10 @@ class ModelRunner(ABC):
     # ----------------------------------------------------------------- the bookkeeping
 
     def _forward_item(self, item: ForwardItem) -> torch.Tensor:
-        work = self._stage(item)
-        try:
-            return self._compute(work.session_id, work.rows, work.start, work.logits_rows)
-        except BaseException:
-            self._unstage(work)
-            raise
+        result = self.forward_each([item])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def _stage(self, item: ForwardItem) -> Staged:
         """Check an item and add its rows to the session's (the cache follows in ``_compute``)."""
@@ -329,9 +294,7 @@ class ModelRunner(ABC):
         if count == 0:
             raise ValueError("a forward appends at least one row")
         if start + count > self.info.max_context:
-            raise ContextOverflow(
-                f"session would hold {start + count} tokens, the context is {self.info.max_context}", param="draft"
-            )
+            raise ContextOverflow(f"session would hold {start + count} tokens, the context is {self.info.max_context}", param="draft")
         parents = _checked_parents(item.parents, start, count)
         logits_at = [count - 1] if item.logits_at is None else [int(i) for i in item.logits_at]
         if not logits_at or not all(0 <= i < count for i in logits_at):
@@ -352,6 +315,8 @@ class ModelRunner(ABC):
         self._drop_cache(work.session_id)
         work.rows.truncate(work.start)
 
+    # ----------------------------------------------------------------- per backend: _compute or _compute_each
+
     def _compute_each(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
         """``_compute`` of staged items of distinct sessions; per item its logits or its error."""
         out: list[torch.Tensor | Exception] = []
@@ -362,50 +327,46 @@ class ModelRunner(ABC):
                 out.append(exc)
         return out
 
-    # ----------------------------------------------------------------- per backend
-
-    @abstractmethod
     def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
         """Bring the session's cache up to ``rows`` (new from ``start``); logits of ``logits_rows``."""
+        raise NotImplementedError("a runner overrides _compute or _compute_each")
 
-    @abstractmethod
     def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
-        """Compact the cache to the ``kept`` rows (checked: a chain) before ``rows`` changes."""
+        """Compact the cache to the ``kept`` rows (checked) before ``rows`` changes."""
 
-    @abstractmethod
-    def _free_cache(self, session_id: str) -> None: ...
+    def _free_cache(self, session_id: str) -> None:
+        """Release the session's KV place."""
 
     def _retire(self, session_id: str, rows: Rows) -> None:
-        """Before ``_free_cache`` of a session that ends, with its last rows: a backend that keeps
-        a prompt cache detaches the session's place here, holding the cells of its chain."""
+        """Before ``_free_cache`` of a session that ends: a prompt cache detaches its place here, keeping its chain's cells."""
 
     def _drop_cache(self, session_id: str) -> None:
         """Forget the KV entries (not the rows): after a failed forward."""
         self._free_cache(session_id)
 
-    @abstractmethod
-    def kv_bytes_per_token(self) -> int: ...
+    def kv_bytes_per_token(self) -> int:
+        return self._kv_bytes
 
     @abstractmethod
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
         """A fresh, sessionless forward pass over ``tokens``: the reference for tests/bench."""
 
 
-class Place(Protocol):
-    """A KV place in a fixed pool (a llama.cpp stream, a transformers slot)."""
+@dataclass
+class Place:
+    """A KV place in a fixed pool (a llama.cpp stream or context, a transformers slot)."""
 
-    session_id: str | None
-    last_used: int
+    session_id: str | None = None
+    rows: int = 0  # rows [0, rows) of its session are in its cells
+    last_used: int = 0
 
 
 P = TypeVar("P", bound=Place)
 
 
 def lend(pool: Sequence[P], session_id: str, busy: Collection[str], release: Callable[[P], None]) -> tuple[P, bool]:
-    """The session's place in ``pool``; else a free one, else the least recently used one whose
-    session is not in ``busy`` (released first: that session is rebuilt from its rows on its
-    next call). True when the place was newly lent to the session."""
-    held = next((p for p in pool if p.session_id == session_id), None)
+    """The session's place in ``pool``, else a free one, else the LRU one not ``busy`` (released); True when newly lent."""
+    held = held_by(pool, session_id)
     if held is not None:
         return held, False
     free = [p for p in pool if p.session_id is None]
@@ -415,22 +376,35 @@ def lend(pool: Sequence[P], session_id: str, busy: Collection[str], release: Cal
     return place, True
 
 
+def held_by(pool: Iterable[P], session_id: str) -> P | None:
+    """The place of ``pool`` that holds ``session_id``."""
+    return next((p for p in pool if p.session_id == session_id), None)
+
+
+def in_turns(
+    work: list[Staged], out: list[torch.Tensor | Exception | None], ready: list[int], size: int,
+    run: Callable[[list[Staged]], Sequence[torch.Tensor | Exception]],
+) -> list[torch.Tensor | Exception]:
+    """``out`` with its ``ready`` items run in groups of at most ``size``; a group that fails fails each of its items."""
+    for begin in range(0, len(ready), size):
+        group = ready[begin:begin + size]
+        try:
+            results = list(run([work[i] for i in group]))
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails the items it carried
+            results = [exc] * len(group)
+        for i, result in zip(group, results):
+            out[i] = result
+    return [o for o in out if o is not None]
+
+
 def _pruned(held: Rows, kept: list[int], place: dict[int, int]) -> Rows:
-    """The kept rows renumbered (parents by their new places, depths as they were): rows that
-    read as one sequence from row 0 form the chain."""
+    """The kept rows renumbered (parents by their new places, depths as they were)."""
     rows = Rows(
         tokens=[held.tokens[r] for r in kept],
         parents=[place[held.parents[r]] if held.parents[r] >= 0 else -1 for r in kept],
         depths=[held.depths[r] for r in kept],
     )
     rows.chain = next((i for i, parent in enumerate(rows.parents) if parent != i - 1), len(rows))
-    return rows
-
-
-def chain_rows(tokens: list[int]) -> Rows:
-    rows = Rows()
-    rows.extend(tokens, list(range(-1, len(tokens) - 1)))
-    rows.chain = len(rows)
     return rows
 
 

@@ -1,45 +1,22 @@
 """The ``llama.cpp`` backend (DESIGN §7): GGUF on CPU, the fast path for chains and small trees.
 
-Three facts of llama.cpp shape it (measured here, ``research/tree-and-pipeline.md`` §1):
-1. With flash attention **enabled**, decodes of 1 to 63 tokens give bit-identical logits for the
-   same positions, and decodes of 64 or more do not. So flash attention is pinned on and every
-   decode — prefill chunks and trees included — holds at most ``DECODE_TOKENS`` (32) tokens.
-2. A position's logits also depend on the **order of its context's KV cells**: a token placed
-   in a freed cell before cells of earlier positions scores differently (max |Δlogit| ≈ 1). A
-   unified cache shared by sessions reuses one session's freed cells for another, so no two
-   sessions share one stream of cells:
-   - **chain sessions** (every mode but ``tree``) are the sequence ids of one shared context
-     with a KV stream per sequence (``kv_unified = False``): each session's cells are its
-     positions in order, and one decode carries the rows of many sessions (the worker's
-     scheduler steps, DESIGN §9). Measured: bit-identical to a context of its own, whatever
-     the batch-mates, in decodes of uneven shares;
-   - **tree sessions** (from their first tree row on) each have a unified context of their own
-     (a bounded pool, least recently used lent first: the session that loses it is rebuilt
-     from its rows): a crop frees the tail, and ``keep`` of a tree path keeps the path's cells
-     only while they follow the prefix without a gap — the rest of the path is decoded again,
-     as a chain. Their decodes do not batch.
-   When more chain sessions want a stream than there are, the least recently used one is
-   rebuilt from its rows on its next call, the same way.
-4. **Prompt cache**: a session that ends leaves its chain's cells where they are (its stream or
-   context goes idle holding them, as llama.cpp's server keeps a slot's prompt); a new session
-   takes the idle place whose cells share the longest prefix with its tokens, drops the rest and
-   decodes only what follows. The cells kept are the prefix's positions in order, as a crop keeps
-   them, so the rows score bit for bit as decoded afresh. A long shared system prompt (tools) is
-   then prefilled once, not per request.
-3. Inside a tree session's context, a tree is one sequence id per root-to-leaf path
-   (``kv_unified``); a node carries the ids of every leaf below it, so it attends to its
-   ancestors only.
-
-With these, a position scores the same token by token, in a prefill, rebuilt after an
-eviction, a 409 resend or a failover, and as a tree node. Only the rows asked for produce
-logits (llama.cpp's per-token output flags), so no ``n_ctx × V`` logits array is allocated.
+Its numerics (measured, ``research/tree-and-pipeline.md`` §1): flash attention pinned on and every decode
+≤ ``DECODE_TOKENS`` tokens keep a position's logits bit-identical whatever the decode. They also depend on
+the order of a context's KV cells (a freed cell reused before earlier positions moves them by up to 1), so
+no two sessions share a stream of cells: chain sessions are sequence ids of one shared context with a KV
+stream each (one decode carries many, bit-identical to alone); a tree session, from its first tree row on,
+has a unified context of its own (a pool lent least recently used first), one sequence id per root-to-leaf
+path. An ended session's place goes idle holding its chain's cells (a prompt cache): a new session that
+starts the same takes them and decodes only what follows, bit for bit. Only the rows asked for produce logits.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any
+from collections.abc import Collection, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -47,16 +24,61 @@ import torch
 from core.cores import usable_cores
 from core.errors import ContextOverflow, ModelLoadError
 from core.names import Backend
-from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged
-from core.runners.llama_cpp_places import DECODE_TOKENS, MAX_STREAMS, TREE_SEQUENCES, REFERENCE_SESSION, STREAMS_SHARE, TREE_ROOM, CellPlaces, Slot, Stream
+from core.runners.base import ModelRunner, Place, Rows, RunnerInfo, Staged, common_prefix, held_by, in_turns, lend
 from core.runners.llama_cpp_tools import quiet_llama_cpp
 from core.runners.models import ModelSource
 from core.runners.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
 
+DECODE_TOKENS = 32  # tokens per decode at most; 64 or more would change the logits (DESIGN §7)
+TREE_SEQUENCES = 64  # sequence ids per context: the session's and one per tree leaf
+TREE_ROOM = 256  # cells of a context beyond the session's context length, for tree rows
+MAX_STREAMS = 64  # chain sessions held in the shared context at most
+STREAMS_SHARE = 0.75  # of the memory cap, for the chain sessions' streams (the rest: tree contexts)
+REFERENCE_SESSION = "\x00reference"
 
-class LlamaCppRunner(CellPlaces, ModelRunner):
+
+@dataclass
+class Slot(Place):
+    """One llama.cpp context of the pool: its session's chain rows in cells ``0..`` in order (sequence 0),
+    tree rows after them in decode order (``cell``)."""
+
+    ctx: Any = None  # llama_cpp._internals.LlamaContext
+    cell: dict[int, int] = field(default_factory=dict)  # tree row -> its KV cell
+    below: dict[int, int] = field(default_factory=dict)  # tree row -> a leaf sequence through it
+    leaves: dict[int, int] = field(default_factory=dict)  # tree leaf row -> its sequence
+    cached: list[int] = field(default_factory=list)  # idle: the tokens of chain cells 0.. it holds (a prompt cache)
+
+    def tree_seqs(self) -> set[int]:
+        return set(self.below.values()) | set(self.leaves.values())
+
+    def drop_tree(self, api: Any) -> None:
+        """Forget the tree rows: their sequences' cells (``api``: llama_cpp) and where they were."""
+        for seq in self.tree_seqs():
+            api.llama_memory_seq_rm(self.ctx.memory, seq, -1, -1)
+        for rows in (self.cell, self.below, self.leaves):
+            rows.clear()
+
+    def reset(self, session_id: str | None) -> None:
+        self.session_id, self.rows, self.cached = session_id, 0, []
+        for rows in (self.cell, self.below, self.leaves):
+            rows.clear()
+        self.ctx.kv_cache_clear()
+
+
+@dataclass
+class Stream(Place):
+    """One sequence id (= KV stream) of the shared context: its cells ``0..`` are its session's rows, in order."""
+
+    seq: int = 0
+    cached: list[int] = field(default_factory=list)  # idle: the tokens of cells 0.. it holds (a prompt cache)
+
+
+_P = TypeVar("_P", Slot, Stream)
+
+
+class LlamaCppRunner(ModelRunner):
     def __init__(
         self,
         source: ModelSource,
@@ -78,11 +100,8 @@ class LlamaCppRunner(CellPlaces, ModelRunner):
         self._model = _load_model(_internals, llama_cpp, str(source.path))
         vocab_size = int(self._model.n_vocab())
         self.info = RunnerInfo(
-            model_id=source.name,
-            backend=Backend.LLAMA_CPP.value,
-            vocab_size=vocab_size,
-            max_context=min(max_context, int(self._model.n_ctx_train())),
-            eos_ids=eos_ids(tokenizer, [int(self._model.token_eos())]),
+            model_id=source.name, backend=Backend.LLAMA_CPP.value, vocab_size=vocab_size,
+            max_context=min(max_context, int(self._model.n_ctx_train())), eos_ids=eos_ids(tokenizer, [int(self._model.token_eos())]),
         )
         model = self._model.model
         self._kv_bytes = (
@@ -100,63 +119,206 @@ class LlamaCppRunner(CellPlaces, ModelRunner):
         self._batch = _internals.LlamaBatch(n_tokens=DECODE_TOKENS, embd=0, n_seq_max=TREE_SEQUENCES, verbose=False)
         self._slots: list[Slot] = []
         self._shared: Any = None  # the chain sessions' context (made on first use)
-        self._streams = [Stream(seq) for seq in range(self.num_streams)]
+        self._streams = [Stream(seq=seq) for seq in range(self.num_streams)]
         self._tree_sessions: set[str] = set()  # sessions that held tree rows: they live in _slots
         self._clock = 0
         self.reused_rows = 0  # rows a new session took from the prompt cache, since start
         self.max_decode_tokens = 0  # the largest decode issued so far (tests assert ≤ DECODE_TOKENS)
 
-    def kv_bytes_per_token(self) -> int:
-        return self._kv_bytes
-
     def memory_bytes(self) -> int:
         # KV lives in the fixed pool; what grows with sessions is their rows
         return sum(len(r) for r in self._rows.values()) * 8
 
+    def is_full(self, chains: Collection[str], trees: Collection[str], tree: bool = False) -> bool:
+        """Full when live chain sessions hold every stream (tree contexts are lent LRU: never full)."""
+        return not tree and len(set(chains) - self._tree_sessions) >= self.num_streams
+
+    def _stream_for(self, session_id: str, busy: list[str], rows: Rows, most: int) -> Stream:
+        """The session's stream, else an idle one (``_idle_place``), else the LRU one not ``busy`` (its session rebuilt later)."""
+        stream, common = self._idle_place(self._streams, session_id, rows.tokens, most)
+        if stream is None:
+            stream, _ = lend(self._streams, session_id, busy, self._release)
+        elif stream.session_id is None:
+            self._take_idle(stream, session_id, common)
+        if self._shared is None:
+            self._shared = self._new_context(self.num_streams * self.n_ctx_stream, self.num_streams, unified=False)
+        stream.last_used = self._clock
+        return stream
+
+    def adopt(self, session_id: str, tokens: list[int]) -> int:
+        if session_id in self._rows or session_id == REFERENCE_SESSION:  # held already
+            return 0
+        stream, common = self._idle_place(self._streams, session_id, tokens, len(tokens) - 1)
+        if stream is None or stream.session_id is not None or common <= 0 or self._shared is None:
+            return 0
+        self._clock += 1
+        self._take_idle(stream, session_id, common)
+        stream.last_used = self._clock
+        self._rows[session_id] = Rows([int(t) for t in tokens[:common]], list(range(-1, common - 1)), list(range(common)), common)
+        return common
+
+    def _take_idle(self, place: Slot | Stream, session_id: str, common: int) -> None:
+        """Lend an idle place to a session that keeps its first ``common`` cells (a prompt cache hit)."""
+        if place.rows > common:
+            memory, seq = (place.ctx.memory, 0) if isinstance(place, Slot) else (self._shared.memory, place.seq)
+            self._llama_cpp.llama_memory_seq_rm(memory, seq, common, -1)
+        place.session_id, place.rows, place.cached = session_id, common, []
+        self.reused_rows += common
+
+    def _idle_place(self, pool: list[_P], session_id: str, tokens: list[int], most: int) -> tuple[_P | None, int]:
+        """The session's own place (and 0), else an idle one and how many of its cells the session keeps (≤ ``most``):
+        the one sharing the longest start if that is half of what it holds, else an empty one, else the LRU one."""
+        held = held_by(pool, session_id)
+        if held is not None:
+            return held, 0
+        idle = [p for p in pool if p.session_id is None]
+        if not idle:
+            return None, 0
+        fresh = session_id == REFERENCE_SESSION  # the tests' reference decodes everything afresh
+        hits = {id(p): 0 if fresh else min(common_prefix(p.cached, tokens), most) for p in idle}
+        best = max(idle, key=lambda p: (hits[id(p)], -p.last_used))
+        if hits[id(best)] > 0 and 2 * hits[id(best)] >= len(best.cached):
+            return best, hits[id(best)]  # the new session keeps most of what it holds
+        # a short shared start (a chat template's first line) is not worth another prompt's cells
+        spare = min(idle, key=lambda p: (bool(p.cached), p.last_used))  # an empty place, else the least recently used
+        return spare, hits[id(spare)]
+
+    def _release(self, stream: Stream) -> None:
+        if self._shared is not None and (stream.session_id is not None or stream.rows):
+            self._llama_cpp.llama_memory_seq_rm(self._shared.memory, stream.seq, -1, -1)
+        stream.session_id, stream.rows, stream.cached = None, 0, []
+
+    def _to_tree_session(self, session_id: str) -> None:
+        """From its first tree row on, a session lives in a context of its own."""
+        if session_id not in self._tree_sessions:
+            self._tree_sessions.add(session_id)
+            stream = held_by(self._streams, session_id)
+            if stream is not None:
+                self._release(stream)
+
+    # ----------------------------------------------------------------- keep, free
+
+    def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
+        """Keep the kept rows whose cells are ``0, 1, …``; the rest of a kept path is decoded again on the next forward."""
+        stream = held_by(self._streams, session_id)
+        if stream is not None:  # a chain session keeps a prefix
+            if len(kept) < stream.rows:
+                self._llama_cpp.llama_memory_seq_rm(self._shared.memory, stream.seq, len(kept), -1)
+                stream.rows = len(kept)
+            return
+        slot = held_by(self._slots, session_id)
+        if slot is None:
+            return
+        in_place = 0
+        for i, row in enumerate(kept):
+            cell = row if row < rows.chain else slot.cell.get(row, -1)
+            if row >= slot.rows or cell != i:
+                break
+            in_place = i + 1
+        memory, api = slot.ctx.memory, self._llama_cpp
+        chain_kept = min(in_place, rows.chain)
+        api.llama_memory_seq_rm(memory, 0, chain_kept, -1)
+        if in_place > chain_kept:  # the path's first rows follow the prefix: they join sequence 0
+            last = kept[in_place - 1]
+            path_seq = slot.below[last]
+            api.llama_memory_seq_rm(memory, path_seq, rows.depths[last] + 1, -1)
+            api.llama_memory_seq_cp(memory, path_seq, 0, chain_kept, rows.depths[last] + 1)
+        slot.drop_tree(api)
+        slot.rows = in_place
+
+    def _retire(self, session_id: str, rows: Rows) -> None:
+        """The session ends: its place goes idle holding the cells of its chain (a prompt cache)."""
+        if session_id == REFERENCE_SESSION:
+            return
+        self._clock += 1
+        stream = held_by(self._streams, session_id)
+        if stream is not None:
+            stream.session_id, stream.cached, stream.last_used = None, rows.tokens[:stream.rows], self._clock
+            return
+        slot = held_by(self._slots, session_id)
+        if slot is None:
+            return
+        kept = min(slot.rows, rows.chain)  # chain rows sit in sequence 0's cells 0.. in order
+        self._llama_cpp.llama_memory_seq_rm(slot.ctx.memory, 0, kept, -1)
+        slot.drop_tree(self._llama_cpp)
+        slot.session_id, slot.rows, slot.cached, slot.last_used = None, kept, rows.tokens[:kept], self._clock
+
+    def _free_cache(self, session_id: str) -> None:
+        self._tree_sessions.discard(session_id)
+        self._drop_cache(session_id)
+
+    def _drop_cache(self, session_id: str) -> None:
+        stream = held_by(self._streams, session_id)
+        if stream is not None:
+            self._release(stream)
+        slot = held_by(self._slots, session_id)
+        if slot is not None:
+            slot.reset(None)
+
+    # ----------------------------------------------------------------- the pool
+
+    def _slot_for(self, session_id: str, rows: Rows, most: int) -> Slot:
+        """The session's context, else an idle one (``_idle_place``) on a hit, else a new one while the pool has room, else the LRU one."""
+        self._clock += 1
+        lead = 0 if held_by(self._slots, session_id) is not None else next((i for i, p in enumerate(rows.parents) if p != i - 1), len(rows))
+        slot, common = self._idle_place(self._slots, session_id, rows.tokens, min(most, lead))
+        if slot is not None and slot.session_id is None and common > 0:
+            self._take_idle(slot, session_id, common)
+            rows.chain = max(rows.chain, common)  # they are a chain (a tree call's agreed rows come with parents): sequence 0's cells
+        elif slot is None or slot.session_id is None:
+            if slot is None or slot.cached:  # grow before a cache is lost
+                slot = self._new_slot() if len(self._slots) < self.num_contexts else (slot or min(self._slots, key=lambda s: s.last_used))
+            slot.reset(session_id)  # the session it held keeps its rows: rebuilt on its next call
+        slot.last_used = self._clock
+        return slot
+
+    def _new_slot(self) -> Slot:
+        # one stream of cells: a tree node may belong to several sequences
+        slot = Slot(ctx=self._new_context(self.n_ctx, TREE_SEQUENCES, unified=True))
+        self._slots.append(slot)
+        return slot
+
+    def _new_context(self, n_ctx: int, n_seq: int, unified: bool) -> Any:
+        llama_cpp = self._llama_cpp
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = params.n_ubatch = DECODE_TOKENS
+        params.n_seq_max = n_seq
+        params.n_outputs_max = max(n_seq, DECODE_TOKENS)  # llama.cpp asserts n_seq_max ≤ n_outputs_max
+        params.kv_unified = unified  # False: a KV stream per sequence
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.n_threads = params.n_threads_batch = self._n_threads
+        params.no_perf = True
+        try:
+            return self._internals.LlamaContext(model=self._model, params=params, verbose=False)
+        except ValueError as exc:
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} cells: {exc}") from exc
+
     # ----------------------------------------------------------------- forward
 
-    def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
-        result = self._compute_each([Staged(session_id, rows, start, logits_rows)])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
-
     def _compute_each(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
-        """Chain sessions' rows share decodes (``_decode_streams``); tree sessions decode alone."""
+        """Tree sessions decode alone (``_decode_alone``), then chain sessions' rows share decodes (``_decode_streams``)."""
         out: list[torch.Tensor | Exception | None] = [None] * len(work)
-        chains: list[int] = []
-        for i, w in enumerate(work):
-            if w.session_id in self._tree_sessions or w.rows.chain < len(w.rows):
-                self._to_tree_session(w.session_id)
-                try:
-                    out[i] = self._compute_alone(w.session_id, w.rows, w.logits_rows)
-                except Exception as exc:  # noqa: BLE001 - the item's own
-                    out[i] = exc
-            else:
-                chains.append(i)
-        for begin in range(0, len(chains), self.num_streams):  # more sessions than streams: in turns
-            group = chains[begin:begin + self.num_streams]
-            try:
-                logits = self._decode_streams([work[i] for i in group])
-            except Exception as exc:  # noqa: BLE001 - a failed decode fails the items it carried
-                logits = [exc] * len(group)
-            for i, result in zip(group, logits):
-                out[i] = result
-        return [r for r in out if r is not None]
+        trees = [w.session_id in self._tree_sessions or w.rows.chain < len(w.rows) for w in work]
+        in_turns(work, out, [i for i, tree in enumerate(trees) if tree], 1, self._decode_alone)
+        return in_turns(work, out, [i for i, tree in enumerate(trees) if not tree], self.num_streams, self._decode_streams)
 
-    def _compute_alone(self, session_id: str, rows: Rows, logits_rows: list[int]) -> torch.Tensor:
+    def _decode_alone(self, work: list[Staged]) -> list[torch.Tensor]:
+        """One tree session (``in_turns`` groups of one) in a context of its own."""
+        session_id, rows, logits_rows = work[0].session_id, work[0].rows, work[0].logits_rows
+        self._to_tree_session(session_id)
         slot = self._slot_for(session_id, rows, min(logits_rows))
         wanted, out = set(logits_rows), dict[int, np.ndarray]()
-        if slot.rows < rows.chain:
-            self._decode_chain(slot, rows, wanted, out)
+        if slot.rows < rows.chain:  # in sequence 0, position = row = cell
+            chain = list(range(slot.rows, rows.chain))
+            self._decode(slot.ctx, [(rows.tokens[r], r, (0,), r in wanted) for r in chain], chain, out)
+            slot.rows = rows.chain
         if slot.rows < len(rows):
             self._decode_tree(slot, rows, wanted, out)
-        return torch.from_numpy(np.stack([out[r] for r in logits_rows]))
+        return [torch.from_numpy(np.stack([out[r] for r in logits_rows]))]
 
     def _decode_streams(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
-        """Chain sessions (at most one per stream) in shared decodes of ≤ ``DECODE_TOKENS`` tokens:
-        each session's new rows at position = row in its own stream, split across decodes
-        wherever the budget falls (a position scores the same in any decode below 64 tokens)."""
+        """Chain sessions (one per stream) in shared decodes; each session's row at position = row in its own stream."""
         self._clock += 1
         streams = [self._stream_for(w.session_id, [x.session_id for x in work], w.rows, min(w.logits_rows)) for w in work]
         entries: list[tuple[int, int, Any, bool]] = []
@@ -166,37 +328,20 @@ class LlamaCppRunner(CellPlaces, ModelRunner):
             for row in range(stream.rows, len(w.rows)):
                 entries.append((w.rows.tokens[row], row, (stream.seq,), row in wanted))
                 owners.append((i, row))
-        got: list[dict[int, np.ndarray]] = [{} for _ in work]
+        got: dict[tuple[int, int], np.ndarray] = {}
         try:
-            for begin in range(0, len(entries), DECODE_TOKENS):
-                chunk = slice(begin, begin + DECODE_TOKENS)
-                logits: dict[int, np.ndarray] = {}
-                self._decode(self._shared, entries[chunk], list(range(begin, begin + len(entries[chunk]))), logits)
-                for k, row_logits in logits.items():
-                    i, row = owners[k]
-                    got[i][row] = row_logits
+            self._decode(self._shared, entries, owners, got)
         except BaseException:
             for stream in streams:
                 self._release(stream)
             raise
         for w, stream in zip(work, streams):
             stream.rows = len(w.rows)
-        return [torch.from_numpy(np.stack([got[i][r] for r in w.logits_rows])) for i, w in enumerate(work)]
-
-    def _decode_chain(self, slot: Slot, rows: Rows, wanted: set[int], out: dict[int, np.ndarray]) -> None:
-        """Rows ``[slot.rows, rows.chain)`` in sequence 0, position = row = cell."""
-        for begin in range(slot.rows, rows.chain, DECODE_TOKENS):
-            chunk = list(range(begin, min(begin + DECODE_TOKENS, rows.chain)))
-            self._decode(slot.ctx, [(rows.tokens[r], r, (0,), r in wanted) for r in chunk], chunk, out)
-            slot.rows = chunk[-1] + 1
+        return [torch.from_numpy(np.stack([got[i, r] for r in w.logits_rows])) for i, w in enumerate(work)]
 
     def _decode_tree(self, slot: Slot, rows: Rows, wanted: set[int], out: dict[int, np.ndarray]) -> None:
-        """Rows ``[slot.rows, len)``: each new leaf gets a sequence (its anchor's, when the
-        anchor was a leaf, else a copy of the context up to the anchor), and each new row
-        carries the sequences of the new leaves below it. Decoded depth first, children in
-        row order, so the first child's path lies in the cells right after its parent: when
-        the path kept is the first children's (a chain; a tree whose children come best
-        first), ``keep`` keeps its cells and nothing is decoded again."""
+        """Rows ``[slot.rows, len)``: each new leaf gets a sequence (its anchor leaf's, else a copy up to the anchor), each row
+        carries its leaves'. Depth first, children in row order: a kept path of first children is decoded nothing again."""
         first = slot.rows
         new = range(first, len(rows))
         with_children = {rows.parents[r] for r in new}
@@ -219,12 +364,8 @@ class LlamaCppRunner(CellPlaces, ModelRunner):
                 node = rows.parents[node]
         order = _depth_first(rows, first)
         next_cell = rows.chain + len(slot.cell)
-        for begin in range(0, len(order), DECODE_TOKENS):
-            chunk = order[begin:begin + DECODE_TOKENS]
-            self._decode(slot.ctx, [(rows.tokens[r], rows.depths[r], seqs[r], r in wanted) for r in chunk], chunk, out)
-            for row in chunk:
-                slot.cell[row] = next_cell
-                next_cell += 1
+        self._decode(slot.ctx, [(rows.tokens[r], rows.depths[r], seqs[r], r in wanted) for r in order], order, out)
+        slot.cell.update((row, next_cell + i) for i, row in enumerate(order))
         slot.rows = len(rows)
 
     def _new_seq(self, slot: Slot) -> int:
@@ -234,28 +375,25 @@ class LlamaCppRunner(CellPlaces, ModelRunner):
             raise ContextOverflow(f"a tree has more than {TREE_SEQUENCES - 1} leaves", param="draft")
         return free
 
-    def _decode(self, ctx: Any, entries: list[tuple[int, int, Any, bool]], row_of: list[int], out: dict[int, np.ndarray]) -> None:
-        """One llama.cpp decode of (token, position, sequence ids, wants logits) entries."""
-        if len(entries) > DECODE_TOKENS:  # never: 64 tokens or more change the numerics
-            raise RuntimeError(f"a decode of {len(entries)} tokens exceeds {DECODE_TOKENS}")
-        self.max_decode_tokens = max(self.max_decode_tokens, len(entries))
+    def _decode(self, ctx: Any, entries: list[tuple[int, int, Any, bool]], row_of: Sequence[Hashable], out: dict[Any, np.ndarray]) -> None:
+        """Decodes of (token, position, sequence ids, wants logits) entries, ``DECODE_TOKENS`` at a time; logits into ``out[row_of[i]]``."""
         raw = self._batch.batch
-        raw.n_tokens = len(entries)
-        for i, (token, position, seq_ids, flag) in enumerate(entries):
-            raw.token[i] = token
-            raw.pos[i] = position
-            raw.n_seq_id[i] = len(seq_ids)
-            for j, seq in enumerate(seq_ids):
-                raw.seq_id[i][j] = seq
-            raw.logits[i] = flag
-        ctx.decode(self._batch)
-        for i, (_, _, _, flag) in enumerate(entries):
-            if flag:
-                out[row_of[i]] = self._read_logits(ctx, i)
-
-    def _read_logits(self, ctx: Any, index: int) -> np.ndarray:
-        ptr = ctx.get_logits_ith(index)
-        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.info.vocab_size,)).copy()
+        for begin in range(0, len(entries), DECODE_TOKENS):
+            chunk = entries[begin:begin + DECODE_TOKENS]
+            self.max_decode_tokens = max(self.max_decode_tokens, len(chunk))
+            raw.n_tokens = len(chunk)
+            for i, (token, position, seq_ids, flag) in enumerate(chunk):
+                raw.token[i] = token
+                raw.pos[i] = position
+                raw.n_seq_id[i] = len(seq_ids)
+                for j, seq in enumerate(seq_ids):
+                    raw.seq_id[i][j] = seq
+                raw.logits[i] = flag
+            ctx.decode(self._batch)
+            for i, (_, _, _, flag) in enumerate(chunk):
+                if flag:
+                    logits = ctypes.cast(ctx.get_logits_ith(i), ctypes.POINTER(ctypes.c_float))
+                    out[row_of[begin + i]] = np.ctypeslib.as_array(logits, shape=(self.info.vocab_size,)).copy()
 
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
         try:
@@ -276,8 +414,7 @@ class LlamaCppRunner(CellPlaces, ModelRunner):
 
 
 def _depth_first(rows: Rows, first: int) -> list[int]:
-    """Rows ``[first, len)`` in pre-order, children in row order: every path's rows come in
-    increasing position, as llama.cpp's batch checks ask, in one decode or in several."""
+    """Rows ``[first, len)`` in pre-order, children in row order: every path's positions increase (llama.cpp checks)."""
     children: dict[int, list[int]] = {}
     for row in range(first, len(rows)):
         children.setdefault(rows.parents[row] if rows.parents[row] >= first else -1, []).append(row)

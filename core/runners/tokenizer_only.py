@@ -1,9 +1,5 @@
-"""``draft.model: none`` (DESIGN §3.10): a gateway without a draft model.
-
-The gateway still needs the model's tokenizer (chat template, detokenising, grammars) and its
-facts — vocabulary, EOS ids, context — so it holds a runner with no weights: lookup drafts
-(``Drafter.LOOKUP``) never call it, and a forward is an error that says why.
-"""
+"""``draft.model: none`` (DESIGN §3.10): a gateway without a draft model still needs its tokenizer
+and facts (vocabulary, EOS ids, context): a runner with no weights, which lookup drafts never call."""
 
 from __future__ import annotations
 
@@ -31,20 +27,8 @@ class TokenizerOnly(ModelRunner):
         self.tokenizer = tokenizer
         self.info = RunnerInfo(model_id=f"none ({name}'s tokenizer)", backend=NONE, vocab_size=len(tokenizer), max_context=max_context, eos_ids=eos_ids(tokenizer))
 
-    def warm_up(self) -> None:
-        """Nothing to page in."""
-
     def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
         raise RuntimeError("this gateway has no draft model (draft.model: none): only lookup drafts")
-
-    def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
-        pass
-
-    def _free_cache(self, session_id: str) -> None:
-        pass
-
-    def kv_bytes_per_token(self) -> int:
-        return 0
 
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
         raise RuntimeError("this gateway has no draft model (draft.model: none)")

@@ -1,25 +1,15 @@
-"""The ``transformers`` backend (DESIGN §7, §9): any HF checkpoint or GGUF transformers can
-load, on CPU or CUDA in the dtype asked, and the tiny random-weight models of the tests.
+"""The ``transformers`` backend (DESIGN §7, §9): HF checkpoints or GGUF files, on CPU or CUDA.
 
-The KV cache is a **preallocated slot cache**: per layer one tensor ``[slots, kv_heads,
-length, head_dim]``, a session holds a slot while it has rows in the cache (least recently used
-lent first: the session that loses it is rebuilt from its rows), and row ``r`` of a session
-lives in cell ``r`` of its slot. One forward runs any number of sessions' new rows at once
-(a worker's scheduler step, DESIGN §9): the rows are padded to one width, each writes its own
-cell, and an additive float 4-D mask (``0`` / ``finfo.min``; a bool mask is silently wrong
-under eager attention) lets a row see its ancestors' cells only — which serves chains, trees
-and batches alike — with ``position_ids`` = depth. ``keep`` of a path gathers its cells to the
-front of the slot. Only the rows asked for go through the LM head, which runs in fp32 (a bf16
-model's logits would be rounded enough to flip argmaxes).
+The KV cache is a preallocated slot cache, per layer ``[slots, kv_heads, length, head_dim]``:
+a session holds a slot (lent least recently used first), row ``r`` in cell ``r``. One forward
+pads every session's new rows to one width; an additive float mask lets each row see its
+ancestors' cells only (chains, trees and batches alike), with ``position_ids`` = depth.
 """
 
 from __future__ import annotations
 
 import functools
-
 import logging
-import os
-import shutil
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +18,10 @@ from typing import Any
 import torch
 
 from core.errors import ModelLoadError, SessionShort
+from core.math.tree import path_of
 from core.names import Backend
-from core.runners.base import ForwardItem, ModelRunner, Rows, RunnerInfo, Staged, lend
-from core.runners.models import ModelSource, cache_dir, cache_lock, file_key
+from core.runners.base import ModelRunner, Place, Rows, RunnerInfo, Staged, held_by, in_turns, lend
+from core.runners.models import ModelSource, cache_dir, cache_lock, file_key, save_to_cache
 from core.runners.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
@@ -57,11 +48,8 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 @dataclass
-class _Slot:
-    index: int
-    session_id: str | None = None
-    rows: int = 0  # rows [0, rows) of the session are in cells [0, rows)
-    last_used: int = 0
+class _Slot(Place):
+    index: int = 0
     clean: bool = False  # written once with finite values (a masked cell must not hold NaN)
 
 
@@ -78,12 +66,8 @@ class TransformersRunner(ModelRunner):
         gpu_memory_utilization: float = 0.9,
         layers: tuple[int, int] | None = None,
     ) -> None:
-        """``model``: an already built model to run instead of loading ``source`` (benchmarks
-        with random weights of a real architecture; its dtype is kept). The slots fill
-        ``memory_cap_mb`` on the CPU; on a GPU, ``gpu_memory_utilization`` of its memory less
-        what is already used (vLLM's rule). ``layers``: a pipeline stage's ``[first, end)``
-        (DESIGN §3.7): the first stage embeds tokens, later ones take the states the stage
-        before sent; the last applies the final norm and the head, the others return states."""
+        """``model``: a built model to run instead of loading ``source``. The slots fill ``memory_cap_mb`` on the CPU, on a GPU
+        ``gpu_memory_utilization`` of its memory less what is used (vLLM's rule). ``layers``: a stage's ``[first, end)``."""
         super().__init__()
         self.tokenizer = tokenizer
         self.device = resolve_device(device)
@@ -103,11 +87,8 @@ class TransformersRunner(ModelRunner):
         self.model = model.to(self.device).eval()
         config = self.model.config
         self.info = RunnerInfo(
-            model_id=source.name,
-            backend=Backend.TRANSFORMERS.value,
-            vocab_size=int(config.vocab_size),
-            max_context=min(max_context, int(config.max_position_embeddings)),
-            eos_ids=eos_ids(tokenizer),
+            model_id=source.name, backend=Backend.TRANSFORMERS.value, vocab_size=int(config.vocab_size),
+            max_context=min(max_context, int(config.max_position_embeddings)), eos_ids=eos_ids(tokenizer),
         )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -130,7 +111,7 @@ class TransformersRunner(ModelRunner):
         # one store per layer of this runner: layer ``i`` (absolute) writes ``_keys[i − first]``
         self._keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self._end_layer - self._first_layer)]
         self._values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self._end_layer - self._first_layer)]
-        self._slots = [_Slot(i) for i in range(self.num_slots)]
+        self._slots = [_Slot(index=i) for i in range(self.num_slots)]
         self._clock = 0
         self._decoder = self.model.get_decoder()
         self._head_weight = self._head_bias = None
@@ -141,48 +122,23 @@ class TransformersRunner(ModelRunner):
             self._head_weight = head.weight.detach().float()
             self._head_bias = head.bias.detach().float() if getattr(head, "bias", None) is not None else None
 
-    def kv_bytes_per_token(self) -> int:
-        return self._kv_bytes
-
     @property
     def is_last_stage(self) -> bool:
         return self._end_layer == int(self.model.config.num_hidden_layers)
 
     # ----------------------------------------------------------------- forward
 
-    def _forward_item(self, item: ForwardItem) -> torch.Tensor:
-        result = self.forward_each([item])[0]  # the staged rows carry a stage's input states
-        if isinstance(result, Exception):
-            raise result
-        return result
-
-    def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
-        result = self._compute_each([Staged(session_id, rows, start, logits_rows)])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
-
     def _compute_each(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
         out: list[torch.Tensor | Exception | None] = [self._missing_input(w) for w in work]
-        ready = [i for i, o in enumerate(out) if o is None]
-        for begin in range(0, len(ready), self.num_slots):  # more sessions than slots: in turns
-            group = ready[begin:begin + self.num_slots]
-            try:
-                results: list[torch.Tensor | Exception] = list(self._forward_slots([work[i] for i in group]))
-            except Exception as exc:  # noqa: BLE001 - a failed forward fails the items it carried
-                results = [exc] * len(group)
-            for i, result in zip(group, results):
-                out[i] = result
-        return [o for o in out if o is not None]
+        return in_turns(work, out, [i for i, o in enumerate(out) if o is None], self.num_slots, self._forward_slots)
 
     def _missing_input(self, work: Staged) -> Exception | None:
-        """A stage after the first cannot recompute rows it lost (it has only the states sent
-        for the new rows): the session is short of them, and the pipeline must resend."""
+        """A later stage cannot recompute rows it lost (it has only the new rows' states): the pipeline must resend them."""
         if self.is_first_stage:
             return None
         if work.hidden is None:
             return ValueError(f"a stage of layers {self._first_layer}:{self._end_layer} takes hidden states, not tokens")
-        slot = self._slot_of(work.session_id)
+        slot = held_by(self._slots, work.session_id)
         cached = slot.rows if slot is not None else 0
         if cached < work.start:
             return SessionShort(work.session_id, cached, f"the stage of layers {self._first_layer}:{self._end_layer} lost its rows past {cached}")
@@ -197,10 +153,9 @@ class TransformersRunner(ModelRunner):
         counts = [len(w.rows) - first for w, first in zip(work, firsts)]
         width, span = max(counts), max(len(w.rows) for w in work)
         batch = len(work)
-        scratch = self.slot_length - 1
         tokens = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
-        cells = torch.full((batch, width), scratch, dtype=torch.long)
+        cells = torch.full((batch, width), self.slot_length - 1, dtype=torch.long)  # padding writes the scratch cell
         visible = torch.zeros(batch, width, span, dtype=torch.bool)
         visible[:, :, 0] = True  # a padding row sees cell 0 (a row that sees nothing gives NaN)
         for b, (w, first, count) in enumerate(zip(work, firsts, counts)):
@@ -213,7 +168,7 @@ class TransformersRunner(ModelRunner):
                     visible[b, i, : row + 1] = True
                 else:
                     visible[b, i, 0] = False
-                    visible[b, i, rows.ancestors(row)] = True
+                    visible[b, i, path_of(row, rows.parents)] = True  # its ancestors and itself
         mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, torch.finfo(self.dtype).min)
         view = _SlotView(self, torch.tensor([s.index for s in slots], device=self.device), cells.to(self.device), span)
         try:
@@ -232,23 +187,15 @@ class TransformersRunner(ModelRunner):
             slot.rows, slot.clean = len(w.rows), True
         if not self.is_last_stage:  # the new rows' states, for the next stage
             return [hidden[b, w.start - first : count].cpu() for b, (w, first, count) in enumerate(zip(work, firsts, counts))]
-        picks = [(b, r - first) for b, (w, first) in enumerate(zip(work, firsts)) for r in w.logits_rows]
-        index = torch.tensor([b * width + i for b, i in picks], device=self.device)
+        index = torch.tensor([b * width + r - first for b, (w, first) in enumerate(zip(work, firsts)) for r in w.logits_rows], device=self.device)
         picked = hidden.reshape(batch * width, -1).index_select(0, index).float()
         logits = torch.nn.functional.linear(picked, self._head_weight, self._head_bias).cpu()
-        out, at = [], 0
-        for w in work:
-            out.append(logits[at:at + len(w.logits_rows)])
-            at += len(w.logits_rows)
-        return out
+        return list(logits.split([len(w.logits_rows) for w in work]))
 
     def _stage_layers(
         self, work: list[Staged], firsts: list[int], counts: list[int], tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, view: _SlotView,
     ) -> torch.Tensor:
-        """This stage's layers over the batch (research/tree-and-pipeline.md §4.1): the first
-        embeds the tokens, a later one starts from the states sent (new rows only: ``first`` is
-        ``start`` there); rotary embeddings from the positions on every stage; the last stage
-        ends with the final norm."""
+        """This stage's layers over the batch (research/tree-and-pipeline.md §4.1), from tokens or the states sent."""
         decoder = self._decoder
         if self.is_first_stage:
             states = decoder.embed_tokens(tokens.to(self.device))
@@ -274,33 +221,28 @@ class TransformersRunner(ModelRunner):
     def _slot_for(self, session_id: str, busy: set[str]) -> _Slot:
         slot, fresh = lend(self._slots, session_id, busy, self._release)
         if fresh and not slot.clean:
-            for layer in range(len(self._keys)):
-                self._keys[layer][slot.index].zero_()
-                self._values[layer][slot.index].zero_()
+            for store in (*self._keys, *self._values):
+                store[slot.index].zero_()
             slot.clean = True
         slot.last_used = self._clock
         return slot
-
-    def _slot_of(self, session_id: str) -> _Slot | None:
-        return next((s for s in self._slots if s.session_id == session_id), None)
 
     def _release(self, slot: _Slot) -> None:
         slot.session_id, slot.rows = None, 0
 
     def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
-        slot = self._slot_of(session_id)
+        slot = held_by(self._slots, session_id)
         if slot is None:
             return
         cached = [r for r in kept if r < slot.rows]  # a path's rows increase: a prefix of it
         if cached != list(range(len(cached))):
             index = torch.tensor(cached, dtype=torch.long, device=self.device)
-            for layer in range(len(self._keys)):
-                for store in (self._keys[layer], self._values[layer]):
-                    store[slot.index, :, : len(cached)] = store[slot.index].index_select(1, index)
+            for store in (*self._keys, *self._values):
+                store[slot.index, :, : len(cached)] = store[slot.index].index_select(1, index)
         slot.rows = len(cached)
 
     def _free_cache(self, session_id: str) -> None:
-        slot = self._slot_of(session_id)
+        slot = held_by(self._slots, session_id)
         if slot is not None:
             self._release(slot)
 
@@ -321,16 +263,12 @@ def _cache_kwarg_of(function: Any) -> str:
 
 
 def _cache_kwarg(method: Any) -> str:
-    """The name a forward takes its KV cache by: ``cache`` since transformers 5.x renamed it
-    (``past_key_values`` still works there, with a FutureWarning on every call), the old name
-    before."""
+    """``cache`` since transformers 5.x (where ``past_key_values`` warns on every call), else ``past_key_values``."""
     return _cache_kwarg_of(getattr(method, "__func__", method))
 
 
 class _SlotView:
-    """What the model's attention layers see as ``past_key_values`` in one forward: ``update``
-    writes the new rows' keys and values into their slots' cells and returns the batch's slots,
-    cells ``[0, span)``. (The 4-D mask is given, so transformers asks nothing else of it.)"""
+    """The layers' ``past_key_values`` in one forward: ``update`` writes the new rows and returns the slots' cells ``[0, span)``."""
 
     is_compileable = False
 
@@ -352,9 +290,7 @@ class _SlotView:
 
 
 def _drop_other_layers(model: Any, first: int, end: int) -> None:
-    """A stage's model keeps only its layers (the rest become identities: layer indices stay
-    absolute), the embeddings where they are used (the first stage; the last, whose head they
-    are when tied) and the final norm on the last."""
+    """A stage's model keeps its layers (the rest become identities: indices stay absolute), the embeddings and norm it uses."""
     decoder = model.get_decoder()
     num_layers = len(decoder.layers)
     for i in range(num_layers):
@@ -396,50 +332,35 @@ def _load_gguf(path: Path) -> Any:
         setattr(model, "hf_quantizer", None)
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
-        model.save_pretrained(tmp)
-        try:
-            os.rename(tmp, cached)
-        except OSError:  # a cache made by an earlier version, without the lock
-            shutil.rmtree(tmp, ignore_errors=True)
+        save_to_cache(model, cached)
         return model
 
 
 def builtin_architecture_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    """SmolLM2-135M's architecture (the built-in target) with random weights: what a forward
-    costs does not depend on the weights, so machines without the GGUF can time it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    """SmolLM2-135M's architecture with random weights: a forward's cost does not depend on them (timing without the GGUF)."""
+    return _seeded_llama(
+        seed, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-    )
-    return _seeded(LlamaForCausalLM, config, seed).to(dtype)
+    ).to(dtype)
 
 
 def tiny_random_model(vocab_size: int, seed: int = 0) -> Any:
     """A 2-layer random-weight Llama over the shared vocabulary (tests only)."""
+    # initializer_range 0.5: peaked distributions, so top-k and argmax tests mean something
+    return _seeded_llama(
+        seed, vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.5, tie_word_embeddings=True,
+    ).float()
+
+
+def _seeded_llama(seed: int, **config: Any) -> Any:
+    """A ``LlamaForCausalLM`` of ``config`` with weights from ``seed``, leaving the global generator as it was."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        initializer_range=0.5,  # peaked distributions, so top-k and argmax tests mean something
-        tie_word_embeddings=True,
-    )
-    return _seeded(LlamaForCausalLM, config, seed).float()
-
-
-def _seeded(model_class: Any, config: Any, seed: int) -> Any:
-    """``model_class(config)`` with weights from ``seed``, leaving the global generator as it was."""
+    llama_config = LlamaConfig(**config)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        return model_class(config)
+        return LlamaForCausalLM(llama_config)
     finally:
         torch.random.set_rng_state(generator_state)

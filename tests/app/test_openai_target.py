@@ -317,5 +317,5 @@ def test_the_example_config_parses() -> None:
     from core.config import load_config
 
     config = load_config(Path(__file__).parents[2] / "config" / "engine.yaml")
-    assert [w.is_engine for w in config.workers] == [True, False] and config.has_engines
+    assert [w.is_engine for w in config.workers] == [True, False]
     assert [w.is_local for w in config.workers] == [False, True]

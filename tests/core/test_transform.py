@@ -3,6 +3,8 @@ row's prefix (agreed tokens + its path), the forced token, and min-p."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -135,8 +137,8 @@ def test_min_tokens_counts_each_rows_generated_tokens() -> None:
 
 def test_min_tokens_travels_in_the_transform() -> None:
     spec = TransformSpec(prompt_len=4, min_tokens=5, eos_ids=(2, 9))
-    assert TransformSpec.from_wire(spec.to_wire()) == spec and not spec.is_identity and spec.is_min_tokens_only
+    assert TransformSpec.from_wire(spec.to_wire()) == spec and not spec.is_identity and replace(spec, min_tokens=0, eos_ids=()).is_identity
     assert not TransformSpec(prompt_len=4, min_tokens=5).suppresses  # no EOS to keep out: the identity
-    assert not TransformSpec(((1, 1.0),), prompt_len=4, min_tokens=5, eos_ids=(2,)).is_min_tokens_only
+    assert not replace(TransformSpec(((1, 1.0),), prompt_len=4, min_tokens=5, eos_ids=(2,)), min_tokens=0, eos_ids=()).is_identity
     with pytest.raises(ValueError):
         Transformer.build(TransformSpec(min_tokens=1, eos_ids=(7,)), 4, None)

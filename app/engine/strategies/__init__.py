@@ -1,5 +1,4 @@
-"""The strategies, one per mode whose rows they verify (``core.modes`` says what each takes
-and needs); a tree is a draft shape, verified on its payload's (``SpecOptions.verifier``)."""
+"""The strategies, one per mode whose rows they verify; a tree is verified on its payload's (``SpecOptions.verifier``)."""
 
 from app.engine.spec import SpecOptions
 from app.engine.strategies.aggregate import AggregateStrategy

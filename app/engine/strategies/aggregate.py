@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from app.engine.round import (
-    Round,
-    array,
-    lanes,
-    mixture,
-    round_uniforms,
-    token_logprobs,
-)
+from app.engine.round import Round, array, lanes, mixture, round_uniforms, token_logprobs
 from app.engine.spec import RoundResult
 from app.engine.strategies.base import RoundStrategy
 from core.math.aggregation import bias_bound
@@ -22,10 +15,8 @@ from core.names import Mode, Reconstruction
 
 
 class AggregateStrategy(RoundStrategy):
-    """SpecFed (DESIGN §3.3): every worker sends T(p_n) at the γ+1 positions, full or top-k;
-    the gateway reconstructs p̂_n, aggregates p̂ = Σ w_n p̂_n and verifies the draft with it.
-    ``tree`` mode is the same with a tree: a row per node plus the root, walked by the rule of
-    how the children were chosen (DESIGN §3.6)."""
+    """SpecFed (DESIGN §3.3): p̂ = Σ w_n p̂_n from every worker's T(p_n), full or top-k, verifies the
+    draft; a tree has a row per node plus the root, walked by the rule of its children (§3.6)."""
 
     async def verify(self, rnd: Round) -> RoundResult:
         req, spec = rnd.req, rnd.req.spec

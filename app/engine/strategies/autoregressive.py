@@ -17,9 +17,8 @@ from core.protocol import VerifyResponse
 
 
 class AutoregressiveStrategy(RoundStrategy):
-    """The baseline: one target position per round. At T > 0 each worker sends its own sample
-    z_n ~ T(p_n) and the gateway emits z_n with n ~ w (lossless, 4 bytes); at T = 0 workers
-    send top-k and the gateway certifies the mixture's argmax, asking again with a larger k."""
+    """At T > 0 each worker sends its own sample z_n ~ T(p_n) and the gateway emits z_n with n ~ w
+    (lossless, 4 bytes); at T = 0 the gateway certifies the mixture's argmax from top-k rows."""
 
     async def verify(self, rnd: Round) -> RoundResult:
         req = rnd.req

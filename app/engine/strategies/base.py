@@ -1,7 +1,5 @@
-"""A strategy is how one mode runs a choice (DESIGN §3). Most verify round by round: what a
-round asks of the targets, which pure function of ``core.math`` decides, what it emits
-(``RoundStrategy``, run by the engine's loop, ``Engine.rounds``); the pipeline runs its own
-loop of segments (``PipelineStrategy``). What a mode accepts and needs is ``core.modes``."""
+"""A strategy is how one mode runs a choice (DESIGN §3): round by round in the engine's loop
+(``RoundStrategy``), or its own loop (``PipelineStrategy``). What a mode accepts is ``core.modes``."""
 
 from __future__ import annotations
 

@@ -13,18 +13,14 @@ from core.math.aggregation import mixed_probability, normalise_weights
 from core.math.exact import ExactPosition, normalised_payload, verify_exact
 from core.math.random import Purpose, uniform
 from core.math.relaxed import relaxation_factor_on_support, relaxed_distance
-from core.math.speculative import Verdict
-from core.math.tree import TokenTree
 from core.math.walk import SparseNode, node_supports, verify_tree_exact
 from core.names import Mode
 from core.protocol import VerifyResponse
 
 
 class ExactStrategy(RoundStrategy):
-    """Lossless federated verification with sparse payloads (DESIGN §3.5): each worker sends
-    p_n on the draft supports, the mass off them, one sample from off them, one bonus sample.
-    A chain drawn from q̂ is verified by ``verify_exact``; a tree, or a chain of fixed (top-1)
-    children, by the tree walk, whose rule is the children's (DESIGN §3.6)."""
+    """Lossless federated verification with sparse payloads (DESIGN §3.5): a chain drawn from q̂ is
+    verified by ``verify_exact``; a tree, or a chain of fixed (top-1) children, by the tree walk (§3.6)."""
 
     async def verify(self, rnd: Round) -> RoundResult:
         if rnd.req.params.is_greedy:
@@ -33,10 +29,9 @@ class ExactStrategy(RoundStrategy):
             return await exact_walk(rnd)
         req, draft = rnd.req, rnd.draft
         supports = [draft.support(j - 1)[0] for j in range(len(draft))]  # S_j, ascending ids
-        ids = torch.cat(supports).numpy() if supports else np.zeros(0, np.int64)
-        sizes = np.array([len(s) for s in supports], dtype=np.int32)
-        responses = await rnd.call(mode=Mode.EXACT.value, support_ids=ids, support_sizes=sizes, logprobs=req.top_logprobs)
-        positions = exact_positions(responses, supports, draft)
+        responses = await _call_on(rnd, supports)
+        rows = sparse_rows(responses, supports)
+        positions = [ExactPosition(row.support, row.p, row.complement, row.samples, draft.support(j - 1)[1].double()) for j, row in enumerate(rows)]
         draft_index = [int((s == x).nonzero()[0, 0]) for s, x in zip(supports, draft.ids())]
         accept_u, final_u = round_uniforms(rnd)
         choice_u = uniform(req.seed, req.choice, rnd.positions[-1], Purpose.WORKER_CHOICE)
@@ -51,8 +46,10 @@ class ExactStrategy(RoundStrategy):
         tokens = verdict.output(draft.ids())
         result = RoundResult(tokens, drafted=len(draft), accepted=verdict.num_accepted, traffic=rnd.traffic)
         if req.top_logprobs is not None:
-            values = [mixed_probability(pos.p[:, i], weights) for pos, i in zip(positions, draft_index[: verdict.num_accepted])]
-            result.logprobs = worker_logprobs(rnd, tokens, [*values, await exact_final_logprob(rnd, positions, verdict)])
+            a = verdict.num_accepted
+            values = [mixed_probability(pos.p[:, i], weights) for pos, i in zip(positions, draft_index[:a])]
+            last, _ = await _final_logprob(rnd, positions[a] if a < len(positions) else None, a, tokens)
+            result.logprobs = worker_logprobs(rnd, tokens, [*values, last])
         if taus is not None:  # the emitted draft positions follow τ q̂ + (1 − τ) p; the bonus position p itself
             at = min(len(tokens), len(positions))
             result.taus = taus[:at].tolist()
@@ -60,23 +57,27 @@ class ExactStrategy(RoundStrategy):
         return result
 
 
-async def exact_final_logprob(rnd: Round, positions: list[ExactPosition], verdict: Verdict) -> float:
-    """log p of the round's last token: from the supports when it lies on S_a; else it is a
-    worker's own sample (complement or bonus), whose log p_n that worker sent — with several
-    workers the mixture needs every p_n of it, which one short call asks for."""
-    a, token = verdict.num_accepted, verdict.token
-    if a < len(positions):
-        on_support = (positions[a].support == token).nonzero()
-        if len(on_support):
-            return mixed_probability(positions[a].p[:, int(on_support[0, 0])], rnd.weights)
+async def _call_on(rnd: Round, supports: list[torch.Tensor]) -> list[VerifyResponse]:
+    """Every worker's p_n on the ``supports``, the mass off each, a sample from off each, a bonus sample."""
+    ids = torch.cat(supports).numpy() if supports else np.zeros(0, np.int64)
+    sizes = np.array([len(s) for s in supports], dtype=np.int32)
+    return await rnd.call(mode=Mode.EXACT.value, support_ids=ids, support_sizes=sizes, logprobs=rnd.req.top_logprobs)
+
+
+async def _final_logprob(rnd: Round, row: SparseNode | None, answer_row: int, tokens: list[int]) -> tuple[float, bool]:
+    """log p of the round's last token, and whether a short call asked for it: from the row's support when
+    it lies there; else it is a worker's own sample, whose log p_n that worker sent at ``answer_row`` —
+    with several workers the mixture needs every p_n of it (``Round.score``)."""
+    value = _on_support(row, tokens[-1], rnd.weights) if row is not None else None
+    if value is not None:
+        return value, False
     if len(rnd.responses) == 1:
-        return float(array(rnd.responses[0].sample_logprobs)[a])
-    return await rnd.score(len(rnd.sequence) + a, token)
+        return float(array(rnd.responses[0].sample_logprobs)[answer_row]), False
+    return await rnd.score(len(rnd.sequence) + len(tokens) - 1, tokens[-1], tokens[:-1]), True
 
 
 def sparse_rows(responses: list[VerifyResponse], supports: list[torch.Tensor]) -> list[SparseNode]:
-    """Each row of the workers' answers (one per support sent): p_n on S, the mass off it and
-    the samples from off it, each worker's row scaled to sum to 1 (``normalised_payload``)."""
+    """Each row of the workers' answers: p_n on S, the mass off it, the samples from off it (``normalised_payload``)."""
     bounds = np.cumsum([0] + [len(s) for s in supports])
     rows = []
     for j, support in enumerate(supports):
@@ -86,26 +87,14 @@ def sparse_rows(responses: list[VerifyResponse], supports: list[torch.Tensor]) -
     return rows
 
 
-def exact_positions(responses: list[VerifyResponse], supports: list[torch.Tensor], draft: TokenTree) -> list[ExactPosition]:
-    return [
-        ExactPosition(row.support, draft.support(j - 1)[1].double(), row.p, row.complement, row.samples)
-        for j, row in enumerate(sparse_rows(responses, supports))
-    ]
-
-
 async def exact_walk(rnd: Round) -> RoundResult:
-    """A tree — or a chain of fixed children — on exact's payload (DESIGN §3.5, §3.6): every row
-    (the root, each node) answers on S_v — q̂'s support there and the children, empty at a
-    leaf — with the mass off it and a sample from off it; the walk runs on that extended
-    support by the rule of the children (``core.math.tree``). A chain travels as a chain: its
-    rows are its positions, and its leaf's sample is each worker's bonus sample."""
+    """A tree — or a chain of fixed children — on exact's payload (DESIGN §3.5, §3.6): every row answers
+    on S_v (q̂'s support there and the children) with the mass off it and a sample from off it. A chain
+    travels as a chain: its leaf's sample is each worker's bonus sample."""
     req, tree = rnd.req, rnd.draft
     supports = node_supports(tree)
     sent = supports[:-1] if tree.is_chain else supports
-    responses = await rnd.call(
-        mode=Mode.EXACT.value, support_ids=torch.cat(sent).numpy() if sent else np.zeros(0, np.int64),
-        support_sizes=np.array([len(s) for s in sent], dtype=np.int32), logprobs=req.top_logprobs,
-    )
+    responses = await _call_on(rnd, sent)
     rows = sparse_rows(responses, sent)
     if tree.is_chain:  # the leaf: nothing on its (empty) support, each worker's z_n ~ p_n
         n = len(responses)
@@ -115,16 +104,12 @@ async def exact_walk(rnd: Round) -> RoundResult:
     result = RoundResult(tokens, drafted=len(tree), accepted=verdict.num_accepted, traffic=rnd.traffic, path=None if tree.is_chain else list(verdict.path))
     if req.top_logprobs is not None:
         path_rows = [0, *(node + 1 for node in verdict.path)]  # the row each emitted token was decided at
-        values = [_on_support(rows[row], token, rnd.weights) for row, token in zip(path_rows, tokens)]
-        accepted = [v for v in values[:-1] if v is not None]
+        values = [_on_support(rows[row], token, rnd.weights) for row, token in zip(path_rows, tokens[:-1])]
+        accepted = [v for v in values if v is not None]
         assert len(accepted) == verdict.num_accepted  # an accepted node lies on its parent's support
-        last = values[-1]
-        if last is None:  # a worker's own sample: its log p_n it sent; several workers need every p_n of it
-            if len(responses) == 1:
-                last = float(array(responses[0].sample_logprobs)[path_rows[-1]])
-            else:
-                last = await rnd.score(len(rnd.sequence) + verdict.num_accepted, verdict.token, tokens[:-1])
-                result.path = None  # the short call replaced the tree's rows by the path: nothing to keep
+        last, scored = await _final_logprob(rnd, rows[path_rows[-1]], path_rows[-1], tokens)
+        if scored:
+            result.path = None  # the short call replaced the tree's rows by the path: nothing to keep
         result.logprobs = worker_logprobs(rnd, tokens, [*accepted, last], path_rows)
     return result
 

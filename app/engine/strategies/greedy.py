@@ -1,5 +1,4 @@
-"""T = 0 over top-k payloads: certify the mixture's argmax (DESIGN §3.2), asking again with a
-larger k where a position cannot be certified."""
+"""T = 0 over top-k payloads: certify the mixture's argmax (DESIGN §3.2), asking again with a larger k."""
 
 from __future__ import annotations
 
@@ -22,9 +21,7 @@ T = TypeVar("T")
 
 
 async def certified_greedy(rnd: Round) -> RoundResult:
-    """T = 0 over top-k payloads: accept while x_j is the certified argmax of the mixture;
-    a position that cannot be certified is asked again with a larger k. With logprobs asked the
-    workers send whole distributions (the payload grows only then)."""
+    """Accept while x_j is the certified argmax of the mixture (whole rows when logprobs are asked)."""
     draft = rnd.draft
     if rnd.req.top_logprobs is not None:
         target = mixture(await rnd.call(mode=Mode.EXACT.value, k=None), rnd.vocab_size, rnd.weights, normalise=False)
@@ -51,8 +48,7 @@ async def certified_greedy(rnd: Round) -> RoundResult:
 
 
 async def growing_k(rnd: Round, mode: Mode, k: int | None, decide: Callable[[list[VerifyResponse], int | None], T | None]) -> T:
-    """Ask every target for its top-``k`` rows, then 8× as many, …, then whole rows, until
-    ``decide`` can tell (a certified argmax, DESIGN §3.2)."""
+    """Ask every target for its top-``k`` rows, then 8× as many, …, then whole rows, until ``decide`` can tell."""
     while True:
         decided = decide(await rnd.call(mode=mode.value, k=k), k)
         if decided is not None:

@@ -13,8 +13,7 @@ from core.names import Mode
 
 
 class SplitStrategy(RoundStrategy):
-    """DSSD (DESIGN §3.4), one worker: it runs the accept test with q̂_j(x_j) and its own
-    stream; the gateway draws the recovered token from norm(max(0, p − q̂)) with its own q̂."""
+    """DSSD (DESIGN §3.4), one worker: it runs the accept test with q̂_j(x_j); the gateway draws the recovered token."""
 
     async def verify(self, rnd: Round) -> RoundResult:
         req, spec, draft = rnd.req, rnd.req.spec, rnd.draft
@@ -26,7 +25,7 @@ class SplitStrategy(RoundStrategy):
             token = resp.bonus
             final = float(array(resp.sample_logprobs)[0]) if req.top_logprobs is not None else 0.0
         else:
-            p_row = mixture([resp], rnd.vocab_size, rnd.configured)[0]  # one worker, one row
+            p_row = mixture([resp], rnd.vocab_size, rnd.weights)[0]  # one worker, one row
             u = uniform(req.seed, req.choice, rnd.positions[accepted], Purpose.RESIDUAL)
             q_row = draft.q_row(accepted - 1, rnd.vocab_size)
             token = sample_index(residual(p_row, q_row), u)

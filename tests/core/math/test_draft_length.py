@@ -8,9 +8,23 @@ import math
 
 import pytest
 
-from core.math.draft_length import RoundCosts, choose_gamma, expected_tokens, throughput
+from core.math.draft_length import RoundCosts, choose_gamma
 
 MAX_GAMMA = 16
+
+
+def expected_tokens(costs: RoundCosts, gamma: int) -> float:
+    """E(γ) = Σ_{i=0}^{γ} Π_{j<i} α_j."""
+    total, reach = 1.0, 1.0
+    for j in range(gamma):
+        reach *= costs.alpha(j)
+        total += reach
+    return total
+
+
+def throughput(costs: RoundCosts, gamma: int) -> float:
+    """Expected tokens per second at draft length γ."""
+    return expected_tokens(costs, gamma) / costs.round_s(gamma)
 
 
 def _brute_force(alpha: float | list[float], draft_s: float, v0: float, v1: float, rtt_s: float, mbps: float | None,

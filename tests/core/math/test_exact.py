@@ -55,7 +55,7 @@ def _round(p_n: torch.Tensor, w: torch.Tensor, q_hat: torch.Tensor, seed: int) -
         for n in range(p_n.shape[0])
     ]
     bonus = [sample_index(p_n[n], uniform(seed, 0, 1, Purpose.WORKER_BONUS, n)) for n in range(p_n.shape[0])]
-    position = ExactPosition(support, q_hat[support], p_n[:, support], complement, samples)
+    position = ExactPosition(support, p_n[:, support], complement, samples, q_hat[support])
     verdict = verify_exact(
         [position], [int((support == x).nonzero()[0, 0])], bonus, w,
         uniforms(seed, 0, [0], Purpose.ACCEPT), uniforms(seed, 0, [0], Purpose.RESIDUAL),

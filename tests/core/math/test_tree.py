@@ -130,7 +130,7 @@ def test_tree_shape() -> None:
     assert tree.depths().tolist() == [1, 1, 2, 2, 2]
     assert tree.children(-1) == [0, 1] and tree.children(0) == [2, 3] and tree.children(4) == []
     assert tree.path_to(3) == [0, 3] and tree.max_width() == 2
-    mask = tree.ancestor_mask()
+    mask = ancestor_mask(tree)
     assert mask[3].tolist() == [True, False, False, True, False] and mask[4].tolist() == [False, True, False, False, True]
     assert torch.allclose(tree.q_row(2, V), Q.double())
     with pytest.raises(ValueError, match="parent"):
@@ -233,7 +233,22 @@ def test_q_values_are_q_of_each_node_in_chains_and_trees() -> None:
     ids, probs = sparse_rows([sparse[0], sparse[1], sparse[2]])
     branched = TokenTree(torch.tensor([3, 7, 8]), torch.tensor([-1, -1, 0]), torch.cat([ids, torch.full((1, ids.shape[1]), -1)]), torch.cat([probs, torch.zeros(1, probs.shape[1], dtype=probs.dtype)]))
     expected = [float(sparse[0][3]), float(sparse[0][7]), float(sparse[1][8])]
-    assert branched.q_values().tolist() == expected == [branched.q_of(n) for n in range(3)]
+    assert branched.q_values().tolist() == expected == [q_of(branched, n) for n in range(3)]
+
+
+def ancestor_mask(tree: TokenTree) -> torch.Tensor:  # [n, n] bool: node i attends to node j (j an ancestor of i, or i itself)
+    mask = torch.eye(len(tree), dtype=torch.bool)
+    for i, parent in enumerate(tree.parents.tolist()):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+def q_of(tree: TokenTree, node: int) -> float:
+    """q̂(x) of ``node``'s token x under its parent's q̂, one row at a time: what ``q_values`` computes at once."""
+    row = int(tree.parents[node]) + 1
+    hits = (tree.q_ids[row] == tree.tokens[node]).nonzero()
+    return float(tree.q_probs[row, hits[0, 0]]) if len(hits) else 0.0
 
 
 def test_a_chain_of_sparse_rows_lays_out_as_one_of_dense_rows() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core.runners import ModelRunner, load_runner
-from core.runners.base import ForwardItem
+from core.runners.base import ForwardItem, held_by
 from core.runners.llama_cpp_runner import DECODE_TOKENS, LlamaCppRunner
 
 TEXT = "The history of the city begins in the early middle ages, when a small settlement grew around a river crossing."
@@ -90,7 +90,7 @@ def test_keep_a_path_then_go_on_like_a_plain_sequence(builtin_llama: ModelRunner
     path = path_to(TREE, leaf)
     builtin_llama.keep("k", [*range(len(tokens)), *(len(tokens) + i for i in path)])
     kept = tokens + [TREE[i][0] for i in path]
-    slot = builtin_llama._slot_of("k") if isinstance(builtin_llama, LlamaCppRunner) else None
+    slot = held_by(builtin_llama._slots, "k") if isinstance(builtin_llama, LlamaCppRunner) else None
     assert slot is not None and slot.rows == len(tokens) + cells_kept  # the rest is decoded again
     assert builtin_llama.tokens("k") == kept
     after = builtin_llama.append("k", [11, 12], 2)
