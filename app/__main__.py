@@ -1,5 +1,4 @@
-"""``python -m app`` (what ``specgate gateway`` runs): the gateway alone under uvicorn; its
-workers run elsewhere (or were started by ``specgate serve``)."""
+"""``python -m app`` (what ``specgate gateway`` runs): the gateway alone under uvicorn; its workers run elsewhere (or were started by ``specgate serve``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""``num_draft_tokens: auto`` (DESIGN §3.1): γ chosen each round from running estimates of this
-request's acceptance and costs, as docs/modes.md ("Adaptive draft length") explains."""
+"""``num_draft_tokens: auto`` (DESIGN §3.1): γ chosen each round from this request's running acceptance and costs (docs/modes.md)."""
 
 from __future__ import annotations
 

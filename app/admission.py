@@ -12,9 +12,7 @@ Release = Callable[[], None]
 
 
 class Admission:
-    """At most ``max_active`` requests generate at once and up to ``max_queued`` wait for a slot,
-    each at most ``queue_timeout_s``; beyond either a 429 (the route adds ``Retry-After``).
-    After ``start_drain`` nothing is admitted (503) and open streams learn their deadline."""
+    """``max_active`` generate at once, ``max_queued`` wait ≤ ``queue_timeout_s`` (beyond: 429); after ``start_drain``: 503, streams learn their deadline."""
 
     def __init__(self, max_active: int, max_queued: int, queue_timeout_s: float) -> None:
         self.max_active, self.max_queued, self.queue_timeout_s = max_active, max_queued, queue_timeout_s
@@ -35,8 +33,7 @@ class Admission:
         self.drain_deadline = time.monotonic() + timeout_s
 
     async def enter(self) -> Release:
-        """Wait for a slot; the caller must call the returned ``release`` exactly once (it is
-        idempotent, so a ``finally`` and a response callback may both call it)."""
+        """Wait for a slot; call the returned ``release`` once (it is idempotent: a ``finally`` and a response callback may both call it)."""
         if self.is_draining:
             raise ApiError(503, "the gateway is shutting down; retry on another instance", code="shutting_down", kind="server_error")
         if self._slots.locked() and self.queued >= self.max_queued:

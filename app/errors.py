@@ -1,5 +1,4 @@
-"""The gateway's errors for its clients (DESIGN §5): every one is a ``SpecgateError`` that the
-routes turn into the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``."""
+"""The gateway's errors (DESIGN §5): each a ``SpecgateError`` the routes turn into the envelope ``{"error": {"message", "type", "param", "code"}}``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The gateway's Prometheus metrics (DESIGN §5): vLLM's names under the ``specgate:`` prefix, so
-existing dashboards carry over; one registry per app; workers and draft read at scrape time."""
+"""The gateway's Prometheus metrics (DESIGN §5): vLLM's names under ``specgate:`` (dashboards carry over); one registry per app, read at scrape."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The gateway's FastAPI app (DESIGN §5): OpenAI routes, SSE streaming, errors in the envelope.
-Route handlers parse, call the service, return."""
+"""The gateway's FastAPI app (DESIGN §5): OpenAI routes, SSE streaming, errors in the envelope. Route handlers parse, call the service, return."""
 
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ Whole = Callable[[list[ChoiceEvent]], dict[str, Any]]
 
 
 def load_draft(config: SpecgateConfig) -> ModelRunner:
-    """The draft runner, loaded on the thread that will run it, fingerprinted and warmed up (the first
-    request as fast as the next); with ``draft.model: none`` a tokenizer alone (DESIGN §3.10)."""
+    """The draft runner, loaded on its own thread, fingerprinted and warmed up (the first request as fast as the next); ``draft.model: none``: a tokenizer."""
     draft = config.draft
     if draft.model == NONE:
         runner: ModelRunner = tokenizer_only(draft.tokenizer or BUILTIN, config.draft_context)
@@ -71,8 +69,7 @@ def create_app(
     instance_id: str | None = None,
     model_thread: ModelThread | None = None,
 ) -> FastAPI:
-    """The gateway for ``config``; ``draft_runner`` and ``transport`` replace the draft and the workers'
-    transport (tests); ``/health`` reports ``instance_id``, so ``specgate serve`` knows it is its own."""
+    """The gateway for ``config``; ``draft_runner``, ``transport``: tests' stand-ins; ``/health`` reports ``instance_id`` (``specgate serve`` knows its own)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:

@@ -1,5 +1,4 @@
-"""From tokens to streamed text, free of I/O: text leaves only when it is final, never half a
-UTF-8 character (the tokenizer's U+FFFD) nor what may begin a stop string."""
+"""Tokens to streamed text, free of I/O: text leaves only when final, never half a UTF-8 character (U+FFFD) nor what may begin a stop string."""
 
 from __future__ import annotations
 

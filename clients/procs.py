@@ -30,8 +30,7 @@ def worker_command(
 
 
 def child_env(threads: int | None) -> dict[str, str] | None:
-    """A child's environment with its native thread pools sized to ``threads`` from the start (before
-    ``load_runner``'s ``torch.set_num_threads``); None (inherit) when it takes every core."""
+    """A child's env with its native thread pools sized to ``threads`` before ``load_runner``'s ``torch.set_num_threads``; None (inherit) for every core."""
     if not threads:
         return None
     pools = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -51,9 +50,7 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
 
 class ServerProcess:
     """A server from ``command`` for a ``with`` block, ready when ``url + ready_path`` answers 200; stopped by pid.
-
-    Usage: ``with WorkerProcess("builtin", "llama.cpp") as url: httpx.get(url + "/v1/info")``
-    """
+    Usage: ``with WorkerProcess("builtin", "llama.cpp") as url: httpx.get(url + "/v1/info")``"""
 
     def __init__(
         self, command: list[str], port: int, ready_path: str = "/health", timeout_s: float = 300.0, cwd: str | None = None, threads: int | None = None,
@@ -105,7 +102,6 @@ def GatewayProcess(config_path: str, port: int | None = None, timeout_s: float =
 
 
 def serve_process(config: str | None, port: int, timeout_s: float = 600.0) -> ServerProcess:
-    """``specgate serve`` (gateway + its local workers) on ``port``, ready when ``/health/ready`` answers;
-    SIGTERM at the end: it drains, then stops all."""
+    """``specgate serve`` (gateway + its local workers) on ``port``, ready when ``/health/ready`` answers; SIGTERM at the end: it drains, then stops all."""
     command = [sys.executable, "-m", "clients.cli", "serve", "--port", str(port)] + (["--config", config] if config else [])
     return ServerProcess(command, port, "/health/ready", timeout_s, grace_s=60)

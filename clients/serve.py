@@ -181,9 +181,8 @@ MAX_BACKOFF_S = 30.0
 
 
 class Restarts:
-    """Who ``serve`` restarts (its local workers and stages), how, and when: a death waits
-    FIRST_BACKOFF_S, doubled for each earlier death in the window, at most MAX_BACKOFF_S; the
-    MAX_DEATHS-th death within DEATH_WINDOW_S is final."""
+    """Restarts of ``serve``'s local workers and stages: a death waits FIRST_BACKOFF_S, doubled per earlier death in the window
+    (≤ MAX_BACKOFF_S); the MAX_DEATHS-th death within DEATH_WINDOW_S is final."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock

@@ -290,8 +290,7 @@ class SpecgateConfig(BaseSettings):
         return env_settings, init_settings  # environment over the YAML file
 
     def with_local_urls(self, pick_port: Callable[[], int] | None = None) -> SpecgateConfig:
-        """A copy in which each local worker and stage has the port ``serve`` starts it on: its ``port``, else
-        ``pick_port()`` (``serve``: a free one), else FIRST_LOCAL_PORT + the worker's index (stages: after the workers')."""
+        """A copy giving each local worker and stage its port: its ``port``, else ``pick_port()``, else FIRST_LOCAL_PORT + its index (stages after workers)."""
         fallback = iter(range(FIRST_LOCAL_PORT + len(self.workers), 1 << 16))
         return self._with_locals(
             lambda index, w: {"port": w.port or (pick_port() if pick_port else FIRST_LOCAL_PORT + index)},

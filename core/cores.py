@@ -1,5 +1,4 @@
-"""How many cores this process may use: its CPU affinity (``taskset``, a cgroup cpuset, a pod's pinned
-CPUs), else every core. Every default thread count and every split of the cores starts from it."""
+"""The cores this process may use: its CPU affinity (``taskset``, a cgroup cpuset, a pod's CPUs), else all; every thread default starts here."""
 
 from __future__ import annotations
 

@@ -53,9 +53,7 @@ class ContextOverflow(InvalidRequest):
 
 
 class WorkerFull(SpecgateError):
-    """A new session found every KV slot (llama.cpp stream, transformers slot) held by a session
-    used in the last ``live_s`` seconds: taking one would rebuild a live session's cache on its
-    next call, and under overload every step would. Answered 503 with ``Retry-After``."""
+    """Every KV slot is held by a session used in the last ``live_s`` s: taking one would rebuild a live cache (each step, under overload). 503, Retry-After."""
 
     def __init__(self, live: int, live_s: float, retry_after_s: int) -> None:
         super().__init__(f"worker full: every KV slot is held by one of the {live} sessions used in the last {live_s:g} s; retry after {retry_after_s} s")

@@ -147,8 +147,7 @@ class Grammar:
 
 
 class Matcher:
-    """A position in a grammar: the tokens consumed so far, the set allowed next. A token the grammar
-    does not allow makes it dead (``is_dead``: only EOS allowed, so an answer ends); rolling back revives it."""
+    """A position in a grammar; a token it does not allow makes it dead (``is_dead``: only EOS allowed, so an answer ends), a rollback revives it."""
 
     def __init__(self, engine: Any, vocab_size: int, eos_ids: list[int]) -> None:
         self._engine = engine
@@ -165,9 +164,7 @@ class Matcher:
         return self._stop_at is not None and self._refused
 
     def consume(self, token: int) -> bool:
-        """Advance by ``token``; False (and dead) when the grammar does not allow it. Neither a
-        refused token nor EOS is fed to the engine (its error state is for good, and EOS does
-        not roll back): the matcher stops there and allows only EOS until rolled back."""
+        """Advance by ``token``; False (and dead) if not allowed. Refused tokens and EOS never reach the engine (its error is for good, EOS not undone)."""
         if self._stop_at is None:
             if token in self.eos_ids:
                 self._stop_at, self._refused = len(self.tokens), not self._engine.is_accepting()
@@ -218,8 +215,7 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "depe
 
 
 def strict(schema: Any) -> Any:
-    """A JSON schema whose objects with ``properties`` take no others unless it says so: OpenAI's strict mode,
-    xgrammar's default (and vLLM's). Without it a small model fills an open object with invented keys."""
+    """OpenAI's strict mode (xgrammar's and vLLM's default): objects with ``properties`` take no others unless said so, or a small model invents keys."""
     if isinstance(schema, list):
         return [strict(item) for item in schema]
     if not isinstance(schema, dict):

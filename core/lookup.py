@@ -53,8 +53,7 @@ class PromptLookup:
             self._append(token)
 
     def propose(self, count: int) -> Proposal:
-        """Up to ``count`` tokens that followed the longest n-gram ending the context, at its most
-        recent earlier place."""
+        """Up to ``count`` tokens that followed the longest n-gram ending the context, at its most recent earlier place."""
         end = len(self.tokens) - 1
         for n in range(min(self.params.max_n, end), self.params.min_n - 1, -1):
             ends = self._ends.get(tuple(self.tokens[-n:]), [])
@@ -112,8 +111,7 @@ class SuffixIndex:
             self.num_tokens -= len(oldest)
 
     def propose(self, context: list[int], count: int) -> Proposal:
-        """The longest suffix of ``context`` (shorter than ``depth``) found in the index, continued by the most
-        frequent next token at each step, up to ``count`` tokens."""
+        """The longest suffix of ``context`` (< ``depth``) in the index, continued by the most frequent next token, up to ``count`` tokens."""
         count = min(count, self.params.max_tokens)
         for m in range(min(self.params.depth - 1, len(context)), 0, -1):
             node: _Node | None = self._root
@@ -151,8 +149,7 @@ def _size(node: _Node) -> int:
 
 
 class AcceptanceStats:
-    """Measured acceptance of draft candidates by kind, with a prior worth ``weight`` observations; counts halve
-    past ``horizon``, and are cleared past ``max_keys`` kinds."""
+    """Measured acceptance by kind, with a prior worth ``weight`` observations; counts halve past ``horizon``, clear past ``max_keys`` kinds."""
 
     def __init__(self, weight: float = 2.0, horizon: int = 2000, max_keys: int = 4096) -> None:
         self.weight, self.horizon, self.max_keys = weight, horizon, max_keys
@@ -171,7 +168,6 @@ class AcceptanceStats:
             counts[1] /= 2
 
     def rate(self, key: Hashable, prior: float, measured: bool = True) -> float:
-        """The posterior mean of the acceptance of ``key``'s kind (``prior`` alone when not
-        ``measured``: a seeded request's draft must not depend on what ran before it)."""
+        """Posterior mean acceptance of ``key``'s kind (``prior`` alone unless ``measured``: a seeded request's draft must not depend on earlier ones)."""
         counts = self._counts.get(key) if measured else None
         return prior if counts is None else (counts[1] + self.weight * prior) / (counts[0] + self.weight)

@@ -1,5 +1,4 @@
-"""What each decoding mode is (DESIGN §3), in one place: the fields of ``speculative`` it takes, whether
-the gateway drafts, what it needs of the targets; how it verifies is ``app.engine``'s strategy of its name."""
+"""Each decoding mode (DESIGN §3): its ``speculative`` fields, whether the gateway drafts, its needs of the targets; its verify: ``app.engine``."""
 
 from __future__ import annotations
 
@@ -80,8 +79,7 @@ PIPELINE_TARGET_MODES = tuple(m for m in SERVED_MODES if MODES[m].pipelines)
 
 
 def target_problem(mode: Mode, num_targets: int, engines: Sequence[str], pipelines: Sequence[str]) -> str | None:
-    """Why ``mode`` cannot verify on these targets (``engines``, ``pipelines``: the names of those among
-    them), or None: the config's check at start-up and a request's."""
+    """Why ``mode`` cannot verify on these targets (``engines``, ``pipelines``: those among them), or None; checked at start-up and per request."""
     spec = MODES[mode]
     if engines and not spec.engines:
         return f"mode {mode.value!r} needs specgate workers; {engines[0]} is an openai-logprobs engine (use {' or '.join(m.value for m in ENGINE_MODES)})"

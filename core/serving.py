@@ -1,5 +1,4 @@
-"""What the gateway and the workers share as servers: a guard in front of the app (drain, bearer
-token, body cap) and uvicorn with a graceful SIGTERM (stop accepting, drain, exit 0)."""
+"""What the gateway and workers share as servers: a guard (drain, bearer token, body cap) and uvicorn with a graceful SIGTERM."""
 
 from __future__ import annotations
 
@@ -92,8 +91,7 @@ async def _refuse(send: Send, status: int, message: str, kind: str, code: str, h
 
 
 def run_server(app: ASGIApp, host: str, port: int, log_level: str, drain_timeout_s: float, on_drain: Callable[[], None]) -> None:
-    """uvicorn until SIGINT / SIGTERM. On SIGTERM: ``on_drain()`` (new requests get 503), uvicorn stops
-    accepting, waits for open requests (``drain_timeout_s`` plus a margin) and the process exits 0."""
+    """uvicorn until SIGINT / SIGTERM; on SIGTERM ``on_drain()`` (new requests: 503), then it stops accepting, waits for open requests, exits 0."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout_s) + 5)
     DrainingServer(config, on_drain).run()
 

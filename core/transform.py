@@ -95,8 +95,7 @@ def penalise(
     generated: np.ndarray,  # [G] int: the prefix's generated tokens (every penalty counts them)
     spec: TransformSpec,
 ) -> torch.Tensor:  # [V]
-    """vLLM's repetition penalty over the prompt and generated tokens, then OpenAI's presence
-    and frequency penalties over the generated ones (the order of DESIGN §3.9's penalties step)."""
+    """vLLM's repetition penalty (prompt and generated tokens), then OpenAI's presence and frequency penalties (generated): §3.9's order."""
     out = logits.clone()
     if spec.repetition_penalty != 1:
         seen = torch.from_numpy(np.unique(np.concatenate([prompt, generated]).astype(np.int64)))
@@ -137,8 +136,7 @@ class Transformer:
         agreed: list[int],  # the tokens every row's prefix starts with (prompt + generated so far)
         paths: list[list[int]],  # [R]: each row's tokens after ``agreed`` (a chain's draft[:j], a node's path)
     ) -> torch.Tensor:  # [R, V] fp32, transformed
-        """Every row's logits transformed by its own prefix (DESIGN §3.9). Leaves the matcher at
-        ``agreed``, which holds the whole prompt (a path is generated tokens only)."""
+        """Every row's logits transformed by its own prefix (DESIGN §3.9); leaves the matcher at ``agreed``, which holds the whole prompt."""
         if len(agreed) < self.spec.prompt_len:
             raise ValueError(f"the rows' common prefix ({len(agreed)} tokens) is shorter than the prompt ({self.spec.prompt_len})")
         out = logits.float().clone()
@@ -162,8 +160,7 @@ class Transformer:
         return self.matcher is not None or self.spec.suppresses
 
     def masks(self, agreed: list[int], paths: list[list[int]]) -> torch.Tensor:  # [R, V] bool
-        """The ids each row may emit: the grammar's allowed set after the row's prefix, without
-        EOS where min_tokens keeps it out (all True when neither applies)."""
+        """The ids each row may emit: the grammar's allowed set after its prefix, less EOS where min_tokens keeps it out."""
         out = torch.ones(len(paths), self.vocab_size, dtype=torch.bool)
         if self.matcher is not None:
             matcher = self.matcher
@@ -188,8 +185,7 @@ class Transformer:
         return [r for r, path in enumerate(paths) if generated + len(path) < self.spec.min_tokens]
 
     def forced(self, agreed: list[int]) -> int | None:
-        """The one token the grammar allows after ``agreed``, if exactly one. Several end tokens are not
-        forced: each target spreads its mass over them its own way (a round decides)."""
+        """The one token the grammar allows after ``agreed``, if only one; several end tokens are not forced (each target weighs them its own way)."""
         if self.matcher is None:
             return None
         self.matcher.sync(self._generated(agreed))
@@ -197,8 +193,7 @@ class Transformer:
         return int(allowed[0]) if len(allowed) == 1 else None
 
     def forced_run(self, agreed: list[int], most: int, eos_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
-        """The tokens forced after ``agreed`` one after another, at most ``most`` (an EOS ends
-        the run): T_x(p_n) is a point mass at each for every model, so deciding them is exact."""
+        """Up to ``most`` tokens forced one after another after ``agreed`` (an EOS ends it): a point mass for every model, so exact."""
         out: list[int] = []
         while len(out) < most:
             token = self.forced([*agreed, *out])

@@ -103,8 +103,7 @@ class VerifyScheduler:
                     await self._step(self._take())
 
     def _take(self) -> list[_Call]:
-        """The step's calls from those before the first exclusive entry; calls passed over keep their
-        places, calls whose client left are dropped."""
+        """The step's calls from those before the first exclusive entry; calls passed over keep their places, calls whose client left are dropped."""
         barrier = next((i for i, entry in enumerate(self._queue) if isinstance(entry, _Exclusive)), len(self._queue))  # what comes after it waits
         waiting = [entry for entry in list(self._queue)[:barrier] if isinstance(entry, _Call)]
         taken = take_within((c for c in waiting if not c.done.done()), lambda c: c.req.new_rows, self.max_batch_tokens, lambda c: c.req.session_id)

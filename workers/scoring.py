@@ -27,8 +27,7 @@ def sampling_params(req: VerifyRequest | StageRequest) -> SamplingParams:
 
 @dataclass(frozen=True)
 class RowSpec:
-    """How rows of logits go on the wire as distributions: T(·) (``params``), compressed to the
-    top ``k`` (None: whole) with its ``reconstruction`` for e_n, in ``probs_dtype``."""
+    """Rows of logits on the wire: T(·) by ``params``, the top ``k`` (None: whole) with ``reconstruction`` for e_n, in ``probs_dtype``."""
 
     params: SamplingParams
     k: int | None
@@ -53,8 +52,7 @@ def score(
     model_ms: float,
     prompt_logits: torch.Tensor | None = None,  # [num_new − 1, V] fp32, score_tokens only
 ) -> VerifyResponse:
-    """The answer to ``req`` from the target's logits at its γ+1 positions (``prompt_logits``: the rows
-    predicting tokens[1:]), with the log-probabilities it asked for."""
+    """The answer to ``req`` from the logits at its γ+1 positions (``prompt_logits``: rows predicting tokens[1:]), with the logprobs it asked for."""
     params = sampling_params(req)
     probs = apply_sampling(logits, params)
     if req.score_ids is not None:
@@ -71,8 +69,7 @@ def score(
 def _answer(
     probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float, params: SamplingParams, allowed: torch.Tensor | None = None,
 ) -> VerifyResponse:
-    """``allowed``: a grammar's ids per row (the logits it left finite), where the gateway's
-    residual reconstruction spreads σ: e_n is measured on what the gateway rebuilds."""
+    """``allowed``: a grammar's ids per row, where the gateway's residual reconstruction spreads σ (e_n is measured on what it rebuilds)."""
     if req.mode == Mode.SPLIT.value:
         return _split(probs, req, held, model_ms)
     if req.mode == Mode.EXACT.value and not params.is_greedy:
@@ -108,8 +105,7 @@ def _split(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float) 
 
 
 def _exact(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float) -> VerifyResponse:  # probs: [γ+1, V]
-    """p_n on each draft support S_j, the mass off it, one sample from off it; a bonus sample. A tree:
-    the same for every row (a leaf's support is empty: its sample is from all of p_n); no bonus."""
+    """Per row p_n on S_j, the mass off it, a sample from off it; a bonus sample (a tree: none; a leaf's empty S samples all of p_n)."""
     gamma, base, tree = len(req.draft), _first_position(req), req.parents is not None
     sizes = torch.from_numpy(np.asarray(req.support_sizes, dtype=np.int64))
     ids = torch.from_numpy(np.asarray(req.support_ids, dtype=np.int64))
@@ -148,9 +144,6 @@ def _distributions(
         held=held, ids=top.ids.numpy(), probs=top.probs.numpy(), tail_mass=top.tail_mass.numpy(),
         recon_error=error.numpy(), samples=samples, probs_dtype=req.probs_dtype, model_ms=model_ms,
     )
-
-
-# ----------------------------------------------------------------------------- logprobs
 
 
 def _logs(probs: torch.Tensor) -> np.ndarray:
@@ -195,8 +188,7 @@ def _prompt_logprobs(probs: torch.Tensor, req: VerifyRequest) -> dict[str, Any]:
 
 
 def tree_item(req: VerifyRequest, held: list[int]) -> ForwardItem:
-    """The forward of a tree call: the new agreed tokens as a chain (the last held token fed
-    again when there are none: its row is the root's), then the nodes under the root."""
+    """A tree call's forward: the new agreed tokens as a chain (none: the last held token again, the root's row), then the nodes under the root."""
     assert req.parents is not None
     start, tokens = req.prefix_len, req.tokens.tolist()
     if not tokens:

@@ -1,5 +1,4 @@
-"""The worker's FastAPI app (protocol v1, DESIGN §4): the routes, the errors in the OpenAI envelope,
-``/metrics``. What the worker owns is ``workers.state``; calls run in the scheduler's steps."""
+"""The worker's FastAPI app (protocol v1, DESIGN §4): routes, errors in the OpenAI envelope, ``/metrics``; its state is ``workers.state``."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ log = logging.getLogger(__name__)
 
 
 def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thread: ModelThread | None = None) -> FastAPI:
-    """A worker app for ``settings``; loads the model at start-up unless ``runner`` is given
-    (with the ``thread`` it was loaded on: every runner call then runs there)."""
+    """A worker app for ``settings``; loads the model at start-up unless ``runner`` is given (with its ``thread``: every runner call runs there)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -179,8 +177,7 @@ class _WorkerCollector(Collector):
 
 
 def server_timing(timing: dict[str, float]) -> str:
-    """The W3C ``Server-Timing`` header of a verify call: where its milliseconds went (codec, queue,
-    model, score, total)."""
+    """The W3C ``Server-Timing`` header of a verify call: where its milliseconds went (codec, queue, model, score, total)."""
     return ", ".join(f"{name};dur={ms:.3f}" for name, ms in timing.items())
 
 

@@ -1,5 +1,4 @@
-"""The worker's sessions: which exist, and which to drop (LRU, session cap, TTL, memory cap).
-The KV caches themselves live in the runner; this store decides their lifetime."""
+"""The worker's sessions: which exist and which to drop (LRU, session cap, TTL, memory cap); their KV caches live in the runner."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ class SessionStore:
             raise SessionShort(session_id, 0, "the prefix hash differs")
 
     def keep_path(self, session_id: str, prefix_len: int, expected_hash: str, path: list[int]) -> None:
-        """Protocol v1.1's ``path``: keep the accepted nodes of the held tree as the last ``len(path)`` of
-        ``prefix_len`` agreed tokens. SessionShort when no such tree is held (the gateway resends)."""
+        """v1.1 ``path``: keep the held tree's accepted nodes as the last ``len(path)`` of ``prefix_len`` agreed tokens; SessionShort without it."""
         base = prefix_len - len(path)
         tree = self.runner.tree_nodes(session_id, base) if session_id in self._last_used else None
         if tree is None:
@@ -66,9 +64,7 @@ class SessionStore:
         self.runner.keep(session_id, [*range(base), *(base + node for node in path)])
 
     def admit(self, session_id: str, tree: bool = False) -> None:
-        """A call's session, held from now on; a new one only while the runner has a KV place that no
-        session used in the last ``live_s`` seconds holds (else ``WorkerFull``: a 503 + Retry-After,
-        rather than rebuilding a live session's cache on its next call)."""
+        """A call's session, held from now on; a new one needs a KV place no session used in the last ``live_s`` s holds (else ``WorkerFull``)."""
         if tree:
             self._trees.add(session_id)  # the runner may place it apart (llama.cpp: a context of its own)
         if session_id in self._last_used:

@@ -52,8 +52,7 @@ class WorkerSettings(BaseSettings):
 
 
 def ready_target(settings: WorkerSettings) -> ModelRunner:
-    """The worker's runner, as ``settings`` say, fingerprinted and warmed up (the first request as fast
-    as the next); call it on the thread that will run it."""
+    """The worker's runner, as ``settings`` say, fingerprinted and warmed up (the first request as fast as the next); call it on the thread that will run it."""
     from core.runners import load_runner
 
     runner = load_runner(

@@ -1,5 +1,4 @@
-"""A pipeline stage (DESIGN §3.7): its messages' rows kept and checked, taken in ``seq`` order; the last stage
-answers the payload at the scored rows, another its states to send on (``workers.link``)."""
+"""A pipeline stage (DESIGN §3.7): messages kept, checked, taken in ``seq`` order; the last answers the payload, another sends states on."""
 
 from __future__ import annotations
 
@@ -98,8 +97,7 @@ class StageOrder:
 
     @asynccontextmanager
     async def turn(self, session_id: str, seq: int, wait_s: float) -> AsyncIterator[None]:
-        """Held from when every earlier message of the session was taken until this one is; 409 if ``seq``
-        was taken already, or the earlier ones do not come within ``wait_s``."""
+        """Held from when every earlier message of the session was taken until this one is; 409 if ``seq`` was taken or they miss ``wait_s``."""
         async with self._changed:
             if seq < self._next.get(session_id, 0):
                 raise SessionShort(session_id, 0, f"message {seq} came after message {self._next[session_id] - 1}")

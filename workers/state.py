@@ -1,5 +1,4 @@
-"""Everything one worker app owns (DESIGN §4); what it does in a step is ``workers.step`` (a
-pipeline stage's side: ``workers.stage``), with the request's transform (``workers.transforms``)."""
+"""Everything one worker app owns (DESIGN §4); its step is ``workers.step`` (a stage's: ``workers.stage``), its transform ``workers.transforms``."""
 
 from __future__ import annotations
 

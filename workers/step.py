@@ -1,5 +1,4 @@
-"""One step of a worker (DESIGN §4, §9), on the model thread: verify calls and stage messages of
-distinct sessions checked and cropped one by one, **one** runner forward, then each scored."""
+"""One worker step (DESIGN §4, §9), on the model thread: calls of distinct sessions checked and cropped one by one, **one** forward, each scored."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class Steps(StageSteps):
         return answer
 
     def verify_batch(self, reqs: list[VerifyRequest | StageRequest], timings: list[dict[str, float]]) -> list[Any]:
-        """One scheduler step: per call its answer, or the exception it alone fails with (its
-        batch-mates are served). Each call's ``model_ms`` is the step's forward."""
+        """One scheduler step: per call its answer or the exception it alone fails with; every ``model_ms`` is the step's forward."""
         answers: list[Any] = [None] * len(reqs)
         items, order = [], []
         for i, req in enumerate(reqs):
@@ -77,8 +75,7 @@ class Steps(StageSteps):
         return replace(resp, batch_sessions=batch) if batch > 1 else resp
 
     def _prepare(self, req: VerifyRequest) -> tuple[ForwardItem, int, Shaping | None]:
-        """Check a call and crop its session: the item it forwards, how many logits rows score its own
-        tokens (echo) before the γ+1 decided positions, and how its rows are transformed."""
+        """Check a call and crop its session: its forward item, the logits rows scoring its own tokens (echo) before the γ+1, its transform."""
         self.check_limits(req)
         if req.path is not None:  # v1.1: the previous tree's accepted path becomes agreed tokens (hash checked there)
             self.sessions.keep_path(req.session_id, req.prefix_len, req.prefix_hash, req.path.tolist())
@@ -94,8 +91,7 @@ class Steps(StageSteps):
         return self.runner.append_item(req.session_id, tokens, len(req.draft) + 1 + scored_tokens), scored_tokens, shaping
 
     def _shaping(self, req: VerifyRequest) -> Shaping | None:
-        """The session's transform (set by a call that starts it, prefix_len 0) with the agreed
-        tokens and each scored row's path after them: a chain's draft[:j], a tree node's path."""
+        """The session's transform (set by a call with prefix_len 0) with the agreed tokens and each scored row's path after them."""
         if req.prefix_len == 0:
             self.start_transform(req.session_id, req.transform)
         transformer = self.sessions.transforms.get(req.session_id)

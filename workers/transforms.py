@@ -1,6 +1,4 @@
-"""The request's transform on a worker (DESIGN §3.9): the grammar engine over the model's
-tokenizer, grammars compiled off the model thread, and each session's transform, set by the
-call that starts it."""
+"""The request's transform on a worker (DESIGN §3.9): the grammar engine, grammars compiled off the model thread, each session's transform."""
 
 from __future__ import annotations
 
@@ -49,8 +47,7 @@ class SessionTransforms:
             self.sessions.transforms[session_id] = self.transformer(wire)
 
     async def precompile(self, wire: dict[str, Any] | None, starts: bool) -> None:
-        """Compile the grammar of a call that starts a session (``starts``) into the engine's cache, off
-        the model thread: the sessions batched with it do not wait for a compile."""
+        """Compile a starting call's grammar into the engine's cache off the model thread, so its batch-mates do not wait for it."""
         if not starts or not isinstance(wire, dict) or "grammar" not in wire:
             return
         try:

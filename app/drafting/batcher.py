@@ -125,8 +125,7 @@ class StepBatcher:
         return tree
 
     def catch_up(self, session_id: str, sequence: list[int]) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
-        """Bring the session to ``sequence`` (a new one adopts a prompt cache's rows first), cropped to
-        what it shares with it and the rest fed; the logits after its last token."""
+        """Bring the session to ``sequence`` (a new one adopts a prompt cache's rows first): crop to what they share, feed the rest; the last logits."""
         runner = self.runner
         if not runner.has_session(session_id):
             runner.adopt(session_id, sequence)
@@ -167,8 +166,7 @@ class StepBatcher:
                     d.done.cancel()
 
     def _step(self, drafts: list[Drafting]) -> None:
-        """On the model thread: start new drafts, close stopped ones, one ``forward_each`` over the waiting
-        items (``take_within`` ``max_batch_tokens``), and run each draft on to its next item."""
+        """On the model thread: start new drafts, close stopped ones, one ``forward_each`` of the waiting items (``take_within``), each draft on."""
         for d in drafts:
             if d.stop and not d.finished:
                 d.steps.close()

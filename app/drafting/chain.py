@@ -1,5 +1,4 @@
-"""A chain draft (DESIGN §3.1–3.2): γ tokens drawn from q̂, one draft decode each; a grammar's
-forced runs ride free on the decode before them; model+lookup puts the lookup's run first."""
+"""A chain draft (DESIGN §3.1–3.2): γ tokens from q̂, a decode each; a grammar's forced runs ride free on the decode before; model+lookup: lookup first."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""A grammar's forced runs in a tree draft (DESIGN §3.9): where the grammar allows one token the draft
-carries it free, its row q̂ a point mass as every target's T(p) is there."""
+"""A grammar's forced runs in a tree draft (DESIGN §3.9): the draft carries a sole allowed token free, its row q̂ a point mass like every T(p)."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ def forced_below(
     node: int, nodes: DraftNodes, transformer: Transformer | None, sequence: list[int], depth_limit: int, left: list[int] | None, eos: set[int],
     per_path: bool = False,
 ) -> list[int]:
-    """The grammar's forced run after ``node``, hung below it as new nodes (within ``left`` and ``depth_limit``;
-    ``per_path``: ``left`` is each path's budget, else shared); the nodes added, top down."""
+    """The grammar's forced run hung below ``node`` within ``left`` (``per_path``: each path's budget) and ``depth_limit``; the new nodes, top down."""
     if left is None or left[0] <= 0 or transformer is None or transformer.matcher is None:
         return []
     path = path_of(node, nodes.parents)

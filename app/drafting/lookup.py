@@ -60,8 +60,7 @@ class LookupDrafter:
         self._records: dict[str, Record] = {}  # session -> what its last draft's nodes were (``observe``)
 
     def propose(self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None, shared: bool = True) -> Proposal:
-        """Prompt lookup in the session's context, else the suffix index; cut after an EOS and before the
-        first token a grammar does not allow (it could not be accepted)."""
+        """Prompt lookup in the session's context, else the suffix index; cut after an EOS and before a token the grammar forbids (never accepted)."""
         if count <= 0:
             return NO_PROPOSAL
         index = self._contexts.setdefault(session_id, PromptLookup(self.params))
@@ -89,8 +88,7 @@ class LookupDrafter:
         return TokenTree.chain(tokens, [delta_support(t) for t in tokens])
 
     def branch(self, request: DraftRequest, count: int) -> Branch:
-        """The lookup's proposal as a branch, each token's acceptance as measured for its kind (the prior
-        alone for a seeded request); and a model token's, likewise."""
+        """The lookup's proposal as a branch, each token's acceptance measured for its kind (a seeded request: the prior); a model token's likewise."""
         proposal = self.propose(request.session_id, request.sequence, count, request.transformer, request.shared)
         greedy, shared = request.params.is_greedy, request.shared
         keys: list[Kind] = [("lookup", greedy, min(proposal.match, 4), j) for j in range(len(proposal.tokens))]

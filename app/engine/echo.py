@@ -13,8 +13,7 @@ from core.names import Mode
 
 
 async def score_prompt(rnd: Round) -> RoundResult:
-    """Every worker prefills the prompt (a round with no draft) and scores its own tokens; the mixture's
-    log-probabilities, the first token's None. Each worker then holds the prompt."""
+    """Every worker prefills the prompt (a round, no draft) and scores its tokens: the mixture's logprobs (None first); each then holds the prompt."""
     prompt, n = rnd.req.prompt, rnd.req.prompt_logprobs
     started = time.perf_counter()
     responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, k=1, return_probs=False, score_tokens=True, logprobs=n)

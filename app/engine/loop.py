@@ -1,5 +1,4 @@
-"""The decoding engine: one loop for every mode that verifies round by round (DESIGN §3): forced
-tokens, or draft → verify (the mode's strategy) → commit ``accepted + 1`` tokens."""
+"""The engine's one loop for every round-by-round mode (DESIGN §3): forced tokens, or draft → verify (the strategy) → commit ``accepted + 1``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""DSD's overlap (DESIGN §3.8): while a round is verified, the draft goes on as if every draft token
-were accepted. The draws are keyed by position, so the output is the same with overlap on or off."""
+"""DSD's overlap (DESIGN §3.8): the draft goes on during a verify as if all were accepted; draws keyed by position keep the output the same."""
 
 from __future__ import annotations
 

@@ -36,8 +36,7 @@ def forced(session: Session, room: int) -> RoundResult | None:
 async def propose(
     draft: DraftModel, session: Session, room: int, gamma: int, keyed: GenerationRequest, timing: dict[str, float], prepared: TokenTree | None = None,
 ) -> TokenTree:
-    """The round's draft (``keyed``: the request as this round draws): the request's tree, else a chain of
-    ``gamma`` (the one ``prepared`` with overlap); none in a mode that does not draft or without room."""
+    """The round's draft (``keyed``: the request as this round draws): its tree, else a chain of ``gamma`` (``prepared`` with overlap), or none."""
     if not MODES[keyed.spec.mode].drafts:
         return TokenTree.chain([], [])
     request = keyed.draft(session.id, session.sequence, session.transformer)

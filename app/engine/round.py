@@ -176,8 +176,7 @@ def array(value: np.ndarray | None) -> np.ndarray:
 
 
 def worker_logprobs(rnd: Round, tokens: list[int], values: list[float], rows: list[int] | None = None) -> list[TokenLogprob]:
-    """The emitted tokens with the mixture's log-probabilities ``values`` and the workers' merged top-n
-    alternatives at ``rows`` of the answers (default: the chain's positions)."""
+    """The emitted tokens with the mixture's logprobs ``values`` and the workers' merged top-n at ``rows`` (default: the chain's positions)."""
     n, weights = rnd.req.top_logprobs, rnd.weights
     tops = [(array(r.top_ids), array(r.top_logprobs)) for r in rnd.responses] if n else []
     rows = list(range(len(tokens))) if rows is None else rows

@@ -51,8 +51,7 @@ class Session:
         return replace(self.req, seed=round_seed(self.req.seed, self.rounds + ahead)) if self.auto is not None else self.req
 
     def commit(self, result: RoundResult, draft: TokenTree | None = None) -> RoundResult:
-        """The round's tokens join the sequence; after a verified ``draft`` the targets hold a chain's
-        accepted tokens, or a tree's path they keep when the next call names it."""
+        """The round's tokens join the sequence; after a verified ``draft`` targets hold a chain's accepted tokens, or a tree's path (kept when named)."""
         if draft is not None:
             self.rounds += 1
             self.path = result.path if not draft.is_chain else None

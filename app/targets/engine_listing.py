@@ -1,5 +1,4 @@
-"""An OpenAI-compatible engine's completions listing, token by token (DESIGN §8): its ``EngineFormat``,
-its entries, and our ids for its token strings (``TokenTable``)."""
+"""An OpenAI-compatible engine's completions listing, token by token (DESIGN §8): its ``EngineFormat``, its entries, ``TokenTable``'s ids."""
 
 from __future__ import annotations
 

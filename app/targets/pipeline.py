@@ -1,5 +1,4 @@
-"""A pipeline as a target (DESIGN §3.7, docs/modes.md): a model's layers over stage workers, in order; ``forward``
-sends one segment (mode ``pipeline``), ``verify`` a verify call made of segments (the other modes)."""
+"""A pipeline as a target (DESIGN §3.7): a model's layers over stage workers in order; ``forward`` sends one segment, ``verify`` a call of segments."""
 
 from __future__ import annotations
 
@@ -87,11 +86,8 @@ class PipelineTarget(Target):
     def scorable(self, sequence: list[int], draft: list[int]) -> int:
         return len(draft)
 
-    # ----------------------------------------------------------------- info and layout
-
     async def check_all(self) -> dict[str, Any]:
-        """Every stage replica's ``/v1/info`` at once, then the layout: the target's entry of ``/health/ready``.
-        A stage whose replica in use does not answer moves to one of its replicas that does."""
+        """Every stage replica's ``/v1/info`` at once (a stage's replica in use failing: one that answers), then the layout for ``/health/ready``."""
         flat = [(i, j, r) for i, members in enumerate(self.members) for j, r in enumerate(members)]
         results = await asyncio.gather(*(self.channel.info(r) for _, _, r in flat), return_exceptions=True)
         for (_, _, replica), result in zip(flat, results):
@@ -154,8 +150,6 @@ class PipelineTarget(Target):
         self.active[stage] = to
         self.chain += 1
         self.failovers += 1
-
-    # ----------------------------------------------------------------- segments
 
     def session(self, session_id: str) -> StageSession:
         return self.sessions.setdefault(session_id, StageSession(session_id, chain=self.chain))
@@ -227,8 +221,6 @@ class PipelineTarget(Target):
         log.info("pipeline %s: session %s starts again as %s", self.name, session_id, new.id)
         return new
 
-    # ----------------------------------------------------------------- verify, made of segments
-
     async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
         """A verify call as one segment (``verify_segment``); once more from zero, under a new id, after a 409."""
         if problem := unserved(req):
@@ -252,8 +244,6 @@ class PipelineTarget(Target):
             self.restart(req.session_id)
             from_zero = True
         raise WorkerError(self.name, "the stages kept answering session_short after a start from zero")
-
-    # ----------------------------------------------------------------- freeing
 
     async def delete_session(self, session_id: str) -> None:
         """Free the session on every stage (best effort: they evict anyway)."""

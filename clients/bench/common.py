@@ -1,5 +1,4 @@
-"""What every benchmark shares: the servers and the emulated links, the cell runner (cells
-alternating within each run), medians, a progress bar, and the tail (table, JSON, plots)."""
+"""What every bench shares: servers, emulated links, the cell runner (cells alternating per run), medians, progress, the tail (table, JSON, plots)."""
 
 from __future__ import annotations
 

@@ -110,8 +110,7 @@ def summarise(samples: Samples, num_workers: int, link_name: str, link: LinkConf
 
 
 def auto_verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per (workers, link, overlap): auto's tokens/s over the best fixed γ's; and whether auto
-    met the bar for the built-in default (never worse by more than AUTO_TOLERANCE)."""
+    """Per (workers, link, overlap): auto's tokens/s over the best fixed γ's, and whether it met the default's bar (never worse by > AUTO_TOLERANCE)."""
     groups = []
     for key in sorted({(r["workers"], r["link"], r["overlap"]) for r in rows if r["cell"] != "autoregressive"}, key=str):
         same = [r for r in rows if (r["workers"], r["link"], r["overlap"]) == key and r["cell"] != "autoregressive"]

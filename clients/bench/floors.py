@@ -31,9 +31,7 @@ _DECODE_TOKENS = 32  # as the runner: never a decode of 64 or more
 
 class LlamaFloor:
     """One GGUF in a bare llama.cpp context (the runner's parameters), a prompt prefilled.
-
-    Usage: ``with closing(LlamaFloor("builtin-draft", threads=2, prompt=ids)) as f: f.draft_step_ms(32)``
-    """
+    Usage: ``with closing(LlamaFloor("builtin-draft", threads=2, prompt=ids)) as f: f.draft_step_ms(32)``"""
 
     def __init__(self, model: str, threads: int, prompt: list[int]) -> None:
         import llama_cpp
@@ -121,11 +119,8 @@ class LlamaFloor:
 
 
 class DraftAlone:
-    """Our own ``DraftModel`` alone in this process, the servers idle; called on the calling thread
-    (the floors'): one OpenMP team for every llama.cpp call of the process.
-
-    Usage: ``with closing(DraftAlone(threads=2, prompt=ids)) as d: d.step_ms(temperature=1.0, top_k=32)``
-    """
+    """Our own ``DraftModel`` alone here, the servers idle, on the calling thread (the floors'): one OpenMP team for every llama.cpp call.
+    Usage: ``with closing(DraftAlone(threads=2, prompt=ids)) as d: d.step_ms(temperature=1.0, top_k=32)``"""
 
     def __init__(self, threads: int, prompt: list[int]) -> None:
         from app.drafting import DraftModel
@@ -196,9 +191,7 @@ def http_round_trip_ms(url: str, up_bytes: int, down_bytes: int, repeats: int = 
 
 @dataclass(frozen=True)
 class Floors:
-    """llama.cpp's own costs on this machine: a draft step, a verify call's scoring of m
-    positions (m → seconds), and the target's own step when it generates alone (a decode of one
-    token + a sample from the whole vocabulary: the *direct* baseline)."""
+    """llama.cpp's costs here: a draft step, scoring m positions (m → s), the target's own step (a decode + a whole-vocabulary sample: *direct*)."""
 
     threads: int
     draft_step_s: float
@@ -237,8 +230,7 @@ def physical_bound(run: dict[str, float], gamma: float, link: LinkConfig, num_wo
 
 
 def measure_floors(positions: list[int], prompt: str, scored: str) -> Floors:
-    """The floors with the threads each process of a two-worker bench gets, after the chat prompt ``prompt``
-    (medians); the target's direct step samples from the whole vocabulary (top-k 0 is off)."""
+    """The floors (medians) with a two-worker bench's threads per process, after ``prompt``; the direct step samples the whole vocabulary (top-k 0)."""
     threads = max(1, usable_cores() // 2)
     progress(f"measuring llama.cpp's floors ({threads} thread(s)): a draft step, scoring {scored} positions")
     ids = chat_ids(prompt)

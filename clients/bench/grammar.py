@@ -116,8 +116,7 @@ def _xgrammar(tokenizer: Any, repeats: int) -> dict[str, Any]:
 
 
 def _row(cold: list[float], cached: list[float], tokens: list[int], repeats: int, start: Callable[[], tuple[Callable[..., Any], ...]]) -> dict[str, Any]:
-    """The compiles' medians; per repeat a fresh matcher (``start``: its mask, accept, rollback, fork) along
-    the answer: each token's mask and accept, then a rollback of 2 and a fork."""
+    """The compiles' medians; per repeat a fresh matcher (``start``) along the answer: each token's mask and accept, then a rollback of 2 and a fork."""
     masks, accepts, rollbacks, forks = [], [], [], []
     for _ in range(repeats):
         mask, accept, rollback, fork = start()

@@ -184,8 +184,7 @@ def _counters(metrics: str) -> dict[str, float]:
 
 
 def _mean_batches(start: dict[str, float], end: dict[str, float]) -> dict[str, float | None]:
-    """Over the level: drafts per draft step, and per worker the sessions per verify forward
-    (None where the gateway does not count them)."""
+    """Over the level: drafts per draft step, and per worker the sessions per verify forward (None where the gateway does not count them)."""
     def delta(series: str) -> float | None:
         return end[series] - start.get(series, 0.0) if series in end else None
 

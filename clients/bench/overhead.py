@@ -122,8 +122,7 @@ def request(client: httpx.Client, prompt: str, max_tokens: int, temperature: flo
 
 
 def coarse(sample: dict[str, Any]) -> dict[str, float]:
-    """The figures every version's usage has: tokens/s, and per round the verify side's time
-    outside the worker's model and the draft's time per drafted token (every round counted)."""
+    """What every version's usage has: tokens/s, and per round the verify time outside the worker's model and the draft's time per drafted token."""
     block, rounds = sample["usage"]["speculative"], max(sample["usage"]["speculative"]["rounds"], 1)
     drafted = block["draft_tokens"]
     return {

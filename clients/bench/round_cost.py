@@ -86,8 +86,7 @@ def measure(args: argparse.Namespace) -> int:
 
 
 def time_cells(cells: dict[Any, Callable[[], None]], repeats: int, device: str | None = None) -> dict[Any, list[float]]:
-    """Each cell's ms per call, the cells alternating within each repeat, after two warm-up calls
-    each (kernels, allocator, the prefills); ``device``: synchronised around each call."""
+    """Each cell's ms per call, the cells alternating within a repeat, after two warm-up calls each; ``device``: synchronised around each call."""
     for cell in cells.values():
         cell(), cell()
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None

@@ -1,5 +1,4 @@
-"""SpecFed (DESIGN §3.3): reconstructing p̂_n from a top-k payload, aggregating workers, and
-the quantities the evaluation reports (eqs. 5–10, 21–23)."""
+"""SpecFed (DESIGN §3.3): reconstructing p̂_n from a top-k payload, aggregating workers, and the quantities the evaluation reports (eqs. 5–10, 21–23)."""
 
 from __future__ import annotations
 
@@ -92,9 +91,7 @@ def merge_top_logprobs(
     n: int,
     weights: torch.Tensor,  # [N]
 ) -> list[tuple[int, float]]:
-    """The n most likely ids of the mixture at ``row`` among the workers' top-n lists. With one
-    worker exact; with several, an id a worker did not list counts 0 for it, so its value is a
-    lower bound (exact where every worker listed it)."""
+    """The mixture's n most likely ids at ``row`` among the workers' top-n; with several workers an unlisted id counts 0 (a lower bound)."""
     if not n or not tops:
         return []
     w = normalise_weights(weights)

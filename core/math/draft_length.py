@@ -44,8 +44,7 @@ class RoundCosts:
 
 
 def choose_gamma(costs: RoundCosts, max_gamma: int) -> int:
-    """The γ in [1, max_gamma] of the highest throughput (ties to the shorter draft), in one
-    pass: E(γ) grows by Π_{j<γ} α_j from E(γ − 1)."""
+    """The γ in [1, max_gamma] of the highest throughput (ties to the shorter draft), in one pass: E(γ) grows by Π_{j<γ} α_j from E(γ − 1)."""
     best, best_rate = 1, -1.0
     tokens, reach = 1.0, 1.0
     for gamma in range(1, max_gamma + 1):

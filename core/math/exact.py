@@ -1,6 +1,4 @@
-"""`exact` (DESIGN §3.5): lossless federated verification with sparse payloads: §3.1 for
-p = Σ_n w_n p_n from each worker's p_n on S_j, its complement mass c_n and one sample y_n off S_j.
-"""
+"""`exact` (DESIGN §3.5), lossless with sparse payloads: §3.1 for p = Σ_n w_n p_n from each p_n on S_j, its mass c_n off S_j, a sample y_n there."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ def normalised_payload(
     p: torch.Tensor,  # [N, s]: p_n on S as sent (fp32 values)
     complement: torch.Tensor,  # [N]: c_n, the rest of the row summed
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [N, s], [N] float64: each worker's row summing to 1
-    """One row of ``exact``'s payload scaled so that each worker's p_n on S plus c_n is 1: the
-    fp32 row it came from sums to 1 ± 1e-6 (``core.math.sampling.normalised``)."""
+    """Each worker's p_n on S plus c_n scaled to sum to 1 (its fp32 row sums to 1 ± 1e-6: ``core.math.sampling.normalised``)."""
     total = p.double().sum(dim=-1) + complement.double()
     return p.double() / total[:, None], complement.double() / total
 
@@ -47,8 +44,7 @@ def extended_residual(
     complement: torch.Tensor,  # [N]: c_n
     weights: torch.Tensor,  # [N], normalised
 ) -> torch.Tensor:  # [s + N] float64, unnormalised
-    """The residual max(0, p − q̂) on S_j, then the off-support mass w_n c_n of each worker.
-    Where that has no mass (p = q̂), p itself on the same extended support."""
+    """max(0, p − q̂) on S_j, then each worker's off-support mass w_n c_n; where all of that is 0 (p = q̂), p on the same support."""
     on_support = torch.clamp(p_mix.double() - q.double(), min=0.0)
     off_support = weights.double() * complement.double()
     extended = torch.cat([on_support, off_support])

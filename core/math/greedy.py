@@ -15,8 +15,7 @@ def certify_argmax(
     weights: torch.Tensor,  # [N]
     vocab_size: int,
 ) -> int | None:
-    """The mixture's argmax if the top-k payloads prove it (its lower bound beats every other upper bound,
-    DESIGN §3.5), else None."""
+    """The mixture's argmax if the top-k payloads prove it (its lower bound beats every other upper bound, DESIGN §3.5), else None."""
     w = normalise_weights(weights)
     union = torch.unique(torch.cat([i.long() for i in ids]))  # ascending: ties go to the lowest id
     column = {int(token): c for c, token in enumerate(union.tolist())}

@@ -71,8 +71,7 @@ def accepts(
     u: float,  # U[0, 1)
     probability: float,  # of a yes
 ) -> bool:
-    """A yes/no draw: ``u < probability`` (an accept test). With ``sample_index`` and
-    ``sample_rows``, the only places a uniform is consumed (tests enumerate every draw there)."""
+    """``u < probability``: with ``sample_index`` and ``sample_rows``, the only places a uniform is consumed (tests enumerate every draw)."""
     return u < probability
 
 
@@ -95,8 +94,7 @@ def sample_rows(
     probs: torch.Tensor,  # [R, V], ≥ 0, need not be normalised
     u: torch.Tensor,  # [R] U[0, 1)
 ) -> torch.Tensor:  # [R] long: sample_index of each row (0 for a row with no mass)
-    """``sample_index`` of every row at once, with its very numbers (a row's cumulative sum is
-    the same computed alone or in a batch)."""
+    """``sample_index`` of every row at once, with its very numbers (a row's cumulative sum is the same computed alone or in a batch)."""
     cdf = torch.cumsum(probs.double(), dim=1)
     total = cdf[:, -1]
     index = torch.searchsorted(cdf, (u.double() * total)[:, None], right=True)[:, 0]

@@ -49,8 +49,7 @@ def relaxation_factor_on_support(
     off_mass: float,  # the target's mass outside S
     settings: Relaxation,
 ) -> float:
-    """τ where the target is known on the draft's support only (``exact``): top-1 agreement counts only when
-    p's largest entry on S beats the whole mass outside it (so no outside token can be p's argmax)."""
+    """τ with the target known on S only (``exact``): top-1 agreement counts only when p's largest entry on S beats the mass off S."""
     if settings.tau_max == 0:
         return 0.0
     top = argmax_lowest(p[None])[0]

@@ -1,5 +1,4 @@
-"""EAGLE-2's rerank of a drafted tree (DESIGN §3.6): the budget's best nodes by cumulative draft
-log-probability — a node never outscores its parent, so they form a tree."""
+"""EAGLE-2's rerank (DESIGN §3.6): the budget's best nodes by cumulative draft logprob; a node never outscores its parent, so they form a tree."""
 
 from __future__ import annotations
 
@@ -12,8 +11,7 @@ from core.math.tree import TokenTree, depths_of, sparse_rows
 
 
 def drafted_above(node: int, parents: list[int], free: Collection[int]) -> int:
-    """The nearest ancestor of ``node`` that was drafted (not in ``free``: a grammar's forced
-    run); −1 for the root."""
+    """The nearest ancestor of ``node`` that was drafted (not in ``free``: a grammar's forced run); −1 for the root."""
     node = parents[node]
     while node >= 0 and node in free:
         node = parents[node]

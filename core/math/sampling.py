@@ -12,8 +12,7 @@ MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon: below it logits / T overflow;
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How logits become the distribution a token is drawn from. ``temperature == 0`` is greedy: the
-    distribution is then ``softmax(logits)`` untruncated, so workers aggregate before the argmax (DESIGN §3.2)."""
+    """How logits become the law a token is drawn from; T = 0 is greedy on untruncated ``softmax(logits)`` (workers aggregate first, §3.2)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 = off

@@ -1,5 +1,4 @@
-"""The shapes a draft may take (DESIGN §3.6, §3.7): ``TreeShape`` and a pipeline's ``SegmentSchedule``.
-Plain settings without torch: the config reads them (checking a config takes a fraction of a second)."""
+"""Draft shapes (DESIGN §3.6, §3.7): ``TreeShape``, ``SegmentSchedule``; torch-free, as the config reads them (a check takes a fraction of a second)."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ class TreeShape:
 
     @classmethod
     def default(cls, greedy: bool) -> TreeShape:
-        """What pays on the built-in pair (research/tree-and-pipeline.md §3.4): EAGLE-2 at T = 0,
-        a 2-way root with chains below, drawn without replacement, at T > 0 (14 nodes each)."""
+        """What pays on the built-in pair (research/tree-and-pipeline.md §3.4), 14 nodes each: EAGLE-2 at T = 0, else a 2-way root, chains below."""
         if greedy:
             return cls(ChildRule.FIXED, nodes=14, depth=6, top_k=4)
         return cls(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1, 1, 1, 1))

@@ -48,8 +48,7 @@ class TokenTree:
         tokens: list[int],  # [γ]
         q: Sequence[torch.Tensor | SparseRow] | torch.Tensor,  # γ × ([V] dense, 0 off its support; or (ids, probs)): q̂_j each x_j was drawn from
     ) -> TokenTree:
-        """The chain as a tree: node j's parent is j − 1; q̂_j is row j (the last node has none).
-        Rows come dense or already sparse (the draft's truncated supports), not mixed."""
+        """The chain as a tree: node j's parent is j − 1, q̂_j row j (none at the last); rows all dense or all sparse."""
         gamma = len(tokens)
         rows = list(q[:gamma])
         ids, probs = pad_rows(rows, extra=1) if rows and isinstance(rows[0], tuple) else sparse_rows(rows, extra=1)  # type: ignore[arg-type]
@@ -68,8 +67,7 @@ class TokenTree:
 
     @property
     def is_sampled_chain(self) -> bool:
-        """A chain each of whose tokens was drawn from q̂ (or greedy), as the chain verifiers assume; fixed (top-1)
-        or lookup children need the walk's fixed rule (DESIGN §3.6, §3.10)."""
+        """A chain drawn from q̂ (or greedy), as the chain verifiers assume; fixed or lookup children need the walk's fixed rule (DESIGN §3.6, §3.10)."""
         return self.is_chain and self.rule is not ChildRule.FIXED and (self.deterministic is None or not bool(self.deterministic.any()))
 
     @cached_property
@@ -150,8 +148,7 @@ class TokenTree:
 
 
 def path_of(node: int, parents: Sequence[int], stop: int = -1) -> list[int]:
-    """The nodes from the root's child (from below ``stop``) down to ``node`` (−1 = the root:
-    none), given each node's parent (−1 below the root)."""
+    """The nodes from the root's child (from below ``stop``) down to ``node`` (−1 = the root: none), given each node's parent (−1 below the root)."""
     path = []
     while node != stop and node >= 0:
         path.append(node)
@@ -171,8 +168,7 @@ def sparse_rows(
     rows: list[torch.Tensor],  # m × [V]: distributions, 0 off their supports
     extra: int = 0,  # empty rows (all pads) after them
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [m + extra, s] long ids (ascending, −1 pads), [m + extra, s] probs in the rows' dtype
-    """Dense rows as ids + probabilities of their supports, padded to the widest (one pass over
-    all rows: a full row costs a copy, not a search)."""
+    """Dense rows as ids + probabilities of their supports, padded to the widest (one pass over all rows: a full row costs a copy, not a search)."""
     if not rows:
         return torch.full((extra, 1), -1, dtype=torch.long), torch.zeros(extra, 1, dtype=torch.float32)
     dense = torch.stack(rows)

@@ -126,8 +126,7 @@ def verify_tree_greedy(
 
 
 def node_supports(tree: TokenTree) -> list[torch.Tensor]:
-    """S_v per row (root, then each node): q̂'s support there and the children's tokens,
-    ascending; empty at a leaf (its worker sample is then drawn from all of p_n)."""
+    """S_v per row (root, then each node): q̂'s support there plus the children's tokens, ascending; empty at a leaf."""
     return [
         torch.unique(torch.cat([tree.support(node)[0], tree.tokens[tree.children(node)]])) if tree.children(node) else torch.zeros(0, dtype=torch.long)
         for node in range(-1, len(tree))

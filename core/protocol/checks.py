@@ -1,6 +1,4 @@
-"""Protocol v1's checks (DESIGN §4): a decoded request is in range for this vocabulary
-(``InvalidRequest``, a 400 naming the field), and a response answers its request (``ProtocolError``:
-the worker answered garbage)."""
+"""Protocol v1's checks (DESIGN §4): a request in range for this vocabulary (``InvalidRequest``: 400), a response answering its request (``ProtocolError``)."""
 
 from __future__ import annotations
 
@@ -90,8 +88,7 @@ def _check_parents(req: VerifyRequest) -> None:
 
 
 def _check_path(req: VerifyRequest) -> None:
-    """The accepted path of the previous call's tree (v1.1): node indices, root to leaf (so
-    increasing), within the agreed prefix it ends."""
+    """The accepted path of the previous call's tree (v1.1): node indices, root to leaf (so increasing), within the agreed prefix it ends."""
     path = req.path
     assert path is not None
     values = path.tolist()
@@ -112,8 +109,7 @@ def _check_draft_probs(req: VerifyRequest) -> None:
 
 
 def _check_supports(req: VerifyRequest, vocab_size: int) -> None:
-    """Chains: one support per draft token (S_j holds x_j). Trees: one per row, the root's then
-    each node's, empty at a leaf; each node's token lies in its parent's support."""
+    """Chains: one support per draft token, S_j holding x_j; trees: one per row (root first, empty at a leaf), a node's token in its parent's."""
     ids, sizes, tree = req.support_ids, req.support_sizes, req.parents is not None
     rows = len(req.draft) + tree
     if ids is None or sizes is None or sizes.shape != (rows,) or ids.ndim != 1:

@@ -29,8 +29,7 @@ MAX_LOGPROBS = 20  # top-n alternatives per position, as OpenAI's API caps them
 
 @dataclass(frozen=True)
 class InfoResponse(Message):
-    """``GET /v1/info``: what a worker serves. The gateway refuses a worker whose
-    ``tokenizer_fingerprint`` or ``vocab_size`` differs from the draft's."""
+    """``GET /v1/info``: what a worker serves. The gateway refuses a worker whose ``tokenizer_fingerprint`` or ``vocab_size`` differs from the draft's."""
 
     protocol_version: int  # PROTOCOL_VERSION of the worker
     modes: list[str]  # Mode values this worker can verify for
@@ -180,8 +179,7 @@ class StageRequest(Message):
 
 @dataclass(frozen=True, eq=False)
 class StageResponse(Message):
-    """The last stage's answer, passed back through the stages before it: T(p) at the scored
-    rows (aggregate's payload), and what each stage spent."""
+    """The last stage's answer, passed back through the stages before it: T(p) at the scored rows (aggregate's payload), and what each stage spent."""
 
     ARRAYS: ClassVar[dict[str, str]] = {
         "probs": "probs", "ids": "ids", "tail_mass": "f32", "recon_error": "f32", "stage_ms": "f32", "hop_bytes": "i32",

@@ -115,8 +115,6 @@ class ModelRunner(ABC):
 
         return tokenizer_fingerprint(self.tokenizer)
 
-    # ----------------------------------------------------------------- session state
-
     def has_session(self, session_id: str) -> bool:
         return session_id in self._rows
 
@@ -151,8 +149,6 @@ class ModelRunner(ABC):
 
     def session_ids(self) -> list[str]:
         return list(self._rows)
-
-    # ----------------------------------------------------------------- the core calls
 
     def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
         """Append each item's rows; per item, fp32 logits ``[len(logits_at), V]``."""
@@ -220,8 +216,6 @@ class ModelRunner(ABC):
             self._retire(session_id, rows)
             self._free_cache(session_id)
 
-    # ----------------------------------------------------------------- chain shims
-
     def prefill(self, session_id: str, tokens: list[int], num_logits: int = 1) -> torch.Tensor:
         """Start ``session_id`` afresh with ``tokens``; logits of the last ``num_logits``."""
         self.free(session_id)
@@ -276,8 +270,6 @@ class ModelRunner(ABC):
     def close(self) -> None:
         """Free every session and what the backend holds; the runner is unusable after."""
         self.free_all()
-
-    # ----------------------------------------------------------------- the bookkeeping
 
     def _forward_item(self, item: ForwardItem) -> torch.Tensor:
         result = self.forward_each([item])[0]

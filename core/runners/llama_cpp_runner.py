@@ -41,8 +41,7 @@ REFERENCE_SESSION = "\x00reference"
 
 @dataclass
 class Slot(Place):
-    """One llama.cpp context of the pool: its session's chain rows in cells ``0..`` in order (sequence 0),
-    tree rows after them in decode order (``cell``)."""
+    """One llama.cpp context of the pool: its session's chain rows in cells ``0..`` in order (sequence 0), tree rows after them in decode order (``cell``)."""
 
     ctx: Any = None  # llama_cpp._internals.LlamaContext
     cell: dict[int, int] = field(default_factory=dict)  # tree row -> its KV cell
@@ -196,8 +195,6 @@ class LlamaCppRunner(ModelRunner):
             if stream is not None:
                 self._release(stream)
 
-    # ----------------------------------------------------------------- keep, free
-
     def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
         """Keep the kept rows whose cells are ``0, 1, …``; the rest of a kept path is decoded again on the next forward."""
         stream = held_by(self._streams, session_id)
@@ -255,8 +252,6 @@ class LlamaCppRunner(ModelRunner):
         if slot is not None:
             slot.reset(None)
 
-    # ----------------------------------------------------------------- the pool
-
     def _slot_for(self, session_id: str, rows: Rows, most: int) -> Slot:
         """The session's context, else an idle one (``_idle_place``) on a hit, else a new one while the pool has room, else the LRU one."""
         self._clock += 1
@@ -293,8 +288,6 @@ class LlamaCppRunner(ModelRunner):
             return self._internals.LlamaContext(model=self._model, params=params, verbose=False)
         except ValueError as exc:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_ctx} cells: {exc}") from exc
-
-    # ----------------------------------------------------------------- forward
 
     def _compute_each(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
         """Tree sessions decode alone (``_decode_alone``), then chain sessions' rows share decodes (``_decode_streams``)."""

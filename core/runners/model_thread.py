@@ -14,8 +14,7 @@ T = TypeVar("T")
 
 
 def take_within(waiting: Iterable[T], rows: Callable[[T], int], budget: int, key: Callable[[T], Hashable]) -> list[T]:
-    """One step's share of what waits, oldest first: one entry per ``key`` (a session), within ``budget`` rows in all
-    (the first always goes), up to the first that does not fit (so none is passed over for long)."""
+    """What waits, oldest first, one entry per ``key``, within ``budget`` rows (the first always goes), up to the first misfit: none waits long."""
     taken: list[T] = []
     keys: set[Hashable] = set()
     used = 0

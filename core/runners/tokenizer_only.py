@@ -1,5 +1,4 @@
-"""``draft.model: none`` (DESIGN §3.10): a gateway without a draft model still needs its tokenizer
-and facts (vocabulary, EOS ids, context): a runner with no weights, which lookup drafts never call."""
+"""``draft.model: none`` (DESIGN §3.10): a runner without weights, for the tokenizer and facts (vocabulary, EOS ids, context); lookup never calls it."""
 
 from __future__ import annotations
 

@@ -126,8 +126,6 @@ class TransformersRunner(ModelRunner):
     def is_last_stage(self) -> bool:
         return self._end_layer == int(self.model.config.num_hidden_layers)
 
-    # ----------------------------------------------------------------- forward
-
     def _compute_each(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
         out: list[torch.Tensor | Exception | None] = [self._missing_input(w) for w in work]
         return in_turns(work, out, [i for i, o in enumerate(out) if o is None], self.num_slots, self._forward_slots)
@@ -212,8 +210,6 @@ class TransformersRunner(ModelRunner):
         for layer in layers:
             states = layer(states, attention_mask=attention, position_ids=position_ids, use_cache=True, position_embeddings=rotary, **cache)
         return decoder.norm(states) if self.is_last_stage else states
-
-    # ----------------------------------------------------------------- slots
 
     def is_full(self, chains: Collection[str], trees: Collection[str], tree: bool = False) -> bool:
         return len(set(chains) | set(trees)) >= self.num_slots

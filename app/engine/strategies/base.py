@@ -1,5 +1,4 @@
-"""A strategy is how one mode runs a choice (DESIGN §3): round by round in the engine's loop
-(``RoundStrategy``), or its own loop (``PipelineStrategy``). What a mode accepts is ``core.modes``."""
+"""How a mode runs a choice (DESIGN §3): round by round in the engine's loop (``RoundStrategy``), or its own loop (``PipelineStrategy``)."""
 
 from __future__ import annotations
 

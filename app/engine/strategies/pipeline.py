@@ -1,5 +1,4 @@
-"""``pipeline``: FlowSpec (DESIGN §3.7, docs/modes.md), its own loop driven by arrivals, taken in the order
-the segments were sent (so which tree decides a token depends on the seed alone)."""
+"""``pipeline``: FlowSpec (DESIGN §3.7, docs/modes.md), its own loop driven by arrivals in the segments' send order: the seed alone picks the deciding tree."""
 
 from __future__ import annotations
 
@@ -89,8 +88,6 @@ class PipelineRun:
         greedy_k = max(1, req.top_logprobs or 0) if req.params.is_greedy else None
         self.sampling = {**req.sampling_wire(), "k": greedy_k}
 
-    # ----------------------------------------------------------------- the loop
-
     async def run(self) -> AsyncGenerator[RoundResult, None]:
         try:
             timing: dict[str, float] = {}
@@ -154,8 +151,6 @@ class PipelineRun:
         self.rows, self.sent = [], set()
         self._fill()
 
-    # ----------------------------------------------------------------- the tree
-
     async def _new_round(self, timing: dict[str, float]) -> None:
         """A new tree after the last agreed token (the path of the last round becomes agreed rows)."""
         self.rows = [("s", self.root_pos + self.nodes[k[2]].depth) if k[0] == "n" and k[1] == self.round and k[2] in self.path else k for k in self.rows]
@@ -215,8 +210,6 @@ class PipelineRun:
                 live.add(n)
         return sorted(live - {-1})
 
-    # ----------------------------------------------------------------- segments
-
     def _fill(self) -> None:
         """Segments out until ``in_flight`` of this round are in the stages or nothing is left to send."""
         while sum(1 for f in self.flight if f.round == self.round) < self.in_flight and (built := self._segment()) is not None:
@@ -261,8 +254,6 @@ class PipelineRun:
             probs = normalised(probs)  # an fp32 row sums to 1 ± 1e-6 (core.math.sampling)
         for key, row in zip(scored, probs):
             self.dist.setdefault(key, row)
-
-    # ----------------------------------------------------------------- the walk
 
     def _walk(self, result: RoundResult) -> bool:
         """Decide every position the distributions received allow; True when the round ended."""
