@@ -45,6 +45,9 @@ class GatewayMetrics:
             ("num_requests_running", "Requests generating now.", lambda: admission.active),
             ("num_requests_waiting", "Requests queued for a slot.", lambda: admission.queued),
             ("num_requests_rejected", "429s given since start.", lambda: admission.rejected),
+            ("requests_running_ratio", "Requests generating over limits.max_concurrent_requests (what an autoscaler reads).", lambda: admission.active / admission.max_active),
+            ("requests_waiting_ratio", "Requests queued over limits.max_queued_requests (1 when any waits and none may).",
+             lambda: admission.queued / admission.max_queued if admission.max_queued else float(admission.queued > 0)),
         ):
             Gauge(f"specgate:{name}", help_text, registry=r).set_function(read)
 
@@ -106,6 +109,9 @@ class _PoolCollector(Collector):
         failovers = CounterMetricFamily("specgate:worker_failovers", "Sessions moved to another replica mid-request.", labels=["worker"])
         failures = CounterMetricFamily("specgate:worker_failures", "Failed calls, by kind.", labels=["worker", "kind"])
         up = GaugeMetricFamily("specgate:worker_replica_up", "1 while a replica's circuit is closed.", labels=["worker", "url"])
+        states = GaugeMetricFamily(
+            "specgate:worker_replicas", "A target's replicas: up, open (circuit open) or leaving (gone from its DNS name).", labels=["worker", "state"]
+        )
         for w in self.pool.workers:
             sent.add_metric([w.name], w.traffic.sent)
             received.add_metric([w.name], w.traffic.received)
@@ -114,9 +120,13 @@ class _PoolCollector(Collector):
             failovers.add_metric([w.name], w.failovers)
             for kind in FAILURE_KINDS:
                 failures.add_metric([w.name, kind], w.failures[kind])
+            count = dict.fromkeys(("up", "open", "leaving"), 0)
             for replica in w.replicas:
                 up.add_metric([w.name, replica.url], 0 if replica.breaker.is_open else 1)
-        yield from (sent, received, calls, batched, failovers, failures, up)
+                count["leaving" if replica.retired else "open" if replica.breaker.is_open else "up"] += 1
+            for state, n in count.items():
+                states.add_metric([w.name, state], n)
+        yield from (sent, received, calls, batched, failovers, failures, up, states)
 
 
 class _DraftCollector(Collector):

@@ -83,6 +83,7 @@ def create_app(
         gateway = app.state.gateway = Gateway(config, draft_model, pool, metrics)
         app.state.logprobs = Logprobs(gateway.tokenizer)
         app.state.draft_threads = runner.threads
+        await pool.discover()
         for entry in await gateway.check_workers():
             if entry.get("fatal"):  # a pipeline whose stages answer but cannot make it (DESIGN §3.7)
                 log.error("%s", entry["error"])

@@ -20,10 +20,10 @@ def free_port() -> int:
 
 def worker_command(
     model: str, backend: str, port: int, threads: int | None = None, log_level: str = "warning", layers: str | None = None,
-    link_rtt_ms: float = 0.0, link_mbps: float = 0.0,
+    link_rtt_ms: float = 0.0, link_mbps: float = 0.0, host: str = "127.0.0.1",
 ) -> list[str]:
-    """``specgate worker`` on 127.0.0.1; ``layers``: a pipeline stage (with its outgoing link's emulation)."""
-    command = [sys.executable, "-m", "workers", "--model", model, "--backend", backend, "--host", "127.0.0.1", "--port", str(port), "--log-level", log_level]
+    """``specgate worker`` on ``host`` (a loopback address); ``layers``: a pipeline stage (with its outgoing link's emulation)."""
+    command = [sys.executable, "-m", "workers", "--model", model, "--backend", backend, "--host", host, "--port", str(port), "--log-level", log_level]
     if layers:
         command += ["--layers", layers, "--link-rtt-ms", str(link_rtt_ms), "--link-mbps", str(link_mbps)]
     return command + (["--threads", str(threads)] if threads else [])
@@ -54,11 +54,11 @@ class ServerProcess:
 
     def __init__(
         self, command: list[str], port: int, ready_path: str = "/health", timeout_s: float = 300.0, cwd: str | None = None, threads: int | None = None,
-        grace_s: float = 10.0,
+        grace_s: float = 10.0, host: str = "127.0.0.1",
     ) -> None:
         self.command, self.port, self.ready_path, self.timeout_s = command, port, ready_path, timeout_s
         self.cwd, self.threads, self.grace_s = cwd, threads, grace_s
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> str:
@@ -82,10 +82,12 @@ class ServerProcess:
             stop_process(self.proc, self.grace_s)
 
 
-def WorkerProcess(model: str, backend: str, port: int | None = None, threads: int | None = None, timeout_s: float = 300.0, cwd: str | None = None) -> ServerProcess:
-    """A real worker on 127.0.0.1 (a free port unless given); ``cwd``: the code of another checkout."""
+def WorkerProcess(
+    model: str, backend: str, port: int | None = None, threads: int | None = None, timeout_s: float = 300.0, cwd: str | None = None, host: str = "127.0.0.1",
+) -> ServerProcess:
+    """A real worker on ``host`` (127.0.0.1; a free port unless given); ``cwd``: the code of another checkout."""
     port = port or free_port()
-    return ServerProcess(worker_command(model, backend, port, threads), port, "/health", timeout_s, cwd, threads)
+    return ServerProcess(worker_command(model, backend, port, threads, host=host), port, "/health", timeout_s, cwd, threads, host=host)
 
 
 def StageProcess(layers: str, model: str = "builtin", port: int | None = None, threads: int | None = 1, link_rtt_ms: float = 0.0, timeout_s: float = 300.0) -> ServerProcess:

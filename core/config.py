@@ -195,11 +195,14 @@ class WorkerEntry(BaseModel):
     read_timeout_s: float = Field(default=30.0, gt=0)  # waiting for a verify answer
     logprobs: int = Field(default=20, ge=1, le=1000)  # engine: top-k logprobs asked per position (vLLM's cap: 20)
     max_context: int | None = Field(default=None, gt=0)  # engine: its context length, when /v1/models does not say
+    discovery_interval_s: float | None = Field(default=None, gt=0)  # re-resolve url's host this often: each address a replica (a headless Service); None = url as it is
 
     @model_validator(mode="after")
     def _one_source(self) -> WorkerEntry:
         if self.urls is not None and not self.urls:
             raise ValueError("urls must list at least one replica")
+        if self.discovery_interval_s is not None and self.url is None:
+            raise ValueError("discovery_interval_s needs url: the name whose addresses are the replicas")
         remote = (self.url is not None) + (self.urls is not None)
         if self.pipeline is not None:
             if self.is_engine or remote or self.model is not None:
@@ -246,6 +249,15 @@ class HealthConfig(BaseModel):
     probe_interval_s: float = Field(default=2.0, gt=0)  # how often an open replica's /health is probed
 
 
+class DiscoveryConfig(BaseModel):
+    """How worker names are resolved (entries with ``discovery_interval_s``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dns_servers: list[str] = []  # host[:port] of DNS servers to ask; [] = the system's resolver (/etc/hosts, resolv.conf's servers and search domains)
+    timeout_s: float = Field(default=2.0, gt=0)  # one resolution; a failed one keeps the replicas as they are
+
+
 class SpecgateConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_", env_nested_delimiter="__", extra="forbid")
 
@@ -257,6 +269,7 @@ class SpecgateConfig(BaseSettings):
     workers: list[WorkerEntry] = Field(default_factory=list)  # the targets, at least one; weights w_n
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
     api_key: str | None = None  # clients must send it as a bearer token (env SPECGATE_API_KEY)
     worker_token: str | None = None  # sent to every worker as a bearer token (env SPECGATE_WORKER_TOKEN)
 

@@ -83,6 +83,11 @@ class VerifyScheduler:
             _settle(entry.done, RuntimeError("the worker is shutting down"))
         self._queue.clear()
 
+    @property
+    def queue_length(self) -> int:
+        """Calls waiting for a step (exclusive work between steps not counted)."""
+        return sum(isinstance(entry, _Call) for entry in self._queue)
+
     def _enqueue(self, entry: _Call | _Exclusive) -> asyncio.Future[Any]:
         self._queue.append(entry)
         self._wake.set()

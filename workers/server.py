@@ -172,6 +172,9 @@ class _WorkerCollector(Collector):
         yield errors
         yield CounterMetricFamily("specgate:worker_restarts", "Times `specgate serve` restarted this worker after it died.", value=state.settings.restarts)
         yield GaugeMetricFamily("specgate:sessions", "Sessions held.", value=len(state.sessions))
+        yield GaugeMetricFamily("specgate:session_slots", "Sessions the worker keeps (--max-sessions).", value=state.sessions.max_sessions)
+        yield GaugeMetricFamily("specgate:sessions_ratio", "Sessions held over slots (what an autoscaler reads).", value=len(state.sessions) / state.sessions.max_sessions)
+        yield GaugeMetricFamily("specgate:queue_length", "Calls waiting for the model's next step.", value=state.scheduler.queue_length)
         yield CounterMetricFamily("specgate:sessions_evicted", "Sessions evicted (LRU, TTL, memory).", value=state.sessions.num_evicted)
         yield GaugeMetricFamily("specgate:session_memory_bytes", "Memory the sessions' caches take.", value=state.runner.memory_bytes())
 

@@ -93,6 +93,7 @@ class Replica:
     breaker: Breaker
     info: InfoResponse | None = None  # its /v1/info, once checked against Expected
     last_error: str = ""
+    retired: bool = False  # its address left the target's DNS name: no new sessions, its own finish
     traffic: Traffic = field(default_factory=Traffic)
 
     def failed(self, exc: BaseException) -> None:

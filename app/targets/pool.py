@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from app.targets.base import Channel, Dialect, Expected
+from app.targets.discovery import Discovery, Resolver
 from app.targets.fastpost import FastPost
 from app.targets.openai_logprobs import EngineDialect
 from app.targets.pipeline import PipelineTarget
@@ -18,9 +19,13 @@ from core.config import SpecgateConfig
 
 
 class TargetSet:
-    def __init__(self, workers: list[ReplicaSet | PipelineTarget], client: httpx.AsyncClient, probe_interval_s: float, fast: FastPost | None = None) -> None:
+    def __init__(
+        self, workers: list[ReplicaSet | PipelineTarget], client: httpx.AsyncClient, probe_interval_s: float, fast: FastPost | None = None,
+        discoveries: list[Discovery] | None = None,
+    ) -> None:
         self.workers, self.client, self.probe_interval_s, self.fast = workers, client, probe_interval_s, fast
-        self._prober: asyncio.Task[None] | None = None
+        self.discoveries = discoveries or []  # the targets whose replicas are a name's addresses
+        self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
     def from_config(cls, config: SpecgateConfig, expected: Expected, transport: httpx.AsyncBaseTransport | None = None) -> TargetSet:
@@ -29,6 +34,8 @@ class TargetSet:
         client = httpx.AsyncClient(transport=transport or httpx.AsyncHTTPTransport(retries=0, limits=limits), headers=headers)
         fast = FastPost(headers) if transport is None else None  # the rounds' POSTs on real sockets
         workers: list[ReplicaSet | PipelineTarget] = []
+        discoveries: list[Discovery] = []
+        resolver = Resolver(config.discovery.dns_servers, config.discovery.timeout_s)
         for w in config.workers:
             name = w.name or ""
             channel = Channel(name, client, httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), w.link, fast)
@@ -36,8 +43,11 @@ class TargetSet:
                 workers.append(PipelineTarget(name, config.stage_replicas(w), w.weight, channel, expected, config.health.failure_threshold))
                 continue
             dialect: Dialect = EngineDialect(name, channel, expected, w) if w.is_engine else SpecgateDialect(name, channel, expected)
-            workers.append(ReplicaSet(name, config.worker_urls(w), w.weight, channel, dialect, expected, config.health.failure_threshold))
-        return cls(workers, client, config.health.probe_interval_s, fast)
+            target = ReplicaSet(name, config.worker_urls(w), w.weight, channel, dialect, expected, config.health.failure_threshold, w.discovery_interval_s is not None)
+            workers.append(target)
+            if w.discovery_interval_s is not None:
+                discoveries.append(Discovery(target, target.url, w.discovery_interval_s, resolver, client))
+        return cls(workers, client, config.health.probe_interval_s, fast, discoveries)
 
     def scorable(self, sequence: list[int], draft: list[int]) -> int:
         """How many leading draft tokens every target can score (engines cannot score every token)."""
@@ -57,9 +67,13 @@ class TargetSet:
         for worker in self.workers:
             worker.channel.on_call = hook
 
+    async def discover(self) -> None:
+        """Resolve every discovered target's name once (start-up: before the first readiness check)."""
+        await asyncio.gather(*(d.refresh() for d in self.discoveries))
+
     def start(self) -> None:
-        """Probe open breakers in the background until ``close``."""
-        self._prober = asyncio.create_task(self._probe_forever())
+        """Probe open breakers, and resolve discovered targets' names, in the background until ``close``."""
+        self._tasks = [asyncio.create_task(self._probe_forever()), *(asyncio.create_task(d.run()) for d in self.discoveries)]
 
     async def _probe_forever(self) -> None:
         while True:
@@ -73,9 +87,9 @@ class TargetSet:
         await asyncio.gather(*(w.delete_session(session_id) for w in self.workers))
 
     async def close(self) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
-            await asyncio.gather(self._prober, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.client.aclose()
         if self.fast is not None:
             await self.fast.aclose()

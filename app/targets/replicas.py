@@ -20,10 +20,13 @@ _PROBE_TIMEOUT = httpx.Timeout(2.0)  # a probe of a hung replica must not hold u
 class ReplicaSet(Target):
     """One target of the federation: its weight, its replicas, which replica holds which session."""
 
-    def __init__(self, name: str, urls: list[str], weight: float, channel: Channel, dialect: Dialect, expected: Expected, threshold: int) -> None:
-        self.name, self.weight, self.channel, self.dialect, self.expected = name, weight, channel, dialect, expected
-        self.replicas = [Replica(url.rstrip("/"), Breaker(threshold)) for url in urls]
-        self.url, self.is_engine = self.replicas[0].url, dialect.is_engine
+    def __init__(
+        self, name: str, urls: list[str], weight: float, channel: Channel, dialect: Dialect, expected: Expected, threshold: int, discovered: bool = False,
+    ) -> None:
+        """``discovered``: ``urls[0]`` is a name whose addresses join as replicas (app/targets/discovery.py)."""
+        self.name, self.weight, self.channel, self.dialect, self.expected, self.threshold = name, weight, channel, dialect, expected, threshold
+        self.replicas = [] if discovered else [Replica(url.rstrip("/"), Breaker(threshold)) for url in urls]
+        self.url, self.is_engine, self.discovered = urls[0].rstrip("/"), dialect.is_engine, discovered
         self.sessions: dict[str, Replica] = {}  # the replica that holds each session now
         self.held: dict[str, set[str]] = {}  # every replica a session was sent to (freed at the end)
         self.failures: Counter[str] = Counter()  # by kind
@@ -44,25 +47,53 @@ class ReplicaSet(Target):
         return info
 
     async def check_all(self) -> dict[str, Any]:
-        """Every replica checked at once: the target's entry of ``/health/ready``."""
-        results = await asyncio.gather(*(self.check(r) for r in self.replicas), return_exceptions=True)
+        """Every replica checked at once: the target's entry of ``/health/ready`` (leaving ones listed, not checked)."""
+        serving = [r for r in self.replicas if not r.retired]
+        results = await asyncio.gather(*(self.check(r) for r in serving), return_exceptions=True)
         replicas, infos = [], []
-        for replica, result in zip(self.replicas, results):
+        for replica, result in zip(serving, results):
             if isinstance(result, InfoResponse):
                 infos.append(result)
                 replicas.append({"url": replica.url, "ready": True})
             else:
                 replicas.append({"url": replica.url, "ready": False, "error": str(result), "failures_in_a_row": replica.breaker.failures})
+        replicas += [{"url": r.url, "ready": False, "leaving": True} for r in self.replicas if r.retired]
         entry: dict[str, Any] = {"name": self.name, "url": self.url, "weight": self.weight, "ready": bool(infos), "replicas": replicas}
+        if self.discovered:
+            entry["discovered"] = True
         if infos:
             entry.update(model=infos[0].model_id, max_context=min(i.max_context for i in infos))
         else:
-            entry["error"] = f"worker {self.name}: no replica ready ({replicas[0]['error']})"
+            why = replicas[0].get("error", "leaving") if replicas else f"no address of {self.url} has joined yet"
+            entry["error"] = f"worker {self.name}: no replica ready ({why})"
         return entry
+
+    def present_urls(self) -> set[str]:
+        """The replicas that take new sessions' URLs (discovery's view of the target)."""
+        return {r.url for r in self.replicas if not r.retired}
+
+    def join(self, replica: Replica) -> None:
+        """A checked replica takes sessions (one that left and came back is the same replica again)."""
+        known = next((r for r in self.replicas if r.url == replica.url), None)
+        if known is None:
+            self.replicas.append(replica)
+        else:
+            known.retired, known.info, known.breaker = False, replica.info, replica.breaker
+
+    def retire(self, url: str) -> None:
+        """No new sessions on ``url``; it leaves the list once no session holds it."""
+        for replica in self.replicas:
+            if replica.url == url:
+                replica.retired = True
+        self._drop_retired()
+
+    def _drop_retired(self) -> None:
+        holding = {r.url for r in self.sessions.values()}
+        self.replicas = [r for r in self.replicas if not r.retired or r.url in holding]
 
     async def probe(self) -> None:
         """Open breakers only: the health path, then the check; a replica that passes takes calls again."""
-        for replica in (r for r in self.replicas if r.breaker.is_open):
+        for replica in (r for r in self.replicas if r.breaker.is_open and not r.retired):
             try:
                 if self.dialect.health_path is not None:
                     resp = await self.channel.client.get(f"{replica.url}{self.dialect.health_path}", timeout=_PROBE_TIMEOUT)
@@ -105,7 +136,7 @@ class ReplicaSet(Target):
         if current is not None and not current.breaker.is_open:
             return current
         while True:
-            candidates = [r for r in self.replicas if r.url not in tried and not r.breaker.is_open]
+            candidates = [r for r in self.replicas if r.url not in tried and not r.breaker.is_open and not r.retired]
             if not candidates:
                 raise self._exhausted(last)
             load = Counter(r.url for r in self.sessions.values())
@@ -120,6 +151,8 @@ class ReplicaSet(Target):
                 last = exc
 
     def _exhausted(self, last: ReplicaFailure | None) -> WorkerError:
+        if not self.present_urls():
+            return WorkerError(self.name, f"no replica: no address of {self.url} has joined", 503)
         if last is None:  # every breaker was open before this call
             return WorkerError(self.name, f"no healthy replica (circuit open after repeated failures: {self.replicas[0].last_error})", 503)
         status = 503 if last.kind in ("connect", "timeout") else 502
@@ -142,3 +175,4 @@ class ReplicaSet(Target):
             if replica.url in self.held.get(session_id, ()) and not replica.breaker.is_open:
                 await self.dialect.free(replica, session_id)
         self.held.pop(session_id, None)
+        self._drop_retired()

@@ -67,6 +67,8 @@ async def test_counters_move_by_what_the_usage_reports(gateway: Gateway, stream:
     calls = _delta(before, after, "specgate:worker_calls_total", worker="w0")
     assert calls == spec["rounds"] and _delta(before, after, "specgate:worker_round_latency_seconds_count", worker="w0") == calls
     assert _value(after, "specgate:num_requests_running") == 0
+    assert _value(after, "specgate:requests_running_ratio") == 0 and _value(after, "specgate:requests_waiting_ratio") == 0
+    assert _value(after, "specgate:worker_replicas", worker="w1", state="up") == 1 and _value(after, "specgate:worker_replicas", worker="w1", state="leaving") == 0
     assert _value(after, "specgate:worker_replica_up", worker="w1", url="http://w1:1") == 1
 
 

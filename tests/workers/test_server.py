@@ -384,6 +384,8 @@ async def test_metrics_count_what_was_served(client: httpx.AsyncClient) -> None:
     assert values[("specgate:verify_bytes_out_total", ())] == len(answer.content)
     assert values[("specgate:verify_errors_total", (("code", "invalid_request"),))] == 1
     assert values[("specgate:sessions", ())] == 1
+    slots = values[("specgate:session_slots", ())]  # the autoscaling signals (issue 48)
+    assert slots >= 1 and values[("specgate:sessions_ratio", ())] == 1 / slots and values[("specgate:queue_length", ())] == 0
 
 
 async def test_grammars_compile_off_the_model_thread_once_per_content(tiny_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
