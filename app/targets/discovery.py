@@ -110,9 +110,10 @@ class Discovery:
     async def _join(self, url: str) -> None:
         replica = Replica(url, Breaker(self.target.threshold))
         try:
-            resp = await self.client.get(f"{url}/health", timeout=_HEALTH_TIMEOUT)
-            if resp.status_code != 200:
-                raise ReplicaFailure("status", f"/health answered {resp.status_code}")
+            health = self.target.dialect.health_path  # None: an engine whose check is its /v1/models
+            resp = await self.client.get(f"{url}{health}", timeout=_HEALTH_TIMEOUT) if health else None
+            if resp is not None and resp.status_code != 200:
+                raise ReplicaFailure("status", f"{health} answered {resp.status_code}")
             await self.target.check(replica)
         except (httpx.HTTPError, ReplicaFailure) as exc:
             log.info("worker %s: %s (from %s) has not joined yet: %s", self.target.name, url, self.host, exc)
