@@ -187,13 +187,18 @@ class LlamaCppRunner(ModelRunner):
             self._llama_cpp.llama_memory_seq_rm(self._shared.memory, stream.seq, -1, -1)
         stream.session_id, stream.rows, stream.cached = None, 0, []
 
-    def _to_tree_session(self, session_id: str) -> None:
-        """From its first tree row on, a session lives in a context of its own."""
+    def _to_tree_session(self, session_id: str, rows: Rows) -> None:
+        """From its first tree row on, a session lives in a context of its own; the stream it leaves goes idle
+        holding its chain cells (the next request with the same prompt finds them, as after ``_retire``)."""
         if session_id not in self._tree_sessions:
             self._tree_sessions.add(session_id)
             stream = held_by(self._streams, session_id)
             if stream is not None:
-                self._release(stream)
+                kept = min(stream.rows, rows.chain)
+                if kept < stream.rows:
+                    self._llama_cpp.llama_memory_seq_rm(self._shared.memory, stream.seq, kept, -1)
+                self._clock += 1
+                stream.session_id, stream.rows, stream.cached, stream.last_used = None, kept, rows.tokens[:kept], self._clock
 
     def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
         """Keep the kept rows whose cells are ``0, 1, …``; the rest of a kept path is decoded again on the next forward."""
@@ -299,7 +304,7 @@ class LlamaCppRunner(ModelRunner):
     def _decode_alone(self, work: list[Staged]) -> list[torch.Tensor]:
         """One tree session (``in_turns`` groups of one) in a context of its own."""
         session_id, rows, logits_rows = work[0].session_id, work[0].rows, work[0].logits_rows
-        self._to_tree_session(session_id)
+        self._to_tree_session(session_id, rows)
         slot = self._slot_for(session_id, rows, min(logits_rows))
         wanted, out = set(logits_rows), dict[int, np.ndarray]()
         if slot.rows < rows.chain:  # in sequence 0, position = row = cell

@@ -213,6 +213,19 @@ def test_a_new_session_takes_the_cells_of_an_ended_one_that_starts_the_same(toke
             assert torch.equal(out[1 + node], runner.forward_full(system + [22] + path, 1)[0]), node
         runner.free("again")
 
+        # the gateway's draft: a tree session's prompt is a chain first (a stream), then its tree (a context); the stream
+        # it leaves keeps the prompt's cells, and the next request with that prompt decodes only its own rows there
+        prompt = system + [31]
+        runner.prefill("drafted", prompt, 1)
+        parents = [len(prompt) - 1 if p < 0 else len(prompt) + p for _, p in TREE[:3]]
+        runner.forward([ForwardItem("drafted", len(prompt), [t for t, _ in TREE[:3]], parents=parents, logits_at=[0, 1, 2])])
+        assert "drafted" in runner._tree_sessions
+        runner.free("drafted")
+        before = runner.reused_rows
+        assert torch.equal(runner.prefill("drafted again", system + [32], 1), runner.forward_full(system + [32], 1))
+        assert runner.reused_rows - before == len(system)
+        runner.free("drafted again")
+
         # a session that shares only a short start (a chat template's first line) takes an empty place, not a long prompt's cells
         runner.prefill("short", system[:3] + [40, 41], 1)
         runner.free("short")
