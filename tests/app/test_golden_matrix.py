@@ -29,7 +29,8 @@ import torch
 from app.engine import GenerationRequest
 from core.lookup import AcceptanceStats, LookupParams, SuffixIndex
 from core.names import Mode
-from tests.app.test_lossless_matrix import CELLS, LOOKUP_TOKENS, LOOKUPS, MAX_TOKENS, TRANSFORMS, Cell, _cancel_the_rest, _engine
+from tests.app.test_lossless_matrix import ALL_CELLS as CELLS
+from tests.app.test_lossless_matrix import LOOKUP_TOKENS, LOOKUPS, MAX_TOKENS, TRANSFORMS, Cell, _cancel_the_rest, _engine
 from tests.matching import matches
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "matrix.json"

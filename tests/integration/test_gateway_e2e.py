@@ -44,10 +44,20 @@ def _gateway(stack: ExitStack, directory: Path, urls: list[str], weights: list[f
     return stack.enter_context(GatewayProcess(str(path)))
 
 
+WEIGHTS = [0.7, 0.3]  # the module's gateway: two weighted workers
+
+
 @pytest.fixture(scope="module")
 def base_url(worker_urls: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with ExitStack() as stack:
-        yield _gateway(stack, tmp_path_factory.mktemp("two"), worker_urls)
+        yield _gateway(stack, tmp_path_factory.mktemp("two"), worker_urls, WEIGHTS)
+
+
+@pytest.fixture(scope="module")
+def one_worker_url(worker_urls: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A gateway on the first worker alone (split takes one worker)."""
+    with ExitStack() as stack:
+        yield _gateway(stack, tmp_path_factory.mktemp("one"), worker_urls[:1])
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +139,7 @@ def test_a_sampled_tree_streams_through_the_api(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body={"speculative": {"mode": "tree", "tree": {"widths": [0]}}})  # type: ignore[arg-type]
 
 
-def test_greedy_text_is_the_same_in_every_mode(worker_urls: list[str], tmp_path: Path) -> None:
+def test_greedy_text_is_the_same_in_every_mode(one_worker_url: str) -> None:
     """split, exact, aggregate k full and autoregressive on one worker; all but split on two."""
 
     def greedy(url: str, spec: dict[str, object]) -> str | None:
@@ -141,9 +151,7 @@ def test_greedy_text_is_the_same_in_every_mode(worker_urls: list[str], tmp_path:
         {"mode": "autoregressive"}, {"mode": "aggregate", "k": "full"}, {"mode": "exact"}, {"mode": "split"},
         {"mode": "exact", "drafter": "model+lookup"}, {"mode": "split", "drafter": "lookup"}, {"mode": "tree", "drafter": "model+lookup"},
     ]
-    with ExitStack() as stack:
-        one = _gateway(stack, tmp_path, worker_urls[:1])
-        texts = {json.dumps(m): greedy(one, m) for m in modes}
+    texts = {json.dumps(m): greedy(one_worker_url, m) for m in modes}
     assert len(set(texts.values())) == 1, texts
 
 
@@ -280,15 +288,13 @@ def _target_rows(urls: list[str], weights: list[float], context: list[int], scor
 @pytest.mark.parametrize(  # each mode at one temperature by default: the matrix and tests/app/test_logprobs.py prove both
     "temperature, mode", [(1.0, "split"), (0.0, "exact"), pytest.param(0.0, "split", marks=FULL_RUN), pytest.param(1.0, "exact", marks=FULL_RUN)],
 )
-def test_logprobs_in_split_and_exact_are_the_targets(worker_urls: list[str], tmp_path: Path, mode: str, temperature: float) -> None:
+def test_logprobs_in_split_and_exact_are_the_targets(worker_urls: list[str], one_worker_url: str, mode: str, temperature: float) -> None:
     """logprobs with top alternatives in split and exact (the default mode): each token's logprob
     is the target's, recomputed from a worker's whole distribution at the same positions."""
-    with ExitStack() as stack:
-        url = _gateway(stack, tmp_path, worker_urls[:1])
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-        extra = {"speculative": {"mode": mode}, "return_tokens_as_token_ids": True}
-        done = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=16, temperature=temperature, seed=4, logprobs=3, extra_body=extra)
-        chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=temperature, logprobs=True, top_logprobs=3, extra_body=extra)  # type: ignore[arg-type]
+    client = openai.OpenAI(base_url=f"{one_worker_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    extra = {"speculative": {"mode": mode}, "return_tokens_as_token_ids": True}
+    done = client.completions.create(model=MODEL, prompt=PROMPT_IDS, max_tokens=16, temperature=temperature, seed=4, logprobs=3, extra_body=extra)
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=temperature, logprobs=True, top_logprobs=3, extra_body=extra)  # type: ignore[arg-type]
     lp = done.choices[0].logprobs
     assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
     tokens = [int(t.removeprefix("token_id:")) for t in lp.tokens]
@@ -300,19 +306,18 @@ def test_logprobs_in_split_and_exact_are_the_targets(worker_urls: list[str], tmp
     assert all(len(entry.top_logprobs) == 3 for entry in chat.choices[0].logprobs.content)
 
 
-@pytest.mark.parametrize("weights", [[0.7, 0.3], pytest.param([1.0], marks=FULL_RUN)])  # two weighted workers by default: one is the weights' special case
-def test_echoed_prompt_logprobs_are_the_targets(worker_urls: list[str], tmp_path: Path, weights: list[float]) -> None:
+@pytest.mark.parametrize("weights", [WEIGHTS, pytest.param([1.0], marks=FULL_RUN)])  # two weighted workers by default: one is the weights' special case
+def test_echoed_prompt_logprobs_are_the_targets(worker_urls: list[str], base_url: str, one_worker_url: str, weights: list[float]) -> None:
     """lm-eval's loglikelihood request: echo, logprobs 2, max_tokens 0 and 1; the prompt's logprobs
     are the target's (the first token has none, as in vLLM), with one and two weighted workers."""
     urls = worker_urls[: len(weights)]
     expected = _target_rows(urls, weights, PROMPT_IDS[:1], PROMPT_IDS[1:], 1.0)[np.arange(len(PROMPT_IDS) - 1), PROMPT_IDS[1:]]
-    with ExitStack() as stack:
-        url = _gateway(stack, tmp_path, urls, weights)
-        for max_tokens in (0, 1):
-            body = {"model": MODEL, "prompt": PROMPT_IDS, "echo": True, "logprobs": 2, "max_tokens": max_tokens, "temperature": 1.0, "return_tokens_as_token_ids": True}
-            choice = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
-            lp = choice["logprobs"]
-            assert [int(t.removeprefix("token_id:")) for t in lp["tokens"][: len(PROMPT_IDS)]] == PROMPT_IDS
-            assert len(lp["tokens"]) == len(PROMPT_IDS) + max_tokens and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-            assert np.abs(np.array(lp["token_logprobs"][1 : len(PROMPT_IDS)]) - expected).max() <= 1e-4
-            assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
+    url = base_url if len(weights) > 1 else one_worker_url
+    for max_tokens in (0, 1):
+        body = {"model": MODEL, "prompt": PROMPT_IDS, "echo": True, "logprobs": 2, "max_tokens": max_tokens, "temperature": 1.0, "return_tokens_as_token_ids": True}
+        choice = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert [int(t.removeprefix("token_id:")) for t in lp["tokens"][: len(PROMPT_IDS)]] == PROMPT_IDS
+        assert len(lp["tokens"]) == len(PROMPT_IDS) + max_tokens and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert np.abs(np.array(lp["token_logprobs"][1 : len(PROMPT_IDS)]) - expected).max() <= 1e-4
+        assert all(len(top) == 2 for top in lp["top_logprobs"][1:])
