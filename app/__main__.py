@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(config, draft_runner=draft, instance_id=args.instance_id, model_thread=thread)
     print(f"specgate gateway: {config.model} on http://{config.host}:{config.port} (draft {config.draft.model}, mode {config.speculative.mode.value})", flush=True)
     drain_s = config.limits.drain_timeout_s
-    run_server(app, config.host, config.port, args.log_level, drain_s, lambda: app.state.admission.start_drain(drain_s))
+    admission = app.state.admission
+    run_server(app, config.host, config.port, args.log_level, drain_s, lambda: admission.start_drain(drain_s), admission.is_idle)
     thread.call(draft.close)
     thread.close()
     return 0

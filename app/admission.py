@@ -29,6 +29,10 @@ class Admission:
     def drain_expired(self) -> bool:
         return self.drain_deadline is not None and time.monotonic() >= self.drain_deadline
 
+    def is_idle(self) -> bool:
+        """Nothing running, nothing queued: a drain may end."""
+        return self.active == 0 and self.queued == 0
+
     def start_drain(self, timeout_s: float) -> None:
         self.drain_deadline = time.monotonic() + timeout_s
 

@@ -110,7 +110,7 @@ class _PoolCollector(Collector):
         failures = CounterMetricFamily("specgate:worker_failures", "Failed calls, by kind.", labels=["worker", "kind"])
         up = GaugeMetricFamily("specgate:worker_replica_up", "1 while a replica's circuit is closed.", labels=["worker", "url"])
         states = GaugeMetricFamily(
-            "specgate:worker_replicas", "A target's replicas: up, open (circuit open) or leaving (gone from its DNS name).", labels=["worker", "state"]
+            "specgate:worker_replicas", "A target's replicas: up, open (circuit open), draining (refused a new session: shutting down) or leaving (gone from its DNS name).", labels=["worker", "state"]
         )
         for w in self.pool.workers:
             sent.add_metric([w.name], w.traffic.sent)
@@ -120,10 +120,10 @@ class _PoolCollector(Collector):
             failovers.add_metric([w.name], w.failovers)
             for kind in FAILURE_KINDS:
                 failures.add_metric([w.name, kind], w.failures[kind])
-            count = dict.fromkeys(("up", "open", "leaving"), 0)
+            count = dict.fromkeys(("up", "open", "draining", "leaving"), 0)
             for replica in w.replicas:
                 up.add_metric([w.name, replica.url], 0 if replica.breaker.is_open else 1)
-                count["leaving" if replica.retired else "open" if replica.breaker.is_open else "up"] += 1
+                count["leaving" if replica.retired else "open" if replica.breaker.is_open else "draining" if replica.draining else "up"] += 1
             for state, n in count.items():
                 states.add_metric([w.name, state], n)
         yield from (sent, received, calls, batched, failovers, failures, up, states)

@@ -133,6 +133,9 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.get("/health/ready")
     async def ready(request: Request) -> Response:
+        if request.app.state.admission.is_draining:  # SIGTERM: the Service stops routing here at once
+            body = {"status": "draining", "instance_id": request.app.state.instance_id}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         report = await _gateway(request).check_workers()
         ok = all(e["ready"] for e in report)
         draft = "loaded" if _gateway(request).draft.runner.has_weights else "none"

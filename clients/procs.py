@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 import httpx
 
@@ -20,13 +21,14 @@ def free_port() -> int:
 
 def worker_command(
     model: str, backend: str, port: int, threads: int | None = None, log_level: str = "warning", layers: str | None = None,
-    link_rtt_ms: float = 0.0, link_mbps: float = 0.0, host: str = "127.0.0.1",
+    link_rtt_ms: float = 0.0, link_mbps: float = 0.0, host: str = "127.0.0.1", extra: Sequence[str] = (),
 ) -> list[str]:
-    """``specgate worker`` on ``host`` (a loopback address); ``layers``: a pipeline stage (with its outgoing link's emulation)."""
+    """``specgate worker`` on ``host`` (a loopback address); ``layers``: a pipeline stage (with its outgoing link's emulation);
+    ``extra``: more flags (``--memory-cap-mb 128``)."""
     command = [sys.executable, "-m", "workers", "--model", model, "--backend", backend, "--host", host, "--port", str(port), "--log-level", log_level]
     if layers:
         command += ["--layers", layers, "--link-rtt-ms", str(link_rtt_ms), "--link-mbps", str(link_mbps)]
-    return command + (["--threads", str(threads)] if threads else [])
+    return command + (["--threads", str(threads)] if threads else []) + list(extra)
 
 
 def child_env(threads: int | None) -> dict[str, str] | None:
@@ -84,10 +86,11 @@ class ServerProcess:
 
 def WorkerProcess(
     model: str, backend: str, port: int | None = None, threads: int | None = None, timeout_s: float = 300.0, cwd: str | None = None, host: str = "127.0.0.1",
+    extra: Sequence[str] = (),
 ) -> ServerProcess:
-    """A real worker on ``host`` (127.0.0.1; a free port unless given); ``cwd``: the code of another checkout."""
+    """A real worker on ``host`` (127.0.0.1; a free port unless given); ``cwd``: the code of another checkout; ``extra``: more flags."""
     port = port or free_port()
-    return ServerProcess(worker_command(model, backend, port, threads, host=host), port, "/health", timeout_s, cwd, threads, host=host)
+    return ServerProcess(worker_command(model, backend, port, threads, host=host, extra=extra), port, "/health", timeout_s, cwd, threads, host=host)
 
 
 def StageProcess(layers: str, model: str = "builtin", port: int | None = None, threads: int | None = 1, link_rtt_ms: float = 0.0, timeout_s: float = 300.0) -> ServerProcess:

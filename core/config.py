@@ -235,7 +235,7 @@ class LimitsConfig(BaseModel):
     max_queued_requests: int = Field(default=64, ge=0)  # waiting for a slot; beyond it a 429
     queue_timeout_s: float = Field(default=60.0, gt=0)  # a queued request gets a 429 after this
     max_body_bytes: int = Field(default=2**20, gt=0)  # larger request bodies get a 413
-    drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, in-flight requests get this long
+    drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, open requests get this long (it exits once none is left)
     max_grammar_bytes: int = Field(default=64 * 1024, gt=0)  # a schema, regex, choice list or grammar longer than this gets a 400
     grammar_compile_s: float = Field(default=10.0, gt=0)  # one that takes longer to compile (off the event loop) gets a 400
 

@@ -52,6 +52,14 @@ class ContextOverflow(InvalidRequest):
     pass
 
 
+class WorkerDraining(SpecgateError):
+    """The worker got SIGTERM: its sessions go on, a new one is refused (503, Retry-After) and goes to another replica."""
+
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(f"worker draining: it is shutting down and takes no new session; retry on another replica after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
 class WorkerFull(SpecgateError):
     """Every KV slot is held by a session used in the last ``live_s`` s: taking one would rebuild a live cache (each step, under overload). 503, Retry-After."""
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hmac
-import math
 import logging
+import math
 import signal
+import time
 from collections.abc import Callable
 from types import FrameType
 import orjson
@@ -19,9 +20,9 @@ API_PREFIX = "/v1/"  # what the token guards and a drain refuses; /health, /metr
 
 
 class Guard:
-    """ASGI middleware, each refusal in the OpenAI envelope: 503 while draining, 401 without the bearer token
-    (when one is set), 413 for a body over ``max_body_bytes``. Usage: ``app.add_middleware(Guard, token=key,
-    max_body_bytes=2**20, is_draining=lambda: False)``"""
+    """ASGI middleware, each refusal in the OpenAI envelope: 503 while ``is_draining()`` (the gateway's drain: every
+    /v1 call), 401 without the bearer token (when one is set), 413 for a body over ``max_body_bytes``. Usage:
+    ``app.add_middleware(Guard, token=key, max_body_bytes=2**20, is_draining=lambda: False)``"""
 
     def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int, is_draining: Callable[[], bool]) -> None:
         self.app, self.token, self.max_body_bytes, self.is_draining = app, token, max_body_bytes, is_draining
@@ -90,21 +91,42 @@ async def _refuse(send: Send, status: int, message: str, kind: str, code: str, h
     await send({"type": "http.response.body", "body": body})
 
 
-def run_server(app: ASGIApp, host: str, port: int, log_level: str, drain_timeout_s: float, on_drain: Callable[[], None]) -> None:
-    """uvicorn until SIGINT / SIGTERM; on SIGTERM ``on_drain()`` (new requests: 503), then it stops accepting, waits for open requests, exits 0."""
+def run_server(
+    app: ASGIApp, host: str, port: int, log_level: str, drain_timeout_s: float, on_drain: Callable[[], None], is_idle: Callable[[], bool],
+) -> None:
+    """uvicorn until SIGINT / SIGTERM, exit 0. SIGTERM drains (``DrainingServer``); SIGINT stops after the open requests."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout_s) + 5)
-    DrainingServer(config, on_drain).run()
+    DrainingServer(config, on_drain, is_idle, drain_timeout_s).run()
+
+
+LAST_WRITES_S = 5  # after a drain: the answers still being written get this long
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None]) -> None:
+    """A rollout's SIGTERM: ``on_drain()`` at once (readiness fails, new work is refused), and the listener stays open
+    (its health answers, the work it holds goes on) until ``is_idle()`` or ``drain_timeout_s``; then uvicorn's
+    shutdown. A second SIGTERM, or a SIGINT, stops at once — after the requests in flight, as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None], is_idle: Callable[[], bool], drain_timeout_s: float) -> None:
         super().__init__(config)
-        self.on_drain = on_drain
+        self.on_drain, self.is_idle, self.drain_timeout_s = on_drain, is_idle, drain_timeout_s
+        self.drain_deadline: float | None = None  # time.monotonic() at which a drain gives up waiting
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            log.info("signal %s: draining", signal.Signals(sig).name)
+        if sig == signal.SIGTERM and self.drain_deadline is None and not self.should_exit:
+            log.info("SIGTERM: draining (at most %g s)", self.drain_timeout_s)
+            self.drain_deadline = time.monotonic() + self.drain_timeout_s
+            self.on_drain()
+            return
+        if self.drain_deadline is None and not self.should_exit:
             self.on_drain()
         super().handle_exit(sig, frame)
         if sig == signal.SIGTERM and sig in self._captured_signals:
-            self._captured_signals.remove(sig)  # drained on request: exit 0, not re-raise SIGTERM
+            self._captured_signals.remove(sig)  # stopped on request: exit 0, not re-raise SIGTERM
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit and (self.is_idle() or time.monotonic() >= self.drain_deadline):
+            log.info("drained: %s", "idle" if self.is_idle() else "deadline")
+            self.config.timeout_graceful_shutdown = LAST_WRITES_S
+            self.should_exit = True
+        return await super().on_tick(counter)

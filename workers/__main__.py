@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--link-rtt-ms", type=float, help="a stage: emulated round trip to the next stage, ms (default: 0)")
     parser.add_argument("--link-mbps", type=float, help="a stage: emulated bandwidth to the next stage, Mbit/s (default: 0 = no limit)")
     parser.add_argument("--threads", type=int, help="CPU threads of the model (default: every core; split the cores between processes on one machine)")
+    parser.add_argument("--drain-timeout-s", type=float, help="on SIGTERM, how long its sessions may go on (default: 30)")
     parser.add_argument("--instance-id", help="an id /health reports (default: a random one; `specgate serve` passes its own)")
     parser.add_argument("--restarts", type=int, help="how many times `specgate serve` restarted this worker (its /metrics reports it; default: 0)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = create_app(settings, runner=runner, thread=thread)
     print(f"specgate worker: {settings.model} ({settings.backend.value}) on http://{settings.host}:{settings.port}", flush=True)
-    run_server(app, settings.host, settings.port, args.log_level, settings.drain_timeout_s, app.state.start_drain)
+    state = app.state.worker
+    run_server(app, settings.host, settings.port, args.log_level, settings.drain_timeout_s, app.state.start_drain, lambda: len(state.sessions) == 0)
     thread.call(runner.close)
     thread.close()
     return 0

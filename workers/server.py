@@ -9,13 +9,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+import orjson
 import torch
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from core.errors import ContextOverflow, InvalidRequest, ProtocolError, SessionShort, SpecgateError, WorkerFull
+from core.errors import ContextOverflow, InvalidRequest, ProtocolError, SessionShort, SpecgateError, WorkerDraining, WorkerFull
 from core.protocol import JSON_CONTENT_TYPE, ErrorBody, StageRequest, StageResponse, VerifyRequest, decode, encode, encode_json
 from core.runners import ModelRunner
 from core.runners.model_thread import ModelThread
@@ -23,6 +24,7 @@ from core.serving import Guard
 from workers.link import StageFailed
 from workers.settings import WorkerSettings, ready_target
 from workers.stage import StageStates
+from workers.sessions import RETRY_AFTER_S
 from workers.state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -52,11 +54,11 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thre
         app.state.worker = WorkerState.build(settings, runner, thread)
     app.state.draining = False
 
-    def start_drain() -> None:  # SIGTERM: in-flight calls finish, new ones get a 503
+    def start_drain() -> None:  # SIGTERM: its sessions go on, a new one gets 503 worker_draining, /health 503
         app.state.draining = True
 
     app.state.start_drain = start_drain
-    app.add_middleware(Guard, token=settings.token, max_body_bytes=settings.max_body_bytes, is_draining=lambda: app.state.draining)
+    app.add_middleware(Guard, token=settings.token, max_body_bytes=settings.max_body_bytes, is_draining=lambda: False)
     _add_routes(app, settings)
     _add_error_handlers(app)
     return app
@@ -84,9 +86,11 @@ def _stage_request(state: WorkerState, body: bytes, content_type: str | None) ->
 
 def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
     @app.get("/health")
-    async def health(request: Request) -> dict[str, Any]:
+    async def health(request: Request) -> Response:
         threads = {"model": _state(request).runner.threads, "torch": torch.get_num_threads()}
-        return {"status": "ok", "instance_id": settings.instance_id, "threads": threads}
+        draining = request.app.state.draining  # a rollout's SIGTERM: readiness fails, the DNS name drops it
+        body = {"status": "draining" if draining else "ok", "instance_id": settings.instance_id, "threads": threads}
+        return Response(orjson.dumps(body), status_code=503 if draining else 200, media_type="application/json")
 
     @app.get("/v1/info")
     async def info(request: Request) -> Response:
@@ -98,6 +102,8 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         started = time.perf_counter()
         body = await request.body()  # the Guard capped its size
         req = decode(VerifyRequest, body, request.headers.get("content-type"))
+        if request.app.state.draining and req.session_id not in state.sessions:
+            raise WorkerDraining(RETRY_AFTER_S)
         if state.is_stage:
             raise InvalidRequest(f"this worker is a pipeline stage (layers {state.settings.layers}): it answers /v1/stage/forward, not /v1/verify", param="mode")
         await state.precompile(req.transform, req.prefix_len == 0)
@@ -199,6 +205,8 @@ def _refusal(exc: Exception) -> tuple[int, ErrorBody]:
         return 400, ErrorBody(str(exc), "invalid_request_error", param=exc.param, code=code)
     if isinstance(exc, WorkerFull):
         return 503, ErrorBody(str(exc), "server_error", code="worker_full")
+    if isinstance(exc, WorkerDraining):
+        return 503, ErrorBody(str(exc), "server_error", code="worker_draining")
     if isinstance(exc, SpecgateError):
         return 500, ErrorBody(str(exc), "server_error", code="server_error")
     return 500, ErrorBody(f"internal error: {type(exc).__name__}", "server_error", code="server_error")
@@ -213,7 +221,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         if state is not None:
             state.errors[body.code or "stage_failed"] += 1
         response = _error(status, body)
-        if isinstance(exc, WorkerFull):
+        if isinstance(exc, (WorkerFull, WorkerDraining)):
             response.headers["Retry-After"] = str(exc.retry_after_s)
         return response
 

@@ -38,7 +38,7 @@ class WorkerSettings(BaseSettings):
     link_mbps: float = Field(default=0.0, ge=0)  # ... and bytes·8/rate (0 = no limit)
     stage_wait_s: float = Field(default=30.0, gt=0)  # a stage waits this long for a session's earlier message before answering 409
     token: str | None = None  # SPECGATE_WORKER_TOKEN: /v1/* requires 'Authorization: Bearer <token>'
-    drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, open calls get this long
+    drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, its sessions get this long (it exits once none is left)
     instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex)  # /health reports it: `serve` checks it started what answers
     restarts: int = Field(default=0, ge=0)  # how many times `serve` restarted this worker after it died (its /metrics reports it)
 

@@ -94,11 +94,21 @@ class Replica:
     info: InfoResponse | None = None  # its /v1/info, once checked against Expected
     last_error: str = ""
     retired: bool = False  # its address left the target's DNS name: no new sessions, its own finish
+    draining_until: float = 0.0  # time.monotonic() until which it refuses new sessions (503 worker_draining)
     traffic: Traffic = field(default_factory=Traffic)
 
     def failed(self, exc: BaseException) -> None:
         self.breaker.record(ok=False)
         self.last_error = str(exc)
+
+    @property
+    def draining(self) -> bool:
+        return time.monotonic() < self.draining_until
+
+    @property
+    def takes_sessions(self) -> bool:
+        """New sessions may go here: its address is listed and it is not draining (an open breaker aside)."""
+        return not self.retired and not self.draining
 
 
 class Channel:

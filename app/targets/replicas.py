@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from typing import Any
 
@@ -16,6 +17,7 @@ log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT = httpx.Timeout(2.0)  # a probe of a hung replica must not hold up the others
 
+DRAINING_PAUSE_S = 5.0  # a replica that refused a new session as draining gets none for this long (its Retry-After)
 
 class ReplicaSet(Target):
     """One target of the federation: its weight, its replicas, which replica holds which session."""
@@ -47,12 +49,14 @@ class ReplicaSet(Target):
         return info
 
     async def check_all(self) -> dict[str, Any]:
-        """Every replica checked at once: the target's entry of ``/health/ready`` (leaving ones listed, not checked)."""
+        """Every replica checked at once: the target's entry of ``/health/ready`` (leaving ones listed, not checked; draining ones not ready)."""
         serving = [r for r in self.replicas if not r.retired]
         results = await asyncio.gather(*(self.check(r) for r in serving), return_exceptions=True)
         replicas, infos = [], []
         for replica, result in zip(serving, results):
-            if isinstance(result, InfoResponse):
+            if isinstance(result, InfoResponse) and replica.draining:  # it answers, but takes no new session now
+                replicas.append({"url": replica.url, "ready": False, "draining": True})
+            elif isinstance(result, InfoResponse):
                 infos.append(result)
                 replicas.append({"url": replica.url, "ready": True})
             else:
@@ -64,7 +68,7 @@ class ReplicaSet(Target):
         if infos:
             entry.update(model=infos[0].model_id, max_context=min(i.max_context for i in infos))
         else:
-            why = replicas[0].get("error", "leaving") if replicas else f"no address of {self.url} has joined yet"
+            why = replicas[0].get("error", "draining" if replicas[0].get("draining") else "leaving") if replicas else f"no address of {self.url} has joined yet"
             entry["error"] = f"worker {self.name}: no replica ready ({why})"
         return entry
 
@@ -121,7 +125,11 @@ class ReplicaSet(Target):
             try:
                 resp = await self.dialect.verify(replica, req, agreed, traffic)
             except ReplicaFailure as exc:
-                self._failed(replica, exc)
+                if exc.kind == "draining":  # not a failure: no new session there for a while, this one goes elsewhere
+                    replica.draining_until = time.monotonic() + DRAINING_PAUSE_S
+                    log.info("worker %s: replica %s is draining; session %s goes to another", self.name, replica.url, req.session_id)
+                else:
+                    self._failed(replica, exc)
                 tried.add(replica.url)
                 del self.sessions[req.session_id]
                 last = exc
@@ -136,7 +144,7 @@ class ReplicaSet(Target):
         if current is not None and not current.breaker.is_open:
             return current
         while True:
-            candidates = [r for r in self.replicas if r.url not in tried and not r.breaker.is_open and not r.retired]
+            candidates = [r for r in self.replicas if r.url not in tried and not r.breaker.is_open and r.takes_sessions]
             if not candidates:
                 raise self._exhausted(last)
             load = Counter(r.url for r in self.sessions.values())
@@ -155,7 +163,7 @@ class ReplicaSet(Target):
             return WorkerError(self.name, f"no replica: no address of {self.url} has joined", 503)
         if last is None:  # every breaker was open before this call
             return WorkerError(self.name, f"no healthy replica (circuit open after repeated failures: {self.replicas[0].last_error})", 503)
-        status = 503 if last.kind in ("connect", "timeout") else 502
+        status = 503 if last.kind in ("connect", "timeout", "draining") else 502
         which = "its replica" if len(self.replicas) == 1 else f"all {len(self.replicas)} replicas"
         return WorkerError(self.name, f"{which} failed: {last}", status)
 

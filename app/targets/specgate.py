@@ -49,6 +49,8 @@ class SpecgateDialect:
                 finally:
                     traffic.time(gateway_codec=time.perf_counter() - started)
             error = error_body(answer)
+            if status == 503 and error is not None and error.code == "worker_draining":  # a new session on a worker shutting down
+                raise ReplicaFailure("draining", f"{replica.url} is draining: {error.message}")
             if status == 503 and error is not None and error.code == "worker_full":
                 await self._wait_full(req.session_id, answer, waits)
                 continue

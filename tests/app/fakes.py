@@ -237,7 +237,8 @@ class FakeWorkerTransport:
     /v1/info names EOS 7, not 2), "grammar:ENGINE:BYTES" (its /v1/info names that grammar engine
     and limit), "sleep:S" (answers
     after S seconds), "die-after:N" (down after N verify calls), "full" (503 worker_full to every
-    verify call; "full:N" to the next N), or a Mutation of its answers."""
+    verify call; "full:N" to the next N), "draining" (503 worker_draining to a session it has not
+    seen; those it has go on), or a Mutation of its answers."""
 
     def __init__(self, fingerprint: str, behaviour: dict[str, str | Mutation] | None = None) -> None:
         self.fingerprint = fingerprint
@@ -246,6 +247,7 @@ class FakeWorkerTransport:
         self.deleted: list[str] = []
         self.authorization: list[str | None] = []  # the header of each request, in order
         self.bytes_in = self.bytes_out = 0  # verify bodies received / sent, as on the wire
+        self.held: set[tuple[str, str]] = set()  # (host, session id) of every verify call answered
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -271,7 +273,7 @@ class FakeWorkerTransport:
         if mode == "down":
             raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/health":
-            return httpx.Response(200, json={"status": "ok"})
+            return httpx.Response(503 if mode == "draining" else 200, json={"status": "draining" if mode == "draining" else "ok"})
         if request.url.path == "/v1/info":
             eos_ids = [7] if mode == "other-eos" else [2]
             info = InfoResponse(1, ["aggregate", "autoregressive"], host, V, "other" if mode == "other-tokenizer" else self.fingerprint, eos_ids, 2048, "fake")
@@ -292,6 +294,10 @@ class FakeWorkerTransport:
                 self.behaviour[host] = f"full:{left - 1}" if left > 1 else ""
             message = "worker full: every KV slot is held by one of the 8 sessions used in the last 10 s; retry after 1 s"
             return httpx.Response(503, content=ErrorBody(message, "server_error", code="worker_full").to_json(), headers={"retry-after": "1"})
+        if mode == "draining" and (host, req.session_id) not in self.held:
+            message = "worker draining: it is shutting down and takes no new session; retry on another replica after 1 s"
+            return httpx.Response(503, content=ErrorBody(message, "server_error", code="worker_draining").to_json(), headers={"retry-after": "1"})
+        self.held.add((host, req.session_id))
         if mode == "garbage":
             return httpx.Response(200, content=b"SGv1\x05\x00\x00\x00{oops", headers={"content-type": BINARY_CONTENT_TYPE})
         if mode == "short-once" and req.prefix_len > 0:

@@ -121,6 +121,34 @@ async def test_failover_to_a_replica_gives_the_same_seeded_text(gateway: Gateway
         assert await _metric(client, 'specgate:worker_failures_total{kind="connect",worker="w0"}') == 1
 
 
+async def test_a_draining_replica_keeps_its_sessions_and_new_ones_go_to_another(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
+    """A worker that got SIGTERM (503 worker_draining to a new session): the session goes to the other replica, no
+    breaker counts it, and for a while no new session is sent there; a session it holds goes on there; /health/ready
+    and /metrics name it draining; with no other replica a new request gets a clean 503."""
+    body = {**COMPLETION, "max_tokens": 8, "seed": 3, "temperature": 1.0, "stream": True}
+    async with gateway(workers=[{"urls": ["http://a:1", "http://b:1"], "weight": 1.0}]) as client:
+        text = lambda events: "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])  # noqa: E731
+        undisturbed = text(sse_events((await client.post("/v1/completions", json=body)).text))
+        first = fakes.requests[0][0]  # the replica the first session went to (both were idle)
+        other = "b" if first == "a" else "a"
+        fakes.requests.clear()
+        fakes.behaviour[first] = "draining"
+        moved = sse_events((await client.post("/v1/completions", json=body)).text)
+        assert moved[-1] == "[DONE]" and "error" not in moved[-2] and text(moved) == undisturbed  # the same seeded text, from the other replica
+        assert [host for host, _ in fakes.requests] == [first] + [other] * (len(fakes.requests) - 1)
+        metrics = (await client.get("/metrics")).text
+        assert not re.search(r'worker_failures_total\{kind="\w+",worker="w0"\} [1-9]', metrics)
+        assert 'specgate:worker_replicas{state="draining",worker="w0"} 1.0' in metrics
+        fakes.requests.clear()
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert {host for host, _ in fakes.requests} == {other}  # resting: not even asked
+        ready = (await client.get("/health/ready")).json()
+        assert ready["status"] == "ready" and {r["url"]: r.get("draining", False) for r in ready["workers"][0]["replicas"]} == {f"http://{first}:1": True, f"http://{other}:1": False}
+        fakes.behaviour[other] = "draining"
+        fakes.requests.clear()
+        _refused(await client.post("/v1/completions", json={**body, "stream": False}), 503, "worker_error", "draining")
+
+
 async def test_a_replica_with_another_tokenizer_is_not_failed_over_to(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
     fakes.behaviour["b"] = "other-tokenizer"
     async with gateway(workers=[{"urls": ["http://a:1", "http://b:1"]}]) as client:

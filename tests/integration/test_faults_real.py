@@ -1,13 +1,10 @@
 """Faults with real processes on 127.0.0.1: a worker killed by pid mid-stream with a replica
 beside it (the seeded text does not change) and without one (an SSE error, then [DONE], and
-the gateway serves again when the worker is back); SIGTERM to a gateway and a worker with a
-stream in flight (it completes, sessions are freed, both exit 0)."""
+the gateway serves again when the worker is back). SIGTERM under load: tests/integration/test_shared_workers_real.py."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -123,28 +120,3 @@ def test_without_a_replica_the_stream_ends_with_an_error_and_the_gateway_recover
     _start(stack, WorkerProcess("builtin", "llama.cpp", port=port, threads=1))  # back on the same address
     again = httpx.post(f"{gateway.url}/v1/chat/completions", json={**BODY, "stream": False}, timeout=120)
     assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"]
-
-
-def test_sigterm_lets_the_stream_in_flight_finish_and_exits_0(stack: ExitStack, tmp_path: Path) -> None:
-    worker = _start(stack, WorkerProcess("builtin", "llama.cpp", threads=1))
-    gateway = _gateway(stack, tmp_path, [{"url": worker.url}], limits={"drain_timeout_s": 60})
-    late: list[int | str] = []
-
-    def terminate(chunks: int) -> None:
-        if chunks == 1:
-            os.kill(_proc(gateway).pid, signal.SIGTERM)
-        if chunks == 8:  # well after the signal: no new request gets in
-            try:
-                late.append(httpx.post(f"{gateway.url}/v1/chat/completions", json={**BODY, "stream": False}, timeout=10).status_code)
-            except httpx.TransportError as exc:
-                late.append(type(exc).__name__)
-
-    text, events = _stream(gateway.url, terminate, {**BODY, "max_tokens": 48})
-    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
-    assert events[-2]["choices"][0]["finish_reason"] in ("stop", "length") and text
-    assert late and late[0] in (503, "ConnectError"), late
-    assert _proc(gateway).wait(timeout=30) == 0
-    assert _metric(worker.url, "specgate:sessions") == 0
-
-    os.kill(_proc(worker).pid, signal.SIGTERM)
-    assert _proc(worker).wait(timeout=30) == 0

@@ -360,13 +360,22 @@ async def test_a_worker_token_is_required_when_set(tiny_runner: ModelRunner, mon
         assert (await client.get("/v1/info")).status_code == 200
 
 
-async def test_a_draining_worker_refuses_new_calls(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+async def test_a_draining_worker_serves_its_sessions_and_refuses_new_ones(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    """SIGTERM (issue 48): a session it holds goes on, a new one gets 503 worker_draining with Retry-After (the
+    gateway takes another replica), /health answers 503 (readiness fails), /v1/info and freeing still answer."""
     app = create_app(_settings(), runner=tiny_runner)
-    app.state.start_drain()
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as draining:
-        resp = await _verify(draining, _request("s-drain", [], PROMPT, [5]))
-        assert resp.status_code == 503 and resp.json()["error"]["code"] == "shutting_down"
-        assert (await draining.get("/health")).status_code == 200
+        assert (await _verify(draining, _request("s-held", [], PROMPT, [5]))).status_code == 200
+        app.state.start_drain()
+        held = await _verify(draining, _request("s-held", PROMPT + [5], [6], [7]))
+        assert held.status_code == 200, held.text
+        resp = await _verify(draining, _request("s-new", [], PROMPT, [5]))
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "worker_draining" and int(resp.headers["retry-after"]) > 0
+        health = await draining.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert (await draining.get("/v1/info")).status_code == 200
+        assert (await draining.delete("/v1/sessions/s-held")).status_code == 204
+        assert 'specgate:verify_errors_total{code="worker_draining"} 1.0' in (await draining.get("/metrics")).text
 
 
 async def test_metrics_count_what_was_served(client: httpx.AsyncClient) -> None:
