@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency", type=concurrency_levels, default=[64],
         help="streaming clients at once; several levels, comma-separated (1,4,8,16), run in turn against one server (default: 64)",
     )
+    load.add_argument(
+        "--gateways", type=concurrency_levels, default=[1],
+        help="gateways on the same workers: 1,2 runs every level through one, then through two, side by side (default: 1)",
+    )
     load.add_argument("--duration", type=float, default=300.0, help="seconds of load (default: 300)")
     load.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default: 32)")
     load.add_argument("--config", default=None, help="config for specgate serve (default: the built-in one)")
