@@ -14,7 +14,7 @@ import sys
 
 # command (or bench) -> (module, function); each module is imported only when its command runs
 COMMANDS: dict[str | None, tuple[str, str]] = {
-    "eval": ("clients.eval", "evaluate"), "law": ("clients.law", "check_law"), "chat": ("clients.chat", "chat"),
+    "eval": ("clients.eval", "evaluate"), "law": ("clients.law", "check_law"), "chat": ("clients.chat", "chat"), "prepare": ("clients.prepare", "prepare"),
     None: ("clients.bench.modes", "bench_modes"), "worker": ("clients.bench.worker", "bench_worker"),
     **{bench: (f"clients.bench.{bench}", f"bench_{bench}") for bench in ("load", "grammar", "structured", "workload", "overhead", "dsd", "tree", "pipeline")},
 }
@@ -35,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="gateway port (default: the config's, 8000)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SPECGATE_API_KEY, else open)")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every worker (default: 600)")
+    prepare = commands.add_parser("prepare", help="make the built-in models' caches now (set-up runs it): requantizations, tokenizers, transformers weights")
+    prepare.add_argument("--no-transformers", action="store_true", help="skip the target's dequantized weights for transformers")
     chat = commands.add_parser("chat", help="an interactive streaming chat with a running gateway, with acceptance and tokens/s")
     chat.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway (default: http://127.0.0.1:8000)")
     chat.add_argument("--model", default=None, help="model id (default: the gateway's first)")

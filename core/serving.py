@@ -120,6 +120,8 @@ class DrainingServer(uvicorn.Server):
             return
         if self.drain_deadline is None and not self.should_exit:
             self.on_drain()
+        elif self.drain_deadline is not None:  # a second signal during a drain: only the answers being written
+            self.config.timeout_graceful_shutdown = LAST_WRITES_S
         super().handle_exit(sig, frame)
         if sig == signal.SIGTERM and sig in self._captured_signals:
             self._captured_signals.remove(sig)  # stopped on request: exit 0, not re-raise SIGTERM

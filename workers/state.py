@@ -28,6 +28,7 @@ class WorkerState(Steps):
     scheduler: VerifyScheduler = field(init=False)  # every call that touches the runner, in steps
     counters: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))  # see _WorkerCollector
     errors: Counter[str] = field(default_factory=Counter)  # refused calls, by error code
+    in_flight: int = 0  # verify and stage calls being answered (workers.server._counted)
     order: StageOrder = field(default_factory=lambda: StageOrder())  # a stage: each session's messages in seq order
     link: StageLink = field(init=False)  # a stage: to the next stage
     _grammars: Grammars | None = None  # the grammar engine, built by the first call that carries a grammar
@@ -35,6 +36,10 @@ class WorkerState(Steps):
     def __post_init__(self) -> None:
         self.scheduler = VerifyScheduler(self, self.settings.max_batch_tokens)
         self.link = StageLink(self.settings, self.runner.info.vocab_size)
+
+    def is_idle(self) -> bool:
+        """No call in flight and no session held: a draining worker may leave."""
+        return self.in_flight == 0 and len(self.sessions) == 0
 
     @property
     def is_stage(self) -> bool:

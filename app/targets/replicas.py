@@ -127,6 +127,7 @@ class ReplicaSet(Target):
             except ReplicaFailure as exc:
                 if exc.kind == "draining":  # not a failure: no new session there for a while, this one goes elsewhere
                     replica.draining_until = time.monotonic() + DRAINING_PAUSE_S
+                    self._never_held(req.session_id, replica.url)
                     log.info("worker %s: replica %s is draining; session %s goes to another", self.name, replica.url, req.session_id)
                 else:
                     self._failed(replica, exc)
@@ -158,9 +159,18 @@ class ReplicaSet(Target):
                 tried.add(replica.url)
                 last = exc
 
+    def _never_held(self, session_id: str, url: str) -> None:
+        """A replica that refused a new session holds nothing of it: no failover counted, no DELETE sent there."""
+        held = self.held.get(session_id, set())
+        held.discard(url)
+        if not held:
+            self.held.pop(session_id, None)
+
     def _exhausted(self, last: ReplicaFailure | None) -> WorkerError:
         if not self.present_urls():
             return WorkerError(self.name, f"no replica: no address of {self.url} has joined", 503)
+        if (last is None or last.kind == "draining") and any(r.draining for r in self.replicas):
+            return WorkerError(self.name, "every replica is draining (shutting down) or resting after a refusal; retry shortly", 503)
         if last is None:  # every breaker was open before this call
             return WorkerError(self.name, f"no healthy replica (circuit open after repeated failures: {self.replicas[0].last_error})", 503)
         status = 503 if last.kind in ("connect", "timeout", "draining") else 502

@@ -139,6 +139,7 @@ async def test_a_draining_replica_keeps_its_sessions_and_new_ones_go_to_another(
         metrics = (await client.get("/metrics")).text
         assert not re.search(r'worker_failures_total\{kind="\w+",worker="w0"\} [1-9]', metrics)
         assert 'specgate:worker_replicas{state="draining",worker="w0"} 1.0' in metrics
+        assert 'specgate:worker_failovers_total{worker="w0"} 0.0' in metrics  # a refused new session is no failover
         fakes.requests.clear()
         assert (await client.post("/v1/completions", json=body)).status_code == 200
         assert {host for host, _ in fakes.requests} == {other}  # resting: not even asked

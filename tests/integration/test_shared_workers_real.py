@@ -124,7 +124,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             path.write_text(dump_config(config))
             gateways.append(GatewayProcess(str(path)))
             exits.enter_context(gateways[-1])
-        texts = {seed: _stream(gateways[seed % 2].url, seed).text for seed in range(12)}  # alone, one after another
+        texts = {seed: _stream(gateways[seed % 2].url, seed).text for seed in range(10)}  # alone, one after another
         assert all(texts.values())
         yield Stack(workers, gateways, texts)
 

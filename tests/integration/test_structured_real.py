@@ -43,7 +43,7 @@ LOSSLESS = {  # every lossless mode the two-worker federation serves (split: one
     "tree full": {"mode": "tree", "k": "full"},
     "exact + overlap": {"mode": "exact", "overlap": True},
 }
-SAMPLES = 200 if os.environ.get("SPECGATE_FULL_STATISTICS") else 3  # seeded answers per mode at T = 1 (tests/integration/test_request_surface.py checks schemas across modes under generated requests)
+SAMPLES = 200 if os.environ.get("SPECGATE_FULL_STATISTICS") else 2  # seeded answers per mode at T = 1 (tests/integration/test_request_surface.py checks schemas across modes under generated requests)
 MAX_TOKENS = 64
 
 
@@ -194,7 +194,7 @@ def _valid_calls(message: openai.types.chat.ChatCompletionMessage, names: set[st
 
 @pytest.mark.parametrize("mode", ["autoregressive", "exact", "tree exact"])
 def test_tool_choice_required_gives_valid_calls(client: openai.OpenAI, mode: str) -> None:
-    for seed in range(3):
+    for seed in range(min(SAMPLES, 3)):
         answer = client.chat.completions.create(
             model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", temperature=1.0, seed=seed, max_tokens=96,  # type: ignore[list-item]
             extra_body={"speculative": LOSSLESS[mode]},

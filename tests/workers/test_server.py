@@ -378,6 +378,28 @@ async def test_a_draining_worker_serves_its_sessions_and_refuses_new_ones(client
         assert 'specgate:verify_errors_total{code="worker_draining"} 1.0' in (await draining.get("/metrics")).text
 
 
+async def test_a_draining_worker_is_idle_only_with_no_call_in_flight_and_no_session(tiny_runner: ModelRunner) -> None:
+    """A session's first call that arrived before SIGTERM is held in the model before its session exists: the
+    worker is not idle until that call is answered and the session freed (else it would leave mid-round)."""
+    blocking = GatedRunner(tiny_runner)
+    app = create_app(_settings(), runner=blocking)  # type: ignore[arg-type]
+    state = app.state.worker
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        assert state.is_idle()
+        pending = asyncio.create_task(_scores(client, _request("first", [], PROMPT, [1])))
+        for _ in range(500):
+            if blocking.entered.is_set():
+                break
+            await asyncio.sleep(0.01)
+        app.state.start_drain()
+        assert not state.is_idle() and state.in_flight == 1
+        blocking.gate.set()
+        await pending
+        assert not state.is_idle()  # its session is held: the gateway's next round may come
+        assert (await client.delete("/v1/sessions/first")).status_code == 204
+        assert state.is_idle()
+
+
 async def test_metrics_count_what_was_served(client: httpx.AsyncClient) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 

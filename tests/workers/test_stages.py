@@ -182,6 +182,24 @@ def test_what_a_stage_refuses(stages: list[str]) -> None:
             httpx.delete(f"{url}/v1/sessions/{session}")
 
 
+def test_a_draining_first_stage_keeps_its_sessions_and_refuses_new_ones(whole: TransformersRunner, stages: list[str]) -> None:
+    """SIGTERM to the first stage (where a session starts): a session it holds goes on through the pipeline, a new
+    one gets 503 worker_draining with Retry-After (the later stages only take sessions the first sent them)."""
+    first, end = SPLIT[0]
+    runner = TransformersRunner(resolve_model("builtin"), whole.tokenizer, model=whole.model, memory_cap_mb=256, layers=(first, end))
+    app = create_app(WorkerSettings(model="builtin", backend="transformers", layers=f"{first}:{end}", stage_wait_s=2.0), runner=runner)
+    with served(app) as url:
+        assert _answer(_post(url, StageRequest("held", 0, 0, np.array(PROMPT), next=stages[1:]))).held == len(PROMPT)
+        app.state.start_drain()
+        assert _answer(_post(url, StageRequest("held", 1, len(PROMPT), np.array([5]), next=stages[1:]))).held == len(PROMPT) + 1
+        refused = _post(url, StageRequest("new", 0, 0, np.array(PROMPT), next=stages[1:]))
+        assert_error(refused, 503, code="worker_draining")
+        assert int(refused.headers["retry-after"]) > 0 and not app.state.worker.is_idle()
+        for stage in (url, *stages[1:]):
+            httpx.delete(f"{stage}/v1/sessions/held")
+        assert app.state.worker.is_idle()
+
+
 def test_a_whole_model_worker_refuses_stage_calls(whole: TransformersRunner) -> None:
     app = create_app(WorkerSettings(model="builtin", backend="transformers"), runner=whole)
     with served(app) as url:
