@@ -20,6 +20,7 @@ import pytest
 from clients import cli
 from clients.procs import free_port
 from core.cores import usable_cores
+from tests.app.helpers import FULL_RUN
 
 SPECGATE = [sys.executable, "-m", "clients.cli"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -244,12 +245,15 @@ def test_worker_settings_from_the_environment_are_validated() -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("config", "mode", "started"), [
-    ("config/pipeline.yaml", "pipeline", 3), ("config/one-worker.yaml", "aggregate", 1), ("config/federated.yaml", "aggregate", 2),
+    ("config/pipeline.yaml", "pipeline", 3), ("config/federated.yaml", "aggregate", 2),
+    # one local llama.cpp worker, as the first serve of the two-serves test above; tests/clients/test_shipped_configs.py loads it
+    pytest.param("config/one-worker.yaml", "aggregate", 1, marks=FULL_RUN),
 ])
 def test_a_shipped_config_starts_and_answers_through_the_openai_api(config: str, mode: str, started: int) -> None:
     """``specgate serve --config config/…``: its local workers or stages, the gateway in the
-    config's mode, a chat completion through the SDK. (``config/builtin.yaml`` is the default
-    serve's, tested above; ``config/engine.yaml`` needs an engine running elsewhere.)"""
+    config's mode, a chat completion through the SDK. (``config/builtin.yaml``'s two workers and
+    mode are federated.yaml's; ``config/engine.yaml`` needs an engine running elsewhere;
+    one-worker.yaml with SPECGATE_FULL_STATISTICS=1.)"""
     port = free_port()
     proc = subprocess.Popen([*SPECGATE, "serve", "--config", config, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:

@@ -116,7 +116,7 @@ def test_greedy_aggregate_and_tree_equal_autoregressive(client: openai.OpenAI) -
     texts = {}
     for mode, spec in specs.items():
         chat = client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, max_tokens=48, temperature=0, extra_body={"speculative": spec},  # type: ignore[arg-type]
+            model=MODEL, messages=MESSAGES, max_tokens=32, temperature=0, extra_body={"speculative": spec},  # type: ignore[arg-type]
         )
         texts[mode] = chat.choices[0].message.content
     assert texts["aggregate"] == texts["autoregressive"] == texts["tree"] == texts["tree exact"], texts

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.integration
 
 _FULL = bool(os.environ.get("SPECGATE_FULL_STATISTICS"))
 EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_EXAMPLES") or (2000 if _FULL else 30))
-STRUCTURED_EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_STRUCTURED") or (500 if _FULL else 3))
+STRUCTURED_EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_STRUCTURED") or (500 if _FULL else 2))
 STATS: Counter[str] = Counter()
 COLLECT = bool(os.environ.get("SPECGATE_SURFACE_EXAMPLES"))  # a long run: every failing example reported at the end, not the first alone
 FAILURES: list[str] = []
