@@ -94,7 +94,7 @@ async def _refuse(send: Send, status: int, message: str, kind: str, code: str, h
 def run_server(
     app: ASGIApp, host: str, port: int, log_level: str, drain_timeout_s: float, on_drain: Callable[[], None], is_idle: Callable[[], bool],
 ) -> None:
-    """uvicorn until SIGINT / SIGTERM, exit 0. SIGTERM drains (``DrainingServer``); SIGINT stops after the open requests."""
+    """uvicorn until SIGTERM (a drain, then exit 0: ``DrainingServer``) or SIGINT (it stops after the open requests)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout_s) + 5)
     DrainingServer(config, on_drain, is_idle, drain_timeout_s).run()
 
@@ -105,7 +105,7 @@ LAST_WRITES_S = 5  # after a drain: the answers still being written get this lon
 class DrainingServer(uvicorn.Server):
     """A rollout's SIGTERM: ``on_drain()`` at once (readiness fails, new work is refused), and the listener stays open
     (its health answers, the work it holds goes on) until ``is_idle()`` or ``drain_timeout_s``; then uvicorn's
-    shutdown. A second SIGTERM, or a SIGINT, stops at once — after the requests in flight, as uvicorn does."""
+    shutdown. A second SIGTERM, or a SIGINT, during a drain stops it: the requests in flight get ``LAST_WRITES_S``."""
 
     def __init__(self, config: uvicorn.Config, on_drain: Callable[[], None], is_idle: Callable[[], bool], drain_timeout_s: float) -> None:
         super().__init__(config)
