@@ -16,7 +16,7 @@ import sys
 COMMANDS: dict[str | None, tuple[str, str]] = {
     "eval": ("clients.eval", "evaluate"), "law": ("clients.law", "check_law"), "chat": ("clients.chat", "chat"), "prepare": ("clients.prepare", "prepare"),
     None: ("clients.bench.modes", "bench_modes"), "worker": ("clients.bench.worker", "bench_worker"),
-    **{bench: (f"clients.bench.{bench}", f"bench_{bench}") for bench in ("load", "grammar", "structured", "workload", "overhead", "dsd", "tree", "pipeline")},
+    **{bench: (f"clients.bench.{bench}", f"bench_{bench}") for bench in ("load", "grammar", "structured", "workload", "overhead", "dsd", "tree", "pipeline", "prefill")},
 }
 
 
@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--quick", action="store_true", help="zero link and T = 0 only")
     workload.add_argument("--mode", choices=["exact", "aggregate", "tree"], default="exact", help="the mode every request asks for (default: exact; tree: the lookup joins the default trees)")
     workload.add_argument("--categories", default=None, help="a comma-separated subset of the categories (default: all six)")
+    prefill = _with_json(benches.add_parser("prefill", help="long prompts: time to the first token per prompt token by mode vs the target alone; running streams' ITL during a long prefill"))
+    prefill.add_argument("--lengths", type=concurrency_levels, default=[250, 500, 1000, 2000], help="prompt tokens, comma-separated (default: 250,500,1000,2000)")
+    prefill.add_argument("--runs", type=int, default=2, help="prompts per length, mode and link (default: 2)")
+    prefill.add_argument("--streams", type=int, default=4, help="running streams for the inter-token latency (default: 4)")
+    prefill.add_argument("--quick", action="store_true", help="250 and 1,000 tokens, zero link, one run")
     load = _with_json(benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS"))
     load.add_argument(
         "--concurrency", type=concurrency_levels, default=[64],

@@ -33,7 +33,7 @@ class LlamaFloor:
     """One GGUF in a bare llama.cpp context (the runner's parameters), a prompt prefilled.
     Usage: ``with closing(LlamaFloor("builtin-draft", threads=2, prompt=ids)) as f: f.draft_step_ms(32)``"""
 
-    def __init__(self, model: str, threads: int, prompt: list[int]) -> None:
+    def __init__(self, model: str, threads: int, prompt: list[int], n_ctx: int = _CONTEXT) -> None:
         import llama_cpp
         from llama_cpp import _internals
 
@@ -44,7 +44,7 @@ class LlamaFloor:
         params.n_gpu_layers = 0
         self.model = _internals.LlamaModel(path_model=str(source.path), params=params, verbose=False)
         ctx_params = llama_cpp.llama_context_default_params()
-        ctx_params.n_ctx = _CONTEXT
+        ctx_params.n_ctx = n_ctx
         ctx_params.n_batch = ctx_params.n_ubatch = _DECODE_TOKENS
         ctx_params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         ctx_params.n_threads = ctx_params.n_threads_batch = threads
