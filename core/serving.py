@@ -21,10 +21,10 @@ API_PREFIX = "/v1/"  # what the token guards and a drain refuses; /health, /metr
 
 class Guard:
     """ASGI middleware, each refusal in the OpenAI envelope: 503 while ``is_draining()`` (the gateway's drain: every
-    /v1 call), 401 without the bearer token (when one is set), 413 for a body over ``max_body_bytes``. Usage:
-    ``app.add_middleware(Guard, token=key, max_body_bytes=2**20, is_draining=lambda: False)``"""
+    /v1 call; a worker drains by session, in its routes), 401 without the bearer token (when one is set), 413 for a
+    body over ``max_body_bytes``. Usage: ``app.add_middleware(Guard, token=key, max_body_bytes=2**20)``"""
 
-    def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int, is_draining: Callable[[], bool]) -> None:
+    def __init__(self, app: ASGIApp, token: str | None, max_body_bytes: int, is_draining: Callable[[], bool] = lambda: False) -> None:
         self.app, self.token, self.max_body_bytes, self.is_draining = app, token, max_body_bytes, is_draining
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

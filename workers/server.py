@@ -58,7 +58,7 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thre
         app.state.draining = True
 
     app.state.start_drain = start_drain
-    app.add_middleware(Guard, token=settings.token, max_body_bytes=settings.max_body_bytes, is_draining=lambda: False)
+    app.add_middleware(Guard, token=settings.token, max_body_bytes=settings.max_body_bytes)
     _add_routes(app, settings)
     _add_error_handlers(app)
     return app
