@@ -175,7 +175,7 @@ class Requests:
         choices = [
             GenerationRequest(
                 request_id, prompt, max_tokens, params, seed, index, spec, top_logprobs, body.seed is not None, prompt_logprobs, body.ignore_eos,
-                min(body.min_tokens, max_tokens), transform,  # no answer is longer than max_tokens
+                min(body.min_tokens, max_tokens), transform, self._draft_after(spec, len(prompt)),  # no answer is longer than max_tokens
             )
             for index in range(body.n)
         ]
@@ -184,6 +184,12 @@ class Requests:
             echo_logprobs=prompt_logprobs is not None, tokens_as_ids=body.return_tokens_as_token_ids, grammar_param=grammar[1],
             has_grammar=transform is not None and transform.grammar is not None,
         )
+
+    def _draft_after(self, spec: SpecOptions, prompt_len: int) -> int:
+        """Rounds with no draft while the draft prefills a long prompt (app.engine.late): one from
+        ``draft.background_prefill_from`` tokens on — a function of the request, so a seeded text does not depend on load."""
+        since = self.config.draft.background_prefill_from
+        return 1 if since is not None and prompt_len >= since and MODES[spec.mode].drafts and spec.drafter is not Drafter.LOOKUP else 0
 
     def _transform(self, body: Body, prompt_len: int, grammar: GrammarSpec | None, param: str) -> TransformSpec | None:
         """The request's transform (DESIGN §3.9), checked against what the targets can apply; None when it asks for none."""

@@ -17,6 +17,7 @@ _SUMS = {  # what Usage.add sums over rounds: its field ← the RoundResult fiel
     "forced_tokens": "forced", "draft_tokens": "drafted", "accepted_tokens": "accepted", "bound": "bound", "error": "error",
     "draft_s": "draft_s", "verify_s": "verify_s", "model_s": "model_s", "busy_s": "busy_s", "prepared": "prepared",
     "prepared_used": "prepared_used", "relaxed_tv": "relaxed_tv", "taus": "taus", "turns": "turns", "trees": "rounds_ended",
+    "rounds_without_draft": "without_draft",
 }
 
 
@@ -52,6 +53,7 @@ class Usage:
     trees: int = 0  # mode pipeline: rounds (trees) walked to their end
     hop_bytes: list[int] = field(default_factory=list)  # mode pipeline: stage-to-stage bytes per hop
     forced_tokens: int = 0  # tokens a grammar forced: emitted by the gateway without a round (DESIGN §3.9)
+    rounds_without_draft: int = 0  # rounds the targets sampled alone while a late draft prefilled (app.engine.late)
 
     def add(self, result: RoundResult) -> None:
         for mine, theirs in _SUMS.items():
@@ -127,6 +129,8 @@ class Usage:
         }
         if "drafter" in MODES[spec.mode].fields:
             block["drafter"] = spec.drafter.value
+        if MODES[spec.mode].drafts:  # the first rounds of a long prompt, while the draft prefilled
+            block["rounds_without_draft"] = self.rounds_without_draft
         if spec.auto_gamma and MODES[spec.mode].drafts:  # seeded: fixed (the output depends on γ)
             block["gamma_chosen_mean"] = _mean(self.gammas, float(spec.num_draft_tokens))
             block["gamma_auto"] = bool(self.gammas)

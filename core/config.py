@@ -31,6 +31,7 @@ class DraftConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: the draft's dtype (auto = bfloat16 on a GPU)
     max_context: int | None = Field(default=None, gt=0)  # tokens a draft session holds; None = limits.max_prompt_tokens + limits.max_tokens (capped by the model's own)
     max_batch_tokens: int = Field(default=128, gt=0)  # new rows per draft step, every drafting request together (a prompt goes in chunks of half)
+    background_prefill_from: int | None = Field(default=64, gt=0)  # a prompt this long or longer: the first round carries no draft (the targets sample it) while the draft prefills (app.engine.late); None: never
 
 
 class TreeParams(BaseModel):

@@ -133,6 +133,11 @@ class StepBatcher:
         runner.crop(session_id, common)
         return (yield from self.feed(session_id, sequence[common:]))
 
+    def prefill_steps(self, session_id: str, sequence: list[int]) -> Steps:
+        """A draft of nothing that leaves the session holding ``sequence`` (``catch_up``)."""
+        yield from self.catch_up(session_id, sequence)
+        return TokenTree.chain([], [])
+
     def feed(self, session_id: str, tokens: list[int]) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
         """Append ``tokens`` in chunks of ≤ ``prefill_chunk`` rows, one per step (none: the last row again); its logits."""
         logits = None

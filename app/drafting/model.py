@@ -70,6 +70,12 @@ class DraftModel:
         self.lookup.keep(request.session_id, record)
         return tree
 
+    async def prefill(self, session_id: str, sequence: list[int]) -> None:
+        """The session holds ``sequence`` (in chunks of ``prefill_chunk`` rows, other drafts' rows riding along): its
+        first draft starts from there (a late draft, app.engine.late); cancelled, it stops at its next chunk."""
+        await self.batcher.idle(session_id)
+        await self.batcher.run(session_id, self.batcher.prefill_steps(session_id, sequence), None)
+
     def observe(self, session_id: str, path: list[int]) -> None:
         """The walk of the session's last draft accepted ``path`` (``LookupDrafter.observe``)."""
         self.lookup.observe(session_id, path)

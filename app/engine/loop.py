@@ -13,6 +13,7 @@ import torch
 from app.adaptive import GammaController
 from app.drafting import DraftModel
 from app.engine.echo import score_prompt
+from app.engine.late import LateDraft
 from app.engine.overlap import Overlap
 from app.engine.propose import forced, propose
 from app.engine.round import Round
@@ -53,32 +54,43 @@ class Engine:
             await asyncio.shield(self._free(session.id, session.output))
 
     async def rounds(self, session: Session, strategy: RoundStrategy) -> AsyncGenerator[RoundResult, None]:
-        """forced? → propose → verify → commit, until EOS or a length limit."""
+        """forced? → propose (none while a late draft prefills) → verify → commit, until EOS or a length limit."""
         if session.req.prompt_logprobs is not None:
             yield await score_prompt(self._round(session, session.req, TokenTree.chain([], [])))
         overlap = Overlap(self.draft, self.eos_ids) if session.req.spec.overlap else None
-        while not session.finished:
-            room = session.room()
-            if room <= 0:
-                yield RoundResult([], drafted=0, accepted=0, traffic=Traffic(), finish_reason="length")
-                return
-            if (tokens := forced(session, room)) is not None:  # the grammar allows one token: decided here, no draft, no call
+        late = LateDraft.start(self.draft, session)
+        try:
+            while not session.finished:
+                room = session.room()
+                if room <= 0:
+                    yield RoundResult([], drafted=0, accepted=0, traffic=Traffic(), finish_reason="length")
+                    return
+                if (tokens := forced(session, room)) is not None:  # the grammar allows one token: decided here, no draft, no call
+                    if overlap is not None:
+                        overlap.take()  # prepared after the draft, not after these tokens
+                    yield session.commit(tokens)
+                    continue
+                wanted, keyed, timing, started = session.gamma(), session.keyed(), dict[str, float](), time.perf_counter()
+                if late is not None and late.skips():  # the targets sample the round's token, as autoregressive's
+                    rnd = self._round(session, keyed, TokenTree.chain([], []))
+                    result = _timed(await strategy.verify(rnd), rnd, started, started, timing, False)
+                    result.without_draft = 1
+                    yield session.commit(result, rnd.draft)
+                    continue
+                prepared = overlap.take() if overlap is not None else None
+                draft = self._scorable(session, await propose(self.draft, session, room, wanted, keyed, timing, prepared))
+                drafted = time.perf_counter()
+                rnd = self._round(session, keyed, draft)
                 if overlap is not None:
-                    overlap.take()  # prepared after the draft, not after these tokens
-                yield session.commit(tokens)
-                continue
-            wanted, keyed, timing, started = session.gamma(), session.keyed(), dict[str, float](), time.perf_counter()
-            prepared = overlap.take() if overlap is not None else None
-            draft = self._scorable(session, await propose(self.draft, session, room, wanted, keyed, timing, prepared))
-            drafted = time.perf_counter()
-            rnd = self._round(session, keyed, draft)
-            if overlap is not None:
-                overlap.start(session, draft, room, wanted, session.keyed(1))
-            result = _timed(await self._verify(strategy, rnd, overlap), rnd, started, drafted, timing, prepared is not None)
-            if overlap is not None:
-                await overlap.settle(draft, result)
-            self._observe(session, result, draft, wanted)
-            yield session.commit(result, draft)
+                    overlap.start(session, draft, room, wanted, session.keyed(1))
+                result = _timed(await self._verify(strategy, rnd, overlap), rnd, started, drafted, timing, prepared is not None)
+                if overlap is not None:
+                    await overlap.settle(draft, result)
+                self._observe(session, result, draft, wanted)
+                yield session.commit(result, draft)
+        finally:
+            if late is not None:
+                await asyncio.shield(late.close())
 
     def transformer(self, req: GenerationRequest) -> Transformer | None:
         """The gateway's side of the request's transform: the draft's, and the forced tokens'."""

@@ -96,6 +96,7 @@ class GenerationRequest:
     ignore_eos: bool = False  # vLLM's: EOS is sampled as the target says but does not end the answer
     min_tokens: int = 0  # vLLM's: EOS cannot be emitted before this many tokens (the target without it, renormalised)
     transform: TransformSpec | None = None  # DESIGN §3.9: logit_bias, penalties, a grammar; every worker and the draft apply it
+    draft_after: int = 0  # a late draft (app.engine.late): rounds with no draft while it prefills, then seeded waits for it, unseeded goes on until it is ready
 
     def sampling_wire(self) -> dict[str, object]:
         """The request's sampling on a target's call; min-p and the transform where set (DESIGN §3.9)."""
@@ -157,3 +158,4 @@ class RoundResult:
     rounds_ended: int = 0  # mode pipeline: trees whose walk ended (a recovered or bonus token drawn)
     hop_bytes: list[int] = field(default_factory=list)  # mode pipeline: the answered segment's bytes per stage-to-stage hop
     forced: int = 0  # tokens the grammar forced (DESIGN §3.9): emitted by the gateway with no draft and no call
+    without_draft: int = 0  # 1: a drafting mode's round that carried no draft, the draft still prefilling (app.engine.late)

@@ -65,7 +65,7 @@ def _output(cell: Cell) -> dict[str, Any]:
         engine.draft.lookup.suffixes.add(list(output))
     req = GenerationRequest(
         "golden", cell.prompt, MAX_TOKENS, cell.params, SEED, 0, cell.spec, seeded=cell.lookup != "suffix index" or cell.spec.auto_gamma,
-        min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform),
+        min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform), draft_after=cell.late,
     )
 
     async def run() -> dict[str, Any]:

@@ -144,6 +144,7 @@ class Cell:
     transform: str = ""  # a key of TRANSFORMS
     rounds: int = 1  # the decided rounds whose tokens are checked
     lookup: str = ""  # a key of LOOKUPS: the prompt and what the suffix index holds
+    late: int = 0  # a late draft (app.engine.late): ready after this many rounds, the targets sampling them alone
 
     @property
     def prompt(self) -> list[int]:
@@ -154,7 +155,7 @@ class Cell:
     @property
     def name(self) -> str:
         parts = [self.mode.value, self.payload.value, self.rule, self.shape, self.workers, self.sampling]
-        more = [*(["overlap"] if self.overlap else []), *([self.option] if self.option else []), *([self.lookup] if self.lookup else []), *([self.transform] if self.transform else []), *([f"{self.rounds} rounds"] if self.rounds > 1 else [])]
+        more = [*(["overlap"] if self.overlap else []), *([self.option] if self.option else []), *([self.lookup] if self.lookup else []), *([self.transform] if self.transform else []), *([f"draft ready after {self.late} rounds"] if self.late else []), *([f"{self.rounds} rounds"] if self.rounds > 1 else [])]
         return " · ".join([*parts, *more])
 
     @property
@@ -279,6 +280,38 @@ def cells() -> list[Cell]:
                         out.append(Cell(mode, payload, rule_of(at), label, workers, sampling, option=f"drafter {drafter.value}", spec=spec, lookup=lookup))
                 if mode is Mode.TREE:
                     out += _lookup_branch_cells(payload, workers, sampling, rule_of)
+                out += _late_cells(mode, payload, workers, sampling, shapes, rule_of)
+    return out
+
+
+LATE_ROUNDS = (1, 2)  # a draft ready after k rounds (k = 0: every other cell)
+
+
+def _late_cells(mode: Mode, payload: Payload, workers: str, sampling: str, shapes: list[tuple[str, str, dict[str, Any]]], rule_of: Any) -> list[Cell]:
+    """A late draft (issue 49) in every mode that drafts: the first k rounds carry none (the targets sample their
+    token), then the mode's own round on the mode's last shape (a pipeline's first): k + 1 rounds checked. k = 1 with
+    every worker set at T = 0 and T = 1 (two workers on exact's payload: top-k 2, each complement draw enumerated);
+    k = 2 with one worker at T = 1, but on exact's payload (each round without a draft multiplies the runs by V: 1,800). With one worker at T = 1
+    also a model+lookup drafter and a sampled tree; at T = 1 with top-k 2, overlap (the round after the first
+    draft verifies one prepared in its flight)."""
+    two = len(WORKER_SETS[workers]) > 1
+    if MODES[mode].drafts and not two and sampling == "T=1 top-k 2" and payload is Payload.FULL and mode is Mode.AGGREGATE:  # T = 1: 32,000 runs
+        overlap = _spec(mode, payload, gamma=1, overlap=True)
+        return [Cell(mode, payload, "chain", "γ=1", workers, sampling, spec=overlap, option="overlap", late=1, rounds=3)]
+    if not MODES[mode].drafts or sampling not in ("T=0", "T=1 top-k 2" if two and payload is Payload.SPARSE else "T=1"):
+        return []
+    rule, shape, options = shapes[0] if mode is Mode.PIPELINE else shapes[-1]
+    spec = _spec(mode, payload, **_two_workers(payload, workers, options))
+    out = [
+        Cell(mode, payload, rule_of(rule), shape, workers, sampling, spec=spec, late=late, rounds=late + 1)
+        for late in LATE_ROUNDS if late == 1 or (not two and sampling == "T=1" and payload is not Payload.SPARSE)
+    ]
+    if not two and sampling == "T=1" and payload is Payload.FULL and mode is Mode.AGGREGATE:
+        lookup = _spec(mode, payload, **options, drafter=Drafter.MODEL_LOOKUP)
+        out.append(Cell(mode, payload, rule, shape, workers, sampling, spec=lookup, option="drafter model+lookup", lookup="prompt lookup", late=1, rounds=2))
+    if not two and sampling == "T=1" and payload is Payload.FULL and mode is Mode.TREE:
+        tree = TreeParams(rule=ChildRule.SAMPLED, widths=[2]).shape()
+        out.append(Cell(mode, payload, ChildRule.SAMPLED.value, "⟨2⟩", workers, sampling, spec=_spec(mode, payload, tree=tree), late=1, rounds=2))
     return out
 
 
@@ -421,7 +454,7 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
             engine.draft.lookup.suffixes.add(list(output))
         req = GenerationRequest(
             f"m{next(count)}", cell.prompt, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=cell.lookup != "suffix index" and not spec.auto_gamma,
-            min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform),
+            min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform), draft_after=cell.late,
         )
         tokens: list[int] = []
         bound, seen, drafted = 0.0, 0, None
@@ -714,7 +747,7 @@ def test_negative_control_a_lookup_token_tested_as_a_draw_from_a_spread_q_hat_is
         monkeypatch.setattr(module, "delta", lambda token, vocab: torch.full((vocab,), 1.0 / vocab, dtype=torch.float64), raising=False)
         monkeypatch.setattr(module, "delta_support", lambda token: (torch.arange(V), torch.full((V,), 1.0 / V, dtype=torch.float64)), raising=False)
     chains = (Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT)
-    picked = [c for c in CELLS if c.lookup and c.sampling == "T=1" and c.claim is Guarantee.LOSSLESS and (c.mode in chains or c.option == "drafter lookup")]
+    picked = [c for c in CELLS if c.lookup and c.sampling == "T=1" and c.claim is Guarantee.LOSSLESS and not c.late and (c.mode in chains or c.option == "drafter lookup")]
     assert len(picked) >= 10 and _caught(picked) == {c.name for c in picked}
 
 

@@ -418,3 +418,14 @@ async def test_chat_logprobs_join_to_the_content_without_the_end_token(tiny_runn
         content = app.state.logprobs.chat(job, logprobs)
     assert content is not None and [c["token"] for c in content["content"]] == [tokenizer.decode([t]) for t in tokens[:-1]]
     assert "".join(c["token"] for c in content["content"]) == tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+async def test_a_long_prompt_starts_without_the_draft(client: httpx.AsyncClient) -> None:
+    """From ``draft.background_prefill_from`` tokens (64 by default) a drafting request's first round carries no
+    draft — the workers sample it — while the draft prefills (app.engine.late); a seeded one exactly one such round."""
+    long = (await client.post("/v1/completions", json={**COMPLETION, "prompt": "Once upon a time " * 20, "seed": 3})).json()["usage"]
+    assert long["prompt_tokens"] >= 64 and long["speculative"]["rounds_without_draft"] == 1 and long["speculative"]["draft_tokens"] > 0
+    short = (await client.post("/v1/completions", json={**COMPLETION, "seed": 3})).json()["usage"]["speculative"]
+    assert short["rounds_without_draft"] == 0
+    plain = (await client.post("/v1/completions", json={**COMPLETION, "prompt": "Once upon a time " * 20, "speculative": {"mode": "autoregressive"}})).json()
+    assert "rounds_without_draft" not in plain["usage"]["speculative"]  # nothing drafts, nothing waits

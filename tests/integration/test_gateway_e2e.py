@@ -35,7 +35,7 @@ def worker_urls(builtin_workers: list[str]) -> list[str]:
 def _gateway(stack: ExitStack, directory: Path, urls: list[str], weights: list[float] | None = None, draft: dict[str, object] | None = None) -> str:
     config = parse_config({
         "model": MODEL,
-        "draft": draft or {"model": "builtin-draft", "threads": 1},
+        "draft": draft or {"model": "builtin-draft", "threads": 1, "background_prefill_from": LATE_FROM},
         "workers": [{"url": url, "weight": w} for url, w in zip(urls, weights or [1.0] * len(urls))],
         "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": "full"},
     })
@@ -45,6 +45,7 @@ def _gateway(stack: ExitStack, directory: Path, urls: list[str], weights: list[f
 
 
 WEIGHTS = [0.7, 0.3]  # the module's gateway: two weighted workers
+LATE_FROM = 8  # every prompt here is long enough for a late draft (app.engine.late): the first round carries none
 
 
 @pytest.fixture(scope="module")
@@ -227,10 +228,13 @@ def test_curl_as_the_readme_shows(base_url: str) -> None:
 
 
 def test_eight_concurrent_streams_all_finish_side_by_side(base_url: str) -> None:
+    """Eight seeded sampled streams at once, each with a late draft (its prefill beside seven others' steps): every
+    stream produces before any ends, and each text is the one its request gives alone."""
+    def messages(i: int) -> list[dict[str, str]]:
+        return [{"role": "user", "content": f"Count from {i} upwards."}]
+
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[float, float, str]:
-        stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Count from {i} upwards."}], max_tokens=24, stream=True, seed=i,
-        )
+        stream = await client.chat.completions.create(model=MODEL, messages=messages(i), max_tokens=24, stream=True, seed=i)  # type: ignore[arg-type]
         first, text = 0.0, ""
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
@@ -248,6 +252,11 @@ def test_eight_concurrent_streams_all_finish_side_by_side(base_url: str) -> None
     assert all(text for _, _, text in results)
     first_tokens, ends = [r[0] for r in results], [r[1] for r in results]
     assert max(first_tokens) < min(ends)  # every stream was producing before any of them ended
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for i in (0, 5):  # alone: the same text (the rounds without a draft are the request's, not the load's)
+        chat = client.chat.completions.create(model=MODEL, messages=messages(i), max_tokens=24, seed=i)  # type: ignore[arg-type]
+        assert chat.choices[0].message.content == results[i][2]
+        assert chat.usage is not None and chat.usage.model_extra["speculative"]["rounds_without_draft"] == 1  # type: ignore[index]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

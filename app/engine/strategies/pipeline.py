@@ -15,6 +15,7 @@ import torch
 
 from app.drafting.lookup import LOOKUP_PRIOR
 from app.drafting.request import delta
+from app.engine.late import LateDraft
 from app.engine.round import token_logprobs
 from app.engine.session import Session, finish_reason
 from app.engine.spec import RoundResult, TokenLogprob
@@ -87,8 +88,11 @@ class PipelineRun:
         # reports at most top_logprobs alternatives: the top-k rows carry all of it, exactly
         greedy_k = max(1, req.top_logprobs or 0) if req.params.is_greedy else None
         self.sampling = {**req.sampling_wire(), "k": greedy_k}
+        self.late: LateDraft | None = None  # the draft's prefill while the first trees carry no draft (app.engine.late)
+        self.bare = False  # the round's tree carries no draft
 
     async def run(self) -> AsyncGenerator[RoundResult, None]:
+        self.late = LateDraft.start(self.draft, self.own)
         try:
             timing: dict[str, float] = {}
             started = time.perf_counter()
@@ -122,6 +126,7 @@ class PipelineRun:
                 started = time.perf_counter()
                 if ended or result.finish_reason:  # a walk that ended, or the last tree cut short by EOS or the length
                     result.drafted, result.accepted, result.rounds_ended = self.round_nodes, len(self.path), 1
+                    result.without_draft = int(self.bare)
                 if not result.finish_reason:
                     if ended:
                         await self._new_round(timing)
@@ -137,6 +142,8 @@ class PipelineRun:
             raise RuntimeError("pipeline: nothing in flight and nothing left to send before the answer ended")
         finally:
             await self._drop_flights()
+            if self.late is not None:
+                await asyncio.shield(self.late.close())
 
     async def _drop_flights(self) -> None:
         for flight in self.flight:
@@ -159,7 +166,8 @@ class PipelineRun:
         self.nodes, self.root = [], _Node(-1, -1, 0, 0.0)
         self.dist = {k: v for k, v in self.dist.items() if k[0] == "s" and k[1] == self.root_pos}
         depth = min(self.schedule.tree.depth, self.own.room() - 1)
-        if depth >= 1:
+        self.bare = depth >= 1 and self.late is not None and self.late.skips()  # the root alone: the stages sample the round's token
+        if depth >= 1 and not self.bare:
             shape = TreeShape(ChildRule.FIXED, nodes=self.schedule.tree.nodes, depth=depth, top_k=self.schedule.tree.top_k)
             self._attach(await self._propose(self.sequence, shape, timing), -1)
 

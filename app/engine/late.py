@@ -1,0 +1,55 @@
+"""A late draft (issue 49): on a long prompt the draft prefills in the background while the first rounds carry no
+draft — the targets sample their token, as in ``autoregressive`` — so the first token waits for the targets'
+prefill alone, not for the draft's and then the targets'. Every token is still sampled by the targets or
+verified: the law of every mode holds (tests/app/test_lossless_matrix.py crosses it as an option)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from app.drafting import DraftModel
+from app.engine.session import Session
+from core.modes import MODES
+from core.names import Drafter
+
+log = logging.getLogger(__name__)
+
+
+class LateDraft:
+    """The draft's prefill of one session and which rounds go without it: the first ``draft_after`` for certain; then a
+    seeded request waits for the draft (how many rounds carry none is a function of the request, never of timing),
+    an unseeded one goes on without it until its prefill ends."""
+
+    def __init__(self, draft: DraftModel, session: Session) -> None:
+        self.left, self.seeded = session.req.draft_after, session.req.seeded
+        self.task = asyncio.create_task(draft.prefill(session.id, list(session.sequence)))
+        self.task.add_done_callback(_retrieve)
+
+    @classmethod
+    def start(cls, draft: DraftModel, session: Session) -> LateDraft | None:
+        """The session's prefill, started; None when every round drafts as before (``draft_after`` 0, a mode or drafter
+        with no draft model to wait for, no room for a second round)."""
+        req = session.req
+        if req.draft_after <= 0 or not MODES[req.spec.mode].drafts or req.spec.drafter is Drafter.LOOKUP or session.room() <= 1:
+            return None
+        return cls(draft, session)
+
+    def skips(self) -> bool:
+        """Whether the next round carries no draft (asked once per round the targets verify)."""
+        if self.left > 0:
+            self.left -= 1
+            return True
+        return not self.seeded and not self.task.done()
+
+    async def close(self) -> None:
+        """The choice ended: a prefill still running stops at its next chunk."""
+        if not self.task.done():
+            self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """A prefill's failure is logged, not raised: the first draft decodes what it lacks, and meets the same error there."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a draft's background prefill failed: %s", task.exception())
