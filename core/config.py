@@ -32,6 +32,7 @@ class DraftConfig(BaseModel):
     max_context: int | None = Field(default=None, gt=0)  # tokens a draft session holds; None = limits.max_prompt_tokens + limits.max_tokens (capped by the model's own)
     max_batch_tokens: int = Field(default=128, gt=0)  # new rows per draft step, every drafting request together (a prompt goes in chunks of half)
     background_prefill_from: int | None = Field(default=64, gt=0)  # a prompt this long or longer: the first round carries no draft (the targets sample it) while the draft prefills (app.engine.late); None: never
+    background_prefill_wait: bool | None = None  # that prefill starts after the first round (the targets' prefill), not beside it: where they share cores; None = true when `serve` starts the workers on this machine
 
 
 class TreeParams(BaseModel):
@@ -312,10 +313,12 @@ class SpecgateConfig(BaseSettings):
         )
 
     def with_split_cores(self, cores: int) -> SpecgateConfig:
-        """A copy in which local workers, stages and the draft that set no ``threads`` share ``cores`` equally (they verify at once)."""
+        """A copy in which local workers, stages and the draft that set no ``threads`` share ``cores`` equally (they verify
+        at once), and a late draft's prefill waits for the first round where they do (unless the draft says)."""
         local = [w for w in self.workers if w.is_local] + self.local_stages
         share = max(1, cores // max(1, len(local)))
-        draft = self.draft.model_copy(update={"threads": self.draft.threads or (share if local else None)})
+        wait = self.draft.background_prefill_wait if self.draft.background_prefill_wait is not None else bool(local)  # a late draft's prefill would slow theirs
+        draft = self.draft.model_copy(update={"threads": self.draft.threads or (share if local else None), "background_prefill_wait": wait})
         return self._with_locals(lambda _, w: {"threads": w.threads or share}, lambda s: {"threads": s.threads or share}, draft=draft)
 
     def _with_locals(self, worker: Callable[[int, WorkerEntry], dict[str, Any]], stage: Callable[[StageEntry], dict[str, Any]], **update: Any) -> SpecgateConfig:

@@ -1,6 +1,8 @@
 """The worker's ``VerifyScheduler`` (DESIGN §9): calls wait in one FIFO queue; a step takes from its front
 (``take_within``) and runs them as one runner forward (``workers.step``); ``exclusive`` entries (``DELETE``, the
-close) run between two steps, in their place in the queue."""
+close) run between two steps, in their place in the queue. A long prompt goes in pieces (chunked prefill, as
+vLLM's): ``prefill_chunk`` of its tokens a step, beside the other sessions' calls, so theirs wait one piece, not
+the whole prefill."""
 
 from __future__ import annotations
 
@@ -18,11 +20,38 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A piece of a long call (chunked prefill): ``req.tokens[start:end]`` fed in a step, no answer; ``end`` None: the
+    rest of its tokens and its draft, answered as the call."""
+
+    req: VerifyRequest
+    start: int
+    end: int | None = None
+
+    @property
+    def session_id(self) -> str:
+        return self.req.session_id
+
+    @property
+    def new_rows(self) -> int:
+        return self.req.new_rows - self.start if self.end is None else self.end - self.start
+
+
+Work = VerifyRequest | StageRequest | Piece  # what a step runs for one call
+
+
+def chunkable(req: VerifyRequest | StageRequest) -> bool:
+    """Whether a call's new tokens may go in pieces: a chain's (not a tree's, an echo's that scores every row, or a pipeline stage's)."""
+    return isinstance(req, VerifyRequest) and req.parents is None and req.path is None and not req.score_tokens
+
+
 @dataclass
 class _Call:
     req: VerifyRequest | StageRequest
     timing: dict[str, float]
     done: asyncio.Future[Any]
+    fed: int = 0  # its first tokens already in the session, fed by pieces
 
 
 @dataclass
@@ -39,9 +68,9 @@ class StepLog:
     sizes: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
-    def add(self, calls: list[_Call]) -> None:
-        self.sizes.append(len(calls))
-        self.tokens.append(sum(c.req.new_rows for c in calls))
+    def add(self, work: list[Work]) -> None:
+        self.sizes.append(len(work))
+        self.tokens.append(sum(w.new_rows for w in work))
 
 
 class StepHost(Protocol):
@@ -49,14 +78,15 @@ class StepHost(Protocol):
 
     thread: ModelThread
 
-    def verify_batch(self, reqs: list[VerifyRequest | StageRequest], timings: list[dict[str, float]]) -> list[Any]: ...
+    def verify_batch(self, reqs: list[Work], timings: list[dict[str, float]]) -> list[Any]: ...
 
 
 class VerifyScheduler:
-    def __init__(self, state: StepHost, max_batch_tokens: int) -> None:
-        if max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be ≥ 1, got {max_batch_tokens}")
+    def __init__(self, state: StepHost, max_batch_tokens: int, prefill_chunk: int | None = None) -> None:
+        if max_batch_tokens < 1 or (prefill_chunk is not None and prefill_chunk < 1):
+            raise ValueError(f"max_batch_tokens and prefill_chunk must be ≥ 1, got {max_batch_tokens} and {prefill_chunk}")
         self.state, self.max_batch_tokens = state, max_batch_tokens
+        self.prefill_chunk = prefill_chunk or max_batch_tokens  # a long call's tokens per step
         self.steps = StepLog()
         self._queue: deque[_Call | _Exclusive] = deque()
         self._wake = asyncio.Event()
@@ -107,25 +137,38 @@ class VerifyScheduler:
                 else:
                     await self._step(self._take())
 
-    def _take(self) -> list[_Call]:
-        """The step's calls from those before the first exclusive entry; calls passed over keep their places, calls whose client left are dropped."""
+    def _take(self) -> list[tuple[_Call, Work]]:
+        """The step's work from the calls before the first exclusive entry: whole calls within ``max_batch_tokens``
+        (``take_within``), and the next piece of the oldest long one; calls passed over keep their places, calls whose
+        client left are dropped."""
         barrier = next((i for i, entry in enumerate(self._queue) if isinstance(entry, _Exclusive)), len(self._queue))  # what comes after it waits
         waiting = [entry for entry in list(self._queue)[:barrier] if isinstance(entry, _Call)]
-        taken = take_within((c for c in waiting if not c.done.done()), lambda c: c.req.new_rows, self.max_batch_tokens, lambda c: c.req.session_id)
+        live = [c for c in waiting if not c.done.done()]
+        long = [c for c in live if chunkable(c.req) and len(c.req.tokens) - c.fed > self.prefill_chunk]
+        apart = {c.req.session_id for c in long}
+        taken = take_within((c for c in live if c.req.session_id not in apart), lambda c: c.req.new_rows - c.fed, self.max_batch_tokens, lambda c: c.req.session_id)
+        work: list[tuple[_Call, Work]] = [(c, Piece(c.req, c.fed) if c.fed else c.req) for c in taken]  # type: ignore[arg-type]  # fed: a chunkable call
+        if long:  # beside them, not instead of them
+            work.append((long[0], Piece(long[0].req, long[0].fed, long[0].fed + self.prefill_chunk)))  # type: ignore[arg-type]
         gone = {id(c) for c in waiting if c.done.done()} | {id(c) for c in taken}
         self._queue = deque(e for e in self._queue if id(e) not in gone)
-        return taken
+        return work
 
-    async def _step(self, calls: list[_Call]) -> None:
-        if not calls:
+    async def _step(self, work: list[tuple[_Call, Work]]) -> None:
+        if not work:
             return
-        self.steps.add(calls)
+        self.steps.add([w for _, w in work])
         try:
-            answers = await self.state.thread.run(self.state.verify_batch, [c.req for c in calls], [c.timing for c in calls])
+            answers = await self.state.thread.run(self.state.verify_batch, [w for _, w in work], [c.timing for c, _ in work])
         except Exception as exc:  # noqa: BLE001 - the step itself failed: every call of it
             log.exception("verify step failed")
-            answers = [exc] * len(calls)
-        for call, answer in zip(calls, answers):
+            answers = [exc] * len(work)
+        for (call, piece), answer in zip(work, answers):
+            if isinstance(piece, Piece) and piece.end is not None and not isinstance(answer, BaseException):
+                call.fed = piece.end  # the call waits in its place for its next piece
+                continue
+            if isinstance(piece, Piece) and piece.end is not None:  # a piece failed: the call with it
+                self._queue = deque(e for e in self._queue if e is not call)
             _settle(call.done, answer)
 
     async def _exclusive(self, entry: _Exclusive) -> None:

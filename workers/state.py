@@ -12,7 +12,7 @@ from core.runners.model_thread import ModelThread
 from workers.link import StageLink
 from workers.scheduler import VerifyScheduler
 from workers.sessions import SessionStore
-from workers.settings import WorkerSettings
+from workers.settings import WorkerSettings, prefill_chunk
 from workers.stage import StageOrder
 from workers.step import Steps
 
@@ -34,7 +34,7 @@ class WorkerState(Steps):
     _grammars: Grammars | None = None  # the grammar engine, built by the first call that carries a grammar
 
     def __post_init__(self) -> None:
-        self.scheduler = VerifyScheduler(self, self.settings.max_batch_tokens)
+        self.scheduler = VerifyScheduler(self, self.settings.max_batch_tokens, prefill_chunk(self.settings))
         self.link = StageLink(self.settings, self.runner.info.vocab_size)
 
     def is_idle(self) -> bool:

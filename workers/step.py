@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
-from core.errors import ContextOverflow, InvalidRequest
+from core.errors import ContextOverflow, InvalidRequest, SessionShort
 from core.protocol import StageRequest, VerifyRequest, VerifyResponse, check_verify_request
 from core.math.tree import path_of
 from core.runners.base import ForwardItem
+from workers.scheduler import Piece, Work
 from workers.scoring import score, tree_item
 from workers.stage import StageSteps
 from workers.transforms import Shaping, shaped
@@ -27,13 +28,14 @@ class Steps(StageSteps):
             raise answer
         return answer
 
-    def verify_batch(self, reqs: list[VerifyRequest | StageRequest], timings: list[dict[str, float]]) -> list[Any]:
-        """One scheduler step: per call its answer or the exception it alone fails with; every ``model_ms`` is the step's forward."""
+    def verify_batch(self, reqs: list[Work], timings: list[dict[str, float]]) -> list[Any]:
+        """One scheduler step: per call its answer (None for a piece of a long call) or the exception it alone fails
+        with; every ``model_ms`` is the step's forward (a call fed in pieces: theirs, summed)."""
         answers: list[Any] = [None] * len(reqs)
         items, order = [], []
         for i, req in enumerate(reqs):
             try:
-                items.append(self._prepare_stage(req) if isinstance(req, StageRequest) else self._prepare(req))
+                items.append(self._prepare_stage(req) if isinstance(req, StageRequest) else self._prepare_piece(req) if isinstance(req, Piece) else self._prepare(req))
                 order.append(i)
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
@@ -53,15 +55,18 @@ class Steps(StageSteps):
                 answers[i] = logits
                 continue
             req, scored = reqs[i], time.perf_counter()
+            timings[i]["model"] = timings[i].get("model", 0.0) + model_ms
+            if isinstance(req, Piece) and req.end is not None:
+                continue  # a piece of a prompt: no answer yet
             try:
                 if isinstance(req, StageRequest):
                     answers[i] = self._stage_answer(req, logits, model_ms)
                 else:
-                    answers[i] = self._verify_answer(req, logits, scored_tokens, shaping, model_ms, len(items))
+                    call = req.req if isinstance(req, Piece) else req
+                    answers[i] = self._verify_answer(call, logits, scored_tokens, shaping, timings[i]["model"], len(items))
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
-            timings[i]["model"] = model_ms
-            if isinstance(req, VerifyRequest):
+            if not isinstance(req, StageRequest):
                 timings[i]["score"] = (time.perf_counter() - scored) * 1e3
         return answers
 
@@ -74,21 +79,49 @@ class Steps(StageSteps):
         resp = score(rows, req, self.runner.length(req.session_id), model_ms, logits[:scored_tokens] if req.score_tokens else None)
         return replace(resp, batch_sessions=batch) if batch > 1 else resp
 
-    def _prepare(self, req: VerifyRequest) -> tuple[ForwardItem, int, Shaping | None]:
-        """Check a call and crop its session: its forward item, the logits rows scoring its own tokens (echo) before the γ+1, its transform."""
+    def _prepare(self, req: VerifyRequest, fed: int = 0) -> tuple[ForwardItem, int, Shaping | None]:
+        """Check a call and crop its session: its forward item, the logits rows scoring its own tokens (echo) before the
+        γ+1, its transform. ``fed``: its first tokens are in the session already (pieces of it, checked then)."""
+        if fed:
+            self._check_fed(req, fed)
+        else:
+            self._admit(req)
+        self.runner.crop(req.session_id, req.prefix_len + fed)
+        shaping = self._shaping(req)  # a call fed in pieces starts its transform here, as it would whole
+        scored_tokens = max(len(req.tokens) - 1, 0) if req.score_tokens else 0  # echo: the prompt's own rows too
+        if req.parents is not None:  # a tree: the root's and every node's row in one forward
+            return tree_item(req, self.runner.tokens(req.session_id)), scored_tokens, shaping
+        tokens = [*req.tokens.tolist()[fed:], *req.draft.tolist()]
+        return self.runner.append_item(req.session_id, tokens, len(req.draft) + 1 + scored_tokens), scored_tokens, shaping
+
+    def _admit(self, req: VerifyRequest) -> None:
+        """The call's checks: its limits, the prefix its session holds (or the tree path it keeps), a KV place."""
         self.check_limits(req)
         if req.path is not None:  # v1.1: the previous tree's accepted path becomes agreed tokens (hash checked there)
             self.sessions.keep_path(req.session_id, req.prefix_len, req.prefix_hash, req.path.tolist())
         else:
             self.sessions.check_prefix(req.session_id, req.prefix_len, req.prefix_hash)
         self.sessions.admit(req.session_id, tree=req.parents is not None)
-        self.runner.crop(req.session_id, req.prefix_len)
-        shaping = self._shaping(req)
-        scored_tokens = max(len(req.tokens) - 1, 0) if req.score_tokens else 0  # echo: the prompt's own rows too
-        if req.parents is not None:  # a tree: the root's and every node's row in one forward
-            return tree_item(req, self.runner.tokens(req.session_id)), scored_tokens, shaping
-        tokens = [*req.tokens.tolist(), *req.draft.tolist()]
-        return self.runner.append_item(req.session_id, tokens, len(req.draft) + 1 + scored_tokens), scored_tokens, shaping
+
+    def _prepare_piece(self, piece: Piece) -> tuple[ForwardItem, int, Shaping | None]:
+        """A piece of a long call (workers.scheduler): the first checks the call; each appends its tokens; the last is
+        the call itself after them."""
+        req = piece.req
+        if piece.end is None:
+            return self._prepare(req, piece.start)
+        if piece.start:
+            self._check_fed(req, piece.start)
+        else:
+            self._admit(req)
+        self.runner.crop(req.session_id, req.prefix_len + piece.start)
+        return self.runner.append_item(req.session_id, req.tokens.tolist()[piece.start:piece.end], 1), 0, None
+
+    def _check_fed(self, req: VerifyRequest, fed: int) -> None:
+        """The session still holds its prefix and the call's first ``fed`` tokens; else SessionShort (the gateway sends again)."""
+        session_id = req.session_id
+        held = self.runner.tokens(session_id)[: self.runner.sequence_length(session_id)] if session_id in self.sessions else []
+        if held[req.prefix_len:req.prefix_len + fed] != req.tokens[:fed].tolist():
+            raise SessionShort(session_id, min(len(held), req.prefix_len), "the session lost the first pieces of its prompt")
 
     def _shaping(self, req: VerifyRequest) -> Shaping | None:
         """The session's transform (set by a call with prefix_len 0) with the agreed tokens and each scored row's path after them."""

@@ -1,6 +1,7 @@
 """The draft's step batcher (continuous batching): a draft is a generator (``Steps``) that yields the
 ``ForwardItem`` it needs next and gets its logits back; one runner ``forward_each`` per step, on the
-model thread, serves every draft in progress, so N concurrent drafts cost one decode per position."""
+model thread, serves every draft in progress, so N concurrent drafts cost one decode per position. A
+background prefill (a late draft's, app.engine.late) goes in small chunks behind the drafts waiting."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from core.runners.base import ForwardItem, common_prefix
 from core.runners.model_thread import ModelThread, take_within
 
 DEFAULT_BATCH_TOKENS = 128  # a draft step's new rows, all requests together (DraftConfig.max_batch_tokens)
+BACKGROUND_PASSES = 3  # steps in a row a background prefill may be left out of while drafts wait: then it goes beside them
 
 Steps = Generator[ForwardItem, torch.Tensor, TokenTree]  # a draft: yields items, gets their logits
 
@@ -43,6 +45,7 @@ class Drafting:
     item: ForwardItem | None = None
     started: bool = False
     stop: bool = False  # its caller went away: closed at the next step
+    background: bool = False  # a prefill nobody waits on yet (a late draft's): the drafts waiting go first
     result: TokenTree | None = None
     error: BaseException | None = None
 
@@ -95,22 +98,29 @@ class StepBatcher:
         self.thread = thread or ModelThread()  # every runner call (core.runners.model_thread)
         self.max_batch_tokens = max_batch_tokens  # new rows per step, all drafts together (one always goes)
         self.prefill_chunk = max(1, max_batch_tokens // 2)  # a prompt's rows per step: others ride along
+        self.background_chunk = max(1, max_batch_tokens // 4)  # a background prefill's: a step it runs alone in stays short
         self.steps: deque[int] = deque(maxlen=1024)  # drafts per step, the latest steps (tests)
         self.num_steps = self.num_step_drafts = 0  # since start (metrics: the mean draft batch)
         self.busy: dict[str, asyncio.Future[TokenTree]] = {}  # session -> its draft in progress
+        self._runs: dict[str, Drafting] = {}  # session -> its draft in progress
         self._arrived: list[Drafting] = []
         self._loop_task: asyncio.Task[None] | None = None
+        self._passed = 0  # steps in a row a background prefill waited through
 
     async def idle(self, session_id: str) -> None:
-        """Wait until the session has no draft in progress (one draft per session at a time)."""
+        """Wait until the session has no draft in progress (one draft per session at a time); a background prefill
+        waited on goes with the drafts from its next step."""
         while (busy := self.busy.get(session_id)) is not None:
+            if (drafting := self._runs.get(session_id)) is not None:
+                drafting.background = False
             await asyncio.wait([busy])
 
-    async def run(self, session_id: str, steps: Steps, timing: dict[str, float] | None) -> TokenTree:
-        """The draft ``steps`` to its end, its seconds added to ``timing`` (``DraftClock``)."""
-        drafting = Drafting(steps, asyncio.get_running_loop().create_future())
-        self.busy[session_id] = drafting.done
-        drafting.done.add_done_callback(lambda done: self.busy.pop(session_id) if self.busy.get(session_id) is done else None)
+    async def run(self, session_id: str, steps: Steps, timing: dict[str, float] | None, background: bool = False) -> TokenTree:
+        """The draft ``steps`` to its end, its seconds added to ``timing`` (``DraftClock``); ``background``: a prefill
+        the drafts waiting go before (``_step``)."""
+        drafting = Drafting(steps, asyncio.get_running_loop().create_future(), background=background)
+        self.busy[session_id], self._runs[session_id] = drafting.done, drafting
+        drafting.done.add_done_callback(lambda done: self._forget(session_id, drafting))
         self._arrived.append(drafting)
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._step_loop())
@@ -124,25 +134,29 @@ class StepBatcher:
                 timing[name] = timing.get(name, 0.0) + seconds
         return tree
 
-    def catch_up(self, session_id: str, sequence: list[int]) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
+    def _forget(self, session_id: str, drafting: Drafting) -> None:
+        if self._runs.get(session_id) is drafting:
+            del self.busy[session_id], self._runs[session_id]
+
+    def catch_up(self, session_id: str, sequence: list[int], chunk: int | None = None) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
         """Bring the session to ``sequence`` (a new one adopts a prompt cache's rows first): crop to what they share, feed the rest; the last logits."""
         runner = self.runner
         if not runner.has_session(session_id):
             runner.adopt(session_id, sequence)
         common = common_prefix(runner.tokens(session_id), sequence)
         runner.crop(session_id, common)
-        return (yield from self.feed(session_id, sequence[common:]))
+        return (yield from self.feed(session_id, sequence[common:], chunk))
 
     def prefill_steps(self, session_id: str, sequence: list[int]) -> Steps:
-        """A draft of nothing that leaves the session holding ``sequence`` (``catch_up``)."""
-        yield from self.catch_up(session_id, sequence)
+        """A draft of nothing that leaves the session holding ``sequence`` (``catch_up`` in ``background_chunk`` rows a step)."""
+        yield from self.catch_up(session_id, sequence, self.background_chunk)
         return TokenTree.chain([], [])
 
-    def feed(self, session_id: str, tokens: list[int]) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
-        """Append ``tokens`` in chunks of ≤ ``prefill_chunk`` rows, one per step (none: the last row again); its logits."""
-        logits = None
-        for begin in range(0, max(len(tokens), 1), self.prefill_chunk):
-            logits = yield self.runner.append_item(session_id, tokens[begin:begin + self.prefill_chunk], 1)
+    def feed(self, session_id: str, tokens: list[int], chunk: int | None = None) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
+        """Append ``tokens`` in chunks of ≤ ``chunk`` rows (``prefill_chunk``), one per step (none: the last row again); its logits."""
+        logits, chunk = None, chunk or self.prefill_chunk
+        for begin in range(0, max(len(tokens), 1), chunk):
+            logits = yield self.runner.append_item(session_id, tokens[begin:begin + chunk], 1)
         assert logits is not None
         return logits[0]
 
@@ -180,7 +194,13 @@ class StepBatcher:
                 d.started = True
                 d.advance(None)
         waiting = [d for d in drafts if d.item is not None and not d.stop]
-        taken = take_within(waiting, lambda d: len(d.item.tokens) if d.item is not None else 0, self.max_batch_tokens, id)
+        taken = take_within([d for d in waiting if not d.background], lambda d: len(d.item.tokens) if d.item is not None else 0, self.max_batch_tokens, id)
+        behind = [d for d in waiting if d.background]
+        if behind and (not taken or self._passed >= BACKGROUND_PASSES):  # alone, or after waiting its passes: one chunk beside them
+            taken.append(behind[0])
+            self._passed = 0
+        elif behind:
+            self._passed += 1
         if not taken:
             return
         started = time.perf_counter()

@@ -71,10 +71,10 @@ class DraftModel:
         return tree
 
     async def prefill(self, session_id: str, sequence: list[int]) -> None:
-        """The session holds ``sequence`` (in chunks of ``prefill_chunk`` rows, other drafts' rows riding along): its
-        first draft starts from there (a late draft, app.engine.late); cancelled, it stops at its next chunk."""
+        """The session holds ``sequence`` (in the background: small chunks, behind the drafts waiting): its first draft
+        starts from there (a late draft, app.engine.late); cancelled, it stops at its next chunk."""
         await self.batcher.idle(session_id)
-        await self.batcher.run(session_id, self.batcher.prefill_steps(session_id, sequence), None)
+        await self.batcher.run(session_id, self.batcher.prefill_steps(session_id, sequence), None, background=True)
 
     def observe(self, session_id: str, path: list[int]) -> None:
         """The walk of the session's last draft accepted ``path`` (``LookupDrafter.observe``)."""

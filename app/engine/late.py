@@ -19,34 +19,48 @@ log = logging.getLogger(__name__)
 class LateDraft:
     """The draft's prefill of one session and which rounds go without it: the first ``draft_after`` for certain; then a
     seeded request waits for the draft (how many rounds carry none is a function of the request, never of timing),
-    an unseeded one goes on without it until its prefill ends."""
+    an unseeded one goes on without it until its prefill ends. The prefill starts at once, beside the targets'; with
+    ``wait``, after the first round (where the draft and the targets share cores, it would slow the first token)."""
 
-    def __init__(self, draft: DraftModel, session: Session) -> None:
+    def __init__(self, draft: DraftModel, session: Session, wait: bool = False) -> None:
+        self.draft, self.session_id, self.sequence = draft, session.id, list(session.sequence)
         self.left, self.seeded = session.req.draft_after, session.req.seeded
-        self.task = asyncio.create_task(draft.prefill(session.id, list(session.sequence)))
-        self.task.add_done_callback(_retrieve)
+        self.task: asyncio.Task[None] | None = None
+        self.waiting = wait  # the first round not done yet: no prefill
+        if not wait:
+            self._start()
 
     @classmethod
-    def start(cls, draft: DraftModel, session: Session) -> LateDraft | None:
-        """The session's prefill, started; None when every round drafts as before (``draft_after`` 0, a mode or drafter
+    def start(cls, draft: DraftModel, session: Session, wait: bool = False) -> LateDraft | None:
+        """The session's late draft; None when every round drafts as before (``draft_after`` 0, a mode or drafter
         with no draft model to wait for, no room for a second round)."""
         req = session.req
         if req.draft_after <= 0 or not MODES[req.spec.mode].drafts or req.spec.drafter is Drafter.LOOKUP or session.room() <= 1:
             return None
-        return cls(draft, session)
+        return cls(draft, session, wait)
 
     def skips(self) -> bool:
         """Whether the next round carries no draft (asked once per round the targets verify)."""
+        if self.task is None and not self.waiting:
+            self._start()  # the first round is done: the prefill starts
+        self.waiting = False
         if self.left > 0:
             self.left -= 1
             return True
+        assert self.task is not None
         return not self.seeded and not self.task.done()
 
     async def close(self) -> None:
         """The choice ended: a prefill still running stops at its next chunk."""
+        if self.task is None:
+            return
         if not self.task.done():
             self.task.cancel()
         await asyncio.gather(self.task, return_exceptions=True)
+
+    def _start(self) -> None:
+        self.task = asyncio.create_task(self.draft.prefill(self.session_id, self.sequence))
+        self.task.add_done_callback(_retrieve)
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

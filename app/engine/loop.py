@@ -40,6 +40,7 @@ class Engine:
         self.vocab_size = draft.vocab_size
         self.weights = torch.tensor(pool.weights, dtype=torch.float64)
         self.grammars: Grammars | None = None  # the gateway's grammar engine (set by the service on first use)
+        self.prefill_waits = False  # a late draft's prefill starts after the first round (app.engine.late): the targets share its cores
 
     async def generate(self, req: GenerationRequest) -> AsyncGenerator[RoundResult, None]:
         """Results of one choice until EOS or a length limit; the caller may stop early."""
@@ -58,7 +59,7 @@ class Engine:
         if session.req.prompt_logprobs is not None:
             yield await score_prompt(self._round(session, session.req, TokenTree.chain([], [])))
         overlap = Overlap(self.draft, self.eos_ids) if session.req.spec.overlap else None
-        late = LateDraft.start(self.draft, session)
+        late = LateDraft.start(self.draft, session, self.prefill_waits)
         try:
             while not session.finished:
                 room = session.room()

@@ -398,3 +398,27 @@ async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_dr
         if hi > lo:
             total += (hi - lo) * await law((lo + hi) / 2)
     assert torch.allclose(total, p_next, atol=1e-9, rtol=0), total
+
+
+def test_a_background_prefill_goes_behind_the_drafts_waiting() -> None:
+    """A late draft's prefill (app.engine.late) is background work: a draft that arrives beside it takes every step,
+    the prefill one chunk (``background_chunk``, 32 rows) in every fourth, and the draft's tokens are those it gets
+    alone; alone again, the prefill takes every step, and a caller that waits on it (``idle``) makes it a draft's peer."""
+    runner = MarkovRunner(random_table(6, 3), name="draft")
+
+    async def run(with_prefill: bool) -> tuple[TokenTree, list[int], bool, int]:
+        draft = DraftModel(runner, ModelThread())
+        prefill = asyncio.create_task(draft.prefill("late", [1, 2] * 100)) if with_prefill else None
+        await asyncio.sleep(0)
+        tree = await draft.propose(DraftRequest("now", [2, 3], SamplingParams(temperature=1.0), 5, 0), 8)
+        steps = list(draft.batcher.steps)
+        pending = prefill is not None and not prefill.done()
+        if prefill is not None:
+            await draft.batcher.idle("late")
+        return tree, steps, pending, runner.length("late") if runner.has_session("late") else 0
+
+    alone, _, _, _ = asyncio.run(run(False))
+    tree, steps, pending, held = asyncio.run(run(True))
+    assert tree.ids() == alone.ids() and torch.equal(tree.q_rows(6), alone.q_rows(6))
+    assert pending and held == 200  # the draft was done first; the prefill finished after it
+    assert steps == [1, 1, 1, 2, 1, 1, 1, 2]  # the draft's eight steps (its prompt, then seven tokens): the prefill in two

@@ -140,10 +140,11 @@ def test_an_unseeded_request_goes_on_without_the_draft_until_it_is_ready() -> No
     assert 1 not in flags[5:] and len(flags) > 5  # released: drafts again within a round or two
 
 
-@pytest.mark.parametrize("draft_after", [1, 2])
-def test_a_seeded_request_takes_its_rounds_without_a_draft_whatever_the_timing(draft_after: int) -> None:
+@pytest.mark.parametrize(("draft_after", "wait"), [(1, False), (2, False), (1, True)])
+def test_a_seeded_request_takes_its_rounds_without_a_draft_whatever_the_timing(draft_after: int, wait: bool) -> None:
     async def run(delay: float) -> tuple[list[int], list[int]]:
         engine = make_engine(DRAFT, WORKERS)
+        engine.prefill_waits = wait
         held = _Held(engine)
         asyncio.get_running_loop().call_later(delay, held.ready.set)
         results = await _results(engine, _request(7, seeded=True, max_tokens=24, draft_after=draft_after))
@@ -178,3 +179,26 @@ def test_nothing_waits_where_nothing_drafts(spec: SpecOptions) -> None:
     max_tokens = 1 if spec.mode is Mode.EXACT else 6
     results = asyncio.run(_results(engine, _request(5, seeded=True, max_tokens=max_tokens, spec=spec)))
     assert all(r.without_draft == 0 for r in results)
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_the_prefill_starts_beside_the_first_round_or_after_it(wait: bool) -> None:
+    """``prefill_waits`` (``draft.background_prefill_wait``, set where the draft and the workers share cores): the
+    draft's prefill starts once the first round is done, not beside it."""
+    async def run() -> list[int]:
+        engine = make_engine(DRAFT, WORKERS)
+        engine.prefill_waits = wait
+        results: list[RoundResult] = []
+        started: list[int] = []
+        prefill = engine.draft.prefill
+
+        async def spy(session_id: str, sequence: list[int]) -> None:
+            started.append(len(results))
+            await prefill(session_id, sequence)
+
+        engine.draft.prefill = spy  # type: ignore[method-assign]
+        async for result in engine.generate(_request(2, max_tokens=12)):
+            results.append(result)
+        return started
+
+    assert asyncio.run(run()) == [1 if wait else 0]

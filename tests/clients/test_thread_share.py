@@ -39,6 +39,15 @@ def test_pipeline_stages_split_the_cores_and_a_given_count_is_kept() -> None:
 def test_a_remote_only_config_leaves_the_draft_every_core() -> None:
     config = parse_config(_workers(0, remote=2)).with_split_cores(4)
     assert config.draft.threads is None
+    assert config.draft.background_prefill_wait is False  # a late draft's prefill goes beside the targets'
+
+
+@pytest.mark.parametrize(("given", "wait"), [(None, True), (False, False)])
+def test_with_local_workers_a_late_drafts_prefill_waits_for_the_first_round(given: bool | None, wait: bool) -> None:
+    """The cores are the workers' too: the draft's prefill beside theirs would slow the first token (app.engine.late)."""
+    data = _workers(1, remote=1)
+    data["draft"] = {"model": "builtin-draft", "background_prefill_wait": given}
+    assert parse_config(data).with_split_cores(2).draft.background_prefill_wait is wait
 
 
 def test_the_childs_environment_sizes_its_pools() -> None:

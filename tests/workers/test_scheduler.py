@@ -22,7 +22,7 @@ PROMPT = [504, 3458, 28, 638, 359, 346, 1485, 1834, 47, 378, 253, 1097]
 
 
 def _app(runner: Any, **overrides: Any) -> Any:
-    return create_app(WorkerSettings(model="tiny-random", backend="transformers", **overrides), runner=runner)
+    return create_app(WorkerSettings(**{"model": "tiny-random", "backend": "transformers", **overrides}), runner=runner)
 
 
 async def _post(client: httpx.AsyncClient, req: VerifyRequest) -> httpx.Response:
@@ -167,3 +167,38 @@ async def test_a_new_session_gets_503_while_live_sessions_hold_every_stream(buil
         _answer(await _post(client, VerifyRequest.after("later", [], PROMPT, [20], temperature=1.0)))
         metrics = (await client.get("/metrics")).text
         assert 'specgate:verify_errors_total{code="worker_full"} 2.0' in metrics
+
+
+async def test_a_long_prompt_goes_in_pieces_beside_the_other_calls(builtin_llama: ModelRunner) -> None:
+    """Chunked prefill: a 300-token first call goes ``prefill_chunk`` (64 here) tokens a step; the four short calls queued
+    behind it share its first step and are answered then, not after the whole prefill; the long call's answer is bit
+    for bit the one it gets in one piece (llama.cpp decodes ≤ 32 tokens either way)."""
+    long = VerifyRequest.after("long", [], (PROMPT * 25)[:300], [7, 9], temperature=1.0)
+    short = [VerifyRequest.after(f"s{i}", [], PROMPT[: 4 + i], [20, 21], temperature=1.0) for i in range(4)]
+    app = _app(builtin_llama, backend="llama.cpp", prefill_chunk=512)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        whole = _answer(await _post(client, long))
+    builtin_llama.free_all()
+
+    gated = GatedRunner(builtin_llama)
+    app = _app(gated, backend="llama.cpp", prefill_chunk=64)
+    done: list[str] = []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        async def post(req: VerifyRequest) -> httpx.Response:
+            resp = await _post(client, req)
+            done.append(req.session_id)
+            return resp
+
+        first = asyncio.create_task(_post(client, VerifyRequest.after("warm", [], PROMPT, [1])))
+        await _until(gated.entered)
+        pending = [asyncio.create_task(post(req)) for req in [long, *short]]
+        await asyncio.sleep(0.2)
+        gated.gate.set()
+        answers = await asyncio.gather(*pending)
+        assert (await first).status_code == 200
+    steps = app.state.worker.scheduler.steps
+    assert steps.sizes == [1, 5, 1, 1, 1, 1] and steps.tokens[1:] == [64 + 4 * 2 + sum(range(4, 8)), 64, 64, 64, 44 + 2]
+    assert done[-1] == "long"  # the short calls did not wait for the whole prefill
+    pieced = _answer(answers[0])
+    np.testing.assert_array_equal(pieced.probs, whole.probs)
+    assert pieced.held == whole.held == 302 and all(a.status_code == 200 for a in answers)

@@ -20,6 +20,7 @@ class Engine(Protocol):
     draft: DraftModel
     pool: TargetSet
     vocab_size: int
+    prefill_waits: bool
 
     def transformer(self, req: GenerationRequest) -> Transformer | None: ...
 

@@ -68,6 +68,7 @@ class PipelineRun:
     def __init__(self, engine: Engine, target: PipelineTarget, session: Session) -> None:
         req = self.req = session.req
         self.draft, self.target, self.session_id, self.vocab_size = engine.draft, target, session.id, engine.vocab_size
+        self.waits = engine.prefill_waits
         self.drafting, self.forcing = session.transformer, engine.transformer(req)  # the draft's transform; the walk's (its own matcher)
         self.schedule, self.eos_ids = req.spec.pipeline or SegmentSchedule(), session.eos_ids
         self.in_flight = self.schedule.in_flight or target.stages
@@ -92,7 +93,7 @@ class PipelineRun:
         self.bare = False  # the round's tree carries no draft
 
     async def run(self) -> AsyncGenerator[RoundResult, None]:
-        self.late = LateDraft.start(self.draft, self.own)
+        self.late = LateDraft.start(self.draft, self.own, self.waits)
         try:
             timing: dict[str, float] = {}
             started = time.perf_counter()
