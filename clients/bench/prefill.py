@@ -51,13 +51,13 @@ def _chat_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def _ttft(client: httpx.Client, prompt: str, spec: dict[str, Any]) -> tuple[float, int]:
-    """One streamed request: seconds to its first content chunk, and its prompt tokens."""
+def _ttft(client: httpx.Client, prompt: str, spec: dict[str, Any]) -> tuple[float, int, int | None]:
+    """One streamed request: seconds to its first content chunk, its prompt tokens, and its rounds without a draft (a late draft's)."""
     body = {
         "model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": REQUEST_MAX_TOKENS, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True}, "speculative": spec,
     }
-    started, first, prompt_tokens = time.perf_counter(), None, 0
+    started, first, prompt_tokens, waited = time.perf_counter(), None, 0, None
     with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
@@ -68,7 +68,8 @@ def _ttft(client: httpx.Client, prompt: str, spec: dict[str, Any]) -> tuple[floa
                 first = time.perf_counter() - started
             if event.get("usage"):
                 prompt_tokens = event["usage"]["prompt_tokens"]
-    return (first if first is not None else time.perf_counter() - started), prompt_tokens
+                waited = event["usage"]["speculative"].get("rounds_without_draft")
+    return (first if first is not None else time.perf_counter() - started), prompt_tokens, waited
 
 
 def bench_prefill(args: argparse.Namespace) -> int:
@@ -95,8 +96,10 @@ def bench_prefill(args: argparse.Namespace) -> int:
             for run in range(runs):
                 for length in lengths:
                     for mode, spec in MODES.items():  # the modes in turn, each on a prompt of its own
-                        seconds, tokens = _ttft(client, long_prompt(tokenizer, length, f"n{run}-{length}-{mode}-{link_name}"), spec)
-                        results["ttft"].append({"link": link_name, "length": length, "mode": mode, "run": run, "ttft_s": seconds, "prompt_tokens": tokens})
+                        seconds, tokens, waited = _ttft(client, long_prompt(tokenizer, length, f"n{run}-{length}-{mode}-{link_name}"), spec)
+                        results["ttft"].append({
+                            "link": link_name, "length": length, "mode": mode, "run": run, "ttft_s": seconds, "prompt_tokens": tokens, "rounds_without_draft": waited,
+                        })
                         bar.step(f"{link_name} {length} {mode}: {seconds * 1e3 / max(tokens, 1):.2f} ms/token")
                     ids = _chat_ids(tokenizer, long_prompt(tokenizer, length, f"a{run}-{length}"))
                     with closing(LlamaFloor("builtin", threads, list(ids), n_ctx=MAX_PROMPT + 64)) as alone:
