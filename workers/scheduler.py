@@ -130,17 +130,27 @@ class VerifyScheduler:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                head = self._queue[0]
-                if isinstance(head, _Exclusive):
-                    self._queue.popleft()
-                    await self._exclusive(head)
+                exclusive = self._next_exclusive()
+                if exclusive is not None:
+                    self._queue = deque(e for e in self._queue if e is not exclusive)
+                    await self._exclusive(exclusive)
                 else:
                     await self._step(self._take())
 
+    def _next_exclusive(self) -> _Exclusive | None:
+        """The first exclusive entry, once every call before it has had a step: a long call between two of its pieces
+        does not hold it (a ``DELETE`` behind a long prefill would hold every call behind it)."""
+        for entry in self._queue:
+            if isinstance(entry, _Exclusive):
+                return entry
+            if entry.fed == 0 and not entry.done.done():
+                return None
+        return None
+
     def _take(self) -> list[tuple[_Call, Work]]:
         """The step's work from the calls before the first exclusive entry: whole calls within ``max_batch_tokens``
-        (``take_within``), and the next piece of the oldest long one; calls passed over keep their places, calls whose
-        client left are dropped."""
+        (``take_within``), and the next piece of the long call with the fewest tokens left (a session sent again goes
+        before a long prompt); calls passed over keep their places, calls whose client left are dropped."""
         barrier = next((i for i, entry in enumerate(self._queue) if isinstance(entry, _Exclusive)), len(self._queue))  # what comes after it waits
         waiting = [entry for entry in list(self._queue)[:barrier] if isinstance(entry, _Call)]
         live = [c for c in waiting if not c.done.done()]
@@ -149,7 +159,8 @@ class VerifyScheduler:
         taken = take_within((c for c in live if c.req.session_id not in apart), lambda c: c.req.new_rows - c.fed, self.max_batch_tokens, lambda c: c.req.session_id)
         work: list[tuple[_Call, Work]] = [(c, Piece(c.req, c.fed) if c.fed else c.req) for c in taken]  # type: ignore[arg-type]  # fed: a chunkable call
         if long:  # beside them, not instead of them
-            work.append((long[0], Piece(long[0].req, long[0].fed, long[0].fed + self.prefill_chunk)))  # type: ignore[arg-type]
+            first = min(long, key=lambda c: len(c.req.tokens) - c.fed)  # the oldest of the shortest
+            work.append((first, Piece(first.req, first.fed, first.fed + self.prefill_chunk)))  # type: ignore[arg-type]
         gone = {id(c) for c in waiting if c.done.done()} | {id(c) for c in taken}
         self._queue = deque(e for e in self._queue if id(e) not in gone)
         return work

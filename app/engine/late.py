@@ -26,7 +26,7 @@ class LateDraft:
         self.draft, self.session_id, self.sequence = draft, session.id, list(session.sequence)
         self.left, self.seeded = session.req.draft_after, session.req.seeded
         self.task: asyncio.Task[None] | None = None
-        self.waiting = wait  # the first round not done yet: no prefill
+        self.first = True  # the first round is next
         if not wait:
             self._start()
 
@@ -40,15 +40,19 @@ class LateDraft:
         return cls(draft, session, wait)
 
     def skips(self) -> bool:
-        """Whether the next round carries no draft (asked once per round the targets verify)."""
-        if self.task is None and not self.waiting:
-            self._start()  # the first round is done: the prefill starts
-        self.waiting = False
+        """Whether the next round carries no draft (asked once per round the targets verify). A prefill that waited for
+        the first round starts after it — unless the next round drafts anyway (seeded): its draft prefills in its place."""
+        first, self.first = self.first, False
         if self.left > 0:
             self.left -= 1
+            if not first:
+                self._start()
             return True
+        if self.seeded:
+            return False  # the draft waits for a prefill in progress (``DraftModel.propose``), or decodes what it lacks
+        self._start()
         assert self.task is not None
-        return not self.seeded and not self.task.done()
+        return not self.task.done()
 
     async def close(self) -> None:
         """The choice ended: a prefill still running stops at its next chunk."""
@@ -59,8 +63,9 @@ class LateDraft:
         await asyncio.gather(self.task, return_exceptions=True)
 
     def _start(self) -> None:
-        self.task = asyncio.create_task(self.draft.prefill(self.session_id, self.sequence))
-        self.task.add_done_callback(_retrieve)
+        if self.task is None:
+            self.task = asyncio.create_task(self.draft.prefill(self.session_id, self.sequence))
+            self.task.add_done_callback(_retrieve)
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

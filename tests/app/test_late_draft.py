@@ -181,24 +181,26 @@ def test_nothing_waits_where_nothing_drafts(spec: SpecOptions) -> None:
     assert all(r.without_draft == 0 for r in results)
 
 
-@pytest.mark.parametrize("wait", [False, True])
-def test_the_prefill_starts_beside_the_first_round_or_after_it(wait: bool) -> None:
+@pytest.mark.parametrize(("wait", "seeded", "started"), [(False, False, [0]), (True, False, [1]), (False, True, [0]), (True, True, [])])
+def test_the_prefill_starts_beside_the_first_round_or_after_it(wait: bool, seeded: bool, started: list[int]) -> None:
     """``prefill_waits`` (``draft.background_prefill_wait``, set where the draft and the workers share cores): the
-    draft's prefill starts once the first round is done, not beside it."""
+    draft's prefill starts once the first round is done, not beside it — and not at all where the next round drafts
+    anyway (seeded, one round without a draft): that draft prefills in its place."""
     async def run() -> list[int]:
         engine = make_engine(DRAFT, WORKERS)
         engine.prefill_waits = wait
         results: list[RoundResult] = []
-        started: list[int] = []
+        calls: list[int] = []
         prefill = engine.draft.prefill
 
         async def spy(session_id: str, sequence: list[int]) -> None:
-            started.append(len(results))
+            calls.append(len(results))
             await prefill(session_id, sequence)
 
         engine.draft.prefill = spy  # type: ignore[method-assign]
-        async for result in engine.generate(_request(2, max_tokens=12)):
+        async for result in engine.generate(_request(2, seeded=seeded, max_tokens=12)):
             results.append(result)
-        return started
+        assert results[0].without_draft == 1 and (not seeded or sum(r.without_draft for r in results) == 1)
+        return calls
 
-    assert asyncio.run(run()) == [1 if wait else 0]
+    assert asyncio.run(run()) == started

@@ -202,3 +202,34 @@ async def test_a_long_prompt_goes_in_pieces_beside_the_other_calls(builtin_llama
     pieced = _answer(answers[0])
     np.testing.assert_array_equal(pieced.probs, whole.probs)
     assert pieced.held == whole.held == 302 and all(a.status_code == 200 for a in answers)
+
+
+async def test_a_delete_and_the_calls_behind_it_do_not_wait_for_a_long_prefill(tiny_runner: ModelRunner) -> None:
+    """A ``DELETE`` runs between two steps: behind a long call in pieces, between two of its pieces, and the calls after
+    it go on (before, a session's ``DELETE`` behind a 2,000-token prefill held every stream for the whole of it);
+    a session sent again (a short long call) gets its pieces before the long prompt."""
+    gated = GatedRunner(tiny_runner)
+    app = _app(gated, prefill_chunk=4)
+    done: list[str] = []
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        async def post(req: VerifyRequest) -> httpx.Response:
+            resp = await _post(client, req)
+            done.append(req.session_id)
+            return resp
+
+        async def delete(session_id: str) -> httpx.Response:
+            resp = await client.delete(f"/v1/sessions/{session_id}")
+            done.append(f"DELETE {session_id}")
+            return resp
+
+        _answer(await _post(client, VerifyRequest.after("gone", [], PROMPT[:4], [1])))
+        first = asyncio.create_task(_post(client, VerifyRequest.after("warm", [], PROMPT, [1])))
+        await _until(gated.entered)
+        long = asyncio.create_task(post(VerifyRequest.after("long", [], (PROMPT * 10)[:120], [1])))
+        await asyncio.sleep(0.1)
+        tasks = [asyncio.create_task(delete("gone")), asyncio.create_task(post(VerifyRequest.after("again", [], PROMPT[:10], [2])))]
+        await asyncio.sleep(0.1)
+        gated.gate.set()
+        assert (await tasks[0]).status_code == 204 and _answer(await tasks[1]).held == 11
+        assert _answer(await long).held == 121 and (await first).status_code == 200
+    assert done == ["DELETE gone", "again", "long"]

@@ -142,9 +142,11 @@ class PipelineRun:
                 draft_s = time.perf_counter() - started
             raise RuntimeError("pipeline: nothing in flight and nothing left to send before the answer ended")
         finally:
-            await self._drop_flights()
-            if self.late is not None:
-                await asyncio.shield(self.late.close())
+            try:
+                await self._drop_flights()
+            finally:
+                if self.late is not None:
+                    await asyncio.shield(self.late.close())
 
     async def _drop_flights(self) -> None:
         for flight in self.flight:
