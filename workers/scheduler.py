@@ -1,8 +1,8 @@
 """The worker's ``VerifyScheduler`` (DESIGN §9): calls wait in one FIFO queue; a step takes from its front
 (``take_within``) and runs them as one runner forward (``workers.step``); ``exclusive`` entries (``DELETE``, the
 close) run between two steps, in their place in the queue. A long prompt goes in pieces (chunked prefill, as
-vLLM's): ``prefill_chunk`` of its tokens a step, beside the other sessions' calls, so theirs wait one piece, not
-the whole prefill."""
+vLLM's): ``prefill_chunk`` of its tokens a step, in the steps the other sessions' calls leave free and one step in
+four beside them, so theirs wait one piece at most, not the whole prefill."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from core.runners.model_thread import ModelThread, take_within
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+PIECE_PASSES = 3  # steps in a row a long call's next piece may wait while other calls go: then it goes beside them
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class VerifyScheduler:
             raise ValueError(f"max_batch_tokens and prefill_chunk must be ≥ 1, got {max_batch_tokens} and {prefill_chunk}")
         self.state, self.max_batch_tokens = state, max_batch_tokens
         self.prefill_chunk = prefill_chunk or max_batch_tokens  # a long call's tokens per step
+        self._passed = 0  # steps in a row a long call's piece waited through
         self.steps = StepLog()
         self._queue: deque[_Call | _Exclusive] = deque()
         self._wake = asyncio.Event()
@@ -149,8 +151,9 @@ class VerifyScheduler:
 
     def _take(self) -> list[tuple[_Call, Work]]:
         """The step's work from the calls before the first exclusive entry: whole calls within ``max_batch_tokens``
-        (``take_within``), and the next piece of the long call with the fewest tokens left (a session sent again goes
-        before a long prompt); calls passed over keep their places, calls whose client left are dropped."""
+        (``take_within``); the next piece of the long call with the fewest tokens left (a session sent again goes before
+        a long prompt) in a step of its own, or beside them once it waited ``PIECE_PASSES`` steps; calls passed over
+        keep their places, calls whose client left are dropped."""
         barrier = next((i for i, entry in enumerate(self._queue) if isinstance(entry, _Exclusive)), len(self._queue))  # what comes after it waits
         waiting = [entry for entry in list(self._queue)[:barrier] if isinstance(entry, _Call)]
         live = [c for c in waiting if not c.done.done()]
@@ -158,9 +161,12 @@ class VerifyScheduler:
         apart = {c.req.session_id for c in long}
         taken = take_within((c for c in live if c.req.session_id not in apart), lambda c: c.req.new_rows - c.fed, self.max_batch_tokens, lambda c: c.req.session_id)
         work: list[tuple[_Call, Work]] = [(c, Piece(c.req, c.fed) if c.fed else c.req) for c in taken]  # type: ignore[arg-type]  # fed: a chunkable call
-        if long:  # beside them, not instead of them
+        if long and (not taken or self._passed >= PIECE_PASSES):  # alone, or beside them after waiting its passes
             first = min(long, key=lambda c: len(c.req.tokens) - c.fed)  # the oldest of the shortest
             work.append((first, Piece(first.req, first.fed, first.fed + self.prefill_chunk)))  # type: ignore[arg-type]
+            self._passed = 0
+        elif long:
+            self._passed += 1
         gone = {id(c) for c in waiting if c.done.done()} | {id(c) for c in taken}
         self._queue = deque(e for e in self._queue if id(e) not in gone)
         return work

@@ -13,7 +13,9 @@ import numpy as np
 
 from core.protocol import VerifyRequest, VerifyResponse, decode, encode
 from core.runners import ModelRunner
+from core.runners.model_thread import ModelThread
 from tests.workers.gated import GatedRunner
+from workers.scheduler import Piece, VerifyScheduler
 from workers.server import create_app
 from workers.settings import WorkerSettings
 
@@ -171,7 +173,7 @@ async def test_a_new_session_gets_503_while_live_sessions_hold_every_stream(buil
 
 async def test_a_long_prompt_goes_in_pieces_beside_the_other_calls(builtin_llama: ModelRunner) -> None:
     """Chunked prefill: a 300-token first call goes ``prefill_chunk`` (64 here) tokens a step; the four short calls queued
-    behind it share its first step and are answered then, not after the whole prefill; the long call's answer is bit
+    behind it go first, in one step, and are answered then, not after the whole prefill; the long call's answer is bit
     for bit the one it gets in one piece (llama.cpp decodes ≤ 32 tokens either way)."""
     long = VerifyRequest.after("long", [], (PROMPT * 25)[:300], [7, 9], temperature=1.0)
     short = [VerifyRequest.after(f"s{i}", [], PROMPT[: 4 + i], [20, 21], temperature=1.0) for i in range(4)]
@@ -197,7 +199,7 @@ async def test_a_long_prompt_goes_in_pieces_beside_the_other_calls(builtin_llama
         answers = await asyncio.gather(*pending)
         assert (await first).status_code == 200
     steps = app.state.worker.scheduler.steps
-    assert steps.sizes == [1, 5, 1, 1, 1, 1] and steps.tokens[1:] == [64 + 4 * 2 + sum(range(4, 8)), 64, 64, 64, 44 + 2]
+    assert steps.sizes == [1, 4, 1, 1, 1, 1, 1] and steps.tokens[1:] == [4 * 2 + sum(range(4, 8)), 64, 64, 64, 64, 44 + 2]
     assert done[-1] == "long"  # the short calls did not wait for the whole prefill
     pieced = _answer(answers[0])
     np.testing.assert_array_equal(pieced.probs, whole.probs)
@@ -233,3 +235,29 @@ async def test_a_delete_and_the_calls_behind_it_do_not_wait_for_a_long_prefill(t
         assert (await tasks[0]).status_code == 204 and _answer(await tasks[1]).held == 11
         assert _answer(await long).held == 121 and (await first).status_code == 200
     assert done == ["DELETE gone", "again", "long"]
+
+
+class _Recorder:
+    """A step host that records each step's work and answers at once (the scheduler's order, no model)."""
+
+    def __init__(self) -> None:
+        self.thread = ModelThread()
+        self.steps: list[list[tuple[str, bool]]] = []
+
+    def verify_batch(self, reqs: list[Any], timings: list[dict[str, float]]) -> list[Any]:
+        self.steps.append([(r.session_id, isinstance(r, Piece) and r.end is not None) for r in reqs])
+        return ["answer"] * len(reqs)
+
+
+async def test_a_long_calls_pieces_go_in_free_steps_and_one_in_four_beside_the_others() -> None:
+    """Twelve short calls queued behind a long one, two to a step (``max_batch_tokens`` 8): the long call's pieces wait
+    three steps, then go beside them one step in four, then alone once they are answered; its answer comes last."""
+    host = _Recorder()
+    scheduler = VerifyScheduler(host, max_batch_tokens=8, prefill_chunk=4)
+    long = asyncio.create_task(scheduler.verify(VerifyRequest.after("long", [], list(range(1, 25)), [1]), {}))
+    short = [asyncio.create_task(scheduler.verify(VerifyRequest.after(f"s{i}", [], [1, 2], [3]), {})) for i in range(12)]
+    assert await asyncio.gather(long, *short) == ["answer"] * 13
+    await scheduler.close()
+    host.thread.close()
+    shape = ["".join("p" if piece else "l" if s == "long" else "s" for s, piece in step) for step in host.steps]
+    assert shape == ["ss", "ss", "ss", "ssp", "ss", "ss", "p", "p", "p", "p", "l"]  # 20 of its 24 tokens in pieces of 4, then the call
