@@ -57,7 +57,7 @@ class Gateway(Requests):
         self.metrics = metrics
         self.tokenizer = draft.runner.tokenizer
         self.engine = Engine(draft, pool, draft.runner.info.eos_ids, draft.runner.info.max_context)
-        self.engine.prefill_waits = bool(config.draft.background_prefill_wait)
+        self.engine.prefill_waits = config.late_prefill_waits()
         self._workers_checked = False
         self._engine_warned: set[str] = set()
 

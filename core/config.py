@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -15,6 +16,8 @@ from core.errors import ConfigError
 from core.math.shapes import ChildRule, SegmentSchedule, TreeShape
 from core.modes import SERVED_MODES, target_problem
 from core.names import Backend, Drafter, Mode, Reconstruction, TargetType
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}  # hosts on this machine (late_prefill_waits)
 
 FIRST_LOCAL_PORT = 8101
 
@@ -32,7 +35,7 @@ class DraftConfig(BaseModel):
     max_context: int | None = Field(default=None, gt=0)  # tokens a draft session holds; None = limits.max_prompt_tokens + limits.max_tokens (capped by the model's own)
     max_batch_tokens: int = Field(default=128, gt=0)  # new rows per draft step, every drafting request together (a prompt goes in chunks of half)
     background_prefill_from: int | None = Field(default=64, gt=0)  # a prompt this long or longer: the first round carries no draft (the targets sample it) while the draft prefills (app.engine.late); None: never
-    background_prefill_wait: bool | None = None  # that prefill starts after the first round (the targets' prefill), not beside it: where they share cores; None = true when `serve` starts the workers on this machine
+    background_prefill_wait: bool | None = None  # that prefill starts after the first round (the targets' prefill), not beside it: where they share cores; None = when every worker is on this machine
 
 
 class TreeParams(BaseModel):
@@ -331,6 +334,15 @@ class SpecgateConfig(BaseSettings):
                 w = w.model_copy(update={"pipeline": [s.model_copy(update=stage(s)) if s.is_local else s for s in w.pipeline]})
             workers.append(w)
         return self.model_copy(update={"workers": workers, **update})
+
+    def late_prefill_waits(self) -> bool:
+        """Whether a late draft's prefill waits for the first round (app.engine.late): as ``draft.background_prefill_wait``
+        says, else when every worker is on this machine (started by ``serve``, or at a loopback address): they share its cores."""
+        if self.draft.background_prefill_wait is not None:
+            return self.draft.background_prefill_wait
+        urls = [w.url for w in self.workers if not w.is_local and w.pipeline is None]
+        urls += [s.url for w in self.workers for s in w.pipeline or [] if not s.is_local]
+        return all(urlsplit(url or "").hostname in _LOOPBACK for url in urls)
 
     @property
     def local_stages(self) -> list[StageEntry]:

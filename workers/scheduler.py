@@ -88,6 +88,7 @@ class VerifyScheduler:
             raise ValueError(f"max_batch_tokens and prefill_chunk must be ≥ 1, got {max_batch_tokens} and {prefill_chunk}")
         self.state, self.max_batch_tokens = state, max_batch_tokens
         self.prefill_chunk = prefill_chunk or max_batch_tokens  # a long call's tokens per step
+        self.long_call = max(self.prefill_chunk, max_batch_tokens // 4)  # a call with more new tokens goes in pieces (a chat's first call goes whole)
         self._passed = 0  # steps in a row a long call's piece waited through
         self.steps = StepLog()
         self._queue: deque[_Call | _Exclusive] = deque()
@@ -157,7 +158,7 @@ class VerifyScheduler:
         barrier = next((i for i, entry in enumerate(self._queue) if isinstance(entry, _Exclusive)), len(self._queue))  # what comes after it waits
         waiting = [entry for entry in list(self._queue)[:barrier] if isinstance(entry, _Call)]
         live = [c for c in waiting if not c.done.done()]
-        long = [c for c in live if chunkable(c.req) and len(c.req.tokens) - c.fed > self.prefill_chunk]
+        long = [c for c in live if chunkable(c.req) and (c.fed or len(c.req.tokens) > self.long_call) and len(c.req.tokens) - c.fed > self.prefill_chunk]
         apart = {c.req.session_id for c in long}
         taken = take_within((c for c in live if c.req.session_id not in apart), lambda c: c.req.new_rows - c.fed, self.max_batch_tokens, lambda c: c.req.session_id)
         work: list[tuple[_Call, Work]] = [(c, Piece(c.req, c.fed) if c.fed else c.req) for c in taken]  # type: ignore[arg-type]  # fed: a chunkable call

@@ -382,8 +382,11 @@ def _in_default_run(cell: Cell) -> bool:
     drafter, a lookup branch, overlap) with two workers is crossed with the truncated samplings (top-k, top-p)
     and T = 0, not with plain T = 1 — the two workers' law under the option is the same check with fewer
     branches there (a third of the matrix's runs), and T = 1 has the option with one worker and every shape
-    with two."""
+    with two. A late draft: ready after one round in every mode and payload (two workers at T = 0; their sampled
+    law is tests/app/test_late_draft.py's chi-square), after two on aggregate's full rows."""
     two_workers = len(WORKER_SETS[cell.workers]) > 1
+    if cell.late and not FULL:  # a late draft: k = 1 in every mode and payload (two workers greedy), k = 2 on aggregate's full rows
+        return (not two_workers or cell.sampling == "T=0") and (cell.late == 1 or (cell.mode is Mode.AGGREGATE and cell.payload is Payload.FULL))
     option = bool(cell.option or cell.transform or cell.lookup or cell.overlap)
     return FULL or not (two_workers and option and cell.sampling == "T=1")
 

@@ -50,6 +50,11 @@ def test_with_local_workers_a_late_drafts_prefill_waits_for_the_first_round(give
     assert parse_config(data).with_split_cores(2).draft.background_prefill_wait is wait
 
 
+@pytest.mark.parametrize(("urls", "wait"), [(["http://127.0.0.1:8101", "http://localhost:8102"], True), (["http://127.0.0.1:8101", "http://10.0.0.2:8101"], False)])
+def test_a_gateway_whose_workers_are_all_on_this_machine_lets_the_first_round_prefill_alone(urls: list[str], wait: bool) -> None:
+    assert parse_config({"workers": [{"url": url} for url in urls]}).late_prefill_waits() is wait
+
+
 def test_the_childs_environment_sizes_its_pools() -> None:
     assert child_env(None) is None
     env = child_env(3)

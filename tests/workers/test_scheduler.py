@@ -208,8 +208,7 @@ async def test_a_long_prompt_goes_in_pieces_beside_the_other_calls(builtin_llama
 
 async def test_a_delete_and_the_calls_behind_it_do_not_wait_for_a_long_prefill(tiny_runner: ModelRunner) -> None:
     """A ``DELETE`` runs between two steps: behind a long call in pieces, between two of its pieces, and the calls after
-    it go on (before, a session's ``DELETE`` behind a 2,000-token prefill held every stream for the whole of it);
-    a session sent again (a short long call) gets its pieces before the long prompt."""
+    it go on (before, a session's ``DELETE`` behind a 2,000-token prefill held every stream for the whole of it)."""
     gated = GatedRunner(tiny_runner)
     app = _app(gated, prefill_chunk=4)
     done: list[str] = []
@@ -261,3 +260,16 @@ async def test_a_long_calls_pieces_go_in_free_steps_and_one_in_four_beside_the_o
     host.thread.close()
     shape = ["".join("p" if piece else "l" if s == "long" else "s" for s, piece in step) for step in host.steps]
     assert shape == ["ss", "ss", "ss", "ssp", "ss", "ss", "p", "p", "p", "p", "l"]  # 20 of its 24 tokens in pieces of 4, then the call
+
+
+async def test_of_two_long_calls_the_one_with_fewer_tokens_left_goes_first() -> None:
+    """Shortest first among long calls: a session sent again from zero (a few hundred tokens) does not wait behind a
+    2,000-token prompt; the longer one goes on once it is done."""
+    host = _Recorder()
+    scheduler = VerifyScheduler(host, max_batch_tokens=8, prefill_chunk=4)
+    calls = [scheduler.verify(VerifyRequest.after(name, [], list(range(1, n + 1)), [1]), {}) for name, n in (("long", 40), ("again", 20))]
+    assert await asyncio.gather(*calls) == ["answer", "answer"]
+    await scheduler.close()
+    host.thread.close()
+    order = [s for step in host.steps for s, _ in step]
+    assert order == ["again"] * 5 + ["long"] * 10  # 4 pieces and the call, then 9 and the call
