@@ -183,7 +183,7 @@ class VerifyScheduler:
             answers = [exc] * len(work)
         for (call, piece), answer in zip(work, answers):
             if isinstance(piece, Piece) and piece.end is not None and not isinstance(answer, BaseException):
-                call.fed = piece.end  # the call waits in its place for its next piece
+                call.fed = answer if isinstance(answer, int) else piece.end  # the call waits in its place for its next piece
                 continue
             if isinstance(piece, Piece) and piece.end is not None:  # a piece failed: the call with it
                 self._queue = deque(e for e in self._queue if e is not call)

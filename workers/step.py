@@ -35,7 +35,12 @@ class Steps(StageSteps):
         items, order = [], []
         for i, req in enumerate(reqs):
             try:
-                items.append(self._prepare_stage(req) if isinstance(req, StageRequest) else self._prepare_piece(req) if isinstance(req, Piece) else self._prepare(req))
+                prepared = self._prepare_stage(req) if isinstance(req, StageRequest) else self._prepare_piece(req) if isinstance(req, Piece) else self._prepare(req)
+                item, rows, shaping = prepared
+                if item is None:  # a piece the prompt cache held: nothing to decode
+                    answers[i] = rows
+                    continue
+                items.append((item, rows, shaping))
                 order.append(i)
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
@@ -57,7 +62,8 @@ class Steps(StageSteps):
             req, scored = reqs[i], time.perf_counter()
             timings[i]["model"] = timings[i].get("model", 0.0) + model_ms
             if isinstance(req, Piece) and req.end is not None:
-                continue  # a piece of a prompt: no answer yet
+                answers[i] = scored_tokens  # a piece of a prompt: the tokens the session holds now
+                continue
             try:
                 if isinstance(req, StageRequest):
                     answers[i] = self._stage_answer(req, logits, model_ms)
@@ -103,18 +109,25 @@ class Steps(StageSteps):
             self.sessions.check_prefix(req.session_id, req.prefix_len, req.prefix_hash)
         self.sessions.admit(req.session_id, tree=req.parents is not None)
 
-    def _prepare_piece(self, piece: Piece) -> tuple[ForwardItem, int, Shaping | None]:
-        """A piece of a long call (workers.scheduler): the first checks the call; each appends its tokens; the last is
-        the call itself after them."""
-        req = piece.req
+    def _prepare_piece(self, piece: Piece) -> tuple[ForwardItem | None, int, Shaping | None]:
+        """A piece of a long call (workers.scheduler): the first checks the call and takes what a prompt cache holds of
+        it (a new session: those rows are not fed again); each appends its tokens; the last is the call itself after
+        them. For a piece, the second value is how many of the call's tokens the session holds after it (its answer)."""
+        req, tokens = piece.req, piece.req.tokens.tolist()
         if piece.end is None:
             return self._prepare(req, piece.start)
         if piece.start:
             self._check_fed(req, piece.start)
+            begin = piece.start
         else:
             self._admit(req)
-        self.runner.crop(req.session_id, req.prefix_len + piece.start)
-        return self.runner.append_item(req.session_id, req.tokens.tolist()[piece.start:piece.end], 1), 0, None
+            cached = self.runner.adopt(req.session_id, tokens) if req.prefix_len == 0 else 0  # < len(tokens)
+            if cached:
+                return None, cached, None  # no decode: the pieces go on after what it holds, as a whole call's rows would
+            begin = 0
+        end = min(begin + piece.end - piece.start, len(tokens) - 1)
+        self.runner.crop(req.session_id, req.prefix_len + begin)
+        return self.runner.append_item(req.session_id, tokens[begin:end], 1), end, None
 
     def _check_fed(self, req: VerifyRequest, fed: int) -> None:
         """The session still holds its prefix and the call's first ``fed`` tokens; else SessionShort (the gateway sends again)."""

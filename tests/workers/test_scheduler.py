@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -175,13 +176,9 @@ async def test_a_long_prompt_goes_in_pieces_beside_the_other_calls(builtin_llama
     """Chunked prefill: a 300-token first call goes ``prefill_chunk`` (64 here) tokens a step; the four short calls queued
     behind it go first, in one step, and are answered then, not after the whole prefill; the long call's answer is bit
     for bit the one it gets in one piece (llama.cpp decodes ≤ 32 tokens either way)."""
-    long = VerifyRequest.after("long", [], (PROMPT * 25)[:300], [7, 9], temperature=1.0)
+    long = VerifyRequest.after("long", [], [(i * 7919) % 40000 + 100 for i in range(300)], [7, 9], temperature=1.0)  # in no prompt cache
     short = [VerifyRequest.after(f"s{i}", [], PROMPT[: 4 + i], [20, 21], temperature=1.0) for i in range(4)]
-    app = _app(builtin_llama, backend="llama.cpp", prefill_chunk=512)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
-        whole = _answer(await _post(client, long))
     builtin_llama.free_all()
-
     gated = GatedRunner(builtin_llama)
     app = _app(gated, backend="llama.cpp", prefill_chunk=64)
     done: list[str] = []
@@ -202,6 +199,10 @@ async def test_a_long_prompt_goes_in_pieces_beside_the_other_calls(builtin_llama
     assert steps.sizes == [1, 4, 1, 1, 1, 1, 1] and steps.tokens[1:] == [4 * 2 + sum(range(4, 8)), 64, 64, 64, 64, 44 + 2]
     assert done[-1] == "long"  # the short calls did not wait for the whole prefill
     pieced = _answer(answers[0])
+    builtin_llama.free_all()
+    app = _app(builtin_llama, backend="llama.cpp", prefill_chunk=512)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        whole = _answer(await _post(client, replace(long, session_id="whole")))
     np.testing.assert_array_equal(pieced.probs, whole.probs)
     assert pieced.held == whole.held == 302 and all(a.status_code == 200 for a in answers)
 
@@ -273,3 +274,19 @@ async def test_of_two_long_calls_the_one_with_fewer_tokens_left_goes_first() -> 
     host.thread.close()
     order = [s for step in host.steps for s, _ in step]
     assert order == ["again"] * 5 + ["long"] * 10  # 4 pieces and the call, then 9 and the call
+
+
+async def test_a_long_prompt_seen_before_takes_the_prompt_cache_not_its_pieces(builtin_llama: ModelRunner) -> None:
+    """A long call's first piece takes what the prompt cache holds of it (as a whole call would): the second session
+    with the same 300 tokens decodes only its last token and its draft, and gets the first one's answer bit for bit."""
+    builtin_llama.free_all()
+    app = _app(builtin_llama, backend="llama.cpp", prefill_chunk=64)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        prompt = (PROMPT * 25)[:300]
+        first = _answer(await _post(client, VerifyRequest.after("one", [], prompt, [7, 9], temperature=1.0)))
+        assert (await client.delete("/v1/sessions/one")).status_code == 204
+        steps = len(app.state.worker.scheduler.steps.sizes)
+        again = _answer(await _post(client, VerifyRequest.after("two", [], prompt, [7, 9], temperature=1.0)))
+        tokens = app.state.worker.scheduler.steps.tokens[steps:]
+    assert len(tokens) == 2 and tokens[-1] == 3  # what the prompt cache holds (299 rows) not fed again: a first piece with no decode, then the last token with the draft
+    np.testing.assert_array_equal(again.probs, first.probs)
