@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +32,16 @@ def _app(runner: Any, **overrides: Any) -> Any:
 async def _post(client: httpx.AsyncClient, req: VerifyRequest) -> httpx.Response:
     body, content_type = encode(req, V)
     return await client.post("/v1/verify", content=body, headers={"content-type": content_type, "accept": content_type})
+
+
+def _noting(client: httpx.AsyncClient, done: list[str]) -> Callable[[VerifyRequest], Awaitable[httpx.Response]]:
+    """``_post`` that notes each session in ``done`` as its answer arrives (the order calls were answered in)."""
+    async def post(req: VerifyRequest) -> httpx.Response:
+        resp = await _post(client, req)
+        done.append(req.session_id)
+        return resp
+
+    return post
 
 
 def _answer(resp: httpx.Response) -> VerifyResponse:
@@ -183,11 +194,7 @@ async def test_a_long_prompt_goes_in_pieces_beside_the_other_calls(builtin_llama
     app = _app(gated, backend="llama.cpp", prefill_chunk=64)
     done: list[str] = []
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
-        async def post(req: VerifyRequest) -> httpx.Response:
-            resp = await _post(client, req)
-            done.append(req.session_id)
-            return resp
-
+        post = _noting(client, done)
         first = asyncio.create_task(_post(client, VerifyRequest.after("warm", [], PROMPT, [1])))
         await _until(gated.entered)
         pending = [asyncio.create_task(post(req)) for req in [long, *short]]
@@ -214,11 +221,7 @@ async def test_a_delete_and_the_calls_behind_it_do_not_wait_for_a_long_prefill(t
     app = _app(gated, prefill_chunk=4)
     done: list[str] = []
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
-        async def post(req: VerifyRequest) -> httpx.Response:
-            resp = await _post(client, req)
-            done.append(req.session_id)
-            return resp
-
+        post = _noting(client, done)
         async def delete(session_id: str) -> httpx.Response:
             resp = await client.delete(f"/v1/sessions/{session_id}")
             done.append(f"DELETE {session_id}")
