@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     workload.add_argument("--categories", default=None, help="a comma-separated subset of the categories (default: all six)")
     prefill = _with_json(benches.add_parser("prefill", help="long prompts: time to the first token per prompt token by mode vs the target alone; running streams' ITL during a long prefill"))
     prefill.add_argument("--lengths", type=concurrency_levels, default=[250, 500, 1000, 2000], help="prompt tokens, comma-separated (default: 250,500,1000,2000)")
-    prefill.add_argument("--runs", type=int, default=2, help="prompts per length, mode and link (default: 2)")
+    prefill.add_argument("--runs", type=int, default=2, help="prompts per length, mode and link; runs of the running streams (default: 2)")
     prefill.add_argument("--streams", type=int, default=4, help="running streams for the inter-token latency (default: 4)")
     prefill.add_argument("--quick", action="store_true", help="250 and 1,000 tokens, zero link, one run")
     load = _with_json(benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS"))
