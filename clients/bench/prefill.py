@@ -83,7 +83,7 @@ def bench_prefill(args: argparse.Namespace) -> int:
     config = builtin_config().with_split_cores(usable_cores())
     threads = max(1, usable_cores() // 2)  # the worker and the draft: a half of the cores each
     plan = {"links": links, "lengths": lengths, "modes": list(MODES), "runs": runs, "threads": threads, "streams": args.streams}
-    results: dict[str, Any] = {"setup": setup(plan), "ttft": [], "alone": {}, "itl": {}}
+    results: dict[str, Any] = {"setup": setup(plan), "ttft": [], "alone": {}, "itl": []}
     bar = Bar(runs * len(links) * len(lengths) * (len(MODES) + 1) + 2 * runs)
     with ExitStack() as stack:
         worker = stack.enter_context(WorkerProcess("builtin", "llama.cpp", threads=threads))
