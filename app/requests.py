@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from app.adaptive import DEFAULT_GAMMA
 from app.drafting import DraftModel
 from app.engine import Engine, GenerationRequest, SpecOptions
+from app.engine.late import waits_for_a_model
 from app.errors import ApiError
 from app.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SpeculativeParams
 from app.targets.pipeline import PipelineTarget
@@ -189,7 +190,7 @@ class Requests:
         """Rounds with no draft while the draft prefills a long prompt (app.engine.late): one from
         ``draft.background_prefill_from`` tokens on — a function of the request, so a seeded text does not depend on load."""
         since = self.config.draft.background_prefill_from
-        return 1 if since is not None and prompt_len >= since and MODES[spec.mode].drafts and spec.drafter is not Drafter.LOOKUP else 0
+        return 1 if since is not None and prompt_len >= since and waits_for_a_model(spec) else 0
 
     def _transform(self, body: Body, prompt_len: int, grammar: GrammarSpec | None, param: str) -> TransformSpec | None:
         """The request's transform (DESIGN §3.9), checked against what the targets can apply; None when it asks for none."""

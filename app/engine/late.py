@@ -10,10 +10,16 @@ import logging
 
 from app.drafting import DraftModel
 from app.engine.session import Session
+from app.engine.spec import SpecOptions
 from core.modes import MODES
 from core.names import Drafter
 
 log = logging.getLogger(__name__)
+
+
+def waits_for_a_model(spec: SpecOptions) -> bool:
+    """Whether the mode's draft comes from a draft model that must prefill (lookup alone has nothing to wait for)."""
+    return MODES[spec.mode].drafts and spec.drafter is not Drafter.LOOKUP
 
 
 class LateDraft:
@@ -35,7 +41,7 @@ class LateDraft:
         """The session's late draft; None when every round drafts as before (``draft_after`` 0, a mode or drafter
         with no draft model to wait for, no room for a second round)."""
         req = session.req
-        if req.draft_after <= 0 or not MODES[req.spec.mode].drafts or req.spec.drafter is Drafter.LOOKUP or session.room() <= 1:
+        if req.draft_after <= 0 or not waits_for_a_model(req.spec) or session.room() <= 1:
             return None
         return cls(draft, session, wait)
 
