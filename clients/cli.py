@@ -16,12 +16,13 @@ import sys
 COMMANDS: dict[str | None, tuple[str, str]] = {
     "eval": ("clients.eval", "evaluate"), "law": ("clients.law", "check_law"), "chat": ("clients.chat", "chat"), "prepare": ("clients.prepare", "prepare"),
     None: ("clients.bench.modes", "bench_modes"), "worker": ("clients.bench.worker", "bench_worker"),
-    **{bench: (f"clients.bench.{bench}", f"bench_{bench}") for bench in ("load", "grammar", "structured", "workload", "overhead", "dsd", "tree", "pipeline", "prefill")},
+    **{bench: (f"clients.bench.{bench}", f"bench_{bench}") for bench in ("load", "grammar", "structured", "workload", "overhead", "dsd", "tree", "pipeline", "prefill", "consistency")},
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     from clients.bench.common import device_args
+    from clients.bench.consistency import CONFIGS as CONSISTENCY_MODES, mode_list
     from clients.bench.load import concurrency_levels
 
     parser = argparse.ArgumentParser(prog="specgate", description="Distributed speculative decoding behind the OpenAI API.")
@@ -128,6 +129,19 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--runs", type=int, default=2, help="prompts per length, mode and link; runs of the running streams (default: 2)")
     prefill.add_argument("--streams", type=int, default=4, help="running streams for the inter-token latency (default: 4)")
     prefill.add_argument("--quick", action="store_true", help="250 and 1,000 tokens, zero link, one run")
+    prefill.add_argument("--tokens", type=int, default=4, help="tokens per timed answer; above 2, each answer's ms per token after the first too (default: 4)")
+    prefill.add_argument("--threads", type=int, default=None, help="the worker's and the draft's threads (default: half the cores each)")
+    consistency = _with_json(benches.add_parser(
+        "consistency", help="long prompts: greedy text of every mode against autoregressive; seeded text alone, at once with others, and across a failover"))
+    consistency.add_argument("--modes", type=mode_list, default=list(CONSISTENCY_MODES), help=f"comma-separated (default: all: {','.join(CONSISTENCY_MODES)})")
+    consistency.add_argument("--prompts", type=int, default=6, help="greedy prompts, 300 to 1,500 tokens (default: 6)")
+    consistency.add_argument("--tokens", type=int, default=48, help="greedy tokens per answer (default: 48)")
+    consistency.add_argument("--seeded", type=int, default=8, help="seeded prompts, 300 to 1,500 tokens (default: 8)")
+    consistency.add_argument("--seeded-tokens", type=int, default=32, help="seeded tokens per answer (default: 32)")
+    consistency.add_argument("--seed", type=int, default=1234, help="the seeded requests' seed (default: 1234)")
+    consistency.add_argument("--short", type=int, default=4, help="short streams beside the seeded ones (default: 4)")
+    consistency.add_argument("--threads", type=int, default=None, help="each worker's and the draft's threads (default: every core, as serve with one worker)")
+    consistency.add_argument("--memory-cap-mb", type=int, default=4096, help="each worker's and the draft's KV memory cap (default: 4096; at 1024 eight long tree sessions outnumber the contexts and rebuild every round)")
     load = _with_json(benches.add_parser("load", help="concurrent streaming clients against `specgate serve`: errors, TTFT, tokens/s, RSS"))
     load.add_argument(
         "--concurrency", type=concurrency_levels, default=[64],

@@ -13,8 +13,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-import pytest
-import torch
+# Some tests run two llama.cpp threads on one pinned core (the numerics one thread cannot show):
+# OpenMP's default spin at each barrier then waits out a whole time slice, 10-20x slower.
+# Sleeping waiters cost nothing here; it must be set before torch or llama.cpp loads libgomp.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from core.cores import usable_cores
 from core.runners import ModelRunner, load_runner
@@ -39,11 +44,11 @@ def _pin_this_test_process() -> None:
 _pin_this_test_process()
 
 # The costliest modules first (measured: tests/app/test_lossless_matrix.py ~190 s on one core,
-# the CLI's servers ~160 s, the integration modules 40–90 s each): pytest-xdist hands modules out
+# the CLI's servers ~160 s, the long prompts' ~90 s, the integration modules 40–90 s each): pytest-xdist hands modules out
 # in collection order (``--no-loadscope-reorder``: not by their number of tests), and the longest
 # first leaves only short ones for the end.
 COSTLIEST_FIRST = (
-    "tests/app/test_lossless_matrix.py", "tests/clients/test_cli.py", "tests/integration/test_gateway_e2e.py",
+    "tests/app/test_lossless_matrix.py", "tests/clients/test_cli.py", "tests/integration/test_long_prompts_real.py", "tests/integration/test_gateway_e2e.py",
     "tests/integration/test_pipeline_real.py", "tests/integration/test_structured_real.py", "tests/integration/test_request_surface.py",
     "tests/app/test_engine.py", "tests/integration/test_faults_real.py", "tests/integration/test_engine_target.py", "tests/app/test_schema_fuzz.py",
 )
@@ -81,3 +86,17 @@ def builtin_llama(builtin_llama_shared: ModelRunner) -> Iterator[ModelRunner]:
     builtin_llama_shared.free_all()
     yield builtin_llama_shared
     builtin_llama_shared.free_all()
+
+
+@pytest.fixture(scope="session")
+def builtin_llama_two_threads_shared() -> ModelRunner:
+    """The built-in model on two threads (even on one pinned core): llama.cpp's one-token kernel sums a long cache in one
+    part per thread, which one thread cannot show (tests/core/runners/test_llama_cpp_numerics.py)."""
+    return load_runner("builtin", "llama.cpp", threads=2, memory_cap_mb=512)
+
+
+@pytest.fixture
+def builtin_llama_two_threads(builtin_llama_two_threads_shared: ModelRunner) -> Iterator[ModelRunner]:
+    builtin_llama_two_threads_shared.free_all()
+    yield builtin_llama_two_threads_shared
+    builtin_llama_two_threads_shared.free_all()

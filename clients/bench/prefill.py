@@ -1,8 +1,9 @@
 """``specgate bench prefill``: long prompts (issue 49). Time to the first token per prompt token, by mode, against
 the target alone prefilling the same prompt (llama.cpp on the worker's GGUF and threads, the link's delay added),
 at each link; prompts of 250 to 2,000 tokens that the gateway has never seen (each begins with its own nonce:
-no prompt cache hides a prefill). Then the running streams: the inter-token latency of streams that decode while
-a long prompt arrives, against the same streams without it (p50 / p99), once per run."""
+no prompt cache hides a prefill); with ``--tokens`` above 2, each answer's time per token after the first (the rounds
+on a long context). Then the running streams: the inter-token latency of streams that decode while a long prompt
+arrives, against the same streams without it (p50 / p99), once per run."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ WORDS = (
     "the river carried silt past old mills while farmers measured rain and traders argued over grain prices in "
     "crowded markets where children learned numbers from merchants and scribes copied letters for distant cousins"
 ).split()
-REQUEST_MAX_TOKENS = 4  # the first token is what is timed
+REQUEST_MAX_TOKENS = 4  # the first token is what is timed (``--tokens``)
 MAX_PROMPT = 2_100  # the gateway's limits.max_prompt_tokens for the bench
 
 
@@ -51,25 +52,28 @@ def _chat_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def _ttft(client: httpx.Client, prompt: str, spec: dict[str, Any]) -> tuple[float, int, int | None]:
-    """One streamed request: seconds to its first content chunk, its prompt tokens, and its rounds without a draft (a late draft's)."""
+def _ttft(client: httpx.Client, prompt: str, spec: dict[str, Any], max_tokens: int = REQUEST_MAX_TOKENS) -> tuple[float, int, int | None, float | None]:
+    """One streamed request of ``max_tokens`` (``ignore_eos``): seconds to its first content chunk, its prompt tokens, its
+    rounds without a draft (a late draft's), and its seconds per token after the first (None below 3 tokens)."""
     body = {
-        "model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": REQUEST_MAX_TOKENS, "temperature": 0,
+        "model": "specgate", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True}, "speculative": spec,
     }
-    started, first, prompt_tokens, waited = time.perf_counter(), None, 0, None
+    started, first, prompt_tokens, waited, last, tokens = time.perf_counter(), None, 0, None, 0.0, 0
     with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             event = parse_data_line(line)
             if not isinstance(event, dict):
                 continue
-            if first is None and any(c["delta"].get("content") for c in event.get("choices", [])):
-                first = time.perf_counter() - started
+            if any(c["delta"].get("content") for c in event.get("choices", [])):
+                last = time.perf_counter() - started
+                first = last if first is None else first
             if event.get("usage"):
-                prompt_tokens = event["usage"]["prompt_tokens"]
+                prompt_tokens, tokens = event["usage"]["prompt_tokens"], event["usage"]["completion_tokens"]
                 waited = event["usage"]["speculative"].get("rounds_without_draft")
-    return (first if first is not None else time.perf_counter() - started), prompt_tokens, waited
+    after = (last - first) / (tokens - 1) if first is not None and tokens > 2 else None
+    return (first if first is not None else time.perf_counter() - started), prompt_tokens, waited, after
 
 
 def bench_prefill(args: argparse.Namespace) -> int:
@@ -81,8 +85,8 @@ def bench_prefill(args: argparse.Namespace) -> int:
     lengths = [250, 1000] if args.quick else args.lengths
     runs = 1 if args.quick else args.runs
     config = builtin_config().with_split_cores(usable_cores())
-    threads = max(1, usable_cores() // 2)  # the worker and the draft: a half of the cores each
-    plan = {"links": links, "lengths": lengths, "modes": list(MODES), "runs": runs, "threads": threads, "streams": args.streams}
+    threads = args.threads or max(1, usable_cores() // 2)  # the worker and the draft: a half of the cores each
+    plan = {"links": links, "lengths": lengths, "modes": list(MODES), "runs": runs, "threads": threads, "streams": args.streams, "tokens": args.tokens}
     results: dict[str, Any] = {"setup": setup(plan), "ttft": [], "alone": {}, "itl": []}
     bar = Bar(runs * len(links) * len(lengths) * (len(MODES) + 1) + 2 * runs)
     with ExitStack() as stack:
@@ -96,9 +100,10 @@ def bench_prefill(args: argparse.Namespace) -> int:
             for run in range(runs):
                 for length in lengths:
                     for mode, spec in MODES.items():  # the modes in turn, each on a prompt of its own
-                        seconds, tokens, waited = _ttft(client, long_prompt(tokenizer, length, f"n{run}-{length}-{mode}-{link_name}"), spec)
+                        seconds, tokens, waited, after = _ttft(client, long_prompt(tokenizer, length, f"n{run}-{length}-{mode}-{link_name}"), spec, args.tokens)
                         results["ttft"].append({
                             "link": link_name, "length": length, "mode": mode, "run": run, "ttft_s": seconds, "prompt_tokens": tokens, "rounds_without_draft": waited,
+                            "after_first_s_per_token": after,
                         })
                         bar.step(f"{link_name} {length} {mode}: {seconds * 1e3 / max(tokens, 1):.2f} ms/token")
                     ids = _chat_ids(tokenizer, long_prompt(tokenizer, length, f"a{run}-{length}"))
@@ -166,6 +171,13 @@ def _print(results: dict[str, Any]) -> None:
             med = {m: statistics.median(v) for m, v in per.items() if v}
             ratios = " | ".join(f"{med[m] / med['autoregressive']:.2f}×" for m in MODES if m != "autoregressive")
             print(f"{link} | {length} | " + " | ".join(f"{med[m]:.2f}" for m in MODES) + f" | {statistics.median(alone):.2f} | {ratios}")
+    if any(r.get("after_first_s_per_token") for r in results["ttft"]):
+        print(f"after the first token ({results['setup'].get('tokens')} a request): ms per token")
+        print("link | prompt tokens | " + " | ".join(MODES))
+        for link in results["setup"]["links"]:
+            for length in results["setup"]["lengths"]:
+                after = {m: [r["after_first_s_per_token"] * 1e3 for r in results["ttft"] if r["link"] == link and r["length"] == length and r["mode"] == m] for m in MODES}
+                print(f"{link} | {length} | " + " | ".join(f"{statistics.median(v):.1f}" if v else "-" for v in after.values()))
     pairs = results.get("itl") or []
     for itl in pairs:
         print(f"running streams' inter-token latency: without a long prompt p50 {itl['without']['itl_p50_s']} s, p99 {itl['without']['itl_p99_s']} s; "

@@ -1,7 +1,12 @@
 """The ``llama.cpp`` backend (DESIGN §7): GGUF on CPU, the fast path for chains and small trees.
 
-Its numerics (measured, ``research/tree-and-pipeline.md`` §1): flash attention pinned on and every decode
-≤ ``DECODE_TOKENS`` tokens keep a position's logits bit-identical whatever the decode. They also depend on
+Its numerics (measured: tests/core/runners/test_llama_cpp_numerics.py): with flash attention pinned on, a
+position's logits are bit-identical whatever the decode that computes it — its size, its batch-mates, the
+thread count — as long as llama.cpp runs one attention kernel for them all. It has three on the CPU: rows of
+a stream in a micro-batch of 64 or more take a tiled kernel (so no decode carries more than ``DECODE_TOKENS``);
+a micro-batch of **one** token whose KV view reaches 512 cells (its stream holds more than ``KV_PAD``) takes a
+split-KV kernel that sums the cache in one part per thread (so such a decode runs on one thread, where that
+kernel is the plain one: ``_decode``); every other micro-batch takes the plain kernel. Logits also depend on
 the order of a context's KV cells (a freed cell reused before earlier positions moves them by up to 1), so
 no two sessions share a stream of cells: chain sessions are sequence ids of one shared context with a KV
 stream each (one decode carries many, bit-identical to alone); a tree session, from its first tree row on,
@@ -31,7 +36,8 @@ from core.runners.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
 
-DECODE_TOKENS = 32  # tokens per decode at most; 64 or more would change the logits (DESIGN §7)
+DECODE_TOKENS = 32  # tokens per decode at most; 64 or more rows of a stream in a micro-batch would change the logits
+KV_PAD = 256  # llama.cpp pads a KV view to this many cells: a stream holding more sees 512 or more (one token's split-KV kernel)
 TREE_SEQUENCES = 64  # sequence ids per context: the session's and one per tree leaf
 TREE_ROOM = 256  # cells of a context beyond the session's context length, for tree rows
 MAX_STREAMS = 64  # chain sessions held in the shared context at most
@@ -123,6 +129,7 @@ class LlamaCppRunner(ModelRunner):
         self._clock = 0
         self.reused_rows = 0  # rows a new session took from the prompt cache, since start
         self.max_decode_tokens = 0  # the largest decode issued so far (tests assert ≤ DECODE_TOKENS)
+        self.one_thread_decodes = 0  # one-token decodes of a long sequence run on one thread, since start (tests)
 
     def memory_bytes(self) -> int:
         # KV lives in the fixed pool; what grows with sessions is their rows
@@ -309,26 +316,33 @@ class LlamaCppRunner(ModelRunner):
         wanted, out = set(logits_rows), dict[int, np.ndarray]()
         if slot.rows < rows.chain:  # in sequence 0, position = row = cell
             chain = list(range(slot.rows, rows.chain))
-            self._decode(slot.ctx, [(rows.tokens[r], r, (0,), r in wanted) for r in chain], chain, out)
+            self._decode(slot.ctx, [(rows.tokens[r], r, (0,), r in wanted) for r in chain], chain, out, rows.chain + len(slot.cell) > KV_PAD)
             slot.rows = rows.chain
         if slot.rows < len(rows):
             self._decode_tree(slot, rows, wanted, out)
         return [torch.from_numpy(np.stack([out[r] for r in logits_rows]))]
 
     def _decode_streams(self, work: list[Staged]) -> list[torch.Tensor | Exception]:
-        """Chain sessions (one per stream) in shared decodes; each session's row at position = row in its own stream."""
+        """Chain sessions (one per stream) in shared decodes; each session's row at position = row in its own stream. A
+        session whose stream will hold more than ``KV_PAD`` cells decodes in calls of its own (``_decode``'s ``long``) on
+        more than one thread: beside another stream, llama.cpp could leave one of its tokens alone in a micro-batch."""
         self._clock += 1
         streams = [self._stream_for(w.session_id, [x.session_id for x in work], w.rows, min(w.logits_rows)) for w in work]
-        entries: list[tuple[int, int, Any, bool]] = []
-        owners: list[tuple[int, int]] = []  # per entry: (work index, row)
+        shared: tuple[list[tuple[int, int, Any, bool]], list[tuple[int, int]], bool] = ([], [], False)
+        calls = [shared]  # (entries, per entry its (work index, row), long)
         for i, (w, stream) in enumerate(zip(work, streams)):
             wanted = set(w.logits_rows)
+            long = len(w.rows) > KV_PAD and self._n_threads > 1  # on one thread the split-KV kernel is the plain one
+            entries, owners, _ = ([], [], True) if long else shared
             for row in range(stream.rows, len(w.rows)):
                 entries.append((w.rows.tokens[row], row, (stream.seq,), row in wanted))
                 owners.append((i, row))
+            if long:
+                calls.append((entries, owners, True))
         got: dict[tuple[int, int], np.ndarray] = {}
         try:
-            self._decode(self._shared, entries, owners, got)
+            for entries, owners, long in calls:
+                self._decode(self._shared, entries, owners, got, long)
         except BaseException:
             for stream in streams:
                 self._release(stream)
@@ -362,7 +376,7 @@ class LlamaCppRunner(ModelRunner):
                 node = rows.parents[node]
         order = _depth_first(rows, first)
         next_cell = rows.chain + len(slot.cell)
-        self._decode(slot.ctx, [(rows.tokens[r], rows.depths[r], seqs[r], r in wanted) for r in order], order, out)
+        self._decode(slot.ctx, [(rows.tokens[r], rows.depths[r], seqs[r], r in wanted) for r in order], order, out, next_cell + len(order) > KV_PAD)
         slot.cell.update((row, next_cell + i) for i, row in enumerate(order))
         slot.rows = len(rows)
 
@@ -373,11 +387,17 @@ class LlamaCppRunner(ModelRunner):
             raise ContextOverflow(f"a tree has more than {TREE_SEQUENCES - 1} leaves", param="draft")
         return free
 
-    def _decode(self, ctx: Any, entries: list[tuple[int, int, Any, bool]], row_of: Sequence[Hashable], out: dict[Any, np.ndarray]) -> None:
-        """Decodes of (token, position, sequence ids, wants logits) entries, ``DECODE_TOKENS`` at a time; logits into ``out[row_of[i]]``."""
+    def _decode(
+        self, ctx: Any, entries: list[tuple[int, int, Any, bool]], row_of: Sequence[Hashable], out: dict[Any, np.ndarray], long: bool = False,
+    ) -> None:
+        """Decodes of (token, position, sequence ids, wants logits) entries, at most ``DECODE_TOKENS`` at a time (never a last
+        one of a single token after others); logits into ``out[row_of[i]]``. ``long``: the entries are one sequence whose
+        KV view spans more than ``KV_PAD`` cells (or one unified context's that does), so a decode of one token is one
+        micro-batch in llama.cpp's split-KV kernel: it runs on one thread, where that kernel sums the cache in one part,
+        as the plain kernel does (tests/core/runners/test_llama_cpp_numerics.py measures both)."""
         raw = self._batch.batch
-        for begin in range(0, len(entries), DECODE_TOKENS):
-            chunk = entries[begin:begin + DECODE_TOKENS]
+        for begin, end in _spans(len(entries), DECODE_TOKENS):
+            chunk = entries[begin:end]
             self.max_decode_tokens = max(self.max_decode_tokens, len(chunk))
             raw.n_tokens = len(chunk)
             for i, (token, position, seq_ids, flag) in enumerate(chunk):
@@ -387,6 +407,9 @@ class LlamaCppRunner(ModelRunner):
                 for j, seq in enumerate(seq_ids):
                     raw.seq_id[i][j] = seq
                 raw.logits[i] = flag
+            alone = long and len(chunk) == 1 and self._n_threads > 1
+            self._llama_cpp.llama_set_n_threads(ctx.ctx, 1 if alone else self._n_threads, self._n_threads)  # one-token, larger micro-batches
+            self.one_thread_decodes += alone
             ctx.decode(self._batch)
             for i, (_, _, _, flag) in enumerate(chunk):
                 if flag:
@@ -409,6 +432,16 @@ class LlamaCppRunner(ModelRunner):
             self._shared = None
         self._batch.close()
         self._model.close()
+
+
+def _spans(count: int, most: int) -> list[tuple[int, int]]:
+    """``[begin, end)`` spans of at most ``most`` covering ``count`` entries; a last one of one entry after others takes one more."""
+    if count == 0:
+        return []
+    ends = list(range(most, count, most)) + [count]
+    if len(ends) > 1 and ends[-1] - ends[-2] == 1:
+        ends[-2] -= 1
+    return list(zip([0, *ends[:-1]], ends))
 
 
 def _depth_first(rows: Rows, first: int) -> list[int]:

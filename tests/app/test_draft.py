@@ -91,6 +91,32 @@ async def test_on_the_builtin_model_concurrent_drafts_share_steps_bit_for_bit(bu
     assert len(together_draft.batcher.steps) < len(alone_draft.batcher.steps) / 3
 
 
+async def test_on_two_threads_long_drafts_share_steps_with_a_background_prefill_bit_for_bit(builtin_llama_two_threads: ModelRunner) -> None:
+    """Issue 58 on two threads (llama.cpp's one-token kernel sums a cache of more than 256 cells in one part per thread):
+    chains and a tree drafted after long prompts — a decode of one token per chain step — alone, then together beside a
+    short draft and a late draft's background prefill of another long prompt (their prompts now from the prompt cache):
+    the same tokens and q̂, and no decode reached 64 tokens."""
+    from core.runners.llama_cpp_runner import DECODE_TOKENS, LlamaCppRunner
+
+    runner = builtin_llama_two_threads
+    assert isinstance(runner, LlamaCppRunner)
+    rng = torch.Generator().manual_seed(58)
+    long = [torch.randint(100, 20_000, (n,), generator=rng).tolist() for n in (262, 266, 270)]
+    short = [runner.tokenizer.encode(text) for text in TEXTS]
+    calls = _calls(runner, [long[0], *short[1:6], long[1], short[7]])  # long: a sampled chain and the sampled tree
+    alone_draft, together_draft = DraftModel(runner, ModelThread()), DraftModel(runner, ModelThread())
+    alone = [await _draft(alone_draft, kind, args) for kind, args in calls]
+    runner.free_all()
+    one_thread, runner.max_decode_tokens = runner.one_thread_decodes, 0
+    late = asyncio.create_task(together_draft.prefill("late", long[2]))
+    together = await asyncio.gather(*(_draft(together_draft, kind, args) for kind, args in calls))
+    await late
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert len(a) > 0 and _trees_equal(a, b), f"draft {i} changed when it shared steps"
+    assert runner.one_thread_decodes > one_thread and runner.max_decode_tokens <= DECODE_TOKENS
+    assert max(together_draft.batcher.steps) >= 5
+
+
 async def test_a_step_keeps_to_its_token_budget(builtin_llama: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     step_tokens: list[int] = []
     forward_each = builtin_llama.forward_each

@@ -72,6 +72,20 @@ def test_generated_requests_never_get_a_5xx(tiny_runner: ModelRunner) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _no_constants_from_other_modules(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Hypothesis draws, now and then, a constant found in the local modules imported so far (all
+    of them, test modules too): the same seed then generates other requests in a process that ran
+    other tests first (``tools`` came 46, 103 or 121 times; 72 without it, in any process). Without that pool the requests depend
+    on the seed alone."""
+    from hypothesis.internal.conjecture import providers
+
+    monkeypatch.setattr(providers, "_get_local_constants", lambda: providers.Constants(), raising=False)
+    providers.CONSTANTS_CACHE.cache.clear()
+    yield
+    providers.CONSTANTS_CACHE.cache.clear()
+
+
+@pytest.fixture(autouse=True)
 def _end_lifespans() -> Any:
     yield
     from schemathesis.python import asgi

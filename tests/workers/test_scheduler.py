@@ -293,3 +293,54 @@ async def test_a_long_prompt_seen_before_takes_the_prompt_cache_not_its_pieces(b
         tokens = app.state.worker.scheduler.steps.tokens[steps:]
     assert len(tokens) == 2 and tokens[-1] == 3  # what the prompt cache holds (299 rows) not fed again: a first piece with no decode, then the last token with the draft
     np.testing.assert_array_equal(again.probs, first.probs)
+
+
+async def test_on_two_threads_a_long_prompt_scores_alike_in_pieces_whole_and_from_the_prompt_cache(builtin_llama_two_threads: ModelRunner) -> None:
+    """Issue 58 on two threads (llama.cpp's one-token kernel sums a cache of more than 256 cells in one part per thread):
+    two long first calls — one with no draft, whose last piece decodes its last token alone (autoregressive), one with a
+    draft — fed in pieces of 16 beside short calls, then sent again by new sessions (the prompt cache: one token and the
+    draft decoded), then whole on a fresh runner: bit for bit one answer each, and no decode reached 64 tokens."""
+    from core.runners import load_runner
+    from core.runners.llama_cpp_runner import DECODE_TOKENS, LlamaCppRunner
+
+    runner = builtin_llama_two_threads
+    assert isinstance(runner, LlamaCppRunner)
+    rng = np.random.default_rng(5858)
+    prompts = [[int(t) for t in rng.integers(100, 40000, n)] for n in (270, 262)]  # in no prompt cache
+    longs = [VerifyRequest.after("a", [], prompts[0], [], temperature=1.0), VerifyRequest.after("b", [], prompts[1], [7, 9], temperature=1.0)]
+    short = [VerifyRequest.after(f"s{i}", [], PROMPT[: 4 + i], [20], temperature=1.0) for i in range(3)]
+    answers, steps = await _batched(runner, [*longs, *short], backend="llama.cpp", prefill_chunk=16)
+    pieced = [_answer(a) for a in answers[:2]]
+    assert len(steps.sizes) > 20 and max(steps.tokens) <= 16 + 3 * 5  # in pieces, beside the short calls
+    for req in longs:
+        runner.free(req.session_id)  # their cells stay, idle: a prompt cache
+    one_thread, runner.max_decode_tokens = runner.one_thread_decodes, 0
+    app = _app(runner, backend="llama.cpp", prefill_chunk=512)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        cached = [_answer(await _post(client, replace(req, session_id=f"again {req.session_id}"))) for req in longs]
+    assert runner.one_thread_decodes > one_thread and runner.max_decode_tokens <= DECODE_TOKENS
+    fresh = load_runner("builtin", "llama.cpp", threads=2, memory_cap_mb=256)
+    try:
+        app = _app(fresh, backend="llama.cpp", prefill_chunk=512)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+            whole = [_answer(await _post(client, req)) for req in longs]
+    finally:
+        fresh.close()
+    for one, two, three in zip(pieced, cached, whole):
+        np.testing.assert_array_equal(one.probs, three.probs)
+        np.testing.assert_array_equal(two.probs, three.probs)
+
+
+async def test_on_transformers_a_long_prompt_in_pieces_scores_within_its_promise(tiny_runner: ModelRunner) -> None:
+    """transformers keeps the weaker promise the README gives (its kernels see other shapes in pieces and batches): a
+    300-token first call fed in pieces of 64 beside a short call scores within 1e-4 of the same call whole and alone."""
+    rng = np.random.default_rng(5859)
+    prompt = [int(t) for t in rng.integers(100, 40000, 300)]
+    long, short = VerifyRequest.after("long", [], prompt, [7, 9], temperature=1.0), VerifyRequest.after("short", [], PROMPT, [20], temperature=1.0)
+    answers, steps = await _batched(tiny_runner, [long, short], prefill_chunk=64)
+    assert len(steps.sizes) >= 5  # the held step, the short call, the pieces
+    tiny_runner.free_all()
+    app = _app(tiny_runner, prefill_chunk=512)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        whole = _answer(await _post(client, replace(long, session_id="whole")))
+    np.testing.assert_allclose(_answer(answers[0]).probs, whole.probs, atol=1e-4, rtol=0)

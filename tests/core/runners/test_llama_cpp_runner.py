@@ -3,7 +3,9 @@
 With flash attention pinned on and every decode ≤ 32 tokens, a position scores the same
 whichever way it was reached: token by token, in a prefill, rebuilt after an eviction, as a
 node of a tree in one decode, or after ``keep`` of a tree path. These tests are that promise;
-it depends on the llama.cpp build, so they are what to run after upgrading it.
+it depends on the llama.cpp build, so they are what to run after upgrading it (with
+test_llama_cpp_numerics.py: these run on the test process's one thread and short contexts;
+that module measures the kernels' boundaries and holds long sessions to them on two threads).
 """
 
 from __future__ import annotations
