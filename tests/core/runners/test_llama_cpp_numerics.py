@@ -66,12 +66,8 @@ class Bare:
         if held - start == 1 and start > 0:
             start -= 1
         self.api.llama_memory_seq_rm(self.ctx.memory, 0, start, -1)
-        ends = list(range(start + 16, held, 16)) + [held]
-        if len(ends) > 1 and ends[-1] - ends[-2] == 1:
-            ends[-2] -= 1
-        for begin, end in zip([start, *ends[:-1]], ends):
-            if end > begin:
-                self._decode(begin, end)
+        for begin, end in llama_cpp_runner._spans(held - start, 16):  # the runner's cuts: no last piece of one after others
+            self._decode(start + begin, start + end)
         self.held = held
 
     def _decode(self, begin: int, end: int) -> None:
