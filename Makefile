@@ -4,13 +4,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specgate-installed
 
-.PHONY: run test setup test-tools clean
+.PHONY: run test setup test-tools image-check clean
 
 run: setup
 	$(BIN)/specgate serve
 
 test: setup test-tools
 	$(BIN)/python -m pytest
+
+# The image built and run as the default overlay's pods would run it (needs a Docker engine; not part of
+# `make test`): tests/image_check.py. IMAGE_CHECK_ARGS=--debian-base builds its base from Debian's packages.
+image-check: setup
+	$(BIN)/python -m tests.image_check $(IMAGE_CHECK_ARGS)
 
 # Debian's chromium for the chat page's test (Playwright drives it: no browser download), and
 # docker-compose where docker has no compose plugin (the compose.yaml test)

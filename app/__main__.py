@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
             config.port = args.port
         if args.api_key:
             config.api_key = args.api_key
+        if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+            logging.getLogger("specgate.gateway").warning("clients need no API key (SPECGATE_API_KEY is unset) and %s is reachable from other hosts", config.host)
         from app.server import create_app, load_draft
         from core.runners.model_thread import ModelThread
         from core.serving import run_server

@@ -136,7 +136,8 @@ def _add_routes(app: FastAPI) -> None:
         if request.app.state.admission.is_draining:  # SIGTERM: the Service stops routing here at once
             body = {"status": "draining", "instance_id": request.app.state.instance_id}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
-        report = await _gateway(request).check_workers()
+        gateway = _gateway(request)
+        report = await gateway.check_workers(gateway.config.health.ready_timeout_s)  # within a probe's timeout, whatever hangs
         ok = all(e["ready"] for e in report)
         draft = "loaded" if _gateway(request).draft.runner.has_weights else "none"
         body = {"status": "ready" if ok else "not_ready", "instance_id": request.app.state.instance_id, "draft": draft, "workers": report}

@@ -61,9 +61,9 @@ class Gateway(Requests):
         self._workers_checked = False
         self._engine_warned: set[str] = set()
 
-    async def check_workers(self) -> list[dict[str, Any]]:
-        """/v1/info of every replica of every worker, checked against the draft's tokenizer."""
-        report = await self.pool.check_all()
+    async def check_workers(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """/v1/info of every replica of every worker, checked against the draft's tokenizer (``timeout``: ``pool.check_all``'s)."""
+        report = await self.pool.check_all(timeout)
         ready = [e for e in report if e["ready"]]
         if ready:
             self.engine.max_context = min([self.draft.runner.info.max_context] + [e["max_context"] for e in ready])

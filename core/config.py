@@ -3,6 +3,8 @@ variables; a bad key is a ConfigError naming it. docs/configuration.md is genera
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +20,9 @@ from core.modes import SERVED_MODES, target_problem
 from core.names import Backend, Drafter, Mode, Reconstruction, TargetType
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}  # hosts on this machine (late_prefill_waits)
+_SERVICE_LINK = re.compile(r"^(tcp|udp|sctp)://[^\s/]+:\d+$", re.IGNORECASE)  # what Kubernetes puts in <SERVICE>_PORT
+
+log = logging.getLogger("specgate.config")
 
 FIRST_LOCAL_PORT = 8101
 
@@ -252,6 +257,7 @@ class HealthConfig(BaseModel):
 
     failure_threshold: int = Field(default=3, gt=0)  # failures in a row that open the breaker
     probe_interval_s: float = Field(default=2.0, gt=0)  # how often an open replica's /health is probed
+    ready_timeout_s: float = Field(default=2.0, gt=0)  # /health/ready answers within about this: a replica silent so long is not ready this time (its check goes on); keep it under the readiness probe's timeout
 
 
 class DiscoveryConfig(BaseModel):
@@ -277,6 +283,11 @@ class SpecgateConfig(BaseSettings):
     discovery: DiscoveryConfig = DiscoveryConfig()
     api_key: str | None = None  # clients must send it as a bearer token (env SPECGATE_API_KEY)
     worker_token: str | None = None  # sent to every worker as a bearer token (env SPECGATE_WORKER_TOKEN)
+
+    @field_validator("api_key", "worker_token")
+    @classmethod
+    def _not_empty(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return secret_or_none(value, f"SPECGATE_{str(info.field_name).upper()}")
 
     @model_validator(mode="after")
     def _check(self) -> SpecgateConfig:
@@ -305,7 +316,7 @@ class SpecgateConfig(BaseSettings):
     def settings_customise_sources(
         cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, env_settings: PydanticBaseSettingsSource, *args: Any, **kwargs: Any
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return env_settings, init_settings  # environment over the YAML file
+        return without_service_links(env_settings), init_settings  # environment over the YAML file
 
     def with_local_urls(self, pick_port: Callable[[], int] | None = None) -> SpecgateConfig:
         """A copy giving each local worker and stage its port: its ``port``, else ``pick_port()``, else FIRST_LOCAL_PORT + its index (stages after workers)."""
@@ -408,3 +419,35 @@ SECRETS = ("api_key", "worker_token")  # never written to files: they travel in 
 def dump_config(config: SpecgateConfig) -> str:
     """YAML that ``load_config`` reads back to ``config``, less the secrets."""
     return yaml.safe_dump(config.model_dump(mode="json", exclude_none=True, exclude=set(SECRETS)), sort_keys=False)
+
+
+def without_service_links(env_settings: PydanticBaseSettingsSource) -> PydanticBaseSettingsSource:
+    """``env_settings`` without Kubernetes' service-link variables: a Service named ``specgate`` (``specgate-worker``) makes
+    the kubelet give every pod of its namespace ``SPECGATE_PORT=tcp://10.0.0.1:80`` (``SPECGATE_WORKER_PORT``), which is
+    not a port. Each is ignored with a warning naming the Service (pods should say ``enableServiceLinks: false``)."""
+    env_vars = getattr(env_settings, "env_vars", None)
+    if not env_vars:
+        return env_settings
+    prefix = str(getattr(env_settings, "env_prefix", "") or "").lower()
+    links = {
+        name: value for name, value in env_vars.items()
+        if name.lower().startswith(prefix) and isinstance(value, str) and _SERVICE_LINK.match(value.strip())
+    }
+    for name, value in sorted(links.items()):
+        upper = name.upper()
+        service = upper[: upper.rfind("_PORT")].lower().replace("_", "-") if "_PORT" in upper else upper.lower()
+        log.warning(
+            "%s=%s is a Kubernetes service link (a Service named %r in this namespace), not a setting: ignored "
+            "(set enableServiceLinks: false in the pod spec, or name the Service otherwise)", upper, value, service,
+        )
+    if links:
+        env_settings.env_vars = {name: value for name, value in env_vars.items() if name not in links}  # type: ignore[attr-defined]
+    return env_settings
+
+
+def secret_or_none(value: str | None, variable: str) -> str | None:
+    """A key or token as given; an empty one is an error, never "no key": ``SPECGATE_API_KEY=`` left blank in a secret would
+    otherwise switch client authentication off without a word."""
+    if value is not None and not value.strip():
+        raise ValueError(f"{variable} is set but empty: give it a value, or leave the variable unset to serve without one")
+    return value

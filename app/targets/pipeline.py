@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import Counter
 from operator import attrgetter
@@ -23,6 +24,7 @@ from app.targets.base import (
     error_message,
     status_failure,
 )
+from app.targets.checks import Checks
 from app.targets.segments import Segment, StageSession, as_verify, sampling, stage_request, unserved, verify_segment
 from core.errors import ProtocolError
 from core.protocol import (
@@ -69,6 +71,7 @@ class PipelineTarget(Target):
         self.failures: Counter[str] = Counter()  # by kind
         self.failovers = 0  # stages moved to a replica
         self.restarts = 0  # sessions started again after a 409 or a failover
+        self.checks = Checks()
 
     @property
     def replicas(self) -> list[Replica]:
@@ -86,16 +89,12 @@ class PipelineTarget(Target):
     def scorable(self, sequence: list[int], draft: list[int]) -> int:
         return len(draft)
 
-    async def check_all(self) -> dict[str, Any]:
-        """Every stage replica's ``/v1/info`` at once (a stage's replica in use failing: one that answers), then the layout for ``/health/ready``."""
+    async def check_all(self, timeout: float | None = None) -> dict[str, Any]:
+        """Every stage replica's ``/v1/info`` at once (a stage's replica in use failing: one that answers), then the layout for
+        ``/health/ready``; ``timeout``: one that has not answered by then counts as not answering this time (``Checks``)."""
         flat = [(i, j, r) for i, members in enumerate(self.members) for j, r in enumerate(members)]
-        results = await asyncio.gather(*(self.channel.info(r) for _, _, r in flat), return_exceptions=True)
-        for (_, _, replica), result in zip(flat, results):
-            if isinstance(result, InfoResponse):
-                replica.info = result
-                replica.breaker.record(ok=True)
-            else:
-                replica.failed(result)
+        answers = await self.checks.wait({f"{i}/{j}": functools.partial(self._info, r) for i, j, r in flat}, timeout)
+        results = [answers[f"{i}/{j}"] for i, j, _ in flat]
         answered = {(i, j) for (i, j, _), result in zip(flat, results) if isinstance(result, InfoResponse)}
         for i, members in enumerate(self.members):
             spare = next((j for j in range(len(members)) if (i, j) in answered), None)
@@ -115,6 +114,17 @@ class PipelineTarget(Target):
         if problem is not None:
             return entry | {"error": f"pipeline {self.name}: {problem}", "fatal": True}
         return entry | {"ready": True, "model": infos[-1].model_id, "max_context": min(i.max_context for i in infos), "stages": self.stages}
+
+    async def _info(self, replica: Replica) -> InfoResponse:
+        """One stage replica's ``/v1/info``, recorded on it (its breaker, its last error)."""
+        try:
+            info = await self.channel.info(replica)
+        except Exception as exc:
+            replica.failed(exc)
+            raise
+        replica.info = info
+        replica.breaker.record(ok=True)
+        return info
 
     def _replica_problem(self, answered: set[tuple[int, int]]) -> str | None:
         """A replica that answers but could not stand in for its stage, or None."""

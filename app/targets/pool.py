@@ -80,8 +80,9 @@ class TargetSet:
             await asyncio.sleep(self.probe_interval_s)
             await asyncio.gather(*(w.probe() for w in self.workers))
 
-    async def check_all(self) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(w.check_all() for w in self.workers)))
+    async def check_all(self, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Every target's entry of ``/health/ready``; ``timeout``: a replica silent that long is not ready this time."""
+        return list(await asyncio.gather(*(w.check_all(timeout) for w in self.workers)))
 
     async def delete_sessions(self, session_id: str) -> None:
         await asyncio.gather(*(w.delete_session(session_id) for w in self.workers))
@@ -89,6 +90,8 @@ class TargetSet:
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        for worker in self.workers:
+            worker.checks.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.client.aclose()
         if self.fast is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from app.targets.base import Breaker, Channel, Dialect, Expected, Replica, ReplicaFailure, Target, Traffic, WorkerError, resend
+from app.targets.checks import Checks
 from core.protocol import InfoResponse, VerifyRequest, VerifyResponse
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 _PROBE_TIMEOUT = httpx.Timeout(2.0)  # a probe of a hung replica must not hold up the others
 
 DRAINING_PAUSE_S = 5.0  # a replica that refused a new session as draining gets none for this long (its Retry-After)
+
 
 class ReplicaSet(Target):
     """One target of the federation: its weight, its replicas, which replica holds which session."""
@@ -33,6 +35,7 @@ class ReplicaSet(Target):
         self.held: dict[str, set[str]] = {}  # every replica a session was sent to (freed at the end)
         self.failures: Counter[str] = Counter()  # by kind
         self.failovers = 0  # sessions moved to another replica mid-request
+        self.checks = Checks()
 
     def scorable(self, sequence: list[int], draft: list[int]) -> int:
         return self.dialect.scorable(sequence, draft)
@@ -48,10 +51,12 @@ class ReplicaSet(Target):
         replica.breaker.record(ok=True)
         return info
 
-    async def check_all(self) -> dict[str, Any]:
-        """Every replica checked at once: the target's entry of ``/health/ready`` (leaving ones listed, not checked; draining ones not ready)."""
+    async def check_all(self, timeout: float | None = None) -> dict[str, Any]:
+        """Every replica checked at once: the target's entry of ``/health/ready`` (leaving ones listed, not checked; draining ones not
+        ready). ``timeout``: a replica that has not answered by then is not ready this time (``Checks``)."""
         serving = [r for r in self.replicas if not r.retired]
-        results = await asyncio.gather(*(self.check(r) for r in serving), return_exceptions=True)
+        answers = await self.checks.wait({r.url: functools.partial(self.check, r) for r in serving}, timeout)
+        results = [answers[r.url] for r in serving]
         replicas, infos = [], []
         for replica, result in zip(serving, results):
             if isinstance(result, InfoResponse) and replica.draining:  # it answers, but takes no new session now

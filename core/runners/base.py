@@ -247,6 +247,15 @@ class ModelRunner(ABC):
         """Whether a new session (``tree``: a tree call) would take the KV place of one of the live ``chains`` and ``trees``."""
         return False
 
+    @property
+    def session_places(self) -> int | None:
+        """How many live sessions the KV cache holds before a new one is refused (``is_full``); None: no such limit."""
+        return None
+
+    def places_held(self, chains: Collection[str], trees: Collection[str]) -> int:
+        """How many of ``session_places`` the live ``chains`` and ``trees`` hold."""
+        return len(set(chains) | set(trees))
+
     def memory_bytes(self) -> int:
         """Bytes held by session caches (what a memory cap counts)."""
         return sum(len(r) for r in self._rows.values()) * self.kv_bytes_per_token()

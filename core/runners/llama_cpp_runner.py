@@ -137,7 +137,15 @@ class LlamaCppRunner(ModelRunner):
 
     def is_full(self, chains: Collection[str], trees: Collection[str], tree: bool = False) -> bool:
         """Full when live chain sessions hold every stream (tree contexts are lent LRU: never full)."""
-        return not tree and len(set(chains) - self._tree_sessions) >= self.num_streams
+        return not tree and self.places_held(chains, trees) >= self.num_streams
+
+    @property
+    def session_places(self) -> int:
+        return self.num_streams
+
+    def places_held(self, chains: Collection[str], trees: Collection[str]) -> int:
+        """Chain sessions hold a stream each; tree sessions none."""
+        return len(set(chains) - self._tree_sessions)
 
     def _stream_for(self, session_id: str, busy: list[str], rows: Rows, most: int) -> Stream:
         """The session's stream, else an idle one (``_idle_place``), else the LRU one not ``busy`` (its session rebuilt later)."""

@@ -212,7 +212,11 @@ class TransformersRunner(ModelRunner):
         return decoder.norm(states) if self.is_last_stage else states
 
     def is_full(self, chains: Collection[str], trees: Collection[str], tree: bool = False) -> bool:
-        return len(set(chains) | set(trees)) >= self.num_slots
+        return self.places_held(chains, trees) >= self.num_slots
+
+    @property
+    def session_places(self) -> int:
+        return self.num_slots
 
     def _slot_for(self, session_id: str, busy: set[str]) -> _Slot:
         slot, fresh = lend(self._slots, session_id, busy, self._release)

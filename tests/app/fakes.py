@@ -4,6 +4,7 @@ over a small vocabulary behind the real ModelRunner, DraftModel and worker code.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
 
 import httpx
@@ -248,11 +249,13 @@ class FakeWorkerTransport:
         self.authorization: list[str | None] = []  # the header of each request, in order
         self.bytes_in = self.bytes_out = 0  # verify bodies received / sent, as on the wire
         self.held: set[tuple[str, str]] = set()  # (host, session id) of every verify call answered
+        self.arrived: Counter[tuple[str, str]] = Counter()  # (host, path) of every request, counted as it arrives
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
+        self.arrived[request.url.host, request.url.path] += 1
         behaviour = self.behaviour.get(request.url.host, "")
         if isinstance(behaviour, str) and behaviour.startswith("sleep:"):
             await asyncio.sleep(float(behaviour.split(":")[1]))

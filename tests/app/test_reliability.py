@@ -150,6 +150,27 @@ async def test_a_draining_replica_keeps_its_sessions_and_new_ones_go_to_another(
         _refused(await client.post("/v1/completions", json={**body, "stream": False}), 503, "worker_error", "draining")
 
 
+async def test_readiness_answers_within_its_bound_while_a_replica_hangs(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
+    """Issue 59: /health/ready asked every replica with the worker's own timeout (30-120 s) inside a 5 s probe, so one hung
+    replica made every gateway unready. It waits at most health.ready_timeout_s: the hung replica is not ready this time
+    (its one check goes on, never started twice), the target is ready through the other; all hung: 503, as fast."""
+    async with gateway(workers=[{"urls": ["http://a:1", "http://b:1"]}], health={"ready_timeout_s": 0.2}) as client:
+        fakes.behaviour["b"] = "sleep:30"
+        asked = fakes.arrived["b", "/v1/info"]
+        for _ in range(2):
+            start = time.monotonic()
+            resp = await asyncio.wait_for(client.get("/health/ready"), 5)
+            assert time.monotonic() - start < 2 and resp.status_code == 200
+            replicas = {r["url"]: r for r in resp.json()["workers"][0]["replicas"]}
+            assert replicas["http://a:1"]["ready"] and not replicas["http://b:1"]["ready"]
+            assert "no answer to /v1/info within 0.2 s" in replicas["http://b:1"]["error"]
+        assert fakes.arrived["b", "/v1/info"] - asked == 1  # the same check, still pending
+        fakes.behaviour["a"] = "sleep:30"
+        start = time.monotonic()
+        resp = await asyncio.wait_for(client.get("/health/ready"), 5)
+        assert time.monotonic() - start < 2 and resp.status_code == 503 and resp.json()["status"] == "not_ready"
+
+
 async def test_a_replica_with_another_tokenizer_is_not_failed_over_to(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
     fakes.behaviour["b"] = "other-tokenizer"
     async with gateway(workers=[{"urls": ["http://a:1", "http://b:1"]}]) as client:

@@ -23,7 +23,10 @@ def test_the_gateways_environment_points_at_the_worker_services(monkeypatch: pyt
     services = compose["services"]
     gateway_env = services["gateway"]["environment"]
     for name, value in gateway_env.items():
-        monkeypatch.setenv(name, _compose_default(value))
+        if value is None:  # passed on from the shell when set there, else unset (never an empty key)
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, _compose_default(value))
     config = load_config(None)  # what `specgate gateway` without --config reads, plus the environment
     assert isinstance(config, SpecgateConfig)
     hosts = {w.url.split("//")[1].split(":")[0] for w in config.workers if w.url}
@@ -43,7 +46,7 @@ def _compose_default(value: str) -> str:
 
 
 def test_docker_and_make_share_one_set_up_script() -> None:
-    assert "bash scripts/setup.sh python" in (ROOT / "Dockerfile").read_text()
+    assert "bash scripts/setup.sh /opt/specgate/bin/python" in (ROOT / "Dockerfile").read_text()
     assert "bash scripts/setup.sh $(BIN)/python --dev" in (ROOT / "Makefile").read_text()
 
 

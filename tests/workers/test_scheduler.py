@@ -166,6 +166,9 @@ async def test_a_new_session_gets_503_while_live_sessions_hold_every_stream(buil
         _answer(await _post(client, tree))
         for i in range(streams):
             _answer(await _post(client, VerifyRequest.after(f"s{i}", [], PROMPT[: 3 + i], [20], temperature=1.0)))
+        # issue 59: the autoscaler's signal is 1 here, where new sessions are refused (it was 8 of --max-sessions 64)
+        metrics = (await client.get("/metrics")).text
+        assert "specgate:sessions_ratio 1.0" in metrics and "specgate:session_slots 8.0" in metrics and "specgate:sessions_live 9.0" in metrics
         full = await _post(client, VerifyRequest.after("late", [], PROMPT, [20], temperature=1.0))
         assert full.status_code == 503 and full.headers["retry-after"] == "1"
         error = full.json()["error"]
@@ -178,6 +181,7 @@ async def test_a_new_session_gets_503_while_live_sessions_hold_every_stream(buil
         _answer(await _post(client, VerifyRequest.after("late", [], PROMPT, [20], temperature=1.0)))
         assert (await _post(client, VerifyRequest.after("later", [], PROMPT, [20], temperature=1.0))).status_code == 503
         await asyncio.sleep(1.1)  # every session is idle past session_live_s now
+        assert "specgate:sessions_ratio 0.140625" in (await client.get("/metrics")).text  # 9 held of --max-sessions 64, none live
         _answer(await _post(client, VerifyRequest.after("later", [], PROMPT, [20], temperature=1.0)))
         metrics = (await client.get("/metrics")).text
         assert 'specgate:verify_errors_total{code="worker_full"} 2.0' in metrics
