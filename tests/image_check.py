@@ -88,12 +88,26 @@ def run_default_overlay(image: str, timeout_s: float) -> dict[str, object]:
             text = resp.json()["choices"][0]["message"]["content"]
             _step(f"answer: {text!r}")
             users = {n: _out(["docker", "exec", n, "id", "-u"]).strip() for n in names}
-            return {"ready_s": round(ready_s, 1), "first_answer_s": round(answer_s, 1), "answer": text, "uids": users}
+            stage_s = run_stage(image, network, Path(mounts), timeout_s, names)
+            return {"ready_s": round(ready_s, 1), "first_answer_s": round(answer_s, 1), "answer": text, "uids": users, "pipeline_stage_ready_s": stage_s}
         finally:
             for name in names:
                 subprocess.run(["docker", "logs", "--tail", "5", name], check=False)
                 subprocess.run(["docker", "rm", "-f", name], check=False, stdout=subprocess.DEVNULL)
             subprocess.run(["docker", "network", "rm", network], check=False, stdout=subprocess.DEVNULL)
+
+
+def run_stage(image: str, network: str, mounts: Path, timeout_s: float, names: list[str]) -> float:
+    """The pipeline overlay's stage 0 (the transformers runner, its shell command picking layers by the pod's name) until its
+    readiness probe passes: the image's caches serve it read-only."""
+    objects = render("pipeline")
+    [stages] = [w for w in workloads(objects) if w["kind"] == "StatefulSet"]
+    [stage] = containers(objects, stages)
+    port = _free_port()
+    started = time.monotonic()
+    names.append(_run(image, stage, network, [f"--publish=127.0.0.1:{port}:{stage.port('http')}"], mounts))
+    _step("waiting for the pipeline's stage 0 (transformers, read-only root)")
+    return round(_wait(f"http://127.0.0.1:{port}{stage.spec['readinessProbe']['httpGet']['path']}", started, timeout_s, names[-1:]), 1)
 
 
 def _run(image: str, container, network: str, extra: list[str], mounts: Path) -> str:  # type: ignore[no-untyped-def]
@@ -119,7 +133,9 @@ def _run(image: str, container, network: str, extra: list[str], mounts: Path) ->
     env = {k: v for k, v in container.env.items() if k != "HOSTNAME"}
     for key, value in env.items():
         flags.append(f"--env={key}={value}")
-    argv = container.argv[1:] if container.argv[:1] == ["specgate"] else container.argv  # the image's ENTRYPOINT is specgate
+    if container.spec.get("command"):  # it replaces the image's ENTRYPOINT (specgate)
+        flags.append(f"--entrypoint={container.spec['command'][0]}")
+    argv = container.argv[1:]
     _step(f"docker run {container.pod}: {' '.join(argv)}")
     subprocess.run(["docker", "run", "--detach", *flags, image, *argv], check=True, stdout=subprocess.DEVNULL)
     return name

@@ -6,12 +6,14 @@ same containers started from the image)."""
 
 from __future__ import annotations
 
+import atexit
 import base64
 import copy
 import functools
 import ipaddress
 import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 OVERLAYS = KUBERNETES / "overlays"
+SECRETS = KUBERNETES / "components" / "specgate" / "secrets.env"  # the user's: git ignores it
+SECRETS_EXAMPLE = SECRETS.with_name("secrets.env.example")
 CLUSTER_SERVICE_IP = "10.96.0.1"  # the `kubernetes` Service every pod is told of, links or not
 
 Object = dict[str, Any]
@@ -37,13 +41,29 @@ def render(overlay: str) -> list[Object]:
 
 @functools.cache
 def _rendered(overlay: str) -> list[Object]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        raise KubectlMissing("kubectl is not installed (it carries Kustomize)")
-    out = subprocess.run([kubectl, "kustomize", str(OVERLAYS / overlay)], capture_output=True, text=True, timeout=60)
+    out = kustomize(_tree() / "overlays" / overlay)
     if out.returncode != 0:
         raise RuntimeError(f"kubectl kustomize {overlay}: {out.stderr}")
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def kustomize(directory: Path) -> subprocess.CompletedProcess[str]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        raise KubectlMissing("kubectl is not installed (it carries Kustomize)")
+    return subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+
+
+@functools.cache
+def _tree() -> Path:
+    """deploy/kubernetes copied, with the user's secrets.env where there is one, else the example's (git ignores secrets.env)."""
+    copy_root = Path(tempfile.mkdtemp(prefix="specgate-kubernetes-"))
+    atexit.register(shutil.rmtree, copy_root, True)
+    tree = copy_root / "kubernetes"
+    shutil.copytree(KUBERNETES, tree)
+    if not SECRETS.is_file():
+        shutil.copy(SECRETS_EXAMPLE, tree / SECRETS.relative_to(KUBERNETES))
+    return tree
 
 
 def by_kind(objects: list[Object], kind: str) -> dict[str, Object]:

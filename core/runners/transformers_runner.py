@@ -323,6 +323,8 @@ def _load_gguf(path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     cached = cache_dir() / "dequantized" / file_key(path)
+    if (cached / "config.json").is_file():  # made whole (renamed into place): no lock, so a read-only cache serves (an image's)
+        return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)
     with cache_lock(cached):  # a pipeline's stages start together: one dequantizes, the others load its file
         if (cached / "config.json").is_file():
             return AutoModelForCausalLM.from_pretrained(cached, dtype=torch.float32)

@@ -109,3 +109,21 @@ def test_a_cache_entry_is_made_once_by_processes_that_start_together(tmp_path: P
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"maker{i}"], cwd=ROOT) for i in range(3)]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
     assert len(list((tmp_path / "entry").iterdir())) == 1
+
+
+def test_made_caches_load_without_writing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 59: an image's cache is read-only at run time (readOnlyRootFilesystem, another uid): the transformers runner
+    opened its dequantization lock for writing even with the weights made, and the gpu and pipeline pods crash-looped. A
+    made entry (set-up makes it) loads without the lock, as the tokenizer's and the requantizations already did."""
+    from core.runners import transformers_runner
+    from core.runners.tokenizer import load_tokenizer
+
+    def read_only(entry: Path) -> None:
+        raise OSError(30, "Read-only file system", str(entry))
+
+    monkeypatch.setattr(transformers_runner, "cache_lock", read_only)
+    monkeypatch.setattr("core.runners.tokenizer.cache_lock", read_only)
+    model = transformers_runner._load_gguf(builtin_gguf())
+    assert model.config.num_hidden_layers == 30
+    assert load_tokenizer(resolve_model("builtin")) is not None
+    assert requantized(BUILTIN_DRAFT).is_file()
