@@ -39,6 +39,8 @@ RUN python -m venv /opt/specgate \
  && CMAKE_ARGS="-DGGML_NATIVE=OFF" \
     TORCH_SPEC="$TORCH_SPEC" TORCH_INDEX_URL="$TORCH_INDEX_URL" bash scripts/setup.sh /opt/specgate/bin/python \
  && /opt/specgate/bin/python -c "from core.runners import load_runner; load_runner('builtin-draft'); load_runner('builtin-alt')"
+# readable by the run-time user, who owns none of it (safetensors writes the dequantized weights 0600)
+RUN chmod -R a+rX /srv/specgate /opt/specgate
 
 FROM ${BASE_IMAGE}
 # llama.cpp's OpenMP runtime; a user of its own

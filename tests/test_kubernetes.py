@@ -319,6 +319,7 @@ def test_the_image_runs_anywhere_as_nobody() -> None:
     assert "ARG BASE_IMAGE=python:3.11-slim" in dockerfile and dockerfile.count("FROM ${BASE_IMAGE}") == 2
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
     assert '-DGGML_NATIVE=OFF' in dockerfile
+    assert "chmod -R a+rX /srv/specgate /opt/specgate" in dockerfile  # the caches were 0600 root: uid 10001 could not load them
     final = dockerfile.rsplit("FROM ${BASE_IMAGE}", 1)[1]
     assert "build-essential" not in final and re.search(r"^USER 10001", final, re.MULTILINE)
 
