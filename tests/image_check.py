@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debian-base", action="store_true", help="build the base from Debian's packages (scripts/debian-base-image.sh; CA_BUNDLE honoured) instead of pulling python:3.11-slim")
     parser.add_argument("--build-arg", action="append", default=[], help="passed to docker build (repeatable)")
     parser.add_argument("--skip-build", action="store_true", help="run the image as it is")
+    parser.add_argument("--no-cache", action="store_true", help="build every layer again (a build's full time)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the pods to become ready")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args(argv)
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_build:
         _step(f"docker build -t {args.tag} ({', '.join(build_args) or 'defaults'})")
         started = time.monotonic()
-        subprocess.run(["docker", "build", "-t", args.tag, *(f"--build-arg={a}" for a in build_args), str(ROOT)], check=True)
+        cache = ["--no-cache"] if args.no_cache else []
+        subprocess.run(["docker", "build", *cache, "-t", args.tag, *(f"--build-arg={a}" for a in build_args), str(ROOT)], check=True)
         figures["build_s"] = round(time.monotonic() - started, 1)
     figures["image_bytes"] = int(_out(["docker", "image", "inspect", "--format", "{{.Size}}", args.tag]))
     figures |= run_default_overlay(args.tag, args.timeout)
