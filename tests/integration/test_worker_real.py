@@ -25,7 +25,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def worker_url(backend: str) -> Iterator[str]:
-    with WorkerProcess("builtin", backend, timeout_s=300) as url:
+    with WorkerProcess("builtin", backend, timeout_s=300, extra=("--drain-timeout-s", "0")) as url:  # it holds the tests' sessions: no drain at the end
         yield url
 
 
