@@ -143,12 +143,14 @@ class Container:
 ENTRYPOINT = ["specgate"]  # the Dockerfile's
 
 
-def containers(objects: list[Object], workload: Object, ordinal: int = 0) -> list[Container]:
-    """The containers of ``workload``'s pod ``ordinal``, each with the command line and environment the kubelet gives it."""
+def containers(objects: list[Object], workload: Object, ordinal: int = 0, links: bool | None = None) -> list[Container]:
+    """The containers of ``workload``'s pod ``ordinal``, each with the command line and environment the kubelet gives it;
+    ``links``: every Service's links in its environment (True), none (False), or as the pod's enableServiceLinks says."""
     pod_spec = workload["spec"]["template"]["spec"]
     secrets, config_maps = by_kind(objects, "Secret"), by_kind(objects, "ConfigMap")
     name = pod_name(workload, ordinal)
-    base = cluster_env() | ({} if pod_spec.get("enableServiceLinks") is False else service_links(objects))
+    with_links = pod_spec.get("enableServiceLinks") is not False if links is None else links
+    base = cluster_env() | (service_links(objects) if with_links else {})
     found = []
     for spec in pod_spec["containers"]:
         env = base | {"HOSTNAME": name}

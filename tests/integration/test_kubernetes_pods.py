@@ -1,6 +1,7 @@
 """The default and federation overlays' pods, run here: every container of the rendered manifests starts with its own
 command and args and the environment the kubelet would give it — the Secret's keys, the ConfigMap mounted where the pod
-mounts it, the cluster's variables and, where the pod takes them, every Service's links — each worker pod on a loopback
+mounts it, the cluster's variables and every Service's links (the pods turn them off; they run with them all the same,
+as a pod whose spec lost enableServiceLinks would) — each worker pod on a loopback
 address of its own with its rendered port, named by a real DNS server as the headless Service names its pods (tests/dns.py
 stands in for the cluster's DNS). Then every probe of every container passes, the gateway needs the Secret's API key, a
 chat completion succeeds, and each autoscaled pod exports the series its adapter rule reads. Issue 59: the workers got the
@@ -92,7 +93,7 @@ def worker_pods(rendered: dict[str, list[dict]], tmp_path_factory: pytest.TempPa
         for objects in rendered.values():
             headless = {n: s for n, s in by_kind(objects, "Service").items() if s["spec"].get("clusterIP") == "None"}
             for workload in (w for w in workloads(objects) if w["kind"] == "StatefulSet"):
-                [container] = containers(objects, workload)
+                [container] = containers(objects, workload, links=True)
                 key = (*container.argv, *sorted(container.env.items()))
                 if key not in started:
                     address = f"{POD_NETWORK}{len(started) + 2}"
@@ -117,8 +118,9 @@ def test_the_rendered_pods_start_pass_their_probes_and_answer_a_chat(
     objects = rendered[overlay]
     dns, pods = worker_pods
     [gateway] = [w for w in workloads(objects) if w["metadata"]["name"] == "specgate-gateway"]
-    [container] = containers(objects, gateway)
-    assert container.pod_spec["enableServiceLinks"] is False and "SPECGATE_API_KEY" in container.env
+    assert gateway["spec"]["template"]["spec"]["enableServiceLinks"] is False
+    [container] = containers(objects, gateway, links=True)  # and even so
+    assert "SPECGATE_API_KEY" in container.env and "GATEWAY_PORT" in container.env
     # its ConfigMap volume, mounted here under tmp_path; its port a free one on 127.0.0.1 (the pod's own network)
     argv = list(container.argv)
     for mount, files in container.files.items():
