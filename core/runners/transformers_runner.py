@@ -22,11 +22,16 @@ from core.math.tree import path_of
 from core.names import Backend
 from core.runners.base import ModelRunner, Place, Rows, RunnerInfo, Staged, held_by, in_turns, lend
 from core.runners.models import ModelSource, cache_dir, cache_lock, file_key, save_to_cache
+from core.runners.static_forward import bucket
 from core.runners.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
 
 MAX_SLOTS = 256  # sessions held in the cache at most
+FORWARDS = ("auto", "hf", "static")  # the model's forward: transformers' modules, or core.runners.static_forward (auto: static on CUDA where the model allows)
+SESSION_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a static step's sessions, padded up to one of these
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # its new rows per session
+SPAN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # the cells a row may see
 
 
 def resolve_device(device: str) -> torch.device:
@@ -65,9 +70,11 @@ class TransformersRunner(ModelRunner):
         memory_cap_mb: int = 1024,
         gpu_memory_utilization: float = 0.9,
         layers: tuple[int, int] | None = None,
+        forward: str = "auto",
     ) -> None:
         """``model``: a built model to run instead of loading ``source``. The slots fill ``memory_cap_mb`` on the CPU, on a GPU
-        ``gpu_memory_utilization`` of its memory less what is used (vLLM's rule). ``layers``: a stage's ``[first, end)``."""
+        ``gpu_memory_utilization`` of its memory less what is used (vLLM's rule). ``layers``: a stage's ``[first, end)``.
+        ``forward``: one of FORWARDS."""
         super().__init__()
         self.tokenizer = tokenizer
         self.device = resolve_device(device)
@@ -106,11 +113,16 @@ class TransformersRunner(ModelRunner):
         else:
             budget = memory_cap_mb * 2**20
         self.num_slots = max(1, min(MAX_SLOTS, budget // slot_bytes))
-        shape = (self.num_slots, kv_heads, self.slot_length, head_dim)
+        self.forward_kind = _forward_kind(forward, model, self.device, self.layer_range)
+        # the static forward pads a step's sessions with the scratch slot (index num_slots), zeroed once
+        shape = (self.num_slots + (self.forward_kind == "static"), kv_heads, self.slot_length, head_dim)
         # empty: a slot's pages are touched (and zeroed) when it is first lent
         # one store per layer of this runner: layer ``i`` (absolute) writes ``_keys[i − first]``
         self._keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self._end_layer - self._first_layer)]
         self._values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self._end_layer - self._first_layer)]
+        if self.forward_kind == "static":
+            for store in (*self._keys, *self._values):
+                store[self.num_slots].zero_()
         self._slots = [_Slot(index=i) for i in range(self.num_slots)]
         self._clock = 0
         self._decoder = self.model.get_decoder()
@@ -121,6 +133,12 @@ class TransformersRunner(ModelRunner):
             # their usual size, enough to flip an argmax (measured: 4 % of positions on the built-in)
             self._head_weight = head.weight.detach().float()
             self._head_bias = head.bias.detach().float() if getattr(head, "bias", None) is not None else None
+        self._static = None
+        if self.forward_kind == "static":
+            from core.runners.static_forward import StaticForward
+
+            assert self._head_weight is not None
+            self._static = StaticForward(self.model, self._keys, self._values, self._head_weight, self._head_bias)
 
     @property
     def is_last_stage(self) -> bool:
@@ -167,6 +185,13 @@ class TransformersRunner(ModelRunner):
                 else:
                     visible[b, i, 0] = False
                     visible[b, i, path_of(row, rows.parents)] = True  # its ancestors and itself
+        if self._static is not None:
+            try:
+                return self._static_step(work, slots, firsts, tokens, positions, cells, visible)
+            except BaseException:
+                for slot in slots:
+                    self._release(slot)
+                raise
         mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, torch.finfo(self.dtype).min)
         view = _SlotView(self, torch.tensor([s.index for s in slots], device=self.device), cells.to(self.device), span)
         try:
@@ -188,6 +213,35 @@ class TransformersRunner(ModelRunner):
         index = torch.tensor([b * width + r - first for b, (w, first) in enumerate(zip(work, firsts)) for r in w.logits_rows], device=self.device)
         picked = hidden.reshape(batch * width, -1).index_select(0, index).float()
         logits = torch.nn.functional.linear(picked, self._head_weight, self._head_bias).cpu()
+        return list(logits.split([len(w.logits_rows) for w in work]))
+
+    def _static_step(
+        self, work: list[Staged], slots: list[_Slot], firsts: list[int], tokens: torch.Tensor, positions: torch.Tensor, cells: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> list[torch.Tensor]:
+        """The step on the static forward, its inputs padded to their buckets: padding sessions on the scratch slot (their
+        rows write and see its cells only), padding rows on their session's scratch cell, padding columns seen by no row."""
+        assert self._static is not None
+        batch, width = tokens.shape
+        span = visible.shape[-1]
+        size_b, size_w = bucket(batch, SESSION_BUCKETS), bucket(width, ROW_BUCKETS)
+        size_s = min(self.slot_length, bucket(span, SPAN_BUCKETS))
+        padded_tokens = torch.zeros(size_b, size_w, dtype=torch.long)
+        padded_positions = torch.zeros(size_b, size_w, dtype=torch.long)
+        padded_cells = torch.full((size_b, size_w), self.slot_length - 1, dtype=torch.long)
+        padded_visible = torch.zeros(size_b, size_w, size_s, dtype=torch.bool)
+        padded_visible[:, :, 0] = True  # a row that sees nothing gives NaN
+        padded_tokens[:batch, :width], padded_positions[:batch, :width], padded_cells[:batch, :width] = tokens, positions, cells
+        padded_visible[:batch, :width, :span] = visible
+        slot_index = torch.full((size_b,), self.num_slots, dtype=torch.long)  # the scratch slot
+        slot_index[:batch] = torch.tensor([s.index for s in slots], dtype=torch.long)
+        mask = torch.zeros(padded_visible.shape, dtype=self.dtype).masked_fill_(~padded_visible, torch.finfo(self.dtype).min)
+        device = self.device
+        hidden = self._static.hidden(padded_tokens.to(device), padded_positions.to(device), slot_index.to(device), padded_cells.to(device), mask.to(device))
+        for w, slot in zip(work, slots):
+            slot.rows, slot.clean = len(w.rows), True
+        keep = torch.tensor([b * size_w + r - first for b, (w, first) in enumerate(zip(work, firsts)) for r in w.logits_rows], device=device)
+        logits = self._static.logits(hidden, keep).cpu()
         return list(logits.split([len(w.logits_rows) for w in work]))
 
     def _stage_layers(
@@ -253,6 +307,21 @@ class TransformersRunner(ModelRunner):
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         out = self.model(input_ids=input_ids, use_cache=False)
         return out.logits[0, -num_logits:].float().cpu()
+
+
+def _forward_kind(forward: str, model: Any, device: torch.device, layers: tuple[int, int] | None) -> str:
+    """``hf`` or ``static``: ``auto`` is static on CUDA for a whole Llama-family model; ``static`` asked for where the
+    model cannot take it is a ModelLoadError naming why."""
+    from core.runners.static_forward import static_problem
+
+    if forward not in FORWARDS:
+        raise ModelLoadError(f"unknown forward {forward!r}: use one of {', '.join(FORWARDS)}")
+    problem = "a pipeline stage (a slice of the layers)" if layers is not None else static_problem(model)
+    if forward == "static" and problem is not None:
+        raise ModelLoadError(f"forward static asked for, but {problem}")
+    if forward == "auto":
+        return "static" if device.type == "cuda" and problem is None else "hf"
+    return forward
 
 
 @functools.cache

@@ -1,0 +1,137 @@
+"""The static forward (core/runners/static_forward.py, issue 60) on the CPU, eager: the transformers runner on it gives
+the logits of the runner on transformers' own modules — mixed chains and a tree in one step, prefills, padding to buckets
+— for Llama, Qwen2 (q/k/v biases) and Mistral configs (fp32: max |Δ logit| ≤ 1e-4, argmax equal); a session's logits
+alone and inside a padded bucket agree; a step writes no cell but its sessions' new rows and the scratch cells; what
+cannot take it (a pipeline stage, a sliding window) is refused by name, and ``auto`` keeps the CPU on transformers'."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from core.errors import ModelLoadError
+from core.runners.base import ForwardItem
+from core.runners.models import resolve_model
+from core.runners.tokenizer import load_tokenizer
+from core.runners.transformers_runner import TransformersRunner, tiny_random_model
+
+V = 49152
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer(resolve_model("tiny-random"))
+
+
+def _qwen2(seed: int) -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=2048, initializer_range=0.5, tie_word_embeddings=False, use_sliding_window=False,
+    )
+    model = Qwen2ForCausalLM(config).float()
+    for layer in model.model.layers:  # its q/k/v biases, non-zero
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    return model
+
+
+def _mistral(seed: int) -> Any:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        max_position_embeddings=2048, initializer_range=0.5, sliding_window=None, rope_theta=500.0,
+    )
+    return MistralForCausalLM(config).float()
+
+
+MODELS = {"llama": lambda: tiny_random_model(V, seed=3), "qwen2": lambda: _qwen2(4), "mistral": lambda: _mistral(5)}
+
+
+def _pair(tokenizer: Any, model: Any) -> tuple[TransformersRunner, TransformersRunner]:
+    source = resolve_model("tiny-random")
+    hf = TransformersRunner(source, tokenizer, max_context=512, model=model, memory_cap_mb=64, forward="hf")
+    static = TransformersRunner(source, tokenizer, max_context=512, model=model, memory_cap_mb=64, forward="static")
+    assert (hf.forward_kind, static.forward_kind) == ("hf", "static")
+    return hf, static
+
+
+def _steps() -> list[list[ForwardItem]]:
+    """Prefills of three lengths, then one step of two chains of different widths and a tree beside them, then a kept path
+    and a chain again."""
+    prompt = [(i * 37 + 11) % V for i in range(70)]
+    return [
+        [ForwardItem("a", 0, prompt[:70], logits_at=[69]), ForwardItem("b", 0, prompt[:9], logits_at=[0, 8]), ForwardItem("c", 0, prompt[:3])],
+        [
+            ForwardItem("a", 70, [5, 6, 7, 8, 9], logits_at=list(range(5))),
+            ForwardItem("b", 9, [12], logits_at=[0]),
+            ForwardItem("c", 3, [20, 21, 22, 23, 24, 25], parents=[2, 2, 3, 3, 4, 5], logits_at=list(range(6))),  # two branches
+        ],
+    ]
+
+
+def _run(runner: TransformersRunner) -> list[torch.Tensor]:
+    out = []
+    for step in _steps():
+        out += runner.forward_each(step)  # type: ignore[arg-type]
+    runner.keep("c", [0, 1, 2, 3, 5, 8])  # a root-to-node path of the tree: row 3 → its child 5 → 8
+    out += runner.forward_each([ForwardItem("c", 6, [30, 31], logits_at=[0, 1]), ForwardItem("a", 75, [40], logits_at=[0])])  # type: ignore[arg-type]
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_the_static_forward_gives_the_hf_forwards_logits(family: str, tokenizer: Any) -> None:
+    hf, static = _pair(tokenizer, MODELS[family]())
+    expected, found = _run(hf), _run(static)
+    assert len(expected) == len(found) == 8
+    for want, got in zip(expected, found):
+        assert isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
+        assert want.shape == got.shape
+        assert (want - got).abs().max().item() <= TOLERANCE
+        assert torch.equal(want.argmax(-1), got.argmax(-1))
+
+
+def test_a_session_alone_and_in_a_padded_bucket_agree_and_nothing_else_is_written(tokenizer: Any) -> None:
+    """Session "x" forwarded alone (a bucket of one), then again in a step of three (padded to four sessions, its rows to a
+    bucket of 32): equal logits (to the tolerance); the step wrote the three sessions' new cells and their scratch cells,
+    and the padding session the scratch slot — no cell of the idle session "w", and no other cell, changed."""
+    model = tiny_random_model(V, seed=7)
+    _, static = _pair(tokenizer, model)
+    _, other = _pair(tokenizer, model)
+    prompt = [(i * 13 + 5) % V for i in range(20)]
+    alone = static.forward_each([ForwardItem("x", 0, prompt, logits_at=[19])])[0]
+    other.forward_each([ForwardItem("w", 0, prompt[:4]), ForwardItem("y", 0, prompt[:5]), ForwardItem("z", 0, prompt[:2])])  # w: idle after
+    before = [store.clone() for store in (*other._keys, *other._values)]
+    together = other.forward_each([ForwardItem("y", 5, [1, 2, 3]), ForwardItem("x", 0, prompt, logits_at=[19]), ForwardItem("z", 2, [4])])
+    assert isinstance(alone, torch.Tensor) and isinstance(together[1], torch.Tensor)
+    assert (alone - together[1]).abs().max().item() <= TOLERANCE and torch.equal(alone.argmax(-1), together[1].argmax(-1))
+    slot_of = {s.session_id: s.index for s in other._slots if s.session_id}
+    scratch_cell, scratch_slot = other.slot_length - 1, other.num_slots
+    written = {(slot_of["y"], c) for c in range(5, 8)} | {(slot_of["x"], c) for c in range(20)} | {(slot_of["z"], 2)}
+    padding = {(slot_of[s], scratch_cell) for s in "xyz"}  # the step's sessions' padding rows
+    for was, now in zip(before, (*other._keys, *other._values)):
+        changed = {(s, c) for s, c in (was != now).any(dim=(1, 3)).nonzero().tolist() if s != scratch_slot}  # (slot, cell) pairs
+        assert written <= changed <= written | padding, sorted(changed - written - padding)[:5]
+
+
+def test_what_cannot_take_the_static_forward_is_refused_by_name_and_auto_keeps_the_cpus(tokenizer: Any) -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    source = resolve_model("tiny-random")
+    windowed = MistralForCausalLM(MistralConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, sliding_window=256,
+    ))
+    with pytest.raises(ModelLoadError, match="a sliding window of 256"):
+        TransformersRunner(source, tokenizer, max_context=512, model=windowed, memory_cap_mb=64, forward="static")
+    with pytest.raises(ModelLoadError, match="a pipeline stage"):
+        TransformersRunner(source, tokenizer, max_context=512, model=tiny_random_model(V), memory_cap_mb=64, forward="static", layers=(0, 1))
+    with pytest.raises(ModelLoadError, match="unknown forward"):
+        TransformersRunner(source, tokenizer, max_context=512, model=tiny_random_model(V), memory_cap_mb=64, forward="graph")
+    assert TransformersRunner(source, tokenizer, max_context=512, model=tiny_random_model(V), memory_cap_mb=64).forward_kind == "hf"  # auto, no CUDA
