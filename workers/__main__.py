@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-sessions", type=int, help="sessions kept before LRU eviction (default: 64)")
     parser.add_argument("--device", help="transformers: auto | cpu | cuda[:N] (default: auto, a GPU when present)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="transformers: model dtype (default: auto, bfloat16 on a GPU)")
+    parser.add_argument("--forward", choices=["auto", "hf", "static"], help="transformers: the model's forward, its own modules (hf) or the static one for Llama-family models (default: auto, static on CUDA)")
     parser.add_argument("--gpu-memory-utilization", type=float, help="share of the GPU's memory for the model and its KV slots (default: 0.9)")
     parser.add_argument("--layers", help="a pipeline stage: the model's layers first:end, e.g. 0:15 (transformers; default: the whole model)")
     parser.add_argument("--next", help="a pipeline stage: the next stage's base URL, when the calls do not name it")

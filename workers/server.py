@@ -38,7 +38,8 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thre
         if runner is None:
             own = ModelThread()
             app.state.worker = WorkerState.build(settings, await own.run(ready_target, settings), own)
-        log.info("worker ready: %s on %s", settings.model, settings.backend.value)
+        kind = getattr(app.state.worker.runner, "forward_kind", None)
+        log.info("worker ready: %s on %s%s", settings.model, settings.backend.value, f" ({kind} forward)" if kind else "")
         yield
         state: WorkerState | None = getattr(app.state, "worker", None)
         if state is not None:

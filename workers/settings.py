@@ -34,6 +34,7 @@ class WorkerSettings(BaseSettings):
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the model runs (auto = cuda if present); llama.cpp: the CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: model dtype (auto = bfloat16 on a GPU, float32 on the CPU); probabilities are fp32 always
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # share of the GPU's memory for the model and its KV slots
+    forward: Literal["auto", "hf", "static"] = "auto"  # transformers: the model's forward — its own modules (hf), or the static forward over bucketed inputs for Llama-family models (static); auto = static on CUDA where the model allows
     layers: str | None = Field(default=None, pattern=r"^\d+:\d+$")  # a pipeline stage: the model's layers first:end (transformers); None = the whole model
     next: str | None = None  # a pipeline stage: the next stage's base URL, when the calls do not name it
     link_rtt_ms: float = Field(default=0.0, ge=0)  # a stage's link to the next stage, emulated: rtt/2 before each call
@@ -81,7 +82,7 @@ def ready_target(settings: WorkerSettings) -> ModelRunner:
     runner = load_runner(
         settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads,
         device=settings.device, dtype=settings.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
-        layers=settings.layer_range,
+        layers=settings.layer_range, forward=settings.forward,
     )
     _ = runner.fingerprint  # computed once, before the first /v1/info
     runner.warm_up()

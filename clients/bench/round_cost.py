@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     return measure(device_args(parser, "tree-device").parse_args(argv))
 
 
-def random_runner(args: argparse.Namespace, max_context: int) -> tuple[Any, Any, str]:
-    """The built-in architecture with random weights on ``args.device`` in ``args.dtype``: the HF model, a runner, the device."""
+def random_runner(args: argparse.Namespace, max_context: int, forward: str = "hf", gpu_memory_utilization: float = 0.9) -> tuple[Any, Any, str]:
+    """The built-in architecture with random weights on ``args.device`` in ``args.dtype``: the HF model, a runner on ``forward``
+    (transformers' modules unless told), the device."""
     from core.runners.transformers_runner import (
         TransformersRunner,
         builtin_architecture_model,
@@ -53,7 +54,10 @@ def random_runner(args: argparse.Namespace, max_context: int) -> tuple[Any, Any,
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     progress(f"building the built-in architecture with random weights ({args.dtype}) on {device}")
     model = builtin_architecture_model(dtype=getattr(torch, args.dtype)).to(device).eval()
-    runner = TransformersRunner(ModelSource("builtin-architecture", None, None), _Vocabulary(), max_context=max_context, device=device, model=model)
+    runner = TransformersRunner(
+        ModelSource("builtin-architecture", None, None), _Vocabulary(), max_context=max_context, device=device, model=model, forward=forward,
+        gpu_memory_utilization=gpu_memory_utilization,
+    )
     return model, runner, device
 
 

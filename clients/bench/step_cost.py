@@ -1,7 +1,8 @@
 """What one scheduler step costs the worker on a device, by batch × positions, beside the bare model's
 forward in the same run (DESIGN §9; ``specgate bench step-device`` runs ``python -m clients.bench.step_cost``).
 A **step**: B calls of distinct sessions cropped to ``PREFIX``, one ``forward_each``, each call scored
-(``k: full``); the **bare forward**: the HF model on ``[B, P]`` ids over a ``DynamicCache`` of the prefix."""
+(``k: full``), on transformers' modules (``step``) and on the static forward (``static``, core/runners/static_forward.py,
+its inputs padded to buckets); the **bare forward**: the HF model on ``[B, P]`` ids over a ``DynamicCache`` of the prefix."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 from clients.bench.common import device_args, progress, write_json
 from clients.bench.round_cost import random_runner, time_cells
 from core.protocol import VerifyRequest
+from core.runners.models import ModelSource
+from core.runners.transformers_runner import TransformersRunner
 from workers.scoring import score
 
 PREFIX = 256
@@ -28,8 +31,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    model, runner, device = random_runner(args, max_context=1024)
-    progress(f"slot cache: {runner.num_slots} slots of {runner.slot_length} cells")
+    model, runner, device = random_runner(args, max_context=1024, gpu_memory_utilization=0.3)
+    static = TransformersRunner(
+        runner_source(runner), runner.tokenizer, max_context=1024, device=device, model=model, forward="static", gpu_memory_utilization=0.6,
+    )
+    progress(f"slot caches: {runner.num_slots} and {static.num_slots} slots of {runner.slot_length} cells")
     generator = np.random.default_rng(0)
     prompt = generator.integers(0, 49152, PREFIX).tolist()
     cells: dict[tuple[int, int, str], Callable[[], None]] = {}
@@ -37,18 +43,26 @@ def measure(args: argparse.Namespace) -> int:
         for p in args.positions:
             cells[(b, p, "bare")] = _bare(model, device, prompt, b, p)
             cells[(b, p, "step")] = _step(runner, f"b{b}p{p}", prompt, b, p, generator)
+            cells[(b, p, "static")] = _step(static, f"b{b}p{p}", prompt, b, p, generator)
     times = time_cells(cells, args.repeats, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"\nscheduler step vs bare forward on {device} ({args.dtype}, {name}), prefix {PREFIX}, median of {args.repeats}:")
-    print(f"{'batch':>5} {'positions':>9} {'bare ms':>8} {'step ms':>8} {'step/bare':>9}")
+    print(f"{'batch':>5} {'positions':>9} {'bare ms':>8} {'step ms':>8} {'static ms':>9} {'step/bare':>9} {'static/bare':>11}")
     rows = []
     for b, p in [(b, p) for b, p, kind in times if kind == "bare"]:
-        bare_med, step_med = statistics.median(times[(b, p, "bare")]), statistics.median(times[(b, p, "step")])
-        print(f"{b:>5} {p:>9} {bare_med:>8.2f} {step_med:>8.2f} {step_med / bare_med:>9.2f}")
-        rows.append({"batch": b, "positions": p, "bare_ms": bare_med, "step_ms": step_med, "ratio": step_med / bare_med, "repeats": args.repeats})
+        bare_med, step_med, static_med = (statistics.median(times[(b, p, kind)]) for kind in ("bare", "step", "static"))
+        print(f"{b:>5} {p:>9} {bare_med:>8.2f} {step_med:>8.2f} {static_med:>9.2f} {step_med / bare_med:>9.2f} {static_med / bare_med:>11.2f}")
+        rows.append({
+            "batch": b, "positions": p, "bare_ms": bare_med, "step_ms": step_med, "static_step_ms": static_med, "ratio": step_med / bare_med,
+            "static_ratio": static_med / bare_med, "repeats": args.repeats,
+        })
     results: dict[str, Any] = {"device": device, "dtype": args.dtype, "gpu": name, "prefix": PREFIX, "rows": rows}
     write_json(args.json_path, results)
     return 0
+
+
+def runner_source(runner: Any) -> ModelSource:
+    return ModelSource(runner.info.model_id, None, None)
 
 
 def _bare(model: Any, device: str, prompt: list[int], batch: int, positions: int) -> Callable[[], None]:

@@ -24,9 +24,11 @@ def load_runner(
     dtype: str = "auto",
     gpu_memory_utilization: float = 0.9,
     layers: tuple[int, int] | None = None,
+    forward: str = "auto",
 ) -> ModelRunner:
     """Load ``model`` (a builtin name, GGUF file, HF folder or hub id) on ``backend``, on ``threads`` CPU threads
-    (default: every core); ``device``, ``dtype``, ``gpu_memory_utilization`` and ``layers`` (a stage's) are transformers'."""
+    (default: every core); ``device``, ``dtype``, ``gpu_memory_utilization``, ``layers`` (a stage's) and ``forward`` (its model's forward:
+    auto, hf or static) are transformers'."""
     if backend == Backend.LLAMA_CPP.value and (device not in ("auto", "cpu") or dtype != "auto"):
         raise ModelLoadError(
             f"the llama.cpp backend runs GGUF files on the CPU in their own types (asked: device {device}, dtype {dtype}): "
@@ -49,7 +51,7 @@ def load_runner(
 
         runner: ModelRunner = TransformersRunner(
             source, tokenizer, max_context=max_context, device=device, dtype=dtype,
-            memory_cap_mb=memory_cap_mb, gpu_memory_utilization=gpu_memory_utilization, layers=layers,
+            memory_cap_mb=memory_cap_mb, gpu_memory_utilization=gpu_memory_utilization, layers=layers, forward=forward,
         )
     elif backend == Backend.LLAMA_CPP.value:
         from core.runners.llama_cpp_runner import LlamaCppRunner

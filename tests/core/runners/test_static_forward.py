@@ -114,11 +114,13 @@ def test_a_session_alone_and_in_a_padded_bucket_agree_and_nothing_else_is_writte
     assert (alone - together[1]).abs().max().item() <= TOLERANCE and torch.equal(alone.argmax(-1), together[1].argmax(-1))
     slot_of = {s.session_id: s.index for s in other._slots if s.session_id}
     scratch_cell, scratch_slot = other.slot_length - 1, other.num_slots
-    written = {(slot_of["y"], c) for c in range(5, 8)} | {(slot_of["x"], c) for c in range(20)} | {(slot_of["z"], 2)}
-    padding = {(slot_of[s], scratch_cell) for s in "xyz"}  # the step's sessions' padding rows
+    written = {(slot_of["y"], c) for c in range(5, 8)} | {(slot_of["z"], 2)}
+    padding = {(slot_of[s], scratch_cell) for s in "yz"}  # the step's sessions' padding rows
+    lent = slot_of["x"]  # a slot lent afresh: zeroed, then written (its memory before was anything)
     for was, now in zip(before, (*other._keys, *other._values)):
-        changed = {(s, c) for s, c in (was != now).any(dim=(1, 3)).nonzero().tolist() if s != scratch_slot}  # (slot, cell) pairs
+        changed = {(s, c) for s, c in (was != now).any(dim=(1, 3)).nonzero().tolist() if s not in (scratch_slot, lent)}  # (slot, cell)
         assert written <= changed <= written | padding, sorted(changed - written - padding)[:5]
+        assert now[lent, :, 20:scratch_cell].eq(0).all()  # x's cells past its rows: the zeros lending left
 
 
 def test_what_cannot_take_the_static_forward_is_refused_by_name_and_auto_keeps_the_cpus(tokenizer: Any) -> None:
@@ -135,3 +137,49 @@ def test_what_cannot_take_the_static_forward_is_refused_by_name_and_auto_keeps_t
     with pytest.raises(ModelLoadError, match="unknown forward"):
         TransformersRunner(source, tokenizer, max_context=512, model=tiny_random_model(V), memory_cap_mb=64, forward="graph")
     assert TransformersRunner(source, tokenizer, max_context=512, model=tiny_random_model(V), memory_cap_mb=64).forward_kind == "hf"  # auto, no CUDA
+
+
+async def test_a_worker_on_the_static_forward_answers_as_one_on_transformers_modules(tokenizer: Any) -> None:
+    """Through a worker's scheduler and scoring (split's accept test and aggregate's top-8 rows, T = 1): eight calls at once, chains of
+    0–4 draft tokens and two trees, answered with the same ids and samples, and probabilities within 1e-5, on either forward."""
+    import httpx
+    import numpy as np
+
+    from core.protocol import VerifyRequest, VerifyResponse, decode, encode
+    from workers.server import create_app
+    from workers.settings import WorkerSettings
+
+    model = tiny_random_model(V, seed=11)
+    prompt = [504, 3458, 28, 638, 359, 346, 1485, 1834, 47, 378, 253, 1097]
+    calls = []
+    for i in range(8):
+        parents = np.array([-1, -1, 0], dtype=np.int64) if i in (3, 6) else None
+        draft = [7, 9, 11] if parents is not None else list(range(20, 20 + i % 5))
+        if i % 2 and parents is None:  # split's accept test and bonus
+            extra: dict[str, Any] = {"mode": "split", "draft_probs": np.full(len(draft), 0.5, dtype=np.float32)}
+        else:  # aggregate's top-8 rows
+            extra = {"mode": "aggregate", "k": 8}
+        calls.append(VerifyRequest.after(f"s{i}", [], prompt[: 4 + i], draft, parents=parents, temperature=1.0, seed=i, **extra))
+    answers = {}
+    for kind in ("hf", "static"):
+        runner = TransformersRunner(resolve_model("tiny-random"), tokenizer, max_context=512, model=model, memory_cap_mb=64, forward=kind)
+        app = create_app(WorkerSettings(model="tiny-random", backend="transformers", forward=kind), runner=runner)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+            async def verify(req: VerifyRequest) -> VerifyResponse:
+                body, content_type = encode(req, V)
+                resp = await client.post("/v1/verify", content=body, headers={"content-type": content_type, "accept": content_type})
+                assert resp.status_code == 200, resp.text
+                return decode(VerifyResponse, resp.content, resp.headers["content-type"])
+
+            import asyncio
+
+            answers[kind] = await asyncio.gather(*(verify(req) for req in calls))
+    for hf, static in zip(answers["hf"], answers["static"]):
+        assert hf.bonus == static.bonus and hf.num_accepted == static.num_accepted
+        for name in ("ids", "samples"):
+            assert (getattr(hf, name) is None) == (getattr(static, name) is None), name
+            if getattr(hf, name) is not None:
+                assert np.array_equal(getattr(hf, name), getattr(static, name)), name
+        for name in ("probs", "tail_mass", "draft_logprobs"):
+            if getattr(hf, name) is not None:
+                assert np.allclose(getattr(hf, name), getattr(static, name), atol=1e-5), name
