@@ -143,3 +143,93 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def bucket(value: int, buckets: tuple[int, ...]) -> int:
     """The smallest bucket holding ``value``; ``value`` itself above the largest (the eager path)."""
     return next((b for b in buckets if b >= value), value)
+
+
+GRAPH_SESSIONS = (1, 2, 4, 8, 16)  # the buckets captured at start-up (larger steps run eagerly)
+GRAPH_ROWS = (1, 2, 4, 8, 16, 32)
+GRAPH_SPANS = (256, 512, 1024, 2048)
+
+
+@dataclass
+class _Bucket:
+    """A bucket's static buffers: its inputs, written in place before each run, and its output; its graph on CUDA."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cells: torch.Tensor
+    mask: torch.Tensor
+    hidden: torch.Tensor | None = None
+    graph: Any = None  # torch.cuda.CUDAGraph
+
+
+class StepGraphs:
+    """``StaticForward.hidden`` over static buffers, one set per bucket ``(sessions, rows, span)``: each run copies its inputs
+    into the bucket's buffers and replays the bucket's CUDA graph (captured by ``capture``); on the CPU, or for a bucket not
+    captured, the same buffers run eagerly. The hidden states returned are the bucket's output buffer: read them before the
+    bucket's next run."""
+
+    def __init__(self, forward: StaticForward, device: torch.device, dtype: torch.dtype) -> None:
+        self.forward, self.device, self.dtype = forward, device, dtype
+        self.buckets: dict[tuple[int, int, int], _Bucket] = {}
+        self.capture_s = 0.0
+        self.graph_bytes = 0
+        self._pool: Any = None
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cells: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        key = (tokens.shape[0], tokens.shape[1], mask.shape[-1])
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            bucket = self.buckets[key] = self._buffers(*key)
+        bucket.tokens.copy_(tokens, non_blocking=True)
+        bucket.positions.copy_(positions, non_blocking=True)
+        bucket.slots.copy_(slots, non_blocking=True)
+        bucket.cells.copy_(cells, non_blocking=True)
+        bucket.mask.copy_(mask, non_blocking=True)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+        else:
+            bucket.hidden = self.forward.hidden(bucket.tokens, bucket.positions, bucket.slots, bucket.cells, bucket.mask)
+        assert bucket.hidden is not None
+        return bucket.hidden
+
+    def capture(self, scratch_slot: int, scratch_cell: int, progress: Any = None) -> None:
+        """A CUDA graph for every bucket of GRAPH_SESSIONS × GRAPH_ROWS × GRAPH_SPANS that fits the cache (spans up to
+        ``scratch_cell + 1``), each warmed up and captured over the scratch slot (no session's cell is written)."""
+        import time
+
+        if self.device.type != "cuda":
+            return
+        started = time.perf_counter()
+        before = torch.cuda.memory_allocated(self.device)
+        self._pool = torch.cuda.graph_pool_handle()
+        keys = [(b, w, s) for s in GRAPH_SPANS if s <= scratch_cell + 1 for b in GRAPH_SESSIONS for w in GRAPH_ROWS]
+        for done, key in enumerate(keys):
+            bucket = self.buckets[key] = self._buffers(*key)
+            bucket.slots.fill_(scratch_slot)
+            bucket.cells.fill_(scratch_cell)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):  # warm-up: kernels chosen, workspaces allocated, before the capture
+                    self.forward.hidden(bucket.tokens, bucket.positions, bucket.slots, bucket.cells, bucket.mask)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool), torch.inference_mode():
+                bucket.hidden = self.forward.hidden(bucket.tokens, bucket.positions, bucket.slots, bucket.cells, bucket.mask)
+            bucket.graph = graph
+            if progress is not None and (done + 1) % 20 == 0:
+                progress(f"captured {done + 1} of {len(keys)} step graphs")
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - started
+        self.graph_bytes = torch.cuda.memory_allocated(self.device) - before
+
+    def _buffers(self, sessions: int, rows: int, span: int) -> _Bucket:
+        device = self.device
+        return _Bucket(
+            tokens=torch.zeros(sessions, rows, dtype=torch.long, device=device),
+            positions=torch.zeros(sessions, rows, dtype=torch.long, device=device),
+            slots=torch.zeros(sessions, dtype=torch.long, device=device),
+            cells=torch.zeros(sessions, rows, dtype=torch.long, device=device),
+            mask=torch.zeros(sessions, rows, span, dtype=self.dtype, device=device),
+        )

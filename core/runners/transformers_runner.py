@@ -133,12 +133,17 @@ class TransformersRunner(ModelRunner):
             # their usual size, enough to flip an argmax (measured: 4 % of positions on the built-in)
             self._head_weight = head.weight.detach().float()
             self._head_bias = head.bias.detach().float() if getattr(head, "bias", None) is not None else None
-        self._static = None
+        self._static = self._graphs = None
         if self.forward_kind == "static":
-            from core.runners.static_forward import StaticForward
+            from core.runners.static_forward import StaticForward, StepGraphs
 
             assert self._head_weight is not None
             self._static = StaticForward(self.model, self._keys, self._values, self._head_weight, self._head_bias)
+            self._graphs = StepGraphs(self._static, self.device, self.dtype)
+            if self.device.type == "cuda":
+                log.info("capturing the static forward's step graphs (%d slots of %d cells)", self.num_slots, self.slot_length)
+                self._graphs.capture(self.num_slots, self.slot_length - 1, progress=log.info)
+                log.info("captured %d step graphs in %.1f s (%.0f MB)", len(self._graphs.buckets), self._graphs.capture_s, self._graphs.graph_bytes / 2**20)
 
     @property
     def is_last_stage(self) -> bool:
@@ -221,7 +226,7 @@ class TransformersRunner(ModelRunner):
     ) -> list[torch.Tensor]:
         """The step on the static forward, its inputs padded to their buckets: padding sessions on the scratch slot (their
         rows write and see its cells only), padding rows on their session's scratch cell, padding columns seen by no row."""
-        assert self._static is not None
+        assert self._static is not None and self._graphs is not None
         batch, width = tokens.shape
         span = visible.shape[-1]
         size_b, size_w = bucket(batch, SESSION_BUCKETS), bucket(width, ROW_BUCKETS)
@@ -237,7 +242,7 @@ class TransformersRunner(ModelRunner):
         slot_index[:batch] = torch.tensor([s.index for s in slots], dtype=torch.long)
         mask = torch.zeros(padded_visible.shape, dtype=self.dtype).masked_fill_(~padded_visible, torch.finfo(self.dtype).min)
         device = self.device
-        hidden = self._static.hidden(padded_tokens.to(device), padded_positions.to(device), slot_index.to(device), padded_cells.to(device), mask.to(device))
+        hidden = self._graphs.run(padded_tokens, padded_positions, slot_index, padded_cells, mask)  # copied into the bucket's buffers
         for w, slot in zip(work, slots):
             slot.rows, slot.clean = len(w.rows), True
         keep = torch.tensor([b * size_w + r - first for b, (w, first) in enumerate(zip(work, firsts)) for r in w.logits_rows], device=device)

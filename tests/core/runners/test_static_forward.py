@@ -183,3 +183,22 @@ async def test_a_worker_on_the_static_forward_answers_as_one_on_transformers_mod
         for name in ("probs", "tail_mass", "draft_logprobs"):
             if getattr(hf, name) is not None:
                 assert np.allclose(getattr(hf, name), getattr(static, name), atol=1e-5), name
+
+
+def test_a_step_runs_through_its_buckets_static_buffers(tokenizer: Any) -> None:
+    """On the CPU a bucket's buffers run eagerly — the same buffers a CUDA graph replays on a GPU (tests/gpu): one set per
+    bucket, reused by every step of that bucket, giving what the static forward gives called directly."""
+    model = tiny_random_model(V, seed=9)
+    _, static = _pair(tokenizer, model)
+    prompt = [(i * 7 + 3) % V for i in range(30)]
+    static.forward_each([ForwardItem("a", 0, prompt[:10]), ForwardItem("b", 0, prompt[:12])])
+    graphs = static._graphs
+    assert graphs is not None and set(graphs.buckets) == {(2, 16, 64)} and graphs.capture_s == 0  # nothing captured on the CPU
+    first = graphs.buckets[2, 16, 64]
+    static.forward_each([ForwardItem("a", 10, [1, 2, 3]), ForwardItem("b", 12, [4])])
+    assert set(graphs.buckets) == {(2, 16, 64), (2, 4, 64)}
+    static.forward_each([ForwardItem("a", 13, [5, 6]), ForwardItem("b", 13, [7, 8, 9])])
+    assert graphs.buckets[2, 4, 64] is not first and len(graphs.buckets) == 2  # the second step of that bucket reused its buffers
+    bucket = graphs.buckets[2, 4, 64]
+    again = static._static.hidden(bucket.tokens, bucket.positions, bucket.slots, bucket.cells, bucket.mask)  # type: ignore[union-attr]
+    assert bucket.hidden is not None and torch.equal(again, bucket.hidden)
