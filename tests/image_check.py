@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from clients.procs import free_port
 from tests.kube import ROOT, containers, render, workloads
 
 CHAT = {"model": "specgate", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0, "seed": 1}
@@ -78,7 +79,7 @@ def run_default_overlay(image: str, timeout_s: float) -> dict[str, object]:
             [w] = containers(objects, worker)
             names.append(_run(image, w, network, [f"--network-alias={worker['spec']['serviceName']}"], Path(mounts)))
             [g] = containers(objects, gateway)
-            port = _free_port()
+            port = free_port()
             names.append(_run(image, g, network, [f"--publish=127.0.0.1:{port}:{g.port('http')}"], Path(mounts)))
             url = f"http://127.0.0.1:{port}"
             _step(f"waiting for the gateway's readiness probe ({g.spec['readinessProbe']['httpGet']['path']}) at {url}")
@@ -105,7 +106,7 @@ def run_stage(image: str, network: str, mounts: Path, timeout_s: float, names: l
     objects = render("pipeline")
     [stages] = [w for w in workloads(objects) if w["kind"] == "StatefulSet"]
     [stage] = containers(objects, stages)
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     names.append(_run(image, stage, network, [f"--publish=127.0.0.1:{port}:{stage.port('http')}"], mounts))
     _step("waiting for the pipeline's stage 0 (transformers, read-only root)")
@@ -156,12 +157,6 @@ def _wait(url: str, started: float, timeout_s: float, names: list[str]) -> float
         if time.monotonic() - started > timeout_s:
             raise RuntimeError(f"not ready after {timeout_s:.0f} s")
         time.sleep(0.5)
-
-
-def _free_port() -> int:
-    from clients.procs import free_port
-
-    return free_port()
 
 
 def _out(command: list[str]) -> str:

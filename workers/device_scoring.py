@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from core.math.batched_sampling import RowParams, apply_sampling_rows
-from core.math.random import Purpose, uniform
+from core.math.random import Purpose, sample_rows, uniform
 from core.math.sampling import SamplingParams
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
@@ -24,9 +24,7 @@ def handles(req: VerifyRequest) -> bool:
     """Whether ``score_step`` answers ``req`` as ``score`` would (else ``score`` answers it)."""
     if req.mode not in (Mode.AGGREGATE.value, Mode.AUTOREGRESSIVE.value):
         return False
-    if req.score_ids is not None or req.score_tokens or req.parents is not None or getattr(req, "transform", None) is not None:
-        return False
-    if any(getattr(req, name, None) for name in ("logprobs", "top_logprobs")):
+    if req.score_ids is not None or req.score_tokens or req.parents is not None or req.transform is not None:
         return False
     return req.k is None or req.reconstruction == Reconstruction.RENORMALIZE.value
 
@@ -72,18 +70,9 @@ def score_step(logits: torch.Tensor, reqs: list[VerifyRequest], helds: list[int]
             [uniform(r.seed, r.choice, r.prefix_len + len(r.tokens), Purpose.WORKER_SAMPLE, r.worker) for r, part in zip(reqs, parts) if part.sample],
             dtype=torch.float64, device=device,
         )
-        chunks.append(_sample_rows(probs[firsts], u).double())
+        chunks.append(sample_rows(probs[firsts], u).double())
     packed = torch.cat(chunks).cpu().numpy() if chunks else np.zeros(0)  # the step's one copy
     return _unpack(packed, parts, reqs, helds, vocab, model_ms)
-
-
-def _sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``core.math.random.sample_rows`` without reading back: a draw rounded up to a row's total takes its last entry with mass."""
-    cdf = torch.cumsum(probs.double(), dim=1)
-    index = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    vocab = probs.shape[1]
-    last = (vocab - 1) - torch.argmax(torch.flip(probs > 0, dims=[1]).to(torch.int8), dim=1)
-    return torch.where(index >= vocab, last, index)
 
 
 def _unpack(packed: np.ndarray, parts: list[_Part], reqs: list[VerifyRequest], helds: list[int], vocab: int, model_ms: float) -> list[VerifyResponse]:

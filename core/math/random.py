@@ -94,12 +94,13 @@ def sample_rows(
     probs: torch.Tensor,  # [R, V], ≥ 0, need not be normalised
     u: torch.Tensor,  # [R] U[0, 1)
 ) -> torch.Tensor:  # [R] long: sample_index of each row (0 for a row with no mass)
-    """``sample_index`` of every row at once, with its very numbers (a row's cumulative sum is the same computed alone or in a batch)."""
+    """``sample_index`` of every row at once, with its very numbers (a row's cumulative sum is the same computed alone or in a batch);
+    nothing read back to the host, so a device's rows are drawn where they are."""
     cdf = torch.cumsum(probs.double(), dim=1)
     total = cdf[:, -1]
-    index = torch.searchsorted(cdf, (u.double() * total)[:, None], right=True)[:, 0]
-    over = (index >= probs.shape[1]).nonzero()[:, 0].tolist()  # u·total rounded up to the total
-    for row in over:
-        nonzero = (probs[row] > 0).nonzero()
-        index[row] = int(nonzero[-1, 0]) if len(nonzero) else 0
-    return index
+    index = torch.searchsorted(cdf, (u.double().to(cdf.device) * total)[:, None], right=True)[:, 0]
+    width = probs.shape[1]
+    has_mass = probs > 0
+    last = (width - 1) - torch.argmax(torch.flip(has_mass, dims=[1]).to(torch.int8), dim=1)  # the last entry with mass
+    fallback = torch.where(has_mass.any(dim=1), last, torch.zeros_like(last))
+    return torch.where(index >= width, fallback, index)  # u·total rounded up to the total

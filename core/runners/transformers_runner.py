@@ -197,7 +197,7 @@ class TransformersRunner(ModelRunner):
                 for slot in slots:
                     self._release(slot)
                 raise
-        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, torch.finfo(self.dtype).min)
+        mask = _additive(visible, self.dtype)
         view = _SlotView(self, torch.tensor([s.index for s in slots], device=self.device), cells.to(self.device), span)
         try:
             if self.layer_range is None:
@@ -240,7 +240,7 @@ class TransformersRunner(ModelRunner):
         padded_visible[:batch, :width, :span] = visible
         slot_index = torch.full((size_b,), self.num_slots, dtype=torch.long)  # the scratch slot
         slot_index[:batch] = torch.tensor([s.index for s in slots], dtype=torch.long)
-        mask = torch.zeros(padded_visible.shape, dtype=self.dtype).masked_fill_(~padded_visible, torch.finfo(self.dtype).min)
+        mask = _additive(padded_visible, self.dtype)
         device = self.device
         hidden = self._graphs.run(padded_tokens, padded_positions, slot_index, padded_cells, mask)  # copied into the bucket's buffers
         for w, slot in zip(work, slots):
@@ -312,6 +312,11 @@ class TransformersRunner(ModelRunner):
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
         out = self.model(input_ids=input_ids, use_cache=False)
         return out.logits[0, -num_logits:].float().cpu()
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean ``visible`` as an additive attention mask: 0 where a row sees a cell, the dtype's minimum where not."""
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
 
 
 def _forward_kind(forward: str, model: Any, device: torch.device, layers: tuple[int, int] | None) -> str:
