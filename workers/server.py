@@ -189,6 +189,7 @@ class _WorkerCollector(Collector):
     _COUNTERS = {
         "requests": "Verify calls answered.",
         "positions_scored": "Positions scored (γ+1 per call).",
+        "positions_scored_on_device": "Of those, positions scored together where the logits are, one copy back per step (--scoring device).",
         "model_seconds": "Seconds spent in the model.",
         "bytes_in": "Bytes of verify requests received.",
         "bytes_out": "Bytes of verify answers sent.",

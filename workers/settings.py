@@ -35,6 +35,7 @@ class WorkerSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: model dtype (auto = bfloat16 on a GPU, float32 on the CPU); probabilities are fp32 always
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # share of the GPU's memory for the model and its KV slots
     forward: Literal["auto", "hf", "static"] = "auto"  # transformers: the model's forward — its own modules (hf), or the static forward over bucketed inputs for Llama-family models (static); auto = static on CUDA where the model allows
+    scoring: Literal["auto", "host", "device"] = "auto"  # where a step's logits are scored: each call on the host (workers.scoring, the reference), or every call together where the logits are, one copy back (workers.device_scoring); auto = device where the model runs on a GPU
     layers: str | None = Field(default=None, pattern=r"^\d+:\d+$")  # a pipeline stage: the model's layers first:end (transformers); None = the whole model
     next: str | None = None  # a pipeline stage: the next stage's base URL, when the calls do not name it
     link_rtt_ms: float = Field(default=0.0, ge=0)  # a stage's link to the next stage, emulated: rtt/2 before each call

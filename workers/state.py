@@ -33,7 +33,13 @@ class WorkerState(Steps):
     link: StageLink = field(init=False)  # a stage: to the next stage
     _grammars: Grammars | None = None  # the grammar engine, built by the first call that carries a grammar
 
+    scores_on_device: bool = field(init=False)
+
     def __post_init__(self) -> None:
+        scoring = self.settings.scoring
+        on_gpu = getattr(self.runner, "device", None) is not None and self.runner.device.type == "cuda"  # type: ignore[attr-defined]
+        self.scores_on_device = not self.is_stage and (scoring == "device" or (scoring == "auto" and on_gpu))
+        self.runner.logits_on_device = self.scores_on_device
         self.scheduler = VerifyScheduler(self, self.settings.max_batch_tokens, prefill_chunk(self.settings))
         self.link = StageLink(self.settings, self.runner.info.vocab_size)
 
@@ -57,5 +63,6 @@ class WorkerState(Steps):
             tokenizer_fingerprint=self.runner.fingerprint, eos_ids=info.eos_ids, max_context=self.max_context, backend=info.backend,
             layer_range=list(self.runner.layer_range) if self.runner.layer_range is not None else None,
             num_layers=self.runner.num_layers, grammar_engine=engine_version(), max_grammar_bytes=self.settings.max_grammar_bytes,
+            step={**self.runner.step_info(), "scoring": "device" if self.scores_on_device else "host"},
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 from typing import Any
@@ -13,13 +14,18 @@ from core.protocol import StageRequest, VerifyRequest, VerifyResponse, check_ver
 from core.math.tree import path_of
 from core.runners.base import ForwardItem
 from workers.scheduler import Piece, Work
+from workers.device_scoring import handles, score_step
 from workers.scoring import score, tree_item
 from workers.stage import StageSteps
 from workers.transforms import Shaping, shaped
 
+log = logging.getLogger(__name__)
+
 
 class Steps(StageSteps):
     """Part of ``WorkerState`` (``workers.state``): the verify step."""
+
+    scores_on_device: bool  # a step's calls scored together where the logits are (workers.device_scoring), else each on the host
 
     def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
         """``POST /v1/verify`` for one call alone; ``timing`` gets the model's and the scoring's ms."""
@@ -40,6 +46,9 @@ class Steps(StageSteps):
                 if item is None:  # a piece the prompt cache held: nothing to decode
                     answers[i] = rows
                     continue
+                call = req.req if isinstance(req, Piece) else req
+                if isinstance(call, VerifyRequest) and call.seeded:  # its numbers must not depend on what shares the step
+                    item = replace(item, alone=True)
                 items.append((item, rows, shaping))
                 order.append(i)
             except Exception as exc:  # noqa: BLE001 - this call's answer
@@ -55,6 +64,7 @@ class Steps(StageSteps):
         model_ms = (time.perf_counter() - started) * 1e3
         self.counters["model_seconds"] += model_ms / 1e3
         self.counters["steps"] += 1
+        together: list[tuple[int, VerifyRequest, torch.Tensor]] = []  # calls scored on the device, all at once below
         for (_, scored_tokens, shaping), i, logits in zip(items, order, outputs):
             if isinstance(logits, Exception):
                 answers[i] = logits
@@ -65,16 +75,48 @@ class Steps(StageSteps):
                 answers[i] = scored_tokens  # a piece of a prompt: the tokens the session holds now
                 continue
             try:
+                call = req.req if isinstance(req, Piece) else req
                 if isinstance(req, StageRequest):
-                    answers[i] = self._stage_answer(req, logits, model_ms)
+                    answers[i] = self._stage_answer(req, logits.cpu(), model_ms)
+                elif self.scores_on_device and isinstance(call, VerifyRequest) and handles(call):
+                    together.append((i, call, shaped(logits[scored_tokens:], shaping)))
+                    continue
                 else:
-                    call = req.req if isinstance(req, Piece) else req
-                    answers[i] = self._verify_answer(call, logits, scored_tokens, shaping, timings[i]["model"], len(items))
+                    assert isinstance(call, VerifyRequest)
+                    answers[i] = self._verify_answer(call, logits.cpu(), scored_tokens, shaping, timings[i]["model"], len(items))
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
             if not isinstance(req, StageRequest):
                 timings[i]["score"] = (time.perf_counter() - scored) * 1e3
+        if together:
+            self._score_together(together, answers, timings, len(items))
         return answers
+
+    def _score_together(
+        self, together: list[tuple[int, VerifyRequest, torch.Tensor]], answers: list[Any], timings: list[dict[str, float]], batch: int,
+    ) -> None:
+        """The step's device-scored calls in one ``score_step`` (one copy back); should it fail, each call alone on the host, so one bad call fails alone."""
+        scored = time.perf_counter()
+        calls = [call for _, call, _ in together]
+        helds = [self.runner.length(call.session_id) for call in calls]
+        try:
+            answered: list[Any] = score_step(torch.cat([rows for *_, rows in together]), calls, helds, 0.0)
+            self.counters["positions_scored_on_device"] += sum(len(call.draft) + 1 for call in calls)
+        except Exception:  # noqa: BLE001 - found below, call by call
+            log.warning("scoring a step of %d calls together failed; scoring them one by one on the host", len(calls), exc_info=True)
+            answered = []
+            for (_, call, rows), held in zip(together, helds):
+                try:
+                    answered.append(score(rows.cpu(), call, held, 0.0))
+                except Exception as exc:  # noqa: BLE001 - this call's answer
+                    answered.append(exc)
+        score_ms = (time.perf_counter() - scored) * 1e3
+        for (i, call, _), answer in zip(together, answered):
+            self.counters["positions_scored"] += len(call.draft) + 1
+            if not isinstance(answer, Exception):
+                answer = replace(answer, model_ms=timings[i]["model"], **({"batch_sessions": batch} if batch > 1 else {}))
+            answers[i] = answer
+            timings[i]["score"] = score_ms  # every call waited for the step's scoring
 
     def _verify_answer(
         self, req: VerifyRequest, logits: torch.Tensor, scored_tokens: int, shaping: Shaping | None, model_ms: float, batch: int,

@@ -84,7 +84,7 @@ class Round:
         req = self.req
         requests = [
             VerifyRequest.after(  # type: ignore[misc]
-                self.session_id, *lists(n), **req.sampling_wire(), seed=req.seed, choice=req.choice, worker=n, **wire,  # type: ignore[arg-type]
+                self.session_id, *lists(n), **req.sampling_wire(), seed=req.seed, choice=req.choice, worker=n, seeded=req.seeded, **wire,  # type: ignore[arg-type]
             )
             for n in range(len(self.targets.workers))
         ]

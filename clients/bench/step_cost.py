@@ -1,8 +1,10 @@
 """What one scheduler step costs the worker on a device, by batch × positions, beside the bare model's
 forward in the same run (DESIGN §9; ``specgate bench step-device`` runs ``python -m clients.bench.step_cost``).
-A **step**: B calls of distinct sessions cropped to ``PREFIX``, one ``forward_each``, each call scored
-(``k: full``), on transformers' modules (``step``) and on the static forward (``static``, core/runners/static_forward.py,
-its inputs padded to buckets); the **bare forward**: the HF model on ``[B, P]`` ids over a ``DynamicCache`` of the prefix."""
+A **step**: B calls of distinct sessions cropped to ``PREFIX``, one ``forward_each``, each call scored (``k: full``):
+on transformers' modules scored call by call on the host (``step``, the worker on ``--forward hf --scoring host``), on
+the static forward (core/runners/static_forward.py, inputs padded to buckets, CUDA graphs on a GPU) scored on the host
+(``static``) and scored together where the logits are with one copy back (``device``, workers/device_scoring.py: the
+worker's default on a GPU); the **bare forward**: the HF model on ``[B, P]`` ids over a ``DynamicCache`` of the prefix."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from clients.bench.round_cost import random_runner, time_cells
 from core.protocol import VerifyRequest
 from core.runners.models import ModelSource
 from core.runners.transformers_runner import TransformersRunner
+from workers.device_scoring import score_step
 from workers.scoring import score
 
 PREFIX = 256
@@ -44,17 +47,21 @@ def measure(args: argparse.Namespace) -> int:
             cells[(b, p, "bare")] = _bare(model, device, prompt, b, p)
             cells[(b, p, "step")] = _step(runner, f"b{b}p{p}", prompt, b, p, generator)
             cells[(b, p, "static")] = _step(static, f"b{b}p{p}", prompt, b, p, generator)
+            cells[(b, p, "device")] = _step(static, f"d{b}p{p}", prompt, b, p, generator, together=True)
     times = time_cells(cells, args.repeats, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     print(f"\nscheduler step vs bare forward on {device} ({args.dtype}, {name}), prefix {PREFIX}, median of {args.repeats}:")
-    print(f"{'batch':>5} {'positions':>9} {'bare ms':>8} {'step ms':>8} {'static ms':>9} {'step/bare':>9} {'static/bare':>11}")
+    print(f"{'batch':>5} {'positions':>9} {'bare ms':>8} {'step ms':>8} {'static ms':>9} {'device ms':>9} {'step/bare':>9} {'static/bare':>11} {'device/bare':>11}")
     rows = []
     for b, p in [(b, p) for b, p, kind in times if kind == "bare"]:
-        bare_med, step_med, static_med = (statistics.median(times[(b, p, kind)]) for kind in ("bare", "step", "static"))
-        print(f"{b:>5} {p:>9} {bare_med:>8.2f} {step_med:>8.2f} {static_med:>9.2f} {step_med / bare_med:>9.2f} {static_med / bare_med:>11.2f}")
+        bare_med, step_med, static_med, device_med = (statistics.median(times[(b, p, kind)]) for kind in ("bare", "step", "static", "device"))
+        print(
+            f"{b:>5} {p:>9} {bare_med:>8.2f} {step_med:>8.2f} {static_med:>9.2f} {device_med:>9.2f} {step_med / bare_med:>9.2f}"
+            f" {static_med / bare_med:>11.2f} {device_med / bare_med:>11.2f}"
+        )
         rows.append({
-            "batch": b, "positions": p, "bare_ms": bare_med, "step_ms": step_med, "static_step_ms": static_med, "ratio": step_med / bare_med,
-            "static_ratio": static_med / bare_med, "repeats": args.repeats,
+            "batch": b, "positions": p, "bare_ms": bare_med, "step_ms": step_med, "static_step_ms": static_med, "device_step_ms": device_med,
+            "ratio": step_med / bare_med, "static_ratio": static_med / bare_med, "device_ratio": device_med / bare_med, "repeats": args.repeats,
         })
     results: dict[str, Any] = {"device": device, "dtype": args.dtype, "gpu": name, "prefix": PREFIX, "rows": rows}
     write_json(args.json_path, results)
@@ -82,8 +89,11 @@ def _bare(model: Any, device: str, prompt: list[int], batch: int, positions: int
     return run
 
 
-def _step(runner: Any, name: str, prompt: list[int], batch: int, positions: int, generator: np.random.Generator) -> Callable[[], None]:
-    """One scheduler step of ``batch`` calls: crop each to its prefix, one forward_each, score each."""
+def _step(
+    runner: Any, name: str, prompt: list[int], batch: int, positions: int, generator: np.random.Generator, together: bool = False,
+) -> Callable[[], None]:
+    """One scheduler step of ``batch`` calls: crop each to its prefix, one forward_each, score each (``together``: all in one
+    ``score_step`` where the logits are, as the worker does with ``--scoring device``)."""
     sessions = [f"{name}s{i}" for i in range(batch)]
     for session in sessions:
         runner.prefill(session, prompt)
@@ -94,8 +104,16 @@ def _step(runner: Any, name: str, prompt: list[int], batch: int, positions: int,
         for req in reqs:
             runner.crop(req.session_id, len(prompt))
             items.append(runner.append_item(req.session_id, [7, *req.draft.tolist()], positions))
-        for req, logits in zip(reqs, runner.forward_each(items)):
-            assert not isinstance(logits, Exception), logits
+        runner.logits_on_device = together
+        try:
+            outputs = runner.forward_each(items)
+        finally:
+            runner.logits_on_device = False
+        assert not any(isinstance(logits, Exception) for logits in outputs), outputs
+        if together:
+            score_step(torch.cat(outputs), reqs, [runner.length(req.session_id) for req in reqs], 0.0)
+            return
+        for req, logits in zip(reqs, outputs):
             score(logits, req, runner.length(req.session_id), 0.0)
 
     return run

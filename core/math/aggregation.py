@@ -22,7 +22,7 @@ def reconstruct(
     spreads σ_n over the allowed ids outside the top-k only (T(p_n) has no mass on the others,
     so the bound TV(p̂_n, p_n) ≤ σ_n holds as before, and no masked id can be emitted)."""
     probs = probs.double()
-    dense = torch.zeros(probs.shape[0], vocab_size, dtype=torch.float64).scatter(-1, ids.long(), probs)
+    dense = torch.zeros(probs.shape[0], vocab_size, dtype=torch.float64, device=probs.device).scatter(-1, ids.long(), probs)
     rho = probs.sum(dim=-1, keepdim=True)
     k = ids.shape[-1]
     if method is Reconstruction.RENORMALIZE or k == vocab_size:

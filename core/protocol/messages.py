@@ -43,6 +43,7 @@ class InfoResponse(Message):
     num_layers: int | None = None  # the whole model's decoder layers (a stage's reports it: the gateway checks the stages cover them)
     grammar_engine: str | None = None  # "llguidance 1.9.1": the gateway serves grammars only where every worker's equals its own
     max_grammar_bytes: int | None = None  # the longest grammar source the worker compiles: the gateway refuses longer ones with a 400
+    step: dict[str, Any] | None = None  # how a step runs: {"forward": "static" | "hf" | …, "scoring": "device" | "host"}, and a static forward's CUDA graphs ("graphs", "capture_s", "graph_mb")
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,7 +56,7 @@ class VerifyRequest(Message):
         "tokens": "ids", "draft": "ids", "draft_probs": "f64", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids",
         "parents": "i32", "path": "i32",
     }
-    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "min_p", "transform"})
+    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "min_p", "transform", "seeded"})
 
     session_id: str  # the gateway's id of this session (request, choice, worker)
     prefix_len: int  # tokens, ≥ 0: the agreed prefix the worker must already hold
@@ -83,6 +84,7 @@ class VerifyRequest(Message):
     min_p: float = 0.0  # [0, 1), 0 = off: after temperature, tokens below min_p × the row's largest probability are dropped (vLLM's)
     transform: dict[str, Any] | None = None  # DESIGN §3.9, sent on a call that starts the session (prefix_len 0) and kept by it: min_tokens, logit_bias, penalties, grammar (core.transform.TransformSpec's wire form)
     path: np.ndarray | None = None  # [a] i32, v1.1: the accepted nodes (root to leaf) of the tree the previous call left; the worker keeps them as the last a of the prefix_len agreed tokens, dropping the rest of that tree; absent after a resend
+    seeded: bool = False  # the client gave the seed: the worker computes this call's logits as it would alone, whatever shares its step (a GPU's static forward: a replay of its own)
 
     def on_wire(self) -> VerifyRequest:
         """What is sent: the transform only on a call that starts the session (prefix_len 0,

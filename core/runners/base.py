@@ -46,6 +46,7 @@ class ForwardItem:
     parents: list[int] | None = None
     logits_at: list[int] | None = None
     hidden: torch.Tensor | None = None  # [len(tokens), hidden]: a pipeline stage's input states (stages after the first)
+    alone: bool = False  # its logits as this item alone would get them, whatever shares the step (a seeded call: docs/performance.md)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Staged:
     start: int
     logits_rows: list[int]
     hidden: torch.Tensor | None = None  # a stage's input states of rows [start, len(rows))
+    alone: bool = False  # ForwardItem.alone
 
 
 class ModelRunner(ABC):
@@ -88,12 +90,17 @@ class ModelRunner(ABC):
     info: RunnerInfo
     tokenizer: Any  # the HF tokenizer; the same object for every runner of one model
     layer_range: tuple[int, int] | None = None  # a pipeline stage's layers [first, end); None = the whole model
+    logits_on_device = False  # ``forward_each``'s logits stay where the model computed them (its caller scores them there); else on the host
     keeps_subtrees = False  # ``keep`` takes a prefix plus a subtree (FlowSpec's prune), not only a path
     hidden_size = 0  # the model's hidden states' width (what a stage passes on)
     num_layers: int | None = None  # the whole model's decoder layers, where the backend says (a stage must)
     threads: int | None = None  # the CPU threads its model and torch's pool run on (``load_runner`` sets it)
     _kv_bytes = 0  # KV cache bytes per row
     has_weights = True  # False: a tokenizer alone (``draft.model: none``)
+
+    def step_info(self) -> dict[str, Any]:
+        """How this runner's forward runs, for ``/v1/info``."""
+        return {"forward": self.info.backend}
 
     @property
     def is_first_stage(self) -> bool:
@@ -309,7 +316,7 @@ class ModelRunner(ABC):
             rows.chain = len(rows)
         if item.hidden is not None and item.hidden.shape[0] != count:
             raise ValueError(f"hidden states for {item.hidden.shape[0]} rows, {count} new rows")
-        return Staged(item.session_id, rows, start, [start + i for i in logits_at], item.hidden)
+        return Staged(item.session_id, rows, start, [start + i for i in logits_at], item.hidden, item.alone)
 
     def _unstage(self, work: Staged) -> None:
         """After a failed compute: the rows as they were, the cache rebuilt on the next call."""

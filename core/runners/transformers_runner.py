@@ -145,6 +145,13 @@ class TransformersRunner(ModelRunner):
                 self._graphs.capture(self.num_slots, self.slot_length - 1, progress=log.info)
                 log.info("captured %d step graphs in %.1f s (%.0f MB)", len(self._graphs.buckets), self._graphs.capture_s, self._graphs.graph_bytes / 2**20)
 
+    def step_info(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"forward": self.forward_kind}
+        if self._graphs is not None:
+            captured = sum(b.graph is not None for b in self._graphs.buckets.values())
+            out |= {"graphs": captured, "capture_s": round(self._graphs.capture_s, 3), "graph_mb": round(self._graphs.graph_bytes / 2**20, 1)}
+        return out
+
     @property
     def is_last_stage(self) -> bool:
         return self._end_layer == int(self.model.config.num_hidden_layers)
@@ -166,10 +173,18 @@ class TransformersRunner(ModelRunner):
         return None
 
     @torch.inference_mode()
-    def _forward_slots(self, work: list[Staged]) -> list[torch.Tensor]:
-        """One model forward over the new rows of every item (one session each)."""
+    def _forward_slots(self, work: list[Staged], busy: set[str] | None = None) -> list[torch.Tensor]:
+        """One model forward over the new rows of every item (one session each); on the static forward, an item ``alone``
+        gets a forward of its own (its buckets its own: its numbers do not depend on what else the step holds).
+        ``busy``: the step's sessions, whose slots stay theirs."""
+        busy = busy if busy is not None else {x.session_id for x in work}
+        if self._static is not None and len(work) > 1 and any(w.alone for w in work):
+            shared = [w for w in work if not w.alone]
+            groups = [[w] for w in work if w.alone] + ([shared] if shared else [])
+            done = {id(w): out for group in groups for w, out in zip(group, self._forward_slots(group, busy))}
+            return [done[id(w)] for w in work]
         self._clock += 1
-        slots = [self._slot_for(w.session_id, {x.session_id for x in work}) for w in work]
+        slots = [self._slot_for(w.session_id, busy) for w in work]
         firsts = [min(slot.rows, w.start) for w, slot in zip(work, slots)]
         counts = [len(w.rows) - first for w, first in zip(work, firsts)]
         width, span = max(counts), max(len(w.rows) for w in work)
@@ -217,7 +232,7 @@ class TransformersRunner(ModelRunner):
             return [hidden[b, w.start - first : count].cpu() for b, (w, first, count) in enumerate(zip(work, firsts, counts))]
         index = torch.tensor([b * width + r - first for b, (w, first) in enumerate(zip(work, firsts)) for r in w.logits_rows], device=self.device)
         picked = hidden.reshape(batch * width, -1).index_select(0, index).float()
-        logits = torch.nn.functional.linear(picked, self._head_weight, self._head_bias).cpu()
+        logits = self._to_caller(torch.nn.functional.linear(picked, self._head_weight, self._head_bias))
         return list(logits.split([len(w.logits_rows) for w in work]))
 
     def _static_step(
@@ -246,8 +261,12 @@ class TransformersRunner(ModelRunner):
         for w, slot in zip(work, slots):
             slot.rows, slot.clean = len(w.rows), True
         keep = torch.tensor([b * size_w + r - first for b, (w, first) in enumerate(zip(work, firsts)) for r in w.logits_rows], device=device)
-        logits = self._static.logits(hidden, keep).cpu()
+        logits = self._to_caller(self._static.logits(hidden, keep))
         return list(logits.split([len(w.logits_rows) for w in work]))
+
+    def _to_caller(self, logits: torch.Tensor) -> torch.Tensor:
+        """The step's logits on the host, or where they are when the caller scores them there (``logits_on_device``)."""
+        return logits if self.logits_on_device else logits.cpu()
 
     def _stage_layers(
         self, work: list[Staged], firsts: list[int], counts: list[int], tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, view: _SlotView,

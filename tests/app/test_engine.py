@@ -413,6 +413,16 @@ def test_workers_receive_only_what_they_lack() -> None:
     full = PROMPT + tokens
     for call in calls:
         assert full[call.prefix_len : call.prefix_len + len(call.tokens)] == call.tokens.tolist()
+    assert not any(call.seeded for call in calls)  # no seed from the client: the worker may batch its calls as it likes
+
+
+def test_a_seeded_requests_calls_say_so() -> None:
+    """A request whose client gave the seed marks every worker call ``seeded``: a GPU worker then forwards it in buckets of its own."""
+    engine = make_engine(DRAFT, [(TARGETS[0], 1.0)])
+    request = replace(_request(3, _spec(Mode.AGGREGATE, 3), max_tokens=6), seeded=True)
+    asyncio.run(_tokens(engine, request))
+    calls = engine.pool.workers[0].calls
+    assert calls and all(call.seeded for call in calls)
 
 
 def test_top_k_reports_a_bound_that_covers_the_error() -> None:

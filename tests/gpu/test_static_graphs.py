@@ -67,3 +67,81 @@ def test_a_session_alone_and_in_a_padded_captured_bucket_agree() -> None:
     got = shared.forward_each([ForwardItem("y", 5, [1, 2]), ForwardItem("x", 0, PROMPT, logits_at=[11]), ForwardItem("z", 3, [4])])[1]
     assert isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)
     assert (want - got).abs().max().item() <= 1e-4 and torch.equal(want.argmax(-1), got.argmax(-1))
+
+
+def test_a_seeded_session_gets_the_same_bits_whatever_shares_its_steps() -> None:
+    """The seeded promise on a GPU (docs/performance.md): a seeded call (``alone``) gets logits equal bit for bit to its
+    run alone, over a prefill and four decode steps, in bf16 on the built-in architecture, while fifteen other sessions
+    share every step; and the device scorer's answer for it is the same alone or beside fifteen other calls."""
+    from core.protocol import VerifyRequest
+    from core.runners.transformers_runner import builtin_architecture_model
+    from workers.device_scoring import score_step
+
+    def runner() -> TransformersRunner:
+        return TransformersRunner(
+            ModelSource("tiny-random", None, None), _Vocabulary(), max_context=2048, device="cuda",
+            model=builtin_architecture_model(dtype=torch.bfloat16), forward="static", gpu_memory_utilization=0.3,
+        )
+
+    alone, shared = runner(), runner()
+    prompt = [(i * 37 + 11) % 49152 for i in range(200)]
+    mine = [ForwardItem("x", 0, prompt, logits_at=[199], alone=True)]
+    for step in range(5):
+        want = alone.forward_each(mine)[0]
+        others = [  # prompts of 30-44 tokens, then one token a step each
+            ForwardItem(f"o{k}", 0, prompt[: 30 + k]) if step == 0 else ForwardItem(f"o{k}", 30 + k + step - 1, [prompt[30 + k + step - 1]])
+            for k in range(15)
+        ]
+        got = shared.forward_each([*others[:7], *mine, *others[7:]])[7]
+        assert isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and torch.equal(want, got), step
+        token = int(want[-1].argmax())
+        mine = [ForwardItem("x", 200 + step, [token], alone=True)]
+    logits = torch.randn(16 * 5, 49152, device="cuda") * 3
+    calls = [VerifyRequest.after(f"c{k}", [], [1, 2], [3, 4, 5, 6], mode="aggregate", k=20, temperature=0.7, top_p=0.9, seed=k) for k in range(16)]
+    together = score_step(logits, calls, [6] * 16, 0.0)[3]
+    by_itself = score_step(logits[15:20].clone(), calls[3:4], [6], 0.0)[0]
+    assert all(bool((getattr(together, n) == getattr(by_itself, n)).all()) for n in ("ids", "probs", "tail_mass"))
+
+
+def test_the_device_scorer_on_the_gpu_answers_as_the_host_and_waits_for_it_once() -> None:
+    """workers.device_scoring on CUDA tensors against workers.scoring on the host (the CPU test's grid of every mode and
+    payload), and within a step's scoring one synchronising operation: the copy back."""
+    import warnings
+
+    from tests.workers.test_device_scoring import _calls, _logits, _same
+    from workers.device_scoring import score_step
+    from workers.scoring import score
+
+    calls = _calls()
+    sizes = [len(req.draft) + 1 for req in calls]
+    logits = _logits(sum(sizes))
+    helds = [6] * len(calls)
+    score_step(logits.cuda(), calls, helds, 0.0)  # warm: the pinned buffers and kernels
+    device = logits.cuda()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            answers = score_step(device, calls, helds, 0.0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    for req, rows, got in zip(calls, torch.split(logits, sizes), answers):
+        _same(score(rows.clone(), req, 6, 0.0), got, f"{req.mode} k={req.k} T={req.temperature}")
+
+
+def test_a_transform_on_the_gpu_transforms_as_on_the_host() -> None:
+    """core.transform on CUDA rows (bias, penalties, min_tokens, and a grammar's mask sent as packed bits) = on the host's."""
+    import numpy as np
+
+    from core.transform import Transformer, TransformSpec, on_device
+
+    spec = TransformSpec(logit_bias=((9, 4.0), (70, -2.5)), presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3, prompt_len=3, min_tokens=4, eos_ids=(2,))
+    transformer = Transformer.build(spec, 3001, None)
+    logits = torch.randn(4, 3001)
+    agreed, paths = [5, 6, 7, 9, 9], [[], [9], [9, 70], [1]]
+    assert torch.equal(transformer.rows(logits.cuda(), agreed, paths).cpu(), transformer.rows(logits, agreed, paths))
+    mask = torch.from_numpy(np.random.default_rng(1).random((4, 3001)) < 0.5)
+    assert torch.equal(on_device(mask, torch.device("cuda")).cpu(), mask)

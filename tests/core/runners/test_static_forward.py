@@ -118,7 +118,8 @@ def test_a_session_alone_and_in_a_padded_bucket_agree_and_nothing_else_is_writte
     padding = {(slot_of[s], scratch_cell) for s in "yz"}  # the step's sessions' padding rows
     lent = slot_of["x"]  # a slot lent afresh: zeroed, then written (its memory before was anything)
     for was, now in zip(before, (*other._keys, *other._values)):
-        changed = {(s, c) for s, c in (was != now).any(dim=(1, 3)).nonzero().tolist() if s not in (scratch_slot, lent)}  # (slot, cell)
+        differ = (was != now) & ~(was.isnan() & now.isnan())  # never-lent slots hold whatever memory held, NaN patterns included
+        changed = {(s, c) for s, c in differ.any(dim=(1, 3)).nonzero().tolist() if s not in (scratch_slot, lent)}  # (slot, cell)
         assert written <= changed <= written | padding, sorted(changed - written - padding)[:5]
         assert now[lent, :, 20:scratch_cell].eq(0).all()  # x's cells past its rows: the zeros lending left
 
@@ -140,12 +141,18 @@ def test_what_cannot_take_the_static_forward_is_refused_by_name_and_auto_keeps_t
 
 
 async def test_a_worker_on_the_static_forward_answers_as_one_on_transformers_modules(tokenizer: Any) -> None:
-    """Through a worker's scheduler and scoring (split's accept test and aggregate's top-8 rows, T = 1): eight calls at once, chains of
-    0–4 draft tokens and two trees, answered with the same ids and samples, and probabilities within 1e-5, on either forward."""
+    """Through a worker's scheduler and scoring, eight calls at once (T = 1): aggregate's top-8 rows, split's accept test, exact's
+    supports (a chain, a tree), autoregressive's sample with a transform (bias, penalties, min_tokens); chains of 0–4 draft tokens
+    and two trees. On either forward the same ids, samples and verdicts, probabilities within 1e-5; and with the step scored
+    together where the logits are (``--scoring device``, workers.device_scoring) every answer as the host's, within 1e-6."""
+    import asyncio
+    import dataclasses
+
     import httpx
     import numpy as np
 
     from core.protocol import VerifyRequest, VerifyResponse, decode, encode
+    from core.transform import TransformSpec
     from workers.server import create_app
     from workers.settings import WorkerSettings
 
@@ -155,15 +162,27 @@ async def test_a_worker_on_the_static_forward_answers_as_one_on_transformers_mod
     for i in range(8):
         parents = np.array([-1, -1, 0], dtype=np.int64) if i in (3, 6) else None
         draft = [7, 9, 11] if parents is not None else list(range(20, 20 + i % 5))
-        if i % 2 and parents is None:  # split's accept test and bonus
-            extra: dict[str, Any] = {"mode": "split", "draft_probs": np.full(len(draft), 0.5, dtype=np.float32)}
+        if i % 4 == 1:  # split's accept test and bonus
+            extra: dict[str, Any] = {"mode": "split", "draft_probs": np.full(len(draft), 0.5, dtype=np.float32), "logprobs": 1}
+        elif i % 4 == 2 or parents is not None:  # exact's supports: each row's drafted tokens (a tree's: its children's) and two more
+            if parents is None:
+                drawn = [[x] for x in draft]
+            else:
+                drawn = [sorted({draft[n] for n, p in enumerate(parents.tolist()) if p == row - 1}) for row in range(len(draft) + 1)]
+            ids = [x for j, mine in enumerate(drawn) for x in [*mine, 30 + j, 40 + j]]
+            sizes = [len(mine) + 2 for mine in drawn]
+            extra = {"mode": "exact", "support_ids": np.array(ids), "support_sizes": np.array(sizes, dtype=np.int32)}
+        elif i == 7:  # autoregressive's sample, under a transform
+            spec = TransformSpec(logit_bias=((9, 4.0),), presence_penalty=0.5, repetition_penalty=1.3, prompt_len=4 + i, min_tokens=2, eos_ids=(2,))
+            extra = {"mode": "autoregressive", "k": 8, "transform": spec.to_wire()}
+            draft = []
         else:  # aggregate's top-8 rows
             extra = {"mode": "aggregate", "k": 8}
         calls.append(VerifyRequest.after(f"s{i}", [], prompt[: 4 + i], draft, parents=parents, temperature=1.0, seed=i, **extra))
-    answers = {}
-    for kind in ("hf", "static"):
+    answers, counters = {}, {}
+    for kind, scoring in (("hf", "host"), ("static", "host"), ("static", "device")):
         runner = TransformersRunner(resolve_model("tiny-random"), tokenizer, max_context=512, model=model, memory_cap_mb=64, forward=kind)
-        app = create_app(WorkerSettings(model="tiny-random", backend="transformers", forward=kind), runner=runner)
+        app = create_app(WorkerSettings(model="tiny-random", backend="transformers", forward=kind, scoring=scoring), runner=runner)
         async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
             async def verify(req: VerifyRequest) -> VerifyResponse:
                 body, content_type = encode(req, V)
@@ -171,18 +190,30 @@ async def test_a_worker_on_the_static_forward_answers_as_one_on_transformers_mod
                 assert resp.status_code == 200, resp.text
                 return decode(VerifyResponse, resp.content, resp.headers["content-type"])
 
-            import asyncio
-
-            answers[kind] = await asyncio.gather(*(verify(req) for req in calls))
-    for hf, static in zip(answers["hf"], answers["static"]):
+            answers[kind, scoring] = await asyncio.gather(*(verify(req) for req in calls))
+            step = (await client.get("/v1/info")).json()["step"]
+            graphs = {"graphs": 0, "capture_s": 0.0, "graph_mb": 0.0} if kind == "static" else {}  # captured on a GPU only
+            assert step == {"forward": kind, "scoring": scoring, **graphs}
+            counters[kind, scoring] = app.state.worker.counters["positions_scored_on_device"]
+    assert counters == {("hf", "host"): 0, ("static", "host"): 0, ("static", "device"): sum(len(c.draft) + 1 for c in calls)}
+    for hf, static, device in zip(answers["hf", "host"], answers["static", "host"], answers["static", "device"]):
         assert hf.bonus == static.bonus and hf.num_accepted == static.num_accepted
-        for name in ("ids", "samples"):
+        for name in ("ids", "samples", "complement_samples"):
             assert (getattr(hf, name) is None) == (getattr(static, name) is None), name
             if getattr(hf, name) is not None:
                 assert np.array_equal(getattr(hf, name), getattr(static, name)), name
-        for name in ("probs", "tail_mass", "draft_logprobs"):
+        for name in ("probs", "tail_mass", "draft_logprobs", "support_probs"):
             if getattr(hf, name) is not None:
                 assert np.allclose(getattr(hf, name), getattr(static, name), atol=1e-5), name
+        for field in dataclasses.fields(VerifyResponse):
+            want, got = getattr(static, field.name), getattr(device, field.name)
+            if field.name in ("model_ms", "batch_sessions"):
+                continue
+            if isinstance(want, np.ndarray):
+                assert want.dtype == got.dtype and want.shape == got.shape, field.name
+                assert np.allclose(want, got, rtol=0, atol=1e-6), field.name
+            else:
+                assert want == got, field.name
 
 
 def test_a_step_runs_through_its_buckets_static_buffers(tokenizer: Any) -> None:
@@ -202,3 +233,27 @@ def test_a_step_runs_through_its_buckets_static_buffers(tokenizer: Any) -> None:
     bucket = graphs.buckets[2, 4, 64]
     again = static._static.hidden(bucket.tokens, bucket.positions, bucket.slots, bucket.cells, bucket.mask)  # type: ignore[union-attr]
     assert bucket.hidden is not None and torch.equal(again, bucket.hidden)
+
+
+def test_an_item_alone_gets_a_forward_of_its_own_beside_the_shared_one(tokenizer: Any) -> None:
+    """A seeded call's item (``alone``) is forwarded in buckets of its own — on a GPU the numbers of a bucket's matmuls
+    depend on its shape, so this is what keeps a seeded text independent of what shares the step (tests/gpu hold the
+    bits equal there) — and the others share one forward; each answer is what a runner given only that item gives, and
+    sessions of the same step keep their slots while the groups take turns."""
+    model = tiny_random_model(V, seed=9)
+    _, static = _pair(tokenizer, model)
+    _, solo = _pair(tokenizer, model)
+    prompt = [(i * 7 + 3) % V for i in range(30)]
+    items = [ForwardItem("a", 0, prompt[:10]), ForwardItem("s", 0, prompt[:7], alone=True), ForwardItem("b", 0, prompt[:12]), ForwardItem("t", 0, prompt[:3], alone=True)]
+    graphs = static._graphs
+    assert graphs is not None
+    runs: list[tuple[int, ...]] = []
+    real = graphs.run
+    graphs.run = lambda tokens, *rest: runs.append(tuple(tokens.shape)) or real(tokens, *rest)  # type: ignore[method-assign]
+    got = static.forward_each(items)
+    assert sorted(runs) == [(1, 4), (1, 8), (2, 16)]  # s alone, t alone, a and b together
+    for item, logits in zip(items, got):
+        want = solo.forward_each([ForwardItem(item.session_id, 0, item.tokens)])[0]
+        assert isinstance(logits, torch.Tensor) and isinstance(want, torch.Tensor)
+        assert (logits - want).abs().max().item() <= TOLERANCE, item.session_id
+    assert {s.session_id for s in static._slots if s.session_id} == {"a", "b", "s", "t"}
