@@ -1,8 +1,8 @@
 """The exact law of a run of the real code, by enumerating every random draw it makes.
 
 Every random number of specgate is a uniform of ``core.math.random`` (``uniform``,
-``uniforms``), and every uniform is consumed by one of three functions: ``accepts`` (u < a),
-``sample_index`` and ``sample_rows`` (inverse CDF). ``ExactDraws`` stands in for the five:
+``uniforms``), and every uniform is consumed by one of four functions: ``accepts`` (u < a),
+``count_accepts`` (leading u_j < a_j), ``sample_index`` and ``sample_rows`` (inverse CDF). ``ExactDraws`` stands in for the six:
 
 - a uniform becomes a **tag**, a float that names its key (seed, choice, position, purpose,
   worker, lane) — the same key gives the same tag, as the same key gives the same number;
@@ -107,6 +107,12 @@ class ExactDraws:
         a = float(probability)
         return bool(self._cut(u, [(True, None, a), (False, a, None)]))
 
+    def count_accepts(self, u: torch.Tensor, probabilities: torch.Tensor) -> torch.Tensor:
+        count = 0
+        while count < len(u) and self.accepts(float(u[count]), float(probabilities[count])):
+            count += 1
+        return torch.tensor(count)
+
     def sample_index(self, probs: torch.Tensor, u: float) -> int:
         cdf = torch.cumsum(probs.double(), dim=0)
         total = float(cdf[-1])
@@ -162,11 +168,11 @@ class ExactDraws:
             setattr(module, name, old)
 
 
-_STAND_INS = ("uniform", "uniforms", "accepts", "sample_index", "sample_rows")
+_STAND_INS = ("uniform", "uniforms", "accepts", "count_accepts", "sample_index", "sample_rows")
 
 
 def _patches(draws: ExactDraws) -> Iterator[tuple[Any, str, Any, Any]]:
-    """(module, name, original, stand-in) for every project module that holds one of the five."""
+    """(module, name, original, stand-in) for every project module that holds one of the six."""
     originals = {name: getattr(random_module, name) for name in _STAND_INS}
     for module in list(sys.modules.values()):
         if module is None or not getattr(module, "__name__", "").startswith(("app", "core", "workers", "clients", "tests")):

@@ -18,7 +18,8 @@ import torch
 
 from core.math.aggregation import reconstruct, tv_distance
 from core.math.batched_sampling import RowParams, apply_sampling_rows
-from core.math.random import Purpose, sample_rows, uniform
+from core.math.random import Purpose, count_accepts, sample_rows, uniform
+from core.math.speculative import acceptance_probs
 from core.math.sampling import normalised
 from core.math.tree import depths_of
 from core.names import Mode, Reconstruction
@@ -207,8 +208,7 @@ def _split(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: 
         bonus = targets.index_select(0, accepted[None])[0]
     else:
         p_draft = norm[torch.arange(gamma, device=probs.device), draft]
-        accept = upload[need["u"]] < torch.clamp(p_draft / upload[need["q"]], max=1.0)
-        accepted = torch.cumprod(accept.long(), dim=0).sum()
+        accepted = count_accepts(upload[need["u"]], acceptance_probs(p_draft, upload[need["q"]]))
         bonus = sample_rows(probs[gamma:], upload[need["bonus_u"]])[0]
     counts = pack.add(torch.stack([accepted, bonus]))
     rejected = _distributions(rows.take(accepted.clamp(max=max(gamma - 1, 0))[None]), req, pack, None) if gamma else None

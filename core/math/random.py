@@ -71,8 +71,17 @@ def accepts(
     u: float,  # U[0, 1)
     probability: float,  # of a yes
 ) -> bool:
-    """``u < probability``: with ``sample_index`` and ``sample_rows``, the only places a uniform is consumed (tests enumerate every draw)."""
+    """``u < probability``: with ``count_accepts``, ``sample_index`` and ``sample_rows``, the only places a uniform is consumed (tests enumerate every draw)."""
     return u < probability
+
+
+def count_accepts(
+    u: torch.Tensor,  # [γ] U[0, 1)
+    probabilities: torch.Tensor,  # [γ]: of a yes at each test
+) -> torch.Tensor:  # 0-dim long, where the tensors are
+    """How many leading tests ``u_j < a_j`` pass (``first_rejection``'s count) as tensor ops: nothing read back, so a device's
+    accept test runs where its rows are. The tests past the first failure decide nothing (tests/draws.py draws only up to it)."""
+    return torch.cumprod((u.double().to(probabilities.device) < probabilities.double()).long(), dim=0).sum()
 
 
 def sample_index(

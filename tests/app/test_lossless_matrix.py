@@ -887,3 +887,22 @@ def test_every_transform_is_in_the_matrix() -> None:
     for mode in SERVED_MODES:
         for payload in _payloads(mode):
             assert {c.transform for c in CELLS if c.mode is mode and c.payload is payload} >= set(TRANSFORMS), (mode, payload)
+
+
+def test_workers_that_score_a_step_on_the_device_keep_every_law(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers on ``--scoring device`` (workers.device_scoring: a step's calls scored together where the logits are) give
+    the cells the same laws: one cell per mode × payload × rule × shape here, with one worker at T = 1 and T = 0, the
+    largest trees with SPECGATE_FULL_STATISTICS=1 (the whole matrix passes with SPECGATE_WORKER_SCORING=device). Their accept test draws through ``count_accepts``, which
+    the enumeration sees; a comparison by hand would escape it and fail here."""
+    import workers.step as step
+
+    monkeypatch.setenv("SPECGATE_WORKER_SCORING", "device")
+    used: list[int] = []
+    real = step.score_step
+    monkeypatch.setattr(step, "score_step", lambda *args: used.append(len(args[1])) or real(*args))
+    picked = [
+        c for c in CELLS if c.workers == "1 worker" and not c.option and not c.overlap and not c.transform and c.sampling in ("T=1", "T=0")
+        and c.mode is not Mode.PIPELINE and (FULL or not any(big in c.shape for big in ("⟨2,1⟩", "nodes 3")))  # stages score by rows (score_rows)
+    ]
+    picked = _one_each(picked, lambda c: (c.mode, c.payload, c.rule, c.shape, c.sampling))
+    assert len(picked) >= 40 and used == [] and not _caught(picked) and used
