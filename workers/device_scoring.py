@@ -17,13 +17,14 @@ import numpy as np
 import torch
 
 from core.math.aggregation import reconstruct, tv_distance
-from core.math.batched_sampling import RowParams, apply_sampling_rows
+from core.math.batched_sampling import RowParams, apply_sampling_rows, largest_k, truncations
 from core.math.random import Purpose, count_accepts, sample_rows, uniform
 from core.math.speculative import acceptance_probs
 from core.math.sampling import normalised
 from core.math.tree import depths_of
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
+from workers.scoring import sampling_params
 
 
 def handles(req: VerifyRequest) -> bool:
@@ -57,24 +58,28 @@ class _Upload:
 
 
 class _Pack:
-    """A step's results: tensors of any device and dtype, flattened into one float64 buffer copied to the host once."""
+    """A step's results flattened into one float32 buffer copied to the host once: probabilities, ids (< 2²⁴, exact) and
+    counts as float32 values, a float64 tensor (exact's complement masses) as its bits, two float32 words a value."""
 
     def __init__(self) -> None:
         self._chunks: list[torch.Tensor] = []
-        self._shapes: list[tuple[int, ...]] = []
+        self._shapes: list[tuple[tuple[int, ...], bool]] = []
         self.host: list[np.ndarray] = []
 
-    def add(self, tensor: torch.Tensor) -> int:
-        self._chunks.append(tensor.double().reshape(-1))
-        self._shapes.append(tuple(tensor.shape))
+    def add(self, tensor: torch.Tensor, wide: bool = False) -> int:
+        """``wide``: keep float64 (its bits travel); else the values as float32."""
+        flat = tensor.reshape(-1)
+        self._chunks.append(flat.double().view(torch.float32) if wide else flat.float())
+        self._shapes.append((tuple(tensor.shape), wide))
         return len(self._chunks) - 1
 
     def copy(self) -> None:
-        flat = torch.cat(self._chunks).cpu().numpy() if self._chunks else np.zeros(0)  # the step's one copy
+        flat = torch.cat(self._chunks).cpu().numpy() if self._chunks else np.zeros(0, dtype=np.float32)  # the step's one copy
         at = 0
-        for shape in self._shapes:
-            size = int(np.prod(shape))
-            self.host.append(flat[at : at + size].reshape(shape))
+        for shape, wide in self._shapes:
+            size = int(np.prod(shape)) * (2 if wide else 1)
+            part = flat[at : at + size]
+            self.host.append((part.copy().view(np.float64) if wide else part).reshape(shape))
             at += size
 
     def __getitem__(self, index: int) -> np.ndarray:
@@ -89,13 +94,13 @@ class _Rows:
     """One call's rows of the step: ``T(p)``, whether each logit was finite, and the rows sorted by falling probability."""
 
     probs: torch.Tensor  # [n, V] fp32
-    finite: torch.Tensor  # [n, V] bool
+    finite: torch.Tensor | None  # [n, V] bool, where some call's residual needs it (none: as all finite)
     ordered: torch.Tensor | None  # [n, V] probabilities, falling; ties: the lowest id first (as compress_top_k)
     order: torch.Tensor | None  # [n, V] their ids
 
     def take(self, index: torch.Tensor) -> _Rows:  # rows by a device index, nothing read back
         pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
-        return _Rows(self.probs.index_select(0, index), self.finite.index_select(0, index), pick(self.ordered), pick(self.order))
+        return _Rows(self.probs.index_select(0, index), pick(self.finite), pick(self.ordered), pick(self.order))
 
 
 def score_step(logits: torch.Tensor, reqs: list[VerifyRequest], helds: list[int], model_ms: float) -> list[VerifyResponse]:
@@ -110,9 +115,13 @@ def score_step(logits: torch.Tensor, reqs: list[VerifyRequest], helds: list[int]
     ]
     needs = [_host_numbers(req, upload) for req in reqs]
     upload.send(device)
-    rows = RowParams(upload[params[0]].float(), upload[params[1]].long(), upload[params[2]].float(), upload[params[3]].float())
+    asked = [sampling_params(req) for req, n in zip(reqs, sizes) for _ in range(n)]
+    rows = RowParams(
+        upload[params[0]].float(), upload[params[1]].long(), upload[params[2]].float(), upload[params[3]].float(), truncations(asked), largest_k(asked),
+    )
     probs = apply_sampling_rows(logits, rows)  # [R, V]
-    finite = torch.isfinite(logits)
+    residual = any(req.k is not None and req.k < vocab and req.reconstruction != Reconstruction.RENORMALIZE.value for req in reqs)
+    finite = torch.isfinite(logits) if residual else None  # where a residual spreads σ
     ordered = order = None
     if any(req.k is not None and req.k < vocab for req in reqs):
         ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -121,7 +130,8 @@ def score_step(logits: torch.Tensor, reqs: list[VerifyRequest], helds: list[int]
     start = 0
     for req, n, held, need in zip(reqs, sizes, helds, needs):
         part = slice(start, start + n)
-        call = _Rows(probs[part], finite[part], None if ordered is None else ordered[part], None if order is None else order[part])
+        pick = lambda t: None if t is None else t[part]  # noqa: E731
+        call = _Rows(probs[part], pick(finite), pick(ordered), pick(order))
         finishes.append(_score_call(call, req, held, model_ms, upload, need, pack))
         start += n
     pack.copy()
@@ -201,18 +211,18 @@ def _split(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: 
     both computed, the host keeps the one the verdict names."""
     gamma, probs = len(req.draft), rows.probs
     draft = upload[need["draft"]].long()
-    norm = normalised(probs)
     if req.temperature == 0:  # accept while x_j is the argmax (ties to the lowest id), then emit the argmax
         targets = probs.argmax(dim=-1)
         accepted = torch.cumprod((targets[:gamma] == draft).long(), dim=0).sum()
         bonus = targets.index_select(0, accepted[None])[0]
     else:
-        p_draft = norm[torch.arange(gamma, device=probs.device), draft]
+        # normalised(probs) at the draft tokens, without its whole rows in float64
+        p_draft = probs[torch.arange(gamma, device=probs.device), draft].double() / probs[:gamma].double().sum(dim=-1).clamp(min=1e-300)
         accepted = count_accepts(upload[need["u"]], acceptance_probs(p_draft, upload[need["q"]]))
         bonus = sample_rows(probs[gamma:], upload[need["bonus_u"]])[0]
     counts = pack.add(torch.stack([accepted, bonus]))
     rejected = _distributions(rows.take(accepted.clamp(max=max(gamma - 1, 0))[None]), req, pack, None) if gamma else None
-    logs = _split_logprobs(req, norm, draft, accepted, bonus, pack)
+    logs = _split_logprobs(req, probs, draft, accepted, bonus, pack)
 
     def finish(host: _Pack) -> VerifyResponse:
         num_accepted, token = (int(v) for v in host[counts])
@@ -226,11 +236,11 @@ def _split(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: 
 
 
 def _split_logprobs(
-    req: VerifyRequest, norm: torch.Tensor, draft: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor, pack: _Pack,
+    req: VerifyRequest, probs: torch.Tensor, draft: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor, pack: _Pack,
 ) -> Callable[[_Pack, int], dict[str, Any]]:
     if req.logprobs is None:
         return lambda host, num_accepted: {}
-    gamma = len(req.draft)
+    gamma, norm = len(req.draft), normalised(probs)
     at = [pack.add(_logs(norm[torch.arange(gamma, device=norm.device), draft])), pack.add(_logs(norm[accepted, bonus][None]))]
     top = _top(norm, req.logprobs, pack) if req.logprobs else None
 
@@ -254,7 +264,7 @@ def _exact(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: 
     mass = outside.sum(dim=-1)
     samples = torch.where(mass > 0, sample_rows(outside, upload[need["u"]]), -1) if count else torch.zeros(0, dtype=torch.long, device=probs.device)
     bonus = sample_rows(probs[gamma:], upload[need["bonus_u"]])
-    at = [pack.add(probs[row_of, ids]), pack.add(mass), pack.add(samples), pack.add(bonus)]
+    at = [pack.add(probs[row_of, ids]), pack.add(mass, wide=True), pack.add(samples), pack.add(bonus)]
     logs = None
     if req.logprobs is not None:
         norm = normalised(probs)

@@ -43,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     return measure(device_args(parser, "tree-device").parse_args(argv))
 
 
-def random_runner(args: argparse.Namespace, max_context: int, forward: str = "hf", gpu_memory_utilization: float = 0.9) -> tuple[Any, Any, str]:
+def random_runner(
+    args: argparse.Namespace, max_context: int, forward: str = "hf", gpu_memory_utilization: float = 0.9, memory_cap_mb: int = 1024,
+) -> tuple[Any, Any, str]:
     """The built-in architecture with random weights on ``args.device`` in ``args.dtype``: the HF model, a runner on ``forward``
-    (transformers' modules unless told), the device."""
+    (transformers' modules unless told), the device; ``memory_cap_mb``: its KV slots on the CPU."""
     from core.runners.transformers_runner import (
         TransformersRunner,
         builtin_architecture_model,
@@ -56,7 +58,7 @@ def random_runner(args: argparse.Namespace, max_context: int, forward: str = "hf
     model = builtin_architecture_model(dtype=getattr(torch, args.dtype)).to(device).eval()
     runner = TransformersRunner(
         ModelSource("builtin-architecture", None, None), _Vocabulary(), max_context=max_context, device=device, model=model, forward=forward,
-        gpu_memory_utilization=gpu_memory_utilization,
+        gpu_memory_utilization=gpu_memory_utilization, memory_cap_mb=memory_cap_mb,
     )
     return model, runner, device
 

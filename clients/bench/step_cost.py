@@ -26,6 +26,7 @@ from workers.device_scoring import score_step
 from workers.scoring import score
 
 PREFIX = 256
+SLOT_MB_CPU = 48  # one session's KV slot of the built-in architecture at 1024 cells in fp32 (30 layers × 3 KV heads × 64 × 2 × 4 B a cell)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,10 +35,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    model, runner, device = random_runner(args, max_context=1024, gpu_memory_utilization=0.3)
+    # every cell's sessions stay cached for the whole run (a session evicted would be prefilled again inside a timed step)
+    sessions = sum(args.batches) * len(args.positions)
+    cap_mb = max(1024, sessions * SLOT_MB_CPU)
+    model, runner, device = random_runner(args, max_context=1024, gpu_memory_utilization=0.3, memory_cap_mb=cap_mb)
     static = TransformersRunner(
         runner_source(runner), runner.tokenizer, max_context=1024, device=device, model=model, forward="static", gpu_memory_utilization=0.6,
+        memory_cap_mb=2 * cap_mb,  # the device column's sessions too
     )
+    if min(runner.num_slots, static.num_slots // 2) < sessions:
+        raise SystemExit(f"step-device: {sessions} sessions need more KV slots than the device holds ({runner.num_slots}, {static.num_slots}): fewer --batches or --positions")
     progress(f"slot caches: {runner.num_slots} and {static.num_slots} slots of {runner.slot_length} cells")
     generator = np.random.default_rng(0)
     prompt = generator.integers(0, 49152, PREFIX).tolist()
