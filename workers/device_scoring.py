@@ -58,8 +58,8 @@ class _Upload:
 
 
 class _Pack:
-    """A step's results flattened into one float32 buffer copied to the host once: probabilities, ids (< 2²⁴, exact) and
-    counts as float32 values, a float64 tensor (exact's complement masses) as its bits, two float32 words a value."""
+    """A step's results flattened into one float32 buffer copied to the host once: probabilities as float32 values, float64
+    tensors (exact's complement masses) and integers as their float64 bits, two float32 words a value."""
 
     def __init__(self) -> None:
         self._chunks: list[torch.Tensor] = []
@@ -67,7 +67,9 @@ class _Pack:
         self.host: list[np.ndarray] = []
 
     def add(self, tensor: torch.Tensor, wide: bool = False) -> int:
-        """``wide``: keep float64 (its bits travel); else the values as float32."""
+        """``wide``: keep float64 (its bits travel); else the values as float32. Integers (ids, samples, counts) go wide: a
+        vocabulary may pass 2²⁴, where float32 stops counting by ones."""
+        wide = wide or not tensor.is_floating_point()
         flat = tensor.reshape(-1)
         self._chunks.append(flat.double().view(torch.float32) if wide else flat.float())
         self._shapes.append((tuple(tensor.shape), wide))
@@ -97,10 +99,17 @@ class _Rows:
     finite: torch.Tensor | None  # [n, V] bool, where some call's residual needs it (none: as all finite)
     ordered: torch.Tensor | None  # [n, V] probabilities, falling; ties: the lowest id first (as compress_top_k)
     order: torch.Tensor | None  # [n, V] their ids
+    totals: tuple[int, int] = (-1, 0)  # where the step's row sums lie in the pack, and this call's first row among them
 
     def take(self, index: torch.Tensor) -> _Rows:  # rows by a device index, nothing read back
         pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
         return _Rows(self.probs.index_select(0, index), pick(self.finite), pick(self.ordered), pick(self.order))
+
+    def need_mass(self, host: _Pack, row: int) -> None:
+        """A draw from ``row`` needs mass there, as ``sample_index`` says (a row with none: the host's error, not a token 0)."""
+        at, first = self.totals
+        if not host[at][first + row] > 0:
+            raise ValueError("cannot sample from a distribution with no mass")
 
 
 def score_step(logits: torch.Tensor, reqs: list[VerifyRequest], helds: list[int], model_ms: float) -> list[VerifyResponse]:
@@ -126,15 +135,18 @@ def score_step(logits: torch.Tensor, reqs: list[VerifyRequest], helds: list[int]
     if any(req.k is not None and req.k < vocab for req in reqs):
         ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     pack = _Pack()
+    totals = pack.add(probs.sum(dim=-1))  # NaN: a row the host's scoring refuses; 0: a row no draw may come from
     finishes: list[Finish] = []
     start = 0
     for req, n, held, need in zip(reqs, sizes, helds, needs):
         part = slice(start, start + n)
         pick = lambda t: None if t is None else t[part]  # noqa: E731
-        call = _Rows(probs[part], pick(finite), pick(ordered), pick(order))
+        call = _Rows(probs[part], pick(finite), pick(ordered), pick(order), (totals, start))
         finishes.append(_score_call(call, req, held, model_ms, upload, need, pack))
         start += n
     pack.copy()
+    if np.isnan(pack[totals]).any():  # the host's scoring says which call (workers.step scores them there, one by one)
+        raise ValueError("a row of the step's probabilities is NaN")
     return [finish(pack) for finish in finishes]
 
 
@@ -156,7 +168,8 @@ def _host_numbers(req: VerifyRequest, upload: _Upload) -> dict[str, slice]:
         out["ids"] = upload.add(np.asarray(req.support_ids, dtype=np.int64))
         out["row_of"] = upload.add(np.repeat(np.arange(len(sizes)), sizes))
         out["u"] = upload.add([uniform(req.seed, req.choice, base + d, Purpose.WORKER_COMPLEMENT, req.worker) for d in depths[: len(sizes)]])
-        out["bonus_u"] = upload.add([uniform(req.seed, req.choice, base + gamma, Purpose.WORKER_BONUS, req.worker)])
+        if req.parents is None:
+            out["bonus_u"] = upload.add([uniform(req.seed, req.choice, base + gamma, Purpose.WORKER_BONUS, req.worker)])
     return out
 
 
@@ -170,12 +183,14 @@ def _score_call(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upl
     sample = None
     if req.mode == Mode.AUTOREGRESSIVE.value and sampled:
         sample = pack.add(sample_rows(rows.probs[:1], upload[need["u"]]))
-        if not req.return_probs:
-            return lambda host: VerifyResponse(held=held, samples=host[sample].astype(np.int32), model_ms=model_ms)
-    payload = _distributions(rows, req, pack, rows.finite)
+    payload = None if sample is not None and not req.return_probs else _distributions(rows, req, pack, rows.finite)
 
     def finish(host: _Pack) -> VerifyResponse:
+        if sample is not None:
+            rows.need_mass(host, 0)
         samples = None if sample is None else host[sample].astype(np.int32)
+        if payload is None:
+            return VerifyResponse(held=held, samples=samples, model_ms=model_ms)
         return VerifyResponse(held=held, samples=samples, probs_dtype=req.probs_dtype, model_ms=model_ms, **payload(host))
 
     return finish
@@ -226,6 +241,8 @@ def _split(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: 
 
     def finish(host: _Pack) -> VerifyResponse:
         num_accepted, token = (int(v) for v in host[counts])
+        if num_accepted == gamma and req.temperature > 0:
+            rows.need_mass(host, gamma)
         asked = logs(host, num_accepted)
         if num_accepted == gamma or req.temperature == 0:
             return VerifyResponse(held=held, num_accepted=num_accepted, bonus=token, model_ms=model_ms, **asked)
@@ -263,7 +280,7 @@ def _exact(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: 
     outside = probs[:count].double().index_put((row_of, ids), torch.zeros((), dtype=torch.float64, device=probs.device))
     mass = outside.sum(dim=-1)
     samples = torch.where(mass > 0, sample_rows(outside, upload[need["u"]]), -1) if count else torch.zeros(0, dtype=torch.long, device=probs.device)
-    bonus = sample_rows(probs[gamma:], upload[need["bonus_u"]])
+    bonus = torch.full((1,), -1, device=probs.device) if tree else sample_rows(probs[gamma:], upload[need["bonus_u"]])  # a tree's leaves hold theirs
     at = [pack.add(probs[row_of, ids]), pack.add(mass, wide=True), pack.add(samples), pack.add(bonus)]
     logs = None
     if req.logprobs is not None:
@@ -273,6 +290,8 @@ def _exact(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: 
         logs = (pack.add(_logs(mine)), _top(norm, req.logprobs, pack) if req.logprobs else None)
 
     def finish(host: _Pack) -> VerifyResponse:
+        if not tree:
+            rows.need_mass(host, gamma)
         asked: dict[str, Any] = {}
         if logs is not None:
             asked["sample_logprobs"] = host[logs[0]].astype(np.float32)
@@ -292,5 +311,6 @@ def _logs(probs: torch.Tensor) -> torch.Tensor:
 
 
 def _top(norm: torch.Tensor, n: int, pack: _Pack) -> tuple[int, int]:
-    top = torch.topk(norm, n, dim=-1)
-    return pack.add(top.indices), pack.add(_logs(top.values))
+    """The n most likely ids per row, ties to the lowest id (a stable sort: ``topk``'s order among ties is not fixed on a GPU)."""
+    values, ids = torch.sort(norm, dim=-1, descending=True, stable=True)
+    return pack.add(ids[:, :n]), pack.add(_logs(values[:, :n]))

@@ -152,8 +152,9 @@ def _logs(probs: torch.Tensor) -> np.ndarray:
 
 
 def _top(probs: torch.Tensor, n: int) -> tuple[np.ndarray, np.ndarray]:  # [rows, n] ids, [rows, n] logs
-    top = torch.topk(probs, n, dim=-1)
-    return top.indices.numpy(), _logs(top.values)
+    """The n most likely ids per row, ties to the lowest id (as compress_top_k: the same on any device)."""
+    ids = compress_top_k(probs, n).ids
+    return ids.numpy(), _logs(probs.gather(-1, ids))
 
 
 def _asked_logprobs(probs: torch.Tensor, req: VerifyRequest, resp: VerifyResponse) -> dict[str, Any]:  # probs: [γ+1, V], T(p_n)

@@ -118,3 +118,18 @@ def test_a_grammar_mask_packed_on_the_host_unpacks_where_the_logits_are(width: i
     packed = torch.from_numpy(np.packbits(mask.numpy(), axis=-1, bitorder="little"))
     assert packed.shape[-1] == (width + 7) // 8
     assert torch.equal(unpack_bits(packed, width), mask)
+
+
+@pytest.mark.parametrize("mode", ["autoregressive", "aggregate", "split"])
+def test_a_row_with_no_mass_fails_as_on_the_host_not_as_a_token_0(mode: str) -> None:
+    """A row every id of which is −∞ (a grammar that allows nothing here): ``score`` refuses it, and so does the step —
+    never a sample of id 0 — so the worker scores that step's calls on the host, where only that call fails."""
+    extra = {"draft_probs": np.array([1.0, 1.0])} if mode == "split" else {}
+    req = VerifyRequest.after("x", [], [5], [] if mode == "autoregressive" else [7, 8], mode=mode, k=4, seed=3, **extra)
+    logits = torch.full((len(req.draft) + 1, V), float("-inf"))
+    for j, token in enumerate(req.draft.tolist()):
+        logits[j, token] = 0.0  # each draft row sure of its token (split accepts it all); the last row has nothing
+    with pytest.raises((ValueError, RuntimeError)):
+        score(logits.clone(), req, 3, 0.0)
+    with pytest.raises(ValueError):
+        score_step(logits, [req], [3], 0.0)
