@@ -252,7 +252,7 @@ class Requests:
         top_k = given.get("draft_top_k", base.draft_top_k)
         top_p = given.get("draft_top_p", base.draft_top_p)
         tree, pipeline = (override.tree, override.pipeline) if override else (None, None)
-        tree_payload = Mode((tree or base.tree or TreeParams()).payload or Mode.AGGREGATE.value) if mode is Mode.TREE else Mode.AGGREGATE
+        tree_payload = _tree_payload(tree or base.tree or TreeParams(), given.get("k", base.k)) if mode is Mode.TREE else Mode.AGGREGATE
         if tree_payload is Mode.EXACT and isinstance(given.get("k"), int):
             raise ApiError(400, "a tree with exact's payload sends no top-k: drop k, or use payload aggregate", "speculative.k")
         if (mode is Mode.EXACT or tree_payload is Mode.EXACT) and not top_k and (top_p is None or top_p == 1):
@@ -352,3 +352,12 @@ def _parsed(key: str, make: Callable[[], T]) -> T:
         return make()
     except ValueError as exc:
         raise ApiError(400, f"speculative.{key}: {exc}", f"speculative.{key}") from None
+
+
+def _tree_payload(tree: TreeParams, k: int | str | None) -> Mode:
+    """A tree's payload: as asked, else exact's sparse one — lossless, and a few hundred bytes a node where aggregate's
+    full rows are a vocabulary's (4 B × 49,152 a node: 2.75 MB a round of the default tree) — unless a top-k was asked
+    (then aggregate's top-k rows, as with a chain) or a request asked for ``k: "full"`` (aggregate's full rows)."""
+    if tree.payload is not None:
+        return Mode(tree.payload)
+    return Mode.AGGREGATE if isinstance(k, int) or k == "full" else Mode.EXACT

@@ -53,7 +53,7 @@ class TreeParams(BaseModel):
     nodes: int | None = None  # fixed (EAGLE-2): the node budget N (default 14)
     depth: int | None = None  # fixed: the deepest level (default 6)
     top_k: int | None = None  # fixed: children per expanded node and nodes expanded per depth (default 4)
-    payload: Literal["aggregate", "exact"] | None = None  # per node on the wire: aggregate's (k: full or top-k; default) or exact's sparse one (needs draft truncation; draft_top_k defaults to 32)
+    payload: Literal["aggregate", "exact"] | None = None  # per node on the wire: exact's sparse one (lossless, a few hundred bytes a node; draft_top_k defaults to 32; the default) or aggregate's rows (k: full or top-k; the default where k is a number)
 
     def shape(self) -> TreeShape | None:
         """The TreeShape these settings make (ValueError when they make none); None when they name none (payload alone)."""

@@ -122,13 +122,16 @@ def request(client: httpx.Client, prompt: str, max_tokens: int, temperature: flo
 
 
 def coarse(sample: dict[str, Any]) -> dict[str, float]:
-    """What every version's usage has: tokens/s, and per round the verify time outside the worker's model and the draft's time per drafted token."""
+    """What every version's usage has: tokens/s, and per round the verify time outside the worker's model, the draft's time
+    per drafted token, and the bytes to and from the workers."""
     block, rounds = sample["usage"]["speculative"], max(sample["usage"]["speculative"]["rounds"], 1)
     drafted = block["draft_tokens"]
     return {
         "tokens_per_s": sample["tokens_per_s"],
         "verify_outside_model_ms": (block["verify_ms"] - block["worker_model_ms"]) / rounds,
         "draft_ms_per_token": block["draft_ms"] / drafted if drafted else 0.0,
+        "bytes_up_per_round": block.get("bytes_to_workers", 0) / rounds,
+        "bytes_down_per_round": block.get("bytes_from_workers", 0) / rounds,
     }
 
 
@@ -195,10 +198,10 @@ def print_table(results: dict[str, Any]) -> None:
     print(f"\nspecgate bench overhead: {len(setup['prompts'])} prompt(s) × ≤ {setup['max_tokens']} tokens, {setup['runs']} run(s), "
           f"{setup['threads']} threads, zero link; median ms per round (the first round, with the prefill, left out)")
     shown = [p for p in PARTS if p != "link"]
-    print(f"{'mode':<16}{'T':>3}{'round':>7}" + "".join(f"{_SHORT[p]:>8}" for p in shown) + f"{'outside':>8}{'api':>6}")
+    print(f"{'mode':<16}{'T':>3}{'round':>7}" + "".join(f"{_SHORT[p]:>8}" for p in shown) + f"{'outside':>8}{'api':>6}{'up':>10}{'back':>10}")
     for r in results["cells"]:
         print(f"{r['mode']:<16}{r['temperature']:>3g}{r['round_ms']:>7.1f}" + "".join(f"{r['parts_ms'][p]:>8.2f}" for p in shown)
-              + f"{r['outside_models_ms']:>8.2f}{r['api_ms_per_round']:>6.1f}")
+              + f"{r['outside_models_ms']:>8.2f}{r['api_ms_per_round']:>6.1f}{_size(r['bytes_up_per_round']):>10}{_size(r['bytes_down_per_round']):>10}")
     print(f"\nfloors (same run): draft step (llama.cpp decode + top-k sampler) {floors['draft_step_ms']:.2f} ms; "
           + ", ".join(f"{k} {v:.2f}" for k, v in sorted(floors.items()) if k != "draft_step_ms" and not k.startswith("draft_alone")))
     print("draft step: in the gateway beside the worker, and alone (our DraftModel in the bench's process, the servers idle)")
@@ -211,8 +214,13 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"{r['mode']:<16}{r['temperature']:>3g}{draft}{worker:>8.2f}{r.get('worker_floor_ms', float('nan')):>7.2f}{r.get('worker_over_floor', float('nan')):>6.2f}"
               f"{r['parts_ms']['http']:>7.2f}{r.get('http_floor_ms', float('nan')):>7.2f}{met:>16}")
     if any("baseline" in r for r in results["cells"]):
-        print(f"\nbefore ({setup['baseline']}) vs after, side by side, every round counted: tok/s, verify outside the model ms/round, draft ms/token")
+        print(f"\nbefore ({setup['baseline']}) vs after, side by side, every round counted: tok/s, verify outside the model ms/round, draft ms/token, bytes back/round")
         for r in results["cells"]:
             b, a = r["baseline"], r["ours_coarse"]
             print(f"{r['mode']:<16}{r['temperature']:>3g}  tok/s {b['tokens_per_s']:>6.1f} → {a['tokens_per_s']:>6.1f}   "
-                  f"verify−model {b['verify_outside_model_ms']:>6.2f} → {a['verify_outside_model_ms']:>6.2f}   draft/token {b['draft_ms_per_token']:>6.2f} → {a['draft_ms_per_token']:>6.2f}")
+                  f"verify−model {b['verify_outside_model_ms']:>6.2f} → {a['verify_outside_model_ms']:>6.2f}   draft/token {b['draft_ms_per_token']:>6.2f} → {a['draft_ms_per_token']:>6.2f}   "
+                  f"bytes back {_size(b['bytes_down_per_round']):>8} → {_size(a['bytes_down_per_round']):>8}")
+
+
+def _size(count: float) -> str:
+    return f"{count / 2**20:.2f} MB" if count >= 2**20 else f"{count / 2**10:.1f} KB" if count >= 2**10 else f"{count:.0f} B"

@@ -395,6 +395,20 @@ async def test_vllm_benchmark_parameters_are_accepted(client: httpx.AsyncClient,
     assert_error(await client.post("/v1/completions", json={**COMPLETION, "min_tokens": -1}), 400, contains="min_tokens")
 
 
+async def test_a_trees_default_payload_is_sparse_and_a_top_k_or_full_asked_for_gets_rows(client: httpx.AsyncClient, fakes: FakeWorkerTransport) -> None:
+    """Sized for a WAN: a tree with no payload named carries exact's sparse payload (supports, no rows); one that asks for
+    k: 8 gets aggregate's top-8 rows, and k: "full" aggregate's full rows — as a tree with payload aggregate does."""
+    cases = [({}, "exact", None), ({"k": 8}, "aggregate", 8), ({"k": "full"}, "aggregate", None), ({"tree": {"payload": "aggregate"}}, "aggregate", None)]
+    for extra, mode, k in cases:
+        fakes.requests.clear()
+        body = {**COMPLETION, "max_tokens": 4, "temperature": 1.0, "speculative": {"mode": "tree", **extra}}
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        verifies = [r for _, r in fakes.requests if r.parents is not None]
+        assert verifies and all(r.mode == mode and r.k == k for r in verifies), (extra, {(r.mode, r.k) for r in verifies})
+        assert all((r.support_ids is not None) == (mode == "exact") for r in verifies)
+
+
 async def test_min_tokens_looks_for_stop_strings_only_after_it(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
     """As vLLM: the first min_tokens tokens' text is not searched for stop strings."""
     piece = tiny_runner.tokenizer.decode([FAVOURITE])
