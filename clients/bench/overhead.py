@@ -46,7 +46,10 @@ def bench_overhead(args: argparse.Namespace) -> int:
         worker_floor = stack.enter_context(closing(LlamaFloor("builtin", threads, prompt_ids)))
         alone = stack.enter_context(closing(DraftAlone(threads, prompt_ids)))
         rows, floors = _run(plan, client, old, draft_floor, worker_floor, alone, http_url)
-    results = {"setup": plan | {"threads": threads, "cpu_count": usable_cores(), "baseline": args.baseline}, "floors": floors, "cells": rows}
+    budget = {"verify_ms": args.verify_ms, "rtt_ms": args.link_rtt_ms, "mbps": args.link_mbps} if args.verify_ms is not None else None
+    for row in rows if budget else []:
+        row["projection"] = projection(row, budget["verify_ms"], budget["rtt_ms"], budget["mbps"])  # type: ignore[index]
+    results = {"setup": plan | {"threads": threads, "cpu_count": usable_cores(), "baseline": args.baseline, "budget": budget}, "floors": floors, "cells": rows}
     return finish(results, args, print_table)
 
 
@@ -173,7 +176,7 @@ def round_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Per round (medians): its time, each part, the rest; outside the models; a draft step."""
     if not rounds:
         return {"round_ms": 0.0, "parts_ms": dict.fromkeys(PARTS, 0.0), "outside_models_ms": 0.0, "drafted_per_round": 0.0, "draft_step_ms": 0.0,
-                "bytes_up_per_round": 0.0, "bytes_down_per_round": 0.0, "calls_per_round": 0.0}
+                "bytes_up_per_round": 0.0, "bytes_down_per_round": 0.0, "calls_per_round": 0.0, "tokens_per_round": 0.0}
     parts = {part: statistics.median(r["parts_ms"].get(part, 0.0) for r in rounds) for part in PARTS}
     drafted = statistics.median(r["drafted"] for r in rounds)
     draft_steps = [(r["parts_ms"]["draft_model"] + r["parts_ms"]["draft_sampling"]) / r["drafted"] for r in rounds if r["drafted"]]
@@ -186,6 +189,20 @@ def round_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "bytes_up_per_round": statistics.median(r["bytes_up"] for r in rounds),
         "bytes_down_per_round": statistics.median(r["bytes_down"] for r in rounds),
         "calls_per_round": statistics.median(r["calls"] for r in rounds),
+        "tokens_per_round": statistics.mean(r["tokens"] for r in rounds),
+    }
+
+
+def projection(row: dict[str, Any], verify_ms: float, rtt_ms: float = 0.0, mbps: float = 0.0) -> dict[str, float]:
+    """A cell's round as it would be with a verify step of ``verify_ms`` (the worker's model and scoring: a GPU's) over a link
+    of ``rtt_ms`` and ``mbps`` (0: no limit), everything else as measured: its ms, tokens/s, and the share outside the models."""
+    parts = row["parts_ms"]
+    wire_ms = (row["bytes_up_per_round"] + row["bytes_down_per_round"]) * 8 / (mbps * 1e3) if mbps > 0 else 0.0
+    round_ms = row["round_ms"] - parts["worker_model"] - parts["worker_scoring"] + verify_ms + rtt_ms + wire_ms
+    outside = round_ms - parts["draft_model"] - verify_ms
+    return {
+        "round_ms": round_ms, "tokens_per_s": row.get("tokens_per_round", 0.0) / round_ms * 1e3 if round_ms > 0 else 0.0,
+        "outside_share": outside / round_ms if round_ms > 0 else 0.0,
     }
 
 
@@ -198,10 +215,18 @@ def print_table(results: dict[str, Any]) -> None:
     print(f"\nspecgate bench overhead: {len(setup['prompts'])} prompt(s) × ≤ {setup['max_tokens']} tokens, {setup['runs']} run(s), "
           f"{setup['threads']} threads, zero link; median ms per round (the first round, with the prefill, left out)")
     shown = [p for p in PARTS if p != "link"]
-    print(f"{'mode':<16}{'T':>3}{'round':>7}" + "".join(f"{_SHORT[p]:>8}" for p in shown) + f"{'outside':>8}{'api':>6}{'up':>10}{'back':>10}")
+    print(f"{'mode':<16}{'T':>3}{'round':>7}" + "".join(f"{_SHORT[p]:>8}" for p in shown) + f"{'outside':>8}{'out %':>6}{'api':>6}{'up':>10}{'back':>10}")
     for r in results["cells"]:
+        share = 100 * r["outside_models_ms"] / r["round_ms"] if r["round_ms"] else 0.0
         print(f"{r['mode']:<16}{r['temperature']:>3g}{r['round_ms']:>7.1f}" + "".join(f"{r['parts_ms'][p]:>8.2f}" for p in shown)
-              + f"{r['outside_models_ms']:>8.2f}{r['api_ms_per_round']:>6.1f}{_size(r['bytes_up_per_round']):>10}{_size(r['bytes_down_per_round']):>10}")
+              + f"{r['outside_models_ms']:>8.2f}{share:>6.0f}{r['api_ms_per_round']:>6.1f}{_size(r['bytes_up_per_round']):>10}{_size(r['bytes_down_per_round']):>10}")
+    budget = setup.get("budget")
+    if budget:
+        print(f"\nwith a verify step of {budget['verify_ms']:g} ms over a link of {budget['rtt_ms']:g} ms"
+              + (f" and {budget['mbps']:g} Mbit/s" if budget["mbps"] else "") + ", the rest as measured: round ms, tokens/s, share outside the models")
+        for r in results["cells"]:
+            p = r["projection"]
+            print(f"{r['mode']:<16}{r['temperature']:>3g}{p['round_ms']:>9.1f}{p['tokens_per_s']:>9.1f}{100 * p['outside_share']:>7.0f} %")
     print(f"\nfloors (same run): draft step (llama.cpp decode + top-k sampler) {floors['draft_step_ms']:.2f} ms; "
           + ", ".join(f"{k} {v:.2f}" for k, v in sorted(floors.items()) if k != "draft_step_ms" and not k.startswith("draft_alone")))
     print("draft step: in the gateway beside the worker, and alone (our DraftModel in the bench's process, the servers idle)")

@@ -16,7 +16,7 @@ import pytest
 
 from app.server import create_app
 from app.targets.base import server_timing
-from clients.bench.overhead import PARTS, round_figures
+from clients.bench.overhead import PARTS, projection, round_figures
 from core.runners import ModelRunner, load_runner
 from tests.app.fake_engine import Router
 from tests.app.helpers import gateway_config
@@ -121,3 +121,14 @@ async def test_busy_time_counts_every_worker(runners: tuple[ModelRunner, ModelRu
     block = resp.json()["usage"]["speculative"]
     assert block["worker_model_ms"] >= 1e3 * MODEL_S * block["rounds"] * 0.95
     assert 1.6 * block["worker_model_ms"] <= block["worker_busy_ms"] <= 2.0 * block["worker_model_ms"] + 0.01
+
+
+def test_the_budget_puts_a_gpus_verify_step_in_a_measured_round() -> None:
+    """``bench overhead --verify-ms X``: the worker's model and scoring become X ms, a link adds its round trip and its
+    bytes' time, the rest stays as measured — a 100 ms round with 60 ms of worker and 20 of draft model, 3 tokens a round."""
+    parts = dict.fromkeys(PARTS, 0.0) | {"worker_model": 50.0, "worker_scoring": 10.0, "draft_model": 20.0}
+    row = {"round_ms": 100.0, "parts_ms": parts, "bytes_up_per_round": 500.0, "bytes_down_per_round": 1500.0, "tokens_per_round": 3.0}
+    fast = projection(row, verify_ms=4.0)
+    assert fast["round_ms"] == 44.0 and abs(fast["tokens_per_s"] - 3 / 0.044) < 1e-9 and abs(fast["outside_share"] - 20 / 44) < 1e-12
+    wan = projection(row, verify_ms=4.0, rtt_ms=50.0, mbps=10.0)  # 2,000 bytes at 10 Mbit/s: 1.6 ms
+    assert abs(wan["round_ms"] - 95.6) < 1e-9 and abs(wan["outside_share"] - 71.6 / 95.6) < 1e-12
