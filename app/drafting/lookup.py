@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.drafting.request import DraftNodes, DraftRequest, delta_support
+from app.drafting.request import NO_ROW, DraftNodes, DraftRequest, delta_support
 from core.lookup import NO_PROPOSAL, AcceptanceStats, LookupParams, PromptLookup, Proposal, SuffixIndex
 from core.math.rerank import drafted_above
 from core.math.shapes import TreeShape
-from core.math.tree import TokenTree, sparse_rows
+from core.math.tree import TokenTree, pad_rows
 from core.transform import Transformer
 
 LOOKUP_PRIOR = 0.5  # a lookup token's acceptance, given the one before it was accepted, before any is measured
@@ -130,7 +130,7 @@ class LookupDrafter:
             self.suffixes.add(output)
 
 
-def with_branch(nodes: DraftNodes, shape: TreeShape, branch: Branch, plan: Plan, record: Record | None, vocab_size: int) -> TokenTree:
+def with_branch(nodes: DraftNodes, shape: TreeShape, branch: Branch, plan: Plan, record: Record | None) -> TokenTree:
     """A sampled tree with the lookup's branch first at the root, in the places the plan gives up."""
     count, gone, keys = plan
     tokens, parents, q_at, free = nodes.tokens, nodes.parents, nodes.q_at, nodes.free
@@ -141,9 +141,8 @@ def with_branch(nodes: DraftNodes, shape: TreeShape, branch: Branch, plan: Plan,
             dropped.add(n)
     kept = [n for n in range(len(tokens)) if n not in dropped]
     index = {-1: -1, **{n: count + i for i, n in enumerate(kept)}}
-    empty = torch.zeros(vocab_size)
-    rows = [q_at[-1], *([empty] * count), *(q_at.get(n, empty) for n in kept)]  # a lookup node's row: no draft there
-    ids, probs = sparse_rows(rows)
+    rows = [q_at[-1], *([NO_ROW] * count), *(q_at.get(n, NO_ROW) for n in kept)]  # a lookup node's row: no draft there
+    ids, probs = pad_rows(rows)
     tree = TokenTree(
         torch.tensor([*branch.tokens[:count], *(tokens[n] for n in kept)], dtype=torch.long),
         torch.tensor([*range(-1, count - 1), *(index[parents[n]] for n in kept)], dtype=torch.long),

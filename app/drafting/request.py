@@ -6,10 +6,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.math.sampling import SamplingParams, apply_sampling, normalised, truncate
+from core.math.sampling import SamplingParams, apply_sampling, normalised, top_ids, truncated_supports
 from core.math.tree import SparseRow, path_of
 from core.names import Drafter
 from core.transform import Transformer
+
+
+GREEDY_ROW = 32  # a greedy tree's row: q̂'s most likely tokens kept (≥ any top_k or width a tree takes, 16)
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,25 @@ class DraftRequest:
         """The logits after ``sequence`` + ``path`` as the targets' are transformed."""
         return logits if self.transformer is None else self.transformer.rows(logits[None], self.sequence, [path])[0]
 
-    def q(self, logits: torch.Tensor) -> torch.Tensor:  # [V] -> [V] float64
-        """q̂ as sampled (truncated where the request truncates), in float64."""
-        q = apply_sampling(logits[None], self.params)[0]
-        return truncate(q, *self.truncation) if self.truncating else normalised(q)
+    def q(
+        self, logits: torch.Tensor, paths: list[list[int]],  # [R, V]: the rows after ``sequence`` + each path
+    ) -> list[SparseRow]:  # R × ([s] ascending ids, [s] float64)
+        """q̂ as sampled at each row, on its support (each row's numbers as alone): truncated where the request truncates
+        (the chain's, ``truncated_support``); greedy: its ``GREEDY_ROW`` most likely tokens (ties at the last all kept) at
+        their probabilities in the whole row (a greedy test reads the tokens alone; children and scores are the whole
+        row's); else the whole row."""
+        if self.transformer is not None:
+            logits = self.transformer.rows(logits, self.sequence, paths)
+        q = apply_sampling(logits, self.params)
+        if self.truncating:
+            return truncated_supports(q, *self.truncation)
+        if self.params.is_greedy and GREEDY_ROW < q.shape[1]:
+            return [(ids, row[ids].double() / row.double().sum(dim=-1, keepdim=True).clamp(min=1e-300)) for row, ids in zip(q, top_ids(q, GREEDY_ROW))]
+        out = []
+        for row in q:
+            row = normalised(row)  # row by row: a batched sum may add in another order
+            out.append((torch.arange(row.shape[0]), row) if float(row.amin()) > 0 else (row.nonzero()[:, 0], row[row > 0]))
+        return out
 
 
 def delta(token: int, vocab_size: int) -> torch.Tensor:  # [V] float64
@@ -60,16 +78,19 @@ def delta_support(token: int) -> SparseRow:
     return torch.tensor([token]), torch.ones(1, dtype=torch.float64)
 
 
+NO_ROW: SparseRow = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64))  # a node not expanded (a leaf): nothing drawn there
+
+
 @dataclass
 class DraftNodes:
     """The nodes drafted so far, parents before children; ``scores``: cumulative log q̂; ``q_at``: q̂ at each
-    expanded node (−1 = the root); ``free``: the forced runs' nodes."""
+    expanded node (−1 = the root) on its support; ``free``: the forced runs' nodes."""
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
-    q_at: dict[int, torch.Tensor] = field(default_factory=dict)
+    q_at: dict[int, SparseRow] = field(default_factory=dict)
     free: set[int] = field(default_factory=set)
     lanes: dict[int, int] = field(default_factory=dict)  # position -> draws taken there (a draw's key: position, lane)
 

@@ -10,11 +10,11 @@ import torch
 from app.drafting.batcher import StepBatcher, Steps
 from app.drafting.forced import forced_below
 from app.drafting.lookup import Branch, Plan, Record, merged, with_branch
-from app.drafting.request import DraftNodes, DraftRequest, delta
+from app.drafting.request import NO_ROW, DraftNodes, DraftRequest, delta_support
 from core.math.random import Purpose, sample_index, uniform
 from core.math.rerank import best_nodes
 from core.math.shapes import ChildRule, TreeShape
-from core.math.tree import TokenTree, sparse_rows
+from core.math.tree import TokenTree, pad_rows
 from core.runners.base import ForwardItem
 
 
@@ -26,10 +26,10 @@ def tree_steps(
     gets children first gets its forced run (``forced_below``), fed with it in the depth's decode.
     ``branch``: a lookup proposal (with a sampled tree's ``plan``); the nodes go into ``record``."""
     runner, session_id, sequence = batcher.runner, request.session_id, request.sequence
-    eos, vocab_size = set(runner.info.eos_ids), runner.info.vocab_size
+    eos = set(runner.info.eos_ids)
     logits = yield from batcher.catch_up(session_id, sequence)
     start = len(sequence)
-    nodes = DraftNodes(q_at={-1: request.q(request.shaped(logits, []))})
+    nodes = DraftNodes(q_at={-1: request.q(logits[None], [[]])[0]})
     row_of = {-1: start - 1}  # node -> its row in the draft session
     excluded = {-1: branch.tokens[0]} if plan is not None and branch is not None and plan[0] else {}  # drawn after the lookup's child: from q̂ without it
     frontier = [-1]
@@ -44,13 +44,13 @@ def tree_steps(
             runs = {n: forced_below(n, nodes, request.transformer, sequence, depth_limit, left, eos, per_path) for n in frontier}
             item = _depth_item(session_id, runner.length(session_id), frontier, runs, nodes, row_of)
             rows = yield item
-            frontier = _expanded(frontier, runs, rows, nodes, request, eos, depth_limit, vocab_size)
+            frontier = _expanded(frontier, runs, rows, nodes, request, eos, depth_limit)
             if not frontier:
                 break
     finally:
         if runner.has_session(session_id):
             runner.crop(session_id, start)  # the session is the agreed sequence again
-    return _built(nodes, shape, branch, plan, record, vocab_size)
+    return _built(nodes, shape, branch, plan, record)
 
 
 def _depth_item(session_id: str, held: int, frontier: list[int], runs: dict[int, list[int]], nodes: DraftNodes, row_of: dict[int, int]) -> ForwardItem:
@@ -69,35 +69,31 @@ def _depth_item(session_id: str, held: int, frontier: list[int], runs: dict[int,
 
 def _expanded(
     frontier: list[int], runs: dict[int, list[int]], rows: torch.Tensor, nodes: DraftNodes, request: DraftRequest, eos: set[int], depth_limit: int,
-    vocab_size: int,
 ) -> list[int]:
-    """q̂ after each frontier node's run (δ along the run); the run ends that get children next."""
-    expand = []
-    for n, node_logits in zip(frontier, rows):
+    """q̂ after each frontier node's run (δ along the run), all rows together; the run ends that get children next."""
+    lasts = [runs[n][-1] if runs[n] else n for n in frontier]
+    for n in frontier:
         run = [n, *runs[n]]
         for above, below in zip(run, run[1:]):
-            nodes.q_at[above] = delta(nodes.tokens[below], vocab_size)
-        last = run[-1]
-        nodes.q_at[last] = request.q(request.shaped(node_logits, nodes.path(last)))
-        if nodes.tokens[last] not in eos and (not nodes.free or nodes.depths[last] < depth_limit):
-            expand.append(last)
-    return expand
+            nodes.q_at[above] = delta_support(nodes.tokens[below])
+    for last, q in zip(lasts, request.q(rows, [nodes.path(last) for last in lasts])):
+        nodes.q_at[last] = q
+    return [last for last in lasts if nodes.tokens[last] not in eos and (not nodes.free or nodes.depths[last] < depth_limit)]
 
 
-def _built(nodes: DraftNodes, shape: TreeShape, branch: Branch | None, plan: Plan | None, record: Record | None, vocab_size: int) -> TokenTree:
+def _built(nodes: DraftNodes, shape: TreeShape, branch: Branch | None, plan: Plan | None, record: Record | None) -> TokenTree:
     """The drafted nodes as the tree sent: a fixed tree reranked to its budget, a sampled one as drafted."""
     if shape.rule is ChildRule.FIXED:
         marks = merged(branch, nodes) if branch is not None else []
-        tree, order = best_nodes(nodes.tokens, nodes.parents, nodes.scores, nodes.q_at, shape.nodes, vocab_size, nodes.free, marks)
+        tree, order = best_nodes(nodes.tokens, nodes.parents, nodes.scores, nodes.q_at, shape.nodes, nodes.free, marks)
         if record is not None and branch is not None:
             kept = {n: i for i, n in enumerate(order)}
             record.lookup = [(kept[n], key) for n, key in zip(marks, branch.keys) if n in kept]
         return tree
     if branch is None or plan is None:
-        empty = torch.zeros(vocab_size)
-        ids, probs = sparse_rows([nodes.q_at[-1], *(nodes.q_at.get(n, empty) for n in range(len(nodes.tokens)))])
+        ids, probs = pad_rows([nodes.q_at[-1], *(nodes.q_at.get(n, NO_ROW) for n in range(len(nodes.tokens)))])
         return TokenTree(torch.tensor(nodes.tokens, dtype=torch.long), torch.tensor(nodes.parents, dtype=torch.long), ids, probs, shape.rule)
-    return with_branch(nodes, shape, branch, plan, record, vocab_size)
+    return with_branch(nodes, shape, branch, plan, record)
 
 
 def children(
@@ -108,28 +104,29 @@ def children(
     parent -> its lookup child's token, which its draws leave out."""
     out: list[tuple[int, int, float]] = []
     for parent in frontier:
-        q = nodes.q_at[parent]
+        ids, q = nodes.q_at[parent]  # q̂ on its support, ascending ids
         base = nodes.scores[parent] if parent >= 0 else 0.0
         position = start + (nodes.depths[parent] if parent >= 0 else 0)
         if shape.rule is ChildRule.FIXED:
-            top = torch.topk(q, max(1, min(shape.top_k, int((q > 0).sum()))))
-            out.extend((parent, int(t), base + math.log(float(p))) for t, p in zip(top.indices, top.values) if p > 0)
+            top = torch.topk(q, max(1, min(shape.top_k, int(torch.count_nonzero(q)))))
+            out.extend((parent, token, base + math.log(p)) for token, p in zip(ids[top.indices].tolist(), top.values.tolist()) if p > 0)
             continue
-        left = q.clone()
+        left, alive = q, int(torch.count_nonzero(q))  # the row's entries still to draw from (a copy once one is taken out)
         if excluded and parent in excluded:
-            left[excluded[parent]] = 0
+            left = torch.where(ids == excluded[parent], 0.0, q)
+            alive = int(torch.count_nonzero(left))
         for _ in range(shape.widths[depth - 1]):
-            if not bool((left > 0).any()):
+            if alive == 0:
                 break
             lane = nodes.lanes.get(position, 0)
             nodes.lanes[position] = lane + 1
             if request.params.is_greedy:
-                token = int(torch.argmax(left))
+                index = int(torch.argmax(left))
             else:
-                token = sample_index(left, uniform(request.seed, request.choice, position, Purpose.DRAFT_SAMPLE, lane=lane))
-            out.append((parent, token, base + math.log(max(float(q[token]), 1e-45))))
+                index = sample_index(left, uniform(request.seed, request.choice, position, Purpose.DRAFT_SAMPLE, lane=lane))
+            out.append((parent, int(ids[index]), base + math.log(max(float(q[index]), 1e-45))))
             if shape.rule is ChildRule.SAMPLED_DISTINCT:
-                left[token] = 0
-                if not bool((left > 0).any()):
-                    break
+                left = left.clone() if left is q else left
+                left[index] = 0
+                alive -= 1
     return out

@@ -7,7 +7,9 @@ from collections.abc import Collection
 import torch
 
 from core.math.shapes import ChildRule
-from core.math.tree import TokenTree, depths_of, sparse_rows
+from core.math.tree import SparseRow, TokenTree, depths_of, pad_rows
+
+_NO_ROW: SparseRow = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64))  # a node with no children drawn
 
 
 def drafted_above(node: int, parents: list[int], free: Collection[int]) -> int:
@@ -19,7 +21,7 @@ def drafted_above(node: int, parents: list[int], free: Collection[int]) -> int:
 
 
 def best_nodes(
-    tokens: list[int], parents: list[int], scores: list[float], q_at: dict[int, torch.Tensor], budget: int, vocab_size: int,
+    tokens: list[int], parents: list[int], scores: list[float], q_at: dict[int, SparseRow], budget: int,
     free: Collection[int] = (), marks: Collection[int] = (),
 ) -> tuple[TokenTree, list[int]]:  # the tree, and which node each of its nodes was
     """The ``budget`` nodes of best cumulative score, by depth, siblings best first (``marks``, the lookup's children,
@@ -34,8 +36,7 @@ def best_nodes(
     marked = set(marks)
     order = sorted(kept_set, key=lambda n: (depth[n], n not in marked, -scores[n], n))
     index = {-1: -1, **{n: i for i, n in enumerate(order)}}
-    empty = torch.zeros(vocab_size)
-    ids, probs = sparse_rows([q_at[-1], *(q_at.get(n, empty) for n in order)])
+    ids, probs = pad_rows([q_at[-1], *(q_at.get(n, _NO_ROW) for n in order)])
     flags = torch.tensor([n in marked for n in order], dtype=torch.bool) if marked else None
     tree = TokenTree(
         torch.tensor([tokens[n] for n in order], dtype=torch.long), torch.tensor([index[parents[n]] for n in order], dtype=torch.long),

@@ -42,7 +42,8 @@ def apply_sampling(
     logits = logits.float()
     if params.is_greedy:
         return torch.softmax(logits, dim=-1)
-    logits = logits / params.temperature
+    if params.temperature != 1.0:  # x / 1 is x
+        logits = logits / params.temperature
     if params.min_p > 0:
         logits = mask_min_p(logits, params.min_p)
     if 0 < params.top_k < logits.shape[-1]:
@@ -107,24 +108,57 @@ def truncate(
     return torch.softmax(logits, dim=-1)
 
 
-def truncated_support(
-    probs: torch.Tensor,  # [V]: a distribution to sparsify (the draft's T(q), TSLT)
+TOP_BLOCK = 128  # top_ids' block: a row's k best lie in its k blocks of largest maximum
+
+
+def top_ids(
+    probs: torch.Tensor,  # [R, V] ≥ 0
+    k: int,  # 0 < k < V
+) -> list[torch.Tensor]:  # R × [s] long, ascending: every entry with mass at least the row's k-th largest (s > k only on ties there)
+    """The ids of each row's ``k`` largest entries (ties at the threshold all kept), as ``mask_top_k`` keeps them, without a
+    top-k over whole rows: each row in blocks of ``TOP_BLOCK``; its k blocks of largest maximum hold its k-th largest value
+    (were a block of the k largest entries left out, the k blocks taken would have k maxima at least as large); when no
+    block left out reaches it, every entry kept is among them, else the whole row is compared (a tie at the threshold)."""
+    rows, width = probs.shape
+    blocks = width // TOP_BLOCK
+    if blocks <= k or width % TOP_BLOCK:
+        thresholds = torch.topk(probs, k, dim=-1).values[:, -1:]
+        return [row.nonzero()[:, 0] for row in (probs >= thresholds) & (probs > 0)]
+    cut = probs.view(rows, blocks, TOP_BLOCK)
+    best = torch.topk(cut.amax(dim=-1), k + 1, dim=-1)  # per row: the k blocks of largest maximum, and the largest maximum left out
+    chosen = best.indices[:, :k]
+    top = torch.topk(cut[torch.arange(rows)[:, None], chosen].reshape(rows, k * TOP_BLOCK), k + 1, dim=-1)  # the k-th largest and the next
+    ids = torch.sort(chosen.gather(1, top.indices[:, :k] // TOP_BLOCK) * TOP_BLOCK + top.indices[:, :k] % TOP_BLOCK, dim=-1).values
+    out = []
+    for r, ((threshold, after), left) in enumerate(zip(top.values[:, k - 1 :].tolist(), best.values[:, k].tolist())):
+        if threshold > 0 and after < threshold and left < threshold:  # no tie at the threshold, nothing left out reaches it
+            out.append(ids[r])
+        else:
+            out.append(((probs[r] >= threshold) & (probs[r] > 0)).nonzero()[:, 0])
+    return out
+
+
+def truncated_supports(
+    probs: torch.Tensor,  # [R, V]: distributions to sparsify (the draft's T(q), TSLT)
     top_k: int = 0,  # keep the k most likely (0 = off)
     top_p: float = 1.0,  # keep the smallest nucleus of mass ≥ top_p (1 = off)
-) -> tuple[torch.Tensor, torch.Tensor]:  # [s] long ascending ids, [s] float64 probs summing to 1
-    """``truncate`` on the support alone (DESIGN §9): the same ids and ties, the probabilities renormalised over
-    the kept entries (``truncate``'s up to the last bits), with no full-vocabulary log, sort or softmax at top_k."""
-    ids = None
-    if 0 < top_k < probs.shape[-1]:
-        top = torch.topk(probs, top_k)
-        threshold = top.values[-1]  # log is monotone: truncate's threshold
-        if threshold > 0 and int((probs >= threshold).sum()) == top_k:  # no tie at the threshold
-            ids = torch.sort(top.indices).values
-        else:
-            ids = ((probs >= threshold) & (probs > 0)).nonzero()[:, 0]
-    if ids is None:
-        ids = (probs > 0).nonzero()[:, 0]
-    logits = torch.log(probs[ids].double())
+) -> list[tuple[torch.Tensor, torch.Tensor]]:  # R × ([s] long ascending ids, [s] float64 probs summing to 1)
+    """``truncated_support`` of every row, each row's very numbers (rows of one size go through together)."""
+    ids = top_ids(probs, top_k) if 0 < top_k < probs.shape[-1] else [row.nonzero()[:, 0] for row in probs > 0]
+    if len({len(i) for i in ids}) != 1:
+        return [_renormalised(row[i], i, top_p) for row, i in zip(probs, ids)]
+    together = torch.stack(ids)
+    logits = torch.log(probs.gather(1, together).double())
+    if top_p < 1:
+        logits = mask_top_p(logits, top_p)
+    out = torch.softmax(logits, dim=-1)
+    if top_p < 1:
+        return [(i[row > 0], row[row > 0]) for i, row in zip(together, out)]
+    return list(zip(together, out))
+
+
+def _renormalised(kept: torch.Tensor, ids: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = torch.log(kept.double())
     if top_p < 1:
         logits = mask_top_p(logits[None], top_p)[0]
     out = torch.softmax(logits, dim=-1)
@@ -132,4 +166,14 @@ def truncated_support(
         inside = out > 0
         ids, out = ids[inside], out[inside]
     return ids, out
+
+
+def truncated_support(
+    probs: torch.Tensor,  # [V]: a distribution to sparsify (the draft's T(q), TSLT)
+    top_k: int = 0,  # keep the k most likely (0 = off)
+    top_p: float = 1.0,  # keep the smallest nucleus of mass ≥ top_p (1 = off)
+) -> tuple[torch.Tensor, torch.Tensor]:  # [s] long ascending ids, [s] float64 probs summing to 1
+    """``truncate`` on the support alone (DESIGN §9): the same ids and ties, the probabilities renormalised over
+    the kept entries (``truncate``'s up to the last bits), with no full-vocabulary log, sort or softmax at top_k."""
+    return truncated_supports(probs[None], top_k, top_p)[0]
 

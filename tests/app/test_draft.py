@@ -449,3 +449,51 @@ def test_a_background_prefill_goes_behind_the_drafts_waiting() -> None:
     assert pending and held == 200  # the draft was done first; the prefill finished after it
     assert steps[:8] == [1, 1, 1, 2, 1, 1, 1, 2]  # the draft's eight steps (its prompt, then seven tokens): the prefill in two
     assert set(steps[8:]) <= {1}  # then the prefill alone
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+async def test_a_trees_rows_are_its_nodes_q_on_their_supports_and_its_children_the_whole_rows(greedy: bool) -> None:
+    """Issue 61: a tree's q̂ stays on supports from the first row. Over 300 tokens (more than a greedy row keeps) the
+    reference is each node's whole row from the table: greedy (EAGLE-2), a node's row is its 32 most likely tokens at
+    their whole-row probabilities bit for bit, and its children and their order the whole row's top-k; sampled and
+    truncated to 32, the chain's ``truncated_support`` of the whole row, and each child a draw from that row."""
+    from app.drafting.request import GREEDY_ROW
+    from core.math.random import Purpose, sample_index, uniform
+    from core.math.sampling import apply_sampling, normalised, truncated_support
+
+    vocab = 300
+    runner = MarkovRunner(random_table(vocab, 61, sharpness=3.0))
+    draft = DraftModel(runner, ModelThread())
+    params = SamplingParams(temperature=0.0 if greedy else 0.8)
+    shape = TreeShape.default(True) if greedy else TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(3, 2, 1))
+    truncation = (0, 1.0) if greedy else (32, 1.0)
+    sequence = [5, 17]
+    tree = await propose_tree(draft, "t", sequence, shape, params, 9, 0, truncation)
+    assert len(tree) == shape.size
+
+    def whole(node: int) -> torch.Tensor:  # the q̂ the node's children were drawn from, as a whole row
+        last = sequence[-1] if node < 0 else int(tree.tokens[node])
+        return apply_sampling(runner.table[last].float()[None], params)[0]
+
+    lanes: dict[int, int] = {}
+    for node in [-1, *range(len(tree))]:
+        children = tree.children(node)
+        if not children:
+            continue
+        ids, probs = tree.support(node)
+        row = whole(node)
+        if greedy:
+            assert len(ids) == GREEDY_ROW and set(ids.tolist()) == set(torch.topk(row, GREEDY_ROW).indices.tolist())
+            assert torch.equal(probs, normalised(row)[ids])  # the whole row's numbers, not renormalised
+            assert [int(tree.tokens[c]) for c in children] == torch.topk(row, len(children)).indices.tolist()
+            continue
+        expected_ids, expected = truncated_support(row, 32)
+        assert torch.equal(ids, expected_ids) and torch.equal(probs, expected)
+        position = len(sequence) + (len(tree.path_to(node)) if node >= 0 else 0)
+        left = expected.clone()
+        for child in children:  # SAMPLED_DISTINCT: each draw from what the draws before left
+            lane = lanes.get(position, 0)
+            lanes[position] = lane + 1
+            index = sample_index(left, uniform(9, 0, position, Purpose.DRAFT_SAMPLE, lane=lane))
+            assert int(tree.tokens[child]) == int(expected_ids[index])
+            left[index] = 0

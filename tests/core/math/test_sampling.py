@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from core.math.random import sample_index, sample_rows
-from core.math.sampling import SamplingParams, apply_sampling, mask_top_k, mask_top_p, truncate, truncated_support
+from core.math.sampling import TOP_BLOCK, SamplingParams, apply_sampling, mask_top_k, mask_top_p, top_ids, truncate, truncated_support, truncated_supports
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
 
@@ -108,6 +108,60 @@ def test_the_truncated_support_equals_truncate_on_its_support(top_k: int, top_p:
         torch.testing.assert_close(kept, dense[ids], rtol=1e-12, atol=0)
         for u in (0.0, 0.31, 0.999):
             assert int(ids[sample_index(kept, u)]) == sample_index(dense, u)
+
+
+def _top_rows(generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+    """Rows of 64 blocks that take each of ``top_ids``' ways: a spread row, its k best in a few blocks, a tie at the k-th,
+    a block left out holding an entry as large as the k-th (a tie across blocks), fewer than k entries with mass."""
+    width, k = 64 * TOP_BLOCK, 8
+    rows, kinds = [], []
+    spread = torch.softmax(torch.randn(width, generator=generator) * 3, -1)
+    rows.append(spread), kinds.append("spread")
+    few = torch.full((width,), 1e-7)
+    few[TOP_BLOCK * 5 : TOP_BLOCK * 5 + k + 3] = torch.rand(k + 3, generator=generator) + 1  # the k best in one block
+    rows.append(few / few.sum()), kinds.append("one block")
+    tie = spread.clone()
+    order = torch.topk(tie, k + 4).indices
+    tie[order[k - 2 : k + 2]] = float(tie[order[k - 1]])  # four entries equal to the k-th: all kept
+    rows.append(tie), kinds.append("tie at the k-th")
+    across = torch.full((width,), 1e-7)
+    across[torch.arange(k + 1) * TOP_BLOCK] = torch.tensor([9.0, 8, 7, 6, 5, 4, 3, 2, 2])  # block k's maximum equals the k-th
+    rows.append(across), kinds.append("tie across blocks")
+    sparse = torch.zeros(width)
+    sparse[torch.randperm(width, generator=generator)[: k - 3]] = 1.0
+    rows.append(sparse), kinds.append("fewer than k")
+    return torch.stack(rows), kinds
+
+
+def test_top_ids_keeps_what_mask_top_k_keeps_in_each_of_its_ways() -> None:
+    """The blocks' shortcut (``top_ids``) against the whole row's top-k, on rows built to take each branch, and on
+    random rows alone and together; a broken shortcut (the k-th block left out) loses the k-th entry of a row."""
+    generator = torch.Generator().manual_seed(61)
+    k = 8
+    rows, kinds = _top_rows(generator)
+    for kind, row, ids in zip(kinds, rows, top_ids(rows, k)):
+        expected = ((row >= torch.topk(row, k).values[-1]) & (row > 0)).nonzero()[:, 0]
+        assert torch.equal(ids, expected), kind
+        assert torch.equal(top_ids(row[None], k)[0], ids), kind  # alone or together: the same ids
+    assert [len(ids) for ids in top_ids(rows, k)] == [k, k, k + 2, k + 1, k - 3]
+    for case in range(40):
+        row = torch.softmax(torch.randn(1, 48 * TOP_BLOCK, generator=generator) * (1 + case % 5), -1)
+        for top in (1, 4, 32, 47):
+            assert torch.equal(top_ids(row, top)[0], (row[0] >= torch.topk(row[0], top).values[-1]).nonzero()[:, 0])
+    across = rows[3].view(64, TOP_BLOCK)  # its k best each in a block of its own
+    broken = across[torch.topk(across.amax(dim=-1), k - 1).indices]  # the shortcut with k − 1 blocks
+    assert torch.topk(broken.flatten(), k).values[-1] != torch.topk(rows[3], k).values[-1]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(32, 1.0), (8, 0.5), (0, 0.9), (32, 0.95)])
+def test_truncated_supports_together_are_each_rows_alone_bit_for_bit(top_k: int, top_p: float) -> None:
+    """A tree's depth truncates its rows together: each row's ids and probabilities are the very ones alone."""
+    generator = torch.Generator().manual_seed(7)
+    probs = torch.softmax(torch.randn(4, 96 * TOP_BLOCK, generator=generator) * 3, -1)
+    probs[2, : 90 * TOP_BLOCK] = 0  # a row of another support size: the rows then go one by one
+    for together, row in zip(truncated_supports(probs, top_k, top_p), probs):
+        alone = truncated_support(row, top_k, top_p)
+        assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
 
 
 def test_the_truncated_support_of_a_row_with_fewer_entries_than_k() -> None:
