@@ -56,7 +56,9 @@ def load_draft(config: SpecgateConfig) -> ModelRunner:
     if draft.model == NONE:
         runner: ModelRunner = tokenizer_only(draft.tokenizer or BUILTIN, config.draft_context)
     else:
-        runner = load_runner(draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads, draft.device, draft.dtype)
+        runner = load_runner(
+            draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads, draft.device, draft.dtype, forward=draft.forward,
+        )
     runner.fingerprint  # noqa: B018 - computed before the first request
     runner.warm_up()
     return runner

@@ -37,6 +37,7 @@ class DraftConfig(BaseModel):
     threads: int | None = Field(default=None, gt=0)  # CPU threads; None = every core (serve splits them)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the draft runs (auto = cuda if present)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: the draft's dtype (auto = bfloat16 on a GPU)
+    forward: Literal["auto", "hf", "static"] = "auto"  # transformers: the draft's forward, as a worker's --forward (auto = the static forward with CUDA graphs on a GPU)
     max_context: int | None = Field(default=None, gt=0)  # tokens a draft session holds; None = limits.max_prompt_tokens + limits.max_tokens (capped by the model's own)
     max_batch_tokens: int = Field(default=128, gt=0)  # new rows per draft step, every drafting request together (a prompt goes in chunks of half)
     background_prefill_from: int | None = Field(default=64, gt=0)  # a prompt this long or longer: the first round carries no draft (the targets sample it) while the draft prefills (app.engine.late); None: never

@@ -173,17 +173,20 @@ def _alone_key(temperature: float, top_k: int) -> str:
 
 
 def round_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per round (medians): its time, each part, the rest; outside the models; a draft step."""
+    """Per round: the median round (by its time; the two middle ones averaged) and its parts, which add up to it (medians per
+    part need not: rounds differ in what they hold); outside the models; the rest (drafted, bytes, calls, a draft step) as medians."""
     if not rounds:
         return {"round_ms": 0.0, "parts_ms": dict.fromkeys(PARTS, 0.0), "outside_models_ms": 0.0, "drafted_per_round": 0.0, "draft_step_ms": 0.0,
                 "bytes_up_per_round": 0.0, "bytes_down_per_round": 0.0, "calls_per_round": 0.0, "tokens_per_round": 0.0}
-    parts = {part: statistics.median(r["parts_ms"].get(part, 0.0) for r in rounds) for part in PARTS}
+    ranked = sorted(rounds, key=lambda r: r["round_ms"])
+    middle = ranked[(len(ranked) - 1) // 2 : len(ranked) // 2 + 1]  # one round, or the two middle ones
+    parts = {part: statistics.mean(r["parts_ms"].get(part, 0.0) for r in middle) for part in PARTS}
     drafted = statistics.median(r["drafted"] for r in rounds)
     draft_steps = [(r["parts_ms"]["draft_model"] + r["parts_ms"]["draft_sampling"]) / r["drafted"] for r in rounds if r["drafted"]]
     return {
-        "round_ms": statistics.median(r["round_ms"] for r in rounds),
+        "round_ms": statistics.mean(r["round_ms"] for r in middle),  # the median round
         "parts_ms": parts,
-        "outside_models_ms": statistics.median(r["round_ms"] - r["parts_ms"]["draft_model"] - r["parts_ms"]["worker_model"] for r in rounds),
+        "outside_models_ms": statistics.mean(r["round_ms"] - r["parts_ms"]["draft_model"] - r["parts_ms"]["worker_model"] for r in middle),
         "drafted_per_round": drafted,
         "draft_step_ms": statistics.median(draft_steps) if draft_steps else 0.0,
         "bytes_up_per_round": statistics.median(r["bytes_up"] for r in rounds),

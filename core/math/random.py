@@ -3,7 +3,9 @@ purpose, worker, lane), Philox-4x32-10 keyed by (seed, choice, purpose, worker);
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 from enum import IntEnum
 
 import torch
@@ -88,7 +90,10 @@ def sample_index(
     probs: torch.Tensor,  # [V], ≥ 0, need not be normalised
     u: float,  # U[0, 1)
 ) -> int:
-    """Inverse-CDF draw: the first index whose cumulative mass exceeds ``u · total``."""
+    """Inverse-CDF draw: the first index whose cumulative mass exceeds ``u · total``. A short row (a truncated support)
+    is summed in Python floats: the same sequential float64 sums as ``torch.cumsum``, without its tensors."""
+    if probs.shape[0] <= SHORT_ROW:
+        return _sample_short(probs.double().tolist(), u)
     cdf = torch.cumsum(probs.double(), dim=0)
     total = float(cdf[-1])
     if not total > 0:
@@ -97,6 +102,20 @@ def sample_index(
     if index < probs.shape[0]:
         return index  # cdf[index] > u·total ≥ cdf[index − 1]: an entry with mass
     return int((probs > 0).nonzero()[-1, 0])  # u·total rounded up to the total: the last entry with mass
+
+
+SHORT_ROW = 64  # rows up to this long are drawn from in Python
+
+
+def _sample_short(values: list[float], u: float) -> int:
+    cdf = list(itertools.accumulate(values))
+    total = cdf[-1] if cdf else 0.0
+    if not total > 0:
+        raise ValueError("cannot sample from a distribution with no mass")
+    index = bisect.bisect_right(cdf, u * total)
+    if index < len(values):
+        return index
+    return max(i for i, value in enumerate(values) if value > 0)  # u·total rounded up to the total: the last entry with mass
 
 
 def sample_rows(

@@ -34,6 +34,8 @@ def load_runner(
             f"the llama.cpp backend runs GGUF files on the CPU in their own types (asked: device {device}, dtype {dtype}): "
             "use --backend transformers for a GPU or another dtype"
         )
+    if backend == Backend.LLAMA_CPP.value and forward != "auto":
+        raise ModelLoadError(f"the llama.cpp backend has one forward, its own (asked: forward {forward}): use --backend transformers for the hf or static forward")
     if backend == Backend.LLAMA_CPP.value and layers is not None:
         raise ModelLoadError(
             f"the llama.cpp backend cannot run a slice of a model's layers (asked: {layers[0]}:{layers[1]}): "

@@ -85,10 +85,12 @@ async def test_the_parts_add_up_to_the_round(runners: tuple[ModelRunner, ModelRu
             assert parts["draft_model"] >= 1e3 * DRAFT_S * 0.95, r
         else:
             assert parts["draft_model"] == parts["draft_sampling"] == 0.0
-    # the bench's per-round figures (medians per part) still add up to its median round
-    figures = round_figures(rounds[1:] or rounds)
-    named = sum(v for k, v in figures["parts_ms"].items() if k != "other")
-    assert named == pytest.approx(figures["round_ms"], rel=0.1)
+    # the bench's per-round figures are its median round's, and its parts add up to it (medians per part need not: a clean run once missed by 13 %)
+    kept = rounds[1:] or rounds
+    figures = round_figures(kept)
+    assert figures["round_ms"] == pytest.approx(statistics.median(r["round_ms"] for r in kept))
+    assert sum(figures["parts_ms"].values()) == pytest.approx(figures["round_ms"], abs=0.01)
+    assert figures["outside_models_ms"] == pytest.approx(figures["round_ms"] - figures["parts_ms"]["draft_model"] - figures["parts_ms"]["worker_model"])
     # the usage block's sums are the profile's
     timing = block["timing_ms"]
     assert timing["rounds"] == pytest.approx(sum(r["round_ms"] for r in rounds), abs=0.01 * len(rounds))

@@ -90,6 +90,26 @@ def test_sample_rows_draws_what_sample_index_draws_row_by_row() -> None:
     assert sample_rows(probs, u).tolist() == [sample_index(row, float(v)) for row, v in zip(probs, u)]
 
 
+def test_a_short_rows_draw_in_python_is_the_tensors_draw() -> None:
+    """``sample_index`` sums a row of at most SHORT_ROW entries in Python floats: the index ``sample_rows`` (tensors) gives,
+    on rows with zeros, ties, float32 and float64, draws at 0, just below 1 (rounded up to the total) and on a boundary."""
+    from core.math.random import SHORT_ROW
+
+    g = torch.Generator().manual_seed(61)
+    for case in range(300):
+        width = 1 + case % SHORT_ROW
+        probs = torch.rand(width, generator=g, dtype=torch.float64 if case % 2 else torch.float32) ** 4
+        if case % 3 == 0:
+            probs[torch.rand(width, generator=g) < 0.4] = 0.0
+        if not bool((probs > 0).any()):
+            probs[width // 2] = 1.0
+        boundary = float(torch.cumsum(probs.double(), 0)[width // 2] / torch.cumsum(probs.double(), 0)[-1])
+        for u in (0.0, 1.0 - 2**-53, boundary, float(torch.rand(1, generator=g, dtype=torch.float64))):
+            assert sample_index(probs, u) == int(sample_rows(probs[None], torch.tensor([u], dtype=torch.float64))[0]), (case, u)
+    with pytest.raises(ValueError, match="no mass"):
+        sample_index(torch.zeros(5), 0.5)
+
+
 @pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (3, 1.0), (32, 1.0), (50, 0.9), (0, 0.8), (32, 0.5)])
 def test_the_truncated_support_equals_truncate_on_its_support(top_k: int, top_p: float) -> None:
     """The draft samples on the support alone (DESIGN §9): the same ids as the dense

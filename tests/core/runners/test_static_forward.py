@@ -257,3 +257,55 @@ def test_an_item_alone_gets_a_forward_of_its_own_beside_the_shared_one(tokenizer
         assert isinstance(logits, torch.Tensor) and isinstance(want, torch.Tensor)
         assert (logits - want).abs().max().item() <= TOLERANCE, item.session_id
     assert {s.session_id for s in static._slots if s.session_id} == {"a", "b", "s", "t"}
+
+
+async def test_a_gateways_draft_on_the_static_forward_drafts_as_on_transformers_modules(tokenizer: Any) -> None:
+    """Issue 61, a draft on a GPU where the gateway has one (``draft: {backend: transformers, device: cuda}``: the static
+    forward, as a worker's). On the CPU path here: ``draft.forward: static`` reaches the runner (``load_draft``), and the
+    draft drafts the chains and trees it drafts on transformers' modules — greedy EAGLE-2 and sampled trees, a greedy and a
+    truncated sampled chain, two at a time in shared steps — the same tokens, q̂ within the logits' tolerance. llama.cpp,
+    which has one forward, refuses another by name."""
+    import asyncio
+
+    from app.drafting import DraftModel, DraftRequest
+    from app.server import load_draft
+    from core.config import DraftConfig, SpecgateConfig
+    from core.math.sampling import SamplingParams
+    from core.math.shapes import ChildRule, TreeShape
+    from core.runners import load_runner
+    from core.runners.model_thread import ModelThread
+
+    config = SpecgateConfig(
+        draft=DraftConfig(model="tiny-random:7", backend="transformers", device="cpu", dtype="float32", forward="static", memory_cap_mb=64),
+        workers=[{"url": "http://127.0.0.1:1", "weight": 1.0}],
+    )
+    runner = load_draft(config)
+    assert isinstance(runner, TransformersRunner) and runner.forward_kind == "static"
+    with pytest.raises(ModelLoadError, match="one forward, its own"):
+        load_runner("builtin-draft", "llama.cpp", forward="static")
+
+    hf, static = _pair(tokenizer, tiny_random_model(V, seed=8))
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.9)
+    prompt = [(i * 53 + 7) % V for i in range(12)]
+    asks = [
+        ("tree", greedy, TreeShape.default(True), (0, 1.0)),
+        ("tree", sampled, TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 2, 1)), (32, 1.0)),
+        ("chain", greedy, 4, (0, 1.0)),
+        ("chain", sampled, 4, (32, 1.0)),
+    ]
+
+    async def drafts(runner: TransformersRunner) -> list[Any]:
+        draft = DraftModel(runner, ModelThread())
+        out = []
+        for first, second in ((0, 1), (2, 3)):  # two drafts at a time: their steps shared
+            calls = []
+            for i in (first, second):
+                kind, params, shape, truncation = asks[i]
+                request = DraftRequest(f"s{i}", prompt[: 8 + i], params, 11 + i, 0, truncation)
+                calls.append(draft.propose_tree(request, shape) if kind == "tree" else draft.propose(request, shape))  # type: ignore[arg-type]
+            out += await asyncio.gather(*calls)
+        return out
+
+    for a, b in zip(await drafts(hf), await drafts(static)):
+        assert len(a) > 1 and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        assert (a.q_values().double() - b.q_values().double()).abs().max().item() <= TOLERANCE  # q̂ of each drafted token
