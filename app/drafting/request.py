@@ -58,7 +58,12 @@ class DraftRequest:
         if self.truncating:
             return truncated_supports(q, *self.truncation)
         if self.params.is_greedy and GREEDY_ROW < q.shape[1]:
-            return [(ids, row[ids].double() / row.double().sum(dim=-1, keepdim=True).clamp(min=1e-300)) for row, ids in zip(q, top_ids(q, GREEDY_ROW))]
+            ids = top_ids(q, GREEDY_ROW)
+            totals = torch.stack([row.double().sum(dim=-1, keepdim=True) for row in q]).clamp(min=1e-300)  # normalised's very sums, row by row
+            if len({len(i) for i in ids}) == 1:  # the rows' ids together (a tie at the last keeps more)
+                kept = torch.stack(ids)
+                return list(zip(kept, q.gather(1, kept).double() / totals))
+            return [(i, row[i].double() / total) for row, i, total in zip(q, ids, totals)]
         out = []
         for row in q:
             row = normalised(row)  # row by row: a batched sum may add in another order
