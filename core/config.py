@@ -417,9 +417,9 @@ def parse_config(data: dict[str, Any], where: str = "config") -> SpecgateConfig:
 SECRETS = ("api_key", "worker_token")  # never written to files: they travel in the environment
 
 
-def dump_config(config: SpecgateConfig) -> str:
-    """YAML that ``load_config`` reads back to ``config``, less the secrets."""
-    return yaml.safe_dump(config.model_dump(mode="json", exclude_none=True, exclude=set(SECRETS)), sort_keys=False)
+def dump_config(config: SpecgateConfig, changed_only: bool = False) -> str:
+    """YAML that ``load_config`` reads back to ``config``, less the secrets; ``changed_only``: only what differs from the defaults."""
+    return yaml.safe_dump(config.model_dump(mode="json", exclude_none=True, exclude=set(SECRETS), exclude_defaults=changed_only), sort_keys=False)
 
 
 def without_service_links(env_settings: PydanticBaseSettingsSource) -> PydanticBaseSettingsSource:

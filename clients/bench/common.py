@@ -132,9 +132,10 @@ def start_workers(stack: ExitStack) -> list[str]:
 
 
 def start_gateway(stack: ExitStack, config: SpecgateConfig, cwd: str | None = None) -> str:
-    """A gateway process for ``config`` (written to a temporary file); its URL."""
+    """A gateway process for ``config`` (written to a temporary file); its URL. For another checkout (``cwd``: a baseline) the
+    file names only what differs from the defaults: a setting added since is not in it, and the checkout keeps its own defaults."""
     path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specgate-bench-"))) / "config.yaml"
-    path.write_text(dump_config(config))
+    path.write_text(dump_config(config, changed_only=cwd is not None))
     return stack.enter_context(GatewayProcess(str(path), cwd=cwd))
 
 

@@ -85,7 +85,7 @@ def _run(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     cells = [(name, t) for t in plan["temperatures"] for name in plan["cells"]]
     samples: dict[tuple[str, float], list[dict[str, Any]]] = {cell: [] for cell in cells}
-    baseline: dict[tuple[str, float], list[dict[str, float]]] = {cell: [] for cell in cells}
+    baseline: dict[tuple[str, float], list[dict[str, Any]]] = {cell: [] for cell in cells}
     floors: dict[str, list[float]] = {"draft_step_ms": []}
     for name, t in cells:  # warm-up: every code path once
         request(client, plan["prompts"][0], 4, t, CELLS[name], seed=0)
@@ -96,7 +96,7 @@ def _run(
             for prompt in plan["prompts"]:
                 samples[cell].append(request(client, prompt, plan["max_tokens"], t, CELLS[name], seed=run))
                 if old is not None:
-                    baseline[cell].append(coarse(request(old, prompt, plan["max_tokens"], t, CELLS[name] | {"profile": None}, seed=run)))
+                    baseline[cell].append(_baseline_sample(old, prompt, plan["max_tokens"], t, CELLS[name], run))
             bar.step(f"{name} T={t:g}: {samples[cell][-1]['tokens_per_s']:.1f} tok/s")
         floors["draft_step_ms"] += draft_floor.draft_step_ms(32)
         for t, top_k in sorted({(t, _draft_top_k(name) if t > 0 else 0) for t in plan["temperatures"] for name in plan["cells"]}):
@@ -109,6 +109,18 @@ def _run(
                 floors.setdefault(f"http_ms@{up}/{down}", []).extend(http_round_trip_ms(http_url, up, down, repeats=10))
     rows = [summarise(name, t, samples[(name, t)], baseline[(name, t)], floors) for name, t in cells]
     return rows, {key: median(values) for key, values in floors.items()}
+
+
+def _baseline_sample(old: httpx.Client, prompt: str, max_tokens: int, temperature: float, spec: dict[str, Any], seed: int) -> dict[str, Any]:
+    """The baseline's figures for one request: ``coarse``, and its rounds' parts (``rounds``) where that version profiles
+    (``speculative.profile``; a version without it answers 400 and is asked again without)."""
+    try:
+        sample = request(old, prompt, max_tokens, temperature, spec, seed)
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code != 400:
+            raise
+        return coarse(request(old, prompt, max_tokens, temperature, spec | {"profile": None}, seed))
+    return coarse(sample) | {"rounds": sample["rounds"]}
 
 
 def _call_shape(rounds: list[dict[str, Any]]) -> tuple[int, int, int]:
@@ -138,7 +150,7 @@ def coarse(sample: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def summarise(name: str, temperature: float, runs: list[dict[str, Any]], baseline: list[dict[str, float]], floors: dict[str, list[float]]) -> dict[str, Any]:
+def summarise(name: str, temperature: float, runs: list[dict[str, Any]], baseline: list[dict[str, Any]], floors: dict[str, list[float]]) -> dict[str, Any]:
     """Medians over the cell's rounds, part by part; the goals' figures beside the floors."""
     rounds = [r for s in runs for r in s["rounds"]]
     row: dict[str, Any] = {"mode": name, "temperature": temperature, "requests": len(runs), "rounds": len(rounds)}
@@ -158,8 +170,13 @@ def summarise(name: str, temperature: float, runs: list[dict[str, Any]], baselin
             row["draft_alone_ms"] = median(floors.get(_alone_key(temperature, _draft_top_k(name)), []))
             row["draft_alone_over_floor"] = row["draft_alone_ms"] / row["draft_floor_ms"]
     if baseline:
-        row["baseline"] = {key: statistics.median(b[key] for b in baseline) for key in baseline[0]}
-        row["ours_coarse"] = {key: statistics.median(coarse(s)[key] for s in runs) for key in baseline[0]}
+        keys = [key for key in baseline[0] if key != "rounds"]
+        row["baseline"] = {key: statistics.median(b[key] for b in baseline) for key in keys}
+        row["ours_coarse"] = {key: statistics.median(coarse(s)[key] for s in runs) for key in keys}
+        before = [r for b in baseline for r in b.get("rounds", [])]
+        if before:  # the baseline's median round, part by part, as ours
+            figures = round_figures(before)
+            row["baseline"] |= {"round_ms": figures["round_ms"], "parts_ms": figures["parts_ms"], "outside_models_ms": figures["outside_models_ms"]}
     return row
 
 
@@ -248,6 +265,16 @@ def print_table(results: dict[str, Any]) -> None:
             print(f"{r['mode']:<16}{r['temperature']:>3g}  tok/s {b['tokens_per_s']:>6.1f} → {a['tokens_per_s']:>6.1f}   "
                   f"verify−model {b['verify_outside_model_ms']:>6.2f} → {a['verify_outside_model_ms']:>6.2f}   draft/token {b['draft_ms_per_token']:>6.2f} → {a['draft_ms_per_token']:>6.2f}   "
                   f"bytes back {_size(b['bytes_down_per_round']):>8} → {_size(a['bytes_down_per_round']):>8}")
+        profiled = [r for r in results["cells"] if "parts_ms" in r["baseline"]]
+        if profiled:
+            print("\nthe median round before → after, part by part (ms; the baseline profiles its rounds as ours do)")
+            print(f"{'mode':<16}{'T':>3}{'round':>17}{'d.model':>17}{'d.samp':>15}{'g.math':>15}{'http':>15}{'outside':>17}")
+            for r in profiled:
+                b, a = r["baseline"], r
+                pair = lambda x, y, w: f"{x:>{w}.2f} →{y:>6.2f}"  # noqa: E731
+                print(f"{r['mode']:<16}{r['temperature']:>3g}{pair(b['round_ms'], a['round_ms'], 8)}{pair(b['parts_ms']['draft_model'], a['parts_ms']['draft_model'], 8)}"
+                      f"{pair(b['parts_ms']['draft_sampling'], a['parts_ms']['draft_sampling'], 6)}{pair(b['parts_ms']['gateway_math'], a['parts_ms']['gateway_math'], 6)}"
+                      f"{pair(b['parts_ms']['http'], a['parts_ms']['http'], 6)}{pair(b['outside_models_ms'], a['outside_models_ms'], 8)}")
 
 
 def _size(count: float) -> str:

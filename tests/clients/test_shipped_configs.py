@@ -50,3 +50,14 @@ def test_a_shipped_config_overrides_no_default(path: Path) -> None:
             assert value == 32, f"{path.name}: exact's draft_top_k {value} is not its default 32"
         else:
             assert value == getattr(default, key), f"{path.name}: speculative.{key} = {value!r}, the default is {getattr(default, key)!r}"
+
+
+def test_a_config_written_for_another_checkout_names_only_what_differs_from_the_defaults() -> None:
+    """``specgate bench … --baseline``: the earlier checkout's gateway reads our config; a setting added since (``draft.forward``)
+    stops it (pydantic forbids extra keys), so the file names only what differs from the defaults, and reads back the same."""
+    from core.config import builtin_config, dump_config, parse_config
+
+    config = builtin_config()
+    changed = yaml.safe_load(dump_config(config, changed_only=True))
+    assert "forward" in yaml.safe_load(dump_config(config))["draft"] and "forward" not in changed.get("draft", {})
+    assert parse_config(changed) == config
