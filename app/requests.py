@@ -255,7 +255,9 @@ class Requests:
         tree_payload = _tree_payload(tree or base.tree or TreeParams(), given.get("k", base.k)) if mode is Mode.TREE else Mode.AGGREGATE
         if tree_payload is Mode.EXACT and isinstance(given.get("k"), int):
             raise ApiError(400, "a tree with exact's payload sends no top-k: drop k, or use payload aggregate", "speculative.k")
-        if (mode is Mode.EXACT or tree_payload is Mode.EXACT) and not top_k and (top_p is None or top_p == 1):
+        # split on whole rows: its draft truncated unless a truncation is named (draft_top_k: 0 keeps it whole), so the worker draws at a rejection: no row back
+        whole_split = mode is Mode.SPLIT and (k is None or k == "full") and top_k is None
+        if (mode is Mode.EXACT or tree_payload is Mode.EXACT or whole_split) and not top_k and (top_p is None or top_p == 1):
             top_k = _EXACT_DRAFT_TOP_K
         drafter = self._drafter(mode, given.get("drafter"))
         overlap = "overlap" in takes.fields and given.get("overlap", base.overlap)

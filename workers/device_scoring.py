@@ -162,6 +162,11 @@ def _host_numbers(req: VerifyRequest, upload: _Upload) -> dict[str, slice]:
         out["q"] = upload.add(np.array(req.draft_probs, dtype=np.float64))
         out["u"] = upload.add([uniform(req.seed, req.choice, base + j, Purpose.ACCEPT, req.worker) for j in range(gamma)])
         out["bonus_u"] = upload.add([uniform(req.seed, req.choice, base + gamma, Purpose.BONUS, req.worker)])
+        if req.support_q is not None and gamma:  # the token at a rejection drawn here (workers.scoring.split_residual_draw)
+            out["ids"] = upload.add(np.asarray(req.support_ids, dtype=np.int64))
+            out["row_of"] = upload.add(np.repeat(np.arange(gamma), np.asarray(req.support_sizes, dtype=np.int64)))
+            out["support_q"] = upload.add(np.asarray(req.support_q, dtype=np.float64))
+            out["residual_u"] = upload.add([uniform(req.seed, req.choice, base + j, Purpose.RESIDUAL) for j in range(gamma)])
     elif req.mode == Mode.EXACT.value and sampled:
         sizes = np.asarray(req.support_sizes, dtype=np.int64)
         depths = [0, *depths_of(req.parents.tolist())] if req.parents is not None else list(range(gamma))
@@ -235,21 +240,37 @@ def _split(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: 
         p_draft = probs[torch.arange(gamma, device=probs.device), draft].double() / probs[:gamma].double().sum(dim=-1).clamp(min=1e-300)
         accepted = count_accepts(upload[need["u"]], acceptance_probs(p_draft, upload[need["q"]]))
         bonus = sample_rows(probs[gamma:], upload[need["bonus_u"]])[0]
+    drawn = "residual_u" in need
+    if drawn:  # the bonus, or the token drawn from the residual at the rejection: both computed, the verdict picks
+        bonus = torch.where(accepted == gamma, bonus, _residual_draw(probs, accepted.clamp(max=gamma - 1), upload, need))
     counts = pack.add(torch.stack([accepted, bonus]))
-    rejected = _distributions(rows.take(accepted.clamp(max=max(gamma - 1, 0))[None]), req, pack, None) if gamma else None
+    rejected = _distributions(rows.take(accepted.clamp(max=max(gamma - 1, 0))[None]), req, pack, None) if gamma and not drawn else None
     logs = _split_logprobs(req, probs, draft, accepted, bonus, pack)
 
     def finish(host: _Pack) -> VerifyResponse:
         num_accepted, token = (int(v) for v in host[counts])
-        if num_accepted == gamma and req.temperature > 0:
-            rows.need_mass(host, gamma)
+        if (num_accepted == gamma or drawn) and req.temperature > 0:
+            rows.need_mass(host, num_accepted)
         asked = logs(host, num_accepted)
-        if num_accepted == gamma or req.temperature == 0:
+        if num_accepted == gamma or req.temperature == 0 or drawn:
             return VerifyResponse(held=held, num_accepted=num_accepted, bonus=token, model_ms=model_ms, **asked)
         assert rejected is not None
         return VerifyResponse(held=held, num_accepted=num_accepted, probs_dtype=req.probs_dtype, model_ms=model_ms, **rejected(host), **asked)
 
     return finish
+
+
+def _residual_draw(probs: torch.Tensor, row: torch.Tensor, upload: _Upload, need: dict[str, slice]) -> torch.Tensor:
+    """``workers.scoring.split_residual_draw`` as tensor ops at a device index ``row``, nothing read back: p as the gateway's
+    ``mixture`` makes it, q̂ from the row's support (the other rows' entries add 0), norm(max(0, p − q̂)) (p where that has
+    no mass), one draw with the gateway's RESIDUAL number."""
+    p = torch.einsum("n,nmv->mv", torch.ones(1, dtype=torch.float64, device=probs.device), normalised(probs.index_select(0, row[None]).double())[None])[0]
+    ids, row_of, q_values = upload[need["ids"]].long(), upload[need["row_of"]].long(), upload[need["support_q"]]
+    q = torch.zeros_like(p).index_put_((ids,), torch.where(row_of == row, q_values, torch.zeros((), dtype=torch.float64, device=p.device)), accumulate=True)
+    diff = torch.clamp(p - q, min=0.0)
+    total = diff.sum()
+    residual = torch.where(total > 0, diff / total, p / p.sum())
+    return sample_rows(residual[None], upload[need["residual_u"]].index_select(0, row[None]))[0]
 
 
 def _split_logprobs(
@@ -263,7 +284,7 @@ def _split_logprobs(
 
     def asked(host: _Pack, num_accepted: int) -> dict[str, Any]:
         out: dict[str, Any] = {"draft_logprobs": host[at[0]].astype(np.float32)}
-        if num_accepted == gamma or req.temperature == 0:
+        if num_accepted == gamma or req.temperature == 0 or req.support_q is not None:  # of ``bonus``: the bonus, or the token drawn at the rejection
             out["sample_logprobs"] = host[at[1]].astype(np.float32)
         if top is not None:
             out["top_ids"], out["top_logprobs"] = host[top[0]].astype(np.int64), host[top[1]].astype(np.float32)

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from core.math.aggregation import reconstruct, tv_distance
+from core.math.aggregation import aggregate, reconstruct, tv_distance
 from core.math.compression import compress_top_k
 from core.math.random import Purpose, sample_index, sample_rows, uniform, uniforms
-from core.math.speculative import count_accepted, verify_greedy
+from core.math.speculative import count_accepted, residual, verify_greedy
 from core.math.tree import depths_of
 from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.names import Mode, Reconstruction
@@ -100,8 +100,23 @@ def _split(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float) 
     if accepted == gamma:
         bonus = sample_index(probs[gamma], uniform(req.seed, req.choice, base + gamma, Purpose.BONUS, req.worker))
         return VerifyResponse(held=held, num_accepted=gamma, bonus=bonus, model_ms=model_ms)
+    if req.support_q is not None:  # q̂ at the rejection is known here: its residual drawn where p is, no row sent
+        return VerifyResponse(held=held, num_accepted=accepted, bonus=split_residual_draw(probs[accepted], req, accepted), model_ms=model_ms)
     rejected = _distributions(probs[accepted : accepted + 1], req, held, model_ms, None)
     return replace(rejected, num_accepted=accepted)
+
+
+def split_residual_draw(p: torch.Tensor, req: VerifyRequest, accepted: int) -> int:  # p: [V] T(p) at the rejected position
+    """The token at split's rejection, drawn from norm(max(0, p − q̂)) with the gateway's numbers: p as the gateway's
+    ``mixture`` makes it of the one worker's row, q̂ the draft's on its support (``support_q``), the gateway's RESIDUAL stream."""
+    sizes = np.asarray(req.support_sizes, dtype=np.int64)
+    start = int(sizes[:accepted].sum())
+    ids = torch.from_numpy(np.asarray(req.support_ids, dtype=np.int64)[start : start + int(sizes[accepted])])
+    q_values = torch.from_numpy(np.array(req.support_q, dtype=np.float64)[start : start + int(sizes[accepted])])
+    p_row = aggregate(normalised(p[None].double())[None], torch.ones(1))[0]  # mixture() of one row, one worker
+    q_row = torch.zeros(p.shape[-1], dtype=torch.float64).index_put_((ids,), q_values, accumulate=True)  # TokenTree.q_row
+    u = uniform(req.seed, req.choice, _first_position(req) + accepted, Purpose.RESIDUAL)
+    return sample_index(residual(p_row, q_row), u)
 
 
 def _exact(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float) -> VerifyResponse:  # probs: [γ+1, V]
@@ -168,7 +183,7 @@ def _asked_logprobs(probs: torch.Tensor, req: VerifyRequest, resp: VerifyRespons
     out: dict[str, Any] = {}
     if split:
         out["draft_logprobs"] = _logs(probs[torch.arange(gamma), torch.from_numpy(req.draft.astype(np.int64))])
-        if resp.num_accepted == gamma or not sampled:
+        if resp.num_accepted == gamma or not sampled or req.support_q is not None:  # the bonus, or the token drawn at the rejection
             out["sample_logprobs"] = _logs(probs[resp.num_accepted, resp.bonus : resp.bonus + 1])
     else:
         samples = np.asarray(resp.complement_samples, dtype=np.int64)

@@ -67,6 +67,11 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         _check_path(req)
     if req.mode == Mode.SPLIT.value:
         _check_draft_probs(req)
+        if req.support_q is not None:
+            _check_supports(req, vocab_size, "split with support_q")
+            _check_support_q(req)
+    elif req.support_q is not None:
+        raise InvalidRequest(f"support_q is split's (q̂ on the draft's supports): mode {req.mode!r} takes none", param="support_q")
     if req.mode == Mode.EXACT.value and req.temperature > 0:
         _check_supports(req, vocab_size)
 
@@ -108,13 +113,23 @@ def _check_draft_probs(req: VerifyRequest) -> None:
         raise InvalidRequest("draft_probs must lie in (0, 1]: each is q̂_j of a token drawn from q̂_j", param="draft_probs")
 
 
-def _check_supports(req: VerifyRequest, vocab_size: int) -> None:
+def _check_support_q(req: VerifyRequest) -> None:
+    """split's q̂_j on S_j: one probability per support id, each in (0, 1] (q̂_j has mass on its whole support)."""
+    q = req.support_q
+    assert q is not None and req.support_ids is not None
+    if q.shape != req.support_ids.shape:
+        raise InvalidRequest(f"support_q holds one q̂ per support id: {q.shape} for {req.support_ids.shape}", param="support_q")
+    if q.size and (not np.all(np.isfinite(q)) or q.min() <= 0 or q.max() > 1 + 1e-6):
+        raise InvalidRequest("support_q must lie in (0, 1]: q̂_j on its own support", param="support_q")
+
+
+def _check_supports(req: VerifyRequest, vocab_size: int, who: str = "exact") -> None:
     """Chains: one support per draft token, S_j holding x_j; trees: one per row (root first, empty at a leaf), a node's token in its parent's."""
     ids, sizes, tree = req.support_ids, req.support_sizes, req.parents is not None
     rows = len(req.draft) + tree
     if ids is None or sizes is None or sizes.shape != (rows,) or ids.ndim != 1:
         what = "one support per row (the root, then each node)" if tree else "one support per draft token"
-        raise InvalidRequest(f"exact needs support_ids and support_sizes, {what}", param="support_ids")
+        raise InvalidRequest(f"{who} needs support_ids and support_sizes, {what}", param="support_ids")
     if sizes.size and sizes.min() < (0 if tree else 1) or int(sizes.sum()) != ids.size:
         raise InvalidRequest(f"support_sizes must be ≥ {0 if tree else 1} and add up to len(support_ids)", param="support_sizes")
     check_ids(ids, vocab_size, "support_ids")
@@ -143,17 +158,18 @@ def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: 
         if req.return_probs:
             _check_probs(resp, vocab_size, 1)
     elif req.mode == Mode.SPLIT.value:
-        _check_split(resp, vocab_size, gamma, greedy=not sampled)
+        _check_split(resp, vocab_size, gamma, greedy=not sampled, drawn=req.support_q is not None)
     elif req.mode == Mode.EXACT.value and sampled:
         _check_exact(resp, req, vocab_size)
     else:
         _check_probs(resp, vocab_size, gamma + 1)
 
 
-def _check_split(resp: VerifyResponse, vocab_size: int, gamma: int, greedy: bool) -> None:
+def _check_split(resp: VerifyResponse, vocab_size: int, gamma: int, greedy: bool, drawn: bool = False) -> None:
+    """``drawn``: the request sent support_q, so the worker drew the token at a rejection (``bonus``) and sends no row."""
     if not 0 <= resp.num_accepted <= gamma:
         raise ProtocolError(f"num_accepted {resp.num_accepted} outside [0, {gamma}]")
-    if resp.num_accepted == gamma or greedy:
+    if resp.num_accepted == gamma or greedy or drawn:
         check_ids(np.array([resp.bonus]), vocab_size, "bonus")
     else:
         _check_probs(resp, vocab_size, 1)
@@ -213,7 +229,7 @@ def _check_asked_logprobs(resp: VerifyResponse, req: VerifyRequest, vocab_size: 
         return
     if req.mode == Mode.SPLIT.value:
         _check_logprobs("draft_logprobs", resp.draft_logprobs, (gamma,))
-        if resp.num_accepted == gamma or req.temperature == 0:
+        if resp.num_accepted == gamma or req.temperature == 0 or req.support_q is not None:  # of ``bonus``
             _check_logprobs("sample_logprobs", resp.sample_logprobs, (1,))
     if req.mode == Mode.EXACT.value and req.temperature > 0:
         _check_logprobs("sample_logprobs", resp.sample_logprobs, (gamma + 1,))

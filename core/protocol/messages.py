@@ -53,7 +53,7 @@ class VerifyRequest(Message):
     absolute: the token decided at slot j has index prefix_len + num_new + j."""
 
     ARRAYS: ClassVar[dict[str, str]] = {
-        "tokens": "ids", "draft": "ids", "draft_probs": "f64", "support_ids": "ids", "support_sizes": "i32", "score_ids": "ids",
+        "tokens": "ids", "draft": "ids", "draft_probs": "f64", "support_ids": "ids", "support_sizes": "i32", "support_q": "f64", "score_ids": "ids",
         "parents": "i32", "path": "i32",
     }
     EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "min_p", "transform", "seeded"})
@@ -77,6 +77,7 @@ class VerifyRequest(Message):
     draft_probs: np.ndarray | None = None  # [γ] f64, split: q̂_j(x_j) of each draft token
     support_ids: np.ndarray | None = None  # [Σ_j s_j] int, exact: S_j of every draft position, concatenated
     support_sizes: np.ndarray | None = None  # [γ] i32, exact: s_j = |S_j|
+    support_q: np.ndarray | None = None  # [Σ_j s_j] f64, split (a truncated draft): q̂_j on S_j; the worker then draws the token at a rejection from norm(max(0, p − q̂_j)) itself and sends no row
     logprobs: int | None = None  # None: none; n ≥ 0: log T(p_n) of what only the worker knows (its samples; split: the draft tokens) and its top-n per scored position
     score_tokens: bool = False  # echo: also score ``tokens`` themselves (the rows predicting tokens[1:]); needs prefix_len 0
     score_ids: np.ndarray | None = None  # [m] int: answer only log T(p_n) of these ids at the one scored position (γ = 0)
@@ -123,7 +124,7 @@ class VerifyResponse(Message):
     recon_error: np.ndarray | None = None  # [γ+1] f32: e_n = TV(p̂_n, p_n) for the asked reconstruction
     samples: np.ndarray | None = None  # [γ+1] i32: z_n ~ T(p_n) (autoregressive, T > 0)
     num_accepted: int = -1  # split: draft tokens the worker accepted; -1 in other modes
-    bonus: int = -1  # split: the bonus token when all were accepted; exact: z_n ~ p_n at slot γ
+    bonus: int = -1  # split: the bonus token when all were accepted, or (support_q sent) the token drawn at the rejection; exact: z_n ~ p_n at slot γ
     support_probs: np.ndarray | None = None  # [Σ_j s_j] f32, exact: p_n on each S_j, as sent
     complement: np.ndarray | None = None  # [γ] f64, exact: c_n = Σ_{x∉S_j} p_n(x), summed directly
     complement_samples: np.ndarray | None = None  # [γ] i32, exact: y_n ~ p_n(· | x ∉ S_j); −1 if c_n = 0
@@ -132,7 +133,7 @@ class VerifyResponse(Message):
     batch_sessions: int = 1  # calls that shared that forward (the worker's VerifyScheduler)
     # only when the request asks for ``logprobs`` (every value a natural log of T(p_n)):
     draft_logprobs: np.ndarray | None = None  # [γ] f32, split: of each draft token at its position
-    sample_logprobs: np.ndarray | None = None  # exact: [γ+1] f32, of y_n per draft position (0 where none) then z_n; split: [1], of the bonus
+    sample_logprobs: np.ndarray | None = None  # exact: [γ+1] f32, of y_n per draft position (0 where none) then z_n; split: [1], of ``bonus``
     top_ids: np.ndarray | None = None  # [γ+1, n] int: the n most likely ids per scored position
     top_logprobs: np.ndarray | None = None  # [γ+1, n] f32: their log-probabilities
     prompt_logprobs: np.ndarray | None = None  # [num_new − 1] f32, score_tokens: of tokens[i+1] after tokens[..i]

@@ -740,6 +740,25 @@ def test_negative_control_a_verifier_without_the_residual_is_caught(monkeypatch:
     assert _caught(picked) == {c.name for c in picked if c.rule != "fixed"}
 
 
+def test_split_draws_at_a_rejection_on_the_worker_when_its_draft_is_truncated_and_a_worker_that_skips_the_residual_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 61: ``split`` on whole rows with a truncated draft sends q̂ on the draft's supports and the worker draws the token
+    at a rejection (no row back): those cells keep the law above; a worker that draws it from p instead of norm(max(0, p − q̂))
+    is caught in each where p is not a point mass at the rejections."""
+    import workers.scoring as scoring
+
+    picked = [c for c in CELLS if c.mode is Mode.SPLIT and c.payload is Payload.FULL and c.option.startswith("draft top") and c.sampling != "T=0"]
+    assert len(picked) >= 4
+    sent: list[bool] = []
+    real = scoring.split_residual_draw
+    monkeypatch.setattr(scoring, "split_residual_draw", lambda *args: sent.append(True) or real(*args))
+    assert not _caught(picked) and sent  # the worker drew them
+    monkeypatch.setattr(scoring, "residual", lambda p, q: p.double() / p.double().sum())
+    spread = {c.name for c in picked if c.sampling != "T=0.8 top-p 0.8"}  # top-p 0.8 leaves t0 a point mass after 0, 2 and 3: residual = p there
+    assert len(spread) >= 4 and _caught(picked) >= spread
+
+
 def test_negative_control_a_lookup_token_tested_as_a_draw_from_a_spread_q_hat_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A lookup token is drawn from δ (DESIGN §3.10). Sent with a row that says it was drawn from
     a spread q̂ (uniform here: min(1, p/q̂) at the test, max(0, p − q̂) at a rejection), the law
@@ -905,4 +924,5 @@ def test_workers_that_score_a_step_on_the_device_keep_every_law(monkeypatch: pyt
         and c.mode is not Mode.PIPELINE and (FULL or not any(big in c.shape for big in ("⟨2,1⟩", "nodes 3")))  # stages score by rows (score_rows)
     ]
     picked = _one_each(picked, lambda c: (c.mode, c.payload, c.rule, c.shape, c.sampling))
+    picked += [c for c in CELLS if c.mode is Mode.SPLIT and c.payload is Payload.FULL and c.option.startswith("draft top") and c.sampling != "T=0"]  # the token at a rejection drawn on the device
     assert len(picked) >= 40 and used == [] and not _caught(picked) and used

@@ -443,3 +443,23 @@ async def test_a_long_prompt_starts_without_the_draft(client: httpx.AsyncClient)
     assert short["rounds_without_draft"] == 0
     plain = (await client.post("/v1/completions", json={**COMPLETION, "prompt": "Once upon a time " * 20, "speculative": {"mode": "autoregressive"}})).json()
     assert "rounds_without_draft" not in plain["usage"]["speculative"]  # nothing drafts, nothing waits
+
+
+async def test_split_on_whole_rows_truncates_its_draft_and_the_worker_draws_at_a_rejection(gateway: Any, fakes: FakeWorkerTransport) -> None:
+    """Sized for a WAN (issue 61): split with no top-k asked (or k: "full") drafts on truncated supports (draft_top_k 32, as
+    exact) and sends them with q̂ (support_q), so the worker draws the token at a rejection and sends no row back; a
+    top-k asked keeps the row (p̂'s residual at the gateway, with its bound), and so does draft_top_k: 0 (the whole draft);
+    T = 0 has no residual."""
+    async with gateway(workers=[{"url": "http://w0:1", "weight": 1.0}], speculative={"mode": "split", "num_draft_tokens": 3}) as client:
+        cases = (({}, 1.0, True), ({"k": "full"}, 1.0, True), ({"k": 8}, 1.0, False), ({}, 0.0, False), ({"draft_top_k": 0}, 1.0, False))
+        for extra, temperature, drawn in cases:
+            fakes.requests.clear()
+            body = {**COMPLETION, "max_tokens": 6, "temperature": temperature, "seed": 5, "speculative": {"mode": "split", **extra}}
+            resp = await client.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            block = resp.json()["usage"]["speculative"]
+            verifies = [r for _, r in fakes.requests if len(r.draft)]
+            assert verifies and all((r.support_q is not None) == drawn for r in verifies), (extra, temperature)
+            assert block.get("draft_top_k") == (32 if extra.get("k", "full") == "full" and "draft_top_k" not in extra else None), block
+            if drawn:
+                assert all(r.support_sizes is not None and 0 < r.support_sizes.max() <= 32 for r in verifies)

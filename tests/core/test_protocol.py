@@ -237,6 +237,11 @@ def _req(**overrides: object) -> VerifyRequest:
         ({"seed": -1}, "seed"),
         ({"mode": "split"}, "draft_probs"),
         ({"mode": "split", "draft_probs": np.array([0.0], np.float32)}, "draft_probs"),
+        ({"mode": "split", "draft_probs": np.array([0.5]), "support_q": np.array([0.5])}, "support_ids"),  # q̂ without its supports
+        ({"mode": "split", "draft_probs": np.array([0.5]), "support_ids": np.array([3, 4]), "support_sizes": np.array([2], np.int32), "support_q": np.array([0.5])}, "support_q"),
+        ({"mode": "split", "draft_probs": np.array([0.5]), "support_ids": np.array([3, 4]), "support_sizes": np.array([2], np.int32), "support_q": np.array([0.5, 0.0])}, "support_q"),
+        ({"mode": "split", "draft_probs": np.array([0.5]), "support_ids": np.array([4, 5]), "support_sizes": np.array([2], np.int32), "support_q": np.array([0.5, 0.5])}, "support_ids"),
+        ({"support_ids": np.array([3]), "support_sizes": np.array([1], np.int32), "support_q": np.array([1.0])}, "support_q"),  # aggregate takes none
         ({"mode": "exact"}, "support_ids"),
         ({"mode": "exact", "support_ids": np.array([4, 5]), "support_sizes": np.array([2], np.int32)}, "support_ids"),
         ({"mode": "exact", "support_ids": np.array([3, 3]), "support_sizes": np.array([2], np.int32)}, "support_ids"),
@@ -283,6 +288,14 @@ def test_split_and_exact_checks() -> None:
     for bad in (VerifyResponse(3, num_accepted=3), VerifyResponse(3, num_accepted=2, bonus=VOCAB_SMALL), VerifyResponse(3, num_accepted=0)):
         with pytest.raises(ProtocolError):
             check_verify_response(bad, split, VOCAB_SMALL)
+    drawn = replace(split, support_ids=np.array([2, 4, 3]), support_sizes=np.array([2, 1], np.int32), support_q=np.array([0.5, 0.5, 1.0]))
+    check_verify_request(drawn, VOCAB_SMALL)
+    check_verify_response(VerifyResponse(3, num_accepted=1, bonus=7), drawn, VOCAB_SMALL)  # the token drawn at the rejection, no row
+    with pytest.raises(ProtocolError):
+        check_verify_response(VerifyResponse(3, num_accepted=1), drawn, VOCAB_SMALL)
+    for as_json in (False, True):
+        body, content_type = encode(drawn, VOCAB_SMALL, as_json=as_json)
+        assert decode(VerifyRequest, body, content_type) == drawn
     exact = VerifyRequest.after("s", [], [1], [2], mode="exact", support_ids=np.array([2, 4]), support_sizes=np.array([2], np.int32))
     good = VerifyResponse(3, support_probs=np.array([0.3, 0.2], np.float32), complement=np.array([0.5], np.float32), complement_samples=np.array([7], np.int32), bonus=1)
     check_verify_response(good, exact, VOCAB_SMALL)

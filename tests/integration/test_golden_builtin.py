@@ -48,6 +48,7 @@ for _mode, _gateway in (("autoregressive", "pair"), ("aggregate", "pair"), ("exa
     for _temperature in (0.0, 1.0):
         for _overlap in (False, True) if _mode != "autoregressive" else (False,):
             _spec: dict[str, Any] = {"mode": _mode} | ({"overlap": True} if _overlap else {}) | ({"k": "full"} if _mode == "aggregate" else {})
+            _spec |= {"draft_top_k": 0} if _mode == "split" else {}  # as recorded: split's whole draft and its row at a rejection (its default truncates since issue 61)
             CASES[f"{_mode}, T={_temperature:g}, overlap {'on' if _overlap else 'off'}"] = {"gateway": _gateway, "temperature": _temperature, "speculative": _spec}
 CASES["aggregate k=8, T=1"] = {"gateway": "pair", "temperature": 1.0, "speculative": {"mode": "aggregate", "k": 8}}
 CASES["exact logprobs 2, T=1"] = {"gateway": "pair", "temperature": 1.0, "speculative": {"mode": "exact"}, "logprobs": 2}

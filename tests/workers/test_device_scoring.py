@@ -1,6 +1,7 @@
 """``workers.device_scoring.score_step`` (issue 60, item 2) against ``workers.scoring.score``, the reference, on CPU
 tensors: one step of calls in every mode and payload — ``aggregate`` (top-k with each reconstruction, full rows),
-``autoregressive`` (samples, with and without rows), ``exact`` (chains and trees) and ``split`` (sampled and greedy),
+``autoregressive`` (samples, with and without rows), ``exact`` (chains and trees) and ``split`` (sampled and greedy; given q̂ on
+supports, the token at a rejection drawn by the worker),
 with and without logprobs — at T ∈ {0, 0.7, 1} with top-k / top-p / min-p, on logits with ties and a grammar's
 ``-inf``: every field of every answer the same (ids, samples, verdicts equal; probabilities within 1e-6), from one
 packed copy. Mutants of a uniform's purpose and of the accept test fail it."""
@@ -28,6 +29,7 @@ PAYLOADS = [  # mode, k, reconstruction, return_probs, tree, logprobs
     ("autoregressive", 8, "renormalize", True, False, None), ("autoregressive", None, "renormalize", False, False, None),
     ("exact", None, "renormalize", True, False, 2), ("exact", None, "renormalize", True, True, None), ("exact", 8, "residual", True, True, 0),
     ("split", 8, "renormalize", True, False, 3), ("split", None, "renormalize", True, False, None), ("split", 8, "residual", True, False, 0),
+    ("split+q", None, "renormalize", True, False, None), ("split+q", None, "renormalize", True, False, 2),  # q̂ on supports: the worker draws at a rejection
 ]
 
 
@@ -45,8 +47,17 @@ def _calls(logits_for: dict[int, torch.Tensor] | None = None) -> list[VerifyRequ
             sizes = [(j % 3) + (1 if j < gamma else 0) for j in range(count)]
             ids = [x for j, s in enumerate(sizes) for x in ([draft[j]] if j < gamma else []) + list(range(1000 + 7 * j, 1000 + 7 * j + s))][: sum(sizes)]
             extra |= {"support_ids": np.array(ids), "support_sizes": np.array(sizes, dtype=np.int32)}
+        if mode == "split+q":
+            mode = "split"
+            sizes = [1 + j % 3 for j in range(gamma)]
+            ids = [x for j, s in enumerate(sizes) for x in [draft[j], *range(1000 + 7 * j, 1000 + 7 * j + s - 1)]]
+            q = np.linspace(0.9, 0.2, gamma) if i % 2 else np.full(gamma, 0.05)
+            values = [v for j, s in enumerate(sizes) for v in [q[j], *[(1 - q[j]) / (s - 1)] * (s - 1)]]
+            extra |= {"support_ids": np.array(ids), "support_sizes": np.array(sizes, dtype=np.int32), "support_q": np.array(values)}
         if mode == "split":
-            extra["draft_probs"] = np.linspace(0.9, 0.2, gamma) if i % 2 else np.full(gamma, 1e-3)
+            extra["draft_probs"] = extra["support_q"][np.cumsum([0, *extra["support_sizes"][:-1]])] if "support_q" in extra else (
+                np.linspace(0.9, 0.2, gamma) if i % 2 else np.full(gamma, 1e-3)
+            )
         calls.append(VerifyRequest.after(
             f"s{i}", [], [5, 6, 7][: 1 + i % 3], draft, mode=mode, k=k, reconstruction=recon, temperature=temperature, top_k=top_k,
             top_p=top_p, min_p=min_p, seed=1000 + i, return_probs=rows, logprobs=logprobs, **extra,
@@ -92,15 +103,15 @@ def test_a_step_scored_together_answers_each_call_as_score_does() -> None:
     for req, rows, held, got in zip(calls, torch.split(logits, sizes), helds, together):
         _same(score(rows.clone(), req, held, 1.5), got, f"{req.mode} k={req.k} {req.reconstruction} T={req.temperature} γ={len(req.draft)}")
         if req.mode == "split":
-            verdicts.add(got.num_accepted == len(req.draft))
-    assert verdicts == {True, False}  # split's bonus and its rejected row both answered
+            verdicts.add((req.support_q is not None and req.temperature > 0, got.num_accepted == len(req.draft)))
+    assert verdicts == {(False, True), (False, False), (True, True), (True, False)}  # split's bonus, its rejected row, the token drawn at a rejection
 
 
 @pytest.mark.parametrize("mutant", ["purpose", "accept"])
 def test_a_broken_scorer_is_caught(monkeypatch: pytest.MonkeyPatch, mutant: str) -> None:
     if mutant == "purpose":  # the complement's samples drawn from the bonus's stream
         real = device_scoring.uniform
-        monkeypatch.setattr(device_scoring, "uniform", lambda s, c, p, purpose, w: real(s, c, p, Purpose.WORKER_BONUS if purpose == Purpose.WORKER_COMPLEMENT else purpose, w))
+        monkeypatch.setattr(device_scoring, "uniform", lambda s, c, p, purpose, w=0: real(s, c, p, Purpose.WORKER_BONUS if purpose == Purpose.WORKER_COMPLEMENT else purpose, w))
     else:  # u ≤ ratio in place of u < ratio is invisible; accepting on p alone is not
         monkeypatch.setattr(device_scoring, "normalised", lambda p: torch.ones_like(p, dtype=torch.float64))
     with pytest.raises(AssertionError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from app.engine.round import Round, array, mixture, worker_logprobs
@@ -9,19 +10,22 @@ from app.engine.spec import RoundResult
 from app.engine.strategies.base import RoundStrategy
 from core.math.random import Purpose, sample_index, uniform
 from core.math.speculative import residual
+from core.math.tree import TokenTree
 from core.names import Mode
 
 
 class SplitStrategy(RoundStrategy):
-    """DSSD (DESIGN §3.4), one worker: it runs the accept test with q̂_j(x_j); the gateway draws the recovered token."""
+    """DSSD (DESIGN §3.4), one worker: it runs the accept test with q̂_j(x_j); the recovered token is drawn by the gateway
+    from the row sent, or (a truncated draft, whole rows) by the worker, given q̂ on the draft's supports."""
 
     async def verify(self, rnd: Round) -> RoundResult:
         req, spec, draft = rnd.req, rnd.req.spec, rnd.draft
         gamma = len(draft)
         q_draft = draft.q_values().double().numpy()  # f64: the worker tests with the very q̂ the residual uses
-        resp = (await rnd.call(mode=Mode.SPLIT.value, k=spec.k, draft_probs=q_draft, logprobs=req.top_logprobs))[0]
+        drawn = _drawn_at_worker(rnd)
+        resp = (await rnd.call(mode=Mode.SPLIT.value, k=spec.k, draft_probs=q_draft, logprobs=req.top_logprobs, **(_supports(draft) if drawn else {})))[0]
         accepted, result_bound = resp.num_accepted, []
-        if accepted == gamma or req.params.is_greedy:
+        if accepted == gamma or req.params.is_greedy or drawn:  # the bonus, or the token the worker drew at the rejection
             token = resp.bonus
             final = float(array(resp.sample_logprobs)[0]) if req.top_logprobs is not None else 0.0
         else:
@@ -41,6 +45,23 @@ class SplitStrategy(RoundStrategy):
             result.bound = result_bound + [0.0] * (len(tokens) - len(result_bound))
             result.error = list(result.bound)  # the one position p̂ decided: its residual's bound (_residual_bound)
         return result
+
+
+def _drawn_at_worker(rnd: Round) -> bool:
+    """A lossless round (whole rows, ``k`` None) of a truncated draft (q̂ on supports of ``draft_top_k`` / ``draft_top_p``) at
+    T > 0: the worker gets q̂ on each support and draws the token at a rejection itself — a few hundred bytes up, no row of
+    the vocabulary down (issue 61: 137–192 KB a rejected round before); the same token, from the same numbers."""
+    spec = rnd.req.spec
+    return not rnd.req.params.is_greedy and spec.k is None and spec.truncation != (0, 1.0) and len(rnd.draft) > 0
+
+
+def _supports(draft: TokenTree) -> dict[str, np.ndarray]:
+    """S_j and q̂_j on it for each draft position (a chain: row j is node j − 1's)."""
+    rows = [draft.support(j - 1) for j in range(len(draft))]
+    return {
+        "support_ids": torch.cat([ids for ids, _ in rows]).numpy(), "support_sizes": np.array([len(ids) for ids, _ in rows], dtype=np.int32),
+        "support_q": torch.cat([q.double() for _, q in rows]).numpy(),
+    }
 
 
 def _residual_bound(sigma: float, p_hat: torch.Tensor, q: torch.Tensor) -> float:
