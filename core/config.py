@@ -196,7 +196,7 @@ class WorkerEntry(BaseModel):
     urls: list[str] | None = None  # replicas serving the same model with the same weight
     pipeline: list[StageEntry] | None = None  # the stages of one model, first layers first (URLs, or local model + layers)
     model: str | None = None  # what a local worker loads; for an engine, the model name it serves
-    weight: float = Field(default=1.0, ge=0)  # w_n before normalisation
+    weight: float = Field(default=1.0, ge=0, allow_inf_nan=False)  # w_n before normalisation (finite: w / Σw must be a number)
     name: str | None = None  # shown in errors and metrics; defaults to w<index>
     backend: Backend = Backend.LLAMA_CPP  # a local worker's backend
     port: int | None = Field(default=None, ge=1, le=65535)  # a local worker's port

@@ -61,3 +61,15 @@ def test_a_config_written_for_another_checkout_names_only_what_differs_from_the_
     changed = yaml.safe_load(dump_config(config, changed_only=True))
     assert "forward" in yaml.safe_load(dump_config(config))["draft"] and "forward" not in changed.get("draft", {})
     assert parse_config(changed) == config
+
+
+@pytest.mark.parametrize("weight", [float("inf"), float("nan"), -1.0])
+def test_a_workers_weight_must_be_a_finite_number_at_least_0(weight: float) -> None:
+    """w / Σw must be a number: an infinite weight made it NaN (the old split path failed on it; the worker's draw would not have)."""
+    from core.config import parse_config
+    from core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="workers.0.weight"):
+        parse_config({"workers": [{"url": "http://127.0.0.1:1", "weight": weight}]})
+    with pytest.raises(ConfigError, match="weights must not all be 0"):
+        parse_config({"workers": [{"url": "http://127.0.0.1:1", "weight": 0.0}]})
