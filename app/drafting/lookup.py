@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from app.drafting.request import NO_ROW, DraftNodes, DraftRequest, delta_support
+from app.drafting.request import DraftNodes, DraftRequest, delta_support
 from core.lookup import NO_PROPOSAL, AcceptanceStats, LookupParams, PromptLookup, Proposal, SuffixIndex
 from core.math.rerank import drafted_above
 from core.math.shapes import TreeShape
-from core.math.tree import TokenTree, pad_rows
+from core.math.tree import NO_ROW, TokenTree, pad_rows
 from core.transform import Transformer
 
 LOOKUP_PRIOR = 0.5  # a lookup token's acceptance, given the one before it was accepted, before any is measured

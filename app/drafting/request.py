@@ -83,9 +83,6 @@ def delta_support(token: int) -> SparseRow:
     return torch.tensor([token]), torch.ones(1, dtype=torch.float64)
 
 
-NO_ROW: SparseRow = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64))  # a node not expanded (a leaf): nothing drawn there
-
-
 @dataclass
 class DraftNodes:
     """The nodes drafted so far, parents before children; ``scores``: cumulative log q̂; ``q_at``: q̂ at each

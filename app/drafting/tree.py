@@ -10,11 +10,11 @@ import torch
 from app.drafting.batcher import StepBatcher, Steps
 from app.drafting.forced import forced_below
 from app.drafting.lookup import Branch, Plan, Record, merged, with_branch
-from app.drafting.request import NO_ROW, DraftNodes, DraftRequest, delta_support
+from app.drafting.request import DraftNodes, DraftRequest, delta_support
 from core.math.random import Purpose, sample_index, uniform
 from core.math.rerank import best_nodes
 from core.math.shapes import ChildRule, TreeShape
-from core.math.tree import TokenTree, pad_rows
+from core.math.tree import NO_ROW, TokenTree, pad_rows
 from core.runners.base import ForwardItem
 
 

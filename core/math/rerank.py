@@ -7,9 +7,7 @@ from collections.abc import Collection
 import torch
 
 from core.math.shapes import ChildRule
-from core.math.tree import SparseRow, TokenTree, depths_of, pad_rows
-
-_NO_ROW: SparseRow = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64))  # a node with no children drawn
+from core.math.tree import NO_ROW, SparseRow, TokenTree, depths_of, pad_rows
 
 
 def drafted_above(node: int, parents: list[int], free: Collection[int]) -> int:
@@ -36,7 +34,7 @@ def best_nodes(
     marked = set(marks)
     order = sorted(kept_set, key=lambda n: (depth[n], n not in marked, -scores[n], n))
     index = {-1: -1, **{n: i for i, n in enumerate(order)}}
-    ids, probs = pad_rows([q_at[-1], *(q_at.get(n, _NO_ROW) for n in order)])
+    ids, probs = pad_rows([q_at[-1], *(q_at.get(n, NO_ROW) for n in order)])
     flags = torch.tensor([n in marked for n in order], dtype=torch.bool) if marked else None
     tree = TokenTree(
         torch.tensor([tokens[n] for n in order], dtype=torch.long), torch.tensor([index[parents[n]] for n in order], dtype=torch.long),

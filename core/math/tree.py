@@ -12,6 +12,7 @@ import torch
 from core.math.shapes import ChildRule
 
 SparseRow = tuple[torch.Tensor, torch.Tensor]  # [s] long ids (ascending), [s] probs: one distribution's support
+NO_ROW: SparseRow = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64))  # a node nothing was drawn at (a leaf, a lookup node)
 
 
 @dataclass(frozen=True)
