@@ -247,7 +247,7 @@ def test_worker_settings_from_the_environment_are_validated() -> None:
 @pytest.mark.parametrize(("config", "mode", "started"), [
     ("config/pipeline.yaml", "pipeline", 3), ("config/federated.yaml", "aggregate", 2),
     # one local llama.cpp worker, as the first serve of the two-serves test above; tests/clients/test_shipped_configs.py loads it
-    pytest.param("config/one-worker.yaml", "aggregate", 1, marks=FULL_RUN),
+    pytest.param("config/one-worker.yaml", "split", 1, marks=FULL_RUN),
 ])
 def test_a_shipped_config_starts_and_answers_through_the_openai_api(config: str, mode: str, started: int) -> None:
     """``specgate serve --config config/…``: its local workers or stages, the gateway in the
