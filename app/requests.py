@@ -16,7 +16,7 @@ from app.drafting import DraftModel
 from app.engine import Engine, GenerationRequest, SpecOptions
 from app.engine.late import waits_for_a_model
 from app.errors import ApiError
-from app.schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice, SpeculativeParams
+from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, SpeculativeParams, TokenizeRequest
 from app.targets.pipeline import PipelineTarget
 from app.targets.pool import TargetSet
 from app.tools import Tool, generic_schema, render_messages, tools_prompt
@@ -98,6 +98,47 @@ class Requests:
         job.tool_parameters = [t.function.parameters or {} for t in body.tools or []] if job.tools else []
         return job
 
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """``POST /tokenize``: the tokens ``/v1/completions`` (a prompt) or ``/v1/chat/completions`` (messages, tools) would
+        take, their count and ``max_model_len`` (the context a request may fill, as ``/v1/models`` says)."""
+        self._check_model(body.model)
+        where = _lone_surrogate(body.model_dump(by_alias=True, exclude_defaults=True))
+        if where is not None:
+            raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair): not text", where)
+        problem = body.problem()
+        if problem is not None:
+            raise ApiError(400, problem[1], problem[0])
+        if body.prompt is not None:
+            tokens = list(self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False))
+        else:
+            chat = ChatCompletionRequest(model=self.config.model, messages=body.messages or [], tools=body.tools)
+            messages, _ = self._tool_messages(chat)
+            extra = {"continue_final_message": True} if body.continue_final_message else {}
+            try:
+                if body.add_special_tokens:  # the rendered text encoded with the tokenizer's own specials (BOS …) added
+                    text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=False, **extra)
+                    tokens = list(self.tokenizer.encode(text, add_special_tokens=True))
+                else:
+                    tokens = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True, return_dict=False, **extra))
+            except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation (jinja raises anything)
+                raise ApiError(400, f"the chat template refuses these messages: {exc}", "messages") from None
+        out: dict[str, Any] = {"count": len(tokens), "max_model_len": self.engine.max_context, "tokens": tokens}
+        if body.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(tokens)
+        return out
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        """``POST /detokenize``: the text of ``tokens`` (special tokens written as they are)."""
+        self._check_model(body.model)
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < self.draft.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens[{bad}] = {body.tokens[bad]} is not a token id: they lie in [0, {self.draft.vocab_size})", f"tokens.{bad}")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model:
+            raise ApiError(404, f"model {model!r} does not exist; this gateway serves {self.config.model!r}", "model", "model_not_found")
+
     def _tool_messages(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], tuple[GrammarSpec | None, str] | None]:
         """The conversation to render and, with tools to call, the generic format's grammar (DESIGN §3.9)."""
         messages = body.chat_messages()
@@ -137,8 +178,7 @@ class Requests:
         where = _lone_surrogate(body.model_dump(by_alias=True, exclude_defaults=True))
         if where is not None:
             raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair): not text", where)
-        if body.model != self.config.model:
-            raise ApiError(404, f"model {body.model!r} does not exist; this gateway serves {self.config.model!r}", "model", "model_not_found")
+        self._check_model(body.model)
         unsupported = body.unsupported()
         if unsupported:
             message = "; ".join(f"{param} {why}" for param, why in unsupported)

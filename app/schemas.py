@@ -246,3 +246,34 @@ class ChatCompletionRequest(_Common):
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return [m.to_dict() for m in self.messages]
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` as ``/v1/completions`` takes it, or ``messages`` (and ``tools``) as
+    ``/v1/chat/completions`` renders them — so ``count`` is the ``usage.prompt_tokens`` that request would report."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[ToolDef] | None = Field(default=None, min_length=1, max_length=128)
+    add_special_tokens: bool | None = None  # None: a prompt's (True), as completions encode it; messages: the template's own (False)
+    add_generation_prompt: bool = True  # messages: as a chat request renders them
+    continue_final_message: bool = False  # messages: the last one left open (vLLM's), not a new turn
+    return_token_strs: bool = False
+
+    def problem(self) -> tuple[str, str] | None:
+        """(param, why) when the body asks for something the fields cannot give together."""
+        if (self.prompt is None) == (self.messages is None):
+            return "prompt", "give exactly one of prompt or messages"
+        if self.prompt is not None and (self.tools is not None or self.continue_final_message or not self.add_generation_prompt):
+            return "prompt", "tools, add_generation_prompt and continue_final_message go with messages"
+        if self.continue_final_message and self.add_generation_prompt:
+            return "continue_final_message", "continue_final_message needs add_generation_prompt: false"
+        return None
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1_000_000)

@@ -29,7 +29,7 @@ from app.drafting import DraftModel
 from app.metrics import GatewayMetrics
 from app.targets.base import Expected, WorkerError
 from app.targets.pool import TargetSet
-from app.schemas import ChatCompletionRequest, CompletionRequest
+from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.errors import ApiError
 from app.requests import Job
 from app.responses import Logprobs, chat_body, chat_chunks, completion_body, completion_chunks, envelope, usage
@@ -159,6 +159,14 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, body, _gateway(request).chat_job, chat_chunks, chat_body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+        return Response(orjson.dumps(_gateway(request).tokenize(body)), media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+        return Response(orjson.dumps(_gateway(request).detokenize(body)), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

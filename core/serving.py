@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 
 API_PREFIX = "/v1/"  # what the token guards and a drain refuses; /health, /metrics, the chat page stay open
+GUARDED = (API_PREFIX, "/tokenize", "/detokenize")  # the API: /v1/…, and vLLM's tokenizer routes at the root
 
 
 class Guard:
@@ -31,7 +32,7 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        is_api = scope["path"].startswith(API_PREFIX)
+        is_api = scope["path"].startswith(GUARDED)
         if self.is_draining() and is_api:
             await _refuse(send, 503, "the server is shutting down; retry on another instance", "server_error", "shutting_down", {"retry-after": "5"})
         elif self.token and is_api and not _has_token(scope, self.token):

@@ -463,3 +463,61 @@ async def test_split_on_whole_rows_truncates_its_draft_and_the_worker_draws_at_a
             assert block.get("draft_top_k") == (32 if extra.get("k", "full") == "full" and "draft_top_k" not in extra else None), block
             if drawn:
                 assert all(r.support_sizes is not None and 0 < r.support_sizes.max() <= 32 for r in verifies)
+
+
+TOOL = {"type": "function", "function": {"name": "weather", "description": "the weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+async def test_tokenize_counts_what_a_request_would_take_and_detokenize_writes_it_back(gateway: Any, tiny_runner: ModelRunner) -> None:
+    """Issue 62, item 4 — vLLM's ``/tokenize`` and ``/detokenize``: a prompt's count is the completion's
+    ``usage.prompt_tokens``, messages' (with and without tools) the chat's; ``max_model_len`` is /v1/models'; the
+    tokens come back as text, special tokens written out; ``return_token_strs`` gives the pieces."""
+    async with gateway(limits={"max_tokens": 64, "max_prompt_tokens": 1000}) as client:
+        await _tokenize_checks(client, tiny_runner)
+
+
+async def _tokenize_checks(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+    tokenized = (await client.post("/tokenize", json={"model": "test-model", "prompt": COMPLETION["prompt"]})).json()
+    completion = (await client.post("/v1/completions", json={**COMPLETION, "max_tokens": 1, "temperature": 0})).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) == completion["usage"]["prompt_tokens"]
+    models = (await client.get("/v1/models")).json()["data"][0]
+    assert tokenized["max_model_len"] == models["max_model_len"]
+    for extra in ({}, {"tools": [TOOL]}):
+        counted = (await client.post("/tokenize", json={"messages": CHAT["messages"], **extra})).json()
+        chat = (await client.post("/v1/chat/completions", json={**CHAT, **extra, "max_tokens": 1, "temperature": 0})).json()
+        assert "usage" in chat and counted["count"] == chat["usage"]["prompt_tokens"], (extra, chat)
+    open_turn = (await client.post("/tokenize", json={"messages": CHAT["messages"], "add_generation_prompt": False})).json()
+    assert open_turn["count"] < counted["count"] - 3  # no tools and no assistant header: fewer tokens
+    back = (await client.post("/detokenize", json={"tokens": tokenized["tokens"]})).json()
+    assert back == {"prompt": COMPLETION["prompt"]}
+    chat_tokens = (await client.post("/tokenize", json={"messages": CHAT["messages"]})).json()["tokens"]
+    assert "<|im_start|>" in (await client.post("/detokenize", json={"tokens": chat_tokens})).json()["prompt"]
+    pieces = (await client.post("/tokenize", json={"prompt": "Hi there", "return_token_strs": True})).json()
+    assert pieces["token_strs"] == tiny_runner.tokenizer.convert_ids_to_tokens(pieces["tokens"]) and len(pieces["token_strs"]) == pieces["count"]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "tools": [TOOL]}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "continue_final_message": True}, 400, "continue_final_message"),
+    ("/tokenize", {"prompt": "a", "add_bos": True}, 400, "add_bos"),
+    ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),
+    ("/tokenize", {"prompt": "\ud83d"}, 400, "prompt"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens.1"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+])
+async def test_tokenize_and_detokenize_refuse_bad_bodies_by_name(client: httpx.AsyncClient, path: str, body: dict, status: int, param: str) -> None:
+    resp = await client.post(path, content=json.dumps(body, ensure_ascii=True), headers={"content-type": "application/json"})
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["message"], error
+
+
+async def test_the_tokenizer_routes_need_the_api_key_where_one_is_set(gateway: Any) -> None:
+    async with gateway(api_key="sk-tok") as client:
+        assert (await client.post("/tokenize", json={"prompt": "a"})).status_code == 401
+        assert (await client.post("/detokenize", json={"tokens": [1]})).status_code == 401
+        ok = await client.post("/tokenize", json={"prompt": "a"}, headers={"authorization": "Bearer sk-tok"})
+        assert ok.status_code == 200 and ok.json()["count"] >= 1
