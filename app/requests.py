@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
+
 from app.adaptive import DEFAULT_GAMMA
 from app.drafting import DraftModel
 from app.engine import Engine, GenerationRequest, SpecOptions
@@ -102,9 +104,7 @@ class Requests:
         """``POST /tokenize``: the tokens ``/v1/completions`` (a prompt) or ``/v1/chat/completions`` (messages, tools) would
         take, their count and ``max_model_len`` (the context a request may fill, as ``/v1/models`` says)."""
         self._check_model(body.model)
-        where = _lone_surrogate(body.model_dump(by_alias=True, exclude_defaults=True))
-        if where is not None:
-            raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair): not text", where)
+        _check_text(body)
         problem = body.problem()
         if problem is not None:
             raise ApiError(400, problem[1], problem[0])
@@ -175,9 +175,7 @@ class Requests:
         return render_messages(messages, tools_prompt(tools, schema, required)), (GrammarSpec.json_schema(schema), "tools")
 
     def _check_common(self, body: Body) -> None:
-        where = _lone_surrogate(body.model_dump(by_alias=True, exclude_defaults=True))
-        if where is not None:
-            raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair): not text", where)
+        _check_text(body)
         self._check_model(body.model)
         unsupported = body.unsupported()
         if unsupported:
@@ -370,6 +368,13 @@ def request_grammar(body: Body) -> tuple[GrammarSpec | None, str]:
         return GrammarSpec.json_schema(load_schema(given_schema) if isinstance(given_schema, str) else given_schema), param
     except GrammarError as exc:  # a schema given as text that is not one
         raise ApiError(400, f"{param}: {exc}", param) from None
+
+
+def _check_text(body: BaseModel) -> None:
+    """A 400 naming the first field that holds a lone UTF-16 surrogate: no tokenizer takes it as text."""
+    where = _lone_surrogate(body.model_dump(by_alias=True, exclude_defaults=True))
+    if where is not None:
+        raise ApiError(400, f"{where} holds a lone UTF-16 surrogate (an escape such as \\ud83d without its pair): not text", where)
 
 
 def _lone_surrogate(value: Any) -> str | None:
