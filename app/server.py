@@ -33,6 +33,10 @@ from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequ
 from app.errors import ApiError
 from app.requests import Job
 from app.responses import Logprobs, chat_body, chat_chunks, completion_body, completion_chunks, envelope, usage
+from app.responses_api.output import ResponseBuilder
+from app.responses_api.request import renamed, to_chat
+from app.responses_api.schemas import ResponsesRequest
+from app.responses_api.store import NONE as NO_STORE, ResponseStore
 from app.service import ChoiceEvent, Gateway
 from core.config import SpecgateConfig
 from core.errors import ConfigError
@@ -93,9 +97,13 @@ def create_app(
                 raise ConfigError(entry["error"])
             if not entry["ready"]:
                 log.warning("worker %s not ready at start-up: %s", entry["name"], entry["error"])
+        store = config.responses.store
+        app.state.response_store = None if store == NO_STORE else await asyncio.to_thread(ResponseStore, store, config.responses.retention_s)
         pool.start()
         yield
         await pool.close()
+        if app.state.response_store is not None:
+            app.state.response_store.close()
         if draft_runner is None:
             await thread.run(runner.close)
         if model_thread is None:
@@ -160,6 +168,23 @@ def _add_routes(app: FastAPI) -> None:
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, body, _gateway(request).chat_job, chat_chunks, chat_body)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await _respond_responses(request, body)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request) -> Response:
+        found = await asyncio.to_thread(_store(request).get, response_id)
+        if found is None:
+            raise ApiError(404, f"no response {response_id!r} is stored here (never stored, deleted, or past responses.retention_s)", "response_id", "not_found", "not_found_error")
+        return Response(orjson.dumps(found[0]), media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request) -> Response:
+        if not await asyncio.to_thread(_store(request).delete, response_id):
+            raise ApiError(404, f"no response {response_id!r} is stored here", "response_id", "not_found", "not_found_error")
+        return Response(orjson.dumps({"id": response_id, "object": "response", "deleted": True}), media_type="application/json")
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         return Response(orjson.dumps(_gateway(request).tokenize(body)), media_type="application/json")
@@ -191,6 +216,106 @@ async def _respond(
     stream = _sse(request, job, include_usage, chunks(logprobs, job), release)
     grace = gateway.config.limits.drain_timeout_s + 1  # our own deadline ends the stream first
     return _Stream(stream, release, ping=15, sep="\n", shutdown_grace_period=grace)
+
+
+def _store(request: Request) -> ResponseStore:
+    store: ResponseStore | None = request.app.state.response_store
+    if store is None:
+        raise ApiError(404, "this gateway keeps no responses (responses.store: none)", "response_id", "not_found", "not_found_error")
+    return store
+
+
+async def _respond_responses(request: Request, body: ResponsesRequest) -> Response:
+    """``POST /v1/responses``: the request run as its chat request (app.responses_api.request), the answer as a response
+    object or its stream of events; kept in the store unless ``store: false``."""
+    gateway, store = _gateway(request), request.app.state.response_store
+    previous = None
+    if body.previous_response_id is not None:
+        if store is None:
+            raise ApiError(400, "previous_response_id needs stored responses: this gateway runs with responses.store: none (send the whole conversation as input)", "previous_response_id")
+        found = await asyncio.to_thread(store.get, body.previous_response_id)
+        if found is None:
+            message = f"previous response {body.previous_response_id!r} is not stored here (never stored, deleted, past responses.retention_s, or kept by another gateway)"
+            raise ApiError(404, message, "previous_response_id", "previous_response_not_found", "not_found_error")
+        previous = found[1]
+    translated = to_chat(body, previous)
+    for warning in translated.warnings:
+        log.warning("response: %s", warning)
+    try:
+        job = gateway.chat_job(translated.chat)
+        await gateway.compile(job)
+    except ApiError as exc:
+        raise renamed(exc, translated) from None
+    await gateway.ensure_workers()
+    keep = store if body.store is not False else None
+    builder = ResponseBuilder(body, translated, job, keep is not None)
+    release = await request.app.state.admission.enter()
+    if not body.stream:
+        try:
+            events = await _unless_disconnected(request, gateway.collect(job))
+        finally:
+            release()
+        builder.push(_deltas(events[0]))
+        builder.finish(events[0].finish_reason)
+        await _keep(keep, builder)
+        return Response(_json(builder.response()), media_type="application/json")
+    grace = gateway.config.limits.drain_timeout_s + 1
+    return _Stream(_response_events(request, job, builder, keep, release), release, ping=15, sep="\n", shutdown_grace_period=grace)
+
+
+def _deltas(event: ChoiceEvent) -> list[dict[str, Any]]:
+    return event.deltas if event.deltas is not None else [{"content": event.text}] if event.text else []
+
+
+async def _keep(store: ResponseStore | None, builder: ResponseBuilder) -> None:
+    if store is None:
+        return
+    try:
+        await asyncio.to_thread(store.put, builder.response(), builder.conversation())
+    except Exception:  # noqa: BLE001 - the answer is given; a store that fails loses only the chaining
+        log.exception("response %s could not be stored", builder.id)
+
+
+async def _response_events(
+    request: Request, job: Job, builder: ResponseBuilder, store: ResponseStore | None, release: Release,
+) -> AsyncGenerator[dict[str, str], None]:
+    """The Responses stream (``event: response.…``): created, in_progress, the items' events, then completed or incomplete;
+    a failure is an ``error`` event and ``response.failed``, never a cut stream."""
+    admission: Admission = request.app.state.admission
+    try:
+        for event in builder.start():
+            yield _typed(event)
+        finish = None
+        async with aclosing(_gateway(request).events(job)) as events:
+            async for choice_event in events:
+                for event in builder.push(_deltas(choice_event)):
+                    yield _typed(event)
+                finish = choice_event.finish_reason or finish
+                if admission.drain_expired():
+                    raise ApiError(503, "the gateway shut down before this stream finished", code="shutting_down", kind="server_error")
+        for event in builder.finish(finish):
+            yield _typed(event)
+    except Exception as exc:  # noqa: BLE001 - never a stream cut short: the error event, then response.failed
+        if isinstance(exc, WorkerError):
+            log.warning("response %s failed: %s", builder.id, exc)
+        elif not isinstance(exc, ApiError):
+            log.exception("response %s failed", builder.id)
+        for event in builder.fail(_api_error(exc)):
+            yield _typed(event)
+    finally:
+        release()
+    await _keep(store, builder)
+
+
+def _typed(event: dict[str, Any]) -> dict[str, str]:
+    return {"event": event["type"], **_data(event)}
+
+
+def _json(payload: dict[str, Any]) -> bytes:
+    try:
+        return orjson.dumps(payload)
+    except orjson.JSONEncodeError:
+        return json.dumps(payload, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 class _Stream(EventSourceResponse):
@@ -277,6 +402,22 @@ def _error(error: ApiError, headers: dict[str, str] | None = None) -> JSONRespon
     return _AsciiJSON(error.body(), status_code=error.status, headers=headers)
 
 
+def _field(error: Any, body: Any) -> list[str]:
+    """A validation error's place in the request as it was sent: the body walked along its ``loc``, pydantic's union
+    labels (``str``, ``list[…]``, a tag) skipped; a missing field named."""
+    loc = list(error.get("loc", ()))
+    parts, node, out = loc[1:] if loc[:1] == ["body"] else loc, body, []
+    for i, part in enumerate(parts):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif not (error.get("type") == "missing" and i == len(parts) - 1):
+            continue
+        out.append(str(part))
+    return out
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
@@ -288,13 +429,16 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        first = errors[0]
         loc = [str(p) for p in first.get("loc", ())]
         if first.get("type") == "json_invalid":
             return _error(ApiError(400, f"malformed JSON body: {first.get('msg')}", code="invalid_json"))
         if loc == ["body"]:  # the body itself: not a JSON object (or sent without Content-Type: application/json)
             return _error(ApiError(400, "the body must be a JSON object, sent with Content-Type: application/json", code="invalid_json"))
-        param = ".".join(loc[1:] if loc[:1] == ["body"] else loc)  # the request's own field, as OpenAI names it
+        fields = [_field(e, exc.body) for e in errors]
+        deepest = max(range(len(errors)), key=lambda i: len(fields[i]))  # of a union's branches, the one that got furthest
+        first, param = errors[deepest], ".".join(fields[deepest])  # the request's own field, as OpenAI names it
         message = str(first.get("msg", "")).removeprefix("Value error, ")
         return _error(ApiError(400, f"{param}: {message}", param, "invalid_value"))
 

@@ -270,6 +270,15 @@ class DiscoveryConfig(BaseModel):
     timeout_s: float = Field(default=2.0, gt=0)  # one resolution; a failed one keeps the replicas as they are
 
 
+class ResponsesConfig(BaseModel):
+    """``/v1/responses``: where responses are kept for ``previous_response_id`` and ``GET /v1/responses/{id}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: str = "auto"  # a SQLite file's path; auto = $XDG_STATE_HOME/specgate/responses.sqlite3 (~/.local/state/…); memory = this process only; none = no store (previous_response_id gets a 400)
+    retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)  # a stored response older than this is gone (deleted at the next write)
+
+
 class SpecgateConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_", env_nested_delimiter="__", extra="forbid")
 
@@ -282,6 +291,7 @@ class SpecgateConfig(BaseSettings):
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     api_key: str | None = None  # clients must send it as a bearer token (env SPECGATE_API_KEY)
     worker_token: str | None = None  # sent to every worker as a bearer token (env SPECGATE_WORKER_TOKEN)
 

@@ -17,6 +17,12 @@ from collections.abc import Iterator
 # OpenMP's default spin at each barrier then waits out a whole time slice, 10-20x slower.
 # Sleeping waiters cost nothing here; it must be set before torch or llama.cpp loads libgomp.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Stored responses (responses.store: auto) in a directory of this run's, not the user's ~/.local/state: every gateway a
+# test starts, in this process or as a server, inherits it.
+if "SPECGATE_TEST_STATE" not in os.environ:
+    import tempfile
+
+    os.environ["SPECGATE_TEST_STATE"] = os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="specgate-test-state-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

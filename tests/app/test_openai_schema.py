@@ -29,6 +29,14 @@ def _registry() -> Registry:
     return Registry().with_resource(_URI, Resource.from_contents(_nullable(spec), default_specification=DRAFT202012))
 
 
+@cache
+def event_schemas() -> dict[str, str]:
+    """Each Responses stream event's type → the name of its schema (what ``ResponseStreamEvent`` is the union of)."""
+    schemas = yaml.load(load_spec_path("openai", "official").read_text(), Loader=yaml.CSafeLoader)["components"]["schemas"]
+    names = [ref["$ref"].rpartition("/")[2] for ref in schemas["ResponseStreamEvent"]["anyOf"]]
+    return {schemas[name]["properties"]["type"]["enum"][0]: name for name in names}
+
+
 def _nullable(node: Any) -> Any:
     """OpenAPI 3.0's ``nullable: true`` as JSON Schema: null joins the type (and the enum)."""
     if isinstance(node, list):

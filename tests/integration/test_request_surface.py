@@ -23,20 +23,22 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 
 from clients.procs import GatewayProcess
 from core.config import dump_config, parse_config
 from tests.app.helpers import sse_events
 from tests.app.test_openai_schema import check as check_openai_schema
 from tests.app.test_openai_schema import check_completion, check_completion_chunk
-from tests.integration.surface import MODEL, Case, answers_of_body, answers_of_stream, cases, check_answer, check_error
+from tests.app.test_openai_schema import event_schemas
+from tests.integration.surface import MODEL, Answer, Case, answers_of_body, answers_of_stream, cases, check_answer, check_error
 
 pytestmark = pytest.mark.integration
 
 _FULL = bool(os.environ.get("SPECGATE_FULL_STATISTICS"))
 EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_EXAMPLES") or (2000 if _FULL else 30))
 STRUCTURED_EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_STRUCTURED") or (500 if _FULL else 2))
+RESPONSES_EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_RESPONSES") or (500 if _FULL else 4))
 STATS: Counter[str] = Counter()
 COLLECT = bool(os.environ.get("SPECGATE_SURFACE_EXAMPLES"))  # a long run: every failing example reported at the end, not the first alone
 FAILURES: list[str] = []
@@ -153,3 +155,95 @@ def test_generated_tool_calls_and_schemas_finish_whole_and_valid(base_url: str) 
     follow the tool's parameters, content that follows the schema, streamed as whole."""
     _run(base_url, STRUCTURED_EXAMPLES, faults=False, structured=True)
     assert STATS["tools tool_calls"] >= 1 and STATS["grammar stop"] >= 1  # whole answers with calls, and with a grammar, checked
+
+
+# ----------------------------------------------------------------------------- /v1/responses
+
+_KEPT = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stream", "user", "tools", "tool_choice",
+         "parallel_tool_calls", "response_format", "speculative")  # what a chat request and a Responses request both have
+
+
+def as_responses(chat: dict[str, Any]) -> dict[str, Any]:
+    """A chat request's body as the Responses request for the same conversation."""
+    items: list[dict[str, Any]] = []
+    for m in chat["messages"]:
+        content = m.get("content")
+        parts = content if isinstance(content, str) else [{"type": "input_text", "text": p["text"]} for p in content or []]
+        if m.get("tool_calls"):
+            items += [{"type": "function_call", "call_id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+        elif m["role"] == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": content})
+        else:
+            items.append({"role": m["role"], "content": parts})
+    body: dict[str, Any] = {"model": chat["model"], "input": items}
+    body |= {k: chat[k] for k in ("temperature", "top_p", "seed", "stream", "user", "parallel_tool_calls", "speculative") if k in chat}
+    limit = chat.get("max_completion_tokens") or chat.get("max_tokens")
+    if limit is not None:
+        body["max_output_tokens"] = limit
+    if "tools" in chat:
+        body["tools"] = [{"type": "function", **t["function"]} for t in chat["tools"]]
+    choice = chat.get("tool_choice")
+    if choice is not None:
+        body["tool_choice"] = {"type": "function", "name": choice["function"]["name"]} if isinstance(choice, dict) else choice
+    fmt = chat.get("response_format")
+    if fmt is not None:
+        body["text"] = {"format": {"type": "json_schema", **fmt["json_schema"]} if fmt["type"] == "json_schema" else {"type": fmt["type"]}}
+    return body
+
+
+def _response_answer(response: dict[str, Any]) -> Answer:
+    """A response as the chat answer it stands for: its text, its calls, and completed / incomplete as stop, tool_calls or length."""
+    text = "".join(p["text"] for item in response["output"] if item["type"] == "message" for p in item["content"])
+    calls = [(item["name"], item["arguments"]) for item in response["output"] if item["type"] == "function_call"]
+    finish = "length" if response["status"] == "incomplete" else "tool_calls" if calls else "stop"
+    return Answer(text, calls, finish)
+
+
+def _send_responses(client: httpx.Client, body: dict[str, Any]) -> tuple[int, Any]:
+    """The response: the whole object, or (a stream) the final event's, every event checked on the way."""
+    if not body.get("stream"):
+        resp = client.post("/v1/responses", json=body)
+        return resp.status_code, resp.json()
+    with client.stream("POST", "/v1/responses", json=body) as resp:
+        text = resp.read().decode()
+    if resp.status_code != 200:
+        return resp.status_code, json.loads(text)
+    events = sse_events(text)
+    assert events and events[-1]["type"] in ("response.completed", "response.incomplete"), f"a stream cut short or failed: {text[-400:]!r}"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for event in events:
+        assert event["type"] not in ("error", "response.failed"), event
+        check_openai_schema(event, event_schemas()[event["type"]])
+    return 200, events[-1]["response"]
+
+
+def test_generated_responses_requests_are_answered_well_formed_streamed_as_whole(base_url: str) -> None:
+    """Chat requests of the generated surface (valid ones, tools and grammars among them) sent as Responses requests: never
+    a 5xx, no stream cut or failed, every body and event in OpenAI's schema, calls and schemas followed when the answer
+    finishes, a seeded answer the same streamed and whole."""
+    STATS.clear()
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+
+        @settings(max_examples=RESPONSES_EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+        @given(case=cases(faults=False, structured=True))
+        def run(case: Case) -> None:
+            assume(case.body.get("n", 1) == 1)
+            chat = {k: v for k, v in case.body.items() if k in _KEPT}
+            body = as_responses(chat)
+            status, payload = _send_responses(client, body)
+            STATS[f"responses {status}"] += 1
+            assert status < 500, f"{status} for {json.dumps(body)[:600]}: {payload}"
+            if status != 200:
+                assert status == 400 and "the prompt has" in payload["error"]["message"], f"a valid request refused: {payload} for {json.dumps(body)[:600]}"
+                return
+            check_openai_schema(payload, "Response")
+            answer = _response_answer(payload)
+            check_answer(answer, Case(case.path, chat))
+            STATS[f"responses {payload['status']}"] += 1
+            if isinstance(body.get("seed"), int):
+                other_status, other = _send_responses(client, {**body, "stream": not body.get("stream")})
+                assert other_status == 200 and _response_answer(other) == answer, f"streamed and whole differ for {json.dumps(body)[:400]}"
+
+        run()
+    print("responses surface:", dict(sorted(STATS.items())))
+    assert STATS["responses 200"] >= RESPONSES_EXAMPLES // 2

@@ -1,0 +1,177 @@
+"""The Responses API's objects and stream events, built from the chat path's deltas (``ResponseBuilder``): one builder
+makes the stream's events and the whole response alike, so a streamed answer and a whole one cannot differ."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from app.errors import ApiError
+from app.requests import Job
+from app.responses_api.request import Translated
+from app.responses_api.schemas import ResponsesRequest
+
+_NULLABLE = frozenset({"error", "incomplete_details", "instructions"})  # sent as null; other fields are left out when unset
+_FAILED_CODES = {429: "rate_limit_exceeded", 400: "invalid_prompt"}  # the codes a failed response's error may carry (else server_error)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseBuilder:
+    """One response: ``start()`` → ``push(deltas)`` … → ``finish(reason)`` (or ``fail(error)``), each the stream events it
+    makes; ``response()`` the object as it stands. ``deltas`` are the chat path's (``{"content"}``, ``{"tool_calls"}``)."""
+
+    def __init__(self, body: ResponsesRequest, translated: Translated, job: Job, store: bool) -> None:
+        self.body, self.translated, self.job, self.store = body, translated, job, store
+        self.id = new_id("resp")
+        self.created_at = int(time.time())
+        self.status = "in_progress"
+        self.output: list[dict[str, Any]] = []
+        self.error: dict[str, str] | None = None
+        self.incomplete: dict[str, str] | None = None
+        self.completed_at: int | None = None
+        self._sequence = 0
+        self._open: dict[str, Any] | None = None  # the item being written
+        self._calls: dict[int, dict[str, Any]] = {}  # a call's index in the chat deltas → its item
+
+    def response(self) -> dict[str, Any]:
+        body, job = self.body, self.job
+        fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text is not None and body.text.format is not None else {"type": "text"}
+        usage = job.usage
+        out: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status, "completed_at": self.completed_at,
+            "error": self.error, "incomplete_details": self.incomplete, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "model": job.model, "output": self.output, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None}, "store": self.store,
+            "temperature": 1.0 if body.temperature is None else body.temperature, "text": {"format": fmt},
+            "tool_choice": _echo_choice(body.tool_choice), "tools": self.translated.tools, "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": "disabled", "user": body.user, "metadata": body.metadata or {},
+            "usage": None if self.status == "in_progress" else {
+                "input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens, "speculative": usage.to_dict()["speculative"],
+            },
+        }
+        out = {k: v for k, v in out.items() if v is not None or k in _NULLABLE}
+        if self.translated.warnings:
+            out["warnings"] = self.translated.warnings  # what was left out (hosted tools): also in the gateway's log
+        return out
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._event("response.created", response=self.response()), self._event("response.in_progress", response=self.response())]
+
+    def push(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        for delta in deltas:
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for piece in delta.get("tool_calls", []):
+                events += self._call(piece)
+        return events
+
+    def finish(self, reason: str | None) -> list[dict[str, Any]]:
+        """The last events: what is open closed, then ``response.completed`` (or ``.incomplete`` at max_output_tokens)."""
+        cut = reason == "length"
+        events = [] if self.output else self._text("")  # an answer with nothing in it is still a message
+        events += self._close("incomplete" if cut else "completed")
+        self.status = "incomplete" if cut else "completed"
+        if cut:
+            self.incomplete = {"reason": "max_output_tokens"}
+        else:
+            self.completed_at = int(time.time())
+        return events + [self._event(f"response.{self.status}", response=self.response())]
+
+    def fail(self, error: ApiError) -> list[dict[str, Any]]:
+        """An error mid-way: the ``error`` event, then ``response.failed`` with the error in it."""
+        events = self._close("incomplete")
+        events.append(self._event("error", code=error.code, message=error.message, param=error.param))
+        self.status = "failed"
+        self.error = {"code": _FAILED_CODES.get(error.status, "server_error"), "message": error.message}
+        return events + [self._event("response.failed", response=self.response())]
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The conversation this response ends, as input items: what a request naming it as ``previous_response_id`` continues."""
+        return self.translated.items + [_as_input(item) for item in self.output]
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        item = self._open
+        if item is None or item["type"] != "message":
+            events += self._close("completed")
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+            events += self._add(item)
+            item["content"].append(part)
+            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._index, content_index=0, part=dict(part)))
+        if text:
+            item["content"][0]["text"] += text
+            events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._index, content_index=0, delta=text, logprobs=[]))
+        return events
+
+    def _call(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        function = piece.get("function", {})
+        if "id" in piece:  # a new call
+            events += self._close("completed")
+            name = function.get("name", "")
+            item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": piece["id"], "name": name, "arguments": ""}
+            if name in self.translated.namespaces:
+                item["namespace"] = self.translated.namespaces[name]
+            self._calls[piece["index"]] = item
+            events += self._add(item)
+        item = self._calls[piece["index"]]
+        arguments = function.get("arguments", "")
+        if arguments:
+            item["arguments"] += arguments
+            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=self._index, delta=arguments))
+        return events
+
+    def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.output.append(item)
+        self._open = item
+        return [self._event("response.output_item.added", output_index=self._index, item=_copy(item))]
+
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        item = self._open
+        if item is None:
+            return []
+        self._open = None
+        item["status"] = status
+        index = self.output.index(item)
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[]))
+            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=dict(part)))
+        else:
+            events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=item["name"], arguments=item["arguments"]))
+        return events + [self._event("response.output_item.done", output_index=index, item=_copy(item))]
+
+    @property
+    def _index(self) -> int:
+        return len(self.output) - 1
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return event
+
+
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    return {**item, "content": [dict(p) for p in item["content"]]} if "content" in item else dict(item)
+
+
+def _as_input(item: dict[str, Any]) -> dict[str, Any]:
+    """An output item as the input item that sends it back."""
+    if item["type"] == "message":
+        return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": p["text"]} for p in item["content"]]}
+    return {k: v for k, v in item.items() if k in ("type", "call_id", "name", "arguments", "namespace")}
+
+
+def _echo_choice(choice: Any) -> Any:
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str | dict) else choice.model_dump()

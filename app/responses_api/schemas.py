@@ -1,0 +1,246 @@
+"""The body of ``POST /v1/responses`` (OpenAI's Responses API): pydantic at the HTTP boundary only.
+
+Every field that changes the answer is read or refused by name; the fields coding agents send with every
+request that a server without hosted tools can pass over honestly (``include``, ``reasoning``,
+``prompt_cache_key``, ``client_metadata`` …) are accepted and have no effect (docs/responses.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from app.schemas import SpeculativeParams, _shallow
+
+_NAME = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+HOSTED_TOOLS = frozenset({  # tools OpenAI runs on its side: not in the prompt here, and the response says so
+    "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search", "code_interpreter",
+    "image_generation", "computer_use_preview", "computer_use", "mcp", "local_shell", "shell", "apply_patch", "tool_search",
+})
+PASSED_OVER_INCLUDES = frozenset({  # what a client may ask to include that this gateway has nothing of (no hosted tools, no encrypted reasoning)
+    "reasoning.encrypted_content", "web_search_call.results", "web_search_call.action.sources", "file_search_call.results",
+    "code_interpreter_call.outputs", "computer_call_output.output.image_url", "message.input_image.image_url",
+})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InputText(_Strict):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list[Any] | None = None  # an earlier answer's output_text, sent back as it came
+    logprobs: list[Any] | None = None
+
+
+class Refusal(_Strict):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class UnsupportedPart(BaseModel):
+    """An image, a file or audio: this gateway serves text models (a 400 naming the part)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["input_image", "input_file", "input_audio"]
+
+
+ContentPart = Annotated[InputText | Refusal | UnsupportedPart, Field(discriminator="type")]
+
+
+class MessageItem(_Strict):
+    """A message: ``{"role", "content"}`` (type ``message`` or none), content a string or parts."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+    id: str | None = None
+    status: str | None = None
+    phase: str | None = None  # an assistant message's phase (commentary | final_answer), as it came
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text if isinstance(p, InputText) else p.refusal if isinstance(p, Refusal) else "" for p in self.content)
+
+
+class FunctionCallItem(_Strict):
+    """An earlier answer's call, sent back with the conversation."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    arguments: str
+    namespace: str | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Strict):
+    """A call's result."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[ContentPart]
+    namespace: str | None = None
+    name: str | None = None
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output if isinstance(p, InputText))
+
+
+class ReasoningItem(BaseModel):
+    """An earlier answer's reasoning, sent back: left out of the prompt, as chat templates leave earlier thinking out."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning"]
+
+
+class OtherItem(BaseModel):
+    """Any other item type: a 400 naming it (item references, hosted tools' calls, custom tools' calls …)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def _item_kind(value: Any) -> str:
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+    return kind if kind in ("message", "function_call", "function_call_output", "reasoning") else "other"
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")] | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")] | Annotated[OtherItem, Tag("other")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str = _NAME
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always follow ``parameters`` here
+    defer_loading: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("a function's parameters are a JSON schema of type object")
+        return _shallow(value)
+
+
+class NamespaceTool(_Strict):
+    """Function tools grouped under a name (what coding agents send for an MCP server's tools): flattened to its functions."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[FunctionTool]
+
+
+class OtherTool(BaseModel):
+    """A hosted tool (``web_search`` …): left out of the prompt with a warning; any other type: a 400."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def _tool_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if kind in ("function", "namespace") else "other"
+
+
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")] | Annotated[OtherTool, Tag("other")],
+    Discriminator(_tool_kind),
+]
+
+
+class FormatText(_Strict):
+    type: Literal["text"]
+
+
+class FormatJsonObject(_Strict):
+    type: Literal["json_object"]
+
+
+class FormatJsonSchema(_Strict):
+    """``text.format`` of type ``json_schema``: OpenAI's named schema, flat (not nested as in chat's ``response_format``)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    type: Literal["json_schema"]
+    name: str = _NAME
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+    _depth = field_validator("json_schema")(_shallow)
+
+
+class TextParam(_Strict):
+    format: Annotated[FormatText | FormatJsonObject | FormatJsonSchema, Field(discriminator="type")] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint to OpenAI's models: passed over
+
+
+class FunctionChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
+class ReasoningParam(_Strict):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class StreamOptionsParam(_Strict):
+    include_obfuscation: bool | None = None  # OpenAI pads events against length side channels; nothing to pad here
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``. Extras are reported as unsupported, by name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: str | list[InputItem] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)  # as chat's: seeded text is reproducible
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextParam | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    user: str | None = None
+    store: bool | None = None
+    stream: bool = False
+    stream_options: StreamOptionsParam | None = None
+    include: list[str] | None = None
+    reasoning: ReasoningParam | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    background: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tool_calls: int | None = Field(default=None, ge=1)
+    prompt_cache_key: str | None = None  # a hint to OpenAI's cache: passed over (the workers keep no cache across requests)
+    prompt_cache_retention: str | None = None
+    client_metadata: dict[str, Any] | None = None  # the client's own (Codex sends it): passed over
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    speculative: SpeculativeParams | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key, text in (value or {}).items():
+            if len(key) > 64 or len(text) > 512:
+                raise ValueError("metadata keys are at most 64 characters and values at most 512")
+        return value
