@@ -21,6 +21,7 @@ from app.errors import ApiError
 from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, SpeculativeParams, TokenizeRequest
 from app.targets.pipeline import PipelineTarget
 from app.targets.pool import TargetSet
+from app.tool_formats import ToolFormat, native_grammar, template_messages, template_tools
 from app.tools import Tool, generic_schema, render_messages, tools_prompt
 from app.usage import Usage, used_tree
 from core.config import PipelineParams, SpecgateConfig, TreeParams
@@ -56,6 +57,7 @@ class Job:
     tool_response_schema: bool = False  # tools: the response has a schema of its own (response_format): its JSON is the content
     has_grammar: bool = False  # a grammar writes the answer (stop strings apply only to a tools answer's free text)
     tool_parameters: list[dict[str, Any]] = field(default_factory=list)  # each tool's schema (what a compile error names)
+    tool_format: ToolFormat = ToolFormat.GENERIC  # tools: the format the answer is written in (app.tool_formats)
 
 
 class Requests:
@@ -66,6 +68,8 @@ class Requests:
     pool: TargetSet
     engine: Engine
     tokenizer: Any
+    tool_format: ToolFormat  # the format tools are written in (the chat template's own, or generic)
+    chat_template: str | None  # draft.chat_template's text; None: the tokenizer's own
 
     def completion_job(self, body: CompletionRequest) -> Job:
         self._check_common(body)
@@ -88,9 +92,9 @@ class Requests:
         self._check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        messages, grammar = self._tool_messages(body)
+        messages, grammar, extra = self._tool_messages(body)
         try:
-            prompt = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+            prompt = list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False, **self._template_args(extra)))
         except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation (jinja raises anything)
             raise ApiError(400, f"the chat template refuses these messages: {exc}", "messages") from None
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -98,6 +102,7 @@ class Requests:
         job.tools = grammar is not None and grammar[1] == "tools"
         job.tool_response_schema = job.tools and body.response_format is not None and body.response_format.type != "text"
         job.tool_parameters = [t.function.parameters or {} for t in body.tools or []] if job.tools else []
+        job.tool_format = extra.get("format", ToolFormat.GENERIC) if job.tools else ToolFormat.GENERIC
         return job
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
@@ -112,8 +117,8 @@ class Requests:
             tokens = list(self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False))
         else:
             chat = ChatCompletionRequest(model=self.config.model, messages=body.messages or [], tools=body.tools)
-            messages, _ = self._tool_messages(chat)
-            extra = {"continue_final_message": True} if body.continue_final_message else {}
+            messages, _, given = self._tool_messages(chat)
+            extra = {**self._template_args(given), **({"continue_final_message": True} if body.continue_final_message else {})}
             try:
                 if body.add_special_tokens:  # the rendered text encoded with the tokenizer's own specials (BOS …) added
                     text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=False, **extra)
@@ -135,12 +140,22 @@ class Requests:
             raise ApiError(400, f"tokens[{bad}] = {body.tokens[bad]} is not a token id: they lie in [0, {self.draft.vocab_size})", f"tokens.{bad}")
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
+    def _template_args(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """What the chat template takes beside the messages: ``_tool_messages``' ``extra`` (but its ``format``, the gateway's
+        own) and the operator's template."""
+        given = {k: v for k, v in extra.items() if k != "format"}
+        return given | ({"chat_template": self.chat_template} if self.chat_template is not None else {})
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model:
             raise ApiError(404, f"model {model!r} does not exist; this gateway serves {self.config.model!r}", "model", "model_not_found")
 
-    def _tool_messages(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], tuple[GrammarSpec | None, str] | None]:
-        """The conversation to render and, with tools to call, the generic format's grammar (DESIGN §3.9)."""
+    def _tool_messages(
+        self, body: ChatCompletionRequest,
+    ) -> tuple[list[dict[str, Any]], tuple[GrammarSpec | None, str] | None, dict[str, Any]]:
+        """The conversation to render, with tools to call the grammar of their format (DESIGN §3.9), and what else the
+        template takes (``tools``; ``format``: the native format, not for the template): the chat template's own format
+        where it has one (app.tool_formats), else the generic format — which also takes a response_format beside tools."""
         messages = body.chat_messages()
         called: set[str] = set()
         for i, m in enumerate(messages):
@@ -163,16 +178,21 @@ class Requests:
                 raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools {[t.name for t in tools]}", "tool_choice")
             tools = named
         if not tools or choice == "none":
-            return render_messages(messages, None), None
+            return render_messages(messages, None), None, {}
         if body.structured_outputs is not None:
             raise ApiError(400, "tools cannot be combined with structured_outputs", "structured_outputs")
         required = choice == "required" or isinstance(choice, NamedToolChoice)
+        fmt = self.tool_format
+        if fmt is not ToolFormat.GENERIC and (body.response_format is None or body.response_format.type == "text"):
+            grammar = native_grammar(fmt, tools, required, body.parallel_tool_calls)
+            extra = {"tools": template_tools(tools), "format": fmt}
+            return template_messages(messages, fmt), (GrammarSpec(GrammarKind.GRAMMAR, grammar), "tools"), extra
         response = None
         if body.response_format is not None and body.response_format.type != "text":
             given, _ = request_grammar(body)
             response = json.loads(given.source) if given is not None else None
         schema = generic_schema(tools, required, body.parallel_tool_calls, response)
-        return render_messages(messages, tools_prompt(tools, schema, required)), (GrammarSpec.json_schema(schema), "tools")
+        return render_messages(messages, tools_prompt(tools, schema, required)), (GrammarSpec.json_schema(schema), "tools"), {}
 
     def _check_common(self, body: Body) -> None:
         _check_text(body)

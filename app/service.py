@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
+from pathlib import Path
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -19,8 +20,10 @@ from app.requests import Job, Requests
 from app.targets.base import WorkerError
 from app.targets.pool import TargetSet
 from app.text import ChoiceText, delta_text
+from app.tool_formats import STYLES, NativeToolOutput, ToolFormat, detect
 from app.tools import ToolOutput
 from core.config import SpecgateConfig
+from core.errors import ConfigError
 from core.grammar import GrammarError, GrammarLimits, Grammars, GrammarSpec, engine_version
 
 log = logging.getLogger(__name__)
@@ -56,6 +59,15 @@ class Gateway(Requests):
         self.pool = pool
         self.metrics = metrics
         self.tokenizer = draft.runner.tokenizer
+        self.chat_template = None  # the operator's template (the targets' own, where the draft's differs); None: the tokenizer's
+        if config.draft.chat_template is not None:
+            try:
+                self.chat_template = Path(config.draft.chat_template).expanduser().read_text()
+            except OSError as exc:
+                raise ConfigError(f"draft.chat_template: cannot read {config.draft.chat_template}: {exc.strerror or exc}") from None
+        given = config.draft.tool_format
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        self.tool_format = detect(template) if given == "auto" else ToolFormat(given)
         self.engine = Engine(draft, pool, draft.runner.info.eos_ids, draft.runner.info.max_context)
         self.engine.prefill_waits = config.late_prefill_waits()
         self._workers_checked = False
@@ -156,7 +168,7 @@ class Gateway(Requests):
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _choice_events(self, job: Job, choice: GenerationRequest) -> AsyncGenerator[ChoiceEvent, None]:
-        tools = ToolOutput(raw_response=job.tool_response_schema) if job.tools else None
+        tools = _reader(job)
         reader = ChoiceText(self.tokenizer, job.stops, choice.min_tokens, tools, grammar=job.has_grammar)
         mode, last, is_first = choice.spec.mode.value, job.arrived, True
         if choice.choice == 0:
@@ -200,3 +212,12 @@ class Gateway(Requests):
                     into.deltas = (into.deltas or []) + event.deltas
         return merged
 
+
+
+def _reader(job: Job) -> ToolOutput | None:
+    """What reads a tools answer into OpenAI's deltas: the generic format's reader, or the native format's."""
+    if not job.tools:
+        return None
+    if job.tool_format is ToolFormat.GENERIC:
+        return ToolOutput(raw_response=job.tool_response_schema)
+    return NativeToolOutput(style=STYLES[job.tool_format])

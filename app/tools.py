@@ -98,6 +98,8 @@ class ToolOutput:
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
+    _name_open: str = field(default='{"name":"', init=False, repr=False)  # how a call opens, up to its name (app.tool_formats: its own)
+    _args_open: str = field(default='","arguments":', init=False, repr=False)  # … from its name's end to its arguments
 
     @property
     def is_complete(self) -> bool:
@@ -149,7 +151,7 @@ class ToolOutput:
         return None
 
     def _call(self, rest: str) -> dict[str, Any] | None:
-        opening, closing = '{"name":"', '","arguments":'
+        opening, closing = self._name_open, self._args_open
         if not rest.startswith(opening[: len(rest)]):
             return self._give_up()
         end = rest.find('"', len(opening))
