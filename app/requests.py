@@ -21,6 +21,7 @@ from app.errors import ApiError
 from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, SpeculativeParams, TokenizeRequest
 from app.targets.pipeline import PipelineTarget
 from app.targets.pool import TargetSet
+from app.reasoning import Thinking, after_reasoning, opens_thinking
 from app.tool_formats import ToolFormat, native_grammar, template_messages, template_tools
 from app.tools import Tool, generic_schema, render_messages, tools_prompt
 from app.usage import Usage, used_tree
@@ -58,6 +59,7 @@ class Job:
     has_grammar: bool = False  # a grammar writes the answer (stop strings apply only to a tools answer's free text)
     tool_parameters: list[dict[str, Any]] = field(default_factory=list)  # each tool's schema (what a compile error names)
     tool_format: ToolFormat = ToolFormat.GENERIC  # tools: the format the answer is written in (app.tool_formats)
+    thinking: Thinking | None = None  # a thinking template: the answer's reasoning is told apart (app.reasoning)
 
 
 class Requests:
@@ -70,6 +72,7 @@ class Requests:
     tokenizer: Any
     tool_format: ToolFormat  # the format tools are written in (the chat template's own, or generic)
     chat_template: str | None  # draft.chat_template's text; None: the tokenizer's own
+    thinking: Thinking | None  # the template's thinking markers (draft.reasoning: auto), else None
 
     def completion_job(self, body: CompletionRequest) -> Job:
         self._check_common(body)
@@ -98,7 +101,8 @@ class Requests:
         except Exception as exc:  # noqa: BLE001 - a template that refuses the conversation (jinja raises anything)
             raise ApiError(400, f"the chat template refuses these messages: {exc}", "messages") from None
         top = (body.top_logprobs or 0) if body.logprobs else None
-        job = self._job(body, prompt, "chatcmpl", body.max_completion_tokens or body.max_tokens, top, grammar=grammar)
+        thinking = opens_thinking(self.tokenizer.decode(prompt[-16:]), self.thinking) if self.thinking is not None else None
+        job = self._job(body, prompt, "chatcmpl", body.max_completion_tokens or body.max_tokens, top, grammar=grammar, thinking=thinking)
         job.tools = grammar is not None and grammar[1] == "tools"
         job.tool_response_schema = job.tools and body.response_format is not None and body.response_format.type != "text"
         job.tool_parameters = [t.function.parameters or {} for t in body.tools or []] if job.tools else []
@@ -204,7 +208,7 @@ class Requests:
 
     def _job(
         self, body: Body, prompt: list[int], prefix: str, max_tokens: int | None, top_logprobs: int | None,
-        prompt_logprobs: int | None = None, grammar: tuple[GrammarSpec | None, str] | None = None,
+        prompt_logprobs: int | None = None, grammar: tuple[GrammarSpec | None, str] | None = None, thinking: Thinking | None = None,
     ) -> Job:
         limits = self.config.limits
         param = "messages" if prefix == "chatcmpl" else "prompt"  # where the prompt came from
@@ -228,6 +232,8 @@ class Requests:
         top_k = body.top_k if 0 < body.top_k < self.draft.vocab_size else 0  # −1, 0 or the whole vocabulary (or more): no truncation
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=body.top_p, min_p=body.min_p)
         grammar = grammar or request_grammar(body)
+        if thinking is not None and grammar[0] is not None:  # the grammar holds the answer, after the reasoning
+            grammar = (after_reasoning(grammar[0], thinking) or grammar[0], grammar[1])
         transform = self._transform(body, len(prompt), *grammar)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -239,9 +245,9 @@ class Requests:
             for index in range(body.n)
         ]
         return Job(
-            request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt), tree=used_tree(spec, params)),
+            request_id, int(time.time()), self.config.model, choices, body.stops(), Usage(spec, len(prompt), tree=used_tree(spec, params), reasoning_tokens=None if thinking is None else 0),
             echo_logprobs=prompt_logprobs is not None, tokens_as_ids=body.return_tokens_as_token_ids, grammar_param=grammar[1],
-            has_grammar=transform is not None and transform.grammar is not None,
+            has_grammar=transform is not None and transform.grammar is not None, thinking=thinking,
         )
 
     def _draft_after(self, spec: SpecOptions, prompt_len: int) -> int:

@@ -20,6 +20,7 @@ from app.requests import Job, Requests
 from app.targets.base import WorkerError
 from app.targets.pool import TargetSet
 from app.text import ChoiceText, delta_text
+from app.reasoning import ReasoningSplitter, thinking_markers
 from app.tool_formats import STYLES, NativeToolOutput, ToolFormat, detect
 from app.tools import ToolOutput
 from core.config import SpecgateConfig
@@ -68,6 +69,7 @@ class Gateway(Requests):
         given = config.draft.tool_format
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         self.tool_format = detect(template) if given == "auto" else ToolFormat(given)
+        self.thinking = thinking_markers(template) if config.draft.reasoning == "auto" else None
         self.engine = Engine(draft, pool, draft.runner.info.eos_ids, draft.runner.info.max_context)
         self.engine.prefill_waits = config.late_prefill_waits()
         self._workers_checked = False
@@ -169,7 +171,8 @@ class Gateway(Requests):
 
     async def _choice_events(self, job: Job, choice: GenerationRequest) -> AsyncGenerator[ChoiceEvent, None]:
         tools = _reader(job)
-        reader = ChoiceText(self.tokenizer, job.stops, choice.min_tokens, tools, grammar=job.has_grammar)
+        splitter = ReasoningSplitter(job.thinking) if job.thinking is not None else None
+        reader = ChoiceText(self.tokenizer, job.stops, choice.min_tokens, tools, grammar=job.has_grammar, reasoning=splitter)
         mode, last, is_first = choice.spec.mode.value, job.arrived, True
         if choice.choice == 0:
             self.metrics.prompt_tokens.inc(len(choice.prompt))
@@ -193,8 +196,10 @@ class Gateway(Requests):
                     last_deltas, finish = reader.finish(finish)
                     deltas += last_deltas
                 info = RoundInfo(accepted, result.drafted, draft_chars, result.traffic.sent + result.traffic.received)
-                yield ChoiceEvent(choice.choice, delta_text(deltas), result.logprobs, finish, info, deltas=deltas if tools is not None else None)
+                yield ChoiceEvent(choice.choice, delta_text(deltas), result.logprobs, finish, info, deltas=deltas if tools is not None or splitter is not None else None)
                 if finish:
+                    if job.usage.reasoning_tokens is not None:
+                        job.usage.reasoning_tokens += reader.reasoning_tokens
                     self.metrics.observe_finish(mode, finish, time.monotonic() - job.arrived)
                     return
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.reasoning import ReasoningSplitter
 from app.tools import ToolOutput
 
 _REPLACEMENT = "\ufffd"
@@ -91,13 +92,18 @@ class ChoiceText:
     Stop strings apply only where the model writes freely, so a stop string cannot cut a grammar's
     JSON into something that does not parse; as vLLM's min_tokens, none in the first tokens' text."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], min_tokens: int = 0, tools: ToolOutput | None = None, grammar: bool = False) -> None:
+    def __init__(
+        self, tokenizer: Any, stops: list[str], min_tokens: int = 0, tools: ToolOutput | None = None, grammar: bool = False,
+        reasoning: ReasoningSplitter | None = None,
+    ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         free = tools is not None and not tools.raw_response if grammar else True
         self.matcher = StopMatcher(stops if free else [])
         self.min_tokens = min_tokens
         self.tools = tools
         self.generated = 0
+        self.reasoning = reasoning  # a thinking template's answer: its reasoning first, as {"reasoning_content"} deltas
+        self.reasoning_tokens = 0
 
     @property
     def stopped(self) -> bool:
@@ -105,6 +111,8 @@ class ChoiceText:
 
     def push(self, tokens: list[int]) -> list[dict[str, Any]]:
         """The deltas of ``tokens``: ``{"content": …}``, and ``{"tool_calls": […]}`` with tools."""
+        if self.reasoning is not None:
+            return self._push_thinking(tokens)
         early = max(0, min(len(tokens), self.min_tokens - self.generated))
         self.generated += len(tokens)
         head = self.detok.push(tokens[:early]) if early else ""
@@ -118,17 +126,38 @@ class ChoiceText:
         if self.stopped:
             return [], "stop"
         tail = self.detok.flush()
+        reasoning: list[dict[str, Any]] = []
+        if self.reasoning is not None:
+            (thought, tail), (held, rest) = self.reasoning.push(tail), self.reasoning.flush()
+            reasoning, tail = _reasoning(thought + held), tail + rest
         if self.tools is None:
             deltas = _content(self.matcher.push(tail))
         else:
             deltas = self._stopped(self.tools.push(tail))
             if not self.stopped:
                 deltas += self._stopped(self.tools.flush(cut=reason == "length"))
-        deltas += _content(self.matcher.flush())  # nothing once stopped
+        deltas = reasoning + deltas + _content(self.matcher.flush())  # nothing once stopped
         if self.stopped:
             return deltas, "stop"
         called = self.tools is not None and reason == "stop" and self.tools.calls and self.tools.is_complete
         return deltas, "tool_calls" if called else reason
+
+    def _push_thinking(self, tokens: list[int]) -> list[dict[str, Any]]:
+        """A thinking answer's tokens, one at a time: the reasoning's text as reasoning deltas (its tokens counted), the rest
+        as free text (stop strings apply to the answer, not the reasoning)."""
+        assert self.reasoning is not None
+        deltas: list[dict[str, Any]] = []
+        for token in tokens:
+            was_reasoning = self.reasoning.reasoning
+            thought, text = self.reasoning.push(self.detok.push([token]))
+            self.reasoning_tokens += was_reasoning or bool(thought)
+            self.generated += 1
+            deltas += _reasoning(thought)
+            if text:
+                deltas += _content(self.matcher.push(text)) if self.tools is None else self._stopped(self.tools.push(text))
+            if self.stopped:
+                break
+        return _joined(deltas)
 
     def _stopped(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``deltas`` with the stop strings applied to their content, up to where one matched."""
@@ -145,6 +174,22 @@ class ChoiceText:
 
 def _content(text: str) -> list[dict[str, Any]]:
     return [{"content": text}] if text else []
+
+
+def _reasoning(text: str) -> list[dict[str, Any]]:
+    return [{"reasoning_content": text}] if text else []
+
+
+def _joined(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive reasoning pieces, and consecutive content pieces, as one."""
+    out: list[dict[str, Any]] = []
+    for delta in deltas:
+        kind = next(iter(delta)) if len(delta) == 1 else None
+        if out and kind in ("reasoning_content", "content") and set(out[-1]) == {kind}:
+            out[-1] = {kind: out[-1][kind] + delta[kind]}
+        else:
+            out.append(delta)
+    return out
 
 
 def delta_text(deltas: list[dict[str, Any]]) -> str:

@@ -107,7 +107,7 @@ def native_grammar(fmt: ToolFormat, tools: list[Tool], required: bool, parallel:
     elif required:
         start = f"start: {_literal(style.trigger)} {body}"
     else:
-        trigger = re.escape(style.trigger)
+        trigger = re.escape(style.trigger).replace("/", "\\/")  # a slash would end the Lark regex
         start = f"start: FREE | prefix {body}"
         rules += [f"FREE: /(?s:.*)/ & ~/(?s:.*){trigger}(?s:.*)/", f"prefix[lazy]: /(?s:.*){trigger}/"]
     return "\n".join([start, *rules]) + "\n"

@@ -308,6 +308,8 @@ def message_of(deltas: list[dict[str, Any]]) -> dict[str, Any]:
             call["function"]["name"] += piece.get("function", {}).get("name", "")
             call["function"]["arguments"] += piece.get("function", {}).get("arguments", "")
     message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
+    if any("reasoning_content" in d for d in deltas):  # a thinking template's answer: its reasoning apart
+        message["reasoning_content"] = "".join(d.get("reasoning_content", "") for d in deltas)
     if calls:
         message["tool_calls"] = [calls[i] for i in sorted(calls)]
     return message

@@ -54,6 +54,7 @@ class Usage:
     hop_bytes: list[int] = field(default_factory=list)  # mode pipeline: stage-to-stage bytes per hop
     forced_tokens: int = 0  # tokens a grammar forced: emitted by the gateway without a round (DESIGN §3.9)
     rounds_without_draft: int = 0  # rounds the targets sampled alone while a late draft prefilled (app.engine.late)
+    reasoning_tokens: int | None = None  # a thinking template's answer: the tokens of its reasoning (None: no reasoning is told apart)
 
     def add(self, result: RoundResult) -> None:
         for mine, theirs in _SUMS.items():
@@ -162,12 +163,15 @@ class Usage:
             block["reconstruction"] = spec.reconstruction.value
             block["bias_bound_mean"] = _mean(self.bound)
             block["reconstruction_error_mean"] = _mean(self.error)
-        return {
+        out = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "speculative": block,
         }
+        if self.reasoning_tokens is not None:  # OpenAI's place for them
+            out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return out
 
 
 def round_profile(result: RoundResult) -> dict[str, Any]:

@@ -51,7 +51,7 @@ class ResponseBuilder:
             "truncation": "disabled", "user": body.user, "metadata": body.metadata or {},
             "usage": None if self.status == "in_progress" else {
                 "input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
                 "total_tokens": usage.prompt_tokens + usage.completion_tokens, "speculative": usage.to_dict()["speculative"],
             },
         }
@@ -66,6 +66,8 @@ class ResponseBuilder:
     def push(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         for delta in deltas:
+            if delta.get("reasoning_content"):
+                events += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
                 events += self._text(delta["content"])
             for piece in delta.get("tool_calls", []):
@@ -75,7 +77,8 @@ class ResponseBuilder:
     def finish(self, reason: str | None) -> list[dict[str, Any]]:
         """The last events: what is open closed, then ``response.completed`` (or ``.incomplete`` at max_output_tokens)."""
         cut = reason == "length"
-        events = [] if self.output else self._text("")  # an answer with nothing in it is still a message
+        answered = any(item["type"] != "reasoning" for item in self.output) or (cut and self.output)
+        events = [] if answered else self._text("")  # an answer with nothing in it is still a message (reasoning cut short is not one)
         events += self._close("incomplete" if cut else "completed")
         self.status = "incomplete" if cut else "completed"
         if cut:
@@ -94,7 +97,7 @@ class ResponseBuilder:
 
     def conversation(self) -> list[dict[str, Any]]:
         """The conversation this response ends, as input items: what a request naming it as ``previous_response_id`` continues."""
-        return self.translated.items + [_as_input(item) for item in self.output]
+        return self.translated.items + [_as_input(item) for item in self.output if item["type"] != "reasoning"]  # earlier thinking: left out, as templates do
 
     def _text(self, text: str) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -110,6 +113,17 @@ class ResponseBuilder:
             item["content"][0]["text"] += text
             events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._index, content_index=0, delta=text, logprobs=[]))
         return events
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        """A thinking template's reasoning: a ``reasoning`` item, its text as ``reasoning_text`` (app.reasoning)."""
+        events: list[dict[str, Any]] = []
+        item = self._open
+        if item is None or item["type"] != "reasoning":
+            events += self._close("completed")
+            item = {"id": new_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}
+            events += self._add(item)
+        item["content"][0]["text"] += text
+        return events + [self._event("response.reasoning_text.delta", item_id=item["id"], output_index=self._index, content_index=0, delta=text)]
 
     def _call(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -142,7 +156,10 @@ class ResponseBuilder:
         item["status"] = status
         index = self.output.index(item)
         events = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text))
+        elif item["type"] == "message":
             part = item["content"][0]
             events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[]))
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=dict(part)))

@@ -36,10 +36,10 @@ CALL = [{"role": "system", "content": "You call tools."}, {"role": "user", "cont
 
 @pytest.fixture(scope="module")
 def clients(builtin_workers: list[str], builtin_llama_shared: ModelRunner) -> Iterator[dict[str, openai.OpenAI]]:
-    """A client per family, each of its own gateway with that family's template in place of the built-in model's."""
+    """A client per family (and a thinking template), each of its own gateway with that template in place of the built-in model's."""
     with ExitStack() as stack:
         out = {}
-        for family in ("hermes", "llama3_json", "mistral"):
+        for family in ("hermes", "llama3_json", "mistral", "thinking"):
             config = parse_config({
                 "model": MODEL, "draft": {"chat_template": str(TEMPLATES / f"{family}.jinja")},
                 "workers": [{"url": url, "weight": w} for url, w in zip(builtin_workers, (0.6, 0.4))],
@@ -105,3 +105,24 @@ def test_the_responses_api_calls_through_the_native_format(clients: dict[str, op
     [call] = [item for item in response.output if item.type == "function_call"]
     assert response.status == "completed" and call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+
+
+def test_a_thinking_templates_reasoning_comes_apart_the_same_in_every_mode(clients: dict[str, openai.OpenAI]) -> None:
+    """The thinking template opens the reasoning in its prompt: the answer's reasoning is ``reasoning_content`` (the
+    built-in model rarely closes it), the same at T = 0 in every mode, with a schema held for after it."""
+    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}}}
+    answers = {}
+    for mode in ("autoregressive", "exact", "tree exact"):
+        answer = clients["thinking"].chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "What is 2 + 2?"}], max_tokens=24, temperature=0, response_format=schema,  # type: ignore[arg-type]
+            extra_body={"speculative": LOSSLESS[mode]},
+        )
+        message = answer.choices[0].message
+        answers[mode] = ((message.model_extra or {}).get("reasoning_content"), message.content, answer.choices[0].finish_reason)
+        assert answer.usage is not None and (answer.usage.completion_tokens_details is not None)
+    assert len(set(answers.values())) == 1, answers
+    reasoning, content, finish = answers["autoregressive"]
+    assert reasoning and "<think>" not in reasoning and "</think>" not in reasoning
+    if finish == "stop":  # the reasoning closed: the reply follows the schema
+        assert isinstance(json.loads(content or "")["sum"], int)
+    print("thinking, T = 0, every mode:", answers["autoregressive"])
