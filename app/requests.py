@@ -181,12 +181,12 @@ class Requests:
             if not named:
                 raise ApiError(400, f"tool_choice names {choice.function.name!r}, which is not among the tools {[t.name for t in tools]}", "tool_choice")
             tools = named
-        if not tools or choice == "none":
-            return render_messages(messages, None), None, {}
+        fmt = self.tool_format
+        if not tools or choice == "none":  # no grammar; earlier calls and results as the template writes them
+            return (render_messages(messages, None) if fmt is ToolFormat.GENERIC else template_messages(messages, fmt)), None, {}
         if body.structured_outputs is not None:
             raise ApiError(400, "tools cannot be combined with structured_outputs", "structured_outputs")
         required = choice == "required" or isinstance(choice, NamedToolChoice)
-        fmt = self.tool_format
         if fmt is not ToolFormat.GENERIC and (body.response_format is None or body.response_format.type == "text"):
             grammar = native_grammar(fmt, tools, required, body.parallel_tool_calls)
             extra = {"tools": template_tools(tools), "format": fmt}
