@@ -95,34 +95,32 @@ class ReasoningSplitter:
         return "", pending if self.state != "after" else ""
 
 
-def after_reasoning(spec: GrammarSpec, thinking: Thinking) -> GrammarSpec | None:
-    """``spec`` with a thinking block allowed first (required when the prompt opened it), as a Lark grammar; None for a
-    grammar given as Lark or GBNF, which cannot be wrapped (it then applies from the first token)."""
-    body: str | None
+def after_reasoning(spec: GrammarSpec, thinking: Thinking, own: bool = False) -> GrammarSpec | None:
+    """``spec`` with a thinking block allowed first (required when the prompt opened it), as a Lark grammar. ``own``: a Lark
+    grammar of specgate's own (the native tool formats), whose ``start`` rule is renamed; None for a grammar a request gave
+    as Lark or GBNF, and for the few that cannot be wrapped (a schema that allows nothing, a regex ending in a backslash):
+    the request then has no reasoning told apart, and the grammar applies from the first token."""
+    body: str | None = None
     if spec.kind is GrammarKind.JSON_SCHEMA:
-        body = f"%json {json.dumps({**strict(load_schema(spec.source)), 'x-guidance': JSON_OPTIONS})}"
+        schema = strict(load_schema(spec.source))
+        if schema is True or isinstance(schema, dict):
+            body = f"%json {json.dumps({**(schema if isinstance(schema, dict) else {}), 'x-guidance': JSON_OPTIONS})}"
     elif spec.kind is GrammarKind.REGEX:
-        body = f"/{spec.source}/" if "/" not in spec.source else None
+        if (len(spec.source) - len(spec.source.rstrip("\\"))) % 2 == 0:  # an odd run of backslashes at the end would escape the closing slash
+            body = "/" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", spec.source) + "/"  # an unescaped slash would end the Lark regex
     elif spec.kind is GrammarKind.CHOICE:
         body = " | ".join(json.dumps(choice) for choice in json.loads(spec.source))
-    else:
-        body = _renamed_start(spec.source)
+    elif own and spec.source.startswith("start:"):
+        body = "specgate_body:" + spec.source.removeprefix("start:")
     if body is None:
         return None
     close = re.escape(thinking.close).replace("/", "\\/")  # a slash would end the Lark regex
+    opening = "" if thinking.inside else json.dumps(thinking.open) + " "
     rules = [
-        f"start: {'' if thinking.inside else json.dumps(thinking.open) + ' '}reasoning answer" + ("" if thinking.inside else " | answer"),
-        f"reasoning[lazy]: /(?s:.*){close}/",
-        "answer: BLANK body",
-        r"BLANK: /\n*/",
+        f"start: {opening}specgate_reasoning SPECGATE_BLANK specgate_body" + ("" if thinking.inside else " | specgate_body"),
+        f"specgate_reasoning[lazy]: /(?s:.*){close}/",
+        r"SPECGATE_BLANK: /\n*/",  # the blank lines between the reasoning and the reply (the splitter drops them)
     ]
     if spec.kind is GrammarKind.GRAMMAR:
         return GrammarSpec(GrammarKind.GRAMMAR, "\n".join(rules) + "\n" + body)
-    return GrammarSpec(GrammarKind.GRAMMAR, "\n".join([*rules, f"body: {body}"]) + "\n")
-
-
-def _renamed_start(source: str) -> str | None:
-    """A Lark grammar of specgate's own (the native tool formats: its rules start at line starts) with ``start`` renamed ``body``."""
-    if not re.match(r"^start:", source) or "%llguidance" in source or "::=" in source:
-        return None
-    return re.sub(r"^start:", "body:", source, count=1)
+    return GrammarSpec(GrammarKind.GRAMMAR, "\n".join([*rules, f"specgate_body: {body}"]) + "\n")

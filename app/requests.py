@@ -232,8 +232,10 @@ class Requests:
         top_k = body.top_k if 0 < body.top_k < self.draft.vocab_size else 0  # −1, 0 or the whole vocabulary (or more): no truncation
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=body.top_p, min_p=body.min_p)
         grammar = grammar or request_grammar(body)
-        if thinking is not None and grammar[0] is not None:  # the grammar holds the answer, after the reasoning
-            grammar = (after_reasoning(grammar[0], thinking) or grammar[0], grammar[1])
+        if thinking is not None and grammar[0] is not None:  # the grammar holds the reply, after the reasoning
+            wrapped = after_reasoning(grammar[0], thinking, own=grammar[1] == "tools")
+            thinking = thinking if wrapped is not None else None  # a grammar that cannot wait for it: no reasoning told apart
+            grammar = (wrapped or grammar[0], grammar[1])
         transform = self._transform(body, len(prompt), *grammar)
         seed = body.seed if body.seed is not None else secrets.randbits(63)
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from app.tools import Tool, ToolOutput, _arguments
+from app.tools import Tool, ToolOutput, _arguments, _merged
 from core.grammar import strict
 
 
@@ -127,6 +127,20 @@ class NativeToolOutput(ToolOutput):
     def __post_init__(self) -> None:
         self._name_open = '{"name": "'
         self._args_open = f'", "{self.style.args_key}": '
+        self._trigger_at = 0  # where the first trigger began (text, if the answer is cut before a call)
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        """As ``ToolOutput.push``, going on while a step moves on in the text or in its state."""
+        self._buffer += text
+        deltas: list[dict[str, Any]] = []
+        while self._at < len(self._buffer):
+            before = (self._at, self._state)
+            delta = self._step()
+            if delta:
+                deltas.append(delta)
+            if (self._at, self._state) == before:
+                break  # waits for more text
+        return _merged(deltas)
 
     @property
     def is_complete(self) -> bool:
@@ -151,15 +165,15 @@ class NativeToolOutput(ToolOutput):
     def _free(self, rest: str) -> dict[str, Any] | None:
         trigger = self.style.trigger
         if not trigger:  # the answer is a call when it starts with "{", else text to its end
-            if self._state == "start" and rest:
-                self._state = "call" if rest.startswith("{") else "text"
-                return None
+            if self._state == "start" and rest.startswith("{"):
+                self._state = "call"
+                return self._call(rest)
+            self._state = "text"
             return self._content(len(rest))
         at = rest.find(trigger)
         if at >= 0:
             delta = self._content(at)
-            self._at += len(trigger)
-            self._state = "after"
+            self._trigger_at, self._state = self._at, "after"  # the trigger stays unread until what follows it is seen
             return delta
         held = next((n for n in range(min(len(trigger) - 1, len(rest)), 0, -1) if rest.endswith(trigger[:n])), 0)
         return self._content(len(rest) - held)
@@ -171,12 +185,14 @@ class NativeToolOutput(ToolOutput):
         return {"content": piece} if piece else None
 
     def _after(self, rest: str) -> dict[str, Any] | None:
-        for option in sorted(self.style.after_trigger, key=len, reverse=True):
+        """The trigger and what must follow it (a newline, an opening bracket); not a call after all: text, trigger included."""
+        options = [self.style.trigger + option for option in self.style.after_trigger]
+        for option in sorted(options, key=len, reverse=True):
             if rest.startswith(option):
                 self._at += len(option)
                 self._state = "call"
                 return None
-        return None if any(option.startswith(rest) for option in self.style.after_trigger) else self._give_up()
+        return None if any(option.startswith(rest) for option in options) else self._give_up()
 
     def _between(self, rest: str) -> dict[str, Any] | None:
         """After a call's arguments: "}" and the separator to the next call, or "}" and the end."""
@@ -198,6 +214,8 @@ class NativeToolOutput(ToolOutput):
         if self._state in ("start", "text"):  # a held-back piece that never became the trigger: text after all
             delta = self._content(len(rest))
             return [delta] if delta else []
+        if cut and not self.calls and self._state in ("after", "call"):  # cut before the first call's name: its text, trigger and all
+            self._at = self._trigger_at
         return super().flush(cut)
 
 

@@ -140,7 +140,7 @@ class ResponseBuilder:
         arguments = function.get("arguments", "")
         if arguments:
             item["arguments"] += arguments
-            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=self._index, delta=arguments))
+            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=self.output.index(item), delta=arguments))
         return events
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:

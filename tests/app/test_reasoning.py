@@ -91,13 +91,23 @@ def test_a_grammar_holds_the_reply_after_the_reasoning_which_stays_free(grammars
     opened = after_reasoning(schema, Thinking("<think>", "</think>", inside=True))
     assert opened is not None and walk(opened, 'well</think>{"ok":true}')[:2] == (True, True) and walk(opened, '{"ok":true}')[1] is False
     tool = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
-    tools = after_reasoning(GrammarSpec(GrammarKind.GRAMMAR, native_grammar(ToolFormat.HERMES, [tool], required=True, parallel=False)), THINK)
+    tools = after_reasoning(GrammarSpec(GrammarKind.GRAMMAR, native_grammar(ToolFormat.HERMES, [tool], required=True, parallel=False)), THINK, own=True)
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert tools is not None and walk(tools, "<think>I should call it.</think>\n" + call)[:2] == (True, True)
     assert walk(tools, "<think>I should call it.</think>\nNo.")[0] is False
     choice = after_reasoning(GrammarSpec(GrammarKind.CHOICE, json.dumps(["yes", "no"])), THINK)
     assert choice is not None and walk(choice, "<think>hmm</think>yes")[:2] == (True, True) and walk(choice, "<think>hmm</think>maybe")[0] is False
     assert after_reasoning(GrammarSpec(GrammarKind.GRAMMAR, "root ::= \"a\""), THINK) is None  # GBNF: applies from the first token
+    assert after_reasoning(GrammarSpec(GrammarKind.GRAMMAR, 'start: answer\nanswer: "yes"'), THINK) is None  # a request's Lark: not ours to rename
+    # from the counter-example hunt: no reasoning, no leading blank lines the grammar alone forbids; a schema of true; a regex with a slash
+    assert walk(choice, "\n\nyes")[0] is False
+    llama = after_reasoning(GrammarSpec(GrammarKind.GRAMMAR, native_grammar(ToolFormat.LLAMA3_JSON, [tool], required=True, parallel=False)), THINK, own=True)
+    assert llama is not None and walk(llama, '\n{"name": "get_weather", "parameters": {"city": "Rome"}}')[0] is False
+    anything = after_reasoning(GrammarSpec.json_schema(True), THINK)
+    assert anything is not None and walk(anything, "<think>x</think>[1,2]")[:2] == (True, True)
+    assert after_reasoning(GrammarSpec.json_schema(False), THINK) is None
+    slash = after_reasoning(GrammarSpec(GrammarKind.REGEX, "[0-9]+/[0-9]+"), THINK)
+    assert slash is not None and walk(slash, "<think>x</think>3/4")[:2] == (True, True)
 
 
 async def test_chat_and_responses_carry_the_reasoning_apart_and_off_leaves_it_in_the_text(gateway: Gateway) -> None:

@@ -150,3 +150,16 @@ def test_a_call_cut_by_max_tokens_is_reported_as_it_is(builtin_llama_shared: Mod
     pushes, finish = _read(builtin_llama_shared.tokenizer, ToolFormat.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"ci', reason="length")
     message = message_of([d for p in pushes for d in p])
     assert finish == "length" and message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
+
+
+def test_what_the_counter_example_hunt_found_stays_fixed() -> None:
+    """A Llama call that arrives in one piece is read at once; a trigger that does not go on as a call is text, trigger and all;
+    a call cut before its name is its text, trigger and all."""
+    reader = NativeToolOutput(style=STYLES[ToolFormat.LLAMA3_JSON])
+    whole = reader.push('{"name": "get_time", "parameters": {}}')
+    assert whole and whole[0]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+    reader = NativeToolOutput(style=STYLES[ToolFormat.HERMES])
+    assert message_of(reader.push("see <tool_call> tag") + reader.flush())["content"] == "see <tool_call> tag"
+    reader = NativeToolOutput(style=STYLES[ToolFormat.HERMES])
+    deltas = reader.push('x<tool_call>\n{"name": "ge') + reader.flush(cut=True)
+    assert message_of(deltas) == {"role": "assistant", "content": 'x<tool_call>\n{"name": "ge', "refusal": None}
