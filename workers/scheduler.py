@@ -75,7 +75,7 @@ class StepLog:
 
 
 class StepHost(Protocol):
-    """What the scheduler runs its steps on (``workers.server.WorkerState``)."""
+    """What the scheduler runs its steps on (``workers.state.WorkerState``)."""
 
     thread: ModelThread
 

@@ -76,6 +76,8 @@ def relaxed_acceptance_probs(
     q_draft: torch.Tensor,  # [γ]: q_j(x_j) > 0
     taus: torch.Tensor,  # [γ]: τ_j
 ) -> torch.Tensor:  # [γ]: τ_j + (1 − τ_j)·min(1, p_j(x_j)/q_j(x_j))
+    if taus.shape != p_draft.shape:  # a τ per draft token, no more: a longer list would test tokens that were never drafted
+        raise ValueError(f"{tuple(taus.shape)} relaxation factors for draft tokens of shape {tuple(p_draft.shape)}")
     strict = torch.clamp(p_draft.double() / q_draft.double(), max=1.0)
     return taus.double() + (1 - taus.double()) * strict
 

@@ -67,6 +67,8 @@ def first_rejection(
     probs: torch.Tensor,  # [γ]: the probability of accepting x_j
     accept_u: torch.Tensor,  # [γ]: r_j ~ U[0, 1)
 ) -> int:  # the first j whose test fails (γ when none does)
+    if len(probs) > len(accept_u):
+        raise ValueError(f"{len(probs)} acceptance tests with {len(accept_u)} uniforms")
     return next((j for j in range(len(probs)) if not accepts(float(accept_u[j]), float(probs[j]))), len(probs))
 
 

@@ -307,6 +307,8 @@ class ModelRunner(ABC):
         logits_at = [count - 1] if item.logits_at is None else [int(i) for i in item.logits_at]
         if not logits_at or not all(0 <= i < count for i in logits_at):
             raise ValueError(f"logits_at must name new rows in [0, {count})")
+        if item.hidden is not None and item.hidden.shape[0] != count:  # checked before the rows change: a refused item leaves them
+            raise ValueError(f"hidden states for {item.hidden.shape[0]} rows, {count} new rows")
         if start < len(rows):
             self.keep(item.session_id, range(start))
             rows = self._rows[item.session_id]
@@ -314,8 +316,6 @@ class ModelRunner(ABC):
         rows.extend(item.tokens, parents)
         if as_chain:
             rows.chain = len(rows)
-        if item.hidden is not None and item.hidden.shape[0] != count:
-            raise ValueError(f"hidden states for {item.hidden.shape[0]} rows, {count} new rows")
         return Staged(item.session_id, rows, start, [start + i for i in logits_at], item.hidden, item.alone)
 
     def _unstage(self, work: Staged) -> None:

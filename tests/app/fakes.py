@@ -119,7 +119,7 @@ class FakePipeline(PipelineTarget):
 
     def __init__(self, name: str, stages: list[MarkovStageRunner], weight: float = 1.0) -> None:
         channel = Channel(name, httpx.AsyncClient(), httpx.Timeout(5.0))
-        super().__init__(name, [f"http://stage{i}:1" for i in range(len(stages))], weight, channel, Expected("markov", stages[0].info.vocab_size), 3)
+        super().__init__(name, [[f"http://stage{i}:1"] for i in range(len(stages))], weight, channel, Expected("markov", stages[0].info.vocab_size), 3)
         self.states = [WorkerState.build(WorkerSettings(model=f"stage{i}", max_sessions=10_000), r) for i, r in enumerate(stages)]
         self.segments: list[Segment] = []
         self.short_at: set[int] = set()

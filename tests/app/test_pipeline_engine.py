@@ -152,3 +152,10 @@ def test_a_stage_that_loses_the_session_gives_the_same_output() -> None:
 def test_the_same_seed_gives_the_same_tokens() -> None:
     engine = pipeline_engine(DRAFT, split_pipeline(TARGET.table, [1, 2], 3))
     assert asyncio.run(_tokens(engine, 11, 20)) == asyncio.run(_tokens(engine, 11, 20))
+
+
+def test_the_fake_pipeline_is_built_as_a_real_one() -> None:
+    """Issue 63: FakePipeline gave PipelineTarget a URL per stage where it takes each stage's replicas (a list per stage):
+    each URL's characters became replicas. One replica per stage, at its own URL."""
+    pipe = split_pipeline(TARGET.table, [1, 2], 3)
+    assert [[replica.url for replica in stage] for stage in pipe.members] == [["http://stage0:1"], ["http://stage1:1"], ["http://stage2:1"]]

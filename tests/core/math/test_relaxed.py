@@ -119,3 +119,17 @@ def test_tau_on_the_support_matches_tau_on_the_whole_vocabulary() -> None:
     assert relaxation_factor_on_support(p[support], q[support], float(p[~support].sum()), settings) == pytest.approx(relaxation_factor(p, q, settings))
     # the target's mass off the support could hide its argmax: no relaxation
     assert relaxation_factor_on_support(p[support] * 0.3, q[support], 0.7, settings) == 0.0
+
+
+def test_a_tau_per_draft_token_no_more() -> None:
+    """More relaxation factors than draft tokens would test tokens never drafted: refused (issue 63), as are fewer uniforms than tests."""
+    p = torch.softmax(torch.randn(3, 8, dtype=torch.float64), -1)
+    q = torch.softmax(torch.randn(2, 8, dtype=torch.float64), -1)
+    u = torch.full((3,), 0.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="relaxation factors"):
+        verify_relaxed(p, q, [1, 2], u[:2], u, torch.tensor([0.2, 0.2, 0.2], dtype=torch.float64))
+    assert verify_relaxed(p, q, [1, 2], u[:2], u, torch.tensor([0.2, 0.2], dtype=torch.float64)).num_accepted <= 2
+    from core.math.speculative import first_rejection
+
+    with pytest.raises(ValueError, match="uniforms"):
+        first_rejection(torch.ones(3, dtype=torch.float64), u[:2])

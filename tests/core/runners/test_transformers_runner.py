@@ -149,3 +149,12 @@ def test_full_when_live_sessions_hold_every_slot(tiny_runner: ModelRunner) -> No
     chains = [f"c{i}" for i in range(slots - 1)]
     assert not tiny_runner.is_full(chains, [])
     assert tiny_runner.is_full(chains, ["t"]) and tiny_runner.is_full([*chains, "c"], [], tree=True)
+
+
+def test_an_item_refused_for_its_hidden_states_leaves_the_session_as_it_was(tiny_runner: ModelRunner) -> None:
+    """Issue 63: the hidden-state check ran after the rows were cut back and extended, so a refused item left them changed."""
+    tiny_runner.forward([ForwardItem("s", 0, [1, 2, 3])])
+    [error] = tiny_runner.forward_each([ForwardItem("s", 1, [5, 6], hidden=torch.zeros(3, 4))])
+    assert isinstance(error, ValueError) and "hidden states for 3 rows" in str(error)
+    assert tiny_runner.tokens("s") == [1, 2, 3]
+    tiny_runner.free("s")
