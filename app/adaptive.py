@@ -1,4 +1,4 @@
-"""``num_draft_tokens: auto`` (DESIGN §3.1): γ chosen each round from this request's running acceptance and costs (docs/modes.md)."""
+"""``num_draft_tokens: auto`` (docs/design.md §3.1): γ chosen each round from this request's running acceptance and costs (docs/modes.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gateway's errors (DESIGN §5): each a ``SpecgateError`` the routes turn into the envelope ``{"error": {"message", "type", "param", "code"}}``."""
+"""The gateway's errors (docs/design.md §5): each a ``SpecgateError`` the routes turn into the envelope ``{"error": {"message", "type", "param", "code"}}``."""
 
 from __future__ import annotations
 

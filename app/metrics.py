@@ -1,4 +1,4 @@
-"""The gateway's Prometheus metrics (DESIGN §5): vLLM's names under ``specgate:`` (dashboards carry over); one registry per app, read at scrape."""
+"""The gateway's Prometheus metrics (docs/design.md §5): vLLM's names under ``specgate:`` (dashboards carry over); one registry per app, read at scrape."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A request to a job (DESIGN §5): the body checked, the prompt tokenised, the speculative options,
+"""A request to a job (docs/design.md §5): the body checked, the prompt tokenised, the speculative options,
 sampling and transform resolved against the config and the targets; every refusal a 400 naming its parameter."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from core.names import Drafter, Mode
 from core.protocol import InfoResponse
 from core.transform import TransformSpec
 
-_EXACT_DRAFT_TOP_K = 32  # exact needs a truncated draft (DESIGN §3.5)
+_EXACT_DRAFT_TOP_K = 32  # exact needs a truncated draft (docs/design.md §3.5)
 Body = CompletionRequest | ChatCompletionRequest
 T = TypeVar("T")
 
@@ -157,7 +157,7 @@ class Requests:
     def _tool_messages(
         self, body: ChatCompletionRequest,
     ) -> tuple[list[dict[str, Any]], tuple[GrammarSpec | None, str] | None, dict[str, Any]]:
-        """The conversation to render, with tools to call the grammar of their format (DESIGN §3.9), and what else the
+        """The conversation to render, with tools to call the grammar of their format (docs/design.md §3.9), and what else the
         template takes (``tools``; ``format``: the native format, not for the template): the chat template's own format
         where it has one (app.tool_formats), else the generic format — which also takes a response_format beside tools."""
         messages = body.chat_messages()
@@ -259,7 +259,7 @@ class Requests:
         return 1 if since is not None and prompt_len >= since and waits_for_a_model(spec) else 0
 
     def _transform(self, body: Body, prompt_len: int, grammar: GrammarSpec | None, param: str) -> TransformSpec | None:
-        """The request's transform (DESIGN §3.9), checked against what the targets can apply; None when it asks for none."""
+        """The request's transform (docs/design.md §3.9), checked against what the targets can apply; None when it asks for none."""
         bias = tuple(sorted((int(key), float(value)) for key, value in (body.logit_bias or {}).items()))
         if any(token >= self.draft.vocab_size for token, _ in bias):
             raise ApiError(400, f"logit_bias names a token id ≥ the vocabulary size {self.draft.vocab_size}", "logit_bias")

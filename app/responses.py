@@ -1,4 +1,4 @@
-"""Every OpenAI response and chunk the gateway sends (DESIGN §5), built once; usage with our ``speculative`` block beside vLLM's ``metrics``."""
+"""Every OpenAI response and chunk the gateway sends (docs/design.md §5), built once; usage with our ``speculative`` block beside vLLM's ``metrics``."""
 
 from __future__ import annotations
 

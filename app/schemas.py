@@ -1,4 +1,4 @@
-"""The OpenAI request bodies the gateway accepts and the ``speculative`` extension (DESIGN §5): pydantic at the HTTP boundary only."""
+"""The OpenAI request bodies the gateway accepts and the ``speculative`` extension (docs/design.md §5): pydantic at the HTTP boundary only."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class _Open(BaseModel):
 
 
 class RelaxationParams(_Strict):
-    """``"speculative": {"relaxation": {...}}``: DSD's relaxed verification (lossy, DESIGN §3.8)."""
+    """``"speculative": {"relaxation": {...}}``: DSD's relaxed verification (lossy, docs/design.md §3.8)."""
 
     tau_max: float = Field(default=0.5, ge=0, lt=1)  # τ's ceiling; 0 = strict
     kl_scale: float = Field(default=1.0, gt=0)  # nats: τ falls by e per kl_scale of KL(q ‖ p)
@@ -49,9 +49,9 @@ class SpeculativeParams(_Strict):
     overlap: bool | None = None
     relaxation: RelaxationParams | None = None
     tree: TreeParams | None = None
-    pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments (DESIGN §3.7)
+    pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments (docs/design.md §3.7)
     profile: bool | None = None  # usage speculative.profile: each round's time by part, bytes and tokens
-    drafter: Drafter | None = None  # model | lookup | model+lookup: where a draft comes from (DESIGN §3.10)
+    drafter: Drafter | None = None  # model | lookup | model+lookup: where a draft comes from (docs/design.md §3.10)
 
     _in_range = field_validator("k", "num_draft_tokens")(in_range)  # the config's checks (mode: a 400 of its own, app.requests)
 

@@ -1,4 +1,4 @@
-"""The gateway's FastAPI app (DESIGN §5): OpenAI routes, SSE streaming, errors in the envelope. Route handlers parse, call the service, return."""
+"""The gateway's FastAPI app (docs/design.md §5): OpenAI routes, SSE streaming, errors in the envelope. Route handlers parse, call the service, return."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def create_app(
         app.state.draft_threads = runner.threads
         await pool.discover()
         for entry in await gateway.check_workers():
-            if entry.get("fatal"):  # a pipeline whose stages answer but cannot make it (DESIGN §3.7)
+            if entry.get("fatal"):  # a pipeline whose stages answer but cannot make it (docs/design.md §3.7)
                 log.error("%s", entry["error"])
                 await pool.close()
                 raise ConfigError(entry["error"])

@@ -1,4 +1,4 @@
-"""Tool calls in the generic format (DESIGN §3.9), free of I/O: the model answers ``{"tool_calls":[{"name":…,"arguments":{…}},…]}``
+"""Tool calls in the generic format (docs/design.md §3.9), free of I/O: the model answers ``{"tool_calls":[{"name":…,"arguments":{…}},…]}``
 or ``{"response":"…"}``, described in a system message; ``ToolOutput`` reads it, as generated, into OpenAI's deltas."""
 
 from __future__ import annotations

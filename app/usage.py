@@ -1,4 +1,4 @@
-"""What a response reports of its rounds (DESIGN §5): token counts, the ``speculative`` block, vLLM's ``metrics``, round profiles."""
+"""What a response reports of its rounds (docs/design.md §5): token counts, the ``speculative`` block, vLLM's ``metrics``, round profiles."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ _SUMS = {  # what Usage.add sums over rounds: its field ← the RoundResult fiel
 
 @dataclass
 class Usage:
-    """Token counts and the ``speculative`` block of one response (DESIGN §5)."""
+    """Token counts and the ``speculative`` block of one response (docs/design.md §5)."""
 
     spec: SpecOptions
     prompt_tokens: int
@@ -52,14 +52,14 @@ class Usage:
     turns: int = 0  # mode pipeline: segments answered
     trees: int = 0  # mode pipeline: rounds (trees) walked to their end
     hop_bytes: list[int] = field(default_factory=list)  # mode pipeline: stage-to-stage bytes per hop
-    forced_tokens: int = 0  # tokens a grammar forced: emitted by the gateway without a round (DESIGN §3.9)
+    forced_tokens: int = 0  # tokens a grammar forced: emitted by the gateway without a round (docs/design.md §3.9)
     rounds_without_draft: int = 0  # rounds the targets sampled alone while a late draft prefilled (app.engine.late)
     reasoning_tokens: int | None = None  # a thinking template's answer: the tokens of its reasoning (None: no reasoning is told apart)
 
     def add(self, result: RoundResult) -> None:
         for mine, theirs in _SUMS.items():
             setattr(self, mine, getattr(self, mine) + getattr(result, theirs))
-        is_round = bool(result.tokens) and not result.forced  # forced tokens take no round (DESIGN §3.9)
+        is_round = bool(result.tokens) and not result.forced  # forced tokens take no round (docs/design.md §3.9)
         self.completion_tokens += len(result.tokens)
         self.rounds += is_round
         self.bytes_sent += result.traffic.sent

@@ -1,4 +1,4 @@
-"""The YAML configuration (DESIGN §6) of the gateway and ``specgate serve``, overridden by ``SPECGATE_<SECTION>__<KEY>``
+"""The YAML configuration (docs/design.md §6) of the gateway and ``specgate serve``, overridden by ``SPECGATE_<SECTION>__<KEY>``
 variables; a bad key is a ConfigError naming it. docs/configuration.md is generated from the comments below."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ FIRST_LOCAL_PORT = 8101
 class DraftConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "builtin-draft"  # any --model value, or none: no draft model (lookup drafts alone, DESIGN §3.10)
+    model: str = "builtin-draft"  # any --model value, or none: no draft model (lookup drafts alone, docs/design.md §3.10)
     tokenizer: str | None = None  # model none: whose tokenizer the gateway uses (a --model value; default builtin)
     backend: Backend = Backend.LLAMA_CPP  # model runner of the draft
     memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of the draft, all sessions
@@ -48,7 +48,7 @@ class DraftConfig(BaseModel):
 
 
 class TreeParams(BaseModel):
-    """``"tree": {...}`` (config or request): mode ``tree``'s draft tree (DESIGN §3.6); absent: the default by temperature."""
+    """``"tree": {...}`` (config or request): mode ``tree``'s draft tree (docs/design.md §3.6); absent: the default by temperature."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -75,7 +75,7 @@ class TreeParams(BaseModel):
 
 
 class PipelineParams(BaseModel):
-    """``"pipeline": {...}`` (config or request): mode ``pipeline``'s schedule (DESIGN §3.7); absent keys: the defaults."""
+    """``"pipeline": {...}`` (config or request): mode ``pipeline``'s schedule (docs/design.md §3.7); absent keys: the defaults."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -143,7 +143,7 @@ class SpeculativeConfig(BaseModel):
 
 
 class LinkConfig(BaseModel):
-    """Link emulation (DESIGN §4): each exchange waits rtt/2 + bytes·8/rate per direction."""
+    """Link emulation (docs/design.md §4): each exchange waits rtt/2 + bytes·8/rate per direction."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -158,7 +158,7 @@ class LinkConfig(BaseModel):
 
 
 class StageEntry(BaseModel):
-    """One stage of a ``pipeline`` target (DESIGN §3.7): ``url``, a bare string, or ``model`` + ``layers`` (started by ``serve``)."""
+    """One stage of a ``pipeline`` target (docs/design.md §3.7): ``url``, a bare string, or ``model`` + ``layers`` (started by ``serve``)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -190,7 +190,7 @@ class StageEntry(BaseModel):
 
 
 class WorkerEntry(BaseModel):
-    """One target: ``url`` / ``urls`` (remote replicas), ``model`` (local), ``pipeline`` (DESIGN §3.7) or an engine (DESIGN §8)."""
+    """One target: ``url`` / ``urls`` (remote replicas), ``model`` (local), ``pipeline`` (docs/design.md §3.7) or an engine (docs/design.md §8)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -255,7 +255,7 @@ class LimitsConfig(BaseModel):
 
 
 class HealthConfig(BaseModel):
-    """The circuit breaker of each replica (DESIGN §4)."""
+    """The circuit breaker of each replica (docs/design.md §4)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,4 +1,4 @@
-"""Grammars (DESIGN §3.9): the one place that talks to llguidance (chosen over xgrammar: ``specgate bench grammar``).
+"""Grammars (docs/design.md §3.9): the one place that talks to llguidance (chosen over xgrammar: ``specgate bench grammar``).
 ``GrammarSpec``: a grammar by value; ``Grammars``: compiled once per content; ``Matcher``: one session's position."""
 
 from __future__ import annotations

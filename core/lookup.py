@@ -1,4 +1,4 @@
-"""Lookup drafting (DESIGN §3.10): ``PromptLookup`` (vLLM's ``ngram``) matches the context's last n-gram in
+"""Lookup drafting (docs/design.md §3.10): ``PromptLookup`` (vLLM's ``ngram``) matches the context's last n-gram in
 its own context; ``SuffixIndex`` (vLLM's ``suffix``) continues its longest suffix found in recent outputs."""
 
 from __future__ import annotations

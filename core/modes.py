@@ -1,4 +1,4 @@
-"""Each decoding mode (DESIGN §3): its ``speculative`` fields, whether the gateway drafts, its needs of the targets; its verify: ``app.engine``."""
+"""Each decoding mode (docs/design.md §3): its ``speculative`` fields, whether the gateway drafts, its needs of the targets; its verify: ``app.engine``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class Payload(StrEnum):
     FULL = "full"  # the whole T(p_n) (k: full; split's p at the rejection; a pipeline's last stage)
     TOP_K = "top_k"  # the top-k of T(p_n), reconstructed at the gateway (SpecFed)
     SPARSE = "sparse"  # exact's: p_n on the draft's supports, the mass off them, one sample from off them
-    ENGINE = "engine"  # an openai-logprobs engine's top-k log-probabilities (DESIGN §8)
+    ENGINE = "engine"  # an openai-logprobs engine's top-k log-probabilities (docs/design.md §8)
 
 
 class Guarantee(StrEnum):
@@ -35,7 +35,7 @@ GUARANTEES: dict[Payload, Guarantee] = {
 
 
 def guarantee(payload: Payload, relaxed: bool) -> Guarantee:
-    """The claim of a configuration: its payload's, unless DSD's relaxed test loosens it (DESIGN §3.8)."""
+    """The claim of a configuration: its payload's, unless DSD's relaxed test loosens it (docs/design.md §3.8)."""
     return Guarantee.BOUNDED if relaxed else GUARANTEES[payload]
 
 
@@ -50,8 +50,8 @@ class ModeSpec:
     payloads: frozenset[Payload]  # what its targets may answer with (``SpecOptions.payload``)
     drafts: bool = True  # the gateway drafts (autoregressive: no)
     one_worker: bool = False  # verifies on exactly one worker (split)
-    engines: bool = False  # openai-logprobs engines may be among the targets (DESIGN §8)
-    pipelines: bool = False  # pipeline targets (stage workers, DESIGN §3.7) may be among the targets
+    engines: bool = False  # openai-logprobs engines may be among the targets (docs/design.md §8)
+    pipelines: bool = False  # pipeline targets (stage workers, docs/design.md §3.7) may be among the targets
 
     @property
     def takes_k(self) -> bool:

@@ -1,4 +1,4 @@
-"""The names of DESIGN §2–3 that travel on the wire and in configuration."""
+"""The names of docs/design.md §2–3 that travel on the wire and in configuration."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from enum import Enum
 
 
 class Mode(str, Enum):
-    """A decoding mode (DESIGN §3): what goes on the wire and where verification happens."""
+    """A decoding mode (docs/design.md §3): what goes on the wire and where verification happens."""
 
     AUTOREGRESSIVE = "autoregressive"
     AGGREGATE = "aggregate"
@@ -17,7 +17,7 @@ class Mode(str, Enum):
 
 
 class Drafter(str, Enum):
-    """Where the gateway's draft comes from (DESIGN §3.10)."""
+    """Where the gateway's draft comes from (docs/design.md §3.10)."""
 
     MODEL = "model"  # the draft model, a step per token
     LOOKUP = "lookup"  # prompt lookup, then the suffix index: no model at all (one token a round when nothing matches)
@@ -25,7 +25,7 @@ class Drafter(str, Enum):
 
 
 class Backend(str, Enum):
-    """A model runner backend (DESIGN §7)."""
+    """A model runner backend (docs/design.md §7)."""
 
     TRANSFORMERS = "transformers"
     LLAMA_CPP = "llama.cpp"
@@ -39,14 +39,14 @@ class ProbsDtype(str, Enum):
 
 
 class Reconstruction(str, Enum):
-    """How the gateway rebuilds p̂_n from a top-k payload (DESIGN §3.3)."""
+    """How the gateway rebuilds p̂_n from a top-k payload (docs/design.md §3.3)."""
 
     RENORMALIZE = "renormalize"  # eq. 5: p_n / ρ_n on S_n, 0 elsewhere (the default)
     RESIDUAL = "residual"  # eq. 6: p_n on S_n, σ_n / (|V| − k) elsewhere
 
 
 class TargetType(str, Enum):
-    """What a target entry speaks (DESIGN §4, §8)."""
+    """What a target entry speaks (docs/design.md §4, §8)."""
 
     SPECGATE = "specgate"  # our worker: protocol v1, every mode
     OPENAI_LOGPROBS = "openai-logprobs"  # an OpenAI-compatible engine's top-k logprobs (autoregressive, aggregate)

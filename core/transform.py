@@ -1,4 +1,4 @@
-"""Transforms (DESIGN §3.9), one definition for the draft and every worker: per row, min_tokens → logit_bias →
+"""Transforms (docs/design.md §3.9), one definition for the draft and every worker: per row, min_tokens → logit_bias →
 penalties → grammar mask, then ``core.math.sampling``. ``TransformSpec``: what a request asks; ``Transformer``: one session's state."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ class Transformer:
         agreed: list[int],  # the tokens every row's prefix starts with (prompt + generated so far)
         paths: list[list[int]],  # [R]: each row's tokens after ``agreed`` (a chain's draft[:j], a node's path)
     ) -> torch.Tensor:  # [R, V] fp32, transformed
-        """Every row's logits transformed by its own prefix (DESIGN §3.9); leaves the matcher at ``agreed``, which holds the whole prompt."""
+        """Every row's logits transformed by its own prefix (docs/design.md §3.9); leaves the matcher at ``agreed``, which holds the whole prompt."""
         if len(agreed) < self.spec.prompt_len:
             raise ValueError(f"the rows' common prefix ({len(agreed)} tokens) is shorter than the prompt ({self.spec.prompt_len})")
         out = logits.float().clone()

@@ -1,7 +1,7 @@
 """deploy/kubernetes read as a cluster reads it: every overlay renders with kubectl's Kustomize and validates strictly
 against the Kubernetes schemas (offline: kubernetes-validate); every object lands in the one namespace; every Secret,
-ConfigMap and Service reference resolves to an object the overlay makes; every specgate image is the one reference the
-README builds and pushes; pods run locked down, spread, with disruption budgets; the autoscalers read metrics the pods
+ConfigMap and Service reference resolves to an object the overlay makes; every specgate image is the one reference
+docs/kubernetes.md builds and pushes; pods run locked down, spread, with disruption budgets; the autoscalers read metrics the pods
 export through the adapter rules in the repository; the settings survive Kubernetes' service-link variables; the
 drains cover the longest stream. tests/integration/test_kubernetes_pods.py starts the rendered containers."""
 
@@ -130,10 +130,10 @@ def test_every_reference_resolves_to_an_object_the_overlay_makes(overlay: str) -
 
 
 @pytest.mark.parametrize("overlay", sorted(KINDS))
-def test_every_specgate_image_is_the_reference_the_readme_builds_and_pushes(overlay: str) -> None:
+def test_every_specgate_image_is_the_reference_the_docs_build_and_push(overlay: str) -> None:
     [image] = component()["images"]
     reference = f"{image['newName']}:{image['newTag']}"
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "kubernetes.md").read_text()  # where the README sends a Kubernetes user
     assert f"docker build -t {reference} ." in readme and f"docker push {reference}" in readme
     images = {c["name"]: c["image"] for w in workloads(render(overlay)) for c in w["spec"]["template"]["spec"]["containers"]}
     for name, found in images.items():

@@ -1,1 +1,1 @@
-"""The worker server: hosts a target model and speaks protocol v1 (DESIGN §4)."""
+"""The worker server: hosts a target model and speaks protocol v1 (docs/design.md §4)."""

@@ -1,4 +1,4 @@
-"""A stage's link to the next (DESIGN §3.7): its new rows' states sent on over HTTP — after the
+"""A stage's link to the next (docs/design.md §3.7): its new rows' states sent on over HTTP — after the
 emulated link's delay (``link_rtt_ms``, ``link_mbps``) — and that stage's answer passed back with
 this one's time in front; a next stage that fails or cannot be reached, passed back as such."""
 

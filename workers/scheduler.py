@@ -1,4 +1,4 @@
-"""The worker's ``VerifyScheduler`` (DESIGN §9): calls wait in one FIFO queue; a step takes from its front
+"""The worker's ``VerifyScheduler`` (docs/design.md §9): calls wait in one FIFO queue; a step takes from its front
 (``take_within``) and runs them as one runner forward (``workers.step``); ``exclusive`` entries (``DELETE``, the
 close) run between two steps, in their place in the queue. A long prompt goes in pieces (chunked prefill, as
 vLLM's): ``prefill_chunk`` of its tokens a step, in the steps the other sessions' calls leave free and one step in

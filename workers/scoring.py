@@ -1,4 +1,4 @@
-"""Logits -> what a verify call returns (DESIGN §3.2, §3.3): ``T(p_n)``, compressed to top-k
+"""Logits -> what a verify call returns (docs/design.md §3.2, §3.3): ``T(p_n)``, compressed to top-k
 when asked, with σ_n and e_n; or the worker's own sample z_n ~ T(p_n) (autoregressive).
 The math is core's: the gateway reconstructs with the very functions used here for e_n."""
 

@@ -1,4 +1,4 @@
-"""The worker's FastAPI app (protocol v1, DESIGN §4): routes, errors in the OpenAI envelope, ``/metrics``; its state is ``workers.state``."""
+"""The worker's FastAPI app (protocol v1, docs/design.md §4): routes, errors in the OpenAI envelope, ``/metrics``; its state is ``workers.state``."""
 
 from __future__ import annotations
 

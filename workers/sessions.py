@@ -26,7 +26,7 @@ class SessionStore:
     num_evicted: int = 0
     _last_used: OrderedDict[str, float] = field(default_factory=OrderedDict)
     _trees: set[str] = field(default_factory=set)  # sessions that sent tree calls
-    transforms: dict[str, Transformer] = field(default_factory=dict)  # a session's transform (DESIGN §3.9), from the call that started it
+    transforms: dict[str, Transformer] = field(default_factory=dict)  # a session's transform (docs/design.md §3.9), from the call that started it
 
     def __len__(self) -> int:
         return len(self._last_used)

@@ -1,4 +1,4 @@
-"""A pipeline stage (DESIGN §3.7): messages kept, checked, taken in ``seq`` order; the last answers the payload, another sends states on."""
+"""A pipeline stage (docs/design.md §3.7): messages kept, checked, taken in ``seq`` order; the last answers the payload, another sends states on."""
 
 from __future__ import annotations
 

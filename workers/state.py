@@ -1,4 +1,4 @@
-"""Everything one worker app owns (DESIGN §4); its step is ``workers.step`` (a stage's: ``workers.stage``), its transform ``workers.transforms``."""
+"""Everything one worker app owns (docs/design.md §4); its step is ``workers.step`` (a stage's: ``workers.stage``), its transform ``workers.transforms``."""
 
 from __future__ import annotations
 

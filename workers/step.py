@@ -1,4 +1,4 @@
-"""One worker step (DESIGN §4, §9), on the model thread: calls of distinct sessions checked and cropped one by one, **one** forward, each scored."""
+"""One worker step (docs/design.md §4, §9), on the model thread: calls of distinct sessions checked and cropped one by one, **one** forward, each scored."""
 
 from __future__ import annotations
 

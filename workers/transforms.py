@@ -1,4 +1,4 @@
-"""The request's transform on a worker (DESIGN §3.9): the grammar engine, grammars compiled off the model thread, each session's transform."""
+"""The request's transform on a worker (docs/design.md §3.9): the grammar engine, grammars compiled off the model thread, each session's transform."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ Shaping = tuple[Transformer, list[int], list[list[int]]]  # a call's transform, 
 
 
 def shaped(rows: torch.Tensor, shaping: Shaping | None) -> torch.Tensor:
-    """``rows`` each transformed by its own prefix (DESIGN §3.9), when the call has a transform."""
+    """``rows`` each transformed by its own prefix (docs/design.md §3.9), when the call has a transform."""
     if shaping is None:
         return rows
     transformer, agreed, paths = shaping
@@ -41,7 +41,7 @@ class SessionTransforms:
             raise InvalidRequest(str(exc), param="transform") from exc
 
     def start_transform(self, session_id: str, wire: dict[str, Any] | None) -> None:
-        """A call that starts a session (prefix_len 0) sets its transform (DESIGN §3.9), or none."""
+        """A call that starts a session (prefix_len 0) sets its transform (docs/design.md §3.9), or none."""
         self.sessions.transforms.pop(session_id, None)
         if wire is not None:
             self.sessions.transforms[session_id] = self.transformer(wire)

@@ -1,4 +1,4 @@
-"""A chain draft (DESIGN §3.1–3.2): γ tokens from q̂, a decode each; a grammar's forced runs ride free on the decode before; model+lookup: lookup first."""
+"""A chain draft (docs/design.md §3.1–3.2): γ tokens from q̂, a decode each; a grammar's forced runs ride free on the decode before; model+lookup: lookup first."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from core.math.tree import SparseRow, TokenTree
 
 
 class ChainRows:
-    """The rows q̂ of a chain as drafted: dense, or on truncated supports (sampled there, DESIGN §9)."""
+    """The rows q̂ of a chain as drafted: dense, or on truncated supports (sampled there, docs/design.md §9)."""
 
     def __init__(self, request: DraftRequest, vocab_size: int) -> None:
         self.truncating, self.vocab_size = request.truncating, vocab_size

@@ -1,4 +1,4 @@
-"""A grammar's forced runs in a tree draft (DESIGN §3.9): the draft carries a sole allowed token free, its row q̂ a point mass like every T(p)."""
+"""A grammar's forced runs in a tree draft (docs/design.md §3.9): the draft carries a sole allowed token free, its row q̂ a point mass like every T(p)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Lookup drafting at the gateway (DESIGN §3.10): a proposal (q̂ = δ) from the session's context or the
+"""Lookup drafting at the gateway (docs/design.md §3.10): a proposal (q̂ = δ) from the session's context or the
 outputs of ended sessions, how it joins a draft, and the acceptance it learns (``AcceptanceStats``)."""
 
 from __future__ import annotations

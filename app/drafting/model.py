@@ -1,4 +1,4 @@
-"""The draft at the gateway (DESIGN §3.1–3.2, §3.6, §3.10): one runner, its decodes shared by the drafts
+"""The draft at the gateway (docs/design.md §3.1–3.2, §3.6, §3.10): one runner, its decodes shared by the drafts
 in progress (``StepBatcher``); a chain or a tree of the model's tokens, a lookup's, or both."""
 
 from __future__ import annotations

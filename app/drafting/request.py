@@ -1,4 +1,4 @@
-"""What one draft is asked for, and the rows q̂ it draws from (DESIGN §3.1–3.2, §9)."""
+"""What one draft is asked for, and the rows q̂ it draws from (docs/design.md §3.1–3.2, §9)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ GREEDY_ROW = 32  # a greedy tree's row: q̂'s most likely tokens kept (≥ any t
 @dataclass(frozen=True)
 class DraftRequest:
     """One draft of one session after ``sequence``: ``truncation`` = (draft_top_k, draft_top_p), the
-    ``transformer`` as the workers apply it (DESIGN §3.9), the ``drafter`` (§3.10); ``shared`` = False for
+    ``transformer`` as the workers apply it (docs/design.md §3.9), the ``drafter`` (§3.10); ``shared`` = False for
     a seeded request: no other sessions' outputs (the same seed's draws would test a draft they shaped)."""
 
     session_id: str

@@ -1,4 +1,4 @@
-"""A tree draft (DESIGN §3.6): one batched draft decode per depth; children the top-k of q̂ (then EAGLE-2's
+"""A tree draft (docs/design.md §3.6): one batched draft decode per depth; children the top-k of q̂ (then EAGLE-2's
 rerank) or draws from it, keyed by position and lane, so lane 0 of a one-wide tree draws the chain's numbers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The engine's one loop for every round-by-round mode (DESIGN §3): forced tokens, or draft → verify (the strategy) → commit ``accepted + 1``."""
+"""The engine's one loop for every round-by-round mode (docs/design.md §3): forced tokens, or draft → verify (the strategy) → commit ``accepted + 1``."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ class Engine:
         return Session(f"{req.request_id}-{req.choice}", req, list(req.prompt), agreed, self.max_context, self.eos_ids, transformer, verifier, auto)
 
     def _with_min_tokens(self, req: GenerationRequest) -> GenerationRequest:
-        """min_tokens as the first step of the request's transform (vLLM's order, DESIGN §3.9; none with ignore_eos)."""
+        """min_tokens as the first step of the request's transform (vLLM's order, docs/design.md §3.9; none with ignore_eos)."""
         if req.min_tokens <= 0 or req.ignore_eos or not self.eos_ids:
             return req
         base = req.transform if req.transform is not None else TransformSpec(prompt_len=len(req.prompt))

@@ -1,4 +1,4 @@
-"""DSD's overlap (DESIGN §3.8): the draft goes on during a verify as if all were accepted; draws keyed by position keep the output the same."""
+"""DSD's overlap (docs/design.md §3.8): the draft goes on during a verify as if all were accepted; draws keyed by position keep the output the same."""
 
 from __future__ import annotations
 

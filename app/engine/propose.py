@@ -1,4 +1,4 @@
-"""What a round verifies: the tokens a grammar forces (no call), or a chain of γ or a tree (DESIGN §3.6)."""
+"""What a round verifies: the tokens a grammar forces (no call), or a chain of γ or a tree (docs/design.md §3.6)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ MAX_DRAFT = 32  # the longest chain sent (γ ≤ 32; a worker decodes tokens + d
 
 
 def forced(session: Session, room: int) -> RoundResult | None:
-    """The tokens the grammar forces after the sequence (DESIGN §3.9), within ``room``; None when the next is not forced."""
+    """The tokens the grammar forces after the sequence (docs/design.md §3.9), within ``room``; None when the next is not forced."""
     transformer, req = session.transformer, session.req
     if transformer is None or transformer.matcher is None:
         return None

@@ -1,4 +1,4 @@
-"""One round as a strategy sees it (DESIGN §3): the calls, the mixture of the answers, the draws, the logprobs."""
+"""One round as a strategy sees it (docs/design.md §3): the calls, the mixture of the answers, the draws, the logprobs."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class Round:
     """What a strategy sees of the round in progress."""
 
     targets: TargetSet
-    weights: torch.Tensor  # [N]: as configured, each target transformed as it would be alone (DESIGN §3.9)
+    weights: torch.Tensor  # [N]: as configured, each target transformed as it would be alone (docs/design.md §3.9)
     vocab_size: int
     req: GenerationRequest
     session_id: str

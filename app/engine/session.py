@@ -1,4 +1,4 @@
-"""One choice in progress (DESIGN §3): the agreed tokens, what each target holds of them, the room left and the finish."""
+"""One choice in progress (docs/design.md §3): the agreed tokens, what each target holds of them, the room left and the finish."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a request asks of the engine and what one round gives back (DESIGN §3)."""
+"""What a request asks of the engine and what one round gives back (docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ class SpecOptions:
     reconstruction: Reconstruction
     draft_top_k: int = 0  # TSLT draft truncation: keep the k most likely draft tokens (0 = off)
     draft_top_p: float = 1.0  # ... or the smallest nucleus of mass ≥ draft_top_p (1 = off)
-    engine_targets: bool = False  # some targets are openai-logprobs engines: their top-k makes it lossy (DESIGN §8)
+    engine_targets: bool = False  # some targets are openai-logprobs engines: their top-k makes it lossy (docs/design.md §8)
     overlap: bool = False  # DSD: draft the next round while this one is verified (output unchanged)
     auto_gamma: bool = False  # num_draft_tokens: auto (app.adaptive); num_draft_tokens is then the seeded γ
-    relaxation: Relaxation | None = None  # DSD's relaxed accept test (lossy; aggregate and exact at T > 0; DESIGN §3.8)
+    relaxation: Relaxation | None = None  # DSD's relaxed accept test (lossy; aggregate and exact at T > 0; docs/design.md §3.8)
     tree: TreeShape | None = None  # mode tree: the draft tree; None = the default by temperature (TreeShape.default)
-    tree_payload: Mode = Mode.AGGREGATE  # mode tree: what each node's row carries — aggregate's or exact's (DESIGN §3.6)
+    tree_payload: Mode = Mode.AGGREGATE  # mode tree: what each node's row carries — aggregate's or exact's (docs/design.md §3.6)
     pipeline: SegmentSchedule | None = None  # mode pipeline: the tree and its segments; None = the defaults
     profile: bool = False  # usage lists every round: its time by part, bytes and tokens (``specgate bench overhead``)
-    drafter: Drafter = Drafter.MODEL  # where a draft comes from (DESIGN §3.10)
+    drafter: Drafter = Drafter.MODEL  # where a draft comes from (docs/design.md §3.10)
 
     def __post_init__(self) -> None:
         for broken, message in (
@@ -95,11 +95,11 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # echo with logprobs: the prompt's tokens too (n alternatives)
     ignore_eos: bool = False  # vLLM's: EOS is sampled as the target says but does not end the answer
     min_tokens: int = 0  # vLLM's: EOS cannot be emitted before this many tokens (the target without it, renormalised)
-    transform: TransformSpec | None = None  # DESIGN §3.9: logit_bias, penalties, a grammar; every worker and the draft apply it
+    transform: TransformSpec | None = None  # docs/design.md §3.9: logit_bias, penalties, a grammar; every worker and the draft apply it
     draft_after: int = 0  # a late draft (app.engine.late): rounds with no draft while it prefills, then seeded waits for it, unseeded goes on until it is ready
 
     def sampling_wire(self) -> dict[str, object]:
-        """The request's sampling on a target's call; min-p and the transform where set (DESIGN §3.9)."""
+        """The request's sampling on a target's call; min-p and the transform where set (docs/design.md §3.9)."""
         out: dict[str, object] = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
         if self.params.min_p:
             out["min_p"] = self.params.min_p
@@ -157,5 +157,5 @@ class RoundResult:
     turns: int = 0  # mode pipeline: segments answered (pipeline turns) in this result
     rounds_ended: int = 0  # mode pipeline: trees whose walk ended (a recovered or bonus token drawn)
     hop_bytes: list[int] = field(default_factory=list)  # mode pipeline: the answered segment's bytes per stage-to-stage hop
-    forced: int = 0  # tokens the grammar forced (DESIGN §3.9): emitted by the gateway with no draft and no call
+    forced: int = 0  # tokens the grammar forced (docs/design.md §3.9): emitted by the gateway with no draft and no call
     without_draft: int = 0  # 1: a drafting mode's round that carried no draft, the draft still prefilling (app.engine.late)

@@ -1,4 +1,4 @@
-"""What every target shares (DESIGN §1, §4, §8): the ``Target`` base, a ``Dialect`` per kind of target, the
+"""What every target shares (docs/design.md §1, §4, §8): the ``Target`` base, a ``Dialect`` per kind of target, the
 ``Channel`` its calls go through, and the failures:
 
     ReplicaFailure   one replica failed one call (``kind``: one of FAILURE_KINDS); the session moves on
@@ -54,7 +54,7 @@ class Expected:
 
 @dataclass
 class Traffic:
-    """Bytes on the wire with one worker, both ways (DESIGN §4), and seconds by part (``ROUND_PARTS``); ``add`` sums the bytes only."""
+    """Bytes on the wire with one worker, both ways (docs/design.md §4), and seconds by part (``ROUND_PARTS``); ``add`` sums the bytes only."""
 
     sent: int = 0
     received: int = 0
@@ -186,7 +186,7 @@ class Dialect(Protocol):
     """How one kind of target is spoken to, replica by replica (``ReplicaSet`` does the rest)."""
 
     health_path: str | None  # probed before ``info`` when a breaker is open; None: straight to ``info``
-    is_engine: bool  # an OpenAI-compatible engine (DESIGN §8), not a specgate worker
+    is_engine: bool  # an OpenAI-compatible engine (docs/design.md §8), not a specgate worker
 
     async def info(self, replica: Replica) -> InfoResponse: ...  # checked against Expected (ReplicaFailure otherwise)
 

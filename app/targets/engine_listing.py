@@ -1,4 +1,4 @@
-"""An OpenAI-compatible engine's completions listing, token by token (DESIGN §8): its ``EngineFormat``, its entries, ``TokenTable``'s ids."""
+"""An OpenAI-compatible engine's completions listing, token by token (docs/design.md §8): its ``EngineFormat``, its entries, ``TokenTable``'s ids."""
 
 from __future__ import annotations
 

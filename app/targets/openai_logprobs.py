@@ -1,4 +1,4 @@
-"""Existing engines as targets (DESIGN §8): the prompt logprobs of ``sequence + draft + [pad]`` (``pad``
+"""Existing engines as targets (docs/design.md §8): the prompt logprobs of ``sequence + draft + [pad]`` (``pad``
 makes the γ+1-th distribution a prompt entry too); T(p) on their top-k, the tail bounded. A probe
 learns how the engine reads and writes (``EngineFormat``); echoed tokens that differ from ours are an
 error, never a guess; a string several ids share counts only where it is the token there, else in the bound.

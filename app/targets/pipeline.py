@@ -1,4 +1,4 @@
-"""A pipeline as a target (DESIGN §3.7): a model's layers over stage workers in order; ``forward`` sends one segment, ``verify`` a call of segments."""
+"""A pipeline as a target (docs/design.md §3.7): a model's layers over stage workers in order; ``forward`` sends one segment, ``verify`` a call of segments."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The federation (DESIGN §3.3): every weighted target, one HTTP client for all (retries off: failover is the only retry)."""
+"""The federation (docs/design.md §3.3): every weighted target, one HTTP client for all (retries off: failover is the only retry)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A target with replicas of one model (DESIGN §4, docs/reliability.md): sessions, failover, breakers, probes."""
+"""A target with replicas of one model (docs/design.md §4, docs/reliability.md): sessions, failover, breakers, probes."""
 
 from __future__ import annotations
 

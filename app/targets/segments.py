@@ -1,4 +1,4 @@
-"""A verify call as pipeline segments (DESIGN §3.7) and the last stage's answer as a verify answer, no transport."""
+"""A verify call as pipeline segments (docs/design.md §3.7) and the last stage's answer as a verify answer, no transport."""
 
 from __future__ import annotations
 

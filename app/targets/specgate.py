@@ -1,4 +1,4 @@
-"""The specgate worker as a target (protocol v1, DESIGN §4): ``/v1/info``, ``/v1/verify`` with the resend on a 409."""
+"""The specgate worker as a target (protocol v1, docs/design.md §4): ``/v1/info``, ``/v1/verify`` with the resend on a 409."""
 
 from __future__ import annotations
 

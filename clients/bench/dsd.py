@@ -1,4 +1,4 @@
-"""``specgate bench dsd``: DSD's overlapped drafting and adaptive γ (DESIGN §3.8) against fixed
+"""``specgate bench dsd``: DSD's overlapped drafting and adaptive γ (docs/design.md §3.8) against fixed
 draft lengths per emulated link, each cell beside its bound and physical bound with the overlap
 counted where it happened; the cells, the pairing and the formula are in docs/performance.md ("DSD")."""
 

@@ -1,5 +1,5 @@
 """``specgate bench pipeline``: FlowSpec's pipeline against pipelined autoregressive decoding
-through the same stages, per stage count and per-hop delay (DESIGN §3.7; docs/performance.md,
+through the same stages, per stage count and per-hop delay (docs/design.md §3.7; docs/performance.md,
 "Pipeline"). ALT: tokens per pipeline turn (segment answered); ALR: tokens per tree; bytes per
 hop: the states sent stage to stage, per token."""
 

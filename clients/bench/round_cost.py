@@ -1,4 +1,4 @@
-"""What one verify round costs the worker, chain vs tree, at equal verified-node budgets, on a device (DESIGN §3.6, §9).
+"""What one verify round costs the worker, chain vs tree, at equal verified-node budgets, on a device (docs/design.md §3.6, §9).
 
 ``specgate bench tree-device`` runs it: the worker's own path (crop, one runner ``forward``, scoring with ``k: full``)
 on the built-in architecture with random weights (a forward costs the same whatever the weights)."""

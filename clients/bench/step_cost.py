@@ -1,5 +1,5 @@
 """What one scheduler step costs the worker on a device, by batch × positions, beside the bare model's
-forward in the same run (DESIGN §9; ``specgate bench step-device`` runs ``python -m clients.bench.step_cost``).
+forward in the same run (docs/design.md §9; ``specgate bench step-device`` runs ``python -m clients.bench.step_cost``).
 A **step**: B calls of distinct sessions cropped to ``PREFIX``, one ``forward_each``, each call scored (``k: full``):
 on transformers' modules scored call by call on the host (``step``, the worker on ``--forward hf --scoring host``), on
 the static forward (core/runners/static_forward.py, inputs padded to buckets, CUDA graphs on a GPU) scored on the host

@@ -1,4 +1,4 @@
-"""``specgate bench tree``: token trees against chains at equal verified-node budgets, per link and T (DESIGN §3.6; docs/performance.md, "Trees")."""
+"""``specgate bench tree``: token trees against chains at equal verified-node budgets, per link and T (docs/design.md §3.6; docs/performance.md, "Trees")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``specgate bench workload``: where lookup drafting pays (DESIGN §3.10): the bundled prompt set
+"""``specgate bench workload``: where lookup drafting pays (docs/design.md §3.10): the bundled prompt set
 (``clients.bench.workload_prompts``) per link × T × category, each prompt once per drafter in turn,
 unseeded (a seeded request does not use the suffix index); docs/performance.md, "Lookup drafters"."""
 

@@ -1,1 +1,1 @@
-"""Pure math (DESIGN §1): tensors in, tensors or small dataclasses out. No I/O, no globals."""
+"""Pure math (docs/design.md §1): tensors in, tensors or small dataclasses out. No I/O, no globals."""

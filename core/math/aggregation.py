@@ -1,4 +1,4 @@
-"""SpecFed (DESIGN §3.3): reconstructing p̂_n from a top-k payload, aggregating workers, and the quantities the evaluation reports (eqs. 5–10, 21–23)."""
+"""SpecFed (docs/design.md §3.3): reconstructing p̂_n from a top-k payload, aggregating workers, and the quantities the evaluation reports (eqs. 5–10, 21–23)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def reconstruct(
     vocab_size: int,
     method: Reconstruction = Reconstruction.RENORMALIZE,
     tail_mass: torch.Tensor | None = None,  # [m]: σ_n as the worker summed it; else 1 − ρ_n
-    allowed: torch.Tensor | None = None,  # [m, V] bool: the grammar's allowed ids per row (DESIGN §3.9)
+    allowed: torch.Tensor | None = None,  # [m, V] bool: the grammar's allowed ids per row (docs/design.md §3.9)
 ) -> torch.Tensor:  # [m, V] float64, rows sum to 1
     """p̂_n from the top-k ids and probabilities of worker n. With a grammar, ``residual``
     spreads σ_n over the allowed ids outside the top-k only (T(p_n) has no mass on the others,

@@ -1,4 +1,4 @@
-"""Compressing a distribution to its top-k entries (DESIGN §2: ``S``, ``ρ``, ``σ``)."""
+"""Compressing a distribution to its top-k entries (docs/design.md §2: ``S``, ``ρ``, ``σ``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Choosing the draft length γ (DESIGN §3.1, issue 8): the γ that maximises the analytic throughput
+"""Choosing the draft length γ (docs/design.md §3.1, issue 8): the γ that maximises the analytic throughput
 E(γ) / T(γ) of a round, with E(γ) = Σ_{i=0}^{γ} Π_{j<i} α_j tokens (α_j the acceptance at draft position j)
 and T(γ) its time from sending one round to sending the next (``RoundCosts.round_s``).
 """

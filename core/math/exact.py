@@ -1,4 +1,4 @@
-"""`exact` (DESIGN §3.5), lossless with sparse payloads: §3.1 for p = Σ_n w_n p_n from each p_n on S_j, its mass c_n off S_j, a sample y_n there."""
+"""`exact` (docs/design.md §3.5), lossless with sparse payloads: §3.1 for p = Σ_n w_n p_n from each p_n on S_j, its mass c_n off S_j, a sample y_n there."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Greedy (T = 0) over several workers (DESIGN §3.2, §3.5): the target token is the argmax of
+"""Greedy (T = 0) over several workers (docs/design.md §3.2, §3.5): the target token is the argmax of
 the mixture Σ_n w_n softmax(l_n), ties to the lowest id — not a vote of the workers' argmaxes.
 From top-k payloads it is certified by bounds, or not (then ask again with a larger k)."""
 
@@ -15,7 +15,7 @@ def certify_argmax(
     weights: torch.Tensor,  # [N]
     vocab_size: int,
 ) -> int | None:
-    """The mixture's argmax if the top-k payloads prove it (its lower bound beats every other upper bound, DESIGN §3.5), else None."""
+    """The mixture's argmax if the top-k payloads prove it (its lower bound beats every other upper bound, docs/design.md §3.5), else None."""
     w = normalise_weights(weights)
     union = torch.unique(torch.cat([i.long() for i in ids]))  # ascending: ties go to the lowest id
     column = {int(token): c for c, token in enumerate(union.tolist())}

@@ -1,4 +1,4 @@
-"""Counter-based random streams (DESIGN §3.2): every number a pure function of (seed, choice, position,
+"""Counter-based random streams (docs/design.md §3.2): every number a pure function of (seed, choice, position,
 purpose, worker, lane), Philox-4x32-10 keyed by (seed, choice, purpose, worker); lane 0 is a chain's stream (§3.6)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Relaxed verification (DSD, DESIGN §3.8): opt-in and lossy, with its distance known exactly.
+"""Relaxed verification (DSD, docs/design.md §3.8): opt-in and lossy, with its distance known exactly.
 
 Accept x_j iff r_j < τ_j + (1 − τ_j)·min(1, p_j(x_j) / q_j(x_j)), else the §3.1 residual: the token
 follows τ_j q_j + (1 − τ_j) p_j, at TV distance τ_j (1 − β_j) from p_j. DSD names the signals of

@@ -1,4 +1,4 @@
-"""EAGLE-2's rerank (DESIGN §3.6): the budget's best nodes by cumulative draft logprob; a node never outscores its parent, so they form a tree."""
+"""EAGLE-2's rerank (docs/design.md §3.6): the budget's best nodes by cumulative draft logprob; a node never outscores its parent, so they form a tree."""
 
 from __future__ import annotations
 

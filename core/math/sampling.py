@@ -1,4 +1,4 @@
-"""Sampling parameters (DESIGN §3.2): the one definition of ``T(p)`` every mode uses."""
+"""Sampling parameters (docs/design.md §3.2): the one definition of ``T(p)`` every mode uses."""
 
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def truncated_support(
     top_k: int = 0,  # keep the k most likely (0 = off)
     top_p: float = 1.0,  # keep the smallest nucleus of mass ≥ top_p (1 = off)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [s] long ascending ids, [s] float64 probs summing to 1
-    """``truncate`` on the support alone (DESIGN §9): the same ids and ties, the probabilities renormalised over
+    """``truncate`` on the support alone (docs/design.md §9): the same ids and ties, the probabilities renormalised over
     the kept entries (``truncate``'s up to the last bits), with no full-vocabulary log, sort or softmax at top_k."""
     return truncated_supports(probs[None], top_k, top_p)[0]
 

@@ -1,4 +1,4 @@
-"""Draft shapes (DESIGN §3.6, §3.7): ``TreeShape``, ``SegmentSchedule``; torch-free, as the config reads them (a check takes a fraction of a second)."""
+"""Draft shapes (docs/design.md §3.6, §3.7): ``TreeShape``, ``SegmentSchedule``; torch-free, as the config reads them (a check takes a fraction of a second)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ MAX_TREE_NODES = 63  # nodes of one tree at most (a worker scores them in llama.
 
 @dataclass(frozen=True)
 class TreeShape:
-    """How the draft grows a tree (DESIGN §3.6). Sampled rules: each node at depth d gets ``widths[d-1]``
+    """How the draft grows a tree (docs/design.md §3.6). Sampled rules: each node at depth d gets ``widths[d-1]``
     children drawn from q̂. ``fixed`` (EAGLE-2): per depth the ``top_k`` best nodes get their ``top_k``
     most likely children, down to ``depth``; the best ``nodes`` overall stay."""
 
@@ -67,7 +67,7 @@ class TreeShape:
 
 @dataclass(frozen=True)
 class SegmentSchedule:
-    """Mode ``pipeline`` (FlowSpec, DESIGN §3.7): each round's EAGLE-2 ``tree`` goes best node first in
+    """Mode ``pipeline`` (FlowSpec, docs/design.md §3.7): each round's EAGLE-2 ``tree`` goes best node first in
     segments of ``segment`` nodes, ``in_flight`` at once (0 = one per stage); while the live tree runs short,
     ``expand`` grows its best live leaf (no deeper than ``tree.depth`` below the walk)."""
 

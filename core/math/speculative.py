@@ -1,4 +1,4 @@
-"""Speculative sampling (DESIGN §3.1). Terms, fixed once:
+"""Speculative sampling (docs/design.md §3.1). Terms, fixed once:
 
     output tokens of a round = accepted draft tokens + one more token, which is
     the *recovered* token (resampled at the first rejection) or the *bonus* token

@@ -1,4 +1,4 @@
-"""T(p) from a top-k summary of p (DESIGN §3.2, §8): an engine that only reports its top-k
+"""T(p) from a top-k summary of p (docs/design.md §3.2, §8): an engine that only reports its top-k
 logprobs at temperature 1 still defines the target ``T(p)`` for any temperature, top-k and
 top-p — up to the mass its unseen tail gets after tempering, which is bounded here.
 

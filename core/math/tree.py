@@ -1,4 +1,4 @@
-"""Token trees (DESIGN §3.6), verified in one walk (``core.math.walk``). A chain is the tree whose parents are
+"""Token trees (docs/design.md §3.6), verified in one walk (``core.math.walk``). A chain is the tree whose parents are
 [−1, 0, 1, …]: it verifies to the very numbers of the textbook chain verifier (``tests.oracles.verify_sampled``)."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class TokenTree:
 
     @property
     def is_sampled_chain(self) -> bool:
-        """A chain drawn from q̂ (or greedy), as the chain verifiers assume; fixed or lookup children need the walk's fixed rule (DESIGN §3.6, §3.10)."""
+        """A chain drawn from q̂ (or greedy), as the chain verifiers assume; fixed or lookup children need the walk's fixed rule (docs/design.md §3.6, §3.10)."""
         return self.is_chain and self.rule is not ChildRule.FIXED and (self.deterministic is None or not bool(self.deterministic.any()))
 
     @cached_property

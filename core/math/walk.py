@@ -1,4 +1,4 @@
-"""The walk that verifies a token tree (DESIGN §3.6): each node's children tried in draft order by the rule
+"""The walk that verifies a token tree (docs/design.md §3.6): each node's children tried in draft order by the rule
 of how they were chosen, one lane per candidate rank (``accept_u[d, rank]``, then ``final_u[d]``); lookup
 children first, by the fixed rule (§3.10); ``exact``'s sparse payload on S_v plus one entry per worker (§3.5)."""
 

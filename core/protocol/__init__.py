@@ -1,4 +1,4 @@
-"""Worker protocol v1 (DESIGN §4): the frame (``frame``), the messages (``messages``) and their checks (``checks``), handed on here under one name."""
+"""Worker protocol v1 (docs/design.md §4): the frame (``frame``), the messages (``messages``) and their checks (``checks``), handed on here under one name."""
 
 from core.protocol.checks import check_ids, check_stage_request, check_verify_request, check_verify_response
 from core.protocol.frame import (

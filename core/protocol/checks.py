@@ -1,4 +1,4 @@
-"""Protocol v1's checks (DESIGN §4): a request in range for this vocabulary (``InvalidRequest``: 400), a response answering its request (``ProtocolError``)."""
+"""Protocol v1's checks (docs/design.md §4): a request in range for this vocabulary (``InvalidRequest``: 400), a response answering its request (``ProtocolError``)."""
 
 from __future__ import annotations
 

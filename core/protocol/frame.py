@@ -1,4 +1,4 @@
-"""Protocol v1's frame (DESIGN §4): the binary and JSON encodings every message shares.
+"""Protocol v1's frame (docs/design.md §4): the binary and JSON encodings every message shares.
 
 Binary (little-endian): ``b"SGv1"  u32 header_len  header (JSON)  array bytes ...``; the header is
 ``{"fields": {...}, "arrays": [[name, dtype, shape], ...]}`` (fields: only those off their defaults), the arrays

@@ -1,10 +1,10 @@
-"""Protocol v1's messages (DESIGN §4): every field with its meaning, unit and shape.
+"""Protocol v1's messages (docs/design.md §4): every field with its meaning, unit and shape.
 
 Paths (all under the worker's base URL):
     GET    /v1/info               -> InfoResponse        (JSON)
     POST   /v1/verify             VerifyRequest -> VerifyResponse (binary, or JSON on request)
     DELETE /v1/sessions/{id}      -> 204
-    POST   /v1/stage/forward      StageRequest -> StageResponse (a pipeline stage, DESIGN §3.7)
+    POST   /v1/stage/forward      StageRequest -> StageResponse (a pipeline stage, docs/design.md §3.7)
     POST   /v1/stage/keep         StageRequest (``keep`` only) -> StageResponse (``held``)
     GET    /health, GET /metrics
 """
@@ -49,7 +49,7 @@ class InfoResponse(Message):
 @dataclass(frozen=True, eq=False)
 class VerifyRequest(Message):
     """``POST /v1/verify``: crop the session to ``prefix_len``, append ``tokens`` then ``draft``, and answer
-    for the γ+1 positions that predict ``draft`` and the bonus token, by ``mode`` (DESIGN §3). Positions are
+    for the γ+1 positions that predict ``draft`` and the bonus token, by ``mode`` (docs/design.md §3). Positions are
     absolute: the token decided at slot j has index prefix_len + num_new + j."""
 
     ARRAYS: ClassVar[dict[str, str]] = {
@@ -83,7 +83,7 @@ class VerifyRequest(Message):
     score_ids: np.ndarray | None = None  # [m] int: answer only log T(p_n) of these ids at the one scored position (γ = 0)
     parents: np.ndarray | None = None  # [γ] i32, v1.1: the draft is a tree; node i follows node parents[i] (−1 = the root, the last agreed token); rows answer for the root then each node: [γ+1, …]
     min_p: float = 0.0  # [0, 1), 0 = off: after temperature, tokens below min_p × the row's largest probability are dropped (vLLM's)
-    transform: dict[str, Any] | None = None  # DESIGN §3.9, sent on a call that starts the session (prefix_len 0) and kept by it: min_tokens, logit_bias, penalties, grammar (core.transform.TransformSpec's wire form)
+    transform: dict[str, Any] | None = None  # docs/design.md §3.9, sent on a call that starts the session (prefix_len 0) and kept by it: min_tokens, logit_bias, penalties, grammar (core.transform.TransformSpec's wire form)
     path: np.ndarray | None = None  # [a] i32, v1.1: the accepted nodes (root to leaf) of the tree the previous call left; the worker keeps them as the last a of the prefix_len agreed tokens, dropping the rest of that tree; absent after a resend
     seeded: bool = False  # the client gave the seed: the worker computes this call's logits as it would alone, whatever shares its step (a GPU's static forward: a replay of its own)
 
@@ -144,7 +144,7 @@ class VerifyResponse(Message):
 
 @dataclass(frozen=True, eq=False)
 class StageRequest(Message):
-    """``POST /v1/stage/forward``: one segment of a session through a pipeline's stages (DESIGN §3.7), in ``seq``
+    """``POST /v1/stage/forward``: one segment of a session through a pipeline's stages (docs/design.md §3.7), in ``seq``
     order: ``keep``, then the new rows through the stage's layers; a stage not the last sends their states on to
     ``next[0]`` (else its ``--next``), the last answers T(p) at rows ``[score_from, num_new)`` as aggregate's payload."""
 
@@ -168,7 +168,7 @@ class StageRequest(Message):
     probs_dtype: str = ProbsDtype.FP32.value
     reconstruction: str = Reconstruction.RENORMALIZE.value
     min_p: float = 0.0  # as VerifyRequest, applied by the last stage
-    transform: dict[str, Any] | None = None  # as VerifyRequest (DESIGN §3.9): on the message that starts the session (prefix_len 0); the last stage keeps it and transforms each scored row by its ancestors
+    transform: dict[str, Any] | None = None  # as VerifyRequest (docs/design.md §3.9): on the message that starts the session (prefix_len 0); the last stage keeps it and transforms each scored row by its ancestors
 
     def array_dtype(self, name: str, vocab_size: int) -> str:
         if name == "hidden":

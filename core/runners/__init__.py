@@ -1,4 +1,4 @@
-"""Model runners (DESIGN §7). ``load_runner`` is the one way the draft and targets load."""
+"""Model runners (docs/design.md §7). ``load_runner`` is the one way the draft and targets load."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ModelRunner interface (DESIGN §7): one per backend, used for the draft and the target.
+"""The ModelRunner interface (docs/design.md §7): one per backend, used for the draft and the target.
 
 A runner holds sessions: rows of tokens with their KV cache. Rows ``[0, chain)`` are a causal
 chain; rows after it are tree rows, each attending to its ancestors only. The caller owns the
@@ -117,7 +117,7 @@ class ModelRunner(ABC):
 
     @cached_property
     def fingerprint(self) -> str:
-        """The tokenizer fingerprint (DESIGN §4) that gateway and workers must share."""
+        """The tokenizer fingerprint (docs/design.md §4) that gateway and workers must share."""
         from core.runners.tokenizer import tokenizer_fingerprint
 
         return tokenizer_fingerprint(self.tokenizer)

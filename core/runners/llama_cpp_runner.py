@@ -1,4 +1,4 @@
-"""The ``llama.cpp`` backend (DESIGN §7): GGUF on CPU, the fast path for chains and small trees.
+"""The ``llama.cpp`` backend (docs/design.md §7): GGUF on CPU, the fast path for chains and small trees.
 
 Its numerics (measured: tests/core/runners/test_llama_cpp_numerics.py): with flash attention pinned on, a
 position's logits are bit-identical whatever the decode that computes it — its size, its batch-mates, the

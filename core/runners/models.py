@@ -1,4 +1,4 @@
-"""Where models come from (DESIGN §7): the built-in ones, GGUF files, HF folders or hub ids."""
+"""Where models come from (docs/design.md §7): the built-in ones, GGUF files, HF folders or hub ids."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The shared tokenizer: loading it and its fingerprint (DESIGN §4). A GGUF's tokenizer takes tens of
+"""The shared tokenizer: loading it and its fingerprint (docs/design.md §4). A GGUF's tokenizer takes tens of
 seconds to convert: it is saved once in the user cache dir, keyed by the file, and reloads in a second."""
 
 from __future__ import annotations

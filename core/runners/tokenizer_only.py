@@ -1,4 +1,4 @@
-"""``draft.model: none`` (DESIGN §3.10): a runner without weights, for the tokenizer and facts (vocabulary, EOS ids, context); lookup never calls it."""
+"""``draft.model: none`` (docs/design.md §3.10): a runner without weights, for the tokenizer and facts (vocabulary, EOS ids, context); lookup never calls it."""
 
 from __future__ import annotations
 

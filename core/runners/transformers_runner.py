@@ -1,4 +1,4 @@
-"""The ``transformers`` backend (DESIGN §7, §9): HF checkpoints or GGUF files, on CPU or CUDA.
+"""The ``transformers`` backend (docs/design.md §7, §9): HF checkpoints or GGUF files, on CPU or CUDA.
 
 The KV cache is a preallocated slot cache, per layer ``[slots, kv_heads, length, head_dim]``:
 a session holds a slot (lent least recently used first), row ``r`` in cell ``r``. One forward

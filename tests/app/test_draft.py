@@ -204,7 +204,7 @@ async def test_a_seeded_draft_leaves_the_suffix_index_of_other_sessions_out() ->
 
 
 async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
-    """DESIGN §3.9: a run of forced tokens takes no draft step of its own and does not count in
+    """docs/design.md §3.9: a run of forced tokens takes no draft step of its own and does not count in
     γ; its q̂ rows are point masses; ``limit`` caps the chain (the room left)."""
     from core.transform import Transformer, TransformSpec
     from core.grammar import GrammarKind, GrammarSpec
@@ -275,7 +275,7 @@ async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
         assert torch.equal(tree.q_values(), chain.q_values()), seed
 
 
-# ----------------------------------------------------------------------------- lookup branches in trees (DESIGN §3.10)
+# ----------------------------------------------------------------------------- lookup branches in trees (docs/design.md §3.10)
 
 
 def _tested(draft: DraftModel, key: tuple[object, ...]) -> float:

@@ -364,7 +364,7 @@ def test_min_tokens_never_ends_before_its_count(mode: Mode, temperature: float) 
 
 
 def test_greedy_min_tokens_is_the_argmax_without_eos() -> None:
-    """T = 0: argmax Σ w_n softmax(l_n with EOS at −∞) (DESIGN §3.9), each worker's row
+    """T = 0: argmax Σ w_n softmax(l_n with EOS at −∞) (docs/design.md §3.9), each worker's row
     renormalised without EOS before the mixture."""
     table = random_table(V, 5)
     table[:, EOS] += 9.0  # EOS is every position's argmax

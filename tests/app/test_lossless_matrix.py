@@ -103,7 +103,7 @@ MIN_P = 0.3  # with min_tokens: EOS leaves before min-p takes its share of the t
 EOS_TOP_PROMPT = (0, 1)  # t0's top token after 1 is EOS (0.68): min-p's threshold there depends on whether EOS went first
 DRAFT_TOP_K = 2  # exact's truncation: two ids off every draft support (the complement sample is a real draw)
 
-# Transforms (DESIGN §3.9), each crossed with every mode, payload,
+# Transforms (docs/design.md §3.9), each crossed with every mode, payload,
 # worker set and sampling; the grammar is ``TableMatcher`` (it forces the first token, and 0 after 1).
 _GRAMMAR = GrammarSpec(GrammarKind.REGEX, "the table grammar")
 TRANSFORMS = {
@@ -119,7 +119,7 @@ TRANSFORMS = {
 PRIMARY_FIELDS = {"mode", "k", "tree", "num_draft_tokens", "overlap", "pipeline"}  # in the full product
 SECONDARY_FIELDS = {"draft_top_k", "draft_top_p", "reconstruction", "relaxation", "profile", "drafter"}  # each value crossed with mode × payload × workers × sampling
 
-# Lookup drafting (DESIGN §3.10): (prompt, outputs already in the suffix index). The prompt's last
+# Lookup drafting (docs/design.md §3.10): (prompt, outputs already in the suffix index). The prompt's last
 # "1 0" recurs at its start, so prompt lookup proposes 0 2 1 0 — the draft model's top-1 after 0
 # is 0, so model+lookup keeps the first and drafts on from there; with no repeat in the prompt,
 # the suffix index's "0" continues as 0 2 1.
@@ -315,7 +315,7 @@ def _late_cells(mode: Mode, payload: Payload, workers: str, sampling: str, shape
     return out
 
 
-# A lookup branch in a sampled tree (DESIGN §3.10): with the priors, ⟨2⟩ becomes the lookup's
+# A lookup branch in a sampled tree (docs/design.md §3.10): with the priors, ⟨2⟩ becomes the lookup's
 # first token and one child drawn from q̂ without it; ⟨2,1⟩ the lookup's two tokens (the second
 # under the first, a row with no draft) and the first drawn child with its own.
 LOOKUP_TREES = {"⟨2⟩": [2], "⟨2,1⟩": [2, 1]}
@@ -501,7 +501,7 @@ async def _cancel_the_rest() -> None:
 
 
 def transformed(logits: torch.Tensor, generated: tuple[int, ...], spec: TransformSpec) -> torch.Tensor:  # [V] fp32
-    """DESIGN §3.9 from its definition, token by token in the workers' fp32 arithmetic: + bias,
+    """docs/design.md §3.9 from its definition, token by token in the workers' fp32 arithmetic: + bias,
     the repetition penalty over prompt and output, presence and frequency over the output, the mask."""
     out = logits.float().clone()
     for token, bias in spec.logit_bias:
@@ -699,7 +699,7 @@ def test_negative_control_the_chain_shortcut_is_caught(monkeypatch: pytest.Monke
 
 
 def test_negative_control_algorithm_5_on_fixed_children_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sampled rule min(1, p'/q̂) on children chosen as the top-k (DESIGN §3.6) is biased: the
+    """The sampled rule min(1, p'/q̂) on children chosen as the top-k (docs/design.md §3.6) is biased: the
     matrix rejects it on aggregate's payload and on exact's, for chains and trees alike."""
     real = tree_math.try_children
 
@@ -760,7 +760,7 @@ def test_split_draws_at_a_rejection_on_the_worker_when_its_draft_is_truncated_an
 
 
 def test_negative_control_a_lookup_token_tested_as_a_draw_from_a_spread_q_hat_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A lookup token is drawn from δ (DESIGN §3.10). Sent with a row that says it was drawn from
+    """A lookup token is drawn from δ (docs/design.md §3.10). Sent with a row that says it was drawn from
     a spread q̂ (uniform here: min(1, p/q̂) at the test, max(0, p − q̂) at a rejection), the law
     moves — caught in every lossless lookup cell at T = 1 (alone and before the model's tokens)."""
     from app.drafting import chain, lookup, tree

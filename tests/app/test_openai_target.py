@@ -1,4 +1,4 @@
-"""openai-logprobs targets (DESIGN §8) against fake engines scored by a real tiny model:
+"""openai-logprobs targets (docs/design.md §8) against fake engines scored by a real tiny model:
 what a round gets from an engine equals what one of our workers sends at the same top-k; the
 gateway federates, reports the bound, refuses the modes engines cannot take, and fails loudly
 (never guesses) when an engine read other tokens than the gateway's."""

@@ -1,5 +1,5 @@
 """Mode ``pipeline`` through the real engine, draft, PipelineTarget bookkeeping and stage worker
-code over Markov fakes split into stages (DESIGN §3.7): the first two emitted tokens follow the
+code over Markov fakes split into stages (docs/design.md §3.7): the first two emitted tokens follow the
 target (lossless) while segments are in flight, pruned and expanded; a walk that draws the
 recovered token from p instead of p' (the rejected children not zeroed) is rejected by the same
 test; greedy follows the target's argmax; a stage that loses the session makes it start again

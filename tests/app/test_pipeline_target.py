@@ -1,4 +1,4 @@
-"""The pipeline target's stage failures (DESIGN §3.7) over fake stages (httpx.MockTransport
+"""The pipeline target's stage failures (docs/design.md §3.7) over fake stages (httpx.MockTransport
 stands in for the stage workers below the gateway): which stage a failure names, failover to
 a stage's replica, the sessions of the old chain starting again, and replicas that could not
 stand in for their stage. The real thing (a stage process killed mid-stream) is in

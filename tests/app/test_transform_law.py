@@ -1,4 +1,4 @@
-"""Transforms (DESIGN §3.9) under the real random streams: a grammar (``TableMatcher``: it forces
+"""Transforms (docs/design.md §3.9) under the real random streams: a grammar (``TableMatcher``: it forces
 the first token and a 0 after every 1), logit_bias and all three penalties together, through
 the real engine, draft and worker scoring on Markov fakes, a chain and trees, one worker and
 two weighted ones. The first three tokens must follow the transformed target (chi-square);

@@ -1,4 +1,4 @@
-"""Mode ``tree`` through the real engine, draft and worker code over Markov fakes (DESIGN §3.6):
+"""Mode ``tree`` through the real engine, draft and worker code over Markov fakes (docs/design.md §3.6):
 the first two emitted tokens follow the target for each child rule, with one and three weighted
 workers; TSLT's Algorithm 5 applied to fixed children is rejected by the same test; greedy
 follows the mixture's argmax. The chi-squares run with SPECGATE_FULL_STATISTICS=1: the default

@@ -1,4 +1,4 @@
-"""Transforms (DESIGN §3.9) on hand-built logits: the wire form, each penalty's definition, a
+"""Transforms (docs/design.md §3.9) on hand-built logits: the wire form, each penalty's definition, a
 row's prefix (agreed tokens + its path), the forced token, and min-p."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The worker on CUDA (DESIGN §9): skipped where torch sees no GPU (CI); run them where one is.
+"""The worker on CUDA (docs/design.md §9): skipped where torch sees no GPU (CI); run them where one is.
 
 - A scheduler step's sessions in one bf16 forward score what each scores alone (the slot cache
   on the GPU: chains of mixed lengths and a tree in one forward).

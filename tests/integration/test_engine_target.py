@@ -1,4 +1,4 @@
-"""An existing engine as a target (DESIGN §8), for real: llama-cpp-python's own OpenAI server
+"""An existing engine as a target (docs/design.md §8), for real: llama-cpp-python's own OpenAI server
 (``python -m llama_cpp.server``, the built-in GGUF, ``logits_all`` on) on 127.0.0.1, federated
 with one of our workers by a real gateway, spoken to by the official ``openai`` client.
 

@@ -157,7 +157,7 @@ def test_greedy_text_is_the_same_in_every_mode(one_worker_url: str) -> None:
 
 
 def test_a_gateway_without_a_draft_model_drafts_by_lookup(worker_urls: list[str], tmp_path: Path) -> None:
-    """``draft: {model: none}`` (DESIGN §3.10): no draft weights are loaded; chains are drafted by
+    """``draft: {model: none}`` (docs/design.md §3.10): no draft weights are loaded; chains are drafted by
     lookup, and greedy text is autoregressive's; a mode or drafter that needs the model is a 400."""
     prompt = "Count with me: one two three four, one two three four, one two three four, one two three four,"
     with ExitStack() as stack:

@@ -1,4 +1,4 @@
-"""Mode ``pipeline`` end to end (DESIGN §3.7): three stage workers of the built-in model
+"""Mode ``pipeline`` end to end (docs/design.md §3.7): three stage workers of the built-in model
 (transformers, real processes) behind a real uvicorn gateway, spoken to by the official
 ``openai`` client. Greedy text equals ``autoregressive`` through one whole-model worker; bad
 pipelines stop the gateway at start-up naming the stage; a stage killed mid-stream ends the
@@ -87,7 +87,7 @@ def test_greedy_pipeline_text_equals_autoregressive_through_a_whole_model_worker
     assert block["alt"] > 0 and block["alr"] >= 1 and len(block["hop_bytes"]) == 2 and min(block["hop_bytes"]) > 0
     # the same stages as one target of autoregressive: pipelined autoregressive decoding (the baseline)
     assert _text(gateway, "autoregressive")[0] == reference
-    merged, block = _text(gateway, "pipeline", drafter="model+lookup")  # the lookup's branch joins its trees (DESIGN §3.10)
+    merged, block = _text(gateway, "pipeline", drafter="model+lookup")  # the lookup's branch joins its trees (docs/design.md §3.10)
     assert merged == reference and block["drafter"] == "model+lookup"
 
 
@@ -104,7 +104,7 @@ COLOURS = {
     "type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 0, "maximum": 9}},
     "required": ["colour", "count"], "additionalProperties": False,
 }
-CONSTRAINED = {  # DESIGN §3.9: the last stage transforms each scored row by its ancestors
+CONSTRAINED = {  # docs/design.md §3.9: the last stage transforms each scored row by its ancestors
     "response_format": {"type": "json_schema", "json_schema": {"name": "colours", "schema": COLOURS, "strict": True}},
     "frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {"45": 2.0},
 }

@@ -1,4 +1,4 @@
-"""Structured outputs, penalties and logit_bias end to end (DESIGN §3.9): a real uvicorn gateway
+"""Structured outputs, penalties and logit_bias end to end (docs/design.md §3.9): a real uvicorn gateway
 (draft builtin-draft) and two real workers (builtin, builtin-alt), the official ``openai``
 client, every lossless mode. Answers are checked with ``jsonschema``; at T = 0 every mode must
 give autoregressive's text under the same constraint."""

@@ -1,5 +1,5 @@
 """The worker app in-process on the llama.cpp backend: a position scores the same alone or
-with others, so every mode scores against the same p (DESIGN §7)."""
+with others, so every mode scores against the same p (docs/design.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pipeline stage workers over real HTTP (DESIGN §3.7, §4): three stages of the built-in model
+"""Pipeline stage workers over real HTTP (docs/design.md §3.7, §4): three stages of the built-in model
 on uvicorn, each sending its states to the next; the last answers the whole model's
 distributions. Ordering by ``seq``, prunes (``keep``), and the errors a stage answers."""
 
@@ -98,7 +98,7 @@ def test_three_stages_answer_the_whole_models_distributions_at_every_node(whole:
 
 
 def test_the_last_stage_transforms_each_row_by_its_ancestors(whole: TransformersRunner, stages: list[str]) -> None:
-    """DESIGN §3.9 at the last stage: the transform rides on the message that starts the session
+    """docs/design.md §3.9 at the last stage: the transform rides on the message that starts the session
     and is kept; each scored row is transformed by its own prefix (its ancestors' tokens), on
     the later messages too. A bad transform or min_p is a 400 naming it; the stages serve on."""
     spec = TransformSpec(logit_bias=((12, 12.0), (260, -2.0)), presence_penalty=0.8, frequency_penalty=1.1, prompt_len=len(PROMPT))

@@ -14,7 +14,7 @@ STRATEGIES: dict[Mode, Strategy] = {
     Mode.AGGREGATE: AggregateStrategy(),  # chains and trees on full or top-k rows
     Mode.SPLIT: SplitStrategy(),
     Mode.EXACT: ExactStrategy(),  # chains and trees on sparse rows
-    Mode.PIPELINE: PipelineStrategy(),  # owns its loop: segments of a tree through stage workers (DESIGN §3.7)
+    Mode.PIPELINE: PipelineStrategy(),  # owns its loop: segments of a tree through stage workers (docs/design.md §3.7)
 }
 
 

@@ -1,4 +1,4 @@
-"""``aggregate``: SpecFed (DESIGN §3.3)."""
+"""``aggregate``: SpecFed (docs/design.md §3.3)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from core.names import Mode, Reconstruction
 
 
 class AggregateStrategy(RoundStrategy):
-    """SpecFed (DESIGN §3.3): p̂ = Σ w_n p̂_n from every worker's T(p_n), full or top-k, verifies the
+    """SpecFed (docs/design.md §3.3): p̂ = Σ w_n p̂_n from every worker's T(p_n), full or top-k, verifies the
     draft; a tree has a row per node plus the root, walked by the rule of its children (§3.6)."""
 
     async def verify(self, rnd: Round) -> RoundResult:

@@ -1,4 +1,4 @@
-"""``autoregressive``: the baseline, one target position per round (DESIGN §3)."""
+"""``autoregressive``: the baseline, one target position per round (docs/design.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How a mode runs a choice (DESIGN §3): round by round in the engine's loop (``RoundStrategy``), or its own loop (``PipelineStrategy``)."""
+"""How a mode runs a choice (docs/design.md §3): round by round in the engine's loop (``RoundStrategy``), or its own loop (``PipelineStrategy``)."""
 
 from __future__ import annotations
 

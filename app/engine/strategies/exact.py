@@ -1,4 +1,4 @@
-"""``exact``: lossless federated verification with sparse payloads (DESIGN §3.5)."""
+"""``exact``: lossless federated verification with sparse payloads (docs/design.md §3.5)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from core.protocol import VerifyResponse
 
 
 class ExactStrategy(RoundStrategy):
-    """Lossless federated verification with sparse payloads (DESIGN §3.5): a chain drawn from q̂ is
+    """Lossless federated verification with sparse payloads (docs/design.md §3.5): a chain drawn from q̂ is
     verified by ``verify_exact``; a tree, or a chain of fixed (top-1) children, by the tree walk (§3.6)."""
 
     async def verify(self, rnd: Round) -> RoundResult:
@@ -88,7 +88,7 @@ def sparse_rows(responses: list[VerifyResponse], supports: list[torch.Tensor]) -
 
 
 async def exact_walk(rnd: Round) -> RoundResult:
-    """A tree — or a chain of fixed children — on exact's payload (DESIGN §3.5, §3.6): every row answers
+    """A tree — or a chain of fixed children — on exact's payload (docs/design.md §3.5, §3.6): every row answers
     on S_v (q̂'s support there and the children) with the mass off it and a sample from off it. A chain
     travels as a chain: its leaf's sample is each worker's bonus sample."""
     req, tree = rnd.req, rnd.draft

@@ -1,4 +1,4 @@
-"""T = 0 over top-k payloads: certify the mixture's argmax (DESIGN §3.2), asking again with a larger k."""
+"""T = 0 over top-k payloads: certify the mixture's argmax (docs/design.md §3.2), asking again with a larger k."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``pipeline``: FlowSpec (DESIGN §3.7, docs/modes.md), its own loop driven by arrivals in the segments' send order: the seed alone picks the deciding tree."""
+"""``pipeline``: FlowSpec (docs/design.md §3.7, docs/modes.md), its own loop driven by arrivals in the segments' send order: the seed alone picks the deciding tree."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class _Flight:  # a segment sent and not yet answered
 
 
 class PipelineStrategy(Strategy):
-    """Mode ``pipeline`` (DESIGN §3.7): its own loop (``PipelineRun``) over the one pipeline target."""
+    """Mode ``pipeline`` (docs/design.md §3.7): its own loop (``PipelineRun``) over the one pipeline target."""
 
     def run(self, engine: Engine, session: Session) -> AsyncGenerator[RoundResult, None]:
         target = engine.pool.workers[0]

@@ -1,4 +1,4 @@
-"""``split``: DSSD (DESIGN §3.4)."""
+"""``split``: DSSD (docs/design.md §3.4)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from core.names import Mode
 
 
 class SplitStrategy(RoundStrategy):
-    """DSSD (DESIGN §3.4), one worker: it runs the accept test with q̂_j(x_j); the recovered token is drawn by the gateway
+    """DSSD (docs/design.md §3.4), one worker: it runs the accept test with q̂_j(x_j); the recovered token is drawn by the gateway
     from the row sent, or (a truncated draft, whole rows) by the worker, given q̂ on the draft's supports."""
 
     async def verify(self, rnd: Round) -> RoundResult:

@@ -1,4 +1,4 @@
-"""SpecFed reconstruction and aggregation (DESIGN §3.3), Theorems 2–3, and greedy certification."""
+"""SpecFed reconstruction and aggregation (docs/design.md §3.3), Theorems 2–3, and greedy certification."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def test_an_uncertifiable_top_1_asks_for_more() -> None:
 
 
 def _certify_dense(ids: list[torch.Tensor], probs: list[torch.Tensor], weights: torch.Tensor, vocab_size: int) -> int | None:
-    """The certificate computed over the whole vocabulary, as DESIGN §3.5 states it."""
+    """The certificate computed over the whole vocabulary, as docs/design.md §3.5 states it."""
     w = weights.double() / weights.double().sum()
     seen = torch.zeros(len(ids), vocab_size, dtype=torch.bool)
     dense = torch.zeros(len(ids), vocab_size, dtype=torch.float64)

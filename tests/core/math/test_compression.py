@@ -1,4 +1,4 @@
-"""Top-k compression: S, ρ and σ (DESIGN §2)."""
+"""Top-k compression: S, ρ and σ (docs/design.md §2)."""
 
 from __future__ import annotations
 

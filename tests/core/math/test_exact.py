@@ -1,4 +1,4 @@
-"""`exact` (DESIGN §3.5): the closed-form output law equals p for any number of weighted
+"""`exact` (docs/design.md §3.5): the closed-form output law equals p for any number of weighted
 workers, with and without draft truncation; a seeded chi-square test and a negative control."""
 
 from __future__ import annotations

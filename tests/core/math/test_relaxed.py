@@ -1,4 +1,4 @@
-"""Relaxed verification (DSD, DESIGN §3.8): the output law τ q + (1 − τ) p in closed form and
+"""Relaxed verification (DSD, docs/design.md §3.8): the output law τ q + (1 − τ) p in closed form and
 by seeded chi-square (with a broken variant the same test rejects), its distance τ (1 − β)
 exactly, τ = 0 bit-identical to strict verification, and the τ function's shape."""
 

@@ -1,4 +1,4 @@
-"""T(p) (DESIGN §3.2) on hand-built logits."""
+"""T(p) (docs/design.md §3.2) on hand-built logits."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def test_a_short_rows_draw_in_python_is_the_tensors_draw() -> None:
 
 @pytest.mark.parametrize("top_k, top_p", [(1, 1.0), (3, 1.0), (32, 1.0), (50, 0.9), (0, 0.8), (32, 0.5)])
 def test_the_truncated_support_equals_truncate_on_its_support(top_k: int, top_p: float) -> None:
-    """The draft samples on the support alone (DESIGN §9): the same ids as the dense
+    """The draft samples on the support alone (docs/design.md §9): the same ids as the dense
     ``truncate`` — ties at the threshold kept, zeros left out — and its probabilities up to the
     last bits of the float64 sum; the same token for the same draw."""
     generator = torch.Generator().manual_seed(5)

@@ -1,4 +1,4 @@
-"""Speculative sampling (DESIGN §3.1): hand-built distributions, the exact output law in closed
+"""Speculative sampling (docs/design.md §3.1): hand-built distributions, the exact output law in closed
 form, and seeded statistical tests with a negative control."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_streams_are_deterministic_and_distinct() -> None:
 
 
 def test_lanes_are_distinct_streams_and_lane_zero_is_the_chains() -> None:
-    """DESIGN §3.6: a tree candidate draws from its own lane; lane 0 is today's stream, bit for bit
+    """docs/design.md §3.6: a tree candidate draws from its own lane; lane 0 is today's stream, bit for bit
     (the value below was drawn before lanes existed)."""
     assert uniform(7, 0, 12, Purpose.ACCEPT, lane=0) == uniform(7, 0, 12, Purpose.ACCEPT) == 0.588418131330483
     lanes = [uniform(7, 0, 12, Purpose.ACCEPT, lane=lane) for lane in range(8)]

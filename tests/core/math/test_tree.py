@@ -1,4 +1,4 @@
-"""Token trees (DESIGN §3.6): the closed-form law of one node under each child rule equals p to
+"""Token trees (docs/design.md §3.6): the closed-form law of one node under each child rule equals p to
 1e-9 (every child draw, accept/reject and residual enumerated on V = 5, duplicates included); a
 chain as a tree verifies to the chain verifier's very numbers; a seeded chi-square of the first
 two tokens through the walk with its lanes; and the negative controls: Algorithm 5 on fixed
@@ -82,7 +82,7 @@ def test_fixed_children_give_p_whatever_they_are(children: list[int]) -> None:
 
 
 def test_negative_control_algorithm_5_on_fixed_children_is_biased() -> None:
-    """DESIGN §3.6's example: p = q = (½, ½), children {a, b}: a is always accepted."""
+    """docs/design.md §3.6's example: p = q = (½, ½), children {a, b}: a is always accepted."""
     half = torch.tensor([0.5, 0.5], dtype=torch.float64)
     assert torch.allclose(tree_step_law(half, half, [0, 1], ChildRule.SAMPLED), torch.tensor([1.0, 0.0], dtype=torch.float64))
     top2 = torch.topk(Q, 2).indices.tolist()

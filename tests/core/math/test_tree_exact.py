@@ -1,4 +1,4 @@
-"""``exact``'s sparse payload on trees (DESIGN §3.5, §3.6): the closed-form law of one node —
+"""``exact``'s sparse payload on trees (docs/design.md §3.5, §3.6): the closed-form law of one node —
 every child draw, accept/reject, and the recovered draw over S_v plus each worker's entry
 (whose sample y_n follows p_n off S_v) enumerated on V = 5 — equals the mixture p to 1e-9 for
 each child rule, with one and three weighted workers, truncated q̂ so that mass lies off S_v;

@@ -1,4 +1,4 @@
-"""Sibling sets that mix lookup (deterministic) children with drawn ones (DESIGN §3.10).
+"""Sibling sets that mix lookup (deterministic) children with drawn ones (docs/design.md §3.10).
 
 A lookup child is drawn from δ_c: tested by the fixed rule (accept with p'(c), else zero it),
 first among its siblings; the drawn siblings after it come from q̂ without the deterministic

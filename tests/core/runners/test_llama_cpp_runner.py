@@ -1,4 +1,4 @@
-"""The llama.cpp runner on the built-in model: chains, trees and keep, bit for bit (DESIGN §7).
+"""The llama.cpp runner on the built-in model: chains, trees and keep, bit for bit (docs/design.md §7).
 
 With flash attention pinned on and every decode ≤ 32 tokens, a position scores the same
 whichever way it was reached: token by token, in a prefill, rebuilt after an eviction, as a
@@ -136,7 +136,7 @@ def test_more_sessions_than_contexts_rebuild_from_their_rows(tokens: list[int]) 
 
 
 def test_sessions_batched_in_shared_decodes_score_as_alone(builtin_llama: ModelRunner, tokens: list[int]) -> None:
-    """The worker's scheduler step (DESIGN §9): chain sessions of mixed lengths share decodes —
+    """The worker's scheduler step (docs/design.md §9): chain sessions of mixed lengths share decodes —
     one session's rows split across two decodes, batch-mates of every size — and a tree session
     rides in the same call; each scores bit for bit what it scores alone."""
     assert isinstance(builtin_llama, LlamaCppRunner)

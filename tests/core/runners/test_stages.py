@@ -1,4 +1,4 @@
-"""Pipeline stages (DESIGN §3.7): a model's layers split over stage runners give the whole
+"""Pipeline stages (docs/design.md §3.7): a model's layers split over stage runners give the whole
 model's distributions at every row of a tree, before and after FlowSpec's prune (a prefix, the
 accepted path and the subtree below it kept), on the built-in model."""
 
