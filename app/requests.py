@@ -8,6 +8,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -21,11 +22,12 @@ from app.errors import ApiError
 from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice, SpeculativeParams, TokenizeRequest
 from app.targets.pipeline import PipelineTarget
 from app.targets.pool import TargetSet
-from app.reasoning import Thinking, after_reasoning, opens_thinking
-from app.tool_formats import ToolFormat, native_grammar, template_messages, template_tools
+from app.reasoning import Thinking, after_reasoning, opens_thinking, thinking_markers
+from app.tool_formats import ToolFormat, detect, native_grammar, template_messages, template_tools
 from app.tools import Tool, generic_schema, render_messages, tools_prompt
 from app.usage import Usage, used_tree
 from core.config import PipelineParams, SpecgateConfig, TreeParams
+from core.errors import ConfigError
 from core.grammar import GrammarError, GrammarKind, GrammarSpec, engine_version, load_schema
 from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
@@ -63,16 +65,21 @@ class Job:
 
 
 class Requests:
-    """Part of ``Gateway`` (``app.service``): requests to jobs."""
+    """Requests to jobs, against the config, the draft, the targets and the engine's context (``Gateway.requests``)."""
 
-    config: SpecgateConfig
-    draft: DraftModel
-    pool: TargetSet
-    engine: Engine
-    tokenizer: Any
-    tool_format: ToolFormat  # the format tools are written in (the chat template's own, or generic)
-    chat_template: str | None  # draft.chat_template's text; None: the tokenizer's own
-    thinking: Thinking | None  # the template's thinking markers (draft.reasoning: auto), else None
+    def __init__(self, config: SpecgateConfig, draft: DraftModel, pool: TargetSet, engine: Engine) -> None:
+        self.config, self.draft, self.pool, self.engine = config, draft, pool, engine
+        self.tokenizer = draft.runner.tokenizer
+        self.chat_template: str | None = None  # the operator's template (the targets' own, where the draft's differs); None: the tokenizer's
+        if config.draft.chat_template is not None:
+            try:
+                self.chat_template = Path(config.draft.chat_template).expanduser().read_text()
+            except OSError as exc:
+                raise ConfigError(f"draft.chat_template: cannot read {config.draft.chat_template}: {exc.strerror or exc}") from None
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        given = config.draft.tool_format
+        self.tool_format = detect(template) if given == "auto" else ToolFormat(given)  # the format tools are written in
+        self.thinking = thinking_markers(template) if config.draft.reasoning == "auto" else None  # the template's thinking markers
 
     def completion_job(self, body: CompletionRequest) -> Job:
         self._check_common(body)
@@ -284,7 +291,7 @@ class Requests:
         """Every worker (its /v1/info) can apply ``grammar`` as the gateway does: the same engine (forced tokens
         and masks agree), a source within its limit, EOS ids among ours (else its EOS would be taken for text)."""
         ours, engine, size = set(self.draft.runner.info.eos_ids), engine_version(), len(grammar.source.encode())
-        for where, info in self._replica_infos():
+        for where, info in self.replica_infos():
             if not set(info.eos_ids) <= ours:
                 raise ApiError(400, f"{param} needs every worker's EOS ids among the draft's {sorted(ours)}: {where} ends with {sorted(info.eos_ids)}", param)
             if info.grammar_engine is not None and info.grammar_engine != engine:
@@ -361,7 +368,7 @@ class Requests:
             raise ApiError(400, f"drafter {drafter.value!r} needs a draft model and this gateway has none (draft.model: none): use drafter 'lookup'", "speculative.drafter")
         return drafter
 
-    def _replica_infos(self) -> Iterator[tuple[str, InfoResponse]]:
+    def replica_infos(self) -> Iterator[tuple[str, InfoResponse]]:
         """("name (url)", /v1/info) of every replica checked so far."""
         for worker in self.pool.workers:
             for replica in getattr(worker, "replicas", []):

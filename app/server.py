@@ -162,11 +162,11 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _respond(request, body, _gateway(request).completion_job, completion_chunks, completion_body)
+        return await _respond(request, body, _gateway(request).requests.completion_job, completion_chunks, completion_body)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _respond(request, body, _gateway(request).chat_job, chat_chunks, chat_body)
+        return await _respond(request, body, _gateway(request).requests.chat_job, chat_chunks, chat_body)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -187,11 +187,11 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-        return Response(orjson.dumps(_gateway(request).tokenize(body)), media_type="application/json")
+        return Response(orjson.dumps(_gateway(request).requests.tokenize(body)), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
-        return Response(orjson.dumps(_gateway(request).detokenize(body)), media_type="application/json")
+        return Response(orjson.dumps(_gateway(request).requests.detokenize(body)), media_type="application/json")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -242,7 +242,7 @@ async def _respond_responses(request: Request, body: ResponsesRequest) -> Respon
     for warning in translated.warnings:
         log.warning("response: %s", warning)
     try:
-        job = gateway.chat_job(translated.chat)
+        job = gateway.requests.chat_job(translated.chat)
         await gateway.compile(job)
     except ApiError as exc:
         raise renamed(exc, translated) from None

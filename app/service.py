@@ -7,7 +7,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator
-from pathlib import Path
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -20,11 +19,10 @@ from app.requests import Job, Requests
 from app.targets.base import WorkerError
 from app.targets.pool import TargetSet
 from app.text import ChoiceText, delta_text
-from app.reasoning import ReasoningSplitter, thinking_markers
-from app.tool_formats import STYLES, NativeToolOutput, ToolFormat, detect
+from app.reasoning import ReasoningSplitter
+from app.tool_formats import STYLES, NativeToolOutput, ToolFormat
 from app.tools import ToolOutput
 from core.config import SpecgateConfig
-from core.errors import ConfigError
 from core.grammar import GrammarError, GrammarLimits, Grammars, GrammarSpec, engine_version
 
 log = logging.getLogger(__name__)
@@ -51,8 +49,8 @@ class RoundInfo:
     bytes: int  # to and from the workers, this round
 
 
-class Gateway(Requests):
-    """What the gateway app holds: config, draft, workers, engine. Built by ``create_app``."""
+class Gateway:
+    """What the gateway app holds: config, draft, workers, engine, and ``requests`` (requests to jobs). Built by ``create_app``."""
 
     def __init__(self, config: SpecgateConfig, draft: DraftModel, pool: TargetSet, metrics: GatewayMetrics) -> None:
         self.config = config
@@ -60,18 +58,9 @@ class Gateway(Requests):
         self.pool = pool
         self.metrics = metrics
         self.tokenizer = draft.runner.tokenizer
-        self.chat_template = None  # the operator's template (the targets' own, where the draft's differs); None: the tokenizer's
-        if config.draft.chat_template is not None:
-            try:
-                self.chat_template = Path(config.draft.chat_template).expanduser().read_text()
-            except OSError as exc:
-                raise ConfigError(f"draft.chat_template: cannot read {config.draft.chat_template}: {exc.strerror or exc}") from None
-        given = config.draft.tool_format
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        self.tool_format = detect(template) if given == "auto" else ToolFormat(given)
-        self.thinking = thinking_markers(template) if config.draft.reasoning == "auto" else None
         self.engine = Engine(draft, pool, draft.runner.info.eos_ids, draft.runner.info.max_context)
         self.engine.prefill_waits = config.late_prefill_waits()
+        self.requests = Requests(config, draft, pool, self.engine)
         self._workers_checked = False
         self._engine_warned: set[str] = set()
 
@@ -89,7 +78,7 @@ class Gateway(Requests):
     def _warn_engines(self) -> None:
         """A worker whose grammar engine is not the gateway's, logged once: it serves no grammar (``_check_peers``)."""
         engine = engine_version()
-        for where, info in self._replica_infos():
+        for where, info in self.requests.replica_infos():
             if info.grammar_engine is not None and info.grammar_engine != engine and where not in self._engine_warned:
                 self._engine_warned.add(where)
                 log.warning("worker %s runs %s, the gateway %s: requests with a grammar get a 400 until they match", where, info.grammar_engine, engine)

@@ -428,7 +428,7 @@ async def test_chat_logprobs_join_to_the_content_without_the_end_token(tiny_runn
         end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         tokens = [*tokenizer.encode("Hello there"), end]
         logprobs = [TokenLogprob(t, -0.5, [(t, -0.5)]) for t in tokens]
-        job = gateway.chat_job(ChatCompletionRequest(model=gateway.config.model, messages=[{"role": "user", "content": "Hi"}], logprobs=True))  # type: ignore[list-item]
+        job = gateway.requests.chat_job(ChatCompletionRequest(model=gateway.config.model, messages=[{"role": "user", "content": "Hi"}], logprobs=True))  # type: ignore[list-item]
         content = app.state.logprobs.chat(job, logprobs)
     assert content is not None and [c["token"] for c in content["content"]] == [tokenizer.decode([t]) for t in tokens[:-1]]
     assert "".join(c["token"] for c in content["content"]) == tokenizer.decode(tokens, skip_special_tokens=True)
