@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 
 from app.drafting import DraftModel
 from app.engine import RoundResult
-from app.targets.base import FAILURE_KINDS
+from app.targets.failures import FAILURE_KINDS
 from app.targets.pool import TargetSet
 
 if TYPE_CHECKING:  # admission → service → metrics: only the type is needed here

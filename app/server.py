@@ -27,7 +27,8 @@ from app.adaptive import MAX_AUTO_GAMMA
 from app.admission import Admission, Release
 from app.drafting import DraftModel
 from app.metrics import GatewayMetrics
-from app.targets.base import Expected, WorkerError
+from app.targets.channel import Expected
+from app.targets.failures import WorkerError
 from app.targets.pool import TargetSet
 from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.errors import ApiError

@@ -16,7 +16,7 @@ from app.engine import Engine, GenerationRequest, TokenLogprob
 from app.errors import ApiError
 from app.metrics import GatewayMetrics
 from app.requests import Job, Requests
-from app.targets.base import WorkerError
+from app.targets.failures import WorkerError
 from app.targets.pool import TargetSet
 from app.text import ChoiceText, delta_text
 from app.reasoning import ReasoningSplitter

@@ -20,7 +20,7 @@ from app.engine.round import Round
 from app.engine.session import Session
 from app.engine.spec import GenerationRequest, RoundResult
 from app.engine.strategies import STRATEGIES, RoundStrategy, strategy_for
-from app.targets.base import Traffic
+from app.targets.channel import Traffic
 from app.targets.pool import TargetSet
 from core.grammar import Grammars
 from core.math.tree import TokenTree

@@ -7,7 +7,7 @@ import time
 from app.drafting import DraftModel
 from app.engine.session import Session
 from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
-from app.targets.base import Traffic
+from app.targets.channel import Traffic
 from core.math.shapes import TreeShape
 from core.math.tree import TokenTree
 from core.modes import MODES

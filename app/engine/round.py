@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from app.engine.spec import GenerationRequest, TokenLogprob
-from app.targets.base import Traffic, WorkerError
+from app.targets.channel import Traffic
+from app.targets.failures import WorkerError
 from app.targets.pool import TargetSet
 from core.math.aggregation import aggregate, merge_top_logprobs, mixed_logprob, reconstruct
 from core.math.random import Purpose, uniforms

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from app.drafting import DraftRequest
-from app.targets.base import Traffic
+from app.targets.channel import Traffic
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams
 from core.math.shapes import SegmentSchedule, TreeShape

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from app.targets.base import ReplicaFailure
+from app.targets.failures import ReplicaFailure
 
 T = TypeVar("T")
 

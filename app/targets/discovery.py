@@ -17,7 +17,8 @@ import dns.nameserver
 import dns.resolver
 import httpx
 
-from app.targets.base import Breaker, Replica, ReplicaFailure
+from app.targets.channel import Breaker, Replica
+from app.targets.failures import ReplicaFailure
 from app.targets.replicas import ReplicaSet
 
 log = logging.getLogger(__name__)

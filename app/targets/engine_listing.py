@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from app.targets.base import ReplicaFailure
+from app.targets.failures import ReplicaFailure
 
 _ID_PREFIX = "token_id:"  # vLLM's return_tokens_as_token_ids
 

@@ -16,7 +16,8 @@ import orjson
 import torch
 
 from app.targets.engine_listing import EngineFormat, Entry, TokenTable, parse_listing, plain, token_id
-from app.targets.base import Channel, Expected, Replica, ReplicaFailure, Traffic, WorkerError, refused, status_failure
+from app.targets.channel import Channel, Expected, Replica, Traffic
+from app.targets.failures import ReplicaFailure, WorkerError, refused, status_failure
 from core.config import WorkerEntry
 from core.errors import ProtocolError
 from core.math.random import Purpose, sample_index, uniform

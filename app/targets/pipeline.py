@@ -11,19 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from app.targets.base import (
-    Breaker,
-    Channel,
-    Expected,
-    Replica,
-    ReplicaFailure,
-    Target,
-    Traffic,
-    WorkerError,
-    error_body,
-    error_message,
-    status_failure,
-)
+from app.targets.base import Target
+from app.targets.channel import Breaker, Channel, Expected, Replica, Traffic
+from app.targets.failures import ReplicaFailure, WorkerError, error_body, error_message, status_failure
 from app.targets.checks import Checks
 from app.targets.segments import Segment, StageSession, as_verify, sampling, stage_request, unserved, verify_segment
 from core.errors import ProtocolError

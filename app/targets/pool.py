@@ -8,7 +8,8 @@ from typing import Any
 
 import httpx
 
-from app.targets.base import Channel, Dialect, Expected
+from app.targets.base import Dialect
+from app.targets.channel import Channel, Expected
 from app.targets.discovery import Discovery, Resolver
 from app.targets.fastpost import FastPost
 from app.targets.openai_logprobs import EngineDialect

@@ -10,7 +10,9 @@ from typing import Any
 
 import httpx
 
-from app.targets.base import Breaker, Channel, Dialect, Expected, Replica, ReplicaFailure, Target, Traffic, WorkerError, resend
+from app.targets.base import Dialect, Target, resend
+from app.targets.channel import Breaker, Channel, Expected, Replica, Traffic
+from app.targets.failures import ReplicaFailure, WorkerError
 from app.targets.checks import Checks
 from core.protocol import InfoResponse, VerifyRequest, VerifyResponse
 

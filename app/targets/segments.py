@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.targets.base import WorkerError
+from app.targets.failures import WorkerError
 from core.math.random import Purpose, sample_index, uniform
 from core.names import Mode
 from core.protocol import StageRequest, StageResponse, VerifyRequest, VerifyResponse

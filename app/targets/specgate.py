@@ -6,7 +6,9 @@ import asyncio
 import logging
 import time
 
-from app.targets.base import Channel, Expected, Replica, ReplicaFailure, Traffic, WorkerError, error_body, error_message, refused, resend, status_failure
+from app.targets.base import resend
+from app.targets.channel import Channel, Expected, Replica, Traffic
+from app.targets.failures import ReplicaFailure, WorkerError, error_body, error_message, refused, status_failure
 from core.errors import ProtocolError
 from core.protocol import BINARY_CONTENT_TYPE, InfoResponse, VerifyRequest, VerifyResponse, check_verify_response, decode, encode
 

@@ -15,7 +15,8 @@ from typing import Any
 
 from app.drafting import DraftModel
 from app.engine import Engine
-from app.targets.base import Channel, Expected, Traffic, resend
+from app.targets.base import resend
+from app.targets.channel import Channel, Expected, Traffic
 from app.targets.pipeline import PipelineTarget, Segment, StageShort
 from app.targets.segments import stage_request
 from core.errors import SessionShort

@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from app.targets.base import Breaker, Channel, Expected, Replica
+from app.targets.channel import Breaker, Channel, Expected, Replica
 from app.targets.discovery import DiscoveryError, Resolver, replica_url
 from app.targets.replicas import ReplicaSet
 from app.targets.specgate import SpecgateDialect

@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.targets.base import Breaker, Channel, Replica, ReplicaFailure, Traffic
+from app.targets.channel import Breaker, Channel, Replica, Traffic
+from app.targets.failures import ReplicaFailure
 from app.targets.fastpost import FastPost
 from clients.procs import free_port
 from tests.app.helpers import served

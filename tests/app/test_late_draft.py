@@ -18,7 +18,7 @@ from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions
 from app.engine import loop as loop_module
 from app.engine.round import Round
 from app.engine.strategies import STRATEGIES, RoundStrategy
-from app.targets.base import Traffic
+from app.targets.channel import Traffic
 from app.usage import Usage
 from core.math.random import Purpose, sample_index, uniform
 from core.math.sampling import SamplingParams

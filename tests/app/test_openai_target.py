@@ -15,7 +15,8 @@ import httpx
 import numpy as np
 import pytest
 
-from app.targets.base import Expected, ReplicaFailure
+from app.targets.channel import Expected
+from app.targets.failures import ReplicaFailure
 from app.targets.engine_listing import TokenTable, parse_listing, token_id
 from app.targets.openai_logprobs import EngineDialect
 from app.targets.pool import TargetSet

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from app.targets.base import Channel, Expected
+from app.targets.channel import Channel, Expected
 from app.targets.pipeline import PipelineTarget, Segment, StageDown, StageShort
 from core.protocol import BINARY_CONTENT_TYPE, ErrorBody, InfoResponse, StageRequest, StageResponse, decode, encode
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from app.server import create_app
-from app.targets.base import server_timing
+from app.targets.channel import server_timing
 from clients.bench.overhead import PARTS, projection, round_figures
 from core.runners import ModelRunner, load_runner
 from tests.app.fake_engine import Router

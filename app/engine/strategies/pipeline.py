@@ -20,7 +20,8 @@ from app.engine.round import token_logprobs
 from app.engine.session import Session, finish_reason
 from app.engine.spec import RoundResult, TokenLogprob
 from app.engine.strategies.base import Engine, Strategy
-from app.targets.base import Traffic, WorkerError
+from app.targets.channel import Traffic
+from app.targets.failures import WorkerError
 from app.targets.pipeline import PipelineTarget, Segment, StageDown, StageShort
 from core.math.random import Purpose, sample_index, uniform
 from core.math.sampling import normalised
