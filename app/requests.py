@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from app.adaptive import DEFAULT_GAMMA
 from app.drafting import DraftModel
+from app.drafting.drafters import DRAFTERS, MODEL
 from app.engine import Engine, GenerationRequest, SpecOptions
 from app.engine.late import waits_for_a_model
 from app.errors import ApiError
@@ -32,7 +33,7 @@ from core.grammar import GrammarError, GrammarKind, GrammarSpec, engine_version,
 from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
 from core.modes import MODES, SERVED_MODES, target_problem
-from core.names import Drafter, Mode
+from core.names import Mode
 from core.protocol import InfoResponse
 from core.transform import TransformSpec
 
@@ -334,8 +335,8 @@ class Requests:
             top_k = _EXACT_DRAFT_TOP_K
         drafter = self._drafter(mode, given.get("drafter"))
         overlap = "overlap" in takes.fields and given.get("overlap", base.overlap)
-        if overlap and drafter is not Drafter.MODEL:
-            raise ApiError(400, f"overlap drafts the next round with the draft model alone: drafter {drafter.value!r} cannot prepare it", "speculative.overlap")
+        if overlap and not DRAFTERS[drafter].overlaps:
+            raise ApiError(400, f"overlap drafts the next round with the draft model alone: drafter {drafter!r} cannot prepare it", "speculative.overlap")
         return SpecOptions(
             mode=mode,
             num_draft_tokens=DEFAULT_GAMMA if gamma == "auto" else gamma,
@@ -354,19 +355,23 @@ class Requests:
             drafter=drafter,
         )
 
-    def _drafter(self, mode: Mode, given: str | None) -> Drafter:
-        """The request's drafter, else the configured one, else the draft model (lookup when the gateway has none)."""
+    def _drafter(self, mode: Mode, given: str | None) -> str:
+        """The request's drafter (a name in ``DRAFTERS``), else the configured one, else the draft model (lookup when the gateway has none)."""
         has_model = self.draft.runner.has_weights
         if "drafter" not in MODES[mode].fields:
             if MODES[mode].drafts and not has_model:
                 raise ApiError(400, f"mode {mode.value!r} drafts with a model and this gateway has none (draft.model: none): use aggregate, split, exact or tree (lookup drafts) or autoregressive", "speculative.mode")
-            return Drafter.MODEL
-        drafter = Drafter(given or self.config.speculative.drafter or (Drafter.MODEL if has_model else Drafter.LOOKUP))
-        if mode is Mode.PIPELINE and drafter is Drafter.LOOKUP:
+            return MODEL.name
+        configured = self.config.speculative.drafter
+        name = given or (configured.value if configured is not None else None) or (MODEL.name if has_model else "lookup")
+        drafter = DRAFTERS.get(name)
+        if drafter is None:
+            raise ApiError(400, f"speculative.drafter: {name!r} is not a drafter: use one of {sorted(DRAFTERS)}", "speculative.drafter")
+        if mode is Mode.PIPELINE and not drafter.grows_trees:
             raise ApiError(400, "a pipeline keeps its stages busy by expanding its tree with the draft model: use drafter 'model' or 'model+lookup'" + ("" if has_model else " (this gateway has none: draft.model: none)"), "speculative.drafter")
-        if drafter is not Drafter.LOOKUP and not has_model:
-            raise ApiError(400, f"drafter {drafter.value!r} needs a draft model and this gateway has none (draft.model: none): use drafter 'lookup'", "speculative.drafter")
-        return drafter
+        if drafter.uses_model and not has_model:
+            raise ApiError(400, f"drafter {name!r} needs a draft model and this gateway has none (draft.model: none): use drafter 'lookup'", "speculative.drafter")
+        return name
 
     def replica_infos(self) -> Iterator[tuple[str, InfoResponse]]:
         """("name (url)", /v1/info) of every replica checked so far."""

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.config import PipelineParams, TreeParams, in_range
 from core.grammar import MAX_JSON_DEPTH, json_depth
-from core.names import Drafter, Mode, Reconstruction
+from core.names import Mode, Reconstruction
 
 _TOKEN_ID = re.compile(r"\s*([0-9]{1,10})\s*")  # ASCII digits only: str.isdigit takes "²", which int() refuses
 
@@ -51,7 +51,7 @@ class SpeculativeParams(_Strict):
     tree: TreeParams | None = None
     pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments (docs/design.md §3.7)
     profile: bool | None = None  # usage speculative.profile: each round's time by part, bytes and tokens
-    drafter: Drafter | None = None  # model | lookup | model+lookup: where a draft comes from (docs/design.md §3.10)
+    drafter: str | None = None  # model | lookup | model+lookup, or a registered drafter: where a draft comes from (docs/design.md §3.10)
 
     _in_range = field_validator("k", "num_draft_tokens")(in_range)  # the config's checks (mode: a 400 of its own, app.requests)
 

@@ -129,7 +129,7 @@ class Usage:
             "overlap": spec.overlap,
         }
         if "drafter" in MODES[spec.mode].fields:
-            block["drafter"] = spec.drafter.value
+            block["drafter"] = spec.drafter
         if MODES[spec.mode].drafts:  # the first rounds of a long prompt, while the draft prefilled
             block["rounds_without_draft"] = self.rounds_without_draft
         if spec.auto_gamma and MODES[spec.mode].drafts:  # seeded: fixed (the output depends on γ)

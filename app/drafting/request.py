@@ -8,7 +8,6 @@ import torch
 
 from core.math.sampling import SamplingParams, apply_sampling, normalised, top_ids, truncated_supports
 from core.math.tree import SparseRow, path_of
-from core.names import Drafter
 from core.transform import Transformer
 
 
@@ -28,7 +27,7 @@ class DraftRequest:
     choice: int
     truncation: tuple[int, float] = (0, 1.0)
     transformer: Transformer | None = None
-    drafter: Drafter = Drafter.MODEL
+    drafter: str = "model"  # a name in app.drafting.drafters.DRAFTERS
     shared: bool = True
 
     @property

@@ -12,14 +12,14 @@ from app.drafting import DraftModel
 from app.engine.session import Session
 from app.engine.spec import SpecOptions
 from core.modes import MODES
-from core.names import Drafter
+from app.drafting.drafters import DRAFTERS
 
 log = logging.getLogger(__name__)
 
 
 def waits_for_a_model(spec: SpecOptions) -> bool:
     """Whether the mode's draft comes from a draft model that must prefill (lookup alone has nothing to wait for)."""
-    return MODES[spec.mode].drafts and spec.drafter is not Drafter.LOOKUP
+    return MODES[spec.mode].drafts and DRAFTERS[spec.drafter].uses_model
 
 
 class LateDraft:

@@ -12,6 +12,7 @@ import torch
 
 from app.adaptive import GammaController
 from app.drafting import DraftModel
+from app.drafting.drafters import DRAFTERS
 from app.engine.echo import score_prompt
 from app.engine.late import LateDraft
 from app.engine.overlap import Overlap
@@ -25,7 +26,6 @@ from app.targets.pool import TargetSet
 from core.grammar import Grammars
 from core.math.tree import TokenTree
 from core.modes import MODES
-from core.names import Drafter
 from core.transform import Transformer, TransformSpec
 
 __all__ = ["STRATEGIES", "Engine"]
@@ -138,7 +138,7 @@ class Engine:
         if session.auto is not None:
             session.auto.observe(result.drafted, result.accepted, result.draft_s, result.verify_s, result.model_s, result.prepared, result.prepared_used)
             result.gamma = wanted
-        if session.req.spec.drafter is Drafter.MODEL_LOOKUP:  # what its lookup tokens, model tokens and places got
+        if DRAFTERS[session.req.spec.drafter].learns:  # e.g. model+lookup: what its lookup tokens, model tokens and places got
             path = result.path if not draft.is_chain else None
             self.draft.observe(session.id, path if path is not None else list(range(result.accepted)))
 

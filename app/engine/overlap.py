@@ -10,7 +10,7 @@ from app.drafting import DraftModel
 from app.engine.session import Session
 from app.engine.spec import GenerationRequest, RoundResult
 from core.math.tree import TokenTree
-from core.names import Drafter
+from app.drafting.drafters import MODEL
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Overlap:
         if not tokens or tokens[-1] in self.eos_ids or after <= 1:
             return
         cancel = threading.Event()
-        request = keyed.draft(session.id, [*session.sequence, *tokens], session.transformer, Drafter.MODEL)
+        request = keyed.draft(session.id, [*session.sequence, *tokens], session.transformer, MODEL.name)
         task = asyncio.create_task(self.draft.propose(request, 1 + min(gamma, after - 1), cancel=cancel))
         task.add_done_callback(_retrieve)  # a round that fails leaves it unawaited
         self._preparing = task, cancel

@@ -10,7 +10,7 @@ from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams
 from core.math.shapes import SegmentSchedule, TreeShape
 from core.modes import MODES, Guarantee, Payload, guarantee
-from core.names import Drafter, Mode, Reconstruction
+from core.names import Mode, Reconstruction
 from core.transform import Transformer, TransformSpec
 
 
@@ -32,7 +32,7 @@ class SpecOptions:
     tree_payload: Mode = Mode.AGGREGATE  # mode tree: what each node's row carries — aggregate's or exact's (docs/design.md §3.6)
     pipeline: SegmentSchedule | None = None  # mode pipeline: the tree and its segments; None = the defaults
     profile: bool = False  # usage lists every round: its time by part, bytes and tokens (``specgate bench overhead``)
-    drafter: Drafter = Drafter.MODEL  # where a draft comes from (docs/design.md §3.10)
+    drafter: str = "model"  # where a draft comes from: a name in app.drafting.drafters.DRAFTERS (docs/design.md §3.10)
 
     def __post_init__(self) -> None:
         for broken, message in (
@@ -107,7 +107,7 @@ class GenerationRequest:
             out["transform"] = self.transform.to_wire()
         return out
 
-    def draft(self, session_id: str, sequence: list[int], transformer: Transformer | None, drafter: Drafter | None = None) -> DraftRequest:
+    def draft(self, session_id: str, sequence: list[int], transformer: Transformer | None, drafter: str | None = None) -> DraftRequest:
         """What the draft is asked after ``sequence`` (``drafter``: the request's, unless given)."""
         return DraftRequest(
             session_id, sequence, self.params, self.seed, self.choice, self.spec.truncation, transformer,
