@@ -81,6 +81,8 @@ class Requests:
         given = config.draft.tool_format
         self.tool_format = detect(template) if given == "auto" else ToolFormat(given)  # the format tools are written in
         self.thinking = thinking_markers(template) if config.draft.reasoning == "auto" else None  # the template's thinking markers
+        if config.speculative.drafter is not None and config.speculative.drafter not in DRAFTERS:
+            raise ConfigError(f"speculative.drafter: {config.speculative.drafter!r} is not a drafter: use one of {sorted(DRAFTERS)}")
 
     def completion_job(self, body: CompletionRequest) -> Job:
         self._check_common(body)
@@ -362,8 +364,7 @@ class Requests:
             if MODES[mode].drafts and not has_model:
                 raise ApiError(400, f"mode {mode.value!r} drafts with a model and this gateway has none (draft.model: none): use aggregate, split, exact or tree (lookup drafts) or autoregressive", "speculative.mode")
             return MODEL.name
-        configured = self.config.speculative.drafter
-        name = given or (configured.value if configured is not None else None) or (MODEL.name if has_model else "lookup")
+        name = given or self.config.speculative.drafter or (MODEL.name if has_model else "lookup")
         drafter = DRAFTERS.get(name)
         if drafter is None:
             raise ApiError(400, f"speculative.drafter: {name!r} is not a drafter: use one of {sorted(DRAFTERS)}", "speculative.drafter")

@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from core.errors import ConfigError
 from core.math.shapes import ChildRule, SegmentSchedule, TreeShape
 from core.modes import SERVED_MODES, target_problem
-from core.names import Backend, Drafter, Mode, Reconstruction, TargetType
+from core.names import Backend, Mode, Reconstruction, TargetType
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}  # hosts on this machine (late_prefill_waits)
 _SERVICE_LINK = re.compile(r"^(tcp|udp|sctp)://[^\s/]+:\d+$", re.IGNORECASE)  # what Kubernetes puts in <SERVICE>_PORT
@@ -123,7 +123,7 @@ class SpeculativeConfig(BaseModel):
     overlap: bool = False  # DSD: draft the next round while this one is verified (same output, less waiting)
     tree: TreeParams | None = None  # mode tree: the draft tree; None = the default by temperature
     pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments; None = the defaults
-    drafter: Drafter | None = None  # model | lookup | model+lookup (chains, tree; pipeline: not lookup); None = model, or lookup when draft.model is none
+    drafter: str | None = None  # model | lookup | model+lookup, or a registered drafter (chains, tree; pipeline: not lookup); None = model, or lookup when draft.model is none
 
     @field_validator("tree", "pipeline")
     @classmethod

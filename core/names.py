@@ -16,14 +16,6 @@ class Mode(str, Enum):
     PIPELINE = "pipeline"
 
 
-class Drafter(str, Enum):
-    """Where the gateway's draft comes from (docs/design.md §3.10)."""
-
-    MODEL = "model"  # the draft model, a step per token
-    LOOKUP = "lookup"  # prompt lookup, then the suffix index: no model at all (one token a round when nothing matches)
-    MODEL_LOOKUP = "model+lookup"  # a lookup run the draft model agrees with (one decode checks it), then the model
-
-
 class Backend(str, Enum):
     """A model runner backend (docs/design.md §7)."""
 

@@ -15,7 +15,6 @@ from core.math.sampling import SamplingParams
 from core.math.shapes import ChildRule, TreeShape
 from core.math.tree import TokenTree
 from core.runners.base import ForwardItem, ModelRunner, Rows
-from core.names import Drafter
 from core.runners.model_thread import ModelThread
 from core.transform import Transformer
 from tests.app.fakes import MarkovRunner, random_table
@@ -34,7 +33,7 @@ TEXTS = [
 
 async def propose(
     draft: DraftModel, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int, truncation: tuple[int, float] = (0, 1.0),
-    *, transformer: Transformer | None = None, limit: int | None = None, drafter: Drafter = Drafter.MODEL, shared: bool = True,
+    *, transformer: Transformer | None = None, limit: int | None = None, drafter: str = "model", shared: bool = True,
 ) -> TokenTree:
     """A chain from ``draft``, asked with the fields of a ``DraftRequest`` in a row."""
     return await draft.propose(DraftRequest(session_id, sequence, params, seed, choice, truncation, transformer, drafter, shared), gamma, limit)
@@ -43,7 +42,7 @@ async def propose(
 async def propose_tree(
     draft: DraftModel, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
     truncation: tuple[int, float] = (0, 1.0), *, transformer: Transformer | None = None, depth_limit: int | None = None, extra: int = 0,
-    drafter: Drafter = Drafter.MODEL, shared: bool = True,
+    drafter: str = "model", shared: bool = True,
 ) -> TokenTree:
     """A tree from ``draft``, likewise."""
     return await draft.propose_tree(DraftRequest(session_id, sequence, params, seed, choice, truncation, transformer, drafter, shared), shape, depth_limit, extra)
@@ -193,14 +192,13 @@ async def test_an_abandoned_draft_ends_at_its_next_step_and_free_waits_for_it() 
 async def test_a_seeded_draft_leaves_the_suffix_index_of_other_sessions_out() -> None:
     """Other sessions' outputs may come from the same seed: a seeded request's lookup uses its own
     context only (``shared=False``), so its answer does not depend on what ran before."""
-    from core.names import Drafter
-
+    
     draft = DraftModel(MarkovRunner(random_table(4, 1), eos_ids=[3]), ModelThread())
     draft.lookup.suffixes.add([0, 2, 1, 0, 2])
     greedy = SamplingParams(temperature=0.0)
-    assert (await propose(draft, "a", [1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP)).ids() == [2]  # "1 0" then 2, in the outputs
-    assert (await propose(draft, "b", [1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP, shared=False)).ids() == []
-    assert (await propose(draft, "c", [1, 0, 2, 1, 0], 2, greedy, 1, 0, drafter=Drafter.LOOKUP, shared=False)).ids() == [2, 1]
+    assert (await propose(draft, "a", [1, 0], 2, greedy, 1, 0, drafter="lookup")).ids() == [2]  # "1 0" then 2, in the outputs
+    assert (await propose(draft, "b", [1, 0], 2, greedy, 1, 0, drafter="lookup", shared=False)).ids() == []
+    assert (await propose(draft, "c", [1, 0, 2, 1, 0], 2, greedy, 1, 0, drafter="lookup", shared=False)).ids() == [2, 1]
 
 
 async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
@@ -291,13 +289,12 @@ def _lookup_draft() -> tuple[DraftModel, list[int]]:
 
 
 async def test_a_fixed_tree_takes_the_lookup_branch_first_within_its_budget() -> None:
-    from core.names import Drafter
-
+    
     draft, context = _lookup_draft()
     greedy = SamplingParams(temperature=0.0)
     shape = TreeShape(ChildRule.FIXED, nodes=8, depth=3, top_k=2)
     alone = await propose_tree(draft, "a", context, shape, greedy, 1, 0)
-    mixed = await propose_tree(draft, "b", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+    mixed = await propose_tree(draft, "b", context, shape, greedy, 1, 0, drafter="model+lookup")
     assert mixed.deterministic is not None and len(mixed) <= shape.nodes
     first = mixed.children(-1)[0]
     assert int(mixed.tokens[first]) == 9 and bool(mixed.deterministic[first])  # the branch: 9 4 8 …, first at the root
@@ -310,20 +307,19 @@ async def test_a_fixed_tree_takes_the_lookup_branch_first_within_its_budget() ->
     assert kept <= model_only  # the budget is shared: the model's nodes that stay are its best ones
     for _ in range(500):  # measured: the lookup's tokens are never accepted here
         draft.lookup.acceptance.observe(("lookup", True, 1, 0), False)
-    low = await propose_tree(draft, "c", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+    low = await propose_tree(draft, "c", context, shape, greedy, 1, 0, drafter="model+lookup")
     assert _trees_equal(low, alone) and (low.deterministic is None or not bool(low.deterministic.any()))  # a weak branch displaces nothing
-    seeded = await propose_tree(draft, "d", context, shape, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
+    seeded = await propose_tree(draft, "d", context, shape, greedy, 1, 0, drafter="model+lookup", shared=False)
     assert _trees_equal(seeded, mixed)  # a seeded request weighs by the priors: what ran before does not count
 
 
 async def test_a_sampled_tree_draws_its_root_children_without_the_lookup_token_and_keeps_its_size() -> None:
-    from core.names import Drafter
-
+    
     draft, context = _lookup_draft()
     t1 = SamplingParams(temperature=1.0)
     shape = TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1))
     for seed in range(20):
-        tree = await propose_tree(draft, f"s{seed}", context, shape, t1, seed, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
+        tree = await propose_tree(draft, f"s{seed}", context, shape, t1, seed, 0, drafter="model+lookup", shared=False)
         assert tree.deterministic is not None and len(tree) <= shape.size
         lookups = [n for n in range(len(tree)) if bool(tree.deterministic[n])]
         assert lookups and int(tree.tokens[lookups[0]]) == 9 and tree.children(-1)[0] == lookups[0]
@@ -331,16 +327,15 @@ async def test_a_sampled_tree_draws_its_root_children_without_the_lookup_token_a
         assert 9 not in drawn and len(drawn) == 2  # the root's places stay; deep ones gave way
     for _ in range(100):
         draft.lookup.acceptance.observe(("lookup", False, 1, 0), False)
-    tree = await propose_tree(draft, "w", context, shape, t1, 3, 0, drafter=Drafter.MODEL_LOOKUP)
+    tree = await propose_tree(draft, "w", context, shape, t1, 3, 0, drafter="model+lookup")
     assert not bool(tree.deterministic.any()) and _trees_equal(tree, await propose_tree(draft, "m", context, shape, t1, 3, 0))  # type: ignore[union-attr]
 
 
 async def test_observe_counts_the_lookup_tokens_tested_and_the_places_accepted() -> None:
-    from core.names import Drafter
-
+    
     draft, context = _lookup_draft()
     shape = TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1))
-    tree = await propose_tree(draft, "s", context, shape, SamplingParams(temperature=1.0), 5, 0, drafter=Drafter.MODEL_LOOKUP)
+    tree = await propose_tree(draft, "s", context, shape, SamplingParams(temperature=1.0), 5, 0, drafter="model+lookup")
     lookups = [n for n in range(len(tree)) if bool(tree.deterministic[n])]  # type: ignore[index]
     draft.observe("s", [lookups[0]])  # the first accepted, the second rejected, the rest never tested
     assert _tested(draft, ("lookup", False, 1, 0)) == 1 and draft.lookup.acceptance.rate(("lookup", False, 1, 0), 0.5) > 0.5
@@ -355,22 +350,21 @@ async def test_observe_counts_the_lookup_tokens_tested_and_the_places_accepted()
 async def test_a_chain_keeps_a_lookup_token_the_model_disagrees_with_once_lookups_measure_better() -> None:
     """model+lookup: a lookup token stays while it is the model's top-1 — or while its measured
     acceptance is at least a model token's; a seeded request (the priors) keeps to the first rule."""
-    from core.names import Drafter
-
+    
     draft, context = _lookup_draft()
     greedy = SamplingParams(temperature=0.0)
     plain = await propose(draft, "p", context, 4, greedy, 1, 0)
     assert plain.ids()[0] != 9  # the model's top-1 after "3" is not the lookup's 9
-    first = await propose(draft, "a", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+    first = await propose(draft, "a", context, 4, greedy, 1, 0, drafter="model+lookup")
     assert first.ids() == plain.ids()
     draft.observe("a", [0])  # a model token accepted, the next rejected
     assert _tested(draft, ("model", True)) == 2
     for _ in range(40):
         draft.lookup.acceptance.observe(("lookup", True, 1, 0), True)
         draft.lookup.acceptance.observe(("lookup", True, 1, 1), True)
-    trusted = await propose(draft, "b", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP)
+    trusted = await propose(draft, "b", context, 4, greedy, 1, 0, drafter="model+lookup")
     assert trusted.ids()[:2] == [9, 4] and trusted.q_values()[:2].tolist() == [1.0, 1.0]  # δ rows: exact under any rule
-    seeded = await propose(draft, "c", context, 4, greedy, 1, 0, drafter=Drafter.MODEL_LOOKUP, shared=False)
+    seeded = await propose(draft, "c", context, 4, greedy, 1, 0, drafter="model+lookup", shared=False)
     assert seeded.ids() == plain.ids()
     tested = _tested(draft, ("lookup", True, 1, 0))
     draft.observe("b", [0])  # the first lookup token accepted, the second rejected, the model's after it never tested
@@ -385,8 +379,7 @@ async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_dr
     Counting only the candidates the walk tested, the law over U is the target's."""
     from app.drafting import tree as draft_module
     from tests.oracles import tree_step_law
-    from core.names import Drafter
-
+    
     V, EOS, d, c, a, b = 5, 4, 0, 1, 2, 3
     table = torch.zeros(V, V, dtype=torch.float64)
     table[a] = -200.0
@@ -404,9 +397,9 @@ async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_dr
         draft = DraftModel(MarkovRunner(table.float(), eos_ids=[EOS]), ModelThread())
         for _ in range(2):  # earlier requests' measurements
             draft.lookup.acceptance.observe(("slot", "sampled", (1, 1, 1, 1), (0, 0, 0, 0)), True)
-        await propose_tree(draft, "s", [d, c, a], shape, SamplingParams(temperature=1.0), 7, 0, drafter=Drafter.MODEL_LOOKUP)
+        await propose_tree(draft, "s", [d, c, a], shape, SamplingParams(temperature=1.0), 7, 0, drafter="model+lookup")
         draft.observe("s", [])  # its root child rejected: d recovered
-        tree = await propose_tree(draft, "s", [d, c, a, d], shape, SamplingParams(temperature=1.0), 7, 0, drafter=Drafter.MODEL_LOOKUP)  # lookup: c
+        tree = await propose_tree(draft, "s", [d, c, a, d], shape, SamplingParams(temperature=1.0), 7, 0, drafter="model+lookup")  # lookup: c
         return tree_step_law(p_next, tree.q_row(-1, V), [int(tree.tokens[k]) for k in tree.children(-1)], tree.rule, tree.num_deterministic(-1))
 
     def q_hat(row: torch.Tensor) -> torch.Tensor:  # the draft's q̂ there, as it samples it

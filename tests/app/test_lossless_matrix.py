@@ -33,6 +33,7 @@ from typing import Any, get_args
 import pytest
 import torch
 
+from app.drafting.drafters import DRAFTERS
 from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions
 from app.engine import loop as loop_module
 from app.engine import round as round_module
@@ -47,7 +48,7 @@ from core.math.shapes import ChildRule, SegmentSchedule, TreeShape
 from core.math.tree import TokenTree
 from core.modes import GUARANTEES, MODES, SERVED_MODES, Guarantee, Payload, guarantee
 from core.lookup import AcceptanceStats, LookupParams, SuffixIndex
-from core.names import Drafter, Mode, Reconstruction
+from core.names import Mode, Reconstruction
 from core.grammar import GrammarKind, GrammarSpec
 from core.transform import TransformSpec
 from tests.app.fakes import MarkovRunner, TableMatcher, make_engine, pipeline_engine, random_table, split_pipeline, with_table_grammar
@@ -125,7 +126,7 @@ SECONDARY_FIELDS = {"draft_top_k", "draft_top_p", "reconstruction", "relaxation"
 # the suffix index's "0" continues as 0 2 1.
 LOOKUPS = {"prompt lookup": ((1, 0, 0, 2, 1, 0), ()), "suffix index": (tuple(PROMPT), ((2, 0, 0, 2, 1),))}
 LOOKUP_TOKENS = 2  # a lookup's chain at most: exact's payload draws a complement sample at each of its δ rows (4 tokens: 1,600–200,000 runs)
-DRAFTER_CELLS = ((Drafter.LOOKUP, "prompt lookup"), (Drafter.LOOKUP, "suffix index"), (Drafter.MODEL_LOOKUP, "prompt lookup"))
+DRAFTER_CELLS = (("lookup", "prompt lookup"), ("lookup", "suffix index"), ("model+lookup", "prompt lookup"))
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ def _spec(mode: Mode, payload: Payload, **options: Any) -> SpecOptions:
         mode, options.pop("gamma", 2), k, options.pop("reconstruction", Reconstruction.RENORMALIZE), draft_top_k=draft_top_k,
         draft_top_p=options.pop("draft_top_p", 1.0), overlap=options.pop("overlap", False), relaxation=options.pop("relaxation", None),
         tree=options.pop("tree", None), tree_payload=options.pop("tree_payload", Mode.AGGREGATE), pipeline=options.pop("pipeline", None),
-        profile=options.pop("profile", False), drafter=options.pop("drafter", Drafter.MODEL), auto_gamma=options.pop("auto_gamma", False),
+        profile=options.pop("profile", False), drafter=options.pop("drafter", "model"), auto_gamma=options.pop("auto_gamma", False),
     )
 
 
@@ -271,13 +272,13 @@ def cells() -> list[Cell]:
                     for drafter, lookup in DRAFTER_CELLS:
                         if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and ((drafter, lookup) != DRAFTER_CELLS[0] or sampling == "T=1"):
                             continue  # two workers' complement draws at every δ row: 7,800–9,200 runs a cell at T = 1; one cell, with top-k 2 sampling (96 runs)
-                        if mode is Mode.PIPELINE and drafter is Drafter.LOOKUP:
+                        if mode is Mode.PIPELINE and drafter == "lookup":
                             continue  # a pipeline expands its tree with the model (a 400)
                         if mode is Mode.TREE and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
                             continue  # exact's chain cell has it (7,800 runs here); the lookup branch cells run two workers
                         at, label, given = shapes[1] if mode is Mode.PIPELINE else (rule, shape, options)  # a pipeline's expanding tree with a branch: 2,000 runs, 22 s
                         spec = _spec(mode, payload, **_two_workers(payload, workers, {**given, "drafter": drafter}))
-                        out.append(Cell(mode, payload, rule_of(at), label, workers, sampling, option=f"drafter {drafter.value}", spec=spec, lookup=lookup))
+                        out.append(Cell(mode, payload, rule_of(at), label, workers, sampling, option=f"drafter {drafter}", spec=spec, lookup=lookup))
                 if mode is Mode.TREE:
                     out += _lookup_branch_cells(payload, workers, sampling, rule_of)
                 out += _late_cells(mode, payload, workers, sampling, shapes, rule_of)
@@ -307,7 +308,7 @@ def _late_cells(mode: Mode, payload: Payload, workers: str, sampling: str, shape
         for late in LATE_ROUNDS if late == 1 or (not two and sampling == "T=1" and payload is not Payload.SPARSE)
     ]
     if not two and sampling == "T=1" and payload is Payload.FULL and mode is Mode.AGGREGATE:
-        lookup = _spec(mode, payload, **options, drafter=Drafter.MODEL_LOOKUP)
+        lookup = _spec(mode, payload, **options, drafter="model+lookup")
         out.append(Cell(mode, payload, rule, shape, workers, sampling, spec=lookup, option="drafter model+lookup", lookup="prompt lookup", late=1, rounds=2))
     if not two and sampling == "T=1" and payload is Payload.FULL and mode is Mode.TREE:
         tree = TreeParams(rule=ChildRule.SAMPLED, widths=[2]).shape()
@@ -331,7 +332,7 @@ def _lookup_branch_cells(payload: Payload, workers: str, sampling: str, rule_of:
                 if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and lookup != "prompt lookup":
                     continue
                 shape = TreeParams(rule=rule, payload=TREE_PAYLOADS[payload][0], widths=widths).shape()
-                spec = _spec(Mode.TREE, payload, **_two_workers(payload, workers, {"tree": shape, "tree_payload": Mode(TREE_PAYLOADS[payload][0]), "drafter": Drafter.MODEL_LOOKUP}))
+                spec = _spec(Mode.TREE, payload, **_two_workers(payload, workers, {"tree": shape, "tree_payload": Mode(TREE_PAYLOADS[payload][0]), "drafter": "model+lookup"}))
                 out.append(Cell(Mode.TREE, payload, rule_of(rule.value), label, workers, sampling, option="lookup branch", spec=spec, lookup=lookup))
     return out
 
@@ -628,6 +629,7 @@ def test_the_matrix_covers_every_registry() -> None:
     assert {c.sampling for c in CELLS} == set(SAMPLINGS) and {c.workers for c in CELLS} == set(WORKER_SETS)
     assert {c.claim for c in CELLS} == set(Guarantee)
     assert any(c.overlap for c in CELLS) and any(c.min_tokens for c in CELLS)
+    assert {c.spec.drafter for c in CELLS} == set(DRAFTERS)  # a drafter registered without cells of its own fails here
     for cell in CELLS:  # the generator's label is what the engine computes, and the response claims what the table says
         assert cell.spec.payload is cell.payload and cell.spec.is_lossless == (cell.claim is Guarantee.LOSSLESS)
 

@@ -20,7 +20,8 @@ import jsonschema
 from hypothesis import strategies as st
 
 from core.modes import MODES
-from core.names import Drafter, Mode
+from app.drafting.drafters import DRAFTERS
+from core.names import Mode
 
 MODEL = "specgate-surface"
 BROKEN = object()  # the marker of a deliberately broken field in ``Case.broken``
@@ -162,7 +163,7 @@ def speculative(draw: st.DrawFn, every_mode: bool = True) -> dict[str, Any]:
     if "overlap" in takes and draw(st.booleans()):
         spec["overlap"] = True
     if "drafter" in takes and draw(st.booleans()):
-        spec["drafter"] = draw(st.sampled_from([d.value for d in Drafter]))
+        spec["drafter"] = draw(st.sampled_from(list(DRAFTERS)))  # the registered ones, model, lookup, model+lookup
     if "tree" in takes and draw(st.booleans()):
         spec["tree"] = draw(st.one_of(
             st.builds(lambda w: {"rule": "sampled", "widths": w}, st.lists(st.integers(1, 2), min_size=1, max_size=3)),
