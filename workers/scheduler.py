@@ -75,7 +75,7 @@ class StepLog:
 
 
 class StepHost(Protocol):
-    """What the scheduler runs its steps on (``workers.state.WorkerState``)."""
+    """What the scheduler runs its steps on (``workers.step.Steps``)."""
 
     thread: ModelThread
 

@@ -13,36 +13,40 @@ import torch
 
 from core.errors import ContextOverflow, InvalidRequest, SessionShort
 from core.protocol import StageRequest, StageResponse, check_stage_request
+from core.runners import ModelRunner
 from core.runners.base import ForwardItem, common_prefix
 from workers.scoring import RowSpec, score_rows
-from workers.transforms import SessionTransforms, Shaping, shaped
+from workers.sessions import SessionStore
+from workers.settings import WorkerSettings
+from workers.transforms import Shaping, Transforms, shaped
 
 
-class StageSteps(SessionTransforms):
-    """Part of ``WorkerState`` (``workers.state``): a stage's side of a step."""
+class StageSide:
+    """A pipeline stage's side of a step (``workers.step.Steps`` runs it): a segment checked and prepared, its rows kept, its answer."""
 
-    counters: defaultdict[str, float]
+    def __init__(self, settings: WorkerSettings, runner: ModelRunner, sessions: SessionStore, transforms: Transforms, counters: defaultdict[str, float]) -> None:
+        self.settings, self.runner, self.sessions, self.transforms, self.counters = settings, runner, sessions, transforms, counters
 
     @property
     def max_context(self) -> int:
         return min(self.settings.max_context, self.runner.info.max_context)
 
-    def _prepare_stage(self, req: StageRequest) -> tuple[ForwardItem, int, None]:
+    def prepare(self, req: StageRequest) -> tuple[ForwardItem, int, None]:
         """A stage's segment: keep the rows that survive, check the rows held, the item to run."""
-        self.stage_keep(req)
+        self.keep(req)
         if not len(req.tokens):
             raise InvalidRequest("a stage forward appends at least one row (a prune alone goes to /v1/stage/keep)", param="tokens")
         if req.prefix_len + len(req.tokens) > self.max_context:
             raise ContextOverflow(f"the session would hold {req.prefix_len + len(req.tokens)} rows, the context is {self.max_context}", param="tokens")
         self.sessions.admit(req.session_id, tree=True)
         if req.prefix_len == 0 and self.runner.is_last_stage:  # the session's transform, set by the message that starts it
-            self.start_transform(req.session_id, req.transform)
+            self.transforms.start_transform(req.session_id, req.transform)
         hidden = torch.from_numpy(np.array(req.hidden, dtype=np.float32)) if req.hidden is not None else None
         scored = list(range(req.score_from, len(req.tokens))) or [len(req.tokens) - 1]
         parents = req.parents.tolist() if req.parents is not None else None
         return ForwardItem(req.session_id, req.prefix_len, req.tokens.tolist(), parents, scored, hidden), 0, None
 
-    def _stage_shaping(self, req: StageRequest, held: int, scored: int) -> Shaping | None:
+    def shaping(self, req: StageRequest, held: int, scored: int) -> Shaping | None:
         """The last stage's ``_shaping``: the transform, and each scored row's prefix (its ancestors' tokens and its own), shared part split off."""
         transformer = self.sessions.transforms.get(req.session_id)
         if transformer is None:
@@ -52,7 +56,7 @@ class StageSteps(SessionTransforms):
         agreed = contexts[0][: common_prefix(*contexts)]
         return transformer, agreed, [c[len(agreed) :] for c in contexts]
 
-    def stage_keep(self, req: StageRequest) -> int:
+    def keep(self, req: StageRequest) -> int:
         """Apply a stage message's ``keep``; the rows held, which must be ``prefix_len`` (else 409)."""
         check_stage_request(req, self.runner.info.vocab_size, self.runner.hidden_size, self.runner.is_first_stage)
         held = self.runner.length(req.session_id) if req.session_id in self.sessions else 0
@@ -66,7 +70,7 @@ class StageSteps(SessionTransforms):
             raise SessionShort(req.session_id, held, f"the stage holds {held} rows, the call assumes {req.prefix_len}")
         return held
 
-    def _stage_answer(self, req: StageRequest, output: torch.Tensor, model_ms: float) -> StageResponse | StageStates:
+    def answer(self, req: StageRequest, output: torch.Tensor, model_ms: float) -> StageResponse | StageStates:
         """The last stage's payload at the scored rows; another stage's states, to send on."""
         held = self.runner.length(req.session_id)
         self.counters["positions_scored"] += len(req.tokens) - req.score_from
@@ -75,7 +79,7 @@ class StageSteps(SessionTransforms):
         resp = StageResponse(held=held, stage_ms=np.array([model_ms], np.float32), hop_bytes=np.zeros(0, np.int32))
         if req.score_from >= len(req.tokens):
             return resp
-        scored = score_rows(shaped(output, self._stage_shaping(req, held, len(output))), RowSpec.of(req), held, model_ms)
+        scored = score_rows(shaped(output, self.shaping(req, held, len(output))), RowSpec.of(req), held, model_ms)
         return replace(resp, probs=scored.probs, tail_mass=scored.tail_mass, ids=scored.ids, recon_error=scored.recon_error, probs_dtype=scored.probs_dtype)
 
 

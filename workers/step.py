@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
@@ -12,20 +13,30 @@ import torch
 from core.errors import ContextOverflow, InvalidRequest, SessionShort
 from core.protocol import StageRequest, VerifyRequest, VerifyResponse, check_verify_request
 from core.math.tree import path_of
+from core.runners import ModelRunner
 from core.runners.base import ForwardItem
+from core.runners.model_thread import ModelThread
 from workers.scheduler import Piece, Work
 from workers.device_scoring import handles, score_step
 from workers.scoring import score, tree_item
-from workers.stage import StageSteps
-from workers.transforms import Shaping, shaped
+from workers.sessions import SessionStore
+from workers.settings import WorkerSettings
+from workers.stage import StageSide
+from workers.transforms import Shaping, Transforms, shaped
 
 log = logging.getLogger(__name__)
 
 
-class Steps(StageSteps):
-    """Part of ``WorkerState`` (``workers.state``): the verify step."""
+class Steps:
+    """The worker's step (what ``workers.scheduler`` runs): verify calls and stage segments, one forward, each answered.
+    ``scores_on_device``: a step's calls scored together where the logits are (workers.device_scoring), else each on the host."""
 
-    scores_on_device: bool  # a step's calls scored together where the logits are (workers.device_scoring), else each on the host
+    def __init__(
+        self, settings: WorkerSettings, runner: ModelRunner, sessions: SessionStore, transforms: Transforms, stage: StageSide,
+        counters: defaultdict[str, float], thread: ModelThread, scores_on_device: bool,
+    ) -> None:
+        self.settings, self.runner, self.sessions, self.transforms, self.stage = settings, runner, sessions, transforms, stage
+        self.counters, self.thread, self.scores_on_device = counters, thread, scores_on_device
 
     def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
         """``POST /v1/verify`` for one call alone; ``timing`` gets the model's and the scoring's ms."""
@@ -41,7 +52,7 @@ class Steps(StageSteps):
         items, order = [], []
         for i, req in enumerate(reqs):
             try:
-                prepared = self._prepare_stage(req) if isinstance(req, StageRequest) else self._prepare_piece(req) if isinstance(req, Piece) else self._prepare(req)
+                prepared = self.stage.prepare(req) if isinstance(req, StageRequest) else self._prepare_piece(req) if isinstance(req, Piece) else self._prepare(req)
                 item, rows, shaping = prepared
                 if item is None:  # a piece the prompt cache held: nothing to decode
                     answers[i] = rows
@@ -77,7 +88,7 @@ class Steps(StageSteps):
             try:
                 call = req.req if isinstance(req, Piece) else req
                 if isinstance(req, StageRequest):
-                    answers[i] = self._stage_answer(req, logits.cpu(), model_ms)
+                    answers[i] = self.stage.answer(req, logits.cpu(), model_ms)
                 elif self.scores_on_device and isinstance(call, VerifyRequest) and handles(call):
                     together.append((i, call, shaped(logits[scored_tokens:], shaping)))
                     continue
@@ -181,7 +192,7 @@ class Steps(StageSteps):
     def _shaping(self, req: VerifyRequest) -> Shaping | None:
         """The session's transform (set by a call with prefix_len 0) with the agreed tokens and each scored row's path after them."""
         if req.prefix_len == 0:
-            self.start_transform(req.session_id, req.transform)
+            self.transforms.start_transform(req.session_id, req.transform)
         transformer = self.sessions.transforms.get(req.session_id)
         if transformer is None:
             return None
@@ -198,6 +209,6 @@ class Steps(StageSteps):
             raise InvalidRequest(f"draft of {len(req.draft)} tokens exceeds max_draft {self.settings.max_draft}", param="draft")
         if req.tokens.size == 0 and req.prefix_len == 0:
             raise InvalidRequest("a session starts with at least one token", param="tokens")
-        if req.prefix_len + len(req.tokens) + len(req.draft) > self.max_context:
-            message = f"prefix {req.prefix_len} + {len(req.tokens)} tokens + draft {len(req.draft)} exceeds the context of {self.max_context}"
+        if req.prefix_len + len(req.tokens) + len(req.draft) > self.stage.max_context:
+            message = f"prefix {req.prefix_len} + {len(req.tokens)} tokens + draft {len(req.draft)} exceeds the context of {self.stage.max_context}"
             raise ContextOverflow(message, param="draft")

@@ -25,13 +25,12 @@ def shaped(rows: torch.Tensor, shaping: Shaping | None) -> torch.Tensor:
     return transformer.rows(rows, agreed, paths)
 
 
-class SessionTransforms:
-    """Part of ``WorkerState`` (``workers.state``)."""
+class Transforms:
+    """Each session's transform, and the grammar engine they compile with (built on first use)."""
 
-    settings: WorkerSettings
-    runner: ModelRunner
-    sessions: SessionStore
-    _grammars: Grammars | None
+    def __init__(self, settings: WorkerSettings, runner: ModelRunner, sessions: SessionStore) -> None:
+        self.settings, self.runner, self.sessions = settings, runner, sessions
+        self._grammars: Grammars | None = None
 
     def transformer(self, wire: dict[str, Any]) -> Transformer:
         try:

@@ -137,7 +137,7 @@ class FakePipeline(PipelineTarget):
             raise StageShort(f"message {seq} lost")
         req: StageRequest | Any = stage_request(stage, seq, segment, sampling, hidden_dtype="f32")
         for state in self.states:
-            answer = state.verify_batch([req], [{}])[0]
+            answer = state.steps.verify_batch([req], [{}])[0]
             if isinstance(answer, SessionShort):
                 raise StageShort(str(answer))
             if isinstance(answer, Exception):
@@ -186,11 +186,11 @@ class FakeWorker:
         """The worker's answer; on session_short, the resend the specgate dialect builds."""
         self.calls.append(req)
         try:
-            resp = self.state.verify(req.on_wire())  # what the worker receives: the transform on a session's first call only
+            resp = self.state.steps.verify(req.on_wire())  # what the worker receives: the transform on a session's first call only
         except SessionShort as short:
             req = resend(req, agreed, short.held if short.held < req.prefix_len else 0)
             self.calls.append(req)
-            resp = self.state.verify(req.on_wire())
+            resp = self.state.steps.verify(req.on_wire())
         check_verify_response(resp, req, self.state.runner.info.vocab_size)
         return resp, Traffic(sent=1, received=1, calls=1)
 
@@ -375,8 +375,8 @@ def with_table_grammar(engine: Engine) -> Engine:
     engine.grammars = TableGrammars()  # type: ignore[assignment]
     for worker in engine.pool.workers:
         if isinstance(worker, FakeWorker):
-            worker.state._grammars = TableGrammars()  # type: ignore[assignment]
+            worker.state.transforms._grammars = TableGrammars()  # type: ignore[assignment]
         if isinstance(worker, FakePipeline):
             for state in worker.states:
-                state._grammars = TableGrammars()  # type: ignore[assignment]
+                state.transforms._grammars = TableGrammars()  # type: ignore[assignment]
     return engine

@@ -111,8 +111,8 @@ def test_a_response_without_logprobs_has_none_of_their_arrays() -> None:
     worker_req = VerifyRequest.after("s", [], PROMPT, [4, 5], mode=Mode.EXACT.value, support_ids=np.array([4, 9, 5]), support_sizes=np.array([2, 1], dtype=np.int32))
     engine, _ = _engine(1)
     state = engine.pool.workers[0].state  # type: ignore[attr-defined]
-    plain: VerifyResponse = state.verify(worker_req)
-    asked: VerifyResponse = state.verify(VerifyRequest.after("t", [], PROMPT, [4, 5], mode=Mode.EXACT.value, support_ids=np.array([4, 9, 5]), support_sizes=np.array([2, 1], dtype=np.int32), logprobs=2))
+    plain: VerifyResponse = state.steps.verify(worker_req)
+    asked: VerifyResponse = state.steps.verify(VerifyRequest.after("t", [], PROMPT, [4, 5], mode=Mode.EXACT.value, support_ids=np.array([4, 9, 5]), support_sizes=np.array([2, 1], dtype=np.int32), logprobs=2))
     extra = ("draft_logprobs", "sample_logprobs", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs", "score_logprobs")
     assert all(getattr(plain, name) is None for name in extra)
     assert asked.sample_logprobs is not None and asked.top_ids is not None and asked.top_ids.shape == (3, 2)

@@ -854,17 +854,18 @@ def test_negative_control_a_transform_from_the_parents_row_is_caught(monkeypatch
     """Every scored row transformed as the round's first row (penalty counts not advanced along
     the path, the grammar's mask taken before the draft's tokens): caught in every drafting
     lossless cell. (Autoregressive scores one row; the top-k cells' check is the first row's bound.)"""
-    from workers.state import WorkerState
+    from workers.stage import StageSide
+    from workers.step import Steps
 
     def parents_row(real: Any) -> Any:
-        def shaping(self: WorkerState, req: Any, *more: Any) -> Any:
+        def shaping(self: Any, req: Any, *more: Any) -> Any:
             got = real(self, req, *more)
             return None if got is None else (got[0], got[1], [[] for _ in got[2]])
 
         return shaping
 
-    monkeypatch.setattr(WorkerState, "_shaping", parents_row(WorkerState._shaping))
-    monkeypatch.setattr(WorkerState, "_stage_shaping", parents_row(WorkerState._stage_shaping))
+    monkeypatch.setattr(Steps, "_shaping", parents_row(Steps._shaping))
+    monkeypatch.setattr(StageSide, "shaping", parents_row(StageSide.shaping))
     picked = [c for c in CELLS if c.transform in ("all", "presence + frequency", "grammar") and c.workers == "1 worker" and c.sampling == "T=1"]
     picked = _one_each(picked, lambda c: (c.mode, c.payload, c.transform, c.rule))
     expected = {c.name for c in picked if c.claim is Guarantee.LOSSLESS and MODES[c.mode].drafts}
@@ -877,16 +878,17 @@ def test_negative_control_a_transform_dropped_after_the_first_call_is_caught(mon
     """The transform travels once, on the call that starts the session (prefix_len 0): a worker
     that forgets it on the calls after scores the second round untransformed. The cells that
     check two rounds catch it in every drafting mode, on every payload."""
-    from workers.state import WorkerState
+    from workers.stage import StageSide
+    from workers.step import Steps
 
     def forgetful(real: Any) -> Any:
-        def shaping(self: WorkerState, req: Any, *more: Any) -> Any:
+        def shaping(self: Any, req: Any, *more: Any) -> Any:
             return real(self, req, *more) if req.prefix_len == 0 else None
 
         return shaping
 
-    monkeypatch.setattr(WorkerState, "_shaping", forgetful(WorkerState._shaping))
-    monkeypatch.setattr(WorkerState, "_stage_shaping", forgetful(WorkerState._stage_shaping))
+    monkeypatch.setattr(Steps, "_shaping", forgetful(Steps._shaping))
+    monkeypatch.setattr(StageSide, "shaping", forgetful(StageSide.shaping))
     picked = [c for c in CELLS if c.rounds > 1 and c.transform and c.workers == "1 worker" and c.sampling == "T=1"]  # at T = 0 the table's argmax outlives the transform
     picked = _one_each(picked, lambda c: (c.mode, c.payload, c.option))
     caught = _caught(picked)

@@ -47,10 +47,10 @@ CELLS = [  # the trees' cells: the matrix's transforms on every shape prove them
 def _counts(spec_name: str, workers: str, seeds: range, parents_row: bool = False) -> dict[tuple[int, ...], int]:
     """In a pool process: how often each outcome (the first LENGTH tokens, cut at EOS) came."""
     if parents_row:
-        from workers.state import WorkerState
+        from workers.step import Steps
 
-        real = WorkerState._shaping
-        WorkerState._shaping = lambda self, req: (lambda s: None if s is None else (s[0], s[1], [[] for _ in s[2]]))(real(self, req))  # type: ignore[method-assign]
+        real = Steps._shaping
+        Steps._shaping = lambda self, req: (lambda s: None if s is None else (s[0], s[1], [[] for _ in s[2]]))(real(self, req))  # type: ignore[method-assign]
     engine = with_table_grammar(make_engine(DRAFT, list(zip(TARGETS, WORKERS[workers])), eos_ids=[EOS]))
 
     async def run() -> dict[tuple[int, ...], int]:
