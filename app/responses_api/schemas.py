@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
-from app.schemas import SpeculativeParams, _shallow
+from app.schemas import FunctionDef, SpeculativeParams, _shallow
 
 _NAME = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
 HOSTED_TOOLS = frozenset({  # tools OpenAI runs on its side: not in the prompt here, and the response says so
@@ -118,20 +118,11 @@ InputItem = Annotated[
 ]
 
 
-class FunctionTool(_Strict):
-    type: Literal["function"]
-    name: str = _NAME
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the arguments always follow ``parameters`` here
-    defer_loading: bool | None = None
+class FunctionTool(FunctionDef):
+    """A function tool, flat (chat nests the same fields under ``function``)."""
 
-    @field_validator("parameters")
-    @classmethod
-    def _parameters(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "object") != "object":
-            raise ValueError("a function's parameters are a JSON schema of type object")
-        return _shallow(value)
+    type: Literal["function"]
+    defer_loading: bool | None = None
 
 
 class NamespaceTool(_Strict):
