@@ -30,6 +30,15 @@ class ReplicaFailure(SpecgateError):
         self.kind = kind
 
 
+class AskAgain(SpecgateError):
+    """A replica that answered for now only (``app.targets.replicas`` retries, the one layer that does): ``held`` — it holds
+    fewer rows of the session than the call assumed (a 409: send again from there); else it is full (a 503 ``worker_full``: wait)."""
+
+    def __init__(self, message: str, held: int | None = None) -> None:
+        super().__init__(message)
+        self.held = held
+
+
 def status_failure(status: int, body: bytes, what: str) -> ReplicaFailure:
     """A non-200 answer: 5xx and 401/403 are the replica's fault; other 4xx are the request's."""
     message = f"{what}: HTTP {status}: {error_message(body)}"

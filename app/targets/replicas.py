@@ -1,7 +1,9 @@
-"""A target with replicas of one model (docs/design.md §4, docs/reliability.md): sessions, failover, breakers, probes."""
+"""A target with replicas of one model (docs/design.md §4, docs/reliability.md): sessions, failover, breakers, probes, and
+every retry of a verify call — on the same replica (a 409's resend, a full worker's wait) or on another (failover)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -12,7 +14,7 @@ import httpx
 
 from app.targets.base import Dialect, Target, resend
 from app.targets.channel import Breaker, Channel, Expected, Replica, Traffic
-from app.targets.failures import ReplicaFailure, WorkerError
+from app.targets.failures import AskAgain, ReplicaFailure, WorkerError
 from app.targets.checks import Checks
 from core.protocol import InfoResponse, VerifyRequest, VerifyResponse
 
@@ -20,6 +22,9 @@ log = logging.getLogger(__name__)
 
 _PROBE_TIMEOUT = httpx.Timeout(2.0)  # a probe of a hung replica must not hold up the others
 
+_MAX_RESENDS = 2  # after a 409: from the prefix held, then from zero
+_FULL_FIRST_PAUSE_S = 0.25  # a full worker (503 worker_full): the first wait, doubling to 2 s
+_FULL_WAIT_S = 30.0  # at most this long in all when the channel has no read timeout
 DRAINING_PAUSE_S = 5.0  # a replica that refused a new session as draining gets none for this long (its Retry-After)
 
 
@@ -119,8 +124,11 @@ class ReplicaSet(Target):
         """One verify call on the replica that holds the session, failing over to the others (``agreed``: for a resend)."""
         traffic, tried = Traffic(), set[str]()
         last: ReplicaFailure | None = None
+        resends, waits, asked = 0, [0.0], ""  # on the replica ``asked``: resends after a 409, the pauses for a full worker
         while True:
             replica = await self._replica_for(req.session_id, tried, last)
+            if replica.url != asked:
+                resends, waits, asked = 0, [0.0], replica.url
             if self.sessions.get(req.session_id) is not replica:
                 if req.session_id in self.held:  # it lost the session's replica mid-request
                     self.failovers += 1
@@ -130,7 +138,18 @@ class ReplicaSet(Target):
                 self.sessions[req.session_id] = replica
                 self.held.setdefault(req.session_id, set()).add(replica.url)
             try:
-                resp = await self.dialect.verify(replica, req, agreed, traffic)
+                try:
+                    resp = await self.dialect.verify(replica, req, agreed, traffic)
+                except AskAgain as again:
+                    if again.held is None:  # a full worker is only busy: ask again until the read timeout (docs/reliability.md)
+                        await self._wait_full(req.session_id, str(again), waits)
+                        continue
+                    if resends == _MAX_RESENDS:
+                        raise ReplicaFailure("garbage", "kept answering session_short after a resend from zero") from None
+                    prefix = again.held if again.held < req.prefix_len else 0  # held ≥ prefix_len: the hash differed
+                    log.info("worker %s lost session %s (holds %d): resending from %d", self.name, req.session_id, again.held, prefix)
+                    req, resends = resend(req, agreed, prefix), resends + 1
+                    continue
             except ReplicaFailure as exc:
                 if exc.kind == "draining":  # not a failure: no new session there for a while, this one goes elsewhere
                     replica.draining_until = time.monotonic() + DRAINING_PAUSE_S
@@ -145,6 +164,15 @@ class ReplicaSet(Target):
             replica.breaker.record(ok=True)
             self.traffic.batch_sessions += resp.batch_sessions
             return resp, traffic
+
+    async def _wait_full(self, session_id: str, message: str, waits: list[float]) -> None:
+        limit, waited = self.channel.timeout.read or _FULL_WAIT_S, sum(waits)
+        if waited >= limit:
+            raise WorkerError(self.name, f"{message} (waited {waited:.1f} s)", 503)
+        pause = min(_FULL_FIRST_PAUSE_S * 2 ** (len(waits) - 1), 2.0, limit - waited)
+        log.info("worker %s is full, session %s waits %.2f s: %s", self.name, session_id, pause, message)
+        await asyncio.sleep(pause)
+        waits.append(pause)
 
     async def _replica_for(self, session_id: str, tried: set[str], last: ReplicaFailure | None) -> Replica:
         """The session's replica, else the least loaded healthy one not yet tried (checked first)."""
