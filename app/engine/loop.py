@@ -46,7 +46,9 @@ class Engine:
         """Results of one choice until EOS or a length limit; the caller may stop early."""
         session = self._open(self._with_min_tokens(req))
         try:
-            async with aclosing(strategy_for(req.spec).run(self, session)) as results:
+            strategy = strategy_for(req.spec)  # a round strategy runs in this loop; a loop strategy (pipeline) in its own
+            results = self.rounds(session, strategy) if isinstance(strategy, RoundStrategy) else strategy.run(self, session)
+            async with aclosing(results):
                 async for result in results:
                     yield result
                     if result.finish_reason:

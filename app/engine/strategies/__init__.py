@@ -3,13 +3,13 @@
 from app.engine.spec import SpecOptions
 from app.engine.strategies.aggregate import AggregateStrategy
 from app.engine.strategies.autoregressive import AutoregressiveStrategy
-from app.engine.strategies.base import RoundStrategy, Strategy
+from app.engine.strategies.base import LoopStrategy, RoundStrategy
 from app.engine.strategies.exact import ExactStrategy
 from app.engine.strategies.pipeline import PipelineStrategy
 from app.engine.strategies.split import SplitStrategy
 from core.names import Mode
 
-STRATEGIES: dict[Mode, Strategy] = {
+STRATEGIES: dict[Mode, RoundStrategy | LoopStrategy] = {
     Mode.AUTOREGRESSIVE: AutoregressiveStrategy(),
     Mode.AGGREGATE: AggregateStrategy(),  # chains and trees on full or top-k rows
     Mode.SPLIT: SplitStrategy(),
@@ -18,8 +18,8 @@ STRATEGIES: dict[Mode, Strategy] = {
 }
 
 
-def strategy_for(spec: SpecOptions) -> Strategy:
+def strategy_for(spec: SpecOptions) -> RoundStrategy | LoopStrategy:
     return STRATEGIES[spec.verifier]
 
 
-__all__ = ["STRATEGIES", "RoundStrategy", "Strategy", "strategy_for"]
+__all__ = ["STRATEGIES", "LoopStrategy", "RoundStrategy", "strategy_for"]

@@ -1,4 +1,5 @@
-"""How a mode runs a choice (docs/design.md §3): round by round in the engine's loop (``RoundStrategy``), or its own loop (``PipelineStrategy``)."""
+"""How a mode runs a choice (docs/design.md §3): round by round in the engine's loop, which calls its ``RoundStrategy``'s
+``verify``; or, for a mode driven by something else than rounds (a pipeline's segment arrivals), its own loop (``LoopStrategy``)."""
 
 from __future__ import annotations
 
@@ -24,19 +25,14 @@ class Engine(Protocol):
 
     def transformer(self, req: GenerationRequest) -> Transformer | None: ...
 
-    def rounds(self, session: Session, strategy: RoundStrategy) -> AsyncGenerator[RoundResult, None]: ...
 
-
-class Strategy(ABC):
+class LoopStrategy(ABC):
     @abstractmethod
     def run(self, engine: Engine, session: Session) -> AsyncGenerator[RoundResult, None]:
         """The results of one choice, until one carries a finish reason."""
 
 
-class RoundStrategy(Strategy):
-    def run(self, engine: Engine, session: Session) -> AsyncGenerator[RoundResult, None]:
-        return engine.rounds(session, self)
-
+class RoundStrategy(ABC):
     @abstractmethod
     async def verify(self, rnd: Round) -> RoundResult:
         """Verify the round's draft (none in autoregressive) and say what it emits."""

@@ -19,7 +19,7 @@ from app.engine.late import LateDraft
 from app.engine.round import token_logprobs
 from app.engine.session import Session, finish_reason
 from app.engine.spec import RoundResult, TokenLogprob
-from app.engine.strategies.base import Engine, Strategy
+from app.engine.strategies.base import Engine, LoopStrategy
 from app.targets.channel import Traffic
 from app.targets.failures import WorkerError
 from app.targets.pipeline import PipelineTarget, Segment, StageDown, StageShort
@@ -53,7 +53,7 @@ class _Flight:  # a segment sent and not yet answered
     round: int
 
 
-class PipelineStrategy(Strategy):
+class PipelineStrategy(LoopStrategy):
     """Mode ``pipeline`` (docs/design.md §3.7): its own loop (``PipelineRun``) over the one pipeline target."""
 
     def run(self, engine: Engine, session: Session) -> AsyncGenerator[RoundResult, None]:
