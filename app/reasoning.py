@@ -8,6 +8,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from app.tools import partial
 from core.grammar import JSON_OPTIONS, GrammarKind, GrammarSpec, load_schema, strict
 
 MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))  # DeepSeek-R1, Qwen3, … ; Magistral
@@ -73,7 +74,7 @@ class ReasoningSplitter:
                     reasoning += buffer[:at]
                     buffer, self.state = buffer[at + len(self.thinking.close) :], "after"
                     continue
-                held = next((n for n in range(min(len(self.thinking.close) - 1, len(buffer)), 0, -1) if buffer.endswith(self.thinking.close[:n])), 0)
+                held = partial(buffer, self.thinking.close)
                 reasoning += buffer[: len(buffer) - held]
                 self._pending = buffer[len(buffer) - held :]
                 break

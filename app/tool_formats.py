@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from app.tools import Tool, ToolOutput, _arguments, _merged
+from app.tools import _INVALID, Tool, ToolOutput, _arguments, _loads, _merged, partial
 from core.grammar import strict
 
 
@@ -145,8 +145,8 @@ class NativeToolOutput(ToolOutput):
     @property
     def is_complete(self) -> bool:
         if self._state == "between" and self._buffer[self._at :] == "}" + self.style.end:
-            return all(_parses(call.arguments) for call in self.calls)
-        return self._state == "done" and all(_parses(call.arguments) for call in self.calls)
+            return all(_loads(call.arguments) is not _INVALID for call in self.calls)
+        return self._state == "done" and all(_loads(call.arguments) is not _INVALID for call in self.calls)
 
     def _step(self) -> dict[str, Any] | None:
         rest = self._buffer[self._at :]
@@ -175,7 +175,7 @@ class NativeToolOutput(ToolOutput):
             delta = self._content(at)
             self._trigger_at, self._state = self._at, "after"  # the trigger stays unread until what follows it is seen
             return delta
-        held = next((n for n in range(min(len(trigger) - 1, len(rest)), 0, -1) if rest.endswith(trigger[:n])), 0)
+        held = partial(rest, trigger)
         return self._content(len(rest) - held)
 
     def _content(self, size: int) -> dict[str, Any] | None:
@@ -218,10 +218,3 @@ class NativeToolOutput(ToolOutput):
             self._at = self._trigger_at
         return super().flush(cut)
 
-
-def _parses(text: str) -> bool:
-    try:
-        json.loads(text)
-    except (ValueError, RecursionError):
-        return False
-    return True

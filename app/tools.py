@@ -263,6 +263,11 @@ def _hex(digits: str) -> int | None:
     return int(digits, 16) if len(digits) == 4 and set(digits) <= _HEX else None
 
 
+def partial(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that begins ``marker`` (without being all of it): what to hold back."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
+
+
 _INVALID = object()  # what _loads returns for text that is not JSON (or nests past the stack)
 
 
