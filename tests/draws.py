@@ -173,14 +173,14 @@ _STAND_INS = ("uniform", "uniforms", "accepts", "count_accepts", "sample_index",
 
 def _patches(draws: ExactDraws) -> Iterator[tuple[Any, str, Any, Any]]:
     """(module, name, original, stand-in) for every project module that holds one of the six."""
-    originals = {name: getattr(random_module, name) for name in _STAND_INS}
+    originals = {id(getattr(random_module, name)): name for name in _STAND_INS}  # one pass over each module's names
     for module in list(sys.modules.values()):
         if module is None or not getattr(module, "__name__", "").startswith(("app", "core", "workers", "clients", "tests")):
             continue
-        for name, original in originals.items():
-            for attr, value in list(vars(module).items()):
-                if value is original:
-                    yield module, attr, original, getattr(draws, name)
+        for attr, value in list(vars(module).items()):
+            name = originals.get(id(value))
+            if name is not None:
+                yield module, attr, value, getattr(draws, name)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from app.drafting.drafters import DRAFTERS, Drafter, DraftParts, register
+from app.drafting.drafters import DRAFTERS, Drafter, DraftModel, register
 from app.drafting.request import DraftRequest, delta_support
 from core.math.tree import TokenTree
 from tests.app.conftest import Gateway
@@ -28,7 +28,7 @@ class RepeatLast(Drafter):
     def __init__(self) -> None:
         self.calls = 0
 
-    async def chain(self, parts: DraftParts, request: DraftRequest, gamma: int, limit: int | None, cancel: threading.Event | None, timing: dict[str, float] | None) -> TokenTree:
+    async def chain(self, draft: DraftModel, request: DraftRequest, gamma: int, limit: int | None, cancel: threading.Event | None, timing: dict[str, float] | None) -> TokenTree:
         self.calls += 1
         tokens = [request.sequence[-1]] * gamma
         return TokenTree.chain(tokens, [delta_support(t) for t in tokens])

@@ -389,6 +389,8 @@ def _in_default_run(cell: Cell) -> bool:
     if cell.late and not FULL:  # a late draft: k = 1 in every mode and payload (two workers greedy), k = 2 on aggregate's full rows
         return (not two_workers or cell.sampling == "T=0") and (cell.late == 1 or (cell.mode is Mode.AGGREGATE and cell.payload is Payload.FULL))
     option = bool(cell.option or cell.transform or cell.lookup or cell.overlap)
+    if cell.transform and cell.payload is Payload.SPARSE and cell.shape == "⟨2,1⟩" and cell.sampling == "T=1":
+        return FULL  # 1,700 runs: the transforms on the sampled ⟨2,1⟩ at T = 1 run on the full payload (and top-k), exact's payload on the smaller trees
     return FULL or not (two_workers and option and cell.sampling == "T=1")
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import sync_playwright
 
-from clients.procs import GatewayProcess
-from core.config import dump_config, parse_config
+from tests.integration.gateways import SharedDraft, gateway_in_process
+from core.config import parse_config
 
 pytestmark = pytest.mark.integration
 
@@ -24,13 +24,11 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 
 @pytest.fixture(scope="module")
-def gateway_url(builtin_workers: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def gateway_url(builtin_workers: list[str], shared_draft: SharedDraft) -> Iterator[str]:
     with ExitStack() as stack:
         worker = builtin_workers[0]
         config = parse_config({"model": "specgate-page", "draft": {"model": "builtin-draft", "threads": 1}, "workers": [{"url": worker}]})
-        path = tmp_path_factory.mktemp("page") / "config.yaml"
-        path.write_text(dump_config(config))
-        yield stack.enter_context(GatewayProcess(str(path)))
+        yield gateway_in_process(stack, config, shared_draft)
 
 
 def test_a_message_streams_in_with_both_colours(gateway_url: str) -> None:

@@ -17,8 +17,9 @@ import httpx
 import openai
 import pytest
 
-from clients.procs import GatewayProcess, ServerProcess, free_port
-from core.config import dump_config, parse_config
+from clients.procs import ServerProcess, free_port
+from tests.integration.gateways import SharedDraft, gateway_in_process
+from core.config import parse_config
 from core.runners.models import builtin_gguf
 
 pytestmark = pytest.mark.integration
@@ -40,7 +41,7 @@ def EngineProcess() -> ServerProcess:
 
 
 @pytest.fixture(scope="module")
-def servers(builtin_workers: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def servers(builtin_workers: list[str], shared_draft: SharedDraft) -> Iterator[dict[str, str]]:
     with ExitStack() as stack:
         engine = stack.enter_context(EngineProcess())
         builtin, alt = builtin_workers
@@ -51,9 +52,7 @@ def servers(builtin_workers: list[str], tmp_path_factory: pytest.TempPathFactory
                 "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": K},
                 "workers": [{**first, "weight": 0.5}, {"url": alt, "weight": 0.5}],
             })
-            path = tmp_path_factory.mktemp(name) / "config.yaml"
-            path.write_text(dump_config(config))
-            gateways[name] = stack.enter_context(GatewayProcess(str(path)))
+            gateways[name] = gateway_in_process(stack, config, shared_draft)
         yield {"engine_server": engine, **gateways}
 
 

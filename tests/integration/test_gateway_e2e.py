@@ -20,6 +20,7 @@ from clients.procs import GatewayProcess
 from core.config import dump_config, parse_config
 from core.protocol import VerifyRequest, VerifyResponse, decode, encode
 from tests.app.helpers import FULL_RUN
+from tests.integration.gateways import SharedDraft, gateway_in_process
 
 pytestmark = pytest.mark.integration
 
@@ -32,13 +33,16 @@ def worker_urls(builtin_workers: list[str]) -> list[str]:
     return builtin_workers  # one core each, as `specgate serve` splits them: oversubscribed llama.cpp threads crawl
 
 
-def _gateway(stack: ExitStack, directory: Path, urls: list[str], weights: list[float] | None = None, draft: dict[str, object] | None = None) -> str:
+def _gateway(stack: ExitStack, directory: Path, urls: list[str], weights: list[float] | None = None, draft: dict[str, object] | None = None, shared: SharedDraft | None = None) -> str:
+    """The module's gateway: in this process on the ``shared`` draft, else (``draft``) a ``specgate gateway`` process."""
     config = parse_config({
         "model": MODEL,
         "draft": draft or {"model": "builtin-draft", "threads": 1, "background_prefill_from": LATE_FROM},
         "workers": [{"url": url, "weight": w} for url, w in zip(urls, weights or [1.0] * len(urls))],
         "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": "full"},
     })
+    if shared is not None:
+        return gateway_in_process(stack, config, shared)
     path = directory / "config.yaml"
     path.write_text(dump_config(config))
     return stack.enter_context(GatewayProcess(str(path)))
@@ -49,16 +53,16 @@ LATE_FROM = 8  # every prompt here is long enough for a late draft (app.engine.l
 
 
 @pytest.fixture(scope="module")
-def base_url(worker_urls: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def base_url(worker_urls: list[str], shared_draft: SharedDraft, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with ExitStack() as stack:
-        yield _gateway(stack, tmp_path_factory.mktemp("two"), worker_urls, WEIGHTS)
+        yield _gateway(stack, tmp_path_factory.mktemp("two"), worker_urls, WEIGHTS, shared=shared_draft)
 
 
 @pytest.fixture(scope="module")
-def one_worker_url(worker_urls: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def one_worker_url(worker_urls: list[str], shared_draft: SharedDraft, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A gateway on the first worker alone (split takes one worker)."""
     with ExitStack() as stack:
-        yield _gateway(stack, tmp_path_factory.mktemp("one"), worker_urls[:1])
+        yield _gateway(stack, tmp_path_factory.mktemp("one"), worker_urls[:1], shared=shared_draft)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ from typing import Any
 import openai
 import pytest
 
-from clients.procs import GatewayProcess
-from core.config import dump_config, parse_config
+from tests.integration.gateways import SharedDraft, gateway_in_process
+from core.config import parse_config
 from tests.matching import matches
 
 pytestmark = pytest.mark.integration
@@ -54,24 +54,22 @@ CASES["aggregate k=8, T=1"] = {"gateway": "pair", "temperature": 1.0, "speculati
 CASES["exact logprobs 2, T=1"] = {"gateway": "pair", "temperature": 1.0, "speculative": {"mode": "exact"}, "logprobs": 2}
 
 
-def _gateway(stack: ExitStack, directory: Path, urls: list[str]) -> openai.OpenAI:
+def _gateway(stack: ExitStack, urls: list[str], draft: SharedDraft) -> openai.OpenAI:
     config = parse_config({
         "model": MODEL,
         "draft": {"model": "builtin-draft", "threads": 1},
         "workers": [{"url": url, "weight": w} for url, w in zip(urls, [0.6, 0.4])],
         "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": "full"},
     })
-    path = directory / "config.yaml"
-    path.write_text(dump_config(config))
-    url = stack.enter_context(GatewayProcess(str(path)))
+    url = gateway_in_process(stack, config, draft)
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def clients(builtin_workers: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, openai.OpenAI]]:
+def clients(builtin_workers: list[str], shared_draft: SharedDraft) -> Iterator[dict[str, openai.OpenAI]]:
     with ExitStack() as stack:
         urls = builtin_workers
-        yield {"pair": _gateway(stack, tmp_path_factory.mktemp("pair"), urls), "one": _gateway(stack, tmp_path_factory.mktemp("one"), urls[:1])}
+        yield {"pair": _gateway(stack, urls, shared_draft), "one": _gateway(stack, urls[:1], shared_draft)}
 
 
 def _output(client: openai.OpenAI, case: dict[str, Any]) -> dict[str, Any]:

@@ -17,9 +17,9 @@ import openai
 import pydantic
 import pytest
 
-from clients.procs import GatewayProcess
-from core.config import dump_config, parse_config
-from tests.integration.test_structured_real import LOSSLESS
+from tests.integration.gateways import SharedDraft, gateway_in_process
+from core.config import parse_config
+from tests.integration.test_structured_real import SOME_MODES
 
 pytestmark = pytest.mark.integration
 
@@ -33,16 +33,15 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def base_url(builtin_workers: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def base_url(builtin_workers: list[str], shared_draft: SharedDraft, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     where = tmp_path_factory.mktemp("responses")
     config = parse_config({
         "model": MODEL, "draft": {"model": "builtin-draft", "threads": 1},
         "workers": [{"url": url, "weight": w} for url, w in zip(builtin_workers, (0.6, 0.4))],
         "speculative": {"mode": "exact", "num_draft_tokens": 4}, "responses": {"store": str(where / "responses.sqlite3")},
     })
-    (where / "config.yaml").write_text(dump_config(config))
     with ExitStack() as stack:
-        yield stack.enter_context(GatewayProcess(str(where / "config.yaml")))
+        yield gateway_in_process(stack, config, shared_draft)
     assert (where / "responses.sqlite3").stat().st_size > 0  # kept on disk
 
 
@@ -52,7 +51,8 @@ def client(base_url: str) -> openai.OpenAI:
 
 
 def test_every_mode_answers_as_chat_does_at_t0_and_streams_well_formed_at_t1(client: openai.OpenAI) -> None:
-    for mode, spec in LOSSLESS.items():
+    """``SOME_MODES``: two by default, every lossless mode with SPECGATE_FULL_STATISTICS."""
+    for mode, spec in SOME_MODES.items():
         extra = {"speculative": spec}
         chat = client.chat.completions.create(
             model=MODEL, messages=[{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}], max_tokens=12, temperature=0, extra_body=extra,

@@ -1,0 +1,36 @@
+"""Gateways in the test process (``gateway_in_process``): a real uvicorn on 127.0.0.1, drafting with the shared built-in draft."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+from app.server import create_app, load_draft
+from core.config import SpecgateConfig
+from core.runners import ModelRunner
+from core.runners.model_thread import ModelThread
+from tests.app.helpers import served
+
+
+class SharedDraft:
+    """The built-in draft on one thread (``draft.threads: 1``), a runner per draft context (its KV streams' length)."""
+
+    def __init__(self) -> None:
+        self.thread = ModelThread()
+        self.runners: dict[int, ModelRunner] = {}
+
+    def runner(self, config: SpecgateConfig) -> ModelRunner:
+        draft = config.draft
+        assert (draft.model, draft.backend.value, draft.threads) == ("builtin-draft", "llama.cpp", 1), f"not the shared draft: {draft}"
+        if config.draft_context not in self.runners:
+            self.runners[config.draft_context] = self.thread.call(load_draft, config)
+        return self.runners[config.draft_context]
+
+    def close(self) -> None:
+        for runner in self.runners.values():
+            self.thread.call(runner.close)
+        self.thread.close()
+
+
+def gateway_in_process(stack: ExitStack, config: SpecgateConfig, draft: SharedDraft) -> str:
+    """The URL of a gateway for ``config`` under a real uvicorn on 127.0.0.1 in this process, drafting with ``draft``."""
+    return stack.enter_context(served(create_app(config, draft_runner=draft.runner(config), model_thread=draft.thread)))
