@@ -3,6 +3,7 @@ the pool a statistical test deals its seeds out to."""
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import threading
@@ -39,12 +40,40 @@ FULL_RUN = pytest.mark.skipif(not os.environ.get("SPECGATE_FULL_STATISTICS"), re
 def seed_pool(fresh: bool = False) -> Executor:
     """Where a statistical test deals out its seeds (every draw is keyed by its seed: the counts
     are the same wherever they run): two spawned processes, one torch thread each, where this
-    process may use two cores or more; this process itself where it may use one (a test process
-    pinned to its core: spawning would only add the processes' start-up). ``fresh``: processes
-    always — a negative control's task breaks the code it runs, and the break must end with them."""
-    if fresh or usable_cores() >= 2:
-        return ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,))
-    return _InThisProcess()
+    process may use two cores or more — the same two for every test of this process, started once
+    (a start imports torch and the project: seconds of CPU) —; this process itself where it may use
+    one (a test process pinned to its core: spawning would only add the processes' start-up).
+    ``fresh``: two new processes — a negative control's task breaks the code it runs, and the break
+    must end with them."""
+    if fresh:
+        return _two_processes()
+    if usable_cores() < 2:
+        return _InThisProcess()
+    global _SHARED_POOL
+    if _SHARED_POOL is None:
+        _SHARED_POOL = _two_processes()
+        atexit.register(_SHARED_POOL.shutdown)
+    return _Lent(_SHARED_POOL)
+
+
+_SHARED_POOL: ProcessPoolExecutor | None = None
+
+
+def _two_processes() -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,))
+
+
+class _Lent(Executor):
+    """The shared pool for a ``with`` block: its end does not shut the pool down."""
+
+    def __init__(self, pool: ProcessPoolExecutor) -> None:
+        self.pool = pool
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self.pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass
 
 
 class _InThisProcess(Executor):
