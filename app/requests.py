@@ -15,8 +15,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from app.adaptive import DEFAULT_GAMMA
-from app.drafting import DraftModel
-from app.drafting.drafters import DRAFTERS, MODEL
+from app.drafting.drafters import DRAFTERS, MODEL, DraftModel
 from app.engine import Engine, GenerationRequest, SpecOptions
 from app.engine.late import waits_for_a_model
 from app.errors import ApiError
@@ -164,9 +163,7 @@ class Requests:
         if model is not None and model != self.config.model:
             raise ApiError(404, f"model {model!r} does not exist; this gateway serves {self.config.model!r}", "model", "model_not_found")
 
-    def _tool_messages(
-        self, body: ChatCompletionRequest,
-    ) -> tuple[list[dict[str, Any]], tuple[GrammarSpec | None, str] | None, dict[str, Any]]:
+    def _tool_messages(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]], tuple[GrammarSpec | None, str] | None, dict[str, Any]]:
         """The conversation to render, with tools to call the grammar of their format (docs/design.md §3.9), and what else the
         template takes (``tools``; ``format``: the native format, not for the template): the chat template's own format
         where it has one (app.tool_formats), else the generic format — which also takes a response_format beside tools."""

@@ -199,9 +199,7 @@ def _add_routes(app: FastAPI) -> None:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _respond(
-    request: Request, body: B, to_job: Callable[[B], Job], chunks: Callable[[Logprobs, Job], Chunks], whole: Callable[[Logprobs, Job], Whole],
-) -> Response:
+async def _respond(request: Request, body: B, to_job: Callable[[B], Job], chunks: Callable[[Logprobs, Job], Chunks], whole: Callable[[Logprobs, Job], Whole]) -> Response:
     gateway, logprobs = _gateway(request), request.app.state.logprobs
     job = to_job(body)
     await gateway.compile(job)
@@ -277,9 +275,7 @@ async def _keep(store: ResponseStore | None, builder: ResponseBuilder) -> None:
         log.exception("response %s could not be stored", builder.id)
 
 
-async def _response_events(
-    request: Request, job: Job, builder: ResponseBuilder, store: ResponseStore | None, release: Release,
-) -> AsyncGenerator[dict[str, str], None]:
+async def _response_events(request: Request, job: Job, builder: ResponseBuilder, store: ResponseStore | None, release: Release) -> AsyncGenerator[dict[str, str], None]:
     """The Responses stream (``event: response.…``): created, in_progress, the items' events, then completed or incomplete;
     a failure is an ``error`` event and ``response.failed``, never a cut stream."""
     admission: Admission = request.app.state.admission

@@ -92,10 +92,7 @@ class ChoiceText:
     Stop strings apply only where the model writes freely, so a stop string cannot cut a grammar's
     JSON into something that does not parse; as vLLM's min_tokens, none in the first tokens' text."""
 
-    def __init__(
-        self, tokenizer: Any, stops: list[str], min_tokens: int = 0, tools: ToolOutput | None = None, grammar: bool = False,
-        reasoning: ReasoningSplitter | None = None,
-    ) -> None:
+    def __init__(self, tokenizer: Any, stops: list[str], min_tokens: int = 0, tools: ToolOutput | None = None, grammar: bool = False, reasoning: ReasoningSplitter | None = None) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         free = tools is not None and not tools.raw_response if grammar else True
         self.matcher = StopMatcher(stops if free else [])

@@ -273,9 +273,7 @@ def _residual_draw(probs: torch.Tensor, row: torch.Tensor, upload: _Upload, need
     return sample_rows(residual[None], upload[need["residual_u"]].index_select(0, row[None]))[0]
 
 
-def _split_logprobs(
-    req: VerifyRequest, probs: torch.Tensor, draft: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor, pack: _Pack,
-) -> Callable[[_Pack, int], dict[str, Any]]:
+def _split_logprobs(req: VerifyRequest, probs: torch.Tensor, draft: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor, pack: _Pack) -> Callable[[_Pack, int], dict[str, Any]]:
     if req.logprobs is None:
         return lambda host, num_accepted: {}
     gamma, norm = len(req.draft), normalised(probs)

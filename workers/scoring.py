@@ -66,9 +66,7 @@ def score(
     return replace(resp, **asked) if asked else resp
 
 
-def _answer(
-    probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float, params: SamplingParams, allowed: torch.Tensor | None = None,
-) -> VerifyResponse:
+def _answer(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float, params: SamplingParams, allowed: torch.Tensor | None = None) -> VerifyResponse:
     """``allowed``: a grammar's ids per row, where the gateway's residual reconstruction spreads σ (e_n is measured on what it rebuilds)."""
     if req.mode == Mode.SPLIT.value:
         return _split(probs, req, held, model_ms)

@@ -126,7 +126,7 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         _refuse_new_while_draining(request, state, req.session_id)
         if state.is_stage:
             raise InvalidRequest(f"this worker is a pipeline stage (layers {state.settings.layers}): it answers /v1/stage/forward, not /v1/verify", param="mode")
-        await state.transforms.precompile(req.transform, req.prefix_len == 0)
+        await state.steps.transforms.precompile(req.transform, req.prefix_len == 0)
         decoded = time.perf_counter()
         timing: dict[str, float] = {}
         resp = await state.scheduler.verify(req, timing)
@@ -148,7 +148,7 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         req = _stage_request(state, body, request.headers.get("content-type"))
         if state.runner.layer_range is not None and state.runner.layer_range[0] == 0:  # the first stage: where a session starts
             _refuse_new_while_draining(request, state, req.session_id)
-        await state.transforms.precompile(req.transform, req.prefix_len == 0 and state.runner.is_last_stage)
+        await state.steps.transforms.precompile(req.transform, req.prefix_len == 0 and state.runner.is_last_stage)
         async with state.order.turn(req.session_id, req.seq, state.settings.stage_wait_s):
             out = await state.scheduler.verify(req, {})
         resp = await state.link.send_on(req, out) if isinstance(out, StageStates) else out
@@ -162,7 +162,7 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
         if len(req.tokens):
             raise InvalidRequest("/v1/stage/keep takes keep alone: no tokens", param="tokens")
         async with state.order.turn(req.session_id, req.seq, state.settings.stage_wait_s):
-            held = await state.scheduler.exclusive(state.stage.keep, req)
+            held = await state.scheduler.exclusive(state.steps.stage.keep, req)
         payload, content_type = _encode(state, request, StageResponse(held=held))
         return Response(payload, media_type=content_type)
 

@@ -16,9 +16,8 @@ from core.protocol import StageRequest, StageResponse, check_stage_request
 from core.runners import ModelRunner
 from core.runners.base import ForwardItem, common_prefix
 from workers.scoring import RowSpec, score_rows
-from workers.sessions import SessionStore
+from workers.sessions import SessionStore, Shaping, Transforms, shaped
 from workers.settings import WorkerSettings
-from workers.transforms import Shaping, Transforms, shaped
 
 
 class StageSide:

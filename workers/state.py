@@ -1,4 +1,4 @@
-"""Everything one worker app owns (docs/design.md §4); its step is ``workers.step`` (a stage's: ``workers.stage``), its transform ``workers.transforms``."""
+"""Everything one worker app owns (docs/design.md §4); its step is ``workers.step`` (a stage's: ``workers.stage``), its sessions and their transforms ``workers.sessions``."""
 
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ from workers.link import StageLink
 from workers.scheduler import VerifyScheduler
 from workers.sessions import SessionStore
 from workers.settings import WorkerSettings, prefill_chunk
-from workers.stage import StageOrder, StageSide
+from workers.stage import StageOrder
 from workers.step import Steps
-from workers.transforms import Transforms
 
 
 @dataclass
 class WorkerState:
     """Everything one worker app owns; built by ``create_app``, never a module global. Its parts are objects, each handed
-    what it needs: ``transforms`` (each session's), ``stage`` (a pipeline stage's side), ``steps`` (what the scheduler runs)."""
+    what it needs: ``steps`` (what the scheduler runs: each session's transform, a pipeline stage's side), the scheduler, the link."""
 
     settings: WorkerSettings
     runner: ModelRunner
@@ -31,8 +30,6 @@ class WorkerState:
     errors: Counter[str] = field(default_factory=Counter)  # refused calls, by error code
     in_flight: int = 0  # verify and stage calls being answered (workers.server._counted)
     order: StageOrder = field(default_factory=lambda: StageOrder())  # a stage: each session's messages in seq order
-    transforms: Transforms = field(init=False)
-    stage: StageSide = field(init=False)
     steps: Steps = field(init=False)
     scheduler: VerifyScheduler = field(init=False)  # every call that touches the runner, in steps
     link: StageLink = field(init=False)  # a stage: to the next stage
@@ -42,9 +39,7 @@ class WorkerState:
         on_gpu = getattr(self.runner, "device", None) is not None and self.runner.device.type == "cuda"  # type: ignore[attr-defined]
         on_device = not self.is_stage and (scoring == "device" or (scoring == "auto" and on_gpu))
         self.runner.logits_on_device = on_device
-        self.transforms = Transforms(self.settings, self.runner, self.sessions)
-        self.stage = StageSide(self.settings, self.runner, self.sessions, self.transforms, self.counters)
-        self.steps = Steps(self.settings, self.runner, self.sessions, self.transforms, self.stage, self.counters, self.thread, on_device)
+        self.steps = Steps(self.settings, self.runner, self.sessions, self.counters, self.thread, on_device)
         self.scheduler = VerifyScheduler(self.steps, self.settings.max_batch_tokens, prefill_chunk(self.settings))
         self.link = StageLink(self.settings, self.runner.info.vocab_size)
 
@@ -65,7 +60,7 @@ class WorkerState:
         info = self.runner.info
         return InfoResponse(
             protocol_version=PROTOCOL_VERSION, modes=list(SERVED_MODES), model_id=info.model_id, vocab_size=info.vocab_size,
-            tokenizer_fingerprint=self.runner.fingerprint, eos_ids=info.eos_ids, max_context=self.stage.max_context, backend=info.backend,
+            tokenizer_fingerprint=self.runner.fingerprint, eos_ids=info.eos_ids, max_context=self.steps.stage.max_context, backend=info.backend,
             layer_range=list(self.runner.layer_range) if self.runner.layer_range is not None else None,
             num_layers=self.runner.num_layers, grammar_engine=engine_version(), max_grammar_bytes=self.settings.max_grammar_bytes,
             step={**self.runner.step_info(), "scoring": "device" if self.steps.scores_on_device else "host"},

@@ -19,24 +19,22 @@ from core.runners.model_thread import ModelThread
 from workers.scheduler import Piece, Work
 from workers.device_scoring import handles, score_step
 from workers.scoring import score, tree_item
-from workers.sessions import SessionStore
+from workers.sessions import SessionStore, Shaping, Transforms, shaped
 from workers.settings import WorkerSettings
 from workers.stage import StageSide
-from workers.transforms import Shaping, Transforms, shaped
 
 log = logging.getLogger(__name__)
 
 
 class Steps:
-    """The worker's step (what ``workers.scheduler`` runs): verify calls and stage segments, one forward, each answered.
-    ``scores_on_device``: a step's calls scored together where the logits are (workers.device_scoring), else each on the host."""
+    """The worker's step (what ``workers.scheduler`` runs): verify calls and stage segments, one forward, each answered; its
+    parts, each handed what it needs: ``transforms`` (each session's), ``stage`` (a pipeline stage's side). ``scores_on_device``:
+    a step's calls scored together where the logits are (workers.device_scoring), else each on the host."""
 
-    def __init__(
-        self, settings: WorkerSettings, runner: ModelRunner, sessions: SessionStore, transforms: Transforms, stage: StageSide,
-        counters: defaultdict[str, float], thread: ModelThread, scores_on_device: bool,
-    ) -> None:
-        self.settings, self.runner, self.sessions, self.transforms, self.stage = settings, runner, sessions, transforms, stage
-        self.counters, self.thread, self.scores_on_device = counters, thread, scores_on_device
+    def __init__(self, settings: WorkerSettings, runner: ModelRunner, sessions: SessionStore, counters: defaultdict[str, float], thread: ModelThread, scores_on_device: bool) -> None:
+        self.settings, self.runner, self.sessions, self.counters, self.thread, self.scores_on_device = settings, runner, sessions, counters, thread, scores_on_device
+        self.transforms = Transforms(settings, runner, sessions)
+        self.stage = StageSide(settings, runner, sessions, self.transforms, counters)
 
     def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
         """``POST /v1/verify`` for one call alone; ``timing`` gets the model's and the scoring's ms."""
@@ -103,9 +101,7 @@ class Steps:
             self._score_together(together, answers, timings, len(items))
         return answers
 
-    def _score_together(
-        self, together: list[tuple[int, VerifyRequest, torch.Tensor]], answers: list[Any], timings: list[dict[str, float]], batch: int,
-    ) -> None:
+    def _score_together(self, together: list[tuple[int, VerifyRequest, torch.Tensor]], answers: list[Any], timings: list[dict[str, float]], batch: int) -> None:
         """The step's device-scored calls in one ``score_step`` (one copy back); should it fail, each call alone on the host, so one bad call fails alone."""
         scored = time.perf_counter()
         calls = [call for _, call, _ in together]
@@ -129,9 +125,7 @@ class Steps:
             answers[i] = answer
             timings[i]["score"] = score_ms  # every call waited for the step's scoring
 
-    def _verify_answer(
-        self, req: VerifyRequest, logits: torch.Tensor, scored_tokens: int, shaping: Shaping | None, model_ms: float, batch: int,
-    ) -> VerifyResponse:
+    def _verify_answer(self, req: VerifyRequest, logits: torch.Tensor, scored_tokens: int, shaping: Shaping | None, model_ms: float, batch: int) -> VerifyResponse:
         """A call's answer from its logits: ``scored_tokens`` rows of its own tokens (echo), then its γ+1 positions."""
         self.counters["positions_scored"] += len(req.draft) + 1
         rows = shaped(logits[scored_tokens:], shaping)

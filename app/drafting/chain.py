@@ -32,10 +32,7 @@ class ChainRows:
         return TokenTree.chain(tokens, self.supports if self.truncating else self.rows)
 
 
-def chain_steps(
-    batcher: StepBatcher, request: DraftRequest, gamma: int, limit: int | None, cancel: threading.Event | None,
-    branch: Branch | None = None, record: Record | None = None,
-) -> Steps:
+def chain_steps(batcher: StepBatcher, request: DraftRequest, gamma: int, limit: int | None, cancel: threading.Event | None, branch: Branch | None = None, record: Record | None = None) -> Steps:
     """A chain of ``gamma`` drafted tokens (forced ones free, within ``limit``). ``branch`` (model+lookup):
     the lookup's run first, each token kept while it is the model's top-1 or measures at least a model
     token's acceptance; ``record`` gets each token's kind. Stops after the token in progress on ``cancel``."""

@@ -54,8 +54,7 @@ class ModelDrafter(Drafter):
     """The draft model, a step per token; ``with_lookup``: a lookup run the model agrees with first (one decode checks it)."""
 
     def __init__(self, name: str, with_lookup: bool) -> None:
-        self.name, self.with_lookup = name, with_lookup
-        self.overlaps, self.learns = not with_lookup, with_lookup
+        self.name, self.with_lookup, self.overlaps, self.learns = name, with_lookup, not with_lookup, with_lookup
 
     async def chain(self, draft: DraftModel, request: DraftRequest, gamma: int, limit: int | None, cancel: threading.Event | None, timing: Timing) -> TokenTree:
         branch = draft.lookup.branch(request, max(gamma, limit or gamma)) if self.with_lookup else None
@@ -108,9 +107,7 @@ class DraftModel:
     def vocab_size(self) -> int:
         return self.runner.info.vocab_size
 
-    async def propose(
-        self, request: DraftRequest, gamma: int, limit: int | None = None, cancel: threading.Event | None = None, timing: dict[str, float] | None = None,
-    ) -> TokenTree:
+    async def propose(self, request: DraftRequest, gamma: int, limit: int | None = None, cancel: threading.Event | None = None, timing: dict[str, float] | None = None) -> TokenTree:
         """A chain of ``gamma`` drafted tokens from the request's drafter (app.drafting.drafters), a grammar's forced ones
         free up to ``limit`` in all; ``cancel`` stops it after the token in progress."""
         await self.batcher.idle(request.session_id)
@@ -118,9 +115,7 @@ class DraftModel:
             return TokenTree.chain([], [])
         return await DRAFTERS[request.drafter].chain(self, request, gamma, limit, cancel, timing)
 
-    async def propose_tree(
-        self, request: DraftRequest, shape: TreeShape, depth_limit: int | None = None, extra: int = 0, timing: dict[str, float] | None = None,
-    ) -> TokenTree:
+    async def propose_tree(self, request: DraftRequest, shape: TreeShape, depth_limit: int | None = None, extra: int = 0, timing: dict[str, float] | None = None) -> TokenTree:
         """A tree of ``shape`` from the request's drafter, no deeper than ``depth_limit``; with a grammar, its forced runs
         free up to ``extra`` nodes."""
         await self.batcher.idle(request.session_id)

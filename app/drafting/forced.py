@@ -11,10 +11,7 @@ from core.math.tree import TokenTree, depths_of, path_of
 from core.transform import Transformer
 
 
-def forced_below(
-    node: int, nodes: DraftNodes, transformer: Transformer | None, sequence: list[int], depth_limit: int, left: list[int] | None, eos: set[int],
-    per_path: bool = False,
-) -> list[int]:
+def forced_below(node: int, nodes: DraftNodes, transformer: Transformer | None, sequence: list[int], depth_limit: int, left: list[int] | None, eos: set[int], per_path: bool = False) -> list[int]:
     """The grammar's forced run hung below ``node`` within ``left`` (``per_path``: each path's budget) and ``depth_limit``; the new nodes, top down."""
     if left is None or left[0] <= 0 or transformer is None or transformer.matcher is None:
         return []
@@ -33,9 +30,7 @@ def forced_below(
     return added
 
 
-def with_forced_runs(
-    tree: TokenTree, transformer: Transformer, sequence: list[int], depth_limit: int, extra: int, eos: set[int], per_path: bool = False,
-) -> TokenTree:
+def with_forced_runs(tree: TokenTree, transformer: Transformer, sequence: list[int], depth_limit: int, extra: int, eos: set[int], per_path: bool = False) -> TokenTree:
     """``tree`` with the grammar's forced run after each leaf hung below it, best leaf first (``per_path``:
     ``extra`` per path less its point masses already; else for all the runs together)."""
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()

@@ -67,9 +67,7 @@ def _depth_item(session_id: str, held: int, frontier: list[int], runs: dict[int,
     return ForwardItem(session_id, held, feed, feed_parents, ends)
 
 
-def _expanded(
-    frontier: list[int], runs: dict[int, list[int]], rows: torch.Tensor, nodes: DraftNodes, request: DraftRequest, eos: set[int], depth_limit: int,
-) -> list[int]:
+def _expanded(frontier: list[int], runs: dict[int, list[int]], rows: torch.Tensor, nodes: DraftNodes, request: DraftRequest, eos: set[int], depth_limit: int) -> list[int]:
     """q̂ after each frontier node's run (δ along the run), all rows together; the run ends that get children next."""
     lasts = [runs[n][-1] if runs[n] else n for n in frontier]
     for n in frontier:
@@ -96,9 +94,7 @@ def _built(nodes: DraftNodes, shape: TreeShape, branch: Branch | None, plan: Pla
     return with_branch(nodes, shape, branch, plan, record)
 
 
-def children(
-    frontier: list[int], nodes: DraftNodes, shape: TreeShape, depth: int, start: int, request: DraftRequest, excluded: dict[int, int] | None = None,
-) -> list[tuple[int, int, float]]:
+def children(frontier: list[int], nodes: DraftNodes, shape: TreeShape, depth: int, start: int, request: DraftRequest, excluded: dict[int, int] | None = None) -> list[tuple[int, int, float]]:
     """(parent, token, cumulative log q̂) of the children of every frontier node: the ``top_k`` most likely
     (fixed), or ``widths[depth − 1]`` draws keyed by position and lane (``nodes.lanes``); ``excluded``:
     parent -> its lookup child's token, which its draws leave out."""

@@ -8,11 +8,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from app.drafting import DraftModel
 from app.engine.session import Session
 from app.engine.spec import SpecOptions
 from core.modes import MODES
-from app.drafting.drafters import DRAFTERS
+from app.drafting.drafters import DRAFTERS, DraftModel
 
 log = logging.getLogger(__name__)
 

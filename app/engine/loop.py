@@ -12,15 +12,14 @@ from dataclasses import replace
 import torch
 
 from app.adaptive import GammaController
-from app.drafting import DraftModel
-from app.drafting.drafters import DRAFTERS
+from app.drafting.drafters import DRAFTERS, DraftModel
 from app.engine.echo import score_prompt
 from app.engine.late import LateDraft
 from app.engine.overlap import Overlap
 from app.engine.round import Round
 from app.engine.session import Session
 from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
-from app.engine.strategies import STRATEGIES, RoundStrategy, strategy_for
+from app.engine.strategies import STRATEGIES, RoundStrategy
 from app.targets.channel import Traffic
 from app.targets.pool import TargetSet
 from core.grammar import Grammars
@@ -51,7 +50,7 @@ class Engine:
         """Results of one choice until EOS or a length limit; the caller may stop early."""
         session = self._open(self._with_min_tokens(req))
         try:
-            strategy = strategy_for(req.spec)  # a round strategy runs in this loop; a loop strategy (pipeline) in its own
+            strategy = STRATEGIES[req.spec.verifier]  # a round strategy runs in this loop; a loop strategy (pipeline) in its own
             results = self.rounds(session, strategy) if isinstance(strategy, RoundStrategy) else strategy.run(self, session)
             async with aclosing(results):
                 async for result in results:
@@ -177,9 +176,7 @@ def forced(session: Session, room: int) -> RoundResult | None:
     return result
 
 
-async def propose(
-    draft: DraftModel, session: Session, room: int, gamma: int, keyed: GenerationRequest, timing: dict[str, float], prepared: TokenTree | None = None,
-) -> TokenTree:
+async def propose(draft: DraftModel, session: Session, room: int, gamma: int, keyed: GenerationRequest, timing: dict[str, float], prepared: TokenTree | None = None) -> TokenTree:
     """The round's draft (``keyed``: the request as this round draws): its tree, else a chain of ``gamma`` (``prepared`` with overlap), or none."""
     if not MODES[keyed.spec.mode].drafts:
         return TokenTree.chain([], [])

@@ -6,11 +6,10 @@ import asyncio
 import logging
 import threading
 
-from app.drafting import DraftModel
 from app.engine.session import Session
 from app.engine.spec import GenerationRequest, RoundResult
 from core.math.tree import TokenTree
-from app.drafting.drafters import MODEL
+from app.drafting.drafters import MODEL, DraftModel
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,7 @@ DRAINING_PAUSE_S = 5.0  # a replica that refused a new session as draining gets 
 class ReplicaSet(Target):
     """One target of the federation: its weight, its replicas, which replica holds which session."""
 
-    def __init__(
-        self, name: str, urls: list[str], weight: float, channel: Channel, dialect: Dialect, expected: Expected, threshold: int, discovered: bool = False,
-    ) -> None:
+    def __init__(self, name: str, urls: list[str], weight: float, channel: Channel, dialect: Dialect, expected: Expected, threshold: int, discovered: bool = False) -> None:
         """``discovered``: ``urls[0]`` is a name whose addresses join as replicas (app/targets/discovery.py)."""
         self.name, self.weight, self.channel, self.dialect, self.expected, self.threshold = name, weight, channel, dialect, expected, threshold
         self.replicas = [] if discovered else [Replica(url.rstrip("/"), Breaker(threshold)) for url in urls]

@@ -375,8 +375,8 @@ def with_table_grammar(engine: Engine) -> Engine:
     engine.grammars = TableGrammars()  # type: ignore[assignment]
     for worker in engine.pool.workers:
         if isinstance(worker, FakeWorker):
-            worker.state.transforms._grammars = TableGrammars()  # type: ignore[assignment]
+            worker.state.steps.transforms._grammars = TableGrammars()  # type: ignore[assignment]
         if isinstance(worker, FakePipeline):
             for state in worker.states:
-                state.transforms._grammars = TableGrammars()  # type: ignore[assignment]
+                state.steps.transforms._grammars = TableGrammars()  # type: ignore[assignment]
     return engine

@@ -1,6 +1,5 @@
 """The strategies, one per mode whose rows they verify; a tree is verified on its payload's (``SpecOptions.verifier``)."""
 
-from app.engine.spec import SpecOptions
 from app.engine.strategies.aggregate import AggregateStrategy
 from app.engine.strategies.autoregressive import AutoregressiveStrategy
 from app.engine.strategies.base import LoopStrategy, RoundStrategy
@@ -18,8 +17,4 @@ STRATEGIES: dict[Mode, RoundStrategy | LoopStrategy] = {
 }
 
 
-def strategy_for(spec: SpecOptions) -> RoundStrategy | LoopStrategy:
-    return STRATEGIES[spec.verifier]
-
-
-__all__ = ["STRATEGIES", "LoopStrategy", "RoundStrategy", "strategy_for"]
+__all__ = ["STRATEGIES", "LoopStrategy", "RoundStrategy"]
