@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
+from fastapi import FastAPI
+
 from app.server import create_app, load_draft
 from core.config import SpecgateConfig
 from core.runners import ModelRunner
@@ -31,6 +33,11 @@ class SharedDraft:
         self.thread.close()
 
 
+def gateway_app(config: SpecgateConfig, draft: SharedDraft) -> FastAPI:
+    """The gateway app for ``config``, drafting with ``draft``."""
+    return create_app(config, draft_runner=draft.runner(config), model_thread=draft.thread)
+
+
 def gateway_in_process(stack: ExitStack, config: SpecgateConfig, draft: SharedDraft) -> str:
     """The URL of a gateway for ``config`` under a real uvicorn on 127.0.0.1 in this process, drafting with ``draft``."""
-    return stack.enter_context(served(create_app(config, draft_runner=draft.runner(config), model_thread=draft.thread)))
+    return stack.enter_context(served(gateway_app(config, draft)))

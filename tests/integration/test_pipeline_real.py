@@ -19,12 +19,12 @@ import jsonschema
 import openai
 import pytest
 
-from app.server import create_app
 from clients.procs import StageProcess
 from core.config import parse_config
 from core.errors import ConfigError
 from core.runners import load_runner
 from tests.app.helpers import served, sse_events
+from tests.integration.gateways import SharedDraft, gateway_app
 from workers.server import create_app as create_worker
 from workers.settings import WorkerSettings
 
@@ -53,9 +53,9 @@ def _config(workers: list[dict[str, Any]], mode: str = "pipeline", **speculative
 
 
 @pytest.fixture(scope="module")
-def gateway(stage_procs: list[Any]) -> Iterator[str]:
+def gateway(stage_procs: list[Any], shared_draft: SharedDraft) -> Iterator[str]:
     config = _config([{"name": "pipe", "pipeline": [p.url for p in stage_procs], "read_timeout_s": 120}])
-    with served(create_app(config)) as url:
+    with served(gateway_app(config, shared_draft)) as url:
         yield url
 
 
@@ -76,10 +76,10 @@ def _text(base: str, mode: str, max_tokens: int = 24, **spec: Any) -> tuple[str,
     return completion.choices[0].text, completion.usage.model_extra["speculative"]  # type: ignore[index]
 
 
-def test_greedy_pipeline_text_equals_autoregressive_through_a_whole_model_worker(gateway: str, whole_worker: str) -> None:
+def test_greedy_pipeline_text_equals_autoregressive_through_a_whole_model_worker(gateway: str, whole_worker: str, shared_draft: SharedDraft) -> None:
     text, spec = _text(gateway, "pipeline")
     config = _config([{"url": whole_worker}], mode="autoregressive")
-    with served(create_app(config)) as single:
+    with served(gateway_app(config, shared_draft)) as single:
         reference, _ = _text(single, "autoregressive")
     assert text == reference and text
     block = spec["pipeline"]
@@ -117,12 +117,12 @@ def _constrained(base: str, mode: str, **params: Any) -> openai.types.Completion
     )
 
 
-def test_a_schema_with_penalties_and_bias_through_the_pipeline_equals_autoregressive(gateway: str, whole_worker: str) -> None:
+def test_a_schema_with_penalties_and_bias_through_the_pipeline_equals_autoregressive(gateway: str, whole_worker: str, shared_draft: SharedDraft) -> None:
     """Greedy: the pipeline's answer is the whole model's, constrained alike; sampled and seeded,
     it follows the schema."""
     answer = _constrained(gateway, "pipeline", temperature=0)
     config = _config([{"url": whole_worker}], mode="autoregressive")
-    with served(create_app(config)) as single:
+    with served(gateway_app(config, shared_draft)) as single:
         reference = _constrained(single, "autoregressive", temperature=0).choices[0].text
     assert answer.choices[0].text == reference and answer.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(reference), COLOURS)
@@ -135,9 +135,9 @@ def test_a_schema_with_penalties_and_bias_through_the_pipeline_equals_autoregres
         jsonschema.validate(json.loads(sampled.text), COLOURS)
 
 
-def _start_up_error(stages: list[Any]) -> str:
+def _start_up_error(stages: list[Any], draft: SharedDraft) -> str:
     config = _config([{"name": "pipe", "pipeline": stages}])
-    app = create_app(config)
+    app = gateway_app(config, draft)
 
     async def start() -> None:
         async with app.router.lifespan_context(app):
@@ -148,16 +148,16 @@ def _start_up_error(stages: list[Any]) -> str:
     return str(failure.value)
 
 
-def test_bad_pipelines_stop_start_up_naming_the_stage(stage_procs: list[Any], whole_worker: str) -> None:
+def test_bad_pipelines_stop_start_up_naming_the_stage(stage_procs: list[Any], whole_worker: str, shared_draft: SharedDraft) -> None:
     one, two, three = (p.url for p in stage_procs)
-    assert re.search(r"layers 9:21 are on no stage \(gap before stage 2", _start_up_error([one, three]))
-    assert "layers 21:30 are on no stage" in _start_up_error([one, two])
-    assert "on two stages (overlap" in _start_up_error([one, two, two, three])
-    assert f"stage 2 ({whole_worker}) is not a pipeline stage" in _start_up_error([one, whole_worker, three])
+    assert re.search(r"layers 9:21 are on no stage \(gap before stage 2", _start_up_error([one, three], shared_draft))
+    assert "layers 21:30 are on no stage" in _start_up_error([one, two], shared_draft)
+    assert "on two stages (overlap" in _start_up_error([one, two, two, three], shared_draft)
+    assert f"stage 2 ({whole_worker}) is not a pipeline stage" in _start_up_error([one, whole_worker, three], shared_draft)
     with ExitStack() as stack:
         llama = stack.enter_context(served(create_worker(WorkerSettings(model="builtin"), runner=load_runner("builtin", "llama.cpp", threads=1))))
-        assert "runs llama.cpp: a pipeline stage needs --backend transformers" in _start_up_error([one, llama, three])
-    assert f"stage 2's replica {three} cannot stand in for {two}" in _start_up_error([one, {"url": two, "replicas": [three]}, three])  # type: ignore[list-item]
+        assert "runs llama.cpp: a pipeline stage needs --backend transformers" in _start_up_error([one, llama, three], shared_draft)
+    assert f"stage 2's replica {three} cannot stand in for {two}" in _start_up_error([one, {"url": two, "replicas": [three]}, three], shared_draft)  # type: ignore[list-item]
 
 
 def _sessions(url: str) -> float:
@@ -169,7 +169,7 @@ def _ready(gateway: str) -> dict[str, Any]:
     return httpx.get(f"{gateway}/health/ready", timeout=30).json()  # type: ignore[no-any-return]
 
 
-def test_a_stage_with_a_replica_fails_over_mid_stream_and_the_answer_is_the_same(stage_procs: list[Any], gateway: str) -> None:
+def test_a_stage_with_a_replica_fails_over_mid_stream_and_the_answer_is_the_same(stage_procs: list[Any], gateway: str, shared_draft: SharedDraft) -> None:
     """Stage 2 is a process of its own, with the module's stage 2 as its replica: killed after
     the first event, the stream goes on through the replica (every row resent from zero) and
     gives the text of a run without the failure; no stage holds the session afterwards."""
@@ -179,7 +179,7 @@ def test_a_stage_with_a_replica_fails_over_mid_stream_and_the_answer_is_the_same
     with primary:
         assert primary.proc is not None
         config = _config([{"name": "pipe", "pipeline": [one, {"url": primary.url, "replicas": [spare]}, three], "read_timeout_s": 120}])
-        with served(create_app(config)) as failing:
+        with served(gateway_app(config, shared_draft)) as failing:
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 32, "temperature": 0, "stream": True}
             events: list[str] = []
             with httpx.stream("POST", f"{failing}/v1/completions", json=body, timeout=120) as resp:
