@@ -14,18 +14,20 @@ from tests.app.helpers import served
 
 
 class SharedDraft:
-    """The built-in draft on one thread (``draft.threads: 1``), a runner per draft context (its KV streams' length)."""
+    """The built-in draft on one thread (``draft.threads: 1``), a runner per setting ``load_draft`` reads (the context: its KV
+    streams' length; the memory cap, device, dtype, forward)."""
 
     def __init__(self) -> None:
         self.thread = ModelThread()
-        self.runners: dict[int, ModelRunner] = {}
+        self.runners: dict[tuple[object, ...], ModelRunner] = {}
 
     def runner(self, config: SpecgateConfig) -> ModelRunner:
         draft = config.draft
         assert (draft.model, draft.backend.value, draft.threads) == ("builtin-draft", "llama.cpp", 1), f"not the shared draft: {draft}"
-        if config.draft_context not in self.runners:
-            self.runners[config.draft_context] = self.thread.call(load_draft, config)
-        return self.runners[config.draft_context]
+        key = (config.draft_context, draft.memory_cap_mb, draft.device, draft.dtype, draft.forward)
+        if key not in self.runners:
+            self.runners[key] = self.thread.call(load_draft, config)
+        return self.runners[key]
 
     def close(self) -> None:
         for runner in self.runners.values():
