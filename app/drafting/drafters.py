@@ -108,7 +108,7 @@ class DraftModel:
         return self.runner.info.vocab_size
 
     async def propose(self, request: DraftRequest, gamma: int, limit: int | None = None, cancel: threading.Event | None = None, timing: dict[str, float] | None = None) -> TokenTree:
-        """A chain of ``gamma`` drafted tokens from the request's drafter (app.drafting.drafters), a grammar's forced ones
+        """A chain of ``gamma`` drafted tokens from the request's drafter (``DRAFTERS``), a grammar's forced ones
         free up to ``limit`` in all; ``cancel`` stops it after the token in progress."""
         await self.batcher.idle(request.session_id)
         if cancel is not None and cancel.is_set():
