@@ -171,16 +171,23 @@ class ExactDraws:
 _STAND_INS = ("uniform", "uniforms", "accepts", "count_accepts", "sample_index", "sample_rows")
 
 
+_HOLDERS: tuple[int, list[tuple[Any, str, Any, str]]] = (-1, [])  # (len(sys.modules), the holders found then)
+
+
 def _patches(draws: ExactDraws) -> Iterator[tuple[Any, str, Any, Any]]:
-    """(module, name, original, stand-in) for every project module that holds one of the six."""
-    originals = {id(getattr(random_module, name)): name for name in _STAND_INS}  # one pass over each module's names
-    for module in list(sys.modules.values()):
-        if module is None or not getattr(module, "__name__", "").startswith(("app", "core", "workers", "clients", "tests")):
-            continue
-        for attr, value in list(vars(module).items()):
-            name = originals.get(id(value))
-            if name is not None:
-                yield module, attr, value, getattr(draws, name)
+    """(module, name, original, stand-in) for every project module that holds one of the six; the scan of every module's
+    names is kept while no module is imported and each holder still holds its function (a matrix enters ExactDraws once a cell: thousands of times)."""
+    global _HOLDERS
+    if _HOLDERS[0] != len(sys.modules) or any(vars(module).get(attr) is not value for module, attr, value, _ in _HOLDERS[1]):
+        originals = {id(getattr(random_module, name)): name for name in _STAND_INS}  # one pass over each module's names
+        holders = []
+        for module in list(sys.modules.values()):
+            if module is None or not getattr(module, "__name__", "").startswith(("app", "core", "workers", "clients", "tests")):
+                continue
+            holders += [(module, attr, value, originals[id(value)]) for attr, value in list(vars(module).items()) if id(value) in originals]
+        _HOLDERS = (len(sys.modules), holders)
+    for module, attr, value, name in _HOLDERS[1]:
+        yield module, attr, value, getattr(draws, name)
 
 
 @contextmanager

@@ -55,8 +55,8 @@ class EngineDialect:
 
     @property
     def table(self) -> TokenTable:
-        if self._table is None:  # built on first use: it decodes every id once (~1 s)
-            self._table = TokenTable(self.expected.tokenizer, self.vocab_size)
+        if self._table is None:  # on first use: it decodes every id once (~1 s), once per tokenizer in a process
+            self._table = TokenTable.of(self.expected.tokenizer, self.vocab_size)
             if self._table.ambiguous:
                 log.info("worker %s: %d token ids share their string with another", self.name, self._table.ambiguous)
         return self._table

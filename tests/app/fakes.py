@@ -4,6 +4,7 @@ over a small vocabulary behind the real ModelRunner, DraftModel and worker code.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import Counter
 from collections.abc import Callable
 
@@ -174,12 +175,24 @@ def random_table(vocab: int, seed: int, sharpness: float = 1.5) -> torch.Tensor:
     return torch.randn(vocab, vocab, generator=g, dtype=torch.float64) * sharpness
 
 
+_SETTINGS: dict[tuple[str, tuple[tuple[str, str], ...]], WorkerSettings] = {}
+
+
+def _worker_settings(name: str) -> WorkerSettings:
+    """``WorkerSettings(model=name, max_sessions=10_000)``, read once per value of the environment's SPECGATE_WORKER_*
+    (each read takes ms; the lossless matrix builds thousands of workers)."""
+    key = (name, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("SPECGATE_WORKER_"))))
+    if key not in _SETTINGS:
+        _SETTINGS[key] = WorkerSettings(model=name, max_sessions=10_000)
+    return _SETTINGS[key]
+
+
 class FakeWorker:
     """A worker in memory: the real WorkerState (sessions, crop/append, scoring) without HTTP."""
 
     def __init__(self, name: str, runner: MarkovRunner, weight: float) -> None:
         self.name, self.weight, self.url = name, weight, f"mem://{name}"
-        self.state = WorkerState.build(WorkerSettings(model=name, max_sessions=10_000), runner)
+        self.state = WorkerState.build(_worker_settings(name), runner)
         self.calls: list[VerifyRequest] = []
 
     async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:

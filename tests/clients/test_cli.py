@@ -16,6 +16,7 @@ import httpx
 import openai
 import psutil
 import pytest
+import yaml
 
 from clients import cli
 from clients.procs import free_port
@@ -24,6 +25,7 @@ from tests.app.helpers import FULL_RUN
 
 SPECGATE = [sys.executable, "-m", "clients.cli"]
 ROOT = Path(__file__).resolve().parents[2]
+FEDERATED = "config/federated.yaml"
 
 
 @pytest.mark.parametrize("args", [[], ["worker"], ["gateway"]])
@@ -122,25 +124,24 @@ def test_serve_with_a_bad_config_names_the_key(tmp_path: Path) -> None:
 def test_two_serves_side_by_side_one_killed_hard_the_other_restarts_a_dead_worker_and_stops(tmp_path: Path) -> None:
     """Two serves on one machine (one picks its worker's port, no collision, no WARNING on a normal
     start). SIGKILL of the first: within 10 s its children are gone and their ports bind again. The
-    second meanwhile: its ready and curl lines, each process's share of the cores, an answer; a
-    worker killed hard is started again on its port and the next request succeeds; SIGTERM stops
-    it and its children, exit 0. (One test: each serve starts two or three processes.)"""
-    ports = [free_port(), free_port()]
+    second, the shipped ``config/federated.yaml`` (its two workers on their ports, mode aggregate), meanwhile: its ready and
+    curl lines, each process's share of the cores, a chat through the SDK; a worker killed hard is started again on its port
+    and the next request succeeds; SIGTERM stops it and its children, exit 0. (One test: each serve starts two or three
+    processes.)"""
+    shipped = yaml.safe_load((ROOT / FEDERATED).read_text())
+    ports = [w["port"] for w in shipped["workers"]]
+    names = [w["name"] for w in shipped["workers"]]
     gateway_port = free_port()
-    config = tmp_path / "two.yaml"
-    config.write_text(
-        f"port: {gateway_port}\ndraft: {{model: tiny-random, backend: transformers}}\nworkers:\n"
-        + "".join(f"  - {{name: w{i}, port: {p}, model: 'tiny-random:{i}', backend: transformers}}\n" for i, p in enumerate(ports))
-    )
     one = tmp_path / "a.yaml"
     one.write_text(f"port: {free_port()}\nworkers:\n  - {{name: w0, model: builtin, backend: llama.cpp}}\n")  # no worker port: serve picks a free one
     killed = subprocess.Popen([*SPECGATE, "serve", "--config", str(one)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    proc = subprocess.Popen([*SPECGATE, "serve", "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    proc = subprocess.Popen([*SPECGATE, "serve", "--config", FEDERATED, "--port", str(gateway_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
         lines = _read_until(proc, "specgate: ready", timeout_s=240)
         killed_lines = _read_until(killed, "specgate: ready", timeout_s=240)
         for out in (lines, killed_lines):
             assert not [line for line in out if "WARNING" in line or "Traceback" in line], out
+        assert sum("specgate serve: starting" in line and "gateway" not in line for line in lines) == len(ports), lines
         assert any("curl" in line for line in _read_lines(proc, 1))
 
         children = psutil.Process(killed.pid).children()
@@ -162,17 +163,19 @@ def test_two_serves_side_by_side_one_killed_hard_the_other_restarts_a_dead_worke
         assert httpx.get(f"http://127.0.0.1:{gateway_port}/health", timeout=10).json()["threads"] == {"draft": share, "torch": share}
         for child in psutil.Process(proc.pid).children():
             assert child.environ()["OMP_NUM_THREADS"] == str(share)
-        body = {"model": "specgate", "prompt": "Hi", "max_tokens": 3}
-        resp = httpx.post(f"http://127.0.0.1:{gateway_port}/v1/completions", json=body, timeout=60)
-        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway_port}/v1", api_key="unused", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model="specgate", messages=[{"role": "user", "content": "Say hello"}], max_tokens=8, temperature=0)
+        assert chat.choices[0].message.content and chat.usage is not None
+        assert chat.usage.model_extra["speculative"]["mode"] == "aggregate"  # type: ignore[index]
+        body = {"model": "specgate", "prompt": "The sea is", "max_tokens": 3, "temperature": 0}
 
         # a worker killed hard is started again on its port, and the next request succeeds
         w1 = f"http://127.0.0.1:{ports[1]}"
         before = httpx.get(f"{w1}/health", timeout=10).json()["instance_id"]
         (victim,) = [c for c in psutil.Process(proc.pid).children() if any(k.laddr.port == ports[1] for k in c.net_connections("tcp"))]
         victim.kill()
-        lines += _read_until(proc, "worker w1 is back (restart 1)", timeout_s=180)
-        assert any("worker w1 exited with -9; restarting it in 1 s" in line for line in lines), lines
+        lines += _read_until(proc, f"worker {names[1]} is back (restart 1)", timeout_s=180)
+        assert any(f"worker {names[1]} exited with -9; restarting it in 1 s" in line for line in lines), lines
         after = httpx.get(f"{w1}/health", timeout=10).json()["instance_id"]
         assert after != before and after.endswith("-1")
         assert "specgate:worker_restarts_total 1.0" in httpx.get(f"{w1}/metrics", timeout=10).text
@@ -245,15 +248,16 @@ def test_worker_settings_from_the_environment_are_validated() -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("config", "mode", "started"), [
-    ("config/pipeline.yaml", "pipeline", 3), ("config/federated.yaml", "aggregate", 2),
-    # one local llama.cpp worker, as the first serve of the two-serves test above; tests/clients/test_shipped_configs.py loads it
-    pytest.param("config/one-worker.yaml", "split", 1, marks=FULL_RUN),
+    ("config/pipeline.yaml", "pipeline", 3),
+    # federated.yaml: the two-serves test above serves it by default. one-worker.yaml: one local llama.cpp worker, as the
+    # first serve of that test; tests/clients/test_shipped_configs.py loads it
+    pytest.param("config/federated.yaml", "aggregate", 2, marks=FULL_RUN), pytest.param("config/one-worker.yaml", "split", 1, marks=FULL_RUN),
 ])
 def test_a_shipped_config_starts_and_answers_through_the_openai_api(config: str, mode: str, started: int) -> None:
     """``specgate serve --config config/…``: its local workers or stages, the gateway in the
     config's mode, a chat completion through the SDK. (``config/builtin.yaml``'s two workers and
     mode are federated.yaml's; ``config/engine.yaml`` needs an engine running elsewhere;
-    one-worker.yaml with SPECGATE_FULL_STATISTICS=1.)"""
+    federated.yaml and one-worker.yaml here with SPECGATE_FULL_STATISTICS=1.)"""
     port = free_port()
     proc = subprocess.Popen([*SPECGATE, "serve", "--config", config, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:

@@ -8,8 +8,8 @@ Tests that kill or restart workers start their own (test_faults_real, test_worke
 The gateways of the modules that test what a gateway answers run in this process under a real uvicorn
 (``gateway_in_process``), drafting with one built-in draft runner on one model thread: each gateway holds its own
 sessions, and seeded text does not depend on what else runs — a gateway process start (4 s of CPU) and a draft load
-saved each. ``specgate serve`` / ``gateway`` as processes: tests/clients/test_cli.py, test_faults_real,
-test_shared_workers_real, test_discovery_real."""
+saved each (test_faults_real and test_discovery_real too: their workers are the processes). ``specgate serve`` /
+``gateway`` as processes: tests/clients/test_cli.py, test_shared_workers_real (SIGTERM to a gateway)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 workers on 127.0.0.2 and 127.0.0.3, one port, as a headless Service names its pods; the records
 change while seeded requests run. An address that appears joins once its /health and /v1/info
 pass; one where nothing answers never joins; one that disappears takes no new sessions while
-the session it holds finishes there; no answer changes."""
+the session it holds finishes there; no answer changes. The gateway runs in this process under a real uvicorn
+(tests/integration/gateways.py)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from clients.procs import GatewayProcess, WorkerProcess, free_port
-from core.config import dump_config, parse_config
+from clients.procs import WorkerProcess, free_port
+from core.config import parse_config
 from tests.dns import LoopbackDNS
+from tests.integration.gateways import SharedDraft, gateway_in_process
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +52,7 @@ def _counter(url: str, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_replicas_follow_the_dns_records_while_requests_run(tmp_path: Path) -> None:
+def test_replicas_follow_the_dns_records_while_requests_run(shared_draft: SharedDraft) -> None:
     port = free_port()
     with LoopbackDNS() as dns, ExitStack() as stack:
         a = stack.enter_context(WorkerProcess("builtin", "llama.cpp", port=port, threads=1, host="127.0.0.2"))
@@ -63,8 +64,7 @@ def test_replicas_follow_the_dns_records_while_requests_run(tmp_path: Path) -> N
             "workers": [{"name": "w", "url": f"http://{NAME}:{port}", "discovery_interval_s": 0.2}],
             "discovery": {"dns_servers": [dns.server]},
         })
-        (tmp_path / "config.yaml").write_text(dump_config(config))
-        gateway = stack.enter_context(GatewayProcess(str(tmp_path / "config.yaml")))
+        gateway = gateway_in_process(stack, config, shared_draft)
         assert set(_replicas(gateway)) == {a}
         reference, reference_long = _chat(gateway), _chat(gateway, 64)
 

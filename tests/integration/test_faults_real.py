@@ -1,6 +1,7 @@
 """Faults with real processes on 127.0.0.1: a worker killed by pid mid-stream with a replica
 beside it (the seeded text does not change) and without one (an SSE error, then [DONE], and
-the gateway serves again when the worker is back). SIGTERM under load: tests/integration/test_shared_workers_real.py."""
+the gateway serves again when the worker is back). The workers are processes; the gateway runs in this process under a
+real uvicorn (tests/integration/gateways.py). SIGTERM under load: tests/integration/test_shared_workers_real.py."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ import re
 import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from clients.procs import GatewayProcess, ServerProcess, WorkerProcess
-from core.config import dump_config, parse_config
+from clients.procs import ServerProcess, WorkerProcess
+from core.config import parse_config
+from tests.integration.gateways import SharedDraft, gateway_in_process
 
 pytestmark = pytest.mark.integration
 
@@ -29,7 +30,7 @@ def _start(stack: ExitStack, server: ServerProcess) -> ServerProcess:
     return server
 
 
-def _gateway(stack: ExitStack, directory: Path, workers: list[dict[str, Any]], **extra: Any) -> ServerProcess:
+def _gateway(stack: ExitStack, draft: SharedDraft, workers: list[dict[str, Any]], **extra: Any) -> str:
     config = parse_config({
         "model": MODEL,
         "draft": {"model": "builtin-draft", "threads": 1},
@@ -37,9 +38,7 @@ def _gateway(stack: ExitStack, directory: Path, workers: list[dict[str, Any]], *
         "speculative": {"mode": "exact", "num_draft_tokens": 4, "draft_top_k": 32},
         **extra,
     })
-    path = directory / "config.yaml"
-    path.write_text(dump_config(config))
-    return _start(stack, GatewayProcess(str(path)))
+    return gateway_in_process(stack, config, draft)
 
 
 def _stream(url: str, on_chunk: Callable[[int], None] = lambda n: None, body: dict[str, Any] = BODY) -> tuple[str, list[Any]]:
@@ -77,10 +76,10 @@ def stack() -> Iterator[ExitStack]:
         yield s
 
 
-def test_killing_the_replica_that_holds_a_stream_changes_nothing(stack: ExitStack, tmp_path: Path) -> None:
+def test_killing_the_replica_that_holds_a_stream_changes_nothing(stack: ExitStack, shared_draft: SharedDraft) -> None:
     replicas = [_start(stack, WorkerProcess("builtin", "llama.cpp", threads=1)) for _ in range(2)]
-    gateway = _gateway(stack, tmp_path, [{"urls": [r.url for r in replicas], "weight": 1.0}])
-    undisturbed, _ = _stream(gateway.url)
+    gateway = _gateway(stack, shared_draft, [{"urls": [r.url for r in replicas], "weight": 1.0}])
+    undisturbed, _ = _stream(gateway)
     killed: list[ServerProcess] = []
 
     def kill_the_holder(chunks: int) -> None:
@@ -90,33 +89,33 @@ def test_killing_the_replica_that_holds_a_stream_changes_nothing(stack: ExitStac
             _proc(holder).wait(timeout=10)
             killed.append(holder)
 
-    text, events = _stream(gateway.url, kill_the_holder)
+    text, events = _stream(gateway, kill_the_holder)
     assert killed, "the stream ended before the worker could be killed"
     assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
     assert text == undisturbed
-    assert _metric(gateway.url, 'specgate:worker_failovers_total{worker="w0"}') == 1
+    assert _metric(gateway, 'specgate:worker_failovers_total{worker="w0"}') == 1
     survivor = next(r for r in replicas if r is not killed[0])
     assert _metric(survivor.url, "specgate:sessions") == 0  # freed at the end
 
 
-def test_without_a_replica_the_stream_ends_with_an_error_and_the_gateway_recovers(stack: ExitStack, tmp_path: Path) -> None:
+def test_without_a_replica_the_stream_ends_with_an_error_and_the_gateway_recovers(stack: ExitStack, shared_draft: SharedDraft) -> None:
     worker = _start(stack, WorkerProcess("builtin", "llama.cpp", threads=1))
-    gateway = _gateway(stack, tmp_path, [{"url": worker.url}])
+    gateway = _gateway(stack, shared_draft, [{"url": worker.url}])
 
     def kill(chunks: int) -> None:
         if chunks == 2:
             _proc(worker).kill()
             _proc(worker).wait(timeout=10)
 
-    text, events = _stream(gateway.url, kill)
+    text, events = _stream(gateway, kill)
     assert text and events[-1] == "[DONE]"
     error = events[-2]["error"]
     assert error["code"] == "worker_error" and "worker w0" in error["message"]
-    assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 200
-    refused = httpx.post(f"{gateway.url}/v1/chat/completions", json={**BODY, "stream": False}, timeout=60)
+    assert httpx.get(f"{gateway}/health", timeout=10).status_code == 200
+    refused = httpx.post(f"{gateway}/v1/chat/completions", json={**BODY, "stream": False}, timeout=60)
     assert refused.status_code in (502, 503) and "w0" in refused.json()["error"]["message"]
 
     port = int(worker.url.rsplit(":", 1)[1])
     _start(stack, WorkerProcess("builtin", "llama.cpp", port=port, threads=1))  # back on the same address
-    again = httpx.post(f"{gateway.url}/v1/chat/completions", json={**BODY, "stream": False}, timeout=120)
+    again = httpx.post(f"{gateway}/v1/chat/completions", json={**BODY, "stream": False}, timeout=120)
     assert again.status_code == 200 and again.json()["choices"][0]["message"]["content"]
