@@ -49,14 +49,21 @@ def _pin_this_test_process() -> None:
 
 _pin_this_test_process()
 
-# The costliest modules first (measured: tests/app/test_lossless_matrix.py ~190 s on one core,
-# the CLI's servers ~160 s, the long prompts' ~90 s, the integration modules 40–90 s each): pytest-xdist hands modules out
-# in collection order (``--no-loadscope-reorder``: not by their number of tests), and the longest
-# first leaves only short ones for the end.
+# The modules in the order of their time (measured: a make test on 2 cores, seconds each module took, ~10 s and up; the
+# rest after them in collection order): pytest-xdist hands modules out in collection order (``--no-loadscope-reorder``:
+# not by their number of tests), and the longest first leaves only short ones for the end, where a process that runs
+# out of modules idles while the other finishes its last.
 COSTLIEST_FIRST = (
-    "tests/app/test_lossless_matrix.py", "tests/clients/test_cli.py", "tests/integration/test_long_prompts_real.py", "tests/integration/test_gateway_e2e.py",
-    "tests/integration/test_pipeline_real.py", "tests/integration/test_structured_real.py", "tests/integration/test_request_surface.py",
-    "tests/app/test_engine.py", "tests/integration/test_faults_real.py", "tests/integration/test_engine_target.py", "tests/app/test_schema_fuzz.py",
+    "tests/app/test_lossless_matrix.py",  # 152 s
+    "tests/clients/test_cli.py", "tests/integration/test_gateway_e2e.py", "tests/integration/test_long_prompts_real.py",  # 97, 72, 60
+    "tests/integration/test_pipeline_real.py", "tests/integration/test_structured_real.py", "tests/integration/test_shared_workers_real.py",  # 56, 52, 43
+    "tests/app/test_schema_fuzz.py", "tests/app/test_engine.py", "tests/integration/test_request_surface.py", "tests/integration/test_tool_formats_real.py",
+    "tests/workers/test_scheduler.py", "tests/integration/test_kubernetes_pods.py", "tests/core/runners/test_llama_cpp_numerics.py",  # 38 to 27
+    "tests/core/runners/test_llama_cpp_runner.py", "tests/integration/test_discovery_real.py", "tests/app/test_transform_law.py",
+    "tests/integration/test_faults_real.py", "tests/app/test_fixed_chains.py", "tests/integration/test_worker_real.py",  # 25 to 20
+    "tests/integration/test_engine_target.py", "tests/app/test_adaptive.py", "tests/core/math/test_tree_exact.py", "tests/app/test_draft.py",
+    "tests/integration/test_golden_builtin.py", "tests/integration/test_responses_real.py", "tests/app/test_late_draft.py",
+    "tests/workers/test_stages.py", "tests/app/test_reliability.py", "tests/core/runners/test_models.py", "tests/integration/test_chat_page.py",  # 19 to 10
 )
 
 

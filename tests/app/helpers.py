@@ -43,15 +43,15 @@ def seed_pool(fresh: bool = False) -> Executor:
     process may use two cores or more — the same two for every test of this process, started once
     (a start imports torch and the project: seconds of CPU) —; this process itself where it may use
     one (a test process pinned to its core: spawning would only add the processes' start-up).
-    ``fresh``: two new processes — a negative control's task breaks the code it runs, and the break
-    must end with them."""
+    ``fresh``: new processes, two (one where this process may use one core: a second would only add its start-up) — a
+    negative control's task breaks the code it runs, and the break must end with them."""
     if fresh:
-        return _two_processes()
+        return _processes(2 if usable_cores() >= 2 else 1)
     if usable_cores() < 2:
         return _InThisProcess()
     global _SHARED_POOL
     if _SHARED_POOL is None:
-        _SHARED_POOL = _two_processes()
+        _SHARED_POOL = _processes(2)
         atexit.register(_SHARED_POOL.shutdown)
     return _Lent(_SHARED_POOL)
 
@@ -59,8 +59,8 @@ def seed_pool(fresh: bool = False) -> Executor:
 _SHARED_POOL: ProcessPoolExecutor | None = None
 
 
-def _two_processes() -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,))
+def _processes(count: int) -> ProcessPoolExecutor:
+    return ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,))
 
 
 class _Lent(Executor):

@@ -1,5 +1,5 @@
-"""schemathesis against the gateway's own OpenAPI schema, in-process over ASGI: well over a
-thousand generated requests, valid and invalid, across every route. No answer is a 5xx, and
+"""schemathesis against the gateway's own OpenAPI schema, in-process over ASGI: hundreds of generated requests (well over a
+thousand with SPECGATE_FULL_STATISTICS=1), valid and invalid, across every route. No answer is a 5xx, and
 every 4xx carries the OpenAI error envelope."""
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from core.config import parse_config
 from core.runners import ModelRunner
 from tests.app.fakes import FakeWorkerTransport
 
-EXAMPLES = {GenerationMode.POSITIVE: 300, GenerationMode.NEGATIVE: 250}  # per POST route and mode: the generation routes
+FULL = bool(os.environ.get("SPECGATE_FULL_STATISTICS"))
+SCALE = 2 if FULL else 1  # the sizes below by default; twice them (and the floors the test asserts) with SPECGATE_FULL_STATISTICS=1
+EXAMPLES = {GenerationMode.POSITIVE: 150 * SCALE, GenerationMode.NEGATIVE: 125 * SCALE}  # per POST route and mode: the generation routes
 # the routes beside them (/v1/responses, which runs as a chat request and has its own generated surface in
-# tests/integration/test_request_surface.py; /tokenize, /detokenize) take fewer by default, all with SPECGATE_FULL_STATISTICS
-FEWER = EXAMPLES if os.environ.get("SPECGATE_FULL_STATISTICS") else {GenerationMode.POSITIVE: 120, GenerationMode.NEGATIVE: 100}
+# tests/integration/test_request_surface.py; /tokenize, /detokenize) take fewer by default, as many with SPECGATE_FULL_STATISTICS
+FEWER = EXAMPLES if FULL else {GenerationMode.POSITIVE: 60, GenerationMode.NEGATIVE: 50}
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 # The parameters issue 46 hardened: the generated bodies must carry each of them, many times
 # (schemathesis draws them from the OpenAPI schema, which the request models generate).
@@ -71,9 +73,9 @@ def test_generated_requests_never_get_a_5xx(tiny_runner: ModelRunner) -> None:
 
             run()
     print("requests per route:", calls, "statuses:", dict(statuses), "parameters:", {name: keys[name] for name in HARDENED})
-    assert all(keys[name] >= 50 for name in HARDENED), {name: keys[name] for name in HARDENED}
-    assert sum(calls.values()) >= 1000
-    assert statuses[200] >= 50  # a good share reached the engine and the fake workers
+    assert all(keys[name] >= 25 * SCALE for name in HARDENED), {name: keys[name] for name in HARDENED}
+    assert sum(calls.values()) >= 500 * SCALE
+    assert statuses[200] >= 25 * SCALE  # a good share reached the engine and the fake workers
     assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health/ready"} <= set(calls)
 
 

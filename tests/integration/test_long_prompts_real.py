@@ -7,7 +7,9 @@ process could not see what parted them). Prompts of 300 to 1,500 tokens, news-li
 - a seeded request at T = 1 gives the text it gets alone when it runs beside other long ones and short streams, and
   when the replica that holds it is killed mid-answer.
 
-The default run takes one greedy prompt in every mode with the late draft (32 tokens), two seeded prompts beside two
+The default run takes one greedy prompt with the late draft (32 tokens) in a mode of each shape the worker and the draft
+decode — a chain (``exact``), a tree (``tree``), chains of any length (``lookup``) and drafts prepared during a round
+(``overlap``); the payloads the other modes add are the same decodes, read differently —, two seeded prompts beside two
 short streams in ``autoregressive`` and ``exact`` and a failover in ``exact``; a draft ready at once is checked where it
 is cheaper, on the draft itself (tests/app/test_draft.py, two threads). ``SPECGATE_FULL_STATISTICS=1`` runs the
 issue's sizes: 6 greedy prompts × every mode × both timings (48 tokens), 8 seeded prompts × every mode beside 4
@@ -42,6 +44,7 @@ GREEDY_TOKENS, SEEDED_TOKENS, SEED = (48 if FULL else 32), (32 if FULL else 16),
 GREEDY_PROMPTS = list(zip(lengths(6), range(6))) if FULL else [(300, 3)]
 SEEDED_PROMPTS = list(zip(lengths(8), range(100, 108))) if FULL else [(300, 3), (320, 0)]
 SHORT_STREAMS = 4 if FULL else 2
+GREEDY_MODES = [m for m in CONFIGS if m != "autoregressive"] if FULL else ["exact", "tree", "lookup", "overlap"]
 SEEDED_MODES = list(CONFIGS) if FULL else ["autoregressive", "exact"]
 FAILOVER_MODES = list(CONFIGS) if FULL else ["exact"]
 
@@ -91,7 +94,7 @@ def test_every_mode_gives_autoregressives_greedy_text_on_long_prompts(
     timing: str, gateways: dict[str, str], greedy_prompts: list[str], greedy_reference: list[str],
 ) -> None:
     """One request at a time, prompt by prompt (the worker's and the draft's prompt caches hold each prompt after its first)."""
-    modes = [m for m in CONFIGS if m != "autoregressive"]
+    modes = GREEDY_MODES
     differ = {}
     for i, prompt in enumerate(greedy_prompts):
         for mode in modes:

@@ -1,5 +1,5 @@
 """Mode ``pipeline`` end to end (docs/design.md §3.7): three stage workers of the built-in model
-(transformers, real processes) behind a real uvicorn gateway, spoken to by the official
+(transformers; stage 2 a process, stages 1 and 3 real uvicorns in this process) behind a real uvicorn gateway, spoken to by the official
 ``openai`` client. Greedy text equals ``autoregressive`` through one whole-model worker; bad
 pipelines stop the gateway at start-up naming the stage; a stage killed mid-stream ends the
 stream with an error event and ``[DONE]``, and the other stages free the session."""
@@ -22,6 +22,7 @@ import pytest
 from clients.procs import StageProcess
 from core.config import parse_config
 from core.errors import ConfigError
+from core.names import Backend
 from core.runners import load_runner
 from tests.app.helpers import served, sse_events
 from tests.integration.gateways import SharedDraft, gateway_app
@@ -35,14 +36,25 @@ PROMPT = "The three primary colours are"
 SPLIT = ["0:9", "9:21", "21:30"]
 
 
+class _Served:
+    """A stage served in this process under a real uvicorn: its ``url``; no ``proc`` (the tests kill stage 2 alone)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.proc = url, None
+
+
 @pytest.fixture(scope="module")
 def stage_procs() -> Iterator[list[Any]]:
-    """The three stages as processes (one thread each), first layers first."""
+    """The three stages (one thread each), first layers first: stage 2 a process (the tests kill it), stages 1 and 3 served
+    in this process (a process start and its imports saved each)."""
     with ExitStack() as stack:
-        procs = [StageProcess(layers) for layers in SPLIT]
-        for proc in procs:
-            stack.enter_context(proc)
-        yield procs
+        middle = StageProcess(SPLIT[1])
+        stack.enter_context(middle)
+        first, last = (
+            _Served(stack.enter_context(served(create_worker(WorkerSettings(model="builtin", backend=Backend.TRANSFORMERS, layers=layers, threads=1)))))
+            for layers in (SPLIT[0], SPLIT[2])
+        )
+        yield [first, middle, last]
 
 
 def _config(workers: list[dict[str, Any]], mode: str = "pipeline", **speculative: Any) -> Any:
@@ -62,7 +74,7 @@ def gateway(stage_procs: list[Any], shared_draft: SharedDraft) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def whole_worker() -> Iterator[str]:
     runner = load_runner("builtin", "transformers", memory_cap_mb=64)
-    with served(create_worker(WorkerSettings(model="builtin", backend="transformers"), runner=runner)) as url:
+    with served(create_worker(WorkerSettings(model="builtin", backend=Backend.TRANSFORMERS), runner=runner)) as url:
         yield url
     runner.close()
 
