@@ -6,11 +6,13 @@ STAMP := $(VENV)/.specgate-installed
 
 .PHONY: run test setup test-tools image-check clean
 
+# Both let Python write the bytecode of what they import, once, as it does by default (set-up installs without it): a
+# machine that sets PYTHONDONTWRITEBYTECODE would compile every module again in every process they start.
 run: setup
-	$(BIN)/specgate serve
+	PYTHONDONTWRITEBYTECODE= $(BIN)/specgate serve
 
 test: setup test-tools
-	$(BIN)/python -m pytest
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 # The image built and run as the default overlay's pods would run it (needs a Docker engine; not part of
 # `make test`): tests/image_check.py. IMAGE_CHECK_ARGS=--debian-base builds its base from Debian's packages.

