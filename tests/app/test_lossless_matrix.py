@@ -383,7 +383,8 @@ def _in_default_run(cell: Cell) -> bool:
     drafter, a lookup branch, overlap) with two workers is crossed with the truncated samplings (top-k, top-p)
     and T = 0, not with plain T = 1 — the two workers' law under the option is the same check with fewer
     branches there (a third of the matrix's runs), and T = 1 has the option with one worker and every shape
-    with two. A late draft: ready after one round in every mode and payload (two workers at T = 0; their sampled
+    with two but the largest sampled trees (those with two workers at top-k and top-p, and with one at T = 1). A pipeline's
+    expanding tree at plain T = 1: with every transform over two rounds (the plain cell, 1,129 runs, with the full run). A late draft: ready after one round in every mode and payload (two workers at T = 0; their sampled
     law is tests/app/test_late_draft.py's chi-square), after two on aggregate's full rows."""
     two_workers = len(WORKER_SETS[cell.workers]) > 1
     if cell.late and not FULL:  # a late draft: k = 1 in every mode and payload (two workers greedy), k = 2 on aggregate's full rows
@@ -391,6 +392,10 @@ def _in_default_run(cell: Cell) -> bool:
     option = bool(cell.option or cell.transform or cell.lookup or cell.overlap)
     if cell.transform and cell.payload is Payload.SPARSE and cell.shape == "⟨2,1⟩" and cell.sampling == "T=1":
         return FULL  # 1,700 runs: the transforms on the sampled ⟨2,1⟩ at T = 1 run on the full payload (and top-k), exact's payload on the smaller trees
+    if cell.mode is Mode.PIPELINE and "expanding" in cell.shape and cell.sampling == "T=1" and not (option or cell.late):
+        return FULL  # 1,129 runs, 13 s (12,445 expansions): by default its law at T = 1 is the cell with every transform's, two rounds (68 runs, 187 expansions)
+    if cell.mode is Mode.TREE and two_workers and cell.sampling == "T=1" and (cell.shape == "⟨2,1⟩" or (cell.payload is Payload.SPARSE and cell.shape in ("⟨2⟩", "⟨1,1⟩"))):
+        return FULL  # 6,800 runs: two workers' sampled trees at T = 1 on the smaller shapes (exact's payload: ⟨1⟩ and the fixed ones); these shapes with one worker at T = 1 and with two at top-k and top-p
     return FULL or not (two_workers and option and cell.sampling == "T=1")
 
 

@@ -16,10 +16,10 @@ import numpy as np
 import openai
 import pytest
 
-from clients.procs import GatewayProcess
-from core.config import dump_config, parse_config
+from app.server import create_app
+from core.config import parse_config
 from core.protocol import VerifyRequest, VerifyResponse, decode, encode
-from tests.app.helpers import FULL_RUN
+from tests.app.helpers import FULL_RUN, served
 from tests.integration.gateways import SharedDraft, gateway_in_process
 
 pytestmark = pytest.mark.integration
@@ -33,19 +33,15 @@ def worker_urls(builtin_workers: list[str]) -> list[str]:
     return builtin_workers  # one core each, as `specgate serve` splits them: oversubscribed llama.cpp threads crawl
 
 
-def _gateway(stack: ExitStack, directory: Path, urls: list[str], weights: list[float] | None = None, draft: dict[str, object] | None = None, shared: SharedDraft | None = None) -> str:
-    """The module's gateway: in this process on the ``shared`` draft, else (``draft``) a ``specgate gateway`` process."""
+def _gateway(stack: ExitStack, urls: list[str], weights: list[float] | None = None, draft: dict[str, object] | None = None, shared: SharedDraft | None = None) -> str:
+    """A gateway in this process under a real uvicorn: on the ``shared`` draft, else with its own (``draft``: none loads no weights)."""
     config = parse_config({
         "model": MODEL,
         "draft": draft or {"model": "builtin-draft", "threads": 1, "background_prefill_from": LATE_FROM},
         "workers": [{"url": url, "weight": w} for url, w in zip(urls, weights or [1.0] * len(urls))],
         "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": "full"},
     })
-    if shared is not None:
-        return gateway_in_process(stack, config, shared)
-    path = directory / "config.yaml"
-    path.write_text(dump_config(config))
-    return stack.enter_context(GatewayProcess(str(path)))
+    return gateway_in_process(stack, config, shared) if shared is not None else stack.enter_context(served(create_app(config)))
 
 
 WEIGHTS = [0.7, 0.3]  # the module's gateway: two weighted workers
@@ -53,16 +49,16 @@ LATE_FROM = 8  # every prompt here is long enough for a late draft (app.engine.l
 
 
 @pytest.fixture(scope="module")
-def base_url(worker_urls: list[str], shared_draft: SharedDraft, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def base_url(worker_urls: list[str], shared_draft: SharedDraft) -> Iterator[str]:
     with ExitStack() as stack:
-        yield _gateway(stack, tmp_path_factory.mktemp("two"), worker_urls, WEIGHTS, shared=shared_draft)
+        yield _gateway(stack, worker_urls, WEIGHTS, shared=shared_draft)
 
 
 @pytest.fixture(scope="module")
-def one_worker_url(worker_urls: list[str], shared_draft: SharedDraft, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def one_worker_url(worker_urls: list[str], shared_draft: SharedDraft) -> Iterator[str]:
     """A gateway on the first worker alone (split takes one worker)."""
     with ExitStack() as stack:
-        yield _gateway(stack, tmp_path_factory.mktemp("one"), worker_urls[:1], shared=shared_draft)
+        yield _gateway(stack, worker_urls[:1], shared=shared_draft)
 
 
 @pytest.fixture(scope="module")
@@ -160,12 +156,12 @@ def test_greedy_text_is_the_same_in_every_mode(one_worker_url: str) -> None:
     assert len(set(texts.values())) == 1, texts
 
 
-def test_a_gateway_without_a_draft_model_drafts_by_lookup(worker_urls: list[str], tmp_path: Path) -> None:
+def test_a_gateway_without_a_draft_model_drafts_by_lookup(worker_urls: list[str]) -> None:
     """``draft: {model: none}`` (docs/design.md §3.10): no draft weights are loaded; chains are drafted by
     lookup, and greedy text is autoregressive's; a mode or drafter that needs the model is a 400."""
     prompt = "Count with me: one two three four, one two three four, one two three four, one two three four,"
     with ExitStack() as stack:
-        url = _gateway(stack, tmp_path, worker_urls, draft={"model": "none"})
+        url = _gateway(stack, worker_urls, draft={"model": "none"})
         assert httpx.get(f"{url}/health/ready", timeout=30).json()["draft"] == "none"
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         texts, blocks = {}, {}
