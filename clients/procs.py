@@ -75,7 +75,7 @@ class ServerProcess:
                         return self.url
                 except httpx.HTTPError:
                     pass
-                time.sleep(0.3)
+                time.sleep(0.1)
         self.__exit__()
         raise RuntimeError(f"{' '.join(self.command[2:4])} not ready after {self.timeout_s:.0f} s")
 

@@ -146,7 +146,7 @@ def wait_ready(checks: dict[str, tuple[str, str]], procs: dict[str, subprocess.P
                 if stop.is_set() or time.monotonic() > deadline:
                     print(f"specgate serve: {name} not ready after {timeout:.0f} s", file=sys.stderr)
                     return False
-                time.sleep(0.5)
+                time.sleep(0.1)
             print(f"specgate serve: {name} ready", flush=True)
     return True
 

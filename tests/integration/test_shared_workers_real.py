@@ -1,6 +1,6 @@
-"""Many gateways on shared workers, and drains on rollout (issue 48), with real processes on 127.0.0.1:
-two workers that are replicas of one target (two KV places each: ``--memory-cap-mb 128``) and two
-gateways on them, the second with small admission limits.
+"""Many gateways on shared workers, and drains on rollout (issue 48), on 127.0.0.1: two worker processes that are replicas
+of one target (two KV places each: ``--memory-cap-mb 128``) and two gateways on them — the first in this process under a
+real uvicorn, the second a process, with small admission limits.
 
 - Concurrent seeded streams through both gateways: each request gets its seed's text — the one it
   gets alone, so no session of one gateway touched another's — or a clean 429/503 in the envelope
@@ -36,6 +36,7 @@ import pytest
 from clients.procs import GatewayProcess, ServerProcess, WorkerProcess
 from core.config import dump_config, parse_config
 from core.protocol import JSON_CONTENT_TYPE, VerifyRequest, encode
+from tests.integration.gateways import SharedDraft, gateway_in_process
 
 pytestmark = pytest.mark.integration
 
@@ -102,14 +103,22 @@ def _proc(server: ServerProcess) -> subprocess.Popen[bytes]:
 
 
 @dataclass
+class Served:
+    """The first gateway: in this process under a real uvicorn (tests/integration/gateways.py); the second, a process, is the
+    one the last test stops."""
+
+    url: str
+
+
+@dataclass
 class Stack:
     workers: list[ServerProcess]
-    gateways: list[ServerProcess]
+    gateways: list[Any]  # a Served, then a ServerProcess
     texts: dict[int, str]  # seed -> the text it gets alone
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory, shared_draft: SharedDraft) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("shared")
     with ExitStack() as exits:
         workers = [WorkerProcess("builtin", "llama.cpp", threads=1, extra=["--memory-cap-mb", "128", "--drain-timeout-s", str(DRAIN_S)]) for _ in range(2)]
@@ -120,6 +129,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "model": MODEL, "draft": {"model": "builtin-draft", "threads": 1}, "workers": [{"urls": urls}],
                 "speculative": {"mode": "exact", "num_draft_tokens": 4}, "limits": {"drain_timeout_s": DRAIN_S, **limits},
             })
+            if name == "g0":
+                gateways.append(Served(gateway_in_process(exits, config, shared_draft)))
+                continue
             path = directory / f"{name}.yaml"
             path.write_text(dump_config(config))
             gateways.append(GatewayProcess(str(path)))
