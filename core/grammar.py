@@ -80,26 +80,18 @@ class GrammarLimits:
             raise ValueError("grammar limits must be > 0")
 
 
-_MADE: OrderedDict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = OrderedDict()  # key → (the tokenizer, kept alive: its id stays its own; llguidance's)
-_MADE_LOCK = threading.Lock()
-
-
 class Grammars:
     """Compiled grammars for one tokenizer, cached by content (LRU of ``cache_size``)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int], limits: GrammarLimits | None = None, cache_size: int = 64) -> None:
         import llguidance.hf
 
+        from core.runners.tokenizer import per_tokenizer
+
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self.limits = limits or GrammarLimits()
-        key = (id(tokenizer), vocab_size, tuple(self.eos_ids))
-        with _MADE_LOCK:  # llguidance's view of a tokenizer, once per process (~0.3 s each; every gateway and worker here shares it)
-            if key not in _MADE:
-                _MADE[key] = (tokenizer, llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos_ids))
-                while len(_MADE) > 4:
-                    _MADE.popitem(last=False)
-            self._tokenizer = _MADE[key][1]
+        self._tokenizer = per_tokenizer(tokenizer, ("llguidance", vocab_size, *self.eos_ids), lambda: llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos_ids))
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()  # compiled on worker threads and the model thread

@@ -92,9 +92,7 @@ async def _refuse(send: Send, status: int, message: str, kind: str, code: str, h
     await send({"type": "http.response.body", "body": body})
 
 
-def run_server(
-    app: ASGIApp, host: str, port: int, log_level: str, drain_timeout_s: float, on_drain: Callable[[], None], is_idle: Callable[[], bool],
-) -> None:
+def run_server(app: ASGIApp, host: str, port: int, log_level: str, drain_timeout_s: float, on_drain: Callable[[], None], is_idle: Callable[[], bool]) -> None:
     """uvicorn until SIGTERM (a drain, then exit 0: ``DrainingServer``) or SIGINT (it stops after the open requests)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout_s) + 5)
     DrainingServer(config, on_drain, is_idle, drain_timeout_s).run()

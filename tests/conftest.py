@@ -49,21 +49,25 @@ def _pin_this_test_process() -> None:
 
 _pin_this_test_process()
 
-# The modules in the order of their time (measured: a make test on 2 cores, seconds each module took, ~10 s and up; the
-# rest after them in collection order): pytest-xdist hands modules out in collection order (``--no-loadscope-reorder``:
+# The modules in the order of their time (measured: a make test on 2 cores, the modules of 2 s and more; the rest after
+# them in collection order): pytest-xdist hands modules out in collection order (``--no-loadscope-reorder``:
 # not by their number of tests), and the longest first leaves only short ones for the end, where a process that runs
 # out of modules idles while the other finishes its last.
-COSTLIEST_FIRST = (
-    "tests/app/test_lossless_matrix.py",  # 152 s
-    "tests/clients/test_cli.py", "tests/integration/test_gateway_e2e.py", "tests/integration/test_long_prompts_real.py",  # 97, 72, 60
-    "tests/integration/test_pipeline_real.py", "tests/integration/test_structured_real.py", "tests/integration/test_shared_workers_real.py",  # 56, 52, 43
-    "tests/app/test_schema_fuzz.py", "tests/app/test_engine.py", "tests/integration/test_request_surface.py", "tests/integration/test_tool_formats_real.py",
-    "tests/workers/test_scheduler.py", "tests/integration/test_kubernetes_pods.py", "tests/core/runners/test_llama_cpp_numerics.py",  # 38 to 27
-    "tests/core/runners/test_llama_cpp_runner.py", "tests/integration/test_discovery_real.py", "tests/app/test_transform_law.py",
-    "tests/integration/test_faults_real.py", "tests/app/test_fixed_chains.py", "tests/integration/test_worker_real.py",  # 25 to 20
-    "tests/integration/test_engine_target.py", "tests/app/test_adaptive.py", "tests/core/math/test_tree_exact.py", "tests/app/test_draft.py",
-    "tests/integration/test_golden_builtin.py", "tests/integration/test_responses_real.py", "tests/app/test_late_draft.py",
-    "tests/workers/test_stages.py", "tests/app/test_reliability.py", "tests/core/runners/test_models.py", "tests/integration/test_chat_page.py",  # 19 to 10
+COSTLIEST_FIRST = (  # from 116 s (the matrix) down to 2 s
+    "tests/app/test_lossless_matrix.py", "tests/clients/test_cli.py", "tests/integration/test_gateway_e2e.py",
+    "tests/integration/test_long_prompts_real.py", "tests/integration/test_structured_real.py", "tests/integration/test_pipeline_real.py",
+    "tests/integration/test_shared_workers_real.py", "tests/integration/test_request_surface.py", "tests/app/test_engine.py",
+    "tests/integration/test_kubernetes_pods.py", "tests/integration/test_tool_formats_real.py", "tests/workers/test_scheduler.py",
+    "tests/core/runners/test_llama_cpp_numerics.py", "tests/integration/test_faults_real.py", "tests/app/test_schema_fuzz.py",
+    "tests/core/runners/test_llama_cpp_runner.py", "tests/integration/test_discovery_real.py", "tests/integration/test_worker_real.py",
+    "tests/integration/test_engine_target.py", "tests/app/test_transform_law.py", "tests/core/math/test_tree_exact.py", "tests/app/test_adaptive.py",
+    "tests/app/test_draft.py", "tests/integration/test_responses_real.py", "tests/app/test_fixed_chains.py",
+    "tests/integration/test_golden_builtin.py", "tests/app/test_reliability.py", "tests/app/test_late_draft.py", "tests/core/math/test_tree.py",
+    "tests/workers/test_stages.py", "tests/core/runners/test_models.py", "tests/test_typecheck.py", "tests/core/math/test_speculative.py",
+    "tests/core/math/test_tree_lookup.py", "tests/integration/test_chat_page.py", "tests/app/test_server.py", "tests/app/test_golden_matrix.py",
+    "tests/core/math/test_exact.py", "tests/app/test_openai_target.py", "tests/clients/test_thread_share.py", "tests/core/math/test_relaxed.py",
+    "tests/app/test_golden.py", "tests/core/runners/test_static_forward.py", "tests/workers/test_server.py", "tests/app/test_timing.py",
+    "tests/core/runners/test_stages.py", "tests/clients/test_eval.py", "tests/workers/test_server_llama.py", "tests/app/test_reasoning.py",
 )
 
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,22 +29,7 @@ class EngineFormat:
 
 
 class TokenTable:
-    """The shared tokenizer seen as an engine sees it: each id's string, and the ids of a string. ``TokenTable.of``: one per
-    tokenizer and vocabulary in a process (it decodes every id once, ~1 s: every engine target of a gateway shares it)."""
-
-    _made: OrderedDict[tuple[int, int], tuple[Any, TokenTable]] = OrderedDict()  # (id(tokenizer), V) → (the tokenizer, kept alive: its id stays its own; the table)
-    _lock = threading.Lock()
-
-    @classmethod
-    def of(cls, tokenizer: Any, vocab_size: int) -> TokenTable:
-        with cls._lock:
-            made = cls._made.get((id(tokenizer), vocab_size))
-            if made is None:
-                made = cls._made[id(tokenizer), vocab_size] = (tokenizer, cls(tokenizer, vocab_size))
-                while len(cls._made) > 4:
-                    cls._made.popitem(last=False)
-            cls._made.move_to_end((id(tokenizer), vocab_size))
-            return made[1]
+    """The shared tokenizer seen as an engine sees it: each id's string, and the ids of a string."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer = tokenizer

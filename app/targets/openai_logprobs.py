@@ -27,6 +27,7 @@ from core.modes import ENGINE_MODES
 from core.names import Mode
 from core.transform import TransformSpec
 from core.protocol import PROTOCOL_VERSION, InfoResponse, VerifyRequest, VerifyResponse, check_verify_response
+from core.runners.tokenizer import per_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class EngineDialect:
     @property
     def table(self) -> TokenTable:
         if self._table is None:  # on first use: it decodes every id once (~1 s), once per tokenizer in a process
-            self._table = TokenTable.of(self.expected.tokenizer, self.vocab_size)
+            self._table = per_tokenizer(self.expected.tokenizer, ("token table", self.vocab_size), lambda: TokenTable(self.expected.tokenizer, self.vocab_size))
             if self._table.ambiguous:
                 log.info("worker %s: %d token ids share their string with another", self.name, self._table.ambiguous)
         return self._table

@@ -132,9 +132,7 @@ async def complete(
     return text
 
 
-async def all_at_once(
-    base: str, prompts: list[str], spec: dict[str, Any], max_tokens: int, seed: int, short: int, on_token: Any = None,
-) -> list[str]:
+async def all_at_once(base: str, prompts: list[str], spec: dict[str, Any], max_tokens: int, seed: int, short: int, on_token: Any = None) -> list[str]:
     """The seeded ``prompts`` at once, beside ``short`` short unseeded streams started just before them; their texts."""
     async with httpx.AsyncClient(base_url=base, timeout=1800) as client:
         beside = [asyncio.create_task(complete(client, f"Story {i}: a day at the harbour.", spec, 3 * max_tokens, 1.0)) for i in range(short)]

@@ -150,9 +150,7 @@ async def _run(bases: list[str], processes: dict[str, psutil.Process], concurren
     }
 
 
-async def _client_loop(
-    client: httpx.AsyncClient, index: int, concurrency: int, deadline: float, args: argparse.Namespace, stats: LoadStats,
-) -> None:
+async def _client_loop(client: httpx.AsyncClient, index: int, concurrency: int, deadline: float, args: argparse.Namespace, stats: LoadStats) -> None:
     """One client: a streaming request after another until the deadline (the last one finishes)."""
     turn = index
     while time.monotonic() < deadline:

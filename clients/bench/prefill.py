@@ -25,11 +25,7 @@ from clients.procs import WorkerProcess
 from core.config import LinkConfig, builtin_config
 from core.cores import usable_cores
 
-MODES = {
-    "autoregressive": {"mode": "autoregressive"},
-    "exact": {"mode": "exact"},
-    "tree": {"mode": "tree"},
-}
+MODES = {"autoregressive": {"mode": "autoregressive"}, "exact": {"mode": "exact"}, "tree": {"mode": "tree"}}
 WORDS = (
     "the river carried silt past old mills while farmers measured rain and traders argued over grain prices in "
     "crowded markets where children learned numbers from merchants and scribes copied letters for distant cousins"

@@ -96,9 +96,7 @@ def _bare(model: Any, device: str, prompt: list[int], batch: int, positions: int
     return run
 
 
-def _step(
-    runner: Any, name: str, prompt: list[int], batch: int, positions: int, generator: np.random.Generator, together: bool = False,
-) -> Callable[[], None]:
+def _step(runner: Any, name: str, prompt: list[int], batch: int, positions: int, generator: np.random.Generator, together: bool = False) -> Callable[[], None]:
     """One scheduler step of ``batch`` calls: crop each to its prefix, one forward_each, score each (``together``: all in one
     ``score_step`` where the logits are, as the worker does with ``--scoring device``)."""
     sessions = [f"{name}s{i}" for i in range(batch)]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import threading
+import functools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,8 +18,9 @@ from core.runners.tokenizer import load_tokenizer, tokenizer_fingerprint
 __all__ = ["ModelRunner", "RunnerInfo", "ModelSource", "load_runner", "resolve_model", "tokenizer_fingerprint"]
 
 
-_TOKENIZERS: dict[tuple[object, object], Any] = {}
-_LOCK = threading.Lock()
+@functools.cache
+def _tokenizer(path: Path | None, hub_id: str | None) -> Any:  # one per tokenizer file in a process (~0.5 s a load): its runners share it, read-only
+    return load_tokenizer(ModelSource(str(path or hub_id), None, path, hub_id))
 
 
 def load_runner(
@@ -51,10 +53,7 @@ def load_runner(
     source = resolve_model(model)
     if backend == Backend.LLAMA_CPP.value and source.is_tiny_random:
         raise ModelLoadError("tiny-random is built in code: use --backend transformers")
-    with _LOCK:  # one tokenizer per tokenizer file in a process (~0.5 s a load): the runners of a process share it, read-only
-        if (key := (source.tokenizer_path, source.hub_id)) not in _TOKENIZERS:
-            _TOKENIZERS[key] = load_tokenizer(source)
-        tokenizer = _TOKENIZERS[key]
+    tokenizer = _tokenizer(source.tokenizer_path, source.hub_id)
     # processes sharing the cores must split them: pools of every core spin against each other (issue 33: 20× slower)
     threads = threads or usable_cores()
     torch.set_num_threads(threads)

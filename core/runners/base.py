@@ -118,9 +118,9 @@ class ModelRunner(ABC):
     @cached_property
     def fingerprint(self) -> str:
         """The tokenizer fingerprint (docs/design.md §4) that gateway and workers must share."""
-        from core.runners.tokenizer import tokenizer_fingerprint
+        from core.runners.tokenizer import per_tokenizer, tokenizer_fingerprint
 
-        return tokenizer_fingerprint(self.tokenizer)
+        return per_tokenizer(self.tokenizer, ("fingerprint",), lambda: tokenizer_fingerprint(self.tokenizer))
 
     def has_session(self, session_id: str) -> bool:
         return session_id in self._rows

@@ -84,14 +84,7 @@ _P = TypeVar("_P", Slot, Stream)
 
 
 class LlamaCppRunner(ModelRunner):
-    def __init__(
-        self,
-        source: ModelSource,
-        tokenizer: Any,
-        max_context: int = 2048,
-        memory_cap_mb: int = 1024,
-        n_threads: int | None = None,
-    ) -> None:
+    def __init__(self, source: ModelSource, tokenizer: Any, max_context: int = 2048, memory_cap_mb: int = 1024, n_threads: int | None = None) -> None:
         super().__init__()
         if not source.is_gguf:
             raise ModelLoadError(f"the llama.cpp backend needs a GGUF file, got {source.name!r}")
@@ -395,9 +388,7 @@ class LlamaCppRunner(ModelRunner):
             raise ContextOverflow(f"a tree has more than {TREE_SEQUENCES - 1} leaves", param="draft")
         return free
 
-    def _decode(
-        self, ctx: Any, entries: list[tuple[int, int, Any, bool]], row_of: Sequence[Hashable], out: dict[Any, np.ndarray], long: bool = False,
-    ) -> None:
+    def _decode(self, ctx: Any, entries: list[tuple[int, int, Any, bool]], row_of: Sequence[Hashable], out: dict[Any, np.ndarray], long: bool = False) -> None:
         """Decodes of (token, position, sequence ids, wants logits) entries, at most ``DECODE_TOKENS`` at a time (never a last
         one of a single token after others); logits into ``out[row_of[i]]``. ``long``: the entries are one sequence whose
         KV view spans more than ``KV_PAD`` cells (or one unified context's that does), so a decode of one token is one

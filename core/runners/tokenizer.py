@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import orjson
 
@@ -13,6 +16,20 @@ from core.errors import ModelLoadError
 from core.runners.models import ModelSource, cache_dir, cache_lock, file_key, save_to_cache
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+_MADE: OrderedDict[tuple[Any, ...], tuple[Any, Any]] = OrderedDict()  # (id(tokenizer), what) → (the tokenizer, kept alive: its id stays its own; the thing)
+_MADE_LOCK = threading.Lock()
+
+
+def per_tokenizer(tokenizer: Any, what: tuple[Any, ...], make: Callable[[], T]) -> T:
+    """``make()`` once per tokenizer and ``what`` in a process (the last 8 kept): what is read off a tokenizer (its fingerprint,
+    llguidance's view, an engine's token table: 0.2–1 s each) is the same for every runner, gateway and worker that shares it."""
+    with _MADE_LOCK:
+        if (key := (id(tokenizer), *what)) not in _MADE:
+            _MADE[key] = (tokenizer, make())
+            while len(_MADE) > 8:
+                _MADE.popitem(last=False)
+        return _MADE[key][1]  # type: ignore[no-any-return]
 
 
 def load_tokenizer(source: ModelSource) -> Any:
