@@ -21,7 +21,7 @@ COMMANDS: dict[str | None, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from clients.bench.common import device_args
+    from clients.bench.device import device_args
     from clients.bench.consistency import CONFIGS as CONSISTENCY_MODES, mode_list
     from clients.bench.load import concurrency_levels
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         # each server owns its flags (and their --help); run it in this process's place
         os.execv(sys.executable, [sys.executable, "-m", servers[argv[0]], *argv[1:]])
     args = build_parser().parse_args(argv)
-    from clients.bench.common import DEVICE_BENCHES, device_argv
+    from clients.bench.device import DEVICE_BENCHES, device_argv
 
     if args.command == "serve":
         from clients.serve import serve

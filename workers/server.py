@@ -203,6 +203,13 @@ class _WorkerCollector(Collector):
         for code, count in sorted(state.errors.items()):
             errors.add_metric([code], count)
         yield errors
+        step = state.runner.step_info()
+        if "forwards" in step:  # the static forward (core/runners/static_forward.py)
+            yield CounterMetricFamily("specgate:step_forwards", "Forwards of the static forward (a step runs one, and one per seeded call in it).", value=step["forwards"])
+            yield CounterMetricFamily(
+                "specgate:step_forwards_eager", "Of those, forwards outside every captured bucket: on a GPU no graph to replay (a prefill past the largest).",
+                value=step["eager_forwards"],
+            )
         yield CounterMetricFamily("specgate:worker_restarts", "Times `specgate serve` restarted this worker after it died.", value=state.settings.restarts)
         yield GaugeMetricFamily("specgate:sessions", "Sessions held.", value=len(state.sessions))
         chains, trees = state.sessions.live()

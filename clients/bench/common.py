@@ -1,12 +1,11 @@
-"""What every bench shares: servers, emulated links, the cell runner (cells alternating per run), medians, progress, the tail (table, JSON, plots)."""
+"""What every bench shares: servers, emulated links, the cell runner (cells alternating per run), medians, the tail (table,
+JSON, plots); progress and JSON as the device benches write them (clients.bench.device)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from clients.bench.device import progress, write_json
 from clients.procs import GatewayProcess, WorkerProcess
 from core.config import LinkConfig, SpecgateConfig, builtin_config, dump_config
 from core.cores import usable_cores
@@ -27,28 +27,6 @@ LINKS: list[tuple[str, LinkConfig]] = [
     ("50 ms / 10 Mbps", LinkConfig(rtt_ms=50, up_mbps=10, down_mbps=10)),
     ("100 ms / 10 Mbps", LinkConfig(rtt_ms=100, up_mbps=10, down_mbps=10)),
 ]
-# bench: (module, dtype, repeats, what a repeat times, its own flags: flag -> (default, help))
-DEVICE_BENCHES: dict[str, tuple[str, str, int, str, dict[str, tuple[Any, str]]]] = {
-    "tree-device": ("clients.bench.round_cost", "float32", 30, "rounds", {
-        "--budgets": ([1, 4, 8, 14, 32], "verified nodes per round"), "--prefix": (128, "agreed tokens before each round (default: 128)"),
-    }),
-    "step-device": ("clients.bench.step_cost", "bfloat16", 20, "steps", {
-        "--batches": ([1, 4, 8, 16], "sessions per step"), "--positions": ([1, 5, 17], "positions per session (new token + draft)"),
-    }),
-}
-
-
-def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def write_json(path: str | None, results: dict[str, Any]) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(results, indent=2))
-        progress(f"wrote {path}")
-
-
 def finish(results: dict[str, Any], args: argparse.Namespace, printer: Callable[[dict[str, Any]], None],
            plot: Callable[[dict[str, Any], Path], list[Path]] | None = None) -> int:
     """A bench's tail: its table, its JSON (``--json``), its plots (``--plots``); exit status 0."""
@@ -63,27 +41,6 @@ def finish(results: dict[str, Any], args: argparse.Namespace, printer: Callable[
 def setup(plan: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """A plan as the JSON's ``setup``: its links by name."""
     return {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]]} | extra
-
-
-def device_args(parser: argparse.ArgumentParser, bench: str) -> argparse.ArgumentParser:
-    """The flags of a device bench, alike on ``specgate bench BENCH`` and ``python -m MODULE``."""
-    _, dtype, repeats, unit, own = DEVICE_BENCHES[bench]
-    parser.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs (default: cuda if present)")
-    parser.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16", "float16"], help=f"model dtype (default: {dtype})")
-    parser.add_argument("--repeats", type=int, default=repeats, help=f"timed {unit} per cell (default: {repeats})")
-    for flag, (default, text) in own.items():
-        parser.add_argument(flag, nargs="+" if isinstance(default, list) else None, type=int, default=default, help=text)
-    return parser
-
-
-def device_argv(args: argparse.Namespace, bench: str) -> list[str]:
-    """``args`` back as the device bench module's command line."""
-    argv = []
-    for flag in ("--device", "--dtype", "--repeats", *DEVICE_BENCHES[bench][4]):
-        value = getattr(args, flag[2:])
-        argv += [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
-    return argv + (["--json", args.json_path] if args.json_path else [])
 
 
 def median(values: list[float]) -> float:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from clients.bench.common import device_args, progress, write_json
+from clients.bench.device import device_args, progress, write_json
 from core.protocol import VerifyRequest
 from core.runners.base import ModelRunner
 from core.runners.models import ModelSource

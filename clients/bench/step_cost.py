@@ -4,7 +4,10 @@ A **step**: B calls of distinct sessions cropped to ``PREFIX``, one ``forward_ea
 on transformers' modules scored call by call on the host (``step``, the worker on ``--forward hf --scoring host``), on
 the static forward (core/runners/static_forward.py, inputs padded to buckets, CUDA graphs on a GPU) scored on the host
 (``static``) and scored together where the logits are with one copy back (``device``, workers/device_scoring.py: the
-worker's default on a GPU); the **bare forward**: the HF model on ``[B, P]`` ids over a ``DynamicCache`` of the prefix."""
+worker's default on a GPU); ``seeded``: the same with every call seeded, each forwarded alone (the seeded promise's cost);
+``host``: the static step with the model and the head replaced by nothing — what the host does for a step (the crop, the
+inputs, the one upload, the kept rows). The **bare forward**: the HF model on ``[B, P]`` ids over a ``DynamicCache`` of
+the prefix. Printed first: the static forward's kernels per decoder layer (clients.bench.kernels, counted on a 16 × 17 step)."""
 
 from __future__ import annotations
 
@@ -12,12 +15,14 @@ import argparse
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from clients.bench.common import device_args, progress, write_json
+from clients.bench.device import device_args, progress, write_json
+from clients.bench.kernels import per_layer
 from clients.bench.round_cost import random_runner, time_cells
 from core.protocol import VerifyRequest
 from core.runners.models import ModelSource
@@ -48,6 +53,8 @@ def measure(args: argparse.Namespace) -> int:
     progress(f"slot caches: {runner.num_slots} and {static.num_slots} slots of {runner.slot_length} cells")
     generator = np.random.default_rng(0)
     prompt = generator.integers(0, 49152, PREFIX).tolist()
+    kernels = _kernels(static, prompt, max(args.batches), max(args.positions), generator)
+    progress(f"static forward: {kernels['per_layer']:.1f} kernels per decoder layer, {kernels['outside_layers']} outside them")
     cells: dict[tuple[int, int, str], Callable[[], None]] = {}
     for b in args.batches:
         for p in args.positions:
@@ -55,24 +62,68 @@ def measure(args: argparse.Namespace) -> int:
             cells[(b, p, "step")] = _step(runner, f"b{b}p{p}", prompt, b, p, generator)
             cells[(b, p, "static")] = _step(static, f"b{b}p{p}", prompt, b, p, generator)
             cells[(b, p, "device")] = _step(static, f"d{b}p{p}", prompt, b, p, generator, together=True)
+            cells[(b, p, "seeded")] = _step(static, f"e{b}p{p}", prompt, b, p, generator, together=True, seeded=True)
+            cells[(b, p, "host")] = _host_only(static, _step(static, f"h{b}p{p}", prompt, b, p, generator, forward_only=True))
     times = time_cells(cells, args.repeats, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
-    print(f"\nscheduler step vs bare forward on {device} ({args.dtype}, {name}), prefix {PREFIX}, median of {args.repeats}:")
-    print(f"{'batch':>5} {'positions':>9} {'bare ms':>8} {'step ms':>8} {'static ms':>9} {'device ms':>9} {'step/bare':>9} {'static/bare':>11} {'device/bare':>11}")
+    kinds = ("bare", "step", "static", "device", "seeded", "host")
+    print(f"\nscheduler step vs bare forward on {device} ({args.dtype}, {name}), prefix {PREFIX}, median of {args.repeats} (ms):")
+    print(f"static forward: {kernels['per_layer']:.1f} kernels per decoder layer, {kernels['outside_layers']} outside them")
+    print(f"{'batch':>5} {'positions':>9} {'bare':>8} {'step':>8} {'static':>8} {'device':>8} {'seeded':>8} {'host':>8} {'device/bare':>11}")
     rows = []
     for b, p in [(b, p) for b, p, kind in times if kind == "bare"]:
-        bare_med, step_med, static_med, device_med = (statistics.median(times[(b, p, kind)]) for kind in ("bare", "step", "static", "device"))
-        print(
-            f"{b:>5} {p:>9} {bare_med:>8.2f} {step_med:>8.2f} {static_med:>9.2f} {device_med:>9.2f} {step_med / bare_med:>9.2f}"
-            f" {static_med / bare_med:>11.2f} {device_med / bare_med:>11.2f}"
-        )
+        med = {kind: statistics.median(times[(b, p, kind)]) for kind in kinds}
+        print(" ".join([f"{b:>5} {p:>9}", *(f"{med[kind]:>8.2f}" for kind in kinds), f"{med['device'] / med['bare']:>11.2f}"]))
         rows.append({
-            "batch": b, "positions": p, "bare_ms": bare_med, "step_ms": step_med, "static_step_ms": static_med, "device_step_ms": device_med,
-            "ratio": step_med / bare_med, "static_ratio": static_med / bare_med, "device_ratio": device_med / bare_med, "repeats": args.repeats,
+            "batch": b, "positions": p, "bare_ms": med["bare"], "step_ms": med["step"], "static_step_ms": med["static"], "device_step_ms": med["device"],
+            "seeded_step_ms": med["seeded"], "host_ms": med["host"], "ratio": med["step"] / med["bare"], "static_ratio": med["static"] / med["bare"],
+            "device_ratio": med["device"] / med["bare"], "repeats": args.repeats,
         })
-    results: dict[str, Any] = {"device": device, "dtype": args.dtype, "gpu": name, "prefix": PREFIX, "rows": rows}
+    results: dict[str, Any] = {"device": device, "dtype": args.dtype, "gpu": name, "prefix": PREFIX, "kernels": kernels, "rows": rows}
     write_json(args.json_path, results)
     return 0
+
+
+def _kernels(runner: Any, prompt: list[int], batch: int, positions: int, generator: np.random.Generator) -> dict[str, Any]:
+    """The static forward's kernels per decoder layer on a step of ``batch`` × ``positions`` (its inputs as the step made them)."""
+    from core.runners.static_forward import StepInputs, layout
+
+    graphs = runner._graphs
+    seen: list[tuple[tuple[int, int, int], torch.Tensor]] = []
+    real = graphs.run
+
+    def run(key: tuple[int, int, int], inputs: torch.Tensor) -> torch.Tensor:
+        seen.append((key, inputs.clone()))
+        return real(key, inputs)
+
+    graphs.run = run
+    try:
+        _step(runner, "kernels", prompt, batch, positions, generator, forward_only=True)()
+    finally:
+        graphs.run = real
+    (sessions, rows, span), inputs = seen[-1]
+    per, outside, layer = per_layer(runner._static, StepInputs(*layout(inputs, sessions, rows)), span)
+    for i in range(batch):
+        runner.free(f"kernelss{i}")
+    return {"per_layer": per, "outside_layers": outside, "layer": dict(layer), "step": [batch, positions], "bucket": [sessions, rows, span]}
+
+
+def _host_only(runner: Any, step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with the static forward and the head doing nothing (their outputs preallocated): the host's share of it."""
+    forward = runner._static
+    hidden = torch.zeros(16 * 64, forward.hidden_size, dtype=runner.dtype, device=runner.device)
+    logits = torch.zeros(16 * 64, 8, device=runner.device)
+
+    def run() -> None:
+        real_hidden, real_logits = forward.hidden, forward.logits
+        forward.hidden = lambda inputs, span: hidden[: inputs.tokens.numel()]
+        forward.logits = lambda states, keep: logits[: keep.numel()]
+        try:
+            step()
+        finally:
+            forward.hidden, forward.logits = real_hidden, real_logits
+
+    return run
 
 
 def runner_source(runner: Any) -> ModelSource:
@@ -83,22 +134,28 @@ def _bare(model: Any, device: str, prompt: list[int], batch: int, positions: int
     """The HF model on [batch, positions] over a DynamicCache of the prefix (cropped back)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    from core.runners.transformers_runner import _cache_kwarg
+
+    cache = {_cache_kwarg(model.forward): DynamicCache()}  # ``cache`` since transformers 5.x, else ``past_key_values``
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt] * batch, device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=torch.tensor([prompt] * batch, device=device), use_cache=True, logits_to_keep=1, **cache)
     new = torch.full((batch, positions), 7, dtype=torch.long, device=device)
 
     @torch.inference_mode()
     def run() -> None:
-        model(input_ids=new, past_key_values=cache, use_cache=True)
-        cache.crop(-positions)
+        model(input_ids=new, use_cache=True, **cache)
+        next(iter(cache.values())).crop(-positions)
 
     return run
 
 
-def _step(runner: Any, name: str, prompt: list[int], batch: int, positions: int, generator: np.random.Generator, together: bool = False) -> Callable[[], None]:
+def _step(
+    runner: Any, name: str, prompt: list[int], batch: int, positions: int, generator: np.random.Generator, together: bool = False, seeded: bool = False,
+    forward_only: bool = False,
+) -> Callable[[], None]:
     """One scheduler step of ``batch`` calls: crop each to its prefix, one forward_each, score each (``together``: all in one
-    ``score_step`` where the logits are, as the worker does with ``--scoring device``)."""
+    ``score_step`` where the logits are, as the worker does with ``--scoring device``; ``seeded``: each call forwarded alone,
+    as a seeded call is; ``forward_only``: no scoring)."""
     sessions = [f"{name}s{i}" for i in range(batch)]
     for session in sessions:
         runner.prefill(session, prompt)
@@ -108,13 +165,16 @@ def _step(runner: Any, name: str, prompt: list[int], batch: int, positions: int,
         items = []
         for req in reqs:
             runner.crop(req.session_id, len(prompt))
-            items.append(runner.append_item(req.session_id, [7, *req.draft.tolist()], positions))
-        runner.logits_on_device = together
+            item = runner.append_item(req.session_id, [7, *req.draft.tolist()], positions)
+            items.append(replace(item, alone=True) if seeded else item)
+        runner.logits_on_device = together or forward_only
         try:
             outputs = runner.forward_each(items)
         finally:
             runner.logits_on_device = False
         assert not any(isinstance(logits, Exception) for logits in outputs), outputs
+        if forward_only:
+            return
         if together:
             score_step(torch.cat(outputs), reqs, [runner.length(req.session_id) for req in reqs], 0.0)
             return

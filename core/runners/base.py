@@ -189,6 +189,9 @@ class ModelRunner(ABC):
             if len(rows):
                 raise ValueError(f"session {session_id!r} holds no rows to keep")
             return
+        if isinstance(rows, range) and rows.start == 0 and rows.step == 1 and 0 <= rows.stop <= held.chain:
+            self._keep_prefix(session_id, held, rows.stop)  # a crop within the chain: nothing to check row by row
+            return
         kept = [int(r) for r in rows]
         place = {row: i for i, row in enumerate(kept)}
         path = True
@@ -211,6 +214,14 @@ class ModelRunner(ABC):
                 held.chain = len(kept)
         else:  # renumbered: a path comes out a chain
             self._rows[session_id] = _pruned(held, kept, place)
+
+    def _keep_prefix(self, session_id: str, held: Rows, length: int) -> None:
+        """``keep`` of the chain's first ``length`` rows: a path, so a chain (what every crop of a chain session is)."""
+        if length == len(held):
+            return
+        self._keep_cache(session_id, held, range(length))
+        held.truncate(length)
+        held.chain = length
 
     def adopt(self, session_id: str, tokens: list[int]) -> int:
         """How many of ``tokens`` (< ``len(tokens)``) a new session takes from a prompt cache as held rows; 0 without one."""
@@ -339,8 +350,8 @@ class ModelRunner(ABC):
         """Bring the session's cache up to ``rows`` (new from ``start``); logits of ``logits_rows``."""
         raise NotImplementedError("a runner overrides _compute or _compute_each")
 
-    def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
-        """Compact the cache to the ``kept`` rows (checked) before ``rows`` changes."""
+    def _keep_cache(self, session_id: str, rows: Rows, kept: Sequence[int]) -> None:
+        """Compact the cache to the ``kept`` rows (checked; a ``range`` for a prefix of the chain) before ``rows`` changes."""
 
     def _free_cache(self, session_id: str) -> None:
         """Release the session's KV place."""

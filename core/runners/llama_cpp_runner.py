@@ -208,7 +208,7 @@ class LlamaCppRunner(ModelRunner):
                 self._clock += 1
                 stream.session_id, stream.rows, stream.cached, stream.last_used = None, kept, rows.tokens[:kept], self._clock
 
-    def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
+    def _keep_cache(self, session_id: str, rows: Rows, kept: Sequence[int]) -> None:
         """Keep the kept rows whose cells are ``0, 1, …``; the rest of a kept path is decoded again on the next forward."""
         stream = held_by(self._streams, session_id)
         if stream is not None:  # a chain session keeps a prefix

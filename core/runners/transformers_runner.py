@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,16 +22,12 @@ from core.math.tree import path_of
 from core.names import Backend
 from core.runners.base import ModelRunner, Place, Rows, RunnerInfo, Staged, held_by, in_turns, lend
 from core.runners.models import ModelSource, cache_dir, cache_lock, file_key, save_to_cache
-from core.runners.static_forward import bucket
 from core.runners.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
 
 MAX_SLOTS = 256  # sessions held in the cache at most
 FORWARDS = ("auto", "hf", "static")  # the model's forward: transformers' modules, or core.runners.static_forward (auto: static on CUDA where the model allows)
-SESSION_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # a static step's sessions, padded up to one of these
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # its new rows per session
-SPAN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)  # the cells a row may see
 
 
 def resolve_device(device: str) -> torch.device:
@@ -114,15 +110,24 @@ class TransformersRunner(ModelRunner):
             budget = memory_cap_mb * 2**20
         self.num_slots = max(1, min(MAX_SLOTS, budget // slot_bytes))
         self.forward_kind = _forward_kind(forward, model, self.device, self.layer_range)
-        # the static forward pads a step's sessions with the scratch slot (index num_slots), zeroed once
-        shape = (self.num_slots + (self.forward_kind == "static"), kv_heads, self.slot_length, head_dim)
-        # empty: a slot's pages are touched (and zeroed) when it is first lent
-        # one store per layer of this runner: layer ``i`` (absolute) writes ``_keys[i − first]``
-        self._keys = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self._end_layer - self._first_layer)]
-        self._values = [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(self._end_layer - self._first_layer)]
+        held = self._end_layer - self._first_layer  # the layers this runner holds
+        self._static = self._graphs = self.upload = None
         if self.forward_kind == "static":
-            for store in (*self._keys, *self._values):
+            from core.runners.static_forward import kv_store
+
+            # one store per layer, [slots + 1, length, 2, kv_heads, head_dim]: a cell's K beside its V; slot ``num_slots`` is
+            # the scratch slot that padding sessions use (zeroed once: its cell 0 is what a padding row sees)
+            self._stores = [kv_store(self.num_slots + 1, self.slot_length, kv_heads, head_dim, self.dtype, self.device) for _ in range(held)]
+            self._cell_dim = 0  # a slot's cells: dim 0 of its [length, 2, kv_heads, head_dim]
+            for store in self._stores:
                 store[self.num_slots].zero_()
+        else:
+            # one K and one V store per layer of this runner, [slots, kv_heads, length, head_dim]: layer ``i`` (absolute)
+            # writes ``_keys[i − first]``; empty: a slot's pages are touched (and zeroed) when it is first lent
+            self._keys = [torch.empty(self.num_slots, kv_heads, self.slot_length, head_dim, dtype=self.dtype, device=self.device) for _ in range(held)]
+            self._values = [torch.empty(self.num_slots, kv_heads, self.slot_length, head_dim, dtype=self.dtype, device=self.device) for _ in range(held)]
+            self._stores = [*self._keys, *self._values]
+            self._cell_dim = 1  # a slot's cells: dim 1 of its [kv_heads, length, head_dim]
         self._slots = [_Slot(index=i) for i in range(self.num_slots)]
         self._clock = 0
         self._decoder = self.model.get_decoder()
@@ -133,23 +138,28 @@ class TransformersRunner(ModelRunner):
             # their usual size, enough to flip an argmax (measured: 4 % of positions on the built-in)
             self._head_weight = head.weight.detach().float()
             self._head_bias = head.bias.detach().float() if getattr(head, "bias", None) is not None else None
-        self._static = self._graphs = None
         if self.forward_kind == "static":
             from core.runners.static_forward import StaticForward, StepGraphs
+            from core.runners.step_upload import StepUpload
 
             assert self._head_weight is not None
-            self._static = StaticForward(self.model, self._keys, self._values, self._head_weight, self._head_bias)
-            self._graphs = StepGraphs(self._static, self.device, self.dtype)
+            self._static = StaticForward(self.model, self._stores, self._head_weight, self._head_bias, self.slot_length)
+            self._graphs = StepGraphs(self._static, self.device, self.slot_length)
+            self.upload = StepUpload(self.device)
             if self.device.type == "cuda":
                 log.info("capturing the static forward's step graphs (%d slots of %d cells)", self.num_slots, self.slot_length)
-                self._graphs.capture(self.num_slots, self.slot_length - 1, progress=log.info)
+                self._graphs.capture(self.num_slots, progress=log.info)
                 log.info("captured %d step graphs in %.1f s (%.0f MB)", len(self._graphs.buckets), self._graphs.capture_s, self._graphs.graph_bytes / 2**20)
 
     def step_info(self) -> dict[str, Any]:
         out: dict[str, Any] = {"forward": self.forward_kind}
         if self._graphs is not None:
-            captured = sum(b.graph is not None for b in self._graphs.buckets.values())
-            out |= {"graphs": captured, "capture_s": round(self._graphs.capture_s, 3), "graph_mb": round(self._graphs.graph_bytes / 2**20, 1)}
+            graphs = self._graphs
+            captured = sum(b.graph is not None for b in graphs.buckets.values())
+            out |= {
+                "graphs": captured, "capture_s": round(graphs.capture_s, 3), "graph_mb": round(graphs.graph_bytes / 2**20, 1),
+                "forwards": graphs.counts.steps, "eager_forwards": graphs.counts.eager,
+            }
         return out
 
     @property
@@ -178,11 +188,8 @@ class TransformersRunner(ModelRunner):
         gets a forward of its own (its buckets its own: its numbers do not depend on what else the step holds).
         ``busy``: the step's sessions, whose slots stay theirs."""
         busy = busy if busy is not None else {x.session_id for x in work}
-        if self._static is not None and len(work) > 1 and any(w.alone for w in work):
-            shared = [w for w in work if not w.alone]
-            groups = [[w] for w in work if w.alone] + ([shared] if shared else [])
-            done = {id(w): out for group in groups for w, out in zip(group, self._forward_slots(group, busy))}
-            return [done[id(w)] for w in work]
+        if self._static is not None:
+            return self._static_step(work, busy)
         self._clock += 1
         slots = [self._slot_for(w.session_id, busy) for w in work]
         firsts = [min(slot.rows, w.start) for w, slot in zip(work, slots)]
@@ -205,13 +212,6 @@ class TransformersRunner(ModelRunner):
                 else:
                     visible[b, i, 0] = False
                     visible[b, i, path_of(row, rows.parents)] = True  # its ancestors and itself
-        if self._static is not None:
-            try:
-                return self._static_step(work, slots, firsts, tokens, positions, cells, visible)
-            except BaseException:
-                for slot in slots:
-                    self._release(slot)
-                raise
         mask = _additive(visible, self.dtype)
         view = _SlotView(self, torch.tensor([s.index for s in slots], device=self.device), cells.to(self.device), span)
         try:
@@ -235,34 +235,47 @@ class TransformersRunner(ModelRunner):
         logits = self._to_caller(torch.nn.functional.linear(picked, self._head_weight, self._head_bias))
         return list(logits.split([len(w.logits_rows) for w in work]))
 
-    def _static_step(
-        self, work: list[Staged], slots: list[_Slot], firsts: list[int], tokens: torch.Tensor, positions: torch.Tensor, cells: torch.Tensor,
-        visible: torch.Tensor,
-    ) -> list[torch.Tensor]:
-        """The step on the static forward, its inputs padded to their buckets: padding sessions on the scratch slot (their
-        rows write and see its cells only), padding rows on their session's scratch cell, padding columns seen by no row."""
-        assert self._static is not None and self._graphs is not None
-        batch, width = tokens.shape
-        span = visible.shape[-1]
-        size_b, size_w = bucket(batch, SESSION_BUCKETS), bucket(width, ROW_BUCKETS)
-        size_s = min(self.slot_length, bucket(span, SPAN_BUCKETS))
-        padded_tokens = torch.zeros(size_b, size_w, dtype=torch.long)
-        padded_positions = torch.zeros(size_b, size_w, dtype=torch.long)
-        padded_cells = torch.full((size_b, size_w), self.slot_length - 1, dtype=torch.long)
-        padded_visible = torch.zeros(size_b, size_w, size_s, dtype=torch.bool)
-        padded_visible[:, :, 0] = True  # a row that sees nothing gives NaN
-        padded_tokens[:batch, :width], padded_positions[:batch, :width], padded_cells[:batch, :width] = tokens, positions, cells
-        padded_visible[:batch, :width, :span] = visible
-        slot_index = torch.full((size_b,), self.num_slots, dtype=torch.long)  # the scratch slot
-        slot_index[:batch] = torch.tensor([s.index for s in slots], dtype=torch.long)
-        mask = _additive(padded_visible, self.dtype)
-        device = self.device
-        hidden = self._graphs.run(padded_tokens, padded_positions, slot_index, padded_cells, mask)  # copied into the bucket's buffers
-        for w, slot in zip(work, slots):
-            slot.rows, slot.clean = len(w.rows), True
-        keep = torch.tensor([b * size_w + r - first for b, (w, first) in enumerate(zip(work, firsts)) for r in w.logits_rows], device=device)
-        logits = self._to_caller(self._static.logits(hidden, keep))
-        return list(logits.split([len(w.logits_rows) for w in work]))
+    def _static_step(self, work: list[Staged], busy: set[str]) -> list[torch.Tensor]:
+        """The step on the static forward: each item ``alone`` a forward of its own (its bucket its own: its numbers do not
+        depend on what else the step holds), the others one forward; every forward's inputs prepared on the host, padded to
+        its bucket (core.runners.static_forward.step_inputs), and sent with whatever else the step brings in the step's one
+        upload; then each forward (a graph's replay on a GPU) and the head on its kept rows."""
+        assert self._static is not None and self._graphs is not None and self.upload is not None
+        from core.runners.static_forward import input_words, step_inputs
+
+        shared = [w for w in work if not w.alone]
+        groups = [[w] for w in work if w.alone] + ([shared] if shared else []) if len(work) > 1 else [work]
+        self._clock += 1
+        upload = self.upload
+        if not upload.open:
+            upload.begin()
+        lent: list[_Slot] = []
+        plans = []
+        try:
+            for group in groups:
+                slots = [self._slot_for(w.session_id, busy) for w in group]
+                lent += slots
+                # a session with tree rows forwards every tree row again (its rows' ancestors are then all new rows or chain rows)
+                firsts = [min(slot.rows, w.start, w.rows.chain if w.rows.chain < len(w.rows) else w.start) for w, slot in zip(group, slots)]
+                width, span = max(len(w.rows) - first for w, first in zip(group, firsts)), max(len(w.rows) for w in group)
+                key = self._graphs.key(len(group), width, span)
+                inputs, host = upload.reserve(input_words(key[0], key[1]))
+                step_inputs(host, key, [(w.rows, first, slot.index) for w, first, slot in zip(group, firsts, slots)], self.num_slots, self.slot_length)
+                keep = upload.add_ints([b * key[1] + r - first for b, (w, first) in enumerate(zip(group, firsts)) for r in w.logits_rows])
+                plans.append((group, slots, key, inputs, keep))
+            upload.send()
+            done: dict[int, torch.Tensor] = {}
+            for group, slots, key, inputs, keep in plans:
+                hidden = self._graphs.run(key, upload.view(inputs))
+                logits = self._to_caller(self._static.logits(hidden, upload.view(keep)))
+                for w, slot, rows in zip(group, slots, logits.split([len(w.logits_rows) for w in group])):
+                    slot.rows, slot.clean = len(w.rows), True
+                    done[id(w)] = rows
+        except BaseException:
+            for slot in lent:
+                self._release(slot)
+            raise
+        return [done[id(w)] for w in work]
 
     def _to_caller(self, logits: torch.Tensor) -> torch.Tensor:
         """The step's logits on the host, or where they are when the caller scores them there (``logits_on_device``)."""
@@ -299,7 +312,7 @@ class TransformersRunner(ModelRunner):
     def _slot_for(self, session_id: str, busy: set[str]) -> _Slot:
         slot, fresh = lend(self._slots, session_id, busy, self._release)
         if fresh and not slot.clean:
-            for store in (*self._keys, *self._values):
+            for store in self._stores:
                 store[slot.index].zero_()
             slot.clean = True
         slot.last_used = self._clock
@@ -308,15 +321,18 @@ class TransformersRunner(ModelRunner):
     def _release(self, slot: _Slot) -> None:
         slot.session_id, slot.rows = None, 0
 
-    def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None:
+    def _keep_cache(self, session_id: str, rows: Rows, kept: Sequence[int]) -> None:
         slot = held_by(self._slots, session_id)
         if slot is None:
+            return
+        if isinstance(kept, range):  # a prefix: its cells are in place
+            slot.rows = min(slot.rows, len(kept))
             return
         cached = [r for r in kept if r < slot.rows]  # a path's rows increase: a prefix of it
         if cached != list(range(len(cached))):
             index = torch.tensor(cached, dtype=torch.long, device=self.device)
-            for store in (*self._keys, *self._values):
-                store[slot.index, :, : len(cached)] = store[slot.index].index_select(1, index)
+            for store in self._stores:
+                store[slot.index].narrow(self._cell_dim, 0, len(cached)).copy_(store[slot.index].index_select(self._cell_dim, index))
         slot.rows = len(cached)
 
     def _free_cache(self, session_id: str) -> None:

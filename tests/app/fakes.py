@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import httpx
 import torch
@@ -62,7 +62,7 @@ class MarkovRunner(ModelRunner):
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
         return self.table[torch.tensor(tokens[-num_logits:])].float()
 
-    def _keep_cache(self, session_id: str, rows: Rows, kept: list[int]) -> None: ...
+    def _keep_cache(self, session_id: str, rows: Rows, kept: Sequence[int]) -> None: ...
 
     def _free_cache(self, session_id: str) -> None: ...
 

@@ -31,33 +31,36 @@ def _runner(dtype: torch.dtype = torch.float32) -> TransformersRunner:
 
 
 def test_a_replayed_graph_gives_the_eager_forwards_hidden_states() -> None:
+    from core.runners.static_forward import StepInputs, layout
+
     runner = _runner()
     runner.forward_each([ForwardItem(f"s{k}", 0, PROMPT[: 4 + k]) for k in range(3)])
     runner.forward_each([ForwardItem(f"s{k}", 4 + k, [20 + k, 21], logits_at=[0, 1]) for k in range(3)])
     graphs = runner._graphs
-    assert graphs is not None
-    bucket = graphs.buckets[4, 2, 256]
-    assert bucket.graph is not None and bucket.hidden is not None
+    assert graphs is not None and graphs.counts.eager == 0
+    bucket = graphs.buckets[4, 2, 128]  # three sessions of two new rows, seeing fewer than 128 cells
+    assert bucket.graph is not None and bucket.hidden is not None and graphs.counts.keys.get((4, 2, 128)) == 1
     replayed = bucket.hidden.clone()
-    eager = runner._static.hidden(bucket.tokens, bucket.positions, bucket.slots, bucket.cells, bucket.mask)  # type: ignore[union-attr]
+    eager = runner._static.hidden(StepInputs(*layout(bucket.inputs.clone(), 4, 2)), 128)  # type: ignore[union-attr]
     assert torch.allclose(replayed, eager, atol=1e-5)
 
 
-def test_nothing_in_a_steps_replay_waits_for_the_host() -> None:
+def test_nothing_in_a_runner_step_waits_for_the_host() -> None:
+    """A whole static step — the host's inputs in the step's one upload, the replay, the head on the kept rows — with the
+    logits left on the device: torch.cuda.set_sync_debug_mode("error") raises at any synchronising call inside it."""
     runner = _runner(torch.bfloat16)
-    runner.forward_each([ForwardItem("a", 0, PROMPT)])
-    graphs = runner._graphs
-    assert graphs is not None
-    batch = torch.zeros(1, 4, dtype=torch.long, device="cuda")
-    slots = torch.tensor([runner.num_slots], device="cuda")  # the scratch slot
-    mask = torch.zeros(1, 4, 256, dtype=torch.bfloat16, device="cuda")
+    runner.forward_each([ForwardItem("a", 0, PROMPT), ForwardItem("b", 0, PROMPT[:5])])
+    runner.logits_on_device = True
+    items = lambda n: [ForwardItem("a", 12 + n, [7, 8, 9], logits_at=[0, 1, 2]), ForwardItem("b", 5 + n, [4], parents=[4 + n])]  # noqa: E731
+    runner.forward_each(items(0))  # both host buffers used once (a later begin() waits on the copy two steps back)
+    runner.crop("a", 12), runner.crop("b", 5)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        hidden = graphs.run(batch, batch, slots, batch + runner.slot_length - 1, mask)
+        out = runner.forward_each(items(0))
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert graphs.buckets[1, 4, 256].graph is not None and hidden.shape == (1, 4, runner.hidden_size)
+    assert [tuple(o.shape) for o in out] == [(3, 49152), (1, 49152)] and all(o.is_cuda for o in out)  # type: ignore[union-attr]
 
 
 def test_a_session_alone_and_in_a_padded_captured_bucket_agree() -> None:

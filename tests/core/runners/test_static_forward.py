@@ -100,7 +100,7 @@ def test_the_static_forward_gives_the_hf_forwards_logits(family: str, tokenizer:
 
 def test_a_session_alone_and_in_a_padded_bucket_agree_and_nothing_else_is_written(tokenizer: Any) -> None:
     """Session "x" forwarded alone (a bucket of one), then again in a step of three (padded to four sessions, its rows to a
-    bucket of 32): equal logits (to the tolerance); the step wrote the three sessions' new cells and their scratch cells,
+    bucket of 24): equal logits (to the tolerance); the step wrote the three sessions' new cells and their scratch cells,
     and the padding session the scratch slot — no cell of the idle session "w", and no other cell, changed."""
     model = tiny_random_model(V, seed=7)
     _, static = _pair(tokenizer, model)
@@ -108,7 +108,7 @@ def test_a_session_alone_and_in_a_padded_bucket_agree_and_nothing_else_is_writte
     prompt = [(i * 13 + 5) % V for i in range(20)]
     alone = static.forward_each([ForwardItem("x", 0, prompt, logits_at=[19])])[0]
     other.forward_each([ForwardItem("w", 0, prompt[:4]), ForwardItem("y", 0, prompt[:5]), ForwardItem("z", 0, prompt[:2])])  # w: idle after
-    before = [store.clone() for store in (*other._keys, *other._values)]
+    before = [store.clone() for store in other._stores]
     together = other.forward_each([ForwardItem("y", 5, [1, 2, 3]), ForwardItem("x", 0, prompt, logits_at=[19]), ForwardItem("z", 2, [4])])
     assert isinstance(alone, torch.Tensor) and isinstance(together[1], torch.Tensor)
     assert (alone - together[1]).abs().max().item() <= TOLERANCE and torch.equal(alone.argmax(-1), together[1].argmax(-1))
@@ -117,11 +117,11 @@ def test_a_session_alone_and_in_a_padded_bucket_agree_and_nothing_else_is_writte
     written = {(slot_of["y"], c) for c in range(5, 8)} | {(slot_of["z"], 2)}
     padding = {(slot_of[s], scratch_cell) for s in "yz"}  # the step's sessions' padding rows
     lent = slot_of["x"]  # a slot lent afresh: zeroed, then written (its memory before was anything)
-    for was, now in zip(before, (*other._keys, *other._values)):
+    for was, now in zip(before, other._stores):  # [slots + 1, cells, 2, kv_heads, head_dim]
         differ = (was != now) & ~(was.isnan() & now.isnan())  # never-lent slots hold whatever memory held, NaN patterns included
-        changed = {(s, c) for s, c in differ.any(dim=(1, 3)).nonzero().tolist() if s not in (scratch_slot, lent)}  # (slot, cell)
+        changed = {(s, c) for s, c in differ.any(dim=(2, 3, 4)).nonzero().tolist() if s not in (scratch_slot, lent)}  # (slot, cell)
         assert written <= changed <= written | padding, sorted(changed - written - padding)[:5]
-        assert now[lent, :, 20:scratch_cell].eq(0).all()  # x's cells past its rows: the zeros lending left
+        assert now[lent, 20:scratch_cell].eq(0).all()  # x's cells past its rows: the zeros lending left
 
 
 def test_what_cannot_take_the_static_forward_is_refused_by_name_and_auto_keeps_the_cpus(tokenizer: Any) -> None:
@@ -192,9 +192,11 @@ async def test_a_worker_on_the_static_forward_answers_as_one_on_transformers_mod
 
             answers[kind, scoring] = await asyncio.gather(*(verify(req) for req in calls))
             step = (await client.get("/v1/info")).json()["step"]
-            graphs = {"graphs": 0, "capture_s": 0.0, "graph_mb": 0.0} if kind == "static" else {}  # captured on a GPU only
-            assert step == {"forward": kind, "scoring": scoring, **graphs}
+            graphs = {"graphs": 0, "capture_s": 0.0, "graph_mb": 0.0, "eager_forwards": 0} if kind == "static" else {}  # captured on a GPU only
+            assert {name: value for name, value in step.items() if name != "forwards"} == {"forward": kind, "scoring": scoring, **graphs}
             counters[kind, scoring] = app.state.worker.counters["positions_scored_on_device"]
+            if runner._graphs is not None:  # every step of these calls on a key start-up captures (on a GPU: a replay)
+                assert runner._graphs.counts.steps and runner._graphs.counts.eager_keys(runner._graphs.planned) == []
     assert counters == {("hf", "host"): 0, ("static", "host"): 0, ("static", "device"): sum(len(c.draft) + 1 for c in calls)}
     for hf, static, device in zip(answers["hf", "host"], answers["static", "host"], answers["static", "device"]):
         assert hf.bonus == static.bonus and hf.num_accepted == static.num_accepted
@@ -217,22 +219,30 @@ async def test_a_worker_on_the_static_forward_answers_as_one_on_transformers_mod
 
 
 def test_a_step_runs_through_its_buckets_static_buffers(tokenizer: Any) -> None:
-    """On the CPU a bucket's buffers run eagerly — the same buffers a CUDA graph replays on a GPU (tests/gpu): one set per
-    bucket, reused by every step of that bucket, giving what the static forward gives called directly."""
+    """On the CPU a captured key's buffers run eagerly — the same buffers a CUDA graph replays on a GPU (tests/gpu): one set per
+    key, reused by every step of that key, giving what the static forward gives on the step's own inputs; a step outside every
+    captured key (more rows than the largest bucket) runs on its own inputs, keeps no buffers and is counted."""
+    from core.runners.static_forward import BUCKETS, StepInputs, layout
+
     model = tiny_random_model(V, seed=9)
     _, static = _pair(tokenizer, model)
-    prompt = [(i * 7 + 3) % V for i in range(30)]
+    prompt = [(i * 7 + 3) % V for i in range(100)]
     static.forward_each([ForwardItem("a", 0, prompt[:10]), ForwardItem("b", 0, prompt[:12])])
     graphs = static._graphs
-    assert graphs is not None and set(graphs.buckets) == {(2, 16, 64)} and graphs.capture_s == 0  # nothing captured on the CPU
-    first = graphs.buckets[2, 16, 64]
+    assert graphs is not None and set(graphs.buckets) == {(2, 12, 128)} and graphs.capture_s == 0  # nothing captured on the CPU
+    first = graphs.buckets[2, 12, 128]
     static.forward_each([ForwardItem("a", 10, [1, 2, 3]), ForwardItem("b", 12, [4])])
-    assert set(graphs.buckets) == {(2, 16, 64), (2, 4, 64)}
+    assert set(graphs.buckets) == {(2, 12, 128), (2, 4, 128)}
+    inputs = graphs.buckets[2, 4, 128].inputs.clone()
     static.forward_each([ForwardItem("a", 13, [5, 6]), ForwardItem("b", 13, [7, 8, 9])])
-    assert graphs.buckets[2, 4, 64] is not first and len(graphs.buckets) == 2  # the second step of that bucket reused its buffers
-    bucket = graphs.buckets[2, 4, 64]
-    again = static._static.hidden(bucket.tokens, bucket.positions, bucket.slots, bucket.cells, bucket.mask)  # type: ignore[union-attr]
+    assert graphs.buckets[2, 4, 128] is not first and len(graphs.buckets) == 2  # the second step of that key reused its buffers
+    bucket = graphs.buckets[2, 4, 128]
+    assert not torch.equal(inputs, bucket.inputs)  # the step's own inputs copied in
+    again = static._static.hidden(StepInputs(*layout(bucket.inputs.clone(), 2, 4)), 128)  # type: ignore[union-attr]
     assert bucket.hidden is not None and torch.equal(again, bucket.hidden)
+    assert (graphs.counts.steps, graphs.counts.eager) == (3, 0)
+    static.forward_each([ForwardItem("c", 0, prompt[: BUCKETS.rows[-1] + 1])])  # a prefill past the largest bucket's rows
+    assert (graphs.counts.steps, graphs.counts.eager) == (4, 1) and len(graphs.buckets) == 2
 
 
 def test_an_item_alone_gets_a_forward_of_its_own_beside_the_shared_one(tokenizer: Any) -> None:
@@ -249,9 +259,9 @@ def test_an_item_alone_gets_a_forward_of_its_own_beside_the_shared_one(tokenizer
     assert graphs is not None
     runs: list[tuple[int, ...]] = []
     real = graphs.run
-    graphs.run = lambda tokens, *rest: runs.append(tuple(tokens.shape)) or real(tokens, *rest)  # type: ignore[method-assign]
+    graphs.run = lambda key, inputs: runs.append(key[:2]) or real(key, inputs)  # type: ignore[method-assign]
     got = static.forward_each(items)
-    assert sorted(runs) == [(1, 4), (1, 8), (2, 16)]  # s alone, t alone, a and b together
+    assert sorted(runs) == [(1, 4), (1, 8), (2, 12)]  # s alone, t alone, a and b together
     for item, logits in zip(items, got):
         want = solo.forward_each([ForwardItem(item.session_id, 0, item.tokens)])[0]
         assert isinstance(logits, torch.Tensor) and isinstance(want, torch.Tensor)
@@ -309,3 +319,54 @@ async def test_a_gateways_draft_on_the_static_forward_drafts_as_on_transformers_
     for a, b in zip(await drafts(hf), await drafts(static)):
         assert len(a) > 1 and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
         assert (a.q_values().double() - b.q_values().double()).abs().max().item() <= TOLERANCE  # q̂ of each drafted token
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_decoder_layer_runs_at_most_20_kernels_over_inputs_that_grow_with_rows_not_cells(tokenizer: Any, family: str) -> None:
+    """Counted by a dispatch mode (clients.bench.kernels) on a step of chains and a tree in bf16: ≤ 20 kernel-launching ops
+    per decoder layer (issue 73: 44 before fusing q/k/v and gate/up, rotating in place, folding GQA's query groups instead
+    of repeating K/V, one K/V write and one gather of the cells the step reads). The step's one upload holds its inputs and
+    kept rows — words per row, none per cell: the mask is made on the device."""
+    from clients.bench.kernels import per_layer
+    from core.runners.static_forward import StepInputs, input_words, layout
+
+    _, static = _pair(tokenizer, MODELS[family]().to(torch.bfloat16))
+    graphs, upload = static._graphs, static.upload
+    assert graphs is not None and upload is not None
+    seen: list[tuple[tuple[int, int, int], torch.Tensor]] = []
+    real = graphs.run
+    graphs.run = lambda key, inputs: seen.append((key, inputs.clone())) or real(key, inputs)  # type: ignore[method-assign]
+    _run(static)
+    key, inputs = seen[1]  # the step of two chains and a tree
+    sessions, rows, span = key
+    assert key == (4, 6, 128)
+    per, outside, layer = per_layer(static._static, StepInputs(*layout(inputs, sessions, rows)), span)
+    assert per <= 20 and outside <= 20, (per, outside, layer)
+    assert layer["scaled_dot_product_attention"] == 1 and layer["linear"] + layer["addmm"] == 4 and "repeat_interleave" not in layer, layer
+    static.forward_each([ForwardItem("a", 76, [9, 9, 9], logits_at=[0, 1, 2])])
+    assert upload._used == input_words(1, 4) + 3  # its inputs and its three kept rows
+
+
+def test_every_step_at_or_below_the_largest_bucket_maps_to_a_key_start_up_captures(tokenizer: Any) -> None:
+    """Graph coverage (issue 73): the step bench's steps (``specgate bench step-device``: 1–16 sessions × 1–17 positions
+    over 256 held tokens, chains scored together) on the static forward's CPU path, which pads as a GPU does, each map to a
+    key of ``BUCKETS.captured`` — what start-up captures; only the prefills past the largest bucket's rows run eagerly. (The
+    table that captured spans from 256 while steps padded spans from 64 ran every step of a short session eagerly.)"""
+    import numpy as np
+
+    from clients.bench.step_cost import PREFIX, _step
+    from core.runners.static_forward import BUCKETS
+
+    runner = TransformersRunner(resolve_model("tiny-random"), tokenizer, max_context=1024, model=tiny_random_model(V, seed=2), memory_cap_mb=256, forward="static")
+    graphs = runner._graphs
+    assert graphs is not None
+    generator = np.random.default_rng(0)
+    prompt = generator.integers(0, V, PREFIX).tolist()
+    for batch in (1, 4, 8, 16):
+        for positions in (1, 5, 17):
+            _step(runner, f"b{batch}p{positions}", prompt, batch, positions, generator, together=True)()
+    planned = set(BUCKETS.captured(runner.slot_length - 1))
+    assert graphs.planned == planned and len(planned) == 5 * 11 * 3  # spans 128, 512 and the session's most (1024)
+    bench_steps = {key for key in graphs.counts.keys if key[1] <= BUCKETS.rows[-1]}
+    assert bench_steps <= planned and len(bench_steps) == 12, sorted(bench_steps)
+    assert graphs.counts.eager_keys(planned) == [(1, 256, 512)]  # the sessions' prefills of 256 tokens
