@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from core.grammar import Grammars, GrammarSpec, Matcher
+from core.runners.step_upload import Segment, StepUpload
 
 MAX_BIAS = 100.0  # OpenAI: logit_bias values lie in [−100, 100]
 MAX_PENALTY = 2.0  # OpenAI: presence / frequency penalties lie in [−2, 2]
@@ -168,6 +169,45 @@ class Transformer:
             out.masked_fill_(~on_device(self.masks(agreed, paths), out.device), float("-inf"))
         return out
 
+    def device_plan(self, agreed: list[int], paths: list[list[int]], upload: StepUpload) -> DeviceTransform:
+        """``rows`` for a step whose rows are on a device: everything the host knows of it (EOS rows, bias, each row's
+        penalised ids, the grammar's masks packed 8 ids a byte) queued in the step's upload now, before its forward;
+        ``DeviceTransform.apply`` then transforms the rows where they are, reading nothing back. The same numbers as ``rows``."""
+        if len(agreed) < self.spec.prompt_len:
+            raise ValueError(f"the rows' common prefix ({len(agreed)} tokens) is shorter than the prompt ({self.spec.prompt_len})")
+        spec, count = self.spec, len(paths)
+        plan = DeviceTransform(spec, count, self.vocab_size, upload)
+        if spec.suppresses:
+            plan.eos = (upload.add(np.asarray(self._early_rows(agreed, paths), dtype=np.int64)), upload.add(np.asarray(spec.eos_ids, dtype=np.int64)))
+        if spec.logit_bias:
+            ids, values = self._bias
+            plan.bias = (upload.add(ids.numpy()), upload.add(values.double().numpy()))
+        if spec.penalises:
+            plan.penalties = self._penalty_plan(agreed, paths, upload)
+        if self.matcher is not None:
+            plan.grammar = upload.add(np.packbits(self.masks(agreed, paths).numpy(), axis=-1, bitorder="little"))
+        return plan
+
+    def _penalty_plan(self, agreed: list[int], paths: list[list[int]], upload: StepUpload) -> tuple[Segment, ...]:
+        """Per row, the ids ``penalise`` touches: the ones seen (repetition) and the generated ones with their counts."""
+        spec = self.spec
+        base = np.asarray(agreed, dtype=np.int64)
+        prompt, generated = base[: spec.prompt_len], base[spec.prompt_len :]
+        seen_rows, seen_ids, count_rows, count_ids, counts = [], [], [], [], []
+        for r, path in enumerate(paths):
+            mine = np.concatenate([generated, np.asarray(path, dtype=np.int64)])
+            if spec.repetition_penalty != 1:
+                seen = np.unique(np.concatenate([prompt, mine]))
+                seen_rows.append(np.full(seen.size, r))
+                seen_ids.append(seen)
+            if (spec.presence_penalty or spec.frequency_penalty) and len(mine):
+                ids, times = np.unique(mine, return_counts=True)
+                count_rows.append(np.full(ids.size, r))
+                count_ids.append(ids)
+                counts.append(times)
+        flat = lambda parts: np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
+        return tuple(upload.add(flat(parts)) for parts in (seen_rows, seen_ids, count_rows, count_ids, counts))
+
     @property
     def masks_any(self) -> bool:
         """Some row may have ids at −∞ (a grammar, min_tokens): ``masks`` says which."""
@@ -224,3 +264,38 @@ class Transformer:
     @cached_property
     def _bias(self) -> tuple[torch.Tensor, torch.Tensor]:  # [b] long ids, [b] fp32 values
         return torch.tensor([t for t, _ in self.spec.logit_bias], dtype=torch.long), torch.tensor([v for _, v in self.spec.logit_bias], dtype=torch.float32)
+
+
+@dataclass
+class DeviceTransform:
+    """A call's transform as numbers in its step's upload (``Transformer.device_plan``); ``apply`` after the upload is sent."""
+
+    spec: TransformSpec
+    rows: int
+    vocab_size: int
+    upload: StepUpload
+    eos: tuple[Segment, Segment] | None = None  # the early rows, the EOS ids
+    bias: tuple[Segment, Segment] | None = None  # ids, values (float32's, as float64)
+    penalties: tuple[Segment, ...] | None = None  # seen (rows, ids), counted (rows, ids, counts)
+    grammar: Segment | None = None  # [rows, ⌈V / 8⌉] packed allowed ids
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, V] -> [rows, V] fp32, transformed
+        """``Transformer.rows`` where ``logits`` are, in its order: min_tokens, bias, penalties, the grammar's mask."""
+        view, spec = self.upload.view, self.spec
+        out = logits.float().clone()
+        if self.eos is not None:
+            early, eos = view(self.eos[0]), view(self.eos[1])
+            out[early[:, None], eos[None, :]] = float("-inf")
+        if self.bias is not None:
+            ids = view(self.bias[0])
+            out[:, ids] += view(self.bias[1]).float()
+        if self.penalties is not None:
+            seen_rows, seen_ids, count_rows, count_ids, counts = (view(segment) for segment in self.penalties)
+            if spec.repetition_penalty != 1:
+                values = out[seen_rows, seen_ids]
+                out[seen_rows, seen_ids] = torch.where(values > 0, values / spec.repetition_penalty, values * spec.repetition_penalty)
+            if spec.presence_penalty or spec.frequency_penalty:
+                out[count_rows, count_ids] -= counts.to(out.dtype) * spec.frequency_penalty + spec.presence_penalty
+        if self.grammar is not None:
+            out.masked_fill_(~unpack_bits(view(self.grammar), self.vocab_size), float("-inf"))
+        return out

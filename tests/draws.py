@@ -1,8 +1,9 @@
 """The exact law of a run of the real code, by enumerating every random draw it makes.
 
 Every random number of specgate is a uniform of ``core.math.random`` (``uniform``,
-``uniforms``), and every uniform is consumed by one of four functions: ``accepts`` (u < a),
-``count_accepts`` (leading u_j < a_j), ``sample_index`` and ``sample_rows`` (inverse CDF). ``ExactDraws`` stands in for the six:
+``uniforms``, and on a device ``philox_uniforms`` of ``stream_key``'s keys), and every uniform is consumed by one of four
+functions: ``accepts`` (u < a), ``count_accepts`` (leading u_j < a_j), ``sample_index`` and ``sample_rows`` (inverse CDF).
+``ExactDraws`` stands in for the eight:
 
 - a uniform becomes a **tag**, a float that names its key (seed, choice, position, purpose,
   worker, lane) — the same key gives the same tag, as the same key gives the same number;
@@ -58,6 +59,8 @@ class ExactDraws:
     def __init__(self) -> None:
         self._tags: dict[Key, int] = {}
         self._values: dict[float, int] = {}
+        self._streams: dict[tuple[int, int, int, int], int] = {}  # (seed, choice, purpose, worker) -> its stand-in key
+        self._stream_of: list[tuple[int, int, int, int]] = []
         self._run: _Run | None = None
         self.runs = 0
 
@@ -102,6 +105,22 @@ class ExactDraws:
 
     def uniforms(self, seed: int, choice: int, positions: list[int], purpose: Purpose, worker: int = 0, lane: int = 0) -> torch.Tensor:
         return torch.tensor([self._tag(seed, choice, p, purpose, worker, lane) for p in positions], dtype=torch.float64)
+
+    def stream_key(self, seed: int, choice: int, purpose: Purpose, worker: int = 0) -> tuple[int, int]:
+        """A key that names its stream (Philox's would not say whose it is): ``philox_uniforms`` reads the stream back from it."""
+        stream = (seed, choice, int(purpose), worker)
+        if stream not in self._streams:
+            self._streams[stream] = len(self._streams)
+            self._stream_of.append(stream)
+        return self._streams[stream], 0
+
+    def philox_uniforms(self, keys: torch.Tensor, positions: torch.Tensor, lanes: torch.Tensor | None = None) -> torch.Tensor:
+        lane_list = lanes.tolist() if lanes is not None else [0] * len(positions)
+        tags = [
+            self._tag(*self._stream_of[k0][:2], position, Purpose(self._stream_of[k0][2]), self._stream_of[k0][3], lane)
+            for (k0, _), position, lane in zip(keys.tolist(), positions.tolist(), lane_list)
+        ]
+        return torch.tensor(tags, dtype=torch.float64, device=positions.device)
 
     def accepts(self, u: float, probability: float) -> bool:
         a = float(probability)
@@ -168,7 +187,7 @@ class ExactDraws:
             setattr(module, name, old)
 
 
-_STAND_INS = ("uniform", "uniforms", "accepts", "count_accepts", "sample_index", "sample_rows")
+_STAND_INS = ("uniform", "uniforms", "stream_key", "philox_uniforms", "accepts", "count_accepts", "sample_index", "sample_rows")
 
 
 _HOLDERS: tuple[int, list[tuple[Any, str, Any, str]]] = (-1, [])  # (len(sys.modules), the holders found then)

@@ -2,8 +2,10 @@
 at once, each row with its own sampling parameters — then each call's payload as tensor ops that never read a value
 back: top-k or full rows with their reconstruction error, ``autoregressive``'s sample, ``exact``'s supports, complement
 masses and samples (chains and trees), ``split``'s accept test with its bonus or the row at the rejection, the logprobs
-asked. What the host brings (uniforms keyed by the request's seed, position and purpose as ``score`` draws them, the
-draft, supports, row parameters) crosses in one upload; every result lands in one buffer that crosses back **once**.
+asked. What the host brings (the draft, supports, row parameters, each uniform's stream key and position) travels in the
+step's one upload (core.runners.step_upload, with the forward's inputs); the uniforms are made there by Philox as ``score``
+draws them, bit for bit (core.math.random.philox_uniforms); every result lands in one buffer that crosses back **once**.
+Between the upload and that copy nothing waits for the host (tests/workers/test_step_syncs.py).
 ``score`` (workers.scoring) stays the reference and answers what ``handles`` leaves it: echo (``score_tokens``) and
 ``score_ids``. tests/workers/test_device_scoring.py holds the two to each other on CPU tensors."""
 
@@ -18,12 +20,13 @@ import torch
 
 from core.math.aggregation import reconstruct, tv_distance
 from core.math.batched_sampling import RowParams, apply_sampling_rows, largest_k, truncations
-from core.math.random import Purpose, count_accepts, sample_rows, uniform
+from core.math.random import Purpose, count_accepts, philox_uniforms, sample_rows, stream_key
 from core.math.speculative import acceptance_probs
 from core.math.sampling import normalised
 from core.math.tree import depths_of
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
+from core.runners.step_upload import Segment, StepUpload
 from workers.scoring import sampling_params
 
 
@@ -32,29 +35,54 @@ def handles(req: VerifyRequest) -> bool:
     return req.score_ids is None and not req.score_tokens
 
 
-class _Upload:
-    """The host's numbers for a step, gathered in one float64 buffer (ids < 2⁵³ are exact in it) and sent in one copy."""
+class _Numbers:
+    """A step's host numbers for its calls, queued in the step's upload: values (float64) and the uniforms' stream keys and
+    positions, made into uniforms on the device once the upload has landed (``made``)."""
 
-    def __init__(self) -> None:
-        self._parts: list[np.ndarray] = []
+    def __init__(self, upload: StepUpload) -> None:
+        self.upload = upload
+        self._values: list[np.ndarray] = []
         self._size = 0
+        self._keys: list[tuple[int, int]] = []
+        self._positions: list[int] = []
+        self.segments: tuple[Segment, Segment, Segment] | None = None
         self.values: torch.Tensor | None = None
+        self.uniforms: torch.Tensor | None = None
 
     def add(self, values: list[float] | np.ndarray) -> slice:
         array = np.asarray(values, dtype=np.float64).reshape(-1)
-        self._parts.append(array)
+        self._values.append(array)
         self._size += array.size
         return slice(self._size - array.size, self._size)
 
-    def send(self, device: torch.device) -> None:
-        host = torch.from_numpy(np.concatenate(self._parts) if self._parts else np.zeros(0))
-        if device.type == "cuda":
-            host = host.pin_memory()
-        self.values = host.to(device, non_blocking=True)
+    def draws(self, seed: int, choice: int, positions: list[int], purpose: Purpose, worker: int = 0) -> slice:
+        """The uniforms ``uniform(seed, choice, p, purpose, worker)`` for each of ``positions``: where they will lie."""
+        key = stream_key(seed, choice, purpose, worker)
+        start = len(self._positions)
+        self._keys += [key] * len(positions)
+        self._positions += positions
+        return slice(start, len(self._positions))
+
+    def queue(self) -> None:
+        """Into the upload: the values, the keys and the positions."""
+        values = np.concatenate(self._values) if self._values else np.zeros(0)
+        keys = np.asarray(self._keys, dtype=np.int64).reshape(-1, 2)
+        self.segments = (self.upload.add(values), self.upload.add(keys), self.upload.add(np.asarray(self._positions, dtype=np.int64)))
+
+    def landed(self) -> None:
+        """Once the upload is sent: the values' view, and every uniform of the step made in one pass of Philox."""
+        assert self.segments is not None
+        values, keys, positions = (self.upload.view(segment) for segment in self.segments)
+        self.values = values
+        self.uniforms = philox_uniforms(keys, positions) if positions.numel() else torch.zeros(0, dtype=torch.float64, device=values.device)
 
     def __getitem__(self, where: slice) -> torch.Tensor:
         assert self.values is not None
         return self.values[where]
+
+    def u(self, where: slice) -> torch.Tensor:
+        assert self.uniforms is not None
+        return self.uniforms[where]
 
 
 class _Pack:
@@ -75,8 +103,8 @@ class _Pack:
         self._shapes.append((tuple(tensor.shape), wide))
         return len(self._chunks) - 1
 
-    def copy(self) -> None:
-        flat = torch.cat(self._chunks).cpu().numpy() if self._chunks else np.zeros(0, dtype=np.float32)  # the step's one copy
+    def copy(self, upload: StepUpload) -> None:
+        flat = upload.download(torch.cat(self._chunks)) if self._chunks else np.zeros(0, dtype=np.float32)  # the step's one copy
         at = 0
         for shape, wide in self._shapes:
             size = int(np.prod(shape)) * (2 if wide else 1)
@@ -112,82 +140,120 @@ class _Rows:
             raise ValueError("cannot sample from a distribution with no mass")
 
 
+class StepScoring:
+    """A step's device-scored calls in two halves: built before the step's upload (every host number the calls need queued
+    in it, the uniforms as stream keys and positions), ``score`` once it has landed (``upload.send``, which the forward makes):
+    the calls' answers from their rows, with one copy back."""
+
+    def __init__(self, reqs: list[VerifyRequest], upload: StepUpload) -> None:
+        self.reqs = reqs
+        self.sizes = [len(req.draft) + 1 for req in reqs]
+        numbers = self.numbers = _Numbers(upload)
+        self._params = [
+            numbers.add([v for req, n in zip(reqs, self.sizes) for v in [getattr(req, name)] * n]) for name in ("temperature", "top_k", "top_p", "min_p")
+        ]
+        self._needs = [_host_numbers(req, numbers) for req in reqs]
+        numbers.queue()
+
+    def score(self, logits: torch.Tensor, present: list[int], helds: list[int], model_ms: float) -> list[VerifyResponse]:
+        """``logits``: the rows ``[R, V]`` (fp32, any device) of the calls at ``present`` (indices into the calls, in order),
+        each call's γ + 1 rows (transformed already where a call has a transform); their answers, in that order."""
+        numbers = self.numbers
+        numbers.landed()
+        vocab = logits.shape[-1]
+        reqs = [self.reqs[i] for i in present]
+        asked = [sampling_params(req) for req in reqs for _ in range(len(req.draft) + 1)]
+        params = [numbers[part] for part in self._params]
+        if len(present) < len(self.reqs):  # the rows of the calls whose forward answered, by slices (no index to upload)
+            starts = np.cumsum([0, *self.sizes]).tolist()
+            params = [torch.cat([values[starts[i] : starts[i + 1]] for i in present]) for values in params]
+        rows = RowParams(params[0].float(), params[1].long(), params[2].float(), params[3].float(), truncations(asked), largest_k(asked))
+        probs = apply_sampling_rows(logits, rows)  # [R, V]
+        residual = any(req.k is not None and req.k < vocab and req.reconstruction != Reconstruction.RENORMALIZE.value for req in reqs)
+        finite = torch.isfinite(logits) if residual else None  # where a residual spreads σ
+        most = max((req.k for req in reqs if req.k is not None and req.k < vocab), default=0)
+        ordered = order = None
+        if most:
+            ordered, order = top_entries(probs, most)
+        pack = _Pack()
+        totals = pack.add(probs.sum(dim=-1))  # NaN: a row the host's scoring refuses; 0: a row no draw may come from
+        finishes: list[Finish] = []
+        start = 0
+        for i, req, held in zip(present, reqs, helds):
+            n = self.sizes[i]
+            part = slice(start, start + n)
+            pick = lambda t: None if t is None else t[part]  # noqa: E731
+            call = _Rows(probs[part], pick(finite), pick(ordered), pick(order), (totals, start))
+            finishes.append(_score_call(call, req, held, model_ms, numbers, self._needs[i], pack))
+            start += n
+        pack.copy(numbers.upload)
+        if np.isnan(pack[totals]).any():  # the host's scoring says which call (workers.step scores them there, one by one)
+            raise ValueError("a row of the step's probabilities is NaN")
+        return [finish(pack) for finish in finishes]
+
+
 def score_step(logits: torch.Tensor, reqs: list[VerifyRequest], helds: list[int], model_ms: float) -> list[VerifyResponse]:
-    """``logits``: the step's kept rows ``[R, V]`` (fp32, any device), each call's γ + 1 rows in the order of ``reqs``
-    (transformed already where a call has a transform). Every call must be one ``handles`` accepts."""
-    sizes = [len(req.draft) + 1 for req in reqs]
-    device, vocab = logits.device, logits.shape[-1]
-    upload = _Upload()
-    params = [
-        upload.add([v for req, n in zip(reqs, sizes) for v in [getattr(req, name)] * n])
-        for name in ("temperature", "top_k", "top_p", "min_p")
-    ]
-    needs = [_host_numbers(req, upload) for req in reqs]
-    upload.send(device)
-    asked = [sampling_params(req) for req, n in zip(reqs, sizes) for _ in range(n)]
-    rows = RowParams(
-        upload[params[0]].float(), upload[params[1]].long(), upload[params[2]].float(), upload[params[3]].float(), truncations(asked), largest_k(asked),
-    )
-    probs = apply_sampling_rows(logits, rows)  # [R, V]
-    residual = any(req.k is not None and req.k < vocab and req.reconstruction != Reconstruction.RENORMALIZE.value for req in reqs)
-    finite = torch.isfinite(logits) if residual else None  # where a residual spreads σ
-    ordered = order = None
-    if any(req.k is not None and req.k < vocab for req in reqs):
-        ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    pack = _Pack()
-    totals = pack.add(probs.sum(dim=-1))  # NaN: a row the host's scoring refuses; 0: a row no draw may come from
-    finishes: list[Finish] = []
-    start = 0
-    for req, n, held, need in zip(reqs, sizes, helds, needs):
-        part = slice(start, start + n)
-        pick = lambda t: None if t is None else t[part]  # noqa: E731
-        call = _Rows(probs[part], pick(finite), pick(ordered), pick(order), (totals, start))
-        finishes.append(_score_call(call, req, held, model_ms, upload, need, pack))
-        start += n
-    pack.copy()
-    if np.isnan(pack[totals]).any():  # the host's scoring says which call (workers.step scores them there, one by one)
-        raise ValueError("a row of the step's probabilities is NaN")
-    return [finish(pack) for finish in finishes]
+    """Every call of ``reqs`` scored together where ``logits`` (``[R, V]``: each call's γ + 1 rows, in order) are: the two
+    halves of ``StepScoring`` around an upload of their own (a worker's step shares the forward's)."""
+    upload = StepUpload(logits.device, words=1024)
+    upload.begin()
+    scoring = StepScoring(reqs, upload)
+    upload.send()
+    return scoring.score(logits, list(range(len(reqs))), helds, model_ms)
 
 
-def _host_numbers(req: VerifyRequest, upload: _Upload) -> dict[str, slice]:
-    """What ``score`` would draw or read on the host for ``req``, queued for the step's one upload."""
+def top_entries(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:  # [R, k] values, [R, k] ids
+    """Each row's k largest probabilities by falling value, ties to the lowest id (as ``compress_top_k``), by one ``topk``
+    over keys that are all distinct — a probability's bits above the complement of its id — not a sort of the vocabulary:
+    ``topk`` orders ties as it likes on a GPU, distinct keys leave it no tie."""
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    keys = (probs.float().view(torch.int32).long() << 32) | (_ID_MASK - ids)  # probabilities ≥ 0: their bits order as they do
+    top = torch.topk(keys, k, dim=-1).values
+    return (top >> 32).int().view(torch.float32), _ID_MASK - (top & _ID_MASK)
+
+
+_ID_MASK = 0xFFFFFFFF
+
+
+def _host_numbers(req: VerifyRequest, numbers: _Numbers) -> dict[str, slice]:
+    """What ``score`` would read or draw on the host for ``req``, queued for the step's one upload (its draws as stream keys)."""
     gamma, base, sampled = len(req.draft), req.prefix_len + len(req.tokens), req.temperature > 0
     out: dict[str, slice] = {}
+    seed, choice, worker = req.seed, req.choice, req.worker
     if req.mode == Mode.SPLIT.value or (req.mode == Mode.EXACT.value and sampled):
-        out["draft"] = upload.add(req.draft.astype(np.int64))
+        out["draft"] = numbers.add(req.draft.astype(np.int64))
     if req.mode == Mode.AUTOREGRESSIVE.value and sampled:
-        out["u"] = upload.add([uniform(req.seed, req.choice, base, Purpose.WORKER_SAMPLE, req.worker)])
+        out["u"] = numbers.draws(seed, choice, [base], Purpose.WORKER_SAMPLE, worker)
     elif req.mode == Mode.SPLIT.value and sampled:
-        out["q"] = upload.add(np.array(req.draft_probs, dtype=np.float64))
-        out["u"] = upload.add([uniform(req.seed, req.choice, base + j, Purpose.ACCEPT, req.worker) for j in range(gamma)])
-        out["bonus_u"] = upload.add([uniform(req.seed, req.choice, base + gamma, Purpose.BONUS, req.worker)])
+        out["q"] = numbers.add(np.array(req.draft_probs, dtype=np.float64))
+        out["u"] = numbers.draws(seed, choice, list(range(base, base + gamma)), Purpose.ACCEPT, worker)
+        out["bonus_u"] = numbers.draws(seed, choice, [base + gamma], Purpose.BONUS, worker)
         if req.support_q is not None and gamma:  # the token at a rejection drawn here (workers.scoring.split_residual_draw)
-            out["ids"] = upload.add(np.asarray(req.support_ids, dtype=np.int64))
-            out["row_of"] = upload.add(np.repeat(np.arange(gamma), np.asarray(req.support_sizes, dtype=np.int64)))
-            out["support_q"] = upload.add(np.asarray(req.support_q, dtype=np.float64))
-            out["residual_u"] = upload.add([uniform(req.seed, req.choice, base + j, Purpose.RESIDUAL) for j in range(gamma)])
+            out["ids"] = numbers.add(np.asarray(req.support_ids, dtype=np.int64))
+            out["row_of"] = numbers.add(np.repeat(np.arange(gamma), np.asarray(req.support_sizes, dtype=np.int64)))
+            out["support_q"] = numbers.add(np.asarray(req.support_q, dtype=np.float64))
+            out["residual_u"] = numbers.draws(seed, choice, list(range(base, base + gamma)), Purpose.RESIDUAL)
     elif req.mode == Mode.EXACT.value and sampled:
         sizes = np.asarray(req.support_sizes, dtype=np.int64)
         depths = [0, *depths_of(req.parents.tolist())] if req.parents is not None else list(range(gamma))
-        out["ids"] = upload.add(np.asarray(req.support_ids, dtype=np.int64))
-        out["row_of"] = upload.add(np.repeat(np.arange(len(sizes)), sizes))
-        out["u"] = upload.add([uniform(req.seed, req.choice, base + d, Purpose.WORKER_COMPLEMENT, req.worker) for d in depths[: len(sizes)]])
+        out["ids"] = numbers.add(np.asarray(req.support_ids, dtype=np.int64))
+        out["row_of"] = numbers.add(np.repeat(np.arange(len(sizes)), sizes))
+        out["u"] = numbers.draws(seed, choice, [base + d for d in depths[: len(sizes)]], Purpose.WORKER_COMPLEMENT, worker)
         if req.parents is None:
-            out["bonus_u"] = upload.add([uniform(req.seed, req.choice, base + gamma, Purpose.WORKER_BONUS, req.worker)])
+            out["bonus_u"] = numbers.draws(seed, choice, [base + gamma], Purpose.WORKER_BONUS, worker)
     return out
 
 
-def _score_call(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: _Upload, need: dict[str, slice], pack: _Pack) -> Finish:
+def _score_call(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, numbers: _Numbers, need: dict[str, slice], pack: _Pack) -> Finish:
     """One call's device work, queued into ``pack``; what builds its answer once the pack is on the host."""
     sampled = req.temperature > 0
     if req.mode == Mode.SPLIT.value:
-        return _split(rows, req, held, model_ms, upload, need, pack)
+        return _split(rows, req, held, model_ms, numbers, need, pack)
     if req.mode == Mode.EXACT.value and sampled:
-        return _exact(rows, req, held, model_ms, upload, need, pack)
+        return _exact(rows, req, held, model_ms, numbers, need, pack)
     sample = None
     if req.mode == Mode.AUTOREGRESSIVE.value and sampled:
-        sample = pack.add(sample_rows(rows.probs[:1], upload[need["u"]]))
+        sample = pack.add(sample_rows(rows.probs[:1], numbers.u(need["u"])))
     payload = None if sample is not None and not req.return_probs else _distributions(rows, req, pack, rows.finite)
 
     def finish(host: _Pack) -> VerifyResponse:
@@ -226,11 +292,11 @@ def _distributions(rows: _Rows, req: VerifyRequest, pack: _Pack, allowed: torch.
     }
 
 
-def _split(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: _Upload, need: dict[str, slice], pack: _Pack) -> Finish:
+def _split(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, numbers: _Numbers, need: dict[str, slice], pack: _Pack) -> Finish:
     """DSSD's worker half as ``workers.scoring._split``: the accept test, then the bonus or the row at the rejection —
     both computed, the host keeps the one the verdict names."""
     gamma, probs = len(req.draft), rows.probs
-    draft = upload[need["draft"]].long()
+    draft = numbers[need["draft"]].long()
     if req.temperature == 0:  # accept while x_j is the argmax (ties to the lowest id), then emit the argmax
         targets = probs.argmax(dim=-1)
         accepted = torch.cumprod((targets[:gamma] == draft).long(), dim=0).sum()
@@ -238,11 +304,11 @@ def _split(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: 
     else:
         # normalised(probs) at the draft tokens, without its whole rows in float64
         p_draft = probs[torch.arange(gamma, device=probs.device), draft].double() / probs[:gamma].double().sum(dim=-1).clamp(min=1e-300)
-        accepted = count_accepts(upload[need["u"]], acceptance_probs(p_draft, upload[need["q"]]))
-        bonus = sample_rows(probs[gamma:], upload[need["bonus_u"]])[0]
+        accepted = count_accepts(numbers.u(need["u"]), acceptance_probs(p_draft, numbers[need["q"]]))
+        bonus = sample_rows(probs[gamma:], numbers.u(need["bonus_u"]))[0]
     drawn = "residual_u" in need
     if drawn:  # the bonus, or the token drawn from the residual at the rejection: both computed, the verdict picks
-        bonus = torch.where(accepted == gamma, bonus, _residual_draw(probs, accepted.clamp(max=gamma - 1), upload, need))
+        bonus = torch.where(accepted == gamma, bonus, _residual_draw(probs, accepted.clamp(max=gamma - 1), numbers, need))
     counts = pack.add(torch.stack([accepted, bonus]))
     rejected = _distributions(rows.take(accepted.clamp(max=max(gamma - 1, 0))[None]), req, pack, None) if gamma and not drawn else None
     logs = _split_logprobs(req, probs, draft, accepted, bonus, pack)
@@ -260,25 +326,27 @@ def _split(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: 
     return finish
 
 
-def _residual_draw(probs: torch.Tensor, row: torch.Tensor, upload: _Upload, need: dict[str, slice]) -> torch.Tensor:
+def _residual_draw(probs: torch.Tensor, row: torch.Tensor, numbers: _Numbers, need: dict[str, slice]) -> torch.Tensor:
     """``workers.scoring.split_residual_draw`` as tensor ops at a device index ``row``, nothing read back: p as the gateway's
     ``mixture`` makes it, q̂ from the row's support (the other rows' entries add 0), norm(max(0, p − q̂)) (p where that has
     no mass), one draw with the gateway's RESIDUAL number."""
     p = torch.einsum("n,nmv->mv", torch.ones(1, dtype=torch.float64, device=probs.device), normalised(probs.index_select(0, row[None]).double())[None])[0]
-    ids, row_of, q_values = upload[need["ids"]].long(), upload[need["row_of"]].long(), upload[need["support_q"]]
+    ids, row_of, q_values = numbers[need["ids"]].long(), numbers[need["row_of"]].long(), numbers[need["support_q"]]
     q = torch.zeros_like(p).index_put_((ids,), torch.where(row_of == row, q_values, torch.zeros((), dtype=torch.float64, device=p.device)), accumulate=True)
     diff = torch.clamp(p - q, min=0.0)
     total = diff.sum()
     residual = torch.where(total > 0, diff / total, p / p.sum())
-    return sample_rows(residual[None], upload[need["residual_u"]].index_select(0, row[None]))[0]
+    return sample_rows(residual[None], numbers.u(need["residual_u"]).index_select(0, row[None]))[0]
 
 
 def _split_logprobs(req: VerifyRequest, probs: torch.Tensor, draft: torch.Tensor, accepted: torch.Tensor, bonus: torch.Tensor, pack: _Pack) -> Callable[[_Pack, int], dict[str, Any]]:
     if req.logprobs is None:
         return lambda host, num_accepted: {}
     gamma, norm = len(req.draft), normalised(probs)
-    at = [pack.add(_logs(norm[torch.arange(gamma, device=norm.device), draft])), pack.add(_logs(norm[accepted, bonus][None]))]
-    top = _top(norm, req.logprobs, pack) if req.logprobs else None
+    # the bonus's row by a device index (a 0-dim tensor as an index is read back: ``norm[accepted, bonus]`` waits for the device)
+    picked = norm.index_select(0, accepted.reshape(1)).gather(1, bonus.reshape(1, 1)).reshape(1)
+    at = [pack.add(_logs(norm[torch.arange(gamma, device=norm.device), draft])), pack.add(_logs(picked))]
+    top = _top(probs, norm, req.logprobs, pack) if req.logprobs else None
 
     def asked(host: _Pack, num_accepted: int) -> dict[str, Any]:
         out: dict[str, Any] = {"draft_logprobs": host[at[0]].astype(np.float32)}
@@ -291,22 +359,22 @@ def _split_logprobs(req: VerifyRequest, probs: torch.Tensor, draft: torch.Tensor
     return asked
 
 
-def _exact(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, upload: _Upload, need: dict[str, slice], pack: _Pack) -> Finish:
+def _exact(rows: _Rows, req: VerifyRequest, held: int, model_ms: float, numbers: _Numbers, need: dict[str, slice], pack: _Pack) -> Finish:
     """As ``workers.scoring._exact``: per row p_n on S_j, the mass off it (summed directly), a sample from off it; the bonus (a tree: none)."""
     gamma, tree, probs = len(req.draft), req.parents is not None, rows.probs
-    ids, row_of = upload[need["ids"]].long(), upload[need["row_of"]].long()
+    ids, row_of = numbers[need["ids"]].long(), numbers[need["row_of"]].long()
     count = int(np.asarray(req.support_sizes).size)
     outside = probs[:count].double().index_put((row_of, ids), torch.zeros((), dtype=torch.float64, device=probs.device))
     mass = outside.sum(dim=-1)
-    samples = torch.where(mass > 0, sample_rows(outside, upload[need["u"]]), -1) if count else torch.zeros(0, dtype=torch.long, device=probs.device)
-    bonus = torch.full((1,), -1, device=probs.device) if tree else sample_rows(probs[gamma:], upload[need["bonus_u"]])  # a tree's leaves hold theirs
+    samples = torch.where(mass > 0, sample_rows(outside, numbers.u(need["u"])), -1) if count else torch.zeros(0, dtype=torch.long, device=probs.device)
+    bonus = torch.full((1,), -1, device=probs.device) if tree else sample_rows(probs[gamma:], numbers.u(need["bonus_u"]))  # a tree's leaves hold theirs
     at = [pack.add(probs[row_of, ids]), pack.add(mass, wide=True), pack.add(samples), pack.add(bonus)]
     logs = None
     if req.logprobs is not None:
         norm = normalised(probs)
         own = torch.where(samples >= 0, norm[torch.arange(count, device=probs.device), samples.clamp(min=0)], 1.0)
-        mine = own if tree else torch.cat([own, norm[gamma, bonus]])
-        logs = (pack.add(_logs(mine)), _top(norm, req.logprobs, pack) if req.logprobs else None)
+        mine = own if tree else torch.cat([own, norm[gamma].gather(0, bonus)])
+        logs = (pack.add(_logs(mine)), _top(probs, norm, req.logprobs, pack) if req.logprobs else None)
 
     def finish(host: _Pack) -> VerifyResponse:
         if not tree:
@@ -329,7 +397,7 @@ def _logs(probs: torch.Tensor) -> torch.Tensor:
     return torch.log(probs.double().clamp(min=1e-45)).float()
 
 
-def _top(norm: torch.Tensor, n: int, pack: _Pack) -> tuple[int, int]:
-    """The n most likely ids per row, ties to the lowest id (a stable sort: ``topk``'s order among ties is not fixed on a GPU)."""
-    values, ids = torch.sort(norm, dim=-1, descending=True, stable=True)
-    return pack.add(ids[:, :n]), pack.add(_logs(values[:, :n]))
+def _top(probs: torch.Tensor, norm: torch.Tensor, n: int, pack: _Pack) -> tuple[int, int]:
+    """The n most likely ids per row of ``norm`` (``probs`` normalised: the same order, ties included), ties to the lowest id."""
+    _, ids = top_entries(probs, n)
+    return pack.add(ids), pack.add(_logs(norm.gather(1, ids)))

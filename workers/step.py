@@ -17,7 +17,9 @@ from core.runners import ModelRunner
 from core.runners.base import ForwardItem
 from core.runners.model_thread import ModelThread
 from workers.scheduler import Piece, Work
-from workers.device_scoring import handles, score_step
+from core.runners.step_upload import StepUpload
+from core.transform import DeviceTransform
+from workers.device_scoring import StepScoring, handles
 from workers.scoring import score, tree_item
 from workers.sessions import SessionStore, Shaping, Transforms, shaped
 from workers.settings import WorkerSettings
@@ -35,6 +37,9 @@ class Steps:
         self.settings, self.runner, self.sessions, self.counters, self.thread, self.scores_on_device = settings, runner, sessions, counters, thread, scores_on_device
         self.transforms = Transforms(settings, runner, sessions)
         self.stage = StageSide(settings, runner, sessions, self.transforms, counters)
+        # the step's one upload: the runner's (the static forward sends it with its inputs), else one of its own for the scorer
+        device = getattr(runner, "device", None) or torch.device("cpu")
+        self.upload: StepUpload | None = getattr(runner, "upload", None) or (StepUpload(device) if scores_on_device else None)
 
     def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
         """``POST /v1/verify`` for one call alone; ``timing`` gets the model's and the scoring's ms."""
@@ -45,9 +50,25 @@ class Steps:
 
     def verify_batch(self, reqs: list[Work], timings: list[dict[str, float]]) -> list[Any]:
         """One scheduler step: per call its answer (None for a piece of a long call) or the exception it alone fails
-        with; every ``model_ms`` is the step's forward (a call fed in pieces: theirs, summed)."""
+        with; every ``model_ms`` is the step's forward (a call fed in pieces: theirs, summed). Where the runner has a step
+        upload (the static forward), everything the host brings goes in it — cache moves, the forward's inputs, and for the
+        calls scored on the device their transforms and the scorer's numbers — and crosses in one copy."""
+        upload = self.upload
+        if upload is not None:
+            upload.begin()
+        try:
+            return self._step(reqs, timings, upload)
+        finally:
+            if upload is not None:
+                if upload.open:  # nothing forwarded: what was queued (a cache move) still lands
+                    upload.send()
+                upload.end()
+
+    def _step(self, reqs: list[Work], timings: list[dict[str, float]], upload: StepUpload | None) -> list[Any]:
         answers: list[Any] = [None] * len(reqs)
         items, order = [], []
+        device: dict[int, tuple[int, Shaping | None, DeviceTransform | None]] = {}  # call index -> its place among the device-scored, its transform
+        scored_calls: list[VerifyRequest] = []
         for i, req in enumerate(reqs):
             try:
                 prepared = self.stage.prepare(req) if isinstance(req, StageRequest) else self._prepare_piece(req) if isinstance(req, Piece) else self._prepare(req)
@@ -58,14 +79,22 @@ class Steps:
                 call = req.req if isinstance(req, Piece) else req
                 if isinstance(call, VerifyRequest) and call.seeded:  # its numbers must not depend on what shares the step
                     item = replace(item, alone=True)
+                whole = not isinstance(req, Piece) or req.end is None
+                if upload is not None and self.scores_on_device and whole and isinstance(call, VerifyRequest) and handles(call):
+                    plan = shaping[0].device_plan(shaping[1], shaping[2], upload) if shaping is not None else None
+                    device[i] = (len(scored_calls), shaping, plan)
+                    scored_calls.append(call)
                 items.append((item, rows, shaping))
                 order.append(i)
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
+        scoring = StepScoring(scored_calls, upload) if upload is not None and scored_calls else None
         started = time.perf_counter()
         try:
             outputs = self.runner.forward_each([item for item, *_ in items]) if items else []
         finally:
+            if upload is not None and upload.open:  # a runner that sends nothing itself (transformers' modules): the scorer's numbers
+                upload.send()
             for i in order:
                 self.sessions.touch(reqs[i].session_id)
             for i in order:
@@ -73,7 +102,8 @@ class Steps:
         model_ms = (time.perf_counter() - started) * 1e3
         self.counters["model_seconds"] += model_ms / 1e3
         self.counters["steps"] += 1
-        together: list[tuple[int, VerifyRequest, torch.Tensor]] = []  # calls scored on the device, all at once below
+        together: list[tuple[int, VerifyRequest, torch.Tensor, Shaping | None, DeviceTransform | None]] = []  # scored on the device, all at once below
+        on_host: list[tuple[int, VerifyRequest, torch.Tensor, int, Shaping | None]] = []  # scored on the host, after them
         for (_, scored_tokens, shaping), i, logits in zip(items, order, outputs):
             if isinstance(logits, Exception):
                 answers[i] = logits
@@ -87,38 +117,54 @@ class Steps:
                 call = req.req if isinstance(req, Piece) else req
                 if isinstance(req, StageRequest):
                     answers[i] = self.stage.answer(req, logits.cpu(), model_ms)
-                elif self.scores_on_device and isinstance(call, VerifyRequest) and handles(call):
-                    together.append((i, call, shaped(logits[scored_tokens:], shaping)))
+                elif i in device:
+                    assert isinstance(call, VerifyRequest)
+                    _, shaping, plan = device[i]
+                    together.append((i, call, logits[scored_tokens:], shaping, plan))
                     continue
                 else:
                     assert isinstance(call, VerifyRequest)
-                    answers[i] = self._verify_answer(call, logits.cpu(), scored_tokens, shaping, timings[i]["model"], len(items))
+                    on_host.append((i, call, logits, scored_tokens, shaping))
+                    continue
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
             if not isinstance(req, StageRequest):
                 timings[i]["score"] = (time.perf_counter() - scored) * 1e3
         if together:
-            self._score_together(together, answers, timings, len(items))
+            assert scoring is not None
+            self._score_together(scoring, [device[i][0] for i, *_ in together], together, answers, timings, len(items))
+        for i, call, logits, scored_tokens, shaping in on_host:  # after the device's answers came back (their copies then wait for nothing)
+            scored = time.perf_counter()
+            try:
+                answers[i] = self._verify_answer(call, logits.cpu(), scored_tokens, shaping, timings[i]["model"], len(items))
+            except Exception as exc:  # noqa: BLE001 - this call's answer
+                answers[i] = exc
+            timings[i]["score"] = (time.perf_counter() - scored) * 1e3
         return answers
 
-    def _score_together(self, together: list[tuple[int, VerifyRequest, torch.Tensor]], answers: list[Any], timings: list[dict[str, float]], batch: int) -> None:
-        """The step's device-scored calls in one ``score_step`` (one copy back); should it fail, each call alone on the host, so one bad call fails alone."""
+    def _score_together(
+        self, scoring: StepScoring, present: list[int], together: list[tuple[int, VerifyRequest, torch.Tensor, Shaping | None, DeviceTransform | None]],
+        answers: list[Any], timings: list[dict[str, float]], batch: int,
+    ) -> None:
+        """The step's device-scored calls in one ``StepScoring.score`` (one copy back); should it fail, each call alone on the
+        host, so one bad call fails alone."""
         scored = time.perf_counter()
-        calls = [call for _, call, _ in together]
+        calls = [call for _, call, *_ in together]
         helds = [self.runner.length(call.session_id) for call in calls]
         try:
-            answered: list[Any] = score_step(torch.cat([rows for *_, rows in together]), calls, helds, 0.0)
+            rows = torch.cat([plan.apply(raw) if plan is not None else raw for _, _, raw, _, plan in together])
+            answered: list[Any] = scoring.score(rows, present, helds, 0.0)
             self.counters["positions_scored_on_device"] += sum(len(call.draft) + 1 for call in calls)
         except Exception:  # noqa: BLE001 - found below, call by call
             log.warning("scoring a step of %d calls together failed; scoring them one by one on the host", len(calls), exc_info=True)
             answered = []
-            for (_, call, rows), held in zip(together, helds):
+            for (_, call, raw, shaping, _), held in zip(together, helds):
                 try:
-                    answered.append(score(rows.cpu(), call, held, 0.0))
+                    answered.append(score(shaped(raw.cpu(), shaping), call, held, 0.0))
                 except Exception as exc:  # noqa: BLE001 - this call's answer
                     answered.append(exc)
         score_ms = (time.perf_counter() - scored) * 1e3
-        for (i, call, _), answer in zip(together, answered):
+        for (i, call, *_), answer in zip(together, answered):
             self.counters["positions_scored"] += len(call.draft) + 1
             if not isinstance(answer, Exception):
                 answer = replace(answer, model_ms=timings[i]["model"], **({"batch_sessions": batch} if batch > 1 else {}))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from core.math.random import row_cumsum
 from core.math.sampling import SamplingParams
 
 
@@ -69,7 +70,7 @@ def apply_sampling_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor
         return probs
     # top-p: outside the smallest nucleus of mass ≥ top_p (the most likely token always stays)
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    mass_before = row_cumsum(sorted_probs) - sorted_probs  # a row's sums whatever rows share the step (a seeded call's)
     drop_sorted = mass_before >= params.top_p[:, None]
     drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)

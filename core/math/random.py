@@ -42,6 +42,39 @@ def _uniform(key: tuple[int, int], position: int, lane: int = 0) -> float:
     return ((w0 | (w1 << 32)) >> 11) * 2.0**-53  # 53 random bits
 
 
+def stream_key(seed: int, choice: int, purpose: Purpose, worker: int = 0) -> tuple[int, int]:
+    """The Philox key (two 32-bit words) of the stream (seed, choice, purpose, worker): what ``philox_uniforms`` takes."""
+    return _stream_key(seed, choice, purpose, worker)
+
+
+def philox_uniforms(
+    keys: torch.Tensor,  # [n, 2] int64: each number's stream key (``stream_key``)
+    positions: torch.Tensor,  # [n] int64 ≥ 0
+    lanes: torch.Tensor | None = None,  # [n] int64 in [0, 2³²); None: lane 0
+) -> torch.Tensor:  # [n] float64, where the tensors are
+    """``uniform`` of every (key, position, lane) as tensor ops: the host's Philox-4x32-10 bit for bit, on any device, with
+    nothing read back (issue 73: a step's uniforms made where its rows are, not 10 µs each in Python). Products of two
+    32-bit words are taken in 16-bit halves, so every intermediate fits int64 without overflow."""
+    c0, c1 = positions & _MASK32, positions >> 32
+    c2 = lanes if lanes is not None else torch.zeros_like(positions)
+    c3 = torch.zeros_like(positions)
+    k0, k1 = keys[:, 0], keys[:, 1]
+    for _ in range(10):  # the multipliers and bumps as Python ints: no constant tensor made (on a GPU, a copy from the host)
+        hi0, lo0 = _mulhilo(0xD2511F53, c0)
+        hi1, lo1 = _mulhilo(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    bits = (c1 << 21) | (c0 >> 11)  # ((w0 | w1 << 32) >> 11): the top 53 bits of w1:w0
+    return bits.double() * 2.0**-53
+
+
+def _mulhilo(a: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The high and low 32-bit words of ``a · x`` (both < 2³²), in int64 without overflow."""
+    upper, lower = (x >> 16) * a, (x & 0xFFFF) * a  # each < 2⁴⁸
+    middle = ((upper & 0xFFFF) << 16) + lower  # < 2⁴⁹
+    return (upper >> 16) + (middle >> 32), middle & _MASK32
+
+
 def round_seed(seed: int, round_index: int) -> int:
     """The seed of one round's draws (in [0, 2**63)), for a request whose rounds take their shape from what
     the rounds before drew (``num_draft_tokens: auto``): keyed by position alone, a round would draw again
@@ -118,13 +151,22 @@ def _sample_short(values: list[float], u: float) -> int:
     return max(i for i, value in enumerate(values) if value > 0)  # u·total rounded up to the total: the last entry with mass
 
 
+def row_cumsum(rows: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R, V]
+    """The cumulative sums along each row, each row's the same bits however many rows are summed with it: on a GPU a
+    one-row cumsum takes another kernel (a whole-tensor scan) than a multi-row one (each row scanned alone), so a single
+    row is scanned beside a row of zeros there (issue 73: a seeded call's draw may not depend on what shares its step)."""
+    if rows.shape[0] == 1 and rows.device.type != "cpu":
+        return torch.cumsum(torch.cat([rows, torch.zeros_like(rows)]), dim=-1)[:1]
+    return torch.cumsum(rows, dim=-1)
+
+
 def sample_rows(
     probs: torch.Tensor,  # [R, V], ≥ 0, need not be normalised
     u: torch.Tensor,  # [R] U[0, 1)
 ) -> torch.Tensor:  # [R] long: sample_index of each row (0 for a row with no mass)
     """``sample_index`` of every row at once, with its very numbers (a row's cumulative sum is the same computed alone or in a batch);
     nothing read back to the host, so a device's rows are drawn where they are."""
-    cdf = torch.cumsum(probs.double(), dim=1)
+    cdf = row_cumsum(probs.double())
     total = cdf[:, -1]
     index = torch.searchsorted(cdf, (u.double().to(cdf.device) * total)[:, None], right=True)[:, 0]
     width = probs.shape[1]

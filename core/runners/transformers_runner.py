@@ -247,7 +247,8 @@ class TransformersRunner(ModelRunner):
         groups = [[w] for w in work if w.alone] + ([shared] if shared else []) if len(work) > 1 else [work]
         self._clock += 1
         upload = self.upload
-        if not upload.open:
+        owned = not upload.in_step  # else the worker's step began it, with its own numbers in it, and ends it
+        if owned:
             upload.begin()
         lent: list[_Slot] = []
         plans = []
@@ -275,6 +276,9 @@ class TransformersRunner(ModelRunner):
             for slot in lent:
                 self._release(slot)
             raise
+        finally:
+            if owned:
+                upload.end()
         return [done[id(w)] for w in work]
 
     def _to_caller(self, logits: torch.Tensor) -> torch.Tensor:
@@ -330,10 +334,17 @@ class TransformersRunner(ModelRunner):
             return
         cached = [r for r in kept if r < slot.rows]  # a path's rows increase: a prefix of it
         if cached != list(range(len(cached))):
-            index = torch.tensor(cached, dtype=torch.long, device=self.device)
-            for store in self._stores:
-                store[slot.index].narrow(self._cell_dim, 0, len(cached)).copy_(store[slot.index].index_select(self._cell_dim, index))
+            if self.upload is not None and self.upload.in_step:  # the index in the step's upload, the move right after it lands
+                upload, at, where = self.upload, self.upload.add_ints(cached), slot.index
+                upload.after_send(lambda: self._move_cells(where, upload.view(at)))
+            else:
+                self._move_cells(slot.index, torch.tensor(cached, dtype=torch.long, device=self.device))
         slot.rows = len(cached)
+
+    def _move_cells(self, slot: int, index: torch.Tensor) -> None:
+        """The slot's cells ``index`` (increasing) moved to its first ``len(index)`` cells."""
+        for store in self._stores:
+            store[slot].narrow(self._cell_dim, 0, index.numel()).copy_(store[slot].index_select(self._cell_dim, index))
 
     def _free_cache(self, session_id: str) -> None:
         slot = held_by(self._slots, session_id)

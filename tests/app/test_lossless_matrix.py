@@ -758,6 +758,7 @@ def test_split_draws_at_a_rejection_on_the_worker_when_its_draft_is_truncated_an
     is caught in each where p is not a point mass at the rejections."""
     import workers.scoring as scoring
 
+    monkeypatch.setenv("SPECGATE_WORKER_SCORING", "host")  # the break is the host scorer's (the device's: test_workers_that_score_a_step_on_the_device…)
     picked = [c for c in CELLS if c.mode is Mode.SPLIT and c.payload is Payload.FULL and c.option.startswith("draft top") and c.sampling != "T=0"]
     assert len(picked) >= 4
     sent: list[bool] = []
@@ -839,6 +840,7 @@ def test_negative_control_eos_removed_after_min_p_is_caught(monkeypatch: pytest.
         early.clear()
         return probs
 
+    monkeypatch.setenv("SPECGATE_WORKER_SCORING", "host")  # the break is in the host's transform and sampling
     monkeypatch.setattr(transform_module.Transformer, "rows", rows_keeping_eos)
     monkeypatch.setattr(scoring, "apply_sampling", sampling_then_eos)
     picked = [c for c in CELLS if c.min_p and c.claim is Guarantee.LOSSLESS and c.workers == "1 worker"]
@@ -931,8 +933,8 @@ def test_workers_that_score_a_step_on_the_device_keep_every_law(monkeypatch: pyt
 
     monkeypatch.setenv("SPECGATE_WORKER_SCORING", "device")
     used: list[int] = []
-    real = step.score_step
-    monkeypatch.setattr(step, "score_step", lambda *args: used.append(len(args[1])) or real(*args))
+    real = step.StepScoring.score
+    monkeypatch.setattr(step.StepScoring, "score", lambda self, *args: used.append(len(args[1])) or real(self, *args))
     picked = [
         c for c in CELLS if c.workers == "1 worker" and not c.option and not c.overlap and not c.transform and c.sampling in ("T=1", "T=0")
         and c.mode is not Mode.PIPELINE and (FULL or not any(big in c.shape for big in ("⟨2,1⟩", "nodes 3")))  # stages score by rows (score_rows)

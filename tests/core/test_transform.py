@@ -142,3 +142,27 @@ def test_min_tokens_travels_in_the_transform() -> None:
     assert not replace(TransformSpec(((1, 1.0),), prompt_len=4, min_tokens=5, eos_ids=(2,)), min_tokens=0, eos_ids=()).is_identity
     with pytest.raises(ValueError):
         Transformer.build(TransformSpec(min_tokens=1, eos_ids=(7,)), 4, None)
+
+
+@pytest.mark.parametrize("vocab", [4, 3001])
+def test_a_transform_planned_for_the_device_gives_the_hosts_rows_bit_for_bit(vocab: int) -> None:
+    """``Transformer.device_plan`` (issue 73: what the host knows in the step's one upload, applied where the rows are with
+    nothing read back) against ``Transformer.rows``: min_tokens, bias, all three penalties and a grammar's mask (vocabulary
+    4: the table grammar), each row by its own path — equal bits."""
+    from core.runners.step_upload import StepUpload
+
+    grammar = _grammar() if vocab == 4 else None
+    spec = TransformSpec(
+        logit_bias=((1, 4.0), (3, -2.5)), presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3, grammar=grammar,
+        prompt_len=len(PROMPT), min_tokens=3, eos_ids=(0,),
+    )
+    transformer = Transformer.build(spec, vocab, TableGrammars() if grammar else None)  # type: ignore[arg-type]
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
+    agreed, paths = [*PROMPT, 2], [[], [1], [1, 0], [2]]
+    upload = StepUpload(torch.device("cpu"), words=8)  # grows as the plan needs
+    upload.begin()
+    plan = transformer.device_plan(agreed, paths, upload)
+    upload.send()
+    want = transformer.rows(logits, agreed, paths)
+    assert torch.equal(plan.apply(logits), want) and not torch.equal(want, logits)
+    assert upload.sends == 1 and (grammar is None) == (plan.grammar is None)

@@ -110,8 +110,8 @@ def test_a_step_scored_together_answers_each_call_as_score_does() -> None:
 @pytest.mark.parametrize("mutant", ["purpose", "accept"])
 def test_a_broken_scorer_is_caught(monkeypatch: pytest.MonkeyPatch, mutant: str) -> None:
     if mutant == "purpose":  # the complement's samples drawn from the bonus's stream
-        real = device_scoring.uniform
-        monkeypatch.setattr(device_scoring, "uniform", lambda s, c, p, purpose, w=0: real(s, c, p, Purpose.WORKER_BONUS if purpose == Purpose.WORKER_COMPLEMENT else purpose, w))
+        real = device_scoring.stream_key
+        monkeypatch.setattr(device_scoring, "stream_key", lambda s, c, purpose, w=0: real(s, c, Purpose.WORKER_BONUS if purpose == Purpose.WORKER_COMPLEMENT else purpose, w))
     else:  # u ≤ ratio in place of u < ratio is invisible; accepting on p alone is not
         monkeypatch.setattr(device_scoring, "normalised", lambda p: torch.ones_like(p, dtype=torch.float64))
     with pytest.raises(AssertionError):
