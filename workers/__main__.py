@@ -13,7 +13,7 @@ from core.names import Backend
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specgate worker", description="Serve a target model over worker protocol v1 (docs/design.md §4).")
     # defaults live in WorkerSettings, so SPECGATE_WORKER_* variables apply to unset flags
-    parser.add_argument("--model", help="builtin | builtin-draft | builtin-alt | tiny-random[:SEED] | GGUF file | HF folder (default: builtin)")
+    parser.add_argument("--model", help="builtin | builtin-draft | builtin-alt | tiny-random[:SEED] | builtin-random[:SEED] | GGUF file | HF folder (default: builtin)")
     parser.add_argument("--backend", choices=[b.value for b in Backend], help="model runner backend (default: llama.cpp)")
     parser.add_argument("--host", help="address to bind (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to bind (default: 8101)")

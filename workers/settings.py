@@ -16,7 +16,7 @@ from core.runners.base import ModelRunner
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_WORKER_", extra="forbid")
 
-    model: str = "builtin"  # builtin | builtin-draft | builtin-alt | tiny-random[:SEED] | path | hub id
+    model: str = "builtin"  # builtin | builtin-draft | builtin-alt | tiny-random[:SEED] | builtin-random[:SEED] | path | hub id
     backend: Backend = Backend.LLAMA_CPP  # model runner: llama.cpp (GGUF, fast on CPU) or transformers
     host: str = "127.0.0.1"  # address to bind (0.0.0.0 for a gateway on another machine)
     port: int = Field(default=8101, ge=0, le=65535)  # the worker's port

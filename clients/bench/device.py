@@ -16,6 +16,7 @@ DEVICE_BENCHES: dict[str, tuple[str, str, int, str, dict[str, tuple[Any, str]]]]
     }),
     "step-device": ("clients.bench.step_cost", "bfloat16", 20, "steps", {
         "--batches": ([1, 4, 8, 16], "sessions per step"), "--positions": ([1, 5, 17], "positions per session (new token + draft)"),
+        "--architecture": ("builtin", "the random-weight model: builtin (SmolLM2-135M's shape) or tiny (2 layers: the CPU path's smallest)"),
     }),
 }
 
@@ -39,7 +40,8 @@ def device_args(parser: argparse.ArgumentParser, bench: str) -> argparse.Argumen
     parser.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16", "float16"], help=f"model dtype (default: {dtype})")
     parser.add_argument("--repeats", type=int, default=repeats, help=f"timed {unit} per cell (default: {repeats})")
     for flag, (default, text) in own.items():
-        parser.add_argument(flag, nargs="+" if isinstance(default, list) else None, type=int, default=default, help=text)
+        kind = str if isinstance(default, str) else int
+        parser.add_argument(flag, nargs="+" if isinstance(default, list) else None, type=kind, default=default, help=text)
     return parser
 
 

@@ -51,11 +51,13 @@ def random_runner(
     from core.runners.transformers_runner import (
         TransformersRunner,
         builtin_architecture_model,
+        tiny_random_model,
     )
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    progress(f"building the built-in architecture with random weights ({args.dtype}) on {device}")
-    model = builtin_architecture_model(dtype=getattr(torch, args.dtype)).to(device).eval()
+    tiny = getattr(args, "architecture", "builtin") == "tiny"
+    progress(f"building the {'tiny' if tiny else 'built-in'} architecture with random weights ({args.dtype}) on {device}")
+    model = (tiny_random_model(49152) if tiny else builtin_architecture_model()).to(getattr(torch, args.dtype)).to(device).eval()
     runner = TransformersRunner(
         ModelSource("builtin-architecture", None, None), _Vocabulary(), max_context=max_context, device=device, model=model, forward=forward,
         gpu_memory_utilization=gpu_memory_utilization, memory_cap_mb=memory_cap_mb,

@@ -26,6 +26,7 @@ from clients.bench.kernels import per_layer
 from clients.bench.round_cost import random_runner, time_cells
 from core.protocol import VerifyRequest
 from core.runners.models import ModelSource
+from core.runners.static_forward import BUCKETS
 from core.runners.transformers_runner import TransformersRunner
 from workers.device_scoring import score_step
 from workers.scoring import score
@@ -79,7 +80,7 @@ def measure(args: argparse.Namespace) -> int:
             "seeded_step_ms": med["seeded"], "host_ms": med["host"], "ratio": med["step"] / med["bare"], "static_ratio": med["static"] / med["bare"],
             "device_ratio": med["device"] / med["bare"], "repeats": args.repeats,
         })
-    results: dict[str, Any] = {"device": device, "dtype": args.dtype, "gpu": name, "prefix": PREFIX, "kernels": kernels, "rows": rows}
+    results: dict[str, Any] = {"device": device, "dtype": args.dtype, "gpu": name, "architecture": args.architecture, "prefix": PREFIX, "kernels": kernels, "rows": rows}
     write_json(args.json_path, results)
     return 0
 
@@ -111,8 +112,8 @@ def _kernels(runner: Any, prompt: list[int], batch: int, positions: int, generat
 def _host_only(runner: Any, step: Callable[[], None]) -> Callable[[], None]:
     """``step`` with the static forward and the head doing nothing (their outputs preallocated): the host's share of it."""
     forward = runner._static
-    hidden = torch.zeros(16 * 64, forward.hidden_size, dtype=runner.dtype, device=runner.device)
-    logits = torch.zeros(16 * 64, 8, device=runner.device)
+    hidden = torch.zeros(max(BUCKETS.sessions) * max(BUCKETS.rows), forward.hidden_size, dtype=runner.dtype, device=runner.device)
+    logits = torch.zeros(max(BUCKETS.sessions) * max(BUCKETS.rows), 8, device=runner.device)
 
     def run() -> None:
         real_hidden, real_logits = forward.hidden, forward.logits

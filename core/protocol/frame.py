@@ -12,7 +12,6 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
-import orjson
 
 from core.errors import ProtocolError
 
@@ -82,6 +81,8 @@ def encode_binary(msg: Message, vocab_size: int) -> bytes:
         data = np.ascontiguousarray(np.asarray(arr), dtype=_DTYPES[dtype])
         specs.append([name, dtype, list(data.shape)])
         chunks.append(data.tobytes())
+    import orjson  # here, not at the top: tests/gpu and the device benches import this with torch alone (scripts/device_check.py)
+
     header = orjson.dumps({"fields": _not_default(msg.scalars(), _defaults(type(msg))), "arrays": specs})
     return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *chunks])
 
@@ -102,6 +103,8 @@ def _not_default(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, 
 
 def encode_json(msg: Message) -> bytes:
     """The JSON form of ``msg``: scalars and arrays (as nested lists) side by side."""
+    import orjson
+
     return orjson.dumps({**msg.scalars(), **{name: np.asarray(arr).tolist() for name, arr in msg.arrays().items()}})
 
 
@@ -128,6 +131,8 @@ def is_json(content_type: str | None) -> bool:
 
 
 def loads(body: bytes) -> Any:
+    import orjson
+
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:

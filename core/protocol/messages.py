@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import numpy as np
-import orjson
 
 from core.errors import ProtocolError
 from core.modes import SERVED_MODES as MODES_SERVED
@@ -209,6 +208,8 @@ class ErrorBody(Message):
     held: int | None = None  # session_short only: agreed tokens the worker holds
 
     def to_json(self) -> bytes:
+        import orjson  # here, not at the top: tests/gpu and the device benches import this with torch alone (scripts/device_check.py)
+
         err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return orjson.dumps({"error": err} if self.held is None else {"error": err, "held": self.held})
 

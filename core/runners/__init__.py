@@ -51,8 +51,8 @@ def load_runner(
             "a pipeline stage needs --backend transformers"
         )
     source = resolve_model(model)
-    if backend == Backend.LLAMA_CPP.value and source.is_tiny_random:
-        raise ModelLoadError("tiny-random is built in code: use --backend transformers")
+    if backend == Backend.LLAMA_CPP.value and source.is_random:
+        raise ModelLoadError(f"{source.name.split(':')[0]} is built in code: use --backend transformers")
     tokenizer = _tokenizer(source.tokenizer_path, source.hub_id)
     # processes sharing the cores must split them: pools of every core spin against each other (issue 33: 20× slower)
     threads = threads or usable_cores()

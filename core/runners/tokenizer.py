@@ -10,7 +10,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import orjson
 
 from core.errors import ModelLoadError
 from core.runners.models import ModelSource, cache_dir, cache_lock, file_key, save_to_cache
@@ -59,6 +58,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     for token in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))):
         digest.update(str(token).encode("utf-8") + b"\x00")
     backend = getattr(tokenizer, "backend_tokenizer", None)
+    import orjson  # here, not at the top: tests/gpu and the device benches import this with torch alone (scripts/device_check.py)
+
     merges = orjson.loads(backend.to_str()).get("model", {}).get("merges", []) if backend is not None else []
     digest.update(orjson.dumps(merges))
     digest.update(orjson.dumps(sorted(map(str, tokenizer.all_special_tokens))))

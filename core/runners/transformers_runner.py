@@ -434,6 +434,8 @@ def _load_model(source: ModelSource, vocab_size: int) -> Any:
 
     if source.is_tiny_random:
         return tiny_random_model(vocab_size, seed=source.seed)
+    if source.is_random:
+        return builtin_architecture_model(seed=source.seed)
     try:
         if source.is_gguf:
             assert source.path is not None

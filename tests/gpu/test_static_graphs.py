@@ -148,3 +148,63 @@ def test_a_transform_on_the_gpu_transforms_as_on_the_host() -> None:
     assert torch.equal(transformer.rows(logits.cuda(), agreed, paths).cpu(), transformer.rows(logits, agreed, paths))
     mask = torch.from_numpy(np.random.default_rng(1).random((4, 3001)) < 0.5)
     assert torch.equal(on_device(mask, torch.device("cuda")).cpu(), mask)
+
+
+def test_a_worker_step_on_the_gpu_waits_for_the_device_once() -> None:
+    """Issue 73 on the GPU what tests/workers/test_step_syncs.py proves on the CPU: a worker's steps on the static forward with
+    device scoring — every mode and payload, trees, seeded calls, a transform (and a grammar where llguidance is) — run
+    under CUDA's sync debug mode; each step synchronises once, at its one copy back, and every forward replays a graph."""
+    import importlib.util
+    import warnings
+
+    from core.runners.models import resolve_model
+    from core.runners.tokenizer import load_tokenizer
+    from tests.workers.test_step_syncs import _all_calls
+    from workers.settings import WorkerSettings
+    from workers.state import WorkerState
+
+    runner = TransformersRunner(
+        resolve_model("tiny-random"), load_tokenizer(resolve_model("tiny-random")), max_context=256, device="cuda", model=tiny_random_model(49152, seed=5),
+        forward="static", gpu_memory_utilization=0.3,
+    )
+    worker = WorkerState.build(WorkerSettings(model="tiny-random", backend="transformers", device="cuda", forward="static", scoring="device"), runner)
+    calls = [c for c in _all_calls() if c.transform is None or "grammar" not in c.transform or importlib.util.find_spec("llguidance")]
+    chunks = [calls[i : i + 16] for i in range(0, len(calls), 16)]
+    worker.steps.verify_batch(chunks[0], [{} for _ in chunks[0]])  # warm: kernels chosen, buffers allocated
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            answers = [a for chunk in chunks[1:] for a in worker.steps.verify_batch(chunk, [{} for _ in chunk])]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno} {w.message}" for w in seen if "synchroniz" in str(w.message)]
+    assert len(syncs) == len(chunks) - 1, syncs[:8]
+    assert not [a for a in answers if isinstance(a, Exception)], [a for a in answers if isinstance(a, Exception)][:3]
+    graphs = runner._graphs
+    assert graphs is not None and graphs.counts.eager_keys(graphs.planned) == [], graphs.counts.keys
+
+
+def test_the_devices_philox_and_transforms_are_the_hosts_bit_for_bit() -> None:
+    """core.math.random.philox_uniforms on CUDA = the host's Philox; Transformer.device_plan applied to CUDA rows = rows() on the host."""
+    import numpy as np
+
+    from core.math.random import Purpose, _uniform, philox_uniforms, stream_key
+    from core.runners.step_upload import StepUpload
+    from core.transform import Transformer, TransformSpec
+
+    keys = [stream_key(s, s % 3, list(Purpose)[s % len(Purpose)], s % 2) for s in range(500)]
+    positions = [s * 7919 + (2**32 if s % 5 == 0 else 0) for s in range(500)]
+    got = philox_uniforms(torch.tensor(keys, device="cuda"), torch.tensor(positions, device="cuda")).cpu()
+    assert torch.equal(got, torch.tensor([_uniform(k, p) for k, p in zip(keys, positions)], dtype=torch.float64))
+    spec = TransformSpec(logit_bias=((9, 4.0), (70, -2.5)), presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3, prompt_len=3, min_tokens=4, eos_ids=(2,))
+    transformer = Transformer.build(spec, 3001, None)
+    logits = torch.randn(4, 3001, generator=torch.Generator().manual_seed(3))
+    agreed, paths = [5, 6, 7, 9, 9], [[], [9], [9, 70], [1]]
+    upload = StepUpload(torch.device("cuda"))
+    upload.begin()
+    plan = transformer.device_plan(agreed, paths, upload)
+    upload.send()
+    assert torch.equal(plan.apply(logits.cuda()).cpu(), transformer.rows(logits, agreed, paths))
+    assert np.isfinite(logits.numpy()).all()
