@@ -35,6 +35,8 @@ class TransformSpec:
     def __post_init__(self) -> None:
         if any(not -MAX_BIAS <= v <= MAX_BIAS for _, v in self.logit_bias):
             raise ValueError(f"logit_bias values must lie in [−{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):  # which one would win is the device's choice
+            raise ValueError("logit_bias names a token id twice")
         if not (-MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY and -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY):
             raise ValueError(f"presence_penalty and frequency_penalty must lie in [−{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         if not MIN_REPETITION <= self.repetition_penalty <= MAX_REPETITION:
@@ -101,7 +103,8 @@ def penalise(
     if spec.repetition_penalty != 1:
         seen = torch.from_numpy(np.unique(np.concatenate([prompt, generated]).astype(np.int64)))
         values = out[seen]
-        out[seen] = torch.where(values > 0, values / spec.repetition_penalty, values * spec.repetition_penalty)
+        penalty = torch.full((), spec.repetition_penalty, dtype=out.dtype, device=out.device)  # a GPU divides by a host number as a product with its inverse
+        out[seen] = torch.where(values > 0, values / penalty, values * spec.repetition_penalty)
     if (spec.presence_penalty or spec.frequency_penalty) and len(generated):
         ids, counts = np.unique(generated.astype(np.int64), return_counts=True)
         ids_t = torch.from_numpy(ids)
@@ -283,17 +286,18 @@ class DeviceTransform:
         """``Transformer.rows`` where ``logits`` are, in its order: min_tokens, bias, penalties, the grammar's mask."""
         view, spec = self.upload.view, self.spec
         out = logits.float().clone()
-        if self.eos is not None:
+        if self.eos is not None:  # the value made where the rows are: a Python number set by an index is copied in from the host
             early, eos = view(self.eos[0]), view(self.eos[1])
-            out[early[:, None], eos[None, :]] = float("-inf")
+            out.index_put_((early[:, None], eos[None, :]), torch.full((), float("-inf"), device=out.device))
         if self.bias is not None:
             ids = view(self.bias[0])
             out[:, ids] += view(self.bias[1]).float()
         if self.penalties is not None:
             seen_rows, seen_ids, count_rows, count_ids, counts = (view(segment) for segment in self.penalties)
-            if spec.repetition_penalty != 1:
+            if spec.repetition_penalty != 1:  # divided by a tensor: a GPU divides by a host number as a product with its inverse
                 values = out[seen_rows, seen_ids]
-                out[seen_rows, seen_ids] = torch.where(values > 0, values / spec.repetition_penalty, values * spec.repetition_penalty)
+                penalty = torch.full((), spec.repetition_penalty, dtype=out.dtype, device=out.device)
+                out[seen_rows, seen_ids] = torch.where(values > 0, values / penalty, values * spec.repetition_penalty)
             if spec.presence_penalty or spec.frequency_penalty:
                 out[count_rows, count_ids] -= counts.to(out.dtype) * spec.frequency_penalty + spec.presence_penalty
         if self.grammar is not None:

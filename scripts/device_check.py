@@ -34,6 +34,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -203,13 +204,15 @@ def _step(name: str, args: argparse.Namespace, limit: float) -> dict[str, Any]:
         command = _command(name, args, out)
         begun = time.monotonic()
         returncode: int | str
+        # a session of its own: on a timeout the whole group goes (an e2e's servers too: no orphan holds the GPU or a port)
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=limit)
-            returncode, stdout, stderr = run.returncode, run.stdout, run.stderr
-        except subprocess.TimeoutExpired as exc:
+            stdout, stderr = proc.communicate(timeout=limit)
+            returncode = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
             returncode = "timeout"
-            stdout = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
-            stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
         record: dict[str, Any] = {
             "command": command, "returncode": returncode, "seconds": round(time.monotonic() - begun, 1), "timeout_s": round(limit),
             "stdout_tail": stdout[-TAIL:], "stderr_tail": stderr[-TAIL:],
@@ -225,8 +228,9 @@ def _command(name: str, args: argparse.Namespace, out: Path) -> list[str]:
     python = sys.executable
     if name == "env":
         return [python, "-c", _ENV, str(out)]
-    if name == "tests":
-        return [python, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-q", "-rA", f"--junitxml={out}", "tests/gpu"]
+    if name == "tests":  # -v: each test's line as it ends (a step cut off by its timeout keeps them); a test's own limit where pytest-timeout is
+        limit = ["--timeout", "60"] if importlib.util.find_spec("pytest_timeout") else []
+        return [python, "-m", "pytest", "-o", "addopts=", "-p", "no:cacheprovider", "-v", "-rA", *limit, f"--junitxml={out}", "tests/gpu"]
     if name == "step":
         sizes = ["--batches", "1", "--positions", "1", "3", "--repeats", "1", "--dtype", "float32", "--architecture", "tiny"] if args.quick else [
             "--batches", "1", "4", "16", "--positions", "1", "5", "17", "--repeats", "20",
@@ -313,23 +317,25 @@ def _end_to_end(quick: bool, target: str, save: Any) -> dict[str, Any]:
     # on the CPU the GPU's paths by name: the static forward (its bucketing: the step counts below) and device scoring
     step_flags = ("--forward", "auto", "--scoring", "auto") if device == "cuda" else ("--forward", "static", "--scoring", "device")
     modes: dict[str, dict[str, Any]] = {"autoregressive": {"mode": "autoregressive"}, "exact": {"mode": "exact", "num_draft_tokens": 4}, "tree": {"mode": "tree"}}
-    concurrency, links, max_tokens = ([1, 2], [0.0], 8) if quick else ([1, 16], [0.0, 50.0], 64)
+    concurrency, links, max_tokens = ([1, 2], [0.0], 8) if quick else ([1, 16], [0.0, 50.0], 48)
     result: dict[str, Any] = {"device": device, "target": target, "draft": draft, "labels": labels, "cells": []}
+    # contexts of 512 (worker) and 384 (draft: prompt 256 + 128): two span buckets each, ~110 graphs a capture, not ~165
+    limits = {"max_concurrent_requests": 32, "max_prompt_tokens": 256, "max_tokens": 128}
     with ExitStack() as stack:
-        worker = stack.enter_context(WorkerProcess(target, "transformers", extra=("--device", device, *step_flags, "--max-context", "1024")))
+        worker = stack.enter_context(WorkerProcess(target, "transformers", extra=("--device", device, *step_flags, "--max-context", "512")))
         for rtt in links:
             config = parse_config({
-                "draft": draft, "speculative": {"mode": "exact", "num_draft_tokens": 4},
-                "workers": [{"url": worker, "link": {"rtt_ms": rtt}}], "limits": {"max_concurrent_requests": 32, "max_prompt_tokens": 512, "max_tokens": 256},
+                "draft": draft, "speculative": {"mode": "exact", "num_draft_tokens": 4}, "workers": [{"url": worker, "link": {"rtt_ms": rtt}}], "limits": limits,
             })
-            gateway = start_gateway(stack, config)
-            for mode, spec in modes.items():
-                for n in concurrency:
-                    cell = asyncio.run(_streams(gateway, spec, n, max_tokens))
-                    cell |= {"mode": mode, "concurrency": n, "link_rtt_ms": rtt}
-                    _say(f"{mode:>15} × {n:>2} at {rtt:>4.0f} ms: {cell['tokens_per_s']:.1f} tok/s, {cell['tokens_per_round']:.2f} tokens/round")
-                    result["cells"].append(cell)
-                    save(result)
+            with ExitStack() as gateway_stack:  # one gateway at a time: the first's draft leaves the GPU before the next captures
+                gateway = start_gateway(gateway_stack, config)
+                for mode, spec in modes.items():
+                    for n in concurrency:
+                        cell = asyncio.run(_streams(gateway, spec, n, max_tokens))
+                        cell |= {"mode": mode, "concurrency": n, "link_rtt_ms": rtt}
+                        _say(f"{mode:>15} × {n:>2} at {rtt:>4.0f} ms: {cell['tokens_per_s']:.1f} tok/s, {cell['tokens_per_round']:.2f} tokens/round")
+                        result["cells"].append(cell)
+                        save(result)
         result["worker_step"] = httpx.get(f"{worker}/v1/info", timeout=30).json().get("step")
     by = {(c["mode"], c["concurrency"], c["link_rtt_ms"]): c["tokens_per_s"] for c in result["cells"]}
     result["vs_autoregressive"] = {f"{m} × {n} at {r:g} ms": round(v / by[("autoregressive", n, r)], 2) for (m, n, r), v in by.items() if m != "autoregressive"}

@@ -9,8 +9,9 @@ Between the step's upload (``StepUpload.send``) and its one copy back (``StepUpl
   ``bincount``, ``equal``, indexing by a boolean mask): on a GPU each reads back;
 - host data made a device tensor (``torch.tensor`` of a list: ``aten.lift_fresh``), or a host tensor fed to a device op (an
   index tensor built on the host, a constant made once on the CPU): on a GPU a copy from pageable memory, which waits.
-  A Python number set into a tensor (``x[i] = 0.0``) is a 0-dim host tensor, a scalar to the kernel, as on a GPU; what the
-  CPU cannot tell apart is ``torch.tensor(3, device=...)`` (a copy of one number, which waits on a GPU) from it.
+  A Python number given to an elementwise op is a 0-dim host tensor, a number to the kernel, as on a GPU; set by an index
+  (``x[rows, ids] = 0.0``: ``index_put_``) or copied (``copy_``) it is copied in from the host, which waits there. What the
+  CPU cannot tell apart is ``torch.tensor(3, device=...)`` (a copy of one number) from a host-side ``torch.tensor(3)``.
 
 Device tensors are known by their storage: every tensor the runner holds (weights, KV stores, graph buffers, the upload's
 device buffer), what the upload sends, and every op's output with a device input or with none (a factory, armed). Whatever
@@ -35,6 +36,8 @@ REFUSED = {
     "unique_dim_consecutive", "bincount", "equal", "is_nonzero", "histc", "lift_fresh", "lift_fresh_copy",
 }
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+# ops that copy a host tensor's value to the device even when it is 0-dim (elementwise ops take a 0-dim host tensor as a number)
+COPIES_VALUE = {"index_put", "index_put_", "_index_put_impl_", "copy_", "_to_copy", "index_copy", "index_copy_", "scatter", "scatter_", "masked_scatter", "masked_scatter_"}
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -88,8 +91,9 @@ class HostSyncs(TorchDispatchMode):
             ):
                 self._refuse(f"aten.{name} by a boolean mask")
             elif any(on_device):
+                copies = name in COPIES_VALUE  # these copy a host value in, a 0-dim one too (an index set to a Python number)
                 for tensor, device in zip(inputs, on_device):
-                    if not device and tensor.dim() > 0:
+                    if not device and (tensor.dim() > 0 or copies):
                         self._refuse(f"aten.{name} of a host tensor {tuple(tensor.shape)} beside device tensors")
                         break
         out = func(*args, **kwargs)

@@ -103,8 +103,12 @@ class _Pack:
         self._shapes.append((tuple(tensor.shape), wide))
         return len(self._chunks) - 1
 
-    def copy(self, upload: StepUpload) -> None:
-        flat = upload.download(torch.cat(self._chunks)) if self._chunks else np.zeros(0, dtype=np.float32)  # the step's one copy
+    def chunks(self) -> torch.Tensor | None:
+        """Every result in one float32 buffer where they were computed (queued, not waited for)."""
+        return torch.cat(self._chunks) if self._chunks else None
+
+    def copy(self, upload: StepUpload, flat_device: torch.Tensor | None) -> None:
+        flat = upload.download(flat_device) if flat_device is not None else np.zeros(0, dtype=np.float32)  # the step's one copy
         at = 0
         for shape, wide in self._shapes:
             size = int(np.prod(shape)) * (2 if wide else 1)
@@ -158,6 +162,10 @@ class StepScoring:
     def score(self, logits: torch.Tensor, present: list[int], helds: list[int], model_ms: float) -> list[VerifyResponse]:
         """``logits``: the rows ``[R, V]`` (fp32, any device) of the calls at ``present`` (indices into the calls, in order),
         each call's γ + 1 rows (transformed already where a call has a transform); their answers, in that order."""
+        return self.launch(logits, present, helds, model_ms)()
+
+    def launch(self, logits: torch.Tensor, present: list[int], helds: list[int], model_ms: float) -> Callable[[], list[VerifyResponse]]:
+        """``score``'s device work, queued (nothing waits for it); the function that copies the results back and answers."""
         numbers = self.numbers
         numbers.landed()
         vocab = logits.shape[-1]
@@ -186,10 +194,15 @@ class StepScoring:
             call = _Rows(probs[part], pick(finite), pick(ordered), pick(order), (totals, start))
             finishes.append(_score_call(call, req, held, model_ms, numbers, self._needs[i], pack))
             start += n
-        pack.copy(numbers.upload)
-        if np.isnan(pack[totals]).any():  # the host's scoring says which call (workers.step scores them there, one by one)
-            raise ValueError("a row of the step's probabilities is NaN")
-        return [finish(pack) for finish in finishes]
+        chunks = pack.chunks()  # the step's results in one buffer, made now: the copy back waits for nothing else queued later
+
+        def collect() -> list[VerifyResponse]:
+            pack.copy(numbers.upload, chunks)
+            if np.isnan(pack[totals]).any():  # the host's scoring says which call (workers.step scores them there, one by one)
+                raise ValueError("a row of the step's probabilities is NaN")
+            return [finish(pack) for finish in finishes]
+
+        return collect
 
 
 def score_step(logits: torch.Tensor, reqs: list[VerifyRequest], helds: list[int], model_ms: float) -> list[VerifyResponse]:
@@ -207,7 +220,8 @@ def top_entries(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     over keys that are all distinct — a probability's bits above the complement of its id — not a sort of the vocabulary:
     ``topk`` orders ties as it likes on a GPU, distinct keys leave it no tie."""
     ids = torch.arange(probs.shape[-1], device=probs.device)
-    keys = (probs.float().view(torch.int32).long() << 32) | (_ID_MASK - ids)  # probabilities ≥ 0: their bits order as they do
+    positive = probs.float() + 0.0  # −0.0 made +0.0 (its bits would read as a negative number): a tie with it, as a sort has it
+    keys = (positive.view(torch.int32).long() << 32) | (_ID_MASK - ids)  # probabilities ≥ 0: their bits order as they do
     top = torch.topk(keys, k, dim=-1).values
     return (top >> 32).int().view(torch.float32), _ID_MASK - (top & _ID_MASK)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -75,11 +75,19 @@ class StepLog:
 
 
 class StepHost(Protocol):
-    """What the scheduler runs its steps on (``workers.step.Steps``)."""
+    """What the scheduler runs its steps on (``workers.step.Steps``): a step whole, or launched and finished apart where its
+    device work runs while the host goes on (``overlaps``: a GPU's stream)."""
 
     thread: ModelThread
 
     def verify_batch(self, reqs: list[Work], timings: list[dict[str, float]]) -> list[Any]: ...
+
+    @property
+    def overlaps(self) -> bool: ...
+
+    def launch(self, reqs: list[Work], timings: list[dict[str, float]]) -> Any: ...
+
+    def finish(self, pending: Any) -> list[Any]: ...
 
 
 class VerifyScheduler:
@@ -91,6 +99,7 @@ class VerifyScheduler:
         self.long_call = max(self.prefill_chunk, max_batch_tokens // 4)  # a call with more new tokens goes in pieces (a chat's first call goes whole)
         self._passed = 0  # steps in a row a long call's piece waited through
         self.steps = StepLog()
+        self.overlapped = 0  # steps launched while the one before was still on the device
         self._queue: deque[_Call | _Exclusive] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -137,6 +146,8 @@ class VerifyScheduler:
                 if exclusive is not None:
                     self._queue = deque(e for e in self._queue if e is not exclusive)
                     await self._exclusive(exclusive)
+                elif getattr(self.state, "overlaps", False):
+                    await self._overlapped(self._take())
                 else:
                     await self._step(self._take())
 
@@ -150,14 +161,51 @@ class VerifyScheduler:
                 return None
         return None
 
-    def _take(self) -> list[tuple[_Call, Work]]:
+    async def _overlapped(self, work: list[tuple[_Call, Work]]) -> None:
+        """Steps in a pipeline two deep (where the host's device queues work: a GPU): while one step runs on the device, the
+        host prepares and launches the next — of other sessions: a session's next call waits for its answer, as the protocol
+        has it — then takes the first's answers. An exclusive entry whose turn has come drains the pipeline: it runs between
+        two steps, none in flight."""
+        pending = await self._launch(work)
+        while pending is not None:
+            following = None
+            if self._next_exclusive() is None:  # else it runs next, between two steps: none in flight
+                following = await self._launch(self._take(busy=pending[2]))
+                self.overlapped += following is not None
+            await self._settle_pending(pending)
+            pending = following
+
+    async def _launch(self, work: list[tuple[_Call, Work]]) -> tuple[list[tuple[_Call, Work]], Any, set[str]] | None:
+        if not work:
+            return None
+        self.steps.add([w for _, w in work])
+        try:
+            launched: Any = await self.state.thread.run(self.state.launch, [w for _, w in work], [c.timing for c, _ in work])
+        except Exception as exc:  # noqa: BLE001 - the step itself failed: every call of it
+            log.exception("verify step failed")
+            launched = exc
+        return work, launched, {c.req.session_id for c, _ in work}
+
+    async def _settle_pending(self, pending: tuple[list[tuple[_Call, Work]], Any, set[str]]) -> None:
+        work, launched, _ = pending
+        if isinstance(launched, Exception):
+            answers: list[Any] = [launched] * len(work)
+        else:
+            try:
+                answers = await self.state.thread.run(self.state.finish, launched)
+            except Exception as exc:  # noqa: BLE001 - the step itself failed: every call of it
+                log.exception("verify step failed")
+                answers = [exc] * len(work)
+        self._answer(work, answers)
+
+    def _take(self, busy: Collection[str] = ()) -> list[tuple[_Call, Work]]:
         """The step's work from the calls before the first exclusive entry: whole calls within ``max_batch_tokens``
         (``take_within``); the next piece of the long call with the fewest tokens left (a session sent again goes before
         a long prompt) in a step of its own, or beside them once it waited ``PIECE_PASSES`` steps; calls passed over
         keep their places, calls whose client left are dropped."""
         barrier = next((i for i, entry in enumerate(self._queue) if isinstance(entry, _Exclusive)), len(self._queue))  # what comes after it waits
         waiting = [entry for entry in list(self._queue)[:barrier] if isinstance(entry, _Call)]
-        live = [c for c in waiting if not c.done.done()]
+        live = [c for c in waiting if not c.done.done() and c.req.session_id not in busy]  # busy: a step in flight holds the session
         long = [c for c in live if chunkable(c.req) and (c.fed or len(c.req.tokens) > self.long_call) and len(c.req.tokens) - c.fed > self.prefill_chunk]
         apart = {c.req.session_id for c in long}
         taken = take_within((c for c in live if c.req.session_id not in apart), lambda c: c.req.new_rows - c.fed, self.max_batch_tokens, lambda c: c.req.session_id)
@@ -181,6 +229,9 @@ class VerifyScheduler:
         except Exception as exc:  # noqa: BLE001 - the step itself failed: every call of it
             log.exception("verify step failed")
             answers = [exc] * len(work)
+        self._answer(work, answers)
+
+    def _answer(self, work: list[tuple[_Call, Work]], answers: list[Any]) -> None:
         for (call, piece), answer in zip(work, answers):
             if isinstance(piece, Piece) and piece.end is not None and not isinstance(answer, BaseException):
                 call.fed = answer if isinstance(answer, int) else piece.end  # the call waits in its place for its next piece

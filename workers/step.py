@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,6 +27,20 @@ from workers.settings import WorkerSettings
 from workers.stage import StageSide
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingStep:
+    """A step launched — its host work done, its device work queued — and not yet answered (``Steps.finish``)."""
+
+    answers: list[Any]
+    timings: list[dict[str, float]]
+    sessions: set[str]  # the step's sessions: their next calls wait for its answers
+    batch: int = 0
+    together: list[tuple[int, VerifyRequest, torch.Tensor, Shaping | None, int]] = field(default_factory=list)  # device-scored: index, call, rows, transform, held
+    collect: Callable[[], list[VerifyResponse]] | None = None  # their results copied back and answered
+    scored: float = 0.0
+    on_host: list[tuple[int, VerifyRequest, torch.Tensor, int, Shaping | None, int]] = field(default_factory=list)  # index, call, logits, echo rows, transform, held
 
 
 class Steps:
@@ -50,22 +65,34 @@ class Steps:
 
     def verify_batch(self, reqs: list[Work], timings: list[dict[str, float]]) -> list[Any]:
         """One scheduler step: per call its answer (None for a piece of a long call) or the exception it alone fails
-        with; every ``model_ms`` is the step's forward (a call fed in pieces: theirs, summed). Where the runner has a step
-        upload (the static forward), everything the host brings goes in it — cache moves, the forward's inputs, and for the
-        calls scored on the device their transforms and the scorer's numbers — and crosses in one copy."""
+        with; every ``model_ms`` is the step's forward (a call fed in pieces: theirs, summed). ``launch`` then ``finish``."""
+        return self.finish(self.launch(reqs, timings))
+
+    @property
+    def overlaps(self) -> bool:
+        """A step's device work runs while the host goes on (a GPU's stream): the scheduler may launch the next step before
+        this one's answers come back (workers.scheduler)."""
+        device = getattr(self.runner, "device", None)
+        return self.upload is not None and self.scores_on_device and device is not None and device.type == "cuda"
+
+    def launch(self, reqs: list[Work], timings: list[dict[str, float]]) -> PendingStep:
+        """The step's host work and its device work queued: calls checked, the forward, the device's scoring. Where the
+        runner has a step upload (the static forward), everything the host brings goes in it — cache moves, the forward's
+        inputs, and for the calls scored on the device their transforms and the scorer's numbers — in one copy."""
         upload = self.upload
         if upload is not None:
             upload.begin()
         try:
-            return self._step(reqs, timings, upload)
+            return self._launch(reqs, timings, upload)
         finally:
             if upload is not None:
                 if upload.open:  # nothing forwarded: what was queued (a cache move) still lands
                     upload.send()
                 upload.end()
 
-    def _step(self, reqs: list[Work], timings: list[dict[str, float]], upload: StepUpload | None) -> list[Any]:
-        answers: list[Any] = [None] * len(reqs)
+    def _launch(self, reqs: list[Work], timings: list[dict[str, float]], upload: StepUpload | None) -> PendingStep:
+        pending = PendingStep([None] * len(reqs), timings, {r.session_id for r in reqs})
+        answers = pending.answers
         items, order = [], []
         device: dict[int, tuple[int, Shaping | None, DeviceTransform | None]] = {}  # call index -> its place among the device-scored, its transform
         scored_calls: list[VerifyRequest] = []
@@ -102,8 +129,8 @@ class Steps:
         model_ms = (time.perf_counter() - started) * 1e3
         self.counters["model_seconds"] += model_ms / 1e3
         self.counters["steps"] += 1
+        pending.batch = len(items)
         together: list[tuple[int, VerifyRequest, torch.Tensor, Shaping | None, DeviceTransform | None]] = []  # scored on the device, all at once below
-        on_host: list[tuple[int, VerifyRequest, torch.Tensor, int, Shaping | None]] = []  # scored on the host, after them
         for (_, scored_tokens, shaping), i, logits in zip(items, order, outputs):
             if isinstance(logits, Exception):
                 answers[i] = logits
@@ -123,8 +150,8 @@ class Steps:
                     together.append((i, call, logits[scored_tokens:], shaping, plan))
                     continue
                 else:
-                    assert isinstance(call, VerifyRequest)
-                    on_host.append((i, call, logits, scored_tokens, shaping))
+                    assert isinstance(call, VerifyRequest)  # scored on the host once the device's answers are back: its copy then waits for nothing
+                    pending.on_host.append((i, call, logits, scored_tokens, shaping, self.runner.length(call.session_id)))
                     continue
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
@@ -132,50 +159,64 @@ class Steps:
                 timings[i]["score"] = (time.perf_counter() - scored) * 1e3
         if together:
             assert scoring is not None
-            self._score_together(scoring, [device[i][0] for i, *_ in together], together, answers, timings, len(items))
-        for i, call, logits, scored_tokens, shaping in on_host:  # after the device's answers came back (their copies then wait for nothing)
+            self._launch_scoring(pending, scoring, [device[i][0] for i, *_ in together], together)
+        return pending
+
+    def _launch_scoring(
+        self, pending: PendingStep, scoring: StepScoring, present: list[int], together: list[tuple[int, VerifyRequest, torch.Tensor, Shaping | None, DeviceTransform | None]],
+    ) -> None:
+        """The step's device-scored calls in one ``StepScoring`` (one copy back, in ``finish``); should it fail, each call alone
+        on the host, so one bad call fails alone."""
+        pending.together = [(i, call, raw, shaping, self.runner.length(call.session_id)) for i, call, raw, shaping, _ in together]
+        pending.scored = time.perf_counter()
+        try:
+            rows = torch.cat([plan.apply(raw) if plan is not None else raw for _, _, raw, _, plan in together])
+            pending.collect = scoring.launch(rows, present, [held for *_, held in pending.together], 0.0)
+        except Exception:  # noqa: BLE001 - found in finish, call by call
+            log.warning("scoring a step of %d calls together failed; scoring them one by one on the host", len(together), exc_info=True)
+
+    def finish(self, pending: PendingStep) -> list[Any]:
+        """The step's answers: the device's results copied back (the step's one copy), then the calls scored on the host."""
+        answers, timings = pending.answers, pending.timings
+        if pending.together:
+            answered: list[Any] = []
+            try:
+                if pending.collect is None:
+                    raise RuntimeError("the step's scoring was not launched")
+                answered = pending.collect()
+                self.counters["positions_scored_on_device"] += sum(len(call.draft) + 1 for _, call, *_ in pending.together)
+            except Exception:  # noqa: BLE001 - found below, call by call
+                if pending.collect is not None:
+                    log.warning("scoring a step of %d calls together failed; scoring them one by one on the host", len(pending.together), exc_info=True)
+                answered = []
+                for _, call, raw, shaping, held in pending.together:
+                    try:
+                        answered.append(score(shaped(raw.cpu(), shaping), call, held, 0.0))
+                    except Exception as exc:  # noqa: BLE001 - this call's answer
+                        answered.append(exc)
+            score_ms = (time.perf_counter() - pending.scored) * 1e3
+            for (i, call, *_), answer in zip(pending.together, answered):
+                self.counters["positions_scored"] += len(call.draft) + 1
+                if not isinstance(answer, Exception):
+                    answer = replace(answer, model_ms=timings[i]["model"], **({"batch_sessions": pending.batch} if pending.batch > 1 else {}))
+                answers[i] = answer
+                timings[i]["score"] = score_ms  # every call waited for the step's scoring
+        for i, call, logits, scored_tokens, shaping, held in pending.on_host:
             scored = time.perf_counter()
             try:
-                answers[i] = self._verify_answer(call, logits.cpu(), scored_tokens, shaping, timings[i]["model"], len(items))
+                answers[i] = self._verify_answer(call, logits.cpu(), scored_tokens, shaping, timings[i]["model"], pending.batch, held)
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
             timings[i]["score"] = (time.perf_counter() - scored) * 1e3
         return answers
 
-    def _score_together(
-        self, scoring: StepScoring, present: list[int], together: list[tuple[int, VerifyRequest, torch.Tensor, Shaping | None, DeviceTransform | None]],
-        answers: list[Any], timings: list[dict[str, float]], batch: int,
-    ) -> None:
-        """The step's device-scored calls in one ``StepScoring.score`` (one copy back); should it fail, each call alone on the
-        host, so one bad call fails alone."""
-        scored = time.perf_counter()
-        calls = [call for _, call, *_ in together]
-        helds = [self.runner.length(call.session_id) for call in calls]
-        try:
-            rows = torch.cat([plan.apply(raw) if plan is not None else raw for _, _, raw, _, plan in together])
-            answered: list[Any] = scoring.score(rows, present, helds, 0.0)
-            self.counters["positions_scored_on_device"] += sum(len(call.draft) + 1 for call in calls)
-        except Exception:  # noqa: BLE001 - found below, call by call
-            log.warning("scoring a step of %d calls together failed; scoring them one by one on the host", len(calls), exc_info=True)
-            answered = []
-            for (_, call, raw, shaping, _), held in zip(together, helds):
-                try:
-                    answered.append(score(shaped(raw.cpu(), shaping), call, held, 0.0))
-                except Exception as exc:  # noqa: BLE001 - this call's answer
-                    answered.append(exc)
-        score_ms = (time.perf_counter() - scored) * 1e3
-        for (i, call, *_), answer in zip(together, answered):
-            self.counters["positions_scored"] += len(call.draft) + 1
-            if not isinstance(answer, Exception):
-                answer = replace(answer, model_ms=timings[i]["model"], **({"batch_sessions": batch} if batch > 1 else {}))
-            answers[i] = answer
-            timings[i]["score"] = score_ms  # every call waited for the step's scoring
-
-    def _verify_answer(self, req: VerifyRequest, logits: torch.Tensor, scored_tokens: int, shaping: Shaping | None, model_ms: float, batch: int) -> VerifyResponse:
+    def _verify_answer(
+        self, req: VerifyRequest, logits: torch.Tensor, scored_tokens: int, shaping: Shaping | None, model_ms: float, batch: int, held: int,
+    ) -> VerifyResponse:
         """A call's answer from its logits: ``scored_tokens`` rows of its own tokens (echo), then its γ+1 positions."""
         self.counters["positions_scored"] += len(req.draft) + 1
         rows = shaped(logits[scored_tokens:], shaping)
-        resp = score(rows, req, self.runner.length(req.session_id), model_ms, logits[:scored_tokens] if req.score_tokens else None)
+        resp = score(rows, req, held, model_ms, logits[:scored_tokens] if req.score_tokens else None)
         return replace(resp, batch_sessions=batch) if batch > 1 else resp
 
     def _prepare(self, req: VerifyRequest, fed: int = 0) -> tuple[ForwardItem, int, Shaping | None]:

@@ -110,19 +110,20 @@ def _kernels(runner: Any, prompt: list[int], batch: int, positions: int, generat
 
 
 def _host_only(runner: Any, step: Callable[[], None]) -> Callable[[], None]:
-    """``step`` with the static forward and the head doing nothing (their outputs preallocated): the host's share of it."""
-    forward = runner._static
+    """``step`` with the forward (a graph's replay, or the eager ops) and the head doing nothing, their outputs preallocated:
+    the host's share of it — the crop, the inputs, the one upload, the kept rows."""
+    graphs, forward = runner._graphs, runner._static
     hidden = torch.zeros(max(BUCKETS.sessions) * max(BUCKETS.rows), forward.hidden_size, dtype=runner.dtype, device=runner.device)
     logits = torch.zeros(max(BUCKETS.sessions) * max(BUCKETS.rows), 8, device=runner.device)
 
     def run() -> None:
-        real_hidden, real_logits = forward.hidden, forward.logits
-        forward.hidden = lambda inputs, span: hidden[: inputs.tokens.numel()]
+        real_run, real_logits = graphs.run, forward.logits
+        graphs.run = lambda key, inputs: hidden[: key[0] * key[1]]
         forward.logits = lambda states, keep: logits[: keep.numel()]
         try:
             step()
         finally:
-            forward.hidden, forward.logits = real_hidden, real_logits
+            graphs.run, forward.logits = real_run, real_logits
 
     return run
 

@@ -16,6 +16,7 @@ one, so the same code runs eagerly on the CPU (tested) and is captured as one CU
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,6 +78,8 @@ def static_problem(model: Any) -> str | None:
     decoder = model.get_decoder()
     if any(not hasattr(layer, "self_attn") for layer in decoder.layers):
         return "a layer that is not a decoder layer (a pipeline stage's slice)"
+    if getattr(config, "mlp_bias", False):
+        return "an MLP with biases (mlp_bias)"
     rope = str(getattr(decoder.rotary_emb, "rope_type", "default"))
     if "dynamic" in rope or "longrope" in rope:
         return f"rope_type {rope!r} (its frequencies change with the length)"
@@ -146,6 +149,11 @@ def _fuse(linears: list[Any]) -> torch.Tensor:
     return fused
 
 
+def _bias(linear: Any) -> torch.Tensor | None:
+    bias = getattr(linear, "bias", None)
+    return bias.detach() if bias is not None else None
+
+
 def _fused_bias(linears: list[Any]) -> torch.Tensor | None:
     biases = [getattr(linear, "bias", None) for linear in linears]
     if all(b is None for b in biases):
@@ -176,7 +184,7 @@ class StaticForward:
             projections = [attention.q_proj, attention.k_proj, attention.v_proj]
             self.layers.append(_Layer(
                 in_norm=layer.input_layernorm.weight.detach(), qkv=_fuse(projections), qkv_bias=_fused_bias(projections),
-                o_t=attention.o_proj.weight.detach().t(), o_bias=getattr(attention.o_proj, "bias", None),
+                o_t=attention.o_proj.weight.detach().t(), o_bias=_bias(attention.o_proj),
                 post_norm=layer.post_attention_layernorm.weight.detach(), gate_up=_fuse([mlp.gate_proj, mlp.up_proj]),
                 down_t=mlp.down_proj.weight.detach().t(), store=store.view(-1, 2 * self.kv_heads * self.head_dim),
             ))
@@ -287,13 +295,15 @@ class StepGraphs:
         return self.table.key(batch, width, span, self.cells)
 
     def run(self, key: tuple[int, int, int], inputs: torch.Tensor) -> torch.Tensor:
-        """The hidden states ``[B × W, hidden]`` of the step whose inputs (``input_words(B, W)``, on the device) are ``inputs``."""
+        """The hidden states ``[B × W, hidden]`` of the step whose inputs (``input_words(B, W)``, on the device) are ``inputs``.
+        A captured key's are its graph's output, in the pool every graph shares: read them before the next replay of any."""
         sessions, rows, span = key
         self.counts.steps += 1
         self.counts.keys[key] = self.counts.keys.get(key, 0) + 1
         if key not in self.planned:
             self.counts.eager += 1
-            return self.forward.hidden(StepInputs(*layout(inputs, sessions, rows)), span)
+            with attention_backend(self.device):
+                return self.forward.hidden(StepInputs(*layout(inputs, sessions, rows)), span)
         bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self.buckets[key] = self._buffers(key)
@@ -301,7 +311,8 @@ class StepGraphs:
         if bucket.graph is not None:
             bucket.graph.replay()
         else:
-            bucket.hidden = self.forward.hidden(bucket.views, span)
+            with attention_backend(self.device):
+                bucket.hidden = self.forward.hidden(bucket.views, span)
         assert bucket.hidden is not None
         return bucket.hidden
 
@@ -318,12 +329,12 @@ class StepGraphs:
             _scratch_inputs(bucket.views, scratch_slot, self.slot_length)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream), torch.inference_mode():
+            with torch.cuda.stream(stream), torch.inference_mode(), attention_backend(self.device):
                 for _ in range(2):  # warm-up: kernels chosen, workspaces allocated, before the capture
                     self.forward.hidden(bucket.views, key[2])
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool), torch.inference_mode():
+            with torch.cuda.graph(graph, pool=self._pool), torch.inference_mode(), attention_backend(self.device):
                 bucket.hidden = self.forward.hidden(bucket.views, key[2])
             bucket.graph = graph
             if progress is not None and ((done + 1) % 50 == 0 or done + 1 == len(keys)):
@@ -334,8 +345,23 @@ class StepGraphs:
 
     def _buffers(self, key: tuple[int, int, int]) -> _Bucket:
         sessions, rows, _ = key
-        inputs = torch.zeros(input_words(sessions, rows), dtype=torch.int64, device=self.device)
+        with torch.inference_mode(False):  # made inside a step's forward, still writable by the next
+            inputs = torch.zeros(input_words(sessions, rows), dtype=torch.int64, device=self.device)
         return _Bucket(inputs, StepInputs(*layout(inputs, sessions, rows)))
+
+
+ATTENTION = "efficient"  # the attention kernel a GPU step takes (``step_info``)
+
+
+def attention_backend(device: torch.device) -> Any:
+    """On CUDA, scaled_dot_product_attention held to its memory-efficient kernel (a mask, any K/V strides; math where it
+    cannot): cuDNN's, which PyTorch may prefer on Hopper, builds a graph of its own for each of the ~165 shapes at start-up.
+    Elsewhere the backend PyTorch picks."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _scratch_inputs(views: StepInputs, scratch_slot: int, slot_length: int) -> None:

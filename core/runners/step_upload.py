@@ -44,13 +44,18 @@ class StepUpload:
         self._turn = 0
         self._used = 0  # words added this step
         self._sent = 0  # of them, on the device
-        self._device = torch.empty(words, dtype=torch.int64, device=device)
+        self._device = self._device_buffer(words)
         self._after: list[Callable[[], None]] = []
         self.in_step = False
         self.sends = 0  # copies made (tests: one a step)
 
     def _host(self, words: int) -> torch.Tensor:
-        return torch.empty(words, dtype=torch.int64, pin_memory=self._pinned)
+        with torch.inference_mode(False):  # made inside a forward, it would be an inference tensor no later step could write
+            return torch.empty(words, dtype=torch.int64, pin_memory=self._pinned)
+
+    def _device_buffer(self, words: int) -> torch.Tensor:
+        with torch.inference_mode(False):
+            return torch.empty(words, dtype=torch.int64, device=self.device)
 
     @property
     def host(self) -> torch.Tensor:
@@ -126,7 +131,7 @@ class StepUpload:
     def send(self) -> None:
         """The step's copy of what was added since the last (non-blocking from pinned memory on a GPU), then the after-send work."""
         if self._device.numel() < self._used:  # what was sent stays valid: a view keeps its own storage, the new buffer a copy
-            bigger = torch.empty(max(self._used, 2 * self._device.numel()), dtype=torch.int64, device=self.device)
+            bigger = self._device_buffer(max(self._used, 2 * self._device.numel()))
             bigger[: self._sent].copy_(self._device[: self._sent])
             self._device = bigger
         if self._used > self._sent:

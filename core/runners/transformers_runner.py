@@ -9,6 +9,7 @@ ancestors' cells only (chains, trees and batches alike), with ``position_ids`` =
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -87,7 +88,7 @@ class TransformersRunner(ModelRunner):
                 if owned:
                     _drop_other_layers(model, first, end)
         self.keeps_subtrees = True  # the slot cache gathers any kept rows
-        self.model = model.to(self.device).eval()
+        self.model = _fp32_rotary(model.to(self.device).eval())
         config = self.model.config
         self.info = RunnerInfo(
             model_id=source.name, backend=Backend.TRANSFORMERS.value, vocab_size=int(config.vocab_size),
@@ -104,11 +105,18 @@ class TransformersRunner(ModelRunner):
         self.slot_length = self.info.max_context + 1  # + one scratch cell that padding writes
         slot_bytes = self.slot_length * self._kv_bytes
         if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()  # what PyTorch holds cached for runners gone is free: not counted as used
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * gpu_memory_utilization) - (total - free)
         else:
             budget = memory_cap_mb * 2**20
         self.num_slots = max(1, min(MAX_SLOTS, budget // slot_bytes))
+        if budget // slot_bytes < 2:
+            log.warning(
+                "the KV cache holds %d session(s) of %d cells: %.0f MB asked for, %.0f MB a session (raise --gpu-memory-utilization or --memory-cap-mb, "
+                "or lower --max-context)", self.num_slots, self.slot_length, max(budget, 0) / 2**20, slot_bytes / 2**20,
+            )
         self.forward_kind = _forward_kind(forward, model, self.device, self.layer_range)
         held = self._end_layer - self._first_layer  # the layers this runner holds
         self._static = self._graphs = self.upload = None
@@ -237,14 +245,16 @@ class TransformersRunner(ModelRunner):
 
     def _static_step(self, work: list[Staged], busy: set[str]) -> list[torch.Tensor]:
         """The step on the static forward: each item ``alone`` a forward of its own (its bucket its own: its numbers do not
-        depend on what else the step holds), the others one forward; every forward's inputs prepared on the host, padded to
+        depend on what else the step holds), the others forwards of at most the largest bucket's sessions; every forward's
+        inputs prepared on the host, padded to
         its bucket (core.runners.static_forward.step_inputs), and sent with whatever else the step brings in the step's one
         upload; then each forward (a graph's replay on a GPU) and the head on its kept rows."""
         assert self._static is not None and self._graphs is not None and self.upload is not None
-        from core.runners.static_forward import input_words, step_inputs
+        from core.runners.static_forward import BUCKETS, input_words, step_inputs
 
         shared = [w for w in work if not w.alone]
-        groups = [[w] for w in work if w.alone] + ([shared] if shared else []) if len(work) > 1 else [work]
+        most = BUCKETS.sessions[-1]  # more sessions than the largest bucket: forwards of at most that many, each a graph's replay
+        groups = [[w] for w in work if w.alone] + [shared[i : i + most] for i in range(0, len(shared), most)] if len(work) > 1 else [work]
         self._clock += 1
         upload = self.upload
         owned = not upload.in_step  # else the worker's step began it, with its own numbers in it, and ends it
@@ -363,6 +373,19 @@ class TransformersRunner(ModelRunner):
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean ``visible`` as an additive attention mask: 0 where a row sees a cell, the dtype's minimum where not."""
     return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+
+
+def _fp32_rotary(model: Any) -> Any:
+    """The rotary embedding's frequencies in fp32: ``model.to(bfloat16)`` casts its ``inv_freq`` buffer too, and angles of
+    bf16 frequencies drift by radians past a few hundred positions. A fresh module from the config (fp32, as transformers
+    makes it) replaces a cast one; an fp32 one stays as it is."""
+    decoder = model.get_decoder()
+    rotary = getattr(decoder, "rotary_emb", None)
+    frequencies = getattr(rotary, "inv_freq", None)
+    if rotary is None or frequencies is None or frequencies.dtype == torch.float32:
+        return model
+    decoder.rotary_emb = type(rotary)(config=model.config).to(frequencies.device)  # .to(device) keeps its fp32
+    return model
 
 
 def _forward_kind(forward: str, model: Any, device: torch.device, layers: tuple[int, int] | None) -> str:

@@ -933,8 +933,8 @@ def test_workers_that_score_a_step_on_the_device_keep_every_law(monkeypatch: pyt
 
     monkeypatch.setenv("SPECGATE_WORKER_SCORING", "device")
     used: list[int] = []
-    real = step.StepScoring.score
-    monkeypatch.setattr(step.StepScoring, "score", lambda self, *args: used.append(len(args[1])) or real(self, *args))
+    real = step.StepScoring.launch
+    monkeypatch.setattr(step.StepScoring, "launch", lambda self, *args: used.append(len(args[1])) or real(self, *args))
     picked = [
         c for c in CELLS if c.workers == "1 worker" and not c.option and not c.overlap and not c.transform and c.sampling in ("T=1", "T=0")
         and c.mode is not Mode.PIPELINE and (FULL or not any(big in c.shape for big in ("⟨2,1⟩", "nodes 3")))  # stages score by rows (score_rows)

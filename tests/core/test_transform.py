@@ -59,9 +59,11 @@ def test_the_grammar_masks_each_row_after_its_path_and_forces_single_tokens() ->
     assert transformer.forced([*PROMPT, 2]) is None
 
 
-def test_a_bias_id_off_the_vocabulary_is_refused() -> None:
+def test_a_bias_id_off_the_vocabulary_or_named_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="outside"):
         Transformer.build(TransformSpec(((4, 1.0),)), 4, None)
+    with pytest.raises(ValueError, match="twice"):  # which would win is a device's choice (an index_put of repeated ids)
+        TransformSpec.from_wire({"logit_bias": [[1, 5.0], [1, -3.0]]})
 
 
 def test_min_p_drops_tokens_below_its_share_of_the_top() -> None:

@@ -143,7 +143,7 @@ def test_a_transform_on_the_gpu_transforms_as_on_the_host() -> None:
 
     spec = TransformSpec(logit_bias=((9, 4.0), (70, -2.5)), presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3, prompt_len=3, min_tokens=4, eos_ids=(2,))
     transformer = Transformer.build(spec, 3001, None)
-    logits = torch.randn(4, 3001)
+    logits = torch.randn(4, 3001, generator=torch.Generator().manual_seed(2))
     agreed, paths = [5, 6, 7, 9, 9], [[], [9], [9, 70], [1]]
     assert torch.equal(transformer.rows(logits.cuda(), agreed, paths).cpu(), transformer.rows(logits, agreed, paths))
     mask = torch.from_numpy(np.random.default_rng(1).random((4, 3001)) < 0.5)

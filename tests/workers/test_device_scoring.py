@@ -144,3 +144,17 @@ def test_a_row_with_no_mass_fails_as_on_the_host_not_as_a_token_0(mode: str) -> 
         score(logits.clone(), req, 3, 0.0)
     with pytest.raises(ValueError):
         score_step(logits, [req], [3], 0.0)
+
+
+def test_the_top_entries_are_compress_top_ks_ties_and_signed_zeros_included() -> None:
+    """``top_entries`` (one ``topk`` over distinct keys, issue 73) gives ``compress_top_k``'s ids and values: ties to the
+    lowest id, zeros, −0.0 (a tie with +0.0), k up to V."""
+    from core.math.compression import compress_top_k
+    from workers.device_scoring import top_entries
+
+    rows = torch.tensor([[0.25, -0.0, 0.0, 0.75, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2], [0.0, 0.0, 1.0, 0.0, 0.0], [1e-45, 0.0, 1e-45, 0.5, 0.5]])
+    rows = torch.cat([rows, torch.softmax(torch.randn(3, 5, generator=torch.Generator().manual_seed(1)), -1)])
+    for k in range(1, 6):
+        values, ids = top_entries(rows, k)
+        want = compress_top_k(rows, k)
+        assert torch.equal(ids, want.ids) and torch.equal(values, want.probs), k

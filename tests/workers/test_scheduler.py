@@ -348,3 +348,49 @@ async def test_on_transformers_a_long_prompt_in_pieces_scores_within_its_promise
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
         whole = _answer(await _post(client, replace(long, session_id="whole")))
     np.testing.assert_allclose(_answer(answers[0]).probs, whole.probs, atol=1e-4, rtol=0)
+
+
+class _Pipelined(_Recorder):
+    """A step host whose device work runs while the host goes on (``overlaps``): launched steps answer at ``finish``."""
+
+    overlaps = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight: list[set[str]] = []
+        self.most = 0
+        self.exclusive_beside: list[int] = []
+
+    def launch(self, reqs: list[Any], timings: list[dict[str, float]]) -> Any:
+        sessions = {r.session_id for r in reqs}
+        assert not any(sessions & other for other in self.in_flight), (sessions, self.in_flight)  # a session's next call waits for its answer
+        self.steps.append([(r.session_id, isinstance(r, Piece) and r.end is not None) for r in reqs])
+        self.in_flight.append(sessions)
+        self.most = max(self.most, len(self.in_flight))
+        return sessions, len(reqs)
+
+    def finish(self, pending: Any) -> list[Any]:
+        sessions, count = pending
+        self.in_flight.remove(sessions)
+        return ["answer"] * count
+
+    def free(self, session_id: str) -> None:
+        self.exclusive_beside.append(len(self.in_flight))
+
+
+async def test_on_a_device_that_runs_on_the_next_step_is_launched_before_the_last_answers() -> None:
+    """Issue 73: where a step's device work runs while the host goes on, the scheduler launches the next step (other
+    sessions only: a session's pieces and calls wait for its answer) before taking the last one's answers — two in flight at
+    most; an exclusive entry (a DELETE) runs with none in flight; every call is answered."""
+    host = _Pipelined()
+    scheduler = VerifyScheduler(host, max_batch_tokens=8, prefill_chunk=4)
+    long = asyncio.create_task(scheduler.verify(VerifyRequest.after("long", [], list(range(1, 25)), [1]), {}))
+    short = [asyncio.create_task(scheduler.verify(VerifyRequest.after(f"s{i}", [], [1, 2], [3]), {})) for i in range(12)]
+    await asyncio.sleep(0)
+    gone = asyncio.create_task(scheduler.exclusive(host.free, "s0"))
+    assert await asyncio.gather(long, *short) == ["answer"] * 13
+    await gone
+    await scheduler.close()
+    host.thread.close()
+    assert host.most == 2 and scheduler.overlapped > 0 and host.exclusive_beside == [0]
+    assert sum(1 for step in host.steps for s, piece in step if s == "long" and piece) == 5 and host.steps[-1] == [("long", False)]

@@ -37,9 +37,9 @@ def tokenizer() -> Any:
     return load_tokenizer(resolve_model("tiny-random"))
 
 
-def _worker(tokenizer: Any, scoring: str = "device") -> WorkerState:
+def _worker(tokenizer: Any, scoring: str = "device", **settings: Any) -> WorkerState:
     runner = TransformersRunner(resolve_model("tiny-random"), tokenizer, max_context=256, model=tiny_random_model(V, seed=5), memory_cap_mb=64, forward="static")
-    return WorkerState.build(WorkerSettings(model="tiny-random", backend="transformers", forward="static", scoring=scoring), runner)
+    return WorkerState.build(WorkerSettings(model="tiny-random", backend="transformers", forward="static", scoring=scoring, **settings), runner)
 
 
 def _transformed() -> list[VerifyRequest]:
@@ -134,3 +134,60 @@ def test_a_worker_step_answers_as_the_host_scores(tokenizer: Any) -> None:
             else:
                 assert a == b, (req.session_id, field.name, a, b)
     assert score is not None
+
+
+async def test_a_pipelined_worker_answers_as_one_that_takes_a_step_at_a_time(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's pipeline (a GPU's: the next step launched while the last runs on the device), forced on the CPU: 24
+    calls at once through a worker's routes, seeded (every mode), answer as on a worker that takes a step at a time."""
+    import asyncio
+
+    import httpx
+
+    from core.protocol import decode, encode
+    from workers.server import create_app
+    from workers.step import Steps
+
+    calls = [dataclasses.replace(req, seeded=True) for req in _all_calls()[:24]]
+
+    async def run(overlap: bool) -> tuple[list[VerifyResponse], int]:
+        monkeypatch.setattr(Steps, "overlaps", property(lambda self: overlap))
+        worker = _worker(tokenizer, max_batch_tokens=24)  # steps of a few calls: the queue holds the next while one runs
+        app = create_app(worker.settings, runner=worker.runner)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+            async def verify(req: VerifyRequest) -> VerifyResponse:
+                body, content_type = encode(req, V)
+                resp = await client.post("/v1/verify", content=body, headers={"content-type": content_type, "accept": content_type})
+                assert resp.status_code == 200, resp.text
+                return decode(VerifyResponse, resp.content, resp.headers["content-type"])
+
+            answers = await asyncio.gather(*(verify(req) for req in calls))
+            return answers, app.state.worker.scheduler.overlapped
+
+    alone, _ = await run(False)
+    pipelined, overlapped = await run(True)
+    assert overlapped > 0
+    for want, got in zip(alone, pipelined):
+        for field in dataclasses.fields(VerifyResponse):
+            if field.name not in ("model_ms", "batch_sessions"):
+                a, b = getattr(want, field.name), getattr(got, field.name)
+                assert (np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b), field.name
+
+
+def test_the_detector_knows_a_number_set_by_an_index_from_one_made_on_the_device() -> None:
+    """``x[rows, ids] = -inf`` copies a host number in (CUDA's index_put_ takes it as a 0-dim host tensor): refused; the same
+    value made on the device (``torch.full((), -inf, device=...)``), or a number given to an elementwise op, is not."""
+    from core.runners.step_upload import StepUpload
+
+    upload = StepUpload(torch.device("cpu"), words=8)
+    with host_syncs(upload) as syncs:
+        upload.begin()
+        at = upload.add(np.array([0, 2], dtype=np.int64))
+        upload.send()
+        rows = upload.view(at)
+        out = torch.zeros(3, 4)
+        syncs._mark(out)
+        out.index_put_((rows,), torch.full((), float("-inf"), device=out.device))
+        out.masked_fill_(out == 0, 1.0)
+        assert syncs.found == []
+        out[rows] = float("-inf")
+        assert len(syncs.found) == 1 and "index_put" in syncs.found[0], syncs.found
