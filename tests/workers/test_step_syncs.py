@@ -143,7 +143,7 @@ async def test_a_pipelined_worker_answers_as_one_that_takes_a_step_at_a_time(tok
 
     import httpx
 
-    from core.protocol import decode, encode
+    from tests.workers.test_scheduler import _answer, _post
     from workers.server import create_app
     from workers.step import Steps
 
@@ -154,13 +154,7 @@ async def test_a_pipelined_worker_answers_as_one_that_takes_a_step_at_a_time(tok
         worker = _worker(tokenizer, max_batch_tokens=24)  # steps of a few calls: the queue holds the next while one runs
         app = create_app(worker.settings, runner=worker.runner)
         async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
-            async def verify(req: VerifyRequest) -> VerifyResponse:
-                body, content_type = encode(req, V)
-                resp = await client.post("/v1/verify", content=body, headers={"content-type": content_type, "accept": content_type})
-                assert resp.status_code == 200, resp.text
-                return decode(VerifyResponse, resp.content, resp.headers["content-type"])
-
-            answers = await asyncio.gather(*(verify(req) for req in calls))
+            answers = [_answer(resp) for resp in await asyncio.gather(*(_post(client, req) for req in calls))]
             return answers, app.state.worker.scheduler.overlapped
 
     alone, _ = await run(False)
