@@ -72,9 +72,10 @@ def measure(args: argparse.Namespace) -> int:
             cells[(b, p, "device")] = _step(static, f"d{b}p{p}", prompt, b, p, generator, together=True)
             cells[(b, p, "seeded")] = _step(other, f"e{b}p{p}", prompt, b, p, generator, together=True, seeded=True)
             cells[(b, p, "host")] = _host_only(other, _step(other, f"h{b}p{p}", prompt, b, p, generator, forward_only=True))
-    eager_before = [r._graphs.counts.eager for r in (static, other)]  # the prefills; one more inside the timed steps: a session was evicted
+    graphs = [g for g in (static._graphs, other._graphs) if g is not None]
+    eager_before = [g.counts.eager for g in graphs]  # the prefills; one more inside the timed steps: a session was evicted
     times = time_cells(cells, args.repeats, device)
-    evicted = [r._graphs.counts.eager - before for r, before in zip((static, other), eager_before)]
+    evicted = [g.counts.eager - before for g, before in zip(graphs, eager_before)]
     if any(evicted):
         progress(f"warning: {sum(evicted)} sessions were prefilled again inside timed steps (evicted): the static columns are not steps alone")
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
