@@ -96,7 +96,7 @@ def _algorithm_5_counts(seeds: range) -> torch.Tensor:
     """In a pool process: fixed (top-k) children verified with the sampled rule (TSLT's
     Algorithm 5), through one worker."""
     original = tree_math.try_children
-    tree_math.try_children = lambda p, q, candidates, rule, u: original(p, q, candidates, ChildRule.SAMPLED, u)  # type: ignore[assignment]
+    tree_math.try_children = lambda p, q, candidates, rule, *rest: original(p, q, candidates, ChildRule.SAMPLED, *rest)  # type: ignore[assignment]
     return _first_two(make_engine(DRAFT, WORKERS["1 worker"]), SHAPES["fixed (EAGLE-2, 5 nodes)"], seeds)
 
 
