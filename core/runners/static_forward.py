@@ -350,9 +350,6 @@ class StepGraphs:
         return _Bucket(inputs, StepInputs(*layout(inputs, sessions, rows)))
 
 
-ATTENTION = "efficient"  # the attention kernel a GPU step takes (``step_info``)
-
-
 def attention_backend(device: torch.device) -> Any:
     """On CUDA, scaled_dot_product_attention held to its memory-efficient kernel (a mask, any K/V strides; math where it
     cannot): cuDNN's, which PyTorch may prefer on Hopper, builds a graph of its own for each of the ~165 shapes at start-up.
