@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, AsyncIterator
 
 import orjson
@@ -15,6 +16,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from core.errors import ContextOverflow, InvalidRequest, ProtocolError, SessionShort, SpecgateError, WorkerDraining, WorkerFull
 from core.protocol import JSON_CONTENT_TYPE, ErrorBody, StageRequest, StageResponse, VerifyRequest, decode, encode, encode_json
@@ -28,6 +30,24 @@ from workers.sessions import RETRY_AFTER_S
 from workers.state import WorkerState
 
 log = logging.getLogger(__name__)
+
+VERIFY_PATH = "/v1/verify"
+
+
+class WorkerApp(FastAPI):
+    """The worker's app. ``POST /v1/verify``, every round's call, is answered beside FastAPI's stack (its middleware,
+    routing and request objects cost a few tenths of a millisecond a call): the same Guard in front, the same handler
+    (``_verified``), the same error envelope (``_refused``). With ``fast_verify`` False it takes FastAPI's route
+    instead, which answers the same (tests/workers/test_fast_verify.py holds the two equal)."""
+
+    fast_verify = True
+    verify_front: ASGIApp | None = None  # Guard(_fast_verify), set by create_app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.fast_verify and self.verify_front is not None and scope["type"] == "http" and scope["path"] == VERIFY_PATH and scope["method"] == "POST":
+            await self.verify_front(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thread: ModelThread | None = None) -> FastAPI:
@@ -50,7 +70,7 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thre
             if runner is None:
                 state.thread.close()
 
-    app = FastAPI(title="specgate worker", lifespan=lifespan)
+    app = WorkerApp(title="specgate worker", lifespan=lifespan)
     if runner is not None:
         app.state.worker = WorkerState.build(settings, runner, thread)
     app.state.draining = False
@@ -60,6 +80,7 @@ def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thre
 
     app.state.start_drain = start_drain
     app.add_middleware(Guard, token=settings.token, max_body_bytes=settings.max_body_bytes)
+    app.verify_front = Guard(partial(_fast_verify, app), token=settings.token, max_body_bytes=settings.max_body_bytes)
     _add_routes(app, settings)
     _add_error_handlers(app)
     return app
@@ -87,7 +108,11 @@ def _refuse_new_while_draining(request: Request, state: WorkerState, session_id:
 
 def _encode(state: WorkerState, request: Request, resp: Any, received: int | None = None) -> tuple[bytes, str]:
     """The answer's payload as the client accepts it; an answered call of ``received`` bytes counted."""
-    payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=JSON_CONTENT_TYPE in request.headers.get("accept", ""))
+    return _encoded(state, resp, JSON_CONTENT_TYPE in request.headers.get("accept", ""), received)
+
+
+def _encoded(state: WorkerState, resp: Any, as_json: bool, received: int | None = None) -> tuple[bytes, str]:
+    payload, content_type = encode(resp, state.runner.info.vocab_size, as_json=as_json)
     if received is not None:
         state.counters["requests"] += 1
         state.counters["bytes_in"] += received
@@ -99,6 +124,54 @@ def _stage_request(state: WorkerState, body: bytes, content_type: str | None) ->
     if not state.is_stage:
         raise InvalidRequest("this worker serves the whole model: it answers /v1/verify (start a stage with --layers first:end)", param="layers")
     return decode(StageRequest, body, content_type)
+
+
+async def _verified(app: FastAPI, body: bytes, content_type: str | None, accept: str) -> tuple[bytes, str, str]:
+    """``POST /v1/verify``: a call's answer (payload, content type, Server-Timing), whichever route took it; an error raises."""
+    state: WorkerState = app.state.worker
+    with _counted(state):
+        started = time.perf_counter()
+        req = decode(VerifyRequest, body, content_type)
+        if app.state.draining and req.session_id not in state.sessions:
+            raise WorkerDraining(RETRY_AFTER_S)
+        if state.is_stage:
+            raise InvalidRequest(f"this worker is a pipeline stage (layers {state.settings.layers}): it answers /v1/stage/forward, not /v1/verify", param="mode")
+        await state.steps.transforms.precompile(req.transform, req.prefix_len == 0)
+        decoded = time.perf_counter()
+        timing: dict[str, float] = {}
+        resp = await state.scheduler.verify(req, timing)
+        encoding = time.perf_counter()
+        payload, answer_type = _encoded(state, resp, JSON_CONTENT_TYPE in accept, len(body))
+        done = time.perf_counter()
+    queue = (encoding - decoded) * 1e3 - timing.get("model", 0.0) - timing.get("score", 0.0)  # waiting for its step, and the batch-mates' scoring
+    timing.update(codec=(decoded - started + done - encoding) * 1e3, queue=max(queue, 0.0), total=(done - started) * 1e3)
+    return payload, answer_type, server_timing(timing)
+
+
+async def _fast_verify(app: FastAPI, scope: Scope, receive: Receive, send: Send) -> None:
+    """``POST /v1/verify`` beside FastAPI's stack (behind the Guard, which read the body): ``_verified``, or ``_refused``."""
+    body, more = b"", True
+    while more:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    content_type, accept = None, ""
+    for name, value in scope["headers"]:
+        if name == b"content-type" and content_type is None:
+            content_type = value.decode("latin-1")
+        elif name == b"accept" and not accept:
+            accept = value.decode("latin-1")
+    try:
+        payload, answer_type, timing = await _verified(app, body, content_type, accept)
+        status, headers = 200, [(b"server-timing", timing.encode("latin-1"))]
+    except Exception as exc:  # noqa: BLE001 - the error handlers' answer, as FastAPI's route would give it
+        status, payload, extra = _refused(app, VERIFY_PATH, exc)
+        answer_type, headers = JSON_CONTENT_TYPE, [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+    start = [(b"content-length", str(len(payload)).encode()), (b"content-type", answer_type.encode("latin-1")), *headers]
+    await send({"type": "http.response.start", "status": status, "headers": start})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
@@ -113,29 +186,11 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
     async def info(request: Request) -> Response:
         return Response(encode_json(_state(request).info()), media_type=JSON_CONTENT_TYPE)
 
-    @app.post("/v1/verify")
+    @app.post(VERIFY_PATH)
     async def verify(request: Request) -> Response:
-        with _counted(_state(request)):
-            return await _verify(request)
-
-    async def _verify(request: Request) -> Response:
-        state = _state(request)
-        started = time.perf_counter()
-        body = await request.body()  # the Guard capped its size
-        req = decode(VerifyRequest, body, request.headers.get("content-type"))
-        _refuse_new_while_draining(request, state, req.session_id)
-        if state.is_stage:
-            raise InvalidRequest(f"this worker is a pipeline stage (layers {state.settings.layers}): it answers /v1/stage/forward, not /v1/verify", param="mode")
-        await state.steps.transforms.precompile(req.transform, req.prefix_len == 0)
-        decoded = time.perf_counter()
-        timing: dict[str, float] = {}
-        resp = await state.scheduler.verify(req, timing)
-        encoding = time.perf_counter()
-        payload, content_type = _encode(state, request, resp, len(body))
-        done = time.perf_counter()
-        queue = (encoding - decoded) * 1e3 - timing.get("model", 0.0) - timing.get("score", 0.0)  # waiting for its step, and the batch-mates' scoring
-        timing.update(codec=(decoded - started + done - encoding) * 1e3, queue=max(queue, 0.0), total=(done - started) * 1e3)
-        return Response(payload, media_type=content_type, headers={"server-timing": server_timing(timing)})
+        headers = request.headers
+        payload, content_type, timing = await _verified(request.app, await request.body(), headers.get("content-type"), headers.get("accept", ""))
+        return Response(payload, media_type=content_type, headers={"server-timing": timing})
 
     @app.post("/v1/stage/forward")
     async def stage_forward(request: Request) -> Response:
@@ -254,18 +309,22 @@ def _refusal(exc: Exception) -> tuple[int, ErrorBody]:
     return 500, ErrorBody(f"internal error: {type(exc).__name__}", "server_error", code="server_error")
 
 
+def _refused(app: FastAPI, path: str, exc: Exception) -> tuple[int, bytes, dict[str, str]]:
+    """An error a route raised: its status, its body in the envelope, its headers; counted by code (``/metrics``)."""
+    if not isinstance(exc, (SpecgateError, StageFailed)):
+        log.error("unexpected error in %s", path, exc_info=exc)
+    status, body = _refusal(exc)
+    state = getattr(app.state, "worker", None)
+    if state is not None:
+        state.errors[body.code or "stage_failed"] += 1
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, (WorkerFull, WorkerDraining)) else {}
+    return status, body.to_json(), headers
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     async def refused(request: Request, exc: Exception) -> Response:
-        if not isinstance(exc, (SpecgateError, StageFailed)):
-            log.exception("unexpected error in %s", request.url.path)
-        status, body = _refusal(exc)
-        state = getattr(request.app.state, "worker", None)
-        if state is not None:
-            state.errors[body.code or "stage_failed"] += 1
-        response = _error(status, body)
-        if isinstance(exc, (WorkerFull, WorkerDraining)):
-            response.headers["Retry-After"] = str(exc.retry_after_s)
-        return response
+        status, body, headers = _refused(request.app, request.url.path, exc)
+        return Response(body, status_code=status, media_type=JSON_CONTENT_TYPE, headers=headers)
 
     for kind in (SpecgateError, StageFailed, Exception):  # subclasses by their MRO
         app.add_exception_handler(kind, refused)
