@@ -31,10 +31,16 @@ def _json(fields: dict[str, Any]) -> tuple[bytes, dict[str, str]]:
     return orjson.dumps(fields), {"content-type": JSON_CONTENT_TYPE, **AUTH}
 
 
+def _headed(call: tuple[bytes, dict[str, str]], **changes: str | None) -> tuple[bytes, dict[str, str]]:
+    body, headers = call
+    headers = {**headers, **{k: v for k, v in changes.items() if v is not None}}
+    return body, {k: v for k, v in headers.items() if changes.get(k, "") is not None}
+
+
 # name -> (session suffix -> (body, headers)); each case runs once per route, on a session of its own
 CASES: dict[str, Callable[[str], tuple[bytes, dict[str, str]]]] = {
     "good chain": lambda s: _call(s, [], PROMPT, [11, 22, 33]),
-    "good json": lambda s: (lambda b, h: (b, {**h, "accept": JSON_CONTENT_TYPE}))(*_call(s, [], PROMPT, [11], mode="exact", temperature=0.0)),
+    "good json": lambda s: _headed(_call(s, [], PROMPT, [11], mode="exact", temperature=0.0), accept=JSON_CONTENT_TYPE),
     "good seeded": lambda s: _call(s, [], PROMPT, [], mode="autoregressive", temperature=0.8, seed=7, return_probs=False),
     "empty body": lambda s: (b"", {"content-type": BINARY_CONTENT_TYPE, **AUTH}),
     "garbage frame": lambda s: (b"\x00garbage", {"content-type": BINARY_CONTENT_TYPE, **AUTH}),
@@ -46,8 +52,8 @@ CASES: dict[str, Callable[[str], tuple[bytes, dict[str, str]]]] = {
     "autoregressive with a draft": lambda s: _call(s, [], PROMPT, [1], mode="autoregressive"),
     "prefix the session lacks": lambda s: _call(s, PROMPT, [5], []),
     "context overflow": lambda s: _call(s, [], PROMPT * 200, []),
-    "no key": lambda s: (lambda b, h: (b, {k: v for k, v in h.items() if k != "authorization"}))(*_call(s, [], PROMPT, [])),
-    "wrong key": lambda s: (lambda b, h: (b, {**h, "authorization": "Bearer nope"}))(*_call(s, [], PROMPT, [])),
+    "no key": lambda s: _headed(_call(s, [], PROMPT, []), authorization=None),
+    "wrong key": lambda s: _headed(_call(s, [], PROMPT, []), authorization="Bearer nope"),
     "body over the cap": lambda s: (b"x" * 5000, {"content-type": BINARY_CONTENT_TYPE, **AUTH}),
 }
 
