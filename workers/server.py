@@ -50,7 +50,7 @@ class WorkerApp(FastAPI):
         await super().__call__(scope, receive, send)
 
 
-def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thread: ModelThread | None = None) -> FastAPI:
+def create_app(settings: WorkerSettings, runner: ModelRunner | None = None, thread: ModelThread | None = None) -> WorkerApp:
     """A worker app for ``settings``; loads the model at start-up unless ``runner`` is given (with its ``thread``: every runner call runs there)."""
 
     @asynccontextmanager

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from core.protocol import BINARY_CONTENT_TYPE, JSON_CONTENT_TYPE, VerifyRequest, VerifyResponse, decode, encode
+from core.names import Backend
 from core.runners import ModelRunner
 from workers.server import WorkerApp, create_app
 from workers.settings import WorkerSettings
@@ -78,7 +79,7 @@ async def test_fast_verify_answers_as_fastapis_route(name: str, tiny_runner: Mod
     seen = []
     for fast in (True, False):  # each route on an app of its own, the runner emptied: the same session ids, the same state
         tiny_runner.free_all()
-        app = create_app(WorkerSettings(model="tiny-random", backend="transformers", token=TOKEN, max_body_bytes=4096), runner=tiny_runner)
+        app = create_app(WorkerSettings(model="tiny-random", backend=Backend.TRANSFORMERS, token=TOKEN, max_body_bytes=4096), runner=tiny_runner)
         assert isinstance(app, WorkerApp) and app.fast_verify
         app.fast_verify = fast
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
@@ -96,7 +97,7 @@ async def test_fast_verify_answers_as_fastapis_route(name: str, tiny_runner: Mod
 
 
 async def test_a_draining_worker_refuses_a_new_session_on_both_routes(tiny_runner: ModelRunner) -> None:
-    app = create_app(WorkerSettings(model="tiny-random", backend="transformers"), runner=tiny_runner)
+    app = create_app(WorkerSettings(model="tiny-random", backend=Backend.TRANSFORMERS), runner=tiny_runner)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
         body, headers = _call("held", [], PROMPT, [])
         assert (await client.post("/v1/verify", content=body, headers=headers)).status_code == 200
@@ -112,7 +113,7 @@ async def test_a_draining_worker_refuses_a_new_session_on_both_routes(tiny_runne
 
 
 async def test_other_methods_and_routes_still_take_fastapis_stack(tiny_runner: ModelRunner) -> None:
-    app = create_app(WorkerSettings(model="tiny-random", backend="transformers"), runner=tiny_runner)
+    app = create_app(WorkerSettings(model="tiny-random", backend=Backend.TRANSFORMERS), runner=tiny_runner)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
         assert (await client.get("/v1/verify")).status_code == 405
         assert (await client.post("/v1/verify/")).status_code in (307, 404)
