@@ -170,7 +170,7 @@ class StepBatcher:
                 if not active:
                     return
                 try:
-                    await self.thread.run(self._step, active)
+                    await self.thread.run(self._steps, active)
                 except Exception as exc:  # noqa: BLE001 - a broken step fails its drafts, not the loop
                     for d in active:
                         d.item, d.error = None, d.error or exc
@@ -184,8 +184,15 @@ class StepBatcher:
                 if not d.done.done():
                     d.done.cancel()
 
-    def _step(self, drafts: list[Drafting]) -> None:
-        """On the model thread: start new drafts, close stopped ones, one ``forward_each`` of the waiting items (``take_within``), each draft on."""
+    def _steps(self, drafts: list[Drafting]) -> None:
+        """On the model thread: steps while no draft ends or is stopped and none arrives. Each return to the event loop
+        and back is a thread hop, and a chain takes a step per token: its drafted tokens take one hop, not one each."""
+        while self._step(drafts) and not self._arrived and not any(d.finished or d.stop for d in drafts):
+            pass
+
+    def _step(self, drafts: list[Drafting]) -> bool:
+        """On the model thread: start new drafts, close stopped ones, one ``forward_each`` of the waiting items
+        (``take_within``), each draft on; whether it forwarded any."""
         for d in drafts:
             if d.stop and not d.finished:
                 d.steps.close()
@@ -202,7 +209,7 @@ class StepBatcher:
         elif behind:
             self._passed += 1
         if not taken:
-            return
+            return False
         started = time.perf_counter()
         results = self.runner.forward_each([d.item for d in taken if d.item is not None])
         seconds = time.perf_counter() - started
@@ -216,3 +223,4 @@ class StepBatcher:
                 d.fail(result)
             else:
                 d.advance(result)
+        return True

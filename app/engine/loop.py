@@ -33,6 +33,7 @@ __all__ = ["STRATEGIES", "Engine"]
 
 FORCED_EXTRA = 8  # tokens a grammar forces that a draft may carry beyond its shape (free: no draft step of their own)
 MAX_DRAFT = 32  # the longest chain sent (γ ≤ 32; a worker decodes tokens + draft, ≤ 32 keeps llama.cpp's numerics)
+NO_DRAFT = TokenTree.chain([], [])  # a round without a draft (frozen: one for them all, not one built per round)
 
 
 class Engine:
@@ -63,7 +64,7 @@ class Engine:
     async def rounds(self, session: Session, strategy: RoundStrategy) -> AsyncGenerator[RoundResult, None]:
         """forced? → propose (none while a late draft prefills) → verify → commit, until EOS or a length limit."""
         if session.req.prompt_logprobs is not None:
-            yield await score_prompt(self._round(session, session.req, TokenTree.chain([], [])))
+            yield await score_prompt(self._round(session, session.req, NO_DRAFT))
         overlap = Overlap(self.draft, self.eos_ids) if session.req.spec.overlap else None
         late = LateDraft.start(self.draft, session, self.prefill_waits)
         try:
@@ -79,7 +80,7 @@ class Engine:
                     continue
                 wanted, keyed, timing, started = session.gamma(), session.keyed(), dict[str, float](), time.perf_counter()
                 if late is not None and late.skips():  # the targets sample the round's token, as autoregressive's
-                    rnd = self._round(session, keyed, TokenTree.chain([], []))
+                    rnd = self._round(session, keyed, NO_DRAFT)
                     result = _timed(await strategy.verify(rnd), rnd, started, started, timing, False)
                     result.without_draft = 1
                     yield session.commit(result, rnd.draft)
@@ -179,12 +180,12 @@ def forced(session: Session, room: int) -> RoundResult | None:
 async def propose(draft: DraftModel, session: Session, room: int, gamma: int, keyed: GenerationRequest, timing: dict[str, float], prepared: TokenTree | None = None) -> TokenTree:
     """The round's draft (``keyed``: the request as this round draws): its tree, else a chain of ``gamma`` (``prepared`` with overlap), or none."""
     if not MODES[keyed.spec.mode].drafts:
-        return TokenTree.chain([], [])
+        return NO_DRAFT
     request = keyed.draft(session.id, session.sequence, session.transformer)
     if keyed.spec.mode is Mode.TREE:  # the request's tree, else the default by temperature
         shape = keyed.spec.tree or TreeShape.default(keyed.params.is_greedy)
         if room <= 1:
-            return TokenTree.chain([], [])
+            return NO_DRAFT
         cut = shape.cut(room - 1)  # no deeper than the room left after the round's last token
         extra = max(0, min(FORCED_EXTRA, MAX_DRAFT - cut.size))  # the grammar's forced runs below the leaves, free
         return await draft.propose_tree(request, cut, room - 1, extra, timing)
@@ -192,6 +193,6 @@ async def propose(draft: DraftModel, session: Session, room: int, gamma: int, ke
     if prepared is not None:
         return prepared.head(gamma)
     if gamma <= 0:
-        return TokenTree.chain([], [])
+        return NO_DRAFT
     limit = min(room - 1, max(gamma, min(gamma + FORCED_EXTRA, MAX_DRAFT)))  # a grammar's forced tokens on top, free
     return await draft.propose(request, gamma, limit, timing=timing)

@@ -27,8 +27,9 @@ class AutoregressiveStrategy(RoundStrategy):
             token, target = await self._greedy(rnd, want_logprobs)
         else:
             responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs)
-            u = uniform(req.seed, req.choice, rnd.positions[0], Purpose.WORKER_CHOICE)
-            chosen = sample_index(normalise_weights(rnd.weights), u)
+            chosen = 0  # one worker: its sample (the draw over one weight picks it whatever u is)
+            if len(rnd.weights) > 1:
+                chosen = sample_index(normalise_weights(rnd.weights), uniform(req.seed, req.choice, rnd.positions[0], Purpose.WORKER_CHOICE))
             token = int(array(responses[chosen].samples)[0])
             target = mixture(responses, rnd.vocab_size, rnd.weights) if want_logprobs else None
         logprobs = token_logprobs(normalised(target[:1]), [token], req.top_logprobs) if target is not None else None
