@@ -16,7 +16,7 @@ import sys
 COMMANDS: dict[str | None, tuple[str, str]] = {
     "eval": ("clients.eval", "evaluate"), "law": ("clients.law", "check_law"), "chat": ("clients.chat", "chat"), "prepare": ("clients.prepare", "prepare"),
     None: ("clients.bench.modes", "bench_modes"), "worker": ("clients.bench.worker", "bench_worker"),
-    **{bench: (f"clients.bench.{bench}", f"bench_{bench}") for bench in ("load", "grammar", "structured", "workload", "overhead", "dsd", "tree", "pipeline", "prefill", "consistency")},
+    **{bench: (f"clients.bench.{bench}", f"bench_{bench}") for bench in ("load", "grammar", "structured", "workload", "overhead", "dsd", "tree", "pipeline", "prefill", "consistency", "peer")},
 }
 
 
@@ -119,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     structured.add_argument("--runs", type=int, default=2, help="seeds per prompt and cell (default: 2)")
     structured.add_argument("--max-tokens", type=int, default=96, help="tokens per request (default: 96)")
     structured.add_argument("--quick", action="store_true", help="one seed, T = 1 only, exact and autoregressive")
+    peer = _with_json(benches.add_parser("peer", help="the engine alone (llama-cpp-python, same GGUF, same threads) beside specgate's modes and drafters, short and long prompts"))
+    peer.add_argument("--runs", type=int, default=2, help="runs over the prompts (default: 2)")
+    peer.add_argument("--prompts", type=int, default=4, help="prompts per set, 1 to 4 (default: 4)")
+    peer.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (default: 64)")
+    peer.add_argument("--quick", action="store_true", help="two prompts per set, one run")
     workload = _with_json(benches.add_parser(
         "workload", help="drafters model, lookup and model+lookup per category of a bundled prompt set, T = 0 and 1, two links",
     ))

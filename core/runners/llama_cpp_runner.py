@@ -6,7 +6,9 @@ thread count — as long as llama.cpp runs one attention kernel for them all. It
 a stream in a micro-batch of 64 or more take a tiled kernel (so no decode carries more than ``DECODE_TOKENS``);
 a micro-batch of **one** token whose KV view reaches 512 cells (its stream holds more than ``KV_PAD``) takes a
 split-KV kernel that sums the cache in one part per thread (so such a decode runs on one thread, where that
-kernel is the plain one: ``_decode``); every other micro-batch takes the plain kernel. Logits also depend on
+kernel is the plain one, or beside a throwaway token of a stream kept for it, where the micro-batch holds two
+streams and takes the plain kernel on every thread: ``_decode``, ``LongDecode``); every other micro-batch takes the
+plain kernel. Logits also depend on
 the order of a context's KV cells (a freed cell reused before earlier positions moves them by up to 1), so
 no two sessions share a stream of cells: chain sessions are sequence ids of one shared context with a KV
 stream each (one decode carries many, bit-identical to alone); a tree session, from its first tree row on,
@@ -36,6 +38,7 @@ from core.runners.tokenizer import eos_ids
 
 log = logging.getLogger(__name__)
 
+PAD_STREAM_FROM = 3  # threads from which a long decode of one goes beside a throwaway token (its cost does not grow with threads)
 DECODE_TOKENS = 32  # tokens per decode at most; 64 or more rows of a stream in a micro-batch would change the logits
 KV_PAD = 256  # llama.cpp pads a KV view to this many cells: a stream holding more sees 512 or more (one token's split-KV kernel)
 TREE_SEQUENCES = 64  # sequence ids per context: the session's and one per tree leaf
@@ -81,10 +84,14 @@ class Stream(Place):
 
 
 _P = TypeVar("_P", Slot, Stream)
+LONG_DECODES = ("one thread", "pad stream")  # how a chain session's decode of one past KV_PAD cells keeps the plain kernel
 
 
 class LlamaCppRunner(ModelRunner):
-    def __init__(self, source: ModelSource, tokenizer: Any, max_context: int = 2048, memory_cap_mb: int = 1024, n_threads: int | None = None) -> None:
+    def __init__(
+        self, source: ModelSource, tokenizer: Any, max_context: int = 2048, memory_cap_mb: int = 1024, n_threads: int | None = None,
+        long_decode: str | None = None,
+    ) -> None:
         super().__init__()
         if not source.is_gguf:
             raise ModelLoadError(f"the llama.cpp backend needs a GGUF file, got {source.name!r}")
@@ -114,6 +121,12 @@ class LlamaCppRunner(ModelRunner):
         self.num_contexts = max(1, int(cap * (1 - STREAMS_SHARE)) // context_bytes)
         self.num_streams = max(1, min(MAX_STREAMS, int(cap * STREAMS_SHARE) // (self.n_ctx_stream * self._kv_bytes)))
         self._n_threads = n_threads or usable_cores()
+        # a chain session's decode of one token past KV_PAD cells: on one thread, or beside a throwaway token in the next
+        # stream (``pad stream``: +40–50 % a decode at any thread count, where one thread costs more the more threads;
+        # scripts/invariance_cost.py, docs/performance.md); a tree's context has one stream: one thread there
+        self.long_decode = long_decode or (LONG_DECODES[1] if self._n_threads >= PAD_STREAM_FROM else LONG_DECODES[0])
+        if self.long_decode not in LONG_DECODES:
+            raise ValueError(f"long_decode must be one of {LONG_DECODES}, got {long_decode!r}")
         self._batch = _internals.LlamaBatch(n_tokens=DECODE_TOKENS, embd=0, n_seq_max=TREE_SEQUENCES, verbose=False)
         self._slots: list[Slot] = []
         self._shared: Any = None  # the chain sessions' context (made on first use)
@@ -123,6 +136,7 @@ class LlamaCppRunner(ModelRunner):
         self.reused_rows = 0  # rows a new session took from the prompt cache, since start
         self.max_decode_tokens = 0  # the largest decode issued so far (tests assert ≤ DECODE_TOKENS)
         self.one_thread_decodes = 0  # one-token decodes of a long sequence run on one thread, since start (tests)
+        self.padded_decodes = 0  # ... run beside a throwaway token of a neighbouring stream (tests)
 
     def memory_bytes(self) -> int:
         # KV lives in the fixed pool; what grows with sessions is their rows
@@ -407,13 +421,46 @@ class LlamaCppRunner(ModelRunner):
                     raw.seq_id[i][j] = seq
                 raw.logits[i] = flag
             alone = long and len(chunk) == 1 and self._n_threads > 1
-            self._llama_cpp.llama_set_n_threads(ctx.ctx, 1 if alone else self._n_threads, self._n_threads)  # one-token, larger micro-batches
-            self.one_thread_decodes += alone
-            ctx.decode(self._batch)
+            beside = self._neighbour(chunk[0][2][0]) if alone and ctx is self._shared and self.long_decode == "pad stream" else None
+            if beside is not None:  # the throwaway token: two neighbouring streams in the micro-batch, the plain kernel
+                seq, position, first = beside
+                raw.n_tokens = 2
+                at, real = (0, 1) if first else (1, 0)
+                raw.token[real], raw.pos[real], raw.n_seq_id[real], raw.logits[real] = chunk[0][0], chunk[0][1], 1, chunk[0][3]
+                raw.seq_id[real][0] = chunk[0][2][0]
+                raw.token[at], raw.pos[at], raw.n_seq_id[at], raw.logits[at] = chunk[0][0], position, 1, False
+                raw.seq_id[at][0] = seq
+            one = alone and beside is None
+            self._llama_cpp.llama_set_n_threads(ctx.ctx, 1 if one else self._n_threads, self._n_threads)  # one-token, larger micro-batches
+            self.one_thread_decodes += one
+            self.padded_decodes += beside is not None
+            try:
+                ctx.decode(self._batch)
+            finally:
+                if beside is not None:
+                    self._llama_cpp.llama_memory_seq_rm(ctx.memory, beside[0], beside[1], -1)
+            if beside is not None and beside[2]:  # the real token second
+                if not chunk[0][3]:
+                    continue
+                logits = ctypes.cast(ctx.get_logits_ith(1), ctypes.POINTER(ctypes.c_float))
+                out[row_of[begin]] = np.ctypeslib.as_array(logits, shape=(self.info.vocab_size,)).copy()
+                continue
             for i, (_, _, _, flag) in enumerate(chunk):
                 if flag:
                     logits = ctypes.cast(ctx.get_logits_ith(i), ctypes.POINTER(ctypes.c_float))
                     out[row_of[begin + i]] = np.ctypeslib.as_array(logits, shape=(self.info.vocab_size,)).copy()
+
+    def _neighbour(self, seq: int) -> tuple[int, int, bool] | None:
+        """Where a throwaway token goes beside a decode of one in stream ``seq`` of the shared context: the next stream
+        (llama.cpp puts streams in one micro-batch only by consecutive sequence ids, in the batch's order), else the one
+        before (then first in the batch); its position, after what that stream holds. The cell it takes is the one that
+        stream's next row would take, freed after the decode: that stream's rows keep their cells. None: no room (one thread)."""
+        for other, first in ((seq + 1, False), (seq - 1, True)):
+            if 0 <= other < self.num_streams:
+                position = int(self._llama_cpp.llama_memory_seq_pos_max(self._shared.memory, other)) + 1
+                if position < self.n_ctx_stream - 1:
+                    return other, position, first
+        return None
 
     def forward_full(self, tokens: list[int], num_logits: int) -> torch.Tensor:
         try:

@@ -206,3 +206,58 @@ def test_the_builtin_draft_scores_a_long_session_alike_token_by_token() -> None:
         assert torch.equal(torch.stack(steps), reference)
     finally:
         draft.free_all()
+
+
+@pytest.mark.parametrize("model", ["builtin", "builtin-draft"])
+def test_a_long_decode_of_one_beside_a_throwaway_stream_scores_alike(model: str, monkeypatch: Any) -> None:
+    """``pad stream`` (a worker or a draft from PAD_STREAM_FROM threads, forced here on two): a decode of one token past
+    256 cells goes on every thread beside a throwaway token in the next stream (or the one before) — two streams, the
+    plain kernel — and scores bit for bit as in one forward; the sessions in those streams score as alone after it.
+    Left alone on two threads (the control) the same decodes part."""
+    from core.runners import load_runner
+
+    runner = load_runner(model, "llama.cpp", threads=THREADS, memory_cap_mb=256)
+    assert isinstance(runner, LlamaCppRunner) and runner.long_decode == "one thread"  # two threads: one thread is the cheaper
+    runner.long_decode = "pad stream"
+    try:
+        reference = runner.forward_full(PROMPT[:280], 24)
+        short_reference = runner.forward_full(PROMPT[:48], 8)
+        # sessions in streams on both sides of the long one: its throwaway tokens go into theirs, and leave them as they were
+        runner.prefill("before", PROMPT[:40], 1)
+        runner.prefill("steps", PROMPT[:256], 1)
+        runner.prefill("short", PROMPT[:40], 1)
+        steps, shorts = [], []
+        for i, token in enumerate(PROMPT[256:280]):
+            items = [ForwardItem("steps", 256 + i, [token], logits_at=[0])]
+            if i % 3 == 0:
+                items.append(ForwardItem("short", 40 + i // 3, [PROMPT[40 + i // 3]], logits_at=[0]))
+            out = runner.forward_each(items)
+            steps.append(out[0][0])
+            shorts += [out[1][0]] if i % 3 == 0 else []
+        assert torch.equal(torch.stack(steps), reference)
+        assert torch.equal(torch.stack(shorts), short_reference)
+        assert runner.padded_decodes == 24 and runner.one_thread_decodes == 0
+        again = torch.stack([runner.append("before", [t], 1)[0] for t in PROMPT[40:48]])
+        assert torch.equal(again, short_reference)
+        fresh = load_runner(model, "llama.cpp", threads=THREADS, memory_cap_mb=256)  # the long session in the last stream:
+        assert isinstance(fresh, LlamaCppRunner)  # its throwaway tokens go into the one before, first in the batch
+        fresh.long_decode = "pad stream"
+        try:
+            for i in range(fresh.num_streams - 1):
+                fresh.prefill(f"filler{i}", PROMPT[:40], 1)
+            fresh.prefill("last", PROMPT[:256], 1)
+            assert fresh._streams[-1].session_id == "last" and fresh.num_streams > 1
+            last = torch.stack([fresh.append("last", [t], 1)[0] for t in PROMPT[256:280]])
+            assert torch.equal(last, reference) and fresh.padded_decodes == 24
+            filler = f"filler{fresh.num_streams - 2}"
+            assert torch.equal(torch.stack([fresh.append(filler, [t], 1)[0] for t in PROMPT[40:48]]), short_reference)
+        finally:
+            fresh.close()
+        monkeypatch.setattr(llama_cpp_runner, "KV_PAD", 10_000)  # the control: decodes of one on two threads, alone
+        padded = runner.padded_decodes
+        runner.prefill("control", PROMPT[:270], 1)
+        control = torch.stack([runner.append("control", [t], 1)[0] for t in PROMPT[270:280]])
+        assert runner.padded_decodes == padded and not torch.equal(control, reference[-10:])
+    finally:
+        runner.free_all()
+        runner.close()
