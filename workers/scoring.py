@@ -41,8 +41,16 @@ class RowSpec:
 
 def score_rows(logits: torch.Tensor, spec: RowSpec, held: int, model_ms: float) -> VerifyResponse:  # logits: [rows, V] fp32
     """T(p) at each row as ``spec`` says (a pipeline's last stage: its scored rows)."""
+    return _distributions(apply_sampling(logits, spec.params), spec, held, model_ms, None, _allowed(logits))
+
+
+def _allowed(logits: torch.Tensor) -> torch.Tensor | None:
+    """The ids a grammar left each row (its −inf masks others), None when every logit is finite: one sum tells (any −inf,
+    +inf or NaN makes it non-finite), the mask only then."""
+    if bool(torch.isfinite(logits.sum())):
+        return None
     finite = torch.isfinite(logits)
-    return _distributions(apply_sampling(logits, spec.params), spec, held, model_ms, None, None if bool(finite.all()) else finite)
+    return None if bool(finite.all()) else finite
 
 
 def score(
@@ -58,8 +66,7 @@ def score(
     if req.score_ids is not None:
         ids = torch.from_numpy(np.asarray(req.score_ids, dtype=np.int64))
         return VerifyResponse(held=held, score_logprobs=_logs(normalised(probs[:1])[0, ids]), model_ms=model_ms)
-    finite = torch.isfinite(logits)
-    resp = _answer(probs, req, held, model_ms, params, None if bool(finite.all()) else finite)
+    resp = _answer(probs, req, held, model_ms, params, _allowed(logits))
     asked = _asked_logprobs(probs, req, resp)
     if req.score_tokens and prompt_logits is not None:
         asked.update(_prompt_logprobs(normalised(apply_sampling(prompt_logits, params)), req))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -35,6 +36,12 @@ def top_k_entries(
     k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_positions, V] bool, exactly k True per row; [num_positions, k] their ids, ascending
     """The k largest entries of each row, ties at the threshold broken to the lowest id."""
+    if k == 1 and probs.device.type == "cpu":  # a greedy call's top-1: an argmax, ~4× cheaper than topk over the row
+        rows = probs.numpy()
+        best = rows.argmax(axis=-1)[:, None]
+        if bool((np.count_nonzero(rows >= np.take_along_axis(rows, best, axis=-1), axis=-1) == 1).all()):  # no tie at the top
+            ids = torch.from_numpy(best.astype(np.int64))
+            return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, ids, True), ids
     top = torch.topk(probs, k, dim=-1)
     threshold = top.values[:, -1:]
     if bool(((probs >= threshold).sum(dim=-1) == k).all()):  # no tie at any threshold: topk's are the ones
