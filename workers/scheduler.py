@@ -150,6 +150,14 @@ class VerifyScheduler:
                     await self._overlapped(self._take())
                 else:
                     await self._step(self._take())
+            if getattr(self.state, "looks_ahead", False):  # idle: the autoregressive answers' tokens decoded ahead
+                await self._look_ahead()
+
+    async def _look_ahead(self) -> None:
+        try:
+            await self.state.thread.run(self.state.look_ahead)  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - only a head start: the next calls decode as they would have
+            log.warning("decoding ahead failed", exc_info=True)
 
     def _next_exclusive(self) -> _Exclusive | None:
         """The first exclusive entry, once every call before it has had a step: a long call between two of its pieces

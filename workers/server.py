@@ -248,6 +248,8 @@ class _WorkerCollector(Collector):
         "model_seconds": "Seconds spent in the model.",
         "bytes_in": "Bytes of verify requests received.",
         "bytes_out": "Bytes of verify answers sent.",
+        "decoded_ahead": "Autoregressive answers' tokens decoded while idle, before the next call carries them (decode_ahead).",
+        "taken_ahead": "Calls that found their decode done ahead.",
     }
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

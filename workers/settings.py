@@ -30,6 +30,7 @@ class WorkerSettings(BaseSettings):
     max_grammar_bytes: int = Field(default=64 * 1024, gt=0)  # the longest grammar source compiled (/v1/info reports it: the gateway refuses longer ones)
     max_batch_tokens: int = Field(default=256, gt=0)  # new tokens one scheduler step feeds the model, all its calls together (one call always goes)
     prefill_chunk: int | None = Field(default=None, gt=0)  # a long prompt's tokens per scheduler step, in the steps other calls leave free and one in four beside them (chunked prefill); None = 16 on llama.cpp, max_batch_tokens on transformers
+    decode_ahead: bool = True  # on the CPU, while idle: an autoregressive answer's token decoded before its session's next call carries it (a remote gateway's round trip hides the decode)
     threads: int | None = Field(default=None, gt=0)  # CPU threads of the model; None = every core
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the model runs (auto = cuda if present); llama.cpp: the CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: model dtype (auto = bfloat16 on a GPU, float32 on the CPU); probabilities are fp32 always

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from core.errors import ContextOverflow, InvalidRequest, SessionShort
+from core.names import Mode
 from core.protocol import StageRequest, VerifyRequest, VerifyResponse, check_verify_request
 from core.math.tree import path_of
 from core.runners import ModelRunner
@@ -55,6 +56,11 @@ class Steps:
         # the step's one upload: the runner's (the static forward sends it with its inputs), else one of its own for the scorer
         device = getattr(runner, "device", None) or torch.device("cpu")
         self.upload: StepUpload | None = getattr(runner, "upload", None) or (StepUpload(device) if scores_on_device else None)
+        # an autoregressive answer's token decoded while the worker is idle (``look_ahead``): on a CPU, where a decode is
+        # most of a round, the next call of its session finds it done; a pipeline stage or a device scorer does not
+        self.looks_ahead = settings.decode_ahead and device.type == "cpu" and settings.layers is None and not scores_on_device
+        self._wanted: dict[str, tuple[int, int, bool]] = {}  # session -> (rows held, the answer's token, seeded): to decode ahead
+        self._ahead: dict[str, tuple[int, int, torch.Tensor]] = {}  # session -> (rows before it, its token, its logits [1, V])
 
     def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
         """``POST /v1/verify`` for one call alone; ``timing`` gets the model's and the scoring's ms."""
@@ -96,8 +102,12 @@ class Steps:
         items, order = [], []
         device: dict[int, tuple[int, Shaping | None, DeviceTransform | None]] = {}  # call index -> its place among the device-scored, its transform
         scored_calls: list[VerifyRequest] = []
+        ahead: list[tuple[int, VerifyRequest, torch.Tensor, Shaping | None]] = []  # calls whose decode was done ahead
         for i, req in enumerate(reqs):
             try:
+                if isinstance(req, VerifyRequest) and (logits := self._taken_ahead(req)) is not None:
+                    ahead.append((i, req, logits, self._shaping(req)))
+                    continue
                 prepared = self.stage.prepare(req) if isinstance(req, StageRequest) else self._prepare_piece(req) if isinstance(req, Piece) else self._prepare(req)
                 item, rows, shaping = prepared
                 if item is None:  # a piece the prompt cache held: nothing to decode
@@ -160,6 +170,10 @@ class Steps:
         if together:
             assert scoring is not None
             self._launch_scoring(pending, scoring, [device[i][0] for i, *_ in together], together)
+        for i, call, logits, shaping in ahead:  # no decode in this step: scored on the host with the others
+            timings[i]["model"] = 0.0
+            self.sessions.touch(call.session_id)
+            pending.on_host.append((i, call, logits, 0, shaping, self.runner.length(call.session_id)))
         return pending
 
     def _launch_scoring(
@@ -217,7 +231,51 @@ class Steps:
         self.counters["positions_scored"] += len(req.draft) + 1
         rows = shaped(logits[scored_tokens:], shaping)
         resp = score(rows, req, held, model_ms, logits[:scored_tokens] if req.score_tokens else None)
+        if self.looks_ahead and req.ahead and req.mode == Mode.AUTOREGRESSIVE.value and req.score_ids is None:
+            token = resp.samples[0] if resp.samples is not None else resp.ids[0, 0] if resp.ids is not None else None
+            if token is not None and int(token) not in self.runner.info.eos_ids:  # the answer ends there
+                self._wanted[req.session_id] = (held, int(token), req.seeded)
         return replace(resp, batch_sessions=batch) if batch > 1 else resp
+
+    def look_ahead(self) -> int:
+        """On the model thread, while no call waits: decode each session's last autoregressive token (its sample, or its
+        greedy top-1) that the gateway said it takes as it is (``ahead``: a single worker), which its next call then
+        carries unless the answer ended, and keep the logits (``_taken_ahead``). A seeded call's alone, as its own decode would be. Sessions gone since are
+        dropped; how many were decoded."""
+        wanted, self._wanted = self._wanted, {}
+        self._ahead = {s: kept for s, kept in self._ahead.items() if s in self.sessions}
+        items, keys = [], []
+        for session_id, (held, token, seeded) in wanted.items():
+            if session_id not in self.sessions or self.runner.length(session_id) != held or held + 1 > self.stage.max_context:
+                continue
+            item = self.runner.append_item(session_id, [token], 1)
+            items.append(replace(item, alone=True) if seeded else item)
+            keys.append((session_id, held, token))
+        if not items:
+            return 0
+        outputs = self.runner.forward_each(items)
+        for (session_id, held, token), logits in zip(keys, outputs):
+            if isinstance(logits, Exception):
+                self.runner.crop(session_id, held)
+            else:
+                self._ahead[session_id] = (held, token, logits)
+        self.counters["decoded_ahead"] += len(items)
+        return len(items)
+
+    def _taken_ahead(self, req: VerifyRequest) -> torch.Tensor | None:
+        """The logits decoded ahead for this call (its session's rows then its one token, as its own decode would give
+        them), the call checked and admitted as it would be; None when it carries anything else (its decode crops them)."""
+        kept = self._ahead.pop(req.session_id, None)
+        if kept is None:
+            return None
+        held, token, logits = kept
+        if (req.prefix_len != held or req.tokens.size != 1 or int(req.tokens[0]) != token or req.draft.size or req.parents is not None
+                or req.path is not None or req.score_tokens or req.score_ids is not None or self.runner.length(req.session_id) != held + 1
+                or self.runner.tokens(req.session_id)[held] != token):
+            return None
+        self._admit(req)
+        self.counters["taken_ahead"] += 1
+        return logits
 
     def _prepare(self, req: VerifyRequest, fed: int = 0) -> tuple[ForwardItem, int, Shaping | None]:
         """Check a call and crop its session: its forward item, the logits rows scoring its own tokens (echo) before the

@@ -60,11 +60,15 @@ def bench_peer(args: argparse.Namespace) -> int:
         runners: dict[str, Callable[[list[dict[str, str]], list[int]], tuple[float, int]]] = {}
         for name, llm in engines.items():
             runners[name] = partial(_engine_answer, llm, max_tokens=args.max_tokens)
+        rounds: dict[str, list[int]] = {name: [] for name in OURS}  # each answer's rounds, in the order of seconds and tokens
         for name, spec in OURS.items():
-            runners[name] = partial(_ours, client, spec=spec, max_tokens=args.max_tokens)
+            runners[name] = partial(_ours, client, spec=spec, max_tokens=args.max_tokens, rounds=rounds[name])
         for name in CELLS:  # warm-up: a short answer each
             warm = _marked(prompts["short"][0], -1)
             runners[name](warm, _chat_ids(client, warm))
+        for kept in rounds.values():
+            kept.clear()
+        counts: dict[tuple[str, str], list[int]] = {}
         bar = Bar(total)
         for run in range(args.runs):
             for set_name, messages in prompts.items():
@@ -75,8 +79,10 @@ def bench_peer(args: argparse.Namespace) -> int:
                         elapsed, count = runners[name](marked, _chat_ids(client, marked))
                         seconds.setdefault((name, set_name), []).append(elapsed)
                         tokens.setdefault((name, set_name), []).append(count)
+                        if name in rounds:
+                            counts.setdefault((name, set_name), []).append(rounds[name][-1])
                         bar.step(f"{set_name} {name}: {count / elapsed:.1f} tok/s")
-    rows = [_row(name, set_name, seconds[name, set_name], tokens[name, set_name]) for name in CELLS for set_name in prompts]
+    rows = [_row(name, set_name, seconds[name, set_name], tokens[name, set_name], counts.get((name, set_name))) for name in CELLS for set_name in prompts]
     engine = {r["set"]: r["tokens_per_s"] for r in rows if r["cell"] == ENGINE}
     for r in rows:
         r["vs_engine"] = r["tokens_per_s"] / engine[r["set"]] if engine.get(r["set"]) else float("nan")
@@ -132,18 +138,23 @@ def _engine_answer(llm: Any, _: list[dict[str, str]], prompt: list[int], max_tok
     return time.perf_counter() - started, int(out["usage"]["completion_tokens"])
 
 
-def _ours(client: httpx.Client, messages: list[dict[str, str]], _: list[int], spec: dict[str, Any], max_tokens: int) -> tuple[float, int]:
+def _ours(client: httpx.Client, messages: list[dict[str, str]], _: list[int], spec: dict[str, Any], max_tokens: int, rounds: list[int]) -> tuple[float, int]:
     body = {"model": "specgate", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "speculative": spec}
     started = time.perf_counter()
     resp = client.post("/v1/chat/completions", json=body)
     elapsed = time.perf_counter() - started
     resp.raise_for_status()
-    return elapsed, int(resp.json()["usage"]["completion_tokens"])
+    usage = resp.json()["usage"]
+    rounds.append(int(usage["speculative"]["rounds"]))
+    return elapsed, int(usage["completion_tokens"])
 
 
-def _row(cell: str, set_name: str, seconds: list[float], tokens: list[int]) -> dict[str, Any]:
+def _row(cell: str, set_name: str, seconds: list[float], tokens: list[int], rounds: list[int] | None) -> dict[str, Any]:
     rates = [n / s for n, s in zip(tokens, seconds) if s > 0]
-    return {"cell": cell, "set": set_name, "tokens_per_s": median(rates), "tokens_per_s_each": rates, "tokens": tokens, "seconds": seconds}
+    row = {"cell": cell, "set": set_name, "tokens_per_s": median(rates), "tokens_per_s_each": rates, "tokens": tokens, "seconds": seconds}
+    if rounds:  # specgate's: tokens per round (its first round, with the prefill, counted)
+        row |= {"rounds": rounds, "tokens_per_round": sum(tokens) / max(sum(rounds), 1)}
+    return row
 
 
 def _goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -168,6 +179,10 @@ def _print(results: dict[str, Any]) -> None:
             r = next(r for r in rows if r["cell"] == cell and r["set"] == s)
             line += f"{r['tokens_per_s']:>10.1f} ({r['vs_engine']:.2f}×)"
         print(line)
+    ours = [r for r in rows if "tokens_per_round" in r]
+    if ours:
+        print("specgate's tokens per round: " + "; ".join(
+            f"{cell.removeprefix('specgate ')} " + ", ".join(f"{r['tokens_per_round']:.2f}" for r in ours if r["cell"] == cell) for cell in OURS))
     for goal in results["goals"]:
         shown = ", ".join(f"{s} {v:.2f}×" for s, v in goal["ratios"].items())
         print(f"goal: {goal['cell']} ≥ {goal['goal']}× the engine alone ({shown}): {'met' if goal['met'] else 'not met'}")

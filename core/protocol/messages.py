@@ -55,7 +55,7 @@ class VerifyRequest(Message):
         "tokens": "ids", "draft": "ids", "draft_probs": "f64", "support_ids": "ids", "support_sizes": "i32", "support_q": "f64", "score_ids": "ids",
         "parents": "i32", "path": "i32",
     }
-    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "min_p", "transform", "seeded"})
+    EXTENSIONS: ClassVar[frozenset[str]] = frozenset({"logprobs", "score_tokens", "min_p", "transform", "seeded", "ahead"})
 
     session_id: str  # the gateway's id of this session (request, choice, worker)
     prefix_len: int  # tokens, ≥ 0: the agreed prefix the worker must already hold
@@ -85,6 +85,7 @@ class VerifyRequest(Message):
     transform: dict[str, Any] | None = None  # docs/design.md §3.9, sent on a call that starts the session (prefix_len 0) and kept by it: min_tokens, logit_bias, penalties, grammar (core.transform.TransformSpec's wire form)
     path: np.ndarray | None = None  # [a] i32, v1.1: the accepted nodes (root to leaf) of the tree the previous call left; the worker keeps them as the last a of the prefix_len agreed tokens, dropping the rest of that tree; absent after a resend
     seeded: bool = False  # the client gave the seed: the worker computes this call's logits as it would alone, whatever shares its step (a GPU's static forward: a replay of its own)
+    ahead: bool = False  # autoregressive: the gateway takes this worker's token as it is (its only worker), so the worker may decode it before the next call carries it (WorkerSettings.decode_ahead)
 
     def on_wire(self) -> VerifyRequest:
         """What is sent: the transform only on a call that starts the session (prefix_len 0,

@@ -26,7 +26,8 @@ class AutoregressiveStrategy(RoundStrategy):
         if req.params.is_greedy:
             token, target = await self._greedy(rnd, want_logprobs)
         else:
-            responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs)
+            ahead = {"ahead": True} if len(rnd.weights) == 1 else {}  # its sample is the token: the worker may decode it ahead
+            responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs, **ahead)
             chosen = 0  # one worker: its sample (the draw over one weight picks it whatever u is)
             if len(rnd.weights) > 1:
                 chosen = sample_index(normalise_weights(rnd.weights), uniform(req.seed, req.choice, rnd.positions[0], Purpose.WORKER_CHOICE))
@@ -51,4 +52,5 @@ class AutoregressiveStrategy(RoundStrategy):
             token = certified_argmax(rnd, responses, 0)
             return (token, None) if token is not None else None
 
-        return await growing_k(rnd, Mode.AUTOREGRESSIVE, None if want_logprobs else 1 if single else min(CERTIFY_K, vocab), decide)
+        ahead = {"ahead": True} if single else {}  # its top-1 is the token: the worker may decode it ahead
+        return await growing_k(rnd, Mode.AUTOREGRESSIVE, None if want_logprobs else 1 if single else min(CERTIFY_K, vocab), decide, **ahead)

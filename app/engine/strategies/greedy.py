@@ -47,10 +47,10 @@ async def certified_greedy(rnd: Round) -> RoundResult:
     return await growing_k(rnd, Mode.EXACT, min(CERTIFY_K, rnd.vocab_size), walk)
 
 
-async def growing_k(rnd: Round, mode: Mode, k: int | None, decide: Callable[[list[VerifyResponse], int | None], T | None]) -> T:
+async def growing_k(rnd: Round, mode: Mode, k: int | None, decide: Callable[[list[VerifyResponse], int | None], T | None], **wire: object) -> T:
     """Ask every target for its top-``k`` rows, then 8× as many, …, then whole rows, until ``decide`` can tell."""
     while True:
-        decided = decide(await rnd.call(mode=mode.value, k=k), k)
+        decided = decide(await rnd.call(mode=mode.value, k=k, **wire), k)
         if decided is not None:
             return decided
         k = None if k is None or k * 8 >= rnd.vocab_size else k * 8
