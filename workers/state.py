@@ -63,6 +63,6 @@ class WorkerState:
             tokenizer_fingerprint=self.runner.fingerprint, eos_ids=info.eos_ids, max_context=self.steps.stage.max_context, backend=info.backend,
             layer_range=list(self.runner.layer_range) if self.runner.layer_range is not None else None,
             num_layers=self.runner.num_layers, grammar_engine=engine_version(), max_grammar_bytes=self.settings.max_grammar_bytes,
-            step={**self.runner.step_info(), "scoring": "device" if self.steps.scores_on_device else "host"},
+            step={**self.runner.step_info(), "scoring": "device" if self.steps.scores_on_device else "host", "decode_ahead": self.steps.looks_ahead},
         )
 

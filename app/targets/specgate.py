@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from app.targets.channel import Channel, Expected, Replica, Traffic
 from app.targets.failures import AskAgain, ReplicaFailure, error_body, error_message, refused, status_failure
@@ -31,6 +32,8 @@ class SpecgateDialect:
     async def verify(self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic) -> VerifyResponse:
         """One exchange: the answer, or why not — ``AskAgain`` for a 409 (``held``) or a full worker, which the replica set retries."""
         started = time.perf_counter()
+        if req.ahead and not decodes_ahead(replica.info):  # an older worker would refuse the field it does not know
+            req = replace(req, ahead=False)
         body, content_type = encode(req.on_wire(), self.expected.vocab_size)
         traffic.time(gateway_codec=time.perf_counter() - started)
         status, answer = await self.channel.exchange(replica, "/v1/verify", body, _HEADERS, traffic)
@@ -58,3 +61,9 @@ class SpecgateDialect:
 
     def scorable(self, sequence: list[int], draft: list[int]) -> int:
         return len(draft)  # a worker scores every draft token
+
+
+def decodes_ahead(info: InfoResponse | None) -> bool:
+    """Whether the replica said it decodes an ``ahead`` call's token while idle (``/v1/info`` ``step.decode_ahead``): only
+    such a worker gets the field (one that does not know it refuses the frame)."""
+    return info is not None and bool((info.step or {}).get("decode_ahead"))

@@ -66,3 +66,17 @@ async def test_a_session_freed_after_its_head_start_leaves_nothing_behind(builti
         steps = app.state.worker.steps
         assert app.state.worker.counters["decoded_ahead"] == 1  # the first only: the second call did not ask
         assert "gone" not in steps._ahead and "gone" not in steps._wanted and np.isfinite(app.state.worker.counters["decoded_ahead"])
+
+
+def test_the_gateway_sends_ahead_only_to_a_worker_that_says_it_decodes_ahead() -> None:
+    """``ahead`` is a field an older worker does not know (it refuses the frame): the gateway sends it only where the
+    replica's ``/v1/info`` says ``step.decode_ahead``."""
+    from app.targets.specgate import decodes_ahead
+    from core.protocol import InfoResponse
+
+    def info(step: dict[str, Any] | None) -> InfoResponse:
+        return InfoResponse(protocol_version=1, modes=["autoregressive"], model_id="m", vocab_size=8, tokenizer_fingerprint="f", eos_ids=[2], max_context=64, backend="llama.cpp", step=step)
+
+    assert decodes_ahead(info({"scoring": "host", "decode_ahead": True}))
+    assert not decodes_ahead(info({"scoring": "host", "decode_ahead": False})) and not decodes_ahead(info({"scoring": "host"}))
+    assert not decodes_ahead(info(None)) and not decodes_ahead(None)
