@@ -132,9 +132,10 @@ class Steps:
         finally:
             if upload is not None and upload.open:  # a runner that sends nothing itself (transformers' modules): the scorer's numbers
                 upload.send()
-            for i in order:
+            answered = [*order, *(i for i, *_ in ahead)]  # the calls decoded ahead too: none of this step's sessions is evicted
+            for i in answered:
                 self.sessions.touch(reqs[i].session_id)
-            for i in order:
+            for i in answered:
                 self.sessions.evict(keep=reqs[i].session_id)
         model_ms = (time.perf_counter() - started) * 1e3
         self.counters["model_seconds"] += model_ms / 1e3
@@ -172,7 +173,6 @@ class Steps:
             self._launch_scoring(pending, scoring, [device[i][0] for i, *_ in together], together)
         for i, call, logits, shaping in ahead:  # no decode in this step: scored on the host with the others
             timings[i]["model"] = 0.0
-            self.sessions.touch(call.session_id)
             pending.on_host.append((i, call, logits, 0, shaping, self.runner.length(call.session_id)))
         return pending
 
@@ -233,7 +233,7 @@ class Steps:
         resp = score(rows, req, held, model_ms, logits[:scored_tokens] if req.score_tokens else None)
         if self.looks_ahead and req.ahead and req.mode == Mode.AUTOREGRESSIVE.value and req.score_ids is None:
             token = resp.samples[0] if resp.samples is not None else resp.ids[0, 0] if resp.ids is not None else None
-            if token is not None and int(token) not in self.runner.info.eos_ids:  # the answer ends there
+            if token is not None and held > 0 and int(token) not in self.runner.info.eos_ids:  # EOS: the answer ends there
                 self._wanted[req.session_id] = (held, int(token), req.seeded)
         return replace(resp, batch_sessions=batch) if batch > 1 else resp
 
@@ -248,7 +248,10 @@ class Steps:
         for session_id, (held, token, seeded) in wanted.items():
             if session_id not in self.sessions or self.runner.length(session_id) != held or held + 1 > self.stage.max_context:
                 continue
-            item = self.runner.append_item(session_id, [token], 1)
+            try:
+                item = self.runner.append_item(session_id, [token], 1)
+            except ValueError:  # its rows are no longer a chain (a tree call came between): nothing to decode ahead
+                continue
             items.append(replace(item, alone=True) if seeded else item)
             keys.append((session_id, held, token))
         if not items:

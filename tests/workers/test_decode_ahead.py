@@ -80,3 +80,26 @@ def test_the_gateway_sends_ahead_only_to_a_worker_that_says_it_decodes_ahead() -
     assert decodes_ahead(info({"scoring": "host", "decode_ahead": True}))
     assert not decodes_ahead(info({"scoring": "host", "decode_ahead": False})) and not decodes_ahead(info({"scoring": "host"}))
     assert not decodes_ahead(info(None)) and not decodes_ahead(None)
+
+
+def test_a_session_answered_from_its_head_start_is_not_the_one_evicted(builtin_llama: ModelRunner) -> None:
+    """A step that takes one call's decode done ahead and evicts (``max_sessions`` 2, a new session arriving) evicts
+    another session, as it would without decoding ahead: the session keeps its rows and its transform (a logit bias
+    that makes every token 504 here), and its next calls are answered without a resend."""
+    builtin_llama.free_all()
+    app = create_app(WorkerSettings(model="builtin", max_sessions=2), runner=builtin_llama)
+    steps = app.state.worker.steps
+    bias = {"logit_bias": [[504, 100.0]]}
+    params: dict[str, Any] = {"mode": "autoregressive", "temperature": 0.0, "k": 1, "ahead": True}
+    first = steps.verify(VerifyRequest.after("A", [], PROMPT, [], transform=bias, **params))
+    steps.verify(VerifyRequest.after("B", [], PROMPT[::-1], [], **params))
+    assert steps.look_ahead() == 2
+    agreed = [*PROMPT, _token(first)]
+    out = steps.verify_batch([VerifyRequest.after("A", PROMPT, agreed[-1:], [], **params), VerifyRequest.after("C", [], PROMPT[:6], [], **params)], [{}, {}])
+    assert isinstance(out[0], VerifyResponse) and out[0].held == len(agreed) and app.state.worker.counters["taken_ahead"] == 1
+    assert "A" in app.state.worker.sessions and "B" not in app.state.worker.sessions and "A" in app.state.worker.sessions.transforms
+    for _ in range(2):
+        agreed.append(_token(out[0]))
+        steps.look_ahead()
+        out = [steps.verify(VerifyRequest.after("A", agreed[:-1], agreed[-1:], [], **params))]
+    assert agreed[len(PROMPT):] == [504, 504, 504]
