@@ -7,7 +7,8 @@ against the position's logits in a decode of two (the plain kernel):
 - ``split`` (the kernel llama.cpp picks; other bits, the floor every option is a cost over);
 - ``one thread`` (the runner's choice since issue 58: the split kernel on one thread is the plain one);
 - ``pad position`` (the token and a throwaway one after it in its own stream, the throwaway's cell removed after);
-- ``pad stream`` (the token and a throwaway one in a second stream of the context, removed after);
+- ``pad stream`` (the token and a throwaway one in the next stream of the context, which holds as many cells, after
+  them, removed after: as the runner does it);
 - ``V f32``, ``K f32`` (a context whose V, or K, cache is float32: llama.cpp takes the split kernel only where K and V
   are of one type, so every decode takes the plain one — checked within that context, whose bits differ from the f16
   cache's everywhere, not only past 256 cells).
@@ -60,8 +61,9 @@ class Context:
         self.ctx = _internals.LlamaContext(model=model, params=params, verbose=False)
         self.batch = _internals.LlamaBatch(n_tokens=32, embd=0, n_seq_max=2, verbose=False)
         self.vocab = int(model.n_vocab())
-        for begin in range(0, cells - 1, 16):  # the prompt up to the timed position, in decodes of ≥ 2 tokens
-            self._decode([(PROMPT[p], p, 0, False) for p in range(begin, min(begin + 16, cells - 1))])
+        for seq in (0, 1):  # the prompt up to the timed position, in decodes of ≥ 2 tokens; the neighbouring stream as long
+            for begin in range(0, cells - 1, 16):
+                self._decode([(PROMPT[p], p, seq, False) for p in range(begin, min(begin + 16, cells - 1))])
         self.cells = cells
 
     def reference(self) -> np.ndarray:
@@ -84,9 +86,9 @@ class Context:
         elif name == "pad position":
             self._decode([(PROMPT[p], p, 0, True), (PROMPT[p + 1], p + 1, 0, False)])
             api.llama_memory_seq_rm(ctx.memory, 0, p + 1, -1)
-        else:
-            self._decode([(PROMPT[p], p, 0, True), (PROMPT[0], 0, 1, False)])
-            api.llama_memory_seq_rm(ctx.memory, 1, 0, -1)
+        else:  # after what the neighbouring stream holds, as the runner puts it
+            self._decode([(PROMPT[p], p, 0, True), (PROMPT[p], p, 1, False)])
+            api.llama_memory_seq_rm(ctx.memory, 1, p, -1)
         if name == "one thread":
             api.llama_set_n_threads(ctx.ctx, self.threads, self.threads)
         seconds = time.perf_counter() - started

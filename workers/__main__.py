@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--link-rtt-ms", type=float, help="a stage: emulated round trip to the next stage, ms (default: 0)")
     parser.add_argument("--link-mbps", type=float, help="a stage: emulated bandwidth to the next stage, Mbit/s (default: 0 = no limit)")
     parser.add_argument("--prefill-chunk", type=int, help="a long prompt's tokens per scheduler step, in the steps other calls leave free and one in four beside them (default: 16 on llama.cpp, max_batch_tokens on transformers)")
+    parser.add_argument("--long-decode", choices=["auto", "one-thread", "pad-stream"],
+                        help="llama.cpp: a long session's decode of one token on one thread, or beside a throwaway token (default: auto, pad-stream from 3 threads)")
     parser.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=None,
                         help="on the CPU, while idle: decode an autoregressive answer's token before its next call carries it (default: on)")
     parser.add_argument("--threads", type=int, help="CPU threads of the model (default: every core; split the cores between processes on one machine)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -105,7 +106,9 @@ class VerifyScheduler:
         self._task: asyncio.Task[None] | None = None
 
     async def verify(self, req: VerifyRequest | StageRequest, timing: dict[str, float]) -> Any:
-        """Queue a call (a verify call, or a pipeline stage's segment); its answer once its step has run."""
+        """Queue a call (a verify call, or a pipeline stage's segment); its answer once its step has run. ``timing`` gets
+        ``arrived`` (the step takes it: a call answered from a decode done ahead counts the part it waited for)."""
+        timing["arrived"] = time.perf_counter()
         return await self._enqueue(_Call(req, timing, asyncio.get_running_loop().create_future()))
 
     async def exclusive(self, fn: Callable[..., T], *args: Any) -> T:
@@ -150,14 +153,17 @@ class VerifyScheduler:
                     await self._overlapped(self._take())
                 else:
                     await self._step(self._take())
-            if getattr(self.state, "looks_ahead", False):  # idle: the autoregressive answers' tokens decoded ahead
-                await self._look_ahead()
+            while not self._queue and getattr(self.state, "wants_ahead", False):  # idle: answers' tokens decoded ahead, one a hop
+                if not await self._look_ahead():
+                    break
 
-    async def _look_ahead(self) -> None:
+    async def _look_ahead(self) -> bool:
         try:
             await self.state.thread.run(self.state.look_ahead)  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001 - only a head start: the next calls decode as they would have
             log.warning("decoding ahead failed", exc_info=True)
+            return False
+        return True
 
     def _next_exclusive(self) -> _Exclusive | None:
         """The first exclusive entry, once every call before it has had a step: a long call between two of its pieces

@@ -30,6 +30,7 @@ class WorkerSettings(BaseSettings):
     max_grammar_bytes: int = Field(default=64 * 1024, gt=0)  # the longest grammar source compiled (/v1/info reports it: the gateway refuses longer ones)
     max_batch_tokens: int = Field(default=256, gt=0)  # new tokens one scheduler step feeds the model, all its calls together (one call always goes)
     prefill_chunk: int | None = Field(default=None, gt=0)  # a long prompt's tokens per scheduler step, in the steps other calls leave free and one in four beside them (chunked prefill); None = 16 on llama.cpp, max_batch_tokens on transformers
+    long_decode: Literal["auto", "one-thread", "pad-stream"] = "auto"  # llama.cpp: how a long session's decode of one token keeps its bits (docs/design.md §10): on one thread, or beside a throwaway token in a neighbouring stream; auto = one-thread up to 2 threads, pad-stream from 3
     decode_ahead: bool = True  # on the CPU, while idle: an autoregressive answer's token decoded before its session's next call carries it (a remote gateway's round trip hides the decode)
     threads: int | None = Field(default=None, gt=0)  # CPU threads of the model; None = every core
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the model runs (auto = cuda if present); llama.cpp: the CPU
@@ -84,7 +85,7 @@ def ready_target(settings: WorkerSettings) -> ModelRunner:
     runner = load_runner(
         settings.model, settings.backend.value, settings.max_context, settings.memory_cap_mb, settings.threads,
         device=settings.device, dtype=settings.dtype, gpu_memory_utilization=settings.gpu_memory_utilization,
-        layers=settings.layer_range, forward=settings.forward,
+        layers=settings.layer_range, forward=settings.forward, long_decode=settings.long_decode,
     )
     _ = runner.fingerprint  # computed once, before the first /v1/info
     runner.warm_up()

@@ -60,7 +60,7 @@ class Steps:
         # most of a round, the next call of its session finds it done; a pipeline stage or a device scorer does not
         self.looks_ahead = settings.decode_ahead and device.type == "cpu" and settings.layers is None and not scores_on_device
         self._wanted: dict[str, tuple[int, int, bool]] = {}  # session -> (rows held, the answer's token, seeded): to decode ahead
-        self._ahead: dict[str, tuple[int, int, torch.Tensor]] = {}  # session -> (rows before it, its token, its logits [1, V])
+        self._ahead: dict[str, tuple[int, int, torch.Tensor, tuple[float, float]]] = {}  # session -> (rows before it, its token, its logits [1, V], when its decode ran)
 
     def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
         """``POST /v1/verify`` for one call alone; ``timing`` gets the model's and the scoring's ms."""
@@ -98,15 +98,18 @@ class Steps:
 
     def _launch(self, reqs: list[Work], timings: list[dict[str, float]], upload: StepUpload | None) -> PendingStep:
         pending = PendingStep([None] * len(reqs), timings, {r.session_id for r in reqs})
+        if self._ahead:  # head starts of sessions freed or evicted since: their logits let go
+            self._ahead = {s: kept for s, kept in self._ahead.items() if s in self.sessions}
         answers = pending.answers
         items, order = [], []
         device: dict[int, tuple[int, Shaping | None, DeviceTransform | None]] = {}  # call index -> its place among the device-scored, its transform
         scored_calls: list[VerifyRequest] = []
-        ahead: list[tuple[int, VerifyRequest, torch.Tensor, Shaping | None]] = []  # calls whose decode was done ahead
+        ahead: list[tuple[int, VerifyRequest, torch.Tensor, tuple[float, float], Shaping | None]] = []  # calls whose decode was done ahead
+        arrived = [timing.pop("arrived", None) for timing in timings]  # when each call reached the scheduler
         for i, req in enumerate(reqs):
             try:
-                if isinstance(req, VerifyRequest) and (logits := self._taken_ahead(req)) is not None:
-                    ahead.append((i, req, logits, self._shaping(req)))
+                if isinstance(req, VerifyRequest) and (taken := self._taken_ahead(req)) is not None:
+                    ahead.append((i, req, *taken, self._shaping(req)))
                     continue
                 prepared = self.stage.prepare(req) if isinstance(req, StageRequest) else self._prepare_piece(req) if isinstance(req, Piece) else self._prepare(req)
                 item, rows, shaping = prepared
@@ -171,8 +174,10 @@ class Steps:
         if together:
             assert scoring is not None
             self._launch_scoring(pending, scoring, [device[i][0] for i, *_ in together], together)
-        for i, call, logits, shaping in ahead:  # no decode in this step: scored on the host with the others
-            timings[i]["model"] = 0.0
+        for i, call, logits, (began, ended), shaping in ahead:  # no decode in this step: scored on the host with the others
+            came = arrived[i]
+            since = began if came is None else max(began, came)  # its model time: the part of its decode it waited for
+            timings[i]["model"] = max(0.0, ended - since) * 1e3
             pending.on_host.append((i, call, logits, 0, shaping, self.runner.length(call.session_id)))
         return pending
 
@@ -237,48 +242,52 @@ class Steps:
                 self._wanted[req.session_id] = (held, int(token), req.seeded)
         return replace(resp, batch_sessions=batch) if batch > 1 else resp
 
+    @property
+    def wants_ahead(self) -> bool:
+        """Whether an answer's token waits to be decoded ahead (read by the scheduler before it hops to the model thread)."""
+        return bool(self._wanted)
+
     def look_ahead(self) -> int:
-        """On the model thread, while no call waits: decode each session's last autoregressive token (its sample, or its
+        """On the model thread, while no call waits: decode one session's last autoregressive token (its sample, or its
         greedy top-1) that the gateway said it takes as it is (``ahead``: a single worker), which its next call then
-        carries unless the answer ended, and keep the logits (``_taken_ahead``). A seeded call's alone, as its own decode would be. Sessions gone since are
-        dropped; how many were decoded."""
-        wanted, self._wanted = self._wanted, {}
-        self._ahead = {s: kept for s, kept in self._ahead.items() if s in self.sessions}
-        items, keys = [], []
-        for session_id, (held, token, seeded) in wanted.items():
+        carries unless the answer ended, and keep the logits (``_taken_ahead``); one at a time, so that a call arriving
+        meanwhile waits for one decode at most (the scheduler looks again while its queue stays empty). A seeded call's
+        alone, as its own decode would be. Sessions gone since are dropped; how many were decoded (0 or 1)."""
+        while self._wanted:
+            session_id = next(iter(self._wanted))
+            held, token, seeded = self._wanted.pop(session_id)
             if session_id not in self.sessions or self.runner.length(session_id) != held or held + 1 > self.stage.max_context:
                 continue
             try:
                 item = self.runner.append_item(session_id, [token], 1)
             except ValueError:  # its rows are no longer a chain (a tree call came between): nothing to decode ahead
                 continue
-            items.append(replace(item, alone=True) if seeded else item)
-            keys.append((session_id, held, token))
-        if not items:
-            return 0
-        outputs = self.runner.forward_each(items)
-        for (session_id, held, token), logits in zip(keys, outputs):
+            started = time.perf_counter()
+            logits = self.runner.forward_each([replace(item, alone=True) if seeded else item])[0]
+            finished = time.perf_counter()
+            self.counters["model_seconds"] += finished - started
+            self.counters["decoded_ahead"] += 1
             if isinstance(logits, Exception):
                 self.runner.crop(session_id, held)
-            else:
-                self._ahead[session_id] = (held, token, logits)
-        self.counters["decoded_ahead"] += len(items)
-        return len(items)
+                return 0
+            self._ahead[session_id] = (held, token, logits, (started, finished))
+            return 1
+        return 0
 
-    def _taken_ahead(self, req: VerifyRequest) -> torch.Tensor | None:
+    def _taken_ahead(self, req: VerifyRequest) -> tuple[torch.Tensor, tuple[float, float]] | None:
         """The logits decoded ahead for this call (its session's rows then its one token, as its own decode would give
         them), the call checked and admitted as it would be; None when it carries anything else (its decode crops them)."""
         kept = self._ahead.pop(req.session_id, None)
         if kept is None:
             return None
-        held, token, logits = kept
+        held, token, logits, ran = kept
         if (req.prefix_len != held or req.tokens.size != 1 or int(req.tokens[0]) != token or req.draft.size or req.parents is not None
                 or req.path is not None or req.score_tokens or req.score_ids is not None or self.runner.length(req.session_id) != held + 1
                 or self.runner.tokens(req.session_id)[held] != token):
             return None
         self._admit(req)
         self.counters["taken_ahead"] += 1
-        return logits
+        return logits, ran
 
     def _prepare(self, req: VerifyRequest, fed: int = 0) -> tuple[ForwardItem, int, Shaping | None]:
         """Check a call and crop its session: its forward item, the logits rows scoring its own tokens (echo) before the

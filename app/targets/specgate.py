@@ -48,6 +48,10 @@ class SpecgateDialect:
             finally:
                 traffic.time(gateway_codec=time.perf_counter() - started)
         error = error_body(answer)
+        if status == 400 and req.ahead and error is not None and error.param == "ahead":  # an older worker came back at this address
+            replica.info = None  # read again: the field stays off until it says it decodes ahead
+            log.info("worker %s refused the ahead field: sending without it", replica.url)
+            return await self.verify(replica, replace(req, ahead=False), agreed, traffic)
         if status == 503 and error is not None and error.code == "worker_draining":  # a new session on a worker shutting down
             raise ReplicaFailure("draining", f"{replica.url} is draining: {error.message}")
         if status == 503 and error is not None and error.code == "worker_full":

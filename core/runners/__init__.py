@@ -34,10 +34,11 @@ def load_runner(
     gpu_memory_utilization: float = 0.9,
     layers: tuple[int, int] | None = None,
     forward: str = "auto",
+    long_decode: str = "auto",
 ) -> ModelRunner:
     """Load ``model`` (a builtin name, GGUF file, HF folder or hub id) on ``backend``, on ``threads`` CPU threads
     (default: every core); ``device``, ``dtype``, ``gpu_memory_utilization``, ``layers`` (a stage's) and ``forward`` (its model's forward:
-    auto, hf or static) are transformers'."""
+    auto, hf or static) are transformers'; ``long_decode`` (auto, one-thread, pad-stream) llama.cpp's."""
     if backend == Backend.LLAMA_CPP.value and (device not in ("auto", "cpu") or dtype != "auto"):
         raise ModelLoadError(
             f"the llama.cpp backend runs GGUF files on the CPU in their own types (asked: device {device}, dtype {dtype}): "
@@ -67,7 +68,7 @@ def load_runner(
     elif backend == Backend.LLAMA_CPP.value:
         from core.runners.llama_cpp_runner import LlamaCppRunner
 
-        runner = LlamaCppRunner(source, tokenizer, max_context=max_context, memory_cap_mb=memory_cap_mb, n_threads=threads)
+        runner = LlamaCppRunner(source, tokenizer, max_context=max_context, memory_cap_mb=memory_cap_mb, n_threads=threads, long_decode=long_decode)
     else:
         raise ModelLoadError(f"unknown backend {backend!r}: use transformers or llama.cpp")
     runner.threads = threads

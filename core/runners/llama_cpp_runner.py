@@ -84,7 +84,7 @@ class Stream(Place):
 
 
 _P = TypeVar("_P", Slot, Stream)
-LONG_DECODES = ("one thread", "pad stream")  # how a chain session's decode of one past KV_PAD cells keeps the plain kernel
+LONG_DECODES = ("one-thread", "pad-stream")  # how a chain session's decode of one past KV_PAD cells keeps the plain kernel
 
 
 class LlamaCppRunner(ModelRunner):
@@ -124,7 +124,8 @@ class LlamaCppRunner(ModelRunner):
         # a chain session's decode of one token past KV_PAD cells: on one thread, or beside a throwaway token in the next
         # stream (``pad stream``: +40–50 % a decode at any thread count, where one thread costs more the more threads;
         # scripts/invariance_cost.py, docs/performance.md); a tree's context has one stream: one thread there
-        self.long_decode = long_decode or (LONG_DECODES[1] if self._n_threads >= PAD_STREAM_FROM else LONG_DECODES[0])
+        auto = LONG_DECODES[1] if self._n_threads >= PAD_STREAM_FROM else LONG_DECODES[0]
+        self.long_decode = auto if long_decode in (None, "auto") else long_decode
         if self.long_decode not in LONG_DECODES:
             raise ValueError(f"long_decode must be one of {LONG_DECODES}, got {long_decode!r}")
         self._batch = _internals.LlamaBatch(n_tokens=DECODE_TOKENS, embd=0, n_seq_max=TREE_SEQUENCES, verbose=False)
@@ -421,7 +422,7 @@ class LlamaCppRunner(ModelRunner):
                     raw.seq_id[i][j] = seq
                 raw.logits[i] = flag
             alone = long and len(chunk) == 1 and self._n_threads > 1
-            beside = self._neighbour(chunk[0][2][0]) if alone and ctx is self._shared and self.long_decode == "pad stream" else None
+            beside = self._neighbour(chunk[0][2][0]) if alone and ctx is self._shared and self.long_decode == "pad-stream" else None
             if beside is not None:  # the throwaway token: two neighbouring streams in the micro-batch, the plain kernel
                 seq, position, first = beside
                 raw.n_tokens = 2

@@ -217,8 +217,8 @@ def test_a_long_decode_of_one_beside_a_throwaway_stream_scores_alike(model: str,
     from core.runners import load_runner
 
     runner = load_runner(model, "llama.cpp", threads=THREADS, memory_cap_mb=256)
-    assert isinstance(runner, LlamaCppRunner) and runner.long_decode == "one thread"  # two threads: one thread is the cheaper
-    runner.long_decode = "pad stream"
+    assert isinstance(runner, LlamaCppRunner) and runner.long_decode == "one-thread"  # two threads: one thread is the cheaper
+    runner.long_decode = "pad-stream"
     try:
         reference = runner.forward_full(PROMPT[:280], 24)
         short_reference = runner.forward_full(PROMPT[:48], 8)
@@ -241,7 +241,7 @@ def test_a_long_decode_of_one_beside_a_throwaway_stream_scores_alike(model: str,
         assert torch.equal(again, short_reference)
         fresh = load_runner(model, "llama.cpp", threads=THREADS, memory_cap_mb=256)  # the long session in the last stream:
         assert isinstance(fresh, LlamaCppRunner)  # its throwaway tokens go into the one before, first in the batch
-        fresh.long_decode = "pad stream"
+        fresh.long_decode = "pad-stream"
         try:
             for i in range(fresh.num_streams - 1):
                 fresh.prefill(f"filler{i}", PROMPT[:40], 1)
