@@ -122,8 +122,9 @@ class LlamaCppRunner(ModelRunner):
         self.num_streams = max(1, min(MAX_STREAMS, int(cap * STREAMS_SHARE) // (self.n_ctx_stream * self._kv_bytes)))
         self._n_threads = n_threads or usable_cores()
         # a chain session's decode of one token past KV_PAD cells: on one thread, or beside a throwaway token in the next
-        # stream (``pad stream``: +40–50 % a decode at any thread count, where one thread costs more the more threads;
-        # scripts/invariance_cost.py, docs/performance.md); a tree's context has one stream: one thread there
+        # stream (``pad-stream``: +60–80 % a decode beside a stream as long, on one thread as on two, where one thread
+        # costs more the more threads; scripts/invariance_cost.py, docs/performance.md); a tree's context has one stream:
+        # one thread there
         auto = LONG_DECODES[1] if self._n_threads >= PAD_STREAM_FROM else LONG_DECODES[0]
         self.long_decode = auto if long_decode in (None, "auto") else long_decode
         if self.long_decode not in LONG_DECODES:
