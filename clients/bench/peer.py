@@ -2,9 +2,9 @@
 built-in target's GGUF (and with its own prompt-lookup decoding), with the threads a served worker gets, beside specgate's
 modes and drafters through ``specgate serve --config config/one-worker.yaml``; the repository's own short and long
 prompts, greedy, one request at a time, the cells alternating prompt by prompt, each request's prompt its own (no prompt
-cache on either side). Each figure is tokens per second as the
-client sees it (the answer's tokens over the request's wall time, its prefill included); docs/performance.md, "At the
-peer's speed"."""
+cache on either side beyond the chat template's header), every answer exactly ``--max-tokens`` long (EOS ignored on both
+sides: equal lengths, and no EOS counted on one side only). Each figure is tokens per second as the client sees it (the
+answer's tokens over the request's wall time, its prefill included); docs/performance.md, "At the peer's speed"."""
 
 from __future__ import annotations
 
@@ -86,8 +86,11 @@ def bench_peer(args: argparse.Namespace) -> int:
     engine = {r["set"]: r["tokens_per_s"] for r in rows if r["cell"] == ENGINE}
     for r in rows:
         r["vs_engine"] = r["tokens_per_s"] / engine[r["set"]] if engine.get(r["set"]) else float("nan")
+    import llama_cpp
+
     plan = {"runs": args.runs, "max_tokens": args.max_tokens, "threads": threads, "config": "config/one-worker.yaml",
-            "prompts": {name: [len(p) for p in ids[name]] for name in prompts}, "gguf": builtin_gguf().name}
+            "prompts": {name: [len(p) for p in ids[name]] for name in prompts}, "gguf": builtin_gguf().name, "ignore_eos": True,
+            "llama_cpp_python": llama_cpp.__version__, "engine_flash_attn": True, "commit": _commit()}
     return finish({"setup": plan, "cells": rows, "goals": _goals(rows)}, args, _print)
 
 
@@ -105,6 +108,14 @@ def _prompts(args: argparse.Namespace) -> dict[str, list[list[dict[str, str]]]]:
         "RAG": WORKLOAD["passage QA"][:count],
         "long": [[{"role": "user", "content": text}] for text in longs],
     }
+
+
+def _commit() -> str:
+    """The checkout's commit, as the JSON records it (empty outside a git checkout)."""
+    import subprocess
+
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=CONFIG.parents[1], check=False)
+    return done.stdout.strip()
 
 
 def _marked(messages: list[dict[str, str]], number: int) -> list[dict[str, str]]:
@@ -128,18 +139,22 @@ def _engine(threads: int, lookup: bool) -> Any:
 
     draft = LlamaPromptLookupDecoding() if lookup else None
     # with a draft model llama-cpp-python computes every row's logits whatever logits_all says, but sizes their buffer by
-    # it: a prompt longer than n_batch fails unless it is said (0.3.36)
-    return Llama(model_path=str(builtin_gguf()), n_ctx=4096, n_threads=threads, n_threads_batch=threads, draft_model=draft, logits_all=lookup, verbose=False)
+    # it: a prompt longer than n_batch fails unless it is said (0.3.36); flash attention on, as the worker runs it
+    return Llama(
+        model_path=str(builtin_gguf()), n_ctx=4096, n_threads=threads, n_threads_batch=threads, draft_model=draft, logits_all=lookup,
+        flash_attn=True, verbose=False,
+    )
 
 
 def _engine_answer(llm: Any, _: list[dict[str, str]], prompt: list[int], max_tokens: int) -> tuple[float, int]:
+    never = {int(llm.token_eos()): float("-inf")}  # EOS ignored, as specgate's ignore_eos
     started = time.perf_counter()
-    out = llm.create_completion(prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+    out = llm.create_completion(prompt=prompt, max_tokens=max_tokens, temperature=0.0, logit_bias=never)
     return time.perf_counter() - started, int(out["usage"]["completion_tokens"])
 
 
 def _ours(client: httpx.Client, messages: list[dict[str, str]], _: list[int], spec: dict[str, Any], max_tokens: int, rounds: list[int]) -> tuple[float, int]:
-    body = {"model": "specgate", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "speculative": spec}
+    body = {"model": "specgate", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "speculative": spec}
     started = time.perf_counter()
     resp = client.post("/v1/chat/completions", json=body)
     elapsed = time.perf_counter() - started
@@ -151,7 +166,8 @@ def _ours(client: httpx.Client, messages: list[dict[str, str]], _: list[int], sp
 
 def _row(cell: str, set_name: str, seconds: list[float], tokens: list[int], rounds: list[int] | None) -> dict[str, Any]:
     rates = [n / s for n, s in zip(tokens, seconds) if s > 0]
-    row = {"cell": cell, "set": set_name, "tokens_per_s": median(rates), "tokens_per_s_each": rates, "tokens": tokens, "seconds": seconds}
+    row = {"cell": cell, "set": set_name, "tokens_per_s": median(rates), "tokens_per_s_range": [min(rates), max(rates)], "tokens_per_s_each": rates,
+           "tokens": tokens, "seconds": seconds}
     if rounds:  # specgate's: tokens per round (its first round, with the prefill, counted)
         row |= {"rounds": rounds, "tokens_per_round": sum(tokens) / max(sum(rounds), 1)}
     return row
