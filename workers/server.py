@@ -38,7 +38,8 @@ class WorkerApp(FastAPI):
     """The worker's app. ``POST /v1/verify``, every round's call, is answered beside FastAPI's stack (its middleware,
     routing and request objects cost a few tenths of a millisecond a call): the same Guard in front, the same handler
     (``_verified``), the same error envelope (``_refused``). With ``fast_verify`` False it takes FastAPI's route
-    instead, which answers the same (tests/workers/test_fast_verify.py holds the two equal)."""
+    instead, which answers the same (tests/workers/test_fast_verify.py holds the two equal). Middleware or exception
+    handlers added to the app after ``create_app`` do not see this route: add them to ``verify_front`` too."""
 
     fast_verify = True
     verify_front: ASGIApp | None = None  # Guard(_fast_verify), set by create_app
