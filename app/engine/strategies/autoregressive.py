@@ -26,7 +26,7 @@ class AutoregressiveStrategy(RoundStrategy):
         if req.params.is_greedy:
             token, target = await self._greedy(rnd, want_logprobs)
         else:
-            ahead = {"ahead": True} if len(rnd.weights) == 1 else {}  # its sample is the token: the worker may decode it ahead
+            ahead = {"ahead": True} if len(rnd.weights) == 1 and _more_follow(rnd) else {}  # its sample is the token: decoded ahead
             responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs, **ahead)
             chosen = 0  # one worker: its sample (the draw over one weight picks it whatever u is)
             if len(rnd.weights) > 1:
@@ -52,5 +52,10 @@ class AutoregressiveStrategy(RoundStrategy):
             token = certified_argmax(rnd, responses, 0)
             return (token, None) if token is not None else None
 
-        ahead = {"ahead": True} if single else {}  # its top-1 is the token: the worker may decode it ahead
+        ahead = {"ahead": True} if single and _more_follow(rnd) else {}  # its top-1 is the token: the worker may decode it ahead
         return await growing_k(rnd, Mode.AUTOREGRESSIVE, None if want_logprobs else 1 if single else min(CERTIFY_K, vocab), decide, **ahead)
+
+
+def _more_follow(rnd: Round) -> bool:
+    """Whether a token may follow this round's (its max_tokens not reached by it): else a decode ahead is wasted."""
+    return rnd.req.max_tokens - (len(rnd.sequence) - len(rnd.req.prompt)) > 1

@@ -24,6 +24,7 @@ from core.runners.base import ForwardItem
 from core.runners.llama_cpp_runner import DECODE_TOKENS, KV_PAD, LlamaCppRunner
 from core.runners.llama_cpp_tools import quiet_llama_cpp
 from core.runners.models import resolve_model
+from tests.app.helpers import FULL_RUN
 
 THREADS = 2  # the split-KV kernel has one part per thread: one thread would hide it
 PROMPT = [int(t) for t in np.random.default_rng(58).integers(100, 20_000, 300)]
@@ -208,7 +209,7 @@ def test_the_builtin_draft_scores_a_long_session_alike_token_by_token() -> None:
         draft.free_all()
 
 
-@pytest.mark.parametrize("model", ["builtin", "builtin-draft"])
+@pytest.mark.parametrize("model", ["builtin", pytest.param("builtin-draft", marks=FULL_RUN)])  # the draft's repacked kernels too
 def test_a_long_decode_of_one_beside_a_throwaway_stream_scores_alike(model: str, monkeypatch: Any) -> None:
     """``pad stream`` (a worker or a draft from PAD_STREAM_FROM threads, forced here on two): a decode of one token past
     256 cells goes on every thread beside a throwaway token in the next stream (or the one before) — two streams, the
