@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--long-decode", choices=["auto", "one-thread", "pad-stream"],
                         help="llama.cpp: a long session's decode of one token on one thread, or beside a throwaway token (default: auto, pad-stream from 3 threads)")
     parser.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=None,
-                        help="on the CPU, while idle: decode an autoregressive answer's token before its next call carries it (default: on)")
+                        help="on the CPU, while idle: decode an autoregressive answer's token before its next call carries it (default: off; on for a gateway across a link)")
     parser.add_argument("--threads", type=int, help="CPU threads of the model (default: every core; split the cores between processes on one machine)")
     parser.add_argument("--drain-timeout-s", type=float, help="on SIGTERM, how long its sessions may go on (default: 30)")
     parser.add_argument("--instance-id", help="an id /health reports (default: a random one; `specgate serve` passes its own)")

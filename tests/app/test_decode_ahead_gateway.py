@@ -57,7 +57,7 @@ class _Older:
 async def _complete(draft: ModelRunner, target: ModelRunner, older: bool) -> tuple[str, dict[str, float], int]:
     draft.free_all()
     target.free_all()
-    worker = create_worker(WorkerSettings(model="tiny-random", backend="transformers"), runner=target)
+    worker = create_worker(WorkerSettings(model="tiny-random", backend="transformers", decode_ahead=True), runner=target)
     front = _Older(worker) if older else worker
     config = gateway_config(workers=[{"url": "http://w0:1", "weight": 1.0}])
     app = create_app(config, draft_runner=draft, transport=Router({"w0": httpx.ASGITransport(app=front)}))

@@ -58,7 +58,7 @@ async def test_answers_with_and_without_decoding_ahead_are_one(builtin_llama: Mo
 
 
 async def test_a_session_freed_after_its_head_start_leaves_nothing_behind(builtin_llama: ModelRunner) -> None:
-    app = create_app(WorkerSettings(model="builtin"), runner=builtin_llama)
+    app = create_app(WorkerSettings(model="builtin", decode_ahead=True), runner=builtin_llama)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as client:
         await _verify(client, VerifyRequest.after("gone", [], PROMPT, [], mode="autoregressive", temperature=0.0, k=1, ahead=True))
         assert (await client.delete("/v1/sessions/gone")).status_code == 204
@@ -87,7 +87,7 @@ def test_a_session_answered_from_its_head_start_is_not_the_one_evicted(builtin_l
     another session, as it would without decoding ahead: the session keeps its rows and its transform (a logit bias
     that makes every token 504 here), and its next calls are answered without a resend."""
     builtin_llama.free_all()
-    app = create_app(WorkerSettings(model="builtin", max_sessions=2), runner=builtin_llama)
+    app = create_app(WorkerSettings(model="builtin", max_sessions=2, decode_ahead=True), runner=builtin_llama)
     steps = app.state.worker.steps
     bias = {"logit_bias": [[504, 100.0]]}
     params: dict[str, Any] = {"mode": "autoregressive", "temperature": 0.0, "k": 1, "ahead": True}

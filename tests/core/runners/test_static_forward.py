@@ -193,7 +193,7 @@ async def test_a_worker_on_the_static_forward_answers_as_one_on_transformers_mod
             answers[kind, scoring] = await asyncio.gather(*(verify(req) for req in calls))
             step = (await client.get("/v1/info")).json()["step"]
             graphs = {"graphs": 0, "capture_s": 0.0, "graph_mb": 0.0, "eager_forwards": 0} if kind == "static" else {}  # captured on a GPU only
-            ahead = {"decode_ahead": scoring == "host"}  # a CPU worker decodes ahead unless it scores on the device
+            ahead = {"decode_ahead": False}  # off by default (WorkerSettings.decode_ahead)
             assert {name: value for name, value in step.items() if name != "forwards"} == {"forward": kind, "scoring": scoring, **graphs, **ahead}
             counters[kind, scoring] = app.state.worker.counters["positions_scored_on_device"]
             if runner._graphs is not None:  # every step of these calls on a key start-up captures (on a GPU: a replay)
