@@ -11,6 +11,7 @@ import orjson
 
 from app.server import create_app
 from core.protocol import VerifyRequest, decode
+from core.serving import _read_body, _replay
 from core.runners import ModelRunner, load_runner
 from tests.app.fake_engine import Router
 from tests.app.helpers import gateway_config
@@ -30,11 +31,7 @@ class _Older:
         if scope["type"] != "http" or scope["path"] != "/v1/verify":
             await self.app(scope, receive, send)
             return
-        body, more = b"", True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
+        body = await _read_body(scope, receive, 2**24) or b""
         headers = dict(scope["headers"])
         if decode(VerifyRequest, body, headers.get(b"content-type", b"").decode()).ahead:
             self.refused += 1
@@ -42,16 +39,7 @@ class _Older:
             await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
             await send({"type": "http.response.body", "body": error})
             return
-        sent = False
-
-        async def replay() -> Any:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, _replay(body, receive), send)
 
 
 async def _complete(draft: ModelRunner, target: ModelRunner, older: bool) -> tuple[str, dict[str, float], int]:
