@@ -221,19 +221,18 @@ class Requests:
         param = "messages" if prefix == "chatcmpl" else "prompt"  # where the prompt came from
         if not prompt:
             raise ApiError(400, "the prompt must not be empty", param)
-        if len(prompt) > limits.max_prompt_tokens:
+        context = self.engine.max_context
+        if limits.max_prompt_tokens is not None and len(prompt) > limits.max_prompt_tokens:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens, more than max_prompt_tokens {limits.max_prompt_tokens}", param, "context_length_exceeded")
-        if len(prompt) >= self.engine.max_context:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens, the context is {self.engine.max_context}", param, "context_length_exceeded")
+        if len(prompt) >= context:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens, the context is {context}", param, "context_length_exceeded")
         limit = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"  # the field that set it
-        if max_tokens is not None and len(prompt) + max_tokens > self.engine.max_context:
-            raise ApiError(
-                400, f"the context is {self.engine.max_context} tokens: {len(prompt)} in the prompt plus {limit} {max_tokens} do not fit",
-                limit, "context_length_exceeded",
-            )
+        if max_tokens is not None and len(prompt) + max_tokens > context:
+            raise ApiError(400, f"the context is {context} tokens: {len(prompt)} in the prompt plus {limit} {max_tokens} do not fit", limit, "context_length_exceeded")
         if max_tokens is not None and body.min_tokens > max_tokens:
             raise ApiError(400, f"min_tokens ({body.min_tokens}) must be at most {limit} ({max_tokens})", "min_tokens")
-        max_tokens = limits.max_tokens if max_tokens is None else min(max_tokens, limits.max_tokens)  # the config caps it
+        max_tokens = context - len(prompt) if max_tokens is None else max_tokens  # absent: the context left (as vLLM)
+        max_tokens = max_tokens if limits.max_tokens is None else min(max_tokens, limits.max_tokens)  # the config caps it
         spec = self._spec(body.speculative)
         temperature = body.temperature if body.temperature >= MIN_TEMPERATURE else 0.0  # as vLLM: tiny T is greedy
         top_k = body.top_k if 0 < body.top_k < self.draft.vocab_size else 0  # −1, 0 or the whole vocabulary (or more): no truncation

@@ -25,6 +25,7 @@ _SERVICE_LINK = re.compile(r"^(tcp|udp|sctp)://[^\s/]+:\d+$", re.IGNORECASE)  # 
 log = logging.getLogger("specgate.config")
 
 FIRST_LOCAL_PORT = 8101
+DEFAULT_CONTEXT = 2048  # tokens a session holds where nothing sizes it: a worker's --max-context, the draft's
 
 
 class DraftConfig(BaseModel):
@@ -38,7 +39,7 @@ class DraftConfig(BaseModel):
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the draft runs (auto = cuda if present)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: the draft's dtype (auto = bfloat16 on a GPU)
     forward: Literal["auto", "hf", "static"] = "auto"  # transformers: the draft's forward, as a worker's --forward (auto = the static forward with CUDA graphs on a GPU)
-    max_context: int | None = Field(default=None, gt=0)  # tokens a draft session holds; None = limits.max_prompt_tokens + limits.max_tokens (capped by the model's own)
+    max_context: int | None = Field(default=None, gt=0)  # tokens a draft session holds (capped by the model's own); None = limits.max_prompt_tokens + limits.max_tokens where both are set, else 2048 (a worker's default); an agent-sized deployment sets it with the workers' --max-context (docs/serving.md)
     max_batch_tokens: int = Field(default=128, gt=0)  # new rows per draft step, every drafting request together (a prompt goes in chunks of half)
     chat_template: str | None = None  # a Jinja file: the chat template requests are rendered with, in place of the tokenizer's own (the targets' when theirs differs)
     reasoning: Literal["auto", "off"] = "auto"  # auto: where the chat template marks thinking (<think>…</think>), chat answers carry it in reasoning_content and /v1/responses in a reasoning item (docs/tools.md); off: it stays in the text
@@ -243,8 +244,8 @@ class WorkerEntry(BaseModel):
 class LimitsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int = Field(default=512, gt=0)  # the default and the cap of max_tokens
-    max_prompt_tokens: int = Field(default=1536, gt=0)  # longer prompts get a 400
+    max_tokens: int | None = Field(default=None, gt=0)  # the cap of max_tokens; None = none: an absent max_tokens is the context left after the prompt (as vLLM), capped by this where set
+    max_prompt_tokens: int | None = Field(default=None, gt=0)  # longer prompts get a 400; None = the context (the smallest of the draft's and the targets', /v1/models' max_model_len) less one
     max_concurrent_requests: int = Field(default=16, gt=0)  # requests generating at once
     max_queued_requests: int = Field(default=64, ge=0)  # waiting for a slot; beyond it a 429
     queue_timeout_s: float = Field(default=60.0, gt=0)  # a queued request gets a 429 after this
@@ -323,8 +324,12 @@ class SpecgateConfig(BaseSettings):
 
     @property
     def draft_context(self) -> int:
-        """The configured draft context, else the longest request the limits let in (the runner caps it)."""
-        return self.draft.max_context or self.limits.max_prompt_tokens + self.limits.max_tokens
+        """The configured draft context, else the longest request the limits let in where both are set, else a worker's
+        default context (the runner caps it by the model's own)."""
+        if self.draft.max_context:
+            return self.draft.max_context
+        limits = self.limits
+        return limits.max_prompt_tokens + limits.max_tokens if limits.max_prompt_tokens and limits.max_tokens else DEFAULT_CONTEXT
 
     @classmethod
     def settings_customise_sources(

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from core.config import secret_or_none, without_service_links
+from core.config import DEFAULT_CONTEXT, secret_or_none, without_service_links
 from core.names import Backend
 from core.runners.base import ModelRunner
 
@@ -20,7 +20,7 @@ class WorkerSettings(BaseSettings):
     backend: Backend = Backend.LLAMA_CPP  # model runner: llama.cpp (GGUF, fast on CPU) or transformers
     host: str = "127.0.0.1"  # address to bind (0.0.0.0 for a gateway on another machine)
     port: int = Field(default=8101, ge=0, le=65535)  # the worker's port
-    max_context: int = Field(default=2048, gt=0)  # tokens one session may hold
+    max_context: int = Field(default=DEFAULT_CONTEXT, gt=0)  # tokens one session may hold (capped by the model's own): the context the gateway sizes its limits by
     memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of all sessions together
     max_sessions: int = Field(default=64, gt=0)  # LRU eviction beyond this
     session_ttl_s: float = Field(default=600.0, gt=0)  # idle sessions are dropped after this

@@ -250,7 +250,7 @@ class FakeWorkerTransport:
     """Answers protocol v1 for several fake workers, told apart by host; ``behaviour[host]``
     breaks one: "down", "500", "garbage", "short-once", "other-tokenizer", "other-eos" (its
     /v1/info names EOS 7, not 2), "grammar:ENGINE:BYTES" (its /v1/info names that grammar engine
-    and limit), "sleep:S" (answers
+    and limit), "context:N" (its /v1/info says a context of N tokens), "sleep:S" (answers
     after S seconds), "die-after:N" (down after N verify calls), "full" (503 worker_full to every
     verify call; "full:N" to the next N), "draining" (503 worker_draining to a session it has not
     seen; those it has go on), or a Mutation of its answers."""
@@ -293,7 +293,8 @@ class FakeWorkerTransport:
             return httpx.Response(503 if mode == "draining" else 200, json={"status": "draining" if mode == "draining" else "ok"})
         if request.url.path == "/v1/info":
             eos_ids = [7] if mode == "other-eos" else [2]
-            info = InfoResponse(1, ["aggregate", "autoregressive"], host, V, "other" if mode == "other-tokenizer" else self.fingerprint, eos_ids, 2048, "fake")
+            context = int(mode.split(":")[1]) if isinstance(mode, str) and mode.startswith("context:") else 2048
+            info = InfoResponse(1, ["aggregate", "autoregressive"], host, V, "other" if mode == "other-tokenizer" else self.fingerprint, eos_ids, context, "fake")
             if isinstance(mode, str) and mode.startswith("grammar:"):
                 _, engine, size = mode.split(":")
                 info = replace(info, grammar_engine=engine, max_grammar_bytes=int(size))

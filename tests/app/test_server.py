@@ -41,6 +41,31 @@ async def test_models_health_and_ready(client: httpx.AsyncClient) -> None:
     assert ready.json()["instance_id"] == health["instance_id"]
 
 
+async def test_limits_are_sized_by_the_smallest_context(fakes: FakeWorkerTransport, tiny_runner: ModelRunner) -> None:
+    """No limits configured: the context is the smallest of the draft's and the workers' (/v1/models), an absent
+    max_tokens (max_output_tokens) is the context left after the prompt, a prompt is held only to the context (not to a
+    fixed 1,536), a longer one is a 400 naming the context; a configured cap still caps."""
+    fakes.behaviour["w1"] = "context:1800"
+    app = create_app(gateway_config(limits={}), draft_runner=tiny_runner, transport=fakes.transport())
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as client:
+        assert (await client.get("/v1/models")).json()["data"][0]["max_model_len"] == 1800
+        requests = app.state.gateway.requests
+        chat = requests.chat_job(ChatCompletionRequest(model="test-model", messages=[{"role": "user", "content": "Hi"}]))
+        assert len(chat.choices[0].prompt) + chat.choices[0].max_tokens == 1800
+        long = {"model": "test-model", "messages": [{"role": "user", "content": "word " * 1700}], "max_tokens": 2}
+        answer = await client.post("/v1/chat/completions", json=long)
+        assert answer.status_code == 200 and answer.json()["usage"]["prompt_tokens"] > 1536, answer.text
+        longer = {"model": "test-model", "messages": [{"role": "user", "content": "word " * 1900}]}
+        assert_error(await client.post("/v1/chat/completions", json=longer), 400, "messages", "the context is 1800", "context_length_exceeded")
+        item = {"model": "test-model", "input": "word " * 1900}
+        assert_error(await client.post("/v1/responses", json=item), 400, "input", "the context is 1800", "context_length_exceeded")
+    app = create_app(gateway_config(limits={"max_tokens": 5}), draft_runner=tiny_runner, transport=fakes.transport())
+    async with app.router.lifespan_context(app):
+        await app.state.gateway.check_workers()
+        chat = app.state.gateway.requests.chat_job(ChatCompletionRequest(model="test-model", messages=[{"role": "user", "content": "Hi"}], max_tokens=99))
+        assert chat.choices[0].max_tokens == 5
+
+
 async def test_ready_refuses_a_worker_with_another_tokenizer(gateway: Gateway, fakes: FakeWorkerTransport) -> None:
     fakes.behaviour["w1"] = "other-tokenizer"
     async with gateway() as client:
