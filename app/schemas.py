@@ -222,11 +222,14 @@ class ChatMessage(_Open):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier thinking: rendered where the template renders it (Qwen3's)
 
     def to_dict(self) -> dict[str, Any]:
-        """As the chat template takes it: the text, developer as system, the calls or the call answered."""
+        """As the chat template takes it: the text, developer as system, the calls or the call answered, an assistant's reasoning."""
         text = "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content or ""
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.reasoning_content is not None and self.role == "assistant":
+            message["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in self.tool_calls]
         if self.role == "tool":

@@ -290,18 +290,25 @@ async def _response_events(request: Request, job: Job, builder: ResponseBuilder,
                 finish = choice_event.finish_reason or finish
                 if admission.drain_expired():
                     raise ApiError(503, "the gateway shut down before this stream finished", code="shutting_down", kind="server_error")
-        for event in builder.finish(finish):
+        *closing, terminal = builder.finish(finish)
+        for event in closing:
             yield _typed(event)
+        release()
+        await _keep(store, builder)  # stored before the terminal event: a client that chains at once finds it
+        yield _typed(terminal)
     except Exception as exc:  # noqa: BLE001 - never a stream cut short: the error event, then response.failed
         if isinstance(exc, WorkerError):
             log.warning("response %s failed: %s", builder.id, exc)
         elif not isinstance(exc, ApiError):
             log.exception("response %s failed", builder.id)
-        for event in builder.fail(_api_error(exc)):
+        *closing, terminal = builder.fail(_api_error(exc))
+        for event in closing:
             yield _typed(event)
+        release()
+        await _keep(store, builder)
+        yield _typed(terminal)
     finally:
         release()
-    await _keep(store, builder)
 
 
 def _typed(event: dict[str, Any]) -> dict[str, str]:

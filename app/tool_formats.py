@@ -127,7 +127,6 @@ class NativeToolOutput(ToolOutput):
     def __post_init__(self) -> None:
         self._name_open = '{"name": "'
         self._args_open = f'", "{self.style.args_key}": '
-        self._trigger_at = 0  # where the first trigger began (text, if the answer is cut before a call)
 
     def push(self, text: str) -> list[dict[str, Any]]:
         """As ``ToolOutput.push``, going on while a step moves on in the text or in its state."""
@@ -173,7 +172,7 @@ class NativeToolOutput(ToolOutput):
         at = rest.find(trigger)
         if at >= 0:
             delta = self._content(at)
-            self._trigger_at, self._state = self._at, "after"  # the trigger stays unread until what follows it is seen
+            self._state = "after"  # the trigger stays unread until what follows it is seen
             return delta
         held = partial(rest, trigger)
         return self._content(len(rest) - held)
@@ -214,7 +213,8 @@ class NativeToolOutput(ToolOutput):
         if self._state in ("start", "text"):  # a held-back piece that never became the trigger: text after all
             delta = self._content(len(rest))
             return [delta] if delta else []
-        if cut and not self.calls and self._state in ("after", "call"):  # cut before the first call's name: its text, trigger and all
-            self._at = self._trigger_at
+        if cut and self._state in ("after", "call", "arguments", "between"):  # a call cut by max_tokens: never text (ToolOutput.flush)
+            self._at = len(self._buffer)
+            return []
         return super().flush(cut)
 

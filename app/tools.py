@@ -217,7 +217,12 @@ class ToolOutput:
         return {"tool_calls": [{"index": self.calls[-1].index, "function": {"arguments": piece}}]} if piece else None
 
     def flush(self, cut: bool = False) -> list[dict[str, Any]]:
-        """At the end: an opening never completed as content; with ``cut`` (max_tokens) the rest too (all, when nothing was shown)."""
+        """At the end: an opening never completed as content. With ``cut`` (max_tokens) a call or the wrapper cut short is
+        never text: a call whose name was not finished is dropped, one cut in its arguments stays as it is (the client sees
+        finish_reason ``length``, the Responses API an incomplete item); a response's own text or JSON keeps its rest."""
+        if cut and self._state in _STRUCTURE:
+            self._at = len(self._buffer)
+            return []
         if not cut and self._state != "start":
             return []
         delta = self._give_up(whole=not (self.calls or self.content))
@@ -231,6 +236,7 @@ class ToolOutput:
         return {"content": rest} if rest else None
 
 
+_STRUCTURE = frozenset({"start", "call", "arguments", "between", "done"})  # states inside the format's own JSON, not a response's text
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 

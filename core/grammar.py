@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from core.freeform import freeform_pattern
+
 
 JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance's JSON compiler: "," and ":" with no whitespace
 MAX_JSON_DEPTH = 64  # levels of nesting a schema may have (each walk of it recurses; the engine's own parser stops at 128)
@@ -213,6 +215,7 @@ class Matcher:
         return mask
 
 
+FREEFORM = "x-freeform"  # specgate's keyword on a string schema: {"syntax": "lark" | "regex", "definition": …}, held as its pattern
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # keyword → {name: schema}
 
 
@@ -232,6 +235,9 @@ def strict(schema: Any) -> Any:
             out[key] = strict(value)
     if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
         out["additionalProperties"] = False
+    freeform = out.pop(FREEFORM, None)
+    if isinstance(freeform, dict):  # a freeform tool's input: its grammar as the string's pattern (the prompt shows the grammar)
+        out["pattern"] = freeform_pattern(str(freeform.get("syntax")), str(freeform.get("definition", "")))
     return out
 
 

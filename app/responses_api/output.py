@@ -3,13 +3,16 @@ makes the stream's events and the whole response alike, so a streamed answer and
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
 
 from app.errors import ApiError
 from app.requests import Job
+from app.responses_api.client_tools import INPUT, ITEM_PREFIX, Offer, call_item
 from app.responses_api.request import Translated
+from app.tools import _escape_at
 from app.responses_api.schemas import ResponsesRequest
 
 _NULLABLE = frozenset({"error", "incomplete_details", "instructions"})  # sent as null; other fields are left out when unset
@@ -35,7 +38,7 @@ class ResponseBuilder:
         self.completed_at: int | None = None
         self._sequence = 0
         self._open: dict[str, Any] | None = None  # the item being written
-        self._calls: dict[int, dict[str, Any]] = {}  # a call's index in the chat deltas → its item
+        self._calls: dict[int, _Call] = {}  # a call's index in the chat deltas → its call
 
     def response(self) -> dict[str, Any]:
         body, job = self.body, self.job
@@ -77,7 +80,7 @@ class ResponseBuilder:
     def finish(self, reason: str | None) -> list[dict[str, Any]]:
         """The last events: what is open closed, then ``response.completed`` (or ``.incomplete`` at max_output_tokens)."""
         cut = reason == "length"
-        answered = any(item["type"] != "reasoning" for item in self.output) or (cut and self.output)
+        answered = any(item["type"] != "reasoning" for item in self.output) or (cut and self.output) or (self._open is not None and self._open not in self.output)
         events = [] if answered else self._text("")  # an answer with nothing in it is still a message (reasoning cut short is not one)
         events += self._close("incomplete" if cut else "completed")
         self.status = "incomplete" if cut else "completed"
@@ -97,7 +100,7 @@ class ResponseBuilder:
 
     def conversation(self) -> list[dict[str, Any]]:
         """The conversation this response ends, as input items: what a request naming it as ``previous_response_id`` continues."""
-        return self.translated.items + [_as_input(item) for item in self.output if item["type"] != "reasoning"]  # earlier thinking: left out, as templates do
+        return self.translated.items + [_as_input(item) for item in self.output]
 
     def _text(self, text: str) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -126,21 +129,40 @@ class ResponseBuilder:
         return events + [self._event("response.reasoning_text.delta", item_id=item["id"], output_index=self._index, content_index=0, delta=text)]
 
     def _call(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
+        """A call's deltas as its item: a function's arguments as they come, a freeform tool's input decoded from its JSON
+        string as it comes, a client-run tool's item whole once its arguments are (its action is made of them)."""
         events: list[dict[str, Any]] = []
         function = piece.get("function", {})
         if "id" in piece:  # a new call
             events += self._close("completed")
-            name = function.get("name", "")
-            item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": piece["id"], "name": name, "arguments": ""}
-            if name in self.translated.namespaces:
-                item["namespace"] = self.translated.namespaces[name]
-            self._calls[piece["index"]] = item
-            events += self._add(item)
-        item = self._calls[piece["index"]]
+            offered = function.get("name", "")
+            offer = self.translated.offers.get(offered, Offer("function", offered))
+            item: dict[str, Any] = {"id": new_id(ITEM_PREFIX[offer.kind]), "type": "function_call", "status": "in_progress", "call_id": piece["id"]}
+            if offer.kind == "custom":
+                item.update(type="custom_tool_call", name=offer.name, input="")
+            elif offer.kind == "function":
+                item.update(name=offer.name, arguments="")
+            if offer.namespace is not None:
+                item["namespace"] = offer.namespace
+            self._calls[piece["index"]] = _Call(item, offer)
+            if offer.kind in ("function", "custom"):
+                events += self._add(item)
+            else:
+                self._open = item  # added with its action, when its arguments are whole
+        call = self._calls[piece["index"]]
         arguments = function.get("arguments", "")
-        if arguments:
-            item["arguments"] += arguments
-            events.append(self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=self.output.index(item), delta=arguments))
+        if not arguments:
+            return events
+        call.arguments += arguments
+        index = self.output.index(call.item) if call.item in self.output else None
+        if call.offer.kind == "function":
+            call.item["arguments"] += arguments
+            events.append(self._event("response.function_call_arguments.delta", item_id=call.item["id"], output_index=index, delta=arguments))
+        elif call.offer.kind == "custom":
+            delta = call.decoded()
+            if delta:
+                call.item["input"] += delta
+                events.append(self._event("response.custom_tool_call_input.delta", item_id=call.item["id"], output_index=index, delta=delta))
         return events
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
@@ -153,6 +175,17 @@ class ResponseBuilder:
         if item is None:
             return []
         self._open = None
+        call = next((c for c in self._calls.values() if c.item is item), None)
+        if call is not None and call.offer.kind not in ("function", "custom"):  # a client-run tool's call: its item, whole
+            if status != "completed":
+                return []  # cut short: never shown, so dropped (a client would run it)
+            item = call.item = call_item(call.offer, item["id"], item["call_id"], call.arguments, status)
+            self.output.append(item)
+            index = len(self.output) - 1
+            return [self._event("response.output_item.added", output_index=index, item={**_copy(item), "status": "in_progress"}),
+                    self._event("response.output_item.done", output_index=index, item=_copy(item))]
+        if call is not None and call.offer.kind == "custom" and status == "completed":
+            item["input"] = call.whole_input(item["input"])
         item["status"] = status
         index = self.output.index(item)
         events = []
@@ -163,6 +196,8 @@ class ResponseBuilder:
             part = item["content"][0]
             events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[]))
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=dict(part)))
+        elif item["type"] == "custom_tool_call":
+            events.append(self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index, input=item["input"]))
         else:
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=item["name"], arguments=item["arguments"]))
         return events + [self._event("response.output_item.done", output_index=index, item=_copy(item))]
@@ -185,7 +220,43 @@ def _as_input(item: dict[str, Any]) -> dict[str, Any]:
     """An output item as the input item that sends it back."""
     if item["type"] == "message":
         return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": p["text"]} for p in item["content"]]}
-    return {k: v for k, v in item.items() if k in ("type", "call_id", "name", "arguments", "namespace")}
+    if item["type"] == "reasoning":
+        return {"type": "reasoning", "content": item["content"], "summary": []}
+    return {k: v for k, v in item.items() if k not in ("id", "status")}
+
+
+class _Call:
+    """A call being written: its item, the tool it stands for, and its arguments as generated (JSON)."""
+
+    def __init__(self, item: dict[str, Any], offer: Offer) -> None:
+        self.item, self.offer = item, offer
+        self.arguments = ""
+        self._read = -1  # a freeform call: where its input string's undecoded part starts (-1: not opened yet)
+
+    def decoded(self) -> str:
+        """A freeform call's input, as far as its arguments (``{"input": "…``) now decode."""
+        if self._read < 0:
+            opening = self.arguments.find('"', self.arguments.find(f'"{INPUT}"') + len(INPUT) + 2) if f'"{INPUT}"' in self.arguments else -1
+            if opening < 0:
+                return ""
+            self._read = opening + 1
+        out, at, text = [], self._read, self.arguments
+        while at < len(text) and text[at] != '"':
+            decoded = _escape_at(text, at) if text[at] == "\\" else (text[at], 1)
+            if decoded is None:
+                break
+            out.append(decoded[0])
+            at += decoded[1]
+        self._read = at
+        return "".join(out)
+
+    def whole_input(self, streamed: str) -> str:
+        """The input the finished arguments hold (what was streamed, where they do not parse)."""
+        try:
+            value = json.loads(self.arguments).get(INPUT)
+        except (ValueError, AttributeError):
+            return streamed
+        return value if isinstance(value, str) else streamed
 
 
 def _echo_choice(choice: Any) -> Any:

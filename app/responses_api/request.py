@@ -4,6 +4,9 @@ renamed to the Responses fields that caused them (``renamed``)."""
 
 from __future__ import annotations
 
+import difflib
+import json
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,11 +14,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.errors import ApiError
+from app.responses_api.client_tools import INPUT, Offer, as_call, client_function, custom_function, output_text, qualified
 from app.responses_api.schemas import (
-    HOSTED_TOOLS, PASSED_OVER_INCLUDES, FunctionCallItem, FunctionCallOutputItem, FunctionChoice, FunctionTool, MessageItem, NamespaceTool,
-    OtherItem, OtherTool, ReasoningItem, ResponsesRequest, UnsupportedPart,
+    CLIENT_TOOLS, HOSTED_TOOLS, PASSED_OVER_INCLUDES, ClientCallItem, CustomTool, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
+    FunctionCallOutputItem, FunctionChoice, FunctionTool, MessageItem, NamespaceTool, OtherItem, ReasoningItem, ResponsesRequest,
+    UnsupportedPart,
 )
 from app.schemas import ChatCompletionRequest
+
+log = logging.getLogger("specgate.responses")
+_PASSED_OVER_SEEN: set[str] = set()  # unknown fields already logged (once each)
 
 
 @dataclass
@@ -24,8 +32,8 @@ class Translated:
 
     chat: ChatCompletionRequest
     items: list[dict[str, Any]]  # the conversation before the answer, as input items (stored, for previous_response_id)
-    tools: list[dict[str, Any]]  # the function tools the model was offered, as the response echoes them
-    namespaces: dict[str, str] = field(default_factory=dict)  # a namespaced function's name → its namespace
+    tools: list[dict[str, Any]]  # the tools the model was offered, as the response echoes them
+    offers: dict[str, Offer] = field(default_factory=dict)  # each function the model was offered → the tool it stands for
     tool_paths: list[str] = field(default_factory=list)  # each offered tool's place in the request (tools.2.tools.0)
     warnings: list[str] = field(default_factory=list)
 
@@ -37,15 +45,15 @@ def to_chat(body: ResponsesRequest, previous: list[dict[str, Any]] | None) -> Tr
     if body.input is None and previous is None:
         raise ApiError(400, "input is required (a string or a list of items)", "input")
     items = list(previous or []) + _input_items(body)
-    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + _messages(items)
-    if not messages:
-        raise ApiError(400, "input holds no message to answer", "input")
     translated = Translated(ChatCompletionRequest.model_construct(), items, [])
     tools = _tools(body, translated)
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + _messages(items, translated.offers)
+    if not any(m["role"] != "system" for m in messages):
+        raise ApiError(400, "input holds no message to answer", "input")
     chat: dict[str, Any] = {
         "model": body.model, "messages": messages, "max_completion_tokens": body.max_output_tokens, "seed": body.seed, "user": body.user,
         "temperature": 1.0 if body.temperature is None else body.temperature, "top_p": 1.0 if body.top_p is None else body.top_p,
-        "parallel_tool_calls": body.parallel_tool_calls is not False, "tools": tools or None, "tool_choice": _tool_choice(body, bool(tools)),
+        "parallel_tool_calls": body.parallel_tool_calls is not False, "tools": tools or None, "tool_choice": _tool_choice(body, translated.offers),
         "response_format": _response_format(body), "speculative": body.speculative.model_dump(exclude_none=True) if body.speculative else None,
     }
     try:
@@ -57,9 +65,17 @@ def to_chat(body: ResponsesRequest, previous: list[dict[str, Any]] | None) -> Tr
 
 
 def _check_supported(body: ResponsesRequest) -> None:
-    extras = sorted(body.model_extra or {})
-    if extras:
-        raise ApiError(400, "; ".join(f"{name} is not supported" for name in extras), extras[0], "unsupported_parameter")
+    """Fields this gateway does not know are passed over (the spec's next hints must not break clients), except a near miss
+    of a field it knows (a 400 naming the field meant); known fields that would change the answer and are not served: a 400."""
+    for name in sorted(body.model_extra or {}):
+        if name in ANSWER_FIELDS:
+            raise ApiError(400, f"{name} is not supported on /v1/responses: it would change the answer (/v1/chat/completions takes it)", name, "unsupported_parameter")
+        meant = difflib.get_close_matches(name, KNOWN_FIELDS, n=1, cutoff=0.85)
+        if meant:
+            raise ApiError(400, f"{name} is not a field of this API: did you mean {meant[0]}?", name, "unsupported_parameter")
+        if name not in _PASSED_OVER_SEEN:
+            _PASSED_OVER_SEEN.add(name)
+            log.info("response: the field %s is not known here and is passed over", name)
     refusals = [
         (body.background, "background", "background: true is not supported: a response runs while its request is open"),
         (body.truncation == "auto", "truncation", "truncation: auto is not supported: an input over the context is a 400 here (truncation: disabled)"),
@@ -75,7 +91,7 @@ def _check_supported(body: ResponsesRequest) -> None:
 
 
 def _input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """This request's input as items (a string is one user message); reasoning items left out, anything else refused by name."""
+    """This request's input as items (a string is one user message); a type this gateway does not read refused by name."""
     if body.input is None:
         return []
     if isinstance(body.input, str):
@@ -85,74 +101,125 @@ def _input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
         if isinstance(item, OtherItem):
             hint = ": send the item itself" if item.type == "item_reference" else ""
             raise ApiError(400, f"input[{i}]: items of type {item.type!r} are not supported{hint}", f"input.{i}.type", "unsupported_parameter")
-        if isinstance(item, ReasoningItem):
-            continue  # an earlier answer's thinking: chat templates leave it out of later turns too
         if isinstance(item, MessageItem) and not isinstance(item.content, str):
             for j, part in enumerate(item.content):
                 if isinstance(part, UnsupportedPart):
                     raise ApiError(400, f"input[{i}].content[{j}]: {part.type} is not supported: this gateway serves text models", f"input.{i}.content.{j}.type", "unsupported_parameter")
+        if isinstance(item, ClientCallItem) and not (item.call_id or item.id):
+            raise ApiError(400, f"input[{i}]: a {item.type} item needs its call_id", f"input.{i}.call_id")
         out.append(item.model_dump(exclude_none=True))
     return out
 
 
-def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Items as chat messages: consecutive calls one assistant message, an output a tool message."""
+def _messages(items: list[dict[str, Any]], offers: dict[str, Offer]) -> list[dict[str, Any]]:
+    """Items as chat messages. An assistant's text and the calls after it are one turn (as the model wrote them); a
+    reasoning item goes with the assistant turn after it (``reasoning_content``: the template renders it where it renders
+    thinking); every call by the name it was offered under; an output a tool message."""
+    names = {(o.namespace, o.name, o.kind): name for name, o in offers.items()}
     messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+
+    def assistant(content: str | None) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning:
+            message["reasoning_content"] = "\n\n".join(reasoning)
+            reasoning.clear()
+        messages.append(message)
+        return message
+
+    def call(call_id: str, name: str, arguments: str) -> None:
+        last = messages[-1] if messages else None
+        turn = last if last is not None and last["role"] == "assistant" and not reasoning else assistant(None)
+        turn.setdefault("tool_calls", []).append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+
     for raw in items:
         kind = raw.get("type", "message")
-        if kind == "function_call":
-            call = FunctionCallItem.model_validate(raw)
-            entry = {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                last["tool_calls"].append(entry)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [entry]})
+        if kind == "reasoning":
+            text = ReasoningItem.model_validate(raw).text()
+            if text:
+                reasoning.append(text)
+        elif kind == "function_call":
+            fc = FunctionCallItem.model_validate(raw)
+            call(fc.call_id, names.get((fc.namespace, fc.name, "function"), qualified(fc.namespace, fc.name)), fc.arguments)
+        elif kind == "custom_tool_call":
+            cc = CustomToolCallItem.model_validate(raw)
+            name = names.get((cc.namespace, cc.name, "custom"), qualified(cc.namespace, cc.name))
+            call(cc.call_id, name, json.dumps({INPUT: cc.input}, ensure_ascii=False, separators=(",", ":")))
         elif kind == "function_call_output":
             output = FunctionCallOutputItem.model_validate(raw)
             messages.append({"role": "tool", "tool_call_id": output.call_id, "content": output.text()})
+        elif kind == "custom_tool_call_output":
+            custom = CustomToolCallOutputItem.model_validate(raw)
+            messages.append({"role": "tool", "tool_call_id": custom.call_id, "content": custom.text()})
+        elif kind.endswith("_call"):  # a client-run tool's call
+            found = as_call(raw)
+            if found is not None:
+                call(*found)
+        elif kind.endswith("_call_output"):
+            messages.append({"role": "tool", "tool_call_id": raw.get("call_id") or raw.get("id", ""), "content": output_text(raw)})
         else:
             message = MessageItem.model_validate(raw)
-            messages.append({"role": message.role, "content": message.text()})
+            if message.role == "assistant":
+                assistant(message.text())
+            else:
+                messages.append({"role": message.role, "content": message.text()})
     return messages
 
 
 def _tools(body: ResponsesRequest, into: Translated) -> list[dict[str, Any]]:
-    """The function tools, namespaces flattened to their functions; hosted tools left out, with a warning."""
+    """The tools as chat's function tools: functions as they are, freeform and client-run tools as functions
+    (app.responses_api.client_tools), namespaces' tools by qualified names; hosted tools left out, with a warning."""
     tools: list[dict[str, Any]] = []
 
-    def offer(tool: FunctionTool, path: str, namespace: str | None) -> None:
-        function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters, "strict": tool.strict}
-        tools.append({"type": "function", "function": {k: v for k, v in function.items() if v is not None}})
-        into.tools.append({"type": "function", "name": tool.name, "description": tool.description, "parameters": tool.parameters, "strict": tool.strict})
+    def offer(function: dict[str, Any], path: str, kind: str, name: str, namespace: str | None, echo: dict[str, Any]) -> None:
+        offered = qualified(namespace, function["name"])
+        if offered in into.offers:
+            raise ApiError(400, f"{path}: two tools are offered as {offered!r}: give each its own name", path)
+        tools.append({"type": "function", "function": {**{k: v for k, v in function.items() if v is not None}, "name": offered}})
+        into.tools.append(echo)
         into.tool_paths.append(path)
-        if namespace is not None:
-            into.namespaces[tool.name] = namespace
+        into.offers[offered] = Offer(kind, name, namespace)
+
+    def one(tool: FunctionTool | CustomTool, path: str, namespace: str | None) -> None:
+        echo = tool.model_dump(exclude_none=True, exclude={"defer_loading"}, by_alias=True)
+        if isinstance(tool, CustomTool):
+            offer(custom_function(tool.name, tool.description, tool.format, path), path, "custom", tool.name, namespace, echo)
+        else:
+            function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters, "strict": tool.strict}
+            offer(function, path, "function", tool.name, namespace, {"type": "function", **{k: v for k, v in function.items() if k != "type"}})
 
     for i, tool in enumerate(body.tools or []):
-        if isinstance(tool, FunctionTool):
-            offer(tool, f"tools.{i}", None)
+        if isinstance(tool, FunctionTool | CustomTool):
+            one(tool, f"tools.{i}", None)
         elif isinstance(tool, NamespaceTool):
             for j, inner in enumerate(tool.tools):
-                offer(inner, f"tools.{i}.tools.{j}", tool.name)
-        elif isinstance(tool, OtherTool) and tool.type in HOSTED_TOOLS:
+                one(inner, f"tools.{i}.tools.{j}", tool.name)
+        elif tool.type in CLIENT_TOOLS:
+            offer(client_function(tool.type), f"tools.{i}", tool.type, tool.type, None, {"type": tool.type})
+        elif tool.type in HOSTED_TOOLS:
             into.warnings.append(f"tools[{i}]: {tool.type} is a hosted tool, which this gateway does not run: it was left out of the prompt")
-        elif isinstance(tool, OtherTool) and tool.type == "custom":
-            raise ApiError(400, f"tools[{i}]: custom tools (free-form input) are not supported: give a function tool", f"tools.{i}.type", "unsupported_parameter")
+        elif tool.type == "tool_search":
+            raise ApiError(400, f"tools[{i}]: tool_search is not supported: this gateway offers every tool in the prompt (send them without defer_loading)", f"tools.{i}.type", "unsupported_parameter")
         else:
             raise ApiError(400, f"tools[{i}]: tools of type {tool.type!r} are not supported", f"tools.{i}.type", "unsupported_parameter")
     return tools
 
 
-def _tool_choice(body: ResponsesRequest, has_tools: bool) -> Any:
+def _tool_choice(body: ResponsesRequest, offers: dict[str, Offer]) -> Any:
     choice = body.tool_choice
-    if isinstance(choice, FunctionChoice):
-        return {"type": "function", "function": {"name": choice.name}}
+    kind, name = (choice.type, choice.name) if isinstance(choice, FunctionChoice) else (None, None)
     if isinstance(choice, dict):
-        kind = choice.get("type")
-        why = "this gateway runs no hosted tool" if kind in HOSTED_TOOLS else f"a choice of type {kind!r} is not supported"
-        raise ApiError(400, f"tool_choice: {why}: use none, auto, required or {{\"type\": \"function\", \"name\": …}}", "tool_choice", "unsupported_parameter")
-    if choice == "auto" and not has_tools:
+        kind, name = choice.get("type"), choice.get("name")
+        if kind in CLIENT_TOOLS:
+            name = kind
+        elif kind != "custom":
+            why = "this gateway runs no hosted tool" if kind in HOSTED_TOOLS else f"a choice of type {kind!r} is not supported"
+            raise ApiError(400, f"tool_choice: {why}: use none, auto, required, or a function, custom or client tool by name", "tool_choice", "unsupported_parameter")
+    if kind is not None:
+        wanted = "function" if kind == "function" else "custom" if kind == "custom" else kind
+        offered = next((n for n, o in offers.items() if o.name == name and o.kind == wanted), name)
+        return {"type": "function", "function": {"name": offered}}
+    if choice == "auto" and not offers:
         return None  # hosted tools alone (left out): nothing to choose from
     return choice
 
@@ -167,6 +234,11 @@ def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 
 
+KNOWN_FIELDS = tuple(ResponsesRequest.model_fields)
+ANSWER_FIELDS = frozenset({  # not the Responses API's, or not served here, and each would change the answer: refused, never passed over
+    "frequency_penalty", "presence_penalty", "logit_bias", "stop", "n", "top_k", "min_p", "repetition_penalty", "logprobs", "prompt",
+    "conversation",
+})
 _MESSAGES = re.compile(r"^messages(\.\d+.*)?$")
 
 

@@ -15,8 +15,9 @@ from app.schemas import FunctionDef, SpeculativeParams, _shallow
 _NAME = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
 HOSTED_TOOLS = frozenset({  # tools OpenAI runs on its side: not in the prompt here, and the response says so
     "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search", "code_interpreter",
-    "image_generation", "computer_use_preview", "computer_use", "mcp", "local_shell", "shell", "apply_patch", "tool_search",
+    "image_generation", "computer_use_preview", "computer_use", "mcp",
 })
+CLIENT_TOOLS = frozenset({"local_shell", "shell", "apply_patch"})  # run by the client: offered as functions, called as their own items
 PASSED_OVER_INCLUDES = frozenset({  # what a client may ask to include that this gateway has nothing of (no hosted tools, no encrypted reasoning)
     "reasoning.encrypted_content", "web_search_call.results", "web_search_call.action.sources", "file_search_call.results",
     "code_interpreter_call.outputs", "computer_call_output.output.image_url", "message.input_image.image_url",
@@ -93,10 +94,50 @@ class FunctionCallOutputItem(_Strict):
 
 
 class ReasoningItem(BaseModel):
-    """An earlier answer's reasoning, sent back: left out of the prompt, as chat templates leave earlier thinking out."""
+    """An earlier answer's reasoning, sent back: given to the template with the assistant turn it precedes (as
+    ``reasoning_content``), which renders it where it renders thinking (Qwen3: the turns after the last user message)."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["reasoning"]
+    content: list[dict[str, Any]] | None = None
+    summary: list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        parts = [p.get("text", "") for p in self.content or [] if p.get("type") == "reasoning_text"]
+        return "".join(parts) or "\n\n".join(p.get("text", "") for p in self.summary or [] if p.get("type") == "summary_text")
+
+
+class CustomToolCallItem(_Strict):
+    """An earlier answer's call of a freeform (custom) tool: its input is one string."""
+
+    type: Literal["custom_tool_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    input: str
+    namespace: str | None = None
+    id: str | None = None
+    status: str | None = None
+
+
+class CustomToolCallOutputItem(_Strict):
+    type: Literal["custom_tool_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[ContentPart]
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output if isinstance(p, InputText))
+
+
+class ClientCallItem(BaseModel):
+    """A call of a client-run tool (``local_shell_call``, ``shell_call``, ``apply_patch_call``) or its output, sent back:
+    read by app.responses_api.client_tools."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output"]
+    call_id: str | None = None
+    id: str | None = None
 
 
 class OtherItem(BaseModel):
@@ -106,14 +147,20 @@ class OtherItem(BaseModel):
     type: str
 
 
+_CLIENT_ITEMS = ("local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output")
+
+
 def _item_kind(value: Any) -> str:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
-    return kind if kind in ("message", "function_call", "function_call_output", "reasoning") else "other"
+    if kind in _CLIENT_ITEMS:
+        return "client"
+    return kind if kind in ("message", "function_call", "function_call_output", "reasoning", "custom_tool_call", "custom_tool_call_output") else "other"
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")] | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")] | Annotated[OtherItem, Tag("other")],
+    | Annotated[ReasoningItem, Tag("reasoning")] | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
+    | Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")] | Annotated[ClientCallItem, Tag("client")] | Annotated[OtherItem, Tag("other")],
     Discriminator(_item_kind),
 ]
 
@@ -125,17 +172,41 @@ class FunctionTool(FunctionDef):
     defer_loading: bool | None = None
 
 
+class CustomTextFormat(_Strict):
+    type: Literal["text"]
+
+
+class CustomGrammarFormat(_Strict):
+    """A freeform tool's input held to a grammar: Lark (regular, written out as one regex: core.freeform) or a regex."""
+
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: str = Field(min_length=1)
+
+
+class CustomTool(_Strict):
+    """A freeform tool (a coding agent's ``apply_patch``): the model calls it with one string, its ``input``."""
+
+    type: Literal["custom"]
+    name: str = _NAME
+    description: str | None = None
+    format: Annotated[CustomTextFormat | CustomGrammarFormat, Field(discriminator="type")] | None = None
+    defer_loading: bool | None = None
+
+
 class NamespaceTool(_Strict):
-    """Function tools grouped under a name (what coding agents send for an MCP server's tools): flattened to its functions."""
+    """Tools grouped under a name (what coding agents send for an MCP server's tools): offered as ``<namespace>__<name>``,
+    called back with the namespace and the name apart."""
 
     type: Literal["namespace"]
-    name: str
+    name: str = _NAME
     description: str | None = None
-    tools: list[FunctionTool]
+    tools: list[Annotated[FunctionTool | CustomTool, Field(discriminator="type")]]
 
 
 class OtherTool(BaseModel):
-    """A hosted tool (``web_search`` …): left out of the prompt with a warning; any other type: a 400."""
+    """A client-run tool (``local_shell``, ``shell``, ``apply_patch``): offered as a function; a hosted tool
+    (``web_search`` …): left out of the prompt with a warning; any other type: a 400."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -143,11 +214,12 @@ class OtherTool(BaseModel):
 
 def _tool_kind(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in ("function", "namespace") else "other"
+    return kind if kind in ("function", "namespace", "custom") else "other"
 
 
 Tool = Annotated[
-    Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")] | Annotated[OtherTool, Tag("other")],
+    Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")] | Annotated[CustomTool, Tag("custom")]
+    | Annotated[OtherTool, Tag("other")],
     Discriminator(_tool_kind),
 ]
 
@@ -183,10 +255,14 @@ class FunctionChoice(_Strict):
     name: str
 
 
-class ReasoningParam(_Strict):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None
-    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+class ReasoningParam(BaseModel):
+    """Hints to OpenAI's reasoning models (``effort``, ``summary``, ``context``, ``mode`` …): accepted, whatever they say,
+    and passed over (the template decides whether the model thinks)."""
+
+    model_config = ConfigDict(extra="allow")
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
 
 
 class StreamOptionsParam(_Strict):
@@ -194,7 +270,8 @@ class StreamOptionsParam(_Strict):
 
 
 class ResponsesRequest(BaseModel):
-    """``POST /v1/responses``. Extras are reported as unsupported, by name."""
+    """``POST /v1/responses``. Other fields are passed over (newer hints), unless a name is a near miss of one of these
+    (app.responses_api.request: a 400 that names the field meant)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -224,6 +301,7 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None  # a hint to OpenAI's cache: passed over (the workers keep no cache across requests)
     prompt_cache_retention: str | None = None
     client_metadata: dict[str, Any] | None = None  # the client's own (Codex sends it): passed over
+    prompt_cache_options: dict[str, Any] | None = None  # a hint to OpenAI's cache: passed over
     safety_identifier: str | None = None
     service_tier: str | None = None
     speculative: SpeculativeParams | None = None

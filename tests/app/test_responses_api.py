@@ -6,6 +6,7 @@ store chains turns by id; what the gateway does not do is a 400 naming the field
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ from app.responses_api.output import ResponseBuilder
 from app.responses_api.request import to_chat
 from app.responses_api.schemas import ResponsesRequest
 from app.usage import Usage
+from core.grammar import strict
 from core.names import Mode, Reconstruction
 from tests.app.conftest import Gateway
 from tests.app.fakes import FakeWorkerTransport
@@ -108,7 +110,7 @@ def test_calls_make_function_call_items_and_their_events_in_openais_shapes() -> 
         [{"content": "Let me look."}],
         [{"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": ""}}]}],
         [{"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]}, {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]}],
-        [{"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "inner", "arguments": "{}"}}]}],
+        [{"tool_calls": [{"index": 1, "id": "call_b", "type": "function", "function": {"name": "ns__inner", "arguments": "{}"}}]}],
     ):
         stream += builder.push(deltas)
     stream += builder.finish("tool_calls")
@@ -183,7 +185,10 @@ async def test_the_store_chains_turns_and_answers_get_and_delete(gateway: Gatewa
     ({"background": True}, "background", "background"),
     ({"truncation": "auto"}, "truncation", "truncation"),
     ({"include": ["message.output_text.logprobs"]}, "include.0", "not supported"),
-    ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools.0.type", "custom tools"),
+    ({"max_output_token": 5}, "max_output_token", "did you mean max_output_tokens"),
+    ({"tools": [{"type": "tool_search"}]}, "tools.0.type", "tool_search"),
+    ({"tools": [{"type": "custom", "name": "p", "format": {"type": "grammar", "syntax": "lark", "definition": 'start: a\na: "x" a'}}]}, "tools.0.format.definition", "recursive"),
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "namespace", "name": "n", "tools": [{"type": "custom", "name": "f"}]}, {"type": "function", "name": "n__f"}]}, "tools.2", "n__f"),
     ({"tools": [{"type": "teleport"}]}, "tools.0.type", "teleport"),
     ({"tool_choice": {"type": "web_search"}}, "tool_choice", "hosted"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
@@ -242,3 +247,116 @@ async def test_a_failure_mid_stream_is_an_error_event_and_a_failed_response(gate
         assert [e["type"] for e in stream[-2:]] == ["error", "response.failed"]
         assert stream[-2]["code"] == "worker_error" and "w1" in stream[-2]["message"]
         assert stream[-1]["response"]["status"] == "failed" and stream[-1]["response"]["error"]["code"] == "server_error"
+
+
+PATCH_LARK = """start: begin_patch hunk+ end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+hunk: add_hunk | delete_hunk | update_hunk
+add_hunk: "*** Add File: " filename LF add_line+
+delete_hunk: "*** Delete File: " filename LF
+update_hunk: "*** Update File: " filename LF change?
+filename: /(.+)/
+add_line: "+" /(.*)/ LF -> line
+change: (change_context | change_line)+
+change_context: ("@@" | "@@ " /(.+)/) LF
+change_line: ("+" | "-" | " ") /(.*)/ LF
+%import common.LF
+"""
+APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edits files.", "format": {"type": "grammar", "syntax": "lark", "definition": PATCH_LARK}}
+A_PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+Hello \"world\"\n*** End Patch\n"
+
+
+def _built(body: dict[str, Any], pieces: list[list[dict[str, Any]]], reason: str = "tool_calls") -> tuple[ResponseBuilder, list[dict[str, Any]]]:
+    request = ResponsesRequest.model_validate({**BASE, **body})
+    builder = ResponseBuilder(request, to_chat(request, None), Job("chatcmpl-1", 0, "test-model", [], [], Usage(SpecOptions(Mode.AGGREGATE, 3, None, Reconstruction.RENORMALIZE), 4)), store=False)
+    stream = builder.start()
+    for deltas in pieces:
+        stream += builder.push(deltas)
+    return builder, checked(stream + builder.finish(reason))
+
+
+def _call(index: int, name: str, arguments: str, size: int = 7) -> list[list[dict[str, Any]]]:
+    """A call as the chat path's deltas: its name, then its arguments in pieces of ``size`` characters."""
+    pieces = [[{"tool_calls": [{"index": index, "id": f"call_{index}", "type": "function", "function": {"name": name, "arguments": ""}}]}]]
+    return pieces + [[{"tool_calls": [{"index": index, "function": {"arguments": arguments[i : i + size]}}]}] for i in range(0, len(arguments), size)]
+
+
+def test_a_freeform_tool_is_a_function_of_one_string_held_to_its_grammar() -> None:
+    """Issue 75: a custom tool (a coding agent's apply_patch) was a 400. It is offered as a function whose one string
+    parameter carries the tool's Lark grammar as its pattern; its call is a custom_tool_call item whose input streams
+    decoded, and sent back (with its output) it is the same call again."""
+    translated = to_chat(ResponsesRequest.model_validate({**BASE, "input": "Add hello.txt", "tools": [APPLY_PATCH]}), None)
+    [function] = [t.function for t in translated.chat.tools or []]
+    assert function.name == "apply_patch" and (function.parameters or {})["required"] == ["input"]
+    assert (function.parameters or {})["properties"]["input"]["x-freeform"] == {"syntax": "lark", "definition": PATCH_LARK}  # the prompt shows the grammar
+    pattern = strict(function.parameters)["properties"]["input"]["pattern"]  # the grammar engine holds it
+    assert re.fullmatch(pattern, A_PATCH) and not re.fullmatch(pattern, "rm -rf /\n")
+    arguments = json.dumps({"input": A_PATCH}, separators=(",", ":"))
+    builder, stream = _built({"input": "Add hello.txt", "tools": [APPLY_PATCH]}, _call(0, "apply_patch", arguments, size=3))
+    [item] = builder.response()["output"]
+    assert item["type"] == "custom_tool_call" and item["name"] == "apply_patch" and item["input"] == A_PATCH and item["status"] == "completed"
+    check(item, "CustomToolCall")
+    assert "".join(e["delta"] for e in stream if e["type"] == "response.custom_tool_call_input.delta") == A_PATCH
+    assert [e["input"] for e in stream if e["type"] == "response.custom_tool_call_input.done"] == [A_PATCH]
+    later = {"input": [*builder.conversation(), {"type": "custom_tool_call_output", "call_id": "call_0", "output": "Done!"}], "tools": [APPLY_PATCH]}
+    messages = to_chat(ResponsesRequest.model_validate({**BASE, **later}), None).chat.chat_messages()
+    assert messages[-2]["tool_calls"][0]["function"] == {"name": "apply_patch", "arguments": arguments}
+    assert messages[-1] == {"role": "tool", "content": "Done!", "tool_call_id": "call_0"}
+
+
+@pytest.mark.parametrize("tool, arguments, schema, expected", [
+    ("local_shell", {"command": ["ls", "-la"], "workdir": "/src"}, "LocalShellToolCall", {"action": {"type": "exec", "command": ["ls", "-la"], "env": {}, "working_directory": "/src"}}),
+    ("shell", {"commands": ["ls", "pwd"]}, "FunctionShellCall", {"action": {"commands": ["ls", "pwd"], "timeout_ms": None, "max_output_length": None}}),
+    ("apply_patch", {"type": "create_file", "path": "a.txt", "diff": "+hi\n"}, "ApplyPatchToolCall", {"operation": {"type": "create_file", "path": "a.txt", "diff": "+hi\n"}}),
+])
+def test_a_client_run_tool_is_called_as_its_own_item(tool: str, arguments: dict[str, Any], schema: str, expected: dict[str, Any]) -> None:
+    """Issue 75: local_shell, shell and apply_patch were left out as if OpenAI ran them. The model gets each as a function;
+    its call comes back as the tool's own item (the client runs it), whole once its arguments are; the item and its output,
+    sent back, are the call and a tool message again."""
+    text = json.dumps(arguments, separators=(",", ":"))
+    builder, stream = _built({"input": "x", "tools": [{"type": tool}]}, _call(0, tool, text))
+    [item] = builder.response()["output"]
+    assert item["type"] == f"{tool}_call" and item["call_id"] == "call_0" and item["status"] == "completed"
+    assert {k: item[k] for k in expected} == expected
+    check(item, schema)
+    assert [e["type"] for e in stream[2:-1]] == ["response.output_item.added", "response.output_item.done"]
+    output = {"type": f"{tool}_call_output", "call_id": "call_0", "output": [{"stdout": "a\n", "stderr": "", "outcome": {"type": "exit", "exit_code": 0}}] if tool == "shell" else "a\n"}
+    messages = to_chat(ResponsesRequest.model_validate({**BASE, "input": [*builder.conversation(), output], "tools": [{"type": tool}]}), None).chat.chat_messages()
+    assert messages[-2]["tool_calls"][0]["function"] == {"name": tool, "arguments": text}
+    assert messages[-1]["role"] == "tool" and messages[-1]["content"].startswith("a\n")
+    _, cut = _built({"input": "x", "tools": [{"type": tool}]}, _call(0, tool, text[:-4]), reason="length")
+    assert cut[-1]["response"]["output"] == [] or all(i["type"] == "message" for i in cut[-1]["response"]["output"])  # cut: never run
+
+
+def test_namespaces_keep_tools_of_one_name_apart_and_a_turn_stays_one() -> None:
+    """Issue 75: two namespaces with a tool of one name were "two functions share a name"; an assistant's text and its
+    calls became two assistant turns; reasoning items were dropped. Now each namespaced tool is offered by its qualified
+    name and called back with its namespace; text and calls are one turn; reasoning goes with the turn it precedes."""
+    search = {"type": "function", "name": "search", "parameters": {"type": "object", "properties": {}}}
+    tools = [{"type": "namespace", "name": "docs", "tools": [search]}, {"type": "namespace", "name": "code", "tools": [search]}]
+    builder, _ = _built({"input": "x", "tools": tools}, _call(0, "code__search", "{}"))
+    [item] = builder.response()["output"]
+    assert (item["name"], item["namespace"]) == ("search", "code")
+    history = [
+        {"role": "user", "content": "Find it."},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Search the code."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Looking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "search", "namespace": "code", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "search", "namespace": "docs", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "found"},
+        {"type": "function_call_output", "call_id": "c2", "output": "none"},
+    ]
+    messages = to_chat(ResponsesRequest.model_validate({**BASE, "input": history, "tools": tools}), None).chat.chat_messages()
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool"]
+    turn = messages[1]
+    assert turn["content"] == "Looking." and turn["reasoning_content"] == "Search the code."
+    assert [c["function"]["name"] for c in turn["tool_calls"]] == ["code__search", "docs__search"]
+
+
+async def test_hints_and_newer_fields_are_passed_over(client: httpx.AsyncClient) -> None:
+    """Issue 75: reasoning.context / mode, effort "max", prompt_cache_options and fields newer than this gateway were 400s."""
+    body = {**BASE, "input": "Hi", "reasoning": {"effort": "max", "context": "all", "mode": "fast"}, "prompt_cache_options": {"ttl": "1h"},
+            "omit_null_encrypted_content": True, "some_future_field": {"a": 1}}
+    resp = await client.post("/v1/responses", json=body)
+    assert resp.status_code == 200, resp.text

@@ -154,7 +154,7 @@ def test_a_call_cut_by_max_tokens_is_reported_as_it_is(builtin_llama_shared: Mod
 
 def test_what_the_counter_example_hunt_found_stays_fixed() -> None:
     """A Llama call that arrives in one piece is read at once; a trigger that does not go on as a call is text, trigger and all;
-    a call cut before its name is its text, trigger and all."""
+    a call cut by max_tokens, before its name or after a complete one, is never text (issue 75)."""
     reader = NativeToolOutput(style=STYLES[ToolFormat.LLAMA3_JSON])
     whole = reader.push('{"name": "get_time", "parameters": {}}')
     assert whole and whole[0]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
@@ -162,4 +162,8 @@ def test_what_the_counter_example_hunt_found_stays_fixed() -> None:
     assert message_of(reader.push("see <tool_call> tag") + reader.flush())["content"] == "see <tool_call> tag"
     reader = NativeToolOutput(style=STYLES[ToolFormat.HERMES])
     deltas = reader.push('x<tool_call>\n{"name": "ge') + reader.flush(cut=True)
-    assert message_of(deltas) == {"role": "assistant", "content": 'x<tool_call>\n{"name": "ge', "refusal": None}
+    assert message_of(deltas) == {"role": "assistant", "content": "x", "refusal": None}
+    for fmt, cut in [(ToolFormat.HERMES, '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"na'), (ToolFormat.MISTRAL, '[TOOL_CALLS] [{"name": "a", "arguments": {}}, {"name'), (ToolFormat.MISTRAL, "[TOOL_CALLS] ")]:
+        reader = NativeToolOutput(style=STYLES[fmt])
+        message = message_of(reader.push(cut) + reader.flush(cut=True))
+        assert message["content"] is None or message["content"] == "", (fmt, cut, message)

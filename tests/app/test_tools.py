@@ -114,17 +114,23 @@ def test_a_response_with_a_schema_of_its_own_is_its_json(value: object) -> None:
         assert output.is_complete and not output.calls
 
 
-def test_an_answer_cut_inside_a_call_keeps_what_was_generated() -> None:
-    """Issue 46: at max_tokens inside a call the text was lost (``content: ""``, no calls)."""
+def test_a_call_cut_by_max_tokens_is_never_text() -> None:
+    """Issue 75: a call cut inside its name came back as message text beside the complete calls
+    (``"content": "{\"name\":\"get_weather"``). It is dropped; one cut inside its arguments stays a call (finish_reason
+    length); a response's own text keeps what was generated (issue 46)."""
     output, deltas = _read('{"tool_calls":[{"name":"get_w', 3, cut=True)
-    assert output.content == '{"tool_calls":[{"name":"get_w' and not output.calls and deltas == [{"content": output.content}]
+    assert not output.content and not output.calls and deltas == []
     output, deltas = _read('{"tool_calls":[{"name":"get_weather","arguments":{"city":"Par', 4, cut=True)
     assert [c.name for c in output.calls] == ["get_weather"] and output.calls[0].arguments == '{"city":"Par' and not output.content
     assert not output.is_complete
-    output, _ = _read('{"tool_calls":[{"name":"get_time","arguments":{}},{"name":"get_w', 1000, cut=True)
-    assert [c.arguments for c in output.calls] == ["{}"] and output.content == '{"name":"get_w'
+    for cut in ('{"tool_calls":[{"name":"get_time","arguments":{}},{"name":"get_w', '{"tool_calls":[{"name":"get_time","arguments":{}}', '{"tool_'):
+        output, deltas = _read(cut, 1000, cut=True)
+        assert not output.content and all("content" not in d for d in deltas), cut
+    assert [c.arguments for c in _read('{"tool_calls":[{"name":"get_time","arguments":{}},{"name":"get_w', 5, cut=True)[0].calls] == ["{}"]
     output, _ = _read('{"response":"Hello \\ud83d', 1000, cut=True)
     assert output.content == "Hello \\ud83d"  # the escape never completed: as generated
+    output, _ = _read("not the format", 3, cut=True)
+    assert output.content == "not the format"  # no grammar held it: text
 
 
 def test_the_message_is_what_the_deltas_add_up_to() -> None:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from core.grammar import GrammarError, GrammarKind, GrammarLimits, Grammars, GrammarSpec
+from core.grammar import GrammarError, GrammarKind, GrammarLimits, Grammars, GrammarSpec, strict
 from core.runners.models import resolve_model
 from core.runners.tokenizer import load_tokenizer
 
@@ -144,3 +144,23 @@ def test_objects_with_properties_take_no_others_unless_the_schema_says_so(gramma
     matcher = grammars.compile(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})).matcher()
     matcher.sync(tokenizer.encode('{"a":1'))
     assert not matcher.allowed()[tokenizer.encode(",")[0]]  # no second key
+
+
+def test_a_freeform_tools_grammar_holds_the_string_a_call_carries(grammars: Grammars, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Issue 75: a custom tool's Lark grammar, written out as one regex (core.freeform), is the ``pattern`` of the JSON
+    string its call carries: llguidance holds every decoded character to it (escapes included), and refuses a string
+    the grammar does not make, token by token."""
+    from core.freeform import freeform_pattern
+
+    lark = 'start: "*** Begin Patch" LF ("*** Add File: " /(.+)/ LF ("+" /(.*)/ LF)+)+ "*** End Patch" LF?\n%import common.LF\n'
+    schema = {"type": "object", "properties": {"input": {"type": "string", "x-freeform": {"syntax": "lark", "definition": lark}}}, "required": ["input"]}
+    assert strict(schema)["properties"]["input"] == {"type": "string", "pattern": freeform_pattern("lark", lark)}
+    compiled = grammars.compile(GrammarSpec.json_schema(schema))
+
+    def walk(text: str) -> bool:
+        matcher = compiled.matcher()
+        return all(matcher.consume(token) for token in tokenizer.encode(json.dumps({"input": text}, separators=(",", ":")))) and bool(matcher.allowed()[EOS])
+
+    assert walk('*** Begin Patch\n*** Add File: a "b".txt\n+tab\there \\ ok\n*** End Patch\n')
+    assert not walk("*** Begin Patch\n*** End Patch\n")  # no file
+    assert not walk("rm -rf /")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -97,6 +98,50 @@ def test_a_function_tool_is_called_and_its_result_answered_by_id(client: openai.
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
+
+
+def test_a_call_cut_by_the_token_limit_is_never_text(client: openai.OpenAI) -> None:
+    """Issue 75: with tool_choice required and the limit reached inside a call, the call's partial JSON came back as
+    message text, on chat completions and as a Responses message. Now the answer ends length / incomplete with no text."""
+    chat_tool: Any = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+    question = "What is the weather in Paris, Rome and Oslo?"
+    for limit in (5, 9):
+        chat = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], tools=[chat_tool], tool_choice="required", max_tokens=limit, temperature=0,
+        )
+        assert chat.choices[0].finish_reason == "length" and not chat.choices[0].message.content, chat
+        response = client.responses.create(model=MODEL, input=question, tools=[WEATHER], tool_choice="required", max_output_tokens=limit, temperature=0)
+        assert response.status == "incomplete" and response.output_text == "", response
+
+
+def test_a_coding_agents_own_tools_are_served(client: openai.OpenAI) -> None:
+    """Issue 75, the CLI's request shapes: its freeform apply_patch (a Lark grammar) is called with an input the grammar
+    makes; the next turn carries that call and its output, a local_shell call and its output, and two namespaces whose
+    tools share a name, and is answered."""
+    from tests.app.test_responses_api import APPLY_PATCH, PATCH_LARK
+    from core.freeform import freeform_pattern
+
+    search: Any = {"type": "function", "name": "search", "description": "Searches.", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}
+    namespaces: Any = [{"type": "namespace", "name": "docs", "tools": [search]}, {"type": "namespace", "name": "code", "tools": [search]}]
+    ask = "Create the file hello.txt with the line hi."
+    first = client.responses.create(model=MODEL, input=ask, tools=[APPLY_PATCH], tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=32, temperature=0)
+    [call] = [item for item in first.output if item.type == "custom_tool_call"]
+    assert call.name == "apply_patch" and call.input.startswith("*** Begin Patch\n")
+    if call.status == "completed":
+        assert re.fullmatch(freeform_pattern("lark", PATCH_LARK), call.input), call.input
+    line = re.compile(r"\*\*\* (Begin Patch|End Patch|(Add|Delete|Update) File: .+)|[-+ ].*|@@.*")
+    assert all(line.fullmatch(text) for text in call.input.split("\n")[:-1]), call.input  # cut or not, every whole line is the grammar's
+    history: Any = [
+        {"role": "user", "content": ask}, {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": call.input},
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done."},
+        {"type": "local_shell_call", "id": "lsh_1", "call_id": "c1", "status": "completed", "action": {"type": "exec", "command": ["cat", "hello.txt"], "env": {}}},
+        {"type": "local_shell_call_output", "id": "lsh_1", "call_id": "c1", "output": "hi"},
+        {"type": "function_call", "call_id": "c2", "name": "search", "namespace": "docs", "arguments": '{"q":"hello"}'},
+        {"type": "function_call", "call_id": "c3", "name": "search", "namespace": "code", "arguments": '{"q":"hello"}'},
+        {"type": "function_call_output", "call_id": "c2", "output": "nothing"}, {"type": "function_call_output", "call_id": "c3", "output": "hello.txt"},
+    ]
+    second = client.responses.create(model=MODEL, input=history, tools=namespaces, max_output_tokens=8, temperature=0)  # the CLI sends every tool: fewer here, for time
+    assert second.status in ("completed", "incomplete") and second.output
 
 
 def test_an_agent_calls_its_tool_and_the_run_ends(base_url: str) -> None:
