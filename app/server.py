@@ -34,7 +34,7 @@ from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequ
 from app.errors import ApiError
 from app.requests import Job
 from app.responses import Logprobs, chat_body, chat_chunks, completion_body, completion_chunks, envelope, usage
-from app.responses_api.output import ResponseBuilder
+from app.responses_api.output import ResponseBuilder, item_page
 from app.responses_api.request import renamed, to_chat
 from app.responses_api.schemas import ResponsesRequest
 from app.responses_api.store import NONE as NO_STORE, ResponseStore
@@ -99,7 +99,7 @@ def create_app(
             if not entry["ready"]:
                 log.warning("worker %s not ready at start-up: %s", entry["name"], entry["error"])
         store = config.responses.store
-        app.state.response_store = None if store == NO_STORE else await asyncio.to_thread(ResponseStore, store, config.responses.retention_s)
+        app.state.response_store = None if store == NO_STORE else await asyncio.to_thread(ResponseStore, store, config.responses.retention_s, config.responses.max_bytes)
         pool.start()
         yield
         await pool.close()
@@ -179,6 +179,17 @@ def _add_routes(app: FastAPI) -> None:
         if found is None:
             raise ApiError(404, f"no response {response_id!r} is stored here (never stored, deleted, or past responses.retention_s)", "response_id", "not_found", "not_found_error")
         return Response(orjson.dumps(found[0]), media_type="application/json")
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def input_items(response_id: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None) -> Response:
+        if not 1 <= limit <= 100:
+            raise ApiError(400, "limit is between 1 and 100", "limit")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, "order is asc or desc", "order")
+        found = await asyncio.to_thread(_store(request).input_items, response_id)
+        if found is None:
+            raise ApiError(404, f"no response {response_id!r} is stored here (never stored, deleted, or past responses.retention_s)", "response_id", "not_found", "not_found_error")
+        return Response(orjson.dumps(item_page(response_id, found, limit, order, after)), media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> Response:
@@ -270,7 +281,7 @@ async def _keep(store: ResponseStore | None, builder: ResponseBuilder) -> None:
     if store is None:
         return
     try:
-        await asyncio.to_thread(store.put, builder.response(), builder.conversation())
+        await asyncio.to_thread(store.put, builder.response(), builder.translated.new_items, builder.output_items(), builder.body.previous_response_id)
     except Exception:  # noqa: BLE001 - the answer is given; a store that fails loses only the chaining
         log.exception("response %s could not be stored", builder.id)
 

@@ -280,7 +280,8 @@ class ResponsesConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     store: str = "auto"  # a SQLite file's path; auto = $XDG_STATE_HOME/specgate/responses.sqlite3 (~/.local/state/…); memory = this process only; none = no store (previous_response_id gets a 400)
-    retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)  # a stored response older than this is gone (deleted at the next write)
+    retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)  # a stored response unused this long (neither made nor continued) is gone (deleted at the next write)
+    max_bytes: int = Field(default=128 * 2**20, gt=0)  # the store's size cap: past it, the least recently used responses go first (a chain in use stays whole)
 
 
 class SpecgateConfig(BaseSettings):

@@ -100,7 +100,11 @@ class ResponseBuilder:
 
     def conversation(self) -> list[dict[str, Any]]:
         """The conversation this response ends, as input items: what a request naming it as ``previous_response_id`` continues."""
-        return self.translated.items + [_as_input(item) for item in self.output]
+        return self.translated.items + self.output_items()
+
+    def output_items(self) -> list[dict[str, Any]]:
+        """The output as the input items that send it back (what the store keeps of it)."""
+        return [_as_input(item) for item in self.output]
 
     def _text(self, text: str) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -219,10 +223,10 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
 def _as_input(item: dict[str, Any]) -> dict[str, Any]:
     """An output item as the input item that sends it back."""
     if item["type"] == "message":
-        return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": p["text"]} for p in item["content"]]}
+        return {"id": item["id"], "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": p["text"]} for p in item["content"]]}
     if item["type"] == "reasoning":
-        return {"type": "reasoning", "content": item["content"], "summary": []}
-    return {k: v for k, v in item.items() if k not in ("id", "status")}
+        return {"id": item["id"], "type": "reasoning", "content": item["content"], "summary": []}
+    return {k: v for k, v in item.items() if k != "status"}
 
 
 class _Call:
@@ -263,3 +267,40 @@ def _echo_choice(choice: Any) -> Any:
     if choice is None:
         return "auto"
     return choice if isinstance(choice, str | dict) else choice.model_dump()
+
+
+def item_page(response_id: str, items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: a page of ``items`` (OpenAI's list shape); an item stored without an id gets
+    one made of the response's id and its place, the same at every call."""
+    named = [_resource(item if item.get("id") else {"id": f"item_{response_id.removeprefix('resp_')}_{i}", **item}) for i, item in enumerate(items)]
+    ordered = named if order == "asc" else named[::-1]
+    if after is not None:
+        at = next((i for i, item in enumerate(ordered) if item["id"] == after), None)
+        if at is None:
+            raise ApiError(400, f"after: no item {after!r} in this response's input", "after")
+        ordered = ordered[at + 1 :]
+    page = ordered[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+            "has_more": len(ordered) > limit}
+
+
+def _resource(item: dict[str, Any]) -> dict[str, Any]:
+    """A stored input item as the API lists it: a message's content as parts (an assistant's as output text), and the
+    fields its type's resource requires (``status``, a shell output's ``max_output_length``)."""
+    kind = item.get("type", "message")
+    out = {**item, "type": kind}
+    if kind == "message":
+        content = item.get("content")
+        parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else list(content or [])
+        if item.get("role") == "assistant":
+            parts = [{"type": "output_text", "text": p.get("text", p.get("refusal", "")), "annotations": [], "logprobs": []} for p in parts]
+        out["content"] = parts
+    if kind == "reasoning":
+        out.setdefault("summary", [])
+    elif kind != "local_shell_call_output":
+        out.setdefault("status", "completed")
+    if kind == "shell_call_output":
+        out.setdefault("max_output_length", None)
+    if kind == "shell_call":
+        out.setdefault("environment", None)
+    return out

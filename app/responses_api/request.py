@@ -31,8 +31,9 @@ class Translated:
     """What a Responses request becomes."""
 
     chat: ChatCompletionRequest
-    items: list[dict[str, Any]]  # the conversation before the answer, as input items (stored, for previous_response_id)
+    items: list[dict[str, Any]]  # the conversation before the answer, as input items
     tools: list[dict[str, Any]]  # the tools the model was offered, as the response echoes them
+    new_items: list[dict[str, Any]] = field(default_factory=list)  # what this request's input added to it (stored, for previous_response_id)
     offers: dict[str, Offer] = field(default_factory=dict)  # each function the model was offered → the tool it stands for
     tool_paths: list[str] = field(default_factory=list)  # each offered tool's place in the request (tools.2.tools.0)
     warnings: list[str] = field(default_factory=list)
@@ -44,8 +45,9 @@ def to_chat(body: ResponsesRequest, previous: list[dict[str, Any]] | None) -> Tr
     _check_supported(body)
     if body.input is None and previous is None:
         raise ApiError(400, "input is required (a string or a list of items)", "input")
-    items = list(previous or []) + _input_items(body)
-    translated = Translated(ChatCompletionRequest.model_construct(), items, [])
+    new_items = _input_items(body)
+    items = list(previous or []) + new_items
+    translated = Translated(ChatCompletionRequest.model_construct(), items, [], new_items)
     tools = _tools(body, translated)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + _messages(items, translated.offers)
     if not any(m["role"] != "system" for m in messages):

@@ -14,7 +14,7 @@ import pytest
 
 from app.engine import SpecOptions
 from app.requests import Job
-from app.responses_api.output import ResponseBuilder
+from app.responses_api.output import ResponseBuilder, item_page
 from app.responses_api.request import to_chat
 from app.responses_api.schemas import ResponsesRequest
 from app.usage import Usage
@@ -121,7 +121,7 @@ def test_calls_make_function_call_items_and_their_events_in_openais_shapes() -> 
         ("message", None, None, None, "completed"), ("function_call", "get_weather", '{"city":"Paris"}', None, "completed"), ("function_call", "inner", "{}", "ns", "completed")]
     done = [e for e in stream if e["type"] == "response.function_call_arguments.done"]
     assert [(e["name"], e["arguments"], e["output_index"]) for e in done] == [("get_weather", '{"city":"Paris"}', 1), ("inner", "{}", 2)]
-    assert builder.conversation()[-2:] == [
+    assert [{k: v for k, v in item.items() if k != "id"} for item in builder.conversation()[-2:]] == [
         {"type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city":"Paris"}'},
         {"type": "function_call", "call_id": "call_b", "name": "inner", "arguments": "{}", "namespace": "ns"}]
 
@@ -163,13 +163,22 @@ async def test_the_store_chains_turns_and_answers_get_and_delete(gateway: Gatewa
         assert second["previous_response_id"] == first["id"] and second["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
         assert second["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
         streamed = checked(events(await client.post("/v1/responses", json={**BASE, "input": "Again", "previous_response_id": second["id"], "stream": True})))
-        assert (await client.get(f"/v1/responses/{streamed[-1]['response']['id']}")).json()["status"] in ("completed", "incomplete")
+        third = streamed[-1]["response"]
+        assert (await client.get(f"/v1/responses/{third['id']}")).json()["status"] in ("completed", "incomplete")
+        listed = (await client.get(f"/v1/responses/{third['id']}/input_items", params={"order": "asc"})).json()
+        check(listed, "ResponseItemList")
+        assert [(i["type"], i.get("role")) for i in listed["data"]] == [("message", "user"), ("message", "assistant")] * 2 + [("message", "user")]
+        assert listed["data"][1]["id"] == first["output"][0]["id"] and listed["data"][-1]["content"] == [{"type": "input_text", "text": "Again"}]
+        page = (await client.get(f"/v1/responses/{third['id']}/input_items", params={"limit": 2})).json()
+        assert [i["id"] for i in page["data"]] == [i["id"] for i in listed["data"][::-1][:2]] and page["has_more"] is True
         deleted = await client.delete(f"/v1/responses/{first['id']}")
         assert deleted.json() == {"id": first["id"], "object": "response", "deleted": True}
         assert_error(await client.get(f"/v1/responses/{first['id']}"), 404, "response_id")
         assert_error(await client.delete(f"/v1/responses/{first['id']}"), 404, "response_id")
         gone = await client.post("/v1/responses", json={**BASE, "input": "x", "previous_response_id": first["id"]})
         assert_error(gone, 404, "previous_response_id", code="previous_response_not_found")
+        after = await client.post("/v1/responses", json={**BASE, "input": "x", "previous_response_id": second["id"]})
+        assert after.status_code == 200 and after.json()["usage"]["input_tokens"] > second["usage"]["input_tokens"]  # its chain runs through the deleted one
         unstored = (await client.post("/v1/responses", json={**BASE, "input": "x", "store": False})).json()
         assert unstored["store"] is False
         assert_error(await client.get(f"/v1/responses/{unstored['id']}"), 404)
@@ -360,3 +369,24 @@ async def test_hints_and_newer_fields_are_passed_over(client: httpx.AsyncClient)
             "omit_null_encrypted_content": True, "some_future_field": {"a": 1}}
     resp = await client.post("/v1/responses", json=body)
     assert resp.status_code == 200, resp.text
+
+
+def test_every_item_a_conversation_holds_is_listed_in_openais_shape() -> None:
+    """``GET /v1/responses/{id}/input_items``: each kind of item a stored conversation holds, as OpenAI's ItemResource."""
+    items = [
+        {"role": "user", "content": "hi"}, {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "rules"}]},
+        {"id": "rs_1", "type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}], "summary": []},
+        {"id": "msg_1", "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+        {"id": "fc_1", "type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}, {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        {"id": "ctc_1", "type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": A_PATCH}, {"type": "custom_tool_call_output", "call_id": "c2", "output": "done"},
+        {"id": "lsh_1", "type": "local_shell_call", "call_id": "c3", "action": {"type": "exec", "command": ["ls"], "env": {}}},
+        {"id": "lsh_1", "type": "local_shell_call_output", "call_id": "c3", "output": "a"},
+        {"id": "sh_1", "type": "shell_call", "call_id": "c4", "action": {"commands": ["ls"], "timeout_ms": None, "max_output_length": None}},
+        {"type": "shell_call_output", "call_id": "c4", "output": [{"stdout": "a", "stderr": "", "outcome": {"type": "exit", "exit_code": 0}}]},
+        {"id": "apc_1", "type": "apply_patch_call", "call_id": "c5", "operation": {"type": "delete_file", "path": "a"}},
+        {"type": "apply_patch_call_output", "call_id": "c5", "status": "completed"},
+    ]
+    page = item_page("resp_1", items, 100, "asc", None)
+    check(page, "ResponseItemList")
+    assert len({item["id"] for item in page["data"]}) == len(items) - 1  # a local shell call and its output share an id (the output names its call by it)
+    assert item_page("resp_1", items, 3, "asc", page["data"][-4]["id"])["data"] == page["data"][-3:]
