@@ -8,6 +8,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from app.tool_formats.base import Markers
 from app.tools import partial
 from core.grammar import JSON_OPTIONS, GrammarKind, GrammarSpec, load_schema, strict
 
@@ -96,7 +97,7 @@ class ReasoningSplitter:
         return "", pending if self.state != "after" else ""
 
 
-def after_reasoning(spec: GrammarSpec, thinking: Thinking, own: bool = False) -> GrammarSpec | None:
+def after_reasoning(spec: GrammarSpec, thinking: Thinking, own: bool = False, markers: Markers | None = None) -> GrammarSpec | None:
     """``spec`` with a thinking block allowed first (required when the prompt opened it), as a Lark grammar. ``own``: a Lark
     grammar of specgate's own (the native tool formats), whose ``start`` rule is renamed; None for a grammar a request gave
     as Lark or GBNF, and for the few that cannot be wrapped (a schema that allows nothing, a regex ending in a backslash):
@@ -116,10 +117,15 @@ def after_reasoning(spec: GrammarSpec, thinking: Thinking, own: bool = False) ->
     if body is None:
         return None
     close = re.escape(thinking.close).replace("/", "\\/")  # a slash would end the Lark regex
-    opening = "" if thinking.inside else json.dumps(thinking.open) + " "
+    markers = markers or Markers()
+    opening = "" if thinking.inside else markers.grammar(thinking.open) + " "
+    if thinking.close in markers:  # the closing marker is a special token (Magistral's [/THINK]): that token ends the reasoning
+        reasoning = [f"specgate_reasoning: SPECGATE_THOUGHT {markers.grammar(thinking.close)}", f"SPECGATE_THOUGHT: /(?s:.*)/ & ~/(?s:.*){close}(?s:.*)/"]
+    else:
+        reasoning = [f"specgate_reasoning[lazy]: /(?s:.*){close}/"]
     rules = [
         f"start: {opening}specgate_reasoning SPECGATE_BLANK specgate_body" + ("" if thinking.inside else " | specgate_body"),
-        f"specgate_reasoning[lazy]: /(?s:.*){close}/",
+        *reasoning,
         r"SPECGATE_BLANK: /\n*/",  # the blank lines between the reasoning and the reply (the splitter drops them)
     ]
     if spec.kind is GrammarKind.GRAMMAR:

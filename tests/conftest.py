@@ -58,6 +58,7 @@ COSTLIEST_FIRST = (  # from 116 s (the matrix) down to 2 s
     "tests/integration/test_long_prompts_real.py", "tests/integration/test_structured_real.py", "tests/integration/test_pipeline_real.py",
     "tests/integration/test_shared_workers_real.py", "tests/integration/test_request_surface.py", "tests/app/test_engine.py",
     "tests/integration/test_kubernetes_pods.py", "tests/test_device_check.py", "tests/integration/test_tool_formats_real.py", "tests/workers/test_scheduler.py",
+    "tests/app/test_special_markers.py",
     "tests/workers/test_step_syncs.py",
     "tests/core/runners/test_llama_cpp_numerics.py", "tests/integration/test_faults_real.py", "tests/app/test_schema_fuzz.py",
     "tests/core/runners/test_llama_cpp_runner.py", "tests/integration/test_discovery_real.py", "tests/integration/test_worker_real.py",

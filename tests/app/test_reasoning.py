@@ -13,7 +13,7 @@ import pytest
 
 from app.reasoning import ReasoningSplitter, Thinking, after_reasoning, opens_thinking, thinking_markers
 from app.text import ChoiceText
-from app.tool_formats import ToolFormat, native_grammar
+from app.tool_formats import FORMATS, Markers
 from app.tools import Tool, message_of
 from core.grammar import GrammarKind, Grammars, GrammarSpec
 from core.runners import ModelRunner
@@ -91,7 +91,7 @@ def test_a_grammar_holds_the_reply_after_the_reasoning_which_stays_free(grammars
     opened = after_reasoning(schema, Thinking("<think>", "</think>", inside=True))
     assert opened is not None and walk(opened, 'well</think>{"ok":true}')[:2] == (True, True) and walk(opened, '{"ok":true}')[1] is False
     tool = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
-    tools = after_reasoning(GrammarSpec(GrammarKind.GRAMMAR, native_grammar(ToolFormat.HERMES, [tool], required=True, parallel=False)), THINK, own=True)
+    tools = after_reasoning(GrammarSpec(GrammarKind.GRAMMAR, FORMATS["hermes"].grammar([tool], required=True, parallel=False, markers=Markers())), THINK, own=True)
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     assert tools is not None and walk(tools, "<think>I should call it.</think>\n" + call)[:2] == (True, True)
     assert walk(tools, "<think>I should call it.</think>\nNo.")[0] is False
@@ -101,7 +101,7 @@ def test_a_grammar_holds_the_reply_after_the_reasoning_which_stays_free(grammars
     assert after_reasoning(GrammarSpec(GrammarKind.GRAMMAR, 'start: answer\nanswer: "yes"'), THINK) is None  # a request's Lark: not ours to rename
     # from the counter-example hunt: no reasoning, no leading blank lines the grammar alone forbids; a schema of true; a regex with a slash
     assert walk(choice, "\n\nyes")[0] is False
-    llama = after_reasoning(GrammarSpec(GrammarKind.GRAMMAR, native_grammar(ToolFormat.LLAMA3_JSON, [tool], required=True, parallel=False)), THINK, own=True)
+    llama = after_reasoning(GrammarSpec(GrammarKind.GRAMMAR, FORMATS["llama3_json"].grammar([tool], required=True, parallel=False, markers=Markers())), THINK, own=True)
     assert llama is not None and walk(llama, '\n{"name": "get_weather", "parameters": {"city": "Rome"}}')[0] is False
     anything = after_reasoning(GrammarSpec.json_schema(True), THINK)
     assert anything is not None and walk(anything, "<think>x</think>[1,2]")[:2] == (True, True)

@@ -1,0 +1,142 @@
+"""What every tool format is (``ToolFormat``: its detection, rendering, grammar and reader) and what they share: the
+registry (``register``), the markers that a tokenizer may hold as one special token each (``Markers``), and the
+conversation as templates take it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from app.tools import Tool, ToolOutput, _arguments
+
+FORMATS: dict[str, ToolFormat] = {}  # every format by name, in the order detection tries them (as llama.cpp's chat code)
+# the JSON as the templates render it (transformers' tojson: json.dumps's separators), compact otherwise
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def register(cls: type[ToolFormat]) -> type[ToolFormat]:
+    """A format class, registered under its ``name`` (its module's import is its registration: app.tool_formats)."""
+    FORMATS[cls.name] = cls()
+    return cls
+
+
+@dataclass(frozen=True)
+class Markers:
+    """The marker strings of a format (and of a template's thinking) that the tokenizer holds as one special token each:
+    a grammar names those by id (llguidance's ``<[id]>``), never as text the model would have to spell out of ordinary
+    pieces; the detokenizer writes them out, where it skips other special tokens, so a reader sees them."""
+
+    ids: dict[str, int] = field(default_factory=dict)
+    skipped: frozenset[int] = frozenset()  # the tokenizer's other special tokens: what decoding leaves out
+
+    @classmethod
+    def of(cls, tokenizer: Any, candidates: tuple[str, ...]) -> Markers:
+        """Which of ``candidates`` ``tokenizer`` holds as one special token."""
+        special = special_ids(tokenizer)
+        ids = {}
+        for text in candidates:
+            token = tokenizer.convert_tokens_to_ids(text) if text else None
+            if isinstance(token, int) and token in special and tokenizer.convert_ids_to_tokens(token) == text:
+                ids[text] = token
+        return cls(ids, special - frozenset(ids.values()))
+
+    def grammar(self, text: str) -> str:
+        """``text`` in a Lark grammar: each marker in it by its special token's id, the rest as literals."""
+        if not self.ids:
+            return json.dumps(text)
+        pieces = re.split("(" + "|".join(re.escape(m) for m in sorted(self.ids, key=len, reverse=True)) + ")", text)
+        return " ".join(f"<[{self.ids[p]}]>" if p in self.ids else json.dumps(p) for p in pieces if p) or '""'
+
+    def __contains__(self, text: object) -> bool:
+        return text in self.ids
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids a tokenizer decodes to nothing with ``skip_special_tokens``: its special tokens and its added tokens marked special."""
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for token_id, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(token, "special", False):
+            ids.add(int(token_id))
+    return frozenset(ids)
+
+
+class ToolFormat:
+    """A family's way of writing tool calls. A subclass, registered, says:
+
+    - ``detects(template)``: whether a chat template renders calls its way (tried in registration order);
+    - ``markers``: the strings that may be one special token in a tokenizer (its trigger, its separators);
+    - ``template_messages``: the conversation as its template takes it (the default: arguments as objects, a result
+      with its call's name; ``merge_roles`` for templates that need roles to alternate);
+    - ``grammar(tools, required, parallel, markers)``: the Lark grammar of an answer (llguidance's);
+    - ``reader(markers)``: what turns the answer's text into OpenAI's deltas (app.tools.ToolOutput's interface).
+    """
+
+    name: ClassVar[str]
+    markers: ClassVar[tuple[str, ...]] = ()
+    merge_roles: ClassVar[bool] = False  # the template refuses two user (or assistant) turns in a row, or a system turn past the first
+
+    def detects(self, template: str) -> bool:
+        raise NotImplementedError
+
+    def grammar(self, tools: list[Tool], required: bool, parallel: bool, markers: Markers) -> str:
+        raise NotImplementedError
+
+    def reader(self, markers: Markers, tools: dict[str, dict[str, Any]]) -> ToolOutput:
+        raise NotImplementedError
+
+    def call_id(self, given: str) -> str:
+        """A call's id as the template takes it."""
+        return given
+
+    def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation as a tool-calling template takes it: a call's arguments as the object they hold, a result with
+        its call's name; roles merged where the template needs them to alternate."""
+        names: dict[str, str] = {}
+        out = []
+        for m in messages:
+            message = dict(m)
+            if m.get("tool_calls"):
+                calls = []
+                for call in m["tool_calls"]:
+                    names[call["id"]] = call["function"]["name"]
+                    function = {"name": call["function"]["name"], "arguments": _arguments(call["function"]["arguments"])}
+                    calls.append({"id": self.call_id(call["id"]), "type": "function", "function": function})
+                message["tool_calls"] = calls
+            elif m["role"] == "tool":
+                message["tool_call_id"] = self.call_id(m["tool_call_id"])
+                message["name"] = names.get(m["tool_call_id"], "")
+            out.append(message)
+        return merged_roles(out) if self.merge_roles else out
+
+
+def nine_character_id(given: str) -> str:
+    """A call id as Mistral's templates take it: nine letters and digits."""
+    return given if re.fullmatch(r"[A-Za-z0-9]{9}", given) else hashlib.sha256(given.encode()).hexdigest()[:9]
+
+
+def merged_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as a template that needs roles to alternate takes them, as Mistral's own normaliser (mistral-common) and
+    vLLM merge them: every system (and developer) message joined into the first, consecutive user messages joined, and
+    consecutive assistant texts joined (a blank line between), calls and results as they are."""
+    systems = [m for m in messages if m["role"] == "system"]
+    out: list[dict[str, Any]] = []
+    if systems:
+        out.append({**systems[0], "content": "\n\n".join(str(m.get("content") or "") for m in systems)})
+    for message in messages:
+        if message["role"] == "system":
+            continue
+        last = out[-1] if out and out[-1]["role"] == message["role"] and message["role"] in ("user", "assistant") else None
+        if last is not None and not last.get("tool_calls"):  # two user turns, or an assistant's text then its text or calls
+            text = "\n\n".join(str(t) for t in (last.get("content"), message.get("content")) if t)
+            out[-1] = {**message, "content": text if text or not message.get("tool_calls") else message.get("content")}
+        else:
+            out.append(message)
+    return out
+
+
+def template_tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """``tools`` as chat templates take them (OpenAI's shape)."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}} for t in tools]

@@ -1,0 +1,114 @@
+"""Mistral's tokenizers from v11 (Magistral, Devstral 2507 and later): each call ``[TOOL_CALLS]name[ARGS]{…}``, the
+arguments as the template's JSON; ``[TOOL_CALLS]`` and ``[ARGS]`` are control tokens there. Its templates need roles to
+alternate."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from app.tool_formats.base import JSON_STYLE, Markers, ToolFormat, nine_character_id, register
+from app.tool_formats.json_calls import _lark_regex
+from app.tools import _INVALID, Tool, ToolCall, ToolOutput, _loads, _merged, partial
+from core.grammar import strict
+
+TRIGGER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+@register
+class MistralArgs(ToolFormat):
+    name = "mistral_args"
+    markers = (TRIGGER, ARGS)
+    merge_roles = True
+
+    def detects(self, template: str) -> bool:
+        return TRIGGER in template and ARGS in template
+
+    def call_id(self, given: str) -> str:
+        return nine_character_id(given)
+
+    def grammar(self, tools: list[Tool], required: bool, parallel: bool, markers: Markers) -> str:
+        trigger, args = markers.grammar(TRIGGER), markers.grammar(ARGS)
+        calls = [f"{json.dumps(t.name)} {args} %json {json.dumps({**strict(t.parameters), 'x-guidance': JSON_STYLE})}" for t in tools]
+        body = f"call ({trigger} call)*" if parallel else "call"
+        rules = ["call: " + "\n    | ".join(calls), f"FREE: /(?s:.*)/ & ~/(?s:.*){_lark_regex(TRIGGER)}(?s:.*)/"]
+        if required:
+            start = f"start: {trigger} {body}"
+        elif TRIGGER in markers:
+            start = f"start: FREE | FREE {trigger} {body}"
+        else:
+            start = f"start: FREE | prefix {body}"
+            rules.append(f"prefix[lazy]: /(?s:.*){_lark_regex(TRIGGER)}/")
+        return "\n".join([start, *rules]) + "\n"
+
+    def reader(self, markers: Markers, tools: dict[str, dict[str, Any]]) -> ToolOutput:
+        return ArgsToolOutput()
+
+
+@dataclass
+class ArgsToolOutput(ToolOutput):
+    """Reads ``text[TOOL_CALLS]name[ARGS]{…}[TOOL_CALLS]…`` as it arrives: the text as content (a piece that may start the
+    trigger held back), each call's name once ``[ARGS]`` ends it, its arguments as they come."""
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        self._buffer += text
+        deltas: list[dict[str, Any]] = []
+        while self._at < len(self._buffer):
+            before = (self._at, self._state)
+            delta = self._step()
+            if delta:
+                deltas.append(delta)
+            if (self._at, self._state) == before:
+                break
+        return _merged(deltas)
+
+    @property
+    def is_complete(self) -> bool:
+        return self._state in ("between", "done") and not self._buffer[self._at :] and bool(self.calls) and all(
+            _loads(call.arguments) is not _INVALID for call in self.calls)
+
+    def _step(self) -> dict[str, Any] | None:
+        rest = self._buffer[self._at :]
+        if self._state in ("start", "text"):
+            at = rest.find(TRIGGER)
+            if at >= 0:
+                delta = self._text_piece(at)
+                self._at, self._state = self._at + len(TRIGGER), "name"
+                return delta
+            return self._text_piece(len(rest) - partial(rest, TRIGGER))
+        if self._state == "name":
+            at = rest.find(ARGS)
+            if at < 0:
+                return None
+            call = ToolCall(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", rest[:at])
+            self.calls.append(call)
+            self._at, self._state, self._depth = self._at + at + len(ARGS), "arguments", 0
+            return {"tool_calls": [{"index": call.index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}
+        if self._state == "arguments":
+            return self._raw_value(rest, into_content=False)
+        if self._state == "between":
+            if rest.startswith(TRIGGER):
+                self._at, self._state = self._at + len(TRIGGER), "name"
+                return None
+            return None if TRIGGER.startswith(rest) else self._give_up()
+        return self._give_up()
+
+    def _text_piece(self, size: int) -> dict[str, Any] | None:
+        piece = self._buffer[self._at : self._at + size]
+        self._at += size
+        self.content += piece
+        return {"content": piece} if piece else None
+
+    def flush(self, cut: bool = False) -> list[dict[str, Any]]:
+        rest = self._buffer[self._at :]
+        if self._state in ("start", "text"):
+            return [d for d in [self._text_piece(len(rest))] if d]
+        if cut and self._state in ("name", "arguments", "between"):  # a call cut by max_tokens: never text
+            self._at = len(self._buffer)
+            return []
+        if self._state == "between" and not rest:
+            self._state = "done"
+            return []
+        return [d for d in [self._give_up()] if d]

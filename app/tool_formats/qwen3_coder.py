@@ -1,0 +1,203 @@
+"""Qwen3-Coder: calls in XML, each parameter's value as text (a string as it is; numbers, booleans and JSON values as
+their text)::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+Its template also holds ``<tool_call>``, so it is told apart first (as llama.cpp does), by ``<function=`` and
+``<parameter=``. The reader turns each value into JSON by its parameter's type, as vLLM's qwen3_coder parser does."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.tool_formats.base import JSON_STYLE, Markers, ToolFormat, register
+from app.tool_formats.json_calls import _lark_regex
+from app.tools import _INVALID, Tool, ToolCall, ToolOutput, _loads, _merged, partial
+from core.grammar import strict
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?/"
+
+
+@register
+class Qwen3Coder(ToolFormat):
+    name = "qwen3_coder"
+    markers = (OPEN, CLOSE)
+
+    def detects(self, template: str) -> bool:
+        return "<function=" in template and "<parameter=" in template
+
+    def grammar(self, tools: list[Tool], required: bool, parallel: bool, markers: Markers) -> str:
+        """Free text until ``<tool_call>``, then calls whose parameters are their tool's, in its order (the required
+        ones always), each value as its type is written."""
+        opening, closing = markers.grammar(OPEN), markers.grammar(CLOSE)
+        rules = [f"calls: call ({json.dumps(chr(10))} {opening} call)*" if parallel else "calls: call"]
+        rules.append('call: "\\n<function=" (' + " | ".join(f"fn_{i}" for i in range(len(tools))) + ")")
+        for i, tool in enumerate(tools):
+            params = []
+            properties = tool.parameters.get("properties") or {}
+            required_names = set(tool.parameters.get("required") or [])
+            for j, (key, schema) in enumerate(properties.items()):
+                value = _value(schema)  # a string's value is a lazy rule that ends with the closing tag: a greedy one would run past it
+                if value == "text" and isinstance(schema, dict) and ({"minLength", "maxLength"} & set(schema)):
+                    value = f"text_{i}_{j}"
+                    low, high = int(schema.get("minLength", 0)), schema.get("maxLength", "")
+                    rules.append(rf"{value}[lazy]: /(?s:.){{{low},{high}}}\n<\/parameter>\n/")
+                closing_tag = "" if value.startswith("text") else " " + json.dumps(chr(10) + "</parameter>" + chr(10))
+                rules.append(f"p_{i}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {value}{closing_tag}")
+                params.append(f"p_{i}_{j}" + ("" if key in required_names else "?"))
+            rules.append(f"fn_{i}: {json.dumps(tool.name + '>' + chr(10))} {' '.join(params)} {json.dumps('</function>' + chr(10))} {closing}")
+        rules.append(f"FREE: /(?s:.*)/ & ~/(?s:.*){_lark_regex(OPEN)}(?s:.*)/")
+        rules.append(r"text[lazy]: /(?s:.*)\n<\/parameter>\n/")
+        if required:
+            start = f"start: {opening} calls"
+        elif OPEN in markers:
+            start = f"start: FREE | FREE {opening} calls"
+        else:
+            start = "start: FREE | prefix calls"
+            rules.append(f"prefix[lazy]: /(?s:.*){_lark_regex(OPEN)}/")
+        return "\n".join([start, *rules]) + "\n"
+
+    def reader(self, markers: Markers, tools: dict[str, dict[str, Any]]) -> ToolOutput:
+        return XmlToolOutput(schemas=tools)
+
+
+def _value(schema: Any) -> str:
+    """A parameter's value as the template writes it: a string as it is, a number or a boolean as its text, else JSON."""
+    schema = schema if isinstance(schema, dict) else {}
+    kind = schema.get("type")
+    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+        return "(" + " | ".join(json.dumps(v) for v in schema["enum"]) + ")"
+    if kind == "string" and "const" not in schema:
+        return "text"  # its pattern and format are not held here (its length is)
+    if kind == "integer":
+        return "/-?(0|[1-9][0-9]*)/"
+    if kind == "number":
+        return _NUMBER
+    if kind == "boolean":
+        return '("true" | "false" | "True" | "False")'
+    return f"%json {json.dumps({**strict(schema), 'x-guidance': JSON_STYLE})}"
+
+
+def typed(value: str, schema: Any) -> Any:
+    """A value's text as the JSON its parameter's type takes (vLLM's qwen3_coder parser's conversions): text that does
+    not convert stays a string."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string" or (kind is None and not isinstance(schema, dict)):
+        return value
+    if kind == "boolean" and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if kind in ("integer", "number"):
+        try:
+            return int(value) if kind == "integer" else float(value) if re.search(r"[.eE]", value) else int(value)
+        except ValueError:
+            return value
+    parsed = _loads(value)
+    return value if parsed is _INVALID else parsed
+
+
+_PARAM = re.compile(r"<parameter=([^>\n]*)>\n")
+
+
+@dataclass
+class XmlToolOutput(ToolOutput):
+    """Reads ``text<tool_call>\\n<function=…>…</function>\\n</tool_call>`` as it arrives: text as content (a piece that
+    may start the trigger held back), each call's name, then its arguments as JSON, a parameter at a time."""
+
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        self._buffer += text
+        deltas: list[dict[str, Any]] = []
+        while self._at < len(self._buffer):
+            before = (self._at, self._state)
+            delta = self._step()
+            if delta:
+                deltas.append(delta)
+            if (self._at, self._state) == before:
+                break
+        return _merged(deltas)
+
+    @property
+    def is_complete(self) -> bool:
+        return self._state == "between" and not self._buffer[self._at :].strip("\n") and bool(self.calls) and all(
+            _loads(call.arguments) is not _INVALID for call in self.calls)
+
+    def _step(self) -> dict[str, Any] | None:
+        rest = self._buffer[self._at :]
+        if self._state in ("start", "text"):
+            at = rest.find(OPEN)
+            if at >= 0:
+                delta = self._text_piece(at)
+                self._at, self._state = self._at + len(OPEN), "function"
+                return delta
+            return self._text_piece(len(rest) - partial(rest, OPEN))
+        if self._state == "function":  # "\n<function=NAME>\n"
+            match = re.match(r"\n<function=([^>\n]*)>\n", rest)
+            if match is None:
+                return None if "\n<function=".startswith(rest[:11]) and "\n" not in rest[1:] else self._give_up()
+            call = ToolCall(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", match.group(1))
+            self.calls.append(call)
+            self._at, self._state = self._at + match.end(), "parameters"
+            return {"tool_calls": [{"index": call.index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]}
+        if self._state == "parameters":
+            return self._parameter(rest)
+        if self._state == "between":  # "\n<tool_call>" starts the next call
+            if rest.startswith("\n" + OPEN):
+                self._at, self._state = self._at + 1 + len(OPEN), "function"
+                return None
+            return None if ("\n" + OPEN).startswith(rest) else self._give_up()
+        return self._give_up()
+
+    def _parameter(self, rest: str) -> dict[str, Any] | None:
+        """A parameter whole (its value converted), or the call's end: each as its piece of the arguments' JSON."""
+        call = self.calls[-1]
+        end = "</function>\n" + CLOSE
+        if rest.startswith(end):
+            self._at, self._state = self._at + len(end), "between"
+            return self._arguments("{}" if not call.arguments else "}")
+        if end.startswith(rest):
+            return None
+        match = _PARAM.match(rest)
+        if match is None:
+            return None if "<parameter=".startswith(rest[:11]) and "\n" not in rest else self._give_up()
+        close = rest.find("\n</parameter>\n", match.end())
+        if close < 0:
+            return None
+        key, text = match.group(1), rest[match.end() : close]
+        schema = (self.schemas.get(call.name, {}).get("properties") or {}).get(key, {})
+        self._at += close + len("\n</parameter>\n")
+        piece = ("{" if not call.arguments else ", ") + json.dumps(key) + ": " + json.dumps(typed(text, schema), ensure_ascii=False)
+        return self._arguments(piece)
+
+    def _arguments(self, piece: str) -> dict[str, Any]:
+        call = self.calls[-1]
+        call.arguments += piece
+        return {"tool_calls": [{"index": call.index, "function": {"arguments": piece}}]}
+
+    def _text_piece(self, size: int) -> dict[str, Any] | None:
+        piece = self._buffer[self._at : self._at + size]
+        self._at += size
+        self.content += piece
+        return {"content": piece} if piece else None
+
+    def flush(self, cut: bool = False) -> list[dict[str, Any]]:
+        rest = self._buffer[self._at :]
+        if self._state in ("start", "text"):
+            return [d for d in [self._text_piece(len(rest))] if d]
+        if cut and self._state in ("function", "parameters", "between"):  # a call cut by max_tokens: never text
+            self._at = len(self._buffer)
+            return []
+        if self._state == "between" and not rest.strip("\n"):
+            return []
+        return [d for d in [self._give_up()] if d]
