@@ -66,6 +66,9 @@ class Job:
     thinking: Thinking | None = None  # a thinking template: the answer's reasoning is told apart (app.reasoning)
 
 
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens (chat and responses: the context left)
+
+
 class Requests:
     """Requests to jobs, against the config, the draft, the targets and the engine's context (``Gateway.requests``)."""
 
@@ -99,7 +102,8 @@ class Requests:
         prompt = list(self.tokenizer.encode(body.prompt)) if isinstance(body.prompt, str) else list(body.prompt)
         if any(t >= self.draft.vocab_size for t in prompt):
             raise ApiError(400, f"prompt token ids must be < {self.draft.vocab_size}", "prompt")
-        job = self._job(body, prompt, "cmpl", body.max_tokens, body.logprobs, prompt_logprobs)
+        max_tokens = COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions, and vLLM's
+        job = self._job(body, prompt, "cmpl", max_tokens, body.logprobs, prompt_logprobs)
         if body.echo:
             job.prompt_text = body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt)
         return job
@@ -183,7 +187,7 @@ class Requests:
                 raise ApiError(
                     400, f"messages[{i}]: tool_call_id {m['tool_call_id']!r} answers no call of an earlier assistant message", f"messages.{i}.tool_call_id",
                 )
-        tools = [Tool(t.function.name, t.function.description or "", t.function.parameters or {"type": "object", "properties": {}}) for t in body.tools or []]
+        tools = [Tool(t.function.name, t.function.description or "", {"type": "object", **(t.function.parameters or {"properties": {}})}) for t in body.tools or []]  # arguments are an object
         choice = body.tool_choice
         if choice is not None and not tools and choice != "none":
             raise ApiError(400, "tool_choice needs tools", "tool_choice")

@@ -281,7 +281,7 @@ async def _keep(store: ResponseStore | None, builder: ResponseBuilder) -> None:
     if store is None:
         return
     try:
-        await asyncio.to_thread(store.put, builder.response(), builder.translated.new_items, builder.output_items(), builder.body.previous_response_id)
+        await asyncio.to_thread(store.put, builder.response(), builder.translated.new_items, builder.body.previous_response_id)
     except Exception:  # noqa: BLE001 - the answer is given; a store that fails loses only the chaining
         log.exception("response %s could not be stored", builder.id)
 

@@ -7,7 +7,6 @@ no recursion (a coding agent's ``apply_patch`` is one); a recursive grammar is a
 
 from __future__ import annotations
 
-import ast
 import re
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ COMMON = {  # %import common.NAME: Lark's own definitions (lark/grammars/common.
     "NUMBER": r"(?:[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?)",
     "SIGNED_NUMBER": r"[+-]?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?)",
     "LCASE_LETTER": r"[a-z]", "UCASE_LETTER": r"[A-Z]", "LETTER": r"[A-Za-z]", "WORD": r"[A-Za-z]+",
-    "CNAME": r"[_A-Za-z][_A-Za-z0-9]*", "ESCAPED_STRING": r'"(?:\\.|[^"\\])*"', "SH_COMMENT": r"#[^\n]*",
+    "CNAME": r"[_A-Za-z][_A-Za-z0-9]*", "ESCAPED_STRING": r'"(?:\\.|[^"\\\n])*"', "SH_COMMENT": r"#[^\n]*",
     "CPP_COMMENT": r"//[^\n]*", "C_COMMENT": r"/\*(?s:.)*?\*/",
 }
 _TOKEN = re.compile(r"""
@@ -29,10 +28,10 @@ _TOKEN = re.compile(r"""
   | (?P<directive>%[a-z]+)
   | (?P<arrow>->)
   | (?P<range>\.\.)
-  | (?P<name>[?!]?_?[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*)
+  | (?P<name>_?[A-Za-z][A-Za-z0-9_]*(?:\.[A-Za-z][A-Za-z0-9_]*)*)
   | (?P<priority>\.-?[0-9]+)
   | (?P<number>[0-9]+)
-  | (?P<punct>[:|()\[\]?*+~])
+  | (?P<punct>[:|()\[\]?*+~!])
 """, re.VERBOSE)
 class GrammarError(ValueError):
     """A freeform grammar this module cannot write out (core.grammar's compile reports it as its own GrammarError)."""
@@ -41,9 +40,13 @@ class GrammarError(ValueError):
 _META = frozenset(r"\.+*?()|[]{}^$#&-~")
 
 
+MAX_REGEX_BYTES = 256 * 1024  # a grammar written out past this is refused (rules used twice double it at each level)
+
+
 def freeform_pattern(syntax: str, definition: str) -> str:
     """The anchored regex a freeform input must match: a ``regex`` format as given, a ``lark`` one written out."""
     if syntax == "regex":
+        _check_regex(definition, "the regex")
         return f"^(?:{definition})$"
     if syntax == "lark":
         return f"^(?:{lark_to_regex(definition)})$"
@@ -53,10 +56,73 @@ def freeform_pattern(syntax: str, definition: str) -> str:
 def lark_to_regex(grammar: str) -> str:
     """``grammar`` (Lark: rules, terminals, strings, regexes, groups, ``[]``, ``?*+``, ``~ n`` / ``~ n..m``, aliases,
     ``%import common.X``) as one regex from its ``start`` rule."""
-    definitions = _Parser(grammar).parse()
-    if "start" not in definitions:
-        raise GrammarError("the Lark grammar has no start rule")
-    return _Writer(definitions).write("start")
+    try:
+        definitions = _Parser(grammar).parse()
+        if "start" not in definitions:
+            raise GrammarError("the Lark grammar has no start rule")
+        return _Writer(definitions).write("start")
+    except RecursionError:
+        raise GrammarError("the Lark grammar nests too deeply") from None
+
+
+def _check_regex(regex: str, what: str) -> None:
+    """A regex whose groups and classes close (so it cannot break out of the group it is put in), in Rust's syntax as
+    far as that goes (no verbose mode, whose spaces Rust and Python read apart)."""
+    depth, at, in_class = 0, 0, False
+    while at < len(regex):
+        ch = regex[at]
+        if ch == "\\":
+            at += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            at += 1
+            if regex[at : at + 1] == "^":
+                at += 1
+            if regex[at : at + 1] == "]":  # a ] first in a class is itself
+                at += 1
+            continue
+        elif ch == "(":
+            depth += 1
+            if re.match(r"\(\?[a-zA-Z-]*x[a-zA-Z-]*[:)]", regex[at:]):
+                raise GrammarError(f"{what} uses the verbose flag x, which is not supported")
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                raise GrammarError(f"{what} closes a group it never opened: {regex[:at + 1]!r}")
+        at += 1
+    if depth or in_class:
+        raise GrammarError(f"{what} leaves a group or a class open: {regex!r}")
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'"}
+
+
+def _literal(token: str) -> str:
+    """A Lark string's text: \\n, \\t, \\r, \\\\, quotes, \\xHH and \\uHHHH read as Lark reads them; any other
+    escape kept as written."""
+    body, out, at = token[1:-1], [], 0
+    while at < len(body):
+        ch = body[at]
+        if ch != "\\" or at + 1 == len(body):
+            out.append(ch)
+            at += 1
+            continue
+        code = body[at + 1]
+        width = {"x": 2, "u": 4, "U": 8}.get(code, 0)
+        digits = body[at + 2 : at + 2 + width]
+        if width and len(digits) == width and all(c in "0123456789abcdefABCDEF" for c in digits):
+            out.append(chr(int(digits, 16)))
+            at += 2 + width
+        elif code in _ESCAPES:
+            out.append(_ESCAPES[code])
+            at += 2
+        else:
+            out.append(body[at : at + 2])
+            at += 2
+    return "".join(out)
 
 
 @dataclass
@@ -108,9 +174,11 @@ class _Parser:
             if token.kind == "directive":
                 self._directive(token, definitions)
                 continue
+            if token.text in ("?", "!") and self._peek() is not None and self._peek().kind == "name":  # type: ignore[union-attr]  # ?rule / !rule: how the tree is shaped
+                token = self._next()
             if token.kind != "name":
                 raise GrammarError(f"the Lark grammar has {token.text!r} where a definition starts (line {token.line})")
-            name = token.text.lstrip("?!")
+            name = token.text
             if self._peek() is not None and self._peek().kind == "priority":  # type: ignore[union-attr]
                 self._next()
             if self._next().kind != "punct" or self.tokens[self.at - 1].text != ":":
@@ -198,13 +266,16 @@ class _Parser:
             return inner if token.text == "(" else ("rep", inner, 0, 1)
         if token.kind == "string":
             insensitive = token.text.endswith("i")
-            text = ast.literal_eval(token.text[:-1] if insensitive else token.text)
+            text = _literal(token.text[:-1] if insensitive else token.text)
             return ("re", f"(?i:{_escape(text)})") if insensitive else ("lit", text)
         if token.kind == "regex":
             body, _, flags = token.text[1:].rpartition("/")
+            if "x" in flags:
+                raise GrammarError(f"the Lark grammar's regex {token.text} uses the verbose flag x, which is not supported (line {token.line})")
+            _check_regex(body, f"the Lark grammar's regex {token.text} (line {token.line})")
             return ("re", f"(?{flags}:{body})" if flags else body)
         if token.kind == "name":
-            return ("ref", token.text.lstrip("?!"))
+            return ("ref", token.text)
         raise GrammarError(f"the Lark grammar has {token.text!r} where a rule, a terminal or a string belongs (line {token.line})")
 
     def _alternatives_inside(self) -> tuple:
@@ -241,6 +312,8 @@ class _Writer:
         self.open.append(name)
         self.written[name] = self._node(self.definitions[name])
         self.open.pop()
+        if len(self.written[name]) > MAX_REGEX_BYTES:
+            raise GrammarError(f"the Lark grammar written out as one regex passes {MAX_REGEX_BYTES // 1024} KiB at {name}: use each rule fewer times")
         return self.written[name]
 
     def _node(self, node: tuple) -> str:
@@ -251,10 +324,14 @@ class _Writer:
             return f"(?:{node[1]})"
         if kind == "ref":
             return f"(?:{self.write(node[1])})"
-        if kind == "seq":
-            return "".join(self._node(n) for n in node[1])
-        if kind == "alt":
-            return "(?:" + "|".join(self._node(n) for n in node[1]) + ")"
+        if kind in ("seq", "alt"):
+            parts, size = [], 0
+            for child in node[1]:
+                parts.append(self._node(child))
+                size += len(parts[-1])
+                if size > MAX_REGEX_BYTES:
+                    raise GrammarError(f"the Lark grammar written out as one regex passes {MAX_REGEX_BYTES // 1024} KiB: use each rule fewer times")
+            return "".join(parts) if kind == "seq" else "(?:" + "|".join(parts) + ")"
         inner, low, high = self._node(node[1]), node[2], node[3]
         suffix = {(0, 1): "?", (0, None): "*", (1, None): "+"}.get((low, high), f"{{{low},{'' if high is None else high}}}")
         return f"(?:{inner}){suffix}"

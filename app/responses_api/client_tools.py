@@ -35,10 +35,16 @@ CLIENT_FUNCTIONS: dict[str, tuple[str, dict[str, Any]]] = {  # tool type → (th
         "type": "object", "properties": {
             "commands": {"type": "array", "items": {"type": "string"}, "minItems": 1}, "timeout_ms": {"type": "integer", "minimum": 1}},
         "required": ["commands"], "additionalProperties": False}),
-    "apply_patch": ("Creates, updates or deletes one file on the user's machine: an update or a new file as a unified diff.", {
-        "type": "object", "properties": {
-            "type": {"enum": ["create_file", "update_file", "delete_file"]}, "path": {"type": "string", "minLength": 1}, "diff": {"type": "string"}},
-        "required": ["type", "path"], "additionalProperties": False}),
+    "apply_patch": (
+        "Creates, updates or deletes one file on the user's machine. The diff is in the V4A format, without line numbers: "
+        "for a new file, each line of it prefixed with '+'; for an update, hunks that each start with '@@ ' and a line "
+        "near the change, then the lines around it prefixed with ' ', the removed ones with '-' and the added ones with '+'.", {
+            "anyOf": [
+                {"type": "object", "properties": {"type": {"const": kind}, "path": {"type": "string", "minLength": 1}, "diff": {"type": "string", "minLength": 1}},
+                 "required": ["type", "path", "diff"], "additionalProperties": False} for kind in ("create_file", "update_file")
+            ] + [{"type": "object", "properties": {"type": {"const": "delete_file"}, "path": {"type": "string", "minLength": 1}},
+                  "required": ["type", "path"], "additionalProperties": False}],
+        }),
 }
 CALL_ITEMS = {"local_shell": "local_shell_call", "shell": "shell_call", "apply_patch": "apply_patch_call"}
 ITEM_PREFIX = {"function": "fc", "custom": "ctc", "local_shell": "lsh", "shell": "sh", "apply_patch": "apc"}

@@ -12,7 +12,6 @@ from app.errors import ApiError
 from app.requests import Job
 from app.responses_api.client_tools import INPUT, ITEM_PREFIX, Offer, call_item
 from app.responses_api.request import Translated
-from app.tools import _escape_at
 from app.responses_api.schemas import ResponsesRequest
 
 _NULLABLE = frozenset({"error", "incomplete_details", "instructions"})  # sent as null; other fields are left out when unset
@@ -104,7 +103,7 @@ class ResponseBuilder:
 
     def output_items(self) -> list[dict[str, Any]]:
         """The output as the input items that send it back (what the store keeps of it)."""
-        return [_as_input(item) for item in self.output]
+        return [as_input(item) for item in self.output]
 
     def _text(self, text: str) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -133,8 +132,9 @@ class ResponseBuilder:
         return events + [self._event("response.reasoning_text.delta", item_id=item["id"], output_index=self._index, content_index=0, delta=text)]
 
     def _call(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
-        """A call's deltas as its item: a function's arguments as they come, a freeform tool's input decoded from its JSON
-        string as it comes, a client-run tool's item whole once its arguments are (its action is made of them)."""
+        """A call's deltas as its item: a function's arguments as they come; a freeform or a client-run tool's item whole
+        once its arguments are (a client runs what a done item holds: a freeform input cut short is often a valid one, and
+        a client-run tool's action is made of the arguments), or never, when they are cut."""
         events: list[dict[str, Any]] = []
         function = piece.get("function", {})
         if "id" in piece:  # a new call
@@ -149,10 +149,10 @@ class ResponseBuilder:
             if offer.namespace is not None:
                 item["namespace"] = offer.namespace
             self._calls[piece["index"]] = _Call(item, offer)
-            if offer.kind in ("function", "custom"):
+            if offer.kind == "function":
                 events += self._add(item)
             else:
-                self._open = item  # added with its action, when its arguments are whole
+                self._open = item  # added whole, when its arguments are
         call = self._calls[piece["index"]]
         arguments = function.get("arguments", "")
         if not arguments:
@@ -162,11 +162,6 @@ class ResponseBuilder:
         if call.offer.kind == "function":
             call.item["arguments"] += arguments
             events.append(self._event("response.function_call_arguments.delta", item_id=call.item["id"], output_index=index, delta=arguments))
-        elif call.offer.kind == "custom":
-            delta = call.decoded()
-            if delta:
-                call.item["input"] += delta
-                events.append(self._event("response.custom_tool_call_input.delta", item_id=call.item["id"], output_index=index, delta=delta))
         return events
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
@@ -180,16 +175,21 @@ class ResponseBuilder:
             return []
         self._open = None
         call = next((c for c in self._calls.values() if c.item is item), None)
-        if call is not None and call.offer.kind not in ("function", "custom"):  # a client-run tool's call: its item, whole
+        if call is not None and call.offer.kind != "function":  # a freeform or client-run tool's call: its item, whole
             if status != "completed":
                 return []  # cut short: never shown, so dropped (a client would run it)
-            item = call.item = call_item(call.offer, item["id"], item["call_id"], call.arguments, status)
+            if call.offer.kind == "custom":
+                item["input"] = call.whole_input()
+            else:
+                item = call.item = call_item(call.offer, item["id"], item["call_id"], call.arguments, status)
             self.output.append(item)
             index = len(self.output) - 1
-            return [self._event("response.output_item.added", output_index=index, item={**_copy(item), "status": "in_progress"}),
-                    self._event("response.output_item.done", output_index=index, item=_copy(item))]
-        if call is not None and call.offer.kind == "custom" and status == "completed":
-            item["input"] = call.whole_input(item["input"])
+            events = [self._event("response.output_item.added", output_index=index, item={**_copy(item), "status": "in_progress", **({"input": ""} if "input" in item else {})})]
+            if call.offer.kind == "custom":
+                events += [self._event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index, delta=item["input"]),
+                           self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index, input=item["input"])]
+            item["status"] = status
+            return events + [self._event("response.output_item.done", output_index=index, item=_copy(item))]
         item["status"] = status
         index = self.output.index(item)
         events = []
@@ -200,8 +200,6 @@ class ResponseBuilder:
             part = item["content"][0]
             events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[]))
             events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=dict(part)))
-        elif item["type"] == "custom_tool_call":
-            events.append(self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index, input=item["input"]))
         else:
             events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=item["name"], arguments=item["arguments"]))
         return events + [self._event("response.output_item.done", output_index=index, item=_copy(item))]
@@ -220,7 +218,7 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
     return {**item, "content": [dict(p) for p in item["content"]]} if "content" in item else dict(item)
 
 
-def _as_input(item: dict[str, Any]) -> dict[str, Any]:
+def as_input(item: dict[str, Any]) -> dict[str, Any]:
     """An output item as the input item that sends it back."""
     if item["type"] == "message":
         return {"id": item["id"], "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": p["text"]} for p in item["content"]]}
@@ -235,32 +233,14 @@ class _Call:
     def __init__(self, item: dict[str, Any], offer: Offer) -> None:
         self.item, self.offer = item, offer
         self.arguments = ""
-        self._read = -1  # a freeform call: where its input string's undecoded part starts (-1: not opened yet)
 
-    def decoded(self) -> str:
-        """A freeform call's input, as far as its arguments (``{"input": "…``) now decode."""
-        if self._read < 0:
-            opening = self.arguments.find('"', self.arguments.find(f'"{INPUT}"') + len(INPUT) + 2) if f'"{INPUT}"' in self.arguments else -1
-            if opening < 0:
-                return ""
-            self._read = opening + 1
-        out, at, text = [], self._read, self.arguments
-        while at < len(text) and text[at] != '"':
-            decoded = _escape_at(text, at) if text[at] == "\\" else (text[at], 1)
-            if decoded is None:
-                break
-            out.append(decoded[0])
-            at += decoded[1]
-        self._read = at
-        return "".join(out)
-
-    def whole_input(self, streamed: str) -> str:
-        """The input the finished arguments hold (what was streamed, where they do not parse)."""
+    def whole_input(self) -> str:
+        """A freeform call's input: the string its finished arguments hold."""
         try:
             value = json.loads(self.arguments).get(INPUT)
         except (ValueError, AttributeError):
-            return streamed
-        return value if isinstance(value, str) else streamed
+            return ""
+        return value if isinstance(value, str) else ""
 
 
 def _echo_choice(choice: Any) -> Any:
@@ -272,7 +252,12 @@ def _echo_choice(choice: Any) -> Any:
 def item_page(response_id: str, items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:
     """``GET /v1/responses/{id}/input_items``: a page of ``items`` (OpenAI's list shape); an item stored without an id gets
     one made of the response's id and its place, the same at every call."""
-    named = [_resource(item if item.get("id") else {"id": f"item_{response_id.removeprefix('resp_')}_{i}", **item}) for i, item in enumerate(items)]
+    named, seen = [], set()
+    for i, item in enumerate(items):  # every listed id its own (a local shell call's output shares its call's): a cursor finds one place
+        listed = item.get("id") or f"item_{response_id.removeprefix('resp_')}_{i}"
+        listed = listed if listed not in seen else f"{listed}_{i}"
+        seen.add(listed)
+        named.append(_resource({**item, "id": listed}))
     ordered = named if order == "asc" else named[::-1]
     if after is not None:
         at = next((i for i, item in enumerate(ordered) if item["id"] == after), None)

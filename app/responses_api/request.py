@@ -17,10 +17,10 @@ from app.errors import ApiError
 from app.responses_api.client_tools import INPUT, Offer, as_call, client_function, custom_function, output_text, qualified
 from app.responses_api.schemas import (
     CLIENT_TOOLS, HOSTED_TOOLS, PASSED_OVER_INCLUDES, ClientCallItem, CustomTool, CustomToolCallItem, CustomToolCallOutputItem, FunctionCallItem,
-    FunctionCallOutputItem, FunctionChoice, FunctionTool, MessageItem, NamespaceTool, OtherItem, ReasoningItem, ResponsesRequest,
+    FunctionCallOutputItem, FunctionChoice, FunctionTool, MessageItem, NamespaceTool, OtherItem, OtherTool, ReasoningItem, ResponsesRequest,
     UnsupportedPart,
 )
-from app.schemas import ChatCompletionRequest
+from app.schemas import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("specgate.responses")
 _PASSED_OVER_SEEN: set[str] = set()  # unknown fields already logged (once each)
@@ -71,7 +71,8 @@ def _check_supported(body: ResponsesRequest) -> None:
     of a field it knows (a 400 naming the field meant); known fields that would change the answer and are not served: a 400."""
     for name in sorted(body.model_extra or {}):
         if name in ANSWER_FIELDS:
-            raise ApiError(400, f"{name} is not supported on /v1/responses: it would change the answer (/v1/chat/completions takes it)", name, "unsupported_parameter")
+            use = f"use {_CHAT_FIELDS[name]}" if name in _CHAT_FIELDS else "/v1/chat/completions takes it"
+            raise ApiError(400, f"{name} is not a field of /v1/responses and would change the answer: {use}", name, "unsupported_parameter")
         meant = difflib.get_close_matches(name, KNOWN_FIELDS, n=1, cutoff=0.85)
         if meant:
             raise ApiError(400, f"{name} is not a field of this API: did you mean {meant[0]}?", name, "unsupported_parameter")
@@ -103,10 +104,11 @@ def _input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
         if isinstance(item, OtherItem):
             hint = ": send the item itself" if item.type == "item_reference" else ""
             raise ApiError(400, f"input[{i}]: items of type {item.type!r} are not supported{hint}", f"input.{i}.type", "unsupported_parameter")
-        if isinstance(item, MessageItem) and not isinstance(item.content, str):
-            for j, part in enumerate(item.content):
+        parts, field_name = (item.content, "content") if isinstance(item, MessageItem) else (getattr(item, "output", None), "output")
+        if isinstance(parts, list):
+            for j, part in enumerate(parts):
                 if isinstance(part, UnsupportedPart):
-                    raise ApiError(400, f"input[{i}].content[{j}]: {part.type} is not supported: this gateway serves text models", f"input.{i}.content.{j}.type", "unsupported_parameter")
+                    raise ApiError(400, f"input[{i}].{field_name}[{j}]: {part.type} is not supported: this gateway serves text models", f"input.{i}.{field_name}.{j}.type", "unsupported_parameter")
         if isinstance(item, ClientCallItem) and not (item.call_id or item.id):
             raise ApiError(400, f"input[{i}]: a {item.type} item needs its call_id", f"input.{i}.call_id")
         out.append(item.model_dump(exclude_none=True))
@@ -164,6 +166,7 @@ def _messages(items: list[dict[str, Any]], offers: dict[str, Offer]) -> list[dic
             if message.role == "assistant":
                 assistant(message.text())
             else:
+                reasoning.clear()  # thinking no assistant turn followed (a cut turn): not carried into the next one
                 messages.append({"role": message.role, "content": message.text()})
     return messages
 
@@ -196,8 +199,10 @@ def _tools(body: ResponsesRequest, into: Translated) -> list[dict[str, Any]]:
         elif isinstance(tool, NamespaceTool):
             for j, inner in enumerate(tool.tools):
                 one(inner, f"tools.{i}.tools.{j}", tool.name)
-        elif tool.type in CLIENT_TOOLS:
-            offer(client_function(tool.type), f"tools.{i}", tool.type, tool.type, None, {"type": tool.type})
+        elif tool.type in CLIENT_TOOLS and _runs_here(tool):
+            offer(client_function(tool.type), f"tools.{i}", tool.type, tool.type, None, {"type": tool.type, **(tool.model_extra or {})})
+        elif tool.type in CLIENT_TOOLS:  # a shell in OpenAI's container: hosted
+            into.warnings.append(f"tools[{i}]: {tool.type} runs in a hosted environment here, which this gateway does not run: it was left out of the prompt")
         elif tool.type in HOSTED_TOOLS:
             into.warnings.append(f"tools[{i}]: {tool.type} is a hosted tool, which this gateway does not run: it was left out of the prompt")
         elif tool.type == "tool_search":
@@ -207,11 +212,17 @@ def _tools(body: ResponsesRequest, into: Translated) -> list[dict[str, Any]]:
     return tools
 
 
+def _runs_here(tool: OtherTool) -> bool:
+    """A client-run tool the client runs: a shell whose environment is not OpenAI's container (none, or local)."""
+    environment = (tool.model_extra or {}).get("environment")
+    return not isinstance(environment, dict) or environment.get("type") in (None, "local")
+
+
 def _tool_choice(body: ResponsesRequest, offers: dict[str, Offer]) -> Any:
     choice = body.tool_choice
-    kind, name = (choice.type, choice.name) if isinstance(choice, FunctionChoice) else (None, None)
+    kind, name, namespace = (choice.type, choice.name, choice.namespace) if isinstance(choice, FunctionChoice) else (None, None, None)
     if isinstance(choice, dict):
-        kind, name = choice.get("type"), choice.get("name")
+        kind, name, namespace = choice.get("type"), choice.get("name"), choice.get("namespace")
         if kind in CLIENT_TOOLS:
             name = kind
         elif kind != "custom":
@@ -219,7 +230,10 @@ def _tool_choice(body: ResponsesRequest, offers: dict[str, Offer]) -> Any:
             raise ApiError(400, f"tool_choice: {why}: use none, auto, required, or a function, custom or client tool by name", "tool_choice", "unsupported_parameter")
     if kind is not None:
         wanted = "function" if kind == "function" else "custom" if kind == "custom" else kind
-        offered = next((n for n, o in offers.items() if o.name == name and o.kind == wanted), name)
+        named = [n for n, o in offers.items() if o.name == name and o.kind == wanted and (namespace is None or o.namespace == namespace)]
+        if len(named) > 1:
+            raise ApiError(400, f"tool_choice: {name!r} is in several namespaces: give its namespace", "tool_choice")
+        offered = named[0] if named else name
         return {"type": "function", "function": {"name": offered}}
     if choice == "auto" and not offers:
         return None  # hosted tools alone (left out): nothing to choose from
@@ -237,10 +251,11 @@ def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:
 
 
 KNOWN_FIELDS = tuple(ResponsesRequest.model_fields)
-ANSWER_FIELDS = frozenset({  # not the Responses API's, or not served here, and each would change the answer: refused, never passed over
-    "frequency_penalty", "presence_penalty", "logit_bias", "stop", "n", "top_k", "min_p", "repetition_penalty", "logprobs", "prompt",
-    "conversation",
-})
+_CHAT_FIELDS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+ANSWER_FIELDS = frozenset(  # chat's and completions' own fields, and the Responses API's that are not served here: each would change the answer
+    (set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | {"prompt", "conversation", "functions", "function_call", "repetition_penalty"})
+    - set(ResponsesRequest.model_fields)
+)
 _MESSAGES = re.compile(r"^messages(\.\d+.*)?$")
 
 

@@ -28,14 +28,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class InputText(_Strict):
+class _Lenient(BaseModel):
+    """Items, parts and tools as clients send them back: a field this gateway does not know (a newer one: a message's
+    ``end_turn``, a tool's ``output_schema``) changes nothing here and is passed over, as unknown top-level fields are."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class InputText(_Lenient):
     type: Literal["input_text", "output_text", "text"]
     text: str
     annotations: list[Any] | None = None  # an earlier answer's output_text, sent back as it came
     logprobs: list[Any] | None = None
 
 
-class Refusal(_Strict):
+class Refusal(_Lenient):
     type: Literal["refusal"]
     refusal: str
 
@@ -50,7 +57,7 @@ class UnsupportedPart(BaseModel):
 ContentPart = Annotated[InputText | Refusal | UnsupportedPart, Field(discriminator="type")]
 
 
-class MessageItem(_Strict):
+class MessageItem(_Lenient):
     """A message: ``{"role", "content"}`` (type ``message`` or none), content a string or parts."""
 
     type: Literal["message"] = "message"
@@ -66,7 +73,7 @@ class MessageItem(_Strict):
         return "".join(p.text if isinstance(p, InputText) else p.refusal if isinstance(p, Refusal) else "" for p in self.content)
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(_Lenient):
     """An earlier answer's call, sent back with the conversation."""
 
     type: Literal["function_call"]
@@ -78,7 +85,7 @@ class FunctionCallItem(_Strict):
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(_Lenient):
     """A call's result."""
 
     type: Literal["function_call_output"]
@@ -107,7 +114,7 @@ class ReasoningItem(BaseModel):
         return "".join(parts) or "\n\n".join(p.get("text", "") for p in self.summary or [] if p.get("type") == "summary_text")
 
 
-class CustomToolCallItem(_Strict):
+class CustomToolCallItem(_Lenient):
     """An earlier answer's call of a freeform (custom) tool: its input is one string."""
 
     type: Literal["custom_tool_call"]
@@ -119,10 +126,12 @@ class CustomToolCallItem(_Strict):
     status: str | None = None
 
 
-class CustomToolCallOutputItem(_Strict):
+class CustomToolCallOutputItem(_Lenient):
     type: Literal["custom_tool_call_output"]
     call_id: str = Field(min_length=1)
     output: str | list[ContentPart]
+    name: str | None = None
+    namespace: str | None = None
     id: str | None = None
     status: str | None = None
 
@@ -166,8 +175,9 @@ InputItem = Annotated[
 
 
 class FunctionTool(FunctionDef):
-    """A function tool, flat (chat nests the same fields under ``function``)."""
+    """A function tool, flat (chat nests the same fields under ``function``); newer fields passed over."""
 
+    model_config = ConfigDict(extra="ignore")
     type: Literal["function"]
     defer_loading: bool | None = None
 
@@ -184,7 +194,7 @@ class CustomGrammarFormat(_Strict):
     definition: str = Field(min_length=1)
 
 
-class CustomTool(_Strict):
+class CustomTool(_Lenient):
     """A freeform tool (a coding agent's ``apply_patch``): the model calls it with one string, its ``input``."""
 
     type: Literal["custom"]
@@ -194,7 +204,7 @@ class CustomTool(_Strict):
     defer_loading: bool | None = None
 
 
-class NamespaceTool(_Strict):
+class NamespaceTool(_Lenient):
     """Tools grouped under a name (what coding agents send for an MCP server's tools): offered as ``<namespace>__<name>``,
     called back with the namespace and the name apart."""
 
@@ -245,14 +255,15 @@ class FormatJsonSchema(_Strict):
     _depth = field_validator("json_schema")(_shallow)
 
 
-class TextParam(_Strict):
+class TextParam(_Lenient):
     format: Annotated[FormatText | FormatJsonObject | FormatJsonSchema, Field(discriminator="type")] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # a hint to OpenAI's models: passed over
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(_Lenient):
     type: Literal["function"]
     name: str
+    namespace: str | None = None
 
 
 class ReasoningParam(BaseModel):
@@ -265,7 +276,7 @@ class ReasoningParam(BaseModel):
     generate_summary: str | None = None
 
 
-class StreamOptionsParam(_Strict):
+class StreamOptionsParam(_Lenient):
     include_obfuscation: bool | None = None  # OpenAI pads events against length side channels; nothing to pad here
 
 

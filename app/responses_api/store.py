@@ -2,9 +2,9 @@
 /v1/responses/{id}/input_items``): an embedded SQLite database, one per gateway (docs/scaling.md: what many gateways
 need).
 
-Each row holds its response object, the input items its own request added and its output, and names the response it
-continued: a conversation is its chain read back, so a 50-turn chain holds each item once. The tools, which an agent
-sends whole with every turn, are kept once by their digest. A chaining touches every response of its chain, and what
+Each row holds its response object (whose output is what it added) and the input items its own request added, and names
+the response it continued: a conversation is its chain read back, so a 50-turn chain holds each item once. The tools and
+instructions, which an agent sends whole with every turn, are kept once by their digest. A chaining touches every response of its chain, and what
 goes first (past ``retention_s``, or over ``max_bytes``) is what was used least recently: a chain in use stays whole.
 The file is the user's alone (0600, in a folder of 0700 that the store makes)."""
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -19,20 +20,30 @@ import time
 from pathlib import Path
 from typing import Any
 
+from app.responses_api.output import as_input
 from core.errors import ConfigError
+
+log = logging.getLogger("specgate.responses")
 
 MEMORY = "memory"
 NONE = "none"
 AUTO = "auto"
 
+VERSION = 2  # PRAGMA user_version of the layout below: a file of another version is laid out again (its responses dropped)
 _SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS blobs (digest TEXT PRIMARY KEY, body TEXT NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS stored (id TEXT PRIMARY KEY, previous TEXT, created_at REAL NOT NULL, used_at REAL NOT NULL,"
-    " deleted INTEGER NOT NULL DEFAULT 0, response TEXT NOT NULL, tools TEXT, input TEXT NOT NULL, output TEXT NOT NULL, size INTEGER NOT NULL)",
-    "CREATE INDEX IF NOT EXISTS stored_used_at ON stored (used_at)",
-    "CREATE INDEX IF NOT EXISTS stored_previous ON stored (previous)",
-    "DROP TABLE IF EXISTS responses",  # the first version's table: a row per response holding its whole conversation
+    "CREATE TABLE blobs (digest TEXT PRIMARY KEY, body TEXT NOT NULL)",
+    "CREATE TABLE stored (id TEXT PRIMARY KEY, previous TEXT, created_at REAL NOT NULL, used_at REAL NOT NULL, deleted INTEGER NOT NULL DEFAULT 0,"
+    " response TEXT NOT NULL, tools TEXT, instructions TEXT, input TEXT NOT NULL, size INTEGER NOT NULL)",
+    "CREATE INDEX stored_used_at ON stored (used_at)",
+    "CREATE INDEX stored_previous ON stored (previous)",
+    "CREATE TABLE total (bytes INTEGER NOT NULL)",  # what the rows and the blobs take, kept by the triggers: no scan a write
+    "INSERT INTO total VALUES (0)",
+    "CREATE TRIGGER stored_in AFTER INSERT ON stored BEGIN UPDATE total SET bytes = bytes + NEW.size; END",
+    "CREATE TRIGGER stored_out AFTER DELETE ON stored BEGIN UPDATE total SET bytes = bytes - OLD.size; END",
+    "CREATE TRIGGER blobs_in AFTER INSERT ON blobs BEGIN UPDATE total SET bytes = bytes + LENGTH(NEW.body); END",
+    "CREATE TRIGGER blobs_out AFTER DELETE ON blobs BEGIN UPDATE total SET bytes = bytes - LENGTH(OLD.body); END",
 )
+_DROP = ("DROP TABLE IF EXISTS responses", "DROP TABLE IF EXISTS stored", "DROP TABLE IF EXISTS blobs", "DROP TABLE IF EXISTS total")
 _CHAIN = """WITH RECURSIVE chain(id, previous, depth) AS (
     SELECT id, previous, 0 FROM stored WHERE id = ?
     UNION ALL SELECT s.id, s.previous, c.depth + 1 FROM stored s JOIN chain c ON s.id = c.previous
@@ -57,27 +68,30 @@ class ResponseStore:
                 _private_file(Path(self.where))
             self._db = sqlite3.connect(self.where, check_same_thread=False, timeout=10, isolation_level=None)
             self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # takes effect on a new file: freed pages go back at the vacuum after a cleanup
+            self._db.execute("PRAGMA secure_delete=ON")  # a deleted response's text is overwritten, not left in free pages
             if self.where != ":memory:":
                 self._db.execute("PRAGMA journal_mode=WAL")  # readers beside the writer; several gateways may share a file on one disk
-            for statement in _SCHEMA:
-                self._db.execute(statement)
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                if self._db.execute("PRAGMA user_version").fetchone()[0] != VERSION:
+                    for statement in (*_DROP, *_SCHEMA, f"PRAGMA user_version={VERSION}"):
+                        self._db.execute(statement)
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(f"responses.store: cannot open {self.where}: {exc} (give a writable path, memory, or none)") from None
 
-    def put(self, response: dict[str, Any], new_items: list[dict[str, Any]], output: list[dict[str, Any]], previous: str | None = None) -> None:
-        """Keep ``response``: the input items its request added (after ``previous``'s conversation) and its ``output``
-        (as input items). One transaction, committed when this returns; ``previous``'s chain is touched."""
+    def put(self, response: dict[str, Any], new_items: list[dict[str, Any]], previous: str | None = None) -> None:
+        """Keep ``response`` (its output is what it adds to the conversation) and the input items its request added after
+        ``previous``'s conversation. One transaction, committed when this returns; ``previous``'s chain is touched."""
         now = time.time()
-        tools = json.dumps(response.get("tools", []), separators=(",", ":"))
-        digest = hashlib.sha256(tools.encode()).hexdigest()
-        body = json.dumps({k: v for k, v in response.items() if k != "tools"}, separators=(",", ":"))
-        given, made = json.dumps(new_items, separators=(",", ":")), json.dumps(output, separators=(",", ":"))
+        kept = {k: v for k, v in response.items() if k not in ("tools", "instructions")}
+        body, given = json.dumps(kept, separators=(",", ":")), json.dumps(new_items, separators=(",", ":"))
         with self._lock, self._db:
             self._db.execute("BEGIN IMMEDIATE")
-            self._db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?)", (digest, tools))
+            digests = [self._blob(response.get(key)) for key in ("tools", "instructions")]
+            self._db.execute("DELETE FROM stored WHERE id = ?", (response["id"],))
             self._db.execute(
-                "INSERT OR REPLACE INTO stored (id, previous, created_at, used_at, response, tools, input, output, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (response["id"], previous, now, now, body, digest, given, made, len(body) + len(given) + len(made)),
+                "INSERT INTO stored (id, previous, created_at, used_at, response, tools, instructions, input, size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (response["id"], previous, now, now, body, *digests, given, len(body) + len(given)),
             )
             if previous is not None:
                 self._db.execute(_CHAIN + "UPDATE stored SET used_at = ? WHERE id IN (SELECT id FROM chain)", (previous, now))
@@ -91,7 +105,7 @@ class ResponseStore:
             chain = self._chain(response_id) if row is not None else None
         if row is None or chain is None:
             return None
-        return row, [item for _, given, made in chain for item in given + made]
+        return row, [item for given, made in chain for item in given + made]
 
     def input_items(self, response_id: str) -> list[dict[str, Any]] | None:
         """What the response answered: its chain's conversation, then its own input; None as ``get``."""
@@ -99,7 +113,7 @@ class ResponseStore:
             chain = self._chain(response_id) if self._row(response_id) is not None else None
         if chain is None:
             return None
-        return [item for _, given, made in chain[:-1] for item in given + made] + chain[-1][1]
+        return [item for given, made in chain[:-1] for item in given + made] + chain[-1][0]
 
     def delete(self, response_id: str) -> bool:
         """Gone for ``GET`` and for chaining; its items stay while a later response's chain runs through it."""
@@ -107,7 +121,7 @@ class ResponseStore:
             self._db.execute("BEGIN IMMEDIATE")
             if self._db.execute("UPDATE stored SET deleted = 1 WHERE id = ? AND deleted = 0", (response_id,)).rowcount == 0:
                 return False
-            self._db.execute("DELETE FROM stored WHERE id = ? AND NOT EXISTS (SELECT 1 FROM stored c WHERE c.previous = ?)", (response_id, response_id))
+            self._sweep(0)
             return True
 
     def size(self) -> int:
@@ -119,39 +133,61 @@ class ResponseStore:
         with self._lock:
             self._db.close()
 
+    def _blob(self, value: Any) -> str | None:
+        """``value`` kept once by its digest (an agent sends the same tools and instructions every turn)."""
+        if value is None:
+            return None
+        text = json.dumps(value, separators=(",", ":"))
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        self._db.execute("INSERT OR IGNORE INTO blobs VALUES (?, ?)", (digest, text))
+        return digest
+
     def _row(self, response_id: str) -> dict[str, Any] | None:
         found = self._db.execute(
-            "SELECT s.response, b.body FROM stored s LEFT JOIN blobs b ON b.digest = s.tools WHERE s.id = ? AND s.deleted = 0 AND s.used_at >= ?",
+            "SELECT s.response, t.body, i.body FROM stored s LEFT JOIN blobs t ON t.digest = s.tools LEFT JOIN blobs i ON i.digest = s.instructions"
+            " WHERE s.id = ? AND s.deleted = 0 AND s.used_at >= ?",
             (response_id, time.time() - self.retention_s),
         ).fetchone()
-        return None if found is None else {**json.loads(found[0]), "tools": json.loads(found[1] or "[]")}
-
-    def _chain(self, response_id: str) -> list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]] | None:
-        """(id, its input, its output) from the chain's first response to ``response_id``; None if a link is gone."""
-        rows = self._db.execute(_CHAIN + "SELECT s.id, s.previous, s.input, s.output FROM chain c JOIN stored s ON s.id = c.id ORDER BY c.depth DESC", (response_id,)).fetchall()
-        if not rows or rows[0][1] is not None:
+        if found is None:
             return None
-        return [(row[0], json.loads(row[2]), json.loads(row[3])) for row in rows]
+        return {**json.loads(found[0]), "tools": json.loads(found[1] or "[]"), "instructions": json.loads(found[2] or "null")}
+
+    def _chain(self, response_id: str) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]] | None:
+        """(its input, its output as input items) of each response from the chain's first to ``response_id``; None if a
+        link is gone."""
+        rows = self._db.execute(_CHAIN + "SELECT s.previous, s.input, s.response FROM chain c JOIN stored s ON s.id = c.id ORDER BY c.depth DESC", (response_id,)).fetchall()
+        if not rows or rows[0][0] is not None:
+            return None
+        return [(json.loads(row[1]), [as_input(item) for item in json.loads(row[2]).get("output", [])]) for row in rows]
 
     def _size(self) -> int:
-        rows = self._db.execute("SELECT COALESCE(SUM(size), 0) FROM stored").fetchone()[0]
-        blobs = self._db.execute("SELECT COALESCE(SUM(LENGTH(body)), 0) FROM blobs").fetchone()[0]
-        return int(rows) + int(blobs)
+        return int(self._db.execute("SELECT bytes FROM total").fetchone()[0])
 
     def _clean(self, now: float) -> None:
-        """Past the retention, then the least recently used while over ``max_bytes``; the tools no row names; the freed pages."""
+        """Past the retention, then the least recently used while over ``max_bytes`` (never the chain this write touched:
+        past the cap with it alone, the store holds it and says so); deleted responses no chain runs through any more; the
+        tools and instructions no row names; the freed pages."""
         removed = self._db.execute("DELETE FROM stored WHERE used_at < ?", (now - self.retention_s,)).rowcount
         over = self._size() - self.max_bytes
         if over > 0:
             dropped = 0
-            ordered = "SELECT id, size FROM stored ORDER BY used_at, created_at DESC"  # a tie: a chain's later responses before the ones they continue
-            for response_id, size in self._db.execute(ordered).fetchall():
+            ordered = "SELECT id, size FROM stored WHERE used_at < ? ORDER BY used_at, created_at DESC"  # a tie: a chain's later responses first
+            for response_id, size in self._db.execute(ordered, (now,)).fetchall():
                 if dropped >= over:
                     break
                 self._db.execute("DELETE FROM stored WHERE id = ?", (response_id,))
                 dropped, removed = dropped + size, removed + 1
+            if dropped < over:
+                log.warning("responses.max_bytes (%d) is smaller than the conversation just stored: it is kept, over the cap", self.max_bytes)
+        self._sweep(removed)
+
+    def _sweep(self, removed: int) -> None:
+        """Deleted responses no chain runs through any more (a deleted one's ancestors in turn); then, if anything went,
+        the tools and instructions no row names, and the freed pages."""
+        while count := self._db.execute("DELETE FROM stored WHERE deleted = 1 AND id NOT IN (SELECT previous FROM stored WHERE previous IS NOT NULL)").rowcount:
+            removed += count
         if removed:
-            self._db.execute("DELETE FROM blobs WHERE digest NOT IN (SELECT tools FROM stored WHERE tools IS NOT NULL)")
+            self._db.execute("DELETE FROM blobs WHERE digest NOT IN (SELECT tools FROM stored WHERE tools IS NOT NULL UNION SELECT instructions FROM stored WHERE instructions IS NOT NULL)")
             self._db.execute("PRAGMA incremental_vacuum")
 
 

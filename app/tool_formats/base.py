@@ -120,7 +120,8 @@ def nine_character_id(given: str) -> str:
 def merged_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as a template that needs roles to alternate takes them, as Mistral's own normaliser (mistral-common) and
     vLLM merge them: every system (and developer) message joined into the first, consecutive user messages joined, and
-    consecutive assistant texts joined (a blank line between), calls and results as they are."""
+    consecutive assistant texts joined (a blank line between; their reasoning too). Calls and results stay as they are:
+    Mistral's templates count an assistant's calls apart from its texts."""
     systems = [m for m in messages if m["role"] == "system"]
     out: list[dict[str, Any]] = []
     if systems:
@@ -129,9 +130,12 @@ def merged_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if message["role"] == "system":
             continue
         last = out[-1] if out and out[-1]["role"] == message["role"] and message["role"] in ("user", "assistant") else None
-        if last is not None and not last.get("tool_calls"):  # two user turns, or an assistant's text then its text or calls
-            text = "\n\n".join(str(t) for t in (last.get("content"), message.get("content")) if t)
-            out[-1] = {**message, "content": text if text or not message.get("tool_calls") else message.get("content")}
+        if last is not None and not last.get("tool_calls") and not message.get("tool_calls"):
+            joined = {**message, "content": "\n\n".join(str(t) for t in (last.get("content"), message.get("content")) if t)}
+            thoughts = [t for t in (last.get("reasoning_content"), message.get("reasoning_content")) if t]
+            if thoughts:
+                joined["reasoning_content"] = "\n\n".join(thoughts)
+            out[-1] = joined
         else:
             out.append(message)
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from app.tool_formats.base import JSON_STYLE, Markers, ToolFormat
@@ -61,7 +61,8 @@ class JsonCallFormat(ToolFormat):
         return "\n".join([start, *rules]) + "\n"
 
     def reader(self, markers: Markers, tools: dict[str, dict[str, Any]]) -> ToolOutput:
-        return NativeToolOutput(style=self.style)
+        lead = self.style.lead if self.style.lead in markers else ""  # spelled out, it is free text (the grammar's): not a lead
+        return NativeToolOutput(style=replace(self.style, lead=lead))
 
 
 def _lark_regex(text: str) -> str:
@@ -168,8 +169,8 @@ class NativeToolOutput(ToolOutput):
         if self._state == "between" and rest == "}" + self.style.end:  # the end, which could have been a separator's start
             self._at, self._state = len(self._buffer), "done"
             return []
-        if self._state in ("start", "text"):  # a held-back piece that never became the trigger: text after all
-            delta = self._content(len(rest))
+        if self._state in ("start", "text"):  # a held-back piece that never became the trigger: text after all (cut: it may have)
+            delta = self._content(len(rest) - (partial(rest, self.style.trigger) if cut and self.style.trigger else 0))
             return [delta] if delta else []
         if cut and self._state in ("after", "call", "arguments", "between"):  # a call cut by max_tokens: never text (ToolOutput.flush)
             self._at = len(self._buffer)

@@ -103,8 +103,8 @@ class ArgsToolOutput(ToolOutput):
 
     def flush(self, cut: bool = False) -> list[dict[str, Any]]:
         rest = self._buffer[self._at :]
-        if self._state in ("start", "text"):
-            return [d for d in [self._text_piece(len(rest))] if d]
+        if self._state in ("start", "text"):  # held back, a piece that may start the trigger: text, unless cut (it may have been one)
+            return [d for d in [self._text_piece(len(rest) - (partial(rest, TRIGGER) if cut else 0))] if d]
         if cut and self._state in ("name", "arguments", "between"):  # a call cut by max_tokens: never text
             self._at = len(self._buffer)
             return []

@@ -23,7 +23,8 @@ from typing import Any
 from app.tool_formats.base import JSON_STYLE, Markers, ToolFormat, register
 from app.tool_formats.json_calls import _lark_regex
 from app.tools import _INVALID, Tool, ToolCall, ToolOutput, _loads, _merged, partial
-from core.grammar import strict
+from core.freeform import freeform_pattern
+from core.grammar import FREEFORM, strict
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NUMBER = r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?/"
@@ -48,17 +49,15 @@ class Qwen3Coder(ToolFormat):
             properties = tool.parameters.get("properties") or {}
             required_names = set(tool.parameters.get("required") or [])
             for j, (key, schema) in enumerate(properties.items()):
-                value = _value(schema)  # a string's value is a lazy rule that ends with the closing tag: a greedy one would run past it
-                if value == "text" and isinstance(schema, dict) and ({"minLength", "maxLength"} & set(schema)):
-                    value = f"text_{i}_{j}"
-                    low, high = int(schema.get("minLength", 0)), schema.get("maxLength", "")
-                    rules.append(rf"{value}[lazy]: /(?s:.){{{low},{high}}}\n<\/parameter>\n/")
-                closing_tag = "" if value.startswith("text") else " " + json.dumps(chr(10) + "</parameter>" + chr(10))
-                rules.append(f"p_{i}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {value}{closing_tag}")
+                text = _text_regex(schema)
+                if text is None:
+                    rules.append(f"p_{i}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} {_value(schema)} {json.dumps(chr(10) + '</parameter>' + chr(10))}")
+                else:  # one lexeme to the first closing tag, which it holds: a greedy one would run past it, the reader stops at it
+                    rules.append(f"p_{i}_{j}: {json.dumps(f'<parameter={key}>' + chr(10))} TEXT_{i}_{j}")
+                    rules.append(rf"TEXT_{i}_{j}: /(?:{text})\n<\/parameter>\n/ & ~/(?s:.*)\n<\/parameter>\n(?s:.)+/")
                 params.append(f"p_{i}_{j}" + ("" if key in required_names else "?"))
             rules.append(f"fn_{i}: {json.dumps(tool.name + '>' + chr(10))} {' '.join(params)} {json.dumps('</function>' + chr(10))} {closing}")
         rules.append(f"FREE: /(?s:.*)/ & ~/(?s:.*){_lark_regex(OPEN)}(?s:.*)/")
-        rules.append(r"text[lazy]: /(?s:.*)\n<\/parameter>\n/")
         if required:
             start = f"start: {opening} calls"
         elif OPEN in markers:
@@ -72,14 +71,39 @@ class Qwen3Coder(ToolFormat):
         return XmlToolOutput(schemas=tools)
 
 
+def _text_regex(schema: Any) -> str | None:
+    """A string parameter's text as a regex (its pattern, a freeform tool's grammar, its length), or None for another type."""
+    if not isinstance(schema, dict) or schema.get("type") != "string" or "const" in schema or "enum" in schema:
+        return None
+    if isinstance(schema.get(FREEFORM), dict):
+        pattern = freeform_pattern(str(schema[FREEFORM].get("syntax")), str(schema[FREEFORM].get("definition", "")))
+    elif isinstance(schema.get("pattern"), str):
+        pattern = schema["pattern"]  # JSON Schema's: found anywhere in the string unless anchored
+    else:
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength", "")
+        return f"(?s:.){{{low},{high}}}" if (low, high) != (0, "") else "(?s:.*)"
+    head = "" if pattern.startswith("^") else "(?s:.*)"
+    tail = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
+    body = pattern.removeprefix("^").removesuffix("$") if tail == "" else pattern.removeprefix("^")
+    return head + "(?:" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", body) + ")" + tail  # a slash would end the Lark regex
+
+
+def _rendered(value: Any) -> list[str]:
+    """How the template writes a value: a string as it is, a mapping or a list as JSON, anything else as its text."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, bool):
+        return ["true", "True"] if value else ["false", "False"]
+    return [json.dumps(value)] + (["None"] if value is None else [])
+
+
 def _value(schema: Any) -> str:
-    """A parameter's value as the template writes it: a string as it is, a number or a boolean as its text, else JSON."""
+    """A parameter's value as the template writes it: a number or a boolean as its text, a choice as its own, else JSON."""
     schema = schema if isinstance(schema, dict) else {}
     kind = schema.get("type")
-    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
-        return "(" + " | ".join(json.dumps(v) for v in schema["enum"]) + ")"
-    if kind == "string" and "const" not in schema:
-        return "text"  # its pattern and format are not held here (its length is)
+    choices = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    if choices is not None:
+        return "(" + " | ".join(json.dumps(text) for choice in choices for text in _rendered(choice)) + ")"
     if kind == "integer":
         return "/-?(0|[1-9][0-9]*)/"
     if kind == "number":
@@ -93,7 +117,10 @@ def typed(value: str, schema: Any) -> Any:
     """A value's text as the JSON its parameter's type takes (vLLM's qwen3_coder parser's conversions): text that does
     not convert stays a string."""
     kind = schema.get("type") if isinstance(schema, dict) else None
-    if kind == "string" or (kind is None and not isinstance(schema, dict)):
+    choices = (schema.get("enum") if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None) if isinstance(schema, dict) else None
+    if choices is not None:  # the choice the text writes, of whatever type
+        return next((choice for choice in choices if value in _rendered(choice)), value)
+    if kind == "string":
         return value
     if kind == "boolean" and value.lower() in ("true", "false"):
         return value.lower() == "true"
@@ -193,8 +220,8 @@ class XmlToolOutput(ToolOutput):
 
     def flush(self, cut: bool = False) -> list[dict[str, Any]]:
         rest = self._buffer[self._at :]
-        if self._state in ("start", "text"):
-            return [d for d in [self._text_piece(len(rest))] if d]
+        if self._state in ("start", "text"):  # held back, a piece that may start the trigger: text, unless cut (it may have been one)
+            return [d for d in [self._text_piece(len(rest) - (partial(rest, OPEN) if cut else 0))] if d]
         if cut and self._state in ("function", "parameters", "between"):  # a call cut by max_tokens: never text
             self._at = len(self._buffer)
             return []

@@ -18,7 +18,7 @@ def _turn(store: ResponseStore, n: int, previous: str | None, tools: list[dict[s
     response_id = f"resp_{chain}{n}"
     asked = [{"type": "message", "role": "user", "content": f"question {n} " * 20}]
     answered = [{"id": f"msg_{chain}{n}", "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": f"answer {n} " * 20}]}]
-    store.put({"id": response_id, "object": "response", "tools": tools, "output": answered}, asked, answered, previous)
+    store.put({"id": response_id, "object": "response", "tools": tools, "instructions": "You are a coding agent. " * 400, "output": answered}, asked, previous)
     return response_id
 
 
@@ -31,25 +31,28 @@ def test_a_50_turn_chain_holds_each_item_once(tmp_path: Path) -> None:
         previous = _turn(store, n, previous)
         sizes.append(store.size())
     per_turn = [b - a for a, b in zip(sizes, sizes[1:])]
-    assert max(per_turn) - min(per_turn) < 100 and max(per_turn) < 2_000 and sizes[0] > len(json.dumps(TOOLS))  # linear: a turn's items, the tools once
+    assert max(per_turn) - min(per_turn) < 100 and max(per_turn) < 2_000 and sizes[0] > len(json.dumps(TOOLS)) + 9_000  # linear: a turn's items; tools, instructions once
     found = store.get(previous or "")
     assert found is not None
     response, conversation = found
-    assert response["tools"] == TOOLS and len(conversation) == 100
+    assert response["tools"] == TOOLS and response["instructions"].startswith("You are") and len(conversation) == 100
     assert [item["content"] if isinstance(item["content"], str) else item["content"][0]["text"] for item in conversation[:2]] == ["question 0 " * 20, "answer 0 " * 20]
     assert store.input_items(previous or "") == conversation[:-1]
     assert store.input_items("resp_a0") == [{"type": "message", "role": "user", "content": "question 0 " * 20}]
 
 
 def test_the_cap_drops_the_least_recently_used_and_keeps_a_chain_in_use_whole(tmp_path: Path) -> None:
-    store = ResponseStore(str(tmp_path / "r.sqlite3"), retention_s=3600, max_bytes=12_000)
+    store = ResponseStore(str(tmp_path / "r.sqlite3"), retention_s=3600, max_bytes=17_600)
     old = _turn(store, 0, None, tools=[], chain="old")
     previous = _turn(store, 0, None, tools=[], chain="a")
-    for n in range(1, 13):  # 13 turns fit; with the other conversation they do not
+    for n in range(1, 13):  # 13 turns and the instructions fit; with the other conversation they do not
         previous = _turn(store, n, previous, tools=[], chain="a")
-        assert store.size() <= 12_000
+        assert store.size() <= 17_600
         assert store.get(previous) is not None and len(store.get(previous)[1]) == 2 * (n + 1)  # type: ignore[index]
     assert store.get(old) is None  # the other conversation, unused since, went first
+    for n in range(13, 20):  # past the cap with the chain alone: it stays whole (and over the cap), its newest too
+        previous = _turn(store, n, previous, tools=[], chain="a")
+        assert store.get(previous) is not None and len(store.get(previous)[1]) == 2 * (n + 1)  # type: ignore[index]
 
 
 def test_a_deleted_response_is_gone_but_a_later_chain_through_it_is_whole(tmp_path: Path) -> None:
@@ -59,6 +62,7 @@ def test_a_deleted_response_is_gone_but_a_later_chain_through_it_is_whole(tmp_pa
     assert store.delete(first) and not store.delete(first) and store.get(first) is None
     assert store.get(second) is not None and len(store.get(second)[1]) == 4  # type: ignore[index]
     assert store.delete(second) and store.get(second) is None
+    assert store.size() < 100  # neither is held for a chain any more: both gone, and their tools and instructions
 
 
 def test_the_file_and_its_folder_are_the_users_alone(tmp_path: Path) -> None:

@@ -190,7 +190,12 @@ async def test_the_store_chains_turns_and_answers_get_and_delete(gateway: Gatewa
 
 
 @pytest.mark.parametrize("extra, param, contains", [
-    ({"frequency_penalty": 1}, "frequency_penalty", "not supported"),
+    ({"frequency_penalty": 1}, "frequency_penalty", "/v1/chat/completions takes it"),
+    ({"max_tokens": 50}, "max_tokens", "use max_output_tokens"),  # chat's own fields would change the answer: never passed over
+    ({"response_format": {"type": "json_object"}}, "response_format", "use text.format"),
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "f"}}, "tools.1", "two tools"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.output.0.type", "text models"),
+    ({"tools": [{"type": "custom", "name": "p", "format": {"type": "grammar", "syntax": "regex", "definition": "a)|(b"}}]}, "tools.0.format.definition", "never opened"),
     ({"background": True}, "background", "background"),
     ({"truncation": "auto"}, "truncation", "truncation"),
     ({"include": ["message.output_text.logprobs"]}, "include.0", "not supported"),
@@ -203,7 +208,6 @@ async def test_the_store_chains_turns_and_answers_get_and_delete(gateway: Gatewa
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "send the item itself"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input.0.content.0.type", "text models"),
-    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "colour": 1}]}]}, "input.0.content.0.colour", "Extra inputs"),
     ({"input": None}, "input", "input is required"),
     ({"max_output_tokens": 100_000}, "max_output_tokens", "max_output_tokens"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "wat"}}}}], "tool_choice": "required"}, "tools.0.parameters", ""),
@@ -293,8 +297,8 @@ def _call(index: int, name: str, arguments: str, size: int = 7) -> list[list[dic
 
 def test_a_freeform_tool_is_a_function_of_one_string_held_to_its_grammar() -> None:
     """Issue 75: a custom tool (a coding agent's apply_patch) was a 400. It is offered as a function whose one string
-    parameter carries the tool's Lark grammar as its pattern; its call is a custom_tool_call item whose input streams
-    decoded, and sent back (with its output) it is the same call again."""
+    parameter carries the tool's Lark grammar as its pattern; its call is a custom_tool_call item sent whole once its input
+    is (cut, it is never sent), and sent back (with its output) it is the same call again."""
     translated = to_chat(ResponsesRequest.model_validate({**BASE, "input": "Add hello.txt", "tools": [APPLY_PATCH]}), None)
     [function] = [t.function for t in translated.chat.tools or []]
     assert function.name == "apply_patch" and (function.parameters or {})["required"] == ["input"]
@@ -308,6 +312,8 @@ def test_a_freeform_tool_is_a_function_of_one_string_held_to_its_grammar() -> No
     check(item, "CustomToolCall")
     assert "".join(e["delta"] for e in stream if e["type"] == "response.custom_tool_call_input.delta") == A_PATCH
     assert [e["input"] for e in stream if e["type"] == "response.custom_tool_call_input.done"] == [A_PATCH]
+    _, cut = _built({"input": "Add hello.txt", "tools": [APPLY_PATCH]}, _call(0, "apply_patch", arguments[:-12]), reason="length")
+    assert all(e.get("item", {}).get("type") != "custom_tool_call" for e in cut)  # a cut input is often a valid one: never sent, or a client would run it
     later = {"input": [*builder.conversation(), {"type": "custom_tool_call_output", "call_id": "call_0", "output": "Done!"}], "tools": [APPLY_PATCH]}
     messages = to_chat(ResponsesRequest.model_validate({**BASE, **later}), None).chat.chat_messages()
     assert messages[-2]["tool_calls"][0]["function"] == {"name": "apply_patch", "arguments": arguments}
@@ -363,12 +369,18 @@ def test_namespaces_keep_tools_of_one_name_apart_and_a_turn_stays_one() -> None:
     assert [c["function"]["name"] for c in turn["tool_calls"]] == ["code__search", "docs__search"]
 
 
-async def test_hints_and_newer_fields_are_passed_over(client: httpx.AsyncClient) -> None:
-    """Issue 75: reasoning.context / mode, effort "max", prompt_cache_options and fields newer than this gateway were 400s."""
-    body = {**BASE, "input": "Hi", "reasoning": {"effort": "max", "context": "all", "mode": "fast"}, "prompt_cache_options": {"ttl": "1h"},
-            "omit_null_encrypted_content": True, "some_future_field": {"a": 1}}
-    resp = await client.post("/v1/responses", json=body)
+async def test_hints_and_newer_fields_are_passed_over(gateway: Gateway) -> None:
+    """Issue 75: reasoning.context / mode, effort "max", prompt_cache_options, fields newer than this gateway (at the top,
+    in items and parts, in tools) were 400s. A shell in OpenAI's container is hosted: left out, with a warning."""
+    newer_items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi", "colour": 1}], "end_turn": True}]
+    body = {**BASE, "input": newer_items, "reasoning": {"effort": "max", "context": "all", "mode": "fast"}, "prompt_cache_options": {"ttl": "1h"},
+            "omit_null_encrypted_content": True, "some_future_field": {"a": 1},
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "output_schema": {"type": "string"}, "allowed_callers": ["x"]},
+                      {"type": "shell", "environment": {"type": "container_auto"}}]}
+    async with gateway(limits={"max_tokens": 64, "max_prompt_tokens": 400}) as client:
+        resp = await client.post("/v1/responses", json=body)
     assert resp.status_code == 200, resp.text
+    assert resp.json()["warnings"] == ["tools[1]: shell runs in a hosted environment here, which this gateway does not run: it was left out of the prompt"]
 
 
 def test_every_item_a_conversation_holds_is_listed_in_openais_shape() -> None:
@@ -388,5 +400,6 @@ def test_every_item_a_conversation_holds_is_listed_in_openais_shape() -> None:
     ]
     page = item_page("resp_1", items, 100, "asc", None)
     check(page, "ResponseItemList")
-    assert len({item["id"] for item in page["data"]}) == len(items) - 1  # a local shell call and its output share an id (the output names its call by it)
-    assert item_page("resp_1", items, 3, "asc", page["data"][-4]["id"])["data"] == page["data"][-3:]
+    assert len({item["id"] for item in page["data"]}) == len(items)  # a local shell call's output shares its call's id: listed apart
+    for at in range(len(items) - 1):  # a cursor at each place goes on from there
+        assert item_page("resp_1", items, 3, "asc", page["data"][at]["id"])["data"] == page["data"][at + 1 : at + 4]

@@ -115,8 +115,9 @@ def test_stop_strings_do_not_cut_what_a_schema_writes(tokenizer: Any) -> None:
 
 def test_a_call_cut_by_max_tokens_is_reported_as_it_is(tokenizer: Any) -> None:
     """Issue 46: the text of an answer cut inside a call was lost; now the partial call comes
-    with finish_reason length, and a cut before the call's name is the text itself."""
+    with finish_reason length. Issue 75: a cut before the call's name is not text either (it was
+    its JSON, as content): nothing."""
     deltas, finish = _read_all(ChoiceText(tokenizer, [], tools=ToolOutput(), grammar=True), tokenizer, '{"tool_calls":[{"name":"get_weather","arguments":{"ci', "length")
     assert finish == "length" and message_of(deltas)["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
     deltas, finish = _read_all(ChoiceText(tokenizer, [], tools=ToolOutput(), grammar=True), tokenizer, '{"tool_calls":[{"na', "length")
-    assert finish == "length" and message_of(deltas) == {"role": "assistant", "content": '{"tool_calls":[{"na', "refusal": None}
+    assert finish == "length" and message_of(deltas) == {"role": "assistant", "content": "", "refusal": None}

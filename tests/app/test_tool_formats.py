@@ -205,10 +205,15 @@ def test_a_template_that_needs_roles_to_alternate_gets_them_merged(builtin_llama
     with pytest.raises(Exception, match="alternate"):
         tokenizer.apply_chat_template(agent, chat_template=template(MISTRAL_ARGS), tokenize=False)
     merged = MISTRAL_ARGS.template_messages(agent)
-    assert [m["role"] for m in merged] == ["system", "user", "assistant", "tool", "user"]
+    assert [m["role"] for m in merged] == ["system", "user", "assistant", "assistant", "tool", "user"]  # a text and then calls: counted apart
     text = tokenizer.apply_chat_template(merged, chat_template=template(MISTRAL_ARGS), tokenize=False)
     assert "[SYSTEM_PROMPT]You are a coding agent.\n\nSandbox: workspace-write.[/SYSTEM_PROMPT]" in text
-    assert "[INST]<environment_context>\n\nFix the bug.[/INST]Looking.[TOOL_CALLS]get_weather[ARGS]" in text
+    assert f"[INST]<environment_context>\n\nFix the bug.[/INST]Looking.{tokenizer.eos_token}[TOOL_CALLS]get_weather[ARGS]" in text
+    answered = [*agent[:-1], {"role": "assistant", "content": "Done."}, {"role": "assistant", "content": "All good."}, {"role": "user", "content": "Thanks."}]
+    with pytest.raises(Exception, match="alternate"):
+        tokenizer.apply_chat_template(answered, chat_template=template(MISTRAL_ARGS), tokenize=False)
+    assert f"[TOOL_RESULTS]ok[/TOOL_RESULTS]Done.\n\nAll good.{tokenizer.eos_token}[INST]Thanks.[/INST]" in tokenizer.apply_chat_template(
+        MISTRAL_ARGS.template_messages(answered), chat_template=template(MISTRAL_ARGS), tokenize=False)
     assert [m["role"] for m in HERMES.template_messages(agent)] == [m["role"] for m in agent]  # a template that takes them as they are
 
 
@@ -216,3 +221,40 @@ def test_a_tool_format_by_name_is_a_registered_one() -> None:
     assert by_name("qwen3_coder") is QWEN3_CODER
     with pytest.raises(ConfigError, match="qwen3_coder, hermes, llama3_json, mistral_args, mistral, generic"):
         by_name("hermes2")
+
+
+def test_qwen3_coder_holds_each_parameter_as_the_reader_reads_it(grammars: Grammars, builtin_llama_shared: ModelRunner) -> None:
+    """What the counter-example hunt found (issue 75): a value ends at its first closing tag in the grammar as in the
+    reader (a string with a minimum length once let a second parameter in), a string's pattern and a freeform tool's
+    grammar hold its text, a choice is written and read as the template writes it."""
+    tokenizer, eos = builtin_llama_shared.tokenizer, builtin_llama_shared.info.eos_ids[0]
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "minLength": 1, "maxLength": 12}, "mode": {"type": "string", "const": "fast"}, "n": {"enum": [1, 2]},
+        "patch": {"type": "string", "x-freeform": {"syntax": "regex", "definition": "[a-z]+/[0-9]"}}}, "required": ["city"]}
+    source = QWEN3_CODER.grammar([Tool("f", "", schema)], required=True, parallel=False, markers=Markers())
+
+    def text(*params: tuple[str, str]) -> str:
+        return "<tool_call>\n<function=f>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params) + "</function>\n</tool_call>"
+
+    def walk(answer: str) -> bool:
+        matcher = grammars.compile(GrammarSpec(GrammarKind.GRAMMAR, source)).matcher()
+        return all(matcher.consume(t) for t in tokenizer.encode(answer)) and bool(matcher.allowed()[eos])
+
+    good = text(("city", "Paris"), ("mode", "fast"), ("n", "2"), ("patch", "ab/3"))
+    assert walk(good)
+    for bad in (text(("city", "")), "<tool_call>\n<function=f>\n<parameter=city>\n\n</parameter>\n<parameter=evil>\nx\n</parameter>\n</function>\n</tool_call>",
+                text(("city", "Paris"), ("mode", '"fast"')), text(("city", "Paris"), ("n", "7")), text(("city", "Paris"), ("patch", "ab3"))):
+        assert not walk(bad), bad
+    qwen = QWEN3_CODER.reader(Markers(), {"f": schema})
+    qwen.push(good)
+    qwen.flush()
+    assert json.loads(qwen.calls[0].arguments) == {"city": "Paris", "mode": "fast", "n": 2, "patch": "ab/3"}
+
+
+def test_a_marker_spelled_out_or_cut_is_never_a_call_or_text_of_one() -> None:
+    llama = reader(LLAMA3)  # <|python_tag|> is no special token here: spelled out, it is free text, not a call's lead
+    message = message_of(llama.push('<|python_tag|>{"name": "launch", "parameters": {}}') + llama.flush())
+    assert "tool_calls" not in message and message["content"].startswith("<|python_tag|>")
+    for fmt, cut in [(HERMES, "Let me check. <tool_ca"), (MISTRAL, "Let me check. [TOOL_"), (MISTRAL_ARGS, "Let me check. [TOOL_"), (QWEN3_CODER, "Let me check. <tool_")]:
+        cut_reader = reader(fmt)
+        assert message_of(cut_reader.push(cut) + cut_reader.flush(cut=True))["content"] == "Let me check. ", fmt.name

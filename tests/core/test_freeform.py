@@ -28,8 +28,24 @@ def test_each_construct_means_what_lark_means(text: str, matches: bool) -> None:
     assert bool(re.fullmatch(freeform_pattern("lark", GRAMMAR), text)) is matches
 
 
-def test_a_regex_format_is_anchored() -> None:
+def test_a_regex_format_is_anchored_and_cannot_break_out_of_its_group() -> None:
     assert re.fullmatch(freeform_pattern("regex", r"\d+"), "42") and not re.fullmatch(freeform_pattern("regex", r"\d+"), "a42")
+    for broken in ("a)|(b", "(a", "[a"):
+        with pytest.raises(GrammarError):
+            freeform_pattern("regex", broken)
+    assert re.fullmatch(freeform_pattern("regex", r"[)(]\("), ")(")  # brackets in a class and escaped are themselves
+
+
+@pytest.mark.parametrize("grammar, text, matches", [
+    ('start: "-"?DIGIT+\n%import common.DIGIT', "12", True),  # "?" right before a name applies to what precedes it
+    ('start: SIGN?INT\nSIGN: "+" | "-"\n%import common.INT', "7", True),
+    ('?start: "x"', "x", True),  # "?" before a definition's name shapes Lark's tree, nothing else
+    ('start: "\\b"', "\\b", True),  # an escape Lark does not read stays as written
+    ('start: "\\x41\\n"', "A\n", True),
+    ("start: ESCAPED_STRING\n%import common.ESCAPED_STRING", '"a\nb"', False),  # no raw newline inside, as Lark's
+])
+def test_what_the_counter_example_hunt_found_stays_fixed(grammar: str, text: str, matches: bool) -> None:
+    assert bool(re.fullmatch(freeform_pattern("lark", grammar), text)) is matches
 
 
 @pytest.mark.parametrize("grammar, says", [
@@ -41,6 +57,10 @@ def test_a_regex_format_is_anchored() -> None:
     ('start: missing', "does not define"),
     ('start: "x" ]', "where a definition starts"),
     ('start: "x" &', "cannot be read"),
+    ("start: " + "(" * 1200 + '"a"' + ")" * 1200, "nests too deeply"),
+    ('start: r24\nr0: "ab"\n' + "\n".join(f"r{i}: r{i - 1} r{i - 1}" for i in range(1, 25)), "passes 256 KiB"),  # 300 bytes that double 24 times
+    ("start: /a)|(b/", "closes a group it never opened"),
+    ("start: /[ a]+/x", "verbose flag"),
 ])
 def test_what_cannot_be_written_out_is_said(grammar: str, says: str) -> None:
     with pytest.raises(GrammarError, match=re.escape(says)):
