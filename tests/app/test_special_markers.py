@@ -1,7 +1,8 @@
 """Issue 75: where a family's marker is one special token (Mistral's ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``), the
 grammar wrote it as a string: llguidance masked the trained token and made the model spell the marker out of ordinary
 pieces, and the detokenizer skipped special tokens, so the reader never saw it. On the real tokenizers the packages ship
-(tests/tokenizers.py): the grammar allows the marker as its token and never spelled, and the reader reads it by id."""
+(tests/tokenizers.py): the grammar allows the marker as its token and never spelled, and the reader reads it by id.
+Mistral's Tekken in the default run; Llama 3's (8 s more to load) with SPECGATE_FULL_STATISTICS."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from app.text import ChoiceText
 from app.tool_formats import FORMATS, Markers
 from app.tools import Tool, message_of
 from core.grammar import GrammarKind, Grammars, GrammarSpec
+from tests.app.helpers import FULL_RUN
 from tests.tokenizers import llama3, tekken
 
 WEATHER = Tool("get_weather", "The weather in a city.", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]})
@@ -75,14 +77,20 @@ def test_the_reader_reads_the_marker_by_its_token(mistral: tuple[Any, Grammars, 
     assert "tool_calls" not in skipped and '"get_weather"' in skipped["content"]
 
 
-@pytest.fixture(scope="module")
-def llama() -> tuple[Any, Grammars]:
+def test_a_lead_marker_that_is_a_special_token_opens_a_call() -> None:
+    """The reader's side of Llama 3's <|python_tag|> (its id given: the real tokenizer is the next test's, in the full run)."""
+    fmt = FORMATS["llama3_json"]
+    markers = Markers({"<|python_tag|>": 128010})
+    reader = fmt.reader(markers, {})
+    message = message_of(reader.push('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}') + reader.flush())
+    assert not message["content"] and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert "<[128010]>? call" in fmt.grammar([WEATHER], required=True, parallel=False, markers=markers)
+
+
+@FULL_RUN
+def test_llama3s_python_tag_is_its_token_before_a_call() -> None:
     tokenizer = llama3()
-    return tokenizer, Grammars(tokenizer, len(tokenizer), [tokenizer.convert_tokens_to_ids("<|eot_id|>")])
-
-
-def test_llama3s_python_tag_is_its_token_before_a_call(llama: tuple[Any, Grammars]) -> None:
-    tokenizer, grammars = llama
+    grammars = Grammars(tokenizer, len(tokenizer), [tokenizer.convert_tokens_to_ids("<|eot_id|>")])
     fmt = FORMATS["llama3_json"]
     markers = Markers.of(tokenizer, fmt.markers)
     tag = markers.ids["<|python_tag|>"]
@@ -98,11 +106,11 @@ def test_llama3s_python_tag_is_its_token_before_a_call(llama: tuple[Any, Grammar
     assert finish == "tool_calls" and not message["content"] and message["tool_calls"][0]["function"]["name"] == "get_weather"
 
 
-def test_thinking_markers_that_are_special_tokens_are_their_tokens(llama: tuple[Any, Grammars]) -> None:
-    """Magistral's [THINK] / [/THINK] are special tokens; the packages ship no tokenizer with them, so two of Llama 3's
-    special tokens stand in: the reasoning ends with the closing token (never its spelling), and is read apart."""
-    tokenizer, grammars = llama
-    thinking = Thinking("<|start_header_id|>", "<|end_header_id|>")
+def test_thinking_markers_that_are_special_tokens_are_their_tokens(mistral: tuple[Any, Grammars, Markers]) -> None:
+    """Magistral's [THINK] / [/THINK] are special tokens; the packages ship no tokenizer with them, so two of Tekken's
+    control tokens stand in: the reasoning ends with the closing token (never its spelling), and is read apart."""
+    tokenizer, grammars, _ = mistral
+    thinking = Thinking("[INST]", "[/INST]")
     markers = Markers.of(tokenizer, (thinking.open, thinking.close))
     opened, closed = markers.ids[thinking.open], markers.ids[thinking.close]
     schema = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})

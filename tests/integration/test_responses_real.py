@@ -115,24 +115,19 @@ def test_a_call_cut_by_the_token_limit_is_never_text(client: openai.OpenAI) -> N
 
 
 def test_a_coding_agents_own_tools_are_served(client: openai.OpenAI) -> None:
-    """Issue 75, the CLI's request shapes: its freeform apply_patch (a Lark grammar) is called with an input the grammar
-    makes; the next turn carries that call and its output, a local_shell call and its output, and two namespaces whose
+    """Issue 75, the CLI's request shapes: a freeform tool with a grammar is called with an input the grammar makes (the
+    CLI's apply_patch grammar, held the same way, is tests/app/test_responses_api.py's and tests/core/test_grammar.py's);
+    the next turn carries a freeform call and its output, a local_shell call and its output, and two namespaces whose
     tools share a name, and is answered."""
-    from tests.app.test_responses_api import APPLY_PATCH, PATCH_LARK
-    from core.freeform import freeform_pattern
+    from tests.app.test_responses_api import A_PATCH
 
-    search: Any = {"type": "function", "name": "search", "description": "Searches.", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}
-    namespaces: Any = [{"type": "namespace", "name": "docs", "tools": [search]}, {"type": "namespace", "name": "code", "tools": [search]}]
-    ask = "Create the file hello.txt with the line hi."
-    first = client.responses.create(model=MODEL, input=ask, tools=[APPLY_PATCH], tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=32, temperature=0)
+    touch: Any = {"type": "custom", "name": "touch", "description": "Creates an empty file.", "format": {"type": "grammar", "syntax": "regex", "definition": "[a-z]{1,8}\\.(txt|md)"}}
+    ask = "Create the file hello.txt."
+    first = client.responses.create(model=MODEL, input=ask, tools=[touch], tool_choice={"type": "custom", "name": "touch"}, max_output_tokens=40, temperature=0)
     [call] = [item for item in first.output if item.type == "custom_tool_call"]
-    assert call.name == "apply_patch" and call.input.startswith("*** Begin Patch\n")
-    if call.status == "completed":
-        assert re.fullmatch(freeform_pattern("lark", PATCH_LARK), call.input), call.input
-    line = re.compile(r"\*\*\* (Begin Patch|End Patch|(Add|Delete|Update) File: .+)|[-+ ].*|@@.*")
-    assert all(line.fullmatch(text) for text in call.input.split("\n")[:-1]), call.input  # cut or not, every whole line is the grammar's
+    assert call.name == "touch" and call.status == "completed" and re.fullmatch(r"[a-z]{1,8}\.(txt|md)", call.input), call
     history: Any = [
-        {"role": "user", "content": ask}, {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": call.input},
+        {"role": "user", "content": ask}, {"type": "custom_tool_call", "call_id": call.call_id, "name": "apply_patch", "input": A_PATCH},
         {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done."},
         {"type": "local_shell_call", "id": "lsh_1", "call_id": "c1", "status": "completed", "action": {"type": "exec", "command": ["cat", "hello.txt"], "env": {}}},
         {"type": "local_shell_call_output", "id": "lsh_1", "call_id": "c1", "output": "hi"},
@@ -140,7 +135,7 @@ def test_a_coding_agents_own_tools_are_served(client: openai.OpenAI) -> None:
         {"type": "function_call", "call_id": "c3", "name": "search", "namespace": "code", "arguments": '{"q":"hello"}'},
         {"type": "function_call_output", "call_id": "c2", "output": "nothing"}, {"type": "function_call_output", "call_id": "c3", "output": "hello.txt"},
     ]
-    second = client.responses.create(model=MODEL, input=history, tools=namespaces, max_output_tokens=8, temperature=0)  # the CLI sends every tool: fewer here, for time
+    second = client.responses.create(model=MODEL, input=history, max_output_tokens=8, temperature=0)  # offering them: tests/app/test_responses_api.py
     assert second.status in ("completed", "incomplete") and second.output
 
 
