@@ -73,31 +73,41 @@ class MessageItem(_Lenient):
         return "".join(p.text if isinstance(p, InputText) else p.refusal if isinstance(p, Refusal) else "" for p in self.content)
 
 
-class FunctionCallItem(_Lenient):
-    """An earlier answer's call, sent back with the conversation."""
+class _Call(_Lenient):
+    """What every call sent back has: the id that its output names, the tool's name and namespace."""
 
-    type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str
-    arguments: str
     namespace: str | None = None
     id: str | None = None
     status: str | None = None
 
 
-class FunctionCallOutputItem(_Lenient):
-    """A call's result."""
+class FunctionCallItem(_Call):
+    """An earlier answer's call, sent back with the conversation."""
 
-    type: Literal["function_call_output"]
+    type: Literal["function_call"]
+    arguments: str
+
+
+class _Output(_Lenient):
+    """A call's result: text, or parts whose text is joined."""
+
     call_id: str = Field(min_length=1)
     output: str | list[ContentPart]
-    namespace: str | None = None
     name: str | None = None
+    namespace: str | None = None
     id: str | None = None
     status: str | None = None
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output if isinstance(p, InputText))
+
+
+class FunctionCallOutputItem(_Output):
+    """A function call's result."""
+
+    type: Literal["function_call_output"]
 
 
 class ReasoningItem(BaseModel):
@@ -114,29 +124,17 @@ class ReasoningItem(BaseModel):
         return "".join(parts) or "\n\n".join(p.get("text", "") for p in self.summary or [] if p.get("type") == "summary_text")
 
 
-class CustomToolCallItem(_Lenient):
+class CustomToolCallItem(_Call):
     """An earlier answer's call of a freeform (custom) tool: its input is one string."""
 
     type: Literal["custom_tool_call"]
-    call_id: str = Field(min_length=1)
-    name: str
     input: str
-    namespace: str | None = None
-    id: str | None = None
-    status: str | None = None
 
 
-class CustomToolCallOutputItem(_Lenient):
+class CustomToolCallOutputItem(_Output):
+    """A freeform tool call's result."""
+
     type: Literal["custom_tool_call_output"]
-    call_id: str = Field(min_length=1)
-    output: str | list[ContentPart]
-    name: str | None = None
-    namespace: str | None = None
-    id: str | None = None
-    status: str | None = None
-
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output if isinstance(p, InputText))
 
 
 class ClientCallItem(BaseModel):

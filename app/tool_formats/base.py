@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from app.tools import Tool, ToolOutput, _arguments
+from app.tools import Tool, ToolOutput, _arguments, _merged
 
 FORMATS: dict[str, ToolFormat] = {}  # every format by name, in the order detection tries them (as llama.cpp's chat code)
 # the JSON as the templates render it (transformers' tojson: json.dumps's separators), compact otherwise
@@ -110,6 +110,52 @@ class ToolFormat:
                 message["name"] = names.get(m["tool_call_id"], "")
             out.append(message)
         return merged_roles(out) if self.merge_roles else out
+
+
+@dataclass
+class SteppedOutput(ToolOutput):
+    """A native format's reader: ``push`` steps (``_step``) while a step moves on in the text or in its state, and
+    ``_content`` takes free text as content."""
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        self._buffer += text
+        deltas: list[dict[str, Any]] = []
+        while self._at < len(self._buffer):
+            before = (self._at, self._state)
+            delta = self._step()
+            if delta:
+                deltas.append(delta)
+            if (self._at, self._state) == before:
+                break  # waits for more text
+        return _merged(deltas)
+
+    def _step(self) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _content(self, size: int) -> dict[str, Any] | None:
+        piece = self._buffer[self._at : self._at + size]
+        self._at += size
+        self.content += piece
+        return {"content": piece} if piece else None
+
+
+def lark_regex(text: str) -> str:
+    """``text`` as a Lark regex's body: escaped, a slash too (it would end the regex)."""
+    return re.escape(text).replace("/", "\\/")
+
+
+def after_trigger(trigger: str, body: str, required: bool, markers: Markers) -> tuple[str, list[str]]:
+    """The start rule of a grammar whose calls (``body``) follow ``trigger``, and the rules it needs: the trigger first when
+    a call is required; else free text that never holds the trigger's spelling, then the trigger (its special token, or
+    its text, found lazily) and the calls."""
+    token = markers.grammar(trigger)
+    if required:
+        return f"start: {token} {body}", []
+    spelled = lark_regex(trigger)
+    free = f"FREE: /(?s:.*)/ & ~/(?s:.*){spelled}(?s:.*)/"
+    if trigger in markers:  # the trigger is a token no text can hold: free text, then the token
+        return f"start: FREE | FREE {token} {body}", [free]
+    return f"start: FREE | prefix {body}", [free, f"prefix[lazy]: /(?s:.*){spelled}/"]
 
 
 def nine_character_id(given: str) -> str:

@@ -4,12 +4,11 @@ v0.3, Llama 3): one grammar and one reader, each family a ``CallStyle``."""
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from app.tool_formats.base import JSON_STYLE, Markers, ToolFormat
-from app.tools import _INVALID, Tool, ToolOutput, _loads, _merged, partial
+from app.tool_formats.base import JSON_STYLE, Markers, SteppedOutput, ToolFormat, after_trigger
+from app.tools import _INVALID, Tool, ToolOutput, _loads, partial
 from core.grammar import strict
 
 
@@ -48,16 +47,9 @@ class JsonCallFormat(ToolFormat):
             lead = f"{markers.grammar(style.lead)}? " if style.lead in markers else ""
             start = f"start: {lead}call" if required else f"start: FREE | {lead}call"
             rules.append(r"FREE: /(?s:.*)/ & ~/\{(?s:.*)/")
-        elif required:
-            start = f"start: {markers.grammar(style.trigger)} {body}"
         else:
-            spelled = _lark_regex(style.trigger)
-            rules.append(f"FREE: /(?s:.*)/ & ~/(?s:.*){spelled}(?s:.*)/")
-            if style.trigger in markers:  # the trigger is a token no text can hold: free text, then the token
-                start = f"start: FREE | FREE {markers.grammar(style.trigger)} {body}"
-            else:
-                start = f"start: FREE | prefix {body}"
-                rules.append(f"prefix[lazy]: /(?s:.*){spelled}/")
+            start, more = after_trigger(style.trigger, body, required, markers)
+            rules += more
         return "\n".join([start, *rules]) + "\n"
 
     def reader(self, markers: Markers, tools: dict[str, dict[str, Any]]) -> ToolOutput:
@@ -65,12 +57,8 @@ class JsonCallFormat(ToolFormat):
         return NativeToolOutput(style=replace(self.style, lead=lead))
 
 
-def _lark_regex(text: str) -> str:
-    return re.escape(text).replace("/", "\\/")  # a slash would end the Lark regex
-
-
 @dataclass
-class NativeToolOutput(ToolOutput):
+class NativeToolOutput(SteppedOutput):
     """Reads an answer in a JSON-call format as it arrives into OpenAI deltas: free text as content, a possible trigger
     held back until it is one (never streamed as text), then each call's name and its arguments as they come."""
 
@@ -79,19 +67,6 @@ class NativeToolOutput(ToolOutput):
     def __post_init__(self) -> None:
         self._name_open = '{"name": "'
         self._args_open = f'", "{self.style.args_key}": '
-
-    def push(self, text: str) -> list[dict[str, Any]]:
-        """As ``ToolOutput.push``, going on while a step moves on in the text or in its state."""
-        self._buffer += text
-        deltas: list[dict[str, Any]] = []
-        while self._at < len(self._buffer):
-            before = (self._at, self._state)
-            delta = self._step()
-            if delta:
-                deltas.append(delta)
-            if (self._at, self._state) == before:
-                break  # waits for more text
-        return _merged(deltas)
 
     @property
     def is_complete(self) -> bool:
@@ -135,12 +110,6 @@ class NativeToolOutput(ToolOutput):
             return delta
         held = partial(rest, trigger)
         return self._content(len(rest) - held)
-
-    def _content(self, size: int) -> dict[str, Any] | None:
-        piece = self._buffer[self._at : self._at + size]
-        self._at += size
-        self.content += piece
-        return {"content": piece} if piece else None
 
     def _after(self, rest: str) -> dict[str, Any] | None:
         """The trigger and what must follow it (a newline, an opening bracket); not a call after all: text, trigger included."""

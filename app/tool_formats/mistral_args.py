@@ -9,9 +9,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from app.tool_formats.base import JSON_STYLE, Markers, ToolFormat, nine_character_id, register
-from app.tool_formats.json_calls import _lark_regex
-from app.tools import _INVALID, Tool, ToolCall, ToolOutput, _loads, _merged, partial
+from app.tool_formats.base import JSON_STYLE, Markers, SteppedOutput, ToolFormat, after_trigger, nine_character_id, register
+from app.tools import _INVALID, Tool, ToolCall, ToolOutput, _loads, partial
 from core.grammar import strict
 
 TRIGGER, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -33,36 +32,17 @@ class MistralArgs(ToolFormat):
         trigger, args = markers.grammar(TRIGGER), markers.grammar(ARGS)
         calls = [f"{json.dumps(t.name)} {args} %json {json.dumps({**strict(t.parameters), 'x-guidance': JSON_STYLE})}" for t in tools]
         body = f"call ({trigger} call)*" if parallel else "call"
-        rules = ["call: " + "\n    | ".join(calls), f"FREE: /(?s:.*)/ & ~/(?s:.*){_lark_regex(TRIGGER)}(?s:.*)/"]
-        if required:
-            start = f"start: {trigger} {body}"
-        elif TRIGGER in markers:
-            start = f"start: FREE | FREE {trigger} {body}"
-        else:
-            start = f"start: FREE | prefix {body}"
-            rules.append(f"prefix[lazy]: /(?s:.*){_lark_regex(TRIGGER)}/")
-        return "\n".join([start, *rules]) + "\n"
+        start, rules = after_trigger(TRIGGER, body, required, markers)
+        return "\n".join([start, "call: " + "\n    | ".join(calls), *rules]) + "\n"
 
     def reader(self, markers: Markers, tools: dict[str, dict[str, Any]]) -> ToolOutput:
         return ArgsToolOutput()
 
 
 @dataclass
-class ArgsToolOutput(ToolOutput):
+class ArgsToolOutput(SteppedOutput):
     """Reads ``text[TOOL_CALLS]name[ARGS]{…}[TOOL_CALLS]…`` as it arrives: the text as content (a piece that may start the
     trigger held back), each call's name once ``[ARGS]`` ends it, its arguments as they come."""
-
-    def push(self, text: str) -> list[dict[str, Any]]:
-        self._buffer += text
-        deltas: list[dict[str, Any]] = []
-        while self._at < len(self._buffer):
-            before = (self._at, self._state)
-            delta = self._step()
-            if delta:
-                deltas.append(delta)
-            if (self._at, self._state) == before:
-                break
-        return _merged(deltas)
 
     @property
     def is_complete(self) -> bool:
@@ -74,10 +54,10 @@ class ArgsToolOutput(ToolOutput):
         if self._state in ("start", "text"):
             at = rest.find(TRIGGER)
             if at >= 0:
-                delta = self._text_piece(at)
+                delta = self._content(at)
                 self._at, self._state = self._at + len(TRIGGER), "name"
                 return delta
-            return self._text_piece(len(rest) - partial(rest, TRIGGER))
+            return self._content(len(rest) - partial(rest, TRIGGER))
         if self._state == "name":
             at = rest.find(ARGS)
             if at < 0:
@@ -95,16 +75,10 @@ class ArgsToolOutput(ToolOutput):
             return None if TRIGGER.startswith(rest) else self._give_up()
         return self._give_up()
 
-    def _text_piece(self, size: int) -> dict[str, Any] | None:
-        piece = self._buffer[self._at : self._at + size]
-        self._at += size
-        self.content += piece
-        return {"content": piece} if piece else None
-
     def flush(self, cut: bool = False) -> list[dict[str, Any]]:
         rest = self._buffer[self._at :]
         if self._state in ("start", "text"):  # held back, a piece that may start the trigger: text, unless cut (it may have been one)
-            return [d for d in [self._text_piece(len(rest) - (partial(rest, TRIGGER) if cut else 0))] if d]
+            return [d for d in [self._content(len(rest) - (partial(rest, TRIGGER) if cut else 0))] if d]
         if cut and self._state in ("name", "arguments", "between"):  # a call cut by max_tokens: never text
             self._at = len(self._buffer)
             return []

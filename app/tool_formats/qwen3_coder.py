@@ -20,9 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.tool_formats.base import JSON_STYLE, Markers, ToolFormat, register
-from app.tool_formats.json_calls import _lark_regex
-from app.tools import _INVALID, Tool, ToolCall, ToolOutput, _loads, _merged, partial
+from app.tool_formats.base import JSON_STYLE, Markers, SteppedOutput, ToolFormat, after_trigger, register
+from app.tools import _INVALID, Tool, ToolCall, ToolOutput, _loads, partial
 from core.freeform import freeform_pattern
 from core.grammar import FREEFORM, strict
 
@@ -57,15 +56,8 @@ class Qwen3Coder(ToolFormat):
                     rules.append(rf"TEXT_{i}_{j}: /(?:{text})\n<\/parameter>\n/ & ~/(?s:.*)\n<\/parameter>\n(?s:.)+/")
                 params.append(f"p_{i}_{j}" + ("" if key in required_names else "?"))
             rules.append(f"fn_{i}: {json.dumps(tool.name + '>' + chr(10))} {' '.join(params)} {json.dumps('</function>' + chr(10))} {closing}")
-        rules.append(f"FREE: /(?s:.*)/ & ~/(?s:.*){_lark_regex(OPEN)}(?s:.*)/")
-        if required:
-            start = f"start: {opening} calls"
-        elif OPEN in markers:
-            start = f"start: FREE | FREE {opening} calls"
-        else:
-            start = "start: FREE | prefix calls"
-            rules.append(f"prefix[lazy]: /(?s:.*){_lark_regex(OPEN)}/")
-        return "\n".join([start, *rules]) + "\n"
+        start, more = after_trigger(OPEN, "calls", required, markers)
+        return "\n".join([start, *rules, *more]) + "\n"
 
     def reader(self, markers: Markers, tools: dict[str, dict[str, Any]]) -> ToolOutput:
         return XmlToolOutput(schemas=tools)
@@ -137,23 +129,11 @@ _PARAM = re.compile(r"<parameter=([^>\n]*)>\n")
 
 
 @dataclass
-class XmlToolOutput(ToolOutput):
+class XmlToolOutput(SteppedOutput):
     """Reads ``text<tool_call>\\n<function=…>…</function>\\n</tool_call>`` as it arrives: text as content (a piece that
     may start the trigger held back), each call's name, then its arguments as JSON, a parameter at a time."""
 
     schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def push(self, text: str) -> list[dict[str, Any]]:
-        self._buffer += text
-        deltas: list[dict[str, Any]] = []
-        while self._at < len(self._buffer):
-            before = (self._at, self._state)
-            delta = self._step()
-            if delta:
-                deltas.append(delta)
-            if (self._at, self._state) == before:
-                break
-        return _merged(deltas)
 
     @property
     def is_complete(self) -> bool:
@@ -165,10 +145,10 @@ class XmlToolOutput(ToolOutput):
         if self._state in ("start", "text"):
             at = rest.find(OPEN)
             if at >= 0:
-                delta = self._text_piece(at)
+                delta = self._content(at)
                 self._at, self._state = self._at + len(OPEN), "function"
                 return delta
-            return self._text_piece(len(rest) - partial(rest, OPEN))
+            return self._content(len(rest) - partial(rest, OPEN))
         if self._state == "function":  # "\n<function=NAME>\n"
             match = re.match(r"\n<function=([^>\n]*)>\n", rest)
             if match is None:
@@ -212,16 +192,10 @@ class XmlToolOutput(ToolOutput):
         call.arguments += piece
         return {"tool_calls": [{"index": call.index, "function": {"arguments": piece}}]}
 
-    def _text_piece(self, size: int) -> dict[str, Any] | None:
-        piece = self._buffer[self._at : self._at + size]
-        self._at += size
-        self.content += piece
-        return {"content": piece} if piece else None
-
     def flush(self, cut: bool = False) -> list[dict[str, Any]]:
         rest = self._buffer[self._at :]
         if self._state in ("start", "text"):  # held back, a piece that may start the trigger: text, unless cut (it may have been one)
-            return [d for d in [self._text_piece(len(rest) - (partial(rest, OPEN) if cut else 0))] if d]
+            return [d for d in [self._content(len(rest) - (partial(rest, OPEN) if cut else 0))] if d]
         if cut and self._state in ("function", "parameters", "between"):  # a call cut by max_tokens: never text
             self._at = len(self._buffer)
             return []
