@@ -205,7 +205,10 @@ class Requests:
             raise ApiError(400, "tools cannot be combined with structured_outputs", "structured_outputs")
         required = choice == "required" or isinstance(choice, NamedToolChoice)
         if fmt is not GENERIC and (body.response_format is None or body.response_format.type == "text"):
-            grammar = fmt.grammar(tools, required, body.parallel_tool_calls, self.markers)
+            try:
+                grammar = fmt.grammar(tools, required, body.parallel_tool_calls, self.markers)
+            except ValueError as exc:  # a parameter's grammar that cannot be held (a freeform one: core.freeform)
+                raise ApiError(400, f"tools: {exc}", "tools") from None
             extra = {"tools": template_tools(tools), "format": fmt}
             return fmt.template_messages(messages), (GrammarSpec(GrammarKind.GRAMMAR, grammar), "tools"), extra
         response = None

@@ -68,22 +68,24 @@ def lark_to_regex(grammar: str) -> str:
 def _check_regex(regex: str, what: str) -> None:
     """A regex whose groups and classes close (so it cannot break out of the group it is put in), in Rust's syntax as
     far as that goes (no verbose mode, whose spaces Rust and Python read apart)."""
-    depth, at, in_class = 0, 0, False
+    depth, at, classes = 0, 0, 0  # classes: how deep in classes (Rust nests them: [a[bc]], [[:alpha:]])
     while at < len(regex):
         ch = regex[at]
         if ch == "\\":
+            if at + 1 == len(regex):
+                raise GrammarError(f"{what} ends in a lone backslash")
             at += 2
             continue
-        if in_class:
-            in_class = ch != "]"
-        elif ch == "[":
-            in_class = True
+        if ch == "[":
+            classes += 1
             at += 1
             if regex[at : at + 1] == "^":
                 at += 1
             if regex[at : at + 1] == "]":  # a ] first in a class is itself
                 at += 1
             continue
+        if classes:
+            classes -= ch == "]"
         elif ch == "(":
             depth += 1
             if re.match(r"\(\?[a-zA-Z-]*x[a-zA-Z-]*[:)]", regex[at:]):
@@ -93,11 +95,11 @@ def _check_regex(regex: str, what: str) -> None:
             if depth < 0:
                 raise GrammarError(f"{what} closes a group it never opened: {regex[:at + 1]!r}")
         at += 1
-    if depth or in_class:
+    if depth or classes:
         raise GrammarError(f"{what} leaves a group or a class open: {regex!r}")
 
 
-_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'"}
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "\\": "\\", '"': '"'}
 
 
 def _literal(token: str) -> str:

@@ -176,10 +176,11 @@ class ResponseBuilder:
         self._open = None
         call = next((c for c in self._calls.values() if c.item is item), None)
         if call is not None and call.offer.kind != "function":  # a freeform or client-run tool's call: its item, whole
-            if status != "completed":
-                return []  # cut short: never shown, so dropped (a client would run it)
+            whole = call.whole_input() if call.offer.kind == "custom" else ""
+            if status != "completed" or whole is None:
+                return []  # cut short (or not a call at all): never shown, so dropped (a client would run it)
             if call.offer.kind == "custom":
-                item["input"] = call.whole_input()
+                item["input"] = whole
             else:
                 item = call.item = call_item(call.offer, item["id"], item["call_id"], call.arguments, status)
             self.output.append(item)
@@ -234,13 +235,13 @@ class _Call:
         self.item, self.offer = item, offer
         self.arguments = ""
 
-    def whole_input(self) -> str:
-        """A freeform call's input: the string its finished arguments hold."""
+    def whole_input(self) -> str | None:
+        """A freeform call's input: the string its finished arguments hold (None where they hold none)."""
         try:
             value = json.loads(self.arguments).get(INPUT)
         except (ValueError, AttributeError):
-            return ""
-        return value if isinstance(value, str) else ""
+            return None
+        return value if isinstance(value, str) else None
 
 
 def _echo_choice(choice: Any) -> Any:

@@ -43,6 +43,7 @@ _SCHEMA = (
     "CREATE TRIGGER blobs_in AFTER INSERT ON blobs BEGIN UPDATE total SET bytes = bytes + LENGTH(NEW.body); END",
     "CREATE TRIGGER blobs_out AFTER DELETE ON blobs BEGIN UPDATE total SET bytes = bytes - LENGTH(OLD.body); END",
 )
+_UNNAMED = "DELETE FROM blobs WHERE digest = ? AND NOT EXISTS (SELECT 1 FROM stored WHERE tools = ? OR instructions = ?)"
 _DROP = ("DROP TABLE IF EXISTS responses", "DROP TABLE IF EXISTS stored", "DROP TABLE IF EXISTS blobs", "DROP TABLE IF EXISTS total")
 _CHAIN = """WITH RECURSIVE chain(id, previous, depth) AS (
     SELECT id, previous, 0 FROM stored WHERE id = ?
@@ -61,6 +62,7 @@ class ResponseStore:
 
     def __init__(self, where: str, retention_s: float, max_bytes: int = 128 * 2**20) -> None:
         self.retention_s, self.max_bytes = retention_s, max_bytes
+        self._warned = False  # the cap's warning, once
         self.where = ":memory:" if where == MEMORY else str(default_path() if where == AUTO else Path(where).expanduser())
         self._lock = threading.Lock()
         try:
@@ -168,17 +170,18 @@ class ResponseStore:
         past the cap with it alone, the store holds it and says so); deleted responses no chain runs through any more; the
         tools and instructions no row names; the freed pages."""
         removed = self._db.execute("DELETE FROM stored WHERE used_at < ?", (now - self.retention_s,)).rowcount
-        over = self._size() - self.max_bytes
-        if over > 0:
-            dropped = 0
-            ordered = "SELECT id, size FROM stored WHERE used_at < ? ORDER BY used_at, created_at DESC"  # a tie: a chain's later responses first
-            for response_id, size in self._db.execute(ordered, (now,)).fetchall():
-                if dropped >= over:
-                    break
+        if self._size() > self.max_bytes:
+            ordered = "SELECT id, tools, instructions FROM stored WHERE used_at < ? ORDER BY used_at, created_at DESC"  # a tie: a chain's later responses first
+            for response_id, *digests in self._db.execute(ordered, (now,)).fetchall():
                 self._db.execute("DELETE FROM stored WHERE id = ?", (response_id,))
-                dropped, removed = dropped + size, removed + 1
-            if dropped < over:
-                log.warning("responses.max_bytes (%d) is smaller than the conversation just stored: it is kept, over the cap", self.max_bytes)
+                for digest in digests:  # what only it named goes with it: the total counts it
+                    self._db.execute(_UNNAMED, (digest, digest, digest))
+                removed += 1
+                if self._size() <= self.max_bytes:
+                    break
+            if self._size() > self.max_bytes and not self._warned:
+                self._warned = True
+                log.warning("responses.max_bytes (%d) is smaller than the conversation in use: it is kept, over the cap", self.max_bytes)
         self._sweep(removed)
 
     def _sweep(self, removed: int) -> None:

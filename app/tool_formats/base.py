@@ -77,6 +77,7 @@ class ToolFormat:
     name: ClassVar[str]
     markers: ClassVar[tuple[str, ...]] = ()
     merge_roles: ClassVar[bool] = False  # the template refuses two user (or assistant) turns in a row, or a system turn past the first
+    text_with_calls: ClassVar[bool] = False  # merging: an assistant's text and the calls after it one message (mistral-common v7+)
 
     def detects(self, template: str) -> bool:
         raise NotImplementedError
@@ -109,7 +110,7 @@ class ToolFormat:
                 message["tool_call_id"] = self.call_id(m["tool_call_id"])
                 message["name"] = names.get(m["tool_call_id"], "")
             out.append(message)
-        return merged_roles(out) if self.merge_roles else out
+        return merged_roles(out, self.text_with_calls) if self.merge_roles else out
 
 
 @dataclass
@@ -163,11 +164,11 @@ def nine_character_id(given: str) -> str:
     return given if re.fullmatch(r"[A-Za-z0-9]{9}", given) else hashlib.sha256(given.encode()).hexdigest()[:9]
 
 
-def merged_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def merged_roles(messages: list[dict[str, Any]], text_with_calls: bool = False) -> list[dict[str, Any]]:
     """Messages as a template that needs roles to alternate takes them, as Mistral's own normaliser (mistral-common) and
     vLLM merge them: every system (and developer) message joined into the first, consecutive user messages joined, and
-    consecutive assistant texts joined (a blank line between; their reasoning too). Calls and results stay as they are:
-    Mistral's templates count an assistant's calls apart from its texts."""
+    consecutive assistant texts joined (a blank line between; their reasoning too). With ``text_with_calls`` (its v7+
+    tokenizers), an assistant's text and the calls after it are one message; v0.3's template counts the calls apart."""
     systems = [m for m in messages if m["role"] == "system"]
     out: list[dict[str, Any]] = []
     if systems:
@@ -176,8 +177,8 @@ def merged_roles(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if message["role"] == "system":
             continue
         last = out[-1] if out and out[-1]["role"] == message["role"] and message["role"] in ("user", "assistant") else None
-        if last is not None and not last.get("tool_calls") and not message.get("tool_calls"):
-            joined = {**message, "content": "\n\n".join(str(t) for t in (last.get("content"), message.get("content")) if t)}
+        if last is not None and not last.get("tool_calls") and (not message.get("tool_calls") or text_with_calls):
+            joined = {**message, "content": "\n\n".join(str(t) for t in (last.get("content"), message.get("content")) if t) or message.get("content")}
             thoughts = [t for t in (last.get("reasoning_content"), message.get("reasoning_content")) if t]
             if thoughts:
                 joined["reasoning_content"] = "\n\n".join(thoughts)

@@ -21,6 +21,7 @@ class MistralArgs(ToolFormat):
     name = "mistral_args"
     markers = (TRIGGER, ARGS)
     merge_roles = True
+    text_with_calls = True
 
     def detects(self, template: str) -> bool:
         return TRIGGER in template and ARGS in template

@@ -75,9 +75,33 @@ def _text_regex(schema: Any) -> str | None:
         low, high = int(schema.get("minLength", 0)), schema.get("maxLength", "")
         return f"(?s:.){{{low},{high}}}" if (low, high) != (0, "") else "(?s:.*)"
     head = "" if pattern.startswith("^") else "(?s:.*)"
-    tail = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
-    body = pattern.removeprefix("^").removesuffix("$") if tail == "" else pattern.removeprefix("^")
+    tail = "" if re.search(r"(?<!\\)(?:\\\\)*\$$", pattern) else "(?s:.*)"
+    body = pattern.removeprefix("^")
+    body = body[:-1] if tail == "" else body
+    if _bare(body):  # an anchor inside, or alternatives the ends would bind apart: not held here (llguidance has no anchors)
+        return "(?s:.*)"
     return head + "(?:" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", body) + ")" + tail  # a slash would end the Lark regex
+
+
+def _bare(regex: str) -> bool:
+    """Whether ``regex`` has an anchor (``^``, ``$``) outside a class, or a ``|`` outside every group and class."""
+    depth, classes, at = 0, 0, 0
+    while at < len(regex):
+        ch = regex[at]
+        if ch == "\\":
+            at += 2
+            continue
+        if classes:
+            classes += (ch == "[") - (ch == "]")
+        elif ch == "[":
+            classes, at = 1, at + (2 if regex[at + 1 : at + 2] in ("]", "^") else 1)
+            continue
+        elif ch in "^$" or (ch == "|" and depth == 0):
+            return True
+        else:
+            depth += (ch == "(") - (ch == ")")
+        at += 1
+    return False
 
 
 def _rendered(value: Any) -> list[str]:

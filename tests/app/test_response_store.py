@@ -73,3 +73,12 @@ def test_the_file_and_its_folder_are_the_users_alone(tmp_path: Path) -> None:
     for journal in where.parent.glob("r.sqlite3-*"):
         assert stat.S_IMODE(journal.stat().st_mode) & 0o077 == 0, journal
     store.close()
+
+
+def test_the_cap_counts_what_a_dropped_response_alone_named(tmp_path: Path) -> None:
+    """A response whose tools or instructions no other names takes them with it: dropping the oldest is enough."""
+    store = ResponseStore(str(tmp_path / "r.sqlite3"), retention_s=3600, max_bytes=30_000)
+    for n in range(3):
+        store.put({"id": f"resp_{n}", "instructions": f"{n} " * 4_500, "output": []}, [], None)
+    store.put({"id": "resp_3", "instructions": "3 " * 4_500, "output": []}, [], None)
+    assert [store.get(f"resp_{n}") is not None for n in range(4)] == [False, True, True, True]

@@ -314,6 +314,8 @@ def test_a_freeform_tool_is_a_function_of_one_string_held_to_its_grammar() -> No
     assert [e["input"] for e in stream if e["type"] == "response.custom_tool_call_input.done"] == [A_PATCH]
     _, cut = _built({"input": "Add hello.txt", "tools": [APPLY_PATCH]}, _call(0, "apply_patch", arguments[:-12]), reason="length")
     assert all(e.get("item", {}).get("type") != "custom_tool_call" for e in cut)  # a cut input is often a valid one: never sent, or a client would run it
+    _, unread = _built({"input": "Add hello.txt", "tools": [APPLY_PATCH]}, _call(0, "apply_patch", '{"input": 5}'))
+    assert all(e.get("item", {}).get("type") != "custom_tool_call" for e in unread)  # no input string: not a call to run
     later = {"input": [*builder.conversation(), {"type": "custom_tool_call_output", "call_id": "call_0", "output": "Done!"}], "tools": [APPLY_PATCH]}
     messages = to_chat(ResponsesRequest.model_validate({**BASE, **later}), None).chat.chat_messages()
     assert messages[-2]["tool_calls"][0]["function"] == {"name": "apply_patch", "arguments": arguments}

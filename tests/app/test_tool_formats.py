@@ -205,10 +205,11 @@ def test_a_template_that_needs_roles_to_alternate_gets_them_merged(builtin_llama
     with pytest.raises(Exception, match="alternate"):
         tokenizer.apply_chat_template(agent, chat_template=template(MISTRAL_ARGS), tokenize=False)
     merged = MISTRAL_ARGS.template_messages(agent)
-    assert [m["role"] for m in merged] == ["system", "user", "assistant", "assistant", "tool", "user"]  # a text and then calls: counted apart
+    assert [m["role"] for m in merged] == ["system", "user", "assistant", "tool", "user"]  # v7+: a text and its calls one message
     text = tokenizer.apply_chat_template(merged, chat_template=template(MISTRAL_ARGS), tokenize=False)
     assert "[SYSTEM_PROMPT]You are a coding agent.\n\nSandbox: workspace-write.[/SYSTEM_PROMPT]" in text
-    assert f"[INST]<environment_context>\n\nFix the bug.[/INST]Looking.{tokenizer.eos_token}[TOOL_CALLS]get_weather[ARGS]" in text
+    assert "[INST]<environment_context>\n\nFix the bug.[/INST]Looking.[TOOL_CALLS]get_weather[ARGS]" in text
+    assert [m["role"] for m in MISTRAL.template_messages(agent)] == ["system", "user", "assistant", "assistant", "tool", "user"]  # v0.3 counts them apart
     answered = [*agent[:-1], {"role": "assistant", "content": "Done."}, {"role": "assistant", "content": "All good."}, {"role": "user", "content": "Thanks."}]
     with pytest.raises(Exception, match="alternate"):
         tokenizer.apply_chat_template(answered, chat_template=template(MISTRAL_ARGS), tokenize=False)
@@ -258,3 +259,13 @@ def test_a_marker_spelled_out_or_cut_is_never_a_call_or_text_of_one() -> None:
     for fmt, cut in [(HERMES, "Let me check. <tool_ca"), (MISTRAL, "Let me check. [TOOL_"), (MISTRAL_ARGS, "Let me check. [TOOL_"), (QWEN3_CODER, "Let me check. <tool_")]:
         cut_reader = reader(fmt)
         assert message_of(cut_reader.push(cut) + cut_reader.flush(cut=True))["content"] == "Let me check. ", fmt.name
+
+
+@pytest.mark.parametrize("pattern, held", [
+    ("^[a-z]+$", "(?:[a-z]+)"), ("abc", "(?s:.*)(?:abc)(?s:.*)"), ("^(a|b)$", "(?:(a|b))"), ("^x/y$", "(?:x\\/y)"),
+    ("^a$|^b$", "(?s:.*)"), ("^a|b$", "(?s:.*)"),  # anchors inside, or alternatives the ends bind apart: not held, never a 400
+])
+def test_a_qwen3_coder_string_pattern_is_held_where_llguidance_can_hold_it(pattern: str, held: str) -> None:
+    from app.tool_formats.qwen3_coder import _text_regex
+
+    assert _text_regex({"type": "string", "pattern": pattern}) == held

@@ -30,7 +30,7 @@ def test_each_construct_means_what_lark_means(text: str, matches: bool) -> None:
 
 def test_a_regex_format_is_anchored_and_cannot_break_out_of_its_group() -> None:
     assert re.fullmatch(freeform_pattern("regex", r"\d+"), "42") and not re.fullmatch(freeform_pattern("regex", r"\d+"), "a42")
-    for broken in ("a)|(b", "(a", "[a"):
+    for broken in ("a)|(b", "(a", "[a", "[[a](])|(b[[c])]", "[[x](]a)|b\\"):  # the last two: nested classes, a lone backslash
         with pytest.raises(GrammarError):
             freeform_pattern("regex", broken)
     assert re.fullmatch(freeform_pattern("regex", r"[)(]\("), ")(")  # brackets in a class and escaped are themselves
@@ -61,6 +61,7 @@ def test_what_the_counter_example_hunt_found_stays_fixed(grammar: str, text: str
     ('start: r24\nr0: "ab"\n' + "\n".join(f"r{i}: r{i - 1} r{i - 1}" for i in range(1, 25)), "passes 256 KiB"),  # 300 bytes that double 24 times
     ("start: /a)|(b/", "closes a group it never opened"),
     ("start: /[ a]+/x", "verbose flag"),
+    ("start: /[[a](][[a](]))|((b[[c])][[c])]/", "closes a group"),  # Rust nests classes: those parens are outside them
 ])
 def test_what_cannot_be_written_out_is_said(grammar: str, says: str) -> None:
     with pytest.raises(GrammarError, match=re.escape(says)):
