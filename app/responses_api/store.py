@@ -67,8 +67,10 @@ class ResponseStore:
         self._lock = threading.Lock()
         try:
             if self.where != ":memory:":
-                _private_file(Path(self.where))
+                _private_folder(Path(self.where).parent)
             self._db = sqlite3.connect(self.where, check_same_thread=False, timeout=10, isolation_level=None)
+            if self.where != ":memory:":  # before the journal files exist: they take the file's mode
+                os.chmod(self.where, 0o600)
             self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # takes effect on a new file: freed pages go back at the vacuum after a cleanup
             self._db.execute("PRAGMA secure_delete=ON")  # a deleted response's text is overwritten, not left in free pages
             if self.where != ":memory:":
@@ -194,10 +196,11 @@ class ResponseStore:
             self._db.execute("PRAGMA incremental_vacuum")
 
 
-def _private_file(path: Path) -> None:
-    """``path``'s folder made 0700 (when the store makes it) and the file created 0600: SQLite's journal files take the
-    file's mode."""
-    if not path.parent.exists():
-        path.parent.mkdir(parents=True, mode=0o700)
-    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-    os.chmod(path, 0o600)
+def _private_folder(folder: Path) -> None:
+    """``folder`` made 0700 where the store makes it. The file is made 0600 by chmod once SQLite has created it: never
+    by opening it here, because closing any descriptor of a database file drops the locks SQLite's connections in this
+    process hold on it (POSIX advisory locks), and another gateway's connection in this process would corrupt it."""
+    try:
+        folder.mkdir(parents=True, mode=0o700)
+    except FileExistsError:
+        pass

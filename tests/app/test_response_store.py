@@ -5,7 +5,9 @@ whole, a deletion keeps what a later chain runs through, and the file is the use
 from __future__ import annotations
 
 import json
+import multiprocessing
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +84,35 @@ def test_the_cap_counts_what_a_dropped_response_alone_named(tmp_path: Path) -> N
         store.put({"id": f"resp_{n}", "instructions": f"{n} " * 4_500, "output": []}, [], None)
     store.put({"id": "resp_3", "instructions": "3 " * 4_500, "output": []}, [], None)
     assert [store.get(f"resp_{n}") is not None for n in range(4)] == [False, True, True, True]
+
+
+def _gateways(where: str, process: int) -> list[str]:
+    """Three gateways of one process opening, writing and closing one store file, side by side: the errors they met."""
+    errors: list[str] = []
+
+    def gateway(n: int) -> None:
+        for turn in range(10):
+            try:
+                store = ResponseStore(where, retention_s=3600)
+                store.put({"id": f"resp_{process}_{n}_{turn}", "output": []}, [], None)
+                store.close()
+            except Exception as exc:  # noqa: BLE001 - each error is the finding
+                errors.append(repr(exc))
+
+    threads = [threading.Thread(target=gateway, args=(n,)) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
+
+
+def test_gateways_in_processes_share_a_file_without_breaking_it(tmp_path: Path) -> None:
+    """Opening a store once closed a descriptor of the database file to set its mode, which drops the locks the other
+    connections of its process hold on it (POSIX), so another process wrote under them: "disk I/O error", then
+    "database disk image is malformed"."""
+    where = str(tmp_path / "shared" / "r.sqlite3")
+    with multiprocessing.get_context("fork").Pool(3) as pool:
+        errors = [e for found in pool.starmap(_gateways, [(where, p) for p in range(3)]) for e in found]
+    assert errors == []
+    assert ResponseStore(where, retention_s=3600).get("resp_2_2_9") is not None
