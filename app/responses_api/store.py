@@ -29,13 +29,14 @@ MEMORY = "memory"
 NONE = "none"
 AUTO = "auto"
 
-VERSION = 2  # PRAGMA user_version of the layout below: a file of another version is laid out again (its responses dropped)
+VERSION = 3  # PRAGMA user_version of the layout below: a file of another version is laid out again (its responses dropped)
 _SCHEMA = (
     "CREATE TABLE blobs (digest TEXT PRIMARY KEY, body TEXT NOT NULL)",
     "CREATE TABLE stored (id TEXT PRIMARY KEY, previous TEXT, created_at REAL NOT NULL, used_at REAL NOT NULL, deleted INTEGER NOT NULL DEFAULT 0,"
     " response TEXT NOT NULL, tools TEXT, instructions TEXT, input TEXT NOT NULL, size INTEGER NOT NULL)",
     "CREATE INDEX stored_used_at ON stored (used_at)",
     "CREATE INDEX stored_previous ON stored (previous)",
+    "CREATE INDEX stored_deleted ON stored (id) WHERE deleted = 1",  # the sweep after each write reads only the deleted
     "CREATE TABLE total (bytes INTEGER NOT NULL)",  # what the rows and the blobs take, kept by the triggers: no scan a write
     "INSERT INTO total VALUES (0)",
     "CREATE TRIGGER stored_in AFTER INSERT ON stored BEGIN UPDATE total SET bytes = bytes + NEW.size; END",
