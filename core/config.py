@@ -35,7 +35,7 @@ class DraftConfig(BaseModel):
     tokenizer: str | None = None  # model none: whose tokenizer the gateway uses (a --model value; default builtin)
     backend: Backend = Backend.LLAMA_CPP  # model runner of the draft
     memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of the draft, all sessions
-    threads: int | None = Field(default=None, gt=0)  # CPU threads; None = every core (serve splits them)
+    threads: int | None = Field(default=None, gt=0)  # CPU threads; None = every core this process may use: its affinity, within its cgroup's CPU quota (serve splits them)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the draft runs (auto = cuda if present)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: the draft's dtype (auto = bfloat16 on a GPU)
     forward: Literal["auto", "hf", "static"] = "auto"  # transformers: the draft's forward, as a worker's --forward (auto = the static forward with CUDA graphs on a GPU)

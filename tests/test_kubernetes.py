@@ -238,6 +238,27 @@ def test_pods_run_locked_down(overlay: str) -> None:
             assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["labelSelector"]["matchLabels"].items() <= labels.items()
 
 
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_every_specgate_process_sizes_its_threads_from_its_own_cpu(overlay: str) -> None:
+    """Issue 76: threads came from the affinity, which in a pod is the whole node unless the kubelet pins CPUs, and the gpu
+    overlay dropped --threads: a pod that requests 4 CPUs ran torch with 100+ threads. Each process that runs a model
+    passes its threads (within its CPU request), or has a CPU limit (core.cores reads the cgroup quota)."""
+    resources = render(overlay)
+    config = parse_config(yaml.safe_load(one(resources, "ConfigMap", "specgate-gateway")["data"]["config.yaml"]), overlay)
+    for workload in workloads(resources):
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            if not is_specgate(container):
+                continue
+            resources_ = container.get("resources", {})
+            request, limited = _quantity(resources_.get("requests", {}).get("cpu", "0")), "cpu" in resources_.get("limits", {})
+            line = " ".join([*container.get("command", []), *map(str, container.get("args", []))])
+            threads = [int(t) for t in re.findall(r"--threads[ =]+\"?(\d+)", line)]
+            if container["args"][0] == "gateway":
+                threads = [config.draft.threads] if config.draft.threads else []
+            name = f"{workload['metadata']['name']}/{container['name']}"
+            assert limited or (threads and threads[0] <= max(1, int(request))), f"{name}: threads {threads or 'unset'}, cpu request {request}"
+
+
 def test_no_secret_ships_and_an_empty_key_is_refused() -> None:
     """`SPECGATE_API_KEY=` shipped empty switched client authentication off without a word. The repository ships an example
     (no empty value) and ignores secrets.env: without the user's, an overlay does not render, so nothing deploys on the

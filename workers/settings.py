@@ -32,7 +32,7 @@ class WorkerSettings(BaseSettings):
     prefill_chunk: int | None = Field(default=None, gt=0)  # a long prompt's tokens per scheduler step, in the steps other calls leave free and one in four beside them (chunked prefill); None = 16 on llama.cpp, max_batch_tokens on transformers
     long_decode: Literal["auto", "one-thread", "pad-stream"] = "auto"  # llama.cpp: how a long session's decode of one token keeps its bits (docs/design.md §10): on one thread, or beside a throwaway token in a neighbouring stream; auto = one-thread up to 2 threads, pad-stream from 3
     decode_ahead: bool = False  # on the CPU, while idle: an autoregressive answer's token decoded before its session's next call carries it (a gateway across a link: its round trip hides the decode; on the gateway's own machine it takes the cores the answer crosses HTTP on)
-    threads: int | None = Field(default=None, gt=0)  # CPU threads of the model; None = every core
+    threads: int | None = Field(default=None, gt=0)  # CPU threads of the model; None = every core this process may use: its affinity, within its cgroup's CPU quota (a container's --cpus, a pod's CPU limit)
     device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the model runs (auto = cuda if present); llama.cpp: the CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: model dtype (auto = bfloat16 on a GPU, float32 on the CPU); probabilities are fp32 always
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # share of the GPU's memory for the model and its KV slots
