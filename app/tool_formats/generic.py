@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.tool_formats.base import Markers, ToolFormat, register
-from app.tools import Tool, ToolOutput, generic_schema
+from app.tools import Tool, ToolOutput
 
 
 @register
@@ -18,10 +18,7 @@ class Generic(ToolFormat):
         return False
 
     def grammar(self, tools: list[Tool], required: bool, parallel: bool, markers: Markers) -> str:
-        raise TypeError("the generic format's grammar is a JSON schema: app.tools.generic_schema")
-
-    def schema(self, tools: list[Tool], required: bool, parallel: bool, response: dict[str, Any] | None = None) -> dict[str, Any]:
-        return generic_schema(tools, required, parallel, response)
+        raise TypeError("the generic format's grammar is a JSON schema: app.tools.generic_schema (app.requests builds it)")
 
     def reader(self, markers: Markers, tools: dict[str, dict[str, Any]]) -> ToolOutput:
         return ToolOutput()  # with a response_format beside the tools: ToolOutput(raw_response=True) (app.service)
