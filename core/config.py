@@ -297,7 +297,9 @@ class SpecgateConfig(BaseSettings):
     health: HealthConfig = HealthConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     responses: ResponsesConfig = ResponsesConfig()
-    api_key: str | None = None  # clients must send it as a bearer token (env SPECGATE_API_KEY)
+    api_key: str | None = None  # clients must send it as a bearer token (env SPECGATE_API_KEY); required where the gateway binds an address other hosts reach, unless allow_no_api_key
+    allow_no_api_key: bool = False  # serve /v1/* without a key on an address other hosts reach (env SPECGATE_ALLOW_NO_API_KEY): an explicit choice, never the result of a missing secret
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)  # a second port that alone answers /metrics and /health/ready (Prometheus, humans); None = both on the API port
     worker_token: str | None = None  # sent to every worker as a bearer token (env SPECGATE_WORKER_TOKEN)
 
     @field_validator("api_key", "worker_token")

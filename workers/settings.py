@@ -43,7 +43,8 @@ class WorkerSettings(BaseSettings):
     link_rtt_ms: float = Field(default=0.0, ge=0)  # a stage's link to the next stage, emulated: rtt/2 before each call
     link_mbps: float = Field(default=0.0, ge=0)  # ... and bytes·8/rate (0 = no limit)
     stage_wait_s: float = Field(default=30.0, gt=0)  # a stage waits this long for a session's earlier message before answering 409
-    token: str | None = None  # SPECGATE_WORKER_TOKEN: /v1/* requires 'Authorization: Bearer <token>'
+    token: str | None = None  # SPECGATE_WORKER_TOKEN: /v1/* requires 'Authorization: Bearer <token>'; required where the worker binds an address other hosts reach, unless allow_no_token
+    allow_no_token: bool = False  # SPECGATE_WORKER_ALLOW_NO_TOKEN: serve /v1/* without a token on an address other hosts reach (an explicit choice)
     drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, its sessions get this long (it exits once none is left)
     instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex)  # /health reports it: `serve` checks it started what answers
     restarts: int = Field(default=0, ge=0)  # how many times `serve` restarted this worker after it died (its /metrics reports it)
