@@ -12,7 +12,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", default=None, help="YAML config (default: the built-in one, workers on 127.0.0.1:8101/8102)")
     parser.add_argument("--host", default=None, help="address to bind (default: the config's, 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="port to bind (default: the config's, 8000)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECGATE_API_KEY, else open)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECGATE_API_KEY; without one, only a loopback address is served, unless allow_no_api_key)")
     parser.add_argument("--instance-id", default=None, help="an id /health reports (default: a random one; `specgate serve` passes its own)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -32,8 +32,9 @@ def main(argv: list[str] | None = None) -> int:
             config.port = args.port
         if args.api_key:
             config.api_key = args.api_key
-        if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
-            logging.getLogger("specgate.gateway").warning("clients need no API key (SPECGATE_API_KEY is unset) and %s is reachable from other hosts", config.host)
+        config.check_access()  # fail closed: no key on an address other hosts reach, unless the deployment opted out
+        if config.api_key is None and config.allow_no_api_key:
+            logging.getLogger("specgate.gateway").warning("clients need no API key on %s (allow_no_api_key)", config.host)
         from app.server import create_app, load_draft
         from core.runners.model_thread import ModelThread
         from core.serving import run_server
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"specgate gateway: {config.model} on http://{config.host}:{config.port} (draft {config.draft.model}, mode {config.speculative.mode.value})", flush=True)
     drain_s = config.limits.drain_timeout_s
     admission = app.state.admission
-    run_server(app, config.host, config.port, args.log_level, drain_s, lambda: admission.start_drain(drain_s), admission.is_idle)
+    run_server(app, config.host, config.port, args.log_level, drain_s, lambda: admission.start_drain(drain_s), admission.is_idle, config.metrics_port)
     thread.call(draft.close)
     thread.close()
     return 0

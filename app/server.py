@@ -45,7 +45,7 @@ from core.runners import ModelRunner, load_runner
 from core.runners.model_thread import ModelThread
 from core.runners.models import BUILTIN
 from core.runners.tokenizer_only import NONE, tokenizer_only
-from core.serving import Guard
+from core.serving import Guard, PortSplit
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
@@ -118,6 +118,8 @@ def create_app(
     gamma = config.speculative.num_draft_tokens
     metrics.open_series(config.speculative.mode.value, gamma if isinstance(gamma, int) else MAX_AUTO_GAMMA + 1)
     app.add_middleware(Guard, token=config.api_key, max_body_bytes=limits.max_body_bytes, is_draining=lambda: admission.is_draining)
+    if config.metrics_port is not None:
+        app.add_middleware(PortSplit, metrics_port=config.metrics_port)
     _add_routes(app)
     _add_error_handlers(app)
     return app
@@ -132,6 +134,20 @@ def _add_routes(app: FastAPI) -> None:
     async def health(request: Request) -> dict[str, Any]:
         threads = {"draft": getattr(request.app.state, "draft_threads", None), "torch": torch.get_num_threads()}
         return {"status": "ok", "instance_id": request.app.state.instance_id, "threads": threads}
+
+    @app.get("/health/live")
+    async def live(request: Request) -> dict[str, Any]:
+        """Liveness: the process and its event loop answer, draining or not (a drain must not end in a restart)."""
+        return {"status": "draining" if request.app.state.admission.is_draining else "ok", "instance_id": request.app.state.instance_id}
+
+    @app.get("/health/serving")
+    async def serving(request: Request) -> Response:
+        """Readiness from the gateway's own state: it takes requests (its draft loaded, not draining). The targets are
+        not asked: one target down must not take every gateway out of its Service (its requests get a JSON 503, and
+        /health/ready says which target)."""
+        if request.app.state.admission.is_draining:
+            return JSONResponse({"status": "draining", "instance_id": request.app.state.instance_id}, status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse({"status": "serving", "instance_id": request.app.state.instance_id})
 
     @app.get("/", include_in_schema=False)
     async def chat_page(request: Request) -> Response:

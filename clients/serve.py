@@ -33,6 +33,7 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
         config = load_config(config_path).with_local_urls(free_port).with_split_cores(usable_cores())
         if port is not None:
             config.port = port
+        config.check_access()
         if taken := taken_port(config):
             raise ConfigError(taken)
     except SpecgateError as exc:
@@ -60,7 +61,7 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
             print(f"specgate serve: starting the gateway on http://{config.host}:{config.port}", flush=True)
             command = [sys.executable, "-m", "app", "--config", str(resolved), "--log-level", "warning"]
             procs["gateway"] = _start(command, config.draft.threads, f"{instance}-gateway")
-            gateway = {"gateway": (f"http://{config.host}:{config.port}/health/ready", f"{instance}-gateway")}
+            gateway = {"gateway": (f"http://{config.host}:{config.metrics_port or config.port}/health/ready", f"{instance}-gateway")}
             if not wait_ready(gateway, procs, startup_timeout, stop):
                 return 1
             print(ready_message(config), flush=True)

@@ -3,6 +3,7 @@ variables; a bad key is a ConfigError naming it. docs/configuration.md is genera
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 from collections.abc import Callable
@@ -207,7 +208,7 @@ class WorkerEntry(BaseModel):
     threads: int | None = Field(default=None, gt=0)  # a local worker's CPU threads (serve splits the cores)
     link: LinkConfig | None = None  # emulate a network between the gateway and this worker
     connect_timeout_s: float = Field(default=3.0, gt=0)  # opening a connection to a replica
-    read_timeout_s: float = Field(default=30.0, gt=0)  # waiting for a verify answer
+    read_timeout_s: float = Field(default=30.0, gt=0)  # a verify answer not here after this long: the replica's /health is asked, and the call waits on while the worker answers and its model finished a step within this long (busy, not dead); else it failed. An engine's: a deadline
     logprobs: int = Field(default=20, ge=1, le=1000)  # engine: top-k logprobs asked per position (vLLM's cap: 20)
     max_context: int | None = Field(default=None, gt=0)  # engine: its context length, when /v1/models does not say
     discovery_interval_s: float | None = Field(default=None, gt=0)  # re-resolve url's host this often: each address a replica (a headless Service); None = url as it is
@@ -299,7 +300,7 @@ class SpecgateConfig(BaseSettings):
     responses: ResponsesConfig = ResponsesConfig()
     api_key: str | None = None  # clients must send it as a bearer token (env SPECGATE_API_KEY); required where the gateway binds an address other hosts reach, unless allow_no_api_key
     allow_no_api_key: bool = False  # serve /v1/* without a key on an address other hosts reach (env SPECGATE_ALLOW_NO_API_KEY): an explicit choice, never the result of a missing secret
-    metrics_port: int | None = Field(default=None, ge=0, le=65535)  # a second port that alone answers /metrics and /health/ready (Prometheus, humans); None = both on the API port
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)  # a second port that alone answers /metrics and /health/ready (Prometheus, humans); None = both on the API port
     worker_token: str | None = None  # sent to every worker as a bearer token (env SPECGATE_WORKER_TOKEN)
 
     @field_validator("api_key", "worker_token")
@@ -324,6 +325,12 @@ class SpecgateConfig(BaseSettings):
         if problem is not None:
             raise ValueError(f"speculative.{problem}")
         return self
+
+    def check_access(self) -> None:
+        """Fail closed: no API key on an address other hosts reach is a start-up error unless ``allow_no_api_key``."""
+        problem = unguarded("the gateway", self.host, self.api_key, self.allow_no_api_key, "SPECGATE_API_KEY", "SPECGATE_ALLOW_NO_API_KEY")
+        if problem is not None:
+            raise ConfigError(problem)
 
     @property
     def draft_context(self) -> int:
@@ -469,7 +476,42 @@ def without_service_links(env_settings: PydanticBaseSettingsSource) -> PydanticB
 
 def secret_or_none(value: str | None, variable: str) -> str | None:
     """A key or token as given; an empty one is an error, never "no key": ``SPECGATE_API_KEY=`` left blank in a secret would
-    otherwise switch client authentication off without a word."""
+    otherwise switch client authentication off without a word. A placeholder (``change-me``, ``<your key>``) is an error too:
+    an example's value deployed as it is, known to anyone who read the example."""
     if value is not None and not value.strip():
         raise ValueError(f"{variable} is set but empty: give it a value, or leave the variable unset to serve without one")
+    if value is not None and is_placeholder(value):
+        raise ValueError(f"{variable} is the placeholder {value.strip()!r}: generate a value (`openssl rand -hex 32`)")
     return value
+
+
+PLACEHOLDERS = frozenset({
+    "changeme", "replaceme", "setme", "fillme", "secret", "password", "passw0rd", "token", "key", "apikey", "yourkey", "yourapikey",
+    "yourtoken", "yoursecret", "mykey", "example", "placeholder", "todo", "fixme", "xxx", "none", "null", "default",
+})
+
+
+def is_placeholder(value: str) -> bool:
+    """``change-me``, ``CHANGE_ME``, ``<your-key>``, ``xxxx``: what examples and templates write where a secret goes."""
+    text = value.strip()
+    plain = re.sub(r"[^a-z0-9]", "", text.lower())
+    return plain in PLACEHOLDERS or (text.startswith("<") and text.endswith(">")) or re.fullmatch(r"(x|\*|0|\.)+", text.lower()) is not None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is an address on this machine only (``127.0.0.1``, ``::1``, ``localhost``): nothing else reaches it."""
+    if host in _LOOPBACK:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def unguarded(what: str, host: str, secret: str | None, allowed: bool, variable: str, opt_out: str) -> str | None:
+    """Why a server that binds ``host`` must not start without its secret (fail closed), or None: it has one, it binds a
+    loopback address, or the deployment said ``opt_out`` explicitly."""
+    if secret is not None or allowed or is_loopback(host):
+        return None
+    return (f"{what} binds {host}, which other hosts reach, and {variable} is unset: set it (`openssl rand -hex 32`), "
+            f"or set {opt_out}=true to serve without one")

@@ -92,10 +92,40 @@ async def _refuse(send: Send, status: int, message: str, kind: str, code: str, h
     await send({"type": "http.response.body", "body": body})
 
 
-def run_server(app: ASGIApp, host: str, port: int, log_level: str, drain_timeout_s: float, on_drain: Callable[[], None], is_idle: Callable[[], bool]) -> None:
-    """uvicorn until SIGTERM (a drain, then exit 0: ``DrainingServer``) or SIGINT (it stops after the open requests)."""
+PROBES = ("/health", "/health/live", "/health/serving")  # what a kubelet asks: on every port
+OPERATIONS = ("/metrics", "/health/ready")  # what Prometheus and people ask: on the metrics port alone, where there is one
+
+
+class PortSplit:
+    """ASGI middleware for a server with a metrics port: ``/metrics`` and ``/health/ready`` (which lists the replicas'
+    addresses) answer there alone, the API on its own port alone, the probes on both; anything else is a 404 in the
+    OpenAI envelope. A cluster then exposes the API port and lets only Prometheus reach the other."""
+
+    def __init__(self, app: ASGIApp, metrics_port: int) -> None:
+        self.app, self.metrics_port = app, metrics_port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PROBES:
+            server = scope.get("server") or (None, None)
+            if (scope["path"] in OPERATIONS) != (server[1] == self.metrics_port):
+                where = f"the metrics port ({self.metrics_port})" if scope["path"] in OPERATIONS else "the API port"
+                await _refuse(send, 404, f"{scope['path']} is served on {where}", "invalid_request_error", "not_found")
+                return
+        await self.app(scope, receive, send)
+
+
+def run_server(
+    app: ASGIApp, host: str, port: int, log_level: str, drain_timeout_s: float, on_drain: Callable[[], None], is_idle: Callable[[], bool],
+    metrics_port: int | None = None,
+) -> None:
+    """uvicorn until SIGTERM (a drain, then exit 0: ``DrainingServer``) or SIGINT (it stops after the open requests);
+    with ``metrics_port``, on that port too (``PortSplit`` says what each answers)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(drain_timeout_s) + 5)
-    DrainingServer(config, on_drain, is_idle, drain_timeout_s).run()
+    server = DrainingServer(config, on_drain, is_idle, drain_timeout_s)
+    if metrics_port is None:
+        server.run()
+        return
+    server.run(sockets=[config.bind_socket(), uvicorn.Config(app, host=host, port=metrics_port).bind_socket()])
 
 
 LAST_WRITES_S = 5  # after a drain: the answers still being written get this long

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         settings = WorkerSettings(**{f: v for f, v in vars(args).items() if f != "log_level" and v is not None})
+        settings.check_access()  # fail closed: no token on an address other hosts reach, unless the deployment opted out
         # load before binding (a bad model is a one-line error), on the thread every later call runs on
         thread = ModelThread()
         runner = thread.call(ready_target, settings)

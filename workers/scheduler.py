@@ -44,8 +44,9 @@ Work = VerifyRequest | StageRequest | Piece  # what a step runs for one call
 
 
 def chunkable(req: VerifyRequest | StageRequest) -> bool:
-    """Whether a call's new tokens may go in pieces: a chain's (not a tree's, an echo's that scores every row, or a pipeline stage's)."""
-    return isinstance(req, VerifyRequest) and req.parents is None and req.path is None and not req.score_tokens
+    """Whether a call's new tokens may go in pieces: a chain's or a tree's (its agreed tokens in pieces, the last with the
+    tree); not one that keeps a previous tree's path first, an echo's that scores every row, or a pipeline stage's."""
+    return isinstance(req, VerifyRequest) and req.path is None and not req.score_tokens
 
 
 @dataclass
@@ -102,6 +103,8 @@ class VerifyScheduler:
         self.steps = StepLog()
         self.overlapped = 0  # steps launched while the one before was still on the device
         self._queue: deque[_Call | _Exclusive] = deque()
+        self._working = False  # the loop is taking work (a step or exclusive work runs, or is next)
+        self.progress_at = time.monotonic()  # when a step or exclusive work last ended, or work came to an idle scheduler
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -129,11 +132,22 @@ class VerifyScheduler:
         self._queue.clear()
 
     @property
+    def stalled_s(self) -> float:
+        """Seconds since the model last finished a step while work waits or runs; 0 while idle. A busy worker's stays
+        under a step's time whatever its queue; a stuck one's grows (its ``/health`` reports it: the gateway waits on a
+        slow answer while it stays low, ``app.targets.channel``)."""
+        if not self._queue and not self._working:
+            return 0.0
+        return time.monotonic() - self.progress_at
+
+    @property
     def queue_length(self) -> int:
         """Calls waiting for a step (exclusive work between steps not counted)."""
         return sum(isinstance(entry, _Call) for entry in self._queue)
 
     def _enqueue(self, entry: _Call | _Exclusive) -> asyncio.Future[Any]:
+        if not self._queue and not self._working:
+            self.progress_at = time.monotonic()
         self._queue.append(entry)
         self._wake.set()
         if self._task is None:
@@ -144,6 +158,7 @@ class VerifyScheduler:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            self._working = True
             while self._queue:
                 exclusive = self._next_exclusive()
                 if exclusive is not None:
@@ -153,6 +168,7 @@ class VerifyScheduler:
                     await self._overlapped(self._take())
                 else:
                     await self._step(self._take())
+            self._working = False
             while not self._queue and getattr(self.state, "wants_ahead", False):  # idle: answers' tokens decoded ahead, one a hop
                 if not await self._look_ahead():
                     break
@@ -246,6 +262,7 @@ class VerifyScheduler:
         self._answer(work, answers)
 
     def _answer(self, work: list[tuple[_Call, Work]], answers: list[Any]) -> None:
+        self.progress_at = time.monotonic()
         for (call, piece), answer in zip(work, answers):
             if isinstance(piece, Piece) and piece.end is not None and not isinstance(answer, BaseException):
                 call.fed = answer if isinstance(answer, int) else piece.end  # the call waits in its place for its next piece
@@ -259,6 +276,7 @@ class VerifyScheduler:
             result = await self.state.thread.run(entry.fn, *entry.args)
         except Exception as exc:  # noqa: BLE001 - the caller's
             result = exc
+        self.progress_at = time.monotonic()
         _settle(entry.done, result)
 
 

@@ -208,10 +208,11 @@ def _prompt_logprobs(probs: torch.Tensor, req: VerifyRequest) -> dict[str, Any]:
     return out
 
 
-def tree_item(req: VerifyRequest, held: list[int]) -> ForwardItem:
-    """A tree call's forward: the new agreed tokens as a chain (none: the last held token again, the root's row), then the nodes under the root."""
+def tree_item(req: VerifyRequest, held: list[int], fed: int = 0) -> ForwardItem:
+    """A tree call's forward: the new agreed tokens as a chain (none: the last held token again, the root's row), then the
+    nodes under the root. ``fed``: the call's first tokens are in the session already (pieces of a long prompt)."""
     assert req.parents is not None
-    start, tokens = req.prefix_len, req.tokens.tolist()
+    start, tokens = req.prefix_len + fed, req.tokens.tolist()[fed:]
     if not tokens:
         start -= 1
         tokens = [held[start]]

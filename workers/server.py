@@ -180,8 +180,16 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
     async def health(request: Request) -> Response:
         threads = {"model": _state(request).runner.threads, "torch": torch.get_num_threads()}
         draining = request.app.state.draining  # a rollout's SIGTERM: readiness fails, the DNS name drops it
-        body = {"status": "draining" if draining else "ok", "instance_id": settings.instance_id, "threads": threads}
+        # stalled_s: how long its model has finished no step while work waits (0 idle): busy is low, stuck grows
+        stalled = round(_state(request).scheduler.stalled_s, 3)
+        body = {"status": "draining" if draining else "ok", "instance_id": settings.instance_id, "threads": threads, "stalled_s": stalled}
         return Response(orjson.dumps(body), status_code=503 if draining else 200, media_type="application/json")
+
+    @app.get("/health/live")
+    async def live(request: Request) -> Response:
+        """Liveness: the process and its event loop answer, draining or not (a drain must not end in a restart)."""
+        body = {"status": "draining" if request.app.state.draining else "ok", "instance_id": settings.instance_id}
+        return Response(orjson.dumps(body), media_type="application/json")
 
     @app.get("/v1/info")
     async def info(request: Request) -> Response:

@@ -8,7 +8,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from core.config import DEFAULT_CONTEXT, secret_or_none, without_service_links
+from core.config import DEFAULT_CONTEXT, secret_or_none, unguarded, without_service_links
+from core.errors import ConfigError
 from core.names import Backend
 from core.runners.base import ModelRunner
 
@@ -53,6 +54,12 @@ class WorkerSettings(BaseSettings):
     @classmethod
     def _not_empty(cls, value: str | None) -> str | None:
         return secret_or_none(value, "SPECGATE_WORKER_TOKEN")
+
+    def check_access(self) -> None:
+        """Fail closed: no token on an address other hosts reach is a start-up error unless ``allow_no_token``."""
+        problem = unguarded("the worker", self.host, self.token, self.allow_no_token, "SPECGATE_WORKER_TOKEN", "SPECGATE_WORKER_ALLOW_NO_TOKEN")
+        if problem is not None:
+            raise ConfigError(problem)
 
     @classmethod
     def settings_customise_sources(

@@ -300,7 +300,7 @@ class Steps:
         shaping = self._shaping(req)  # a call fed in pieces starts its transform here, as it would whole
         scored_tokens = max(len(req.tokens) - 1, 0) if req.score_tokens else 0  # echo: the prompt's own rows too
         if req.parents is not None:  # a tree: the root's and every node's row in one forward
-            return tree_item(req, self.runner.tokens(req.session_id)), scored_tokens, shaping
+            return tree_item(req, self.runner.tokens(req.session_id), fed), scored_tokens, shaping
         tokens = [*req.tokens.tolist()[fed:], *req.draft.tolist()]
         return self.runner.append_item(req.session_id, tokens, len(req.draft) + 1 + scored_tokens), scored_tokens, shaping
 

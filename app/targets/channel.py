@@ -21,6 +21,8 @@ from core.protocol import InfoResponse, decode
 
 log = logging.getLogger(__name__)
 
+_HEALTH_TIMEOUT = httpx.Timeout(2.0)  # asking a slow replica's health: a hung one must not hold the call longer
+
 
 @dataclass(frozen=True)
 class Expected:
@@ -93,9 +95,16 @@ class Replica:
 class Channel:
     """One target's way to its replicas: the shared HTTP client, its timeout, the emulated link, the latency hook, the bytes."""
 
-    def __init__(self, name: str, client: httpx.AsyncClient, timeout: httpx.Timeout, link: LinkConfig | None = None, fast: FastPost | None = None) -> None:
+    def __init__(
+        self, name: str, client: httpx.AsyncClient, timeout: httpx.Timeout, link: LinkConfig | None = None, fast: FastPost | None = None,
+        health_path: str | None = None,
+    ) -> None:
         self.name, self.client, self.timeout, self.link = name, client, timeout, link
         self.fast = fast  # the rounds' POSTs without httpx's layers (real sockets only)
+        # a round's answer slower than the read timeout: the replica's health (and its progress) decides whether to wait
+        # on (a busy worker) or to fail the call (one silent or stuck); None: the read timeout is a deadline (engines)
+        self.health_path = health_path
+        self._patient = httpx.Timeout(None, connect=timeout.connect, write=timeout.write, pool=timeout.pool)
         self.traffic = Traffic()
         self.on_call: Callable[[str, float], None] = lambda worker, seconds: None  # metrics hook
 
@@ -124,11 +133,55 @@ class Channel:
             log.warning("could not free session %s on %s (%s): %s", session_id, self.name, replica.url, describe(exc))
 
     async def _post(self, replica: Replica, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response | Answer:
+        """One POST of a round. Slow is not dead: each time ``read_timeout_s`` passes with no answer, the replica's health
+        is asked; while it answers and its model keeps finishing steps (a busy worker: a long prompt, a queue), the call
+        waits on; a replica silent or stuck fails it (kind ``timeout``, which counts towards its breaker)."""
+        if self.health_path is None or self.timeout.read is None:
+            return await self._post_once(replica, path, body, headers, self.timeout)
+        call = asyncio.ensure_future(self._post_once(replica, path, body, headers, self._patient))
+        waited = 0.0
+        try:
+            while True:
+                done, _ = await asyncio.wait((call,), timeout=self.timeout.read)
+                if done:
+                    return call.result()
+                waited += self.timeout.read
+                why = await self._not_progressing(replica)
+                if why is not None:
+                    raise ReplicaFailure("timeout", f"{path} at {replica.url}: no answer within {waited:g} s, and {why}")
+                log.info("worker %s: %s at %s has not answered in %g s, but it is busy and progressing: waiting on", self.name, path, replica.url, waited)
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def _not_progressing(self, replica: Replica) -> str | None:
+        """Why a replica that has not answered within the read timeout is taken for dead, or None: its health answers
+        (draining counts: its sessions go on) and its model finished a step within the read timeout."""
+        limit = self.timeout.read or 0.0
+        try:
+            resp = await self.client.get(f"{replica.url}{self.health_path}", timeout=_HEALTH_TIMEOUT)
+        except httpx.HTTPError as exc:
+            return f"its {self.health_path} did not answer ({describe(exc)})"
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {}
+        body = body if isinstance(body, dict) else {}
+        if resp.status_code != 200 and body.get("status") != "draining":
+            return f"its {self.health_path} answered {resp.status_code}"
+        stalled = body.get("stalled_s")
+        if not isinstance(stalled, (int, float)):
+            return f"its {self.health_path} reports no progress"
+        if stalled >= limit:
+            return f"its model has finished no step for {stalled:.1f} s"
+        return None
+
+    async def _post_once(self, replica: Replica, path: str, body: bytes, headers: dict[str, str], timeout: httpx.Timeout) -> httpx.Response | Answer:
         url = f"{replica.url}{path}"
         try:
             if self.fast is not None and self.fast.handles(url):
-                return await self.fast.post(url, body, headers, self.timeout)
-            return await self.client.request("POST", url, timeout=self.timeout, content=body, headers=headers)
+                return await self.fast.post(url, body, headers, timeout)
+            return await self.client.request("POST", url, timeout=timeout, content=body, headers=headers)
         except httpx.HTTPError as exc:
             raise _failure(exc, path, replica) from exc
 

@@ -39,7 +39,8 @@ class TargetSet:
         resolver = Resolver(config.discovery.dns_servers, config.discovery.timeout_s)
         for w in config.workers:
             name = w.name or ""
-            channel = Channel(name, client, httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), w.link, fast)
+            health = None if w.is_engine else "/health"  # an engine's /health says nothing of its progress: its read timeout is a deadline
+            channel = Channel(name, client, httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), w.link, fast, health)
             if w.pipeline is not None:
                 workers.append(PipelineTarget(name, config.stage_replicas(w), w.weight, channel, expected, config.health.failure_threshold))
                 continue

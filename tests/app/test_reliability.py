@@ -5,6 +5,7 @@ Fake workers (httpx.MockTransport) stand in for the worker layer below the gatew
 from __future__ import annotations
 
 import asyncio
+import json
 import dataclasses
 import re
 import time
@@ -203,8 +204,8 @@ async def test_the_circuit_opens_and_a_probe_closes_it(gateway: Gateway, fakes: 
 
 
 @asynccontextmanager
-async def _silent_worker(info: InfoResponse) -> AsyncIterator[str]:
-    """A real socket on 127.0.0.1 that answers /health and /v1/info but never a verify."""
+async def _silent_worker(info: InfoResponse, health: dict[str, Any] | None = None) -> AsyncIterator[str]:
+    """A real socket on 127.0.0.1 that answers /health (``health``, as it is when the call comes) and /v1/info but never a verify."""
     handlers: list[asyncio.Task[None]] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -217,7 +218,7 @@ async def _silent_worker(info: InfoResponse) -> AsyncIterator[str]:
                 path = head.split(b" ")[1]
                 if path == b"/v1/verify":
                     await asyncio.sleep(3600)
-                body = encode_json(info) if path == b"/v1/info" else b'{"status": "ok"}'
+                body = encode_json(info) if path == b"/v1/info" else json.dumps(health or {"status": "ok"}).encode()
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -240,10 +241,28 @@ async def test_a_silent_worker_trips_the_read_timeout(gateway: Gateway, tiny_run
         workers = [{"url": url, "read_timeout_s": 0.3}]
         async with gateway(transport=httpx.AsyncHTTPTransport(), workers=workers) as client:
             started = time.monotonic()
-            _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "ReadTimeout")
+            _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "no answer within 0.3 s")
             assert time.monotonic() - started < 5
             assert await _metric(client, 'specgate:worker_failures_total{kind="timeout",worker="w0"}') == 1
             assert (await client.get("/health")).status_code == 200
+
+
+async def test_a_busy_worker_is_waited_for_and_a_stuck_one_failed(gateway: Gateway, tiny_runner: ModelRunner) -> None:
+    """Issue 76: a worker slow past the read timeout was failed like a dead one, and three such calls opened its breaker
+    (503s for every request until it half-opened). Past the read timeout the gateway now asks its /health: while it
+    answers and its model finished a step within the read timeout (``stalled_s``), the call waits on and nothing is
+    counted against it; once its model has finished no step for that long, the call fails (a timeout, as before)."""
+    info = InfoResponse(1, ["aggregate"], "silent", V, tiny_runner.fingerprint, [2], 2048, "fake")
+    health: dict[str, Any] = {"status": "ok", "stalled_s": 0.05}
+    async with _silent_worker(info, health) as url:
+        async with gateway(transport=httpx.AsyncHTTPTransport(), workers=[{"url": url, "read_timeout_s": 0.3}]) as client:
+            call = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
+            await asyncio.sleep(1.5)  # five read timeouts: busy, each time
+            assert not call.done()
+            assert await _metric(client, 'specgate:worker_failures_total{kind="timeout",worker="w0"}') == 0
+            health["stalled_s"] = 0.4  # stuck now: no step for longer than the read timeout
+            _refused(await call, 503, "worker_error", "its model has finished no step for 0.4 s")
+            assert await _metric(client, 'specgate:worker_failures_total{kind="timeout",worker="w0"}') == 1
 
 
 # ----------------------------------------------------------------------------- load, access, bodies

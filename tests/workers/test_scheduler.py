@@ -218,6 +218,37 @@ async def test_a_long_prompt_goes_in_pieces_beside_the_other_calls(builtin_llama
     assert pieced.held == whole.held == 302 and all(a.status_code == 200 for a in answers)
 
 
+async def test_a_trees_long_first_call_goes_in_pieces_and_health_tells_busy_from_stuck(builtin_llama: ModelRunner) -> None:
+    """Issue 76: a tree's first call carried its long prompt whole, in one step, so a worker busy with four of them was
+    silent past the gateway's read timeout. Its agreed tokens now go in pieces, the last with the tree, answered bit for
+    bit as in one piece. ``/health``'s ``stalled_s`` (how long the model finished no step while work waits) stays 0 while
+    idle and grows while a step is held: what the gateway reads to tell a busy worker from a stuck one."""
+    tokens = [(i * 7919) % 40000 + 100 for i in range(150)]
+    tree = VerifyRequest.after("tree", [], tokens, [7, 9, 11], parents=np.array([-1, -1, 0], dtype=np.int64), temperature=1.0)
+    builtin_llama.free_all()
+    gated = GatedRunner(builtin_llama)
+    app = _app(gated, backend="llama.cpp", prefill_chunk=48)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        assert (await client.get("/health")).json()["stalled_s"] == 0
+        pending = asyncio.create_task(_post(client, tree))
+        await _until(gated.entered)
+        await asyncio.sleep(0.3)
+        stalled = (await client.get("/health")).json()["stalled_s"]
+        live = await client.get("/health/live")
+        gated.gate.set()
+        pieced = _answer(await pending)
+        assert (await client.get("/health")).json()["stalled_s"] == 0
+    assert stalled >= 0.25 and live.status_code == 200
+    assert app.state.worker.scheduler.steps.tokens == [48, 48, 48, 6 + 3]
+    builtin_llama.free_all()
+    app = _app(builtin_llama, backend="llama.cpp", prefill_chunk=512)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
+        whole = _answer(await _post(client, replace(tree, session_id="whole")))
+    assert app.state.worker.scheduler.steps.tokens == [153]
+    np.testing.assert_array_equal(pieced.probs, whole.probs)
+    assert pieced.held == whole.held == 153
+
+
 async def test_a_delete_and_the_calls_behind_it_do_not_wait_for_a_long_prefill(tiny_runner: ModelRunner) -> None:
     """A ``DELETE`` runs between two steps: behind a long call in pieces, between two of its pieces, and the calls after
     it go on (before, a session's ``DELETE`` behind a 2,000-token prefill held every stream for the whole of it)."""
