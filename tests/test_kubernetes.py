@@ -19,6 +19,7 @@ import yaml
 
 from core.config import parse_config
 from core.errors import ConfigError
+from core.serving import LAST_WRITES_S
 from tests.kube import KUBERNETES, OVERLAYS, ROOT, SECRETS, SECRETS_EXAMPLE, KubectlMissing, by_kind, containers, kustomize, service_links, workloads
 from tests.kube import render as _render
 
@@ -171,7 +172,8 @@ def test_gateway_config_is_specgates_and_names_the_overlays_services(overlay: st
 def test_drains_cover_the_longest_stream(overlay: str) -> None:
     """A 30 s drain cut streams of max_tokens 512, which run minutes at the measured per-gateway rate: the drain covers
     max_tokens of each of max_concurrent_requests streams at the rate `bench load` measured for one gateway
-    (docs/bench/load_gateways.json), the workers' drain the gateway's, each grace period the drain and preStop."""
+    (docs/bench/load_gateways.json), the workers' drain the gateway's. Each grace period covers the preStop sleep, the
+    drain, the last writes after it (core.serving.LAST_WRITES_S) and a margin of 15 s: the kubelet's SIGKILL comes then."""
     resources = render(overlay)
     config = parse_config(yaml.safe_load(one(resources, "ConfigMap", "specgate-gateway")["data"]["config.yaml"]))
     levels = json.loads((ROOT / "docs" / "bench" / "load_gateways.json").read_text())["levels"]
@@ -187,7 +189,7 @@ def test_drains_cover_the_longest_stream(overlay: str) -> None:
         drain = config.limits.drain_timeout_s if container["name"] == "gateway" else float(env["SPECGATE_WORKER_DRAIN_TIMEOUT_S"])
         assert drain >= config.limits.drain_timeout_s
         pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
-        assert pod["terminationGracePeriodSeconds"] >= drain + pre_stop + 5, workload["metadata"]["name"]
+        assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + LAST_WRITES_S + 15, workload["metadata"]["name"]
 
 
 @pytest.mark.parametrize("overlay", sorted(KINDS))
