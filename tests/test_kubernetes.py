@@ -33,8 +33,9 @@ KINDS = {  # what each overlay adds to the base's kinds
     "vllm": {"Deployment": 1, "Service": 1, "PodDisruptionBudget": 1},
 }
 NAMESPACE = "specgate"
-GATEWAY_PATHS = {"/health", "/health/ready", "/metrics"}
-WORKER_PATHS = {"/health", "/metrics"}
+PROBE_PATHS = {"/health", "/health/live", "/health/serving"}  # the gateway's probes: on its API port and its metrics port
+METRICS_PATHS = {"/metrics", "/health/ready"}  # the gateway's, with metrics_port: on that port alone
+WORKER_PATHS = {"/health", "/health/live", "/metrics"}  # a worker's or stage's, on its one port
 ENV_PREFIXES = ("SPECGATE_", "VLLM_")  # the engines' settings: no Service may be named so that its links start with one
 
 
@@ -56,6 +57,15 @@ def component() -> dict[str, Any]:
 
 def is_specgate(container: dict[str, Any]) -> bool:
     return "/specgate" in container["image"]
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions with In) selects ``labels``."""
+    matches = selector.get("matchLabels", {}).items() <= labels.items()
+    for rule in selector.get("matchExpressions", []):
+        assert rule["operator"] == "In"
+        matches = matches and labels.get(rule["key"]) in rule["values"]
+    return matches
 
 
 def test_every_overlay_is_tested() -> None:
@@ -109,13 +119,6 @@ def test_every_reference_resolves_to_an_object_the_overlay_makes(overlay: str) -
         for container in containers(resources, workload):  # raises on a reference to nothing
             assert container.argv
         assert workload["spec"]["selector"]["matchLabels"].items() <= pods[workload["metadata"]["name"]].items()
-
-    def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
-        matches = selector.get("matchLabels", {}).items() <= labels.items()
-        for rule in selector.get("matchExpressions", []):
-            assert rule["operator"] == "In"
-            matches = matches and labels.get(rule["key"]) in rule["values"]
-        return matches
 
     for kind in ("Service", "PodDisruptionBudget"):
         for name, obj in by_kind(resources, kind).items():
@@ -192,29 +195,53 @@ def test_drains_cover_the_longest_stream(overlay: str) -> None:
         assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + LAST_WRITES_S + 15, workload["metadata"]["name"]
 
 
+def served(container: dict[str, Any], config: Any) -> dict[str, set[str]]:
+    """What each named port of a specgate container answers: a gateway with metrics_port answers /metrics and
+    /health/ready there alone, its probes on both ports; a worker or stage everything on its one port."""
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    if container["name"] != "gateway":
+        return {name: WORKER_PATHS for name in ports}
+    assert config.metrics_port and ports == {"http": config.port, "metrics": config.metrics_port}, ports
+    return {"http": PROBE_PATHS, "metrics": PROBE_PATHS | METRICS_PATHS}
+
+
 @pytest.mark.parametrize("overlay", sorted(KINDS))
 def test_probes_check_endpoints_that_exist(overlay: str) -> None:
+    """Every probe asks a path the port it names answers; /metrics is scraped where it is served (the gateway's metrics
+    port, which the Service does not expose)."""
     resources = render(overlay)
     config = parse_config(yaml.safe_load(one(resources, "ConfigMap", "specgate-gateway")["data"]["config.yaml"]))
     for resource in workloads(resources):
         container = resource["spec"]["template"]["spec"]["containers"][0]
         if not is_specgate(container):
             continue
-        paths = GATEWAY_PATHS if container["name"] == "gateway" else WORKER_PATHS
-        ports = {p["name"] for p in container["ports"]}
+        paths = served(container, config)
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
-            check = container[probe]
-            if "httpGet" in check:
-                assert check["httpGet"]["path"] in paths and check["httpGet"]["port"] in ports
-            else:
-                assert check["tcpSocket"]["port"] in ports
-        if container["name"] == "gateway":  # /health/ready answers within its bound, inside the probe's timeout
-            assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
-            assert container["readinessProbe"]["timeoutSeconds"] >= config.health.ready_timeout_s + 1
-            assert container["livenessProbe"]["httpGet"]["path"] == "/health"  # never the workers: a hung one must not restart gateways
+            check = container[probe]["httpGet"]
+            assert check["path"] in paths[check["port"]], (container["name"], probe, check)
         assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
         annotations = resource["spec"]["template"]["metadata"].get("annotations", {})
-        assert annotations.get("prometheus.io/path") == "/metrics"
+        [scraped] = [name for name, p in {p["name"]: p["containerPort"] for p in container["ports"]}.items() if str(p) == annotations.get("prometheus.io/port")]
+        assert annotations.get("prometheus.io/path") == "/metrics" and "/metrics" in paths[scraped]
+    [service] = [s for name, s in by_kind(resources, "Service").items() if name == "gateway"]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]  # the API alone
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_probes_mean_it(overlay: str) -> None:
+    """Issue 76: the gateway's readiness asked /health/ready, which checks every target, so one target down took every
+    gateway out of the Service; the workers' liveness was a TCP connect, which a hung process still accepts. The
+    gateway's readiness is its own state (/health/serving, 503 while it drains); every specgate liveness probe is an HTTP
+    request to /health/live (200 while the process answers, draining included), every startup probe HTTP too."""
+    for workload in workloads(render(overlay)):
+        container = workload["spec"]["template"]["spec"]["containers"][0]
+        if not is_specgate(container):
+            continue
+        name = workload["metadata"]["name"]
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health/live", name
+        assert "httpGet" in container["startupProbe"], name
+        readiness = container["readinessProbe"]["httpGet"]["path"]
+        assert readiness == ("/health/serving" if container["name"] == "gateway" else "/health"), name
 
 
 @pytest.mark.parametrize("overlay", sorted(KINDS))
@@ -321,18 +348,21 @@ def test_autoscalers_read_metrics_the_adapter_serves_and_can_reach_their_targets
         assert "replicas" not in target["spec"], f"{target['metadata']['name']} sets replicas beside HPA {name}"
 
 
-def test_the_pod_monitor_scrapes_every_specgate_pod() -> None:
-    [monitor] = yaml.safe_load_all((KUBERNETES / "monitoring" / "podmonitor.yaml").read_text())
-    assert monitor["kind"] == "PodMonitor"
-    selector = monitor["spec"]["selector"]
-    for overlay in ("default", "pipeline"):
-        for workload in workloads(render(overlay)):
-            labels = workload["spec"]["template"]["metadata"]["labels"]
-            container = workload["spec"]["template"]["spec"]["containers"][0]
-            [endpoint] = monitor["spec"]["podMetricsEndpoints"]
-            assert selector["matchLabels"].items() <= labels.items()
-            assert labels["app.kubernetes.io/component"] in selector["matchExpressions"][0]["values"]
-            assert endpoint["port"] in {p["name"] for p in container["ports"]} and endpoint["path"] == "/metrics"
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_the_pod_monitors_scrape_every_pod_where_it_serves_metrics(overlay: str) -> None:
+    """One PodMonitor selects each pod (vLLM's too), on the port that answers /metrics: the gateway's metrics port."""
+    monitors = list(yaml.safe_load_all((KUBERNETES / "monitoring" / "podmonitor.yaml").read_text()))
+    assert {m["kind"] for m in monitors} == {"PodMonitor"}
+    resources = render(overlay)
+    config = parse_config(yaml.safe_load(one(resources, "ConfigMap", "specgate-gateway")["data"]["config.yaml"]))
+    for workload in workloads(resources):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        container = workload["spec"]["template"]["spec"]["containers"][0]
+        [monitor] = [m for m in monitors if selects(m["spec"]["selector"], labels)]
+        [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+        assert endpoint["path"] == "/metrics" and endpoint["port"] in {p["name"] for p in container["ports"]}
+        if is_specgate(container):
+            assert "/metrics" in served(container, config)[endpoint["port"]]
 
 
 def test_the_image_runs_anywhere_as_nobody() -> None:
