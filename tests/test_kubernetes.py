@@ -365,6 +365,30 @@ def test_the_pod_monitors_scrape_every_pod_where_it_serves_metrics(overlay: str)
             assert "/metrics" in served(container, config)[endpoint["port"]]
 
 
+def test_vllms_pod_runs_as_a_user_it_has_no_passwd_entry_for_and_is_watched() -> None:
+    """Issue 76: torch's compile cache calls getpass.getuser(), which fails for uid 10001 (no passwd entry in vLLM's image)
+    unless USER or LOGNAME is set; a cache outside the writable emptyDir fails on the read-only root; without a liveness
+    probe a dead engine loop stayed; the Deployment's progress deadline (600 s by default) fell short of its start-up
+    budget; vLLM's /metrics went unscraped."""
+    resources = render("vllm")
+    vllm = one(resources, "Deployment", "vllm")
+    pod = vllm["spec"]["template"]
+    [container] = pod["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env.get("USER") and env.get("LOGNAME")
+    [cache] = [m["mountPath"] for m in container["volumeMounts"] if m["name"] == "cache"]
+    assert "emptyDir" in next(v for v in pod["spec"]["volumes"] if v["name"] == "cache")
+    for name in ("HOME", "HF_HOME", "XDG_CACHE_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert env[name] == cache or env[name].startswith(cache + "/"), name
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = container["startupProbe"]
+    budget = startup.get("initialDelaySeconds", 0) + startup["periodSeconds"] * startup["failureThreshold"]
+    assert vllm["spec"]["progressDeadlineSeconds"] >= budget + 300, (vllm["spec"].get("progressDeadlineSeconds"), budget)
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    assert annotations["prometheus.io/port"] == str(container["ports"][0]["containerPort"])
+
+
 def test_the_image_runs_anywhere_as_nobody() -> None:
     """The Dockerfile: its base is a build argument (the official image by default), torch from PyPI's CPU index by default
     (no CUDA libraries in a CPU image), llama.cpp without the build machine's CPU flags, no compiler and no root at run time."""
