@@ -22,9 +22,10 @@ from core.errors import ConfigError
 from core.serving import LAST_WRITES_S
 from tests.kube import KUBERNETES, OVERLAYS, ROOT, SECRETS, SECRETS_EXAMPLE, KubectlMissing, by_kind, containers, kustomize, service_links, workloads
 from tests.kube import render as _render
+from tests.kube import render_own as _render_own
 
 KUBERNETES_VERSION = "1.30.0"  # the oldest with preStop sleep (the manifests' drain)
-BASE_KINDS = {"Namespace": 1, "ConfigMap": 1, "Secret": 1, "Deployment": 1, "Service": 1, "PodDisruptionBudget": 1, "HorizontalPodAutoscaler": 1, "NetworkPolicy": 1}
+BASE_KINDS = {"Namespace": 1, "ConfigMap": 1, "Secret": 1, "Deployment": 1, "Service": 1, "PodDisruptionBudget": 1, "HorizontalPodAutoscaler": 1, "NetworkPolicy": 3}
 KINDS = {  # what each overlay adds to the base's kinds
     "default": {"StatefulSet": 1, "Service": 1, "HorizontalPodAutoscaler": 1, "PodDisruptionBudget": 1},
     "gpu": {"StatefulSet": 1, "Service": 1, "HorizontalPodAutoscaler": 1, "PodDisruptionBudget": 1},
@@ -36,12 +37,20 @@ NAMESPACE = "specgate"
 PROBE_PATHS = {"/health", "/health/live", "/health/serving"}  # the gateway's probes: on its API port and its metrics port
 METRICS_PATHS = {"/metrics", "/health/ready"}  # the gateway's, with metrics_port: on that port alone
 WORKER_PATHS = {"/health", "/health/live", "/metrics"}  # a worker's or stage's, on its one port
+DOCS = ROOT / "docs" / "kubernetes.md"
 ENV_PREFIXES = ("SPECGATE_", "VLLM_")  # the engines' settings: no Service may be named so that its links start with one
 
 
 def render(overlay: str) -> list[dict[str, Any]]:
     try:
         return _render(overlay)
+    except KubectlMissing as exc:
+        pytest.skip(str(exc))
+
+
+def render_own(name: str, kustomization: str) -> list[dict[str, Any]]:
+    try:
+        return _render_own(name, kustomization)
     except KubectlMissing as exc:
         pytest.skip(str(exc))
 
@@ -110,7 +119,7 @@ def test_every_object_is_in_the_one_namespace(overlay: str) -> None:
 @pytest.mark.parametrize("overlay", sorted(KINDS))
 def test_every_reference_resolves_to_an_object_the_overlay_makes(overlay: str) -> None:
     """Secret and ConfigMap references name the generated (hash-suffixed) objects and keys that exist (the kubelet's
-    CreateContainerConfigError otherwise); Services, PDBs, HPAs and the NetworkPolicy select workloads that exist."""
+    CreateContainerConfigError otherwise); Services, PDBs, HPAs and the NetworkPolicies select workloads that exist."""
     resources = render(overlay)
     secrets, config_maps = by_kind(resources, "Secret"), by_kind(resources, "ConfigMap")
     assert all(re.fullmatch(r"specgate-(secrets|gateway)-[a-z0-9]{10}", name) for name in [*secrets, *config_maps]), [*secrets, *config_maps]
@@ -126,11 +135,79 @@ def test_every_reference_resolves_to_an_object_the_overlay_makes(overlay: str) -
             assert any(selects(selector, labels) for labels in pods.values()), f"{kind} {name} selects no pod"
     for name, hpa in by_kind(resources, "HorizontalPodAutoscaler").items():
         assert hpa["spec"]["scaleTargetRef"]["name"] in pods, f"HPA {name} scales nothing"
-    [policy] = by_kind(resources, "NetworkPolicy").values()
-    guarded = [n for n, labels in pods.items() if selects(policy["spec"]["podSelector"], labels)]
-    assert sorted(guarded) == sorted(n for n in pods if n != "specgate-gateway"), guarded
-    [sources] = policy["spec"]["ingress"]
-    assert any(selects(s.get("podSelector", {"matchLabels": {"-": "-"}}), pods["specgate-gateway"]) for s in sources["from"])
+    for name, policy in by_kind(resources, "NetworkPolicy").items():
+        assert any(selects(policy["spec"]["podSelector"], labels) for labels in pods.values()), f"NetworkPolicy {name} selects no pod"
+
+
+PROMETHEUS = ({"kubernetes.io/metadata.name": "monitoring"}, {"app.kubernetes.io/name": "prometheus"})  # the shipped peer
+PEERS = {  # a client: its namespace's labels, its own
+    "prometheus": PROMETHEUS,
+    "grafana beside prometheus": ({"kubernetes.io/metadata.name": "monitoring"}, {"app.kubernetes.io/name": "grafana"}),
+    "a gateway": ({"kubernetes.io/metadata.name": NAMESPACE}, {"app.kubernetes.io/component": "gateway"}),
+    "a stage": ({"kubernetes.io/metadata.name": NAMESPACE}, {"app.kubernetes.io/component": "stage"}),
+    "another pod of the namespace": ({"kubernetes.io/metadata.name": NAMESPACE}, {"app": "debug"}),
+    "a pod elsewhere": ({"kubernetes.io/metadata.name": "default"}, {"app": "client"}),
+}
+
+
+def admitted(policies: list[dict[str, Any]], pod: dict[str, Any], port: str, peer: tuple[dict[str, str], dict[str, str]]) -> bool:
+    """Whether NetworkPolicies let ``peer`` (its namespace's labels, its own) connect to ``pod``'s (a pod template's) named
+    ``port``: a pod no policy selects takes everything; a selected one what any rule of a selecting policy allows."""
+    numbers = {p["name"]: p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    namespace, labels = peer
+    selecting = [p for p in policies if selects(p["spec"]["podSelector"], pod["metadata"]["labels"])]
+
+    def source(entry: dict[str, Any]) -> bool:
+        assert set(entry) <= {"podSelector", "namespaceSelector"}, entry  # no ipBlock
+        in_namespace = selects(entry["namespaceSelector"], namespace) if "namespaceSelector" in entry else namespace["kubernetes.io/metadata.name"] == NAMESPACE
+        return in_namespace and selects(entry.get("podSelector", {}), labels)
+
+    def rule(r: dict[str, Any]) -> bool:
+        on_port = "ports" not in r or any(p["port"] in (port, numbers[port]) for p in r["ports"])
+        return on_port and ("from" not in r or any(source(e) for e in r["from"]))
+
+    return not selecting or any(rule(r) for p in selecting for r in p["spec"].get("ingress", []))
+
+
+def allowed_peers(resources: list[dict[str, Any]], peers: dict[str, tuple[dict[str, str], dict[str, str]]] = PEERS) -> dict[tuple[str, str], set[str]]:
+    """Which of ``peers`` may connect to each workload's pods, by port: {(workload, port name): {peer}}."""
+    policies = list(by_kind(resources, "NetworkPolicy").values())
+    return {
+        (w["metadata"]["name"], port["name"]): {name for name, peer in peers.items() if admitted(policies, w["spec"]["template"], port["name"], peer)}
+        for w in workloads(resources) for c in w["spec"]["template"]["spec"]["containers"] for port in c["ports"]
+    }
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_network_policies_open_the_api_and_let_only_prometheus_scrape(overlay: str) -> None:
+    """Issue 76: the Prometheus peer was a bare namespace selector (every pod of `monitoring` reached the workers), and
+    the gateways' metrics were on their open API port. Now: the gateways' API port from anywhere, their metrics port
+    from Prometheus's pods alone; workers, stages and targets from the gateways, the stages and Prometheus alone. The
+    Prometheus peer is one policy, specgate-prometheus, whose pod selector sits in the namespace selector's entry."""
+    resources = render(overlay)
+    everyone = set(PEERS)
+    for (workload, port), peers in allowed_peers(resources).items():
+        if workload == "specgate-gateway":
+            assert peers == (everyone if port == "http" else {"prometheus"}), (workload, port, peers)
+        else:
+            assert peers == {"prometheus", "a gateway", "a stage"}, (workload, port, peers)
+    for name, policy in by_kind(resources, "NetworkPolicy").items():
+        for entry in (e for r in policy["spec"]["ingress"] for e in r.get("from", [])):
+            assert "podSelector" in entry, f"{name}: a `from` entry that admits every pod of {entry}"
+    [peer] = by_kind(resources, "NetworkPolicy")["specgate-prometheus"]["spec"]["ingress"]
+    assert [(e["namespaceSelector"]["matchLabels"], e["podSelector"]["matchLabels"]) for e in peer["from"]] == [PROMETHEUS]
+
+
+def test_an_overlay_of_the_users_moves_the_prometheus_peer_with_one_patch() -> None:
+    """docs/kubernetes.md's patch, in an overlay around the default one: Prometheus in `observability` scrapes, the one in
+    `monitoring` no longer; nothing else changes."""
+    patch = re.search(r"```yaml\n(patches:\n  - target: \{kind: NetworkPolicy, name: specgate-prometheus\}.*?)```", DOCS.read_text(), re.S)
+    assert patch, "docs/kubernetes.md shows no patch of specgate-prometheus"
+    resources = render_own("prometheus-elsewhere", "resources: [../deploy/kubernetes/overlays/default]\n" + patch.group(1))
+    moved = PEERS | {"prometheus": ({"kubernetes.io/metadata.name": "observability"}, PROMETHEUS[1]), "prometheus in monitoring": PROMETHEUS}
+    shipped = allowed_peers(render("default"))
+    for key, peers in allowed_peers(resources, moved).items():  # the one in monitoring: only where every client is let in
+        assert peers == shipped[key] | ({"prometheus in monitoring"} if shipped[key] == set(PEERS) else set()), (key, peers)
 
 
 @pytest.mark.parametrize("overlay", sorted(KINDS))
