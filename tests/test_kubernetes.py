@@ -344,6 +344,83 @@ def test_pods_run_locked_down(overlay: str) -> None:
             assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["labelSelector"]["matchLabels"].items() <= labels.items()
 
 
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start", "net.ipv4.tcp_syncookies",
+                "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports", "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout",
+                "net.ipv4.tcp_keepalive_intvl", "net.ipv4.tcp_keepalive_probes"}
+
+
+def restricted_violations(template: dict[str, Any]) -> list[str]:
+    """What in a pod template the Pod Security Standard `restricted` (Kubernetes 1.30: baseline's controls and its own)
+    forbids; [] where Pod Security Admission admits it."""
+    spec, found = template["spec"], []
+    pod = spec.get("securityContext", {})
+    containers_ = [*spec.get("initContainers", []), *spec["containers"], *spec.get("ephemeralContainers", [])]
+    found += [f"spec.{key}" for key in ("hostNetwork", "hostPID", "hostIPC") if spec.get(key)]
+    found += [f"volume {v['name']}: {kind}" for v in spec.get("volumes", []) for kind in set(v) - {"name"} - RESTRICTED_VOLUMES]
+    found += [f"sysctl {s['name']}" for s in pod.get("sysctls", []) if s["name"] not in SAFE_SYSCTLS]
+    found += [f"annotation {k}" for k, v in template["metadata"].get("annotations", {}).items()
+              if k.startswith("container.apparmor.security.beta.kubernetes.io/") and not (v == "runtime/default" or v.startswith("localhost/"))]
+    for where, context in [("pod", pod), *((c["name"], c.get("securityContext", {})) for c in containers_)]:
+        if context.get("windowsOptions", {}).get("hostProcess"):
+            found.append(f"{where}: hostProcess")
+        if context.get("privileged"):
+            found.append(f"{where}: privileged")
+        if context.get("procMount", "Default") != "Default":
+            found.append(f"{where}: procMount")
+        if context.get("appArmorProfile", {}).get("type", "RuntimeDefault") not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{where}: appArmorProfile")
+        selinux = context.get("seLinuxOptions", {})
+        if selinux.get("type", "") not in ("", "container_t", "container_init_t", "container_kvm_t") or "user" in selinux or "role" in selinux:
+            found.append(f"{where}: seLinuxOptions")
+        if context.get("runAsUser") == 0 or context.get("runAsNonRoot") is False:
+            found.append(f"{where}: runs as root")
+        if context.get("seccompProfile", {}).get("type") == "Unconfined":
+            found.append(f"{where}: seccomp Unconfined")
+    for container in containers_:
+        name, context = container["name"], container.get("securityContext", {})
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation is not false")
+        if not (context.get("runAsNonRoot", pod.get("runAsNonRoot")) is True):
+            found.append(f"{name}: runAsNonRoot is not true")
+        if context.get("seccompProfile", pod.get("seccompProfile", {})).get("type") not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: no RuntimeDefault or Localhost seccomp profile")
+        capabilities = context.get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []) or set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: capabilities not dropped (ALL) or added beyond NET_BIND_SERVICE")
+        found += [f"{name}: hostPort {p['hostPort']}" for p in container.get("ports", []) if p.get("hostPort")]
+    return found
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_the_namespace_enforces_the_restricted_pod_security_standard_and_every_pod_meets_it(overlay: str) -> None:
+    """Issue 76: nothing stopped a pod that runs as root, privileged or on the host's network from landing in the
+    namespace. Pod Security Admission enforces `restricted` there (pinned to the oldest supported version, warned and
+    audited at the newest), and every pod template of the overlay is one it admits."""
+    resources = render(overlay)
+    [namespace] = by_kind(resources, "Namespace").values()
+    labels = namespace["metadata"]["labels"]
+    assert {mode: labels.get(f"pod-security.kubernetes.io/{mode}") for mode in ("enforce", "warn", "audit")} == dict.fromkeys(("enforce", "warn", "audit"), "restricted")
+    assert labels["pod-security.kubernetes.io/enforce-version"] == "v" + KUBERNETES_VERSION.rsplit(".", 1)[0]
+    for workload in workloads(resources):
+        assert restricted_violations(workload["spec"]["template"]) == [], workload["metadata"]["name"]
+
+
+def test_the_pod_security_check_sees_what_restricted_forbids() -> None:
+    gateway = one(render("default"), "Deployment", "specgate-gateway")["spec"]["template"]
+    for path, value in (("spec.hostNetwork", True), ("spec.volumes.0", {"name": "h", "hostPath": {"path": "/"}}),
+                        ("spec.containers.0.securityContext.capabilities", {"drop": ["NET_RAW"]}),
+                        ("spec.containers.0.securityContext.allowPrivilegeEscalation", True), ("spec.securityContext.runAsUser", 0),
+                        ("spec.securityContext.seccompProfile", {"type": "Unconfined"}), ("spec.containers.0.ports.0.hostPort", 80)):
+        broken = copy.deepcopy(gateway)
+        *parents, key = path.split(".")
+        target = broken
+        for part in parents:
+            target = target[int(part)] if part.isdigit() else target[part]
+        target[int(key) if key.isdigit() else key] = value
+        assert restricted_violations(broken), path
+
+
 @pytest.mark.parametrize("overlay", sorted(KINDS))
 def test_every_specgate_process_sizes_its_threads_from_its_own_cpu(overlay: str) -> None:
     """Issue 76: threads came from the affinity, which in a pod is the whole node unless the kubelet pins CPUs, and the gpu
