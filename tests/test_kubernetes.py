@@ -502,6 +502,20 @@ def test_autoscalers_read_metrics_the_adapter_serves_and_can_reach_their_targets
         assert "replicas" not in target["spec"], f"{target['metadata']['name']} sets replicas beside HPA {name}"
 
 
+def test_the_adapter_rules_windows_hold_two_scrapes() -> None:
+    """Issue 76: `avg_over_time(...[1m])` at a 60 s scrape interval (the usual kubernetes-pods job's) held one sample or
+    none, and the HPA lost its metric. Each rule's window holds at least two scrapes at 60 s and at the PodMonitors'."""
+    intervals = [_seconds(e["interval"]) for m in yaml.safe_load_all((KUBERNETES / "monitoring" / "podmonitor.yaml").read_text()) for e in m["spec"]["podMetricsEndpoints"]]
+    for path in sorted((KUBERNETES / "monitoring" / "prometheus-adapter").glob("*.yaml")):
+        for rule in yaml.safe_load(path.read_text())["rules"]:
+            windows = re.findall(r"\[(\d+[smh])\]", rule["metricsQuery"])
+            assert windows and all(_seconds(w) >= 2 * max(60, *intervals) for w in windows), (path.name, windows)
+
+
+def _seconds(duration: str) -> float:
+    return float(duration[:-1]) * {"s": 1, "m": 60, "h": 3600}[duration[-1]]
+
+
 @pytest.mark.parametrize("overlay", sorted(KINDS))
 def test_the_pod_monitors_scrape_every_pod_where_it_serves_metrics(overlay: str) -> None:
     """One PodMonitor selects each pod (vLLM's too), on the port that answers /metrics: the gateway's metrics port."""
