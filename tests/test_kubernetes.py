@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import subprocess
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -17,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from core.config import parse_config
+from core.config import SpecgateConfig, parse_config
 from core.errors import ConfigError
 from core.serving import LAST_WRITES_S
 from tests.kube import KUBERNETES, OVERLAYS, ROOT, SECRETS, SECRETS_EXAMPLE, KubectlMissing, by_kind, containers, kustomize, service_links, workloads
@@ -53,6 +56,25 @@ def render_own(name: str, kustomization: str) -> list[dict[str, Any]]:
         return _render_own(name, kustomization)
     except KubectlMissing as exc:
         pytest.skip(str(exc))
+
+
+def gateway_config(resources: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> SpecgateConfig:
+    """The gateway's config as its pod loads it: the mounted ConfigMap's file under the container's SPECGATE_* variables."""
+    [container] = containers(resources, one(resources, "Deployment", "specgate-gateway"))
+    for name in [n for n in os.environ if n.startswith("SPECGATE_")]:
+        monkeypatch.delenv(name)
+    for name, value in container.env.items():
+        if name.startswith("SPECGATE_"):
+            monkeypatch.setenv(name, value)
+    [config] = [yaml.safe_load(files["config.yaml"]) for files in container.files.values()]
+    return parse_config(config)
+
+
+NO_API_KEY = """apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+resources: [../deploy/kubernetes/overlays/default]
+components: [../deploy/kubernetes/components/no-api-key]
+"""
 
 
 def one(resources: list[dict[str, Any]], kind: str, name_prefix: str) -> dict[str, Any]:
@@ -442,13 +464,22 @@ def test_every_specgate_process_sizes_its_threads_from_its_own_cpu(overlay: str)
             assert limited or (threads and threads[0] <= max(1, int(request))), f"{name}: threads {threads or 'unset'}, cpu request {request}"
 
 
-def test_no_secret_ships_and_an_empty_key_is_refused() -> None:
+def test_no_secret_ships_and_an_empty_key_is_refused(tmp_path: Path) -> None:
     """`SPECGATE_API_KEY=` shipped empty switched client authentication off without a word. The repository ships an example
     (no empty value) and ignores secrets.env: without the user's, an overlay does not render, so nothing deploys on the
-    example's known values; an empty key is refused at start."""
-    lines = [line for line in SECRETS_EXAMPLE.read_text().splitlines() if line and not line.startswith("#")]
+    example's known values; an empty key is refused at start. The example's comment (and docs/kubernetes.md) give the
+    command that writes secrets.env with two fresh values: it does."""
+    text = SECRETS_EXAMPLE.read_text()
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
     assert {line.split("=", 1)[0] for line in lines} == {"SPECGATE_WORKER_TOKEN", "SPECGATE_API_KEY"}
     assert all(line.split("=", 1)[1] for line in lines)
+    [command] = [line.lstrip("# ") for line in text.splitlines() if "openssl rand -hex 32" in line]
+    assert command in DOCS.read_text()
+    (tmp_path / SECRETS.parent.relative_to(ROOT)).mkdir(parents=True)
+    subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True, timeout=30)
+    written = dict(line.split("=", 1) for line in (tmp_path / SECRETS.relative_to(ROOT)).read_text().splitlines())
+    assert written.keys() == {"SPECGATE_WORKER_TOKEN", "SPECGATE_API_KEY"} and all(re.fullmatch("[0-9a-f]{64}", v) for v in written.values())
+    assert len(set(written.values())) == 2
     assert "deploy/kubernetes/components/specgate/secrets.env" in (ROOT / ".gitignore").read_text().splitlines()
     if not SECRETS.exists():  # a clean clone: the overlays refuse to render, naming the file
         try:
@@ -459,6 +490,32 @@ def test_no_secret_ships_and_an_empty_key_is_refused() -> None:
     config = yaml.safe_load(one(render("default"), "ConfigMap", "specgate-gateway")["data"]["config.yaml"])
     with pytest.raises(ConfigError, match="SPECGATE_API_KEY is set but empty"):
         parse_config(config | {"api_key": ""})
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_the_api_key_is_required(overlay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 76: the gateway's key was an optional reference, so a Secret without it served /v1/* to anyone. It is
+    required in every overlay: a Secret without it keeps the pod from starting, and the gateway loads with the key."""
+    resources = render(overlay)
+    [container] = one(resources, "Deployment", "specgate-gateway")["spec"]["template"]["spec"]["containers"]
+    [key] = [e["valueFrom"]["secretKeyRef"] for e in container["env"] if e["name"] == "SPECGATE_API_KEY"]
+    assert not key.get("optional") and key["key"] == "SPECGATE_API_KEY"
+    assert "SPECGATE_ALLOW_NO_API_KEY" not in {e["name"] for e in container["env"]}
+    config = gateway_config(resources, monkeypatch)
+    assert config.api_key and not config.allow_no_api_key
+
+
+def test_serving_without_a_key_is_a_component_an_overlay_adds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """components/no-api-key, added to an overlay of the user's around the default one: the gateway reads no key and says
+    SPECGATE_ALLOW_NO_API_KEY=true; nothing else changes."""
+    resources = render_own("no-api-key", NO_API_KEY)
+    config = gateway_config(resources, monkeypatch)
+    assert config.api_key is None and config.allow_no_api_key is True
+    shipped = render("default")
+    for objects in (resources, shipped):  # the one difference
+        [container] = one(objects, "Deployment", "specgate-gateway")["spec"]["template"]["spec"]["containers"]
+        container["env"] = [e for e in container["env"] if e["name"] not in ("SPECGATE_API_KEY", "SPECGATE_ALLOW_NO_API_KEY")]
+    assert resources == shipped
 
 
 @pytest.mark.parametrize("overlay", sorted(KINDS))
