@@ -12,7 +12,7 @@ import json
 import os
 import re
 import subprocess
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -41,10 +41,18 @@ PROBE_PATHS = {"/health", "/health/live", "/health/serving"}  # the gateway's pr
 METRICS_PATHS = {"/metrics", "/health/ready"}  # the gateway's, with metrics_port: on that port alone
 WORKER_PATHS = {"/health", "/health/live", "/metrics"}  # a worker's or stage's, on its one port
 DOCS = ROOT / "docs" / "kubernetes.md"
+VARIANTS = {  # an overlay of the user's around one of ours with one of the opt-in components: the overlay it wraps, its kustomization.yaml
+    component: ("default", f"resources: [../deploy/kubernetes/overlays/default]\ncomponents: [../deploy/kubernetes/components/{component}]\n")
+    for component in ("no-api-key", "responses-store")
+}
+EVERY = [*sorted(KINDS), *sorted(VARIANTS)]  # what the tests of every rendered object read
 ENV_PREFIXES = ("SPECGATE_", "VLLM_")  # the engines' settings: no Service may be named so that its links start with one
 
 
 def render(overlay: str) -> list[dict[str, Any]]:
+    """An overlay's objects, or a variant's (VARIANTS)."""
+    if overlay in VARIANTS:
+        return render_own(overlay, VARIANTS[overlay][1])
     try:
         return _render(overlay)
     except KubectlMissing as exc:
@@ -68,13 +76,6 @@ def gateway_config(resources: list[dict[str, Any]], monkeypatch: pytest.MonkeyPa
             monkeypatch.setenv(name, value)
     [config] = [yaml.safe_load(files["config.yaml"]) for files in container.files.values()]
     return parse_config(config)
-
-
-NO_API_KEY = """apiVersion: kustomize.config.k8s.io/v1beta1
-kind: Kustomization
-resources: [../deploy/kubernetes/overlays/default]
-components: [../deploy/kubernetes/components/no-api-key]
-"""
 
 
 def one(resources: list[dict[str, Any]], kind: str, name_prefix: str) -> dict[str, Any]:
@@ -103,7 +104,7 @@ def test_every_overlay_is_tested() -> None:
     assert sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir()) == sorted(KINDS)
 
 
-@pytest.mark.parametrize("overlay", sorted(KINDS))
+@pytest.mark.parametrize("overlay", EVERY)
 def test_overlay_renders_and_validates_strictly(overlay: str) -> None:
     resources = render(overlay)
     kinds: dict[str, int] = {}
@@ -111,7 +112,7 @@ def test_overlay_renders_and_validates_strictly(overlay: str) -> None:
         kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
         kinds[resource["kind"]] = kinds.get(resource["kind"], 0) + 1
     expected = dict(BASE_KINDS)
-    for kind, count in KINDS[overlay].items():
+    for kind, count in KINDS[VARIANTS[overlay][0] if overlay in VARIANTS else overlay].items():
         expected[kind] = expected.get(kind, 0) + count
     assert kinds == expected
 
@@ -128,7 +129,7 @@ def test_validation_rejects_a_broken_manifest() -> None:
         kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("overlay", sorted(KINDS))
+@pytest.mark.parametrize("overlay", EVERY)
 def test_every_object_is_in_the_one_namespace(overlay: str) -> None:
     """Issue 59: the workers came from targets/ and the overlays, past the base's `namespace:`: they landed in kubectl's
     current namespace while the gateway looked for them in `specgate`."""
@@ -138,7 +139,7 @@ def test_every_object_is_in_the_one_namespace(overlay: str) -> None:
     assert not outside, f"not in namespace {NAMESPACE}: {outside}"
 
 
-@pytest.mark.parametrize("overlay", sorted(KINDS))
+@pytest.mark.parametrize("overlay", EVERY)
 def test_every_reference_resolves_to_an_object_the_overlay_makes(overlay: str) -> None:
     """Secret and ConfigMap references name the generated (hash-suffixed) objects and keys that exist (the kubelet's
     CreateContainerConfigError otherwise); Services, PDBs, HPAs and the NetworkPolicies select workloads that exist."""
@@ -200,7 +201,7 @@ def allowed_peers(resources: list[dict[str, Any]], peers: dict[str, tuple[dict[s
     }
 
 
-@pytest.mark.parametrize("overlay", sorted(KINDS))
+@pytest.mark.parametrize("overlay", EVERY)
 def test_network_policies_open_the_api_and_let_only_prometheus_scrape(overlay: str) -> None:
     """Issue 76: the Prometheus peer was a bare namespace selector (every pod of `monitoring` reached the workers), and
     the gateways' metrics were on their open API port. Now: the gateways' API port from anywhere, their metrics port
@@ -270,7 +271,7 @@ def test_gateway_config_is_specgates_and_names_the_overlays_services(overlay: st
     assert gateway["volumes"][0]["configMap"]["name"] == config_map["metadata"]["name"]
 
 
-@pytest.mark.parametrize("overlay", sorted(KINDS))
+@pytest.mark.parametrize("overlay", EVERY)
 def test_drains_cover_the_longest_stream(overlay: str) -> None:
     """A 30 s drain cut streams of max_tokens 512, which run minutes at the measured per-gateway rate: the drain covers
     max_tokens of each of max_concurrent_requests streams at the rate `bench load` measured for one gateway
@@ -304,7 +305,7 @@ def served(container: dict[str, Any], config: Any) -> dict[str, set[str]]:
     return {"http": PROBE_PATHS, "metrics": PROBE_PATHS | METRICS_PATHS}
 
 
-@pytest.mark.parametrize("overlay", sorted(KINDS))
+@pytest.mark.parametrize("overlay", EVERY)
 def test_probes_check_endpoints_that_exist(overlay: str) -> None:
     """Every probe asks a path the port it names answers; /metrics is scraped where it is served (the gateway's metrics
     port, which the Service does not expose)."""
@@ -326,7 +327,7 @@ def test_probes_check_endpoints_that_exist(overlay: str) -> None:
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]  # the API alone
 
 
-@pytest.mark.parametrize("overlay", sorted(KINDS))
+@pytest.mark.parametrize("overlay", EVERY)
 def test_probes_mean_it(overlay: str) -> None:
     """Issue 76: the gateway's readiness asked /health/ready, which checks every target, so one target down took every
     gateway out of the Service; the workers' liveness was a TCP connect, which a hung process still accepts. The
@@ -343,7 +344,7 @@ def test_probes_mean_it(overlay: str) -> None:
         assert readiness == ("/health/serving" if container["name"] == "gateway" else "/health"), name
 
 
-@pytest.mark.parametrize("overlay", sorted(KINDS))
+@pytest.mark.parametrize("overlay", EVERY)
 def test_pods_run_locked_down(overlay: str) -> None:
     """Non-root, no privilege escalation, no capabilities, a read-only root filesystem (a writable /tmp), no service
     links, no API token; workloads spread over nodes and have a disruption budget."""
@@ -414,7 +415,7 @@ def restricted_violations(template: dict[str, Any]) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("overlay", sorted(KINDS))
+@pytest.mark.parametrize("overlay", EVERY)
 def test_the_namespace_enforces_the_restricted_pod_security_standard_and_every_pod_meets_it(overlay: str) -> None:
     """Issue 76: nothing stopped a pod that runs as root, privileged or on the host's network from landing in the
     namespace. Pod Security Admission enforces `restricted` there (pinned to the oldest supported version, warned and
@@ -508,7 +509,7 @@ def test_the_api_key_is_required(overlay: str, monkeypatch: pytest.MonkeyPatch) 
 def test_serving_without_a_key_is_a_component_an_overlay_adds(monkeypatch: pytest.MonkeyPatch) -> None:
     """components/no-api-key, added to an overlay of the user's around the default one: the gateway reads no key and says
     SPECGATE_ALLOW_NO_API_KEY=true; nothing else changes."""
-    resources = render_own("no-api-key", NO_API_KEY)
+    resources = render("no-api-key")
     config = gateway_config(resources, monkeypatch)
     assert config.api_key is None and config.allow_no_api_key is True
     shipped = render("default")
@@ -516,6 +517,42 @@ def test_serving_without_a_key_is_a_component_an_overlay_adds(monkeypatch: pytes
         [container] = one(objects, "Deployment", "specgate-gateway")["spec"]["template"]["spec"]["containers"]
         container["env"] = [e for e in container["env"] if e["name"] not in ("SPECGATE_API_KEY", "SPECGATE_ALLOW_NO_API_KEY")]
     assert resources == shipped
+
+
+@pytest.mark.parametrize("overlay", sorted(KINDS))
+def test_every_overlay_stores_no_responses(overlay: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 76: each gateway pod kept its own responses (responses.store auto, in its emptyDir) behind a Service that
+    spreads requests, so a previous_response_id reached the gateway holding it one time in N and got a 404 otherwise.
+    Every shipped overlay stores none; components/responses-store is the deliberate choice to store them."""
+    resources = render(overlay)
+    assert gateway_config(resources, monkeypatch).responses.store == "none"
+    [container] = one(resources, "Deployment", "specgate-gateway")["spec"]["template"]["spec"]["containers"]
+    assert "XDG_STATE_HOME" not in {e["name"] for e in container["env"]}  # it served the store alone
+
+
+def test_stored_responses_are_a_component_with_affinity_and_room_on_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """components/responses-store: the Service sends a client's address to one gateway (ClientIP, with a timeout); the
+    store lies on an emptyDir of its own, capped (max_bytes at most half its sizeLimit: SQLite's journal and WAL need
+    room); the gateway's ephemeral-storage request and limit cover every emptyDir's sizeLimit, so the scheduler finds the
+    disk and the kubelet does not evict the pod mid-stream. docs/kubernetes.md says what it costs."""
+    resources = render("responses-store")
+    config = gateway_config(resources, monkeypatch)
+    pod = one(resources, "Deployment", "specgate-gateway")["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    store = PurePosixPath(config.responses.store)
+    mount = max((m for m in container["volumeMounts"] if store.is_relative_to(m["mountPath"])), key=lambda m: len(m["mountPath"]))
+    assert [m["mountPath"] for m in container["volumeMounts"] if m["name"] == mount["name"]] == [mount["mountPath"]], "a volume of its own"
+    disk = volumes[mount["name"]]["emptyDir"]
+    assert "medium" not in disk and 0 < config.responses.max_bytes <= _bytes(disk["sizeLimit"]) / 2
+    assert all("sizeLimit" in v["emptyDir"] for v in volumes.values() if "emptyDir" in v)
+    disks = sum(_bytes(v["emptyDir"]["sizeLimit"]) for v in volumes.values() if "emptyDir" in v)
+    for bound in ("requests", "limits"):
+        assert _bytes(container["resources"][bound]["ephemeral-storage"]) >= disks, bound
+    service = by_kind(resources, "Service")["gateway"]["spec"]
+    assert service["sessionAffinity"] == "ClientIP" and service["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"] > 0
+    docs = " ".join(DOCS.read_text().split())
+    assert "components/responses-store" in docs and "sessionAffinity: ClientIP" in docs
 
 
 @pytest.mark.parametrize("overlay", sorted(KINDS))
@@ -573,7 +610,7 @@ def _seconds(duration: str) -> float:
     return float(duration[:-1]) * {"s": 1, "m": 60, "h": 3600}[duration[-1]]
 
 
-@pytest.mark.parametrize("overlay", sorted(KINDS))
+@pytest.mark.parametrize("overlay", EVERY)
 def test_the_pod_monitors_scrape_every_pod_where_it_serves_metrics(overlay: str) -> None:
     """One PodMonitor selects each pod (vLLM's too), on the port that answers /metrics: the gateway's metrics port."""
     monitors = list(yaml.safe_load_all((KUBERNETES / "monitoring" / "podmonitor.yaml").read_text()))
@@ -624,6 +661,12 @@ def test_the_image_runs_anywhere_as_nobody() -> None:
     assert "chmod -R a+rX /srv/specgate /opt/specgate" in dockerfile  # the caches were 0600 root: uid 10001 could not load them
     final = dockerfile.rsplit("FROM ${BASE_IMAGE}", 1)[1]
     assert "build-essential" not in final and re.search(r"^USER 10001", final, re.MULTILINE)
+
+
+def _bytes(value: str | int) -> int:
+    """A storage quantity (``512Mi``, ``1Gi``, ``1G``) in bytes."""
+    number, unit = re.fullmatch(r"(\d+)([KMGT]i?)?", str(value)).groups()  # type: ignore[union-attr]
+    return int(number) * (1024 if unit and unit.endswith("i") else 1000) ** ("KMGT".index(unit[0]) + 1 if unit else 0)
 
 
 def _quantity(value: str | int | float) -> float:
