@@ -663,6 +663,40 @@ def test_the_image_runs_anywhere_as_nobody() -> None:
     assert "build-essential" not in final and re.search(r"^USER 10001", final, re.MULTILINE)
 
 
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Whether Docker leaves ``path`` (relative to the context) out of the build context: the last pattern that matches it
+    or a folder above it decides (``!`` keeps); ``**`` spans folders, ``*`` and ``?`` stay within one (moby's patternmatcher)."""
+    ignored = False
+    parts = path.split("/")
+    for pattern in patterns:
+        keep = pattern.startswith("!")
+        body = pattern.lstrip("!").strip("/")
+        regex = "".join(
+            "(.*/)?" if token == "**/" else ".*" if token == "**" else "[^/]*" if token == "*" else "[^/]" if token == "?" else re.escape(token)
+            for token in re.findall(r"\*\*/|\*\*|\*|\?|[^*?]+", body)
+        )
+        if any(re.fullmatch(regex, "/".join(parts[:n])) for n in range(1, len(parts) + 1)):
+            ignored = not keep
+    return ignored
+
+
+def test_the_build_context_leaves_out_the_manifests_and_secrets_and_keeps_what_the_dockerfile_copies() -> None:
+    """Issue 76: the build context carried deploy/ — the user's secrets.env with it — into every build (and any layer a
+    COPY . would make). .dockerignore leaves out deploy/, every env file, git's history, virtual environments, caches,
+    the tests and the docs; every file the Dockerfile copies stays in."""
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    out = ["deploy/kubernetes/components/specgate/secrets.env", "deploy/kubernetes/base/gateway.yaml", "config/local.env", ".env", "app/.env",
+           ".git/HEAD", ".venv/bin/python", "tests/test_docs.py", "docs/kubernetes.md", "app/__pycache__/server.cpython-311.pyc",
+           ".pytest_cache/README.md", ".mypy_cache/3.11/x.json", ".ruff_cache/CACHEDIR.TAG", ".hypothesis/examples/x"]
+    assert [p for p in out if not dockerignored(p, patterns)] == []
+    copied = [source for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ") and "--from=" not in line
+              for source in line.split()[1:-1]]
+    assert {"core", "app", "workers", "clients", "config", "scripts", "pyproject.toml"} <= set(copied)
+    files = [f for source in copied for f in ([ROOT / source] if (ROOT / source).is_file() else (ROOT / source).rglob("*")) if f.is_file()]
+    kept = [str(f.relative_to(ROOT)) for f in files if "__pycache__" not in f.parts]
+    assert kept and [p for p in kept if dockerignored(p, patterns)] == []
+
+
 def _bytes(value: str | int) -> int:
     """A storage quantity (``512Mi``, ``1Gi``, ``1G``) in bytes."""
     number, unit = re.fullmatch(r"(\d+)([KMGT]i?)?", str(value)).groups()  # type: ignore[union-attr]
