@@ -1,9 +1,12 @@
-"""deploy/kubernetes read as a cluster reads it: every overlay renders with kubectl's Kustomize and validates strictly
-against the Kubernetes schemas (offline: kubernetes-validate); every object lands in the one namespace; every Secret,
-ConfigMap and Service reference resolves to an object the overlay makes; every specgate image is the one reference
-docs/kubernetes.md builds and pushes; pods run locked down, spread, with disruption budgets; the autoscalers read metrics the pods
-export through the adapter rules in the repository; the settings survive Kubernetes' service-link variables; the
-drains cover the longest stream. tests/integration/test_kubernetes_pods.py starts the rendered containers."""
+"""deploy/kubernetes read as a cluster reads it: every overlay (and each opt-in component, in an overlay of the user's
+around the default one) renders with kubectl's Kustomize and validates strictly against the Kubernetes schemas (offline:
+kubernetes-validate); every object lands in the one namespace; every Secret, ConfigMap and Service reference resolves to
+an object the overlay makes; every specgate image is the placeholder an overlay of the user's replaces, as
+docs/kubernetes.md shows; pods run locked down (Pod Security's `restricted`), spread, with disruption budgets, probes
+that ask what each means and NetworkPolicies that admit whom they should; the API key is required; no overlay stores
+responses; the autoscalers read metrics the pods export through the adapter rules in the repository; the settings
+survive Kubernetes' service-link variables; the drains cover the longest stream; the image's build context leaves out
+the manifests and their secrets. tests/integration/test_kubernetes_pods.py starts the rendered containers."""
 
 from __future__ import annotations
 
@@ -100,8 +103,9 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return matches
 
 
-def test_every_overlay_is_tested() -> None:
+def test_every_overlay_and_component_is_tested() -> None:
     assert sorted(p.name for p in OVERLAYS.iterdir() if p.is_dir()) == sorted(KINDS)
+    assert sorted(p.name for p in (KUBERNETES / "components").iterdir() if p.is_dir()) == sorted(["specgate", *VARIANTS])
 
 
 @pytest.mark.parametrize("overlay", EVERY)
