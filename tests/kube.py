@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from secrets import token_hex
 from typing import Any
 
 import yaml
@@ -41,9 +42,27 @@ def render(overlay: str) -> list[Object]:
 
 @functools.cache
 def _rendered(overlay: str) -> list[Object]:
-    out = kustomize(_tree() / "overlays" / overlay)
+    return _objects(_tree() / "overlays" / overlay)
+
+
+def render_own(name: str, kustomization: str) -> list[Object]:
+    """What a user's own overlay renders: ``kustomization`` (its kustomization.yaml) in the folder ``name`` beside the
+    repository's ``deploy/`` (so ``../deploy/kubernetes/overlays/default`` names an overlay), each once (a copy)."""
+    return copy.deepcopy(_rendered_own(name, kustomization))
+
+
+@functools.cache
+def _rendered_own(name: str, kustomization: str) -> list[Object]:
+    folder = _tree().parents[1] / name
+    folder.mkdir()
+    (folder / "kustomization.yaml").write_text(kustomization)
+    return _objects(folder)
+
+
+def _objects(directory: Path) -> list[Object]:
+    out = kustomize(directory)
     if out.returncode != 0:
-        raise RuntimeError(f"kubectl kustomize {overlay}: {out.stderr}")
+        raise RuntimeError(f"kubectl kustomize {directory.name}: {out.stderr}")
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
@@ -56,13 +75,16 @@ def kustomize(directory: Path) -> subprocess.CompletedProcess[str]:
 
 @functools.cache
 def _tree() -> Path:
-    """deploy/kubernetes copied, with the user's secrets.env where there is one, else the example's (git ignores secrets.env)."""
+    """deploy/kubernetes copied (to <temp>/deploy/kubernetes), with the user's secrets.env where there is one, else the
+    example's keys with fresh values, as its comment makes them (git ignores secrets.env; the example's placeholders are
+    refused at start)."""
     copy_root = Path(tempfile.mkdtemp(prefix="specgate-kubernetes-"))
     atexit.register(shutil.rmtree, copy_root, True)
-    tree = copy_root / "kubernetes"
+    tree = copy_root / "deploy" / "kubernetes"
     shutil.copytree(KUBERNETES, tree)
     if not SECRETS.is_file():
-        shutil.copy(SECRETS_EXAMPLE, tree / SECRETS.relative_to(KUBERNETES))
+        keys = [line.split("=", 1)[0] for line in SECRETS_EXAMPLE.read_text().splitlines() if "=" in line and not line.startswith("#")]
+        (tree / SECRETS.relative_to(KUBERNETES)).write_text("".join(f"{key}={token_hex(32)}\n" for key in keys))
     return tree
 
 
