@@ -79,11 +79,14 @@ def run_default_overlay(image: str, timeout_s: float) -> dict[str, object]:
             [w] = containers(objects, worker)
             names.append(_run(image, w, network, [f"--network-alias={worker['spec']['serviceName']}"], Path(mounts)))
             [g] = containers(objects, gateway)
-            port = free_port()
-            names.append(_run(image, g, network, [f"--publish=127.0.0.1:{port}:{g.port('http')}"], Path(mounts)))
+            port, metrics = free_port(), free_port()
+            published = [f"--publish=127.0.0.1:{port}:{g.port('http')}", f"--publish=127.0.0.1:{metrics}:{g.port('metrics')}"]
+            names.append(_run(image, g, network, published, Path(mounts)))
             url = f"http://127.0.0.1:{port}"
             _step(f"waiting for the gateway's readiness probe ({g.spec['readinessProbe']['httpGet']['path']}) at {url}")
-            ready_s = _wait(f"{url}{g.spec['readinessProbe']['httpGet']['path']}", started, timeout_s, names)
+            _wait(f"{url}{g.spec['readinessProbe']['httpGet']['path']}", started, timeout_s, names)
+            _step(f"waiting for its targets (/health/ready on the metrics port, {metrics})")  # readiness no longer asks them
+            ready_s = _wait(f"http://127.0.0.1:{metrics}/health/ready", started, timeout_s, names)
             key = g.env.get("SPECGATE_API_KEY")
             resp = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=120)
             resp.raise_for_status()
@@ -92,12 +95,27 @@ def run_default_overlay(image: str, timeout_s: float) -> dict[str, object]:
             _step(f"answer: {text!r}")
             users = {n: _out(["docker", "exec", n, "id", "-u"]).strip() for n in names}
             stage_s = run_stage(image, network, Path(mounts), timeout_s, names)
-            return {"ready_s": round(ready_s, 1), "first_answer_s": round(answer_s, 1), "answer": text, "uids": users, "pipeline_stage_ready_s": stage_s}
+            cores = threads_within_a_cpu_quota(image)
+            return {
+                "ready_s": round(ready_s, 1), "first_answer_s": round(answer_s, 1), "answer": text, "uids": users, "pipeline_stage_ready_s": stage_s,
+                "usable_cores_at_cpus_1": cores,
+            }
         finally:
             for name in names:
                 subprocess.run(["docker", "logs", "--tail", "5", name], check=False)
                 subprocess.run(["docker", "rm", "-f", name], check=False, stdout=subprocess.DEVNULL)
             subprocess.run(["docker", "network", "rm", network], check=False, stdout=subprocess.DEVNULL)
+
+
+def threads_within_a_cpu_quota(image: str) -> int:
+    """``docker run --cpus 1`` (a CPU quota, as a pod's CPU limit sets, every core of the machine still in its affinity):
+    the cores a process of the image sizes its threads from are 1 (issue 76: they were every core of the machine)."""
+    _step("the cores a process sees under docker run --cpus 1")
+    code = "from core.cores import usable_cores; print(usable_cores())"
+    cores = int(_out(["docker", "run", "--rm", "--cpus", "1", "--entrypoint", "python", image, "-c", code]).strip())
+    if cores != 1:
+        raise SystemExit(f"image check: under --cpus 1 a process sizes its threads for {cores} cores")
+    return cores
 
 
 def run_stage(image: str, network: str, mounts: Path, timeout_s: float, names: list[str]) -> float:

@@ -133,12 +133,13 @@ class VerifyScheduler:
 
     @property
     def stalled_s(self) -> float:
-        """Seconds since the model last finished a step while work waits or runs; 0 while idle. A busy worker's stays
+        """Seconds since the model last finished a step (or a decode of one) while work waits or runs; 0 while idle. A busy worker's stays
         under a step's time whatever its queue; a stuck one's grows (its ``/health`` reports it: the gateway waits on a
         slow answer while it stays low, ``app.targets.channel``)."""
         if not self._queue and not self._working:
             return 0.0
-        return time.monotonic() - self.progress_at
+        runner = getattr(self.state, "runner", None)  # llama.cpp: each decode of a step is progress too
+        return time.monotonic() - max(self.progress_at, getattr(runner, "progress_at", 0.0))
 
     @property
     def queue_length(self) -> int:

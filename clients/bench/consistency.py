@@ -93,14 +93,15 @@ def lengths(count: int, shortest: int = 300, longest: int = 1_500) -> list[int]:
     return [shortest + (longest - shortest) * i // max(count - 1, 1) for i in range(count)]
 
 
-def gateway_config(replicas: list[str], threads: int, late_from: int | None, memory_cap_mb: int | None = None) -> Any:
-    """The built-in gateway on one target with ``replicas``, its draft on ``threads`` threads (and ``memory_cap_mb``)."""
+def gateway_config(replicas: list[str], threads: int, late_from: int | None, memory_cap_mb: int | None = None, read_timeout_s: float = 30.0) -> Any:
+    """The built-in gateway on one target with ``replicas``, its draft on ``threads`` threads (and ``memory_cap_mb``);
+    ``read_timeout_s``: the shipped default (a worker slower than it is waited for while it progresses)."""
     base = builtin_config()
     data = base.model_dump(mode="json", exclude_none=True)
     data["draft"] = {**data["draft"], "threads": threads, "background_prefill_from": late_from}
     if memory_cap_mb:
         data["draft"]["memory_cap_mb"] = memory_cap_mb
-    data["workers"] = [{"urls": replicas, "weight": 1.0, "read_timeout_s": 600}]  # a tree's first call goes whole: 1,500 tokens on a busy machine
+    data["workers"] = [{"urls": replicas, "weight": 1.0, "read_timeout_s": read_timeout_s}]
     data["limits"] = {**data["limits"], "max_prompt_tokens": MAX_PROMPT}
     return type(base)(**data)
 

@@ -95,6 +95,7 @@ class ModelRunner(ABC):
     hidden_size = 0  # the model's hidden states' width (what a stage passes on)
     num_layers: int | None = None  # the whole model's decoder layers, where the backend says (a stage must)
     threads: int | None = None  # the CPU threads its model and torch's pool run on (``load_runner`` sets it)
+    progress_at = 0.0  # time.monotonic() when a runner that decodes a forward in parts (llama.cpp) last finished one
     _kv_bytes = 0  # KV cache bytes per row
     has_weights = True  # False: a tokenizer alone (``draft.model: none``)
 

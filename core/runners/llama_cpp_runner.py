@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -441,6 +442,7 @@ class LlamaCppRunner(ModelRunner):
             finally:
                 if beside is not None:
                     self._llama_cpp.llama_memory_seq_rm(ctx.memory, beside[0], beside[1], -1)
+            self.progress_at = time.monotonic()  # a busy worker's sign of life (workers.scheduler.stalled_s)
             if beside is not None and beside[2]:  # the real token second
                 if not chunk[0][3]:
                     continue

@@ -10,6 +10,7 @@ un-suffixed Secret name and no namespace, and the gateway exited on SPECGATE_POR
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -131,14 +132,16 @@ def test_the_rendered_pods_start_pass_their_probes_and_answer_a_chat(
             argv = [str(local) if a == f"{mount}/{name}" else a for a in argv]
     config_path = Path(flag(argv, "--config") or "")
     assert config_path.is_file(), argv
-    port = free_port()
+    port, metrics_port = free_port(), free_port()  # the metrics port (its config's metrics_port) a free one too
     argv = with_flag(with_flag(argv, "--host", "127.0.0.1"), "--port", str(port))
     # the pod's resolv.conf points at the cluster's DNS: here, tests/dns.py's server
-    pod = Pod(container, "127.0.0.1", argv, {"SPECGATE_DISCOVERY__DNS_SERVERS": f'["{dns.server}"]'}, tmp_path / "gateway.log")
+    extra = {"SPECGATE_DISCOVERY__DNS_SERVERS": f'["{dns.server}"]', "SPECGATE_METRICS_PORT": str(metrics_port)}
+    pod = Pod(container, "127.0.0.1", argv, extra, tmp_path / "gateway.log")
     try:
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             pod.wait(probe, port)
-        ready = httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=10).json()
+        assert httpx.get(f"http://127.0.0.1:{port}/health/ready", timeout=10).status_code == 404  # the metrics port's alone
+        ready = httpx.get(f"http://127.0.0.1:{metrics_port}/health/ready", timeout=10).json()
         targets = {w["name"] for w in yaml.safe_load(config_path.read_text())["workers"]}
         assert ready["status"] == "ready" and {w["name"] for w in ready["workers"]} == targets
         key = container.env["SPECGATE_API_KEY"]
@@ -155,9 +158,44 @@ def test_the_rendered_pods_start_pass_their_probes_and_answer_a_chat(
         for hpa in by_kind(objects, "HorizontalPodAutoscaler").values():
             series = rules[hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]]
             scaled = hpa["spec"]["scaleTargetRef"]["name"]
-            where = f"http://127.0.0.1:{port}" if scaled == "specgate-gateway" else pods[scaled].url(8101)
+            where = f"http://127.0.0.1:{metrics_port}" if scaled == "specgate-gateway" else pods[scaled].url(8101)
             assert f"\n{series} " in httpx.get(f"{where}/metrics", timeout=10).text, (scaled, series)
+        if overlay == "default":
+            _liveness_answers_while_draining(pod, port, key)
+        else:
+            _readiness_stays_while_a_target_is_down(pod, pods["specgate-worker-w1"], port, metrics_port, key)
     finally:
         pod.stop()
     log = (tmp_path / "gateway.log").read_text()
     assert "Traceback" not in log, log[-3000:]
+
+
+def _liveness_answers_while_draining(pod: Pod, port: int, key: str) -> None:
+    """Issue 76: SIGTERM with a stream open: the readiness probe fails at once (the Service drops the pod), the liveness
+    probe still passes (a drain must not end in a restart), and the gateway exits 0 once the stream has ended."""
+    body = {**CHAT, "messages": [{"role": "user", "content": "Count from 1 to 300."}], "max_tokens": 300, "min_tokens": 300, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        pod.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while pod.probe("readinessProbe", port):
+            assert time.monotonic() < deadline, "readiness still passes while draining"
+            time.sleep(0.1)
+        assert pod.probe("livenessProbe", port) and pod.probe("startupProbe", port) and pod.proc.poll() is None
+    assert pod.proc.wait(timeout=60) == 0
+
+
+def _readiness_stays_while_a_target_is_down(pod: Pod, target: Pod, port: int, metrics_port: int, key: str) -> None:
+    """Issue 76: readiness asked every target, so one target down (a single-pod target drained or restarting) took every
+    gateway out of its Service: clients got connection refused. Now the gateway stays ready and answers a JSON 503 that
+    names the target, and /health/ready (the metrics port) says which target is down."""
+    target.stop()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"http://127.0.0.1:{metrics_port}/health/ready", timeout=10).status_code == 200:
+        assert time.monotonic() < deadline, "/health/ready never noticed the target was down"
+        time.sleep(0.2)
+    assert pod.probe("readinessProbe", port) and pod.probe("livenessProbe", port)
+    resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    assert resp.status_code == 503 and "w1" in resp.json()["error"]["message"], resp.text
