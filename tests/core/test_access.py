@@ -38,3 +38,31 @@ def test_no_key_off_loopback_needs_an_explicit_opt_out() -> None:
         WorkerSettings(host="0.0.0.0").check_access()
     WorkerSettings(host="0.0.0.0", allow_no_token=True).check_access()
     WorkerSettings().check_access()
+
+
+def test_with_a_metrics_port_each_port_answers_its_own_paths() -> None:
+    """Issue 76: /metrics and /health/ready (which lists the replicas' addresses) were open through the gateway's Service.
+    With a metrics port they answer there alone, the API on its own port alone, the probes on both (the pod-level run,
+    tests/integration/test_kubernetes_pods.py, asks a real gateway on its two sockets)."""
+    import asyncio
+
+    from core.serving import PortSplit
+
+    async def app(scope: dict, receive: object, send: object) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"ok"})  # type: ignore[operator]
+
+    async def status(path: str, port: int) -> int:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        await PortSplit(app, metrics_port=9090)({"type": "http", "path": path, "server": ("10.0.0.5", port)}, None, send)  # type: ignore[arg-type]
+        return int(sent[0]["status"])
+
+    paths = ["/v1/chat/completions", "/metrics", "/health/ready", "/health", "/health/live", "/health/serving", "/"]
+    on_api = [asyncio.run(status(p, 8000)) for p in paths]
+    on_metrics = [asyncio.run(status(p, 9090)) for p in paths]
+    assert on_api == [200, 404, 404, 200, 200, 200, 200]
+    assert on_metrics == [404, 200, 200, 200, 200, 200, 404]
