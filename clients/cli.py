@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="start the gateway and a local worker for each config entry with a model")
     serve.add_argument("--config", default=None, help="YAML config (default: the built-in one: two local workers, builtin and builtin-alt)")
     serve.add_argument("--port", type=int, default=None, help="gateway port (default: the config's, 8000)")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SPECGATE_API_KEY, else open)")
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $SPECGATE_API_KEY, else none on 127.0.0.1; other addresses need one or allow_no_api_key)")
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every worker (default: 600)")
     prepare = commands.add_parser("prepare", help="make the built-in models' caches now (set-up runs it): requantizations, tokenizers, transformers weights")
     prepare.add_argument("--no-transformers", action="store_true", help="skip the target's dequantized weights for transformers")

@@ -36,6 +36,9 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
         config.check_access()
         if taken := taken_port(config):
             raise ConfigError(taken)
+        for secret, variable in (("api_key", "SPECGATE_API_KEY"), ("worker_token", "SPECGATE_WORKER_TOKEN")):
+            if (value := getattr(config, secret)) is not None:  # the config file the children read leaves secrets out
+                os.environ[variable] = value
     except SpecgateError as exc:
         print(f"specgate serve: error: {exc}", file=sys.stderr)
         return 2
@@ -74,7 +77,8 @@ def taken_port(config: SpecgateConfig) -> str | None:
     """What names the first port this config needs that something already listens on."""
     wanted = [(f"worker {w.name}", "127.0.0.1", w.port) for w in config.workers if w.is_local]
     wanted += [(name, "127.0.0.1", stage.port) for name, stage in local_stages(config)]
-    for entry, host, port in [*wanted, ("the gateway", config.host, config.port)]:
+    wanted += [("the gateway", config.host, config.port)] + ([("the gateway's metrics", config.host, config.metrics_port)] if config.metrics_port else [])
+    for entry, host, port in wanted:
         assert port is not None
         if not _can_bind(host, port):
             return f"port {port} of {entry} is already in use (another specgate serve, or another program); free it or change the port in the config"

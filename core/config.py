@@ -263,7 +263,7 @@ class HealthConfig(BaseModel):
 
     failure_threshold: int = Field(default=3, gt=0)  # failures in a row that open the breaker
     probe_interval_s: float = Field(default=2.0, gt=0)  # how often an open replica's /health is probed
-    ready_timeout_s: float = Field(default=2.0, gt=0)  # /health/ready answers within about this: a replica silent so long is not ready this time (its check goes on); keep it under the readiness probe's timeout
+    ready_timeout_s: float = Field(default=2.0, gt=0)  # /health/ready answers within about this: a replica silent so long is not ready this time (its check goes on); it is for people and alerts, no probe asks it
 
 
 class DiscoveryConfig(BaseModel):
@@ -321,6 +321,8 @@ class SpecgateConfig(BaseSettings):
             raise ValueError(f"workers: names must be unique, got {names}")
         pipelines = [str(w.name) for w in self.workers if w.pipeline is not None]
         engines = [str(w.name) for w in self.workers if w.is_engine]
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port: {self.metrics_port} is the API's port too: give the metrics a port of their own")
         problem = target_problem(self.speculative.mode, len(self.workers), engines, pipelines)
         if problem is not None:
             raise ValueError(f"speculative.{problem}")
@@ -482,7 +484,7 @@ def secret_or_none(value: str | None, variable: str) -> str | None:
         raise ValueError(f"{variable} is set but empty: give it a value, or leave the variable unset to serve without one")
     if value is not None and is_placeholder(value):
         raise ValueError(f"{variable} is the placeholder {value.strip()!r}: generate a value (`openssl rand -hex 32`)")
-    return value
+    return None if value is None else value.strip()  # a file's newline (kubectl create secret --from-file) is no part of it
 
 
 PLACEHOLDERS = frozenset({

@@ -170,8 +170,9 @@ PROMETHEUS = ({"kubernetes.io/metadata.name": "monitoring"}, {"app.kubernetes.io
 PEERS = {  # a client: its namespace's labels, its own
     "prometheus": PROMETHEUS,
     "grafana beside prometheus": ({"kubernetes.io/metadata.name": "monitoring"}, {"app.kubernetes.io/name": "grafana"}),
-    "a gateway": ({"kubernetes.io/metadata.name": NAMESPACE}, {"app.kubernetes.io/component": "gateway"}),
-    "a stage": ({"kubernetes.io/metadata.name": NAMESPACE}, {"app.kubernetes.io/component": "stage"}),
+    "a gateway": ({"kubernetes.io/metadata.name": NAMESPACE}, {"app.kubernetes.io/component": "gateway", "app.kubernetes.io/part-of": "specgate"}),
+    "a stage": ({"kubernetes.io/metadata.name": NAMESPACE}, {"app.kubernetes.io/component": "stage", "app.kubernetes.io/part-of": "specgate"}),
+    "another project's gateway": ({"kubernetes.io/metadata.name": NAMESPACE}, {"app.kubernetes.io/component": "gateway"}),
     "another pod of the namespace": ({"kubernetes.io/metadata.name": NAMESPACE}, {"app": "debug"}),
     "a pod elsewhere": ({"kubernetes.io/metadata.name": "default"}, {"app": "client"}),
 }
@@ -210,7 +211,8 @@ def test_network_policies_open_the_api_and_let_only_prometheus_scrape(overlay: s
     """Issue 76: the Prometheus peer was a bare namespace selector (every pod of `monitoring` reached the workers), and
     the gateways' metrics were on their open API port. Now: the gateways' API port from anywhere, their metrics port
     from Prometheus's pods alone; workers, stages and targets from the gateways, the stages and Prometheus alone. The
-    Prometheus peer is one policy, specgate-prometheus, whose pod selector sits in the namespace selector's entry."""
+    Prometheus peer is one policy, specgate-prometheus, whose pod selector sits in the namespace selector's entry. Pods
+    are ours by `part-of` too: another project's pod labelled `component: gateway` reaches no worker."""
     resources = render(overlay)
     everyone = set(PEERS)
     for (workload, port), peers in allowed_peers(resources).items():
@@ -676,6 +678,15 @@ def test_vllms_pod_runs_as_a_user_it_has_no_passwd_entry_for_and_is_watched() ->
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
     assert annotations["prometheus.io/port"] == str(container["ports"][0]["containerPort"])
+    # a saturated API server answers /health slowly: neither probe fails on the kubelet's 1 s default (one pod: unready
+    # is connection refused for every gateway round, and a restart costs the whole start-up); the endpoints drop it first
+    for probe, least in (("readinessProbe", 15), ("livenessProbe", 60)):
+        check = container[probe]
+        assert check.get("timeoutSeconds", 1) >= 5 and check["periodSeconds"] * check["failureThreshold"] >= least, probe
+    assert container["lifecycle"]["preStop"]["sleep"]["seconds"] >= 5
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    sized = sum(_bytes(v["emptyDir"]["sizeLimit"]) for v in volumes.values())
+    assert sized and _bytes(container["resources"]["requests"]["ephemeral-storage"]) >= sized
 
 
 def test_the_image_runs_anywhere_as_nobody() -> None:

@@ -180,9 +180,13 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
     async def health(request: Request) -> Response:
         threads = {"model": _state(request).runner.threads, "torch": torch.get_num_threads()}
         draining = request.app.state.draining  # a rollout's SIGTERM: readiness fails, the DNS name drops it
-        # stalled_s: how long its model has finished no step while work waits (0 idle): busy is low, stuck grows
-        stalled = round(_state(request).scheduler.stalled_s, 3)
-        body = {"status": "draining" if draining else "ok", "instance_id": settings.instance_id, "threads": threads, "stalled_s": stalled}
+        # calls: verify and stage calls being answered; stalled_s: how long its model has finished no step (or decode)
+        # while work waits, 0 idle. A gateway waits on a slow call while both say busy and progressing (app.targets.channel)
+        state = _state(request)
+        body = {
+            "status": "draining" if draining else "ok", "instance_id": settings.instance_id, "threads": threads,
+            "calls": state.in_flight, "stalled_s": round(state.scheduler.stalled_s, 3),
+        }
         return Response(orjson.dumps(body), status_code=503 if draining else 200, media_type="application/json")
 
     @app.get("/health/live")

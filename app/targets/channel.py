@@ -21,7 +21,7 @@ from core.protocol import InfoResponse, decode
 
 log = logging.getLogger(__name__)
 
-_HEALTH_TIMEOUT = httpx.Timeout(2.0)  # asking a slow replica's health: a hung one must not hold the call longer
+_HEALTH_TIMEOUT = httpx.Timeout(5.0)  # asking a slow replica's health (a kubelet's probe gives it as long)
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,8 @@ class Channel:
 
     async def _not_progressing(self, replica: Replica) -> str | None:
         """Why a replica that has not answered within the read timeout is taken for dead, or None: its health answers
-        (draining counts: its sessions go on) and its model finished a step within the read timeout."""
+        (draining counts: its sessions go on), it is answering calls (a restarted process, or one that lost the call,
+        holds none), and its model finished a step within the read timeout."""
         limit = self.timeout.read or 0.0
         try:
             resp = await self.client.get(f"{replica.url}{self.health_path}", timeout=_HEALTH_TIMEOUT)
@@ -169,9 +170,11 @@ class Channel:
         body = body if isinstance(body, dict) else {}
         if resp.status_code != 200 and body.get("status") != "draining":
             return f"its {self.health_path} answered {resp.status_code}"
-        stalled = body.get("stalled_s")
-        if not isinstance(stalled, (int, float)):
+        stalled, calls = body.get("stalled_s"), body.get("calls")
+        if not isinstance(stalled, (int, float)) or not isinstance(calls, int):
             return f"its {self.health_path} reports no progress"
+        if calls < 1:
+            return "it is answering no call (it restarted, or lost this one)"
         if stalled >= limit:
             return f"its model has finished no step for {stalled:.1f} s"
         return None

@@ -253,7 +253,7 @@ async def test_a_busy_worker_is_waited_for_and_a_stuck_one_failed(gateway: Gatew
     answers and its model finished a step within the read timeout (``stalled_s``), the call waits on and nothing is
     counted against it; once its model has finished no step for that long, the call fails (a timeout, as before)."""
     info = InfoResponse(1, ["aggregate"], "silent", V, tiny_runner.fingerprint, [2], 2048, "fake")
-    health: dict[str, Any] = {"status": "ok", "stalled_s": 0.05}
+    health: dict[str, Any] = {"status": "ok", "calls": 1, "stalled_s": 0.05}
     async with _silent_worker(info, health) as url:
         async with gateway(transport=httpx.AsyncHTTPTransport(), workers=[{"url": url, "read_timeout_s": 0.3}]) as client:
             call = asyncio.create_task(client.post("/v1/completions", json=COMPLETION))
@@ -262,7 +262,9 @@ async def test_a_busy_worker_is_waited_for_and_a_stuck_one_failed(gateway: Gatew
             assert await _metric(client, 'specgate:worker_failures_total{kind="timeout",worker="w0"}') == 0
             health["stalled_s"] = 0.4  # stuck now: no step for longer than the read timeout
             _refused(await call, 503, "worker_error", "its model has finished no step for 0.4 s")
-            assert await _metric(client, 'specgate:worker_failures_total{kind="timeout",worker="w0"}') == 1
+            health.update(stalled_s=0.0, calls=0)  # idle while the call waits: a restarted process, or one that lost it
+            _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "it is answering no call")
+            assert await _metric(client, 'specgate:worker_failures_total{kind="timeout",worker="w0"}') == 2
 
 
 # ----------------------------------------------------------------------------- load, access, bodies

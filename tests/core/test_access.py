@@ -66,3 +66,13 @@ def test_with_a_metrics_port_each_port_answers_its_own_paths() -> None:
     on_metrics = [asyncio.run(status(p, 9090)) for p in paths]
     assert on_api == [200, 404, 404, 200, 200, 200, 200]
     assert on_metrics == [404, 200, 200, 200, 200, 200, 404]
+
+
+def test_a_secrets_newline_is_no_part_of_it_and_the_metrics_port_is_its_own() -> None:
+    """`kubectl create secret --from-file` keeps the file's newline: the key compared with a client's (stripped) header
+    never matched. A metrics port equal to the API's cannot be bound twice."""
+    assert SpecgateConfig(workers=WORKERS, api_key="3f9a0c1e5b7d\n").api_key == "3f9a0c1e5b7d"
+    assert WorkerSettings(token=" 3f9a0c1e5b7d\n").token == "3f9a0c1e5b7d"
+    with pytest.raises(ValueError, match="metrics_port: 8000 is the API's port too"):
+        SpecgateConfig(workers=WORKERS, metrics_port=8000)
+    assert SpecgateConfig(workers=WORKERS, metrics_port=9090).metrics_port == 9090
