@@ -20,6 +20,7 @@ from core.runners.model_thread import ModelThread, take_within
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 PIECE_PASSES = 3  # steps in a row a long call's next piece may wait while other calls go: then it goes beside them
+AGE_PASSES = 8  # pieces of shorter long calls that may go before a long call's next one: then the oldest such goes first
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class _Call:
     timing: dict[str, float]
     done: asyncio.Future[Any]
     fed: int = 0  # its first tokens already in the session, fed by pieces
+    passed_over: int = 0  # pieces of other long calls that went before its next one
 
 
 @dataclass
@@ -232,7 +234,7 @@ class VerifyScheduler:
     def _take(self, busy: Collection[str] = ()) -> list[tuple[_Call, Work]]:
         """The step's work from the calls before the first exclusive entry: whole calls within ``max_batch_tokens``
         (``take_within``); the next piece of the long call with the fewest tokens left (a session sent again goes before
-        a long prompt) in a step of its own, or beside them once it waited ``PIECE_PASSES`` steps; calls passed over
+        a long prompt; one passed over ``AGE_PASSES`` times goes first, oldest first) in a step of its own, or beside them once it waited ``PIECE_PASSES`` steps; calls passed over
         keep their places, calls whose client left are dropped."""
         barrier = next((i for i, entry in enumerate(self._queue) if isinstance(entry, _Exclusive)), len(self._queue))  # what comes after it waits
         waiting = [entry for entry in list(self._queue)[:barrier] if isinstance(entry, _Call)]
@@ -242,7 +244,10 @@ class VerifyScheduler:
         taken = take_within((c for c in live if c.req.session_id not in apart), lambda c: c.req.new_rows - c.fed, self.max_batch_tokens, lambda c: c.req.session_id)
         work: list[tuple[_Call, Work]] = [(c, Piece(c.req, c.fed) if c.fed else c.req) for c in taken]  # type: ignore[arg-type]  # fed: a chunkable call
         if long and (not taken or self._passed >= PIECE_PASSES):  # alone, or beside them after waiting its passes
-            first = min(long, key=lambda c: len(c.req.tokens) - c.fed)  # the oldest of the shortest
+            aged = [c for c in long if c.passed_over >= AGE_PASSES]  # shorter prompts arriving all the time starve none
+            first = aged[0] if aged else min(long, key=lambda c: len(c.req.tokens) - c.fed)  # the oldest of the shortest
+            for call in long:
+                call.passed_over = 0 if call is first else call.passed_over + 1
             work.append((first, Piece(first.req, first.fed, first.fed + self.prefill_chunk)))  # type: ignore[arg-type]
             self._passed = 0
         elif long:

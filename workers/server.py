@@ -128,22 +128,22 @@ def _stage_request(state: WorkerState, body: bytes, content_type: str | None) ->
 
 
 async def _verified(app: FastAPI, body: bytes, content_type: str | None, accept: str) -> tuple[bytes, str, str]:
-    """``POST /v1/verify``: a call's answer (payload, content type, Server-Timing), whichever route took it; an error raises."""
+    """``POST /v1/verify``: a call's answer (payload, content type, Server-Timing), whichever route took it; an error raises.
+    The route counts the call (``_counted``) until its answer is sent."""
     state: WorkerState = app.state.worker
-    with _counted(state):
-        started = time.perf_counter()
-        req = decode(VerifyRequest, body, content_type)
-        if app.state.draining and req.session_id not in state.sessions:
-            raise WorkerDraining(RETRY_AFTER_S)
-        if state.is_stage:
-            raise InvalidRequest(f"this worker is a pipeline stage (layers {state.settings.layers}): it answers /v1/stage/forward, not /v1/verify", param="mode")
-        await state.steps.transforms.precompile(req.transform, req.prefix_len == 0)
-        decoded = time.perf_counter()
-        timing: dict[str, float] = {}
-        resp = await state.scheduler.verify(req, timing)
-        encoding = time.perf_counter()
-        payload, answer_type = _encoded(state, resp, JSON_CONTENT_TYPE in accept, len(body))
-        done = time.perf_counter()
+    started = time.perf_counter()
+    req = decode(VerifyRequest, body, content_type)
+    if app.state.draining and req.session_id not in state.sessions:
+        raise WorkerDraining(RETRY_AFTER_S)
+    if state.is_stage:
+        raise InvalidRequest(f"this worker is a pipeline stage (layers {state.settings.layers}): it answers /v1/stage/forward, not /v1/verify", param="mode")
+    await state.steps.transforms.precompile(req.transform, req.prefix_len == 0)
+    decoded = time.perf_counter()
+    timing: dict[str, float] = {}
+    resp = await state.scheduler.verify(req, timing)
+    encoding = time.perf_counter()
+    payload, answer_type = _encoded(state, resp, JSON_CONTENT_TYPE in accept, len(body))
+    done = time.perf_counter()
     queue = (encoding - decoded) * 1e3 - timing.get("model", 0.0) - timing.get("score", 0.0)  # waiting for its step, and the batch-mates' scoring
     timing.update(codec=(decoded - started + done - encoding) * 1e3, queue=max(queue, 0.0), total=(done - started) * 1e3)
     return payload, answer_type, server_timing(timing)
@@ -164,15 +164,22 @@ async def _fast_verify(app: FastAPI, scope: Scope, receive: Receive, send: Send)
             content_type = value.decode("latin-1")
         elif name == b"accept" and not accept:
             accept = value.decode("latin-1")
+    state: WorkerState | None = getattr(app.state, "worker", None)
+    if state is not None:  # the call counts until its answer is sent (a gateway asking /health meanwhile sees it)
+        state.in_flight += 1
     try:
-        payload, answer_type, timing = await _verified(app, body, content_type, accept)
-        status, headers = 200, [(b"server-timing", timing.encode("latin-1"))]
-    except Exception as exc:  # noqa: BLE001 - the error handlers' answer, as FastAPI's route would give it
-        status, payload, extra = _refused(app, VERIFY_PATH, exc)
-        answer_type, headers = JSON_CONTENT_TYPE, [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
-    start = [(b"content-length", str(len(payload)).encode()), (b"content-type", answer_type.encode("latin-1")), *headers]
-    await send({"type": "http.response.start", "status": status, "headers": start})
-    await send({"type": "http.response.body", "body": payload})
+        try:
+            payload, answer_type, timing = await _verified(app, body, content_type, accept)
+            status, headers = 200, [(b"server-timing", timing.encode("latin-1"))]
+        except Exception as exc:  # noqa: BLE001 - the error handlers' answer, as FastAPI's route would give it
+            status, payload, extra = _refused(app, VERIFY_PATH, exc)
+            answer_type, headers = JSON_CONTENT_TYPE, [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()]
+        start = [(b"content-length", str(len(payload)).encode()), (b"content-type", answer_type.encode("latin-1")), *headers]
+        await send({"type": "http.response.start", "status": status, "headers": start})
+        await send({"type": "http.response.body", "body": payload})
+    finally:
+        if state is not None:
+            state.in_flight -= 1
 
 
 def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
@@ -202,7 +209,8 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
     @app.post(VERIFY_PATH)
     async def verify(request: Request) -> Response:
         headers = request.headers
-        payload, content_type, timing = await _verified(request.app, await request.body(), headers.get("content-type"), headers.get("accept", ""))
+        with _counted(_state(request)):
+            payload, content_type, timing = await _verified(request.app, await request.body(), headers.get("content-type"), headers.get("accept", ""))
         return Response(payload, media_type=content_type, headers={"server-timing": timing})
 
     @app.post("/v1/stage/forward")

@@ -325,7 +325,9 @@ class Steps:
             begin = piece.start
         else:
             self._admit(req)
-            cached = self.runner.adopt(req.session_id, tokens) if req.prefix_len == 0 else 0  # < len(tokens)
+            if req.parents is not None:  # a tree's prompt: where its tree will be (llama.cpp: a slot, not a chain's stream)
+                self.runner.expect_tree(req.session_id)
+            cached = self.runner.adopt(req.session_id, tokens) if req.prefix_len == 0 and req.parents is None else 0  # < len(tokens)
             if cached:
                 return None, cached, None  # no decode: the pieces go on after what it holds, as a whole call's rows would
             begin = 0

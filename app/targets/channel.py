@@ -139,20 +139,25 @@ class Channel:
         if self.health_path is None or self.timeout.read is None:
             return await self._post_once(replica, path, body, headers, self.timeout)
         call = asyncio.ensure_future(self._post_once(replica, path, body, headers, self._patient))
-        waited = 0.0
+        started, wait = time.monotonic(), self.timeout.read
         try:
             while True:
-                done, _ = await asyncio.wait((call,), timeout=self.timeout.read)
+                done, _ = await asyncio.wait((call,), timeout=wait)
                 if done:
                     return call.result()
-                waited += self.timeout.read
                 why = await self._not_progressing(replica)
+                if call.done():  # the answer (or the call's own failure) came during the check: it stands
+                    return call.result()
+                waited = time.monotonic() - started
                 if why is not None:
-                    raise ReplicaFailure("timeout", f"{path} at {replica.url}: no answer within {waited:g} s, and {why}")
-                log.info("worker %s: %s at %s has not answered in %g s, but it is busy and progressing: waiting on", self.name, path, replica.url, waited)
+                    raise ReplicaFailure("timeout", f"{path} at {replica.url}: no answer within {waited:.1f} s, and {why}")
+                log.info("worker %s: %s at %s has not answered in %.1f s, but it is busy and progressing: waiting on", self.name, path, replica.url, waited)
+                wait = max(self.timeout.read / 4, 0.05)  # a worker that stops now is found within a quarter more
         finally:
             if not call.done():
                 call.cancel()
+            elif not call.cancelled():
+                call.exception()  # retrieved: a failure that lost the race to a verdict is not "never retrieved"
 
     async def _not_progressing(self, replica: Replica) -> str | None:
         """Why a replica that has not answered within the read timeout is taken for dead, or None: its health answers
@@ -175,9 +180,7 @@ class Channel:
             return f"its {self.health_path} reports no progress"
         if calls < 1:
             return "it is answering no call (it restarted, or lost this one)"
-        if stalled >= limit:
-            return f"its model has finished no step for {stalled:.1f} s"
-        return None
+        return stuck(body, limit)
 
     async def _post_once(self, replica: Replica, path: str, body: bytes, headers: dict[str, str], timeout: httpx.Timeout) -> httpx.Response | Answer:
         url = f"{replica.url}{path}"
@@ -233,3 +236,12 @@ def server_timing(header: str) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+def stuck(health: Any, limit: float | None) -> str | None:
+    """Why a worker whose ``/health`` answered ``health`` is stuck (its model has finished no step for ``limit`` s while
+    work waits), or None. A probe does not close the breaker of a stuck replica."""
+    stalled = health.get("stalled_s") if isinstance(health, dict) else None
+    if limit is not None and isinstance(stalled, (int, float)) and stalled >= limit:
+        return f"its model has finished no step for {stalled:.2f} s"
+    return None

@@ -228,6 +228,10 @@ class ModelRunner(ABC):
         """How many of ``tokens`` (< ``len(tokens)``) a new session takes from a prompt cache as held rows; 0 without one."""
         return 0
 
+    def expect_tree(self, session_id: str) -> None:
+        """The session's rows will hold a tree (its prompt comes first, in pieces): a runner that keeps tree sessions apart
+        (llama.cpp: a context of their own) places it there from its first rows, not after them."""
+
     def free(self, session_id: str) -> None:
         """Forget the session and release its KV cache (a prompt cache may keep it: ``_retire``)."""
         rows = self._rows.pop(session_id, None)

@@ -181,6 +181,10 @@ class LlamaCppRunner(ModelRunner):
         self._rows[session_id] = Rows([int(t) for t in tokens[:common]], list(range(-1, common - 1)), list(range(common)), common)
         return common
 
+    def expect_tree(self, session_id: str) -> None:
+        if session_id not in self._rows:  # a new session: its chain rows go to a slot, never through a stream
+            self._tree_sessions.add(session_id)
+
     def _take_idle(self, place: Slot | Stream, session_id: str, common: int) -> None:
         """Lend an idle place to a session that keeps its first ``common`` cells (a prompt cache hit)."""
         if place.rows > common:

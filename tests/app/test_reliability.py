@@ -261,7 +261,7 @@ async def test_a_busy_worker_is_waited_for_and_a_stuck_one_failed(gateway: Gatew
             assert not call.done()
             assert await _metric(client, 'specgate:worker_failures_total{kind="timeout",worker="w0"}') == 0
             health["stalled_s"] = 0.4  # stuck now: no step for longer than the read timeout
-            _refused(await call, 503, "worker_error", "its model has finished no step for 0.4 s")
+            _refused(await call, 503, "worker_error", "its model has finished no step for 0.40 s")
             health.update(stalled_s=0.0, calls=0)  # idle while the call waits: a restarted process, or one that lost it
             _refused(await client.post("/v1/completions", json=COMPLETION), 503, "worker_error", "it is answering no call")
             assert await _metric(client, 'specgate:worker_failures_total{kind="timeout",worker="w0"}') == 2

@@ -17,7 +17,7 @@ from core.protocol import VerifyRequest, VerifyResponse, decode, encode
 from core.runners import ModelRunner
 from core.runners.model_thread import ModelThread
 from tests.workers.gated import GatedRunner
-from workers.scheduler import Piece, VerifyScheduler
+from workers.scheduler import AGE_PASSES, Piece, VerifyScheduler
 from workers.server import create_app
 from workers.settings import WorkerSettings
 
@@ -226,6 +226,9 @@ async def test_a_trees_long_first_call_goes_in_pieces_and_health_tells_busy_from
     tokens = [(i * 7919) % 40000 + 100 for i in range(150)]
     tree = VerifyRequest.after("tree", [], tokens, [7, 9, 11], parents=np.array([-1, -1, 0], dtype=np.int64), temperature=1.0)
     builtin_llama.free_all()
+    decoded: list[int] = []  # rows each llama.cpp decode takes: the pieces go where the tree will be, decoded once
+    decode = builtin_llama._decode  # type: ignore[attr-defined]
+    builtin_llama._decode = lambda ctx, entries, *a, **k: (decoded.append(len(entries)), decode(ctx, entries, *a, **k))[1]  # type: ignore[attr-defined]
     gated = GatedRunner(builtin_llama)
     app = _app(gated, backend="llama.cpp", prefill_chunk=48)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
@@ -238,8 +241,10 @@ async def test_a_trees_long_first_call_goes_in_pieces_and_health_tells_busy_from
         gated.gate.set()
         pieced = _answer(await pending)
         assert (await client.get("/health")).json()["stalled_s"] == 0
+    del builtin_llama._decode  # type: ignore[attr-defined]
     assert stalled >= 0.25 and live.status_code == 200
     assert app.state.worker.scheduler.steps.tokens == [48, 48, 48, 6 + 3]
+    assert sum(decoded) == 153 and not any(s.session_id == "tree" for s in builtin_llama._streams)  # type: ignore[attr-defined]  # no chain's stream taken
     builtin_llama.free_all()
     app = _app(builtin_llama, backend="llama.cpp", prefill_chunk=512)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as client:
@@ -312,6 +317,21 @@ async def test_of_two_long_calls_the_one_with_fewer_tokens_left_goes_first() -> 
     host.thread.close()
     order = [s for step in host.steps for s, _ in step]
     assert order == ["again"] * 5 + ["long"] * 10  # 4 pieces and the call, then 9 and the call
+
+
+async def test_shorter_long_calls_arriving_all_the_time_do_not_starve_a_long_one() -> None:
+    """Issue 76: shortest first let a stream of shorter long prompts hold a long one back for ever, while the worker's
+    /health showed it progressing (so the gateway waited on). A long call passed over ``AGE_PASSES`` times goes next."""
+    host = _Recorder()
+    scheduler = VerifyScheduler(host, max_batch_tokens=8, prefill_chunk=4)
+    calls = [scheduler.verify(VerifyRequest.after("long", [], list(range(1, 101)), [1]), {})]
+    calls += [scheduler.verify(VerifyRequest.after(f"again{i}", [], list(range(1, 13)), [1]), {}) for i in range(20)]
+    assert await asyncio.gather(*calls) == ["answer"] * 21
+    await scheduler.close()
+    host.thread.close()
+    pieces = [s for step in host.steps for s, piece in step if piece]
+    turns = [i for i, s in enumerate(pieces) if s == "long"]
+    assert turns[0] == AGE_PASSES and all(b - a <= AGE_PASSES + 1 for a, b in zip(turns, turns[1:]))
 
 
 async def test_a_long_prompt_seen_before_takes_the_prompt_cache_not_its_pieces(builtin_llama: ModelRunner) -> None:
