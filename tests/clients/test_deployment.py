@@ -5,10 +5,12 @@ accepts the file where docker is present."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from secrets import token_hex as secrets_token
 
 import pytest
 import yaml
@@ -55,5 +57,10 @@ def test_docker_compose_accepts_the_file() -> None:
     plugin = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=60).returncode == 0
     command = ["docker", "compose"] if plugin else [shutil.which("docker-compose") or "docker-compose"]
     assert plugin or shutil.which("docker-compose"), "docker without compose: `make test` installs docker-compose"
-    out = subprocess.run([*command, "-f", str(ROOT / "compose.yaml"), "config", "--quiet"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    secrets = {"SPECGATE_WORKER_TOKEN": secrets_token(), "SPECGATE_API_KEY": secrets_token()}  # what its comment has you write to .env
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_")}
+    out = subprocess.run([*command, "-f", str(ROOT / "compose.yaml"), "config", "--quiet"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=base | secrets)
     assert out.returncode == 0, out.stderr
+    # fail closed (issue 76): without the secrets no service is configured, and the error names the one to set
+    out = subprocess.run([*command, "-f", str(ROOT / "compose.yaml"), "config", "--quiet"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=base)
+    assert out.returncode != 0 and "set SPECGATE_WORKER_TOKEN (openssl rand -hex 32)" in out.stderr, out.stderr
