@@ -208,7 +208,8 @@ class WorkerEntry(BaseModel):
     threads: int | None = Field(default=None, gt=0)  # a local worker's CPU threads (serve splits the cores)
     link: LinkConfig | None = None  # emulate a network between the gateway and this worker
     connect_timeout_s: float = Field(default=3.0, gt=0)  # opening a connection to a replica
-    read_timeout_s: float = Field(default=30.0, gt=0)  # a verify answer not here after this long: the replica's /health is asked, and the call waits on while the worker answers and its model finished a step within this long (busy, not dead); else it failed. An engine's: a deadline
+    read_timeout_s: float = Field(default=30.0, gt=0)  # a verify answer not here after this long: the replica's /health is asked (then every quarter of this), and the call waits on while the worker answers calls and its model is not stuck (busy, not dead); else it failed. An engine's: a deadline
+    stall_timeout_s: float | None = Field(default=None, gt=0)  # a worker whose model has finished no step (or decode) for this long, while work waits, is stuck: a slow call there fails, a probe leaves its breaker open; None = read_timeout_s
     logprobs: int = Field(default=20, ge=1, le=1000)  # engine: top-k logprobs asked per position (vLLM's cap: 20)
     max_context: int | None = Field(default=None, gt=0)  # engine: its context length, when /v1/models does not say
     discovery_interval_s: float | None = Field(default=None, gt=0)  # re-resolve url's host this often: each address a replica (a headless Service); None = url as it is

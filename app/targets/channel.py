@@ -97,13 +97,14 @@ class Channel:
 
     def __init__(
         self, name: str, client: httpx.AsyncClient, timeout: httpx.Timeout, link: LinkConfig | None = None, fast: FastPost | None = None,
-        health_path: str | None = None,
+        health_path: str | None = None, stall_timeout_s: float | None = None,
     ) -> None:
         self.name, self.client, self.timeout, self.link = name, client, timeout, link
         self.fast = fast  # the rounds' POSTs without httpx's layers (real sockets only)
         # a round's answer slower than the read timeout: the replica's health (and its progress) decides whether to wait
         # on (a busy worker) or to fail the call (one silent or stuck); None: the read timeout is a deadline (engines)
         self.health_path = health_path
+        self.stall_timeout_s = stall_timeout_s or timeout.read  # how long a model may finish no step before it is stuck
         self._patient = httpx.Timeout(None, connect=timeout.connect, write=timeout.write, pool=timeout.pool)
         self.traffic = Traffic()
         self.on_call: Callable[[str, float], None] = lambda worker, seconds: None  # metrics hook
@@ -162,8 +163,8 @@ class Channel:
     async def _not_progressing(self, replica: Replica) -> str | None:
         """Why a replica that has not answered within the read timeout is taken for dead, or None: its health answers
         (draining counts: its sessions go on), it is answering calls (a restarted process, or one that lost the call,
-        holds none), and its model finished a step within the read timeout."""
-        limit = self.timeout.read or 0.0
+        holds none), and its model finished a step within ``stall_timeout_s``."""
+        limit = self.stall_timeout_s
         try:
             resp = await self.client.get(f"{replica.url}{self.health_path}", timeout=_HEALTH_TIMEOUT)
         except httpx.HTTPError as exc:

@@ -40,7 +40,7 @@ class TargetSet:
         for w in config.workers:
             name = w.name or ""
             health = None if w.is_engine else "/health"  # an engine's /health says nothing of its progress: its read timeout is a deadline
-            channel = Channel(name, client, httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), w.link, fast, health)
+            channel = Channel(name, client, httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), w.link, fast, health, w.stall_timeout_s)
             if w.pipeline is not None:
                 workers.append(PipelineTarget(name, config.stage_replicas(w), w.weight, channel, expected, config.health.failure_threshold))
                 continue

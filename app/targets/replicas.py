@@ -111,7 +111,7 @@ class ReplicaSet(Target):
             try:
                 if self.dialect.health_path is not None:
                     resp = await self.channel.client.get(f"{replica.url}{self.dialect.health_path}", timeout=_PROBE_TIMEOUT)
-                    if resp.status_code != 200 or stuck(_json(resp), self.channel.timeout.read) is not None:
+                    if resp.status_code != 200 or stuck(_json(resp), self.channel.stall_timeout_s) is not None:
                         continue  # not back: down, draining, or its model stuck (a new session would wait there)
                 await self.check(replica)
                 log.info("worker %s: replica %s is back", self.name, replica.url)
