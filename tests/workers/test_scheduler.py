@@ -267,7 +267,10 @@ async def test_a_delete_and_the_calls_behind_it_do_not_wait_for_a_long_prefill(t
             done.append(f"DELETE {session_id}")
             return resp
 
+        gated.gate.set()  # the session to delete, answered at once (the gate closes behind it)
         _answer(await _post(client, VerifyRequest.after("gone", [], PROMPT[:4], [1])))
+        gated.gate.clear()
+        gated.entered.clear()
         first = asyncio.create_task(_post(client, VerifyRequest.after("warm", [], PROMPT, [1])))
         await _until(gated.entered)
         long = asyncio.create_task(post(VerifyRequest.after("long", [], (PROMPT * 10)[:120], [1])))
