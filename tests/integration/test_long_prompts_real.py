@@ -13,8 +13,8 @@ decode — a chain (``exact``), a tree (``tree``), chains of any length (``looku
 a draft ready at once is checked where it is cheaper, on the draft itself (tests/app/test_draft.py, two threads). Four
 seeded tree requests at once on one replica, from a gateway whose read timeout the replica's answers far exceed,
 complete with the texts they get alone (seeded long prompts beside others, and a slow worker that is not a dead one).
-``SPECGATE_FULL_STATISTICS=1`` runs the issue's sizes: 6 greedy prompts × every mode × both timings (48 tokens), 8 seeded prompts × every mode beside 4
-short streams (32 tokens), and a failover in every mode (``specgate bench consistency`` prints the same counts)."""
+``SPECGATE_FULL_STATISTICS=1`` runs the issue's sizes: 6 greedy prompts × every mode × both timings (48 tokens), 8
+seeded prompts × every mode beside 4 short streams (32 tokens), and a failover in every mode (``specgate bench consistency`` prints the same counts)."""
 
 from __future__ import annotations
 
