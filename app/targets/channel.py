@@ -134,9 +134,10 @@ class Channel:
             log.warning("could not free session %s on %s (%s): %s", session_id, self.name, replica.url, describe(exc))
 
     async def _post(self, replica: Replica, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response | Answer:
-        """One POST of a round. Slow is not dead: each time ``read_timeout_s`` passes with no answer, the replica's health
-        is asked; while it answers and its model keeps finishing steps (a busy worker: a long prompt, a queue), the call
-        waits on; a replica silent or stuck fails it (kind ``timeout``, which counts towards its breaker)."""
+        """One POST of a round. Slow is not dead: once ``read_timeout_s`` passes with no answer, and every quarter of it
+        after, the replica's health is asked; while it answers, holds calls and its model keeps finishing steps (a busy
+        worker: a long prompt, a queue), the call waits on; a replica silent, idle or stuck fails it (kind ``timeout``,
+        which counts towards its breaker)."""
         if self.health_path is None or self.timeout.read is None:
             return await self._post_once(replica, path, body, headers, self.timeout)
         call = asyncio.ensure_future(self._post_once(replica, path, body, headers, self._patient))
