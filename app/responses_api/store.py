@@ -17,6 +17,7 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,17 +73,20 @@ class ResponseStore:
             self._db = sqlite3.connect(self.where, check_same_thread=False, timeout=10, isolation_level=None)
             if self.where != ":memory:":  # before the journal files exist: they take the file's mode
                 os.chmod(self.where, 0o600)
-            self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # takes effect on a new file: freed pages go back at the vacuum after a cleanup
-            self._db.execute("PRAGMA secure_delete=ON")  # a deleted response's text is overwritten, not left in free pages
-            if self.where != ":memory:":
-                self._db.execute("PRAGMA journal_mode=WAL")  # readers beside the writer; several gateways may share a file on one disk
-            with self._db:
-                self._db.execute("BEGIN IMMEDIATE")
-                if self._db.execute("PRAGMA user_version").fetchone()[0] != VERSION:
-                    for statement in (*_DROP, *_SCHEMA, f"PRAGMA user_version={VERSION}"):
-                        self._db.execute(statement)
+            _retried(self._prepare)
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(f"responses.store: cannot open {self.where}: {exc} (give a writable path, memory, or none)") from None
+
+    def _prepare(self) -> None:
+        self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")  # takes effect on a new file: freed pages go back at the vacuum after a cleanup
+        self._db.execute("PRAGMA secure_delete=ON")  # a deleted response's text is overwritten, not left in free pages
+        if self.where != ":memory:":
+            self._db.execute("PRAGMA journal_mode=WAL")  # readers beside the writer; several gateways may share a file on one disk
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            if self._db.execute("PRAGMA user_version").fetchone()[0] != VERSION:
+                for statement in (*_DROP, *_SCHEMA, f"PRAGMA user_version={VERSION}"):
+                    self._db.execute(statement)
 
     def put(self, response: dict[str, Any], new_items: list[dict[str, Any]], previous: str | None = None) -> None:
         """Keep ``response`` (its output is what it adds to the conversation) and the input items its request added after
@@ -205,3 +209,18 @@ def _private_folder(folder: Path) -> None:
         folder.mkdir(parents=True, mode=0o700)
     except FileExistsError:
         pass
+
+
+def _retried(prepare: Callable[[], None], within_s: float = 10.0) -> None:
+    """``prepare()``, again while another process holds the file (gateways starting together on one file): switching a
+    new file to WAL takes it whole, and SQLite answers "database is locked" there without waiting its busy timeout."""
+    deadline, pause = time.monotonic() + within_s, 0.02
+    while True:
+        try:
+            prepare()
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
