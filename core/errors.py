@@ -2,13 +2,14 @@
 mapped onto it once, at the edge where they happen (``raise Specific(...) from exc``).
 
     SpecgateError
-    ├── ConfigError          a bad setting: names the key or the value
-    ├── ModelLoadError       a missing model, a bad path, an unreadable file, a vocab mismatch
-    ├── ProtocolError        a body that does not decode or breaks a protocol rule
-    │   └── InvalidRequest   well-formed, but a value is out of range (ids ≥ V, k ≤ 0, …)
-    ├── SessionShort         a worker holds fewer tokens than asked, or other ones
-    ├── WorkerFull           every KV slot of a worker is held by a session in use: retry later
-    └── ContextOverflow      the request does not fit the context that is left
+    ├── ConfigError              a bad setting: names the key or the value
+    ├── ModelLoadError           a missing model, a bad path, an unreadable file, a vocab mismatch
+    ├── ProtocolError            a body that does not decode or breaks a protocol rule
+    │   └── InvalidRequest       well-formed, but a value is out of range (ids ≥ V, k ≤ 0, …)
+    │       └── ContextOverflow  the request does not fit the context that is left
+    ├── SessionShort             a worker holds fewer tokens than asked, or other ones
+    ├── WorkerDraining           a worker shutting down takes no new session: another replica takes it
+    └── WorkerFull               every KV slot of a worker is held by a session in use: retry later
 """
 
 from __future__ import annotations
