@@ -6,7 +6,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from core.grammar import engine_version
-from core.protocol import PROTOCOL_VERSION, SERVED_MODES, InfoResponse
+from core.protocol import PROTOCOL_VERSION, VERIFY_MODES, InfoResponse
 from core.runners import ModelRunner
 from core.runners.model_thread import ModelThread
 from workers.link import StageLink
@@ -59,7 +59,7 @@ class WorkerState:
     def info(self) -> InfoResponse:
         info = self.runner.info
         return InfoResponse(
-            protocol_version=PROTOCOL_VERSION, modes=list(SERVED_MODES), model_id=info.model_id, vocab_size=info.vocab_size,
+            protocol_version=PROTOCOL_VERSION, modes=list(VERIFY_MODES), model_id=info.model_id, vocab_size=info.vocab_size,
             tokenizer_fingerprint=self.runner.fingerprint, eos_ids=info.eos_ids, max_context=self.steps.stage.max_context, backend=info.backend,
             layer_range=list(self.runner.layer_range) if self.runner.layer_range is not None else None,
             num_layers=self.runner.num_layers, grammar_engine=engine_version(), max_grammar_bytes=self.settings.max_grammar_bytes,

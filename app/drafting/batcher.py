@@ -1,4 +1,4 @@
-"""The draft's step batcher (continuous batching): a draft is a generator (``Steps``) that yields the
+"""The draft's step batcher (continuous batching): a draft is a generator (``DraftSteps``) that yields the
 ``ForwardItem`` it needs next and gets its logits back; one runner ``forward_each`` per step, on the
 model thread, serves every draft in progress, so N concurrent drafts cost one decode per position. A
 background prefill (a late draft's, app.engine.late) goes in small chunks behind the drafts waiting."""
@@ -21,7 +21,7 @@ from core.runners.model_thread import ModelThread, take_within
 DEFAULT_BATCH_TOKENS = 128  # a draft step's new rows, all requests together (DraftConfig.max_batch_tokens)
 BACKGROUND_PASSES = 3  # steps in a row a background prefill may be left out of while drafts wait: then it goes beside them
 
-Steps = Generator[ForwardItem, torch.Tensor, TokenTree]  # a draft: yields items, gets their logits
+DraftSteps = Generator[ForwardItem, torch.Tensor, TokenTree]  # a draft: yields items, gets their logits
 
 
 @dataclass
@@ -39,7 +39,7 @@ class DraftClock:
 class Drafting:
     """A draft in progress: its generator, the item it waits on, its clock and its outcome."""
 
-    steps: Steps
+    steps: DraftSteps
     done: asyncio.Future[TokenTree]
     clock: DraftClock = field(default_factory=DraftClock)
     item: ForwardItem | None = None
@@ -89,7 +89,7 @@ class Drafting:
 
 
 class StepBatcher:
-    """Runs drafts (``Steps``) on one runner, one shared ``forward_each`` per step."""
+    """Runs drafts (``DraftSteps``) on one runner, one shared ``forward_each`` per step."""
 
     def __init__(self, runner: ModelRunner, thread: ModelThread | None = None, max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
         if max_batch_tokens < 1:
@@ -115,7 +115,7 @@ class StepBatcher:
                 drafting.background = False
             await asyncio.wait([busy])
 
-    async def run(self, session_id: str, steps: Steps, timing: dict[str, float] | None, background: bool = False) -> TokenTree:
+    async def run(self, session_id: str, steps: DraftSteps, timing: dict[str, float] | None, background: bool = False) -> TokenTree:
         """The draft ``steps`` to its end, its seconds added to ``timing`` (``DraftClock``); ``background``: a prefill
         the drafts waiting go before (``_step``)."""
         drafting = Drafting(steps, asyncio.get_running_loop().create_future(), background=background)
@@ -147,7 +147,7 @@ class StepBatcher:
         runner.crop(session_id, common)
         return (yield from self.feed(session_id, sequence[common:], chunk))
 
-    def prefill_steps(self, session_id: str, sequence: list[int]) -> Steps:
+    def prefill_steps(self, session_id: str, sequence: list[int]) -> DraftSteps:
         """A draft of nothing that leaves the session holding ``sequence`` (``catch_up`` in ``background_chunk`` rows a step)."""
         yield from self.catch_up(session_id, sequence, self.background_chunk)
         return TokenTree.chain([], [])
@@ -161,7 +161,7 @@ class StepBatcher:
         return logits[0]
 
     async def _step_loop(self) -> None:
-        """Steps while any draft is in progress; a draft that arrives joins the next step."""
+        """DraftSteps while any draft is in progress; a draft that arrives joins the next step."""
         active: list[Drafting] = []
         try:
             while True:

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from app.drafting.batcher import StepBatcher, Steps
+from app.drafting.batcher import StepBatcher, DraftSteps
 from app.drafting.lookup import Branch, Record
 from app.drafting.request import DraftRequest, delta, delta_support
 from core.math.random import Purpose, sample_index, uniforms
@@ -32,7 +32,7 @@ class ChainRows:
         return TokenTree.chain(tokens, self.supports if self.truncating else self.rows)
 
 
-def chain_steps(batcher: StepBatcher, request: DraftRequest, gamma: int, limit: int | None, cancel: threading.Event | None, branch: Branch | None = None, record: Record | None = None) -> Steps:
+def chain_steps(batcher: StepBatcher, request: DraftRequest, gamma: int, limit: int | None, cancel: threading.Event | None, branch: Branch | None = None, record: Record | None = None) -> DraftSteps:
     """A chain of ``gamma`` drafted tokens (forced ones free, within ``limit``). ``branch`` (model+lookup):
     the lookup's run first, each token kept while it is the model's top-1 or measures at least a model
     token's acceptance; ``record`` gets each token's kind. Stops after the token in progress on ``cancel``."""

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from app.drafting.batcher import StepBatcher, Steps
+from app.drafting.batcher import StepBatcher, DraftSteps
 from app.drafting.forced import forced_below
 from app.drafting.lookup import Branch, Plan, Record, merged, with_branch
 from app.drafting.request import DraftNodes, DraftRequest, delta_support
@@ -21,7 +21,7 @@ from core.runners.base import ForwardItem
 def tree_steps(
     batcher: StepBatcher, request: DraftRequest, shape: TreeShape, depth_limit: int = 0, left: list[int] | None = None,
     per_path: bool = False, branch: Branch | None = None, plan: Plan | None = None, record: Record | None = None,
-) -> Steps:
+) -> DraftSteps:
     """The tree's drafting. With ``left`` = [n > 0] (a grammar's free nodes still to place), a node that
     gets children first gets its forced run (``forced_below``), fed with it in the depth's decode.
     ``branch``: a lookup proposal (with a sampled tree's ``plan``); the nodes go into ``record``."""

@@ -5,11 +5,11 @@ from core.protocol.frame import (
     BINARY_CONTENT_TYPE, JSON_CONTENT_TYPE, MAGIC, PROTOCOL_VERSION, Message, decode, encode, encode_binary, encode_json, ids_dtype, is_json, prefix_hash,
 )
 from core.protocol.messages import (
-    MAX_LOGPROBS, RECONSTRUCTIONS, SERVED_MODES, ErrorBody, InfoResponse, StageRequest, StageResponse, VerifyRequest, VerifyResponse,
+    MAX_LOGPROBS, RECONSTRUCTIONS, VERIFY_MODES, ErrorBody, InfoResponse, StageRequest, StageResponse, VerifyRequest, VerifyResponse,
 )
 
 __all__ = [
-    "BINARY_CONTENT_TYPE", "JSON_CONTENT_TYPE", "MAGIC", "MAX_LOGPROBS", "PROTOCOL_VERSION", "RECONSTRUCTIONS", "SERVED_MODES",
+    "BINARY_CONTENT_TYPE", "JSON_CONTENT_TYPE", "MAGIC", "MAX_LOGPROBS", "PROTOCOL_VERSION", "RECONSTRUCTIONS", "VERIFY_MODES",
     "ErrorBody", "InfoResponse", "Message", "StageRequest", "StageResponse", "VerifyRequest", "VerifyResponse",
     "check_ids", "check_stage_request", "check_verify_request", "check_verify_response", "decode", "encode", "encode_binary", "encode_json",
     "ids_dtype", "is_json", "prefix_hash",

@@ -8,7 +8,7 @@ from core.errors import InvalidRequest, ProtocolError
 from core.math.sampling import MIN_TEMPERATURE
 from core.math.shapes import MAX_TREE_NODES
 from core.names import Mode, ProbsDtype
-from core.protocol.messages import MAX_LOGPROBS, RECONSTRUCTIONS, SERVED_MODES, StageRequest, VerifyRequest, VerifyResponse
+from core.protocol.messages import MAX_LOGPROBS, RECONSTRUCTIONS, VERIFY_MODES, StageRequest, VerifyRequest, VerifyResponse
 
 
 Rule = tuple[bool, str, str]  # (broken, message, param): the first broken rule is the 400
@@ -52,7 +52,7 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
     _first_broken([
         (req.prefix_len < 0, f"prefix_len must be ≥ 0, got {req.prefix_len}", "prefix_len"),
         *_sampling_rules(req, vocab_size),
-        (req.mode not in SERVED_MODES, f"mode {req.mode!r} is not served: use one of {list(SERVED_MODES)}", "mode"),
+        (req.mode not in VERIFY_MODES, f"mode {req.mode!r} is not served: use one of {list(VERIFY_MODES)}", "mode"),
         (req.mode == Mode.AUTOREGRESSIVE.value and req.draft.size > 0, "autoregressive scores one position: the draft must be empty", "draft"),
         (not 0 <= req.seed < 2**63 or req.choice < 0 or req.worker < 0, "seed must lie in [0, 2**63); choice and worker must be ≥ 0", "seed"),
         (req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS, f"logprobs must lie in [0, {MAX_LOGPROBS}]", "logprobs"),

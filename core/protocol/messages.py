@@ -21,7 +21,7 @@ from core.modes import SERVED_MODES as MODES_SERVED
 from core.names import Mode, ProbsDtype, Reconstruction
 from core.protocol.frame import Message, loads, prefix_hash
 
-SERVED_MODES = tuple(m.value for m in MODES_SERVED if m is not Mode.PIPELINE)  # what /v1/verify answers (core.modes; pipeline speaks /v1/stage/forward)
+VERIFY_MODES = tuple(m.value for m in MODES_SERVED if m is not Mode.PIPELINE)  # what /v1/verify answers (core.modes; pipeline speaks /v1/stage/forward)
 RECONSTRUCTIONS = tuple(r.value for r in Reconstruction)
 MAX_LOGPROBS = 20  # top-n alternatives per position, as OpenAI's API caps them
 
@@ -67,7 +67,7 @@ class VerifyRequest(Message):
     top_p: float = 1.0  # (0, 1]; 1 = no nucleus truncation
     k: int | None = None  # entries per position to return; None = the full distribution
     probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of the returned probabilities
-    mode: str = Mode.AGGREGATE.value  # a Mode value that /v1/verify answers (SERVED_MODES above): what the answer carries
+    mode: str = Mode.AGGREGATE.value  # a Mode value that /v1/verify answers (VERIFY_MODES above): what the answer carries
     reconstruction: str = Reconstruction.RENORMALIZE.value  # how the gateway rebuilds p̂_n from top-k: e_n depends on it
     seed: int = 0  # the request's seed, 0 ≤ seed < 2**63: keys the worker's random streams
     choice: int = 0  # the choice index (of n) this session generates

@@ -9,7 +9,7 @@ from app.schemas import SpeculativeParams
 from core import config
 from core.modes import ENGINE_MODES, MODES, PIPELINE_TARGET_MODES, SERVED_MODES, target_problem
 from core.names import Mode
-from core.protocol import SERVED_MODES as WIRE_MODES
+from core.protocol import VERIFY_MODES as WIRE_MODES
 
 
 def test_every_served_mode_has_a_strategy_and_nothing_else_does() -> None:
