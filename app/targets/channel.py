@@ -170,11 +170,7 @@ class Channel:
             resp = await self.client.get(f"{replica.url}{self.health_path}", timeout=_HEALTH_TIMEOUT)
         except httpx.HTTPError as exc:
             return f"its {self.health_path} did not answer ({describe(exc)})"
-        try:
-            body = resp.json()
-        except ValueError:
-            body = {}
-        body = body if isinstance(body, dict) else {}
+        body = health_body(resp)
         if resp.status_code != 200 and body.get("status") != "draining":
             return f"its {self.health_path} answered {resp.status_code}"
         stalled, calls = body.get("stalled_s"), body.get("calls")
@@ -247,3 +243,12 @@ def stuck(health: Any, limit: float | None) -> str | None:
     if limit is not None and isinstance(stalled, (int, float)) and stalled >= limit:
         return f"its model has finished no step for {stalled:.2f} s"
     return None
+
+
+def health_body(resp: httpx.Response) -> dict[str, Any]:
+    """A ``/health`` answer's JSON object; empty when it is not one."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from app.targets.base import Dialect, Target, resend
-from app.targets.channel import Breaker, Channel, Expected, Replica, Traffic, stuck
+from app.targets.channel import Breaker, Channel, Expected, Replica, Traffic, health_body, stuck
 from app.targets.failures import AskAgain, ReplicaFailure, WorkerError
 from app.targets.checks import Checks
 from core.protocol import InfoResponse, VerifyRequest, VerifyResponse
@@ -111,7 +111,7 @@ class ReplicaSet(Target):
             try:
                 if self.dialect.health_path is not None:
                     resp = await self.channel.client.get(f"{replica.url}{self.dialect.health_path}", timeout=_PROBE_TIMEOUT)
-                    if resp.status_code != 200 or stuck(_json(resp), self.channel.stall_timeout_s) is not None:
+                    if resp.status_code != 200 or stuck(health_body(resp), self.channel.stall_timeout_s) is not None:
                         continue  # not back: down, draining, or its model stuck (a new session would wait there)
                 await self.check(replica)
                 log.info("worker %s: replica %s is back", self.name, replica.url)
@@ -227,10 +227,3 @@ class ReplicaSet(Target):
                 await self.dialect.free(replica, session_id)
         self.held.pop(session_id, None)
         self._drop_retired()
-
-
-def _json(resp: httpx.Response) -> Any:
-    try:
-        return resp.json()
-    except ValueError:
-        return None
