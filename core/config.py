@@ -1,5 +1,5 @@
 """The YAML configuration (docs/design.md §6) of the gateway and ``specgate serve``, overridden by ``SPECGATE_<SECTION>__<KEY>``
-variables; a bad key is a ConfigError naming it. docs/configuration.md is generated from the comments below."""
+variables; a bad key is a ConfigError naming it. docs/configuration.md is generated from each field's description."""
 
 from __future__ import annotations
 
@@ -32,21 +32,21 @@ DEFAULT_CONTEXT = 2048  # tokens a session holds where nothing sizes it: a worke
 class DraftConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "builtin-draft"  # any --model value, or none: no draft model (lookup drafts alone, docs/design.md §3.10)
-    tokenizer: str | None = None  # model none: whose tokenizer the gateway uses (a --model value; default builtin)
-    backend: Backend = Backend.LLAMA_CPP  # model runner of the draft
-    memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of the draft, all sessions
-    threads: int | None = Field(default=None, gt=0)  # CPU threads; None = every core this process may use: its affinity, within its cgroup's CPU quota (serve splits them)
-    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the draft runs (auto = cuda if present)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: the draft's dtype (auto = bfloat16 on a GPU)
-    forward: Literal["auto", "hf", "static"] = "auto"  # transformers: the draft's forward, as a worker's --forward (auto = the static forward with CUDA graphs on a GPU)
-    max_context: int | None = Field(default=None, gt=0)  # tokens a draft session holds (capped by the model's own); None = limits.max_prompt_tokens + limits.max_tokens where both are set, else 2048 (a worker's default); an agent-sized deployment sets it with the workers' --max-context (docs/serving.md)
-    max_batch_tokens: int = Field(default=128, gt=0)  # new rows per draft step, every drafting request together (a prompt goes in chunks of half)
-    chat_template: str | None = None  # a Jinja file: the chat template requests are rendered with, in place of the tokenizer's own (the targets' when theirs differs)
-    reasoning: Literal["auto", "off"] = "auto"  # auto: where the chat template marks thinking (<think>…</think>), chat answers carry it in reasoning_content and /v1/responses in a reasoning item (docs/tools.md); off: it stays in the text
-    tool_format: str = "auto"  # how tools are written: auto = the chat template's own format where it has one (docs/tools.md), else generic; or a registered format: generic, hermes, qwen3_coder, llama3_json, mistral, mistral_args
-    background_prefill_from: int | None = Field(default=64, gt=0)  # a prompt this long or longer: the first round carries no draft (the targets sample it) while the draft prefills (app.engine.late); None: never
-    background_prefill_wait: bool | None = None  # that prefill starts after the first round (the targets' prefill), not beside it: where they share cores; None = when every worker is on this machine
+    model: str = Field(default="builtin-draft", description='any --model value, or none: no draft model (lookup drafts alone, docs/design.md §3.10)')
+    tokenizer: str | None = Field(default=None, description='model none: whose tokenizer the gateway uses (a --model value; default builtin)')
+    backend: Backend = Field(default=Backend.LLAMA_CPP, description='model runner of the draft')
+    memory_cap_mb: int = Field(default=1024, gt=0, description='KV caches of the draft, all sessions')
+    threads: int | None = Field(default=None, gt=0, description="CPU threads; None = every core this process may use: its affinity, within its cgroup's CPU quota (serve splits them)")
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description='transformers: where the draft runs (auto = cuda if present)')
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(default="auto", description="transformers: the draft's dtype (auto = bfloat16 on a GPU)")
+    forward: Literal["auto", "hf", "static"] = Field(default="auto", description="transformers: the draft's forward, as a worker's --forward (auto = the static forward with CUDA graphs on a GPU)")
+    max_context: int | None = Field(default=None, gt=0, description="tokens a draft session holds (capped by the model's own); None = limits.max_prompt_tokens + limits.max_tokens where both are set, else 2048 (a worker's default); an agent-sized deployment sets it with the workers' --max-context (docs/serving.md)")
+    max_batch_tokens: int = Field(default=128, gt=0, description='new rows per draft step, every drafting request together (a prompt goes in chunks of half)')
+    chat_template: str | None = Field(default=None, description="a Jinja file: the chat template requests are rendered with, in place of the tokenizer's own (the targets' when theirs differs)")
+    reasoning: Literal["auto", "off"] = Field(default="auto", description='auto: where the chat template marks thinking (<think>…</think>), chat answers carry it in reasoning_content and /v1/responses in a reasoning item (docs/tools.md); off: it stays in the text')
+    tool_format: str = Field(default="auto", description="how tools are written: auto = the chat template's own format where it has one (docs/tools.md), else generic; or a registered format: generic, hermes, qwen3_coder, llama3_json, mistral, mistral_args")
+    background_prefill_from: int | None = Field(default=64, gt=0, description='a prompt this long or longer: the first round carries no draft (the targets sample it) while the draft prefills (app.engine.late); None: never')
+    background_prefill_wait: bool | None = Field(default=None, description="that prefill starts after the first round (the targets' prefill), not beside it: where they share cores; None = when every worker is on this machine")
 
 
 class TreeParams(BaseModel):
@@ -54,12 +54,12 @@ class TreeParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rule: ChildRule | None = None  # sampled | sampled_distinct | fixed; default: sampled_distinct with widths, else fixed
-    widths: list[int] | None = None  # sampled rules: children per node at each depth, ⟨k_1,…,k_L⟩ (default [2,1,1,1,1,1,1])
-    nodes: int | None = None  # fixed (EAGLE-2): the node budget N (default 14)
-    depth: int | None = None  # fixed: the deepest level (default 6)
-    top_k: int | None = None  # fixed: children per expanded node and nodes expanded per depth (default 4)
-    payload: Literal["aggregate", "exact"] | None = None  # per node on the wire: exact's sparse one (lossless, a few hundred bytes a node; draft_top_k defaults to 32; the default) or aggregate's rows (k: full or top-k; the default where k is a number)
+    rule: ChildRule | None = Field(default=None, description='sampled | sampled_distinct | fixed; default: sampled_distinct with widths, else fixed')
+    widths: list[int] | None = Field(default=None, description='sampled rules: children per node at each depth, ⟨k_1,…,k_L⟩ (default [2,1,1,1,1,1,1])')
+    nodes: int | None = Field(default=None, description='fixed (EAGLE-2): the node budget N (default 14)')
+    depth: int | None = Field(default=None, description='fixed: the deepest level (default 6)')
+    top_k: int | None = Field(default=None, description='fixed: children per expanded node and nodes expanded per depth (default 4)')
+    payload: Literal["aggregate", "exact"] | None = Field(default=None, description="per node on the wire: exact's sparse one (lossless, a few hundred bytes a node; draft_top_k defaults to 32; the default) or aggregate's rows (k: full or top-k; the default where k is a number)")
 
     def shape(self) -> TreeShape | None:
         """The TreeShape these settings make (ValueError when they make none); None when they name none (payload alone)."""
@@ -81,12 +81,12 @@ class PipelineParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    nodes: int | None = None  # the round's tree: EAGLE-2 node budget (default 10)
-    depth: int | None = None  # ... its deepest level, and how deep expansion goes below the walk (default 5)
-    top_k: int | None = None  # ... children per expanded node (default 3)
-    segment: int | None = None  # nodes per segment (default 6)
-    in_flight: int | None = None  # segments in the stages at once; 0 = one per stage (default 2)
-    expand: bool | None = None  # expand the best live leaf while the live tree runs short (default true)
+    nodes: int | None = Field(default=None, description="the round's tree: EAGLE-2 node budget (default 10)")
+    depth: int | None = Field(default=None, description='... its deepest level, and how deep expansion goes below the walk (default 5)')
+    top_k: int | None = Field(default=None, description='... children per expanded node (default 3)')
+    segment: int | None = Field(default=None, description='nodes per segment (default 6)')
+    in_flight: int | None = Field(default=None, description='segments in the stages at once; 0 = one per stage (default 2)')
+    expand: bool | None = Field(default=None, description='expand the best live leaf while the live tree runs short (default true)')
 
     def schedule(self) -> SegmentSchedule:
         """The SegmentSchedule these settings make (ValueError when they make none)."""
@@ -116,16 +116,16 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Mode = Mode.AGGREGATE  # served: autoregressive, aggregate, split, exact, tree (the built-in config: exact)
-    num_draft_tokens: int | Literal["auto"] = Field(default=4)  # γ in [1, 32], or auto: chosen each round (fixed 4 with a seed)
-    k: int | None = None  # top-k per position on the wire; None ("full") = whole distributions
-    reconstruction: Reconstruction = Reconstruction.RENORMALIZE  # how top-k becomes a distribution (aggregate)
-    draft_top_k: int | None = Field(default=None, ge=0)  # TSLT draft truncation; exact defaults to 32
-    draft_top_p: float | None = Field(default=None, gt=0, le=1)  # ... or keep the draft's nucleus of this mass
-    overlap: bool = False  # DSD: draft the next round while this one is verified (same output, less waiting)
-    tree: TreeParams | None = None  # mode tree: the draft tree; None = the default by temperature
-    pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments; None = the defaults
-    drafter: str | None = None  # model | lookup | model+lookup, or a registered drafter (chains, tree; pipeline: not lookup); None = model, or lookup when draft.model is none
+    mode: Mode = Field(default=Mode.AGGREGATE, description='served: autoregressive, aggregate, split, exact, tree (the built-in config: exact)')
+    num_draft_tokens: int | Literal["auto"] = Field(default=4, description='γ in [1, 32], or auto: chosen each round (fixed 4 with a seed)')
+    k: int | None = Field(default=None, description='top-k per position on the wire; None ("full") = whole distributions')
+    reconstruction: Reconstruction = Field(default=Reconstruction.RENORMALIZE, description='how top-k becomes a distribution (aggregate)')
+    draft_top_k: int | None = Field(default=None, ge=0, description='TSLT draft truncation; exact defaults to 32')
+    draft_top_p: float | None = Field(default=None, gt=0, le=1, description="... or keep the draft's nucleus of this mass")
+    overlap: bool = Field(default=False, description='DSD: draft the next round while this one is verified (same output, less waiting)')
+    tree: TreeParams | None = Field(default=None, description='mode tree: the draft tree; None = the default by temperature')
+    pipeline: PipelineParams | None = Field(default=None, description='mode pipeline: the tree and its segments; None = the defaults')
+    drafter: str | None = Field(default=None, description='model | lookup | model+lookup, or a registered drafter (chains, tree; pipeline: not lookup); None = model, or lookup when draft.model is none')
 
     @field_validator("tree", "pipeline")
     @classmethod
@@ -149,9 +149,9 @@ class LinkConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rtt_ms: float = Field(default=0.0, ge=0)  # round-trip time added to every exchange
-    up_mbps: float | None = Field(default=None, gt=0)  # gateway → worker; None = unlimited
-    down_mbps: float | None = Field(default=None, gt=0)  # worker → gateway; None = unlimited
+    rtt_ms: float = Field(default=0.0, ge=0, description='round-trip time added to every exchange')
+    up_mbps: float | None = Field(default=None, gt=0, description='gateway → worker; None = unlimited')
+    down_mbps: float | None = Field(default=None, gt=0, description='worker → gateway; None = unlimited')
 
     def delay_s(self, num_bytes: int, upstream: bool) -> float:
         """Seconds one direction of one exchange takes on this link."""
@@ -164,14 +164,14 @@ class StageEntry(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    url: str | None = None  # base URL of a stage worker
-    model: str | None = None  # a local stage: what it loads
-    layers: str | None = Field(default=None, pattern=r"^\d+:\d+$")  # a local stage: its layers, first:end
-    port: int | None = Field(default=None, ge=1, le=65535)  # a local stage's port
-    threads: int | None = Field(default=None, gt=0)  # a local stage's CPU threads (serve splits the cores)
-    link_rtt_ms: float = Field(default=0.0, ge=0)  # a local stage: the emulated delay of its link to the next stage (per segment, on the way out)
-    link_mbps: float = Field(default=0.0, ge=0)  # ... and that link's rate; 0 = unlimited
-    replicas: list[str] = []  # other stage workers serving the same layers: the stage fails over to them (its sessions start again from zero)
+    url: str | None = Field(default=None, description='base URL of a stage worker')
+    model: str | None = Field(default=None, description='a local stage: what it loads')
+    layers: str | None = Field(default=None, pattern=r"^\d+:\d+$", description='a local stage: its layers, first:end')
+    port: int | None = Field(default=None, ge=1, le=65535, description="a local stage's port")
+    threads: int | None = Field(default=None, gt=0, description="a local stage's CPU threads (serve splits the cores)")
+    link_rtt_ms: float = Field(default=0.0, ge=0, description='a local stage: the emulated delay of its link to the next stage (per segment, on the way out)')
+    link_mbps: float = Field(default=0.0, ge=0, description="... and that link's rate; 0 = unlimited")
+    replicas: list[str] = Field(default=[], description='other stage workers serving the same layers: the stage fails over to them (its sessions start again from zero)')
 
     @model_validator(mode="before")
     @classmethod
@@ -196,23 +196,23 @@ class WorkerEntry(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    type: TargetType = TargetType.SPECGATE  # specgate (our worker) or openai-logprobs (an engine)
-    url: str | None = None  # base URL, e.g. http://127.0.0.1:8101 (an engine's: without /v1)
-    urls: list[str] | None = None  # replicas serving the same model with the same weight
-    pipeline: list[StageEntry] | None = None  # the stages of one model, first layers first (URLs, or local model + layers)
-    model: str | None = None  # what a local worker loads; for an engine, the model name it serves
-    weight: float = Field(default=1.0, ge=0, allow_inf_nan=False)  # w_n before normalisation (finite: w / Σw must be a number)
-    name: str | None = None  # shown in errors and metrics; defaults to w<index>
-    backend: Backend = Backend.LLAMA_CPP  # a local worker's backend
-    port: int | None = Field(default=None, ge=1, le=65535)  # a local worker's port
-    threads: int | None = Field(default=None, gt=0)  # a local worker's CPU threads (serve splits the cores)
-    link: LinkConfig | None = None  # emulate a network between the gateway and this worker
-    connect_timeout_s: float = Field(default=3.0, gt=0)  # opening a connection to a replica
-    read_timeout_s: float = Field(default=30.0, gt=0)  # a verify answer not here after this long: the replica's /health is asked (then every quarter of this), and the call waits on while the worker answers calls and its model is not stuck (busy, not dead); else it failed. An engine's: a deadline
-    stall_timeout_s: float | None = Field(default=None, gt=0)  # a worker whose model has finished no step (or decode) for this long, while work waits, is stuck: a slow call there fails, a probe leaves its breaker open; None = read_timeout_s
-    logprobs: int = Field(default=20, ge=1, le=1000)  # engine: top-k logprobs asked per position (vLLM's cap: 20)
-    max_context: int | None = Field(default=None, gt=0)  # engine: its context length, when /v1/models does not say
-    discovery_interval_s: float | None = Field(default=None, gt=0)  # re-resolve url's host this often: each address a replica (a headless Service); None = url as it is
+    type: TargetType = Field(default=TargetType.SPECGATE, description='specgate (our worker) or openai-logprobs (an engine)')
+    url: str | None = Field(default=None, description="base URL, e.g. http://127.0.0.1:8101 (an engine's: without /v1)")
+    urls: list[str] | None = Field(default=None, description='replicas serving the same model with the same weight')
+    pipeline: list[StageEntry] | None = Field(default=None, description='the stages of one model, first layers first (URLs, or local model + layers)')
+    model: str | None = Field(default=None, description='what a local worker loads; for an engine, the model name it serves')
+    weight: float = Field(default=1.0, ge=0, allow_inf_nan=False, description='w_n before normalisation (finite: w / Σw must be a number)')
+    name: str | None = Field(default=None, description='shown in errors and metrics; defaults to w<index>')
+    backend: Backend = Field(default=Backend.LLAMA_CPP, description="a local worker's backend")
+    port: int | None = Field(default=None, ge=1, le=65535, description="a local worker's port")
+    threads: int | None = Field(default=None, gt=0, description="a local worker's CPU threads (serve splits the cores)")
+    link: LinkConfig | None = Field(default=None, description='emulate a network between the gateway and this worker')
+    connect_timeout_s: float = Field(default=3.0, gt=0, description='opening a connection to a replica')
+    read_timeout_s: float = Field(default=30.0, gt=0, description="a verify answer not here after this long: the replica's /health is asked (then every quarter of this), and the call waits on while the worker answers calls and its model is not stuck (busy, not dead); else it failed. An engine's: a deadline")
+    stall_timeout_s: float | None = Field(default=None, gt=0, description='a worker whose model has finished no step (or decode) for this long, while work waits, is stuck: a slow call there fails, a probe leaves its breaker open; None = read_timeout_s')
+    logprobs: int = Field(default=20, ge=1, le=1000, description="engine: top-k logprobs asked per position (vLLM's cap: 20)")
+    max_context: int | None = Field(default=None, gt=0, description='engine: its context length, when /v1/models does not say')
+    discovery_interval_s: float | None = Field(default=None, gt=0, description="re-resolve url's host this often: each address a replica (a headless Service); None = url as it is")
 
     @model_validator(mode="after")
     def _one_source(self) -> WorkerEntry:
@@ -246,15 +246,15 @@ class WorkerEntry(BaseModel):
 class LimitsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int | None = Field(default=None, gt=0)  # the cap of max_tokens; None = none: an absent max_tokens is the context left after the prompt (as vLLM), capped by this where set
-    max_prompt_tokens: int | None = Field(default=None, gt=0)  # longer prompts get a 400; None = the context (the smallest of the draft's and the targets', /v1/models' max_model_len) less one
-    max_concurrent_requests: int = Field(default=16, gt=0)  # requests generating at once
-    max_queued_requests: int = Field(default=64, ge=0)  # waiting for a slot; beyond it a 429
-    queue_timeout_s: float = Field(default=60.0, gt=0)  # a queued request gets a 429 after this
-    max_body_bytes: int = Field(default=2**20, gt=0)  # larger request bodies get a 413
-    drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, open requests get this long (it exits once none is left)
-    max_grammar_bytes: int = Field(default=64 * 1024, gt=0)  # a schema, regex, choice list or grammar longer than this gets a 400
-    grammar_compile_s: float = Field(default=10.0, gt=0)  # one that takes longer to compile (off the event loop) gets a 400
+    max_tokens: int | None = Field(default=None, gt=0, description='the cap of max_tokens; None = none: an absent max_tokens is the context left after the prompt (as vLLM), capped by this where set')
+    max_prompt_tokens: int | None = Field(default=None, gt=0, description="longer prompts get a 400; None = the context (the smallest of the draft's and the targets', /v1/models' max_model_len) less one")
+    max_concurrent_requests: int = Field(default=16, gt=0, description='requests generating at once')
+    max_queued_requests: int = Field(default=64, ge=0, description='waiting for a slot; beyond it a 429')
+    queue_timeout_s: float = Field(default=60.0, gt=0, description='a queued request gets a 429 after this')
+    max_body_bytes: int = Field(default=2**20, gt=0, description='larger request bodies get a 413')
+    drain_timeout_s: float = Field(default=30.0, ge=0, description='on SIGTERM, open requests get this long (it exits once none is left)')
+    max_grammar_bytes: int = Field(default=64 * 1024, gt=0, description='a schema, regex, choice list or grammar longer than this gets a 400')
+    grammar_compile_s: float = Field(default=10.0, gt=0, description='one that takes longer to compile (off the event loop) gets a 400')
 
 
 class HealthConfig(BaseModel):
@@ -262,9 +262,9 @@ class HealthConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    failure_threshold: int = Field(default=3, gt=0)  # failures in a row that open the breaker
-    probe_interval_s: float = Field(default=2.0, gt=0)  # how often an open replica's /health is probed
-    ready_timeout_s: float = Field(default=2.0, gt=0)  # /health/ready answers within about this: a replica silent so long is not ready this time (its check goes on); it is for people and alerts, no probe asks it
+    failure_threshold: int = Field(default=3, gt=0, description='failures in a row that open the breaker')
+    probe_interval_s: float = Field(default=2.0, gt=0, description="how often an open replica's /health is probed")
+    ready_timeout_s: float = Field(default=2.0, gt=0, description='/health/ready answers within about this: a replica silent so long is not ready this time (its check goes on); it is for people and alerts, no probe asks it')
 
 
 class DiscoveryConfig(BaseModel):
@@ -272,8 +272,8 @@ class DiscoveryConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dns_servers: list[str] = []  # host[:port] of DNS servers to ask; [] = the system's resolver (/etc/hosts, resolv.conf's servers and search domains)
-    timeout_s: float = Field(default=2.0, gt=0)  # one resolution; a failed one keeps the replicas as they are
+    dns_servers: list[str] = Field(default=[], description="host[:port] of DNS servers to ask; [] = the system's resolver (/etc/hosts, resolv.conf's servers and search domains)")
+    timeout_s: float = Field(default=2.0, gt=0, description='one resolution; a failed one keeps the replicas as they are')
 
 
 class ResponsesConfig(BaseModel):
@@ -281,28 +281,28 @@ class ResponsesConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    store: str = "auto"  # a SQLite file's path; auto = $XDG_STATE_HOME/specgate/responses.sqlite3 (~/.local/state/…); memory = this process only; none = no store (previous_response_id gets a 400)
-    retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)  # a stored response unused this long (neither made nor continued) is gone (deleted at the next write)
-    max_bytes: int = Field(default=128 * 2**20, gt=0)  # the store's size cap: past it, the least recently used responses go first (a chain in use stays whole)
+    store: str = Field(default="auto", description="a SQLite file's path; auto = $XDG_STATE_HOME/specgate/responses.sqlite3 (~/.local/state/…); memory = this process only; none = no store (previous_response_id gets a 400)")
+    retention_s: float = Field(default=7 * 24 * 3600.0, gt=0, description='a stored response unused this long (neither made nor continued) is gone (deleted at the next write)')
+    max_bytes: int = Field(default=128 * 2**20, gt=0, description="the store's size cap: past it, the least recently used responses go first (a chain in use stays whole)")
 
 
 class SpecgateConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_", env_nested_delimiter="__", extra="forbid")
 
-    model: str = "specgate"  # the model id clients pass and /v1/models lists
-    host: str = "127.0.0.1"  # address the gateway binds (0.0.0.0 to be reachable from outside)
-    port: int = Field(default=8000, ge=0, le=65535)  # the gateway's port
+    model: str = Field(default="specgate", description='the model id clients pass and /v1/models lists')
+    host: str = Field(default="127.0.0.1", description='address the gateway binds (0.0.0.0 to be reachable from outside)')
+    port: int = Field(default=8000, ge=0, le=65535, description="the gateway's port")
     draft: DraftConfig = DraftConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
-    workers: list[WorkerEntry] = Field(default_factory=list)  # the targets, at least one; weights w_n
+    workers: list[WorkerEntry] = Field(default_factory=list, description='the targets, at least one; weights w_n')
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
     responses: ResponsesConfig = ResponsesConfig()
-    api_key: str | None = None  # clients must send it as a bearer token (env SPECGATE_API_KEY); required where the gateway binds an address other hosts reach, unless allow_no_api_key
-    allow_no_api_key: bool = False  # serve /v1/* without a key on an address other hosts reach (env SPECGATE_ALLOW_NO_API_KEY): an explicit choice, never the result of a missing secret
-    metrics_port: int | None = Field(default=None, ge=1, le=65535)  # a second port that alone answers /metrics and /health/ready (Prometheus, humans); None = both on the API port
-    worker_token: str | None = None  # sent to every worker as a bearer token (env SPECGATE_WORKER_TOKEN)
+    api_key: str | None = Field(default=None, description='clients must send it as a bearer token (env SPECGATE_API_KEY); required where the gateway binds an address other hosts reach, unless allow_no_api_key')
+    allow_no_api_key: bool = Field(default=False, description='serve /v1/* without a key on an address other hosts reach (env SPECGATE_ALLOW_NO_API_KEY): an explicit choice, never the result of a missing secret')
+    metrics_port: int | None = Field(default=None, ge=1, le=65535, description='a second port that alone answers /metrics and /health/ready (Prometheus, humans); None = both on the API port')
+    worker_token: str | None = Field(default=None, description='sent to every worker as a bearer token (env SPECGATE_WORKER_TOKEN)')
 
     @field_validator("api_key", "worker_token")
     @classmethod

@@ -1,10 +1,9 @@
 """``python scripts/config_docs.py > docs/configuration.md``: the page generated from the settings models
-(each key's type, default, environment variable and source comment), so it cannot drift (a test checks it)."""
+(each key's type, default, environment variable and its ``Field(description=...)``), so it cannot drift (a test
+checks it)."""
 
 from __future__ import annotations
 
-import inspect
-import re
 import sys
 import types
 from pathlib import Path
@@ -18,8 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from core.config import SpecgateConfig  # noqa: E402
 from workers.settings import WorkerSettings  # noqa: E402
-
-_COMMENT = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
 
 HEADER = """# Configuration
 
@@ -46,7 +43,6 @@ def _table(model: type[BaseModel], env: str) -> str:
 
 def _rows(model: type[BaseModel], prefix: str, env: str | None) -> list[str]:
     """One row per key; sections recurse; list items (workers) are described inside their list."""
-    comments = _comments(model)
     rows = []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
@@ -57,27 +53,15 @@ def _rows(model: type[BaseModel], prefix: str, env: str | None) -> list[str]:
         if section is not None and item is None:
             rows += _rows(section, f"{key}.", f"{env}{name.upper()}__" if env is not None else None)
             continue
-        rows.append(f"| `{key}` | {_type(field.annotation)} | {_default(field)} | {var} | {comments.get(name, '')} |")
+        rows.append(f"| `{key}` | {_type(field.annotation)} | {_default(field)} | {var} | {_meaning(field)} |")
         if item is not None:
             rows += _rows(item, f"{key}[].", None)
     return rows
 
 
-def _comments(model: type[BaseModel]) -> dict[str, str]:
-    """The ``# comment`` beside each field in the class source (the docstring for sections)."""
-    found = {}
-    for cls in reversed(model.__mro__):
-        if cls is BaseModel or not _is_model(cls):
-            continue
-        try:
-            source = inspect.getsource(cls)
-        except (OSError, TypeError):
-            continue
-        for line in source.splitlines():
-            match = _COMMENT.match(line)
-            if match and match.group(1) in model.model_fields:
-                found[match.group(1)] = match.group(2).replace("|", "\\|")
-    return found
+def _meaning(field: FieldInfo) -> str:
+    """A key's ``Field(description=...)``, escaped for a table cell."""
+    return (field.description or "").replace("|", "\\|")
 
 
 def _is_model(annotation: Any) -> bool:

@@ -17,38 +17,38 @@ from core.runners.base import ModelRunner
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECGATE_WORKER_", extra="forbid")
 
-    model: str = "builtin"  # builtin | builtin-draft | builtin-alt | tiny-random[:SEED] | builtin-random[:SEED] | path | hub id
-    backend: Backend = Backend.LLAMA_CPP  # model runner: llama.cpp (GGUF, fast on CPU) or transformers
-    host: str = "127.0.0.1"  # address to bind (0.0.0.0 for a gateway on another machine)
-    port: int = Field(default=8101, ge=0, le=65535)  # the worker's port
-    max_context: int = Field(default=DEFAULT_CONTEXT, gt=0)  # tokens one session may hold (capped by the model's own): the context the gateway sizes its limits by
-    memory_cap_mb: int = Field(default=1024, gt=0)  # KV caches of all sessions together
-    max_sessions: int = Field(default=64, gt=0)  # LRU eviction beyond this
-    session_ttl_s: float = Field(default=600.0, gt=0)  # idle sessions are dropped after this
-    session_live_s: float = Field(default=10.0, gt=0)  # a session used this recently keeps its KV slot: a new session finding every slot so held gets 503 + Retry-After
-    max_body_bytes: int = Field(default=8 * 2**20, gt=0)  # larger request bodies get a 413
-    max_draft: int = Field(default=64, gt=0)  # draft tokens one verify call may carry
-    max_grammar_bytes: int = Field(default=64 * 1024, gt=0)  # the longest grammar source compiled (/v1/info reports it: the gateway refuses longer ones)
-    max_batch_tokens: int = Field(default=256, gt=0)  # new tokens one scheduler step feeds the model, all its calls together (one call always goes)
-    prefill_chunk: int | None = Field(default=None, gt=0)  # a long prompt's tokens per scheduler step, in the steps other calls leave free and one in four beside them (chunked prefill); None = 16 on llama.cpp, max_batch_tokens on transformers
-    long_decode: Literal["auto", "one-thread", "pad-stream"] = "auto"  # llama.cpp: how a long session's decode of one token keeps its bits (docs/design.md §10): on one thread, or beside a throwaway token in a neighbouring stream; auto = one-thread up to 2 threads, pad-stream from 3
-    decode_ahead: bool = False  # on the CPU, while idle: an autoregressive answer's token decoded before its session's next call carries it (a gateway across a link: its round trip hides the decode; on the gateway's own machine it takes the cores the answer crosses HTTP on)
-    threads: int | None = Field(default=None, gt=0)  # CPU threads of the model; None = every core this process may use: its affinity, within its cgroup's CPU quota (a container's --cpus, a pod's CPU limit)
-    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # transformers: where the model runs (auto = cuda if present); llama.cpp: the CPU
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"  # transformers: model dtype (auto = bfloat16 on a GPU, float32 on the CPU); probabilities are fp32 always
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)  # share of the GPU's memory for the model and its KV slots
-    forward: Literal["auto", "hf", "static"] = "auto"  # transformers: the model's forward — its own modules (hf), or the static forward over bucketed inputs for Llama-family models (static); auto = static on CUDA where the model allows
-    scoring: Literal["auto", "host", "device"] = "auto"  # where a step's logits are scored: each call on the host (workers.scoring, the reference), or every call together where the logits are, one copy back (workers.device_scoring); auto = device where the model runs on a GPU
-    layers: str | None = Field(default=None, pattern=r"^\d+:\d+$")  # a pipeline stage: the model's layers first:end (transformers); None = the whole model
-    next: str | None = None  # a pipeline stage: the next stage's base URL, when the calls do not name it
-    link_rtt_ms: float = Field(default=0.0, ge=0)  # a stage's link to the next stage, emulated: rtt/2 before each call
-    link_mbps: float = Field(default=0.0, ge=0)  # ... and bytes·8/rate (0 = no limit)
-    stage_wait_s: float = Field(default=30.0, gt=0)  # a stage waits this long for a session's earlier message before answering 409
-    token: str | None = None  # SPECGATE_WORKER_TOKEN: /v1/* requires 'Authorization: Bearer <token>'; required where the worker binds an address other hosts reach, unless allow_no_token
-    allow_no_token: bool = False  # SPECGATE_WORKER_ALLOW_NO_TOKEN: serve /v1/* without a token on an address other hosts reach (an explicit choice)
-    drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM, its sessions get this long (it exits once none is left)
-    instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex)  # /health reports it: `serve` checks it started what answers
-    restarts: int = Field(default=0, ge=0)  # how many times `serve` restarted this worker after it died (its /metrics reports it)
+    model: str = Field(default="builtin", description='builtin | builtin-draft | builtin-alt | tiny-random[:SEED] | builtin-random[:SEED] | path | hub id')
+    backend: Backend = Field(default=Backend.LLAMA_CPP, description='model runner: llama.cpp (GGUF, fast on CPU) or transformers')
+    host: str = Field(default="127.0.0.1", description='address to bind (0.0.0.0 for a gateway on another machine)')
+    port: int = Field(default=8101, ge=0, le=65535, description="the worker's port")
+    max_context: int = Field(default=DEFAULT_CONTEXT, gt=0, description="tokens one session may hold (capped by the model's own): the context the gateway sizes its limits by")
+    memory_cap_mb: int = Field(default=1024, gt=0, description='KV caches of all sessions together')
+    max_sessions: int = Field(default=64, gt=0, description='LRU eviction beyond this')
+    session_ttl_s: float = Field(default=600.0, gt=0, description='idle sessions are dropped after this')
+    session_live_s: float = Field(default=10.0, gt=0, description='a session used this recently keeps its KV slot: a new session finding every slot so held gets 503 + Retry-After')
+    max_body_bytes: int = Field(default=8 * 2**20, gt=0, description='larger request bodies get a 413')
+    max_draft: int = Field(default=64, gt=0, description='draft tokens one verify call may carry')
+    max_grammar_bytes: int = Field(default=64 * 1024, gt=0, description='the longest grammar source compiled (/v1/info reports it: the gateway refuses longer ones)')
+    max_batch_tokens: int = Field(default=256, gt=0, description='new tokens one scheduler step feeds the model, all its calls together (one call always goes)')
+    prefill_chunk: int | None = Field(default=None, gt=0, description="a long prompt's tokens per scheduler step, in the steps other calls leave free and one in four beside them (chunked prefill); None = 16 on llama.cpp, max_batch_tokens on transformers")
+    long_decode: Literal["auto", "one-thread", "pad-stream"] = Field(default="auto", description="llama.cpp: how a long session's decode of one token keeps its bits (docs/design.md §10): on one thread, or beside a throwaway token in a neighbouring stream; auto = one-thread up to 2 threads, pad-stream from 3")
+    decode_ahead: bool = Field(default=False, description="on the CPU, while idle: an autoregressive answer's token decoded before its session's next call carries it (a gateway across a link: its round trip hides the decode; on the gateway's own machine it takes the cores the answer crosses HTTP on)")
+    threads: int | None = Field(default=None, gt=0, description="CPU threads of the model; None = every core this process may use: its affinity, within its cgroup's CPU quota (a container's --cpus, a pod's CPU limit)")
+    device: str = Field(default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description='transformers: where the model runs (auto = cuda if present); llama.cpp: the CPU')
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(default="auto", description='transformers: model dtype (auto = bfloat16 on a GPU, float32 on the CPU); probabilities are fp32 always')
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="share of the GPU's memory for the model and its KV slots")
+    forward: Literal["auto", "hf", "static"] = Field(default="auto", description="transformers: the model's forward — its own modules (hf), or the static forward over bucketed inputs for Llama-family models (static); auto = static on CUDA where the model allows")
+    scoring: Literal["auto", "host", "device"] = Field(default="auto", description="where a step's logits are scored: each call on the host (workers.scoring, the reference), or every call together where the logits are, one copy back (workers.device_scoring); auto = device where the model runs on a GPU")
+    layers: str | None = Field(default=None, pattern=r"^\d+:\d+$", description="a pipeline stage: the model's layers first:end (transformers); None = the whole model")
+    next: str | None = Field(default=None, description="a pipeline stage: the next stage's base URL, when the calls do not name it")
+    link_rtt_ms: float = Field(default=0.0, ge=0, description="a stage's link to the next stage, emulated: rtt/2 before each call")
+    link_mbps: float = Field(default=0.0, ge=0, description='... and bytes·8/rate (0 = no limit)')
+    stage_wait_s: float = Field(default=30.0, gt=0, description="a stage waits this long for a session's earlier message before answering 409")
+    token: str | None = Field(default=None, description="SPECGATE_WORKER_TOKEN: /v1/* requires 'Authorization: Bearer <token>'; required where the worker binds an address other hosts reach, unless allow_no_token")
+    allow_no_token: bool = Field(default=False, description='SPECGATE_WORKER_ALLOW_NO_TOKEN: serve /v1/* without a token on an address other hosts reach (an explicit choice)')
+    drain_timeout_s: float = Field(default=30.0, ge=0, description='on SIGTERM, its sessions get this long (it exits once none is left)')
+    instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex, description='/health reports it: `serve` checks it started what answers')
+    restarts: int = Field(default=0, ge=0, description='how many times `serve` restarted this worker after it died (its /metrics reports it)')
 
     @field_validator("token")
     @classmethod
