@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.specgate-installed
 
-.PHONY: run test setup test-tools image-check clean
+.PHONY: run test setup test-tools image-check format clean
 
 # Both let Python write the bytecode of what they import, once, as it does by default (set-up installs without it): a
 # machine that sets PYTHONDONTWRITEBYTECODE would compile every module again in every process they start.
@@ -18,6 +18,10 @@ test: setup test-tools
 # `make test`): tests/image_check.py. IMAGE_CHECK_ARGS=--debian-base builds its base from Debian's packages.
 image-check: setup
 	$(BIN)/python -m tests.image_check $(IMAGE_CHECK_ARGS)
+
+# the one format and the lint rules (pyproject.toml), applied; make test checks them
+format: setup
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
 
 # Debian's chromium for the chat page's test (Playwright drives it: no browser download), and
 # docker-compose where docker has no compose plugin (the compose.yaml test)

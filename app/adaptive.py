@@ -1,4 +1,5 @@
-"""``num_draft_tokens: auto`` (docs/design.md §3.1): γ chosen each round from this request's running acceptance and costs (docs/modes.md)."""
+"""``num_draft_tokens: auto`` (docs/design.md §3.1): γ chosen each round from this request's running
+acceptance and costs (docs/modes.md)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ class VerifyLine:
 class GammaController:
     overlap: bool = False
     max_gamma: int = MAX_AUTO_GAMMA
-    start: int = DEFAULT_GAMMA  # the first rounds' γ (the request's num_draft_tokens: DEFAULT_GAMMA with auto)
+    # the first rounds' γ (the request's num_draft_tokens: DEFAULT_GAMMA with auto)
+    start: int = DEFAULT_GAMMA
     reached: list[float] = field(default_factory=list)  # per draft position: rounds that got there
     accepted: list[float] = field(default_factory=list)  # ... and accepted its token
     draft_s: float | None = None
@@ -76,14 +78,28 @@ class GammaController:
         line = self.verify.coefficients()
         assert self.draft_s is not None and line is not None and self.network_s is not None
         alphas = tuple(
-            (self.accepted[j] + _PRIOR_ALPHA * _PRIOR_WEIGHT) / (self.reached[j] + _PRIOR_WEIGHT) for j in range(len(self.reached))
+            (self.accepted[j] + _PRIOR_ALPHA * _PRIOR_WEIGHT) / (self.reached[j] + _PRIOR_WEIGHT)
+            for j in range(len(self.reached))
         ) or (_PRIOR_ALPHA,)
         return RoundCosts(
-            alphas=alphas, draft_s=self.draft_s, verify_s=line, rtt_s=self.network_s,
-            overlap=self.overlap, prepared_used=(self.prepared_used + 0.5) / (self.prepared + 1),
+            alphas=alphas,
+            draft_s=self.draft_s,
+            verify_s=line,
+            rtt_s=self.network_s,
+            overlap=self.overlap,
+            prepared_used=(self.prepared_used + 0.5) / (self.prepared + 1),
         )
 
-    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float, model_s: float, prepared: int, prepared_used: int) -> None:
+    def observe(
+        self,
+        drafted: int,
+        accepted: int,
+        draft_s: float,
+        verify_s: float,
+        model_s: float,
+        prepared: int,
+        prepared_used: int,
+    ) -> None:
         """What one round cost and yielded (a round that drafted nothing teaches only its flight)."""
         self.observed += 1
         for j in range(drafted):

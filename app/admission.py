@@ -12,7 +12,8 @@ Release = Callable[[], None]
 
 
 class Admission:
-    """``max_active`` generate at once, ``max_queued`` wait ≤ ``queue_timeout_s`` (beyond: 429); after ``start_drain``: 503, streams learn their deadline."""
+    """``max_active`` generate at once, ``max_queued`` wait ≤ ``queue_timeout_s`` (beyond: 429); after
+    ``start_drain``: 503, streams learn their deadline."""
 
     def __init__(self, max_active: int, max_queued: int, queue_timeout_s: float) -> None:
         self.max_active, self.max_queued, self.queue_timeout_s = max_active, max_queued, queue_timeout_s
@@ -37,18 +38,34 @@ class Admission:
         self.drain_deadline = time.monotonic() + timeout_s
 
     async def enter(self) -> Release:
-        """Wait for a slot; call the returned ``release`` once (it is idempotent: a ``finally`` and a response callback may both call it)."""
+        """Wait for a slot; call the returned ``release`` once (it is idempotent: a ``finally`` and a response
+        callback may both call it)."""
         if self.is_draining:
-            raise ApiError(503, "the gateway is shutting down; retry on another instance", code="shutting_down", kind="server_error")
+            raise ApiError(
+                503,
+                "the gateway is shutting down; retry on another instance",
+                code="shutting_down",
+                kind="server_error",
+            )
         if self._slots.locked() and self.queued >= self.max_queued:
             self.rejected += 1
-            raise ApiError(429, f"{self.max_active} requests running and {self.queued} queued; retry shortly", code="rate_limit_exceeded", kind="rate_limit_error")
+            raise ApiError(
+                429,
+                f"{self.max_active} requests running and {self.queued} queued; retry shortly",
+                code="rate_limit_exceeded",
+                kind="rate_limit_error",
+            )
         self.queued += 1
         try:
             await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
         except TimeoutError:
             self.rejected += 1
-            raise ApiError(429, f"no slot within {self.queue_timeout_s:g} s; retry shortly", code="rate_limit_exceeded", kind="rate_limit_error") from None
+            raise ApiError(
+                429,
+                f"no slot within {self.queue_timeout_s:g} s; retry shortly",
+                code="rate_limit_exceeded",
+                kind="rate_limit_error",
+            ) from None
         finally:
             self.queued -= 1
         self.active += 1

@@ -1,6 +1,7 @@
-"""Reasoning output, free of I/O (docs/tools.md, "Reasoning"): whether a chat template marks thinking (``thinking_markers``),
-whether its generation prompt opens it (``opens_thinking``), the reader that splits an answer, as generated, into its
-reasoning and its content (``ReasoningSplitter``), and a request's grammar moved to after the reasoning (``after_reasoning``)."""
+"""Reasoning output, free of I/O (docs/tools.md, "Reasoning"): whether a chat template marks thinking
+(``thinking_markers``), whether its generation prompt opens it (``opens_thinking``), the reader that splits an
+answer, as generated, into its reasoning and its content (``ReasoningSplitter``), and a request's grammar
+moved to after the reasoning (``after_reasoning``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))  # DeepSeek-R1, Qwe
 
 @dataclass(frozen=True)
 class Thinking:
-    """A template's thinking markers, and whether a request's prompt already opened them (DeepSeek-R1's templates do)."""
+    """A template's thinking markers, and whether a request's prompt already opened them (DeepSeek-R1's
+    templates do)."""
 
     open: str
     close: str
@@ -33,15 +35,21 @@ def thinking_markers(template: str | None) -> Thinking | None:
 
 
 def opens_thinking(prompt_text: str, thinking: Thinking) -> Thinking:
-    """``thinking`` for a prompt: ``inside`` when the prompt ends in an open thinking block (the answer starts reasoning)."""
+    """``thinking`` for a prompt: ``inside`` when the prompt ends in an open thinking block (the answer starts
+    reasoning)."""
     opened, closed = prompt_text.rfind(thinking.open), prompt_text.rfind(thinking.close)
-    return Thinking(thinking.open, thinking.close, opened > closed and not prompt_text[opened + len(thinking.open) :].strip(" \n"))
+    return Thinking(
+        thinking.open,
+        thinking.close,
+        opened > closed and not prompt_text[opened + len(thinking.open) :].strip(" \n"),
+    )
 
 
 class ReasoningSplitter:
-    """Splits an answer's text as it comes into (reasoning, content): the reasoning is what lies between the markers at the
-    answer's start (or from its start, when the prompt opened it) up to the closing one; a piece that may begin a marker is
-    held back until it is one or is not, so no marker is ever streamed; the blank lines after the closing marker are dropped."""
+    """Splits an answer's text as it comes into (reasoning, content): the reasoning is what lies between the
+    markers at the answer's start (or from its start, when the prompt opened it) up to the closing one; a
+    piece that may begin a marker is held back until it is one or is not, so no marker is ever streamed; the
+    blank lines after the closing marker are dropped."""
 
     def __init__(self, thinking: Thinking) -> None:
         self.thinking = thinking
@@ -90,26 +98,35 @@ class ReasoningSplitter:
         return reasoning, content
 
     def flush(self) -> tuple[str, str]:
-        """At the end: what was held back (a marker's start that never became one) as what it would have been."""
+        """At the end: what was held back (a marker's start that never became one) as what it would have
+        been."""
         pending, self._pending = self._pending, ""
         if self.state == "inside":
             return pending, ""
         return "", pending if self.state != "after" else ""
 
 
-def after_reasoning(spec: GrammarSpec, thinking: Thinking, own: bool = False, markers: Markers | None = None) -> GrammarSpec | None:
-    """``spec`` with a thinking block allowed first (required when the prompt opened it), as a Lark grammar. ``own``: a Lark
-    grammar of specgate's own (the native tool formats), whose ``start`` rule is renamed; None for a grammar a request gave
-    as Lark or GBNF, and for the few that cannot be wrapped (a schema that allows nothing, a regex ending in a backslash):
-    the request then has no reasoning told apart, and the grammar applies from the first token."""
+def after_reasoning(
+    spec: GrammarSpec, thinking: Thinking, own: bool = False, markers: Markers | None = None
+) -> GrammarSpec | None:
+    """``spec`` with a thinking block allowed first (required when the prompt opened it), as a Lark grammar.
+    ``own``: a Lark grammar of specgate's own (the native tool formats), whose ``start`` rule is renamed; None
+    for a grammar a request gave as Lark or GBNF, and for the few that cannot be wrapped (a schema that allows
+    nothing, a regex ending in a backslash): the request then has no reasoning told apart, and the grammar
+    applies from the first token."""
     body: str | None = None
     if spec.kind is GrammarKind.JSON_SCHEMA:
         schema = strict(load_schema(spec.source))
         if schema is True or isinstance(schema, dict):
-            body = f"%json {json.dumps({**(schema if isinstance(schema, dict) else {}), 'x-guidance': JSON_OPTIONS})}"
+            body = (
+                "%json "
+                f"{json.dumps({**(schema if isinstance(schema, dict) else {}), 'x-guidance': JSON_OPTIONS})}"
+            )
     elif spec.kind is GrammarKind.REGEX:
-        if (len(spec.source) - len(spec.source.rstrip("\\"))) % 2 == 0:  # an odd run of backslashes at the end would escape the closing slash
-            body = "/" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", spec.source) + "/"  # an unescaped slash would end the Lark regex
+        if (len(spec.source) - len(spec.source.rstrip("\\"))) % 2 == 0:
+            # an odd run of backslashes at the end would escape the closing slash
+            # an unescaped slash would end the Lark regex
+            body = "/" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", spec.source) + "/"
     elif spec.kind is GrammarKind.CHOICE:
         body = " | ".join(json.dumps(choice) for choice in json.loads(spec.source))
     elif own and spec.source.startswith("start:"):
@@ -119,14 +136,20 @@ def after_reasoning(spec: GrammarSpec, thinking: Thinking, own: bool = False, ma
     close = re.escape(thinking.close).replace("/", "\\/")  # a slash would end the Lark regex
     markers = markers or Markers()
     opening = "" if thinking.inside else markers.grammar(thinking.open) + " "
-    if thinking.close in markers:  # the closing marker is a special token (Magistral's [/THINK]): that token ends the reasoning
-        reasoning = [f"specgate_reasoning: SPECGATE_THOUGHT {markers.grammar(thinking.close)}", f"SPECGATE_THOUGHT: /(?s:.*)/ & ~/(?s:.*){close}(?s:.*)/"]
+    if thinking.close in markers:
+        # the closing marker is a special token (Magistral's [/THINK]): that token ends the reasoning
+        reasoning = [
+            f"specgate_reasoning: SPECGATE_THOUGHT {markers.grammar(thinking.close)}",
+            f"SPECGATE_THOUGHT: /(?s:.*)/ & ~/(?s:.*){close}(?s:.*)/",
+        ]
     else:
         reasoning = [f"specgate_reasoning[lazy]: /(?s:.*){close}/"]
     rules = [
-        f"start: {opening}specgate_reasoning SPECGATE_BLANK specgate_body" + ("" if thinking.inside else " | specgate_body"),
+        f"start: {opening}specgate_reasoning SPECGATE_BLANK specgate_body"
+        + ("" if thinking.inside else " | specgate_body"),
         *reasoning,
-        r"SPECGATE_BLANK: /\n*/",  # the blank lines between the reasoning and the reply (the splitter drops them)
+        # the blank lines between the reasoning and the reply (the splitter drops them)
+        r"SPECGATE_BLANK: /\n*/",
     ]
     if spec.kind is GrammarKind.GRAMMAR:
         return GrammarSpec(GrammarKind.GRAMMAR, "\n".join(rules) + "\n" + body)

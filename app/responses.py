@@ -1,4 +1,5 @@
-"""Every OpenAI response and chunk the gateway sends (docs/design.md §5), built once; usage with our ``speculative`` block beside vLLM's ``metrics``."""
+"""Every OpenAI response and chunk the gateway sends (docs/design.md §5), built once; usage with our
+``speculative`` block beside vLLM's ``metrics``."""
 
 from __future__ import annotations
 
@@ -23,11 +24,14 @@ class Logprobs:
     def completion(self, job: Job, logprobs: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
         if logprobs is None:
             return None
-        offsets = list(itertools.accumulate([len(self._piece(lp.token)) for lp in logprobs], initial=offset))[:-1]
+        offsets = list(itertools.accumulate([len(self._piece(lp.token)) for lp in logprobs], initial=offset))[
+            :-1
+        ]
         name = self._namer(job)
         return {
             "tokens": [name(lp.token) for lp in logprobs],
-            "token_logprobs": [lp.logprob for lp in logprobs],  # None for an echoed prompt's first token, as vLLM
+            # None for an echoed prompt's first token, as vLLM
+            "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [None if lp.top is None else {name(t): v for t, v in lp.top} for lp in logprobs],
             "text_offset": offsets,
         }
@@ -38,14 +42,19 @@ class Logprobs:
         name = self._namer(job)
 
         def entry(token: int, logprob: float) -> dict[str, Any]:
-            return {"token": name(token), "logprob": logprob, "bytes": list(self._piece(token).encode("utf-8"))}
+            return {
+                "token": name(token),
+                "logprob": logprob,
+                "bytes": list(self._piece(token).encode("utf-8")),
+            }
 
         # the tokens join to message.content, as OpenAI's do: a special token (the end of the
         # turn, <|im_end|>) is not in the content, so it is not in its logprobs either
         special = self._special_ids
         content = [
             {**entry(lp.token, lp.logprob or 0.0), "top_logprobs": [entry(t, v) for t, v in lp.top or []]}
-            for lp in logprobs if lp.token not in special
+            for lp in logprobs
+            if lp.token not in special
         ]
         return {"content": content, "refusal": None}  # OpenAI's schema requires refusal (null here)
 
@@ -55,7 +64,8 @@ class Logprobs:
         return frozenset(int(t) for t in getattr(self.tokenizer, "all_special_ids", []))
 
     def _namer(self, job: Job) -> Callable[[int], str]:
-        """How a token is named in logprobs: its text, or ``token_id:N`` (vLLM's return_tokens_as_token_ids)."""
+        """How a token is named in logprobs: its text, or ``token_id:N`` (vLLM's
+        return_tokens_as_token_ids)."""
         return (lambda token: f"token_id:{token}") if job.tokens_as_ids else self._piece
 
     def _piece(self, token: int) -> str:
@@ -78,7 +88,12 @@ def completion_body(logprobs: Logprobs, job: Job) -> Callable[[list[ChoiceEvent]
 
     def build(events: list[ChoiceEvent]) -> dict[str, Any]:
         choices = [
-            {"index": e.index, "text": job.prompt_text + e.text, "logprobs": logprobs.completion(job, e.logprobs, offset), "finish_reason": e.finish_reason}
+            {
+                "index": e.index,
+                "text": job.prompt_text + e.text,
+                "logprobs": logprobs.completion(job, e.logprobs, offset),
+                "finish_reason": e.finish_reason,
+            }
             for e in events
         ]
         return {**envelope(job), "choices": choices, **usage(job)}
@@ -93,7 +108,15 @@ def chat_body(logprobs: Logprobs, job: Job) -> Callable[[list[ChoiceEvent]], dic
         return message_of(e.deltas)  # what the stream's deltas add up to (tools)
 
     def build(events: list[ChoiceEvent]) -> dict[str, Any]:
-        choices = [{"index": e.index, "message": message(e), "logprobs": logprobs.chat(job, e.logprobs), "finish_reason": e.finish_reason} for e in events]
+        choices = [
+            {
+                "index": e.index,
+                "message": message(e),
+                "logprobs": logprobs.chat(job, e.logprobs),
+                "finish_reason": e.finish_reason,
+            }
+            for e in events
+        ]
         return {**envelope(job), "object": "chat.completion", "choices": choices, **usage(job)}
 
     return build
@@ -108,12 +131,19 @@ def completion_chunks(logprobs: Logprobs, job: Job) -> Callable[[ChoiceEvent | N
             echoed = job.prompt_text and not job.echo_logprobs
             return [_chunk(head, c.choice, text=job.prompt_text) for c in job.choices] if echoed else []
         if event.is_prompt:
-            return [_chunk(head, event.index, logprobs.completion(job, event.logprobs, 0), text=job.prompt_text)]
+            return [
+                _chunk(head, event.index, logprobs.completion(job, event.logprobs, 0), text=job.prompt_text)
+            ]
         formatted = logprobs.completion(job, event.logprobs, offsets[event.index])
         offsets[event.index] += len(event.text)
         if not event.text and not event.finish_reason and not event.logprobs:
             return []
-        return [{**_chunk(head, event.index, formatted, event.finish_reason, text=event.text), **round_field(event)}]
+        return [
+            {
+                **_chunk(head, event.index, formatted, event.finish_reason, text=event.text),
+                **round_field(event),
+            }
+        ]
 
     return build
 
@@ -129,14 +159,23 @@ def chat_chunks(logprobs: Logprobs, job: Job) -> Callable[[ChoiceEvent | None], 
 
     def build(event: ChoiceEvent | None) -> list[dict[str, Any]]:
         if event is None:  # one role delta per choice index, first
-            return [_chunk(head, c.choice, delta={"role": "assistant", "content": None if job.tools else ""}) for c in job.choices]  # a call has no content
+            # a call has no content
+            return [
+                _chunk(head, c.choice, delta={"role": "assistant", "content": None if job.tools else ""})
+                for c in job.choices
+            ]
         out = []
         pieces = deltas(event)
         if event.logprobs and not pieces:
             pieces = [{"content": ""}]
         for i, delta in enumerate(pieces):
             formatted = logprobs.chat(job, event.logprobs) if i == 0 else None
-            out.append({**_chunk(head, event.index, formatted, delta=delta), **(round_field(event) if i == 0 else {})})
+            out.append(
+                {
+                    **_chunk(head, event.index, formatted, delta=delta),
+                    **(round_field(event) if i == 0 else {}),
+                }
+            )
         if event.finish_reason:
             out.append(_chunk(head, event.index, None, event.finish_reason, delta={}))
         return out
@@ -144,13 +183,14 @@ def chat_chunks(logprobs: Logprobs, job: Job) -> Callable[[ChoiceEvent | None], 
     return build
 
 
-def _chunk(head: dict[str, Any], index: int, logprobs: Any = None, finish: str | None = None, **body: Any) -> dict[str, Any]:
+def _chunk(
+    head: dict[str, Any], index: int, logprobs: Any = None, finish: str | None = None, **body: Any
+) -> dict[str, Any]:
     """A stream chunk of one choice: ``body`` is its text (completions) or delta (chat)."""
     return {**head, "choices": [{"index": index, **body, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 def round_field(event: ChoiceEvent) -> dict[str, Any]:
-    """The stream extension ``"speculative"``: what the chunk's round did (OpenAI clients ignore it; the chat page colours text with it)."""
+    """The stream extension ``"speculative"``: what the chunk's round did (OpenAI clients ignore it; the chat
+    page colours text with it)."""
     return {"speculative": asdict(event.round)} if event.round is not None else {}
-
-

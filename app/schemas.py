@@ -1,4 +1,5 @@
-"""The OpenAI request bodies the gateway accepts and the ``speculative`` extension (docs/design.md §5): pydantic at the HTTP boundary only."""
+"""The OpenAI request bodies the gateway accepts and the ``speculative`` extension (docs/design.md §5):
+pydantic at the HTTP boundary only."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from core.config import PipelineParams, TreeParams, in_range
 from core.grammar import MAX_JSON_DEPTH, json_depth
 from core.names import Mode, Reconstruction
 
-_TOKEN_ID = re.compile(r"\s*([0-9]{1,10})\s*")  # ASCII digits only: str.isdigit takes "²", which int() refuses
+# ASCII digits only: str.isdigit takes "²", which int() refuses
+_TOKEN_ID = re.compile(r"\s*([0-9]{1,10})\s*")
 
 
 def _shallow(value: Any) -> Any:
-    """A JSON value nested at most MAX_JSON_DEPTH levels (deeper, the schema rewrite and the grammar engine would run out of stack)."""
+    """A JSON value nested at most MAX_JSON_DEPTH levels (deeper, the schema rewrite and the grammar engine
+    would run out of stack)."""
     depth = json_depth(value)
     if depth > MAX_JSON_DEPTH:
         raise ValueError(f"nested {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
@@ -51,9 +54,11 @@ class SpeculativeParams(_Strict):
     tree: TreeParams | None = None
     pipeline: PipelineParams | None = None  # mode pipeline: the tree and its segments (docs/design.md §3.7)
     profile: bool | None = None  # usage speculative.profile: each round's time by part, bytes and tokens
-    drafter: str | None = None  # model | lookup | model+lookup, or a registered drafter: where a draft comes from (docs/design.md §3.10)
+    # model | lookup | model+lookup, or a registered drafter: where a draft comes from (docs/design.md §3.10)
+    drafter: str | None = None
 
-    _in_range = field_validator("k", "num_draft_tokens")(in_range)  # the config's checks (mode: a 400 of its own, app.requests)
+    # the config's checks (mode: a 400 of its own, app.requests)
+    _in_range = field_validator("k", "num_draft_tokens")(in_range)
 
 
 class StreamOptions(_Strict):
@@ -105,15 +110,18 @@ class _Common(_Open):
     user: str | None = None
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, ge=0.01, le=20)  # vLLM's (> 0 there; below 0.01 a logit ÷ it overflows fp32)
+    # vLLM's (> 0 there; below 0.01 a logit ÷ it overflows fp32)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=20)
     min_p: float = Field(default=0.0, ge=0, lt=1)  # vLLM's
     logit_bias: dict[str, float] | None = None  # token id (as a string) → [−100, 100], added to its logit
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     speculative: SpeculativeParams | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
-    ignore_eos: bool = False  # vLLM's (benchmark clients fix output lengths with it): EOS does not end the answer
-    min_tokens: int = Field(default=0, ge=0)  # vLLM's: neither EOS nor a stop string ends the answer before this many tokens
+    # vLLM's (benchmark clients fix output lengths with it): EOS does not end the answer
+    ignore_eos: bool = False
+    # vLLM's: neither EOS nor a stop string ends the answer before this many tokens
+    min_tokens: int = Field(default=0, ge=0)
 
     @field_validator("stop")
     @classmethod
@@ -132,7 +140,9 @@ class _Common(_Open):
         for key, bias in value.items():
             match = _TOKEN_ID.fullmatch(key)
             if match is None:
-                raise ValueError(f"logit_bias keys are token ids (integers ≥ 0 written in ASCII digits), got {key!r}")
+                raise ValueError(
+                    f"logit_bias keys are token ids (integers ≥ 0 written in ASCII digits), got {key!r}"
+                )
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values lie in [-100, 100], got {bias} for token {key!r}")
             token = str(int(match.group(1)))
@@ -154,7 +164,8 @@ class _Common(_Open):
 
 class CompletionRequest(_Common):
     prompt: str | list[int]
-    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo: the prompt's logprobs alone (lm-eval's loglikelihood)
+    # 0 only with echo: the prompt's logprobs alone (lm-eval's loglikelihood)
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -222,16 +233,32 @@ class ChatMessage(_Open):
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool's result: the call it answers
-    reasoning_content: str | None = None  # an assistant's earlier thinking: rendered where the template renders it (Qwen3's)
+    # an assistant's earlier thinking: rendered where the template renders it (Qwen3's)
+    reasoning_content: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """As the chat template takes it: the text, developer as system, the calls or the call answered, an assistant's reasoning."""
-        text = "".join(part.text for part in self.content) if isinstance(self.content, list) else self.content or ""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        """As the chat template takes it: the text, developer as system, the calls or the call answered, an
+        assistant's reasoning."""
+        text = (
+            "".join(part.text for part in self.content)
+            if isinstance(self.content, list)
+            else self.content or ""
+        )
+        message: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": text,
+        }
         if self.reasoning_content is not None and self.role == "assistant":
             message["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}} for c in self.tool_calls]
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in self.tool_calls
+            ]
         if self.role == "tool":
             message["tool_call_id"] = self.tool_call_id
         return message
@@ -252,14 +279,16 @@ class ChatCompletionRequest(_Common):
 
 
 class TokenizeRequest(_Strict):
-    """``POST /tokenize`` (vLLM's shape): a ``prompt`` as ``/v1/completions`` takes it, or ``messages`` (and ``tools``) as
-    ``/v1/chat/completions`` renders them — so ``count`` is the ``usage.prompt_tokens`` that request would report."""
+    """``POST /tokenize`` (vLLM's shape): a ``prompt`` as ``/v1/completions`` takes it, or ``messages`` (and
+    ``tools``) as ``/v1/chat/completions`` renders them — so ``count`` is the ``usage.prompt_tokens`` that
+    request would report."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     tools: list[ToolDef] | None = Field(default=None, min_length=1, max_length=128)
-    add_special_tokens: bool | None = None  # None: a prompt's (True), as completions encode it; messages: the template's own (False)
+    # None: a prompt's (True), as completions encode it; messages: the template's own (False)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True  # messages: as a chat request renders them
     continue_final_message: bool = False  # messages: the last one left open (vLLM's), not a new turn
     return_token_strs: bool = False
@@ -268,7 +297,9 @@ class TokenizeRequest(_Strict):
         """(param, why) when the body asks for something the fields cannot give together."""
         if (self.prompt is None) == (self.messages is None):
             return "prompt", "give exactly one of prompt or messages"
-        if self.prompt is not None and (self.tools is not None or self.continue_final_message or not self.add_generation_prompt):
+        if self.prompt is not None and (
+            self.tools is not None or self.continue_final_message or not self.add_generation_prompt
+        ):
             return "prompt", "tools, add_generation_prompt and continue_final_message go with messages"
         if self.continue_final_message and self.add_generation_prompt:
             return "continue_final_message", "continue_final_message needs add_generation_prompt: false"

@@ -1,4 +1,5 @@
-"""The gateway's FastAPI app (docs/design.md §5): OpenAI routes, SSE streaming, errors in the envelope. Route handlers parse, call the service, return."""
+"""The gateway's FastAPI app (docs/design.md §5): OpenAI routes, SSE streaming, errors in the envelope. Route
+handlers parse, call the service, return."""
 
 from __future__ import annotations
 
@@ -26,19 +27,28 @@ from starlette.exceptions import HTTPException
 from app.adaptive import MAX_AUTO_GAMMA
 from app.admission import Admission, Release
 from app.drafting import DraftModel
-from app.metrics import GatewayMetrics
-from app.targets.channel import Expected
-from app.targets.failures import WorkerError
-from app.targets.pool import TargetSet
-from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.errors import ApiError
+from app.metrics import GatewayMetrics
 from app.requests import Job
-from app.responses import Logprobs, chat_body, chat_chunks, completion_body, completion_chunks, envelope, usage
+from app.responses import (
+    Logprobs,
+    chat_body,
+    chat_chunks,
+    completion_body,
+    completion_chunks,
+    envelope,
+    usage,
+)
 from app.responses_api.output import ResponseBuilder, item_page
 from app.responses_api.request import renamed, to_chat
 from app.responses_api.schemas import ResponsesRequest
-from app.responses_api.store import NONE as NO_STORE, ResponseStore
+from app.responses_api.store import NONE as NO_STORE
+from app.responses_api.store import ResponseStore
+from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.service import ChoiceEvent, Gateway
+from app.targets.channel import Expected
+from app.targets.failures import WorkerError
+from app.targets.pool import TargetSet
 from core.config import SpecgateConfig
 from core.errors import ConfigError
 from core.runners import ModelRunner, load_runner
@@ -56,13 +66,21 @@ Whole = Callable[[list[ChoiceEvent]], dict[str, Any]]
 
 
 def load_draft(config: SpecgateConfig) -> ModelRunner:
-    """The draft runner, loaded on its own thread, fingerprinted and warmed up (the first request as fast as the next); ``draft.model: none``: a tokenizer."""
+    """The draft runner, loaded on its own thread, fingerprinted and warmed up (the first request as fast as
+    the next); ``draft.model: none``: a tokenizer."""
     draft = config.draft
     if draft.model == NONE:
         runner: ModelRunner = tokenizer_only(draft.tokenizer or BUILTIN, config.draft_context)
     else:
         runner = load_runner(
-            draft.model, draft.backend.value, config.draft_context, draft.memory_cap_mb, draft.threads, draft.device, draft.dtype, forward=draft.forward,
+            draft.model,
+            draft.backend.value,
+            config.draft_context,
+            draft.memory_cap_mb,
+            draft.threads,
+            draft.device,
+            draft.dtype,
+            forward=draft.forward,
         )
     runner.fingerprint  # noqa: B018 - computed before the first request
     runner.warm_up()
@@ -76,14 +94,17 @@ def create_app(
     instance_id: str | None = None,
     model_thread: ModelThread | None = None,
 ) -> FastAPI:
-    """The gateway for ``config``; ``draft_runner``, ``transport``: tests' stand-ins; ``/health`` reports ``instance_id`` (``specgate serve`` knows its own)."""
+    """The gateway for ``config``; ``draft_runner``, ``transport``: tests' stand-ins; ``/health`` reports
+    ``instance_id`` (``specgate serve`` knows its own)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
         runner, thread = draft_runner, model_thread or ModelThread()
         if runner is None:
             runner = await thread.run(load_draft, config)
-        pool = TargetSet.from_config(config, Expected(runner.fingerprint, runner.info.vocab_size, runner.tokenizer), transport)
+        pool = TargetSet.from_config(
+            config, Expected(runner.fingerprint, runner.info.vocab_size, runner.tokenizer), transport
+        )
         metrics.watch(pool)
         draft_model = DraftModel(runner, thread, config.draft.max_batch_tokens)
         metrics.watch_draft(draft_model)
@@ -99,7 +120,13 @@ def create_app(
             if not entry["ready"]:
                 log.warning("worker %s not ready at start-up: %s", entry["name"], entry["error"])
         store = config.responses.store
-        app.state.response_store = None if store == NO_STORE else await asyncio.to_thread(ResponseStore, store, config.responses.retention_s, config.responses.max_bytes)
+        app.state.response_store = (
+            None
+            if store == NO_STORE
+            else await asyncio.to_thread(
+                ResponseStore, store, config.responses.retention_s, config.responses.max_bytes
+            )
+        )
         pool.start()
         yield
         await pool.close()
@@ -113,11 +140,20 @@ def create_app(
     app = FastAPI(title="specgate", lifespan=lifespan)
     app.state.instance_id = instance_id or uuid.uuid4().hex
     limits = config.limits
-    admission = app.state.admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s)
+    admission = app.state.admission = Admission(
+        limits.max_concurrent_requests, limits.max_queued_requests, limits.queue_timeout_s
+    )
     metrics = app.state.metrics = GatewayMetrics(admission)
     gamma = config.speculative.num_draft_tokens
-    metrics.open_series(config.speculative.mode.value, gamma if isinstance(gamma, int) else MAX_AUTO_GAMMA + 1)
-    app.add_middleware(Guard, token=config.api_key, max_body_bytes=limits.max_body_bytes, is_draining=lambda: admission.is_draining)
+    metrics.open_series(
+        config.speculative.mode.value, gamma if isinstance(gamma, int) else MAX_AUTO_GAMMA + 1
+    )
+    app.add_middleware(
+        Guard,
+        token=config.api_key,
+        max_body_bytes=limits.max_body_bytes,
+        is_draining=lambda: admission.is_draining,
+    )
     if config.metrics_port is not None:
         app.add_middleware(PortSplit, metrics_port=config.metrics_port)
     _add_routes(app)
@@ -132,21 +168,32 @@ def _gateway(request: Request) -> Gateway:
 def _add_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
-        threads = {"draft": getattr(request.app.state, "draft_threads", None), "torch": torch.get_num_threads()}
+        threads = {
+            "draft": getattr(request.app.state, "draft_threads", None),
+            "torch": torch.get_num_threads(),
+        }
         return {"status": "ok", "instance_id": request.app.state.instance_id, "threads": threads}
 
     @app.get("/health/live")
     async def live(request: Request) -> dict[str, Any]:
-        """Liveness: the process and its event loop answer, draining or not (a drain must not end in a restart)."""
-        return {"status": "draining" if request.app.state.admission.is_draining else "ok", "instance_id": request.app.state.instance_id}
+        """Liveness: the process and its event loop answer, draining or not (a drain must not end in a
+        restart)."""
+        return {
+            "status": "draining" if request.app.state.admission.is_draining else "ok",
+            "instance_id": request.app.state.instance_id,
+        }
 
     @app.get("/health/serving")
     async def serving(request: Request) -> Response:
-        """Readiness from the gateway's own state: it takes requests (its draft loaded, not draining). The targets are
-        not asked: one target down must not take every gateway out of its Service (its requests get a JSON 503, and
-        /health/ready says which target)."""
+        """Readiness from the gateway's own state: it takes requests (its draft loaded, not draining). The
+        targets are not asked: one target down must not take every gateway out of its Service (its requests
+        get a JSON 503, and /health/ready says which target)."""
         if request.app.state.admission.is_draining:
-            return JSONResponse({"status": "draining", "instance_id": request.app.state.instance_id}, status_code=503, headers={"Retry-After": "5"})
+            return JSONResponse(
+                {"status": "draining", "instance_id": request.app.state.instance_id},
+                status_code=503,
+                headers={"Retry-After": "5"},
+            )
         return JSONResponse({"status": "serving", "instance_id": request.app.state.instance_id})
 
     @app.get("/", include_in_schema=False)
@@ -164,22 +211,38 @@ def _add_routes(app: FastAPI) -> None:
             body = {"status": "draining", "instance_id": request.app.state.instance_id}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         gateway = _gateway(request)
-        report = await gateway.check_workers(gateway.config.health.ready_timeout_s)  # within a probe's timeout, whatever hangs
+        # within a probe's timeout, whatever hangs
+        report = await gateway.check_workers(gateway.config.health.ready_timeout_s)
         ok = all(e["ready"] for e in report)
         draft = "loaded" if _gateway(request).draft.runner.has_weights else "none"
-        body = {"status": "ready" if ok else "not_ready", "instance_id": request.app.state.instance_id, "draft": draft, "workers": report}
-        return JSONResponse(body, status_code=200 if ok else 503, headers=None if ok else {"Retry-After": "5"})
+        body = {
+            "status": "ready" if ok else "not_ready",
+            "instance_id": request.app.state.instance_id,
+            "draft": draft,
+            "workers": report,
+        }
+        return JSONResponse(
+            body, status_code=200 if ok else 503, headers=None if ok else {"Retry-After": "5"}
+        )
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         gateway = _gateway(request)
         # max_model_len as vLLM: the context a request may fill, the draft's and every worker's
-        model = {"id": gateway.config.model, "object": "model", "created": 0, "owned_by": "specgate", "max_model_len": gateway.engine.max_context}
+        model = {
+            "id": gateway.config.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "specgate",
+            "max_model_len": gateway.engine.max_context,
+        }
         return {"object": "list", "data": [model]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _respond(request, body, _gateway(request).requests.completion_job, completion_chunks, completion_body)
+        return await _respond(
+            request, body, _gateway(request).requests.completion_job, completion_chunks, completion_body
+        )
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -193,40 +256,77 @@ def _add_routes(app: FastAPI) -> None:
     async def get_response(response_id: str, request: Request) -> Response:
         found = await asyncio.to_thread(_store(request).get, response_id)
         if found is None:
-            raise ApiError(404, f"no response {response_id!r} is stored here (never stored, deleted, or past responses.retention_s)", "response_id", "not_found", "not_found_error")
+            raise ApiError(
+                404,
+                f"no response {response_id!r} is stored here (never stored, deleted, or past "
+                "responses.retention_s)",
+                "response_id",
+                "not_found",
+                "not_found_error",
+            )
         return Response(orjson.dumps(found[0]), media_type="application/json")
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def input_items(response_id: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None) -> Response:
+    async def input_items(
+        response_id: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> Response:
         if not 1 <= limit <= 100:
             raise ApiError(400, "limit is between 1 and 100", "limit")
         if order not in ("asc", "desc"):
             raise ApiError(400, "order is asc or desc", "order")
         found = await asyncio.to_thread(_store(request).input_items, response_id)
         if found is None:
-            raise ApiError(404, f"no response {response_id!r} is stored here (never stored, deleted, or past responses.retention_s)", "response_id", "not_found", "not_found_error")
-        return Response(orjson.dumps(item_page(response_id, found, limit, order, after)), media_type="application/json")
+            raise ApiError(
+                404,
+                f"no response {response_id!r} is stored here (never stored, deleted, or past "
+                "responses.retention_s)",
+                "response_id",
+                "not_found",
+                "not_found_error",
+            )
+        return Response(
+            orjson.dumps(item_page(response_id, found, limit, order, after)), media_type="application/json"
+        )
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> Response:
         if not await asyncio.to_thread(_store(request).delete, response_id):
-            raise ApiError(404, f"no response {response_id!r} is stored here", "response_id", "not_found", "not_found_error")
-        return Response(orjson.dumps({"id": response_id, "object": "response", "deleted": True}), media_type="application/json")
+            raise ApiError(
+                404,
+                f"no response {response_id!r} is stored here",
+                "response_id",
+                "not_found",
+                "not_found_error",
+            )
+        return Response(
+            orjson.dumps({"id": response_id, "object": "response", "deleted": True}),
+            media_type="application/json",
+        )
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-        return Response(orjson.dumps(_gateway(request).requests.tokenize(body)), media_type="application/json")
+        return Response(
+            orjson.dumps(_gateway(request).requests.tokenize(body)), media_type="application/json"
+        )
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
-        return Response(orjson.dumps(_gateway(request).requests.detokenize(body)), media_type="application/json")
+        return Response(
+            orjson.dumps(_gateway(request).requests.detokenize(body)), media_type="application/json"
+        )
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _respond(request: Request, body: B, to_job: Callable[[B], Job], chunks: Callable[[Logprobs, Job], Chunks], whole: Callable[[Logprobs, Job], Whole]) -> Response:
+async def _respond(
+    request: Request,
+    body: B,
+    to_job: Callable[[B], Job],
+    chunks: Callable[[Logprobs, Job], Chunks],
+    whole: Callable[[Logprobs, Job], Whole],
+) -> Response:
     gateway, logprobs = _gateway(request), request.app.state.logprobs
     job = to_job(body)
     await gateway.compile(job)
@@ -247,22 +347,38 @@ async def _respond(request: Request, body: B, to_job: Callable[[B], Job], chunks
 def _store(request: Request) -> ResponseStore:
     store: ResponseStore | None = request.app.state.response_store
     if store is None:
-        raise ApiError(404, "this gateway keeps no responses (responses.store: none)", "response_id", "not_found", "not_found_error")
+        raise ApiError(
+            404,
+            "this gateway keeps no responses (responses.store: none)",
+            "response_id",
+            "not_found",
+            "not_found_error",
+        )
     return store
 
 
 async def _respond_responses(request: Request, body: ResponsesRequest) -> Response:
-    """``POST /v1/responses``: the request run as its chat request (app.responses_api.request), the answer as a response
-    object or its stream of events; kept in the store unless ``store: false``."""
+    """``POST /v1/responses``: the request run as its chat request (app.responses_api.request), the answer as
+    a response object or its stream of events; kept in the store unless ``store: false``."""
     gateway, store = _gateway(request), request.app.state.response_store
     previous = None
     if body.previous_response_id is not None:
         if store is None:
-            raise ApiError(400, "previous_response_id needs stored responses: this gateway runs with responses.store: none (send the whole conversation as input)", "previous_response_id")
+            raise ApiError(
+                400,
+                "previous_response_id needs stored responses: this gateway runs with "
+                "responses.store: none (send the whole conversation as input)",
+                "previous_response_id",
+            )
         found = await asyncio.to_thread(store.get, body.previous_response_id)
         if found is None:
-            message = f"previous response {body.previous_response_id!r} is not stored here (never stored, deleted, past responses.retention_s, or kept by another gateway)"
-            raise ApiError(404, message, "previous_response_id", "previous_response_not_found", "not_found_error")
+            message = (
+                f"previous response {body.previous_response_id!r} is not stored here (never stored, "
+                "deleted, past responses.retention_s, or kept by another gateway)"
+            )
+            raise ApiError(
+                404, message, "previous_response_id", "previous_response_not_found", "not_found_error"
+            )
         previous = found[1]
     translated = to_chat(body, previous)
     for warning in translated.warnings:
@@ -286,7 +402,13 @@ async def _respond_responses(request: Request, body: ResponsesRequest) -> Respon
         await _keep(keep, builder)
         return Response(_json(builder.response()), media_type="application/json")
     grace = gateway.config.limits.drain_timeout_s + 1
-    return _Stream(_response_events(request, job, builder, keep, release), release, ping=15, sep="\n", shutdown_grace_period=grace)
+    return _Stream(
+        _response_events(request, job, builder, keep, release),
+        release,
+        ping=15,
+        sep="\n",
+        shutdown_grace_period=grace,
+    )
 
 
 def _deltas(event: ChoiceEvent) -> list[dict[str, Any]]:
@@ -297,14 +419,18 @@ async def _keep(store: ResponseStore | None, builder: ResponseBuilder) -> None:
     if store is None:
         return
     try:
-        await asyncio.to_thread(store.put, builder.response(), builder.translated.new_items, builder.body.previous_response_id)
+        await asyncio.to_thread(
+            store.put, builder.response(), builder.translated.new_items, builder.body.previous_response_id
+        )
     except Exception:  # noqa: BLE001 - the answer is given; a store that fails loses only the chaining
         log.exception("response %s could not be stored", builder.id)
 
 
-async def _response_events(request: Request, job: Job, builder: ResponseBuilder, store: ResponseStore | None, release: Release) -> AsyncGenerator[dict[str, str], None]:
-    """The Responses stream (``event: response.…``): created, in_progress, the items' events, then completed or incomplete;
-    a failure is an ``error`` event and ``response.failed``, never a cut stream."""
+async def _response_events(
+    request: Request, job: Job, builder: ResponseBuilder, store: ResponseStore | None, release: Release
+) -> AsyncGenerator[dict[str, str], None]:
+    """The Responses stream (``event: response.…``): created, in_progress, the items' events, then completed
+    or incomplete; a failure is an ``error`` event and ``response.failed``, never a cut stream."""
     admission: Admission = request.app.state.admission
     try:
         for event in builder.start():
@@ -316,7 +442,12 @@ async def _response_events(request: Request, job: Job, builder: ResponseBuilder,
                     yield _typed(event)
                 finish = choice_event.finish_reason or finish
                 if admission.drain_expired():
-                    raise ApiError(503, "the gateway shut down before this stream finished", code="shutting_down", kind="server_error")
+                    raise ApiError(
+                        503,
+                        "the gateway shut down before this stream finished",
+                        code="shutting_down",
+                        kind="server_error",
+                    )
         *closing, terminal = builder.finish(finish)
         for event in closing:
             yield _typed(event)
@@ -352,7 +483,9 @@ def _json(payload: dict[str, Any]) -> bytes:
 class _Stream(EventSourceResponse):
     """An SSE response that gives its admission slot back however it ends (even unstarted)."""
 
-    def __init__(self, content: AsyncGenerator[dict[str, str], None], release: Release, **kwargs: Any) -> None:
+    def __init__(
+        self, content: AsyncGenerator[dict[str, str], None], release: Release, **kwargs: Any
+    ) -> None:
         super().__init__(content, **kwargs)
         self.release = release
 
@@ -379,7 +512,9 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def _sse(request: Request, job: Job, include_usage: bool, chunks: Chunks, release: Release) -> AsyncGenerator[dict[str, str], None]:
+async def _sse(
+    request: Request, job: Job, include_usage: bool, chunks: Chunks, release: Release
+) -> AsyncGenerator[dict[str, str], None]:
     """``data: {chunk}`` … ``data: [DONE]``; a failure mid-stream is an error event, then [DONE]. A client
     that goes away cancels this generator at its next await (the engine's ``finally`` frees the sessions)."""
     admission: Admission = request.app.state.admission
@@ -392,7 +527,12 @@ async def _sse(request: Request, job: Job, include_usage: bool, chunks: Chunks, 
                 for chunk in chunks(event):
                     yield _data({**chunk, **usage_field})
                 if admission.drain_expired():
-                    raise ApiError(503, "the gateway shut down before this stream finished", code="shutting_down", kind="server_error")
+                    raise ApiError(
+                        503,
+                        "the gateway shut down before this stream finished",
+                        code="shutting_down",
+                        kind="server_error",
+                    )
         if include_usage:
             yield _data({**envelope(job), "choices": [], **usage(job)})
     except Exception as exc:  # noqa: BLE001 - never a stream cut short: an error event, then [DONE]
@@ -434,8 +574,8 @@ def _error(error: ApiError, headers: dict[str, str] | None = None) -> JSONRespon
 
 
 def _field(error: Any, body: Any) -> list[str]:
-    """A validation error's place in the request as it was sent: the body walked along its ``loc``, pydantic's union
-    labels (``str``, ``list[…]``, a tag) skipped; a missing field named."""
+    """A validation error's place in the request as it was sent: the body walked along its ``loc``, pydantic's
+    union labels (``str``, ``list[…]``, a tag) skipped; a missing field named."""
     loc = list(error.get("loc", ()))
     parts, node, out = loc[1:] if loc[:1] == ["body"] else loc, body, []
     for i, part in enumerate(parts):
@@ -465,19 +605,35 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ())]
         if first.get("type") == "json_invalid":
             return _error(ApiError(400, f"malformed JSON body: {first.get('msg')}", code="invalid_json"))
-        if loc == ["body"]:  # the body itself: not a JSON object (or sent without Content-Type: application/json)
-            return _error(ApiError(400, "the body must be a JSON object, sent with Content-Type: application/json", code="invalid_json"))
+        if loc == ["body"]:
+            # the body itself: not a JSON object (or sent without Content-Type: application/json)
+            return _error(
+                ApiError(
+                    400,
+                    "the body must be a JSON object, sent with Content-Type: application/json",
+                    code="invalid_json",
+                )
+            )
         fields = [_field(e, exc.body) for e in errors]
-        deepest = max(range(len(errors)), key=lambda i: len(fields[i]))  # of a union's branches, the one that got furthest
-        first, param = errors[deepest], ".".join(fields[deepest])  # the request's own field, as OpenAI names it
+        # of a union's branches, the one that got furthest
+        deepest = max(range(len(errors)), key=lambda i: len(fields[i]))
+        # the request's own field, as OpenAI names it
+        first, param = errors[deepest], ".".join(fields[deepest])
         message = str(first.get("msg", "")).removeprefix("Value error, ")
         return _error(ApiError(400, f"{param}: {message}", param, "invalid_value"))
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's, for JSON its parser cannot take
-            return _error(ApiError(400, "malformed JSON body: it could not be parsed (nested too deeply?)", code="invalid_json"))
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":
+            # FastAPI's, for JSON its parser cannot take
+            return _error(
+                ApiError(
+                    400,
+                    "malformed JSON body: it could not be parsed (nested too deeply?)",
+                    code="invalid_json",
+                )
+            )
         return _error(ApiError(exc.status_code, str(exc.detail), kind=kind))
 
     @app.exception_handler(Exception)

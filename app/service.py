@@ -1,5 +1,6 @@
-"""The gateway's service (docs/design.md §5): the targets' readiness, a job's grammar compiled off the event loop, its choices run
-from rounds to text events, counted in usage and metrics (requests become jobs in app.requests, events bodies in app.responses)."""
+"""The gateway's service (docs/design.md §5): the targets' readiness, a job's grammar compiled off the event
+loop, its choices run from rounds to text events, counted in usage and metrics (requests become jobs in
+app.requests, events bodies in app.responses)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from app.drafting import DraftModel
 from app.engine import Engine, GenerationRequest, TokenLogprob
 from app.errors import ApiError
 from app.metrics import GatewayMetrics
+from app.reasoning import ReasoningSplitter
 from app.requests import Job, Requests
 from app.targets.failures import WorkerError
 from app.targets.pool import TargetSet
 from app.text import ChoiceText, delta_text
-from app.reasoning import ReasoningSplitter
 from app.tool_formats import GENERIC
 from app.tools import ToolOutput
 from core.config import SpecgateConfig
@@ -36,12 +37,14 @@ class ChoiceEvent:
     finish_reason: str | None = None
     round: RoundInfo | None = None  # where the text came from (the stream's ``speculative`` field)
     is_prompt: bool = False  # the echoed prompt's logprobs (echo with logprobs), before any token
-    deltas: list[dict[str, Any]] | None = None  # tools: the text read into OpenAI's deltas (content, tool_calls pieces)
+    # tools: the text read into OpenAI's deltas (content, tool_calls pieces)
+    deltas: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
 class RoundInfo:
-    """One round as a chat UI shows it: the event's first ``draft_chars`` characters are accepted draft tokens, the rest the target's."""
+    """One round as a chat UI shows it: the event's first ``draft_chars`` characters are accepted draft
+    tokens, the rest the target's."""
 
     accepted: int
     drafted: int
@@ -50,9 +53,12 @@ class RoundInfo:
 
 
 class Gateway:
-    """What the gateway app holds: config, draft, workers, engine, and ``requests`` (requests to jobs). Built by ``create_app``."""
+    """What the gateway app holds: config, draft, workers, engine, and ``requests`` (requests to jobs). Built
+    by ``create_app``."""
 
-    def __init__(self, config: SpecgateConfig, draft: DraftModel, pool: TargetSet, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self, config: SpecgateConfig, draft: DraftModel, pool: TargetSet, metrics: GatewayMetrics
+    ) -> None:
         self.config = config
         self.draft = draft
         self.pool = pool
@@ -65,23 +71,36 @@ class Gateway:
         self._engine_warned: set[str] = set()
 
     async def check_workers(self, timeout: float | None = None) -> list[dict[str, Any]]:
-        """/v1/info of every replica of every worker, checked against the draft's tokenizer (``timeout``: ``pool.check_all``'s)."""
+        """/v1/info of every replica of every worker, checked against the draft's tokenizer (``timeout``:
+        ``pool.check_all``'s)."""
         report = await self.pool.check_all(timeout)
         ready = [e for e in report if e["ready"]]
         if ready:
-            self.engine.max_context = min([self.draft.runner.info.max_context] + [e["max_context"] for e in ready])
+            self.engine.max_context = min(
+                [self.draft.runner.info.max_context] + [e["max_context"] for e in ready]
+            )
         if len(ready) == len(report):
             self._workers_checked = True
         self._warn_engines()
         return report
 
     def _warn_engines(self) -> None:
-        """A worker whose grammar engine is not the gateway's, logged once: it serves no grammar (``_check_peers``)."""
+        """A worker whose grammar engine is not the gateway's, logged once: it serves no grammar
+        (``_check_peers``)."""
         engine = engine_version()
         for where, info in self.requests.replica_infos():
-            if info.grammar_engine is not None and info.grammar_engine != engine and where not in self._engine_warned:
+            if (
+                info.grammar_engine is not None
+                and info.grammar_engine != engine
+                and where not in self._engine_warned
+            ):
                 self._engine_warned.add(where)
-                log.warning("worker %s runs %s, the gateway %s: requests with a grammar get a 400 until they match", where, info.grammar_engine, engine)
+                log.warning(
+                    "worker %s runs %s, the gateway %s: requests with a grammar get a 400 until they match",
+                    where,
+                    info.grammar_engine,
+                    engine,
+                )
 
     async def ensure_workers(self) -> None:
         """Before the first request: every worker has a ready replica (503 naming one that has not)."""
@@ -89,7 +108,9 @@ class Gateway:
             return
         for entry in await self.check_workers():
             if not entry["ready"]:
-                raise WorkerError(entry["name"], entry["error"].removeprefix(f"worker {entry['name']}: "), 503)
+                raise WorkerError(
+                    entry["name"], entry["error"].removeprefix(f"worker {entry['name']}: "), 503
+                )
 
     def grammars(self) -> Grammars:
         """The gateway's grammar engine over the draft's tokenizer (built on first use)."""
@@ -99,26 +120,36 @@ class Gateway:
             self.engine.grammars = Grammars(self.tokenizer, info.vocab_size, info.eos_ids, limits)
         return self.engine.grammars
 
+    def _compile(self, spec: GrammarSpec) -> object:
+        return self.grammars().compile(spec)
+
     async def compile(self, job: Job) -> None:
-        """Compile the job's grammar off the event loop: a 400 naming the parameter if it fails or takes too long."""
+        """Compile the job's grammar off the event loop: a 400 naming the parameter if it fails or takes too
+        long."""
         transform = job.choices[0].transform
         if transform is None or transform.grammar is None:
             return
         grammar, param = transform.grammar, job.grammar_param
         limit = self.config.limits.grammar_compile_s
         try:
-            await asyncio.wait_for(asyncio.to_thread(lambda: self.grammars().compile(grammar)), limit)
+            await asyncio.wait_for(asyncio.to_thread(self._compile, grammar), limit)
         except GrammarError as exc:
             param = await self._culprit(job) or param
             raise ApiError(400, f"{param}: {exc}", param, "invalid_grammar") from None
         except TimeoutError:
-            raise ApiError(400, f"{param}: the {grammar.kind.value} took longer than {limit:g} s to compile (limits.grammar_compile_s)", param, "grammar_too_complex") from None
+            raise ApiError(
+                400,
+                f"{param}: the {grammar.kind.value} took longer than {limit:g} s to compile "
+                "(limits.grammar_compile_s)",
+                param,
+                "grammar_too_complex",
+            ) from None
 
     async def _culprit(self, job: Job) -> str | None:
         """The tool whose parameters make the generic format's schema fail to compile."""
         for i, parameters in enumerate(job.tool_parameters):
             try:
-                await asyncio.to_thread(lambda: self.grammars().compile(GrammarSpec.json_schema(parameters)))
+                await asyncio.to_thread(self._compile, GrammarSpec.json_schema(parameters))
             except GrammarError:
                 return f"tools.{i}.function.parameters"
         return None
@@ -161,9 +192,18 @@ class Gateway:
     async def _choice_events(self, job: Job, choice: GenerationRequest) -> AsyncGenerator[ChoiceEvent, None]:
         tools = _reader(job)
         splitter = ReasoningSplitter(job.thinking) if job.thinking is not None else None
-        keep = job.markers.ids and (tools is not None or splitter is not None)  # markers that are special tokens: written out for the readers
+        # markers that are special tokens: written out for the readers
+        keep = job.markers.ids and (tools is not None or splitter is not None)
         skipped = job.markers.skipped if keep else None
-        reader = ChoiceText(self.tokenizer, job.stops, choice.min_tokens, tools, grammar=job.has_grammar, reasoning=splitter, skipped=skipped)
+        reader = ChoiceText(
+            self.tokenizer,
+            job.stops,
+            choice.min_tokens,
+            tools,
+            grammar=job.has_grammar,
+            reasoning=splitter,
+            skipped=skipped,
+        )
         mode, last, is_first = choice.spec.mode.value, job.arrived, True
         if choice.choice == 0:
             self.metrics.prompt_tokens.inc(len(choice.prompt))
@@ -186,8 +226,17 @@ class Gateway:
                 if finish:
                     last_deltas, finish = reader.finish(finish)
                     deltas += last_deltas
-                info = RoundInfo(accepted, result.drafted, draft_chars, result.traffic.sent + result.traffic.received)
-                yield ChoiceEvent(choice.choice, delta_text(deltas), result.logprobs, finish, info, deltas=deltas if tools is not None or splitter is not None else None)
+                info = RoundInfo(
+                    accepted, result.drafted, draft_chars, result.traffic.sent + result.traffic.received
+                )
+                yield ChoiceEvent(
+                    choice.choice,
+                    delta_text(deltas),
+                    result.logprobs,
+                    finish,
+                    info,
+                    deltas=deltas if tools is not None or splitter is not None else None,
+                )
                 if finish:
                     if job.usage.reasoning_tokens is not None:
                         job.usage.reasoning_tokens += reader.reasoning_tokens
@@ -207,7 +256,6 @@ class Gateway:
                 if event.deltas is not None:
                     into.deltas = (into.deltas or []) + event.deltas
         return merged
-
 
 
 def _reader(job: Job) -> ToolOutput | None:

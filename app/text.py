@@ -1,4 +1,5 @@
-"""Tokens to streamed text, free of I/O: text leaves only when final, never half a UTF-8 character (U+FFFD) nor what may begin a stop string."""
+"""Tokens to streamed text, free of I/O: text leaves only when final, never half a UTF-8 character (U+FFFD)
+nor what may begin a stop string."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, skipped: frozenset[int] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.skipped = skipped  # None: every special token left out; else these, and the others (markers) written out
+        # None: every special token left out; else these, and the others (markers) written out
+        self.skipped = skipped
         self.tokens: list[int] = []
         self.prefix_offset = 0  # the window starts here
         self.read_offset = 0  # tokens before this were emitted whole
@@ -26,7 +28,8 @@ class IncrementalDetokenizer:
     def push(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
         prefix, text = self._window()
-        new = text[len(prefix) + self._emitted : len(text.rstrip(_REPLACEMENT))]  # empty while only an incomplete character is new
+        # empty while only an incomplete character is new
+        new = text[len(prefix) + self._emitted : len(text.rstrip(_REPLACEMENT))]
         self._emitted += len(new)
         if not text.endswith(_REPLACEMENT):
             self.prefix_offset, self.read_offset, self._emitted = self.read_offset, len(self.tokens), 0
@@ -41,7 +44,9 @@ class IncrementalDetokenizer:
 
     def _window(self) -> tuple[str, str]:
         """The text of the tokens emitted in the window, and of the whole window."""
-        return self._decode(self.tokens[self.prefix_offset : self.read_offset]), self._decode(self.tokens[self.prefix_offset :])
+        return self._decode(self.tokens[self.prefix_offset : self.read_offset]), self._decode(
+            self.tokens[self.prefix_offset :]
+        )
 
     def _decode(self, tokens: list[int]) -> str:
         self.num_decoded += len(tokens)
@@ -49,7 +54,9 @@ class IncrementalDetokenizer:
             return ""
         if self.skipped is None:
             return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
-        return str(self.tokenizer.decode([t for t in tokens if t not in self.skipped], skip_special_tokens=False))
+        return str(
+            self.tokenizer.decode([t for t in tokens if t not in self.skipped], skip_special_tokens=False)
+        )
 
 
 class StopMatcher:
@@ -98,16 +105,24 @@ class ChoiceText:
     JSON into something that does not parse; as vLLM's min_tokens, none in the first tokens' text."""
 
     def __init__(
-        self, tokenizer: Any, stops: list[str], min_tokens: int = 0, tools: ToolOutput | None = None, grammar: bool = False,
-        reasoning: ReasoningSplitter | None = None, skipped: frozenset[int] | None = None,
+        self,
+        tokenizer: Any,
+        stops: list[str],
+        min_tokens: int = 0,
+        tools: ToolOutput | None = None,
+        grammar: bool = False,
+        reasoning: ReasoningSplitter | None = None,
+        skipped: frozenset[int] | None = None,
     ) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, skipped)  # skipped: the special tokens left out, where markers are written out
+        # skipped: the special tokens left out, where markers are written out
+        self.detok = IncrementalDetokenizer(tokenizer, skipped)
         free = tools is not None and not tools.raw_response if grammar else True
         self.matcher = StopMatcher(stops if free else [])
         self.min_tokens = min_tokens
         self.tools = tools
         self.generated = 0
-        self.reasoning = reasoning  # a thinking template's answer: its reasoning first, as {"reasoning_content"} deltas
+        # a thinking template's answer: its reasoning first, as {"reasoning_content"} deltas
+        self.reasoning = reasoning
         self.reasoning_tokens = 0
 
     @property
@@ -127,7 +142,8 @@ class ChoiceText:
         return self._stopped(self.tools.push(head + rest))
 
     def finish(self, reason: str) -> tuple[list[dict[str, Any]], str]:
-        """The last deltas (what was held back) and the finish reason the client sees (``stop``, ``tool_calls``)."""
+        """The last deltas (what was held back) and the finish reason the client sees (``stop``,
+        ``tool_calls``)."""
         if self.stopped:
             return [], "stop"
         tail = self.detok.flush()
@@ -148,8 +164,8 @@ class ChoiceText:
         return deltas, "tool_calls" if called else reason
 
     def _push_thinking(self, tokens: list[int]) -> list[dict[str, Any]]:
-        """A thinking answer's tokens, one at a time: the reasoning's text as reasoning deltas (its tokens counted), the rest
-        as free text (stop strings apply to the answer, not the reasoning)."""
+        """A thinking answer's tokens, one at a time: the reasoning's text as reasoning deltas (its tokens
+        counted), the rest as free text (stop strings apply to the answer, not the reasoning)."""
         assert self.reasoning is not None
         deltas: list[dict[str, Any]] = []
         for token in tokens:
@@ -159,7 +175,11 @@ class ChoiceText:
             self.generated += 1
             deltas += _reasoning(thought)
             if text:
-                deltas += _content(self.matcher.push(text)) if self.tools is None else self._stopped(self.tools.push(text))
+                deltas += (
+                    _content(self.matcher.push(text))
+                    if self.tools is None
+                    else self._stopped(self.tools.push(text))
+                )
             if self.stopped:
                 break
         return _joined(deltas)

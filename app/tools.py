@@ -1,5 +1,6 @@
-"""Tool calls in the generic format (docs/design.md §3.9), free of I/O: the model answers ``{"tool_calls":[{"name":…,"arguments":{…}},…]}``
-or ``{"response":"…"}``, described in a system message; ``ToolOutput`` reads it, as generated, into OpenAI's deltas."""
+"""Tool calls in the generic format (docs/design.md §3.9), free of I/O: the model answers
+``{"tool_calls":[{"name":…,"arguments":{…}},…]}`` or ``{"response":"…"}``, described in a system message;
+``ToolOutput`` reads it, as generated, into OpenAI's deltas."""
 
 from __future__ import annotations
 
@@ -33,27 +34,46 @@ def call_schema(tool: Tool) -> dict[str, Any]:
     }
 
 
-def generic_schema(tools: list[Tool], required: bool, parallel: bool, response: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The answer's schema: the calls (several with ``parallel``), or unless ``required`` a response (``response``'s schema, else a string)."""
+def generic_schema(
+    tools: list[Tool], required: bool, parallel: bool, response: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The answer's schema: the calls (several with ``parallel``), or unless ``required`` a response
+    (``response``'s schema, else a string)."""
     calls = {"anyOf": [call_schema(t) for t in tools]} if len(tools) > 1 else call_schema(tools[0])
     items: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
     if not parallel:
         items["maxItems"] = 1
-    with_calls = {"type": "object", "properties": {"tool_calls": items}, "required": ["tool_calls"], "additionalProperties": False}
+    with_calls = {
+        "type": "object",
+        "properties": {"tool_calls": items},
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+    }
     if required:
         return with_calls
-    text = {"type": "object", "properties": {"response": response or {"type": "string"}}, "required": ["response"], "additionalProperties": False}
+    text = {
+        "type": "object",
+        "properties": {"response": response or {"type": "string"}},
+        "required": ["response"],
+        "additionalProperties": False,
+    }
     return {"anyOf": [with_calls, text]}
 
 
 def tools_prompt(tools: list[Tool], schema: dict[str, Any], required: bool) -> str:
-    listing = "\n".join(json.dumps({"name": t.name, "description": t.description, "parameters": t.parameters}, ensure_ascii=False) for t in tools)
+    listing = "\n".join(
+        json.dumps(
+            {"name": t.name, "description": t.description, "parameters": t.parameters}, ensure_ascii=False
+        )
+        for t in tools
+    )
     response = "" if required else ', or your answer to the user ("response")'
     return TOOL_PROMPT.format(tools=listing, response=response, schema=json.dumps(schema, ensure_ascii=False))
 
 
 def render_messages(messages: list[dict[str, Any]], system: str | None) -> list[dict[str, str]]:
-    """For the chat template: calls as the model's JSON, results as ``{"tool_response": {name, content}}``, ``system`` joined to the first."""
+    """For the chat template: calls as the model's JSON, results as ``{"tool_response": {name, content}}``,
+    ``system`` joined to the first."""
     names: dict[str, str] = {}
     out: list[dict[str, str]] = []
     for m in messages:
@@ -61,7 +81,9 @@ def render_messages(messages: list[dict[str, Any]], system: str | None) -> list[
             calls = []
             for call in m["tool_calls"]:
                 names[call["id"]] = call["function"]["name"]
-                calls.append({"name": call["function"]["name"], "arguments": _arguments(call["function"]["arguments"])})
+                calls.append(
+                    {"name": call["function"]["name"], "arguments": _arguments(call["function"]["arguments"])}
+                )
             out.append({"role": "assistant", "content": _compact({"tool_calls": calls})})
         elif m["role"] == "tool":
             response = {"name": names.get(m["tool_call_id"], ""), "content": m["content"]}
@@ -86,8 +108,9 @@ class ToolCall:
 
 @dataclass
 class ToolOutput:
-    """Reads the generic format as it arrives into OpenAI deltas (``push``): a character scanner, as the grammar makes the JSON
-    compact, ``name`` before ``arguments``. With ``raw_response`` (response_format) a response's JSON text is the content."""
+    """Reads the generic format as it arrives into OpenAI deltas (``push``): a character scanner, as the
+    grammar makes the JSON compact, ``name`` before ``arguments``. With ``raw_response`` (response_format) a
+    response's JSON text is the content."""
 
     raw_response: bool = False
     calls: list[ToolCall] = field(default_factory=list)
@@ -98,8 +121,10 @@ class ToolOutput:
     _depth: int = 0
     _in_string: bool = False
     _escaped: bool = False
-    _name_open: str = field(default='{"name":"', init=False, repr=False)  # how a call opens, up to its name (app.tool_formats: its own)
-    _args_open: str = field(default='","arguments":', init=False, repr=False)  # … from its name's end to its arguments
+    # how a call opens, up to its name (app.tool_formats: its own)
+    _name_open: str = field(default='{"name":"', init=False, repr=False)
+    # … from its name's end to its arguments
+    _args_open: str = field(default='","arguments":', init=False, repr=False)
 
     @property
     def is_complete(self) -> bool:
@@ -122,7 +147,8 @@ class ToolOutput:
 
     def _step(self) -> dict[str, Any] | None:
         rest = self._buffer[self._at :]
-        if self._state in ("value", "arguments"):  # JSON as it comes: a call's arguments, or a response with a schema of its own
+        if self._state in ("value", "arguments"):
+            # JSON as it comes: a call's arguments, or a response with a schema of its own
             return self._raw_value(rest, into_content=self._state == "value")
         if self._state == "between":  # "}" closes the call, then "," or "]"
             after = {"},": "call", "}]": "done"}.get(rest[:2])
@@ -164,7 +190,16 @@ class ToolOutput:
         call = ToolCall(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", name)
         self.calls.append(call)
         self._state, self._depth = "arguments", 0
-        return {"tool_calls": [{"index": call.index, "id": call.id, "type": "function", "function": {"name": name, "arguments": ""}}]}
+        return {
+            "tool_calls": [
+                {
+                    "index": call.index,
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                }
+            ]
+        }
 
     def _text(self, rest: str) -> dict[str, Any] | None:
         """A string response's characters, escapes decoded (a surrogate pair as one character)."""
@@ -184,7 +219,8 @@ class ToolOutput:
         return {"content": piece} if piece else None
 
     def _raw_value(self, rest: str, into_content: bool) -> dict[str, Any] | None:
-        """A value as raw JSON up to its end: the bracket that closes it, or (a scalar at the top) the wrapper's "}" after it."""
+        """A value as raw JSON up to its end: the bracket that closes it, or (a scalar at the top) the
+        wrapper's "}" after it."""
         i, ended = 0, False
         while i < len(rest) and not ended:
             ch = rest[i]
@@ -214,12 +250,17 @@ class ToolOutput:
             self.content += piece
             return {"content": piece} if piece else None
         self.calls[-1].arguments += piece
-        return {"tool_calls": [{"index": self.calls[-1].index, "function": {"arguments": piece}}]} if piece else None
+        return (
+            {"tool_calls": [{"index": self.calls[-1].index, "function": {"arguments": piece}}]}
+            if piece
+            else None
+        )
 
     def flush(self, cut: bool = False) -> list[dict[str, Any]]:
-        """At the end: an opening never completed as content. With ``cut`` (max_tokens) a call or the wrapper cut short is
-        never text: a call whose name was not finished is dropped, one cut in its arguments stays as it is (the client sees
-        finish_reason ``length``, the Responses API an incomplete item); a response's own text or JSON keeps its rest."""
+        """At the end: an opening never completed as content. With ``cut`` (max_tokens) a call or the wrapper
+        cut short is never text: a call whose name was not finished is dropped, one cut in its arguments stays
+        as it is (the client sees finish_reason ``length``, the Responses API an incomplete item); a
+        response's own text or JSON keeps its rest."""
         if cut and self._state in _STRUCTURE:
             self._at = len(self._buffer)
             return []
@@ -236,12 +277,14 @@ class ToolOutput:
         return {"content": rest} if rest else None
 
 
-_STRUCTURE = frozenset({"start", "call", "arguments", "between", "done"})  # states inside the format's own JSON, not a response's text
+# states inside the format's own JSON, not a response's text
+_STRUCTURE = frozenset({"start", "call", "arguments", "between", "done"})
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
 def _escape_at(text: str, i: int) -> tuple[str, int] | None:
-    """The JSON escape at ``text[i]``: (character, length), None while it may grow; a surrogate pair is one character, a lone one U+FFFD."""
+    """The JSON escape at ``text[i]``: (character, length), None while it may grow; a surrogate pair is one
+    character, a lone one U+FFFD."""
     if len(text) < i + 2:
         return None
     if text[i + 1] != "u":
@@ -270,7 +313,8 @@ def _hex(digits: str) -> int | None:
 
 
 def partial(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that begins ``marker`` (without being all of it): what to hold back."""
+    """Length of the longest end of ``text`` that begins ``marker`` (without being all of it): what to hold
+    back."""
     return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
 
 
@@ -291,9 +335,17 @@ def _merged(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         last = out[-1] if out else None
         if last is not None and "content" in delta and "content" in last:
             last["content"] += delta["content"]
-        elif last is not None and "tool_calls" in delta and "tool_calls" in last and "id" not in delta["tool_calls"][0] and last["tool_calls"][0]["index"] == delta["tool_calls"][0]["index"]:
+        elif (
+            last is not None
+            and "tool_calls" in delta
+            and "tool_calls" in last
+            and "id" not in delta["tool_calls"][0]
+            and last["tool_calls"][0]["index"] == delta["tool_calls"][0]["index"]
+        ):
             function = last["tool_calls"][0].setdefault("function", {})
-            function["arguments"] = function.get("arguments", "") + delta["tool_calls"][0]["function"]["arguments"]
+            function["arguments"] = (
+                function.get("arguments", "") + delta["tool_calls"][0]["function"]["arguments"]
+            )
         else:
             out.append(delta)
     return out
@@ -315,10 +367,17 @@ def message_of(deltas: list[dict[str, Any]]) -> dict[str, Any]:
     calls: dict[int, dict[str, Any]] = {}
     for delta in deltas:
         for piece in delta.get("tool_calls", []):
-            call = calls.setdefault(piece["index"], {"id": piece.get("id"), "type": "function", "function": {"name": "", "arguments": ""}})
+            call = calls.setdefault(
+                piece["index"],
+                {"id": piece.get("id"), "type": "function", "function": {"name": "", "arguments": ""}},
+            )
             call["function"]["name"] += piece.get("function", {}).get("name", "")
             call["function"]["arguments"] += piece.get("function", {}).get("arguments", "")
-    message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None, "refusal": None}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content if content or not calls else None,
+        "refusal": None,
+    }
     if any("reasoning_content" in d for d in deltas):  # a thinking template's answer: its reasoning apart
         message["reasoning_content"] = "".join(d.get("reasoning_content", "") for d in deltas)
     if calls:

@@ -1,4 +1,5 @@
-"""What a response reports of its rounds (docs/design.md §5): token counts, the ``speculative`` block, vLLM's ``metrics``, round profiles."""
+"""What a response reports of its rounds (docs/design.md §5): token counts, the ``speculative`` block, vLLM's
+``metrics``, round profiles."""
 
 from __future__ import annotations
 
@@ -12,11 +13,22 @@ from core.math.shapes import ChildRule, TreeShape
 from core.modes import MODES
 from core.names import Mode
 
-
 _SUMS = {  # what Usage.add sums over rounds: its field ← the RoundResult field
-    "forced_tokens": "forced", "draft_tokens": "drafted", "accepted_tokens": "accepted", "bound": "bound", "error": "error",
-    "draft_s": "draft_s", "verify_s": "verify_s", "model_s": "model_s", "busy_s": "busy_s", "prepared": "prepared",
-    "prepared_used": "prepared_used", "relaxed_tv": "relaxed_tv", "taus": "taus", "turns": "turns", "trees": "rounds_ended",
+    "forced_tokens": "forced",
+    "draft_tokens": "drafted",
+    "accepted_tokens": "accepted",
+    "bound": "bound",
+    "error": "error",
+    "draft_s": "draft_s",
+    "verify_s": "verify_s",
+    "model_s": "model_s",
+    "busy_s": "busy_s",
+    "prepared": "prepared",
+    "prepared_used": "prepared_used",
+    "relaxed_tv": "relaxed_tv",
+    "taus": "taus",
+    "turns": "turns",
+    "trees": "rounds_ended",
     "rounds_without_draft": "without_draft",
 }
 
@@ -44,7 +56,8 @@ class Usage:
     gammas: list[int] = field(default_factory=list)  # chosen by num_draft_tokens: auto
     relaxed_tv: list[float] = field(default_factory=list)
     taus: list[float] = field(default_factory=list)
-    acceptance_histogram: list[int] = field(default_factory=list)  # [a]: rounds with a draft that accepted exactly a tokens
+    # [a]: rounds with a draft that accepted exactly a tokens
+    acceptance_histogram: list[int] = field(default_factory=list)
     tree: TreeShape | None = None  # mode tree: the shape drafted
     seconds: dict[str, float] = field(default_factory=dict)  # the rounds' time by part (RoundResult.seconds)
     round_s: float = 0.0  # the rounds' time: draft + verify
@@ -52,14 +65,18 @@ class Usage:
     turns: int = 0  # mode pipeline: segments answered
     trees: int = 0  # mode pipeline: rounds (trees) walked to their end
     hop_bytes: list[int] = field(default_factory=list)  # mode pipeline: stage-to-stage bytes per hop
-    forced_tokens: int = 0  # tokens a grammar forced: emitted by the gateway without a round (docs/design.md §3.9)
-    rounds_without_draft: int = 0  # rounds the targets sampled alone while a late draft prefilled (app.engine.late)
-    reasoning_tokens: int | None = None  # a thinking template's answer: the tokens of its reasoning (None: no reasoning is told apart)
+    # tokens a grammar forced: emitted by the gateway without a round (docs/design.md §3.9)
+    forced_tokens: int = 0
+    # rounds the targets sampled alone while a late draft prefilled (app.engine.late)
+    rounds_without_draft: int = 0
+    # a thinking template's answer: the tokens of its reasoning (None: no reasoning is told apart)
+    reasoning_tokens: int | None = None
 
     def add(self, result: RoundResult) -> None:
         for mine, theirs in _SUMS.items():
             setattr(self, mine, getattr(self, mine) + getattr(result, theirs))
-        is_round = bool(result.tokens) and not result.forced  # forced tokens take no round (docs/design.md §3.9)
+        # forced tokens take no round (docs/design.md §3.9)
+        is_round = bool(result.tokens) and not result.forced
         self.completion_tokens += len(result.tokens)
         self.rounds += is_round
         self.bytes_sent += result.traffic.sent
@@ -72,7 +89,9 @@ class Usage:
         if result.gamma is not None:
             self.gammas.append(result.gamma)
         if result.drafted:  # a pipeline's expanded tree can accept more than one draft's depth
-            self.acceptance_histogram += [0] * (max(result.drafted, result.accepted) + 1 - len(self.acceptance_histogram))
+            self.acceptance_histogram += [0] * (
+                max(result.drafted, result.accepted) + 1 - len(self.acceptance_histogram)
+            )
             self.acceptance_histogram[result.accepted] += 1
         self.hop_bytes += [0] * (len(result.hop_bytes) - len(self.hop_bytes))
         for hop, size in enumerate(result.hop_bytes):
@@ -83,32 +102,44 @@ class Usage:
         return {**_parts_ms(self.seconds, self.round_s), "rounds": _ms(self.round_s)}
 
     def vllm_metrics(self) -> dict[str, Any] | None:
-        """vLLM's per-request ``metrics.speculative_decoding`` (what AIPerf reads); None in a mode that drafts nothing."""
+        """vLLM's per-request ``metrics.speculative_decoding`` (what AIPerf reads); None in a mode that drafts
+        nothing."""
         if not MODES[self.spec.mode].drafts:
             return None
         steps = sum(self.acceptance_histogram)
-        num_spec_tokens = max(self.gammas, default=self.spec.num_draft_tokens) if self.spec.auto_gamma else self.spec.num_draft_tokens
+        num_spec_tokens = (
+            max(self.gammas, default=self.spec.num_draft_tokens)
+            if self.spec.auto_gamma
+            else self.spec.num_draft_tokens
+        )
         if self.tree is not None:
             num_spec_tokens = self.tree.max_depth  # tokens a round may accept
         if self.spec.pipeline is not None:  # a pipeline's tree grows as it is walked: the deepest seen
             num_spec_tokens = max(self.spec.pipeline.tree.depth, len(self.acceptance_histogram) - 1)
-        num_spec_tokens = max(num_spec_tokens, len(self.acceptance_histogram) - 1)  # a chain carries a grammar's forced tokens on top of γ
+        # a chain carries a grammar's forced tokens on top of γ
+        num_spec_tokens = max(num_spec_tokens, len(self.acceptance_histogram) - 1)
         histogram = self.acceptance_histogram + [0] * (num_spec_tokens + 1 - len(self.acceptance_histogram))
-        return {"speculative_decoding": {
-            "mean_acceptance_length": 1 + self.accepted_tokens / steps if steps else None,
-            "draft_acceptance_rate": _ratio(self.accepted_tokens, self.draft_tokens),
-            "acceptance_histogram": histogram,
-            "num_spec_steps": steps,
-            "num_accepted_draft_tokens": self.accepted_tokens,
-            "num_draft_tokens": self.draft_tokens,
-            "num_spec_tokens": num_spec_tokens,
-        }}
+        return {
+            "speculative_decoding": {
+                "mean_acceptance_length": 1 + self.accepted_tokens / steps if steps else None,
+                "draft_acceptance_rate": _ratio(self.accepted_tokens, self.draft_tokens),
+                "acceptance_histogram": histogram,
+                "num_spec_steps": steps,
+                "num_accepted_draft_tokens": self.accepted_tokens,
+                "num_draft_tokens": self.draft_tokens,
+                "num_spec_tokens": num_spec_tokens,
+            }
+        }
 
     def to_dict(self) -> dict[str, Any]:
         spec = self.spec
         block: dict[str, Any] = {
             "mode": spec.mode.value,
-            "num_draft_tokens": 0 if not MODES[spec.mode].drafts else "auto" if spec.auto_gamma else spec.num_draft_tokens,
+            "num_draft_tokens": 0
+            if not MODES[spec.mode].drafts
+            else "auto"
+            if spec.auto_gamma
+            else spec.num_draft_tokens,
             "k": ("full" if spec.k is None else spec.k) if MODES[spec.mode].takes_k else None,
             "rounds": self.rounds,
             "draft_tokens": self.draft_tokens,
@@ -135,19 +166,31 @@ class Usage:
         if spec.auto_gamma and MODES[spec.mode].drafts:  # seeded: fixed (the output depends on γ)
             block["gamma_chosen_mean"] = _mean(self.gammas, float(spec.num_draft_tokens))
             block["gamma_auto"] = bool(self.gammas)
-        trees = None  # a tree (mode tree or pipeline): nodes verified per round vs tokens accepted, what a tree buys
+        # a tree (mode tree or pipeline): nodes verified per round vs tokens accepted, what a tree buys
+        trees = None
         if self.tree is not None:
             block["tree"] = {**tree_block(self.tree), "payload": spec.tree_payload.value}
             trees = sum(self.acceptance_histogram)
-        if spec.mode is Mode.PIPELINE and spec.pipeline is not None:  # FlowSpec: tokens per pipeline turn and per tree
+        if spec.mode is Mode.PIPELINE and spec.pipeline is not None:
+            # FlowSpec: tokens per pipeline turn and per tree
             block["pipeline"] = {
-                **tree_block(spec.pipeline.tree), "segment": spec.pipeline.segment, "in_flight": spec.pipeline.in_flight or None,
-                "expand": spec.pipeline.expand, "turns": self.turns, "trees": self.trees, "alt": _ratio(self.completion_tokens, self.turns),
-                "alr": _ratio(self.completion_tokens, self.trees), "hop_bytes": self.hop_bytes,
+                **tree_block(spec.pipeline.tree),
+                "segment": spec.pipeline.segment,
+                "in_flight": spec.pipeline.in_flight or None,
+                "expand": spec.pipeline.expand,
+                "turns": self.turns,
+                "trees": self.trees,
+                "alt": _ratio(self.completion_tokens, self.turns),
+                "alr": _ratio(self.completion_tokens, self.trees),
+                "hop_bytes": self.hop_bytes,
             }
             trees = self.trees
         if trees is not None:
-            block.update(num_draft_tokens=None, nodes_per_round=_ratio(self.draft_tokens, trees), accepted_per_round=_ratio(self.accepted_tokens, trees))
+            block.update(
+                num_draft_tokens=None,
+                nodes_per_round=_ratio(self.draft_tokens, trees),
+                accepted_per_round=_ratio(self.accepted_tokens, trees),
+            )
         if self.forced_tokens:
             block["forced_tokens"] = self.forced_tokens
         if spec.relaxation is not None:  # DSD's relaxed verification: lossy by exactly τ (1 − β) per position
@@ -178,8 +221,14 @@ def round_profile(result: RoundResult) -> dict[str, Any]:
     """One round of ``speculative.profile``: tokens, bytes, and its milliseconds (draft + verify) by part."""
     total = result.draft_s + result.verify_s
     return {
-        "tokens": len(result.tokens), "drafted": result.drafted, "accepted": result.accepted, "calls": result.traffic.calls,
-        "bytes_up": result.traffic.sent, "bytes_down": result.traffic.received, "round_ms": _ms(total), "parts_ms": _parts_ms(result.seconds, total),
+        "tokens": len(result.tokens),
+        "drafted": result.drafted,
+        "accepted": result.accepted,
+        "calls": result.traffic.calls,
+        "bytes_up": result.traffic.sent,
+        "bytes_down": result.traffic.received,
+        "round_ms": _ms(total),
+        "parts_ms": _parts_ms(result.seconds, total),
     }
 
 

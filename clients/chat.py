@@ -1,5 +1,5 @@
-"""``specgate chat``: an interactive streaming chat against a gateway, acceptance and tokens/s after each answer.
-Usage: ``specgate chat --url http://127.0.0.1:8000 [--mode exact]``; ``/quit`` or Ctrl-D ends it."""
+"""``specgate chat``: an interactive streaming chat against a gateway, acceptance and tokens/s after each
+answer. Usage: ``specgate chat --url http://127.0.0.1:8000 [--mode exact]``; ``/quit`` or Ctrl-D ends it."""
 
 from __future__ import annotations
 
@@ -43,18 +43,25 @@ def parse_data_line(line: str) -> dict[str, Any] | str | None:
     """One SSE line: its JSON payload, the string ``[DONE]``, or None for anything else."""
     if not line.startswith("data: "):
         return None
-    data = line[len("data: "):]
+    data = line[len("data: ") :]
     return data if data == "[DONE]" else orjson.loads(data)
 
 
 def chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.stdout) -> int:
-    with httpx.Client(base_url=args.url, headers=_auth(args.api_key), timeout=httpx.Timeout(600, connect=10)) as client:
+    with httpx.Client(
+        base_url=args.url, headers=_auth(args.api_key), timeout=httpx.Timeout(600, connect=10)
+    ) as client:
         try:
             model = args.model or client.get("/v1/models").json()["data"][0]["id"]
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             print(f"specgate chat: cannot reach a gateway at {args.url}: {exc}", file=sys.stderr)
             return 1
-        print(f"specgate chat with {model!r} at {args.url}{f' (mode {args.mode})' if args.mode else ''}; /quit to leave", file=out, flush=True)
+        print(
+            f"specgate chat with {model!r} at {args.url}"
+            f"{f' (mode {args.mode})' if args.mode else ''}; /quit to leave",
+            file=out,
+            flush=True,
+        )
         history: list[dict[str, str]] = []
         while True:
             print("> ", end="", file=out, flush=True)
@@ -72,8 +79,16 @@ def chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, out: TextIO = sys.
 
 
 def _body(args: argparse.Namespace, model: str, history: list[dict[str, str]]) -> dict[str, Any]:
-    body = {"model": model, "messages": history, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": args.max_tokens}
-    return body | {"temperature": args.temperature} | ({"speculative": {"mode": args.mode}} if args.mode else {})
+    body = {
+        "model": model,
+        "messages": history,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": args.max_tokens,
+    }
+    return (
+        body | {"temperature": args.temperature} | ({"speculative": {"mode": args.mode}} if args.mode else {})
+    )
 
 
 def _answer(client: httpx.Client, body: dict[str, Any], out: TextIO) -> str | None:

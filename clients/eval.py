@@ -1,7 +1,6 @@
-"""``specgate eval``: each decoding mode on a fixed prompt set against a gateway — acceptance, mean accepted length,
-and for the lossy settings the measured distance to the target beside its bound (docs/modes.md, "specgate eval").
-Usage: ``specgate eval [--url http://127.0.0.1:8000 | --serve] [--json FILE]``
-"""
+"""``specgate eval``: each decoding mode on a fixed prompt set against a gateway — acceptance, mean accepted
+length, and for the lossy settings the measured distance to the target beside its bound (docs/modes.md,
+"specgate eval"). Usage: ``specgate eval [--url http://127.0.0.1:8000 | --serve] [--json FILE]``"""
 
 from __future__ import annotations
 
@@ -14,9 +13,9 @@ from typing import Any
 
 import httpx
 
+from clients.bench.common import progress, write_json
 from clients.procs import free_port, serve_process
 from clients.prompts import PROMPTS as ALL_PROMPTS
-from clients.bench.common import progress, write_json
 
 PROMPTS = ALL_PROMPTS[:4]
 SETTINGS: list[tuple[str, dict[str, Any]]] = [
@@ -31,7 +30,11 @@ SETTINGS: list[tuple[str, dict[str, Any]]] = [
     ("exact relaxed τ≤0.5", {"mode": "exact", "relaxation": {"tau_max": 0.5}}),
     ("exact relaxed τ≤0.9", {"mode": "exact", "relaxation": {"tau_max": 0.9}}),
 ]
-STRICT = {"aggregate k=full relaxed τ≤0.5": "aggregate k=full", "exact relaxed τ≤0.5": "exact", "exact relaxed τ≤0.9": "exact"}
+STRICT = {
+    "aggregate k=full relaxed τ≤0.5": "aggregate k=full",
+    "exact relaxed τ≤0.5": "exact",
+    "exact relaxed τ≤0.9": "exact",
+}
 
 
 def evaluate(args: argparse.Namespace) -> int:
@@ -42,7 +45,14 @@ def evaluate(args: argparse.Namespace) -> int:
             model = client.get("/v1/models").json()["data"][0]["id"]
             rows = [_run(client, model, name, spec, args) for name, spec in SETTINGS]
     _compare_with_strict(rows)
-    results = {"url": url, "max_tokens": args.max_tokens, "temperature": args.temperature, "prompts": len(PROMPTS[: args.prompts]), "seeds": args.seeds, "rows": rows}
+    results = {
+        "url": url,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "prompts": len(PROMPTS[: args.prompts]),
+        "seeds": args.seeds,
+        "rows": rows,
+    }
     _print(rows)
     write_json(args.json_path, results)
     return 0
@@ -50,7 +60,8 @@ def evaluate(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _gateway(args: argparse.Namespace) -> Iterator[str | None]:
-    """The gateway to evaluate: ``--url``, or a ``specgate serve`` started for the run (None: none answers)."""
+    """The gateway to evaluate: ``--url``, or a ``specgate serve`` started for the run (None: none
+    answers)."""
     if args.serve:
         with serve_process(args.config, free_port(), args.startup_timeout) as url:
             yield url
@@ -70,19 +81,33 @@ def _auth(key: str | None = None) -> dict[str, str] | None:
     return {"authorization": f"Bearer {key}"} if key else None
 
 
-def _run(client: httpx.Client, model: str, name: str, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def _run(
+    client: httpx.Client, model: str, name: str, spec: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     totals = {"drafted": 0, "accepted": 0, "tokens": 0, "rounds": 0}
     bounds, errors, relaxed, taus, lossless, note = [], [], [], [], True, None
     for prompt in PROMPTS[: args.prompts]:
         for seed in range(args.seeds):
-            body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": seed, "speculative": spec}
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": args.max_tokens,
+                "temperature": args.temperature,
+                "seed": seed,
+                "speculative": spec,
+            }
             resp = client.post("/v1/chat/completions", json=body)
             if resp.status_code != 200:
                 note = resp.json()["error"]["message"]
                 break
             usage = resp.json()["usage"]
             block, n = usage["speculative"], usage["completion_tokens"]
-            for key, value in (("drafted", block["draft_tokens"]), ("accepted", block["accepted_tokens"]), ("tokens", n), ("rounds", block["rounds"])):
+            for key, value in (
+                ("drafted", block["draft_tokens"]),
+                ("accepted", block["accepted_tokens"]),
+                ("tokens", n),
+                ("rounds", block["rounds"]),
+            ):
                 totals[key] += value
             lossless = lossless and block["lossless"]
             if "relaxation" in block:  # exactly τ(1 − β) per position, on top of any reconstruction error
@@ -97,11 +122,16 @@ def _run(client: httpx.Client, model: str, name: str, spec: dict[str, Any], args
             break
     progress(f"eval: {name}: {'skipped: ' + note if note else 'done'}")
     return {
-        "setting": name, "skipped": note,
+        "setting": name,
+        "skipped": note,
         "acceptance": totals["accepted"] / totals["drafted"] if totals["drafted"] else None,
         "mean_accepted_length": totals["tokens"] / totals["rounds"] if totals["rounds"] else None,
-        "tokens": totals["tokens"], "lossless": lossless if not note else None,
-        "tv_measured": _weighted(errors), "tv_bound": _weighted(bounds), "relaxed_tv": _weighted(relaxed), "tau_mean": _weighted(taus),
+        "tokens": totals["tokens"],
+        "lossless": lossless if not note else None,
+        "tv_measured": _weighted(errors),
+        "tv_bound": _weighted(bounds),
+        "relaxed_tv": _weighted(relaxed),
+        "tau_mean": _weighted(taus),
     }
 
 
@@ -128,13 +158,18 @@ def _print(rows: list[dict[str, Any]]) -> None:
     def fmt(value: float | None, spec: str = ".3f") -> str:
         return "–" if value is None else format(value, spec)
 
-    print(f"{'setting':<31} {'acceptance':>10} {'vs strict':>9} {'tokens/round':>12} {'lossless':>8} {'mean τ':>7} {'TV measured':>11} {'TV bound':>9}")
+    print(
+        f"{'setting':<31} {'acceptance':>10} {'vs strict':>9} {'tokens/round':>12} "
+        f"{'lossless':>8} {'mean τ':>7} {'TV measured':>11} {'TV bound':>9}"
+    )
     for r in rows:
         if r["skipped"]:
             print(f"{r['setting']:<31} skipped: {r['skipped']}")
             continue
         change = f"{r['acceptance_change']:+.3f}" if "acceptance_change" in r else ""
         print(
-            f"{r['setting']:<31} {fmt(r['acceptance']):>10} {change:>9} {fmt(r['mean_accepted_length'], '.2f'):>12} "
-            f"{'yes' if r['lossless'] else 'no':>8} {fmt(r['tau_mean']):>7} {fmt(r['tv_measured'], '.4f'):>11} {fmt(r['tv_bound'], '.4f'):>9}"
+            f"{r['setting']:<31} {fmt(r['acceptance']):>10} {change:>9} "
+            f"{fmt(r['mean_accepted_length'], '.2f'):>12} "
+            f"{'yes' if r['lossless'] else 'no':>8} {fmt(r['tau_mean']):>7} "
+            f"{fmt(r['tv_measured'], '.4f'):>11} {fmt(r['tv_bound'], '.4f'):>9}"
         )

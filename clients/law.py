@@ -1,7 +1,7 @@
-"""``specgate law``: does a gateway's output follow its target? The joint law of the first two tokens of seeded
-answers against the target GGUF evaluated by llama-cpp-python itself, by chi-square (docs/modes.md); the prompt goes
-as llama.cpp's token ids, so both read the same tokens. Usage: ``specgate law [--url URL | --serve] [--speculative JSON]...``
-"""
+"""``specgate law``: does a gateway's output follow its target? The joint law of the first two tokens of
+seeded answers against the target GGUF evaluated by llama-cpp-python itself, by chi-square (docs/modes.md);
+the prompt goes as llama.cpp's token ids, so both read the same tokens. Usage: ``specgate law [--url URL |
+--serve] [--speculative JSON]...``"""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import httpx
 import numpy as np
 import torch
 
-from clients.eval import _auth, _gateway
 from clients.bench.common import progress, write_json
+from clients.eval import _auth, _gateway
 
 PROMPT = "The three longest rivers in the world are"
 MIN_EXPECTED = 5.0  # a chi-square cell expected fewer times than this is pooled
@@ -33,7 +33,9 @@ def check_law(args: argparse.Namespace) -> int:
     from core.runners.models import builtin_gguf
 
     gguf = args.gguf or str(builtin_gguf())
-    reference = Llama(model_path=gguf, n_ctx=512, logits_all=True, verbose=False, n_threads=args.threads, flash_attn=True)
+    reference = Llama(
+        model_path=gguf, n_ctx=512, logits_all=True, verbose=False, n_threads=args.threads, flash_attn=True
+    )
     prompt = reference.tokenize(args.prompt.encode(), add_bos=False, special=True)
     specs = [json.loads(text) for text in args.speculative] if args.speculative else [None]
     expected = _reference_law(reference, prompt, args.temperature, reference.token_eos())
@@ -48,17 +50,43 @@ def check_law(args: argparse.Namespace) -> int:
             observed = Counter(pairs)
             statistic, dof, pvalue = chi_square(observed, expected, len(pairs))
             tv, floor = first_token_tv(observed, expected, len(pairs)), tv_floor(expected, len(pairs))
-            runs.append({
-                "speculative": spec, "samples": len(pairs), "chi_square": statistic, "degrees_of_freedom": dof, "p_value": pvalue,
-                "first_token_tv": tv, "first_token_tv_floor": floor, "pairs": [list(pair) for pair in pairs],
-            })
-            print(f"{len(pairs)} answers, {json.dumps(spec)}: chi-square {statistic:.1f} on {dof} degrees of freedom, p = {pvalue:.3g}; "
-                  f"first token's empirical TV to the target {tv:.4f} (noise floor at {len(pairs)} draws {floor:.4f})", flush=True)
-    write_json(args.json_path, {"url": url, "gguf": gguf, "prompt": args.prompt, "prompt_ids": prompt, "temperature": args.temperature, "max_tokens": args.max_tokens, "runs": runs})
+            runs.append(
+                {
+                    "speculative": spec,
+                    "samples": len(pairs),
+                    "chi_square": statistic,
+                    "degrees_of_freedom": dof,
+                    "p_value": pvalue,
+                    "first_token_tv": tv,
+                    "first_token_tv_floor": floor,
+                    "pairs": [list(pair) for pair in pairs],
+                }
+            )
+            print(
+                f"{len(pairs)} answers, {json.dumps(spec)}: chi-square {statistic:.1f} on {dof} "
+                f"degrees of freedom, p = {pvalue:.3g}; "
+                f"first token's empirical TV to the target {tv:.4f} (noise floor at {len(pairs)} "
+                f"draws {floor:.4f})",
+                flush=True,
+            )
+    write_json(
+        args.json_path,
+        {
+            "url": url,
+            "gguf": gguf,
+            "prompt": args.prompt,
+            "prompt_ids": prompt,
+            "temperature": args.temperature,
+            "max_tokens": args.max_tokens,
+            "runs": runs,
+        },
+    )
     return 0
 
 
-def _answers(url: str, prompt: list[int], spec: dict[str, Any] | None, args: argparse.Namespace) -> list[Pair]:
+def _answers(
+    url: str, prompt: list[int], spec: dict[str, Any] | None, args: argparse.Namespace
+) -> list[Pair]:
     """The first two tokens of ``--samples`` answers (seeds 0, 1, …), as token ids; each ``--max-tokens`` long
     (a gateway drafts at most max_tokens − 1 tokens a round: a deeper tree needs more to be drafted whole)."""
     with httpx.Client(base_url=url, timeout=httpx.Timeout(600, connect=10), headers=_auth()) as client:
@@ -66,8 +94,13 @@ def _answers(url: str, prompt: list[int], spec: dict[str, Any] | None, args: arg
 
         def one(seed: int) -> Pair:
             body: dict[str, Any] = {
-                "model": model, "prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": seed,
-                "logprobs": 0, "return_tokens_as_token_ids": True,
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": args.max_tokens,
+                "temperature": args.temperature,
+                "seed": seed,
+                "logprobs": 0,
+                "return_tokens_as_token_ids": True,
             }
             if spec is not None:
                 body["speculative"] = spec
@@ -116,9 +149,12 @@ def _reference_law(reference: Any, prompt: list[int], temperature: float, eos: i
     return law
 
 
-def chi_square(observed: Counter[Pair], expected: dict[Pair, float], samples: int) -> tuple[float, int, float]:
-    """Pearson's statistic over cells expected ≥ MIN_EXPECTED times (from ``expected`` alone), rare cells pooled
-    per first token, then all together; its degrees of freedom and p-value (regularised upper incomplete gamma)."""
+def chi_square(
+    observed: Counter[Pair], expected: dict[Pair, float], samples: int
+) -> tuple[float, int, float]:
+    """Pearson's statistic over cells expected ≥ MIN_EXPECTED times (from ``expected`` alone), rare cells
+    pooled per first token, then all together; its degrees of freedom and p-value (regularised upper
+    incomplete gamma)."""
     cells: dict[Any, list[float]] = {}
     for pair, mass in expected.items():
         key = pair if mass * samples >= MIN_EXPECTED else ("rare", pair[0])
@@ -135,7 +171,11 @@ def chi_square(observed: Counter[Pair], expected: dict[Pair, float], samples: in
         cells[("pooled",)] = pooled
     statistic = sum((o - e) ** 2 / e if e > 0 else math.inf for o, e in cells.values())
     dof = len(cells) - 1
-    pvalue = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)))
+    pvalue = float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+        )
+    )
     return statistic, dof, pvalue
 
 
@@ -147,7 +187,8 @@ def _first_token_law(expected: dict[Pair, float]) -> dict[int, float]:
 
 
 def first_token_tv(observed: Counter[Pair], expected: dict[Pair, float], samples: int) -> float:
-    """TV between the first token's empirical law and the target's (first tokens without a row: one cell, −1)."""
+    """TV between the first token's empirical law and the target's (first tokens without a row: one cell,
+    −1)."""
     target = _first_token_law(expected)
     seen: Counter[int] = Counter()
     for (a, _), count in observed.items():
@@ -156,7 +197,8 @@ def first_token_tv(observed: Counter[Pair], expected: dict[Pair, float], samples
 
 
 def tv_floor(expected: dict[Pair, float], samples: int, draws: int = 200) -> float:
-    """The median first-token TV of ``samples`` seeded draws from the target: a lossless gateway's at this many."""
+    """The median first-token TV of ``samples`` seeded draws from the target: a lossless gateway's at this
+    many."""
     target = _first_token_law(expected)
     mass = np.array(list(target.values()))
     counts = np.random.default_rng(0).multinomial(samples, mass / mass.sum(), size=draws)

@@ -1,6 +1,7 @@
-"""``specgate serve``: the local workers of a config, then — once they answer — the gateway. Every child
-is stopped by pid on exit and dies with ``serve`` (``PR_SET_PDEATHSIG``); its instance id, in its ``/health``,
-tells it from a stranger on its port; a local worker or stage that dies is restarted with backoff (``Restarts``)."""
+"""``specgate serve``: the local workers of a config, then — once they answer — the gateway. Every child is
+stopped by pid on exit and dies with ``serve`` (``PR_SET_PDEATHSIG``); its instance id, in its ``/health``,
+tells it from a stranger on its port; a local worker or stage that dies is restarted with backoff
+(``Restarts``)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
         if taken := taken_port(config):
             raise ConfigError(taken)
         for secret, variable in (("api_key", "SPECGATE_API_KEY"), ("worker_token", "SPECGATE_WORKER_TOKEN")):
-            if (value := getattr(config, secret)) is not None:  # the config file the children read leaves secrets out
+            if (value := getattr(config, secret)) is not None:
+                # the config file the children read leaves secrets out
                 os.environ[variable] = value
     except SpecgateError as exc:
         print(f"specgate serve: error: {exc}", file=sys.stderr)
@@ -50,9 +52,15 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
     with tempfile.TemporaryDirectory(prefix="specgate-") as tmp:
         try:
             for worker in (w for w in config.workers if w.is_local):
-                restarts.add(worker.name or "", f"{config.worker_url(worker)}/health", partial(start_worker, config, worker, instance))
+                restarts.add(
+                    worker.name or "",
+                    f"{config.worker_url(worker)}/health",
+                    partial(start_worker, config, worker, instance),
+                )
             for name, stage in local_stages(config):
-                restarts.add(name, f"http://127.0.0.1:{stage.port}/health", partial(start_stage, name, stage, instance))
+                restarts.add(
+                    name, f"http://127.0.0.1:{stage.port}/health", partial(start_stage, name, stage, instance)
+                )
             for name in restarts.starters:
                 procs[name] = restarts.start(name)
             # the gateway checks its workers at start-up: start it once they answer
@@ -64,7 +72,12 @@ def serve(config_path: str | None, port: int | None, startup_timeout: float) -> 
             print(f"specgate serve: starting the gateway on http://{config.host}:{config.port}", flush=True)
             command = [sys.executable, "-m", "app", "--config", str(resolved), "--log-level", "warning"]
             procs["gateway"] = _start(command, config.draft.threads, f"{instance}-gateway")
-            gateway = {"gateway": (f"http://{config.host}:{config.metrics_port or config.port}/health/ready", f"{instance}-gateway")}
+            gateway = {
+                "gateway": (
+                    f"http://{config.host}:{config.metrics_port or config.port}/health/ready",
+                    f"{instance}-gateway",
+                )
+            }
             if not wait_ready(gateway, procs, startup_timeout, stop):
                 return 1
             print(ready_message(config), flush=True)
@@ -77,11 +90,16 @@ def taken_port(config: SpecgateConfig) -> str | None:
     """What names the first port this config needs that something already listens on."""
     wanted = [(f"worker {w.name}", "127.0.0.1", w.port) for w in config.workers if w.is_local]
     wanted += [(name, "127.0.0.1", stage.port) for name, stage in local_stages(config)]
-    wanted += [("the gateway", config.host, config.port)] + ([("the gateway's metrics", config.host, config.metrics_port)] if config.metrics_port else [])
+    wanted += [("the gateway", config.host, config.port)] + (
+        [("the gateway's metrics", config.host, config.metrics_port)] if config.metrics_port else []
+    )
     for entry, host, port in wanted:
         assert port is not None
         if not _can_bind(host, port):
-            return f"port {port} of {entry} is already in use (another specgate serve, or another program); free it or change the port in the config"
+            return (
+                f"port {port} of {entry} is already in use (another specgate serve, or another "
+                "program); free it or change the port in the config"
+            )
     return None
 
 
@@ -95,28 +113,53 @@ def _can_bind(host: str, port: int) -> bool:
     return True
 
 
-def start_worker(config: SpecgateConfig, entry: WorkerEntry, instance: str, restarts: int = 0) -> subprocess.Popen[bytes]:
+def start_worker(
+    config: SpecgateConfig, entry: WorkerEntry, instance: str, restarts: int = 0
+) -> subprocess.Popen[bytes]:
     """A local worker, as ``Restarts`` starts it: its instance id names the restart."""
     assert entry.model is not None and entry.port is not None
-    print(f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}, threads={entry.threads}) on {config.worker_url(entry)}", flush=True)
+    print(
+        f"specgate serve: starting worker {entry.name}: {entry.model} ({entry.backend.value}, "
+        f"threads={entry.threads}) on {config.worker_url(entry)}",
+        flush=True,
+    )
     command = worker_command(entry.model, entry.backend.value, entry.port, entry.threads)
     return _start(command, entry.threads, f"{instance}-{entry.name}-{restarts}", restarts)
 
 
 def local_stages(config: SpecgateConfig) -> list[tuple[str, StageEntry]]:
     """The pipeline stages this config starts, each with its name (``<worker> stage <i>``)."""
-    return [(f"{w.name} stage {i + 1}", s) for w in config.workers for i, s in enumerate(w.pipeline or []) if s.is_local]
+    return [
+        (f"{w.name} stage {i + 1}", s)
+        for w in config.workers
+        for i, s in enumerate(w.pipeline or [])
+        if s.is_local
+    ]
 
 
 def start_stage(name: str, stage: StageEntry, instance: str, restarts: int = 0) -> subprocess.Popen[bytes]:
     assert stage.model is not None and stage.port is not None
     link = f", link {stage.link_rtt_ms:g} ms rtt" if stage.link_rtt_ms else ""
-    print(f"specgate serve: starting {name}: {stage.model} layers {stage.layers} (transformers, threads={stage.threads}{link}) on http://127.0.0.1:{stage.port}", flush=True)
-    command = worker_command(stage.model, "transformers", stage.port, stage.threads, layers=stage.layers, link_rtt_ms=stage.link_rtt_ms, link_mbps=stage.link_mbps)
+    print(
+        f"specgate serve: starting {name}: {stage.model} layers {stage.layers} (transformers, "
+        f"threads={stage.threads}{link}) on http://127.0.0.1:{stage.port}",
+        flush=True,
+    )
+    command = worker_command(
+        stage.model,
+        "transformers",
+        stage.port,
+        stage.threads,
+        layers=stage.layers,
+        link_rtt_ms=stage.link_rtt_ms,
+        link_mbps=stage.link_mbps,
+    )
     return _start(command, stage.threads, f"{instance}-{name}-{restarts}", restarts)
 
 
-def _start(command: list[str], threads: int | None, instance_id: str, restarts: int = 0) -> subprocess.Popen[bytes]:
+def _start(
+    command: list[str], threads: int | None, instance_id: str, restarts: int = 0
+) -> subprocess.Popen[bytes]:
     # its own process group: a terminal's Ctrl-C reaches `serve` alone, which stops the
     # gateway first (it drains its streams, which still need the workers), then the workers;
     # its share of the cores for every thread pool it has (``child_env``, ``load_runner``)
@@ -138,7 +181,12 @@ def _die_with_parent() -> Callable[[], None] | None:
     return arm
 
 
-def wait_ready(checks: dict[str, tuple[str, str]], procs: dict[str, subprocess.Popen[bytes]], timeout: float, stop: threading.Event) -> bool:
+def wait_ready(
+    checks: dict[str, tuple[str, str]],
+    procs: dict[str, subprocess.Popen[bytes]],
+    timeout: float,
+    stop: threading.Event,
+) -> bool:
     """Poll each (URL, instance id) in order until it answers; False on timeout, a dead child or a signal."""
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=2.0) as client:
@@ -146,7 +194,9 @@ def wait_ready(checks: dict[str, tuple[str, str]], procs: dict[str, subprocess.P
             while not _answers(client, url, instance_id):
                 dead = [n for n, p in procs.items() if p.poll() is not None]
                 if dead:
-                    print(f"specgate serve: {dead[0]} exited with {procs[dead[0]].returncode}", file=sys.stderr)
+                    print(
+                        f"specgate serve: {dead[0]} exited with {procs[dead[0]].returncode}", file=sys.stderr
+                    )
                     return False
                 if stop.is_set() or time.monotonic() > deadline:
                     print(f"specgate serve: {name} not ready after {timeout:.0f} s", file=sys.stderr)
@@ -160,7 +210,9 @@ def _answers(client: httpx.Client, url: str, instance_id: str | None = None) -> 
     """200 (from the process we started: another one on the port reports another id)."""
     try:
         resp = client.get(url)
-        return resp.status_code == 200 and (instance_id is None or resp.json().get("instance_id") == instance_id)
+        return resp.status_code == 200 and (
+            instance_id is None or resp.json().get("instance_id") == instance_id
+        )
     except (httpx.HTTPError, ValueError, AttributeError):
         return False
 
@@ -168,14 +220,17 @@ def _answers(client: httpx.Client, url: str, instance_id: str | None = None) -> 
 def ready_message(config: SpecgateConfig) -> str:
     base = f"http://{config.host}:{config.port}"
     workers = ", ".join(
-        f"{w.name}=pipeline({', '.join(config.stage_urls(w))})" if w.pipeline is not None else f"{w.name}={w.model if w.is_local else config.worker_url(w)}"
+        f"{w.name}=pipeline({', '.join(config.stage_urls(w))})"
+        if w.pipeline is not None
+        else f"{w.name}={w.model if w.is_local else config.worker_url(w)}"
         for w in config.workers
     )
     return (
         f"specgate: ready on {base} — model {config.model!r}, mode {config.speculative.mode.value}, "
         f"draft {config.draft.model}, workers {workers}\n"
         f"  Try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
-        f"-d '{{\"model\": \"{config.model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Say hello\"}}], \"max_tokens\": 32}}'"
+        f'-d \'{{"model": "{config.model}", "messages": [{{"role": "user", "content": "Say '
+        f'hello"}}], "max_tokens": 32}}\''
     )
 
 
@@ -186,8 +241,8 @@ MAX_BACKOFF_S = 30.0
 
 
 class Restarts:
-    """Restarts of ``serve``'s local workers and stages: a death waits FIRST_BACKOFF_S, doubled per earlier death in the window
-    (≤ MAX_BACKOFF_S); the MAX_DEATHS-th death within DEATH_WINDOW_S is final."""
+    """Restarts of ``serve``'s local workers and stages: a death waits FIRST_BACKOFF_S, doubled per earlier
+    death in the window (≤ MAX_BACKOFF_S); the MAX_DEATHS-th death within DEATH_WINDOW_S is final."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -198,7 +253,12 @@ class Restarts:
         self.due: dict[str, float] = {}  # name -> when to start it again
 
     def add(self, name: str, health_url: str, starter: Callable[[int], subprocess.Popen[bytes]]) -> None:
-        self.starters[name], self.health[name], self.count[name], self.deaths[name] = starter, health_url, 0, []
+        self.starters[name], self.health[name], self.count[name], self.deaths[name] = (
+            starter,
+            health_url,
+            0,
+            [],
+        )
 
     def start(self, name: str) -> subprocess.Popen[bytes]:
         self.due.pop(name, None)
@@ -222,7 +282,8 @@ class Restarts:
 
 
 def watch(procs: dict[str, subprocess.Popen[bytes]], stop: threading.Event, restarts: Restarts) -> int:
-    """Until a signal, restart what died (``Restarts``); a dead gateway, or a worker that keeps dying, ends ``serve`` (1)."""
+    """Until a signal, restart what died (``Restarts``); a dead gateway, or a worker that keeps dying, ends
+    ``serve`` (1)."""
     back: dict[str, str] = {}  # restarted, not yet answering: name -> its health URL
     with httpx.Client(timeout=2.0) as client:
         while not stop.is_set():
@@ -230,23 +291,37 @@ def watch(procs: dict[str, subprocess.Popen[bytes]], stop: threading.Event, rest
                 if proc.poll() is None or name in restarts.due:
                     continue
                 if name not in restarts.starters:
-                    print(f"specgate serve: {name} exited with {proc.returncode}; stopping", file=sys.stderr, flush=True)
+                    print(
+                        f"specgate serve: {name} exited with {proc.returncode}; stopping",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     return 1
                 delay = restarts.died(name)
                 back.pop(name, None)
                 if delay is None:
                     print(
-                        f"specgate serve: worker {name} exited with {proc.returncode}, its {MAX_DEATHS}th death within "
-                        f"{DEATH_WINDOW_S:.0f} s: giving up, stopping everything (see its log above)", file=sys.stderr, flush=True,
+                        f"specgate serve: worker {name} exited with {proc.returncode}, its "
+                        f"{MAX_DEATHS}th death within "
+                        f"{DEATH_WINDOW_S:.0f} s: giving up, stopping everything (see its log above)",
+                        file=sys.stderr,
+                        flush=True,
                     )
                     return 1
-                print(f"specgate serve: worker {name} exited with {proc.returncode}; restarting it in {delay:.0f} s (restart {restarts.count[name]})", file=sys.stderr, flush=True)
+                print(
+                    f"specgate serve: worker {name} exited with {proc.returncode}; restarting it "
+                    f"in {delay:.0f} s (restart {restarts.count[name]})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             for name in restarts.ready_to_start():
                 procs[name] = restarts.start(name)
                 back[name] = restarts.health[name]
             for name, url in list(back.items()):
                 if procs[name].poll() is None and _answers(client, url):
-                    print(f"specgate serve: worker {name} is back (restart {restarts.count[name]})", flush=True)
+                    print(
+                        f"specgate serve: worker {name} is back (restart {restarts.count[name]})", flush=True
+                    )
                     del back[name]
             time.sleep(0.5)
     return 0
@@ -261,4 +336,3 @@ def stop_all(procs: dict[str, subprocess.Popen[bytes]], drain_s: float = 30.0) -
             proc.terminate()  # the workers at once, then reap each
     for proc in procs.values():
         stop_process(proc)
-

@@ -1,7 +1,8 @@
-"""The cores this process may use, where every thread default starts: its CPU affinity (``taskset``, a cgroup cpuset, a
-pod's pinned CPUs), and no more than its CPU quota (a cgroup's ``cpu.max`` in v2, ``cpu.cfs_quota_us`` in v1: what
-``docker run --cpus`` and a Kubernetes CPU limit set). In a container the affinity alone is every core of the node;
-threads past the quota are throttled, and llama.cpp's and torch's slow down many-fold."""
+"""The cores this process may use, where every thread default starts: its CPU affinity (``taskset``, a cgroup
+cpuset, a pod's pinned CPUs), and no more than its CPU quota (a cgroup's ``cpu.max`` in v2,
+``cpu.cfs_quota_us`` in v1: what ``docker run --cpus`` and a Kubernetes CPU limit set). In a container the
+affinity alone is every core of the node; threads past the quota are throttled, and llama.cpp's and torch's
+slow down many-fold."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def usable_cores(root: Path = CGROUP_ROOT, membership: Path = PROC_CGROUP) -> in
 
 
 def cpu_quota(root: Path = CGROUP_ROOT, membership: Path = PROC_CGROUP) -> float | None:
-    """The CPUs this process's cgroups allow it (the tightest quota from its own cgroup up to the root), or None where
-    none is set or none can be read."""
+    """The CPUs this process's cgroups allow it (the tightest quota from its own cgroup up to the root), or
+    None where none is set or none can be read."""
     try:
         lines = membership.read_text().splitlines()
     except OSError:
@@ -36,14 +37,17 @@ def cpu_quota(root: Path = CGROUP_ROOT, membership: Path = PROC_CGROUP) -> float
         if controllers == "":  # v2: one unified hierarchy
             quotas += [_v2(folder / "cpu.max") for folder in _up(root, path)]
         elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
-            mount = next((root / name for name in (controllers, "cpu,cpuacct", "cpu") if (root / name).is_dir()), None)
+            mount = next(
+                (root / name for name in (controllers, "cpu,cpuacct", "cpu") if (root / name).is_dir()), None
+            )
             quotas += [_v1(folder) for folder in _up(mount, path)] if mount is not None else []
     found = [q for q in quotas if q is not None]
     return min(found) if found else None
 
 
 def _up(mount: Path, path: str) -> list[Path]:
-    """The cgroup's folder under ``mount`` and each parent up to the mount (a container sees its own cgroup as ``/``)."""
+    """The cgroup's folder under ``mount`` and each parent up to the mount (a container sees its own cgroup as
+    ``/``)."""
     parts = [p for p in path.strip("/").split("/") if p]
     return [mount.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
 

@@ -54,16 +54,24 @@ class ContextOverflow(InvalidRequest):
 
 
 class WorkerDraining(SpecgateError):
-    """The worker got SIGTERM: its sessions go on, a new one is refused (503, Retry-After) and goes to another replica."""
+    """The worker got SIGTERM: its sessions go on, a new one is refused (503, Retry-After) and goes to another
+    replica."""
 
     def __init__(self, retry_after_s: int) -> None:
-        super().__init__(f"worker draining: it is shutting down and takes no new session; retry on another replica after {retry_after_s} s")
+        super().__init__(
+            "worker draining: it is shutting down and takes no new session; retry on another "
+            f"replica after {retry_after_s} s"
+        )
         self.retry_after_s = retry_after_s
 
 
 class WorkerFull(SpecgateError):
-    """Every KV slot is held by a session used in the last ``live_s`` s: taking one would rebuild a live cache (each step, under overload). 503, Retry-After."""
+    """Every KV slot is held by a session used in the last ``live_s`` s: taking one would rebuild a live cache
+    (each step, under overload). 503, Retry-After."""
 
     def __init__(self, live: int, live_s: float, retry_after_s: int) -> None:
-        super().__init__(f"worker full: every KV slot is held by one of the {live} sessions used in the last {live_s:g} s; retry after {retry_after_s} s")
+        super().__init__(
+            f"worker full: every KV slot is held by one of the {live} sessions used in the last "
+            f"{live_s:g} s; retry after {retry_after_s} s"
+        )
         self.retry_after_s = retry_after_s

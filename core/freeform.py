@@ -1,26 +1,41 @@
-"""A freeform tool's grammar as one regular expression over its input (the Responses API's ``custom`` tools, whose
-``format`` is a Lark grammar or a regex): what a JSON string's ``pattern`` holds, so the call can travel as a JSON
-string inside any tool format and llguidance still holds every character of it to the grammar.
+"""A freeform tool's grammar as one regular expression over its input (the Responses API's ``custom`` tools,
+whose ``format`` is a Lark grammar or a regex): what a JSON string's ``pattern`` holds, so the call can travel
+as a JSON string inside any tool format and llguidance still holds every character of it to the grammar.
 
-A Lark grammar becomes a regex by writing every rule and terminal in place. That is exact for the grammars that need
-no recursion (a coding agent's ``apply_patch`` is one); a recursive grammar is a ``GrammarError`` (a ValueError) naming the rule."""
+A Lark grammar becomes a regex by writing every rule and terminal in place. That is exact for the grammars
+that need no recursion (a coding agent's ``apply_patch`` is one); a recursive grammar is a ``GrammarError`` (a
+ValueError) naming the rule."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-
 COMMON = {  # %import common.NAME: Lark's own definitions (lark/grammars/common.lark), as regexes
-    "LF": r"\n", "CR": r"\r", "NEWLINE": r"(?:\r?\n)+", "WS": r"[ \t\f\r\n]+", "WS_INLINE": r"[ \t]+", "DIGIT": r"[0-9]",
-    "HEXDIGIT": r"[a-fA-F0-9]", "INT": r"[0-9]+", "SIGNED_INT": r"[+-]?[0-9]+", "DECIMAL": r"(?:[0-9]+\.[0-9]*|\.[0-9]+)",
+    "LF": r"\n",
+    "CR": r"\r",
+    "NEWLINE": r"(?:\r?\n)+",
+    "WS": r"[ \t\f\r\n]+",
+    "WS_INLINE": r"[ \t]+",
+    "DIGIT": r"[0-9]",
+    "HEXDIGIT": r"[a-fA-F0-9]",
+    "INT": r"[0-9]+",
+    "SIGNED_INT": r"[+-]?[0-9]+",
+    "DECIMAL": r"(?:[0-9]+\.[0-9]*|\.[0-9]+)",
     "NUMBER": r"(?:[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?)",
     "SIGNED_NUMBER": r"[+-]?(?:[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?)",
-    "LCASE_LETTER": r"[a-z]", "UCASE_LETTER": r"[A-Z]", "LETTER": r"[A-Za-z]", "WORD": r"[A-Za-z]+",
-    "CNAME": r"[_A-Za-z][_A-Za-z0-9]*", "ESCAPED_STRING": r'"(?:\\.|[^"\\\n])*"', "SH_COMMENT": r"#[^\n]*",
-    "CPP_COMMENT": r"//[^\n]*", "C_COMMENT": r"/\*(?s:.)*?\*/",
+    "LCASE_LETTER": r"[a-z]",
+    "UCASE_LETTER": r"[A-Z]",
+    "LETTER": r"[A-Za-z]",
+    "WORD": r"[A-Za-z]+",
+    "CNAME": r"[_A-Za-z][_A-Za-z0-9]*",
+    "ESCAPED_STRING": r'"(?:\\.|[^"\\\n])*"',
+    "SH_COMMENT": r"#[^\n]*",
+    "CPP_COMMENT": r"//[^\n]*",
+    "C_COMMENT": r"/\*(?s:.)*?\*/",
 }
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<space>[ \t\f\r]+|//[^\n]*|\#[^\n]*)
   | (?P<newline>\n)
   | (?P<string>"(?:\\.|[^"\\\n])*"i?)
@@ -32,19 +47,26 @@ _TOKEN = re.compile(r"""
   | (?P<priority>\.-?[0-9]+)
   | (?P<number>[0-9]+)
   | (?P<punct>[:|()\[\]?*+~!])
-""", re.VERBOSE)
+""",
+    re.VERBOSE,
+)
+
+
 class GrammarError(ValueError):
-    """A freeform grammar this module cannot write out (core.grammar's compile reports it as its own GrammarError)."""
+    """A freeform grammar this module cannot write out (core.grammar's compile reports it as its own
+    GrammarError)."""
 
 
 _META = frozenset(r"\.+*?()|[]{}^$#&-~")
 
 
-MAX_REGEX_BYTES = 256 * 1024  # a grammar written out past this is refused (rules used twice double it at each level)
+# a grammar written out past this is refused (rules used twice double it at each level)
+MAX_REGEX_BYTES = 256 * 1024
 
 
 def freeform_pattern(syntax: str, definition: str) -> str:
-    """The anchored regex a freeform input must match: a ``regex`` format as given, a ``lark`` one written out."""
+    """The anchored regex a freeform input must match: a ``regex`` format as given, a ``lark`` one written
+    out."""
     if syntax == "regex":
         _check_regex(definition, "the regex")
         return f"^(?:{definition})$"
@@ -54,8 +76,8 @@ def freeform_pattern(syntax: str, definition: str) -> str:
 
 
 def lark_to_regex(grammar: str) -> str:
-    """``grammar`` (Lark: rules, terminals, strings, regexes, groups, ``[]``, ``?*+``, ``~ n`` / ``~ n..m``, aliases,
-    ``%import common.X``) as one regex from its ``start`` rule."""
+    """``grammar`` (Lark: rules, terminals, strings, regexes, groups, ``[]``, ``?*+``, ``~ n`` / ``~ n..m``,
+    aliases, ``%import common.X``) as one regex from its ``start`` rule."""
     try:
         definitions = _Parser(grammar).parse()
         if "start" not in definitions:
@@ -66,8 +88,8 @@ def lark_to_regex(grammar: str) -> str:
 
 
 def _check_regex(regex: str, what: str) -> None:
-    """A regex whose groups and classes close (so it cannot break out of the group it is put in), in Rust's syntax as
-    far as that goes (no verbose mode, whose spaces Rust and Python read apart)."""
+    """A regex whose groups and classes close (so it cannot break out of the group it is put in), in Rust's
+    syntax as far as that goes (no verbose mode, whose spaces Rust and Python read apart)."""
     depth, at, classes = 0, 0, 0  # classes: how deep in classes (Rust nests them: [a[bc]], [[:alpha:]])
     while at < len(regex):
         ch = regex[at]
@@ -93,7 +115,7 @@ def _check_regex(regex: str, what: str) -> None:
         elif ch == ")":
             depth -= 1
             if depth < 0:
-                raise GrammarError(f"{what} closes a group it never opened: {regex[:at + 1]!r}")
+                raise GrammarError(f"{what} closes a group it never opened: {regex[: at + 1]!r}")
         at += 1
     if depth or classes:
         raise GrammarError(f"{what} leaves a group or a class open: {regex!r}")
@@ -135,8 +157,8 @@ class _Token:
 
 
 class _Parser:
-    """Lark's definitions, each as an expression tree: ("alt", [...]), ("seq", [...]), ("rep", node, lo, hi), ("lit", text),
-    ("re", regex), ("ref", name)."""
+    """Lark's definitions, each as an expression tree: ("alt", [...]), ("seq", [...]), ("rep", node, lo, hi),
+    ("lit", text), ("re", regex), ("ref", name)."""
 
     def __init__(self, grammar: str) -> None:
         self.tokens = list(self._lex(grammar))
@@ -147,7 +169,9 @@ class _Parser:
         while at < len(grammar):
             match = _TOKEN.match(grammar, at)
             if match is None:
-                raise GrammarError(f"the Lark grammar cannot be read at line {line}: {grammar[at:at + 20]!r}")
+                raise GrammarError(
+                    f"the Lark grammar cannot be read at line {line}: {grammar[at : at + 20]!r}"
+                )
             kind = match.lastgroup or ""
             if kind == "newline":
                 line += 1
@@ -179,7 +203,9 @@ class _Parser:
             if token.text in ("?", "!") and self._peek() is not None and self._peek().kind == "name":  # type: ignore[union-attr]  # ?rule / !rule: how the tree is shaped
                 token = self._next()
             if token.kind != "name":
-                raise GrammarError(f"the Lark grammar has {token.text!r} where a definition starts (line {token.line})")
+                raise GrammarError(
+                    f"the Lark grammar has {token.text!r} where a definition starts (line {token.line})"
+                )
             name = token.text
             if self._peek() is not None and self._peek().kind == "priority":  # type: ignore[union-attr]
                 self._next()
@@ -192,7 +218,9 @@ class _Parser:
 
     def _directive(self, token: _Token, definitions: dict[str, tuple]) -> None:
         if token.text != "%import":
-            raise GrammarError(f"the Lark grammar's {token.text} is not supported in a freeform tool (line {token.line})")
+            raise GrammarError(
+                f"the Lark grammar's {token.text} is not supported in a freeform tool (line {token.line})"
+            )
         path = self._next().text
         alias = None
         if self._peek() is not None and self._peek().kind == "arrow":  # type: ignore[union-attr]
@@ -200,14 +228,17 @@ class _Parser:
             alias = self._next().text
         module, _, name = path.rpartition(".")
         if module != "common" or name not in COMMON:
-            raise GrammarError(f"the Lark grammar imports {path}: only common's {', '.join(sorted(COMMON))} are known")
+            raise GrammarError(
+                f"the Lark grammar imports {path}: only common's {', '.join(sorted(COMMON))} are known"
+            )
         definitions[alias or name] = ("re", COMMON[name])
 
     def _alternatives(self) -> tuple:
         options = [self._sequence()]
         while True:
             token = self._peek()
-            if token is not None and token.kind == "newline":  # a definition goes on where the next line starts with "|"
+            if token is not None and token.kind == "newline":
+                # a definition goes on where the next line starts with "|"
                 after = self._after_newlines()
                 if after is not None and after.text == "|":
                     while self._next().kind == "newline":
@@ -229,7 +260,11 @@ class _Parser:
 
     def _sequence(self) -> tuple:
         items = []
-        while (token := self._peek()) is not None and token.kind not in ("newline",) and token.text not in ("|", ")", "]"):
+        while (
+            (token := self._peek()) is not None
+            and token.kind not in ("newline",)
+            and token.text not in ("|", ")", "]")
+        ):
             if token.kind == "arrow":  # an alias names the tree's node: nothing in the text
                 self._next()
                 self._next()
@@ -255,7 +290,9 @@ class _Parser:
     def _expect(self, kind: str) -> _Token:
         token = self._next()
         if token.kind != kind:
-            raise GrammarError(f"the Lark grammar has {token.text!r} where a {kind} belongs (line {token.line})")
+            raise GrammarError(
+                f"the Lark grammar has {token.text!r} where a {kind} belongs (line {token.line})"
+            )
         return token
 
     def _atom(self) -> tuple:
@@ -273,12 +310,18 @@ class _Parser:
         if token.kind == "regex":
             body, _, flags = token.text[1:].rpartition("/")
             if "x" in flags:
-                raise GrammarError(f"the Lark grammar's regex {token.text} uses the verbose flag x, which is not supported (line {token.line})")
+                raise GrammarError(
+                    f"the Lark grammar's regex {token.text} uses the verbose flag x, which is "
+                    f"not supported (line {token.line})"
+                )
             _check_regex(body, f"the Lark grammar's regex {token.text} (line {token.line})")
             return ("re", f"(?{flags}:{body})" if flags else body)
         if token.kind == "name":
             return ("ref", token.text)
-        raise GrammarError(f"the Lark grammar has {token.text!r} where a rule, a terminal or a string belongs (line {token.line})")
+        raise GrammarError(
+            f"the Lark grammar has {token.text!r} where a rule, a terminal or a string belongs "
+            f"(line {token.line})"
+        )
 
     def _alternatives_inside(self) -> tuple:
         """Inside brackets, newlines are spaces."""
@@ -307,15 +350,21 @@ class _Writer:
         if name in self.written:
             return self.written[name]
         if name in self.open:
-            raise GrammarError(f"the Lark grammar's {name} is recursive ({' → '.join([*self.open[self.open.index(name):], name])}): "
-                               "a freeform tool's grammar here must be regular")
+            raise GrammarError(
+                f"the Lark grammar's {name} is recursive "
+                f"({' → '.join([*self.open[self.open.index(name) :], name])}): "
+                "a freeform tool's grammar here must be regular"
+            )
         if name not in self.definitions:
             raise GrammarError(f"the Lark grammar uses {name}, which it does not define")
         self.open.append(name)
         self.written[name] = self._node(self.definitions[name])
         self.open.pop()
         if len(self.written[name]) > MAX_REGEX_BYTES:
-            raise GrammarError(f"the Lark grammar written out as one regex passes {MAX_REGEX_BYTES // 1024} KiB at {name}: use each rule fewer times")
+            raise GrammarError(
+                f"the Lark grammar written out as one regex passes {MAX_REGEX_BYTES // 1024} KiB "
+                f"at {name}: use each rule fewer times"
+            )
         return self.written[name]
 
     def _node(self, node: tuple) -> str:
@@ -332,10 +381,15 @@ class _Writer:
                 parts.append(self._node(child))
                 size += len(parts[-1])
                 if size > MAX_REGEX_BYTES:
-                    raise GrammarError(f"the Lark grammar written out as one regex passes {MAX_REGEX_BYTES // 1024} KiB: use each rule fewer times")
+                    raise GrammarError(
+                        "the Lark grammar written out as one regex passes "
+                        f"{MAX_REGEX_BYTES // 1024} KiB: use each rule fewer times"
+                    )
             return "".join(parts) if kind == "seq" else "(?:" + "|".join(parts) + ")"
         inner, low, high = self._node(node[1]), node[2], node[3]
-        suffix = {(0, 1): "?", (0, None): "*", (1, None): "+"}.get((low, high), f"{{{low},{'' if high is None else high}}}")
+        suffix = {(0, 1): "?", (0, None): "*", (1, None): "+"}.get(
+            (low, high), f"{{{low},{'' if high is None else high}}}"
+        )
         return f"(?:{inner}){suffix}"
 
 

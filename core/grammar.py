@@ -1,5 +1,6 @@
-"""Grammars (docs/design.md §3.9): the one place that talks to llguidance (chosen over xgrammar: ``specgate bench grammar``).
-``GrammarSpec``: a grammar by value; ``Grammars``: compiled once per content; ``Matcher``: one session's position."""
+"""Grammars (docs/design.md §3.9): the one place that talks to llguidance (chosen over xgrammar: ``specgate
+bench grammar``). ``GrammarSpec``: a grammar by value; ``Grammars``: compiled once per content; ``Matcher``:
+one session's position."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import torch
 
 from core.freeform import freeform_pattern
 
-
-JSON_OPTIONS: Any = {"whitespace_flexible": False}  # llguidance's JSON compiler: "," and ":" with no whitespace
-MAX_JSON_DEPTH = 64  # levels of nesting a schema may have (each walk of it recurses; the engine's own parser stops at 128)
+# llguidance's JSON compiler: "," and ":" with no whitespace
+JSON_OPTIONS: Any = {"whitespace_flexible": False}
+# levels of nesting a schema may have (each walk of it recurses; the engine's own parser stops at 128)
+MAX_JSON_DEPTH = 64
 
 
 class GrammarKind(StrEnum):
@@ -55,12 +57,18 @@ class GrammarSpec:
 
     @classmethod
     def from_wire(cls, value: Any) -> GrammarSpec:
-        if not isinstance(value, dict) or set(value) != {"kind", "source"} or not isinstance(value["source"], str):
+        if (
+            not isinstance(value, dict)
+            or set(value) != {"kind", "source"}
+            or not isinstance(value["source"], str)
+        ):
             raise GrammarError("a grammar is {kind, source}")
         try:
             return cls(GrammarKind(value["kind"]), value["source"])
         except ValueError:
-            raise GrammarError(f"unknown grammar kind {value['kind']!r}: one of {[k.value for k in GrammarKind]}") from None
+            raise GrammarError(
+                f"unknown grammar kind {value['kind']!r}: one of {[k.value for k in GrammarKind]}"
+            ) from None
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> GrammarSpec:
@@ -85,7 +93,14 @@ class GrammarLimits:
 class Grammars:
     """Compiled grammars for one tokenizer, cached by content (LRU of ``cache_size``)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int], limits: GrammarLimits | None = None, cache_size: int = 64) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_ids: list[int],
+        limits: GrammarLimits | None = None,
+        cache_size: int = 64,
+    ) -> None:
         import llguidance.hf
 
         from core.runners.tokenizer import per_tokenizer
@@ -93,14 +108,19 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self.limits = limits or GrammarLimits()
-        self._tokenizer = per_tokenizer(tokenizer, ("llguidance", vocab_size, *self.eos_ids), lambda: llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos_ids))
+        self._tokenizer = per_tokenizer(
+            tokenizer,
+            ("llguidance", vocab_size, *self.eos_ids),
+            lambda: llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.eos_ids),
+        )
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()  # compiled on worker threads and the model thread
         self.num_compiled = 0
 
     def compile(self, spec: GrammarSpec) -> Grammar:
-        """The compiled grammar of ``spec`` (from the cache when seen); GrammarError if it does not compile."""
+        """The compiled grammar of ``spec`` (from the cache when seen); GrammarError if it does not
+        compile."""
         with self._lock:
             cached = self._cache.get(spec.digest)
             if cached is not None:
@@ -118,16 +138,24 @@ class Grammars:
         import llguidance
 
         if len(spec.source.encode()) > self.limits.max_source_bytes:
-            raise GrammarError(f"the {spec.kind.value} is {len(spec.source.encode())} bytes; the limit is {self.limits.max_source_bytes}")
+            raise GrammarError(
+                f"the {spec.kind.value} is {len(spec.source.encode())} bytes; the limit is "
+                f"{self.limits.max_source_bytes}"
+            )
         try:
-            if spec.kind is GrammarKind.JSON_SCHEMA:  # compact JSON, as OpenAI's: the separators are then forced tokens
-                text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(strict(load_schema(spec.source))), defaults=JSON_OPTIONS)
+            if spec.kind is GrammarKind.JSON_SCHEMA:
+                # compact JSON, as OpenAI's: the separators are then forced tokens
+                text = llguidance.LLMatcher.grammar_from_json_schema(
+                    json.dumps(strict(load_schema(spec.source))), defaults=JSON_OPTIONS
+                )
             else:
                 text = llguidance.grammar_from(spec.kind.value, spec.source)  # type: ignore[arg-type]  # a GrammarKind is one of its formats
         except (ValueError, TypeError) as exc:
             raise GrammarError(f"the {spec.kind.value} does not compile: {exc}") from exc
         limits = llguidance.LLParserLimits(
-            initial_lexer_fuel=self.limits.lexer_fuel, step_lexer_fuel=self.limits.step_fuel, max_grammar_size=self.limits.max_grammar_size,
+            initial_lexer_fuel=self.limits.lexer_fuel,
+            step_lexer_fuel=self.limits.step_fuel,
+            max_grammar_size=self.limits.max_grammar_size,
         )
         error = llguidance.LLMatcher.validate_grammar(text, self._tokenizer, limits=limits)
         if error and not error.startswith("WARNING"):
@@ -151,15 +179,18 @@ class Grammar:
 
 
 class Matcher:
-    """A position in a grammar; a token it does not allow makes it dead (``is_dead``: only EOS allowed, so an answer ends), a rollback revives it."""
+    """A position in a grammar; a token it does not allow makes it dead (``is_dead``: only EOS allowed, so an
+    answer ends), a rollback revives it."""
 
     def __init__(self, engine: Any, vocab_size: int, eos_ids: list[int]) -> None:
         self._engine = engine
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self.tokens: list[int] = []  # consumed, oldest first
-        self._stop_at: int | None = None  # len(tokens) when EOS or a refused token came: the engine holds the tokens before it
-        self._refused = False  # that token was one the grammar does not allow (a dead end), not EOS where it may end
+        # len(tokens) when EOS or a refused token came: the engine holds the tokens before it
+        self._stop_at: int | None = None
+        # that token was one the grammar does not allow (a dead end), not EOS where it may end
+        self._refused = False
         self._bits = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
         self._shifts = torch.arange(32, dtype=torch.int32)
 
@@ -168,7 +199,8 @@ class Matcher:
         return self._stop_at is not None and self._refused
 
     def consume(self, token: int) -> bool:
-        """Advance by ``token``; False (and dead) if not allowed. Refused tokens and EOS never reach the engine (its error is for good, EOS not undone)."""
+        """Advance by ``token``; False (and dead) if not allowed. Refused tokens and EOS never reach the
+        engine (its error is for good, EOS not undone)."""
         if self._stop_at is None:
             if token in self.eos_ids:
                 self._stop_at, self._refused = len(self.tokens), not self._engine.is_accepting()
@@ -193,11 +225,16 @@ class Matcher:
         self._engine.reset()
         for token in self.tokens[:count]:
             if not self._engine.consume_token(token):
-                raise RuntimeError(f"the grammar engine refused a token it had taken: {self._engine.get_error()}")
+                raise RuntimeError(
+                    f"the grammar engine refused a token it had taken: {self._engine.get_error()}"
+                )
 
     def sync(self, tokens: list[int]) -> None:
         """Make the consumed tokens equal ``tokens``: roll back to the common prefix, consume the rest."""
-        common = next((i for i, (held, wanted) in enumerate(zip(self.tokens, tokens)) if held != wanted), min(len(self.tokens), len(tokens)))
+        common = next(
+            (i for i, (held, wanted) in enumerate(zip(self.tokens, tokens)) if held != wanted),
+            min(len(self.tokens), len(tokens)),
+        )
         self.rollback(len(self.tokens) - common)
         for token in tokens[common:]:
             self.consume(token)
@@ -215,12 +252,15 @@ class Matcher:
         return mask
 
 
-FREEFORM = "x-freeform"  # specgate's keyword on a string schema: {"syntax": "lark" | "regex", "definition": …}, held as its pattern
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # keyword → {name: schema}
+# specgate's keyword on a string schema: {"syntax": "lark" | "regex", "definition": …}, held as its pattern
+FREEFORM = "x-freeform"
+# keyword → {name: schema}
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def strict(schema: Any) -> Any:
-    """OpenAI's strict mode (xgrammar's and vLLM's default): objects with ``properties`` take no others unless said so, or a small model invents keys."""
+    """OpenAI's strict mode (xgrammar's and vLLM's default): objects with ``properties`` take no others unless
+    said so, or a small model invents keys."""
     if isinstance(schema, list):
         return [strict(item) for item in schema]
     if not isinstance(schema, dict):
@@ -236,7 +276,8 @@ def strict(schema: Any) -> Any:
     if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
         out["additionalProperties"] = False
     freeform = out.pop(FREEFORM, None)
-    if isinstance(freeform, dict):  # a freeform tool's input: its grammar as the string's pattern (the prompt shows the grammar)
+    if isinstance(freeform, dict):
+        # a freeform tool's input: its grammar as the string's pattern (the prompt shows the grammar)
         out["pattern"] = freeform_pattern(str(freeform.get("syntax")), str(freeform.get("definition", "")))
     return out
 
@@ -260,12 +301,16 @@ def load_schema(source: str) -> Any:
     try:
         schema = json.loads(source)
     except RecursionError:
-        raise GrammarError(f"the json_schema is nested too deeply; at most {MAX_JSON_DEPTH} levels are allowed") from None
+        raise GrammarError(
+            f"the json_schema is nested too deeply; at most {MAX_JSON_DEPTH} levels are allowed"
+        ) from None
     except ValueError as exc:
         raise GrammarError(f"the json_schema is not valid JSON: {exc}") from None
     depth = json_depth(schema)
     if depth > MAX_JSON_DEPTH:
-        raise GrammarError(f"the json_schema is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed")
+        raise GrammarError(
+            f"the json_schema is nested {depth} levels deep; at most {MAX_JSON_DEPTH} are allowed"
+        )
     return schema
 
 

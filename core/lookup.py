@@ -1,5 +1,6 @@
-"""Lookup drafting (docs/design.md §3.10): ``PromptLookup`` (vLLM's ``ngram``) matches the context's last n-gram in
-its own context; ``SuffixIndex`` (vLLM's ``suffix``) continues its longest suffix found in recent outputs."""
+"""Lookup drafting (docs/design.md §3.10): ``PromptLookup`` (vLLM's ``ngram``) matches the context's last
+n-gram in its own context; ``SuffixIndex`` (vLLM's ``suffix``) continues its longest suffix found in recent
+outputs."""
 
 from __future__ import annotations
 
@@ -45,25 +46,33 @@ class PromptLookup:
         self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the positions it ends at, in order
 
     def sync(self, context: list[int]) -> None:
-        """Make the indexed tokens ``context``: what differs is taken back (a rejected draft), what is new is added."""
-        common = next((i for i, (held, wanted) in enumerate(zip(self.tokens, context)) if held != wanted), min(len(self.tokens), len(context)))
+        """Make the indexed tokens ``context``: what differs is taken back (a rejected draft), what is new is
+        added."""
+        common = next(
+            (i for i, (held, wanted) in enumerate(zip(self.tokens, context)) if held != wanted),
+            min(len(self.tokens), len(context)),
+        )
         while len(self.tokens) > common:
             self._pop()
         for token in context[common:]:
             self._append(token)
 
     def propose(self, count: int) -> Proposal:
-        """Up to ``count`` tokens that followed the longest n-gram ending the context, at its most recent earlier place."""
+        """Up to ``count`` tokens that followed the longest n-gram ending the context, at its most recent
+        earlier place."""
         end = len(self.tokens) - 1
         for n in range(min(self.params.max_n, end), self.params.min_n - 1, -1):
             ends = self._ends.get(tuple(self.tokens[-n:]), [])
             if len(ends) >= 2:  # the last is the context's own end
                 start = ends[-2] + 1
-                return Proposal(self.tokens[start:start + min(count, self.params.max_tokens)], n)
+                return Proposal(self.tokens[start : start + min(count, self.params.max_tokens)], n)
         return NO_PROPOSAL
 
     def _grams(self, end: int) -> list[tuple[int, ...]]:
-        return [tuple(self.tokens[end - n + 1:end + 1]) for n in range(self.params.min_n, min(self.params.max_n, end + 1) + 1)]
+        return [
+            tuple(self.tokens[end - n + 1 : end + 1])
+            for n in range(self.params.min_n, min(self.params.max_n, end + 1) + 1)
+        ]
 
     def _append(self, token: int) -> None:
         self.tokens.append(token)
@@ -99,7 +108,7 @@ class SuffixIndex:
 
     def add(self, tokens: list[int]) -> None:
         """Index one output; the oldest leave while more than ``max_index_tokens`` are held."""
-        tokens = list(tokens[-self.params.max_index_tokens:])
+        tokens = list(tokens[-self.params.max_index_tokens :])
         if not tokens:
             return
         self._count(tokens, +1)
@@ -111,7 +120,8 @@ class SuffixIndex:
             self.num_tokens -= len(oldest)
 
     def propose(self, context: list[int], count: int) -> Proposal:
-        """The longest suffix of ``context`` (< ``depth``) in the index, continued by the most frequent next token, up to ``count`` tokens."""
+        """The longest suffix of ``context`` (< ``depth``) in the index, continued by the most frequent next
+        token, up to ``count`` tokens."""
         count = min(count, self.params.max_tokens)
         for m in range(min(self.params.depth - 1, len(context)), 0, -1):
             node: _Node | None = self._root
@@ -129,7 +139,7 @@ class SuffixIndex:
     def _count(self, tokens: list[int], step: int) -> None:
         for begin in range(len(tokens)):
             node = self._root
-            for token in tokens[begin:begin + self.params.depth]:
+            for token in tokens[begin : begin + self.params.depth]:
                 child = node.children.get(token)
                 if child is None:
                     if step < 0:  # never: what leaves was added
@@ -149,7 +159,8 @@ def _size(node: _Node) -> int:
 
 
 class AcceptanceStats:
-    """Measured acceptance by kind, with a prior worth ``weight`` observations; counts halve past ``horizon``, clear past ``max_keys`` kinds."""
+    """Measured acceptance by kind, with a prior worth ``weight`` observations; counts halve past ``horizon``,
+    clear past ``max_keys`` kinds."""
 
     def __init__(self, weight: float = 2.0, horizon: int = 2000, max_keys: int = 4096) -> None:
         self.weight, self.horizon, self.max_keys = weight, horizon, max_keys
@@ -168,6 +179,7 @@ class AcceptanceStats:
             counts[1] /= 2
 
     def rate(self, key: Hashable, prior: float, measured: bool = True) -> float:
-        """Posterior mean acceptance of ``key``'s kind (``prior`` alone unless ``measured``: a seeded request's draft must not depend on earlier ones)."""
+        """Posterior mean acceptance of ``key``'s kind (``prior`` alone unless ``measured``: a seeded
+        request's draft must not depend on earlier ones)."""
         counts = self._counts.get(key) if measured else None
         return prior if counts is None else (counts[1] + self.weight * prior) / (counts[0] + self.weight)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class Mode(str, Enum):
+class Mode(StrEnum):
     """A decoding mode (docs/design.md §3): what goes on the wire and where verification happens."""
 
     AUTOREGRESSIVE = "autoregressive"
@@ -16,29 +16,30 @@ class Mode(str, Enum):
     PIPELINE = "pipeline"
 
 
-class Backend(str, Enum):
+class Backend(StrEnum):
     """A model runner backend (docs/design.md §7)."""
 
     TRANSFORMERS = "transformers"
     LLAMA_CPP = "llama.cpp"
 
 
-class ProbsDtype(str, Enum):
+class ProbsDtype(StrEnum):
     """How probabilities travel: fp32 wherever a mode claims to be exact."""
 
     FP16 = "fp16"
     FP32 = "fp32"
 
 
-class Reconstruction(str, Enum):
+class Reconstruction(StrEnum):
     """How the gateway rebuilds p̂_n from a top-k payload (docs/design.md §3.3)."""
 
     RENORMALIZE = "renormalize"  # eq. 5: p_n / ρ_n on S_n, 0 elsewhere (the default)
     RESIDUAL = "residual"  # eq. 6: p_n on S_n, σ_n / (|V| − k) elsewhere
 
 
-class TargetType(str, Enum):
+class TargetType(StrEnum):
     """What a target entry speaks (docs/design.md §4, §8)."""
 
     SPECGATE = "specgate"  # our worker: protocol v1, every mode
-    OPENAI_LOGPROBS = "openai-logprobs"  # an OpenAI-compatible engine's top-k logprobs (autoregressive, aggregate)
+    # an OpenAI-compatible engine's top-k logprobs (autoregressive, aggregate)
+    OPENAI_LOGPROBS = "openai-logprobs"

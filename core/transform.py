@@ -1,5 +1,6 @@
-"""Transforms (docs/design.md §3.9), one definition for the draft and every worker: per row, min_tokens → logit_bias →
-penalties → grammar mask, then ``core.math.sampling``. ``TransformSpec``: what a request asks; ``Transformer``: one session's state."""
+"""Transforms (docs/design.md §3.9), one definition for the draft and every worker: per row, min_tokens →
+logit_bias → penalties → grammar mask, then ``core.math.sampling``. ``TransformSpec``: what a request asks;
+``Transformer``: one session's state."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ class TransformSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added logit), ids ascending
     presence_penalty: float = 0.0  # subtracted once from every token generated so far
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # vLLM's: logits of tokens in the prompt or output divided (> 0) or multiplied (≤ 0) by it
+    # vLLM's: logits of tokens in the prompt or output divided (> 0) or multiplied (≤ 0) by it
+    repetition_penalty: float = 1.0
     grammar: GrammarSpec | None = None
     prompt_len: int = 0  # the generated part of a prefix starts here (penalties count it)
     min_tokens: int = 0  # vLLM's: ``eos_ids`` at −∞ in every row whose prefix holds fewer generated tokens
@@ -35,10 +37,16 @@ class TransformSpec:
     def __post_init__(self) -> None:
         if any(not -MAX_BIAS <= v <= MAX_BIAS for _, v in self.logit_bias):
             raise ValueError(f"logit_bias values must lie in [−{MAX_BIAS:g}, {MAX_BIAS:g}]")
-        if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):  # which one would win is the device's choice
+        if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
+            # which one would win is the device's choice
             raise ValueError("logit_bias names a token id twice")
-        if not (-MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY and -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY):
-            raise ValueError(f"presence_penalty and frequency_penalty must lie in [−{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        if not (
+            -MAX_PENALTY <= self.presence_penalty <= MAX_PENALTY
+            and -MAX_PENALTY <= self.frequency_penalty <= MAX_PENALTY
+        ):
+            raise ValueError(
+                f"presence_penalty and frequency_penalty must lie in [−{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
+            )
         if not MIN_REPETITION <= self.repetition_penalty <= MAX_REPETITION:
             raise ValueError(f"repetition_penalty must lie in [{MIN_REPETITION:g}, {MAX_REPETITION:g}]")
         if self.prompt_len < 0 or self.min_tokens < 0:
@@ -84,9 +92,14 @@ class TransformSpec:
             bias = tuple(sorted((int(t), float(v)) for t, v in value.get("logit_bias", [])))
             grammar = GrammarSpec.from_wire(value["grammar"]) if "grammar" in value else None
             return cls(
-                logit_bias=bias, presence_penalty=float(value.get("presence_penalty", 0.0)), frequency_penalty=float(value.get("frequency_penalty", 0.0)),
-                repetition_penalty=float(value.get("repetition_penalty", 1.0)), grammar=grammar, prompt_len=int(value.get("prompt_len", 0)),
-                min_tokens=int(value.get("min_tokens", 0)), eos_ids=tuple(sorted({int(t) for t in value.get("eos_ids", [])})),
+                logit_bias=bias,
+                presence_penalty=float(value.get("presence_penalty", 0.0)),
+                frequency_penalty=float(value.get("frequency_penalty", 0.0)),
+                repetition_penalty=float(value.get("repetition_penalty", 1.0)),
+                grammar=grammar,
+                prompt_len=int(value.get("prompt_len", 0)),
+                min_tokens=int(value.get("min_tokens", 0)),
+                eos_ids=tuple(sorted({int(t) for t in value.get("eos_ids", [])})),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"transform: {exc}") from exc
@@ -98,29 +111,37 @@ def penalise(
     generated: np.ndarray,  # [G] int: the prefix's generated tokens (every penalty counts them)
     spec: TransformSpec,
 ) -> torch.Tensor:  # [V]
-    """vLLM's repetition penalty (prompt and generated tokens), then OpenAI's presence and frequency penalties (generated): §3.9's order."""
+    """vLLM's repetition penalty (prompt and generated tokens), then OpenAI's presence and frequency penalties
+    (generated): §3.9's order."""
     out = logits.clone()
     if spec.repetition_penalty != 1:
         seen = torch.from_numpy(np.unique(np.concatenate([prompt, generated]).astype(np.int64)))
         values = out[seen]
-        penalty = torch.full((), spec.repetition_penalty, dtype=out.dtype, device=out.device)  # a GPU divides by a host number as a product with its inverse
+        # a GPU divides by a host number as a product with its inverse
+        penalty = torch.full((), spec.repetition_penalty, dtype=out.dtype, device=out.device)
         out[seen] = torch.where(values > 0, values / penalty, values * spec.repetition_penalty)
     if (spec.presence_penalty or spec.frequency_penalty) and len(generated):
         ids, counts = np.unique(generated.astype(np.int64), return_counts=True)
         ids_t = torch.from_numpy(ids)
-        out[ids_t] -= torch.from_numpy(counts).to(out.device, out.dtype) * spec.frequency_penalty + spec.presence_penalty
+        out[ids_t] -= (
+            torch.from_numpy(counts).to(out.device, out.dtype) * spec.frequency_penalty
+            + spec.presence_penalty
+        )
     return out
 
 
-def on_device(mask: torch.Tensor, device: torch.device) -> torch.Tensor:  # [R, V] bool on the host -> on ``device``
-    """A host mask where the logits are: packed 8 ids a byte for the copy (a step's grammar rows are R × V), unpacked there."""
+def on_device(mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # [R, V] bool on the host -> on ``device``
+    """A host mask where the logits are: packed 8 ids a byte for the copy (a step's grammar rows are R × V),
+    unpacked there."""
     if device.type == "cpu":
         return mask
     packed = torch.from_numpy(np.packbits(mask.numpy(), axis=-1, bitorder="little"))
     return unpack_bits(packed.to(device), mask.shape[-1])
 
 
-def unpack_bits(packed: torch.Tensor, width: int) -> torch.Tensor:  # [R, ⌈width / 8⌉] uint8 -> [R, width] bool
+def unpack_bits(packed: torch.Tensor, width: int) -> torch.Tensor:
+    # [R, ⌈width / 8⌉] uint8 -> [R, width] bool
     """``np.packbits(..., bitorder="little")`` undone as tensor ops, where ``packed`` lies."""
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
     return ((packed[..., None] >> shifts) & 1).reshape(*packed.shape[:-1], -1)[..., :width].bool()
@@ -152,13 +173,19 @@ class Transformer:
         self,
         logits: torch.Tensor,  # [R, V]: a model's logits at R rows
         agreed: list[int],  # the tokens every row's prefix starts with (prompt + generated so far)
-        paths: list[list[int]],  # [R]: each row's tokens after ``agreed`` (a chain's draft[:j], a node's path)
+        # [R]: each row's tokens after ``agreed`` (a chain's draft[:j], a node's path)
+        paths: list[list[int]],
     ) -> torch.Tensor:  # [R, V] fp32, transformed
-        """Every row's logits transformed by its own prefix (docs/design.md §3.9); leaves the matcher at ``agreed``, which holds the whole prompt."""
+        """Every row's logits transformed by its own prefix (docs/design.md §3.9); leaves the matcher at
+        ``agreed``, which holds the whole prompt."""
         if len(agreed) < self.spec.prompt_len:
-            raise ValueError(f"the rows' common prefix ({len(agreed)} tokens) is shorter than the prompt ({self.spec.prompt_len})")
+            raise ValueError(
+                f"the rows' common prefix ({len(agreed)} tokens) is shorter than the prompt "
+                f"({self.spec.prompt_len})"
+            )
         out = logits.float().clone()
-        if self.spec.suppresses:  # min_tokens, first (vLLM's order): before bias, penalties, min-p, top-k and top-p
+        if self.spec.suppresses:
+            # min_tokens, first (vLLM's order): before bias, penalties, min-p, top-k and top-p
             self._suppress_eos(out, agreed, paths, float("-inf"))
         if self.spec.logit_bias:
             ids, values = self._bias
@@ -167,32 +194,46 @@ class Transformer:
             base = np.asarray(agreed, dtype=np.int64)
             prompt, generated = base[: self.spec.prompt_len], base[self.spec.prompt_len :]
             for r, path in enumerate(paths):
-                out[r] = penalise(out[r], prompt, np.concatenate([generated, np.asarray(path, dtype=np.int64)]), self.spec)
+                out[r] = penalise(
+                    out[r], prompt, np.concatenate([generated, np.asarray(path, dtype=np.int64)]), self.spec
+                )
         if self.matcher is not None:
             out.masked_fill_(~on_device(self.masks(agreed, paths), out.device), float("-inf"))
         return out
 
     def device_plan(self, agreed: list[int], paths: list[list[int]], upload: StepUpload) -> DeviceTransform:
-        """``rows`` for a step whose rows are on a device: everything the host knows of it (EOS rows, bias, each row's
-        penalised ids, the grammar's masks packed 8 ids a byte) queued in the step's upload now, before its forward;
-        ``DeviceTransform.apply`` then transforms the rows where they are, reading nothing back. The same numbers as ``rows``."""
+        """``rows`` for a step whose rows are on a device: everything the host knows of it (EOS rows, bias,
+        each row's penalised ids, the grammar's masks packed 8 ids a byte) queued in the step's upload now,
+        before its forward; ``DeviceTransform.apply`` then transforms the rows where they are, reading nothing
+        back. The same numbers as ``rows``."""
         if len(agreed) < self.spec.prompt_len:
-            raise ValueError(f"the rows' common prefix ({len(agreed)} tokens) is shorter than the prompt ({self.spec.prompt_len})")
+            raise ValueError(
+                f"the rows' common prefix ({len(agreed)} tokens) is shorter than the prompt "
+                f"({self.spec.prompt_len})"
+            )
         spec, count = self.spec, len(paths)
         plan = DeviceTransform(spec, count, self.vocab_size, upload)
         if spec.suppresses:
-            plan.eos = (upload.add(np.asarray(self._early_rows(agreed, paths), dtype=np.int64)), upload.add(np.asarray(spec.eos_ids, dtype=np.int64)))
+            plan.eos = (
+                upload.add(np.asarray(self._early_rows(agreed, paths), dtype=np.int64)),
+                upload.add(np.asarray(spec.eos_ids, dtype=np.int64)),
+            )
         if spec.logit_bias:
             ids, values = self._bias
             plan.bias = (upload.add(ids.numpy()), upload.add(values.double().numpy()))
         if spec.penalises:
             plan.penalties = self._penalty_plan(agreed, paths, upload)
         if self.matcher is not None:
-            plan.grammar = upload.add(np.packbits(self.masks(agreed, paths).numpy(), axis=-1, bitorder="little"))
+            plan.grammar = upload.add(
+                np.packbits(self.masks(agreed, paths).numpy(), axis=-1, bitorder="little")
+            )
         return plan
 
-    def _penalty_plan(self, agreed: list[int], paths: list[list[int]], upload: StepUpload) -> tuple[Segment, ...]:
-        """Per row, the ids ``penalise`` touches: the ones seen (repetition) and the generated ones with their counts."""
+    def _penalty_plan(
+        self, agreed: list[int], paths: list[list[int]], upload: StepUpload
+    ) -> tuple[Segment, ...]:
+        """Per row, the ids ``penalise`` touches: the ones seen (repetition) and the generated ones with their
+        counts."""
         spec = self.spec
         base = np.asarray(agreed, dtype=np.int64)
         prompt, generated = base[: spec.prompt_len], base[spec.prompt_len :]
@@ -209,7 +250,9 @@ class Transformer:
                 count_ids.append(ids)
                 counts.append(times)
         flat = lambda parts: np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)  # noqa: E731
-        return tuple(upload.add(flat(parts)) for parts in (seen_rows, seen_ids, count_rows, count_ids, counts))
+        return tuple(
+            upload.add(flat(parts)) for parts in (seen_rows, seen_ids, count_rows, count_ids, counts)
+        )
 
     @property
     def masks_any(self) -> bool:
@@ -217,7 +260,8 @@ class Transformer:
         return self.matcher is not None or self.spec.suppresses
 
     def masks(self, agreed: list[int], paths: list[list[int]]) -> torch.Tensor:  # [R, V] bool
-        """The ids each row may emit: the grammar's allowed set after its prefix, less EOS where min_tokens keeps it out."""
+        """The ids each row may emit: the grammar's allowed set after its prefix, less EOS where min_tokens
+        keeps it out."""
         out = torch.ones(len(paths), self.vocab_size, dtype=torch.bool)
         if self.matcher is not None:
             matcher = self.matcher
@@ -231,7 +275,9 @@ class Transformer:
             self._suppress_eos(out, agreed, paths, False)
         return out
 
-    def _suppress_eos(self, out: torch.Tensor, agreed: list[int], paths: list[list[int]], value: float | bool) -> None:
+    def _suppress_eos(
+        self, out: torch.Tensor, agreed: list[int], paths: list[list[int]], value: float | bool
+    ) -> None:
         """Set EOS to ``value`` in the rows whose prefix holds fewer than min_tokens generated tokens."""
         early = self._early_rows(agreed, paths)
         if early:
@@ -242,15 +288,19 @@ class Transformer:
         return [r for r, path in enumerate(paths) if generated + len(path) < self.spec.min_tokens]
 
     def forced(self, agreed: list[int]) -> int | None:
-        """The one token the grammar allows after ``agreed``, if only one; several end tokens are not forced (each target weighs them its own way)."""
+        """The one token the grammar allows after ``agreed``, if only one; several end tokens are not forced
+        (each target weighs them its own way)."""
         if self.matcher is None:
             return None
         self.matcher.sync(self._generated(agreed))
         allowed = self.matcher.allowed().nonzero()[:, 0].tolist()
         return int(allowed[0]) if len(allowed) == 1 else None
 
-    def forced_run(self, agreed: list[int], most: int, eos_ids: set[int] | frozenset[int] = frozenset()) -> list[int]:
-        """Up to ``most`` tokens forced one after another after ``agreed`` (an EOS ends it): a point mass for every model, so exact."""
+    def forced_run(
+        self, agreed: list[int], most: int, eos_ids: set[int] | frozenset[int] = frozenset()
+    ) -> list[int]:
+        """Up to ``most`` tokens forced one after another after ``agreed`` (an EOS ends it): a point mass for
+        every model, so exact."""
         out: list[int] = []
         while len(out) < most:
             token = self.forced([*agreed, *out])
@@ -266,12 +316,15 @@ class Transformer:
 
     @cached_property
     def _bias(self) -> tuple[torch.Tensor, torch.Tensor]:  # [b] long ids, [b] fp32 values
-        return torch.tensor([t for t, _ in self.spec.logit_bias], dtype=torch.long), torch.tensor([v for _, v in self.spec.logit_bias], dtype=torch.float32)
+        return torch.tensor([t for t, _ in self.spec.logit_bias], dtype=torch.long), torch.tensor(
+            [v for _, v in self.spec.logit_bias], dtype=torch.float32
+        )
 
 
 @dataclass
 class DeviceTransform:
-    """A call's transform as numbers in its step's upload (``Transformer.device_plan``); ``apply`` after the upload is sent."""
+    """A call's transform as numbers in its step's upload (``Transformer.device_plan``); ``apply`` after the
+    upload is sent."""
 
     spec: TransformSpec
     rows: int
@@ -283,10 +336,12 @@ class DeviceTransform:
     grammar: Segment | None = None  # [rows, ⌈V / 8⌉] packed allowed ids
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, V] -> [rows, V] fp32, transformed
-        """``Transformer.rows`` where ``logits`` are, in its order: min_tokens, bias, penalties, the grammar's mask."""
+        """``Transformer.rows`` where ``logits`` are, in its order: min_tokens, bias, penalties, the grammar's
+        mask."""
         view, spec = self.upload.view, self.spec
         out = logits.float().clone()
-        if self.eos is not None:  # the value made where the rows are: a Python number set by an index is copied in from the host
+        if self.eos is not None:
+            # the value made where the rows are: a Python number set by an index is copied in from the host
             early, eos = view(self.eos[0]), view(self.eos[1])
             out.index_put_((early[:, None], eos[None, :]), torch.full((), float("-inf"), device=out.device))
         if self.bias is not None:
@@ -294,12 +349,17 @@ class DeviceTransform:
             out[:, ids] += view(self.bias[1]).float()
         if self.penalties is not None:
             seen_rows, seen_ids, count_rows, count_ids, counts = (view(segment) for segment in self.penalties)
-            if spec.repetition_penalty != 1:  # divided by a tensor: a GPU divides by a host number as a product with its inverse
+            if spec.repetition_penalty != 1:
+                # divided by a tensor: a GPU divides by a host number as a product with its inverse
                 values = out[seen_rows, seen_ids]
                 penalty = torch.full((), spec.repetition_penalty, dtype=out.dtype, device=out.device)
-                out[seen_rows, seen_ids] = torch.where(values > 0, values / penalty, values * spec.repetition_penalty)
+                out[seen_rows, seen_ids] = torch.where(
+                    values > 0, values / penalty, values * spec.repetition_penalty
+                )
             if spec.presence_penalty or spec.frequency_penalty:
-                out[count_rows, count_ids] -= counts.to(out.dtype) * spec.frequency_penalty + spec.presence_penalty
+                out[count_rows, count_ids] -= (
+                    counts.to(out.dtype) * spec.frequency_penalty + spec.presence_penalty
+                )
         if self.grammar is not None:
             out.masked_fill_(~unpack_bits(view(self.grammar), self.vocab_size), float("-inf"))
         return out

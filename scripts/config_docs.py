@@ -1,6 +1,6 @@
 """``python scripts/config_docs.py > docs/configuration.md``: the page generated from the settings models
-(each key's type, default, environment variable and its ``Field(description=...)``), so it cannot drift (a test
-checks it)."""
+(each key's type, default, environment variable and its ``Field(description=...)``), so it cannot drift (a
+test checks it)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,25 @@ The environment wins over the file. Without `--config` the built-in default is u
 
 def render() -> str:
     parts = [HEADER, "## Gateway\n", _table(SpecgateConfig, "SPECGATE_")]
-    parts += ["\n## Worker\n", "`specgate worker` flags override these; the environment overrides the defaults.\n", _table(WorkerSettings, "SPECGATE_WORKER_")]
+    parts += [
+        "\n## Worker\n",
+        "`specgate worker` flags override these; the environment overrides the defaults.\n",
+        _table(WorkerSettings, "SPECGATE_WORKER_"),
+    ]
     return "\n".join(parts)
 
 
 def _table(model: type[BaseModel], env: str) -> str:
-    return "\n".join(["| key | type | default | environment | meaning |", "| --- | --- | --- | --- | --- |", *_rows(model, "", env)]) + "\n"
+    return (
+        "\n".join(
+            [
+                "| key | type | default | environment | meaning |",
+                "| --- | --- | --- | --- | --- |",
+                *_rows(model, "", env),
+            ]
+        )
+        + "\n"
+    )
 
 
 def _rows(model: type[BaseModel], prefix: str, env: str | None) -> list[str]:
@@ -53,7 +66,9 @@ def _rows(model: type[BaseModel], prefix: str, env: str | None) -> list[str]:
         if section is not None and item is None:
             rows += _rows(section, f"{key}.", f"{env}{name.upper()}__" if env is not None else None)
             continue
-        rows.append(f"| `{key}` | {_type(field.annotation)} | {_default(field)} | {var} | {_meaning(field)} |")
+        rows.append(
+            f"| `{key}` | {_type(field.annotation)} | {_default(field)} | {var} | {_meaning(field)} |"
+        )
         if item is not None:
             rows += _rows(item, f"{key}[].", None)
     return rows

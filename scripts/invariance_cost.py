@@ -1,17 +1,21 @@
-"""What keeping a long session's logits alike costs per decode of one token, by thread count (docs/performance.md, "Long
-prompts keep their text"). llama.cpp's CPU flash attention takes a split-KV kernel for a micro-batch of one token whose
-stream holds more than 256 cells, summing the cache in one part per thread: other last bits than every other decode of
-the same position. The options, each timed as a decode of one token at ``--cells`` on the built-in target and checked
-against the position's logits in a decode of two (the plain kernel):
+"""What keeping a long session's logits alike costs per decode of one token, by thread count
+(docs/performance.md, "Long prompts keep their text"). llama.cpp's CPU flash attention takes a split-KV kernel
+for a micro-batch of one token whose stream holds more than 256 cells, summing the cache in one part per
+thread: other last bits than every other decode of the same position. The options, each timed as a decode of
+one token at ``--cells`` on the built-in target and checked against the position's logits in a decode of two
+(the plain kernel):
 
 - ``split`` (the kernel llama.cpp picks; other bits, the floor every option is a cost over);
 - ``one thread`` (the runner's choice since issue 58: the split kernel on one thread is the plain one);
-- ``pad position`` (the token and a throwaway one after it in its own stream, the throwaway's cell removed after);
-- ``pad stream`` (the token and a throwaway one in the next stream of the context, which holds as many cells, after
+- ``pad position`` (the token and a throwaway one after it in its own stream, the throwaway's cell removed
+  after);
+- ``pad stream`` (the token and a throwaway one in the next stream of the context, which holds as many cells,
+  after
   them, removed after: as the runner does it);
-- ``V f32``, ``K f32`` (a context whose V, or K, cache is float32: llama.cpp takes the split kernel only where K and V
-  are of one type, so every decode takes the plain one — checked within that context, whose bits differ from the f16
-  cache's everywhere, not only past 256 cells).
+- ``V f32``, ``K f32`` (a context whose V, or K, cache is float32: llama.cpp takes the split kernel only where
+  K and V
+  are of one type, so every decode takes the plain one — checked within that context, whose bits differ from
+  the f16 cache's everywhere, not only past 256 cells).
 
     python scripts/invariance_cost.py --threads 1,2 --cells 600,1500 --json docs/bench/invariance_cost.json
 """
@@ -42,7 +46,8 @@ PROMPT = [int(t) for t in np.random.default_rng(74).integers(100, 20_000, 4_096)
 
 
 class Context:
-    """The built-in target in a bare context as the runner makes its shared one: flash attention, a KV stream per sequence."""
+    """The built-in target in a bare context as the runner makes its shared one: flash attention, a KV stream
+    per sequence."""
 
     def __init__(self, model: Any, threads: int, cells: int, cache: tuple[str, str] = ("f16", "f16")) -> None:
         import llama_cpp
@@ -61,13 +66,15 @@ class Context:
         self.ctx = _internals.LlamaContext(model=model, params=params, verbose=False)
         self.batch = _internals.LlamaBatch(n_tokens=32, embd=0, n_seq_max=2, verbose=False)
         self.vocab = int(model.n_vocab())
-        for seq in (0, 1):  # the prompt up to the timed position, in decodes of ≥ 2 tokens; the neighbouring stream as long
+        for seq in (0, 1):
+            # the prompt up to the timed position, in decodes of ≥ 2 tokens; the neighbouring stream as long
             for begin in range(0, cells - 1, 16):
                 self._decode([(PROMPT[p], p, seq, False) for p in range(begin, min(begin + 16, cells - 1))])
         self.cells = cells
 
     def reference(self) -> np.ndarray:
-        """The position ``cells − 1``'s logits in a decode of two (the plain kernel), the context left as it was."""
+        """The position ``cells − 1``'s logits in a decode of two (the plain kernel), the context left as it
+        was."""
         p = self.cells - 1
         self.api.llama_memory_seq_rm(self.ctx.memory, 0, p - 1, -1)
         self._decode([(PROMPT[p - 1], p - 1, 0, False), (PROMPT[p], p, 0, True)])
@@ -114,7 +121,10 @@ class Context:
 
 
 def measure(model: Any, threads: int, cells: int, repeats: int) -> dict[str, Any]:
-    contexts = {name: Context(model, threads, cells, cache) for name, cache in {"f16": ("f16", "f16"), **CACHES}.items()}
+    contexts = {
+        name: Context(model, threads, cells, cache)
+        for name, cache in {"f16": ("f16", "f16"), **CACHES}.items()
+    }
     try:
         references = {name: context.reference() for name, context in contexts.items()}
         names = [*OPTIONS, *CACHES]
@@ -127,8 +137,13 @@ def measure(model: Any, threads: int, cells: int, repeats: int) -> dict[str, Any
                 seconds[name].append(took)
                 alike[name] = alike.get(name, True) and bool(np.array_equal(logits, references[where]))
         ms = {name: 1e3 * statistics.median(values) for name, values in seconds.items()}
-        return {"threads": threads, "cells": cells, "ms": ms, "alike": alike,
-                "cost": {name: ms[name] / ms["split"] - 1 for name in names}}
+        return {
+            "threads": threads,
+            "cells": cells,
+            "ms": ms,
+            "alike": alike,
+            "cost": {name: ms[name] / ms["split"] - 1 for name in names},
+        }
     finally:
         for context in contexts.values():
             context.close()
@@ -136,7 +151,9 @@ def measure(model: Any, threads: int, cells: int, repeats: int) -> dict[str, Any
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", default=None, help="comma-separated thread counts (default: 1 up to the usable cores)")
+    parser.add_argument(
+        "--threads", default=None, help="comma-separated thread counts (default: 1 up to the usable cores)"
+    )
     parser.add_argument("--cells", default="600,1500", help="comma-separated cells held (default: 600,1500)")
     parser.add_argument("--repeats", type=int, default=30, help="decodes per option and cell (default: 30)")
     parser.add_argument("--json", dest="json_path", default=None, help="write the figures to this JSON file")
@@ -145,7 +162,9 @@ def main() -> int:
     from llama_cpp import _internals
 
     quiet_llama_cpp()
-    threads = [int(t) for t in args.threads.split(",")] if args.threads else list(range(1, usable_cores() + 1))
+    threads = (
+        [int(t) for t in args.threads.split(",")] if args.threads else list(range(1, usable_cores() + 1))
+    )
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = 0
     model = _internals.LlamaModel(path_model=str(resolve_model("builtin").path), params=params, verbose=False)
@@ -155,12 +174,22 @@ def main() -> int:
             for cells in (int(c) for c in args.cells.split(",")):
                 rows.append(measure(model, t, cells, args.repeats))
                 r = rows[-1]
-                print(f"{t:>2} threads, {cells:>5} cells: " + ", ".join(
-                    f"{name} {r['ms'][name]:.2f} ms ({100 * r['cost'][name]:+.0f} %{', alike' if r['alike'][name] else ', differs'})" for name in r["ms"]), flush=True)
+                print(
+                    f"{t:>2} threads, {cells:>5} cells: "
+                    + ", ".join(
+                        f"{name} {r['ms'][name]:.2f} ms ({100 * r['cost'][name]:+.0f} "
+                        f"%{', alike' if r['alike'][name] else ', differs'})"
+                        for name in r["ms"]
+                    ),
+                    flush=True,
+                )
     finally:
         model.close()
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({"usable_cores": usable_cores(), "repeats": args.repeats, "rows": rows}, indent=1) + "\n")
+        Path(args.json_path).write_text(
+            json.dumps({"usable_cores": usable_cores(), "repeats": args.repeats, "rows": rows}, indent=1)
+            + "\n"
+        )
         print(f"wrote {args.json_path}")
     return 0
 

@@ -32,7 +32,14 @@ class _Records(BaseResolver):  # type: ignore[misc]
         for address in addresses:
             is_v6 = ":" in address
             if request.q.qtype == (QTYPE.AAAA if is_v6 else QTYPE.A):
-                reply.add_answer(RR(request.q.qname, request.q.qtype, rdata=AAAA(address) if is_v6 else A(address), ttl=TTL))
+                reply.add_answer(
+                    RR(
+                        request.q.qname,
+                        request.q.qtype,
+                        rdata=AAAA(address) if is_v6 else A(address),
+                        ttl=TTL,
+                    )
+                )
         return reply
 
 
@@ -43,7 +50,10 @@ class LoopbackDNS:
     def __init__(self) -> None:
         self.records = _Records()
         self.port = _free_port()
-        self.servers = [DNSServer(self.records, port=self.port, address="127.0.0.1", tcp=tcp, logger=_QUIET) for tcp in (False, True)]
+        self.servers = [
+            DNSServer(self.records, port=self.port, address="127.0.0.1", tcp=tcp, logger=_QUIET)
+            for tcp in (False, True)
+        ]
 
     @property
     def server(self) -> str:
@@ -66,7 +76,9 @@ class LoopbackDNS:
             server.start_thread()
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         for server in self.servers:
             server.stop()
             server.server.server_close()

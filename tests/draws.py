@@ -1,9 +1,9 @@
 """The exact law of a run of the real code, by enumerating every random draw it makes.
 
-Every random number of specgate is a uniform of ``core.math.random`` (``uniform``,
-``uniforms``, and on a device ``philox_uniforms`` of ``stream_key``'s keys), and every uniform is consumed by one of four
-functions: ``accepts`` (u < a), ``count_accepts`` (leading u_j < a_j), ``sample_index`` and ``sample_rows`` (inverse CDF).
-``ExactDraws`` stands in for the eight:
+Every random number of specgate is a uniform of ``core.math.random`` (``uniform``, ``uniforms``, and on a
+device ``philox_uniforms`` of ``stream_key``'s keys), and every uniform is consumed by one of four functions:
+``accepts`` (u < a), ``count_accepts`` (leading u_j < a_j), ``sample_index`` and ``sample_rows`` (inverse
+CDF). ``ExactDraws`` stands in for the eight:
 
 - a uniform becomes a **tag**, a float that names its key (seed, choice, position, purpose,
   worker, lane) — the same key gives the same tag, as the same key gives the same number;
@@ -59,7 +59,8 @@ class ExactDraws:
     def __init__(self) -> None:
         self._tags: dict[Key, int] = {}
         self._values: dict[float, int] = {}
-        self._streams: dict[tuple[int, int, int, int], int] = {}  # (seed, choice, purpose, worker) -> its stand-in key
+        # (seed, choice, purpose, worker) -> its stand-in key
+        self._streams: dict[tuple[int, int, int, int], int] = {}
         self._stream_of: list[tuple[int, int, int, int]] = []
         self._run: _Run | None = None
         self.runs = 0
@@ -89,7 +90,9 @@ class ExactDraws:
 
     # ----------------------------------------------------------------- the stand-ins
 
-    def _tag(self, seed: int, choice: int, position: int, purpose: Purpose, worker: int = 0, lane: int = 0) -> float:
+    def _tag(
+        self, seed: int, choice: int, position: int, purpose: Purpose, worker: int = 0, lane: int = 0
+    ) -> float:
         key = (seed, choice, position, int(purpose), worker, lane)
         if key not in self._tags:
             self._tags[key] = len(self._tags)
@@ -100,24 +103,39 @@ class ExactDraws:
     def _value(tag: int) -> float:
         return (tag + 0.5) / 2**24 + 2**-40  # distinct, in (0, 1), exact in float64 and not in float32
 
-    def uniform(self, seed: int, choice: int, position: int, purpose: Purpose, worker: int = 0, lane: int = 0) -> float:
+    def uniform(
+        self, seed: int, choice: int, position: int, purpose: Purpose, worker: int = 0, lane: int = 0
+    ) -> float:
         return self._tag(seed, choice, position, purpose, worker, lane)
 
-    def uniforms(self, seed: int, choice: int, positions: list[int], purpose: Purpose, worker: int = 0, lane: int = 0) -> torch.Tensor:
-        return torch.tensor([self._tag(seed, choice, p, purpose, worker, lane) for p in positions], dtype=torch.float64)
+    def uniforms(
+        self, seed: int, choice: int, positions: list[int], purpose: Purpose, worker: int = 0, lane: int = 0
+    ) -> torch.Tensor:
+        return torch.tensor(
+            [self._tag(seed, choice, p, purpose, worker, lane) for p in positions], dtype=torch.float64
+        )
 
     def stream_key(self, seed: int, choice: int, purpose: Purpose, worker: int = 0) -> tuple[int, int]:
-        """A key that names its stream (Philox's would not say whose it is): ``philox_uniforms`` reads the stream back from it."""
+        """A key that names its stream (Philox's would not say whose it is): ``philox_uniforms`` reads the
+        stream back from it."""
         stream = (seed, choice, int(purpose), worker)
         if stream not in self._streams:
             self._streams[stream] = len(self._streams)
             self._stream_of.append(stream)
         return self._streams[stream], 0
 
-    def philox_uniforms(self, keys: torch.Tensor, positions: torch.Tensor, lanes: torch.Tensor | None = None) -> torch.Tensor:
+    def philox_uniforms(
+        self, keys: torch.Tensor, positions: torch.Tensor, lanes: torch.Tensor | None = None
+    ) -> torch.Tensor:
         lane_list = lanes.tolist() if lanes is not None else [0] * len(positions)
         tags = [
-            self._tag(*self._stream_of[k0][:2], position, Purpose(self._stream_of[k0][2]), self._stream_of[k0][3], lane)
+            self._tag(
+                *self._stream_of[k0][:2],
+                position,
+                Purpose(self._stream_of[k0][2]),
+                self._stream_of[k0][3],
+                lane,
+            )
             for (k0, _), position, lane in zip(keys.tolist(), positions.tolist(), lane_list)
         ]
         return torch.tensor(tags, dtype=torch.float64, device=positions.device)
@@ -153,7 +171,9 @@ class ExactDraws:
         assert run is not None, "a draw outside ExactDraws.law"
         tag = self._values.get(float(u))
         if tag is None:
-            raise AssertionError(f"{u!r} is not a uniform of core.math.random: a draw escaped the enumeration")
+            raise AssertionError(
+                f"{u!r} is not a uniform of core.math.random: a draw escaped the enumeration"
+            )
         lo, hi = run.intervals.get(tag, (0.0, 1.0))
         options = []
         for value, start, end in pieces:
@@ -187,23 +207,42 @@ class ExactDraws:
             setattr(module, name, old)
 
 
-_STAND_INS = ("uniform", "uniforms", "stream_key", "philox_uniforms", "accepts", "count_accepts", "sample_index", "sample_rows")
+_STAND_INS = (
+    "uniform",
+    "uniforms",
+    "stream_key",
+    "philox_uniforms",
+    "accepts",
+    "count_accepts",
+    "sample_index",
+    "sample_rows",
+)
 
 
 _HOLDERS: tuple[int, list[tuple[Any, str, Any, str]]] = (-1, [])  # (len(sys.modules), the holders found then)
 
 
 def _patches(draws: ExactDraws) -> Iterator[tuple[Any, str, Any, Any]]:
-    """(module, name, original, stand-in) for every project module that holds one of the six; the scan of every module's
-    names is kept while no module is imported and each holder still holds its function (a matrix enters ExactDraws once a cell: thousands of times)."""
+    """(module, name, original, stand-in) for every project module that holds one of the six; the scan of
+    every module's names is kept while no module is imported and each holder still holds its function (a
+    matrix enters ExactDraws once a cell: thousands of times)."""
     global _HOLDERS
-    if _HOLDERS[0] != len(sys.modules) or any(vars(module).get(attr) is not value for module, attr, value, _ in _HOLDERS[1]):
-        originals = {id(getattr(random_module, name)): name for name in _STAND_INS}  # one pass over each module's names
+    if _HOLDERS[0] != len(sys.modules) or any(
+        vars(module).get(attr) is not value for module, attr, value, _ in _HOLDERS[1]
+    ):
+        # one pass over each module's names
+        originals = {id(getattr(random_module, name)): name for name in _STAND_INS}
         holders = []
         for module in list(sys.modules.values()):
-            if module is None or not getattr(module, "__name__", "").startswith(("app", "core", "workers", "clients", "tests")):
+            if module is None or not getattr(module, "__name__", "").startswith(
+                ("app", "core", "workers", "clients", "tests")
+            ):
                 continue
-            holders += [(module, attr, value, originals[id(value)]) for attr, value in list(vars(module).items()) if id(value) in originals]
+            holders += [
+                (module, attr, value, originals[id(value)])
+                for attr, value in list(vars(module).items())
+                if id(value) in originals
+            ]
         _HOLDERS = (len(sys.modules), holders)
     for module, attr, value, name in _HOLDERS[1]:
         yield module, attr, value, getattr(draws, name)
@@ -217,7 +256,8 @@ def exact_draws() -> Iterator[ExactDraws]:
 
 def prefix_distance(
     law: dict[tuple[int, ...], float],  # outcome (the tokens checked) → its exact probability
-    p_next: Callable[[tuple[int, ...]], torch.Tensor],  # [V] float64: the target after a prefix of generated tokens
+    # [V] float64: the target after a prefix of generated tokens
+    p_next: Callable[[tuple[int, ...]], torch.Tensor],
     eos: int,
     vocab_size: int,
 ) -> float:
@@ -239,6 +279,9 @@ def prefix_distance(
     checks = internal | {(*s, x) for s in internal if not (s and s[-1] == eos) for x in range(vocab_size)}
     worst = 0.0
     for s in checks:
-        reached = sum(mass * (1.0 if t[: len(s)] == s else target(s, len(t)) if s[: len(t)] == t else 0.0) for t, mass in law.items())
+        reached = sum(
+            mass * (1.0 if t[: len(s)] == s else target(s, len(t)) if s[: len(t)] == t else 0.0)
+            for t, mass in law.items()
+        )
         worst = max(worst, abs(reached - target(s)))
     return worst

@@ -1,11 +1,12 @@
-"""`make image-check`: build the image, then run the default overlay's worker and gateway pods as containers of it — the
-rendered args, the environment the kubelet gives them (tests/kube.py), the ConfigMap mounted read-only where the pod
-mounts it, the pod's user, a read-only root filesystem with a tmpfs /tmp, no capabilities, no privilege escalation; the
-worker reachable by its headless Service's name — and answer a chat request. Prints progress and a JSON line of figures
-(build seconds, image size, seconds to the first answer); --json writes them too.
+"""`make image-check`: build the image, then run the default overlay's worker and gateway pods as containers
+of it — the rendered args, the environment the kubelet gives them (tests/kube.py), the ConfigMap mounted
+read-only where the pod mounts it, the pod's user, a read-only root filesystem with a tmpfs /tmp, no
+capabilities, no privilege escalation; the worker reachable by its headless Service's name — and answer a chat
+request. Prints progress and a JSON line of figures (build seconds, image size, seconds to the first answer);
+--json writes them too.
 
-  python -m tests.image_check                         # the Dockerfile's defaults (python:3.11-slim, PyTorch's CPU index)
-  python -m tests.image_check --debian-base --build-arg PIP_FIND_LINKS=http://172.17.0.1:8765/ ...
+  python -m tests.image_check                         # the Dockerfile's defaults (python:3.11-slim, PyTorch's
+  CPU index) python -m tests.image_check --debian-base --build-arg PIP_FIND_LINKS=http://172.17.0.1:8765/ ...
 """
 
 from __future__ import annotations
@@ -25,16 +26,31 @@ import httpx
 from clients.procs import free_port
 from tests.kube import ROOT, containers, render, workloads
 
-CHAT = {"model": "specgate", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0, "seed": 1}
+CHAT = {
+    "model": "specgate",
+    "messages": [{"role": "user", "content": "Name a colour."}],
+    "max_tokens": 8,
+    "temperature": 0,
+    "seed": 1,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.image_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tag", default="specgate:image-check", help="the image to build and run")
-    parser.add_argument("--debian-base", action="store_true", help="build the base from Debian's packages (scripts/debian-base-image.sh; CA_BUNDLE honoured) instead of pulling python:3.11-slim")
-    parser.add_argument("--build-arg", action="append", default=[], help="passed to docker build (repeatable)")
+    parser.add_argument(
+        "--debian-base",
+        action="store_true",
+        help="build the base from Debian's packages (scripts/debian-base-image.sh; CA_BUNDLE "
+        "honoured) instead of pulling python:3.11-slim",
+    )
+    parser.add_argument(
+        "--build-arg", action="append", default=[], help="passed to docker build (repeatable)"
+    )
     parser.add_argument("--skip-build", action="store_true", help="run the image as it is")
-    parser.add_argument("--no-cache", action="store_true", help="build every layer again (a build's full time)")
+    parser.add_argument(
+        "--no-cache", action="store_true", help="build every layer again (a build's full time)"
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the pods to become ready")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = parser.parse_args(argv)
@@ -54,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         _step(f"docker build -t {args.tag} ({', '.join(build_args) or 'defaults'})")
         started = time.monotonic()
         cache = ["--no-cache"] if args.no_cache else []
-        subprocess.run(["docker", "build", *cache, "-t", args.tag, *(f"--build-arg={a}" for a in build_args), str(ROOT)], check=True)
+        subprocess.run(
+            ["docker", "build", *cache, "-t", args.tag, *(f"--build-arg={a}" for a in build_args), str(ROOT)],
+            check=True,
+        )
         figures["build_s"] = round(time.monotonic() - started, 1)
     figures["image_bytes"] = int(_out(["docker", "image", "inspect", "--format", "{{.Size}}", args.tag]))
     figures |= run_default_overlay(args.tag, args.timeout)
@@ -66,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_default_overlay(image: str, timeout_s: float) -> dict[str, object]:
-    """The default overlay's worker pod 0 and a gateway pod as containers of ``image`` on a network of their own."""
+    """The default overlay's worker pod 0 and a gateway pod as containers of ``image`` on a network of their
+    own."""
     objects = render("default")
     [gateway] = [w for w in workloads(objects) if w["metadata"]["name"] == "specgate-gateway"]
     [worker] = [w for w in workloads(objects) if w["kind"] == "StatefulSet"]
@@ -77,18 +97,32 @@ def run_default_overlay(image: str, timeout_s: float) -> dict[str, object]:
         try:
             started = time.monotonic()
             [w] = containers(objects, worker)
-            names.append(_run(image, w, network, [f"--network-alias={worker['spec']['serviceName']}"], Path(mounts)))
+            names.append(
+                _run(image, w, network, [f"--network-alias={worker['spec']['serviceName']}"], Path(mounts))
+            )
             [g] = containers(objects, gateway)
             port, metrics = free_port(), free_port()
-            published = [f"--publish=127.0.0.1:{port}:{g.port('http')}", f"--publish=127.0.0.1:{metrics}:{g.port('metrics')}"]
+            published = [
+                f"--publish=127.0.0.1:{port}:{g.port('http')}",
+                f"--publish=127.0.0.1:{metrics}:{g.port('metrics')}",
+            ]
             names.append(_run(image, g, network, published, Path(mounts)))
             url = f"http://127.0.0.1:{port}"
-            _step(f"waiting for the gateway's readiness probe ({g.spec['readinessProbe']['httpGet']['path']}) at {url}")
+            _step(
+                "waiting for the gateway's readiness probe "
+                f"({g.spec['readinessProbe']['httpGet']['path']}) at {url}"
+            )
             _wait(f"{url}{g.spec['readinessProbe']['httpGet']['path']}", started, timeout_s, names)
-            _step(f"waiting for its targets (/health/ready on the metrics port, {metrics})")  # readiness no longer asks them
+            # readiness no longer asks them
+            _step(f"waiting for its targets (/health/ready on the metrics port, {metrics})")
             ready_s = _wait(f"http://127.0.0.1:{metrics}/health/ready", started, timeout_s, names)
             key = g.env.get("SPECGATE_API_KEY")
-            resp = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=120)
+            resp = httpx.post(
+                f"{url}/v1/chat/completions",
+                json=CHAT,
+                headers={"Authorization": f"Bearer {key}"} if key else {},
+                timeout=120,
+            )
             resp.raise_for_status()
             answer_s = time.monotonic() - started
             text = resp.json()["choices"][0]["message"]["content"]
@@ -97,7 +131,11 @@ def run_default_overlay(image: str, timeout_s: float) -> dict[str, object]:
             stage_s = run_stage(image, network, Path(mounts), timeout_s, names)
             cores = threads_within_a_cpu_quota(image)
             return {
-                "ready_s": round(ready_s, 1), "first_answer_s": round(answer_s, 1), "answer": text, "uids": users, "pipeline_stage_ready_s": stage_s,
+                "ready_s": round(ready_s, 1),
+                "first_answer_s": round(answer_s, 1),
+                "answer": text,
+                "uids": users,
+                "pipeline_stage_ready_s": stage_s,
                 "usable_cores_at_cpus_1": cores,
             }
         finally:
@@ -108,19 +146,22 @@ def run_default_overlay(image: str, timeout_s: float) -> dict[str, object]:
 
 
 def threads_within_a_cpu_quota(image: str) -> int:
-    """``docker run --cpus 1`` (a CPU quota, as a pod's CPU limit sets, every core of the machine still in its affinity):
-    the cores a process of the image sizes its threads from are 1 (issue 76: they were every core of the machine)."""
+    """``docker run --cpus 1`` (a CPU quota, as a pod's CPU limit sets, every core of the machine still in its
+    affinity): the cores a process of the image sizes its threads from are 1 (issue 76: they were every core
+    of the machine)."""
     _step("the cores a process sees under docker run --cpus 1")
     code = "from core.cores import usable_cores; print(usable_cores())"
-    cores = int(_out(["docker", "run", "--rm", "--cpus", "1", "--entrypoint", "python", image, "-c", code]).strip())
+    cores = int(
+        _out(["docker", "run", "--rm", "--cpus", "1", "--entrypoint", "python", image, "-c", code]).strip()
+    )
     if cores != 1:
         raise SystemExit(f"image check: under --cpus 1 a process sizes its threads for {cores} cores")
     return cores
 
 
 def run_stage(image: str, network: str, mounts: Path, timeout_s: float, names: list[str]) -> float:
-    """The pipeline overlay's stage 0 (the transformers runner, its shell command picking layers by the pod's name) until its
-    readiness probe passes: the image's caches serve it read-only."""
+    """The pipeline overlay's stage 0 (the transformers runner, its shell command picking layers by the pod's
+    name) until its readiness probe passes: the image's caches serve it read-only."""
     objects = render("pipeline")
     [stages] = [w for w in workloads(objects) if w["kind"] == "StatefulSet"]
     [stage] = containers(objects, stages)
@@ -128,7 +169,15 @@ def run_stage(image: str, network: str, mounts: Path, timeout_s: float, names: l
     started = time.monotonic()
     names.append(_run(image, stage, network, [f"--publish=127.0.0.1:{port}:{stage.port('http')}"], mounts))
     _step("waiting for the pipeline's stage 0 (transformers, read-only root)")
-    return round(_wait(f"http://127.0.0.1:{port}{stage.spec['readinessProbe']['httpGet']['path']}", started, timeout_s, names[-1:]), 1)
+    return round(
+        _wait(
+            f"http://127.0.0.1:{port}{stage.spec['readinessProbe']['httpGet']['path']}",
+            started,
+            timeout_s,
+            names[-1:],
+        ),
+        1,
+    )
 
 
 def _run(image: str, container, network: str, extra: list[str], mounts: Path) -> str:  # type: ignore[no-untyped-def]
@@ -143,7 +192,12 @@ def _run(image: str, container, network: str, extra: list[str], mounts: Path) ->
     if own.get("allowPrivilegeEscalation") is False:
         flags.append("--security-opt=no-new-privileges")
     flags += [f"--cap-drop={cap}" for cap in own.get("capabilities", {}).get("drop", [])]
-    flags += [f"--tmpfs={m['mountPath']}" for m in container.spec.get("volumeMounts", []) if m["mountPath"] not in container.files]  # the emptyDirs
+    # the emptyDirs
+    flags += [
+        f"--tmpfs={m['mountPath']}"
+        for m in container.spec.get("volumeMounts", [])
+        if m["mountPath"] not in container.files
+    ]
     for mount, files in container.files.items():
         local = mounts / container.pod / mount.strip("/")
         local.mkdir(parents=True)

@@ -10,8 +10,8 @@ from core.math.aggregation import normalise_weights
 from core.math.exact import extended_residual
 from core.math.random import sample_index
 from core.math.relaxed import relaxed_acceptance_probs
-from core.math.speculative import Verdict, acceptance_probs, count_accepted, residual
 from core.math.shapes import ChildRule
+from core.math.speculative import Verdict, acceptance_probs, count_accepted, residual
 from core.math.walk import SparseNode, accept_probability, after_rejection, extended_node
 
 
@@ -27,7 +27,11 @@ def verify_sampled(
     index = torch.tensor(draft, dtype=torch.long)[:, None]
     accepted = count_accepted(p[:gamma].gather(-1, index)[:, 0], q.gather(-1, index)[:, 0], accept_u)
     if accepted < gamma:
-        return Verdict(accepted, sample_index(residual(p[accepted], q[accepted]), float(final_u[accepted])), is_bonus=False)
+        return Verdict(
+            accepted,
+            sample_index(residual(p[accepted], q[accepted]), float(final_u[accepted])),
+            is_bonus=False,
+        )
     return Verdict(gamma, sample_index(p[gamma], float(final_u[gamma])), is_bonus=True)
 
 
@@ -87,7 +91,9 @@ def relaxed_output_law(
     q64 = q.double()
     support = (q64 > 0).nonzero()[:, 0]
     accept = torch.zeros_like(q64)
-    accept[support] = relaxed_acceptance_probs(p[support], q64[support], torch.full((len(support),), tau, dtype=torch.float64))
+    accept[support] = relaxed_acceptance_probs(
+        p[support], q64[support], torch.full((len(support),), tau, dtype=torch.float64)
+    )
     kept = q64 * accept
     return kept + (1 - kept.sum()) * residual(p, q)
 
@@ -127,7 +133,9 @@ def exact_tree_step_law(
     support = torch.unique(torch.cat([q_ids, torch.tensor(candidates, dtype=torch.long)]))
     outside = torch.ones(q.shape[0], dtype=torch.bool)
     outside[support] = False
-    row = SparseNode(support, p_n.double()[:, support], (p_n.double() * outside).sum(dim=-1), [0] * p_n.shape[0])
+    row = SparseNode(
+        support, p_n.double()[:, support], (p_n.double() * outside).sum(dim=-1), [0] * p_n.shape[0]
+    )
     p_now, q_now = extended_node(row, q_ids, q.double()[q_ids], w)
     local = torch.searchsorted(support, torch.tensor(candidates, dtype=torch.long)).tolist()
     law, left = torch.zeros(q.shape[0], dtype=torch.float64), 1.0

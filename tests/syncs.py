@@ -1,21 +1,28 @@
-"""A CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")`` over a worker's step (issue 73). On a GPU a step that reads
-a value back, or copies host data in from pageable memory, makes the host wait for the device; on the CPU nothing waits, so
-this detector says where it *would*.
+"""A CPU stand-in for ``torch.cuda.set_sync_debug_mode("error")`` over a worker's step (issue 73). On a GPU a
+step that reads a value back, or copies host data in from pageable memory, makes the host wait for the device;
+on the CPU nothing waits, so this detector says where it *would*.
 
-Between the step's upload (``StepUpload.send``) and its one copy back (``StepUpload.download``) — armed — it refuses:
-- the host reading a device tensor: ``item``, ``bool``/``int``/``float``/``index`` of one, ``tolist``, ``numpy``, ``cpu``
-  (a ``TorchDispatchMode`` sees ``aten._local_scalar_dense``; what reads memory without an op is caught on ``torch.Tensor``);
-- ops whose output size is a value (``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave`` by a tensor,
+Between the step's upload (``StepUpload.send``) and its one copy back (``StepUpload.download``) — armed — it
+refuses:
+- the host reading a device tensor: ``item``, ``bool``/``int``/``float``/``index`` of one, ``tolist``,
+  ``numpy``, ``cpu``
+  (a ``TorchDispatchMode`` sees ``aten._local_scalar_dense``; what reads memory without an op is caught on
+  ``torch.Tensor``);
+- ops whose output size is a value (``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave`` by a
+  tensor,
   ``bincount``, ``equal``, indexing by a boolean mask): on a GPU each reads back;
-- host data made a device tensor (``torch.tensor`` of a list: ``aten.lift_fresh``), or a host tensor fed to a device op (an
-  index tensor built on the host, a constant made once on the CPU): on a GPU a copy from pageable memory, which waits.
-  A Python number given to an elementwise op is a 0-dim host tensor, a number to the kernel, as on a GPU; set by an index
-  (``x[rows, ids] = 0.0``: ``index_put_``) or copied (``copy_``) it is copied in from the host, which waits there. What the
-  CPU cannot tell apart is ``torch.tensor(3, device=...)`` (a copy of one number) from a host-side ``torch.tensor(3)``.
+- host data made a device tensor (``torch.tensor`` of a list: ``aten.lift_fresh``), or a host tensor fed to a
+  device op (an
+  index tensor built on the host, a constant made once on the CPU): on a GPU a copy from pageable memory,
+  which waits. A Python number given to an elementwise op is a 0-dim host tensor, a number to the kernel, as
+  on a GPU; set by an index (``x[rows, ids] = 0.0``: ``index_put_``) or copied (``copy_``) it is copied in
+  from the host, which waits there. What the CPU cannot tell apart is ``torch.tensor(3, device=...)`` (a copy
+  of one number) from a host-side ``torch.tensor(3)``.
 
-Device tensors are known by their storage: every tensor the runner holds (weights, KV stores, graph buffers, the upload's
-device buffer), what the upload sends, and every op's output with a device input or with none (a factory, armed). Whatever
-was made on the host outside that is a host tensor. 0-dim host tensors are scalars to a device op, as on a GPU."""
+Device tensors are known by their storage: every tensor the runner holds (weights, KV stores, graph buffers,
+the upload's device buffer), what the upload sends, and every op's output with a device input or with none (a
+factory, armed). Whatever was made on the host outside that is a host tensor. 0-dim host tensors are scalars
+to a device op, as on a GPU."""
 
 from __future__ import annotations
 
@@ -32,12 +39,39 @@ from torch.utils._pytree import tree_leaves
 from core.runners.step_upload import StepUpload
 
 REFUSED = {
-    "_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive",
-    "unique_dim_consecutive", "bincount", "equal", "is_nonzero", "histc", "lift_fresh", "lift_fresh_copy",
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "unique_dim_consecutive",
+    "bincount",
+    "equal",
+    "is_nonzero",
+    "histc",
+    "lift_fresh",
+    "lift_fresh_copy",
 }
 READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
-# ops that copy a host tensor's value to the device even when it is 0-dim (elementwise ops take a 0-dim host tensor as a number)
-COPIES_VALUE = {"index_put", "index_put_", "_index_put_impl_", "copy_", "_to_copy", "index_copy", "index_copy_", "scatter", "scatter_", "masked_scatter", "masked_scatter_"}
+# ops that copy a host tensor's value to the device even when it is 0-dim (elementwise ops take a 0-dim host
+# tensor as a number)
+COPIES_VALUE = {
+    "index_put",
+    "index_put_",
+    "_index_put_impl_",
+    "copy_",
+    "_to_copy",
+    "index_copy",
+    "index_copy_",
+    "scatter",
+    "scatter_",
+    "masked_scatter",
+    "masked_scatter_",
+}
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -45,8 +79,8 @@ def _storage(tensor: torch.Tensor) -> int:
 
 
 class HostSyncs(TorchDispatchMode):
-    """``with HostSyncs(runner) as syncs: steps.verify_batch(...)``; then ``syncs.found`` (each a line naming the op and
-    where in the project it ran), ``syncs.sends`` and ``syncs.downloads`` (per step: one each)."""
+    """``with HostSyncs(runner) as syncs: steps.verify_batch(...)``; then ``syncs.found`` (each a line naming
+    the op and where in the project it ran), ``syncs.sends`` and ``syncs.downloads`` (per step: one each)."""
 
     def __init__(self, *holders: Any) -> None:
         super().__init__()
@@ -69,8 +103,18 @@ class HostSyncs(TorchDispatchMode):
         return _storage(tensor) in self._device
 
     def _refuse(self, what: str) -> None:
-        frames = [f for f in traceback.extract_stack()[:-2] if "/tests/syncs.py" not in f.filename and "/torch/" not in f.filename]
-        where = next((f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(frames)), "?")
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-2]
+            if "/tests/syncs.py" not in f.filename and "/torch/" not in f.filename
+        ]
+        where = next(
+            (
+                f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+                for f in reversed(frames)
+            ),
+            "?",
+        )
         self.found.append(f"{what} at {where}")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -79,22 +123,31 @@ class HostSyncs(TorchDispatchMode):
         on_device = [self.is_device(t) for t in inputs]
         if self.armed and not self._quiet:
             name = func.overloadpacket.__name__
-            if name.startswith("lift_fresh"):  # torch.tensor(host data): a 0-dim one is a scalar to a device op (a Python number set into one)
+            if name.startswith("lift_fresh"):
+                # torch.tensor(host data): a 0-dim one is a scalar to a device op (a Python number set into
+                # one)
                 if inputs and inputs[0].dim() > 0:
                     self._refuse(f"aten.{name} of host data {tuple(inputs[0].shape)}")
             elif name in REFUSED and any(on_device):
                 self._refuse(f"aten.{name}")
-            elif name == "repeat_interleave" and isinstance(args[0], torch.Tensor) and func._overloadname != "self_int":
+            elif (
+                name == "repeat_interleave"
+                and isinstance(args[0], torch.Tensor)
+                and func._overloadname != "self_int"
+            ):
                 self._refuse("aten.repeat_interleave by a tensor of repeats")
             elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and any(
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_leaves(args[1])
             ):
                 self._refuse(f"aten.{name} by a boolean mask")
             elif any(on_device):
-                copies = name in COPIES_VALUE  # these copy a host value in, a 0-dim one too (an index set to a Python number)
+                # these copy a host value in, a 0-dim one too (an index set to a Python number)
+                copies = name in COPIES_VALUE
                 for tensor, device in zip(inputs, on_device):
                     if not device and (tensor.dim() > 0 or copies):
-                        self._refuse(f"aten.{name} of a host tensor {tuple(tensor.shape)} beside device tensors")
+                        self._refuse(
+                            f"aten.{name} of a host tensor {tuple(tensor.shape)} beside device tensors"
+                        )
                         break
         out = func(*args, **kwargs)
         if any(on_device) or (self.armed and not inputs):
@@ -119,7 +172,8 @@ class HostSyncs(TorchDispatchMode):
 
 @contextmanager
 def host_syncs(*holders: Any) -> Iterator[HostSyncs]:
-    """The detector over ``holders``' device tensors, with the step's send and download watched and the host reads caught."""
+    """The detector over ``holders``' device tensors, with the step's send and download watched and the host
+    reads caught."""
     detector = HostSyncs(*holders)
     real_send, real_download = StepUpload.send, StepUpload.download
     real_reads = {name: getattr(torch.Tensor, name) for name in READS}
@@ -162,8 +216,8 @@ def host_syncs(*holders: Any) -> Iterator[HostSyncs]:
 
 
 def device_tensors(holder: Any, depth: int = 4) -> Iterator[torch.Tensor]:
-    """Every tensor ``holder`` holds: a module's parameters and buffers, and tensors in its attributes, lists, dicts and
-    dataclasses, ``depth`` levels down."""
+    """Every tensor ``holder`` holds: a module's parameters and buffers, and tensors in its attributes, lists,
+    dicts and dataclasses, ``depth`` levels down."""
     seen: set[int] = set()
 
     def walk(value: Any, level: int) -> Iterator[torch.Tensor]:
@@ -184,7 +238,11 @@ def device_tensors(holder: Any, depth: int = 4) -> Iterator[torch.Tensor]:
         elif is_dataclass(value) and not isinstance(value, type):
             for field in fields(value):
                 yield from walk(getattr(value, field.name), level - 1)
-        elif hasattr(value, "__dict__") and type(value).__module__.split(".")[0] in ("core", "workers", "app"):
+        elif hasattr(value, "__dict__") and type(value).__module__.split(".")[0] in (
+            "core",
+            "workers",
+            "app",
+        ):
             for item in vars(value).values():
                 yield from walk(item, level - 1)
 

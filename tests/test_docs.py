@@ -11,16 +11,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_configuration_page_is_generated_from_the_settings() -> None:
-    out = subprocess.run([sys.executable, "scripts/config_docs.py"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "scripts/config_docs.py"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
     page = (ROOT / "docs" / "configuration.md").read_text()
-    assert page == out.stdout, "docs/configuration.md is stale: python scripts/config_docs.py > docs/configuration.md"
-    for key in ("`speculative.mode`", "`workers[].urls`", "`limits.drain_timeout_s`", "`SPECGATE_API_KEY`", "`SPECGATE_WORKER_TOKEN`"):
+    assert page == out.stdout, (
+        "docs/configuration.md is stale: python scripts/config_docs.py > docs/configuration.md"
+    )
+    for key in (
+        "`speculative.mode`",
+        "`workers[].urls`",
+        "`limits.drain_timeout_s`",
+        "`SPECGATE_API_KEY`",
+        "`SPECGATE_WORKER_TOKEN`",
+    ):
         assert key in page
 
 
 def _slug(heading: str) -> str:
-    """A heading's anchor as GitHub writes it: lower case, punctuation dropped but hyphens and underscores, spaces as hyphens."""
+    """A heading's anchor as GitHub writes it: lower case, punctuation dropped but hyphens and underscores,
+    spaces as hyphens."""
     text = re.sub(r"`([^`]*)`", r"\1", heading.strip()).lower()
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
@@ -43,7 +54,8 @@ def _anchors(page: Path) -> set[str]:
 
 
 def test_every_link_in_the_readme_and_docs_resolves() -> None:
-    """Each relative link names a file of the repository, and each #anchor a heading of its page: the docs stand alone."""
+    """Each relative link names a file of the repository, and each #anchor a heading of its page: the docs
+    stand alone."""
     broken = []
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)

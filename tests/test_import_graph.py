@@ -89,7 +89,9 @@ def test_the_check_finds_a_circle() -> None:
 
 
 def test_the_check_reads_type_checking_imports(tmp_path: Path) -> None:
-    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from workers.server import WorkerState\n"
+    source = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from workers.server import WorkerState\n"
+    )
     (tmp_path / "m.py").write_text(source)
     known = {"workers.server": Path("workers/server.py"), "workers.m": tmp_path / "m.py"}
     assert _imports(tmp_path / "m.py", "workers.m", known) == {"workers.server"}

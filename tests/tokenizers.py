@@ -1,9 +1,9 @@
-"""Real tokenizers whose markers are special tokens, from the data that packages ship (no model hub): Llama 3's (the
-``llama-models`` package: a tiktoken vocabulary, ``<|python_tag|>`` one special token) and Mistral's Tekken (the
-``mistral-common`` package: Nemo's vocabulary, ``[TOOL_CALLS]`` control token 9). Each is built as a transformers fast
-tokenizer, as a gateway loads one, with the packages' own ids, and kept on disk after the first build (a few seconds):
-``make test``'s set-up builds them (``python -m tests.tokenizers``). The packages are installed without their
-dependencies (scripts/setup.sh --dev): only their data files are read."""
+"""Real tokenizers whose markers are special tokens, from the data that packages ship (no model hub): Llama
+3's (the ``llama-models`` package: a tiktoken vocabulary, ``<|python_tag|>`` one special token) and Mistral's
+Tekken (the ``mistral-common`` package: Nemo's vocabulary, ``[TOOL_CALLS]`` control token 9). Each is built as
+a transformers fast tokenizer, as a gateway loads one, with the packages' own ids, and kept on disk after the
+first build (a few seconds): ``make test``'s set-up builds them (``python -m tests.tokenizers``). The packages
+are installed without their dependencies (scripts/setup.sh --dev): only their data files are read."""
 
 from __future__ import annotations
 
@@ -17,16 +17,40 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-TEKKEN_SPECIALS = (  # mistral-common's Tekkenizer.DEPRECATED_SPECIAL_TOKENS (ranks 0-19) for a v3 Tekken file: the rest <SPECIAL_n>
-    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]",
-    "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]", "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
+# mistral-common's Tekkenizer.DEPRECATED_SPECIAL_TOKENS (ranks 0-19) for a v3 Tekken file: the rest
+# <SPECIAL_n>
+TEKKEN_SPECIALS = (
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+    "[TOOL_CALLS]",
+    "[IMG]",
+    "<pad>",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    "[PREFIX]",
+    "[MIDDLE]",
+    "[SUFFIX]",
+    "[SYSTEM_PROMPT]",
+    "[/SYSTEM_PROMPT]",
+    "[TOOL_CONTENT]",
 )
 
 
 def package_dir(name: str) -> Path | None:
     """Where an installed package's files are, without importing it (its dependencies are not installed)."""
     spec = importlib.util.find_spec(name)
-    return Path(list(spec.submodule_search_locations)[0]) if spec is not None and spec.submodule_search_locations else None
+    return (
+        Path(list(spec.submodule_search_locations)[0])
+        if spec is not None and spec.submodule_search_locations
+        else None
+    )
 
 
 def _cache_dir() -> Path:
@@ -35,7 +59,8 @@ def _cache_dir() -> Path:
 
 
 def _fast(name: str, build: Any, bos: str, eos: str) -> Any:
-    """The transformers tokenizer kept as ``name``.json, built by ``build()`` (a tokenizers.Tokenizer) the first time."""
+    """The transformers tokenizer kept as ``name``.json, built by ``build()`` (a tokenizers.Tokenizer) the
+    first time."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -64,7 +89,9 @@ def llama3() -> Any:
         from tokenizers import AddedToken
         from transformers.convert_slow_tokenizer import TikTokenConverter
 
-        tokenizer = TikTokenConverter(vocab_file=str(root / "llama3" / "tokenizer.model"), pattern=pattern).converted()
+        tokenizer = TikTokenConverter(
+            vocab_file=str(root / "llama3" / "tokenizer.model"), pattern=pattern
+        ).converted()
         tokenizer.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
         return tokenizer
 
@@ -73,7 +100,8 @@ def llama3() -> Any:
 
 @cache
 def tekken() -> Any:
-    """Mistral Nemo's Tekken tokenizer: 1,000 special tokens (ids 0-999; [TOOL_CALLS] is 9), then its vocabulary."""
+    """Mistral Nemo's Tekken tokenizer: 1,000 special tokens (ids 0-999; [TOOL_CALLS] is 9), then its
+    vocabulary."""
     root = package_dir("mistral_common")
     assert root is not None, "mistral-common is not installed (scripts/setup.sh --dev installs it)"
 
@@ -83,7 +111,9 @@ def tekken() -> Any:
 
         data = json.loads((root / "data" / "tekken_240718.json").read_text())
         config = data["config"]
-        specials = list(TEKKEN_SPECIALS) + [f"<SPECIAL_{i}>" for i in range(len(TEKKEN_SPECIALS), config["default_num_special_tokens"])]
+        specials = list(TEKKEN_SPECIALS) + [
+            f"<SPECIAL_{i}>" for i in range(len(TEKKEN_SPECIALS), config["default_num_special_tokens"])
+        ]
         size = config["default_vocab_size"] - len(specials)
         ranks = {base64.b64decode(t["token_bytes"]): t["rank"] for t in data["vocab"][:size]}
         byte_map = bytes_to_unicode()
@@ -91,18 +121,32 @@ def tekken() -> Any:
         def text(token: bytes) -> str:
             return "".join(byte_map[b] for b in token)
 
-        vocab = {s: i for i, s in enumerate(specials)} | {text(t): rank + len(specials) for t, rank in ranks.items()}
-        merges = []  # as transformers' TikTokenConverter: every split of a token into two tokens, by the token's rank
+        vocab = {s: i for i, s in enumerate(specials)} | {
+            text(t): rank + len(specials) for t, rank in ranks.items()
+        }
+        # as transformers' TikTokenConverter: every split of a token into two tokens, by the token's rank
+        merges = []
         for token, rank in ranks.items():
-            pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
-            merges += [(left, right, rank) for left, right in sorted(pairs, key=lambda pair: (ranks[pair[0]], ranks[pair[1]]))]
+            pairs = [
+                (token[:i], token[i:])
+                for i in range(1, len(token))
+                if token[:i] in ranks and token[i:] in ranks
+            ]
+            merges += [
+                (left, right, rank)
+                for left, right in sorted(pairs, key=lambda pair: (ranks[pair[0]], ranks[pair[1]]))
+            ]
         merges.sort(key=lambda merge: merge[2])
-        tokenizer = Tokenizer(models.BPE(vocab, [(text(left), text(right)) for left, right, _ in merges], fuse_unk=False))
+        tokenizer = Tokenizer(
+            models.BPE(vocab, [(text(left), text(right)) for left, right, _ in merges], fuse_unk=False)
+        )
         tokenizer.model.ignore_merges = True
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(pattern=_tokenizers_regex(config["pattern"]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(pattern=_tokenizers_regex(config["pattern"]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
         tokenizer.decoder = decoders.ByteLevel()
         tokenizer.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
         return tokenizer

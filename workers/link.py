@@ -33,7 +33,9 @@ class StageLink:
 
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.settings.stage_wait_s * 2, connect=5.0))
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.settings.stage_wait_s * 2, connect=5.0)
+            )
         return self._client
 
     async def close(self) -> None:
@@ -45,7 +47,8 @@ class StageLink:
         urls = list(req.next) if req.next else ([self.settings.next] if self.settings.next else [])
         if not urls:
             raise InvalidRequest(
-                f"this stage (layers {self.settings.layers}) is not the last: the call must name the next stages (next), or the worker its --next",
+                f"this stage (layers {self.settings.layers}) is not the last: the call must name "
+                "the next stages (next), or the worker its --next",
                 param="next",
             )
         onward = replace(req, hidden=states.states.float().numpy(), next=urls[1:])
@@ -61,19 +64,31 @@ class StageLink:
             answer = await self.client().post(f"{url}/v1/stage/forward", content=payload, headers=headers)
         except httpx.HTTPError as exc:
             message = f"the next stage {url} is unreachable: {type(exc).__name__} {exc}"
-            raise StageFailed(502, ErrorBody(message, "server_error", param=url, code="stage_unreachable")) from exc
+            raise StageFailed(
+                502, ErrorBody(message, "server_error", param=url, code="stage_unreachable")
+            ) from exc
         if answer.status_code != 200:
             try:
                 body = ErrorBody.from_json(answer.content)
             except ProtocolError:
                 body = ErrorBody(f"answered {answer.status_code}", "server_error")
-            if answer.status_code >= 500 and body.code not in ("stage_unreachable", "stage_failed"):  # that stage failed itself
+            if answer.status_code >= 500 and body.code not in ("stage_unreachable", "stage_failed"):
+                # that stage failed itself
                 body = replace(body, param=url, code="stage_failed")
             raise StageFailed(answer.status_code, replace(body, message=f"stage {url}: {body.message}"))
         try:
             resp = decode(StageResponse, answer.content, answer.headers.get("content-type"))
         except ProtocolError as exc:
-            raise StageFailed(502, ErrorBody(f"stage {url} answered garbage: {exc}", "server_error", param=url, code="stage_failed")) from exc
-        stage_ms = np.concatenate([[states.model_ms], np.asarray(resp.stage_ms if resp.stage_ms is not None else [], np.float32)]).astype(np.float32)
-        hops = np.concatenate([[len(payload)], np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [], np.int32)]).astype(np.int32)
+            raise StageFailed(
+                502,
+                ErrorBody(
+                    f"stage {url} answered garbage: {exc}", "server_error", param=url, code="stage_failed"
+                ),
+            ) from exc
+        stage_ms = np.concatenate(
+            [[states.model_ms], np.asarray(resp.stage_ms if resp.stage_ms is not None else [], np.float32)]
+        ).astype(np.float32)
+        hops = np.concatenate(
+            [[len(payload)], np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [], np.int32)]
+        ).astype(np.int32)
         return replace(resp, stage_ms=stage_ms, hop_bytes=hops)

@@ -1,8 +1,8 @@
-"""The worker's ``VerifyScheduler`` (docs/design.md §9): calls wait in one FIFO queue; a step takes from its front
-(``take_within``) and runs them as one runner forward (``workers.step``); ``exclusive`` entries (``DELETE``, the
-close) run between two steps, in their place in the queue. A long prompt goes in pieces (chunked prefill, as
-vLLM's): ``prefill_chunk`` of its tokens a step, in the steps the other sessions' calls leave free and one step in
-four beside them, so theirs wait one piece at most, not the whole prefill."""
+"""The worker's ``VerifyScheduler`` (docs/design.md §9): calls wait in one FIFO queue; a step takes from its
+front (``take_within``) and runs them as one runner forward (``workers.step``); ``exclusive`` entries
+(``DELETE``, the close) run between two steps, in their place in the queue. A long prompt goes in pieces
+(chunked prefill, as vLLM's): ``prefill_chunk`` of its tokens a step, in the steps the other sessions' calls
+leave free and one step in four beside them, so theirs wait one piece at most, not the whole prefill."""
 
 from __future__ import annotations
 
@@ -19,14 +19,16 @@ from core.runners.model_thread import ModelThread, take_within
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-PIECE_PASSES = 3  # steps in a row a long call's next piece may wait while other calls go: then it goes beside them
-AGE_PASSES = 8  # pieces of shorter long calls that may go before a long call's next one: then the oldest such goes first
+# steps in a row a long call's next piece may wait while other calls go: then it goes beside them
+PIECE_PASSES = 3
+# pieces of shorter long calls that may go before a long call's next one: then the oldest such goes first
+AGE_PASSES = 8
 
 
 @dataclass(frozen=True)
 class Piece:
-    """A piece of a long call (chunked prefill): ``req.tokens[start:end]`` fed in a step, no answer; ``end`` None: the
-    rest of its tokens and its draft, answered as the call."""
+    """A piece of a long call (chunked prefill): ``req.tokens[start:end]`` fed in a step, no answer; ``end``
+    None: the rest of its tokens and its draft, answered as the call."""
 
     req: VerifyRequest
     start: int
@@ -45,8 +47,9 @@ Work = VerifyRequest | StageRequest | Piece  # what a step runs for one call
 
 
 def chunkable(req: VerifyRequest | StageRequest) -> bool:
-    """Whether a call's new tokens may go in pieces: a chain's or a tree's (its agreed tokens in pieces, the last with the
-    tree); not one that keeps a previous tree's path first, an echo's that scores every row, or a pipeline stage's."""
+    """Whether a call's new tokens may go in pieces: a chain's or a tree's (its agreed tokens in pieces, the
+    last with the tree); not one that keeps a previous tree's path first, an echo's that scores every row, or
+    a pipeline stage's."""
     return isinstance(req, VerifyRequest) and req.path is None and not req.score_tokens
 
 
@@ -79,8 +82,8 @@ class StepLog:
 
 
 class StepHost(Protocol):
-    """What the scheduler runs its steps on (``workers.step.Steps``): a step whole, or launched and finished apart where its
-    device work runs while the host goes on (``overlaps``: a GPU's stream)."""
+    """What the scheduler runs its steps on (``workers.step.Steps``): a step whole, or launched and finished
+    apart where its device work runs while the host goes on (``overlaps``: a GPU's stream)."""
 
     thread: ModelThread
 
@@ -97,22 +100,27 @@ class StepHost(Protocol):
 class VerifyScheduler:
     def __init__(self, state: StepHost, max_batch_tokens: int, prefill_chunk: int | None = None) -> None:
         if max_batch_tokens < 1 or (prefill_chunk is not None and prefill_chunk < 1):
-            raise ValueError(f"max_batch_tokens and prefill_chunk must be ≥ 1, got {max_batch_tokens} and {prefill_chunk}")
+            raise ValueError(
+                f"max_batch_tokens and prefill_chunk must be ≥ 1, got {max_batch_tokens} and {prefill_chunk}"
+            )
         self.state, self.max_batch_tokens = state, max_batch_tokens
         self.prefill_chunk = prefill_chunk or max_batch_tokens  # a long call's tokens per step
-        self.long_call = max(self.prefill_chunk, max_batch_tokens // 4)  # a call with more new tokens goes in pieces (a chat's first call goes whole)
+        # a call with more new tokens goes in pieces (a chat's first call goes whole)
+        self.long_call = max(self.prefill_chunk, max_batch_tokens // 4)
         self._passed = 0  # steps in a row a long call's piece waited through
         self.steps = StepLog()
         self.overlapped = 0  # steps launched while the one before was still on the device
         self._queue: deque[_Call | _Exclusive] = deque()
         self._working = False  # the loop is taking work (a step or exclusive work runs, or is next)
-        self.progress_at = time.monotonic()  # when a step or exclusive work last ended, or work came to an idle scheduler
+        # when a step or exclusive work last ended, or work came to an idle scheduler
+        self.progress_at = time.monotonic()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     async def verify(self, req: VerifyRequest | StageRequest, timing: dict[str, float]) -> Any:
-        """Queue a call (a verify call, or a pipeline stage's segment); its answer once its step has run. ``timing`` gets
-        ``arrived`` (the step takes it: a call answered from a decode done ahead counts the part it waited for)."""
+        """Queue a call (a verify call, or a pipeline stage's segment); its answer once its step has run.
+        ``timing`` gets ``arrived`` (the step takes it: a call answered from a decode done ahead counts the
+        part it waited for)."""
         timing["arrived"] = time.perf_counter()
         return await self._enqueue(_Call(req, timing, asyncio.get_running_loop().create_future()))
 
@@ -135,9 +143,10 @@ class VerifyScheduler:
 
     @property
     def stalled_s(self) -> float:
-        """Seconds since the model last finished a step (or a decode of one) while work waits or runs; 0 while idle. A busy worker's stays
-        under a step's time whatever its queue; a stuck one's grows (its ``/health`` reports it: the gateway waits on a
-        slow answer while it stays low, ``app.targets.channel``)."""
+        """Seconds since the model last finished a step (or a decode of one) while work waits or runs; 0 while
+        idle. A busy worker's stays under a step's time whatever its queue; a stuck one's grows (its
+        ``/health`` reports it: the gateway waits on a slow answer while it stays low,
+        ``app.targets.channel``)."""
         if not self._queue and not self._working:
             return 0.0
         runner = getattr(self.state, "runner", None)  # llama.cpp: each decode of a step is progress too
@@ -172,7 +181,8 @@ class VerifyScheduler:
                 else:
                     await self._step(self._take())
             self._working = False
-            while not self._queue and getattr(self.state, "wants_ahead", False):  # idle: answers' tokens decoded ahead, one a hop
+            while not self._queue and getattr(self.state, "wants_ahead", False):
+                # idle: answers' tokens decoded ahead, one a hop
                 if not await self._look_ahead():
                     break
 
@@ -185,8 +195,8 @@ class VerifyScheduler:
         return True
 
     def _next_exclusive(self) -> _Exclusive | None:
-        """The first exclusive entry, once every call before it has had a step: a long call between two of its pieces
-        does not hold it (a ``DELETE`` behind a long prefill would hold every call behind it)."""
+        """The first exclusive entry, once every call before it has had a step: a long call between two of its
+        pieces does not hold it (a ``DELETE`` behind a long prefill would hold every call behind it)."""
         for entry in self._queue:
             if isinstance(entry, _Exclusive):
                 return entry
@@ -195,10 +205,10 @@ class VerifyScheduler:
         return None
 
     async def _overlapped(self, work: list[tuple[_Call, Work]]) -> None:
-        """Steps in a pipeline two deep (where the host's device queues work: a GPU): while one step runs on the device, the
-        host prepares and launches the next — of other sessions: a session's next call waits for its answer, as the protocol
-        has it — then takes the first's answers. An exclusive entry whose turn has come drains the pipeline: it runs between
-        two steps, none in flight."""
+        """Steps in a pipeline two deep (where the host's device queues work: a GPU): while one step runs on
+        the device, the host prepares and launches the next — of other sessions: a session's next call waits
+        for its answer, as the protocol has it — then takes the first's answers. An exclusive entry whose turn
+        has come drains the pipeline: it runs between two steps, none in flight."""
         pending = await self._launch(work)
         while pending is not None:
             following = None
@@ -208,12 +218,16 @@ class VerifyScheduler:
             await self._settle_pending(pending)
             pending = following
 
-    async def _launch(self, work: list[tuple[_Call, Work]]) -> tuple[list[tuple[_Call, Work]], Any, set[str]] | None:
+    async def _launch(
+        self, work: list[tuple[_Call, Work]]
+    ) -> tuple[list[tuple[_Call, Work]], Any, set[str]] | None:
         if not work:
             return None
         self.steps.add([w for _, w in work])
         try:
-            launched: Any = await self.state.thread.run(self.state.launch, [w for _, w in work], [c.timing for c, _ in work])
+            launched: Any = await self.state.thread.run(
+                self.state.launch, [w for _, w in work], [c.timing for c, _ in work]
+            )
         except Exception as exc:  # noqa: BLE001 - the step itself failed: every call of it
             log.exception("verify step failed")
             launched = exc
@@ -232,20 +246,39 @@ class VerifyScheduler:
         self._answer(work, answers)
 
     def _take(self, busy: Collection[str] = ()) -> list[tuple[_Call, Work]]:
-        """The step's work from the calls before the first exclusive entry: whole calls within ``max_batch_tokens``
-        (``take_within``); the next piece of the long call with the fewest tokens left (a session sent again goes before
-        a long prompt; one passed over ``AGE_PASSES`` times goes first, oldest first) in a step of its own, or beside them once it waited ``PIECE_PASSES`` steps; calls passed over
+        """The step's work from the calls before the first exclusive entry: whole calls within
+        ``max_batch_tokens`` (``take_within``); the next piece of the long call with the fewest tokens left (a
+        session sent again goes before a long prompt; one passed over ``AGE_PASSES`` times goes first, oldest
+        first) in a step of its own, or beside them once it waited ``PIECE_PASSES`` steps; calls passed over
         keep their places, calls whose client left are dropped."""
-        barrier = next((i for i, entry in enumerate(self._queue) if isinstance(entry, _Exclusive)), len(self._queue))  # what comes after it waits
+        # what comes after it waits
+        barrier = next(
+            (i for i, entry in enumerate(self._queue) if isinstance(entry, _Exclusive)), len(self._queue)
+        )
         waiting = [entry for entry in list(self._queue)[:barrier] if isinstance(entry, _Call)]
-        live = [c for c in waiting if not c.done.done() and c.req.session_id not in busy]  # busy: a step in flight holds the session
-        long = [c for c in live if chunkable(c.req) and (c.fed or len(c.req.tokens) > self.long_call) and len(c.req.tokens) - c.fed > self.prefill_chunk]
+        # busy: a step in flight holds the session
+        live = [c for c in waiting if not c.done.done() and c.req.session_id not in busy]
+        long = [
+            c
+            for c in live
+            if chunkable(c.req)
+            and (c.fed or len(c.req.tokens) > self.long_call)
+            and len(c.req.tokens) - c.fed > self.prefill_chunk
+        ]
         apart = {c.req.session_id for c in long}
-        taken = take_within((c for c in live if c.req.session_id not in apart), lambda c: c.req.new_rows - c.fed, self.max_batch_tokens, lambda c: c.req.session_id)
+        taken = take_within(
+            (c for c in live if c.req.session_id not in apart),
+            lambda c: c.req.new_rows - c.fed,
+            self.max_batch_tokens,
+            lambda c: c.req.session_id,
+        )
         work: list[tuple[_Call, Work]] = [(c, Piece(c.req, c.fed) if c.fed else c.req) for c in taken]  # type: ignore[arg-type]  # fed: a chunkable call
-        if long and (not taken or self._passed >= PIECE_PASSES):  # alone, or beside them after waiting its passes
-            aged = [c for c in long if c.passed_over >= AGE_PASSES]  # shorter prompts arriving all the time starve none
-            first = aged[0] if aged else min(long, key=lambda c: len(c.req.tokens) - c.fed)  # the oldest of the shortest
+        if long and (not taken or self._passed >= PIECE_PASSES):
+            # alone, or beside them after waiting its passes
+            # shorter prompts arriving all the time starve none
+            aged = [c for c in long if c.passed_over >= AGE_PASSES]
+            # the oldest of the shortest
+            first = aged[0] if aged else min(long, key=lambda c: len(c.req.tokens) - c.fed)
             for call in long:
                 call.passed_over = 0 if call is first else call.passed_over + 1
             work.append((first, Piece(first.req, first.fed, first.fed + self.prefill_chunk)))  # type: ignore[arg-type]
@@ -261,7 +294,9 @@ class VerifyScheduler:
             return
         self.steps.add([w for _, w in work])
         try:
-            answers = await self.state.thread.run(self.state.verify_batch, [w for _, w in work], [c.timing for c, _ in work])
+            answers = await self.state.thread.run(
+                self.state.verify_batch, [w for _, w in work], [c.timing for c, _ in work]
+            )
         except Exception as exc:  # noqa: BLE001 - the step itself failed: every call of it
             log.exception("verify step failed")
             answers = [exc] * len(work)
@@ -271,7 +306,8 @@ class VerifyScheduler:
         self.progress_at = time.monotonic()
         for (call, piece), answer in zip(work, answers):
             if isinstance(piece, Piece) and piece.end is not None and not isinstance(answer, BaseException):
-                call.fed = answer if isinstance(answer, int) else piece.end  # the call waits in its place for its next piece
+                # the call waits in its place for its next piece
+                call.fed = answer if isinstance(answer, int) else piece.end
                 continue
             if isinstance(piece, Piece) and piece.end is not None:  # a piece failed: the call with it
                 self._queue = deque(e for e in self._queue if e is not call)

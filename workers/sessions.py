@@ -1,5 +1,6 @@
-"""The worker's sessions: which exist and which to drop (LRU, session cap, TTL, memory cap); their KV caches live in the runner;
-each one's transform (docs/design.md §3.9: the grammar engine, grammars compiled off the model thread)."""
+"""The worker's sessions: which exist and which to drop (LRU, session cap, TTL, memory cap); their KV caches
+live in the runner; each one's transform (docs/design.md §3.9: the grammar engine, grammars compiled off the
+model thread)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class SessionStore:
     num_evicted: int = 0
     _last_used: OrderedDict[str, float] = field(default_factory=OrderedDict)
     _trees: set[str] = field(default_factory=set)  # sessions that sent tree calls
-    transforms: dict[str, Transformer] = field(default_factory=dict)  # a session's transform (docs/design.md §3.9), from the call that started it
+    # a session's transform (docs/design.md §3.9), from the call that started it
+    transforms: dict[str, Transformer] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._last_used)
@@ -45,14 +47,19 @@ class SessionStore:
         """Raise SessionShort unless the session holds ``prefix_len`` tokens hashing as given."""
         if prefix_len == 0:
             return
-        held = self.runner.tokens(session_id)[: self.runner.sequence_length(session_id)] if session_id in self._last_used else []
+        held = (
+            self.runner.tokens(session_id)[: self.runner.sequence_length(session_id)]
+            if session_id in self._last_used
+            else []
+        )
         if prefix_len > len(held):
             raise SessionShort(session_id, len(held), f"asked for a prefix of {prefix_len}")
         if prefix_hash(held[:prefix_len]) != expected_hash:
             raise SessionShort(session_id, 0, "the prefix hash differs")
 
     def keep_path(self, session_id: str, prefix_len: int, expected_hash: str, path: list[int]) -> None:
-        """v1.1 ``path``: keep the held tree's accepted nodes as the last ``len(path)`` of ``prefix_len`` agreed tokens; SessionShort without it."""
+        """v1.1 ``path``: keep the held tree's accepted nodes as the last ``len(path)`` of ``prefix_len``
+        agreed tokens; SessionShort without it."""
         base = prefix_len - len(path)
         tree = self.runner.tree_nodes(session_id, base) if session_id in self._last_used else None
         if tree is None:
@@ -62,7 +69,8 @@ class SessionStore:
         for place, node in enumerate(path):
             if node >= len(tokens) or parents[node] != (path[place - 1] if place else -1):
                 raise InvalidRequest(
-                    f"path {path} is not a root-to-node path of the {len(tokens)}-node tree the previous call left (node {node} at place {place})",
+                    f"path {path} is not a root-to-node path of the {len(tokens)}-node tree the "
+                    f"previous call left (node {node} at place {place})",
                     param="path",
                 )
         agreed = self.runner.tokens(session_id)[:base] + [tokens[node] for node in path]
@@ -71,7 +79,8 @@ class SessionStore:
         self.runner.keep(session_id, [*range(base), *(base + node for node in path)])
 
     def admit(self, session_id: str, tree: bool = False) -> None:
-        """A call's session, held from now on; a new one needs a KV place no session used in the last ``live_s`` s holds (else ``WorkerFull``)."""
+        """A call's session, held from now on; a new one needs a KV place no session used in the last
+        ``live_s`` s holds (else ``WorkerFull``)."""
         if tree:
             self._trees.add(session_id)  # the runner may place it apart (llama.cpp: a context of its own)
         if session_id in self._last_used:
@@ -89,13 +98,15 @@ class SessionStore:
 
     @property
     def slots(self) -> int:
-        """Sessions this worker serves at once: ``max_sessions``, or fewer where the KV cache refuses a new one first."""
+        """Sessions this worker serves at once: ``max_sessions``, or fewer where the KV cache refuses a new
+        one first."""
         places = self.runner.session_places
         return self.max_sessions if places is None else min(self.max_sessions, places)
 
     def fill(self) -> float:
-        """How full the worker is (what an autoscaler reads): 1.0 where a new session gets ``worker_full`` (its live sessions hold
-        every KV place) or starts evicting (``max_sessions`` held), whichever comes first."""
+        """How full the worker is (what an autoscaler reads): 1.0 where a new session gets ``worker_full``
+        (its live sessions hold every KV place) or starts evicting (``max_sessions`` held), whichever comes
+        first."""
         places = self.runner.session_places
         held = self.runner.places_held(*self.live()) / places if places else 0.0
         return max(held, len(self) / self.max_sessions)
@@ -128,7 +139,8 @@ class SessionStore:
         self.num_evicted += 1
 
 
-Shaping = tuple[Transformer, list[int], list[list[int]]]  # a call's transform, its agreed tokens, each scored row's path after them
+# a call's transform, its agreed tokens, each scored row's path after them
+Shaping = tuple[Transformer, list[int], list[list[int]]]
 
 
 def shaped(rows: torch.Tensor, shaping: Shaping | None) -> torch.Tensor:
@@ -149,7 +161,9 @@ class Transforms:
     def transformer(self, wire: dict[str, Any]) -> Transformer:
         try:
             spec = TransformSpec.from_wire(wire)
-            return Transformer.build(spec, self.runner.info.vocab_size, self.grammars() if spec.grammar is not None else None)
+            return Transformer.build(
+                spec, self.runner.info.vocab_size, self.grammars() if spec.grammar is not None else None
+            )
         except ValueError as exc:  # GrammarError included
             raise InvalidRequest(str(exc), param="transform") from exc
 
@@ -160,7 +174,8 @@ class Transforms:
             self.sessions.transforms[session_id] = self.transformer(wire)
 
     async def precompile(self, wire: dict[str, Any] | None, starts: bool) -> None:
-        """Compile a starting call's grammar into the engine's cache off the model thread, so its batch-mates do not wait for it."""
+        """Compile a starting call's grammar into the engine's cache off the model thread, so its batch-mates
+        do not wait for it."""
         if not starts or not isinstance(wire, dict) or "grammar" not in wire:
             return
         try:
@@ -173,5 +188,10 @@ class Transforms:
         """The grammar engine over this model's tokenizer (built on first use: ~0.25 s)."""
         if self._grammars is None:
             info = self.runner.info
-            self._grammars = Grammars(self.runner.tokenizer, info.vocab_size, info.eos_ids, GrammarLimits(max_source_bytes=self.settings.max_grammar_bytes))
+            self._grammars = Grammars(
+                self.runner.tokenizer,
+                info.vocab_size,
+                info.eos_ids,
+                GrammarLimits(max_source_bytes=self.settings.max_grammar_bytes),
+            )
         return self._grammars

@@ -19,7 +19,8 @@ from core.runners.base import ForwardItem, common_prefix
 from core.runners.model_thread import ModelThread, take_within
 
 DEFAULT_BATCH_TOKENS = 128  # a draft step's new rows, all requests together (DraftConfig.max_batch_tokens)
-BACKGROUND_PASSES = 3  # steps in a row a background prefill may be left out of while drafts wait: then it goes beside them
+# steps in a row a background prefill may be left out of while drafts wait: then it goes beside them
+BACKGROUND_PASSES = 3
 
 DraftSteps = Generator[ForwardItem, torch.Tensor, TokenTree]  # a draft: yields items, gets their logits
 
@@ -91,14 +92,20 @@ class Drafting:
 class StepBatcher:
     """Runs drafts (``DraftSteps``) on one runner, one shared ``forward_each`` per step."""
 
-    def __init__(self, runner: ModelRunner, thread: ModelThread | None = None, max_batch_tokens: int = DEFAULT_BATCH_TOKENS) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        thread: ModelThread | None = None,
+        max_batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    ) -> None:
         if max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens must be ≥ 1, got {max_batch_tokens}")
         self.runner = runner
         self.thread = thread or ModelThread()  # every runner call (core.runners.model_thread)
         self.max_batch_tokens = max_batch_tokens  # new rows per step, all drafts together (one always goes)
         self.prefill_chunk = max(1, max_batch_tokens // 2)  # a prompt's rows per step: others ride along
-        self.background_chunk = max(1, max_batch_tokens // 4)  # a background prefill's: a step it runs alone in stays short
+        # a background prefill's: a step it runs alone in stays short
+        self.background_chunk = max(1, max_batch_tokens // 4)
         self.steps: deque[int] = deque(maxlen=1024)  # drafts per step, the latest steps (tests)
         self.num_steps = self.num_step_drafts = 0  # since start (metrics: the mean draft batch)
         self.busy: dict[str, asyncio.Future[TokenTree]] = {}  # session -> its draft in progress
@@ -108,16 +115,18 @@ class StepBatcher:
         self._passed = 0  # steps in a row a background prefill waited through
 
     async def idle(self, session_id: str) -> None:
-        """Wait until the session has no draft in progress (one draft per session at a time); a background prefill
-        waited on goes with the drafts from its next step."""
+        """Wait until the session has no draft in progress (one draft per session at a time); a background
+        prefill waited on goes with the drafts from its next step."""
         while (busy := self.busy.get(session_id)) is not None:
             if (drafting := self._runs.get(session_id)) is not None:
                 drafting.background = False
             await asyncio.wait([busy])
 
-    async def run(self, session_id: str, steps: DraftSteps, timing: dict[str, float] | None, background: bool = False) -> TokenTree:
-        """The draft ``steps`` to its end, its seconds added to ``timing`` (``DraftClock``); ``background``: a prefill
-        the drafts waiting go before (``_step``)."""
+    async def run(
+        self, session_id: str, steps: DraftSteps, timing: dict[str, float] | None, background: bool = False
+    ) -> TokenTree:
+        """The draft ``steps`` to its end, its seconds added to ``timing`` (``DraftClock``); ``background``: a
+        prefill the drafts waiting go before (``_step``)."""
         drafting = Drafting(steps, asyncio.get_running_loop().create_future(), background=background)
         self.busy[session_id], self._runs[session_id] = drafting.done, drafting
         drafting.done.add_done_callback(lambda done: self._forget(session_id, drafting))
@@ -138,8 +147,11 @@ class StepBatcher:
         if self._runs.get(session_id) is drafting:
             del self.busy[session_id], self._runs[session_id]
 
-    def catch_up(self, session_id: str, sequence: list[int], chunk: int | None = None) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
-        """Bring the session to ``sequence`` (a new one adopts a prompt cache's rows first): crop to what they share, feed the rest; the last logits."""
+    def catch_up(
+        self, session_id: str, sequence: list[int], chunk: int | None = None
+    ) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
+        """Bring the session to ``sequence`` (a new one adopts a prompt cache's rows first): crop to what they
+        share, feed the rest; the last logits."""
         runner = self.runner
         if not runner.has_session(session_id):
             runner.adopt(session_id, sequence)
@@ -148,15 +160,19 @@ class StepBatcher:
         return (yield from self.feed(session_id, sequence[common:], chunk))
 
     def prefill_steps(self, session_id: str, sequence: list[int]) -> DraftSteps:
-        """A draft of nothing that leaves the session holding ``sequence`` (``catch_up`` in ``background_chunk`` rows a step)."""
+        """A draft of nothing that leaves the session holding ``sequence`` (``catch_up`` in
+        ``background_chunk`` rows a step)."""
         yield from self.catch_up(session_id, sequence, self.background_chunk)
         return TokenTree.chain([], [])
 
-    def feed(self, session_id: str, tokens: list[int], chunk: int | None = None) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
-        """Append ``tokens`` in chunks of ≤ ``chunk`` rows (``prefill_chunk``), one per step (none: the last row again); its logits."""
+    def feed(
+        self, session_id: str, tokens: list[int], chunk: int | None = None
+    ) -> Generator[ForwardItem, torch.Tensor, torch.Tensor]:
+        """Append ``tokens`` in chunks of ≤ ``chunk`` rows (``prefill_chunk``), one per step (none: the last
+        row again); its logits."""
         logits, chunk = None, chunk or self.prefill_chunk
         for begin in range(0, max(len(tokens), 1), chunk):
-            logits = yield self.runner.append_item(session_id, tokens[begin:begin + chunk], 1)
+            logits = yield self.runner.append_item(session_id, tokens[begin : begin + chunk], 1)
         assert logits is not None
         return logits[0]
 
@@ -185,14 +201,15 @@ class StepBatcher:
                     d.done.cancel()
 
     def _steps(self, drafts: list[Drafting]) -> None:
-        """On the model thread: steps while no draft ends or is stopped and none arrives. Each return to the event loop
-        and back is a thread hop, and a chain takes a step per token: its drafted tokens take one hop, not one each."""
+        """On the model thread: steps while no draft ends or is stopped and none arrives. Each return to the
+        event loop and back is a thread hop, and a chain takes a step per token: its drafted tokens take one
+        hop, not one each."""
         while self._step(drafts) and not self._arrived and not any(d.finished or d.stop for d in drafts):
             pass
 
     def _step(self, drafts: list[Drafting]) -> bool:
-        """On the model thread: start new drafts, close stopped ones, one ``forward_each`` of the waiting items
-        (``take_within``), each draft on; whether it forwarded any."""
+        """On the model thread: start new drafts, close stopped ones, one ``forward_each`` of the waiting
+        items (``take_within``), each draft on; whether it forwarded any."""
         for d in drafts:
             if d.stop and not d.finished:
                 d.steps.close()
@@ -201,9 +218,15 @@ class StepBatcher:
                 d.started = True
                 d.advance(None)
         waiting = [d for d in drafts if d.item is not None and not d.stop]
-        taken = take_within([d for d in waiting if not d.background], lambda d: len(d.item.tokens) if d.item is not None else 0, self.max_batch_tokens, id)
+        taken = take_within(
+            [d for d in waiting if not d.background],
+            lambda d: len(d.item.tokens) if d.item is not None else 0,
+            self.max_batch_tokens,
+            id,
+        )
         behind = [d for d in waiting if d.background]
-        if behind and (not taken or self._passed >= BACKGROUND_PASSES):  # alone, or after waiting its passes: one chunk beside them
+        if behind and (not taken or self._passed >= BACKGROUND_PASSES):
+            # alone, or after waiting its passes: one chunk beside them
             taken.append(behind[0])
             self._passed = 0
         elif behind:

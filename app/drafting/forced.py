@@ -1,4 +1,5 @@
-"""A grammar's forced runs in a tree draft (docs/design.md §3.9): the draft carries a sole allowed token free, its row q̂ a point mass like every T(p)."""
+"""A grammar's forced runs in a tree draft (docs/design.md §3.9): the draft carries a sole allowed token free,
+its row q̂ a point mass like every T(p)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,18 @@ from core.math.tree import TokenTree, depths_of, path_of
 from core.transform import Transformer
 
 
-def forced_below(node: int, nodes: DraftNodes, transformer: Transformer | None, sequence: list[int], depth_limit: int, left: list[int] | None, eos: set[int], per_path: bool = False) -> list[int]:
-    """The grammar's forced run hung below ``node`` within ``left`` (``per_path``: each path's budget) and ``depth_limit``; the new nodes, top down."""
+def forced_below(
+    node: int,
+    nodes: DraftNodes,
+    transformer: Transformer | None,
+    sequence: list[int],
+    depth_limit: int,
+    left: list[int] | None,
+    eos: set[int],
+    per_path: bool = False,
+) -> list[int]:
+    """The grammar's forced run hung below ``node`` within ``left`` (``per_path``: each path's budget) and
+    ``depth_limit``; the new nodes, top down."""
     if left is None or left[0] <= 0 or transformer is None or transformer.matcher is None:
         return []
     path = path_of(node, nodes.parents)
@@ -30,7 +41,15 @@ def forced_below(node: int, nodes: DraftNodes, transformer: Transformer | None, 
     return added
 
 
-def with_forced_runs(tree: TokenTree, transformer: Transformer, sequence: list[int], depth_limit: int, extra: int, eos: set[int], per_path: bool = False) -> TokenTree:
+def with_forced_runs(
+    tree: TokenTree,
+    transformer: Transformer,
+    sequence: list[int],
+    depth_limit: int,
+    extra: int,
+    eos: set[int],
+    per_path: bool = False,
+) -> TokenTree:
     """``tree`` with the grammar's forced run after each leaf hung below it, best leaf first (``per_path``:
     ``extra`` per path less its point masses already; else for all the runs together)."""
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
@@ -41,7 +60,9 @@ def with_forced_runs(tree: TokenTree, transformer: Transformer, sequence: list[i
         score[v] = (score[parents[v]] if parents[v] >= 0 else 0.0) + logq[v]
     depth = depths_of(parents)
     inner = set(parents)
-    leaves = sorted((v for v in range(n) if v not in inner and tokens[v] not in eos), key=lambda v: (-score[v], v))
+    leaves = sorted(
+        (v for v in range(n) if v not in inner and tokens[v] not in eos), key=lambda v: (-score[v], v)
+    )
     added: list[tuple[int, int]] = []  # (parent, token)
     for leaf in leaves:
         used = sum(1 for v in tree.path_to(leaf) if logq[v] == 0.0) if per_path else len(added)
@@ -66,8 +87,16 @@ def _hung(tree: TokenTree, tokens: list[int], parents: list[int], added: list[tu
         ids[parent + 1] = -1
         probs[parent + 1] = 0
         ids[parent + 1, 0], probs[parent + 1, 0] = token, 1.0
-    flags = None if tree.deterministic is None else torch.cat([tree.deterministic, torch.zeros(len(added), dtype=torch.bool)])
+    flags = (
+        None
+        if tree.deterministic is None
+        else torch.cat([tree.deterministic, torch.zeros(len(added), dtype=torch.bool)])
+    )
     return TokenTree(
-        torch.tensor([*tokens, *(t for _, t in added)], dtype=torch.long), torch.tensor([*parents, *(p for p, _ in added)], dtype=torch.long),
-        ids, probs, tree.rule, flags,
+        torch.tensor([*tokens, *(t for _, t in added)], dtype=torch.long),
+        torch.tensor([*parents, *(p for p, _ in added)], dtype=torch.long),
+        ids,
+        probs,
+        tree.rule,
+        flags,
     )

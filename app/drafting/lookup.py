@@ -1,5 +1,5 @@
-"""Lookup drafting at the gateway (docs/design.md §3.10): a proposal (q̂ = δ) from the session's context or the
-outputs of ended sessions, how it joins a draft, and the acceptance it learns (``AcceptanceStats``)."""
+"""Lookup drafting at the gateway (docs/design.md §3.10): a proposal (q̂ = δ) from the session's context or
+the outputs of ended sessions, how it joins a draft, and the acceptance it learns (``AcceptanceStats``)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ from core.math.shapes import TreeShape
 from core.math.tree import NO_ROW, TokenTree, pad_rows
 from core.transform import Transformer
 
-LOOKUP_PRIOR = 0.5  # a lookup token's acceptance, given the one before it was accepted, before any is measured
+# a lookup token's acceptance, given the one before it was accepted, before any is measured
+LOOKUP_PRIOR = 0.5
 MODEL_PRIOR = 0.7  # a draft model token's (a chain's), likewise
-SLOT_PRIOR = (0.7, 0.15)  # a sampled tree's node's acceptance per level of its path: first child, a later one (before measured)
+# a sampled tree's node's acceptance per level of its path: first child, a later one (before measured)
+SLOT_PRIOR = (0.7, 0.15)
 
 Kind = tuple[object, ...]  # an ``AcceptanceStats`` key
 Place = tuple[int, ...]  # a node's place in a sampled shape: its path's ranks among siblings
@@ -54,13 +56,22 @@ class LookupDrafter:
         self.eos_ids = set(eos_ids)
         self.params = LookupParams()
         self.suffixes = SuffixIndex(self.params)  # the outputs of ended sessions
-        self.acceptance = AcceptanceStats()  # measured: lookup tokens by place and match, tree nodes by place in their shape
+        # measured: lookup tokens by place and match, tree nodes by place in their shape
+        self.acceptance = AcceptanceStats()
         self.num_lookups = self.num_lookup_hits = self.num_lookup_tokens = 0  # since start (metrics)
         self._contexts: dict[str, PromptLookup] = {}  # session -> its context's n-grams
         self._records: dict[str, Record] = {}  # session -> what its last draft's nodes were (``observe``)
 
-    def propose(self, session_id: str, sequence: list[int], count: int, transformer: Transformer | None, shared: bool = True) -> Proposal:
-        """Prompt lookup in the session's context, else the suffix index; cut after an EOS and before a token the grammar forbids (never accepted)."""
+    def propose(
+        self,
+        session_id: str,
+        sequence: list[int],
+        count: int,
+        transformer: Transformer | None,
+        shared: bool = True,
+    ) -> Proposal:
+        """Prompt lookup in the session's context, else the suffix index; cut after an EOS and before a token
+        the grammar forbids (never accepted)."""
         if count <= 0:
             return NO_PROPOSAL
         index = self._contexts.setdefault(session_id, PromptLookup(self.params))
@@ -73,32 +84,52 @@ class LookupDrafter:
         tokens = tokens[:end]
         if tokens and transformer is not None and transformer.masks_any:
             masks = transformer.masks(sequence, [tokens[:j] for j in range(len(tokens))])  # [len, V]
-            tokens = tokens[:next((j for j, t in enumerate(tokens) if not bool(masks[j, t])), len(tokens))]
+            tokens = tokens[: next((j for j, t in enumerate(tokens) if not bool(masks[j, t])), len(tokens))]
         self.num_lookups += 1
         self.num_lookup_hits += bool(tokens)
         self.num_lookup_tokens += len(tokens)
         return Proposal(tokens, proposal.match if tokens else 0)
 
     def chain(self, request: DraftRequest, count: int, timing: dict[str, float] | None) -> TokenTree:
-        """The lookup's proposal alone: a chain of δ rows, no model step (its time is the draft's sampling)."""
+        """The lookup's proposal alone: a chain of δ rows, no model step (its time is the draft's
+        sampling)."""
         started = time.perf_counter()
-        tokens = self.propose(request.session_id, request.sequence, count, request.transformer, request.shared).tokens
+        tokens = self.propose(
+            request.session_id, request.sequence, count, request.transformer, request.shared
+        ).tokens
         if timing is not None:
             timing["draft_sampling"] = timing.get("draft_sampling", 0.0) + time.perf_counter() - started
         return TokenTree.chain(tokens, [delta_support(t) for t in tokens])
 
     def branch(self, request: DraftRequest, count: int) -> Branch:
-        """The lookup's proposal as a branch, each token's acceptance measured for its kind (a seeded request: the prior); a model token's likewise."""
-        proposal = self.propose(request.session_id, request.sequence, count, request.transformer, request.shared)
+        """The lookup's proposal as a branch, each token's acceptance measured for its kind (a seeded request:
+        the prior); a model token's likewise."""
+        proposal = self.propose(
+            request.session_id, request.sequence, count, request.transformer, request.shared
+        )
         greedy, shared = request.params.is_greedy, request.shared
-        keys: list[Kind] = [("lookup", greedy, min(proposal.match, 4), j) for j in range(len(proposal.tokens))]
+        keys: list[Kind] = [
+            ("lookup", greedy, min(proposal.match, 4), j) for j in range(len(proposal.tokens))
+        ]
         model = ("model", greedy)
-        return Branch(proposal.tokens, keys, [self.acceptance.rate(key, LOOKUP_PRIOR, shared) for key in keys], shared, model, self.acceptance.rate(model, MODEL_PRIOR, shared))
+        return Branch(
+            proposal.tokens,
+            keys,
+            [self.acceptance.rate(key, LOOKUP_PRIOR, shared) for key in keys],
+            shared,
+            model,
+            self.acceptance.rate(model, MODEL_PRIOR, shared),
+        )
 
     def plan(self, shape: TreeShape, branch: Branch) -> Plan:
         """A sampled tree's share between the lookup's branch and the model's places (``displaced``)."""
-        keys: dict[Place, Kind] = {place: ("slot", shape.rule.value, shape.widths, place) for place in shape_places(shape.widths)}
-        values = {place: self.acceptance.rate(key, slot_prior(place), branch.measured) for place, key in keys.items()}
+        keys: dict[Place, Kind] = {
+            place: ("slot", shape.rule.value, shape.widths, place) for place in shape_places(shape.widths)
+        }
+        values = {
+            place: self.acceptance.rate(key, slot_prior(place), branch.measured)
+            for place, key in keys.items()
+        }
         count, gone = displaced(values, branch.rates)
         return count, gone, keys
 
@@ -130,7 +161,9 @@ class LookupDrafter:
             self.suffixes.add(output)
 
 
-def with_branch(nodes: DraftNodes, shape: TreeShape, branch: Branch, plan: Plan, record: Record | None) -> TokenTree:
+def with_branch(
+    nodes: DraftNodes, shape: TreeShape, branch: Branch, plan: Plan, record: Record | None
+) -> TokenTree:
     """A sampled tree with the lookup's branch first at the root, in the places the plan gives up."""
     count, gone, keys = plan
     tokens, parents, q_at, free = nodes.tokens, nodes.parents, nodes.q_at, nodes.free
@@ -141,16 +174,24 @@ def with_branch(nodes: DraftNodes, shape: TreeShape, branch: Branch, plan: Plan,
             dropped.add(n)
     kept = [n for n in range(len(tokens)) if n not in dropped]
     index = {-1: -1, **{n: count + i for i, n in enumerate(kept)}}
-    rows = [q_at[-1], *([NO_ROW] * count), *(q_at.get(n, NO_ROW) for n in kept)]  # a lookup node's row: no draft there
+    # a lookup node's row: no draft there
+    rows = [q_at[-1], *([NO_ROW] * count), *(q_at.get(n, NO_ROW) for n in kept)]
     ids, probs = pad_rows(rows)
     tree = TokenTree(
         torch.tensor([*branch.tokens[:count], *(tokens[n] for n in kept)], dtype=torch.long),
         torch.tensor([*range(-1, count - 1), *(index[parents[n]] for n in kept)], dtype=torch.long),
-        ids, probs, shape.rule, torch.tensor([True] * count + [False] * len(kept)),
+        ids,
+        probs,
+        shape.rule,
+        torch.tensor([True] * count + [False] * len(kept)),
     )
     if record is not None:
         record.lookup = list(zip(range(count), branch.keys))
-        record.slots = [(index[n], index[parents[n]], keys[placed[n]]) for n in kept if n not in free and placed[n] in keys]
+        record.slots = [
+            (index[n], index[parents[n]], keys[placed[n]])
+            for n in kept
+            if n not in free and placed[n] in keys
+        ]
     return tree
 
 
@@ -160,7 +201,10 @@ def merged(branch: Branch, nodes: DraftNodes) -> list[int]:
     above, out = -1, []
     for token, rate in zip(branch.tokens, branch.rates):
         score = (nodes.scores[above] if above >= 0 else 0.0) + math.log(max(rate, 1e-9))
-        match = next((n for n in range(len(nodes.tokens)) if nodes.parents[n] == above and nodes.tokens[n] == token), None)
+        match = next(
+            (n for n in range(len(nodes.tokens)) if nodes.parents[n] == above and nodes.tokens[n] == token),
+            None,
+        )
         if match is None:
             match = nodes.add(above, token, score)
         else:
@@ -205,9 +249,14 @@ def displaced(values: dict[Place, float], rates: list[float]) -> tuple[int, set[
     for rate in rates:
         reach *= rate
         removable = [
-            place for place in left
+            place
+            for place in left
             if not any(len(other) == len(place) + 1 and other[:-1] == place for other in left)
-            and not any(other[:-1] == place[:-1] and other[-1] > place[-1] for other in left if len(other) == len(place))
+            and not any(
+                other[:-1] == place[:-1] and other[-1] > place[-1]
+                for other in left
+                if len(other) == len(place)
+            )
         ]
         if not removable:
             break

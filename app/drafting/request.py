@@ -10,15 +10,15 @@ from core.math.sampling import SamplingParams, apply_sampling, normalised, top_i
 from core.math.tree import SparseRow, path_of
 from core.transform import Transformer
 
-
 GREEDY_ROW = 32  # a greedy tree's row: q̂'s most likely tokens kept (≥ any top_k or width a tree takes, 16)
 
 
 @dataclass(frozen=True)
 class DraftRequest:
     """One draft of one session after ``sequence``: ``truncation`` = (draft_top_k, draft_top_p), the
-    ``transformer`` as the workers apply it (docs/design.md §3.9), the ``drafter`` (§3.10); ``shared`` = False for
-    a seeded request: no other sessions' outputs (the same seed's draws would test a draft they shaped)."""
+    ``transformer`` as the workers apply it (docs/design.md §3.9), the ``drafter`` (§3.10); ``shared`` = False
+    for a seeded request: no other sessions' outputs (the same seed's draws would test a draft they
+    shaped)."""
 
     session_id: str
     sequence: list[int]
@@ -42,15 +42,21 @@ class DraftRequest:
 
     def shaped(self, logits: torch.Tensor, path: list[int]) -> torch.Tensor:  # [V] -> [V]
         """The logits after ``sequence`` + ``path`` as the targets' are transformed."""
-        return logits if self.transformer is None else self.transformer.rows(logits[None], self.sequence, [path])[0]
+        return (
+            logits
+            if self.transformer is None
+            else self.transformer.rows(logits[None], self.sequence, [path])[0]
+        )
 
     def q(
-        self, logits: torch.Tensor, paths: list[list[int]],  # [R, V]: the rows after ``sequence`` + each path
+        self,
+        logits: torch.Tensor,
+        paths: list[list[int]],  # [R, V]: the rows after ``sequence`` + each path
     ) -> list[SparseRow]:  # R × ([s] ascending ids, [s] float64)
-        """q̂ as sampled at each row, on its support (each row's numbers as alone): truncated where the request truncates
-        (the chain's, ``truncated_support``); greedy: its ``GREEDY_ROW`` most likely tokens (ties at the last all kept) at
-        their probabilities in the whole row (a greedy test reads the tokens alone; children and scores are the whole
-        row's); else the whole row."""
+        """q̂ as sampled at each row, on its support (each row's numbers as alone): truncated where the
+        request truncates (the chain's, ``truncated_support``); greedy: its ``GREEDY_ROW`` most likely tokens
+        (ties at the last all kept) at their probabilities in the whole row (a greedy test reads the tokens
+        alone; children and scores are the whole row's); else the whole row."""
         if self.transformer is not None:
             logits = self.transformer.rows(logits, self.sequence, paths)
         q = apply_sampling(logits, self.params)
@@ -58,7 +64,8 @@ class DraftRequest:
             return truncated_supports(q, *self.truncation)
         if self.params.is_greedy and GREEDY_ROW < q.shape[1]:
             ids = top_ids(q, GREEDY_ROW)
-            totals = torch.stack([row.double().sum(dim=-1, keepdim=True) for row in q]).clamp(min=1e-300)  # normalised's very sums, row by row
+            # normalised's very sums, row by row
+            totals = torch.stack([row.double().sum(dim=-1, keepdim=True) for row in q]).clamp(min=1e-300)
             if len({len(i) for i in ids}) == 1:  # the rows' ids together (a tie at the last keeps more)
                 kept = torch.stack(ids)
                 return list(zip(kept, q.gather(1, kept).double() / totals))
@@ -66,7 +73,11 @@ class DraftRequest:
         out = []
         for row in q:
             row = normalised(row)  # row by row: a batched sum may add in another order
-            out.append((torch.arange(row.shape[0]), row) if float(row.amin()) > 0 else (row.nonzero()[:, 0], row[row > 0]))
+            out.append(
+                (torch.arange(row.shape[0]), row)
+                if float(row.amin()) > 0
+                else (row.nonzero()[:, 0], row[row > 0])
+            )
         return out
 
 
@@ -93,7 +104,8 @@ class DraftNodes:
     depths: list[int] = field(default_factory=list)
     q_at: dict[int, SparseRow] = field(default_factory=dict)
     free: set[int] = field(default_factory=set)
-    lanes: dict[int, int] = field(default_factory=dict)  # position -> draws taken there (a draw's key: position, lane)
+    # position -> draws taken there (a draw's key: position, lane)
+    lanes: dict[int, int] = field(default_factory=dict)
 
     def add(self, parent: int, token: int, score: float) -> int:
         self.tokens.append(token)

@@ -1,4 +1,5 @@
-"""The decoding engine (docs/design.md §3): ``loop``, ``spec`` (what a request asks and a round gives), ``round``, ``strategies``."""
+"""The decoding engine (docs/design.md §3): ``loop``, ``spec`` (what a request asks and a round gives),
+``round``, ``strategies``."""
 
 from app.engine.loop import Engine
 from app.engine.round import token_logprobs

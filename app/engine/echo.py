@@ -13,14 +13,21 @@ from core.names import Mode
 
 
 async def score_prompt(rnd: Round) -> RoundResult:
-    """Every worker prefills the prompt (a round, no draft) and scores its tokens: the mixture's logprobs (None first); each then holds the prompt."""
+    """Every worker prefills the prompt (a round, no draft) and scores its tokens: the mixture's logprobs
+    (None first); each then holds the prompt."""
     prompt, n = rnd.req.prompt, rnd.req.prompt_logprobs
     started = time.perf_counter()
-    responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, k=1, return_probs=False, score_tokens=True, logprobs=n)
+    responses = await rnd.call(
+        mode=Mode.AUTOREGRESSIVE.value, k=1, return_probs=False, score_tokens=True, logprobs=n
+    )
     values = np.stack([array(r.prompt_logprobs) for r in responses])  # [N, P − 1]
     tops = [(array(r.prompt_top_ids), array(r.prompt_top_logprobs)) for r in responses] if n else []
     logprobs = [TokenLogprob(prompt[0], None, None)] + [
-        TokenLogprob(token, mixed_logprob(values[:, i].tolist(), rnd.weights), merge_top_logprobs(tops, i, n or 0, rnd.weights))
+        TokenLogprob(
+            token,
+            mixed_logprob(values[:, i].tolist(), rnd.weights),
+            merge_top_logprobs(tops, i, n or 0, rnd.weights),
+        )
         for i, token in enumerate(prompt[1:])
     ]
     result = RoundResult([], drafted=0, accepted=0, traffic=rnd.traffic, prompt_logprobs=logprobs)

@@ -1,4 +1,5 @@
-"""DSD's overlap (docs/design.md §3.8): the draft goes on during a verify as if all were accepted; draws keyed by position keep the output the same."""
+"""DSD's overlap (docs/design.md §3.8): the draft goes on during a verify as if all were accepted; draws keyed
+by position keep the output the same."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import asyncio
 import logging
 import threading
 
+from app.drafting.drafters import MODEL, DraftModel
 from app.engine.session import Session
 from app.engine.spec import GenerationRequest, RoundResult
 from core.math.tree import TokenTree
-from app.drafting.drafters import MODEL, DraftModel
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,11 @@ class Overlap:
         ahead, self.ahead = self.ahead, None
         return ahead
 
-    def start(self, session: Session, draft: TokenTree, room: int, gamma: int, keyed: GenerationRequest) -> None:
-        """Draft on after ``draft`` as if all of it were accepted (``keyed``: the next round's draws), when there is room."""
+    def start(
+        self, session: Session, draft: TokenTree, room: int, gamma: int, keyed: GenerationRequest
+    ) -> None:
+        """Draft on after ``draft`` as if all of it were accepted (``keyed``: the next round's draws), when
+        there is room."""
         tokens = draft.ids()
         after = room - (len(tokens) + 1)
         self._preparing = None
@@ -46,7 +50,8 @@ class Overlap:
             self._preparing[1].set()
 
     async def settle(self, draft: TokenTree, result: RoundResult) -> None:
-        """Keep the prepared draft if every draft token was accepted and its first token is the round's bonus token."""
+        """Keep the prepared draft if every draft token was accepted and its first token is the round's bonus
+        token."""
         if self._preparing is None:
             return
         task, cancel = self._preparing
@@ -59,7 +64,12 @@ class Overlap:
         except Exception:  # logged by _retrieve; the next round drafts afresh
             return
         first = prepared.ids()[:1]
-        if result.accepted != len(draft) or first != result.tokens[-1:] or first[0] in self.eos_ids or len(prepared) < 2:
+        if (
+            result.accepted != len(draft)
+            or first != result.tokens[-1:]
+            or first[0] in self.eos_ids
+            or len(prepared) < 2
+        ):
             return
         self.ahead = prepared.tail(1)
 

@@ -1,4 +1,5 @@
-"""One round as a strategy sees it (docs/design.md §3): the calls, the mixture of the answers, the draws, the logprobs."""
+"""One round as a strategy sees it (docs/design.md §3): the calls, the mixture of the answers, the draws, the
+logprobs."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class Round:
     """What a strategy sees of the round in progress."""
 
     targets: TargetSet
-    weights: torch.Tensor  # [N]: as configured, each target transformed as it would be alone (docs/design.md §3.9)
+    # [N]: as configured, each target transformed as it would be alone (docs/design.md §3.9)
+    weights: torch.Tensor
     vocab_size: int
     req: GenerationRequest
     session_id: str
@@ -37,12 +39,14 @@ class Round:
     draft: TokenTree  # a chain, or a tree in ``tree`` mode
     traffic: Traffic
     path: list[int] | None = None  # the previous round's accepted tree path, the first call's ``path`` (v1.1)
-    transformer: Transformer | None = None  # the request's masks (grammar, min_tokens), the gateway's own matcher (not the draft's): ``allowed``
+    # the request's masks (grammar, min_tokens), the gateway's own matcher (not the draft's): ``allowed``
+    transformer: Transformer | None = None
     model_s: float = 0.0  # per call the slowest worker's model seconds, summed (the round's latency)
     busy_s: float = 0.0  # every worker's model seconds, summed over workers and calls (the targets' cost)
     responses: list[VerifyResponse] = field(default_factory=list)  # of the last call
     calls_s: float = 0.0  # seconds waiting on the workers' answers, every call of the round
-    seconds: dict[str, float] = field(default_factory=dict)  # those seconds by part, each call's slowest worker (Traffic.seconds)
+    # those seconds by part, each call's slowest worker (Traffic.seconds)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def positions(self) -> list[int]:
@@ -62,10 +66,15 @@ class Round:
         """Every worker at once; after it, each holds ``sequence`` + draft (a tree's rows too).
         The first call carries the previous tree's accepted path, which ends the agreed prefix."""
         kept = {"path": np.array(self.path, dtype=np.int32)} if self.path else {}
-        parents = {} if self.draft.is_chain else {"parents": self.draft.parents.numpy().astype(np.int32)}  # protocol v1.1
+        # protocol v1.1
+        parents = {} if self.draft.is_chain else {"parents": self.draft.parents.numpy().astype(np.int32)}
         self.path = None
         self.responses = await self._all(
-            self.sequence, lambda n: (self.sequence[: self.agreed[n]], self.sequence[self.agreed[n]:], self.draft.ids()), **parents, **kept, **wire,
+            self.sequence,
+            lambda n: (self.sequence[: self.agreed[n]], self.sequence[self.agreed[n] :], self.draft.ids()),
+            **parents,
+            **kept,
+            **wire,
         )
         self.agreed[:] = [len(self.sequence)] * len(self.agreed)
         return self.responses
@@ -75,17 +84,32 @@ class Round:
         that re-reads the token before it; each then holds sequence + drafted up to ``position``."""
         held = [*self.sequence, *(self.draft.ids() if drafted is None else drafted)][:position]
         responses = await self._all(
-            held, lambda n: (held[:-1], held[-1:], []), mode=Mode.AUTOREGRESSIVE.value, score_ids=np.array([token], dtype=np.int64),
+            held,
+            lambda n: (held[:-1], held[-1:], []),
+            mode=Mode.AUTOREGRESSIVE.value,
+            score_ids=np.array([token], dtype=np.int64),
         )
         return mixed_logprob([float(array(resp.score_logprobs)[0]) for resp in responses], self.weights)
 
-    async def _all(self, agreed: list[int], lists: Callable[[int], tuple[list[int], list[int], list[int]]], **wire: object) -> list[VerifyResponse]:
+    async def _all(
+        self,
+        agreed: list[int],
+        lists: Callable[[int], tuple[list[int], list[int], list[int]]],
+        **wire: object,
+    ) -> list[VerifyResponse]:
         """One call per worker n (prefix, tokens, draft: ``lists(n)``); its wall time, where the slowest
         worker's call spent it, the model seconds and the bytes count in the round."""
         req = self.req
         requests = [
             VerifyRequest.after(  # type: ignore[misc]
-                self.session_id, *lists(n), **req.sampling_wire(), seed=req.seed, choice=req.choice, worker=n, seeded=req.seeded, **wire,  # type: ignore[arg-type]
+                self.session_id,
+                *lists(n),
+                **req.sampling_wire(),  # type: ignore[arg-type]
+                seed=req.seed,
+                choice=req.choice,
+                worker=n,
+                seeded=req.seeded,
+                **wire,  # type: ignore[arg-type]
             )
             for n in range(len(self.targets.workers))
         ]
@@ -106,30 +130,40 @@ def round_uniforms(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
     """r_j for the accept tests; the residual draw at each draft position, the bonus draw last."""
     req, positions = rnd.req, rnd.positions
     accept = uniforms(req.seed, req.choice, positions[:-1], Purpose.ACCEPT)
-    final = torch.cat([
-        uniforms(req.seed, req.choice, positions[:-1], Purpose.RESIDUAL),
-        uniforms(req.seed, req.choice, positions[-1:], Purpose.BONUS),
-    ])
+    final = torch.cat(
+        [
+            uniforms(req.seed, req.choice, positions[:-1], Purpose.RESIDUAL),
+            uniforms(req.seed, req.choice, positions[-1:], Purpose.BONUS),
+        ]
+    )
     return accept, final
 
 
 def lanes(rnd: Round) -> tuple[torch.Tensor, torch.Tensor]:
-    """The walk's draws: r per depth and lane ``[D, W]`` (lane 0 is the chain's stream), the recovered / bonus draw ``[D+1]``."""
+    """The walk's draws: r per depth and lane ``[D, W]`` (lane 0 is the chain's stream), the recovered / bonus
+    draw ``[D+1]``."""
     accept, final = round_uniforms(rnd)
     width = rnd.draft.max_width()
     if width <= 1:
         return accept[:, None], final
     req, positions = rnd.req, rnd.positions[:-1]
-    others = [uniforms(req.seed, req.choice, positions, Purpose.ACCEPT, lane=lane) for lane in range(1, width)]
+    others = [
+        uniforms(req.seed, req.choice, positions, Purpose.ACCEPT, lane=lane) for lane in range(1, width)
+    ]
     return torch.stack([accept, *others], dim=1), final
 
 
 def mixture(
-    responses: list[VerifyResponse], vocab_size: int, weights: torch.Tensor, method: Reconstruction = Reconstruction.RENORMALIZE,
-    normalise: bool = True, allowed: torch.Tensor | None = None,
+    responses: list[VerifyResponse],
+    vocab_size: int,
+    weights: torch.Tensor,
+    method: Reconstruction = Reconstruction.RENORMALIZE,
+    normalise: bool = True,
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """p̂ = Σ w_n p̂_n: ``[γ+1, V]`` float64 (``weights``: ``[N]``). Whole rows are ``normalised`` unless greedy
-    compares them as sent; ``allowed`` (``[rows, V]``): where ``residual`` reconstruction spreads the tail."""
+    """p̂ = Σ w_n p̂_n: ``[γ+1, V]`` float64 (``weights``: ``[N]``). Whole rows are ``normalised`` unless
+    greedy compares them as sent; ``allowed`` (``[rows, V]``): where ``residual`` reconstruction spreads the
+    tail."""
     dists = []
     for resp in responses:
         probs = torch.tensor(array(resp.probs), dtype=torch.float64)
@@ -137,7 +171,9 @@ def mixture(
             dists.append(normalised(probs) if normalise else probs)
         else:
             ids = torch.from_numpy(np.array(resp.ids, dtype=np.int64))
-            dists.append(reconstruct(ids, probs, vocab_size, method, torch.tensor(array(resp.tail_mass)), allowed))
+            dists.append(
+                reconstruct(ids, probs, vocab_size, method, torch.tensor(array(resp.tail_mass)), allowed)
+            )
     return aggregate(torch.stack(dists), weights)
 
 
@@ -154,12 +190,15 @@ def token_logprobs(
     return out
 
 
-async def all_workers(pool: TargetSet, requests: list[VerifyRequest], agreed: list[int]) -> list[tuple[VerifyResponse, Traffic]]:
+async def all_workers(
+    pool: TargetSet, requests: list[VerifyRequest], agreed: list[int]
+) -> list[tuple[VerifyResponse, Traffic]]:
     """One call per worker, at once; one failure cancels the others."""
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(w.verify(r, agreed)) for w, r in zip(pool.workers, requests)]
-    except BaseExceptionGroup as failures:  # the first WorkerError (what the client is told), else the first failure
+    except BaseExceptionGroup as failures:
+        # the first WorkerError (what the client is told), else the first failure
         raise (failures.subgroup(WorkerError) or failures).exceptions[0] from None
     return [t.result() for t in tasks]
 
@@ -176,9 +215,15 @@ def array(value: np.ndarray | None) -> np.ndarray:
     return value
 
 
-def worker_logprobs(rnd: Round, tokens: list[int], values: list[float], rows: list[int] | None = None) -> list[TokenLogprob]:
-    """The emitted tokens with the mixture's logprobs ``values`` and the workers' merged top-n at ``rows`` (default: the chain's positions)."""
+def worker_logprobs(
+    rnd: Round, tokens: list[int], values: list[float], rows: list[int] | None = None
+) -> list[TokenLogprob]:
+    """The emitted tokens with the mixture's logprobs ``values`` and the workers' merged top-n at ``rows``
+    (default: the chain's positions)."""
     n, weights = rnd.req.top_logprobs, rnd.weights
     tops = [(array(r.top_ids), array(r.top_logprobs)) for r in rnd.responses] if n else []
     rows = list(range(len(tokens))) if rows is None else rows
-    return [TokenLogprob(t, v, merge_top_logprobs(tops, j, n or 0, weights)) for j, t, v in zip(rows, tokens, values)]
+    return [
+        TokenLogprob(t, v, merge_top_logprobs(tops, j, n or 0, weights))
+        for j, t, v in zip(rows, tokens, values)
+    ]

@@ -24,31 +24,50 @@ class SpecOptions:
     reconstruction: Reconstruction
     draft_top_k: int = 0  # TSLT draft truncation: keep the k most likely draft tokens (0 = off)
     draft_top_p: float = 1.0  # ... or the smallest nucleus of mass ≥ draft_top_p (1 = off)
-    engine_targets: bool = False  # some targets are openai-logprobs engines: their top-k makes it lossy (docs/design.md §8)
+    # some targets are openai-logprobs engines: their top-k makes it lossy (docs/design.md §8)
+    engine_targets: bool = False
     overlap: bool = False  # DSD: draft the next round while this one is verified (output unchanged)
     auto_gamma: bool = False  # num_draft_tokens: auto (app.adaptive); num_draft_tokens is then the seeded γ
-    relaxation: Relaxation | None = None  # DSD's relaxed accept test (lossy; aggregate and exact at T > 0; docs/design.md §3.8)
-    tree: TreeShape | None = None  # mode tree: the draft tree; None = the default by temperature (TreeShape.default)
-    tree_payload: Mode = Mode.AGGREGATE  # mode tree: what each node's row carries — aggregate's or exact's (docs/design.md §3.6)
+    # DSD's relaxed accept test (lossy; aggregate and exact at T > 0; docs/design.md §3.8)
+    relaxation: Relaxation | None = None
+    # mode tree: the draft tree; None = the default by temperature (TreeShape.default)
+    tree: TreeShape | None = None
+    # mode tree: what each node's row carries — aggregate's or exact's (docs/design.md §3.6)
+    tree_payload: Mode = Mode.AGGREGATE
     pipeline: SegmentSchedule | None = None  # mode pipeline: the tree and its segments; None = the defaults
-    profile: bool = False  # usage lists every round: its time by part, bytes and tokens (``specgate bench overhead``)
-    drafter: str = "model"  # where a draft comes from: a name in app.drafting.drafters.DRAFTERS (docs/design.md §3.10)
+    # usage lists every round: its time by part, bytes and tokens (``specgate bench overhead``)
+    profile: bool = False
+    # where a draft comes from: a name in app.drafting.drafters.DRAFTERS (docs/design.md §3.10)
+    drafter: str = "model"
 
     def __post_init__(self) -> None:
         for broken, message in (
             (self.num_draft_tokens < 1, "num_draft_tokens must be ≥ 1"),
             (self.k is not None and self.k < 1, "k must be ≥ 1 or None (full)"),
-            (self.draft_top_k < 0 or not 0 < self.draft_top_p <= 1, "draft_top_k must be ≥ 0 and draft_top_p in (0, 1]"),
-            (self.sparse and self.draft_top_k == 0 and self.draft_top_p == 1, "exact needs draft truncation (draft_top_k or draft_top_p)"),
-            (self.tree_payload not in (Mode.AGGREGATE, Mode.EXACT), "a tree's payload is aggregate's or exact's"),
-            (self.payload not in MODES[self.mode].payloads, f"mode {self.mode.value} does not verify {self.payload.value} rows"),
+            (
+                self.draft_top_k < 0 or not 0 < self.draft_top_p <= 1,
+                "draft_top_k must be ≥ 0 and draft_top_p in (0, 1]",
+            ),
+            (
+                self.sparse and self.draft_top_k == 0 and self.draft_top_p == 1,
+                "exact needs draft truncation (draft_top_k or draft_top_p)",
+            ),
+            (
+                self.tree_payload not in (Mode.AGGREGATE, Mode.EXACT),
+                "a tree's payload is aggregate's or exact's",
+            ),
+            (
+                self.payload not in MODES[self.mode].payloads,
+                f"mode {self.mode.value} does not verify {self.payload.value} rows",
+            ),
         ):
             if broken:
                 raise ValueError(message)
 
     @property
     def verifier(self) -> Mode:
-        """The mode whose strategy verifies a round: a tree's payload's (a tree is a draft shape), else the mode's own."""
+        """The mode whose strategy verifies a round: a tree's payload's (a tree is a draft shape), else the
+        mode's own."""
         return self.tree_payload if self.mode is Mode.TREE else self.mode
 
     @property
@@ -94,24 +113,46 @@ class GenerationRequest:
     seeded: bool = False  # the client gave the seed: the output must not depend on timing
     prompt_logprobs: int | None = None  # echo with logprobs: the prompt's tokens too (n alternatives)
     ignore_eos: bool = False  # vLLM's: EOS is sampled as the target says but does not end the answer
-    min_tokens: int = 0  # vLLM's: EOS cannot be emitted before this many tokens (the target without it, renormalised)
-    transform: TransformSpec | None = None  # docs/design.md §3.9: logit_bias, penalties, a grammar; every worker and the draft apply it
-    draft_after: int = 0  # a late draft (app.engine.late): rounds with no draft while it prefills, then seeded waits for it, unseeded goes on until it is ready
+    # vLLM's: EOS cannot be emitted before this many tokens (the target without it, renormalised)
+    min_tokens: int = 0
+    # docs/design.md §3.9: logit_bias, penalties, a grammar; every worker and the draft apply it
+    transform: TransformSpec | None = None
+    # a late draft (app.engine.late): rounds with no draft while it prefills, then seeded waits for it,
+    # unseeded goes on until it is ready
+    draft_after: int = 0
 
     def sampling_wire(self) -> dict[str, object]:
-        """The request's sampling on a target's call; min-p and the transform where set (docs/design.md §3.9)."""
-        out: dict[str, object] = {"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p}
+        """The request's sampling on a target's call; min-p and the transform where set (docs/design.md
+        §3.9)."""
+        out: dict[str, object] = {
+            "temperature": self.params.temperature,
+            "top_k": self.params.top_k,
+            "top_p": self.params.top_p,
+        }
         if self.params.min_p:
             out["min_p"] = self.params.min_p
         if self.transform is not None:
             out["transform"] = self.transform.to_wire()
         return out
 
-    def draft(self, session_id: str, sequence: list[int], transformer: Transformer | None, drafter: str | None = None) -> DraftRequest:
+    def draft(
+        self,
+        session_id: str,
+        sequence: list[int],
+        transformer: Transformer | None,
+        drafter: str | None = None,
+    ) -> DraftRequest:
         """What the draft is asked after ``sequence`` (``drafter``: the request's, unless given)."""
         return DraftRequest(
-            session_id, sequence, self.params, self.seed, self.choice, self.spec.truncation, transformer,
-            self.spec.drafter if drafter is None else drafter, shared=not self.seeded,
+            session_id,
+            sequence,
+            self.params,
+            self.seed,
+            self.choice,
+            self.spec.truncation,
+            transformer,
+            self.spec.drafter if drafter is None else drafter,
+            shared=not self.seeded,
         )
 
 
@@ -123,10 +164,19 @@ class TokenLogprob:
 
 
 ROUND_PARTS = (  # a round's seconds, by part (usage ``timing_ms``; ``specgate bench overhead``)
-    "draft_model", "draft_sampling",  # the draft: its runner, the rest of drafting
-    "gateway_math", "gateway_codec",  # verification and bookkeeping between the calls; the bodies encoded and decoded
-    "link", "http",  # the emulated link's delays; the HTTP round trip outside the worker's handler
-    "worker_codec", "worker_queue", "worker_model", "worker_scoring", "worker_other",  # the worker's Server-Timing
+    "draft_model",
+    "draft_sampling",  # the draft: its runner, the rest of drafting
+    # verification and bookkeeping between the calls; the bodies encoded and decoded
+    "gateway_math",
+    "gateway_codec",
+    "link",
+    "http",  # the emulated link's delays; the HTTP round trip outside the worker's handler
+    # the worker's Server-Timing
+    "worker_codec",
+    "worker_queue",
+    "worker_model",
+    "worker_scoring",
+    "worker_other",
 )
 
 
@@ -146,16 +196,21 @@ class RoundResult:
     prepared: int = 0  # 1 when the next round's draft was prepared during this round's flight
     prepared_used: int = 0  # 1 when this round's draft is one prepared during the previous round
     gamma: int | None = None  # the γ num_draft_tokens: auto chose for this round
-    relaxed_tv: list[float] = field(default_factory=list)  # τ_j (1 − β_j) per emitted position (relaxation only)
+    # τ_j (1 − β_j) per emitted position (relaxation only)
+    relaxed_tv: list[float] = field(default_factory=list)
     taus: list[float] = field(default_factory=list)  # τ_j per emitted draft position (relaxation only)
     verify_s: float = 0.0  # seconds from sending to the workers to the verdict (network included)
     model_s: float = 0.0  # seconds the slowest worker spent in its model, per call, summed
     busy_s: float = 0.0  # seconds every worker (every stage) spent in its model, summed: the targets' cost
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's, before any round
     path: list[int] | None = None  # a tree round: the accepted nodes, root to leaf (the next call's ``path``)
-    seconds: dict[str, float] = field(default_factory=dict)  # where the round's time went, by part (``ROUND_PARTS``)
+    # where the round's time went, by part (``ROUND_PARTS``)
+    seconds: dict[str, float] = field(default_factory=dict)
     turns: int = 0  # mode pipeline: segments answered (pipeline turns) in this result
     rounds_ended: int = 0  # mode pipeline: trees whose walk ended (a recovered or bonus token drawn)
-    hop_bytes: list[int] = field(default_factory=list)  # mode pipeline: the answered segment's bytes per stage-to-stage hop
-    forced: int = 0  # tokens the grammar forced (docs/design.md §3.9): emitted by the gateway with no draft and no call
-    without_draft: int = 0  # 1: a drafting mode's round that carried no draft, the draft still prefilling (app.engine.late)
+    # mode pipeline: the answered segment's bytes per stage-to-stage hop
+    hop_bytes: list[int] = field(default_factory=list)
+    # tokens the grammar forced (docs/design.md §3.9): emitted by the gateway with no draft and no call
+    forced: int = 0
+    # 1: a drafting mode's round that carried no draft, the draft still prefilling (app.engine.late)
+    without_draft: int = 0

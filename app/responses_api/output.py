@@ -1,5 +1,6 @@
-"""The Responses API's objects and stream events, built from the chat path's deltas (``ResponseBuilder``): one builder
-makes the stream's events and the whole response alike, so a streamed answer and a whole one cannot differ."""
+"""The Responses API's objects and stream events, built from the chat path's deltas (``ResponseBuilder``): one
+builder makes the stream's events and the whole response alike, so a streamed answer and a whole one cannot
+differ."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from app.responses_api.client_tools import INPUT, ITEM_PREFIX, Offer, call_item
 from app.responses_api.request import Translated
 from app.responses_api.schemas import ResponsesRequest
 
-_NULLABLE = frozenset({"error", "incomplete_details", "instructions"})  # sent as null; other fields are left out when unset
-_FAILED_CODES = {429: "rate_limit_exceeded", 400: "invalid_prompt"}  # the codes a failed response's error may carry (else server_error)
+# sent as null; other fields are left out when unset
+_NULLABLE = frozenset({"error", "incomplete_details", "instructions"})
+# the codes a failed response's error may carry (else server_error)
+_FAILED_CODES = {429: "rate_limit_exceeded", 400: "invalid_prompt"}
 
 
 def new_id(prefix: str) -> str:
@@ -23,8 +26,9 @@ def new_id(prefix: str) -> str:
 
 
 class ResponseBuilder:
-    """One response: ``start()`` → ``push(deltas)`` … → ``finish(reason)`` (or ``fail(error)``), each the stream events it
-    makes; ``response()`` the object as it stands. ``deltas`` are the chat path's (``{"content"}``, ``{"tool_calls"}``)."""
+    """One response: ``start()`` → ``push(deltas)`` … → ``finish(reason)`` (or ``fail(error)``), each the
+    stream events it makes; ``response()`` the object as it stands. ``deltas`` are the chat path's
+    (``{"content"}``, ``{"tool_calls"}``)."""
 
     def __init__(self, body: ResponsesRequest, translated: Translated, job: Job, store: bool) -> None:
         self.body, self.translated, self.job, self.store = body, translated, job, store
@@ -41,29 +45,58 @@ class ResponseBuilder:
 
     def response(self) -> dict[str, Any]:
         body, job = self.body, self.job
-        fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text is not None and body.text.format is not None else {"type": "text"}
+        fmt = (
+            body.text.format.model_dump(by_alias=True, exclude_none=True)
+            if body.text is not None and body.text.format is not None
+            else {"type": "text"}
+        )
         usage = job.usage
         out: dict[str, Any] = {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status, "completed_at": self.completed_at,
-            "error": self.error, "incomplete_details": self.incomplete, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "model": job.model, "output": self.output, "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None}, "store": self.store,
-            "temperature": 1.0 if body.temperature is None else body.temperature, "text": {"format": fmt},
-            "tool_choice": _echo_choice(body.tool_choice), "tools": self.translated.tools, "top_p": 1.0 if body.top_p is None else body.top_p,
-            "truncation": "disabled", "user": body.user, "metadata": body.metadata or {},
-            "usage": None if self.status == "in_progress" else {
-                "input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
-                "total_tokens": usage.prompt_tokens + usage.completion_tokens, "speculative": usage.to_dict()["speculative"],
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "completed_at": self.completed_at,
+            "error": self.error,
+            "incomplete_details": self.incomplete,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": job.model,
+            "output": self.output,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": None, "summary": None},
+            "store": self.store,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "text": {"format": fmt},
+            "tool_choice": _echo_choice(body.tool_choice),
+            "tools": self.translated.tools,
+            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "truncation": "disabled",
+            "user": body.user,
+            "metadata": body.metadata or {},
+            "usage": None
+            if self.status == "in_progress"
+            else {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens or 0},
+                "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+                "speculative": usage.to_dict()["speculative"],
             },
         }
         out = {k: v for k, v in out.items() if v is not None or k in _NULLABLE}
         if self.translated.warnings:
-            out["warnings"] = self.translated.warnings  # what was left out (hosted tools): also in the gateway's log
+            # what was left out (hosted tools): also in the gateway's log
+            out["warnings"] = self.translated.warnings
         return out
 
     def start(self) -> list[dict[str, Any]]:
-        return [self._event("response.created", response=self.response()), self._event("response.in_progress", response=self.response())]
+        return [
+            self._event("response.created", response=self.response()),
+            self._event("response.in_progress", response=self.response()),
+        ]
 
     def push(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -77,10 +110,16 @@ class ResponseBuilder:
         return events
 
     def finish(self, reason: str | None) -> list[dict[str, Any]]:
-        """The last events: what is open closed, then ``response.completed`` (or ``.incomplete`` at max_output_tokens)."""
+        """The last events: what is open closed, then ``response.completed`` (or ``.incomplete`` at
+        max_output_tokens)."""
         cut = reason == "length"
-        answered = any(item["type"] != "reasoning" for item in self.output) or (cut and self.output) or (self._open is not None and self._open not in self.output)
-        events = [] if answered else self._text("")  # an answer with nothing in it is still a message (reasoning cut short is not one)
+        answered = (
+            any(item["type"] != "reasoning" for item in self.output)
+            or (cut and self.output)
+            or (self._open is not None and self._open not in self.output)
+        )
+        # an answer with nothing in it is still a message (reasoning cut short is not one)
+        events = [] if answered else self._text("")
         events += self._close("incomplete" if cut else "completed")
         self.status = "incomplete" if cut else "completed"
         if cut:
@@ -98,7 +137,8 @@ class ResponseBuilder:
         return events + [self._event("response.failed", response=self.response())]
 
     def conversation(self) -> list[dict[str, Any]]:
-        """The conversation this response ends, as input items: what a request naming it as ``previous_response_id`` continues."""
+        """The conversation this response ends, as input items: what a request naming it as
+        ``previous_response_id`` continues."""
         return self.translated.items + self.output_items()
 
     def output_items(self) -> list[dict[str, Any]]:
@@ -111,37 +151,81 @@ class ResponseBuilder:
         if item is None or item["type"] != "message":
             events += self._close("completed")
             part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item = {"id": new_id("msg"), "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+            item = {
+                "id": new_id("msg"),
+                "type": "message",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
             events += self._add(item)
             item["content"].append(part)
-            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._index, content_index=0, part=dict(part)))
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=self._index,
+                    content_index=0,
+                    part=dict(part),
+                )
+            )
         if text:
             item["content"][0]["text"] += text
-            events.append(self._event("response.output_text.delta", item_id=item["id"], output_index=self._index, content_index=0, delta=text, logprobs=[]))
+            events.append(
+                self._event(
+                    "response.output_text.delta",
+                    item_id=item["id"],
+                    output_index=self._index,
+                    content_index=0,
+                    delta=text,
+                    logprobs=[],
+                )
+            )
         return events
 
     def _reasoning(self, text: str) -> list[dict[str, Any]]:
-        """A thinking template's reasoning: a ``reasoning`` item, its text as ``reasoning_text`` (app.reasoning)."""
+        """A thinking template's reasoning: a ``reasoning`` item, its text as ``reasoning_text``
+        (app.reasoning)."""
         events: list[dict[str, Any]] = []
         item = self._open
         if item is None or item["type"] != "reasoning":
             events += self._close("completed")
-            item = {"id": new_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}
+            item = {
+                "id": new_id("rs"),
+                "type": "reasoning",
+                "status": "in_progress",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": ""}],
+            }
             events += self._add(item)
         item["content"][0]["text"] += text
-        return events + [self._event("response.reasoning_text.delta", item_id=item["id"], output_index=self._index, content_index=0, delta=text)]
+        return events + [
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=item["id"],
+                output_index=self._index,
+                content_index=0,
+                delta=text,
+            )
+        ]
 
     def _call(self, piece: dict[str, Any]) -> list[dict[str, Any]]:
-        """A call's deltas as its item: a function's arguments as they come; a freeform or a client-run tool's item whole
-        once its arguments are (a client runs what a done item holds: a freeform input cut short is often a valid one, and
-        a client-run tool's action is made of the arguments), or never, when they are cut."""
+        """A call's deltas as its item: a function's arguments as they come; a freeform or a client-run tool's
+        item whole once its arguments are (a client runs what a done item holds: a freeform input cut short is
+        often a valid one, and a client-run tool's action is made of the arguments), or never, when they are
+        cut."""
         events: list[dict[str, Any]] = []
         function = piece.get("function", {})
         if "id" in piece:  # a new call
             events += self._close("completed")
             offered = function.get("name", "")
             offer = self.translated.offers.get(offered, Offer("function", offered))
-            item: dict[str, Any] = {"id": new_id(ITEM_PREFIX[offer.kind]), "type": "function_call", "status": "in_progress", "call_id": piece["id"]}
+            item: dict[str, Any] = {
+                "id": new_id(ITEM_PREFIX[offer.kind]),
+                "type": "function_call",
+                "status": "in_progress",
+                "call_id": piece["id"],
+            }
             if offer.kind == "custom":
                 item.update(type="custom_tool_call", name=offer.name, input="")
             elif offer.kind == "function":
@@ -161,7 +245,14 @@ class ResponseBuilder:
         index = self.output.index(call.item) if call.item in self.output else None
         if call.offer.kind == "function":
             call.item["arguments"] += arguments
-            events.append(self._event("response.function_call_arguments.delta", item_id=call.item["id"], output_index=index, delta=arguments))
+            events.append(
+                self._event(
+                    "response.function_call_arguments.delta",
+                    item_id=call.item["id"],
+                    output_index=index,
+                    delta=arguments,
+                )
+            )
         return events
 
     def _add(self, item: dict[str, Any]) -> list[dict[str, Any]]:
@@ -175,7 +266,8 @@ class ResponseBuilder:
             return []
         self._open = None
         call = next((c for c in self._calls.values() if c.item is item), None)
-        if call is not None and call.offer.kind != "function":  # a freeform or client-run tool's call: its item, whole
+        if call is not None and call.offer.kind != "function":
+            # a freeform or client-run tool's call: its item, whole
             whole = call.whole_input() if call.offer.kind == "custom" else ""
             if status != "completed" or whole is None:
                 return []  # cut short (or not a call at all): never shown, so dropped (a client would run it)
@@ -185,10 +277,32 @@ class ResponseBuilder:
                 item = call.item = call_item(call.offer, item["id"], item["call_id"], call.arguments, status)
             self.output.append(item)
             index = len(self.output) - 1
-            events = [self._event("response.output_item.added", output_index=index, item={**_copy(item), "status": "in_progress", **({"input": ""} if "input" in item else {})})]
+            events = [
+                self._event(
+                    "response.output_item.added",
+                    output_index=index,
+                    item={
+                        **_copy(item),
+                        "status": "in_progress",
+                        **({"input": ""} if "input" in item else {}),
+                    },
+                )
+            ]
             if call.offer.kind == "custom":
-                events += [self._event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index, delta=item["input"]),
-                           self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index, input=item["input"])]
+                events += [
+                    self._event(
+                        "response.custom_tool_call_input.delta",
+                        item_id=item["id"],
+                        output_index=index,
+                        delta=item["input"],
+                    ),
+                    self._event(
+                        "response.custom_tool_call_input.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        input=item["input"],
+                    ),
+                ]
             item["status"] = status
             return events + [self._event("response.output_item.done", output_index=index, item=_copy(item))]
         item["status"] = status
@@ -196,13 +310,46 @@ class ResponseBuilder:
         events = []
         if item["type"] == "reasoning":
             text = item["content"][0]["text"]
-            events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0, text=text))
+            events.append(
+                self._event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=text,
+                )
+            )
         elif item["type"] == "message":
             part = item["content"][0]
-            events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[]))
-            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=dict(part)))
+            events.append(
+                self._event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=[],
+                )
+            )
+            events.append(
+                self._event(
+                    "response.content_part.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=dict(part),
+                )
+            )
         else:
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index, name=item["name"], arguments=item["arguments"]))
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
         return events + [self._event("response.output_item.done", output_index=index, item=_copy(item))]
 
     @property
@@ -222,7 +369,12 @@ def _copy(item: dict[str, Any]) -> dict[str, Any]:
 def as_input(item: dict[str, Any]) -> dict[str, Any]:
     """An output item as the input item that sends it back."""
     if item["type"] == "message":
-        return {"id": item["id"], "type": "message", "role": "assistant", "content": [{"type": "output_text", "text": p["text"]} for p in item["content"]]}
+        return {
+            "id": item["id"],
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": p["text"]} for p in item["content"]],
+        }
     if item["type"] == "reasoning":
         return {"id": item["id"], "type": "reasoning", "content": item["content"], "summary": []}
     return {k: v for k, v in item.items() if k != "status"}
@@ -250,11 +402,14 @@ def _echo_choice(choice: Any) -> Any:
     return choice if isinstance(choice, str | dict) else choice.model_dump()
 
 
-def item_page(response_id: str, items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:
-    """``GET /v1/responses/{id}/input_items``: a page of ``items`` (OpenAI's list shape); an item stored without an id gets
-    one made of the response's id and its place, the same at every call."""
+def item_page(
+    response_id: str, items: list[dict[str, Any]], limit: int, order: str, after: str | None
+) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: a page of ``items`` (OpenAI's list shape); an item stored
+    without an id gets one made of the response's id and its place, the same at every call."""
     named, seen = [], set()
-    for i, item in enumerate(items):  # every listed id its own (a local shell call's output shares its call's): a cursor finds one place
+    for i, item in enumerate(items):
+        # every listed id its own (a local shell call's output shares its call's): a cursor finds one place
         listed = item.get("id") or f"item_{response_id.removeprefix('resp_')}_{i}"
         listed = listed if listed not in seen else f"{listed}_{i}"
         seen.add(listed)
@@ -266,20 +421,33 @@ def item_page(response_id: str, items: list[dict[str, Any]], limit: int, order: 
             raise ApiError(400, f"after: no item {after!r} in this response's input", "after")
         ordered = ordered[at + 1 :]
     page = ordered[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
-            "has_more": len(ordered) > limit}
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > limit,
+    }
 
 
 def _resource(item: dict[str, Any]) -> dict[str, Any]:
-    """A stored input item as the API lists it: a message's content as parts (an assistant's as output text), and the
-    fields its type's resource requires (``status``, a shell output's ``max_output_length``)."""
+    """A stored input item as the API lists it: a message's content as parts (an assistant's as output text),
+    and the fields its type's resource requires (``status``, a shell output's ``max_output_length``)."""
     kind = item.get("type", "message")
     out = {**item, "type": kind}
     if kind == "message":
         content = item.get("content")
         parts = [{"type": "input_text", "text": content}] if isinstance(content, str) else list(content or [])
         if item.get("role") == "assistant":
-            parts = [{"type": "output_text", "text": p.get("text", p.get("refusal", "")), "annotations": [], "logprobs": []} for p in parts]
+            parts = [
+                {
+                    "type": "output_text",
+                    "text": p.get("text", p.get("refusal", "")),
+                    "annotations": [],
+                    "logprobs": [],
+                }
+                for p in parts
+            ]
         out["content"] = parts
     if kind == "reasoning":
         out.setdefault("summary", [])

@@ -13,15 +13,34 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 from app.schemas import FunctionDef, SpeculativeParams, _shallow
 
 _NAME = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-HOSTED_TOOLS = frozenset({  # tools OpenAI runs on its side: not in the prompt here, and the response says so
-    "web_search", "web_search_preview", "web_search_2025_08_26", "web_search_preview_2025_03_11", "file_search", "code_interpreter",
-    "image_generation", "computer_use_preview", "computer_use", "mcp",
-})
-CLIENT_TOOLS = frozenset({"local_shell", "shell", "apply_patch"})  # run by the client: offered as functions, called as their own items
-PASSED_OVER_INCLUDES = frozenset({  # what a client may ask to include that this gateway has nothing of (no hosted tools, no encrypted reasoning)
-    "reasoning.encrypted_content", "web_search_call.results", "web_search_call.action.sources", "file_search_call.results",
-    "code_interpreter_call.outputs", "computer_call_output.output.image_url", "message.input_image.image_url",
-})
+HOSTED_TOOLS = frozenset(
+    {  # tools OpenAI runs on its side: not in the prompt here, and the response says so
+        "web_search",
+        "web_search_preview",
+        "web_search_2025_08_26",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "computer_use_preview",
+        "computer_use",
+        "mcp",
+    }
+)
+# run by the client: offered as functions, called as their own items
+CLIENT_TOOLS = frozenset({"local_shell", "shell", "apply_patch"})
+# what a client may ask to include that this gateway has nothing of (no hosted tools, no encrypted reasoning)
+PASSED_OVER_INCLUDES = frozenset(
+    {
+        "reasoning.encrypted_content",
+        "web_search_call.results",
+        "web_search_call.action.sources",
+        "file_search_call.results",
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "message.input_image.image_url",
+    }
+)
 
 
 class _Strict(BaseModel):
@@ -29,8 +48,9 @@ class _Strict(BaseModel):
 
 
 class _Lenient(BaseModel):
-    """Items, parts and tools as clients send them back: a field this gateway does not know (a newer one: a message's
-    ``end_turn``, a tool's ``output_schema``) changes nothing here and is passed over, as unknown top-level fields are."""
+    """Items, parts and tools as clients send them back: a field this gateway does not know (a newer one: a
+    message's ``end_turn``, a tool's ``output_schema``) changes nothing here and is passed over, as unknown
+    top-level fields are."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -70,7 +90,10 @@ class MessageItem(_Lenient):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text if isinstance(p, InputText) else p.refusal if isinstance(p, Refusal) else "" for p in self.content)
+        return "".join(
+            p.text if isinstance(p, InputText) else p.refusal if isinstance(p, Refusal) else ""
+            for p in self.content
+        )
 
 
 class _Call(_Lenient):
@@ -101,7 +124,11 @@ class _Output(_Lenient):
     status: str | None = None
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output if isinstance(p, InputText))
+        return (
+            self.output
+            if isinstance(self.output, str)
+            else "".join(p.text for p in self.output if isinstance(p, InputText))
+        )
 
 
 class FunctionCallOutputItem(_Output):
@@ -112,7 +139,8 @@ class FunctionCallOutputItem(_Output):
 
 class ReasoningItem(BaseModel):
     """An earlier answer's reasoning, sent back: given to the template with the assistant turn it precedes (as
-    ``reasoning_content``), which renders it where it renders thinking (Qwen3: the turns after the last user message)."""
+    ``reasoning_content``), which renders it where it renders thinking (Qwen3: the turns after the last user
+    message)."""
 
     model_config = ConfigDict(extra="allow")
     type: Literal["reasoning"]
@@ -121,7 +149,9 @@ class ReasoningItem(BaseModel):
 
     def text(self) -> str:
         parts = [p.get("text", "") for p in self.content or [] if p.get("type") == "reasoning_text"]
-        return "".join(parts) or "\n\n".join(p.get("text", "") for p in self.summary or [] if p.get("type") == "summary_text")
+        return "".join(parts) or "\n\n".join(
+            p.get("text", "") for p in self.summary or [] if p.get("type") == "summary_text"
+        )
 
 
 class CustomToolCallItem(_Call):
@@ -138,11 +168,18 @@ class CustomToolCallOutputItem(_Output):
 
 
 class ClientCallItem(BaseModel):
-    """A call of a client-run tool (``local_shell_call``, ``shell_call``, ``apply_patch_call``) or its output, sent back:
-    read by app.responses_api.client_tools."""
+    """A call of a client-run tool (``local_shell_call``, ``shell_call``, ``apply_patch_call``) or its output,
+    sent back: read by app.responses_api.client_tools."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output"]
+    type: Literal[
+        "local_shell_call",
+        "local_shell_call_output",
+        "shell_call",
+        "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
+    ]
     call_id: str | None = None
     id: str | None = None
 
@@ -154,20 +191,44 @@ class OtherItem(BaseModel):
     type: str
 
 
-_CLIENT_ITEMS = ("local_shell_call", "local_shell_call_output", "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output")
+_CLIENT_ITEMS = (
+    "local_shell_call",
+    "local_shell_call_output",
+    "shell_call",
+    "shell_call_output",
+    "apply_patch_call",
+    "apply_patch_call_output",
+)
 
 
 def _item_kind(value: Any) -> str:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
     if kind in _CLIENT_ITEMS:
         return "client"
-    return kind if kind in ("message", "function_call", "function_call_output", "reasoning", "custom_tool_call", "custom_tool_call_output") else "other"
+    return (
+        kind
+        if kind
+        in (
+            "message",
+            "function_call",
+            "function_call_output",
+            "reasoning",
+            "custom_tool_call",
+            "custom_tool_call_output",
+        )
+        else "other"
+    )
 
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")] | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")] | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
-    | Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")] | Annotated[ClientCallItem, Tag("client")] | Annotated[OtherItem, Tag("other")],
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
+    | Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")]
+    | Annotated[ClientCallItem, Tag("client")]
+    | Annotated[OtherItem, Tag("other")],
     Discriminator(_item_kind),
 ]
 
@@ -185,7 +246,8 @@ class CustomTextFormat(_Strict):
 
 
 class CustomGrammarFormat(_Strict):
-    """A freeform tool's input held to a grammar: Lark (regular, written out as one regex: core.freeform) or a regex."""
+    """A freeform tool's input held to a grammar: Lark (regular, written out as one regex: core.freeform) or a
+    regex."""
 
     type: Literal["grammar"]
     syntax: Literal["lark", "regex"]
@@ -193,7 +255,8 @@ class CustomGrammarFormat(_Strict):
 
 
 class CustomTool(_Lenient):
-    """A freeform tool (a coding agent's ``apply_patch``): the model calls it with one string, its ``input``."""
+    """A freeform tool (a coding agent's ``apply_patch``): the model calls it with one string, its
+    ``input``."""
 
     type: Literal["custom"]
     name: str = _NAME
@@ -203,8 +266,8 @@ class CustomTool(_Lenient):
 
 
 class NamespaceTool(_Lenient):
-    """Tools grouped under a name (what coding agents send for an MCP server's tools): offered as ``<namespace>__<name>``,
-    called back with the namespace and the name apart."""
+    """Tools grouped under a name (what coding agents send for an MCP server's tools): offered as
+    ``<namespace>__<name>``, called back with the namespace and the name apart."""
 
     type: Literal["namespace"]
     name: str = _NAME
@@ -226,7 +289,9 @@ def _tool_kind(value: Any) -> str:
 
 
 Tool = Annotated[
-    Annotated[FunctionTool, Tag("function")] | Annotated[NamespaceTool, Tag("namespace")] | Annotated[CustomTool, Tag("custom")]
+    Annotated[FunctionTool, Tag("function")]
+    | Annotated[NamespaceTool, Tag("namespace")]
+    | Annotated[CustomTool, Tag("custom")]
     | Annotated[OtherTool, Tag("other")],
     Discriminator(_tool_kind),
 ]
@@ -241,7 +306,8 @@ class FormatJsonObject(_Strict):
 
 
 class FormatJsonSchema(_Strict):
-    """``text.format`` of type ``json_schema``: OpenAI's named schema, flat (not nested as in chat's ``response_format``)."""
+    """``text.format`` of type ``json_schema``: OpenAI's named schema, flat (not nested as in chat's
+    ``response_format``)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     type: Literal["json_schema"]
@@ -254,7 +320,9 @@ class FormatJsonSchema(_Strict):
 
 
 class TextParam(_Lenient):
-    format: Annotated[FormatText | FormatJsonObject | FormatJsonSchema, Field(discriminator="type")] | None = None
+    format: (
+        Annotated[FormatText | FormatJsonObject | FormatJsonSchema, Field(discriminator="type")] | None
+    ) = None
     verbosity: Literal["low", "medium", "high"] | None = None  # a hint to OpenAI's models: passed over
 
 
@@ -265,8 +333,8 @@ class FunctionChoice(_Lenient):
 
 
 class ReasoningParam(BaseModel):
-    """Hints to OpenAI's reasoning models (``effort``, ``summary``, ``context``, ``mode`` …): accepted, whatever they say,
-    and passed over (the template decides whether the model thinks)."""
+    """Hints to OpenAI's reasoning models (``effort``, ``summary``, ``context``, ``mode`` …): accepted,
+    whatever they say, and passed over (the template decides whether the model thinks)."""
 
     model_config = ConfigDict(extra="allow")
     effort: str | None = None
@@ -275,12 +343,13 @@ class ReasoningParam(BaseModel):
 
 
 class StreamOptionsParam(_Lenient):
-    include_obfuscation: bool | None = None  # OpenAI pads events against length side channels; nothing to pad here
+    # OpenAI pads events against length side channels; nothing to pad here
+    include_obfuscation: bool | None = None
 
 
 class ResponsesRequest(BaseModel):
-    """``POST /v1/responses``. Other fields are passed over (newer hints), unless a name is a near miss of one of these
-    (app.responses_api.request: a 400 that names the field meant)."""
+    """``POST /v1/responses``. Other fields are passed over (newer hints), unless a name is a near miss of one
+    of these (app.responses_api.request: a 400 that names the field meant)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -307,7 +376,8 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_tool_calls: int | None = Field(default=None, ge=1)
-    prompt_cache_key: str | None = None  # a hint to OpenAI's cache: passed over (the workers keep no cache across requests)
+    # a hint to OpenAI's cache: passed over (the workers keep no cache across requests)
+    prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     client_metadata: dict[str, Any] | None = None  # the client's own (Codex sends it): passed over
     prompt_cache_options: dict[str, Any] | None = None  # a hint to OpenAI's cache: passed over

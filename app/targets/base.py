@@ -1,5 +1,5 @@
-"""What every kind of target shares (docs/design.md §1, §8): the ``Target`` base, the ``Dialect`` a kind of target is
-spoken in, and a verify call resent from a shorter prefix (``resend``)."""
+"""What every kind of target shares (docs/design.md §1, §8): the ``Target`` base, the ``Dialect`` a kind of
+target is spoken in, and a verify call resent from a shorter prefix (``resend``)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ class Dialect(Protocol):
     health_path: str | None  # probed before ``info`` when a breaker is open; None: straight to ``info``
     is_engine: bool  # an OpenAI-compatible engine (docs/design.md §8), not a specgate worker
 
-    async def info(self, replica: Replica) -> InfoResponse: ...  # checked against Expected (ReplicaFailure otherwise)
+    # checked against Expected (ReplicaFailure otherwise)
+    async def info(self, replica: Replica) -> InfoResponse: ...
 
-    async def verify(self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic) -> VerifyResponse: ...
+    async def verify(
+        self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic
+    ) -> VerifyResponse: ...
 
     async def free(self, replica: Replica, session_id: str) -> None: ...
 
@@ -28,7 +31,8 @@ class Dialect(Protocol):
 
 
 class Target:
-    """One weighted member of the federation (``ReplicaSet``, ``PipelineTarget``): ``verify``, ``delete_session``, ``scorable``, ``check_all``."""
+    """One weighted member of the federation (``ReplicaSet``, ``PipelineTarget``): ``verify``,
+    ``delete_session``, ``scorable``, ``check_all``."""
 
     name: str
     weight: float
@@ -40,7 +44,8 @@ class Target:
 
 
 def resend(req: VerifyRequest, agreed: list[int], prefix: int) -> VerifyRequest:
-    """``req`` from a shorter prefix, every other field as it was but no ``path`` (the tree's accepted path is resent)."""
+    """``req`` from a shorter prefix, every other field as it was but no ``path`` (the tree's accepted path is
+    resent)."""
     held_until = req.prefix_len + len(req.tokens)
     tokens = np.asarray(agreed[prefix:held_until], dtype=np.int64)
     return replace(req, prefix_len=prefix, prefix_hash=prefix_hash(agreed[:prefix]), tokens=tokens, path=None)

@@ -1,6 +1,6 @@
-"""The wire to a target's replicas (docs/design.md §4): a ``Replica`` and its ``Breaker``, the ``Channel`` every call of
-one target goes through (its link emulation, its ``Traffic``), what the gateway ``Expected`` of a worker, and the
-parts of a worker's ``Server-Timing``."""
+"""The wire to a target's replicas (docs/design.md §4): a ``Replica`` and its ``Breaker``, the ``Channel``
+every call of one target goes through (its link emulation, its ``Traffic``), what the gateway ``Expected`` of
+a worker, and the parts of a worker's ``Server-Timing``."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ class Expected:
 
 @dataclass
 class Traffic:
-    """Bytes on the wire with one worker, both ways (docs/design.md §4), and seconds by part (``ROUND_PARTS``); ``add`` sums the bytes only."""
+    """Bytes on the wire with one worker, both ways (docs/design.md §4), and seconds by part
+    (``ROUND_PARTS``); ``add`` sums the bytes only."""
 
     sent: int = 0
     received: int = 0
@@ -93,18 +94,27 @@ class Replica:
 
 
 class Channel:
-    """One target's way to its replicas: the shared HTTP client, its timeout, the emulated link, the latency hook, the bytes."""
+    """One target's way to its replicas: the shared HTTP client, its timeout, the emulated link, the latency
+    hook, the bytes."""
 
     def __init__(
-        self, name: str, client: httpx.AsyncClient, timeout: httpx.Timeout, link: LinkConfig | None = None, fast: FastPost | None = None,
-        health_path: str | None = None, stall_timeout_s: float | None = None,
+        self,
+        name: str,
+        client: httpx.AsyncClient,
+        timeout: httpx.Timeout,
+        link: LinkConfig | None = None,
+        fast: FastPost | None = None,
+        health_path: str | None = None,
+        stall_timeout_s: float | None = None,
     ) -> None:
         self.name, self.client, self.timeout, self.link = name, client, timeout, link
         self.fast = fast  # the rounds' POSTs without httpx's layers (real sockets only)
-        # a round's answer slower than the read timeout: the replica's health (and its progress) decides whether to wait
-        # on (a busy worker) or to fail the call (one silent or stuck); None: the read timeout is a deadline (engines)
+        # a round's answer slower than the read timeout: the replica's health (and its progress) decides
+        # whether to wait on (a busy worker) or to fail the call (one silent or stuck); None: the read timeout
+        # is a deadline (engines)
         self.health_path = health_path
-        self.stall_timeout_s = stall_timeout_s or timeout.read  # how long a model may finish no step before it is stuck
+        # how long a model may finish no step before it is stuck
+        self.stall_timeout_s = stall_timeout_s or timeout.read
         self._patient = httpx.Timeout(None, connect=timeout.connect, write=timeout.write, pool=timeout.pool)
         self.traffic = Traffic()
         self.on_call: Callable[[str, float], None] = lambda worker, seconds: None  # metrics hook
@@ -131,13 +141,17 @@ class Channel:
         try:
             await self.client.delete(f"{replica.url}/v1/sessions/{session_id}", timeout=5.0)
         except httpx.HTTPError as exc:
-            log.warning("could not free session %s on %s (%s): %s", session_id, self.name, replica.url, describe(exc))
+            log.warning(
+                "could not free session %s on %s (%s): %s", session_id, self.name, replica.url, describe(exc)
+            )
 
-    async def _post(self, replica: Replica, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response | Answer:
-        """One POST of a round. Slow is not dead: once ``read_timeout_s`` passes with no answer, and every quarter of it
-        after, the replica's health is asked; while it answers, holds calls and its model keeps finishing steps (a busy
-        worker: a long prompt, a queue), the call waits on; a replica silent, idle or stuck fails it (kind ``timeout``,
-        which counts towards its breaker)."""
+    async def _post(
+        self, replica: Replica, path: str, body: bytes, headers: dict[str, str]
+    ) -> httpx.Response | Answer:
+        """One POST of a round. Slow is not dead: once ``read_timeout_s`` passes with no answer, and every
+        quarter of it after, the replica's health is asked; while it answers, holds calls and its model keeps
+        finishing steps (a busy worker: a long prompt, a queue), the call waits on; a replica silent, idle or
+        stuck fails it (kind ``timeout``, which counts towards its breaker)."""
         if self.health_path is None or self.timeout.read is None:
             return await self._post_once(replica, path, body, headers, self.timeout)
         call = asyncio.ensure_future(self._post_once(replica, path, body, headers, self._patient))
@@ -152,19 +166,30 @@ class Channel:
                     return call.result()
                 waited = time.monotonic() - started
                 if why is not None:
-                    raise ReplicaFailure("timeout", f"{path} at {replica.url}: no answer within {waited:.1f} s, and {why}")
-                log.info("worker %s: %s at %s has not answered in %.1f s, but it is busy and progressing: waiting on", self.name, path, replica.url, waited)
-                wait = max(self.timeout.read / 4, 0.05)  # a worker that stops now is found within a quarter more
+                    raise ReplicaFailure(
+                        "timeout", f"{path} at {replica.url}: no answer within {waited:.1f} s, and {why}"
+                    )
+                log.info(
+                    "worker %s: %s at %s has not answered in %.1f s, but it is busy and "
+                    "progressing: waiting on",
+                    self.name,
+                    path,
+                    replica.url,
+                    waited,
+                )
+                # a worker that stops now is found within a quarter more
+                wait = max(self.timeout.read / 4, 0.05)
         finally:
             if not call.done():
                 call.cancel()
             elif not call.cancelled():
-                call.exception()  # retrieved: a failure that lost the race to a verdict is not "never retrieved"
+                # retrieved: a failure that lost the race to a verdict is not "never retrieved"
+                call.exception()
 
     async def _not_progressing(self, replica: Replica) -> str | None:
-        """Why a replica that has not answered within the read timeout is taken for dead, or None: its health answers
-        (draining counts: its sessions go on), it is answering calls (a restarted process, or one that lost the call,
-        holds none), and its model finished a step within ``stall_timeout_s``."""
+        """Why a replica that has not answered within the read timeout is taken for dead, or None: its health
+        answers (draining counts: its sessions go on), it is answering calls (a restarted process, or one that
+        lost the call, holds none), and its model finished a step within ``stall_timeout_s``."""
         limit = self.stall_timeout_s
         try:
             resp = await self.client.get(f"{replica.url}{self.health_path}", timeout=_HEALTH_TIMEOUT)
@@ -180,7 +205,9 @@ class Channel:
             return "it is answering no call (it restarted, or lost this one)"
         return stuck(body, limit)
 
-    async def _post_once(self, replica: Replica, path: str, body: bytes, headers: dict[str, str], timeout: httpx.Timeout) -> httpx.Response | Answer:
+    async def _post_once(
+        self, replica: Replica, path: str, body: bytes, headers: dict[str, str], timeout: httpx.Timeout
+    ) -> httpx.Response | Answer:
         url = f"{replica.url}{path}"
         try:
             if self.fast is not None and self.fast.handles(url):
@@ -189,7 +216,9 @@ class Channel:
         except httpx.HTTPError as exc:
             raise _failure(exc, path, replica) from exc
 
-    async def exchange(self, replica: Replica, path: str, body: bytes, headers: dict[str, str], traffic: Traffic) -> tuple[int, bytes]:
+    async def exchange(
+        self, replica: Replica, path: str, body: bytes, headers: dict[str, str], traffic: Traffic
+    ) -> tuple[int, bytes]:
         """One POST of a round: the emulated link, the round-latency hook, bytes both ways."""
         linked = time.perf_counter()
         if self.link is not None:
@@ -214,7 +243,13 @@ class Channel:
 
 def _failure(exc: httpx.HTTPError, path: str, replica: Replica) -> ReplicaFailure:
     """A transport failure as its kind: timeout, connect, or transport (reset, closed mid-body, …)."""
-    kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "connect" if isinstance(exc, httpx.ConnectError) else "transport"
+    kind = (
+        "timeout"
+        if isinstance(exc, httpx.TimeoutException)
+        else "connect"
+        if isinstance(exc, httpx.ConnectError)
+        else "transport"
+    )
     return ReplicaFailure(kind, f"{path} at {replica.url}: {describe(exc)}")
 
 
@@ -237,8 +272,8 @@ def server_timing(header: str) -> dict[str, float]:
 
 
 def stuck(health: Any, limit: float | None) -> str | None:
-    """Why a worker whose ``/health`` answered ``health`` is stuck (its model has finished no step for ``limit`` s while
-    work waits), or None. A probe does not close the breaker of a stuck replica."""
+    """Why a worker whose ``/health`` answered ``health`` is stuck (its model has finished no step for
+    ``limit`` s while work waits), or None. A probe does not close the breaker of a stuck replica."""
     stalled = health.get("stalled_s") if isinstance(health, dict) else None
     if limit is not None and isinstance(stalled, (int, float)) and stalled >= limit:
         return f"its model has finished no step for {stalled:.2f} s"

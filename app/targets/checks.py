@@ -1,4 +1,5 @@
-"""Readiness checks that a hung replica cannot stall: each waits at most its bound and goes on without its waiter."""
+"""Readiness checks that a hung replica cannot stall: each waits at most its bound and goes on without its
+waiter."""
 
 from __future__ import annotations
 
@@ -12,16 +13,20 @@ T = TypeVar("T")
 
 
 class Checks:
-    """Checks that outlive the wait for them: ``/health/ready`` waits at most its bound, and a check still running when the
-    bound passes goes on (its answer recorded when it comes) and is the one the next wait waits for, never started twice.
-    A hung replica then costs one pending check and a "no answer yet" in the report, not a probe that times out."""
+    """Checks that outlive the wait for them: ``/health/ready`` waits at most its bound, and a check still
+    running when the bound passes goes on (its answer recorded when it comes) and is the one the next wait
+    waits for, never started twice. A hung replica then costs one pending check and a "no answer yet" in the
+    report, not a probe that times out."""
 
     def __init__(self) -> None:
         self._running: dict[str, asyncio.Future[Any]] = {}
 
-    async def wait(self, calls: dict[str, Callable[[], Awaitable[T]]], timeout: float | None) -> dict[str, T | BaseException]:
-        """``calls[key]()`` for each key (the running one where there is one): its result, its exception, or a ReplicaFailure
-        of kind ``timeout`` when it has not answered within ``timeout`` s (None: wait for all)."""
+    async def wait(
+        self, calls: dict[str, Callable[[], Awaitable[T]]], timeout: float | None
+    ) -> dict[str, T | BaseException]:
+        """``calls[key]()`` for each key (the running one where there is one): its result, its exception, or a
+        ReplicaFailure of kind ``timeout`` when it has not answered within ``timeout`` s (None: wait for
+        all)."""
         futures = {}
         for key, call in calls.items():
             future = self._running.get(key)
@@ -34,7 +39,9 @@ class Checks:
         results: dict[str, T | BaseException] = {}
         for key, future in futures.items():
             if not future.done():
-                results[key] = ReplicaFailure("timeout", f"no answer to /v1/info within {timeout:g} s (still asking)")
+                results[key] = ReplicaFailure(
+                    "timeout", f"no answer to /v1/info within {timeout:g} s (still asking)"
+                )
             elif future.cancelled():
                 results[key] = ReplicaFailure("timeout", "the check was cancelled")
             else:

@@ -64,7 +64,9 @@ class Resolver:
 
     async def _getaddrinfo(self, host: str) -> list[str]:
         try:
-            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM), self.timeout_s)
+            infos = await asyncio.wait_for(
+                asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM), self.timeout_s
+            )
         except socket.gaierror as exc:
             if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
                 return []
@@ -85,8 +87,16 @@ def replica_url(url: str, address: str) -> str:
 class Discovery:
     """Keeps one target's replicas equal to the addresses its URL's host resolves to."""
 
-    def __init__(self, target: ReplicaSet, url: str, interval_s: float, resolver: Resolver, client: httpx.AsyncClient) -> None:
-        self.target, self.url, self.interval_s, self.resolver, self.client = target, url.rstrip("/"), interval_s, resolver, client
+    def __init__(
+        self, target: ReplicaSet, url: str, interval_s: float, resolver: Resolver, client: httpx.AsyncClient
+    ) -> None:
+        self.target, self.url, self.interval_s, self.resolver, self.client = (
+            target,
+            url.rstrip("/"),
+            interval_s,
+            resolver,
+            client,
+        )
         self.host = urlsplit(url).hostname or ""
         self.num_resolutions = 0
         self.last_error: str | None = None

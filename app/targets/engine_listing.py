@@ -1,4 +1,5 @@
-"""An OpenAI-compatible engine's completions listing, token by token (docs/design.md §8): its ``EngineFormat``, its entries, ``TokenTable``'s ids."""
+"""An OpenAI-compatible engine's completions listing, token by token (docs/design.md §8): its
+``EngineFormat``, its entries, ``TokenTable``'s ids."""
 
 from __future__ import annotations
 
@@ -34,8 +35,12 @@ class TokenTable:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        self.special = set(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
-        pieces = tokenizer.batch_decode([[i] for i in range(vocab_size)], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        self.special = set(tokenizer.all_special_ids) | {
+            i for i, t in added.items() if getattr(t, "special", False)
+        }
+        pieces = tokenizer.batch_decode(
+            [[i] for i in range(vocab_size)], skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
         self.strings = [plain(p) for p in pieces]
         self.ids_of: dict[str, list[int]] = defaultdict(list)
         for i, s in enumerate(self.strings):
@@ -54,7 +59,9 @@ class TokenTable:
         return ids[0] if len(ids) == 1 else None
 
     def text(self, tokens: list[int]) -> str:
-        return str(self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        return str(
+            self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        )
 
     def round_trips(self, tokens: list[int]) -> bool:
         return list(self.tokenizer.encode(self.text(tokens), add_special_tokens=False)) == tokens
@@ -79,13 +86,24 @@ def parse_listing(body: bytes) -> list[Entry]:
     try:
         logprobs = orjson.loads(body)["choices"][0]["logprobs"]
         tokens, values, tops = logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]
-        if not (isinstance(tokens, list) and isinstance(values, list) and isinstance(tops, list) and len(tokens) == len(values) == len(tops)):
+        if not (
+            isinstance(tokens, list)
+            and isinstance(values, list)
+            and isinstance(tops, list)
+            and len(tokens) == len(values) == len(tops)
+        ):
             raise TypeError("tokens, token_logprobs and top_logprobs must be lists of one length")
         entries = []
         for token, value, top in zip(tokens, values, tops):
-            if not isinstance(token, str) or not (value is None or isinstance(value, (int, float))) or not (top is None or isinstance(top, dict)):
+            if (
+                not isinstance(token, str)
+                or not (value is None or isinstance(value, (int, float)))
+                or not (top is None or isinstance(top, dict))
+            ):
                 raise TypeError(f"bad entry {token!r}, {value!r}")
-            if top is not None and not all(isinstance(k, str) and isinstance(v, (int, float)) for k, v in top.items()):
+            if top is not None and not all(
+                isinstance(k, str) and isinstance(v, (int, float)) for k, v in top.items()
+            ):
                 raise TypeError(f"bad top_logprobs {top!r}"[:200])
             entries.append(Entry(token, None if value is None else float(value), top))
         return entries

@@ -1,8 +1,8 @@
 """How a target call fails (docs/design.md §1, §4): a replica's failure, and what the engine sees.
 
-    ReplicaFailure   one replica failed one call (``kind``: one of FAILURE_KINDS); the session moves on
-    WorkerError      what the engine sees: no replica of a target is left, or the target refused the request itself
-"""
+ReplicaFailure   one replica failed one call (``kind``: one of FAILURE_KINDS); the session moves on
+WorkerError      what the engine sees: no replica of a target is left, or the target refused the request
+itself"""
 
 from __future__ import annotations
 
@@ -11,7 +11,16 @@ import httpx
 from core.errors import ProtocolError, SpecgateError
 from core.protocol import ErrorBody
 
-FAILURE_KINDS = ("connect", "timeout", "transport", "http_5xx", "garbage", "fingerprint", "unauthorized", "rejected")
+FAILURE_KINDS = (
+    "connect",
+    "timeout",
+    "transport",
+    "http_5xx",
+    "garbage",
+    "fingerprint",
+    "unauthorized",
+    "rejected",
+)
 
 
 class WorkerError(SpecgateError):
@@ -31,8 +40,9 @@ class ReplicaFailure(SpecgateError):
 
 
 class AskAgain(SpecgateError):
-    """A replica that answered for now only (``app.targets.replicas`` retries, the one layer that does): ``held`` — it holds
-    fewer rows of the session than the call assumed (a 409: send again from there); else it is full (a 503 ``worker_full``: wait)."""
+    """A replica that answered for now only (``app.targets.replicas`` retries, the one layer that does):
+    ``held`` — it holds fewer rows of the session than the call assumed (a 409: send again from there); else
+    it is full (a 503 ``worker_full``: wait)."""
 
     def __init__(self, message: str, held: int | None = None) -> None:
         super().__init__(message)

@@ -1,6 +1,7 @@
-"""The round's POST without httpx's layers (issue 33, docs/performance.md): HTTP/1.1 over kept-alive asyncio streams
-per host and port, one call at a time (a kept one the server had closed is retried once on a fresh one). Failures raise
-``httpx`` exceptions of the same kinds, so ``Channel`` maps them alike. Only ``http://`` URLs: ``Channel`` uses httpx for the rest."""
+"""The round's POST without httpx's layers (issue 33, docs/performance.md): HTTP/1.1 over kept-alive asyncio
+streams per host and port, one call at a time (a kept one the server had closed is retried once on a fresh
+one). Failures raise ``httpx`` exceptions of the same kinds, so ``Channel`` maps them alike. Only ``http://``
+URLs: ``Channel`` uses httpx for the rest."""
 
 from __future__ import annotations
 
@@ -51,7 +52,9 @@ class FastPost:
             reused = bool(self._idle.get((host, port)))
             conn = await self._connection(host, port, timeout)
             try:
-                answer, keep = await self._exchange(conn, request, timeout, may_be_stale=reused and attempt == 0)
+                answer, keep = await self._exchange(
+                    conn, request, timeout, may_be_stale=reused and attempt == 0
+                )
             except _Stale:
                 conn.close()
                 continue  # the server closed it while idle: once more on a fresh connection
@@ -86,14 +89,18 @@ class FastPost:
                 return conn
             conn.close()
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, limit=_MAX_HEAD), timeout.connect)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, limit=_MAX_HEAD), timeout.connect
+            )
         except TimeoutError as exc:
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} took over {timeout.connect} s") from exc
         except OSError as exc:
             raise httpx.ConnectError(f"[Errno {exc.errno}] {exc.strerror or exc}") from exc
         return _Connection(reader, writer)
 
-    async def _exchange(self, conn: _Connection, request: bytes, timeout: httpx.Timeout, may_be_stale: bool) -> tuple[Answer, bool]:
+    async def _exchange(
+        self, conn: _Connection, request: bytes, timeout: httpx.Timeout, may_be_stale: bool
+    ) -> tuple[Answer, bool]:
         try:
             conn.writer.write(request)
             await asyncio.wait_for(conn.writer.drain(), timeout.write)

@@ -1,4 +1,5 @@
-"""A pipeline as a target (docs/design.md §3.7): a model's layers over stage workers in order; ``forward`` sends one segment, ``verify`` a call of segments."""
+"""A pipeline as a target (docs/design.md §3.7): a model's layers over stage workers in order; ``forward``
+sends one segment, ``verify`` a call of segments."""
 
 from __future__ import annotations
 
@@ -13,9 +14,17 @@ import numpy as np
 
 from app.targets.base import Target
 from app.targets.channel import Breaker, Channel, Expected, Replica, Traffic
-from app.targets.failures import ReplicaFailure, WorkerError, error_body, error_message, status_failure
 from app.targets.checks import Checks
-from app.targets.segments import Segment, StageSession, as_verify, sampling, stage_request, unserved, verify_segment
+from app.targets.failures import ReplicaFailure, WorkerError, error_body, error_message, status_failure
+from app.targets.segments import (
+    Segment,
+    StageSession,
+    as_verify,
+    sampling,
+    stage_request,
+    unserved,
+    verify_segment,
+)
 from core.errors import ProtocolError
 from core.protocol import (
     BINARY_CONTENT_TYPE,
@@ -31,7 +40,8 @@ from core.protocol import (
 log = logging.getLogger(__name__)
 
 _HEADERS = {"content-type": BINARY_CONTENT_TYPE, "accept": BINARY_CONTENT_TYPE}
-_STAND_IN = attrgetter("layer_range", "num_layers", "tokenizer_fingerprint", "backend")  # what a replica shares with its stage
+# what a replica shares with its stage
+_STAND_IN = attrgetter("layer_range", "num_layers", "tokenizer_fingerprint", "backend")
 
 
 class StageShort(Exception):
@@ -51,7 +61,15 @@ class PipelineTarget(Target):
 
     is_engine = False
 
-    def __init__(self, name: str, stages: list[list[str]], weight: float, channel: Channel, expected: Expected, threshold: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        stages: list[list[str]],
+        weight: float,
+        channel: Channel,
+        expected: Expected,
+        threshold: int,
+    ) -> None:
         self.name, self.weight, self.channel, self.expected = name, weight, channel, expected
         # per stage, first layers first: its replicas (the configured URL first), and the one in use
         self.members = [[Replica(url.rstrip("/"), Breaker(threshold)) for url in urls] for urls in stages]
@@ -80,10 +98,13 @@ class PipelineTarget(Target):
         return len(draft)
 
     async def check_all(self, timeout: float | None = None) -> dict[str, Any]:
-        """Every stage replica's ``/v1/info`` at once (a stage's replica in use failing: one that answers), then the layout for
-        ``/health/ready``; ``timeout``: one that has not answered by then counts as not answering this time (``Checks``)."""
+        """Every stage replica's ``/v1/info`` at once (a stage's replica in use failing: one that answers),
+        then the layout for ``/health/ready``; ``timeout``: one that has not answered by then counts as not
+        answering this time (``Checks``)."""
         flat = [(i, j, r) for i, members in enumerate(self.members) for j, r in enumerate(members)]
-        answers = await self.checks.wait({f"{i}/{j}": functools.partial(self._info, r) for i, j, r in flat}, timeout)
+        answers = await self.checks.wait(
+            {f"{i}/{j}": functools.partial(self._info, r) for i, j, r in flat}, timeout
+        )
         results = [answers[f"{i}/{j}"] for i, j, _ in flat]
         answered = {(i, j) for (i, j, _), result in zip(flat, results) if isinstance(result, InfoResponse)}
         for i, members in enumerate(self.members):
@@ -92,18 +113,36 @@ class PipelineTarget(Target):
                 self._switch(i, spare, f"it did not answer /v1/info: {members[self.active[i]].last_error}")
         replicas = [
             {"url": r.url, "stage": i + 1, "active": j == self.active[i], "ready": (i, j) in answered}
-            | ({"layers": r.info.layer_range} if (i, j) in answered and r.info is not None else {"error": r.last_error})
+            | (
+                {"layers": r.info.layer_range}
+                if (i, j) in answered and r.info is not None
+                else {"error": r.last_error}
+            )
             for i, j, r in flat
         ]
-        entry: dict[str, Any] = {"name": self.name, "url": self.url, "weight": self.weight, "ready": False, "replicas": replicas}
+        entry: dict[str, Any] = {
+            "name": self.name,
+            "url": self.url,
+            "weight": self.weight,
+            "ready": False,
+            "replicas": replicas,
+        }
         down = [r for r in replicas if r["active"] and not r["ready"]]
         if down:
-            return entry | {"error": f"worker {self.name}: stage {down[0]['stage']} ({down[0]['url']}) not ready: {down[0]['error']}"}
+            return entry | {
+                "error": f"worker {self.name}: stage {down[0]['stage']} ({down[0]['url']}) not ready: "
+                f"{down[0]['error']}"
+            }
         infos = [r.info for r in self.replicas if r.info is not None]
         problem = layout_problem(self.replicas, infos, self.expected) or self._replica_problem(answered)
         if problem is not None:
             return entry | {"error": f"pipeline {self.name}: {problem}", "fatal": True}
-        return entry | {"ready": True, "model": infos[-1].model_id, "max_context": min(i.max_context for i in infos), "stages": self.stages}
+        return entry | {
+            "ready": True,
+            "model": infos[-1].model_id,
+            "max_context": min(i.max_context for i in infos),
+            "stages": self.stages,
+        }
 
     async def _info(self, replica: Replica) -> InfoResponse:
         """One stage replica's ``/v1/info``, recorded on it (its breaker, its last error)."""
@@ -122,10 +161,17 @@ class PipelineTarget(Target):
             used = members[self.active[i]].info
             for j, replica in enumerate(members):
                 info = replica.info
-                if (i, j) in answered and info is not None and used is not None and _STAND_IN(info) != _STAND_IN(used):
+                if (
+                    (i, j) in answered
+                    and info is not None
+                    and used is not None
+                    and _STAND_IN(info) != _STAND_IN(used)
+                ):
                     return (
-                        f"stage {i + 1}'s replica {replica.url} cannot stand in for {members[self.active[i]].url}: it serves layers "
-                        f"{info.layer_range} of {info.num_layers} ({info.backend}), the stage {used.layer_range} of {used.num_layers} ({used.backend})"
+                        f"stage {i + 1}'s replica {replica.url} cannot stand in for "
+                        f"{members[self.active[i]].url}: it serves layers "
+                        f"{info.layer_range} of {info.num_layers} ({info.backend}), the stage "
+                        f"{used.layer_range} of {used.num_layers} ({used.backend})"
                     )
         return None
 
@@ -135,7 +181,8 @@ class PipelineTarget(Target):
             await self.check_all()
 
     def fail_over(self, stage: int) -> bool:
-        """Stage ``stage`` (0-based) failed: its replica is out until a probe passes; False when no checked replica can take over."""
+        """Stage ``stage`` (0-based) failed: its replica is out until a probe passes; False when no checked
+        replica can take over."""
         members = self.members[stage]
         failed = members[self.active[stage]]
         failed.breaker.failures = max(failed.breaker.failures, failed.breaker.threshold)
@@ -146,7 +193,14 @@ class PipelineTarget(Target):
 
     def _switch(self, stage: int, to: int, why: str) -> None:
         members = self.members[stage]
-        log.warning("pipeline %s: stage %d moves from %s to %s (%s)", self.name, stage + 1, members[self.active[stage]].url, members[to].url, why)
+        log.warning(
+            "pipeline %s: stage %d moves from %s to %s (%s)",
+            self.name,
+            stage + 1,
+            members[self.active[stage]].url,
+            members[to].url,
+            why,
+        )
         self.active[stage] = to
         self.chain += 1
         self.failovers += 1
@@ -154,8 +208,11 @@ class PipelineTarget(Target):
     def session(self, session_id: str) -> StageSession:
         return self.sessions.setdefault(session_id, StageSession(session_id, chain=self.chain))
 
-    async def forward(self, session_id: str, segment: Segment, sampling: dict[str, Any]) -> tuple[StageResponse, Traffic]:
-        """One segment through every stage; the last stage's answer (StageShort on a 409, else WorkerError naming the stage)."""
+    async def forward(
+        self, session_id: str, segment: Segment, sampling: dict[str, Any]
+    ) -> tuple[StageResponse, Traffic]:
+        """One segment through every stage; the last stage's answer (StageShort on a 409, else WorkerError
+        naming the stage)."""
         stage = self.session(session_id)
         if stage.chain != self.chain:
             raise StageShort("a stage moved to a replica since the session's last segment")
@@ -169,7 +226,12 @@ class PipelineTarget(Target):
             first.failed(exc)
             self.failures[exc.kind] += 1
             log.warning("pipeline %s: stage %s failed (%s): %s", self.name, first.url, exc.kind, exc)
-            raise StageDown(self.name, 0, f"stage 1 ({first.url}) failed: {exc}", 503 if exc.kind in ("connect", "timeout") else 502) from None
+            raise StageDown(
+                self.name,
+                0,
+                f"stage 1 ({first.url}) failed: {exc}",
+                503 if exc.kind in ("connect", "timeout") else 502,
+            ) from None
         if status == 409:
             raise StageShort(error_message(answer))
         if status != 200:
@@ -194,7 +256,11 @@ class PipelineTarget(Target):
     def _failed_stage(self, answer: bytes) -> int:
         """Which stage a 5xx came from: the one a stage names in the error's ``param``, else the first."""
         body, urls = error_body(answer), [r.url for r in self.replicas]
-        named = (body.param or "").rstrip("/") if body is not None and body.code in ("stage_unreachable", "stage_failed") else None
+        named = (
+            (body.param or "").rstrip("/")
+            if body is not None and body.code in ("stage_unreachable", "stage_failed")
+            else None
+        )
         return urls.index(named) if named in urls else 0
 
     def _check(self, resp: StageResponse, req: StageRequest) -> None:
@@ -216,13 +282,16 @@ class PipelineTarget(Target):
         """The session under a new stage session id, holding nothing (the old one is freed)."""
         old = self.session(session_id)
         self.restarts += 1
-        new = self.sessions[session_id] = StageSession(f"{session_id}~{old.restarts + 1}", restarts=old.restarts + 1, chain=self.chain)
+        new = self.sessions[session_id] = StageSession(
+            f"{session_id}~{old.restarts + 1}", restarts=old.restarts + 1, chain=self.chain
+        )
         asyncio.get_running_loop().create_task(self._free(old.id))
         log.info("pipeline %s: session %s starts again as %s", self.name, session_id, new.id)
         return new
 
     async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
-        """A verify call as one segment (``verify_segment``); once more from zero, under a new id, after a 409."""
+        """A verify call as one segment (``verify_segment``); once more from zero, under a new id, after a
+        409."""
         if problem := unserved(req):
             raise WorkerError(self.name, f"a pipeline target does not serve {problem}", 400)
         shorts, from_zero = 0, False
@@ -232,7 +301,9 @@ class PipelineTarget(Target):
             try:
                 resp, traffic = await self.forward(req.session_id, segment, sampling(req))
             except StageShort as exc:
-                log.info("pipeline %s lost session %s (%s): starting it again", self.name, req.session_id, exc)
+                log.info(
+                    "pipeline %s lost session %s (%s): starting it again", self.name, req.session_id, exc
+                )
                 shorts += 1
             except StageDown as exc:
                 if not self.fail_over(exc.stage):
@@ -252,32 +323,57 @@ class PipelineTarget(Target):
             await self._free(stage.id)
 
     async def _free(self, stage_id: str) -> None:
-        await asyncio.gather(*(self.channel.free(r, stage_id) for members in self.members for r in members if not r.breaker.is_open))
+        await asyncio.gather(
+            *(
+                self.channel.free(r, stage_id)
+                for members in self.members
+                for r in members
+                if not r.breaker.is_open
+            )
+        )
 
 
 def layout_problem(replicas: list[Replica], infos: list[InfoResponse], expected: Expected) -> str | None:
-    """What keeps these stages from being one pipeline of the draft's tokenizer (each a slice, in order, every layer once), or None."""
+    """What keeps these stages from being one pipeline of the draft's tokenizer (each a slice, in order, every
+    layer once), or None."""
     for i, (replica, info) in enumerate(zip(replicas, infos)):
         where = f"stage {i + 1} ({replica.url})"
         if info.tokenizer_fingerprint != expected.fingerprint or info.vocab_size != expected.vocab_size:
-            return f"{where} serves another tokenizer/vocabulary than the draft ({info.model_id}, V={info.vocab_size})"
+            return (
+                f"{where} serves another tokenizer/vocabulary than the draft ({info.model_id}, "
+                f"V={info.vocab_size})"
+            )
         if info.backend != "transformers":
-            return f"{where} runs {info.backend}: a pipeline stage needs --backend transformers (llama.cpp cannot run a slice of layers)"
+            return (
+                f"{where} runs {info.backend}: a pipeline stage needs --backend transformers "
+                "(llama.cpp cannot run a slice of layers)"
+            )
         if info.layer_range is None or info.num_layers is None:
-            return f"{where} is not a pipeline stage: it serves the whole model {info.model_id} (start it with --layers A:B)"
+            return (
+                f"{where} is not a pipeline stage: it serves the whole model {info.model_id} (start "
+                "it with --layers A:B)"
+            )
     counts = {info.num_layers for info in infos}
     if len(counts) > 1:
-        return f"the stages are slices of models of different depths ({sorted(c for c in counts if c is not None)} layers)"
+        return (
+            "the stages are slices of models of different depths "
+            f"({sorted(c for c in counts if c is not None)} layers)"
+        )
     total, at = infos[0].num_layers, 0
     for i, info in enumerate(infos):
         assert info.layer_range is not None
         first, end = info.layer_range
         if first > at:
-            return f"layers {at}:{first} are on no stage (gap before stage {i + 1}, which starts at layer {first})"
+            return (
+                f"layers {at}:{first} are on no stage (gap before stage {i + 1}, which starts at "
+                f"layer {first})"
+            )
         if first < at:
-            return f"layers {first}:{min(at, end)} are on two stages (overlap: stage {i + 1} starts at layer {first}, the stages before end at {at})"
+            return (
+                f"layers {first}:{min(at, end)} are on two stages (overlap: stage {i + 1} starts at "
+                f"layer {first}, the stages before end at {at})"
+            )
         at = end
     if at != total:
         return f"layers {at}:{total} are on no stage (the last stage ends at layer {at} of {total})"
     return None
-

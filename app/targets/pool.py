@@ -1,4 +1,5 @@
-"""The federation (docs/design.md §3.3): every weighted target, one HTTP client for all (retries off: failover is the only retry)."""
+"""The federation (docs/design.md §3.3): every weighted target, one HTTP client for all (retries off: failover
+is the only retry)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ from core.config import SpecgateConfig
 
 class TargetSet:
     def __init__(
-        self, workers: list[ReplicaSet | PipelineTarget], client: httpx.AsyncClient, probe_interval_s: float, fast: FastPost | None = None,
+        self,
+        workers: list[ReplicaSet | PipelineTarget],
+        client: httpx.AsyncClient,
+        probe_interval_s: float,
+        fast: FastPost | None = None,
         discoveries: list[Discovery] | None = None,
     ) -> None:
         self.workers, self.client, self.probe_interval_s, self.fast = workers, client, probe_interval_s, fast
@@ -29,23 +34,60 @@ class TargetSet:
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
-    def from_config(cls, config: SpecgateConfig, expected: Expected, transport: httpx.AsyncBaseTransport | None = None) -> TargetSet:
+    def from_config(
+        cls, config: SpecgateConfig, expected: Expected, transport: httpx.AsyncBaseTransport | None = None
+    ) -> TargetSet:
         headers = {"authorization": f"Bearer {config.worker_token}"} if config.worker_token else None
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=4 * config.limits.max_concurrent_requests)
-        client = httpx.AsyncClient(transport=transport or httpx.AsyncHTTPTransport(retries=0, limits=limits), headers=headers)
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=4 * config.limits.max_concurrent_requests
+        )
+        client = httpx.AsyncClient(
+            transport=transport or httpx.AsyncHTTPTransport(retries=0, limits=limits), headers=headers
+        )
         fast = FastPost(headers) if transport is None else None  # the rounds' POSTs on real sockets
         workers: list[ReplicaSet | PipelineTarget] = []
         discoveries: list[Discovery] = []
         resolver = Resolver(config.discovery.dns_servers, config.discovery.timeout_s)
         for w in config.workers:
             name = w.name or ""
-            health = None if w.is_engine else "/health"  # an engine's /health says nothing of its progress: its read timeout is a deadline
-            channel = Channel(name, client, httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s), w.link, fast, health, w.stall_timeout_s)
+            # an engine's /health says nothing of its progress: its read timeout is a deadline
+            health = None if w.is_engine else "/health"
+            channel = Channel(
+                name,
+                client,
+                httpx.Timeout(w.read_timeout_s, connect=w.connect_timeout_s),
+                w.link,
+                fast,
+                health,
+                w.stall_timeout_s,
+            )
             if w.pipeline is not None:
-                workers.append(PipelineTarget(name, config.stage_replicas(w), w.weight, channel, expected, config.health.failure_threshold))
+                workers.append(
+                    PipelineTarget(
+                        name,
+                        config.stage_replicas(w),
+                        w.weight,
+                        channel,
+                        expected,
+                        config.health.failure_threshold,
+                    )
+                )
                 continue
-            dialect: Dialect = EngineDialect(name, channel, expected, w) if w.is_engine else SpecgateDialect(name, channel, expected)
-            target = ReplicaSet(name, config.worker_urls(w), w.weight, channel, dialect, expected, config.health.failure_threshold, w.discovery_interval_s is not None)
+            dialect: Dialect = (
+                EngineDialect(name, channel, expected, w)
+                if w.is_engine
+                else SpecgateDialect(name, channel, expected)
+            )
+            target = ReplicaSet(
+                name,
+                config.worker_urls(w),
+                w.weight,
+                channel,
+                dialect,
+                expected,
+                config.health.failure_threshold,
+                w.discovery_interval_s is not None,
+            )
             workers.append(target)
             if w.discovery_interval_s is not None:
                 discoveries.append(Discovery(target, target.url, w.discovery_interval_s, resolver, client))
@@ -75,7 +117,10 @@ class TargetSet:
 
     def start(self) -> None:
         """Probe open breakers, and resolve discovered targets' names, in the background until ``close``."""
-        self._tasks = [asyncio.create_task(self._probe_forever()), *(asyncio.create_task(d.run()) for d in self.discoveries)]
+        self._tasks = [
+            asyncio.create_task(self._probe_forever()),
+            *(asyncio.create_task(d.run()) for d in self.discoveries),
+        ]
 
     async def _probe_forever(self) -> None:
         while True:
@@ -83,7 +128,8 @@ class TargetSet:
             await asyncio.gather(*(w.probe() for w in self.workers))
 
     async def check_all(self, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Every target's entry of ``/health/ready``; ``timeout``: a replica silent that long is not ready this time."""
+        """Every target's entry of ``/health/ready``; ``timeout``: a replica silent that long is not ready
+        this time."""
         return list(await asyncio.gather(*(w.check_all(timeout) for w in self.workers)))
 
     async def delete_sessions(self, session_id: str) -> None:

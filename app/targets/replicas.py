@@ -1,5 +1,6 @@
-"""A target with replicas of one model (docs/design.md §4, docs/reliability.md): sessions, failover, breakers, probes, and
-every retry of a verify call — on the same replica (a 409's resend, a full worker's wait) or on another (failover)."""
+"""A target with replicas of one model (docs/design.md §4, docs/reliability.md): sessions, failover, breakers,
+probes, and every retry of a verify call — on the same replica (a 409's resend, a full worker's wait) or on
+another (failover)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import httpx
 
 from app.targets.base import Dialect, Target, resend
 from app.targets.channel import Breaker, Channel, Expected, Replica, Traffic, health_body, stuck
-from app.targets.failures import AskAgain, ReplicaFailure, WorkerError
 from app.targets.checks import Checks
+from app.targets.failures import AskAgain, ReplicaFailure, WorkerError
 from core.protocol import InfoResponse, VerifyRequest, VerifyResponse
 
 log = logging.getLogger(__name__)
@@ -25,15 +26,34 @@ _PROBE_TIMEOUT = httpx.Timeout(2.0)  # a probe of a hung replica must not hold u
 _MAX_RESENDS = 2  # after a 409: from the prefix held, then from zero
 _FULL_FIRST_PAUSE_S = 0.25  # a full worker (503 worker_full): the first wait, doubling to 2 s
 _FULL_WAIT_S = 30.0  # at most this long in all when the channel has no read timeout
-DRAINING_PAUSE_S = 5.0  # a replica that refused a new session as draining gets none for this long (its Retry-After)
+# a replica that refused a new session as draining gets none for this long (its Retry-After)
+DRAINING_PAUSE_S = 5.0
 
 
 class ReplicaSet(Target):
     """One target of the federation: its weight, its replicas, which replica holds which session."""
 
-    def __init__(self, name: str, urls: list[str], weight: float, channel: Channel, dialect: Dialect, expected: Expected, threshold: int, discovered: bool = False) -> None:
-        """``discovered``: ``urls[0]`` is a name whose addresses join as replicas (app/targets/discovery.py)."""
-        self.name, self.weight, self.channel, self.dialect, self.expected, self.threshold = name, weight, channel, dialect, expected, threshold
+    def __init__(
+        self,
+        name: str,
+        urls: list[str],
+        weight: float,
+        channel: Channel,
+        dialect: Dialect,
+        expected: Expected,
+        threshold: int,
+        discovered: bool = False,
+    ) -> None:
+        """``discovered``: ``urls[0]`` is a name whose addresses join as replicas
+        (app/targets/discovery.py)."""
+        self.name, self.weight, self.channel, self.dialect, self.expected, self.threshold = (
+            name,
+            weight,
+            channel,
+            dialect,
+            expected,
+            threshold,
+        )
         self.replicas = [] if discovered else [Replica(url.rstrip("/"), Breaker(threshold)) for url in urls]
         self.url, self.is_engine, self.discovered = urls[0].rstrip("/"), dialect.is_engine, discovered
         self.sessions: dict[str, Replica] = {}  # the replica that holds each session now
@@ -57,28 +77,47 @@ class ReplicaSet(Target):
         return info
 
     async def check_all(self, timeout: float | None = None) -> dict[str, Any]:
-        """Every replica checked at once: the target's entry of ``/health/ready`` (leaving ones listed, not checked; draining ones not
-        ready). ``timeout``: a replica that has not answered by then is not ready this time (``Checks``)."""
+        """Every replica checked at once: the target's entry of ``/health/ready`` (leaving ones listed, not
+        checked; draining ones not ready). ``timeout``: a replica that has not answered by then is not ready
+        this time (``Checks``)."""
         serving = [r for r in self.replicas if not r.retired]
         answers = await self.checks.wait({r.url: functools.partial(self.check, r) for r in serving}, timeout)
         results = [answers[r.url] for r in serving]
         replicas, infos = [], []
         for replica, result in zip(serving, results):
-            if isinstance(result, InfoResponse) and replica.draining:  # it answers, but takes no new session now
+            if isinstance(result, InfoResponse) and replica.draining:
+                # it answers, but takes no new session now
                 replicas.append({"url": replica.url, "ready": False, "draining": True})
             elif isinstance(result, InfoResponse):
                 infos.append(result)
                 replicas.append({"url": replica.url, "ready": True})
             else:
-                replicas.append({"url": replica.url, "ready": False, "error": str(result), "failures_in_a_row": replica.breaker.failures})
+                replicas.append(
+                    {
+                        "url": replica.url,
+                        "ready": False,
+                        "error": str(result),
+                        "failures_in_a_row": replica.breaker.failures,
+                    }
+                )
         replicas += [{"url": r.url, "ready": False, "leaving": True} for r in self.replicas if r.retired]
-        entry: dict[str, Any] = {"name": self.name, "url": self.url, "weight": self.weight, "ready": bool(infos), "replicas": replicas}
+        entry: dict[str, Any] = {
+            "name": self.name,
+            "url": self.url,
+            "weight": self.weight,
+            "ready": bool(infos),
+            "replicas": replicas,
+        }
         if self.discovered:
             entry["discovered"] = True
         if infos:
             entry.update(model=infos[0].model_id, max_context=min(i.max_context for i in infos))
         else:
-            why = replicas[0].get("error", "draining" if replicas[0].get("draining") else "leaving") if replicas else f"no address of {self.url} has joined yet"
+            why = (
+                replicas[0].get("error", "draining" if replicas[0].get("draining") else "leaving")
+                if replicas
+                else f"no address of {self.url} has joined yet"
+            )
             entry["error"] = f"worker {self.name}: no replica ready ({why})"
         return entry
 
@@ -110,19 +149,27 @@ class ReplicaSet(Target):
         for replica in (r for r in self.replicas if r.breaker.is_open and not r.retired):
             try:
                 if self.dialect.health_path is not None:
-                    resp = await self.channel.client.get(f"{replica.url}{self.dialect.health_path}", timeout=_PROBE_TIMEOUT)
-                    if resp.status_code != 200 or stuck(health_body(resp), self.channel.stall_timeout_s) is not None:
-                        continue  # not back: down, draining, or its model stuck (a new session would wait there)
+                    resp = await self.channel.client.get(
+                        f"{replica.url}{self.dialect.health_path}", timeout=_PROBE_TIMEOUT
+                    )
+                    if (
+                        resp.status_code != 200
+                        or stuck(health_body(resp), self.channel.stall_timeout_s) is not None
+                    ):
+                        # not back: down, draining, or its model stuck (a new session would wait there)
+                        continue
                 await self.check(replica)
                 log.info("worker %s: replica %s is back", self.name, replica.url)
             except (httpx.HTTPError, ReplicaFailure):
                 continue
 
     async def verify(self, req: VerifyRequest, agreed: list[int]) -> tuple[VerifyResponse, Traffic]:
-        """One verify call on the replica that holds the session, failing over to the others (``agreed``: for a resend)."""
+        """One verify call on the replica that holds the session, failing over to the others (``agreed``: for
+        a resend)."""
         traffic, tried = Traffic(), set[str]()
         last: ReplicaFailure | None = None
-        resends, waits, asked = 0, [0.0], ""  # on the replica ``asked``: resends after a 409, the pauses for a full worker
+        # on the replica ``asked``: resends after a 409, the pauses for a full worker
+        resends, waits, asked = 0, [0.0], ""
         while True:
             replica = await self._replica_for(req.session_id, tried, last)
             if replica.url != asked:
@@ -139,20 +186,36 @@ class ReplicaSet(Target):
                 try:
                     resp = await self.dialect.verify(replica, req, agreed, traffic)
                 except AskAgain as again:
-                    if again.held is None:  # a full worker is only busy: ask again until the read timeout (docs/reliability.md)
+                    if again.held is None:
+                        # a full worker is only busy: ask again until the read timeout (docs/reliability.md)
                         await self._wait_full(req.session_id, str(again), waits)
                         continue
                     if resends == _MAX_RESENDS:
-                        raise ReplicaFailure("garbage", "kept answering session_short after a resend from zero") from None
-                    prefix = again.held if again.held < req.prefix_len else 0  # held ≥ prefix_len: the hash differed
-                    log.info("worker %s lost session %s (holds %d): resending from %d", self.name, req.session_id, again.held, prefix)
+                        raise ReplicaFailure(
+                            "garbage", "kept answering session_short after a resend from zero"
+                        ) from None
+                    # held ≥ prefix_len: the hash differed
+                    prefix = again.held if again.held < req.prefix_len else 0
+                    log.info(
+                        "worker %s lost session %s (holds %d): resending from %d",
+                        self.name,
+                        req.session_id,
+                        again.held,
+                        prefix,
+                    )
                     req, resends = resend(req, agreed, prefix), resends + 1
                     continue
             except ReplicaFailure as exc:
-                if exc.kind == "draining":  # not a failure: no new session there for a while, this one goes elsewhere
+                if exc.kind == "draining":
+                    # not a failure: no new session there for a while, this one goes elsewhere
                     replica.draining_until = time.monotonic() + DRAINING_PAUSE_S
                     self._never_held(req.session_id, replica.url)
-                    log.info("worker %s: replica %s is draining; session %s goes to another", self.name, replica.url, req.session_id)
+                    log.info(
+                        "worker %s: replica %s is draining; session %s goes to another",
+                        self.name,
+                        replica.url,
+                        req.session_id,
+                    )
                 else:
                     self._failed(replica, exc)
                 tried.add(replica.url)
@@ -178,7 +241,9 @@ class ReplicaSet(Target):
         if current is not None and not current.breaker.is_open:
             return current
         while True:
-            candidates = [r for r in self.replicas if r.url not in tried and not r.breaker.is_open and r.takes_sessions]
+            candidates = [
+                r for r in self.replicas if r.url not in tried and not r.breaker.is_open and r.takes_sessions
+            ]
             if not candidates:
                 raise self._exhausted(last)
             load = Counter(r.url for r in self.sessions.values())
@@ -193,7 +258,8 @@ class ReplicaSet(Target):
                 last = exc
 
     def _never_held(self, session_id: str, url: str) -> None:
-        """A replica that refused a new session holds nothing of it: no failover counted, no DELETE sent there."""
+        """A replica that refused a new session holds nothing of it: no failover counted, no DELETE sent
+        there."""
         held = self.held.get(session_id, set())
         held.discard(url)
         if not held:
@@ -203,9 +269,17 @@ class ReplicaSet(Target):
         if not self.present_urls():
             return WorkerError(self.name, f"no replica: no address of {self.url} has joined", 503)
         if (last is None or last.kind == "draining") and any(r.draining for r in self.replicas):
-            return WorkerError(self.name, "every replica is draining (shutting down) or resting after a refusal; retry shortly", 503)
+            return WorkerError(
+                self.name,
+                "every replica is draining (shutting down) or resting after a refusal; retry shortly",
+                503,
+            )
         if last is None:  # every breaker was open before this call
-            return WorkerError(self.name, f"no healthy replica (circuit open after repeated failures: {self.replicas[0].last_error})", 503)
+            return WorkerError(
+                self.name,
+                f"no healthy replica (circuit open after repeated failures: {self.replicas[0].last_error})",
+                503,
+            )
         status = 503 if last.kind in ("connect", "timeout", "draining") else 502
         which = "its replica" if len(self.replicas) == 1 else f"all {len(self.replicas)} replicas"
         return WorkerError(self.name, f"{which} failed: {last}", status)
@@ -215,7 +289,13 @@ class ReplicaSet(Target):
         self.failures[exc.kind] += 1
         if replica.breaker.failures == replica.breaker.threshold:
             replica.info = None  # checked again before its next call
-            log.warning("worker %s: circuit open for %s after %d failures: %s", self.name, replica.url, replica.breaker.failures, exc)
+            log.warning(
+                "worker %s: circuit open for %s after %d failures: %s",
+                self.name,
+                replica.url,
+                replica.breaker.failures,
+                exc,
+            )
         else:
             log.warning("worker %s: replica %s failed (%s): %s", self.name, replica.url, exc.kind, exc)
 

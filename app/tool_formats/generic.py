@@ -1,6 +1,7 @@
-"""The generic format (app.tools): a system message that describes the tools and one JSON object as the answer,
-``{"tool_calls": [{"name": …, "arguments": {…}}]}`` or ``{"response": …}``. What a template without a tool syntax of its
-own gets (the built-in model's); never detected, and the only one that takes a response_format beside tools."""
+"""The generic format (app.tools): a system message that describes the tools and one JSON object as the
+answer, ``{"tool_calls": [{"name": …, "arguments": {…}}]}`` or ``{"response": …}``. What a template without a
+tool syntax of its own gets (the built-in model's); never detected, and the only one that takes a
+response_format beside tools."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ class Generic(ToolFormat):
         return False
 
     def grammar(self, tools: list[Tool], required: bool, parallel: bool, markers: Markers) -> str:
-        raise TypeError("the generic format's grammar is a JSON schema: app.tools.generic_schema (app.requests builds it)")
+        raise TypeError(
+            "the generic format's grammar is a JSON schema: app.tools.generic_schema (app.requests builds it)"
+        )
 
     def reader(self, markers: Markers, tools: dict[str, dict[str, Any]]) -> ToolOutput:
-        return ToolOutput()  # with a response_format beside the tools: ToolOutput(raw_response=True) (app.service)
+        # with a response_format beside the tools: ToolOutput(raw_response=True) (app.service)
+        return ToolOutput()

@@ -1,5 +1,5 @@
-"""The families that write a call as a JSON object ``{"name": …, "<args_key>": {…}}`` after a trigger (Hermes, Mistral
-v0.3, Llama 3): one grammar and one reader, each family a ``CallStyle``."""
+"""The families that write a call as a JSON object ``{"name": …, "<args_key>": {…}}`` after a trigger (Hermes,
+Mistral v0.3, Llama 3): one grammar and one reader, each family a ``CallStyle``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from core.grammar import strict
 
 @dataclass(frozen=True)
 class CallStyle:
-    """How a format writes its calls: ``trigger`` starts them (empty: the answer itself, starting with ``{``, after
-    ``lead`` where the tokenizer has it as a special token); then one of ``after_trigger``; each call
+    """How a format writes its calls: ``trigger`` starts them (empty: the answer itself, starting with ``{``,
+    after ``lead`` where the tokenizer has it as a special token); then one of ``after_trigger``; each call
     ``{"name": …, "<args_key>": …}``; ``separator`` between calls, ``end`` after the last."""
 
     trigger: str
@@ -30,16 +30,28 @@ class JsonCallFormat(ToolFormat):
     style: ClassVar[CallStyle]
 
     def grammar(self, tools: list[Tool], required: bool, parallel: bool, markers: Markers) -> str:
-        """Free text until the trigger, then calls that follow their tool's parameters and the closing marker; with
-        ``required`` (tool_choice required or named), calls from the first token. A trigger the tokenizer holds as one
-        special token is that token; its spelling out of ordinary pieces is not free text either."""
+        """Free text until the trigger, then calls that follow their tool's parameters and the closing marker;
+        with ``required`` (tool_choice required or named), calls from the first token. A trigger the tokenizer
+        holds as one special token is that token; its spelling out of ordinary pieces is not free text
+        either."""
         style = self.style
-        schemas = [strict({
-            "type": "object", "properties": {"name": {"const": t.name}, style.args_key: t.parameters},
-            "required": ["name", style.args_key], "additionalProperties": False,
-        }) for t in tools]
+        schemas = [
+            strict(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t.name}, style.args_key: t.parameters},
+                    "required": ["name", style.args_key],
+                    "additionalProperties": False,
+                }
+            )
+            for t in tools
+        ]
         call = {"anyOf": schemas} if len(schemas) > 1 else schemas[0]
-        calls = f"call ({markers.grammar(style.separator)} call)*" if parallel and style.separator is not None else "call"
+        calls = (
+            f"call ({markers.grammar(style.separator)} call)*"
+            if parallel and style.separator is not None
+            else "call"
+        )
         after = " | ".join(markers.grammar(a) if a else '""' for a in style.after_trigger)
         body = f"({after}) {calls}" + (f" {markers.grammar(style.end)}" if style.end else "")
         rules = [f"call: %json {json.dumps({**call, 'x-guidance': JSON_STYLE})}"]
@@ -53,16 +65,22 @@ class JsonCallFormat(ToolFormat):
         return "\n".join([start, *rules]) + "\n"
 
     def reader(self, markers: Markers, tools: dict[str, dict[str, Any]]) -> ToolOutput:
-        lead = self.style.lead if self.style.lead in markers else ""  # spelled out, it is free text (the grammar's): not a lead
+        # spelled out, it is free text (the grammar's): not a lead
+        lead = self.style.lead if self.style.lead in markers else ""
         return NativeToolOutput(style=replace(self.style, lead=lead))
 
 
 @dataclass
 class NativeToolOutput(SteppedOutput):
-    """Reads an answer in a JSON-call format as it arrives into OpenAI deltas: free text as content, a possible trigger
-    held back until it is one (never streamed as text), then each call's name and its arguments as they come."""
+    """Reads an answer in a JSON-call format as it arrives into OpenAI deltas: free text as content, a
+    possible trigger held back until it is one (never streamed as text), then each call's name and its
+    arguments as they come."""
 
-    style: CallStyle = field(default_factory=lambda: CallStyle("<tool_call>", ("\n",), "arguments", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>"))
+    style: CallStyle = field(
+        default_factory=lambda: CallStyle(
+            "<tool_call>", ("\n",), "arguments", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>"
+        )
+    )
 
     def __post_init__(self) -> None:
         self._name_open = '{"name": "'
@@ -90,7 +108,9 @@ class NativeToolOutput(SteppedOutput):
 
     def _free(self, rest: str) -> dict[str, Any] | None:
         trigger = self.style.trigger
-        if not trigger:  # the answer is a call when it starts with "{" (after the lead token, if any), else text to its end
+        if not trigger:
+            # the answer is a call when it starts with "{" (after the lead token, if any), else text to its
+            # end
             lead = self.style.lead
             if self._state == "start" and lead and rest.startswith(lead):
                 self._at += len(lead)
@@ -112,7 +132,8 @@ class NativeToolOutput(SteppedOutput):
         return self._content(len(rest) - held)
 
     def _after(self, rest: str) -> dict[str, Any] | None:
-        """The trigger and what must follow it (a newline, an opening bracket); not a call after all: text, trigger included."""
+        """The trigger and what must follow it (a newline, an opening bracket); not a call after all: text,
+        trigger included."""
         options = [self.style.trigger + option for option in self.style.after_trigger]
         for option in sorted(options, key=len, reverse=True):
             if rest.startswith(option):
@@ -135,13 +156,18 @@ class NativeToolOutput(SteppedOutput):
 
     def flush(self, cut: bool = False) -> list[dict[str, Any]]:
         rest = self._buffer[self._at :]
-        if self._state == "between" and rest == "}" + self.style.end:  # the end, which could have been a separator's start
+        if self._state == "between" and rest == "}" + self.style.end:
+            # the end, which could have been a separator's start
             self._at, self._state = len(self._buffer), "done"
             return []
-        if self._state in ("start", "text"):  # a held-back piece that never became the trigger: text after all (cut: it may have)
-            delta = self._content(len(rest) - (partial(rest, self.style.trigger) if cut and self.style.trigger else 0))
+        if self._state in ("start", "text"):
+            # a held-back piece that never became the trigger: text after all (cut: it may have)
+            delta = self._content(
+                len(rest) - (partial(rest, self.style.trigger) if cut and self.style.trigger else 0)
+            )
             return [delta] if delta else []
-        if cut and self._state in ("after", "call", "arguments", "between"):  # a call cut by max_tokens: never text (ToolOutput.flush)
+        if cut and self._state in ("after", "call", "arguments", "between"):
+            # a call cut by max_tokens: never text (ToolOutput.flush)
             self._at = len(self._buffer)
             return []
         return super().flush(cut)

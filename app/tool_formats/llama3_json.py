@@ -1,5 +1,5 @@
-"""Llama 3.1 / 3.2 / 3.3: ``{"name": …, "parameters": …}`` as the whole answer, after ``<|python_tag|>`` where the model
-writes it (one special token in Llama 3's tokenizer)."""
+"""Llama 3.1 / 3.2 / 3.3: ``{"name": …, "parameters": …}`` as the whole answer, after ``<|python_tag|>`` where
+the model writes it (one special token in Llama 3's tokenizer)."""
 
 from __future__ import annotations
 

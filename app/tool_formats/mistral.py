@@ -1,5 +1,6 @@
-"""Mistral v0.3, Nemo: ``[TOOL_CALLS] [{"name": …, "arguments": …}, …]``; ``[TOOL_CALLS]`` is one control token in
-Mistral's tokenizers. Its templates take call ids of nine letters and digits and need roles to alternate."""
+"""Mistral v0.3, Nemo: ``[TOOL_CALLS] [{"name": …, "arguments": …}, …]``; ``[TOOL_CALLS]`` is one control
+token in Mistral's tokenizers. Its templates take call ids of nine letters and digits and need roles to
+alternate."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What every bench shares: servers, emulated links, the cell runner (cells alternating per run), medians, the tail (table,
-JSON, plots); progress and JSON as the device benches write them (clients.bench.device)."""
+"""What every bench shares: servers, emulated links, the cell runner (cells alternating per run), medians, the
+tail (table, JSON, plots); progress and JSON as the device benches write them (clients.bench.device)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,14 @@ LINKS: list[tuple[str, LinkConfig]] = [
     ("50 ms / 10 Mbps", LinkConfig(rtt_ms=50, up_mbps=10, down_mbps=10)),
     ("100 ms / 10 Mbps", LinkConfig(rtt_ms=100, up_mbps=10, down_mbps=10)),
 ]
-def finish(results: dict[str, Any], args: argparse.Namespace, printer: Callable[[dict[str, Any]], None],
-           plot: Callable[[dict[str, Any], Path], list[Path]] | None = None) -> int:
+
+
+def finish(
+    results: dict[str, Any],
+    args: argparse.Namespace,
+    printer: Callable[[dict[str, Any]], None],
+    plot: Callable[[dict[str, Any], Path], list[Path]] | None = None,
+) -> int:
     """A bench's tail: its table, its JSON (``--json``), its plots (``--plots``); exit status 0."""
     printer(results)
     write_json(args.json_path, results)
@@ -40,7 +46,11 @@ def finish(results: dict[str, Any], args: argparse.Namespace, printer: Callable[
 
 def setup(plan: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """A plan as the JSON's ``setup``: its links by name."""
-    return {k: v for k, v in plan.items() if k != "links"} | {"links": [name for name, _ in plan["links"]]} | extra
+    return (
+        {k: v for k, v in plan.items() if k != "links"}
+        | {"links": [name for name, _ in plan["links"]]}
+        | extra
+    )
 
 
 def median(values: list[float]) -> float:
@@ -66,9 +76,16 @@ class Bar:
         progress(f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} ~{left:.0f}s left  {note}")
 
 
-def run_cells(specs: list[tuple[str, dict[str, Any]]], runs: int, bar: Bar, label: str, one: Callable[[int, dict[str, Any]], dict[str, float]],
-              note: str = "{tokens_per_s:.1f} tok/s") -> Samples:
-    """``one(run, spec)`` for every cell, the cells alternating within each run (the host's drift hits them alike)."""
+def run_cells(
+    specs: list[tuple[str, dict[str, Any]]],
+    runs: int,
+    bar: Bar,
+    label: str,
+    one: Callable[[int, dict[str, Any]], dict[str, float]],
+    note: str = "{tokens_per_s:.1f} tok/s",
+) -> Samples:
+    """``one(run, spec)`` for every cell, the cells alternating within each run (the host's drift hits them
+    alike)."""
     samples: Samples = {name: [] for name, _ in specs}
     for run in range(runs):
         for name, spec in specs:
@@ -84,13 +101,16 @@ def start_workers(stack: ExitStack) -> list[str]:
     urls = []
     for entry in config.workers:
         assert entry.model is not None
-        urls.append(stack.enter_context(WorkerProcess(entry.model, entry.backend.value, threads=entry.threads)))
+        urls.append(
+            stack.enter_context(WorkerProcess(entry.model, entry.backend.value, threads=entry.threads))
+        )
     return urls
 
 
 def start_gateway(stack: ExitStack, config: SpecgateConfig, cwd: str | None = None) -> str:
-    """A gateway process for ``config`` (written to a temporary file); its URL. For another checkout (``cwd``: a baseline) the
-    file names only what differs from the defaults: a setting added since is not in it, and the checkout keeps its own defaults."""
+    """A gateway process for ``config`` (written to a temporary file); its URL. For another checkout (``cwd``:
+    a baseline) the file names only what differs from the defaults: a setting added since is not in it, and
+    the checkout keeps its own defaults."""
     path = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="specgate-bench-"))) / "config.yaml"
     path.write_text(dump_config(config, changed_only=cwd is not None))
     return stack.enter_context(GatewayProcess(str(path), cwd=cwd))
@@ -100,39 +120,66 @@ def start_gateway(stack: ExitStack, config: SpecgateConfig, cwd: str | None = No
 def gateway_client(urls: list[str], link: LinkConfig, gamma: int) -> Iterator[httpx.Client]:
     """The built-in gateway over ``urls``, each worker entry carrying ``link``, and a client of it."""
     base = builtin_config().with_split_cores(usable_cores())
-    data = base.model_dump(mode="json", exclude_none=True) | {"workers": [{"url": url, "weight": 1.0, "link": link.model_dump()} for url in urls]}
-    data["speculative"] = {"mode": "aggregate", "num_draft_tokens": gamma}  # cells pick their mode; exact truncates to top-32
+    data = base.model_dump(mode="json", exclude_none=True) | {
+        "workers": [{"url": url, "weight": 1.0, "link": link.model_dump()} for url in urls]
+    }
+    # cells pick their mode; exact truncates to top-32
+    data["speculative"] = {"mode": "aggregate", "num_draft_tokens": gamma}
     with ExitStack() as stack:
-        yield stack.enter_context(httpx.Client(base_url=start_gateway(stack, type(base)(**data)), timeout=900))
+        yield stack.enter_context(
+            httpx.Client(base_url=start_gateway(stack, type(base)(**data)), timeout=900)
+        )
 
 
-def measure(client: httpx.Client, prompts: list[str], max_tokens: int, temperature: float, spec: dict[str, Any], seed: int | None) -> dict[str, float]:
-    """One cell-run: the prompts in turn through the gateway; its totals and per-round figures from the usage blocks."""
+def measure(
+    client: httpx.Client,
+    prompts: list[str],
+    max_tokens: int,
+    temperature: float,
+    spec: dict[str, Any],
+    seed: int | None,
+) -> dict[str, float]:
+    """One cell-run: the prompts in turn through the gateway; its totals and per-round figures from the usage
+    blocks."""
     totals: dict[str, float] = {}
     gammas = []
     for prompt in prompts:
         elapsed, usage = request(client, prompt, max_tokens, temperature, spec, seed)
         block = usage["speculative"]
-        for key, value in (("tokens", usage["completion_tokens"]), ("seconds", elapsed), ("rounds", block["rounds"]),
-                           ("drafted", block["draft_tokens"]), ("accepted", block["accepted_tokens"]),
-                           ("sent", block["bytes_to_workers"]), ("received", block["bytes_from_workers"]),
-                           ("draft_ms", block["draft_ms"]), ("model_ms", block["worker_model_ms"]), ("busy_ms", block["worker_busy_ms"]),
-                           ("prepared", block.get("prepared_drafts", 0)), ("used", block.get("prepared_drafts_used", 0))):
+        for key, value in (
+            ("tokens", usage["completion_tokens"]),
+            ("seconds", elapsed),
+            ("rounds", block["rounds"]),
+            ("drafted", block["draft_tokens"]),
+            ("accepted", block["accepted_tokens"]),
+            ("sent", block["bytes_to_workers"]),
+            ("received", block["bytes_from_workers"]),
+            ("draft_ms", block["draft_ms"]),
+            ("model_ms", block["worker_model_ms"]),
+            ("busy_ms", block["worker_busy_ms"]),
+            ("prepared", block.get("prepared_drafts", 0)),
+            ("used", block.get("prepared_drafts_used", 0)),
+        ):
             totals[key] = totals.get(key, 0.0) + value
         if "gamma_chosen_mean" in block:
             gammas.append((block["gamma_chosen_mean"], block["rounds"]))
     rounds = max(totals["rounds"], 1.0)
     cell = {
         "tokens_per_s": totals["tokens"] / totals["seconds"],
-        "tokens": totals["tokens"], "seconds": totals["seconds"], "rounds": totals["rounds"], "drafted": totals["drafted"],
+        "tokens": totals["tokens"],
+        "seconds": totals["seconds"],
+        "rounds": totals["rounds"],
+        "drafted": totals["drafted"],
         "mean_accepted_length": totals["tokens"] / rounds,
         "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else float("nan"),
-        "bytes_up_per_round": totals["sent"] / rounds, "bytes_down_per_round": totals["received"] / rounds,
+        "bytes_up_per_round": totals["sent"] / rounds,
+        "bytes_down_per_round": totals["received"] / rounds,
         "draft_ms_per_token": totals["draft_ms"] / totals["drafted"] if totals["drafted"] else 0.0,
         "verify_model_ms_per_round": totals["model_ms"] / rounds,
         "target_ms_per_token": totals["busy_ms"] / totals["tokens"] if totals["tokens"] else 0.0,
         "tokens_per_answer": totals["tokens"] / len(prompts),
-        "prepared": totals["prepared"], "prepared_used": totals["used"],
+        "prepared": totals["prepared"],
+        "prepared_used": totals["used"],
     }
     if gammas:
         cell["gamma_mean"] = sum(g * r for g, r in gammas) / max(sum(r for _, r in gammas), 1)
@@ -140,11 +187,23 @@ def measure(client: httpx.Client, prompts: list[str], max_tokens: int, temperatu
 
 
 def request(
-    client: httpx.Client, prompt: str | list[dict[str, str]], max_tokens: int, temperature: float, spec: dict[str, Any], seed: int | None,
+    client: httpx.Client,
+    prompt: str | list[dict[str, str]],
+    max_tokens: int,
+    temperature: float,
+    spec: dict[str, Any],
+    seed: int | None,
 ) -> tuple[float, dict[str, Any]]:
-    """One chat completion of a prompt (or messages), no seed when ``seed`` is None; its seconds and usage block."""
+    """One chat completion of a prompt (or messages), no seed when ``seed`` is None; its seconds and usage
+    block."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    body: dict[str, Any] = {"model": "specgate", "messages": messages, "max_tokens": max_tokens, "temperature": temperature, "speculative": spec}
+    body: dict[str, Any] = {
+        "model": "specgate",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "speculative": spec,
+    }
     if seed is not None:
         body["seed"] = seed
     started = time.perf_counter()

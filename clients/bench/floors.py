@@ -56,14 +56,19 @@ class LlamaFloor:
         self._trim(0)
         started = time.perf_counter()
         for begin in range(0, len(self.prompt), _DECODE_TOKENS):
-            self._decode(self.prompt[begin:begin + _DECODE_TOKENS], begin, logits=False)
-        self.prefill_ms = (time.perf_counter() - started) * 1e3  # the prompt, as a target alone would prefill it
+            self._decode(self.prompt[begin : begin + _DECODE_TOKENS], begin, logits=False)
+        # the prompt, as a target alone would prefill it
+        self.prefill_ms = (time.perf_counter() - started) * 1e3
 
     def draft_step_ms(self, top_k: int, steps: int = 8, repeats: int = 3) -> list[float]:
         """Per step: a decode of one token, then llama.cpp's sampler chain (top-k → temperature 1 → dist)."""
         api = self.api
         chain = api.llama_sampler_chain_init(api.llama_sampler_chain_default_params())
-        for sampler in (api.llama_sampler_init_top_k(top_k), api.llama_sampler_init_temp(1.0), api.llama_sampler_init_dist(0)):
+        for sampler in (
+            api.llama_sampler_init_top_k(top_k),
+            api.llama_sampler_init_temp(1.0),
+            api.llama_sampler_init_dist(0),
+        ):
             api.llama_sampler_chain_add(chain, sampler)
         times = []
         try:
@@ -82,14 +87,15 @@ class LlamaFloor:
         return times
 
     def scoring_ms(self, positions: int, repeats: int = 5) -> list[float]:
-        """A decode of ``positions`` tokens after the prompt with logits at every one, read in place (a verify call's)."""
+        """A decode of ``positions`` tokens after the prompt with logits at every one, read in place (a verify
+        call's)."""
         tokens = (self.prompt * (positions // len(self.prompt) + 1))[:positions]
         times = []
         for _ in range(repeats):
             self._trim(len(self.prompt))
             started = time.perf_counter()
             for begin in range(0, positions, _DECODE_TOKENS):
-                self._decode(tokens[begin:begin + _DECODE_TOKENS], len(self.prompt) + begin, logits=True)
+                self._decode(tokens[begin : begin + _DECODE_TOKENS], len(self.prompt) + begin, logits=True)
                 rows = min(_DECODE_TOKENS, positions - begin)
                 _ = [self._logits(i) for i in range(rows)]
             times.append((time.perf_counter() - started) * 1e3)
@@ -112,15 +118,18 @@ class LlamaFloor:
 
     def _logits(self, index: int) -> np.ndarray:
         ptr = self.ctx.get_logits_ith(index)
-        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab_size,))
+        return np.ctypeslib.as_array(
+            ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.vocab_size,)
+        )
 
     def _trim(self, length: int) -> None:
         self.api.llama_memory_seq_rm(self.ctx.memory, 0, length, -1)
 
 
 class DraftAlone:
-    """Our own ``DraftModel`` alone here, the servers idle, on the calling thread (the floors'): one OpenMP team for every llama.cpp call.
-    Usage: ``with closing(DraftAlone(threads=2, prompt=ids)) as d: d.step_ms(temperature=1.0, top_k=32)``"""
+    """Our own ``DraftModel`` alone here, the servers idle, on the calling thread (the floors'): one OpenMP
+    team for every llama.cpp call. Usage: ``with closing(DraftAlone(threads=2, prompt=ids)) as d:
+    d.step_ms(temperature=1.0, top_k=32)``"""
 
     def __init__(self, threads: int, prompt: list[int]) -> None:
         from app.drafting import DraftModel
@@ -144,7 +153,9 @@ class DraftAlone:
             times = []
             for seed in range(repeats):
                 timing: dict[str, float] = {}
-                draft = await self.draft.propose(DraftRequest("alone", self.prompt, params, seed, 0, (top_k, 1.0)), gamma, timing=timing)
+                draft = await self.draft.propose(
+                    DraftRequest("alone", self.prompt, params, seed, 0, (top_k, 1.0)), gamma, timing=timing
+                )
                 times.append(sum(timing.values()) * 1e3 / max(len(draft), 1))
             await self.draft.free("alone")
             return times
@@ -153,7 +164,8 @@ class DraftAlone:
 
 
 async def bare_app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-    """An ASGI app that reads the body and answers ``x-answer-bytes`` zero bytes: HTTP and nothing else (no lifespan)."""
+    """An ASGI app that reads the body and answers ``x-answer-bytes`` zero bytes: HTTP and nothing else (no
+    lifespan)."""
     more = True
     while more:
         message = await receive()
@@ -167,15 +179,32 @@ async def bare_app(scope: dict[str, Any], receive: Callable[..., Any], send: Cal
 def BareServer() -> ServerProcess:
     """``bare_app`` under uvicorn (its defaults, as the worker's) on 127.0.0.1."""
     port = free_port()
-    command = [sys.executable, "-m", "uvicorn", "clients.bench.floors:bare_app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--lifespan", "off"]
+    command = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "clients.bench.floors:bare_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--lifespan",
+        "off",
+    ]
     return ServerProcess(command, port, "/health", timeout_s=60)
 
 
 def http_round_trip_ms(url: str, up_bytes: int, down_bytes: int, repeats: int = 20) -> list[float]:
-    """POSTs of ``up_bytes`` answered with ``down_bytes``, through one httpx.AsyncClient (keep-alive, no retries)."""
+    """POSTs of ``up_bytes`` answered with ``down_bytes``, through one httpx.AsyncClient (keep-alive, no
+    retries)."""
 
     async def run() -> list[float]:
-        body, headers = bytes(up_bytes), {"x-answer-bytes": str(down_bytes), "content-type": "application/octet-stream"}
+        body, headers = (
+            bytes(up_bytes),
+            {"x-answer-bytes": str(down_bytes), "content-type": "application/octet-stream"},
+        )
         times = []
         async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(retries=0)) as client:
             await client.post(f"{url}/verify", content=body, headers=headers)  # the connection
@@ -191,7 +220,8 @@ def http_round_trip_ms(url: str, up_bytes: int, down_bytes: int, repeats: int = 
 
 @dataclass(frozen=True)
 class Floors:
-    """llama.cpp's costs here: a draft step, scoring m positions (m → s), the target's own step (a decode + a whole-vocabulary sample: *direct*)."""
+    """llama.cpp's costs here: a draft step, scoring m positions (m → s), the target's own step (a decode + a
+    whole-vocabulary sample: *direct*)."""
 
     threads: int
     draft_step_s: float
@@ -205,32 +235,46 @@ class Floors:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "threads": self.threads, "draft_step_ms": self.draft_step_s * 1e3, "scoring_ms": {m: s * 1e3 for m, s in self.scoring_s.items()},
-            "direct_step_ms": self.direct_step_s * 1e3, "direct_prefill_ms": self.direct_prefill_s * 1e3,
+            "threads": self.threads,
+            "draft_step_ms": self.draft_step_s * 1e3,
+            "scoring_ms": {m: s * 1e3 for m, s in self.scoring_s.items()},
+            "direct_step_ms": self.direct_step_s * 1e3,
+            "direct_prefill_ms": self.direct_prefill_s * 1e3,
         }
 
 
-def bound_tokens_per_s(run: dict[str, float], gamma: float, draft_s: float, link: LinkConfig, num_workers: int) -> float:
+def bound_tokens_per_s(
+    run: dict[str, float], gamma: float, draft_s: float, link: LinkConfig, num_workers: int
+) -> float:
     """A run's tokens over R·T(γ) + (D − R·γ)·t_d: ``core.math.draft_length``'s round (overlapped at the
     run's share of prepared drafts used), with the run's own bytes (links in parallel) and model time."""
     rounds = max(run["rounds"], 1.0)
     costs = RoundCosts(
-        alphas=(), draft_s=draft_s, verify_s=(run["verify_model_ms_per_round"] / 1e3, 0.0), rtt_s=link.rtt_ms / 1e3,
-        up_bytes=(run["bytes_up_per_round"] / num_workers, 0.0), down_bytes=(run["bytes_down_per_round"] / num_workers, 0.0),
-        up_bits_per_s=(link.up_mbps or 0) * 1e6 or None, down_bits_per_s=(link.down_mbps or 0) * 1e6 or None,
-        overlap=True, prepared_used=run.get("prepared_used", 0.0) / rounds,
+        alphas=(),
+        draft_s=draft_s,
+        verify_s=(run["verify_model_ms_per_round"] / 1e3, 0.0),
+        rtt_s=link.rtt_ms / 1e3,
+        up_bytes=(run["bytes_up_per_round"] / num_workers, 0.0),
+        down_bytes=(run["bytes_down_per_round"] / num_workers, 0.0),
+        up_bits_per_s=(link.up_mbps or 0) * 1e6 or None,
+        down_bits_per_s=(link.down_mbps or 0) * 1e6 or None,
+        overlap=True,
+        prepared_used=run.get("prepared_used", 0.0) / rounds,
     )
     return run["tokens"] / (rounds * costs.round_s(gamma) + (run["drafted"] - rounds * gamma) * draft_s)
 
 
-def physical_bound(run: dict[str, float], gamma: float, link: LinkConfig, num_workers: int, floors: Floors) -> float:
+def physical_bound(
+    run: dict[str, float], gamma: float, link: LinkConfig, num_workers: int, floors: Floors
+) -> float:
     """``bound_tokens_per_s`` with llama.cpp's floors for t_d and t_v (γ + 1 positions a round)."""
     floored = run | {"verify_model_ms_per_round": floors.scoring(gamma + 1) * 1e3}
     return bound_tokens_per_s(floored, gamma, floors.draft_step_s, link, num_workers)
 
 
 def measure_floors(positions: list[int], prompt: str, scored: str) -> Floors:
-    """The floors (medians) with a two-worker bench's threads per process, after ``prompt``; the direct step samples the whole vocabulary (top-k 0)."""
+    """The floors (medians) with a two-worker bench's threads per process, after ``prompt``; the direct step
+    samples the whole vocabulary (top-k 0)."""
     threads = max(1, usable_cores() // 2)
     progress(f"measuring llama.cpp's floors ({threads} thread(s)): a draft step, scoring {scored} positions")
     ids = chat_ids(prompt)
@@ -248,4 +292,11 @@ def chat_ids(prompt: str, tokenizer: Any = None) -> list[int]:
     from core.runners.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model("builtin")) if tokenizer is None else tokenizer
-    return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+    )

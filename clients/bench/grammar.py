@@ -10,6 +10,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,19 +23,42 @@ EOS = 2
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 32}, "age": {"type": "integer"}, "city": {"type": "string"},
-        "tags": {"type": "array", "items": {"type": "string"}}, "married": {"type": "boolean"}, "score": {"type": "number"},
+        "name": {"type": "string", "maxLength": 32},
+        "age": {"type": "integer"},
+        "city": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "married": {"type": "boolean"},
+        "score": {"type": "number"},
     },
     "required": ["name", "age", "city", "tags", "married", "score"],
     "additionalProperties": False,
 }
 TOOLS = [
-    Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}),
-    Tool("get_time", "", {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}),
+    Tool(
+        "get_weather",
+        "",
+        {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+        },
+    ),
+    Tool(
+        "get_time", "", {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
+    ),
 ]
 GRAMMARS: dict[str, tuple[str, str, str]] = {  # name: (kind, source, an answer it accepts)
-    "json_schema (6 fields)": ("json_schema", json.dumps(SCHEMA), '{"name":"Ada Lovelace","age":36,"city":"London","tags":["math","poetry"],"married":true,"score":9.5}'),
-    "tools (2, generic format)": ("json_schema", json.dumps(generic_schema(TOOLS, False, True)), '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}]}'),
+    "json_schema (6 fields)": (
+        "json_schema",
+        json.dumps(SCHEMA),
+        '{"name":"Ada '
+        'Lovelace","age":36,"city":"London","tags":["math","poetry"],"married":true,"score":9.5}',
+    ),
+    "tools (2, generic format)": (
+        "json_schema",
+        json.dumps(generic_schema(TOOLS, False, True)),
+        '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris","unit":"celsius"}}]}',
+    ),
     "regex (phone)": ("regex", r"\+1-[0-9]{3}-[0-9]{3}-[0-9]{4}", "+1-555-123-4567"),
 }
 
@@ -75,12 +99,17 @@ def _llguidance(tokenizer: Any, repeats: int) -> dict[str, Any]:
         cold = []
         for _ in range(repeats):
             grammars._cache.clear()  # cold: compiled again
-            cold.append(timed(lambda: grammars.compile(spec))[0])
-        cached = [timed(lambda: grammars.compile(spec))[0] for _ in range(repeats)]
+            cold.append(timed(partial(grammars.compile, spec))[0])
+        cached = [timed(partial(grammars.compile, spec))[0] for _ in range(repeats)]
 
         def start(spec: Any = spec) -> tuple[Callable[..., Any], ...]:
             matcher = grammars.compile(spec).matcher()
-            return matcher.allowed, matcher.consume, matcher.rollback, lambda: grammars.compile(spec).matcher()
+            return (
+                matcher.allowed,
+                matcher.consume,
+                matcher.rollback,
+                lambda: grammars.compile(spec).matcher(),
+            )
 
         out["grammars"][name] = _row(cold, cached, tokenizer.encode(answer), repeats, start)
     return out
@@ -93,13 +122,21 @@ def _xgrammar(tokenizer: Any, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {"tokenizer_setup_ms": setup_ms, "grammars": {}}
     bitmask, shifts = xgr.allocate_token_bitmask(1, V), torch.arange(32, dtype=torch.int32)
     for name, (kind, source, answer) in GRAMMARS.items():
-        def compile_with(compiler: Any, kind: str = kind, source: str = source) -> Any:
-            return compiler.compile_json_schema(source, any_whitespace=False) if kind == "json_schema" else compiler.compile_regex(source)
 
-        cold = [timed(lambda: compile_with(xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)))[0] for _ in range(repeats)]
+        def compile_with(compiler: Any, kind: str = kind, source: str = source) -> Any:
+            return (
+                compiler.compile_json_schema(source, any_whitespace=False)
+                if kind == "json_schema"
+                else compiler.compile_regex(source)
+            )
+
+        cold = [
+            timed(lambda: compile_with(xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)))[0]
+            for _ in range(repeats)
+        ]
         cached_compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         compile_with(cached_compiler)
-        cached = [timed(lambda: compile_with(cached_compiler))[0] for _ in range(repeats)]
+        cached = [timed(partial(compile_with, cached_compiler))[0] for _ in range(repeats)]
         compiled = compile_with(cached_compiler)
 
         def start(compiled: Any = compiled) -> tuple[Callable[..., Any], ...]:
@@ -115,28 +152,50 @@ def _xgrammar(tokenizer: Any, repeats: int) -> dict[str, Any]:
     return out
 
 
-def _row(cold: list[float], cached: list[float], tokens: list[int], repeats: int, start: Callable[[], tuple[Callable[..., Any], ...]]) -> dict[str, Any]:
-    """The compiles' medians; per repeat a fresh matcher (``start``) along the answer: each token's mask and accept, then a rollback of 2 and a fork."""
+def _row(
+    cold: list[float],
+    cached: list[float],
+    tokens: list[int],
+    repeats: int,
+    start: Callable[[], tuple[Callable[..., Any], ...]],
+) -> dict[str, Any]:
+    """The compiles' medians; per repeat a fresh matcher (``start``) along the answer: each token's mask and
+    accept, then a rollback of 2 and a fork."""
     masks, accepts, rollbacks, forks = [], [], [], []
     for _ in range(repeats):
         mask, accept, rollback, fork = start()
         for token in tokens:
             masks.append(timed(mask)[0])
-            accepts.append(timed(lambda: accept(token))[0])
-        rollbacks.append(timed(lambda: rollback(min(2, len(tokens))))[0])
+            accepts.append(timed(partial(accept, token))[0])
+        rollbacks.append(timed(partial(rollback, min(2, len(tokens))))[0])
         forks.append(timed(fork)[0])
     return {
-        "compile_cold_ms": statistics.median(cold), "compile_cached_ms": statistics.median(cached),
-        "mask_ms_median": statistics.median(masks), "mask_ms_max": max(masks), "accept_ms": statistics.median(accepts),
-        "rollback_2_ms": statistics.median(rollbacks), "fork_ms": statistics.median(forks), "answer_tokens": len(tokens),
+        "compile_cold_ms": statistics.median(cold),
+        "compile_cached_ms": statistics.median(cached),
+        "mask_ms_median": statistics.median(masks),
+        "mask_ms_max": max(masks),
+        "accept_ms": statistics.median(accepts),
+        "rollback_2_ms": statistics.median(rollbacks),
+        "fork_ms": statistics.median(forks),
+        "answer_tokens": len(tokens),
     }
 
 
 def print_table(results: dict[str, Any]) -> None:
-    print(f"\nspecgate bench grammar: V = {results['vocab_size']}, medians of {results['repeats']} (a row's mask: median and worst along a real answer)")
-    print(f"{'engine':<12}{'grammar':<28}{'compile':>9}{'cached':>9}{'mask':>9}{'worst':>9}{'accept':>9}{'rollback2':>10}{'fork':>9}   ms")
+    print(
+        f"\nspecgate bench grammar: V = {results['vocab_size']}, medians of {results['repeats']} "
+        "(a row's mask: median and worst along a real answer)"
+    )
+    print(
+        f"{'engine':<12}{'grammar':<28}{'compile':>9}{'cached':>9}{'mask':>9}{'worst':>9}"
+        f"{'accept':>9}{'rollback2':>10}{'fork':>9}   ms"
+    )
     for engine, data in results["engines"].items():
         for name, r in data["grammars"].items():
-            print(f"{engine:<12}{name:<28}{r['compile_cold_ms']:>9.3f}{r['compile_cached_ms']:>9.3f}{r['mask_ms_median']:>9.3f}{r['mask_ms_max']:>9.3f}"
-                  f"{r['accept_ms']:>9.4f}{r['rollback_2_ms']:>10.4f}{r['fork_ms']:>9.4f}")
+            print(
+                f"{engine:<12}{name:<28}{r['compile_cold_ms']:>9.3f}"
+                f"{r['compile_cached_ms']:>9.3f}{r['mask_ms_median']:>9.3f}"
+                f"{r['mask_ms_max']:>9.3f}"
+                f"{r['accept_ms']:>9.4f}{r['rollback_2_ms']:>10.4f}{r['fork_ms']:>9.4f}"
+            )
         print(f"{engine:<12}{'tokenizer set-up':<28}{data['tokenizer_setup_ms']:>9.1f}")

@@ -37,22 +37,51 @@ def bench_pipeline(args: argparse.Namespace) -> int:
         for hop in hops:
             with ExitStack() as stack:
                 progress(f"starting {stages} stages ({', '.join(split(stages))}), {hop:g} ms per hop")
-                urls = [stack.enter_context(StageProcess(layers, link_rtt_ms=2 * hop)) for layers in split(stages)]
-                config = parse_config({
-                    "draft": {"model": "builtin-draft", "threads": 1},
-                    "speculative": {"mode": "pipeline"},
-                    "workers": [{"name": "pipe", "pipeline": urls, "read_timeout_s": 300, "link": {"rtt_ms": 2 * hop}}],
-                })
+                urls = [
+                    stack.enter_context(StageProcess(layers, link_rtt_ms=2 * hop)) for layers in split(stages)
+                ]
+                config = parse_config(
+                    {
+                        "draft": {"model": "builtin-draft", "threads": 1},
+                        "speculative": {"mode": "pipeline"},
+                        "workers": [
+                            {
+                                "name": "pipe",
+                                "pipeline": urls,
+                                "read_timeout_s": 300,
+                                "link": {"rtt_ms": 2 * hop},
+                            }
+                        ],
+                    }
+                )
                 with httpx.Client(base_url=start_gateway(stack, config), timeout=900) as client:
                     request(client, prompts[0], 4, 0.0, {"mode": "pipeline"}, seed=0)  # warm-up
-                    samples = run_cells(cells, args.runs, bar, f"{stages} stages, {hop:g} ms/hop,",
-                                        lambda run, spec: _measure(client, prompts, args.max_tokens, spec), note="{tokens_per_s:.2f} tok/s")
+                    samples = run_cells(
+                        cells,
+                        args.runs,
+                        bar,
+                        f"{stages} stages, {hop:g} ms/hop,",
+                        lambda run, spec: _measure(client, prompts, args.max_tokens, spec),
+                        note="{tokens_per_s:.2f} tok/s",
+                    )
                 rows.append(_summarise(samples, stages, hop))
-    results = {"setup": {"stages": stage_counts, "hop_ms": hops, "runs": args.runs, "max_tokens": args.max_tokens, "prompts": prompts, "cpu_count": usable_cores()}, "cells": rows}
+    results = {
+        "setup": {
+            "stages": stage_counts,
+            "hop_ms": hops,
+            "runs": args.runs,
+            "max_tokens": args.max_tokens,
+            "prompts": prompts,
+            "cpu_count": usable_cores(),
+        },
+        "cells": rows,
+    }
     return finish(results, args, _print_table)
 
 
-def _measure(client: httpx.Client, prompts: list[str], max_tokens: int, spec: dict[str, Any]) -> dict[str, float]:
+def _measure(
+    client: httpx.Client, prompts: list[str], max_tokens: int, spec: dict[str, Any]
+) -> dict[str, float]:
     tokens = seconds = turns = trees = 0.0
     hop_bytes: list[float] = []
     for prompt in prompts:
@@ -67,22 +96,39 @@ def _measure(client: httpx.Client, prompts: list[str], max_tokens: int, spec: di
             hop_bytes += [0.0] * (hop + 1 - len(hop_bytes))
             hop_bytes[hop] += size
     return {
-        "tokens_per_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
-        "alt": tokens / turns if turns else 0.0, "alr": tokens / trees if trees else 0.0,
+        "tokens_per_s": tokens / seconds,
+        "tokens": tokens,
+        "seconds": seconds,
+        "alt": tokens / turns if turns else 0.0,
+        "alr": tokens / trees if trees else 0.0,
         "hop_bytes_per_token": sum(hop_bytes) / len(hop_bytes) / tokens if hop_bytes and tokens else 0.0,
     }
 
 
 def _summarise(samples: Samples, stages: int, hop: float) -> dict[str, Any]:
-    row: dict[str, Any] = {"stages": stages, "hop_ms": hop, "layers": split(stages)} | {name: medians(runs) for name, runs in samples.items()}
-    row["speedup"] = statistics.median(p["tokens_per_s"] / a["tokens_per_s"] for p, a in zip(samples["pipeline"], samples["autoregressive"]))
+    row: dict[str, Any] = {"stages": stages, "hop_ms": hop, "layers": split(stages)} | {
+        name: medians(runs) for name, runs in samples.items()
+    }
+    row["speedup"] = statistics.median(
+        p["tokens_per_s"] / a["tokens_per_s"] for p, a in zip(samples["pipeline"], samples["autoregressive"])
+    )
     return row
 
 
 def _print_table(results: dict[str, Any]) -> None:
     setup = results["setup"]
-    print(f"\nspecgate bench pipeline: {len(setup['prompts'])} prompt(s) × ≤ {setup['max_tokens']} tokens, T = 0, median of {setup['runs']} run(s)")
-    print(f"{'stages':>6}{'ms/hop':>7}{'AR tok/s':>9}{'pipe tok/s':>11}{'speed-up':>9}{'ALT':>6}{'ALR':>6}{'hop B/token':>12}")
+    print(
+        f"\nspecgate bench pipeline: {len(setup['prompts'])} prompt(s) × ≤ {setup['max_tokens']} "
+        f"tokens, T = 0, median of {setup['runs']} run(s)"
+    )
+    print(
+        f"{'stages':>6}{'ms/hop':>7}{'AR tok/s':>9}{'pipe tok/s':>11}{'speed-up':>9}{'ALT':>6}"
+        f"{'ALR':>6}{'hop B/token':>12}"
+    )
     for r in results["cells"]:
         a, p = r["autoregressive"], r["pipeline"]
-        print(f"{r['stages']:>6}{r['hop_ms']:>7g}{a['tokens_per_s']:>9.2f}{p['tokens_per_s']:>11.2f}{r['speedup']:>8.2f}×{p['alt']:>6.2f}{p['alr']:>6.2f}{p['hop_bytes_per_token']:>12.0f}")
+        print(
+            f"{r['stages']:>6}{r['hop_ms']:>7g}{a['tokens_per_s']:>9.2f}"
+            f"{p['tokens_per_s']:>11.2f}{r['speedup']:>8.2f}×{p['alt']:>6.2f}{p['alr']:>6.2f}"
+            f"{p['hop_bytes_per_token']:>12.0f}"
+        )

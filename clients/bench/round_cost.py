@@ -1,7 +1,8 @@
-"""What one verify round costs the worker, chain vs tree, at equal verified-node budgets, on a device (docs/design.md §3.6, §9).
+"""What one verify round costs the worker, chain vs tree, at equal verified-node budgets, on a device
+(docs/design.md §3.6, §9).
 
-``specgate bench tree-device`` runs it: the worker's own path (crop, one runner ``forward``, scoring with ``k: full``)
-on the built-in architecture with random weights (a forward costs the same whatever the weights)."""
+``specgate bench tree-device`` runs it: the worker's own path (crop, one runner ``forward``, scoring with ``k:
+full``) on the built-in architecture with random weights (a forward costs the same whatever the weights)."""
 
 from __future__ import annotations
 
@@ -34,20 +35,28 @@ class _Vocabulary:
 
 
 def tree_parents(nodes: int, branches: int = 4) -> list[int]:
-    """A ``branches``-way root with a chain under each child: node i ≥ branches hangs under node i − branches."""
+    """A ``branches``-way root with a chain under each child: node i ≥ branches hangs under node i −
+    branches."""
     return [-1 if i < branches else i - branches for i in range(nodes)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m clients.bench.round_cost", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m clients.bench.round_cost", description=__doc__.split("\n\n")[0]
+    )
     return measure(device_args(parser, "tree-device").parse_args(argv))
 
 
 def random_runner(
-    args: argparse.Namespace, max_context: int, forward: str = "hf", gpu_memory_utilization: float = 0.9, memory_cap_mb: int = 1024,
+    args: argparse.Namespace,
+    max_context: int,
+    forward: str = "hf",
+    gpu_memory_utilization: float = 0.9,
+    memory_cap_mb: int = 1024,
 ) -> tuple[Any, Any, str]:
-    """The built-in architecture with random weights on ``args.device`` in ``args.dtype``: the HF model, a runner on ``forward``
-    (transformers' modules unless told), the device; ``memory_cap_mb``: its KV slots on the CPU."""
+    """The built-in architecture with random weights on ``args.device`` in ``args.dtype``: the HF model, a
+    runner on ``forward`` (transformers' modules unless told), the device; ``memory_cap_mb``: its KV slots on
+    the CPU."""
     from core.runners.transformers_runner import (
         TransformersRunner,
         builtin_architecture_model,
@@ -56,11 +65,25 @@ def random_runner(
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     tiny = getattr(args, "architecture", "builtin") == "tiny"
-    progress(f"building the {'tiny' if tiny else 'built-in'} architecture with random weights ({args.dtype}) on {device}")
-    model = (tiny_random_model(49152) if tiny else builtin_architecture_model()).to(getattr(torch, args.dtype)).to(device).eval()
+    progress(
+        f"building the {'tiny' if tiny else 'built-in'} architecture with random weights "
+        f"({args.dtype}) on {device}"
+    )
+    model = (
+        (tiny_random_model(49152) if tiny else builtin_architecture_model())
+        .to(getattr(torch, args.dtype))
+        .to(device)
+        .eval()
+    )
     runner = TransformersRunner(
-        ModelSource("builtin-architecture", None, None), _Vocabulary(), max_context=max_context, device=device, model=model, forward=forward,
-        gpu_memory_utilization=gpu_memory_utilization, memory_cap_mb=memory_cap_mb,
+        ModelSource("builtin-architecture", None, None),
+        _Vocabulary(),
+        max_context=max_context,
+        device=device,
+        model=model,
+        forward=forward,
+        gpu_memory_utilization=gpu_memory_utilization,
+        memory_cap_mb=memory_cap_mb,
     )
     return model, runner, device
 
@@ -77,12 +100,21 @@ def measure(args: argparse.Namespace) -> int:
             cells[f"tree {n}"] = _round(runner, f"t{n}", prompt, draft, tree_parents(n))
     times = time_cells(cells, args.repeats)
     rows = [
-        {"cell": name, "nodes": int(name.split()[1]), "ms_median": statistics.median(ms), "ms_min": min(ms), "repeats": len(ms)}
+        {
+            "cell": name,
+            "nodes": int(name.split()[1]),
+            "ms_median": statistics.median(ms),
+            "ms_min": min(ms),
+            "repeats": len(ms),
+        }
         for name, ms in times.items()
     ]
     one = statistics.median(times["chain 1"]) if "chain 1" in times else float("nan")
-    print(f"\nworker verify round on {device} ({args.dtype}, {torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}), "
-          f"prefix {args.prefix}, median of {args.repeats}:")
+    print(
+        f"\nworker verify round on {device} ({args.dtype}, "
+        f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}), "
+        f"prefix {args.prefix}, median of {args.repeats}:"
+    )
     print(f"{'cell':<10} {'ms/round':>9} {'× chain 1':>10}")
     for name, ms in times.items():
         print(f"{name:<10} {statistics.median(ms):>9.2f} {statistics.median(ms) / one:>10.2f}")
@@ -93,8 +125,11 @@ def measure(args: argparse.Namespace) -> int:
     return 0
 
 
-def time_cells(cells: dict[Any, Callable[[], None]], repeats: int, device: str | None = None) -> dict[Any, list[float]]:
-    """Each cell's ms per call, the cells alternating within a repeat, after two warm-up calls each; ``device``: synchronised around each call."""
+def time_cells(
+    cells: dict[Any, Callable[[], None]], repeats: int, device: str | None = None
+) -> dict[Any, list[float]]:
+    """Each cell's ms per call, the cells alternating within a repeat, after two warm-up calls each;
+    ``device``: synchronised around each call."""
     for cell in cells.values():
         cell(), cell()
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None
@@ -110,11 +145,15 @@ def time_cells(cells: dict[Any, Callable[[], None]], repeats: int, device: str |
     return times
 
 
-def _round(runner: ModelRunner, session: str, prompt: list[int], draft: list[int], parents: list[int] | None) -> Callable[[], None]:
+def _round(
+    runner: ModelRunner, session: str, prompt: list[int], draft: list[int], parents: list[int] | None
+) -> Callable[[], None]:
     """One verify round as the worker runs it: crop to the prefix, forward, score (k: full)."""
     runner.prefill(session, prompt)
     tree = {"parents": np.array(parents, dtype=np.int32)} if parents is not None else {}
-    req = VerifyRequest.after(session, prompt, [7], draft, mode="tree" if parents is not None else "aggregate", **tree)  # type: ignore[arg-type]
+    req = VerifyRequest.after(
+        session, prompt, [7], draft, mode="tree" if parents is not None else "aggregate", **tree
+    )  # type: ignore[arg-type]
 
     def run() -> None:
         runner.crop(session, len(prompt))

@@ -8,6 +8,7 @@ import argparse
 import json
 import statistics
 import time
+from functools import partial
 from typing import Any
 
 import httpx
@@ -16,14 +17,29 @@ from clients.bench.common import Bar, finish, median, progress
 from clients.bench.grammar import SCHEMA, TOOLS, timed
 from clients.procs import free_port, serve_process
 
-MODES: dict[str, dict[str, Any]] = {"autoregressive": {"mode": "autoregressive"}, "exact": {"mode": "exact"}, "tree": {"mode": "tree"}}
+MODES: dict[str, dict[str, Any]] = {
+    "autoregressive": {"mode": "autoregressive"},
+    "exact": {"mode": "exact"},
+    "tree": {"mode": "tree"},
+}
 SCHEMA_PROMPTS = [
     "Invent a person and describe them as JSON with name, age, city, tags, married and score.",
-    "Make up a character for a novel: give their name, age, home city, a few tags, whether they are married and a score.",
+    "Make up a character for a novel: give their name, age, home city, a few tags, whether they "
+    "are married and a score.",
     "Describe a famous scientist as a JSON record (name, age, city, tags, married, score).",
 ]
-TOOL_PROMPTS = ["What is the weather like in Paris right now?", "What time is it in Tokyo?", "Should I take an umbrella in London today?"]
-TOOL_DEFS = [{"type": "function", "function": {"name": t.name, "description": t.description, "parameters": t.parameters}} for t in TOOLS]
+TOOL_PROMPTS = [
+    "What is the weather like in Paris right now?",
+    "What time is it in Tokyo?",
+    "Should I take an umbrella in London today?",
+]
+TOOL_DEFS = [
+    {
+        "type": "function",
+        "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+    }
+    for t in TOOLS
+]
 GOAL_SPEED = 0.9  # constrained tok/s over unconstrained
 GOAL_TOKENS_PER_ROUND = 1.3  # constrained tokens/round over unconstrained (schema output)
 
@@ -31,7 +47,10 @@ GOAL_TOKENS_PER_ROUND = 1.3  # constrained tokens/round over unconstrained (sche
 def bench_structured(args: argparse.Namespace) -> int:
     plan = _plan(args)
     compile_ms = _compile_ms()
-    progress(f"starting specgate serve (the built-in default) for {len(plan['cells'])} cells × {plan['runs']} seed(s) × 3 prompts × 2")
+    progress(
+        f"starting specgate serve (the built-in default) for {len(plan['cells'])} cells × "
+        f"{plan['runs']} seed(s) × 3 prompts × 2"
+    )
     with serve_process(None, free_port()) as url, httpx.Client(base_url=url, timeout=600) as client:
         for workload in ("schema", "tool"):  # warm-up: the grammars compiled, every path once
             _request(client, workload, True, MODES["exact"], 1.0, 0, 8)
@@ -55,15 +74,31 @@ def _compile_ms() -> dict[str, dict[str, float]]:
     out = {}
     for name, schema in (("schema", SCHEMA), ("tool", generic_schema(TOOLS, True, True))):
         spec = GrammarSpec.json_schema(schema)
-        out[name] = {"cold": timed(lambda: grammars.compile(spec))[0], "cached": timed(lambda: grammars.compile(spec))[0]}
+        out[name] = {
+            "cold": timed(partial(grammars.compile, spec))[0],
+            "cached": timed(partial(grammars.compile, spec))[0],
+        }
     return out
 
 
-def _request(client: httpx.Client, workload: str, constrained: bool, spec: dict[str, Any], temperature: float, seed: int, max_tokens: int, prompt: int = 0) -> dict[str, Any]:
+def _request(
+    client: httpx.Client,
+    workload: str,
+    constrained: bool,
+    spec: dict[str, Any],
+    temperature: float,
+    seed: int,
+    max_tokens: int,
+    prompt: int = 0,
+) -> dict[str, Any]:
     prompts = SCHEMA_PROMPTS if workload == "schema" else TOOL_PROMPTS
     body: dict[str, Any] = {
-        "model": "specgate", "messages": [{"role": "user", "content": prompts[prompt]}], "max_tokens": max_tokens,
-        "temperature": temperature, "seed": seed, "speculative": {**spec, "profile": True},
+        "model": "specgate",
+        "messages": [{"role": "user", "content": prompts[prompt]}],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "speculative": {**spec, "profile": True},
     }
     if constrained and workload == "schema":
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
@@ -75,11 +110,19 @@ def _request(client: httpx.Client, workload: str, constrained: bool, spec: dict[
     usage, choice = resp["usage"], resp["choices"][0]
     block = usage["speculative"]
     rounds = block["profile"]
-    per_round = lambda *parts: statistics.mean(sum(r["parts_ms"][p] for p in parts) for r in rounds) if rounds else 0.0  # noqa: E731
+
+    def per_round(*parts: str) -> float:
+        return statistics.mean(sum(r["parts_ms"][p] for p in parts) for r in rounds) if rounds else 0.0
+
     return {
-        "tokens": usage["completion_tokens"], "seconds": seconds, "rounds": block["rounds"], "forced": block.get("forced_tokens", 0),
-        "bytes": block["bytes_to_workers"] + block["bytes_from_workers"], "finish": choice["finish_reason"],
-        "gateway_ms": per_round("draft_sampling", "gateway_math"), "worker_ms": per_round("worker_scoring"),
+        "tokens": usage["completion_tokens"],
+        "seconds": seconds,
+        "rounds": block["rounds"],
+        "forced": block.get("forced_tokens", 0),
+        "bytes": block["bytes_to_workers"] + block["bytes_from_workers"],
+        "finish": choice["finish_reason"],
+        "gateway_ms": per_round("draft_sampling", "gateway_math"),
+        "worker_ms": per_round("worker_scoring"),
         "valid": _valid(workload, constrained, choice),
     }
 
@@ -105,9 +148,16 @@ def _run(plan: dict[str, Any], client: httpx.Client) -> list[dict[str, Any]]:
         for seed in range(plan["runs"]):
             for prompt in range(3):
                 for constrained in (True, False):  # alternately: the machine's noise falls on both
-                    runs[constrained].append(_request(client, workload, constrained, MODES[mode], t, seed, plan["max_tokens"], prompt))
+                    runs[constrained].append(
+                        _request(
+                            client, workload, constrained, MODES[mode], t, seed, plan["max_tokens"], prompt
+                        )
+                    )
         rows.append(r := _summary(mode, t, workload, runs))
-        bar.step(f"{mode} T={t:g} {workload}: {r['constrained']['tokens_per_s']:.1f} vs {r['unconstrained']['tokens_per_s']:.1f} tok/s")
+        bar.step(
+            f"{mode} T={t:g} {workload}: {r['constrained']['tokens_per_s']:.1f} vs "
+            f"{r['unconstrained']['tokens_per_s']:.1f} tok/s"
+        )
     return rows
 
 
@@ -115,32 +165,59 @@ def _summary(mode: str, t: float, workload: str, runs: dict[bool, list[dict[str,
     def side(samples: list[dict[str, Any]]) -> dict[str, Any]:
         tokens, rounds = sum(s["tokens"] for s in samples), sum(s["rounds"] for s in samples)
         return {
-            "tokens_per_s": tokens / sum(s["seconds"] for s in samples), "tokens_per_round": tokens / max(rounds, 1),
-            "forced_per_answer": statistics.mean(s["forced"] for s in samples), "bytes_per_token": sum(s["bytes"] for s in samples) / max(tokens, 1),
-            "gateway_ms_per_round": median([s["gateway_ms"] for s in samples]), "worker_ms_per_round": median([s["worker_ms"] for s in samples]),
-            "tokens": tokens, "rounds": rounds,
+            "tokens_per_s": tokens / sum(s["seconds"] for s in samples),
+            "tokens_per_round": tokens / max(rounds, 1),
+            "forced_per_answer": statistics.mean(s["forced"] for s in samples),
+            "bytes_per_token": sum(s["bytes"] for s in samples) / max(tokens, 1),
+            "gateway_ms_per_round": median([s["gateway_ms"] for s in samples]),
+            "worker_ms_per_round": median([s["worker_ms"] for s in samples]),
+            "tokens": tokens,
+            "rounds": rounds,
         }
 
     constrained, free = side(runs[True]), side(runs[False])
     valid = [s["valid"] for s in runs[True]]
     return {
-        "mode": mode, "temperature": t, "workload": workload, "constrained": constrained, "unconstrained": free,
-        "speed_ratio": constrained["tokens_per_s"] / free["tokens_per_s"], "tokens_per_round_ratio": constrained["tokens_per_round"] / free["tokens_per_round"],
-        "mask_gateway_ms": constrained["gateway_ms_per_round"] - free["gateway_ms_per_round"], "mask_worker_ms": constrained["worker_ms_per_round"] - free["worker_ms_per_round"],
+        "mode": mode,
+        "temperature": t,
+        "workload": workload,
+        "constrained": constrained,
+        "unconstrained": free,
+        "speed_ratio": constrained["tokens_per_s"] / free["tokens_per_s"],
+        "tokens_per_round_ratio": constrained["tokens_per_round"] / free["tokens_per_round"],
+        "mask_gateway_ms": constrained["gateway_ms_per_round"] - free["gateway_ms_per_round"],
+        "mask_worker_ms": constrained["worker_ms_per_round"] - free["worker_ms_per_round"],
         "valid_share": sum(bool(v) for v in valid) / len(valid),
     }
 
 
 def print_table(results: dict[str, Any]) -> None:
     setup = results["setup"]
-    print(f"\nspecgate bench structured: the built-in default, zero link, {setup['runs']} seed(s) × 3 prompts, ≤ {setup['max_tokens']} tokens; "
-          "constrained vs the same prompts unconstrained")
-    print(f"{'mode':<16}{'T':>3} {'workload':<8}{'tok/s':>14}{'×':>6}{'tokens/round':>15}{'×':>6}{'forced':>8}{'mask ms gw/wk':>15}{'B/token':>9}{'valid':>7}")
+    print(
+        f"\nspecgate bench structured: the built-in default, zero link, {setup['runs']} seed(s) "
+        f"× 3 prompts, ≤ {setup['max_tokens']} tokens; "
+        "constrained vs the same prompts unconstrained"
+    )
+    print(
+        f"{'mode':<16}{'T':>3} {'workload':<8}{'tok/s':>14}{'×':>6}{'tokens/round':>15}{'×':>6}"
+        f"{'forced':>8}{'mask ms gw/wk':>15}{'B/token':>9}{'valid':>7}"
+    )
     for r in results["cells"]:
         c, u = r["constrained"], r["unconstrained"]
-        print(f"{r['mode']:<16}{r['temperature']:>3g} {r['workload']:<8}{c['tokens_per_s']:>6.1f} /{u['tokens_per_s']:>6.1f}{r['speed_ratio']:>6.2f}"
-              f"{c['tokens_per_round']:>7.2f} /{u['tokens_per_round']:>6.2f}{r['tokens_per_round_ratio']:>6.2f}{c['forced_per_answer']:>8.1f}"
-              f"{r['mask_gateway_ms']:>8.2f}/{r['mask_worker_ms']:>5.2f}{c['bytes_per_token']:>9.0f}{r['valid_share']:>7.0%}")
+        print(
+            f"{r['mode']:<16}{r['temperature']:>3g} {r['workload']:<8}{c['tokens_per_s']:>6.1f} "
+            f"/{u['tokens_per_s']:>6.1f}{r['speed_ratio']:>6.2f}"
+            f"{c['tokens_per_round']:>7.2f} /{u['tokens_per_round']:>6.2f}"
+            f"{r['tokens_per_round_ratio']:>6.2f}{c['forced_per_answer']:>8.1f}"
+            f"{r['mask_gateway_ms']:>8.2f}/{r['mask_worker_ms']:>5.2f}"
+            f"{c['bytes_per_token']:>9.0f}{r['valid_share']:>7.0%}"
+        )
     compile_ms = results["compile_ms"]
-    print("grammar compile (ms, cold / cached): " + ", ".join(f"{k} {v['cold']:.2f} / {v['cached']:.3f}" for k, v in compile_ms.items()))
-    print(f"goals: constrained tok/s ≥ {GOAL_SPEED}× unconstrained; tokens/round on schema output ≥ {GOAL_TOKENS_PER_ROUND}× unconstrained")
+    print(
+        "grammar compile (ms, cold / cached): "
+        + ", ".join(f"{k} {v['cold']:.2f} / {v['cached']:.3f}" for k, v in compile_ms.items())
+    )
+    print(
+        f"goals: constrained tok/s ≥ {GOAL_SPEED}× unconstrained; tokens/round on schema output "
+        f"≥ {GOAL_TOKENS_PER_ROUND}× unconstrained"
+    )

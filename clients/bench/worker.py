@@ -8,6 +8,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import httpx
@@ -22,7 +23,8 @@ from core.math.sampling import SamplingParams, apply_sampling
 from core.protocol import VerifyRequest, VerifyResponse, decode, encode
 from core.runners import ModelRunner, load_runner
 
-PROMPTS = [*ALL_PROMPTS[:3], "What is the capital of France, and what is it known for?"]  # the fourth as measured so far
+# the fourth as measured so far
+PROMPTS = [*ALL_PROMPTS[:3], "What is the capital of France, and what is it known for?"]
 
 
 def bench_worker(args: argparse.Namespace) -> int:
@@ -42,26 +44,40 @@ def bench_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _latency_rows(runner: ModelRunner, url: str, prompt: list[int], positions: list[int], repeats: int, backend: str) -> list[dict[str, Any]]:
+def _latency_rows(
+    runner: ModelRunner, url: str, prompt: list[int], positions: list[int], repeats: int, backend: str
+) -> list[dict[str, Any]]:
     """One row per m; the in-process and HTTP calls alternate, so noise hits them alike."""
     rows = []
     vocab_size = runner.info.vocab_size
     with httpx.Client(base_url=url, timeout=60) as client:
         for m in positions:
             draft = prompt[1:m]  # any real tokens will do; m − 1 of them
-            cells: dict[str, Callable[[], tuple[int, int]]] = {"in_process": lambda: _in_process(runner, prompt, draft)}
-            cells |= {f"http_{'full' if k is None else f'k{k}'}": _http_call(client, prompt, draft, k, vocab_size) for k in (None, 32)}
+            cells: dict[str, Callable[[], tuple[int, int]]] = {
+                "in_process": partial(_in_process, runner, prompt, draft)
+            }
+            cells |= {
+                f"http_{'full' if k is None else f'k{k}'}": _http_call(client, prompt, draft, k, vocab_size)
+                for k in (None, 32)
+            }
             times, sizes = _alternate(cells, repeats)
-            row: dict[str, Any] = {"backend": backend, "positions": m} | {f"{name}_ms": statistics.median(ts) for name, ts in times.items()}
+            row: dict[str, Any] = {"backend": backend, "positions": m} | {
+                f"{name}_ms": statistics.median(ts) for name, ts in times.items()
+            }
             for name, (up, down) in sizes.items():
                 if name.startswith("http_"):
                     row[f"bytes_up_{name[5:]}"], row[f"bytes_down_{name[5:]}"] = up, down
             rows.append(row)
-            progress(f"[{backend}] m={m}: in-process {row['in_process_ms']:.1f} ms, HTTP full {row['http_full_ms']:.1f} ms, HTTP k32 {row['http_k32_ms']:.1f} ms")
+            progress(
+                f"[{backend}] m={m}: in-process {row['in_process_ms']:.1f} ms, HTTP full "
+                f"{row['http_full_ms']:.1f} ms, HTTP k32 {row['http_k32_ms']:.1f} ms"
+            )
     return rows
 
 
-def _alternate(cells: dict[str, Callable[[], tuple[int, int]]], repeats: int) -> tuple[dict[str, list[float]], dict[str, tuple[int, int]]]:
+def _alternate(
+    cells: dict[str, Callable[[], tuple[int, int]]], repeats: int
+) -> tuple[dict[str, list[float]], dict[str, tuple[int, int]]]:
     times: dict[str, list[float]] = {name: [] for name in cells}
     sizes = {name: fn() for name, fn in cells.items()}  # warm-up, and the payload sizes
     for _ in range(repeats):
@@ -82,7 +98,9 @@ def _in_process(runner: ModelRunner, prompt: list[int], draft: list[int]) -> tup
     return 0, 0
 
 
-def _http_call(client: httpx.Client, prompt: list[int], draft: list[int], k: int | None, vocab_size: int) -> Callable[[], tuple[int, int]]:
+def _http_call(
+    client: httpx.Client, prompt: list[int], draft: list[int], k: int | None, vocab_size: int
+) -> Callable[[], tuple[int, int]]:
     """A steady-state verify call of a session that holds ``prompt[:-1]``."""
     session = f"bench-{len(draft)}-{k}"
     agreed = prompt[:-1]
@@ -115,10 +133,22 @@ def _acceptance(num_tokens: int, seed: int = 0) -> dict[str, Any]:
         progress(f"[acceptance] prompt {i + 1}/{len(PROMPTS)}: α = {per_prompt[-1]['alpha']:.3f}")
     target.close()
     draft.close()
-    return {"temperature": 1.0, "tokens_per_prompt": num_tokens, "alpha": float(np.mean(betas)), "per_prompt": per_prompt}
+    return {
+        "temperature": 1.0,
+        "tokens_per_prompt": num_tokens,
+        "alpha": float(np.mean(betas)),
+        "per_prompt": per_prompt,
+    }
 
 
-def _prompt_betas(target: ModelRunner, draft: ModelRunner, ids: list[int], num_tokens: int, params: SamplingParams, generator: torch.Generator) -> list[float]:
+def _prompt_betas(
+    target: ModelRunner,
+    draft: ModelRunner,
+    ids: list[int],
+    num_tokens: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> list[float]:
     p = apply_sampling(target.prefill("alpha", ids), params)[0]
     q = apply_sampling(draft.prefill("alpha", ids), params)[0]
     betas = []
@@ -136,13 +166,19 @@ def _prompt_betas(target: ModelRunner, draft: ModelRunner, ids: list[int], num_t
 
 def _print_tables(results: dict[str, Any]) -> None:
     print("\nverify latency, median ms (one call, m positions scored; bytes per call up/down)")
-    print(f"{'backend':<13}{'m':>3}{'in-process':>12}{'HTTP full':>11}{'HTTP k32':>10}{'overhead':>10}{'up B':>7}{'down full B':>13}{'down k32 B':>12}")
+    print(
+        f"{'backend':<13}{'m':>3}{'in-process':>12}{'HTTP full':>11}{'HTTP k32':>10}"
+        f"{'overhead':>10}{'up B':>7}{'down full B':>13}{'down k32 B':>12}"
+    )
     for r in results["latency"]:
         overhead = r["http_k32_ms"] - r["in_process_ms"]
         print(
             f"{r['backend']:<13}{r['positions']:>3}{r['in_process_ms']:>12.1f}{r['http_full_ms']:>11.1f}"
-            f"{r['http_k32_ms']:>10.1f}{overhead:>10.1f}{r['bytes_up_k32']:>7}{r['bytes_down_full']:>13}{r['bytes_down_k32']:>12}"
+            f"{r['http_k32_ms']:>10.1f}{overhead:>10.1f}{r['bytes_up_k32']:>7}"
+            f"{r['bytes_down_full']:>13}{r['bytes_down_k32']:>12}"
         )
     acc = results["acceptance"]
-    print(f"\nacceptance of builtin-draft vs builtin at T = 1: α = {acc['alpha']:.3f} "
-          f"({len(acc['per_prompt'])} prompts × ≤ {acc['tokens_per_prompt']} tokens)")
+    print(
+        f"\nacceptance of builtin-draft vs builtin at T = 1: α = {acc['alpha']:.3f} "
+        f"({len(acc['per_prompt'])} prompts × ≤ {acc['tokens_per_prompt']} tokens)"
+    )

@@ -1,4 +1,5 @@
-"""SpecFed (docs/design.md §3.3): reconstructing p̂_n from a top-k payload, aggregating workers, and the quantities the evaluation reports (eqs. 5–10, 21–23)."""
+"""SpecFed (docs/design.md §3.3): reconstructing p̂_n from a top-k payload, aggregating workers, and the
+quantities the evaluation reports (eqs. 5–10, 21–23)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ def reconstruct(
     vocab_size: int,
     method: Reconstruction = Reconstruction.RENORMALIZE,
     tail_mass: torch.Tensor | None = None,  # [m]: σ_n as the worker summed it; else 1 − ρ_n
-    allowed: torch.Tensor | None = None,  # [m, V] bool: the grammar's allowed ids per row (docs/design.md §3.9)
+    # [m, V] bool: the grammar's allowed ids per row (docs/design.md §3.9)
+    allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [m, V] float64, rows sum to 1
     """p̂_n from the top-k ids and probabilities of worker n. With a grammar, ``residual``
     spreads σ_n over the allowed ids outside the top-k only (T(p_n) has no mass on the others,
     so the bound TV(p̂_n, p_n) ≤ σ_n holds as before, and no masked id can be emitted)."""
     probs = probs.double()
-    dense = torch.zeros(probs.shape[0], vocab_size, dtype=torch.float64, device=probs.device).scatter(-1, ids.long(), probs)
+    dense = torch.zeros(probs.shape[0], vocab_size, dtype=torch.float64, device=probs.device).scatter(
+        -1, ids.long(), probs
+    )
     rho = probs.sum(dim=-1, keepdim=True)
     k = ids.shape[-1]
     if method is Reconstruction.RENORMALIZE or k == vocab_size:
@@ -91,13 +95,19 @@ def merge_top_logprobs(
     n: int,
     weights: torch.Tensor,  # [N]
 ) -> list[tuple[int, float]]:
-    """The mixture's n most likely ids at ``row`` among the workers' top-n; with several workers an unlisted id counts 0 (a lower bound)."""
+    """The mixture's n most likely ids at ``row`` among the workers' top-n; with several workers an unlisted
+    id counts 0 (a lower bound)."""
     if not n or not tops:
         return []
     w = normalise_weights(weights)
     mass: dict[int, float] = {}
     for (ids, logprobs), weight in zip(tops, w.tolist()):
-        for token, value in zip(torch.tensor(ids[row]).tolist(), torch.tensor(logprobs[row]).double().exp().tolist()):  # copies: a decoded frame is read-only
+        for token, value in zip(
+            torch.tensor(ids[row]).tolist(), torch.tensor(logprobs[row]).double().exp().tolist()
+        ):
+            # copies: a decoded frame is read-only
             mass[token] = mass.get(token, 0.0) + weight * value
     best = sorted(mass.items(), key=lambda item: (-item[1], item[0]))[:n]
-    return [(token, float(torch.log(torch.tensor(max(p, _LOG_FLOOR), dtype=torch.float64)))) for token, p in best]
+    return [
+        (token, float(torch.log(torch.tensor(max(p, _LOG_FLOOR), dtype=torch.float64)))) for token, p in best
+    ]

@@ -21,7 +21,8 @@ def compress_top_k(
     probs: torch.Tensor,  # [num_positions, V]
     k: int,
 ) -> TopK:
-    """Top-k of each row in O(V) (no full sort); ``σ`` is summed directly over the rest, not taken as ``1 − ρ``."""
+    """Top-k of each row in O(V) (no full sort); ``σ`` is summed directly over the rest, not taken as ``1 −
+    ρ``."""
     if not 0 < k <= probs.shape[-1]:
         raise ValueError(f"k must lie in [1, {probs.shape[-1]}], got {k}")
     kept, ids = top_k_entries(probs, k)  # [num_positions, V] mask, [num_positions, k] ascending ids
@@ -34,12 +35,15 @@ def compress_top_k(
 def top_k_entries(
     probs: torch.Tensor,  # [num_positions, V]
     k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # [num_positions, V] bool, exactly k True per row; [num_positions, k] their ids, ascending
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # [num_positions, V] bool, exactly k True per row; [num_positions, k] their ids, ascending
     """The k largest entries of each row, ties at the threshold broken to the lowest id."""
-    if k == 1 and probs.device.type == "cpu":  # a greedy call's top-1: an argmax, ~4× cheaper than topk over the row
+    if k == 1 and probs.device.type == "cpu":
+        # a greedy call's top-1: an argmax, ~4× cheaper than topk over the row
         rows = probs.numpy()
         best = rows.argmax(axis=-1)[:, None]
-        if bool((np.count_nonzero(rows >= np.take_along_axis(rows, best, axis=-1), axis=-1) == 1).all()):  # no tie at the top
+        if bool((np.count_nonzero(rows >= np.take_along_axis(rows, best, axis=-1), axis=-1) == 1).all()):
+            # no tie at the top
             ids = torch.from_numpy(best.astype(np.int64))
             return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, ids, True), ids
     top = torch.topk(probs, k, dim=-1)

@@ -21,7 +21,8 @@ class RoundCosts:
     up_bits_per_s: float | None = None  # None = unlimited
     down_bits_per_s: float | None = None
     overlap: bool = False  # DSD: the next draft is prepared during the flight
-    prepared_used: float = 0.0  # u: the share of prepared drafts used (every token accepted, its first the bonus)
+    # u: the share of prepared drafts used (every token accepted, its first the bonus)
+    prepared_used: float = 0.0
 
     def alpha(self, j: int) -> float:
         return self.alphas[min(j, len(self.alphas) - 1)] if self.alphas else 0.0
@@ -35,7 +36,8 @@ class RoundCosts:
         return self.rtt_s + wire + self.verify_s[0] + self.verify_s[1] * (gamma + 1)
 
     def round_s(self, gamma: float) -> float:
-        """T(γ) = γ·t_d + flight(γ); overlapped, u·max(flight(γ), (γ + 1)·t_d) + (1 − u)·(flight(γ) + γ·t_d)."""
+        """T(γ) = γ·t_d + flight(γ); overlapped, u·max(flight(γ), (γ + 1)·t_d) + (1 − u)·(flight(γ) +
+        γ·t_d)."""
         flight, drafting = self.flight_s(gamma), gamma * self.draft_s
         if not self.overlap:
             return drafting + flight
@@ -44,7 +46,8 @@ class RoundCosts:
 
 
 def choose_gamma(costs: RoundCosts, max_gamma: int) -> int:
-    """The γ in [1, max_gamma] of the highest throughput (ties to the shorter draft), in one pass: E(γ) grows by Π_{j<γ} α_j from E(γ − 1)."""
+    """The γ in [1, max_gamma] of the highest throughput (ties to the shorter draft), in one pass: E(γ) grows
+    by Π_{j<γ} α_j from E(γ − 1)."""
     best, best_rate = 1, -1.0
     tokens, reach = 1.0, 1.0
     for gamma in range(1, max_gamma + 1):

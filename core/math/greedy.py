@@ -15,7 +15,8 @@ def certify_argmax(
     weights: torch.Tensor,  # [N]
     vocab_size: int,
 ) -> int | None:
-    """The mixture's argmax if the top-k payloads prove it (its lower bound beats every other upper bound, docs/design.md §3.5), else None."""
+    """The mixture's argmax if the top-k payloads prove it (its lower bound beats every other upper bound,
+    docs/design.md §3.5), else None."""
     w = normalise_weights(weights)
     union = torch.unique(torch.cat([i.long() for i in ids]))  # ascending: ties go to the lowest id
     column = {int(token): c for c, token in enumerate(union.tolist())}
@@ -25,7 +26,9 @@ def certify_argmax(
         at = torch.tensor([column[int(t)] for t in i.tolist()], dtype=torch.long)
         seen[n, at] = True
         dense[n, at] = p.double()
-    kth = torch.tensor([float(p.min()) if p.numel() < vocab_size else 0.0 for p in probs], dtype=torch.float64)
+    kth = torch.tensor(
+        [float(p.min()) if p.numel() < vocab_size else 0.0 for p in probs], dtype=torch.float64
+    )
     lower = (w[:, None] * dense).sum(0)  # [U]: over the ids some worker sent
     upper = lower + (w[:, None] * kth[:, None] * ~seen).sum(0)  # [U]
     best = int(torch.argmax(lower))  # the first maximal column: the lowest id among ties

@@ -49,7 +49,8 @@ def relaxation_factor_on_support(
     off_mass: float,  # the target's mass outside S
     settings: Relaxation,
 ) -> float:
-    """τ with the target known on S only (``exact``): top-1 agreement counts only when p's largest entry on S beats the mass off S."""
+    """τ with the target known on S only (``exact``): top-1 agreement counts only when p's largest entry on S
+    beats the mass off S."""
     if settings.tau_max == 0:
         return 0.0
     top = argmax_lowest(p[None])[0]
@@ -68,7 +69,9 @@ def relaxation_factors(
     q: torch.Tensor,  # [γ, V]
     settings: Relaxation,
 ) -> torch.Tensor:  # [γ] float64
-    return torch.tensor([relaxation_factor(p[j], q[j], settings) for j in range(q.shape[0])], dtype=torch.float64)
+    return torch.tensor(
+        [relaxation_factor(p[j], q[j], settings) for j in range(q.shape[0])], dtype=torch.float64
+    )
 
 
 def relaxed_acceptance_probs(
@@ -76,8 +79,11 @@ def relaxed_acceptance_probs(
     q_draft: torch.Tensor,  # [γ]: q_j(x_j) > 0
     taus: torch.Tensor,  # [γ]: τ_j
 ) -> torch.Tensor:  # [γ]: τ_j + (1 − τ_j)·min(1, p_j(x_j)/q_j(x_j))
-    if taus.shape != p_draft.shape:  # a τ per draft token, no more: a longer list would test tokens that were never drafted
-        raise ValueError(f"{tuple(taus.shape)} relaxation factors for draft tokens of shape {tuple(p_draft.shape)}")
+    if taus.shape != p_draft.shape:
+        # a τ per draft token, no more: a longer list would test tokens that were never drafted
+        raise ValueError(
+            f"{tuple(taus.shape)} relaxation factors for draft tokens of shape {tuple(p_draft.shape)}"
+        )
     strict = torch.clamp(p_draft.double() / q_draft.double(), max=1.0)
     return taus.double() + (1 - taus.double()) * strict
 
@@ -90,10 +96,13 @@ def verify_relaxed(
     final_u: torch.Tensor,  # [γ+1]: the residual / bonus draw at each position
     taus: torch.Tensor,  # [γ]
 ) -> Verdict:
-    """The chain verifier (``tests.oracles.verify_sampled``) with the relaxed accept test; the residual and the bonus are the strict ones."""
+    """The chain verifier (``tests.oracles.verify_sampled``) with the relaxed accept test; the residual and
+    the bonus are the strict ones."""
     gamma = len(draft)
     index = torch.tensor(draft, dtype=torch.long)[:, None]
-    j = first_rejection(relaxed_acceptance_probs(p[:gamma].gather(-1, index)[:, 0], q.gather(-1, index)[:, 0], taus), accept_u)
+    j = first_rejection(
+        relaxed_acceptance_probs(p[:gamma].gather(-1, index)[:, 0], q.gather(-1, index)[:, 0], taus), accept_u
+    )
     if j < gamma:
         return Verdict(j, sample_index(residual(p[j], q[j]), float(final_u[j])), is_bonus=False)
     return Verdict(gamma, sample_index(p[gamma], float(final_u[gamma])), is_bonus=True)

@@ -6,18 +6,19 @@ from dataclasses import dataclass
 
 import torch
 
-
 MIN_TEMPERATURE = 1e-5  # vLLM's sampling epsilon: below it logits / T overflow; the API maps it to 0
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How logits become the law a token is drawn from; T = 0 is greedy on untruncated ``softmax(logits)`` (workers aggregate first, §3.2)."""
+    """How logits become the law a token is drawn from; T = 0 is greedy on untruncated ``softmax(logits)``
+    (workers aggregate first, §3.2)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
-    min_p: float = 0.0  # 0 = off: drop tokens below min_p × the row's largest probability (vLLM's; after temperature)
+    # 0 = off: drop tokens below min_p × the row's largest probability (vLLM's; after temperature)
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
@@ -56,8 +57,8 @@ def apply_sampling(
 def normalised(
     probs: torch.Tensor,  # [..., V] ≥ 0: a distribution's rows as a model computed them (fp32)
 ) -> torch.Tensor:  # [..., V] float64, each row summing to 1 to float64 rounding
-    """fp32 rows sum to 1 ± V·2⁻²⁴, and min(1, p/q) does not renormalise (an output off the row's law by as much):
-    every row that feeds the accept test, the residual or a draw at T > 0 goes through here first."""
+    """fp32 rows sum to 1 ± V·2⁻²⁴, and min(1, p/q) does not renormalise (an output off the row's law by as
+    much): every row that feeds the accept test, the residual or a draw at T > 0 goes through here first."""
     p = probs.double()
     return p / p.sum(dim=-1, keepdim=True).clamp(min=1e-300)
 
@@ -114,24 +115,34 @@ TOP_BLOCK = 128  # top_ids' block: a row's k best lie in its k blocks of largest
 def top_ids(
     probs: torch.Tensor,  # [R, V] ≥ 0
     k: int,  # 0 < k < V
-) -> list[torch.Tensor]:  # R × [s] long, ascending: every entry with mass at least the row's k-th largest (s > k only on ties there)
-    """The ids of each row's ``k`` largest entries (ties at the threshold all kept), as ``mask_top_k`` keeps them, without a
-    top-k over whole rows: each row in blocks of ``TOP_BLOCK``; its k blocks of largest maximum hold its k-th largest value
-    (were a block of the k largest entries left out, the k blocks taken would have k maxima at least as large); when no
-    block left out reaches it, every entry kept is among them, else the whole row is compared (a tie at the threshold)."""
+) -> list[torch.Tensor]:
+    # R × [s] long, ascending: every entry with mass at least the row's k-th largest (s > k only on ties
+    # there)
+    """The ids of each row's ``k`` largest entries (ties at the threshold all kept), as ``mask_top_k`` keeps
+    them, without a top-k over whole rows: each row in blocks of ``TOP_BLOCK``; its k blocks of largest
+    maximum hold its k-th largest value (were a block of the k largest entries left out, the k blocks taken
+    would have k maxima at least as large); when no block left out reaches it, every entry kept is among them,
+    else the whole row is compared (a tie at the threshold)."""
     rows, width = probs.shape
     blocks = width // TOP_BLOCK
     if blocks <= k or width % TOP_BLOCK:
         thresholds = torch.topk(probs, k, dim=-1).values[:, -1:]
         return [row.nonzero()[:, 0] for row in (probs >= thresholds) & (probs > 0)]
     cut = probs.view(rows, blocks, TOP_BLOCK)
-    best = torch.topk(cut.amax(dim=-1), k + 1, dim=-1)  # per row: the k blocks of largest maximum, and the largest maximum left out
+    # per row: the k blocks of largest maximum, and the largest maximum left out
+    best = torch.topk(cut.amax(dim=-1), k + 1, dim=-1)
     chosen = best.indices[:, :k]
-    top = torch.topk(cut[torch.arange(rows)[:, None], chosen].reshape(rows, k * TOP_BLOCK), k + 1, dim=-1)  # the k-th largest and the next
-    ids = torch.sort(chosen.gather(1, top.indices[:, :k] // TOP_BLOCK) * TOP_BLOCK + top.indices[:, :k] % TOP_BLOCK, dim=-1).values
+    # the k-th largest and the next
+    top = torch.topk(cut[torch.arange(rows)[:, None], chosen].reshape(rows, k * TOP_BLOCK), k + 1, dim=-1)
+    ids = torch.sort(
+        chosen.gather(1, top.indices[:, :k] // TOP_BLOCK) * TOP_BLOCK + top.indices[:, :k] % TOP_BLOCK, dim=-1
+    ).values
     out = []
-    for r, ((threshold, after), left) in enumerate(zip(top.values[:, k - 1 :].tolist(), best.values[:, k].tolist())):
-        if threshold > 0 and after < threshold and left < threshold:  # no tie at the threshold, nothing left out reaches it
+    for r, ((threshold, after), left) in enumerate(
+        zip(top.values[:, k - 1 :].tolist(), best.values[:, k].tolist())
+    ):
+        if threshold > 0 and after < threshold and left < threshold:
+            # no tie at the threshold, nothing left out reaches it
             out.append(ids[r])
         else:
             out.append(((probs[r] >= threshold) & (probs[r] > 0)).nonzero()[:, 0])
@@ -173,7 +184,7 @@ def truncated_support(
     top_k: int = 0,  # keep the k most likely (0 = off)
     top_p: float = 1.0,  # keep the smallest nucleus of mass ≥ top_p (1 = off)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [s] long ascending ids, [s] float64 probs summing to 1
-    """``truncate`` on the support alone (docs/design.md §9): the same ids and ties, the probabilities renormalised over
-    the kept entries (``truncate``'s up to the last bits), with no full-vocabulary log, sort or softmax at top_k."""
+    """``truncate`` on the support alone (docs/design.md §9): the same ids and ties, the probabilities
+    renormalised over the kept entries (``truncate``'s up to the last bits), with no full-vocabulary log, sort
+    or softmax at top_k."""
     return truncated_supports(probs[None], top_k, top_p)[0]
-

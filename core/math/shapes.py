@@ -1,4 +1,5 @@
-"""Draft shapes (docs/design.md §3.6, §3.7): ``TreeShape``, ``SegmentSchedule``; torch-free, as the config reads them (a check takes a fraction of a second)."""
+"""Draft shapes (docs/design.md §3.6, §3.7): ``TreeShape``, ``SegmentSchedule``; torch-free, as the config
+reads them (a check takes a fraction of a second)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ MAX_TREE_NODES = 63  # nodes of one tree at most (a worker scores them in llama.
 
 @dataclass(frozen=True)
 class TreeShape:
-    """How the draft grows a tree (docs/design.md §3.6). Sampled rules: each node at depth d gets ``widths[d-1]``
-    children drawn from q̂. ``fixed`` (EAGLE-2): per depth the ``top_k`` best nodes get their ``top_k``
-    most likely children, down to ``depth``; the best ``nodes`` overall stay."""
+    """How the draft grows a tree (docs/design.md §3.6). Sampled rules: each node at depth d gets
+    ``widths[d-1]`` children drawn from q̂. ``fixed`` (EAGLE-2): per depth the ``top_k`` best nodes get their
+    ``top_k`` most likely children, down to ``depth``; the best ``nodes`` overall stay."""
 
     rule: ChildRule
     widths: tuple[int, ...] = ()
@@ -32,13 +33,21 @@ class TreeShape:
 
     def __post_init__(self) -> None:
         if self.rule is ChildRule.FIXED:
-            if not 1 <= self.nodes <= MAX_TREE_NODES or not 1 <= self.depth <= 32 or not 1 <= self.top_k <= 16:
-                raise ValueError(f"a fixed tree needs nodes in [1, {MAX_TREE_NODES}], depth in [1, 32], top_k in [1, 16]")
+            if (
+                not 1 <= self.nodes <= MAX_TREE_NODES
+                or not 1 <= self.depth <= 32
+                or not 1 <= self.top_k <= 16
+            ):
+                raise ValueError(
+                    f"a fixed tree needs nodes in [1, {MAX_TREE_NODES}], depth in [1, 32], top_k in [1, 16]"
+                )
         else:
             if not self.widths or not all(1 <= k <= 16 for k in self.widths) or len(self.widths) > 32:
                 raise ValueError("a sampled tree needs widths: 1 to 32 depths of 1 to 16 children each")
             if self.size > MAX_TREE_NODES:
-                raise ValueError(f"widths {list(self.widths)} make {self.size} nodes; a tree has at most {MAX_TREE_NODES}")
+                raise ValueError(
+                    f"widths {list(self.widths)} make {self.size} nodes; a tree has at most {MAX_TREE_NODES}"
+                )
 
     @property
     def size(self) -> int:
@@ -53,7 +62,8 @@ class TreeShape:
 
     @classmethod
     def default(cls, greedy: bool) -> TreeShape:
-        """What pays on the built-in pair (research/tree-and-pipeline.md §3.4), 14 nodes each: EAGLE-2 at T = 0, else a 2-way root, chains below."""
+        """What pays on the built-in pair (research/tree-and-pipeline.md §3.4), 14 nodes each: EAGLE-2 at T =
+        0, else a 2-way root, chains below."""
         if greedy:
             return cls(ChildRule.FIXED, nodes=14, depth=6, top_k=4)
         return cls(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1, 1, 1, 1))
@@ -67,17 +77,22 @@ class TreeShape:
 
 @dataclass(frozen=True)
 class SegmentSchedule:
-    """Mode ``pipeline`` (FlowSpec, docs/design.md §3.7): each round's EAGLE-2 ``tree`` goes best node first in
-    segments of ``segment`` nodes, ``in_flight`` at once (0 = one per stage); while the live tree runs short,
-    ``expand`` grows its best live leaf (no deeper than ``tree.depth`` below the walk)."""
+    """Mode ``pipeline`` (FlowSpec, docs/design.md §3.7): each round's EAGLE-2 ``tree`` goes best node first
+    in segments of ``segment`` nodes, ``in_flight`` at once (0 = one per stage); while the live tree runs
+    short, ``expand`` grows its best live leaf (no deeper than ``tree.depth`` below the walk)."""
 
-    tree: TreeShape = TreeShape(ChildRule.FIXED, nodes=10, depth=5, top_k=3)  # every draft level and node costs on CPU: small trees pay (docs/performance.md)
+    # every draft level and node costs on CPU: small trees pay (docs/performance.md)
+    tree: TreeShape = TreeShape(ChildRule.FIXED, nodes=10, depth=5, top_k=3)
     segment: int = 6
     in_flight: int = 2
     expand: bool = True
 
     def __post_init__(self) -> None:
         if self.tree.rule is not ChildRule.FIXED:
-            raise ValueError("a pipeline's tree has fixed children (EAGLE-2): its segments are verified as they come")
+            raise ValueError(
+                "a pipeline's tree has fixed children (EAGLE-2): its segments are verified as they come"
+            )
         if not 1 <= self.segment <= MAX_TREE_NODES or not 0 <= self.in_flight <= 16:
-            raise ValueError(f"a pipeline's segment takes 1 to {MAX_TREE_NODES} nodes, in_flight 0 (one per stage) to 16")
+            raise ValueError(
+                f"a pipeline's segment takes 1 to {MAX_TREE_NODES} nodes, in_flight 0 (one per stage) to 16"
+            )

@@ -69,7 +69,9 @@ def first_rejection(
 ) -> int:  # the first j whose test fails (γ when none does)
     if len(probs) > len(accept_u):
         raise ValueError(f"{len(probs)} acceptance tests with {len(accept_u)} uniforms")
-    return next((j for j in range(len(probs)) if not accepts(float(accept_u[j]), float(probs[j]))), len(probs))
+    return next(
+        (j for j in range(len(probs)) if not accepts(float(accept_u[j]), float(probs[j]))), len(probs)
+    )
 
 
 def verify_greedy(

@@ -2,8 +2,8 @@
 logprobs at temperature 1 still defines the target ``T(p)`` for any temperature, top-k and
 top-p — up to the mass its unseen tail gets after tempering, which is bounded here.
 
-For the k reported tokens with probabilities p_i (tail mass σ = 1 − Σ p_i, every unseen token
-at most p_min = min p_i, or a given ceiling), tempering by T gives weights p_i^{1/T}; the unseen tail's weight is
+For the k reported tokens with probabilities p_i (tail mass σ = 1 − Σ p_i, every unseen token at most p_min =
+min p_i, or a given ceiling), tempering by T gives weights p_i^{1/T}; the unseen tail's weight is
     T < 1:  Σ_tail p^{1/T} ≤ σ · p_min^{1/T − 1}        (each tail p ≤ p_min)
     T > 1:  Σ_tail p^{1/T} ≤ (V − k)^{1 − 1/T} σ^{1/T}  (Hölder over at most V − k tokens)
 so the tempered tail mass σ_T is at most tail / (head + tail). A top-k of the request at most k

@@ -1,5 +1,6 @@
-"""Token trees (docs/design.md §3.6), verified in one walk (``core.math.walk``). A chain is the tree whose parents are
-[−1, 0, 1, …]: it verifies to the very numbers of the textbook chain verifier (``tests.oracles.verify_sampled``)."""
+"""Token trees (docs/design.md §3.6), verified in one walk (``core.math.walk``). A chain is the tree whose
+parents are [−1, 0, 1, …]: it verifies to the very numbers of the textbook chain verifier
+(``tests.oracles.verify_sampled``)."""
 
 from __future__ import annotations
 
@@ -11,32 +12,48 @@ import torch
 
 from core.math.shapes import ChildRule
 
-SparseRow = tuple[torch.Tensor, torch.Tensor]  # [s] long ids (ascending), [s] probs: one distribution's support
-NO_ROW: SparseRow = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64))  # a node nothing was drawn at (a leaf, a lookup node)
+# [s] long ids (ascending), [s] probs: one distribution's support
+SparseRow = tuple[torch.Tensor, torch.Tensor]
+# a node nothing was drawn at (a leaf, a lookup node)
+NO_ROW: SparseRow = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.float64))
 
 
 @dataclass(frozen=True)
 class TokenTree:
-    """n draft nodes in topological order, with the draft's sparse q̂ at the root and at each node: what its children were drawn from."""
+    """n draft nodes in topological order, with the draft's sparse q̂ at the root and at each node: what its
+    children were drawn from."""
 
     tokens: torch.Tensor  # [n] long: the draft token at each node
     parents: torch.Tensor  # [n] long: each node's parent, −1 = the root; parents[i] < i
-    q_ids: torch.Tensor  # [n+1, s] long: the support of q̂ at the root (row 0) and at node i (row i+1); −1 pads
-    q_probs: torch.Tensor  # [n+1, s] fp32 (or the draft's own float64, kept bit for bit): q̂ on those ids (0 on pads)
+    # [n+1, s] long: the support of q̂ at the root (row 0) and at node i (row i+1); −1 pads
+    q_ids: torch.Tensor
+    # [n+1, s] fp32 (or the draft's own float64, kept bit for bit): q̂ on those ids (0 on pads)
+    q_probs: torch.Tensor
     rule: ChildRule = ChildRule.SAMPLED
-    deterministic: torch.Tensor | None = None  # [n] bool: lookup children (drawn from δ, tested by the fixed rule), first among their siblings; None = none
+    # [n] bool: lookup children (drawn from δ, tested by the fixed rule), first among their siblings; None =
+    # none
+    deterministic: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = self.tokens.shape[0]
         if self.tokens.dim() != 1 or self.parents.shape != (n,):
-            raise ValueError(f"tokens and parents must be [n], got {tuple(self.tokens.shape)} and {tuple(self.parents.shape)}")
+            raise ValueError(
+                f"tokens and parents must be [n], got {tuple(self.tokens.shape)} and "
+                f"{tuple(self.parents.shape)}"
+            )
         if self.q_ids.dim() != 2 or self.q_ids.shape[0] != n + 1 or self.q_probs.shape != self.q_ids.shape:
-            raise ValueError(f"q_ids and q_probs must be [n+1, s] = [{n + 1}, s], got {tuple(self.q_ids.shape)} and {tuple(self.q_probs.shape)}")
+            raise ValueError(
+                f"q_ids and q_probs must be [n+1, s] = [{n + 1}, s], got "
+                f"{tuple(self.q_ids.shape)} and {tuple(self.q_probs.shape)}"
+            )
         if n and not bool(((self.parents >= -1) & (self.parents < torch.arange(n))).all()):
             raise ValueError("every parent must be −1 (the root) or an earlier node")
         if self.deterministic is not None:
             if self.deterministic.shape != (n,) or self.deterministic.dtype != torch.bool:
-                raise ValueError(f"deterministic must be [n] = [{n}] bool, got {tuple(self.deterministic.shape)} {self.deterministic.dtype}")
+                raise ValueError(
+                    f"deterministic must be [n] = [{n}] bool, got "
+                    f"{tuple(self.deterministic.shape)} {self.deterministic.dtype}"
+                )
             flags = self.deterministic.tolist()
             for children in self._children_of.values():
                 marks = [flags[c] for c in children]
@@ -47,13 +64,19 @@ class TokenTree:
     def chain(
         cls,
         tokens: list[int],  # [γ]
-        q: Sequence[torch.Tensor | SparseRow] | torch.Tensor,  # γ × ([V] dense, 0 off its support; or (ids, probs)): q̂_j each x_j was drawn from
+        # γ × ([V] dense, 0 off its support; or (ids, probs)): q̂_j each x_j was drawn from
+        q: Sequence[torch.Tensor | SparseRow] | torch.Tensor,
     ) -> TokenTree:
-        """The chain as a tree: node j's parent is j − 1, q̂_j row j (none at the last); rows all dense or all sparse."""
+        """The chain as a tree: node j's parent is j − 1, q̂_j row j (none at the last); rows all dense or all
+        sparse."""
         gamma = len(tokens)
         rows = list(q[:gamma])
-        ids, probs = pad_rows(rows, extra=1) if rows and isinstance(rows[0], tuple) else sparse_rows(rows, extra=1)  # type: ignore[arg-type]
-        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(gamma) - 1, ids, probs, ChildRule.SAMPLED)
+        ids, probs = (
+            pad_rows(rows, extra=1) if rows and isinstance(rows[0], tuple) else sparse_rows(rows, extra=1)
+        )  # type: ignore[arg-type]
+        return cls(
+            torch.tensor(tokens, dtype=torch.long), torch.arange(gamma) - 1, ids, probs, ChildRule.SAMPLED
+        )
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -68,8 +91,13 @@ class TokenTree:
 
     @property
     def is_sampled_chain(self) -> bool:
-        """A chain drawn from q̂ (or greedy), as the chain verifiers assume; fixed or lookup children need the walk's fixed rule (docs/design.md §3.6, §3.10)."""
-        return self.is_chain and self.rule is not ChildRule.FIXED and (self.deterministic is None or not bool(self.deterministic.any()))
+        """A chain drawn from q̂ (or greedy), as the chain verifiers assume; fixed or lookup children need the
+        walk's fixed rule (docs/design.md §3.6, §3.10)."""
+        return (
+            self.is_chain
+            and self.rule is not ChildRule.FIXED
+            and (self.deterministic is None or not bool(self.deterministic.any()))
+        )
 
     @cached_property
     def _parent_list(self) -> list[int]:
@@ -94,24 +122,42 @@ class TokenTree:
         """A chain without its first ``k`` nodes: node k becomes the root's child."""
         return self._cut(min(k, len(self)), len(self))
 
-    def _cut(self, start: int, end: int) -> TokenTree:  # a chain's nodes [start, end), node start the root's child
+    def _cut(self, start: int, end: int) -> TokenTree:
+        # a chain's nodes [start, end), node start the root's child
         assert self.is_chain, "only chains are cut"
         flags = None if self.deterministic is None else self.deterministic[start:end]
         rows = slice(start, end + 1)
-        return TokenTree(self.tokens[start:end], self.parents[start:end] - start, self.q_ids[rows], self.q_probs[rows], self.rule, flags)
+        return TokenTree(
+            self.tokens[start:end],
+            self.parents[start:end] - start,
+            self.q_ids[rows],
+            self.q_probs[rows],
+            self.rule,
+            flags,
+        )
 
-    def support(self, node: int) -> tuple[torch.Tensor, torch.Tensor]:  # [s] long ids (ascending), [s] probs: q̂ at ``node`` (−1 = root)
+    def support(self, node: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # [s] long ids (ascending), [s] probs: q̂ at ``node`` (−1 = root)
         keep = self.q_ids[node + 1] >= 0
         return self.q_ids[node + 1][keep], self.q_probs[node + 1][keep]
 
-    def q_values(self) -> torch.Tensor:  # [n] in q_probs' dtype: q̂(x) of each node's token under its parent's q̂ (pads, −1, match no token)
+    def q_values(
+        self,
+    ) -> (
+        torch.Tensor
+    ):  # [n] in q_probs' dtype: q̂(x) of each node's token under its parent's q̂ (pads, −1, match no token)
         n = len(self)
-        ids, probs = (self.q_ids[:n], self.q_probs[:n]) if self.is_chain else (self.q_ids[self.parents + 1], self.q_probs[self.parents + 1])
+        ids, probs = (
+            (self.q_ids[:n], self.q_probs[:n])
+            if self.is_chain
+            else (self.q_ids[self.parents + 1], self.q_probs[self.parents + 1])
+        )
         hits = ids == self.tokens[:, None]
         at = hits.to(torch.uint8).argmax(dim=1, keepdim=True)
         return torch.where(hits.any(dim=1), probs.gather(1, at)[:, 0], torch.zeros((), dtype=probs.dtype))
 
-    def depths(self) -> torch.Tensor:  # [n] long: 1 for the root's children; position = agreed length + depth − 1
+    def depths(self) -> torch.Tensor:
+        # [n] long: 1 for the root's children; position = agreed length + depth − 1
         return torch.tensor(self._depth_list, dtype=torch.long)
 
     def children(self, node: int) -> list[int]:
@@ -129,9 +175,13 @@ class TokenTree:
 
     def q_row(self, node: int, vocab_size: int) -> torch.Tensor:  # [V] float64: q̂ at ``node`` (−1 = root)
         ids, probs = self.support(node)
-        return torch.zeros(vocab_size, dtype=torch.float64).index_put_((ids,), probs.double(), accumulate=True)
+        return torch.zeros(vocab_size, dtype=torch.float64).index_put_(
+            (ids,), probs.double(), accumulate=True
+        )
 
-    def q_rows(self, vocab_size: int) -> torch.Tensor:  # [n, V] in q_probs' dtype: each node's q̂ (its parent's row)
+    def q_rows(
+        self, vocab_size: int
+    ) -> torch.Tensor:  # [n, V] in q_probs' dtype: each node's q̂ (its parent's row)
         """Dense rows of the q̂ each node was drawn from (for the chain-only relaxed test)."""
         out = torch.zeros(len(self), vocab_size, dtype=self.q_probs.dtype)
         for i, parent in enumerate(self.parents.tolist()):
@@ -149,7 +199,8 @@ class TokenTree:
 
 
 def path_of(node: int, parents: Sequence[int], stop: int = -1) -> list[int]:
-    """The nodes from the root's child (from below ``stop``) down to ``node`` (−1 = the root: none), given each node's parent (−1 below the root)."""
+    """The nodes from the root's child (from below ``stop``) down to ``node`` (−1 = the root: none), given
+    each node's parent (−1 below the root)."""
     path = []
     while node != stop and node >= 0:
         path.append(node)
@@ -168,8 +219,10 @@ def depths_of(parents: Sequence[int]) -> list[int]:
 def sparse_rows(
     rows: list[torch.Tensor],  # m × [V]: distributions, 0 off their supports
     extra: int = 0,  # empty rows (all pads) after them
-) -> tuple[torch.Tensor, torch.Tensor]:  # [m + extra, s] long ids (ascending, −1 pads), [m + extra, s] probs in the rows' dtype
-    """Dense rows as ids + probabilities of their supports, padded to the widest (one pass over all rows: a full row costs a copy, not a search)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # [m + extra, s] long ids (ascending, −1 pads), [m + extra, s] probs in the rows' dtype
+    """Dense rows as ids + probabilities of their supports, padded to the widest (one pass over all rows: a
+    full row costs a copy, not a search)."""
     if not rows:
         return torch.full((extra, 1), -1, dtype=torch.long), torch.zeros(extra, 1, dtype=torch.float32)
     dense = torch.stack(rows)
@@ -177,7 +230,7 @@ def sparse_rows(
     if bool(dense.min() > 0):  # every row has full support (one reduction, no mask)
         width = dense.shape[1]
         ids = torch.arange(width).repeat(len(rows) + extra, 1)
-        ids[len(rows):] = -1
+        ids[len(rows) :] = -1
         return ids, torch.cat([dense.to(dtype), dense.new_zeros(extra, width, dtype=dtype)])
     mask = dense != 0
     counts = mask.sum(dim=1)
@@ -194,7 +247,8 @@ def sparse_rows(
 def pad_rows(
     rows: list[SparseRow],  # m × (ids, probs): supports already sparse
     extra: int = 0,  # empty rows (all pads) after them
-) -> tuple[torch.Tensor, torch.Tensor]:  # [m + extra, s] long ids (−1 pads), [m + extra, s] probs in the rows' dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # [m + extra, s] long ids (−1 pads), [m + extra, s] probs in the rows' dtype
     """Sparse rows padded to the widest, as ``sparse_rows`` lays them out."""
     width = max([1, *(len(ids) for ids, _ in rows)])
     dtype = rows[0][1].dtype if rows else torch.float32

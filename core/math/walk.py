@@ -1,6 +1,7 @@
-"""The walk that verifies a token tree (docs/design.md §3.6): each node's children tried in draft order by the rule
-of how they were chosen, one lane per candidate rank (``accept_u[d, rank]``, then ``final_u[d]``); lookup
-children first, by the fixed rule (§3.10); ``exact``'s sparse payload on S_v plus one entry per worker (§3.5)."""
+"""The walk that verifies a token tree (docs/design.md §3.6): each node's children tried in draft order by the
+rule of how they were chosen, one lane per candidate rank (``accept_u[d, rank]``, then ``final_u[d]``); lookup
+children first, by the fixed rule (§3.10); ``exact``'s sparse payload on S_v plus one entry per worker
+(§3.5)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 from core.math.aggregation import normalise_weights
 from core.math.exact import SparseNode, draw_extended
 from core.math.random import accepts, sample_index
-from core.math.speculative import acceptance_probs, argmax_lowest, residual
 from core.math.shapes import ChildRule
+from core.math.speculative import acceptance_probs, argmax_lowest, residual
 from core.math.tree import TokenTree
 
 
@@ -55,7 +56,8 @@ def after_rejection(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # p', q' after the candidate ``token`` was rejected
     if rule is ChildRule.FIXED or deterministic:
         p_next = _without(p, token, if_empty=p.double())
-        return p_next, (q if rule is ChildRule.FIXED else _without(q, token))  # the drawn siblings after it came from q̂ without it
+        # the drawn siblings after it came from q̂ without it
+        return p_next, (q if rule is ChildRule.FIXED else _without(q, token))
     return residual(p, q), (_without(q, token) if rule is ChildRule.SAMPLED_DISTINCT else q)
 
 
@@ -101,7 +103,14 @@ def verify_tree(
         if not children:
             return TreeVerdict(path, sample_index(p[node + 1], float(final_u[len(path)])), is_bonus=True)
         candidates = [int(tree.tokens[c]) for c in children]
-        rank, p_left = try_children(p[node + 1], tree.q_row(node, vocab), candidates, tree.rule, accept_u[len(path)], tree.num_deterministic(node))
+        rank, p_left = try_children(
+            p[node + 1],
+            tree.q_row(node, vocab),
+            candidates,
+            tree.rule,
+            accept_u[len(path)],
+            tree.num_deterministic(node),
+        )
         if rank is None:
             return TreeVerdict(path, sample_index(p_left, float(final_u[len(path)])), is_bonus=False)
         node = children[rank]
@@ -126,9 +135,12 @@ def verify_tree_greedy(
 
 
 def node_supports(tree: TokenTree) -> list[torch.Tensor]:
-    """S_v per row (root, then each node): q̂'s support there plus the children's tokens, ascending; empty at a leaf."""
+    """S_v per row (root, then each node): q̂'s support there plus the children's tokens, ascending; empty at
+    a leaf."""
     return [
-        torch.unique(torch.cat([tree.support(node)[0], tree.tokens[tree.children(node)]])) if tree.children(node) else torch.zeros(0, dtype=torch.long)
+        torch.unique(torch.cat([tree.support(node)[0], tree.tokens[tree.children(node)]]))
+        if tree.children(node)
+        else torch.zeros(0, dtype=torch.long)
         for node in range(-1, len(tree))
     ]
 
@@ -164,7 +176,9 @@ def verify_tree_exact(
             return TreeVerdict(path, row.samples[sample_index(w, u)], is_bonus=True)
         p, q = extended_node(row, *tree.support(node), w)
         candidates = [int(i) for i in torch.searchsorted(row.support, tree.tokens[children]).tolist()]
-        rank, p_left = try_children(p, q, candidates, tree.rule, accept_u[len(path)], tree.num_deterministic(node))
+        rank, p_left = try_children(
+            p, q, candidates, tree.rule, accept_u[len(path)], tree.num_deterministic(node)
+        )
         if rank is None:
             return TreeVerdict(path, draw_extended(row.support, row.samples, p_left, u), is_bonus=False)
         node = children[rank]

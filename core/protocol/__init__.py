@@ -1,16 +1,57 @@
-"""Worker protocol v1 (docs/design.md §4): the frame (``frame``), the messages (``messages``) and their checks (``checks``), handed on here under one name."""
+"""Worker protocol v1 (docs/design.md §4): the frame (``frame``), the messages (``messages``) and their checks
+(``checks``), handed on here under one name."""
 
 from core.protocol.checks import check_ids, check_stage_request, check_verify_request, check_verify_response
 from core.protocol.frame import (
-    BINARY_CONTENT_TYPE, JSON_CONTENT_TYPE, MAGIC, PROTOCOL_VERSION, Message, decode, encode, encode_binary, encode_json, ids_dtype, is_json, prefix_hash,
+    BINARY_CONTENT_TYPE,
+    JSON_CONTENT_TYPE,
+    MAGIC,
+    PROTOCOL_VERSION,
+    Message,
+    decode,
+    encode,
+    encode_binary,
+    encode_json,
+    ids_dtype,
+    is_json,
+    prefix_hash,
 )
 from core.protocol.messages import (
-    MAX_LOGPROBS, RECONSTRUCTIONS, VERIFY_MODES, ErrorBody, InfoResponse, StageRequest, StageResponse, VerifyRequest, VerifyResponse,
+    MAX_LOGPROBS,
+    RECONSTRUCTIONS,
+    VERIFY_MODES,
+    ErrorBody,
+    InfoResponse,
+    StageRequest,
+    StageResponse,
+    VerifyRequest,
+    VerifyResponse,
 )
 
 __all__ = [
-    "BINARY_CONTENT_TYPE", "JSON_CONTENT_TYPE", "MAGIC", "MAX_LOGPROBS", "PROTOCOL_VERSION", "RECONSTRUCTIONS", "VERIFY_MODES",
-    "ErrorBody", "InfoResponse", "Message", "StageRequest", "StageResponse", "VerifyRequest", "VerifyResponse",
-    "check_ids", "check_stage_request", "check_verify_request", "check_verify_response", "decode", "encode", "encode_binary", "encode_json",
-    "ids_dtype", "is_json", "prefix_hash",
+    "BINARY_CONTENT_TYPE",
+    "JSON_CONTENT_TYPE",
+    "MAGIC",
+    "MAX_LOGPROBS",
+    "PROTOCOL_VERSION",
+    "RECONSTRUCTIONS",
+    "VERIFY_MODES",
+    "ErrorBody",
+    "InfoResponse",
+    "Message",
+    "StageRequest",
+    "StageResponse",
+    "VerifyRequest",
+    "VerifyResponse",
+    "check_ids",
+    "check_stage_request",
+    "check_verify_request",
+    "check_verify_response",
+    "decode",
+    "encode",
+    "encode_binary",
+    "encode_json",
+    "ids_dtype",
+    "is_json",
+    "prefix_hash",
 ]

@@ -1,4 +1,5 @@
-"""Protocol v1's checks (docs/design.md §4): a request in range for this vocabulary (``InvalidRequest``: 400), a response answering its request (``ProtocolError``)."""
+"""Protocol v1's checks (docs/design.md §4): a request in range for this vocabulary (``InvalidRequest``: 400),
+a response answering its request (``ProtocolError``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,14 @@ from core.errors import InvalidRequest, ProtocolError
 from core.math.sampling import MIN_TEMPERATURE
 from core.math.shapes import MAX_TREE_NODES
 from core.names import Mode, ProbsDtype
-from core.protocol.messages import MAX_LOGPROBS, RECONSTRUCTIONS, VERIFY_MODES, StageRequest, VerifyRequest, VerifyResponse
-
+from core.protocol.messages import (
+    MAX_LOGPROBS,
+    RECONSTRUCTIONS,
+    VERIFY_MODES,
+    StageRequest,
+    VerifyRequest,
+    VerifyResponse,
+)
 
 Rule = tuple[bool, str, str]  # (broken, message, param): the first broken rule is the 400
 
@@ -23,7 +30,10 @@ def _first_broken(rules: list[Rule]) -> None:
 def check_ids(ids: np.ndarray, vocab_size: int, name: str) -> None:
     """Raise InvalidRequest unless every id of ``ids`` lies in [0, vocab_size)."""
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise InvalidRequest(f"{name}: token ids must lie in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}", param=name)
+        raise InvalidRequest(
+            f"{name}: token ids must lie in [0, {vocab_size}), got {int(ids.min())}..{int(ids.max())}",
+            param=name,
+        )
 
 
 def _check_tokens(arr: np.ndarray, vocab_size: int, name: str) -> None:
@@ -35,13 +45,29 @@ def _check_tokens(arr: np.ndarray, vocab_size: int, name: str) -> None:
 def _sampling_rules(req: VerifyRequest | StageRequest, vocab_size: int) -> list[Rule]:
     """What a verify call and a pipeline's last stage share: T(p)'s parameters and the payload's form."""
     return [
-        (req.k is not None and not 0 < req.k <= vocab_size, f"k must lie in [1, {vocab_size}], got {req.k}", "k"),
-        (not (req.temperature == 0 or MIN_TEMPERATURE <= req.temperature < np.inf), f"temperature must be 0 or ≥ {MIN_TEMPERATURE}", "temperature"),
+        (
+            req.k is not None and not 0 < req.k <= vocab_size,
+            f"k must lie in [1, {vocab_size}], got {req.k}",
+            "k",
+        ),
+        (
+            not (req.temperature == 0 or MIN_TEMPERATURE <= req.temperature < np.inf),
+            f"temperature must be 0 or ≥ {MIN_TEMPERATURE}",
+            "temperature",
+        ),
         (req.top_k < 0, "top_k must be ≥ 0 (0 = off)", "top_k"),
         (not 0 < req.top_p <= 1, "top_p must lie in (0, 1]", "top_p"),
         (not 0 <= req.min_p < 1, "min_p must lie in [0, 1)", "min_p"),
-        (req.probs_dtype not in {d.value for d in ProbsDtype}, f"probs_dtype must be fp16 or fp32, got {req.probs_dtype!r}", "probs_dtype"),
-        (req.reconstruction not in RECONSTRUCTIONS, f"reconstruction must be one of {list(RECONSTRUCTIONS)}", "reconstruction"),
+        (
+            req.probs_dtype not in {d.value for d in ProbsDtype},
+            f"probs_dtype must be fp16 or fp32, got {req.probs_dtype!r}",
+            "probs_dtype",
+        ),
+        (
+            req.reconstruction not in RECONSTRUCTIONS,
+            f"reconstruction must be one of {list(RECONSTRUCTIONS)}",
+            "reconstruction",
+        ),
     ]
 
 
@@ -49,16 +75,42 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
     """Range checks of a decoded VerifyRequest against a vocabulary of ``vocab_size``."""
     _check_tokens(req.tokens, vocab_size, "tokens")
     _check_tokens(req.draft, vocab_size, "draft")
-    _first_broken([
-        (req.prefix_len < 0, f"prefix_len must be ≥ 0, got {req.prefix_len}", "prefix_len"),
-        *_sampling_rules(req, vocab_size),
-        (req.mode not in VERIFY_MODES, f"mode {req.mode!r} is not served: use one of {list(VERIFY_MODES)}", "mode"),
-        (req.mode == Mode.AUTOREGRESSIVE.value and req.draft.size > 0, "autoregressive scores one position: the draft must be empty", "draft"),
-        (not 0 <= req.seed < 2**63 or req.choice < 0 or req.worker < 0, "seed must lie in [0, 2**63); choice and worker must be ≥ 0", "seed"),
-        (req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS, f"logprobs must lie in [0, {MAX_LOGPROBS}]", "logprobs"),
-        (req.score_tokens and req.prefix_len != 0, "score_tokens scores a whole prompt: prefix_len must be 0", "score_tokens"),
-        (req.score_ids is not None and (req.draft.size > 0 or req.score_ids.ndim != 1), "score_ids scores one position: the draft must be empty", "score_ids"),
-    ])
+    _first_broken(
+        [
+            (req.prefix_len < 0, f"prefix_len must be ≥ 0, got {req.prefix_len}", "prefix_len"),
+            *_sampling_rules(req, vocab_size),
+            (
+                req.mode not in VERIFY_MODES,
+                f"mode {req.mode!r} is not served: use one of {list(VERIFY_MODES)}",
+                "mode",
+            ),
+            (
+                req.mode == Mode.AUTOREGRESSIVE.value and req.draft.size > 0,
+                "autoregressive scores one position: the draft must be empty",
+                "draft",
+            ),
+            (
+                not 0 <= req.seed < 2**63 or req.choice < 0 or req.worker < 0,
+                "seed must lie in [0, 2**63); choice and worker must be ≥ 0",
+                "seed",
+            ),
+            (
+                req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS,
+                f"logprobs must lie in [0, {MAX_LOGPROBS}]",
+                "logprobs",
+            ),
+            (
+                req.score_tokens and req.prefix_len != 0,
+                "score_tokens scores a whole prompt: prefix_len must be 0",
+                "score_tokens",
+            ),
+            (
+                req.score_ids is not None and (req.draft.size > 0 or req.score_ids.ndim != 1),
+                "score_ids scores one position: the draft must be empty",
+                "score_ids",
+            ),
+        ]
+    )
     if req.score_ids is not None:
         check_ids(req.score_ids, vocab_size, "score_ids")
     if req.parents is not None:
@@ -71,7 +123,10 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
             _check_supports(req, vocab_size, "split with support_q")
             _check_support_q(req)
     elif req.support_q is not None:
-        raise InvalidRequest(f"support_q is split's (q̂ on the draft's supports): mode {req.mode!r} takes none", param="support_q")
+        raise InvalidRequest(
+            f"support_q is split's (q̂ on the draft's supports): mode {req.mode!r} takes none",
+            param="support_q",
+        )
     if req.mode == Mode.EXACT.value and req.temperature > 0:
         _check_supports(req, vocab_size)
 
@@ -81,28 +136,60 @@ def _check_parents(req: VerifyRequest) -> None:
     parents = req.parents
     assert parents is not None
     if parents.ndim != 1 or parents.shape != req.draft.shape:
-        raise InvalidRequest(f"parents must hold one parent per draft node: {parents.shape} for {len(req.draft)} nodes", param="parents")
-    bad, parent = next(((i, parent) for i, parent in enumerate(parents.tolist()) if not -1 <= parent < i), (None, None))
-    _first_broken([
-        (len(parents) > MAX_TREE_NODES, f"a tree of {len(parents)} nodes exceeds the {MAX_TREE_NODES} a worker scores", "draft"),
-        (bad is not None, f"parents[{bad}] = {parent}: a node's parent is −1 (the root) or an earlier node (no parent after its child, no cycle)", "parents"),
-        (req.mode not in (Mode.AGGREGATE.value, Mode.TREE.value, Mode.EXACT.value),
-         f"trees ride on aggregate's or exact's payload; mode {req.mode!r} verifies chains", "parents"),
-        (req.score_tokens or req.score_ids is not None, "a tree takes no score_tokens or score_ids", "parents"),
-    ])
+        raise InvalidRequest(
+            f"parents must hold one parent per draft node: {parents.shape} for {len(req.draft)} nodes",
+            param="parents",
+        )
+    bad, parent = next(
+        ((i, parent) for i, parent in enumerate(parents.tolist()) if not -1 <= parent < i), (None, None)
+    )
+    _first_broken(
+        [
+            (
+                len(parents) > MAX_TREE_NODES,
+                f"a tree of {len(parents)} nodes exceeds the {MAX_TREE_NODES} a worker scores",
+                "draft",
+            ),
+            (
+                bad is not None,
+                f"parents[{bad}] = {parent}: a node's parent is −1 (the root) or an earlier node "
+                "(no parent after its child, no cycle)",
+                "parents",
+            ),
+            (
+                req.mode not in (Mode.AGGREGATE.value, Mode.TREE.value, Mode.EXACT.value),
+                f"trees ride on aggregate's or exact's payload; mode {req.mode!r} verifies chains",
+                "parents",
+            ),
+            (
+                req.score_tokens or req.score_ids is not None,
+                "a tree takes no score_tokens or score_ids",
+                "parents",
+            ),
+        ]
+    )
 
 
 def _check_path(req: VerifyRequest) -> None:
-    """The accepted path of the previous call's tree (v1.1): node indices, root to leaf (so increasing), within the agreed prefix it ends."""
+    """The accepted path of the previous call's tree (v1.1): node indices, root to leaf (so increasing),
+    within the agreed prefix it ends."""
     path = req.path
     assert path is not None
     values = path.tolist()
     if path.ndim != 1 or not values or len(values) > MAX_TREE_NODES:
-        raise InvalidRequest(f"path names 1 to {MAX_TREE_NODES} nodes of the previous tree, got shape {path.shape}", param="path")
+        raise InvalidRequest(
+            f"path names 1 to {MAX_TREE_NODES} nodes of the previous tree, got shape {path.shape}",
+            param="path",
+        )
     if values[0] < 0 or any(b <= a for a, b in zip(values, values[1:])):
-        raise InvalidRequest(f"path {values} is not a root-to-node path: node indices ≥ 0, each a child of the one before", param="path")
+        raise InvalidRequest(
+            f"path {values} is not a root-to-node path: node indices ≥ 0, each a child of the one before",
+            param="path",
+        )
     if len(values) > req.prefix_len:
-        raise InvalidRequest(f"path of {len(values)} nodes is longer than the prefix of {req.prefix_len} it ends", param="path")
+        raise InvalidRequest(
+            f"path of {len(values)} nodes is longer than the prefix of {req.prefix_len} it ends", param="path"
+        )
 
 
 def _check_draft_probs(req: VerifyRequest) -> None:
@@ -110,38 +197,52 @@ def _check_draft_probs(req: VerifyRequest) -> None:
     if probs is None or probs.shape != req.draft.shape:
         raise InvalidRequest("split needs draft_probs, one per draft token", param="draft_probs")
     if probs.size and (not np.all(np.isfinite(probs)) or probs.min() <= 0 or probs.max() > 1 + 1e-6):
-        raise InvalidRequest("draft_probs must lie in (0, 1]: each is q̂_j of a token drawn from q̂_j", param="draft_probs")
+        raise InvalidRequest(
+            "draft_probs must lie in (0, 1]: each is q̂_j of a token drawn from q̂_j", param="draft_probs"
+        )
 
 
 def _check_support_q(req: VerifyRequest) -> None:
-    """split's q̂_j on S_j: one probability per support id, each in (0, 1] (q̂_j has mass on its whole support)."""
+    """split's q̂_j on S_j: one probability per support id, each in (0, 1] (q̂_j has mass on its whole
+    support)."""
     q = req.support_q
     assert q is not None and req.support_ids is not None
     if q.shape != req.support_ids.shape:
-        raise InvalidRequest(f"support_q holds one q̂ per support id: {q.shape} for {req.support_ids.shape}", param="support_q")
+        raise InvalidRequest(
+            f"support_q holds one q̂ per support id: {q.shape} for {req.support_ids.shape}", param="support_q"
+        )
     if q.size and (not np.all(np.isfinite(q)) or q.min() <= 0 or q.max() > 1 + 1e-6):
         raise InvalidRequest("support_q must lie in (0, 1]: q̂_j on its own support", param="support_q")
 
 
 def _check_supports(req: VerifyRequest, vocab_size: int, who: str = "exact") -> None:
-    """Chains: one support per draft token, S_j holding x_j; trees: one per row (root first, empty at a leaf), a node's token in its parent's."""
+    """Chains: one support per draft token, S_j holding x_j; trees: one per row (root first, empty at a leaf),
+    a node's token in its parent's."""
     ids, sizes, tree = req.support_ids, req.support_sizes, req.parents is not None
     rows = len(req.draft) + tree
     if ids is None or sizes is None or sizes.shape != (rows,) or ids.ndim != 1:
         what = "one support per row (the root, then each node)" if tree else "one support per draft token"
         raise InvalidRequest(f"{who} needs support_ids and support_sizes, {what}", param="support_ids")
     if sizes.size and sizes.min() < (0 if tree else 1) or int(sizes.sum()) != ids.size:
-        raise InvalidRequest(f"support_sizes must be ≥ {0 if tree else 1} and add up to len(support_ids)", param="support_sizes")
+        raise InvalidRequest(
+            f"support_sizes must be ≥ {0 if tree else 1} and add up to len(support_ids)",
+            param="support_sizes",
+        )
     check_ids(ids, vocab_size, "support_ids")
     # every (row, id) pair once, as one key per pair: distinct ids per support, and membership
-    keys = (np.repeat(np.arange(rows, dtype=np.int64), sizes.astype(np.int64)) * vocab_size + ids.astype(np.int64)).tolist()
+    keys = (
+        np.repeat(np.arange(rows, dtype=np.int64), sizes.astype(np.int64)) * vocab_size + ids.astype(np.int64)
+    ).tolist()
     pairs = set(keys)
     if len(pairs) != len(keys):
         raise InvalidRequest("each support must hold distinct ids", param="support_ids")
     holder = [p + 1 for p in req.parents.tolist()] if req.parents is not None else list(range(rows))
     for node, (row, token) in enumerate(zip(holder, req.draft.tolist())):
         if row * vocab_size + token not in pairs:
-            raise InvalidRequest(f"draft token {node} must lie in the support it was drawn from (row {row})", param="support_ids")
+            raise InvalidRequest(
+                f"draft token {node} must lie in the support it was drawn from (row {row})",
+                param="support_ids",
+            )
 
 
 def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
@@ -165,8 +266,11 @@ def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: 
         _check_probs(resp, vocab_size, gamma + 1)
 
 
-def _check_split(resp: VerifyResponse, vocab_size: int, gamma: int, greedy: bool, drawn: bool = False) -> None:
-    """``drawn``: the request sent support_q, so the worker drew the token at a rejection (``bonus``) and sends no row."""
+def _check_split(
+    resp: VerifyResponse, vocab_size: int, gamma: int, greedy: bool, drawn: bool = False
+) -> None:
+    """``drawn``: the request sent support_q, so the worker drew the token at a rejection (``bonus``) and
+    sends no row."""
     if not 0 <= resp.num_accepted <= gamma:
         raise ProtocolError(f"num_accepted {resp.num_accepted} outside [0, {gamma}]")
     if resp.num_accepted == gamma or greedy or drawn:
@@ -183,10 +287,17 @@ def _check_exact(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> N
         raise ProtocolError("exact answers need support_probs, complement and complement_samples")
     rows = len(req.draft) + tree  # a tree: every row, leaves too (their sample is the bonus)
     if probs.shape != (size,) or mass.shape != (rows,) or samples.shape != (rows,):
-        raise ProtocolError(f"exact arrays of shapes {probs.shape}, {mass.shape}, {samples.shape}; expected ({size},), ({rows},), ({rows},)")
+        raise ProtocolError(
+            f"exact arrays of shapes {probs.shape}, {mass.shape}, {samples.shape}; expected "
+            f"({size},), ({rows},), ({rows},)"
+        )
     _check_unit("support_probs", probs)
     _check_unit("complement", mass)
-    if np.any((samples < 0) & (mass > 0)) or samples.max(initial=-1) >= vocab_size or samples.min(initial=-1) < -1:
+    if (
+        np.any((samples < 0) & (mass > 0))
+        or samples.max(initial=-1) >= vocab_size
+        or samples.min(initial=-1) < -1
+    ):
         raise ProtocolError("complement_samples must be token ids, −1 only where the complement is empty")
     if not tree:
         check_ids(np.array([resp.bonus]), vocab_size, "bonus")
@@ -244,7 +355,9 @@ def _check_logprobs(name: str, values: np.ndarray | None, shape: tuple[int, ...]
         raise ProtocolError(f"{name}: values must be log-probabilities (≤ 0)")
 
 
-def _check_top(ids: np.ndarray | None, values: np.ndarray | None, shape: tuple[int, int], vocab_size: int, name: str) -> None:
+def _check_top(
+    ids: np.ndarray | None, values: np.ndarray | None, shape: tuple[int, int], vocab_size: int, name: str
+) -> None:
     if ids is None or ids.shape != shape:
         raise ProtocolError(f"{name}_ids missing or of the wrong shape, expected {shape}")
     check_ids(np.asarray(ids), vocab_size, f"{name}_ids")
@@ -256,16 +369,39 @@ def check_stage_request(req: StageRequest, vocab_size: int, hidden_size: int, fi
     _check_tokens(req.tokens, vocab_size, "tokens")
     count = len(req.tokens)
     hidden = None if req.hidden is None else list(req.hidden.shape)
-    _first_broken([
-        (req.seq < 0 or req.prefix_len < 0, "seq and prefix_len must be ≥ 0", "seq"),
-        (req.parents is not None and req.parents.shape != (count,), f"parents must have one entry per new row ({count})", "parents"),
-        (req.keep is not None and req.keep.ndim != 1, "keep must be one-dimensional", "keep"),
-        (req.hidden_dtype not in ("f16", "f32"), f"hidden_dtype must be f16 or f32, got {req.hidden_dtype!r}", "hidden_dtype"),
-        (first_stage and hidden is not None, "the first stage embeds the tokens: hidden must be absent", "hidden"),
-        (not first_stage and count > 0 and hidden != [count, hidden_size],
-         f"a later stage needs hidden states [{count}, {hidden_size}], got {hidden}", "hidden"),
-        (not 0 <= req.score_from <= count, f"score_from must lie in [0, {count}]", "score_from"),
-        *_sampling_rules(req, vocab_size),
-        (req.next is not None and not all(isinstance(url, str) and url.startswith(("http://", "https://")) for url in req.next),
-         "next must list the stages' http(s) base URLs", "next"),
-    ])
+    _first_broken(
+        [
+            (req.seq < 0 or req.prefix_len < 0, "seq and prefix_len must be ≥ 0", "seq"),
+            (
+                req.parents is not None and req.parents.shape != (count,),
+                f"parents must have one entry per new row ({count})",
+                "parents",
+            ),
+            (req.keep is not None and req.keep.ndim != 1, "keep must be one-dimensional", "keep"),
+            (
+                req.hidden_dtype not in ("f16", "f32"),
+                f"hidden_dtype must be f16 or f32, got {req.hidden_dtype!r}",
+                "hidden_dtype",
+            ),
+            (
+                first_stage and hidden is not None,
+                "the first stage embeds the tokens: hidden must be absent",
+                "hidden",
+            ),
+            (
+                not first_stage and count > 0 and hidden != [count, hidden_size],
+                f"a later stage needs hidden states [{count}, {hidden_size}], got {hidden}",
+                "hidden",
+            ),
+            (not 0 <= req.score_from <= count, f"score_from must lie in [0, {count}]", "score_from"),
+            *_sampling_rules(req, vocab_size),
+            (
+                req.next is not None
+                and not all(
+                    isinstance(url, str) and url.startswith(("http://", "https://")) for url in req.next
+                ),
+                "next must list the stages' http(s) base URLs",
+                "next",
+            ),
+        ]
+    )

@@ -1,8 +1,9 @@
 """Protocol v1's frame (docs/design.md §4): the binary and JSON encodings every message shares.
 
 Binary (little-endian): ``b"SGv1"  u32 header_len  header (JSON)  array bytes ...``; the header is
-``{"fields": {...}, "arrays": [[name, dtype, shape], ...]}`` (fields: only those off their defaults), the arrays
-follow in that order, C-contiguous. ``f64`` carries what an exact mode needs to the last bit (in f32: off by ~1e-8)."""
+``{"fields": {...}, "arrays": [[name, dtype, shape], ...]}`` (fields: only those off their defaults), the
+arrays follow in that order, C-contiguous. ``f64`` carries what an exact mode needs to the last bit (in f32:
+off by ~1e-8)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,12 @@ MAGIC = b"SGv1"
 
 _PREFIX = struct.Struct("<4sI")
 _DTYPES: dict[str, np.dtype] = {
-    "u16": np.dtype("<u2"), "u32": np.dtype("<u4"), "i32": np.dtype("<i4"), "f16": np.dtype("<f2"), "f32": np.dtype("<f4"), "f64": np.dtype("<f8"),
+    "u16": np.dtype("<u2"),
+    "u32": np.dtype("<u4"),
+    "i32": np.dtype("<i4"),
+    "f16": np.dtype("<f2"),
+    "f32": np.dtype("<f4"),
+    "f64": np.dtype("<f8"),
 }
 _MAX_HEADER_BYTES = 64 * 1024
 _MAX_NDIM = 2
@@ -54,13 +60,15 @@ class Message:
     def array_dtype(self, name: str, vocab_size: int) -> str:
         kind = self.ARRAYS[name]
         if kind == "probs":
-            return "f16" if getattr(self, "probs_dtype") == "fp16" else "f32"
+            return "f16" if getattr(self, "probs_dtype") == "fp16" else "f32"  # noqa: B009 - a subclass field
         return ids_dtype(vocab_size) if kind == "ids" else kind
 
     def scalars(self) -> dict[str, Any]:
         return {
-            f.name: getattr(self, f.name) for f in fields(self)
-            if f.name not in self.ARRAYS and not (f.name in self.EXTENSIONS and getattr(self, f.name) == f.default)
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in self.ARRAYS
+            and not (f.name in self.EXTENSIONS and getattr(self, f.name) == f.default)
         }
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -70,7 +78,10 @@ class Message:
         if type(self) is not type(other) or self.scalars() != other.scalars():  # type: ignore[attr-defined]
             return False
         pairs = [(getattr(self, name), getattr(other, name)) for name in self.ARRAYS]
-        return all((x is None) == (y is None) and (x is None or np.array_equal(np.asarray(x), np.asarray(y))) for x, y in pairs)
+        return all(
+            (x is None) == (y is None) and (x is None or np.array_equal(np.asarray(x), np.asarray(y)))
+            for x, y in pairs
+        )
 
 
 def encode_binary(msg: Message, vocab_size: int) -> bytes:
@@ -81,7 +92,9 @@ def encode_binary(msg: Message, vocab_size: int) -> bytes:
         data = np.ascontiguousarray(np.asarray(arr), dtype=_DTYPES[dtype])
         specs.append([name, dtype, list(data.shape)])
         chunks.append(data.tobytes())
-    import orjson  # here, not at the top: tests/gpu and the device benches import this with torch alone (scripts/device_check.py)
+    # here, not at the top: tests/gpu and the device benches import this with torch alone
+    # (scripts/device_check.py)
+    import orjson
 
     header = orjson.dumps({"fields": _not_default(msg.scalars(), _defaults(type(msg))), "arrays": specs})
     return b"".join([_PREFIX.pack(MAGIC, len(header)), header, *chunks])
@@ -98,19 +111,29 @@ def _defaults(cls: type[Message]) -> dict[str, Any]:
 
 def _not_default(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """The scalars a decoder could not fill in itself (a bool is never taken for 0 or 1)."""
-    return {k: v for k, v in values.items() if k not in defaults or type(v) is not type(defaults[k]) or v != defaults[k]}
+    return {
+        k: v
+        for k, v in values.items()
+        if k not in defaults or type(v) is not type(defaults[k]) or v != defaults[k]
+    }
 
 
 def encode_json(msg: Message) -> bytes:
     """The JSON form of ``msg``: scalars and arrays (as nested lists) side by side."""
     import orjson
 
-    return orjson.dumps({**msg.scalars(), **{name: np.asarray(arr).tolist() for name, arr in msg.arrays().items()}})
+    return orjson.dumps(
+        {**msg.scalars(), **{name: np.asarray(arr).tolist() for name, arr in msg.arrays().items()}}
+    )
 
 
 def encode(msg: Message, vocab_size: int, as_json: bool = False) -> tuple[bytes, str]:
     """``(body, content_type)`` of ``msg`` in the asked encoding."""
-    return (encode_json(msg), JSON_CONTENT_TYPE) if as_json else (encode_binary(msg, vocab_size), BINARY_CONTENT_TYPE)
+    return (
+        (encode_json(msg), JSON_CONTENT_TYPE)
+        if as_json
+        else (encode_binary(msg, vocab_size), BINARY_CONTENT_TYPE)
+    )
 
 
 def decode(cls: type[M], body: bytes, content_type: str | None) -> M:
@@ -171,7 +194,9 @@ def _read_array(body: bytes, offset: int, spec: Any) -> tuple[str, np.ndarray, i
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     nbytes = count * _DTYPES[dtype].itemsize
     if offset + nbytes > len(body):
-        raise ProtocolError(f"truncated body: array {name!r} needs {nbytes} bytes, {len(body) - offset} left", param=str(name))
+        raise ProtocolError(
+            f"truncated body: array {name!r} needs {nbytes} bytes, {len(body) - offset} left", param=str(name)
+        )
     arr = np.frombuffer(body, dtype=_DTYPES[dtype], count=count, offset=offset).reshape(shape)
     return str(name), arr, offset + nbytes
 
@@ -187,7 +212,12 @@ def _array_from_json(name: str, value: Any, kind: str) -> np.ndarray:
     return arr
 
 
-_SCALAR_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_SCALAR_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,),
+    "float": (int, float),
+    "str": (str,),
+    "bool": (bool,),
+}
 
 
 def _build(cls: type[M], values: dict[str, Any], arrays: dict[str, np.ndarray]) -> M:
@@ -195,7 +225,9 @@ def _build(cls: type[M], values: dict[str, Any], arrays: dict[str, np.ndarray]) 
     for f in fields(cls):
         is_array = f.name in cls.ARRAYS
         if f.name in (arrays if is_array else values):
-            kwargs[f.name] = arrays[f.name] if is_array else _check_scalar(f.name, values[f.name], str(f.type))
+            kwargs[f.name] = (
+                arrays[f.name] if is_array else _check_scalar(f.name, values[f.name], str(f.type))
+            )
         elif f.default is MISSING and f.default_factory is MISSING:
             raise ProtocolError(f"missing {'array' if is_array else 'field'} {f.name!r}", param=f.name)
     unknown = set(values) - {f.name for f in fields(cls)}

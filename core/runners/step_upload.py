@@ -1,15 +1,17 @@
-"""A step's one upload (issue 73): every number the host brings to a step — the forward's inputs, the rows kept for the head,
-cache moves, the transforms' ids and masks, the scorer's drafts, supports and uniforms' keys — gathered into one persistent
-int64 buffer and sent to the device in **one** non-blocking copy. On a GPU the host buffers are pinned (a copy from pageable
-memory waits for the stream) and there are two of them: the host fills one while the copy from the other may still be in
-flight (an event says when it may be written again). Parts add their arrays before ``send`` and read device views after
-it; on the CPU the device buffer is an ordinary tensor and the copy a memcpy, through the same code.
+"""A step's one upload (issue 73): every number the host brings to a step — the forward's inputs, the rows
+kept for the head, cache moves, the transforms' ids and masks, the scorer's drafts, supports and uniforms'
+keys — gathered into one persistent int64 buffer and sent to the device in **one** non-blocking copy. On a GPU
+the host buffers are pinned (a copy from pageable memory waits for the stream) and there are two of them: the
+host fills one while the copy from the other may still be in flight (an event says when it may be written
+again). Parts add their arrays before ``send`` and read device views after it; on the CPU the device buffer is
+an ordinary tensor and the copy a memcpy, through the same code.
 
-A step is ``begin`` … ``end``; whoever begins it (the worker's step, or the runner where nothing else did) ends it. What is
-added after a send (a step whose sessions outnumber the KV slots forwards in turns) goes in a second copy of only the new
-words: what was sent stays where it landed. Values travel as int64 words: integers as themselves, float64 as their bits,
-bytes (a grammar's packed masks) eight to a word; ``view`` gives them back in their dtype where they landed, with nothing
-read back to the host; ``download`` is the one copy back."""
+A step is ``begin`` … ``end``; whoever begins it (the worker's step, or the runner where nothing else did)
+ends it. What is added after a send (a step whose sessions outnumber the KV slots forwards in turns) goes in a
+second copy of only the new words: what was sent stays where it landed. Values travel as int64 words: integers
+as themselves, float64 as their bits, bytes (a grammar's packed masks) eight to a word; ``view`` gives them
+back in their dtype where they landed, with nothing read back to the host; ``download`` is the one copy
+back."""
 
 from __future__ import annotations
 
@@ -20,7 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-_KINDS = {np.dtype(np.int64): torch.int64, np.dtype(np.float64): torch.float64, np.dtype(np.uint8): torch.uint8}
+_KINDS = {
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.uint8): torch.uint8,
+}
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,8 @@ class Segment:
 
 
 class StepUpload:
-    """``begin()``; ``add(array)`` per part → a Segment; ``send()``; ``view(segment)`` → the device tensor; ``end()``."""
+    """``begin()``; ``add(array)`` per part → a Segment; ``send()``; ``view(segment)`` → the device tensor;
+    ``end()``."""
 
     def __init__(self, device: torch.device, words: int = 1 << 15) -> None:
         self.device = device
@@ -50,7 +57,8 @@ class StepUpload:
         self.sends = 0  # copies made (tests: one a step)
 
     def _host(self, words: int) -> torch.Tensor:
-        with torch.inference_mode(False):  # made inside a forward, it would be an inference tensor no later step could write
+        with torch.inference_mode(False):
+            # made inside a forward, it would be an inference tensor no later step could write
             return torch.empty(words, dtype=torch.int64, pin_memory=self._pinned)
 
     def _device_buffer(self, words: int) -> torch.Tensor:
@@ -101,12 +109,14 @@ class StepUpload:
         return self.add(np.asarray(values, dtype=np.int64))
 
     def reserve(self, words: int) -> tuple[Segment, np.ndarray]:
-        """``words`` int64 words to fill in place (the forward's inputs): their Segment and a writable host view."""
+        """``words`` int64 words to fill in place (the forward's inputs): their Segment and a writable host
+        view."""
         start = self._reserve(words)
         return Segment(start, words, torch.int64, (words,)), self.host.numpy()[start : start + words]
 
     def after_send(self, work: Callable[[], None]) -> None:
-        """``work()`` right after the step's copy, before anything else runs on what it sent (a cache move of the runner's)."""
+        """``work()`` right after the step's copy, before anything else runs on what it sent (a cache move of
+        the runner's)."""
         self._after.append(work)
 
     def _reserve(self, words: int) -> int:
@@ -129,13 +139,17 @@ class StepUpload:
         self._hosts = [bigger if turn == self._turn else self._host(size) for turn in (0, 1)]
 
     def send(self) -> None:
-        """The step's copy of what was added since the last (non-blocking from pinned memory on a GPU), then the after-send work."""
-        if self._device.numel() < self._used:  # what was sent stays valid: a view keeps its own storage, the new buffer a copy
+        """The step's copy of what was added since the last (non-blocking from pinned memory on a GPU), then
+        the after-send work."""
+        if self._device.numel() < self._used:
+            # what was sent stays valid: a view keeps its own storage, the new buffer a copy
             bigger = self._device_buffer(max(self._used, 2 * self._device.numel()))
             bigger[: self._sent].copy_(self._device[: self._sent])
             self._device = bigger
         if self._used > self._sent:
-            self._device[self._sent : self._used].copy_(self.host[self._sent : self._used], non_blocking=self._pinned)
+            self._device[self._sent : self._used].copy_(
+                self.host[self._sent : self._used], non_blocking=self._pinned
+            )
             if self._pinned:
                 event = torch.cuda.Event()
                 event.record()
@@ -159,5 +173,6 @@ class StepUpload:
         return words.view(torch.uint8)[:count].view(segment.shape)
 
     def download(self, tensor: torch.Tensor) -> np.ndarray:
-        """The step's one copy back to the host: the only read of the device's memory a step makes (tests/workers/test_step_syncs.py)."""
+        """The step's one copy back to the host: the only read of the device's memory a step makes
+        (tests/workers/test_step_syncs.py)."""
         return tensor.cpu().numpy()

@@ -10,19 +10,20 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-
 from core.errors import ModelLoadError
 from core.runners.models import ModelSource, cache_dir, cache_lock, file_key, save_to_cache
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_MADE: OrderedDict[tuple[Any, ...], tuple[Any, Any]] = OrderedDict()  # (id(tokenizer), what) → (the tokenizer, kept alive: its id stays its own; the thing)
+# (id(tokenizer), what) → (the tokenizer, kept alive: its id stays its own; the thing)
+_MADE: OrderedDict[tuple[Any, ...], tuple[Any, Any]] = OrderedDict()
 _MADE_LOCK = threading.Lock()
 
 
 def per_tokenizer(tokenizer: Any, what: tuple[Any, ...], make: Callable[[], T]) -> T:
-    """``make()`` once per tokenizer and ``what`` in a process (the last 8 kept): what is read off a tokenizer (its fingerprint,
-    llguidance's view, an engine's token table: 0.2–1 s each) is the same for every runner, gateway and worker that shares it."""
+    """``make()`` once per tokenizer and ``what`` in a process (the last 8 kept): what is read off a tokenizer
+    (its fingerprint, llguidance's view, an engine's token table: 0.2–1 s each) is the same for every runner,
+    gateway and worker that shares it."""
     with _MADE_LOCK:
         if (key := (id(tokenizer), *what)) not in _MADE:
             _MADE[key] = (tokenizer, make())
@@ -58,7 +59,9 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     for token in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer)))):
         digest.update(str(token).encode("utf-8") + b"\x00")
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    import orjson  # here, not at the top: tests/gpu and the device benches import this with torch alone (scripts/device_check.py)
+    # here, not at the top: tests/gpu and the device benches import this with torch alone
+    # (scripts/device_check.py)
+    import orjson
 
     merges = orjson.loads(backend.to_str()).get("model", {}).get("merges", []) if backend is not None else []
     digest.update(orjson.dumps(merges))

@@ -1,4 +1,5 @@
-"""``draft.model: none`` (docs/design.md §3.10): a runner without weights, for the tokenizer and facts (vocabulary, EOS ids, context); lookup never calls it."""
+"""``draft.model: none`` (docs/design.md §3.10): a runner without weights, for the tokenizer and facts
+(vocabulary, EOS ids, context); lookup never calls it."""
 
 from __future__ import annotations
 
@@ -24,7 +25,13 @@ class TokenizerOnly(ModelRunner):
     def __init__(self, name: str, tokenizer: Any, max_context: int) -> None:
         super().__init__()
         self.tokenizer = tokenizer
-        self.info = RunnerInfo(model_id=f"none ({name}'s tokenizer)", backend=NONE, vocab_size=len(tokenizer), max_context=max_context, eos_ids=eos_ids(tokenizer))
+        self.info = RunnerInfo(
+            model_id=f"none ({name}'s tokenizer)",
+            backend=NONE,
+            vocab_size=len(tokenizer),
+            max_context=max_context,
+            eos_ids=eos_ids(tokenizer),
+        )
 
     def _compute(self, session_id: str, rows: Rows, start: int, logits_rows: list[int]) -> torch.Tensor:
         raise RuntimeError("this gateway has no draft model (draft.model: none): only lookup drafts")

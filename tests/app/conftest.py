@@ -28,10 +28,16 @@ def gateway(tiny_runner: ModelRunner, fakes: FakeWorkerTransport) -> Gateway:
     client; ``transport=`` replaces the fake workers."""
 
     @asynccontextmanager
-    async def start(transport: httpx.AsyncBaseTransport | None = None, **overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
-        app = create_app(gateway_config(**overrides), draft_runner=tiny_runner, transport=transport or fakes.transport())
+    async def start(
+        transport: httpx.AsyncBaseTransport | None = None, **overrides: Any
+    ) -> AsyncIterator[httpx.AsyncClient]:
+        app = create_app(
+            gateway_config(**overrides), draft_runner=tiny_runner, transport=transport or fakes.transport()
+        )
         async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=30) as client:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=30
+            ) as client:
                 yield client
 
     return start

@@ -42,23 +42,42 @@ class FakeEngine:
         body = orjson.loads(request.content)
         self.prompts.append(body["prompt"])
         if self.refuse_echo:  # llama.cpp's llama-server
-            return httpx.Response(400, json={"error": {"message": "'echo' is not supported", "type": "invalid_request_error"}})
+            return httpx.Response(
+                400, json={"error": {"message": "'echo' is not supported", "type": "invalid_request_error"}}
+            )
         if isinstance(body["prompt"], list):
             if self.dialect == "llama-cpp":
-                return httpx.Response(500, json={"error": {"message": "Input should be a valid string", "type": "internal_server_error"}})
+                return httpx.Response(
+                    500,
+                    json={
+                        "error": {
+                            "message": "Input should be a valid string",
+                            "type": "internal_server_error",
+                        }
+                    },
+                )
             ids = list(body["prompt"])
         else:
             ids = list(self.tokenizer.encode(body["prompt"], add_special_tokens=False))
-        listing, generated = self._listing(ids, int(body["logprobs"]), bool(body.get("return_tokens_as_token_ids")))
+        listing, generated = self._listing(
+            ids, int(body["logprobs"]), bool(body.get("return_tokens_as_token_ids"))
+        )
         if self.mangle is not None:
             listing = self.mangle(listing)
         echoed = body["prompt"] if isinstance(body["prompt"], str) else self.tokenizer.decode(ids)
-        text = echoed + ("" if generated in self.special and self.dialect == "llama-cpp" else self.tokenizer.decode([generated]))
+        text = echoed + (
+            ""
+            if generated in self.special and self.dialect == "llama-cpp"
+            else self.tokenizer.decode([generated])
+        )
         choice = {"index": 0, "text": text, "logprobs": listing, "finish_reason": "length"}
-        return httpx.Response(200, json={"id": "cmpl-1", "object": "text_completion", "model": "tiny", "choices": [choice]})
+        return httpx.Response(
+            200, json={"id": "cmpl-1", "object": "text_completion", "model": "tiny", "choices": [choice]}
+        )
 
     def _listing(self, ids: list[int], k: int, as_ids: bool) -> tuple[Listing, int]:
-        logprobs = torch.log_softmax(self.runner.forward_full(ids, len(ids)).double(), dim=-1)  # row i: after ids[: i + 1]
+        # row i: after ids[: i + 1]
+        logprobs = torch.log_softmax(self.runner.forward_full(ids, len(ids)).double(), dim=-1)
         generated = int(torch.argmax(logprobs[-1]))
         if self.dialect == "llama-cpp":
             # as llama_cpp.Llama._create_completion (0.3.x): a leading BOS leaves the tokens but

@@ -7,12 +7,11 @@ import asyncio
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
 
 import httpx
 import torch
-
-from dataclasses import replace
-from typing import Any
 
 from app.drafting import DraftModel
 from app.engine import Engine
@@ -37,9 +36,9 @@ from core.protocol import (
 from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged
 from core.runners.model_thread import CallingThread
 from workers.scoring import score
+from workers.settings import WorkerSettings
 from workers.stage import StageStates
 from workers.state import WorkerState
-from workers.settings import WorkerSettings
 
 
 class MarkovRunner(ModelRunner):
@@ -49,7 +48,13 @@ class MarkovRunner(ModelRunner):
     def __init__(self, table: torch.Tensor, eos_ids: list[int] | None = None, name: str = "markov") -> None:
         super().__init__()
         self.table = table  # [V, V] logits
-        self.info = RunnerInfo(model_id=name, backend="markov", vocab_size=table.shape[0], max_context=4096, eos_ids=eos_ids or [])
+        self.info = RunnerInfo(
+            model_id=name,
+            backend="markov",
+            vocab_size=table.shape[0],
+            max_context=4096,
+            eos_ids=eos_ids or [],
+        )
         self.tokenizer = None
 
     @property
@@ -82,7 +87,9 @@ class MarkovStageRunner(MarkovRunner):
     hidden_size = 2
     keeps_subtrees = True
 
-    def __init__(self, table: torch.Tensor, layers: tuple[int, int], num_layers: int, eos_ids: list[int] | None = None) -> None:
+    def __init__(
+        self, table: torch.Tensor, layers: tuple[int, int], num_layers: int, eos_ids: list[int] | None = None
+    ) -> None:
         super().__init__(table, eos_ids, name="markov-stage")
         self.layer_range, self.num_layers = layers, num_layers
         self.info = replace(self.info, backend="transformers")
@@ -121,14 +128,26 @@ class FakePipeline(PipelineTarget):
 
     def __init__(self, name: str, stages: list[MarkovStageRunner], weight: float = 1.0) -> None:
         channel = Channel(name, httpx.AsyncClient(), httpx.Timeout(5.0))
-        super().__init__(name, [[f"http://stage{i}:1"] for i in range(len(stages))], weight, channel, Expected("markov", stages[0].info.vocab_size), 3)
-        self.states = [WorkerState.build(WorkerSettings(model=f"stage{i}", max_sessions=10_000), r) for i, r in enumerate(stages)]
+        super().__init__(
+            name,
+            [[f"http://stage{i}:1"] for i in range(len(stages))],
+            weight,
+            channel,
+            Expected("markov", stages[0].info.vocab_size),
+            3,
+        )
+        self.states = [
+            WorkerState.build(WorkerSettings(model=f"stage{i}", max_sessions=10_000), r)
+            for i, r in enumerate(stages)
+        ]
         self.segments: list[Segment] = []
         self.short_at: set[int] = set()
         self.freed: list[str] = []
         self.asked_k: list[int | None] = []  # the payload each segment asked the last stage for
 
-    async def forward(self, session_id: str, segment: Segment, sampling: dict[str, Any]) -> tuple[StageResponse, Traffic]:
+    async def forward(
+        self, session_id: str, segment: Segment, sampling: dict[str, Any]
+    ) -> tuple[StageResponse, Traffic]:
         self.asked_k.append(sampling.get("k"))
         stage = self.session(session_id)
         seq, stage.seq = stage.seq, stage.seq + 1
@@ -160,10 +179,14 @@ class FakePipeline(PipelineTarget):
         return [s.runner.length(stage.id) if stage.id in s.sessions else 0 for s in self.states]
 
 
-def split_pipeline(table: torch.Tensor, cuts: list[int], num_layers: int, eos_ids: list[int] | None = None) -> FakePipeline:
+def split_pipeline(
+    table: torch.Tensor, cuts: list[int], num_layers: int, eos_ids: list[int] | None = None
+) -> FakePipeline:
     """A FakePipeline of ``table`` cut at ``cuts`` (e.g. [1, 2] of 3 layers: three stages)."""
     bounds = [0, *cuts, num_layers]
-    return FakePipeline("pipe", [MarkovStageRunner(table, (a, b), num_layers, eos_ids) for a, b in zip(bounds, bounds[1:])])
+    return FakePipeline(
+        "pipe", [MarkovStageRunner(table, (a, b), num_layers, eos_ids) for a, b in zip(bounds, bounds[1:])]
+    )
 
 
 def pipeline_engine(draft: MarkovRunner, target: FakePipeline, eos_ids: list[int] | None = None) -> Engine:
@@ -179,8 +202,8 @@ _SETTINGS: dict[tuple[str, tuple[tuple[str, str], ...]], WorkerSettings] = {}
 
 
 def _worker_settings(name: str) -> WorkerSettings:
-    """``WorkerSettings(model=name, max_sessions=10_000)``, read once per value of the environment's SPECGATE_WORKER_*
-    (each read takes ms; the lossless matrix builds thousands of workers)."""
+    """``WorkerSettings(model=name, max_sessions=10_000)``, read once per value of the environment's
+    SPECGATE_WORKER_* (each read takes ms; the lossless matrix builds thousands of workers)."""
     key = (name, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("SPECGATE_WORKER_"))))
     if key not in _SETTINGS:
         _SETTINGS[key] = WorkerSettings(model=name, max_sessions=10_000)
@@ -199,7 +222,8 @@ class FakeWorker:
         """The worker's answer; on session_short, the resend the specgate dialect builds."""
         self.calls.append(req)
         try:
-            resp = self.state.steps.verify(req.on_wire())  # what the worker receives: the transform on a session's first call only
+            # what the worker receives: the transform on a session's first call only
+            resp = self.state.steps.verify(req.on_wire())
         except SessionShort as short:
             req = resend(req, agreed, short.held if short.held < req.prefix_len else 0)
             self.calls.append(req)
@@ -235,7 +259,9 @@ class InlineDraftModel(DraftModel):
         super().__init__(runner, CallingThread())
 
 
-def make_engine(draft: MarkovRunner, workers: list[tuple[MarkovRunner, float]], eos_ids: list[int] | None = None) -> Engine:
+def make_engine(
+    draft: MarkovRunner, workers: list[tuple[MarkovRunner, float]], eos_ids: list[int] | None = None
+) -> Engine:
     pool = FakePool([FakeWorker(f"w{i}", runner, w) for i, (runner, w) in enumerate(workers)])
     return Engine(InlineDraftModel(draft), pool, eos_ids or [], max_context=4096)  # type: ignore[arg-type]
 
@@ -263,7 +289,8 @@ class FakeWorkerTransport:
         self.authorization: list[str | None] = []  # the header of each request, in order
         self.bytes_in = self.bytes_out = 0  # verify bodies received / sent, as on the wire
         self.held: set[tuple[str, str]] = set()  # (host, session id) of every verify call answered
-        self.arrived: Counter[tuple[str, str]] = Counter()  # (host, path) of every request, counted as it arrives
+        # (host, path) of every request, counted as it arrives
+        self.arrived: Counter[tuple[str, str]] = Counter()
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
@@ -290,15 +317,31 @@ class FakeWorkerTransport:
         if mode == "down":
             raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/health":
-            return httpx.Response(503 if mode == "draining" else 200, json={"status": "draining" if mode == "draining" else "ok"})
+            return httpx.Response(
+                503 if mode == "draining" else 200,
+                json={"status": "draining" if mode == "draining" else "ok"},
+            )
         if request.url.path == "/v1/info":
             eos_ids = [7] if mode == "other-eos" else [2]
-            context = int(mode.split(":")[1]) if isinstance(mode, str) and mode.startswith("context:") else 2048
-            info = InfoResponse(1, ["aggregate", "autoregressive"], host, V, "other" if mode == "other-tokenizer" else self.fingerprint, eos_ids, context, "fake")
+            context = (
+                int(mode.split(":")[1]) if isinstance(mode, str) and mode.startswith("context:") else 2048
+            )
+            info = InfoResponse(
+                1,
+                ["aggregate", "autoregressive"],
+                host,
+                V,
+                "other" if mode == "other-tokenizer" else self.fingerprint,
+                eos_ids,
+                context,
+                "fake",
+            )
             if isinstance(mode, str) and mode.startswith("grammar:"):
                 _, engine, size = mode.split(":")
                 info = replace(info, grammar_engine=engine, max_grammar_bytes=int(size))
-            return httpx.Response(200, content=encode_json(info), headers={"content-type": "application/json"})
+            return httpx.Response(
+                200, content=encode_json(info), headers={"content-type": "application/json"}
+            )
         if request.method == "DELETE":
             self.deleted.append(request.url.path)
             return httpx.Response(204)
@@ -310,24 +353,49 @@ class FakeWorkerTransport:
             left = int(mode.split(":")[1]) if ":" in mode else None
             if left is not None:
                 self.behaviour[host] = f"full:{left - 1}" if left > 1 else ""
-            message = "worker full: every KV slot is held by one of the 8 sessions used in the last 10 s; retry after 1 s"
-            return httpx.Response(503, content=ErrorBody(message, "server_error", code="worker_full").to_json(), headers={"retry-after": "1"})
+            message = (
+                "worker full: every KV slot is held by one of the 8 sessions used in the last 10 s; "
+                "retry after 1 s"
+            )
+            return httpx.Response(
+                503,
+                content=ErrorBody(message, "server_error", code="worker_full").to_json(),
+                headers={"retry-after": "1"},
+            )
         if mode == "draining" and (host, req.session_id) not in self.held:
-            message = "worker draining: it is shutting down and takes no new session; retry on another replica after 1 s"
-            return httpx.Response(503, content=ErrorBody(message, "server_error", code="worker_draining").to_json(), headers={"retry-after": "1"})
+            message = (
+                "worker draining: it is shutting down and takes no new session; retry on another "
+                "replica after 1 s"
+            )
+            return httpx.Response(
+                503,
+                content=ErrorBody(message, "server_error", code="worker_draining").to_json(),
+                headers={"retry-after": "1"},
+            )
         self.held.add((host, req.session_id))
         if mode == "garbage":
-            return httpx.Response(200, content=b"SGv1\x05\x00\x00\x00{oops", headers={"content-type": BINARY_CONTENT_TYPE})
+            return httpx.Response(
+                200, content=b"SGv1\x05\x00\x00\x00{oops", headers={"content-type": BINARY_CONTENT_TYPE}
+            )
         if mode == "short-once" and req.prefix_len > 0:
             self.behaviour[host] = ""
-            return httpx.Response(409, content=ErrorBody("lost", "session_short", code="session_short", held=0).to_json())
+            return httpx.Response(
+                409, content=ErrorBody("lost", "session_short", code="session_short", held=0).to_json()
+            )
         logits = torch.full((len(req.draft) + 1, V), -10.0)
         logits[:, FAVOURITE] = 3.0
         logits[:, FAVOURITE + 1] = 2.0
-        prompt_logits = torch.full((max(len(req.tokens) - 1, 0), V), -10.0) if req.score_tokens else None  # echo: the prompt's rows alike
+        # echo: the prompt's rows alike
+        prompt_logits = torch.full((max(len(req.tokens) - 1, 0), V), -10.0) if req.score_tokens else None
         if prompt_logits is not None:
             prompt_logits[:, FAVOURITE] = 3.0
-        resp = score(logits, req, held=req.prefix_len + len(req.tokens) + len(req.draft), model_ms=0.1, prompt_logits=prompt_logits)
+        resp = score(
+            logits,
+            req,
+            held=req.prefix_len + len(req.tokens) + len(req.draft),
+            model_ms=0.1,
+            prompt_logits=prompt_logits,
+        )
         if callable(mode):
             return httpx.Response(200, content=mode(resp), headers={"content-type": BINARY_CONTENT_TYPE})
         body, content_type = encode(resp, V)
@@ -344,7 +412,8 @@ class TableMatcher:
         self.tokens: list[int] = []
 
     @staticmethod
-    def allowed_after(tokens: list[int] | tuple[int, ...], vocab_size: int = 4, eos: int = 3) -> torch.Tensor:  # [V] bool
+    def allowed_after(tokens: list[int] | tuple[int, ...], vocab_size: int = 4, eos: int = 3) -> torch.Tensor:
+        # [V] bool
         mask = torch.ones(vocab_size, dtype=torch.bool)
         if not tokens:
             mask[:] = False

@@ -20,31 +20,34 @@ import torch
 import uvicorn
 
 from clients.procs import free_port
-from core.cores import usable_cores
 from core.config import SpecgateConfig, parse_config
-
+from core.cores import usable_cores
 
 # Statistical sweeps whose property a cheaper test proves in the default run — the exact law of
 # every cell through the same engine, tests/app/test_lossless_matrix.py — run with the real
 # random streams when SPECGATE_FULL_STATISTICS=1 is set.
 FULL_STATISTICS = pytest.mark.skipif(
-    not os.environ.get("SPECGATE_FULL_STATISTICS"), reason="proven exactly by tests/app/test_lossless_matrix.py; set SPECGATE_FULL_STATISTICS=1",
+    not os.environ.get("SPECGATE_FULL_STATISTICS"),
+    reason="proven exactly by tests/app/test_lossless_matrix.py; set SPECGATE_FULL_STATISTICS=1",
 )
 
 
 # The rest of a parametrized test whose first cells run by default and prove its property there
 # (each names why where it is used).
-FULL_RUN = pytest.mark.skipif(not os.environ.get("SPECGATE_FULL_STATISTICS"), reason="more cells of a test that runs by default; set SPECGATE_FULL_STATISTICS=1")
+FULL_RUN = pytest.mark.skipif(
+    not os.environ.get("SPECGATE_FULL_STATISTICS"),
+    reason="more cells of a test that runs by default; set SPECGATE_FULL_STATISTICS=1",
+)
 
 
 def seed_pool(fresh: bool = False) -> Executor:
-    """Where a statistical test deals out its seeds (every draw is keyed by its seed: the counts
-    are the same wherever they run): two spawned processes, one torch thread each, where this
-    process may use two cores or more — the same two for every test of this process, started once
-    (a start imports torch and the project: seconds of CPU) —; this process itself where it may use
-    one (a test process pinned to its core: spawning would only add the processes' start-up).
-    ``fresh``: new processes, two (one where this process may use one core: a second would only add its start-up) — a
-    negative control's task breaks the code it runs, and the break must end with them."""
+    """Where a statistical test deals out its seeds (every draw is keyed by its seed: the counts are the same
+    wherever they run): two spawned processes, one torch thread each, where this process may use two cores or
+    more — the same two for every test of this process, started once (a start imports torch and the project:
+    seconds of CPU) —; this process itself where it may use one (a test process pinned to its core: spawning
+    would only add the processes' start-up). ``fresh``: new processes, two (one where this process may use one
+    core: a second would only add its start-up) — a negative control's task breaks the code it runs, and the
+    break must end with them."""
     if fresh:
         return _processes(2 if usable_cores() >= 2 else 1)
     if usable_cores() < 2:
@@ -60,7 +63,12 @@ _SHARED_POOL: ProcessPoolExecutor | None = None
 
 
 def _processes(count: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(count, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads, initargs=(1,))
+    return ProcessPoolExecutor(
+        count,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=torch.set_num_threads,
+        initargs=(1,),
+    )
 
 
 class _Lent(Executor):
@@ -103,13 +111,15 @@ def sse_events(text: str) -> list[Any]:
     """The ``data:`` payloads of an SSE body: parsed JSON, or the string ``[DONE]``."""
     events = []
     for block in text.strip().split("\n\n"):
-        data = "".join(line[len("data: "):] for line in block.splitlines() if line.startswith("data: "))
+        data = "".join(line[len("data: ") :] for line in block.splitlines() if line.startswith("data: "))
         if data:
             events.append(data if data == "[DONE]" else orjson.loads(data))
     return events
 
 
-def assert_error(resp: httpx.Response, status: int, param: str | None = None, contains: str = "", code: str | None = None) -> dict[str, Any]:
+def assert_error(
+    resp: httpx.Response, status: int, param: str | None = None, contains: str = "", code: str | None = None
+) -> dict[str, Any]:
     """``resp`` is ``status`` with the OpenAI error envelope; returns its ``error`` object."""
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]

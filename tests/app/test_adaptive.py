@@ -24,24 +24,48 @@ from tests.app.helpers import assert_error
 from tests.draws import ExactDraws, prefix_distance
 
 
-def _feed(controller: GammaController, rounds: int, accepted: int, rtt_s: float, draft_s: float = 0.006, verify: tuple[float, float] = (0.0, 0.004)) -> None:
+def _feed(
+    controller: GammaController,
+    rounds: int,
+    accepted: int,
+    rtt_s: float,
+    draft_s: float = 0.006,
+    verify: tuple[float, float] = (0.0, 0.004),
+) -> None:
     for _ in range(rounds):
         gamma = controller.choose()
         model_s = verify[0] + verify[1] * (gamma + 1)
-        controller.observe(gamma, min(accepted, gamma), draft_s=draft_s * gamma, verify_s=rtt_s + model_s, model_s=model_s, prepared=0, prepared_used=0)
+        controller.observe(
+            gamma,
+            min(accepted, gamma),
+            draft_s=draft_s * gamma,
+            verify_s=rtt_s + model_s,
+            model_s=model_s,
+            prepared=0,
+            prepared_used=0,
+        )
 
 
 def test_the_first_rounds_use_the_default_then_the_analytic_choice() -> None:
     controller = GammaController()
     assert controller.choose() == DEFAULT_GAMMA
-    controller.observe(4, 2, draft_s=0.500, verify_s=0.900, model_s=0.850, prepared=0, prepared_used=0)  # the prompt's prefill
-    assert controller.draft_s is None and controller.verify.coefficients() is None and controller.network_s == pytest.approx(0.050)
+    # the prompt's prefill
+    controller.observe(4, 2, draft_s=0.500, verify_s=0.900, model_s=0.850, prepared=0, prepared_used=0)
+    assert (
+        controller.draft_s is None
+        and controller.verify.coefficients() is None
+        and controller.network_s == pytest.approx(0.050)
+    )
     assert controller.choose() == DEFAULT_GAMMA
     controller.observe(4, 2, draft_s=0.024, verify_s=0.060, model_s=0.020, prepared=0, prepared_used=0)
     costs = controller.costs()
     assert costs.draft_s == pytest.approx(0.006) and costs.rtt_s == pytest.approx(0.7 * 0.050 + 0.3 * 0.040)
     assert costs.verify_s == (pytest.approx(0.020 / 6), pytest.approx(0.020 / 6))  # one m so far: v₀ = v₁
-    assert costs.alphas[:3] == (pytest.approx((2 + 2.8) / 6), pytest.approx((2 + 2.8) / 6), pytest.approx(2.8 / 6))
+    assert costs.alphas[:3] == (
+        pytest.approx((2 + 2.8) / 6),
+        pytest.approx((2 + 2.8) / 6),
+        pytest.approx(2.8 / 6),
+    )
     assert controller.choose() == choose_gamma(costs, controller.max_gamma)
 
 
@@ -72,7 +96,10 @@ def test_the_choice_follows_the_link_and_the_acceptance() -> None:
     _feed(near, 12, accepted=3, rtt_s=0.0)
     _feed(far, 12, accepted=12, rtt_s=0.100)
     _feed(poor, 12, accepted=0, rtt_s=0.0)
-    choice = {name: choose_gamma(c.costs(), c.max_gamma) for name, c in (("near", near), ("far", far), ("poor", poor))}
+    choice = {
+        name: choose_gamma(c.costs(), c.max_gamma)
+        for name, c in (("near", near), ("far", far), ("poor", poor))
+    }
     assert choice["poor"] == 1
     assert choice["far"] > choice["near"] >= choice["poor"]
 
@@ -85,7 +112,8 @@ def test_a_fixed_cost_per_call_is_not_charged_to_every_position() -> None:
     fitted = replace(controller.costs(), alphas=(0.7,))  # the built-in pair's α
     assert fitted.verify_s == (pytest.approx(0.040), pytest.approx(0.017))
     true = RoundCosts(alphas=(0.7,), draft_s=0.030, verify_s=(0.040, 0.017), rtt_s=0.100)
-    through_origin = RoundCosts(alphas=(0.7,), draft_s=0.030, verify_s=(0.0, 0.040 / 2 + 0.017), rtt_s=0.100)  # fitted at γ = 1
+    # fitted at γ = 1
+    through_origin = RoundCosts(alphas=(0.7,), draft_s=0.030, verify_s=(0.0, 0.040 / 2 + 0.017), rtt_s=0.100)
     assert choose_gamma(fitted, 12) == choose_gamma(true, 12) > choose_gamma(through_origin, 12)
 
 
@@ -112,19 +140,41 @@ async def test_auto_through_the_api(gateway: Gateway) -> None:
     async with gateway(speculative={"mode": "aggregate", "num_draft_tokens": "auto"}) as client:
         body = {"model": "test-model", "prompt": "hi", "max_tokens": 12}
         spec = (await client.post("/v1/completions", json=body)).json()["usage"]["speculative"]
-        assert spec["num_draft_tokens"] == "auto" and spec["gamma_auto"] is True and spec["gamma_chosen_mean"] >= 1
-        seeded = (await client.post("/v1/completions", json={**body, "seed": 3})).json()["usage"]["speculative"]
+        assert (
+            spec["num_draft_tokens"] == "auto"
+            and spec["gamma_auto"] is True
+            and spec["gamma_chosen_mean"] >= 1
+        )
+        seeded = (await client.post("/v1/completions", json={**body, "seed": 3})).json()["usage"][
+            "speculative"
+        ]
         assert seeded["gamma_auto"] is False and seeded["gamma_chosen_mean"] == DEFAULT_GAMMA
         for bad in (0, 33, "sometimes"):
-            resp = await client.post("/v1/completions", json={**body, "speculative": {"num_draft_tokens": bad}})
+            resp = await client.post(
+                "/v1/completions", json={**body, "speculative": {"num_draft_tokens": bad}}
+            )
             assert_error(resp, 400, contains="num_draft_tokens")
 
 
 # ----------------------------------------------------------------------------- a round's own draws (issue 46)
 
 _EOS = 3
-_DRAFT = MarkovRunner(torch.log(torch.tensor([[0.6, 0.3, 0.05, 0.05], [0.1, 0.1, 0.7, 0.1], [0.1, 0.05, 0.05, 0.8], [0.5, 0.2, 0.2, 0.1]])), eos_ids=[_EOS], name="d")
-_TARGET = MarkovRunner(torch.log(torch.tensor([[0.3, 0.5, 0.1, 0.1], [0.2, 0.2, 0.5, 0.1], [0.3, 0.1, 0.1, 0.5], [0.4, 0.3, 0.2, 0.1]])), eos_ids=[_EOS], name="t")
+_DRAFT = MarkovRunner(
+    torch.log(
+        torch.tensor(
+            [[0.6, 0.3, 0.05, 0.05], [0.1, 0.1, 0.7, 0.1], [0.1, 0.05, 0.05, 0.8], [0.5, 0.2, 0.2, 0.1]]
+        )
+    ),
+    eos_ids=[_EOS],
+    name="d",
+)
+_TARGET = MarkovRunner(
+    torch.log(
+        torch.tensor([[0.3, 0.5, 0.1, 0.1], [0.2, 0.2, 0.5, 0.1], [0.3, 0.1, 0.1, 0.5], [0.4, 0.3, 0.2, 0.1]])
+    ),
+    eos_ids=[_EOS],
+    name="t",
+)
 _TOP2 = SamplingParams(temperature=1.0, top_k=2)  # two branches per draw: the law in a few thousand runs
 
 
@@ -180,6 +230,8 @@ def test_auto_rounds_draw_their_own_numbers(monkeypatch: pytest.MonkeyPatch) -> 
     assert _two_rounds_distance(monkeypatch) < 1e-12
 
 
-def test_negative_control_auto_rounds_keyed_by_position_alone_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_auto_rounds_keyed_by_position_alone_are_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(Session, "keyed", lambda self, ahead=0: self.req)
     assert _two_rounds_distance(monkeypatch) > 1e-4

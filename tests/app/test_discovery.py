@@ -19,7 +19,8 @@ def test_a_name_resolves_to_every_address_as_its_records_change() -> None:
     async def run(dns: LoopbackDNS) -> None:
         resolver = Resolver([dns.server])
         dns.set("pods.test", ["127.0.0.3", "127.0.0.2", "fd00::1"])
-        assert await resolver.addresses("pods.test") == ["127.0.0.2", "127.0.0.3", "fd00::1"]  # IPv4 first, sorted
+        # IPv4 first, sorted
+        assert await resolver.addresses("pods.test") == ["127.0.0.2", "127.0.0.3", "fd00::1"]
         dns.set("pods.test", ["127.0.0.3"])
         assert await resolver.addresses("pods.test") == ["127.0.0.3"]
         dns.remove("pods.test")
@@ -33,10 +34,12 @@ def test_a_name_resolves_to_every_address_as_its_records_change() -> None:
 
 def test_the_system_resolver_and_a_server_that_does_not_answer() -> None:
     async def run() -> None:
-        assert {"127.0.0.1", "::1"} & set(await Resolver([]).addresses("localhost"))  # /etc/hosts, through getaddrinfo
+        # /etc/hosts, through getaddrinfo
+        assert {"127.0.0.1", "::1"} & set(await Resolver([]).addresses("localhost"))
         assert await Resolver([]).addresses("no-such-host.invalid") == []
         with pytest.raises(DiscoveryError, match="resolving"):
-            await Resolver(["127.0.0.1:9"], timeout_s=0.3).addresses("pods.test")  # discard port: no DNS there
+            # discard port: no DNS there
+            await Resolver(["127.0.0.1:9"], timeout_s=0.3).addresses("pods.test")
 
     asyncio.run(run())
 
@@ -51,7 +54,16 @@ def test_a_leaving_replica_keeps_its_sessions_and_takes_no_new_ones() -> None:
     client = httpx.AsyncClient()
     expected = Expected(fingerprint="f", vocab_size=8)
     channel = Channel("w", client, httpx.Timeout(1.0), None, None)
-    target = ReplicaSet("w", ["http://pods.test:8101"], 1.0, channel, SpecgateDialect("w", channel, expected), expected, 3, discovered=True)
+    target = ReplicaSet(
+        "w",
+        ["http://pods.test:8101"],
+        1.0,
+        channel,
+        SpecgateDialect("w", channel, expected),
+        expected,
+        3,
+        discovered=True,
+    )
     assert target.replicas == [] and target.url == "http://pods.test:8101"
     a, b = (Replica(f"http://127.0.0.{i}:8101", Breaker(3)) for i in (2, 3))
     target.join(a)

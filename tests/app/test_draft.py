@@ -32,24 +32,58 @@ TEXTS = [
 
 
 async def propose(
-    draft: DraftModel, session_id: str, sequence: list[int], gamma: int, params: SamplingParams, seed: int, choice: int, truncation: tuple[int, float] = (0, 1.0),
-    *, transformer: Transformer | None = None, limit: int | None = None, drafter: str = "model", shared: bool = True,
+    draft: DraftModel,
+    session_id: str,
+    sequence: list[int],
+    gamma: int,
+    params: SamplingParams,
+    seed: int,
+    choice: int,
+    truncation: tuple[int, float] = (0, 1.0),
+    *,
+    transformer: Transformer | None = None,
+    limit: int | None = None,
+    drafter: str = "model",
+    shared: bool = True,
 ) -> TokenTree:
     """A chain from ``draft``, asked with the fields of a ``DraftRequest`` in a row."""
-    return await draft.propose(DraftRequest(session_id, sequence, params, seed, choice, truncation, transformer, drafter, shared), gamma, limit)
+    return await draft.propose(
+        DraftRequest(session_id, sequence, params, seed, choice, truncation, transformer, drafter, shared),
+        gamma,
+        limit,
+    )
 
 
 async def propose_tree(
-    draft: DraftModel, session_id: str, sequence: list[int], shape: TreeShape, params: SamplingParams, seed: int, choice: int,
-    truncation: tuple[int, float] = (0, 1.0), *, transformer: Transformer | None = None, depth_limit: int | None = None, extra: int = 0,
-    drafter: str = "model", shared: bool = True,
+    draft: DraftModel,
+    session_id: str,
+    sequence: list[int],
+    shape: TreeShape,
+    params: SamplingParams,
+    seed: int,
+    choice: int,
+    truncation: tuple[int, float] = (0, 1.0),
+    *,
+    transformer: Transformer | None = None,
+    depth_limit: int | None = None,
+    extra: int = 0,
+    drafter: str = "model",
+    shared: bool = True,
 ) -> TokenTree:
     """A tree from ``draft``, likewise."""
-    return await draft.propose_tree(DraftRequest(session_id, sequence, params, seed, choice, truncation, transformer, drafter, shared), shape, depth_limit, extra)
+    return await draft.propose_tree(
+        DraftRequest(session_id, sequence, params, seed, choice, truncation, transformer, drafter, shared),
+        shape,
+        depth_limit,
+        extra,
+    )
 
 
 def _trees_equal(a: TokenTree, b: TokenTree) -> bool:
-    return all(torch.equal(x, y) for x, y in [(a.tokens, b.tokens), (a.parents, b.parents), (a.q_ids, b.q_ids), (a.q_probs, b.q_probs)])
+    return all(
+        torch.equal(x, y)
+        for x, y in [(a.tokens, b.tokens), (a.parents, b.parents), (a.q_ids, b.q_ids), (a.q_probs, b.q_probs)]
+    )
 
 
 def _calls(runner: ModelRunner, sequences: list[list[int]]) -> list[tuple[str, tuple]]:
@@ -60,7 +94,9 @@ def _calls(runner: ModelRunner, sequences: list[list[int]]) -> list[tuple[str, t
         params = greedy if i % 3 == 1 else t1
         truncation = (32, 1.0) if i % 3 == 2 else (0, 1.0)
         calls.append(("chain", (f"s{i}", seq, 3 + i % 4, params, 100 + i, 0, truncation)))
-    calls.append(("tree", ("s6", sequences[6], TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1)), t1, 106, 0)))
+    calls.append(
+        ("tree", ("s6", sequences[6], TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1)), t1, 106, 0))
+    )
     calls.append(("tree", ("s7", sequences[7], TreeShape.default(True), greedy, 107, 0)))
     return calls
 
@@ -69,10 +105,15 @@ async def _draft(draft: DraftModel, kind: str, args: tuple) -> TokenTree:
     return await (propose(draft, *args) if kind == "chain" else propose_tree(draft, *args))
 
 
-async def _alone_then_together(runner: ModelRunner, max_batch_tokens: int = 128) -> tuple[list[TokenTree], list[TokenTree], DraftModel, DraftModel]:
+async def _alone_then_together(
+    runner: ModelRunner, max_batch_tokens: int = 128
+) -> tuple[list[TokenTree], list[TokenTree], DraftModel, DraftModel]:
     sequences = [runner.tokenizer.encode(text) for text in TEXTS]
     calls = _calls(runner, sequences)
-    alone_draft, together_draft = DraftModel(runner, ModelThread(), max_batch_tokens), DraftModel(runner, ModelThread(), max_batch_tokens)
+    alone_draft, together_draft = (
+        DraftModel(runner, ModelThread(), max_batch_tokens),
+        DraftModel(runner, ModelThread(), max_batch_tokens),
+    )
     alone = []
     for kind, args in calls:
         alone.append(await _draft(alone_draft, kind, args))
@@ -81,7 +122,9 @@ async def _alone_then_together(runner: ModelRunner, max_batch_tokens: int = 128)
     return alone, list(together), alone_draft, together_draft
 
 
-async def test_on_the_builtin_model_concurrent_drafts_share_steps_bit_for_bit(builtin_llama: ModelRunner) -> None:
+async def test_on_the_builtin_model_concurrent_drafts_share_steps_bit_for_bit(
+    builtin_llama: ModelRunner,
+) -> None:
     alone, together, alone_draft, together_draft = await _alone_then_together(builtin_llama)
     for i, (a, b) in enumerate(zip(alone, together)):
         assert len(a) > 0 and _trees_equal(a, b), f"draft {i} changed when it shared steps"
@@ -90,11 +133,13 @@ async def test_on_the_builtin_model_concurrent_drafts_share_steps_bit_for_bit(bu
     assert len(together_draft.batcher.steps) < len(alone_draft.batcher.steps) / 3
 
 
-async def test_on_two_threads_long_drafts_share_steps_with_a_background_prefill_bit_for_bit(builtin_llama_two_threads: ModelRunner) -> None:
-    """Issue 58 on two threads (llama.cpp's one-token kernel sums a cache of more than 256 cells in one part per thread):
-    chains and a tree drafted after long prompts — a decode of one token per chain step — alone, then together beside a
-    short draft and a late draft's background prefill of another long prompt (their prompts now from the prompt cache):
-    the same tokens and q̂, and no decode reached 64 tokens."""
+async def test_on_two_threads_long_drafts_share_steps_with_a_background_prefill_bit_for_bit(
+    builtin_llama_two_threads: ModelRunner,
+) -> None:
+    """Issue 58 on two threads (llama.cpp's one-token kernel sums a cache of more than 256 cells in one part
+    per thread): chains and a tree drafted after long prompts — a decode of one token per chain step — alone,
+    then together beside a short draft and a late draft's background prefill of another long prompt (their
+    prompts now from the prompt cache): the same tokens and q̂, and no decode reached 64 tokens."""
     from core.runners.llama_cpp_runner import DECODE_TOKENS, LlamaCppRunner
 
     runner = builtin_llama_two_threads
@@ -102,7 +147,8 @@ async def test_on_two_threads_long_drafts_share_steps_with_a_background_prefill_
     rng = torch.Generator().manual_seed(58)
     long = [torch.randint(100, 20_000, (n,), generator=rng).tolist() for n in (262, 266, 270)]
     short = [runner.tokenizer.encode(text) for text in TEXTS]
-    calls = _calls(runner, [long[0], *short[1:6], long[1], short[7]])  # long: a sampled chain and the sampled tree
+    # long: a sampled chain and the sampled tree
+    calls = _calls(runner, [long[0], *short[1:6], long[1], short[7]])
     alone_draft, together_draft = DraftModel(runner, ModelThread()), DraftModel(runner, ModelThread())
     alone = [await _draft(alone_draft, kind, args) for kind, args in calls]
     runner.free_all()
@@ -116,7 +162,9 @@ async def test_on_two_threads_long_drafts_share_steps_with_a_background_prefill_
     assert max(together_draft.batcher.steps) >= 5
 
 
-async def test_a_step_keeps_to_its_token_budget(builtin_llama: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_step_keeps_to_its_token_budget(
+    builtin_llama: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
     step_tokens: list[int] = []
     forward_each = builtin_llama.forward_each
 
@@ -147,8 +195,10 @@ async def test_a_failing_draft_fails_alone() -> None:
     expected = await propose(draft, "ok", [1, 2, 3], 4, t1, 5, 0)
     runner.free_all()
     results = await asyncio.gather(
-        propose(draft, "ok", [1, 2, 3], 4, t1, 5, 0), propose(draft, "bad", [4, 5], 4, t1, 5, 0),
-        propose_tree(draft, "bad-tree", [6, 7], TreeShape.default(False), t1, 5, 0), return_exceptions=True,
+        propose(draft, "ok", [1, 2, 3], 4, t1, 5, 0),
+        propose(draft, "bad", [4, 5], 4, t1, 5, 0),
+        propose_tree(draft, "bad-tree", [6, 7], TreeShape.default(False), t1, 5, 0),
+        return_exceptions=True,
     )
     assert isinstance(results[0], TokenTree) and _trees_equal(results[0], expected)
     assert isinstance(results[1], RuntimeError) and "bad" in str(results[1])
@@ -183,7 +233,9 @@ async def test_an_abandoned_draft_ends_at_its_next_step_and_free_waits_for_it() 
     drafted, _ = await asyncio.gather(propose(draft, "b", [1, 2], 5, t1, 2, 0), draft.free("b"))
     assert len(drafted) == 5 and not runner.has_session("b")
     # two drafts of one session run one after the other, each as if alone
-    first, second = await asyncio.gather(propose(draft, "c", [1, 2], 3, t1, 3, 0), propose(draft, "c", [1, 2, 9], 3, t1, 3, 0))
+    first, second = await asyncio.gather(
+        propose(draft, "c", [1, 2], 3, t1, 3, 0), propose(draft, "c", [1, 2, 9], 3, t1, 3, 0)
+    )
     runner.free_all()
     assert _trees_equal(second, await propose(draft, "c", [1, 2, 9], 3, t1, 3, 0))
     assert len(first) == 3
@@ -192,24 +244,28 @@ async def test_an_abandoned_draft_ends_at_its_next_step_and_free_waits_for_it() 
 async def test_a_seeded_draft_leaves_the_suffix_index_of_other_sessions_out() -> None:
     """Other sessions' outputs may come from the same seed: a seeded request's lookup uses its own
     context only (``shared=False``), so its answer does not depend on what ran before."""
-    
+
     draft = DraftModel(MarkovRunner(random_table(4, 1), eos_ids=[3]), ModelThread())
     draft.lookup.suffixes.add([0, 2, 1, 0, 2])
     greedy = SamplingParams(temperature=0.0)
-    assert (await propose(draft, "a", [1, 0], 2, greedy, 1, 0, drafter="lookup")).ids() == [2]  # "1 0" then 2, in the outputs
+    # "1 0" then 2, in the outputs
+    assert (await propose(draft, "a", [1, 0], 2, greedy, 1, 0, drafter="lookup")).ids() == [2]
     assert (await propose(draft, "b", [1, 0], 2, greedy, 1, 0, drafter="lookup", shared=False)).ids() == []
-    assert (await propose(draft, "c", [1, 0, 2, 1, 0], 2, greedy, 1, 0, drafter="lookup", shared=False)).ids() == [2, 1]
+    assert (
+        await propose(draft, "c", [1, 0, 2, 1, 0], 2, greedy, 1, 0, drafter="lookup", shared=False)
+    ).ids() == [2, 1]
 
 
 async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
     """docs/design.md §3.9: a run of forced tokens takes no draft step of its own and does not count in
     γ; its q̂ rows are point masses; ``limit`` caps the chain (the room left)."""
-    from core.transform import Transformer, TransformSpec
     from core.grammar import GrammarKind, GrammarSpec
+    from core.transform import Transformer, TransformSpec
     from tests.app.fakes import TableGrammars
 
     table = torch.full((4, 4), -5.0, dtype=torch.float64)
-    table[2, 1] = table[0, 1] = table[1, 0] = 5.0  # greedy: 1 after 2 and after 0; after 1 the grammar forces 0
+    # greedy: 1 after 2 and after 0; after 1 the grammar forces 0
+    table[2, 1] = table[0, 1] = table[1, 0] = 5.0
     runner = MarkovRunner(table, eos_ids=[3])
     draft = DraftModel(runner, ModelThread())
     sequence = [0, 2]  # a prompt of one token, then the forced first token
@@ -231,17 +287,36 @@ async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
     assert chain.ids() == [1, 0, 1, 0]
     q = chain.q_values().tolist()
     assert q[1] == q[3] == 1.0
-    assert appended == [sequence, [1, 0]]  # two draft steps: the prompt's, then the sampled 1 with the forced 0
-    assert (await propose(draft, "g", sequence, 2, greedy, 1, 0, transformer=transformer(), limit=3)).ids() == [1, 0, 1]
-    assert (await propose(draft, "g", sequence, 2, greedy, 1, 0)).ids() == [1, 0]  # no grammar: γ tokens, each a step
+    # two draft steps: the prompt's, then the sampled 1 with the forced 0
+    assert appended == [sequence, [1, 0]]
+    assert (
+        await propose(draft, "g", sequence, 2, greedy, 1, 0, transformer=transformer(), limit=3)
+    ).ids() == [1, 0, 1]
+    # no grammar: γ tokens, each a step
+    assert (await propose(draft, "g", sequence, 2, greedy, 1, 0)).ids() == [1, 0]
 
     # a tree: the run hangs below its leaf, drawn from δ (the leaf's q̂ row), within depth_limit and extra
     shape = TreeShape(ChildRule.FIXED, nodes=1, depth=1, top_k=1)
-    tree = await propose_tree(draft, "t", sequence, shape, greedy, 1, 0, transformer=transformer(), depth_limit=4, extra=8)
+    tree = await propose_tree(
+        draft, "t", sequence, shape, greedy, 1, 0, transformer=transformer(), depth_limit=4, extra=8
+    )
     assert tree.ids() == [1, 0] and tree.parents.tolist() == [-1, 0] and tree.q_values().tolist()[1] == 1.0
     assert tree.rule is ChildRule.FIXED and tree.support(0)[0].tolist() == [0]
     for limit, extra in ((1, 8), (4, 0)):
-        assert (await propose_tree(draft, "t", sequence, shape, greedy, 1, 0, transformer=transformer(), depth_limit=limit, extra=extra)).ids() == [1]
+        assert (
+            await propose_tree(
+                draft,
+                "t",
+                sequence,
+                shape,
+                greedy,
+                1,
+                0,
+                transformer=transformer(),
+                depth_limit=limit,
+                extra=extra,
+            )
+        ).ids() == [1]
 
     # inside a tree: a node's run is fed with it, takes no depth of the shape, its children follow the run
     appended.clear()
@@ -254,26 +329,53 @@ async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
 
     runner.forward_each = recording_each  # type: ignore[method-assign]
     deep = TreeShape(ChildRule.FIXED, nodes=2, depth=2, top_k=1)
-    tree = await propose_tree(draft, "t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=8)
-    assert tree.ids() == [1, 0, 1, 0] and tree.parents.tolist() == [-1, 0, 1, 2]  # nodes=2 counts the drafted nodes only
-    assert [item.tokens for item in items[1:]] == [[1, 0]]  # one draft step below the prompt's: the node and its run
-    assert (await propose_tree(draft, "t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=1)).ids() == [1, 0, 1]
-    assert (await propose_tree(draft, "t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=2, extra=8)).ids() == [1, 0]
-    # sampled children: each path has its own budget (a shared one let one branch's draws shape another's round)
+    tree = await propose_tree(
+        draft, "t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=8
+    )
+    # nodes=2 counts the drafted nodes only
+    assert tree.ids() == [1, 0, 1, 0] and tree.parents.tolist() == [-1, 0, 1, 2]
+    # one draft step below the prompt's: the node and its run
+    assert [item.tokens for item in items[1:]] == [[1, 0]]
+    assert (
+        await propose_tree(
+            draft, "t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=1
+        )
+    ).ids() == [1, 0, 1]
+    assert (
+        await propose_tree(
+            draft, "t", sequence, deep, greedy, 1, 0, transformer=transformer(), depth_limit=2, extra=8
+        )
+    ).ids() == [1, 0]
+    # sampled children: each path has its own budget (a shared one let one branch's draws shape another's
+    # round)
     two = TreeShape(ChildRule.SAMPLED, widths=(2,))
-    assert (await propose_tree(draft, "t", sequence, two, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=1)).ids() == [1, 1, 0, 0]
+    assert (
+        await propose_tree(
+            draft, "t", sequence, two, greedy, 1, 0, transformer=transformer(), depth_limit=6, extra=1
+        )
+    ).ids() == [1, 1, 0, 0]
     # sampled: a one-wide tree is the chain, draw for draw (a draw is keyed by its position)
     t1 = SamplingParams(temperature=1.0)
     for seed in range(6):
         chain = await propose(draft, "g", sequence, 3, t1, seed, 0, transformer=transformer(), limit=12)
-        tree = await propose_tree(draft, 
-            "t", sequence, TreeShape(ChildRule.SAMPLED, widths=(1, 1, 1)), t1, seed, 0, transformer=transformer(), depth_limit=12, extra=9,
+        tree = await propose_tree(
+            draft,
+            "t",
+            sequence,
+            TreeShape(ChildRule.SAMPLED, widths=(1, 1, 1)),
+            t1,
+            seed,
+            0,
+            transformer=transformer(),
+            depth_limit=12,
+            extra=9,
         )
         assert tree.ids() == chain.ids() and tree.parents.tolist() == list(range(-1, len(chain) - 1)), seed
         assert torch.equal(tree.q_values(), chain.q_values()), seed
 
 
-# ----------------------------------------------------------------------------- lookup branches in trees (docs/design.md §3.10)
+# ----------------------------------------------------------------------------- lookup branches in trees
+# (docs/design.md §3.10)
 
 
 def _tested(draft: DraftModel, key: tuple[object, ...]) -> float:
@@ -289,7 +391,7 @@ def _lookup_draft() -> tuple[DraftModel, list[int]]:
 
 
 async def test_a_fixed_tree_takes_the_lookup_branch_first_within_its_budget() -> None:
-    
+
     draft, context = _lookup_draft()
     greedy = SamplingParams(temperature=0.0)
     shape = TreeShape(ChildRule.FIXED, nodes=8, depth=3, top_k=2)
@@ -297,29 +399,40 @@ async def test_a_fixed_tree_takes_the_lookup_branch_first_within_its_budget() ->
     mixed = await propose_tree(draft, "b", context, shape, greedy, 1, 0, drafter="model+lookup")
     assert mixed.deterministic is not None and len(mixed) <= shape.nodes
     first = mixed.children(-1)[0]
-    assert int(mixed.tokens[first]) == 9 and bool(mixed.deterministic[first])  # the branch: 9 4 8 …, first at the root
+    # the branch: 9 4 8 …, first at the root
+    assert int(mixed.tokens[first]) == 9 and bool(mixed.deterministic[first])
     run = [first]
-    while (below := [c for c in mixed.children(run[-1]) if bool(mixed.deterministic[c])]):
+    while below := [c for c in mixed.children(run[-1]) if bool(mixed.deterministic[c])]:
         run.append(below[0])
     assert [int(mixed.tokens[n]) for n in run] == [9, 4, 8, 2, 5, 3][: len(run)] and len(run) >= 2
     model_only = {tuple(int(alone.tokens[n]) for n in alone.path_to(v)) for v in range(len(alone))}
-    kept = {tuple(int(mixed.tokens[n]) for n in mixed.path_to(v)) for v in range(len(mixed)) if not bool(mixed.deterministic[v])}
+    kept = {
+        tuple(int(mixed.tokens[n]) for n in mixed.path_to(v))
+        for v in range(len(mixed))
+        if not bool(mixed.deterministic[v])
+    }
     assert kept <= model_only  # the budget is shared: the model's nodes that stay are its best ones
     for _ in range(500):  # measured: the lookup's tokens are never accepted here
         draft.lookup.acceptance.observe(("lookup", True, 1, 0), False)
     low = await propose_tree(draft, "c", context, shape, greedy, 1, 0, drafter="model+lookup")
-    assert _trees_equal(low, alone) and (low.deterministic is None or not bool(low.deterministic.any()))  # a weak branch displaces nothing
-    seeded = await propose_tree(draft, "d", context, shape, greedy, 1, 0, drafter="model+lookup", shared=False)
-    assert _trees_equal(seeded, mixed)  # a seeded request weighs by the priors: what ran before does not count
+    # a weak branch displaces nothing
+    assert _trees_equal(low, alone) and (low.deterministic is None or not bool(low.deterministic.any()))
+    seeded = await propose_tree(
+        draft, "d", context, shape, greedy, 1, 0, drafter="model+lookup", shared=False
+    )
+    # a seeded request weighs by the priors: what ran before does not count
+    assert _trees_equal(seeded, mixed)
 
 
 async def test_a_sampled_tree_draws_its_root_children_without_the_lookup_token_and_keeps_its_size() -> None:
-    
+
     draft, context = _lookup_draft()
     t1 = SamplingParams(temperature=1.0)
     shape = TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1))
     for seed in range(20):
-        tree = await propose_tree(draft, f"s{seed}", context, shape, t1, seed, 0, drafter="model+lookup", shared=False)
+        tree = await propose_tree(
+            draft, f"s{seed}", context, shape, t1, seed, 0, drafter="model+lookup", shared=False
+        )
         assert tree.deterministic is not None and len(tree) <= shape.size
         lookups = [n for n in range(len(tree)) if bool(tree.deterministic[n])]
         assert lookups and int(tree.tokens[lookups[0]]) == 9 and tree.children(-1)[0] == lookups[0]
@@ -328,21 +441,32 @@ async def test_a_sampled_tree_draws_its_root_children_without_the_lookup_token_a
     for _ in range(100):
         draft.lookup.acceptance.observe(("lookup", False, 1, 0), False)
     tree = await propose_tree(draft, "w", context, shape, t1, 3, 0, drafter="model+lookup")
-    assert not bool(tree.deterministic.any()) and _trees_equal(tree, await propose_tree(draft, "m", context, shape, t1, 3, 0))  # type: ignore[union-attr]
+    assert not bool(tree.deterministic.any()) and _trees_equal(
+        tree, await propose_tree(draft, "m", context, shape, t1, 3, 0)
+    )  # type: ignore[union-attr]
 
 
 async def test_observe_counts_the_lookup_tokens_tested_and_the_places_accepted() -> None:
-    
+
     draft, context = _lookup_draft()
     shape = TreeShape(ChildRule.SAMPLED_DISTINCT, widths=(2, 1, 1, 1))
-    tree = await propose_tree(draft, "s", context, shape, SamplingParams(temperature=1.0), 5, 0, drafter="model+lookup")
+    tree = await propose_tree(
+        draft, "s", context, shape, SamplingParams(temperature=1.0), 5, 0, drafter="model+lookup"
+    )
     lookups = [n for n in range(len(tree)) if bool(tree.deterministic[n])]  # type: ignore[index]
     draft.observe("s", [lookups[0]])  # the first accepted, the second rejected, the rest never tested
-    assert _tested(draft, ("lookup", False, 1, 0)) == 1 and draft.lookup.acceptance.rate(("lookup", False, 1, 0), 0.5) > 0.5
-    assert _tested(draft, ("lookup", False, 1, 1)) == 1 and draft.lookup.acceptance.rate(("lookup", False, 1, 1), 0.5) < 0.5
+    assert (
+        _tested(draft, ("lookup", False, 1, 0)) == 1
+        and draft.lookup.acceptance.rate(("lookup", False, 1, 0), 0.5) > 0.5
+    )
+    assert (
+        _tested(draft, ("lookup", False, 1, 1)) == 1
+        and draft.lookup.acceptance.rate(("lookup", False, 1, 1), 0.5) < 0.5
+    )
     assert _tested(draft, ("lookup", False, 1, 2)) == 0
     assert _tested(draft, ("slot", "sampled_distinct", (2, 1, 1, 1), (0,))) == 1
-    assert _tested(draft, ("slot", "sampled_distinct", (2, 1, 1, 1), (0, 0))) == 0  # below a rejected node: never tested, not counted
+    # below a rejected node: never tested, not counted
+    assert _tested(draft, ("slot", "sampled_distinct", (2, 1, 1, 1), (0, 0))) == 0
     draft.observe("s", [])  # once per tree
     assert _tested(draft, ("lookup", False, 1, 0)) == 1
 
@@ -350,7 +474,7 @@ async def test_observe_counts_the_lookup_tokens_tested_and_the_places_accepted()
 async def test_a_chain_keeps_a_lookup_token_the_model_disagrees_with_once_lookups_measure_better() -> None:
     """model+lookup: a lookup token stays while it is the model's top-1 — or while its measured
     acceptance is at least a model token's; a seeded request (the priors) keeps to the first rule."""
-    
+
     draft, context = _lookup_draft()
     greedy = SamplingParams(temperature=0.0)
     plain = await propose(draft, "p", context, 4, greedy, 1, 0)
@@ -363,15 +487,19 @@ async def test_a_chain_keeps_a_lookup_token_the_model_disagrees_with_once_lookup
         draft.lookup.acceptance.observe(("lookup", True, 1, 0), True)
         draft.lookup.acceptance.observe(("lookup", True, 1, 1), True)
     trusted = await propose(draft, "b", context, 4, greedy, 1, 0, drafter="model+lookup")
-    assert trusted.ids()[:2] == [9, 4] and trusted.q_values()[:2].tolist() == [1.0, 1.0]  # δ rows: exact under any rule
+    # δ rows: exact under any rule
+    assert trusted.ids()[:2] == [9, 4] and trusted.q_values()[:2].tolist() == [1.0, 1.0]
     seeded = await propose(draft, "c", context, 4, greedy, 1, 0, drafter="model+lookup", shared=False)
     assert seeded.ids() == plain.ids()
     tested = _tested(draft, ("lookup", True, 1, 0))
-    draft.observe("b", [0])  # the first lookup token accepted, the second rejected, the model's after it never tested
+    # the first lookup token accepted, the second rejected, the model's after it never tested
+    draft.observe("b", [0])
     assert _tested(draft, ("lookup", True, 1, 0)) == tested + 1 and _tested(draft, ("model", True)) == 2
 
 
-async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_draft(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The cold counter-example hunt's case, exactly: a sampled ⟨1,1,1,1⟩ tree whose second node
     may be EOS (drawn with U, at a position the walk does not reach, which the next round draws
     again with U). If ``observe`` counted the nodes below an EOS-free path as rejected, the next
@@ -379,7 +507,7 @@ async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_dr
     Counting only the candidates the walk tested, the law over U is the target's."""
     from app.drafting import tree as draft_module
     from tests.oracles import tree_step_law
-    
+
     V, EOS, d, c, a, b = 5, 4, 0, 1, 2, 3
     table = torch.zeros(V, V, dtype=torch.float64)
     table[a] = -200.0
@@ -389,7 +517,13 @@ async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_dr
     table[c] = table[EOS] = torch.tensor([0.1, 0.2, 0.3, -0.1, -1.0])
     p_next = torch.tensor([0.10, 0.15, 0.40, 0.30, 0.05], dtype=torch.float64)
     reused = {"u": 0.5}
-    monkeypatch.setattr(draft_module, "uniform", lambda seed, choice, position, purpose, worker=0, lane=0: reused["u"] if position == 4 else {3: 0.3}.get(position, 0.0))
+    monkeypatch.setattr(
+        draft_module,
+        "uniform",
+        lambda seed, choice, position, purpose, worker=0, lane=0: (
+            reused["u"] if position == 4 else {3: 0.3}.get(position, 0.0)
+        ),
+    )
     shape = TreeShape(ChildRule.SAMPLED, widths=(1, 1, 1, 1))
 
     async def law(u: float) -> torch.Tensor:
@@ -397,10 +531,21 @@ async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_dr
         draft = DraftModel(MarkovRunner(table.float(), eos_ids=[EOS]), ModelThread())
         for _ in range(2):  # earlier requests' measurements
             draft.lookup.acceptance.observe(("slot", "sampled", (1, 1, 1, 1), (0, 0, 0, 0)), True)
-        await propose_tree(draft, "s", [d, c, a], shape, SamplingParams(temperature=1.0), 7, 0, drafter="model+lookup")
+        await propose_tree(
+            draft, "s", [d, c, a], shape, SamplingParams(temperature=1.0), 7, 0, drafter="model+lookup"
+        )
         draft.observe("s", [])  # its root child rejected: d recovered
-        tree = await propose_tree(draft, "s", [d, c, a, d], shape, SamplingParams(temperature=1.0), 7, 0, drafter="model+lookup")  # lookup: c
-        return tree_step_law(p_next, tree.q_row(-1, V), [int(tree.tokens[k]) for k in tree.children(-1)], tree.rule, tree.num_deterministic(-1))
+        # lookup: c
+        tree = await propose_tree(
+            draft, "s", [d, c, a, d], shape, SamplingParams(temperature=1.0), 7, 0, drafter="model+lookup"
+        )
+        return tree_step_law(
+            p_next,
+            tree.q_row(-1, V),
+            [int(tree.tokens[k]) for k in tree.children(-1)],
+            tree.rule,
+            tree.num_deterministic(-1),
+        )
 
     def q_hat(row: torch.Tensor) -> torch.Tensor:  # the draft's q̂ there, as it samples it
         q = torch.softmax(row.float()[None], -1)[0].double()
@@ -420,9 +565,10 @@ async def test_rates_measured_past_the_walks_end_do_not_steer_the_next_rounds_dr
 
 
 def test_a_background_prefill_goes_behind_the_drafts_waiting() -> None:
-    """A late draft's prefill (app.engine.late) is background work: a draft that arrives beside it takes every step,
-    the prefill one chunk (``background_chunk``, 32 rows) in every fourth, and the draft's tokens are those it gets
-    alone; alone again, the prefill takes every step, and a caller that waits on it (``idle``) makes it a draft's peer."""
+    """A late draft's prefill (app.engine.late) is background work: a draft that arrives beside it takes every
+    step, the prefill one chunk (``background_chunk``, 32 rows) in every fourth, and the draft's tokens are
+    those it gets alone; alone again, the prefill takes every step, and a caller that waits on it (``idle``)
+    makes it a draft's peer."""
     runner = MarkovRunner(random_table(6, 3), name="draft")
 
     async def run(with_prefill: bool) -> tuple[TokenTree, list[int], bool, int]:
@@ -440,16 +586,20 @@ def test_a_background_prefill_goes_behind_the_drafts_waiting() -> None:
     tree, steps, pending, held = asyncio.run(run(True))
     assert tree.ids() == alone.ids() and torch.equal(tree.q_rows(6), alone.q_rows(6))
     assert pending and held == 200  # the draft was done first; the prefill finished after it
-    assert steps[:8] == [1, 1, 1, 2, 1, 1, 1, 2]  # the draft's eight steps (its prompt, then seven tokens): the prefill in two
+    # the draft's eight steps (its prompt, then seven tokens): the prefill in two
+    assert steps[:8] == [1, 1, 1, 2, 1, 1, 1, 2]
     assert set(steps[8:]) <= {1}  # then the prefill alone
 
 
 @pytest.mark.parametrize("greedy", [True, False])
-async def test_a_trees_rows_are_its_nodes_q_on_their_supports_and_its_children_the_whole_rows(greedy: bool) -> None:
-    """Issue 61: a tree's q̂ stays on supports from the first row. Over 300 tokens (more than a greedy row keeps) the
-    reference is each node's whole row from the table: greedy (EAGLE-2), a node's row is its 32 most likely tokens at
-    their whole-row probabilities bit for bit, and its children and their order the whole row's top-k; sampled and
-    truncated to 32, the chain's ``truncated_support`` of the whole row, and each child a draw from that row."""
+async def test_a_trees_rows_are_its_nodes_q_on_their_supports_and_its_children_the_whole_rows(
+    greedy: bool,
+) -> None:
+    """Issue 61: a tree's q̂ stays on supports from the first row. Over 300 tokens (more than a greedy row
+    keeps) the reference is each node's whole row from the table: greedy (EAGLE-2), a node's row is its 32
+    most likely tokens at their whole-row probabilities bit for bit, and its children and their order the
+    whole row's top-k; sampled and truncated to 32, the chain's ``truncated_support`` of the whole row, and
+    each child a draw from that row."""
     from app.drafting.request import GREEDY_ROW
     from core.math.random import Purpose, sample_index, uniform
     from core.math.sampling import apply_sampling, normalised, truncated_support
@@ -476,7 +626,9 @@ async def test_a_trees_rows_are_its_nodes_q_on_their_supports_and_its_children_t
         ids, probs = tree.support(node)
         row = whole(node)
         if greedy:
-            assert len(ids) == GREEDY_ROW and set(ids.tolist()) == set(torch.topk(row, GREEDY_ROW).indices.tolist())
+            assert len(ids) == GREEDY_ROW and set(ids.tolist()) == set(
+                torch.topk(row, GREEDY_ROW).indices.tolist()
+            )
             assert torch.equal(probs, normalised(row)[ids])  # the whole row's numbers, not renormalised
             assert [int(tree.tokens[c]) for c in children] == torch.topk(row, len(children)).indices.tolist()
             continue

@@ -8,8 +8,8 @@ cases by default and every case (and their negative controls) with SPECGATE_FULL
 from __future__ import annotations
 
 import asyncio
-import os
 import itertools
+import os
 from collections.abc import Iterator
 from concurrent.futures import Executor
 from dataclasses import replace
@@ -29,7 +29,8 @@ from tests.app.helpers import FULL_STATISTICS, seed_pool
 
 V = 6
 PROMPT = [3, 1]
-SAMPLES = 10_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 2_500  # a broken residual gives p ≈ 1e-52 at 4,000, 3e-28 at 2,500: power to spare
+# a broken residual gives p ≈ 1e-52 at 4,000, 3e-28 at 2,500: power to spare
+SAMPLES = 10_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 2_500
 SIGNIFICANCE = 1e-3  # chi-square rejects below this p-value; seeds are fixed
 
 DRAFT = MarkovRunner(random_table(V, 100), name="draft")
@@ -37,14 +38,20 @@ TARGETS = [MarkovRunner(random_table(V, 200 + i), name=f"t{i}") for i in range(3
 WEIGHTS_3 = [0.5, 0.3, 0.2]
 
 
-def _spec(mode: Mode, gamma: int = 3, k: int | None = None, draft_top_k: int = 0, draft_top_p: float = 1.0) -> SpecOptions:
+def _spec(
+    mode: Mode, gamma: int = 3, k: int | None = None, draft_top_k: int = 0, draft_top_p: float = 1.0
+) -> SpecOptions:
     if mode is Mode.EXACT and not draft_top_k and draft_top_p == 1:
         draft_top_k = 3
     return SpecOptions(mode, gamma, k, Reconstruction.RENORMALIZE, draft_top_k, draft_top_p)
 
 
-def _request(seed: int, spec: SpecOptions, max_tokens: int = 2, temperature: float = 1.0, choice: int = 0) -> GenerationRequest:
-    return GenerationRequest(f"r{seed}", PROMPT, max_tokens, SamplingParams(temperature=temperature), seed, choice, spec)
+def _request(
+    seed: int, spec: SpecOptions, max_tokens: int = 2, temperature: float = 1.0, choice: int = 0
+) -> GenerationRequest:
+    return GenerationRequest(
+        f"r{seed}", PROMPT, max_tokens, SamplingParams(temperature=temperature), seed, choice, spec
+    )
 
 
 async def _tokens(engine: Engine, req: GenerationRequest) -> tuple[list[int], int, int]:
@@ -79,7 +86,9 @@ def pooled_chisquare(observed: torch.Tensor, expected: torch.Tensor, min_expecte
     small = expected < min_expected
     obs = torch.cat([observed[~small], observed[small].sum()[None]]) if small.any() else observed
     exp = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected
-    return float(stats.chisquare(obs.double().numpy(), exp.double().numpy() * float(obs.sum() / exp.sum())).pvalue)
+    return float(
+        stats.chisquare(obs.double().numpy(), exp.double().numpy() * float(obs.sum() / exp.sum())).pvalue
+    )
 
 
 CASES = {
@@ -122,10 +131,13 @@ def _halves(samples: int) -> list[range]:
     return [range(samples // 2), range(samples // 2, samples)]
 
 
-DEFAULT_RUN = {"split, full p", "exact, 3 weighted workers, draft top-3"}  # the rest: SPECGATE_FULL_STATISTICS=1
+# the rest: SPECGATE_FULL_STATISTICS=1
+DEFAULT_RUN = {"split, full p", "exact, 3 weighted workers, draft top-3"}
 
 
-@pytest.mark.parametrize("case", [c if c in DEFAULT_RUN else pytest.param(c, marks=FULL_STATISTICS) for c in CASES])
+@pytest.mark.parametrize(
+    "case", [c if c in DEFAULT_RUN else pytest.param(c, marks=FULL_STATISTICS) for c in CASES]
+)
 def test_first_two_tokens_follow_the_target(case: str, processes: Executor) -> None:
     mode, workers = CASES[case]
     half = SAMPLES // 2
@@ -165,7 +177,10 @@ def test_negative_control_a_verifier_without_the_residual_is_rejected() -> None:
     fresh pool processes, which end with the test)."""
     with seed_pool(fresh=True) as pool:
         counts = sum(pool.map(_without_residual_counts, _halves(SAMPLES)), torch.zeros(V, V))
-    assert pooled_chisquare(counts.flatten(), _target_joint([(TARGETS[0], 1.0)]).flatten() * SAMPLES) < SIGNIFICANCE
+    assert (
+        pooled_chisquare(counts.flatten(), _target_joint([(TARGETS[0], 1.0)]).flatten() * SAMPLES)
+        < SIGNIFICANCE
+    )
 
 
 def _greedy_chain(workers: list[tuple[MarkovRunner, float]], length: int) -> list[int]:
@@ -175,7 +190,7 @@ def _greedy_chain(workers: list[tuple[MarkovRunner, float]], length: int) -> lis
     for _ in range(length):
         mix = sum(wn * torch.softmax(r.table[seq[-1]].float(), -1).double() for (r, _), wn in zip(workers, w))
         seq.append(int(torch.argmax(mix)))  # type: ignore[call-overload]
-    return seq[len(PROMPT):]
+    return seq[len(PROMPT) :]
 
 
 @pytest.mark.parametrize("num_workers", [1, 3])
@@ -188,7 +203,9 @@ def test_greedy_is_the_mixture_argmax_in_both_modes(num_workers: int) -> None:
         tokens, _, _ = await _tokens(engine, _request(0, _spec(mode), max_tokens=12, temperature=0))
         return tokens
 
-    for mode in (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.EXACT) + ((Mode.SPLIT,) if num_workers == 1 else ()):
+    for mode in (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.EXACT) + (
+        (Mode.SPLIT,) if num_workers == 1 else ()
+    ):
         assert asyncio.run(run(mode)) == expected, mode
 
 
@@ -201,7 +218,9 @@ def test_greedy_follows_the_mixture_not_the_vote() -> None:
     workers = [(MarkovRunner(t), 1.0) for t in tables]
 
     async def run(mode: Mode) -> list[int]:
-        tokens, _, _ = await _tokens(make_engine(DRAFT, workers), _request(0, _spec(mode), max_tokens=3, temperature=0))
+        tokens, _, _ = await _tokens(
+            make_engine(DRAFT, workers), _request(0, _spec(mode), max_tokens=3, temperature=0)
+        )
         return tokens
 
     assert asyncio.run(run(Mode.AUTOREGRESSIVE)) == [2, 2, 2]
@@ -212,7 +231,9 @@ def test_a_seed_reproduces_and_choices_differ() -> None:
     workers = list(zip(TARGETS, WEIGHTS_3))
 
     async def run(seed: int, choice: int) -> list[int]:
-        tokens, _, _ = await _tokens(make_engine(DRAFT, workers), _request(seed, _spec(Mode.AGGREGATE), 30, choice=choice))
+        tokens, _, _ = await _tokens(
+            make_engine(DRAFT, workers), _request(seed, _spec(Mode.AGGREGATE), 30, choice=choice)
+        )
         return tokens
 
     assert asyncio.run(run(7, 0)) == asyncio.run(run(7, 0))
@@ -227,7 +248,9 @@ def test_eos_ends_the_round_and_max_tokens_the_request() -> None:
 
     async def run() -> None:
         for seed in range(30):
-            results = [r async for r in engine.generate(_request(seed, _spec(Mode.AGGREGATE, 4), max_tokens=9))]
+            results = [
+                r async for r in engine.generate(_request(seed, _spec(Mode.AGGREGATE, 4), max_tokens=9))
+            ]
             tokens = list(itertools.chain.from_iterable(r.tokens for r in results))
             assert len(tokens) <= 9
             if 4 in tokens:
@@ -249,7 +272,16 @@ def test_ignore_eos_generates_past_a_sampled_eos(mode: Mode) -> None:
     async def run(seed: int, ignore_eos: bool) -> tuple[list[int], str | None]:
         engine = make_engine(DRAFT, workers, eos_ids=[4])
         base = _request(seed, _spec(mode, 3), max_tokens=12)
-        req = GenerationRequest(base.request_id, base.prompt, base.max_tokens, base.params, seed, 0, base.spec, ignore_eos=ignore_eos)
+        req = GenerationRequest(
+            base.request_id,
+            base.prompt,
+            base.max_tokens,
+            base.params,
+            seed,
+            0,
+            base.spec,
+            ignore_eos=ignore_eos,
+        )
         results = [r async for r in engine.generate(req)]
         return list(itertools.chain.from_iterable(r.tokens for r in results)), results[-1].finish_reason
 
@@ -271,12 +303,28 @@ for _table, _boost in zip(EOS_TABLES, [3.0, 0.0, -2.0]):
     _table[:, EOS] += _boost
 EOS_TARGETS = [MarkovRunner(t, eos_ids=[EOS], name=f"e{i}") for i, t in enumerate(EOS_TABLES)]
 EOS_DRAFT = MarkovRunner(random_table(V, 100), eos_ids=[EOS], name="draft")
-MIN_TOKENS_SAMPLES = 4_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 2_000  # workers without min_tokens: p = 0.0 (underflow) at 2,000
+# workers without min_tokens: p = 0.0 (underflow) at 2,000
+MIN_TOKENS_SAMPLES = 4_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 2_000
 
 
-def _min_tokens_request(seed: int, spec: SpecOptions, min_tokens: int, max_tokens: int = 2, temperature: float = 1.0, ignore_eos: bool = False) -> GenerationRequest:
+def _min_tokens_request(
+    seed: int,
+    spec: SpecOptions,
+    min_tokens: int,
+    max_tokens: int = 2,
+    temperature: float = 1.0,
+    ignore_eos: bool = False,
+) -> GenerationRequest:
     return GenerationRequest(
-        f"r{seed}", PROMPT, max_tokens, SamplingParams(temperature=temperature), seed, 0, spec, ignore_eos=ignore_eos, min_tokens=min_tokens,
+        f"r{seed}",
+        PROMPT,
+        max_tokens,
+        SamplingParams(temperature=temperature),
+        seed,
+        0,
+        spec,
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
     )
 
 
@@ -286,8 +334,12 @@ def _joint_without_eos_first(workers: list[tuple[MarkovRunner, float]]) -> torch
     normalised alone, the federation mixing them with its weights —, then the target."""
     w = torch.tensor([x for _, x in workers], dtype=torch.float64)
     w /= w.sum()
-    masked = [r.table[PROMPT[-1]].double().index_fill(0, torch.tensor([EOS]), float("-inf")) for r, _ in workers]
-    first = sum((wn * torch.softmax(m, dim=-1) for m, wn in zip(masked, w)), torch.zeros(V, dtype=torch.float64))
+    masked = [
+        r.table[PROMPT[-1]].double().index_fill(0, torch.tensor([EOS]), float("-inf")) for r, _ in workers
+    ]
+    first = sum(
+        (wn * torch.softmax(m, dim=-1) for m, wn in zip(masked, w)), torch.zeros(V, dtype=torch.float64)
+    )
     then = _target_joint(workers) / _target_joint(workers).sum(dim=1, keepdim=True)  # p(b | a)
     return first[:, None] * then
 
@@ -315,16 +367,24 @@ def _min_tokens_counts(case: str, seeds: range, broken: bool = False) -> torch.T
 
     counts = torch.zeros(V, V)
     for tokens in asyncio.run(run()):
-        counts[tokens[0], tokens[1] if len(tokens) > 1 else EOS] += 1  # an answer that ended at once (EOS first: what the target rules out)
+        # an answer that ended at once (EOS first: what the target rules out)
+        counts[tokens[0], tokens[1] if len(tokens) > 1 else EOS] += 1
     return counts
 
 
 def _min_tokens_chi_square(pool: Executor, case: str, broken: bool = False) -> float:
-    counts = sum(pool.map(_min_tokens_counts, [case, case], _halves(MIN_TOKENS_SAMPLES), [broken, broken]), torch.zeros(V, V))
-    return pooled_chisquare(counts.flatten(), _joint_without_eos_first(MIN_TOKENS_CASES[case][1]).flatten() * MIN_TOKENS_SAMPLES)
+    counts = sum(
+        pool.map(_min_tokens_counts, [case, case], _halves(MIN_TOKENS_SAMPLES), [broken, broken]),
+        torch.zeros(V, V),
+    )
+    return pooled_chisquare(
+        counts.flatten(), _joint_without_eos_first(MIN_TOKENS_CASES[case][1]).flatten() * MIN_TOKENS_SAMPLES
+    )
 
 
-@pytest.mark.parametrize("case", [c if c.startswith("exact") else pytest.param(c, marks=FULL_STATISTICS) for c in MIN_TOKENS_CASES])
+@pytest.mark.parametrize(
+    "case", [c if c.startswith("exact") else pytest.param(c, marks=FULL_STATISTICS) for c in MIN_TOKENS_CASES]
+)
 def test_min_tokens_follows_the_target_without_eos(case: str, processes: Executor) -> None:
     """vLLM's min_tokens, lossless: before it the target is each worker's distribution with EOS
     removed from its logits first, mixed — Σ w_n p_n(· | not EOS) — and after it the mixture itself."""
@@ -336,7 +396,9 @@ def test_negative_control_min_tokens_the_workers_do_not_apply_is_rejected() -> N
     """Workers that score without min_tokens (the transform sent without it) emit EOS where the
     target cannot: the same test rejects it."""
     with seed_pool(fresh=True) as pool:
-        assert _min_tokens_chi_square(pool, "exact, 3 weighted workers, draft top-3", broken=True) < SIGNIFICANCE
+        assert (
+            _min_tokens_chi_square(pool, "exact, 3 weighted workers, draft top-3", broken=True) < SIGNIFICANCE
+        )
 
 
 @pytest.mark.parametrize("mode", [Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT, Mode.TREE])
@@ -346,11 +408,20 @@ def test_min_tokens_never_ends_before_its_count(mode: Mode, temperature: float) 
     With ignore_eos nothing is suppressed (as in vLLM): the tokens are those of ignore_eos alone."""
     table = random_table(V, 5)
     table[:, EOS] += 3.0
-    workers = [(MarkovRunner(table, eos_ids=[EOS]), 1.0)] if mode is Mode.SPLIT else list(zip([MarkovRunner(table, eos_ids=[EOS]), *EOS_TARGETS[1:]], WEIGHTS_3))
+    workers = (
+        [(MarkovRunner(table, eos_ids=[EOS]), 1.0)]
+        if mode is Mode.SPLIT
+        else list(zip([MarkovRunner(table, eos_ids=[EOS]), *EOS_TARGETS[1:]], WEIGHTS_3))
+    )
 
     async def run(seed: int, min_tokens: int, ignore_eos: bool = False) -> tuple[list[int], str | None]:
         engine = make_engine(EOS_DRAFT, workers, eos_ids=[EOS])
-        results = [r async for r in engine.generate(_min_tokens_request(seed, _spec(mode), min_tokens, 12, temperature, ignore_eos))]
+        results = [
+            r
+            async for r in engine.generate(
+                _min_tokens_request(seed, _spec(mode), min_tokens, 12, temperature, ignore_eos)
+            )
+        ]
         return list(itertools.chain.from_iterable(r.tokens for r in results)), results[-1].finish_reason
 
     stopped_after = 0
@@ -373,9 +444,15 @@ def test_greedy_min_tokens_is_the_argmax_without_eos() -> None:
     w /= w.sum()
     seq = list(PROMPT)
     for _ in range(3):
-        mix = sum(wn * torch.softmax(r.table[seq[-1]].float().index_fill(0, torch.tensor([EOS]), float("-inf")), -1).double() for (r, _), wn in zip(workers, w))
+        mix = sum(
+            wn
+            * torch.softmax(
+                r.table[seq[-1]].float().index_fill(0, torch.tensor([EOS]), float("-inf")), -1
+            ).double()
+            for (r, _), wn in zip(workers, w)
+        )
         seq.append(int(torch.argmax(mix)))  # type: ignore[call-overload]
-    expected = seq[len(PROMPT):] + [EOS]
+    expected = seq[len(PROMPT) :] + [EOS]
 
     for mode in (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.EXACT):
         engine = make_engine(EOS_DRAFT, workers, eos_ids=[EOS])
@@ -413,11 +490,13 @@ def test_workers_receive_only_what_they_lack() -> None:
     full = PROMPT + tokens
     for call in calls:
         assert full[call.prefix_len : call.prefix_len + len(call.tokens)] == call.tokens.tolist()
-    assert not any(call.seeded for call in calls)  # no seed from the client: the worker may batch its calls as it likes
+    # no seed from the client: the worker may batch its calls as it likes
+    assert not any(call.seeded for call in calls)
 
 
 def test_a_seeded_requests_calls_say_so() -> None:
-    """A request whose client gave the seed marks every worker call ``seeded``: a GPU worker then forwards it in buckets of its own."""
+    """A request whose client gave the seed marks every worker call ``seeded``: a GPU worker then forwards it
+    in buckets of its own."""
     engine = make_engine(DRAFT, [(TARGETS[0], 1.0)])
     request = replace(_request(3, _spec(Mode.AGGREGATE, 3), max_tokens=6), seeded=True)
     asyncio.run(_tokens(engine, request))
@@ -430,7 +509,10 @@ def test_top_k_reports_a_bound_that_covers_the_error() -> None:
     engine = make_engine(DRAFT, workers)
 
     async def run() -> list[tuple[list[float], list[float]]]:
-        return [(r.bound, r.error) async for r in engine.generate(_request(2, _spec(Mode.AGGREGATE, 3, k=2), max_tokens=20))]
+        return [
+            (r.bound, r.error)
+            async for r in engine.generate(_request(2, _spec(Mode.AGGREGATE, 3, k=2), max_tokens=20))
+        ]
 
     for bound, error in asyncio.run(run()):
         assert bound and len(bound) == len(error)
@@ -446,7 +528,9 @@ def test_greedy_asks_again_with_a_larger_k_when_top_k_cannot_certify() -> None:
     engine = make_engine(MarkovRunner(random_table(vocab, 1)), workers)
 
     async def run() -> list[int]:
-        tokens, _, _ = await _tokens(engine, _request(0, _spec(Mode.AUTOREGRESSIVE), max_tokens=2, temperature=0))
+        tokens, _, _ = await _tokens(
+            engine, _request(0, _spec(Mode.AUTOREGRESSIVE), max_tokens=2, temperature=0)
+        )
         return tokens
 
     assert asyncio.run(run()) == [10, 10]
@@ -467,7 +551,15 @@ OVERLAP_CASES = {
 
 
 def _overlapped(spec: SpecOptions) -> SpecOptions:
-    return SpecOptions(spec.mode, spec.num_draft_tokens, spec.k, spec.reconstruction, spec.draft_top_k, spec.draft_top_p, overlap=True)
+    return SpecOptions(
+        spec.mode,
+        spec.num_draft_tokens,
+        spec.k,
+        spec.reconstruction,
+        spec.draft_top_k,
+        spec.draft_top_p,
+        overlap=True,
+    )
 
 
 async def _rounds(engine: Engine, req: GenerationRequest) -> tuple[list[int], int, int]:
@@ -491,9 +583,13 @@ def test_overlap_gives_the_same_tokens_for_every_seed(case: str, temperature: fl
     async def run() -> tuple[int, int]:
         prepared = used = 0
         for seed in range(40):
-            req = GenerationRequest(f"r{seed}", PROMPT, 12, SamplingParams(temperature=temperature), seed, 0, spec)
+            req = GenerationRequest(
+                f"r{seed}", PROMPT, 12, SamplingParams(temperature=temperature), seed, 0, spec
+            )
             plain, _, _ = await _rounds(engine, req)
-            overlapped, p, u = await _rounds(engine, GenerationRequest(f"o{seed}", PROMPT, 12, req.params, seed, 0, _overlapped(spec)))
+            overlapped, p, u = await _rounds(
+                engine, GenerationRequest(f"o{seed}", PROMPT, 12, req.params, seed, 0, _overlapped(spec))
+            )
             assert overlapped == plain, seed
             prepared, used = prepared + p, used + u
         return prepared, used
@@ -531,7 +627,9 @@ def _overlapped_counts(case: str, seeds: range) -> tuple[torch.Tensor, int]:
     async def run() -> tuple[torch.Tensor, int]:
         counts, used = torch.zeros(V, V), 0
         for seed in seeds:
-            tokens, _, u = await _rounds(engine, GenerationRequest(f"r{seed}", PROMPT, 4, SamplingParams(), seed, 0, spec))
+            tokens, _, u = await _rounds(
+                engine, GenerationRequest(f"r{seed}", PROMPT, 4, SamplingParams(), seed, 0, spec)
+            )
             counts[tokens[2], tokens[3]] += 1
             used += u
         return counts, used
@@ -549,7 +647,10 @@ def test_overlapped_rounds_follow_the_target(case: str, processes: Executor) -> 
     counts = sum((c for c, _ in parts), torch.zeros(V, V))
     used = sum(u for _, u in parts)
     assert used > OVERLAP_SAMPLES // 20
-    assert pooled_chisquare(counts.flatten(), _joint_at(OVERLAP_CASES[case][1], 3).flatten() * OVERLAP_SAMPLES) > SIGNIFICANCE
+    assert (
+        pooled_chisquare(counts.flatten(), _joint_at(OVERLAP_CASES[case][1], 3).flatten() * OVERLAP_SAMPLES)
+        > SIGNIFICANCE
+    )
 
 
 # ----------------------------------------------------------------------------- relaxed verification (DSD)
@@ -557,7 +658,14 @@ def test_overlapped_rounds_follow_the_target(case: str, processes: Executor) -> 
 
 def _relaxed(tau_max: float, mode: Mode = Mode.AGGREGATE) -> SpecOptions:
     # exact: a wide draft support, so that p's top token can be certified on it (τ needs that)
-    return SpecOptions(mode, 3, None, Reconstruction.RENORMALIZE, 5 if mode is Mode.EXACT else 0, relaxation=Relaxation(tau_max=tau_max, kl_scale=2.0))
+    return SpecOptions(
+        mode,
+        3,
+        None,
+        Reconstruction.RENORMALIZE,
+        5 if mode is Mode.EXACT else 0,
+        relaxation=Relaxation(tau_max=tau_max, kl_scale=2.0),
+    )
 
 
 @pytest.mark.parametrize("mode", [Mode.AGGREGATE, Mode.EXACT])
@@ -569,13 +677,22 @@ def test_relaxation_with_tau_zero_is_strict_and_above_it_accepts_more(mode: Mode
         texts, drafted, accepted, tvs, taus = [], 0, 0, [], []
         for seed in range(120):
             tokens = []
-            async for r in engine.generate(GenerationRequest(f"r{seed}", PROMPT, 8, SamplingParams(), seed, 0, spec)):
+            async for r in engine.generate(
+                GenerationRequest(f"r{seed}", PROMPT, 8, SamplingParams(), seed, 0, spec)
+            ):
                 tokens += r.tokens
-                drafted, accepted, tvs, taus = drafted + r.drafted, accepted + r.accepted, tvs + r.relaxed_tv, taus + r.taus
+                drafted, accepted, tvs, taus = (
+                    drafted + r.drafted,
+                    accepted + r.accepted,
+                    tvs + r.relaxed_tv,
+                    taus + r.taus,
+                )
             texts.append(tokens)
         return texts, drafted, accepted, tvs, taus
 
-    strict, s_drafted, s_accepted, _, _ = asyncio.run(run(_spec(mode, draft_top_k=5 if mode is Mode.EXACT else 0)))
+    strict, s_drafted, s_accepted, _, _ = asyncio.run(
+        run(_spec(mode, draft_top_k=5 if mode is Mode.EXACT else 0))
+    )
     zero, _, _, zero_tv, _ = asyncio.run(run(_relaxed(0.0, mode)))
     assert zero == strict and zero_tv == []
     loose, l_drafted, l_accepted, tvs, taus = asyncio.run(run(_relaxed(0.9, mode)))

@@ -33,13 +33,23 @@ async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if path == "/slow":
         await asyncio.sleep(1.0)
     if path == "/chunked":  # no length: uvicorn sends it chunked
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-seen", headers.get(b"authorization", b"-"))]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"x-seen", headers.get(b"authorization", b"-"))],
+            }
+        )
         for i in range(0, len(body), 3):
-            await send({"type": "http.response.body", "body": body[i:i + 3], "more_body": True})
+            await send({"type": "http.response.body", "body": body[i : i + 3], "more_body": True})
         await send({"type": "http.response.body", "body": b""})
         return
     extra = [(b"connection", b"close")] if path == "/close" else []
-    out = [(b"content-length", str(len(body)).encode()), (b"server-timing", b"model;dur=1.5, total;dur=2"), *extra]
+    out = [
+        (b"content-length", str(len(body)).encode()),
+        (b"server-timing", b"model;dur=1.5, total;dur=2"),
+        *extra,
+    ]
     await send({"type": "http.response.start", "status": 418 if path == "/teapot" else 200, "headers": out})
     await send({"type": "http.response.body", "body": body})
 
@@ -53,8 +63,14 @@ def url() -> Any:
 async def test_answers_with_a_length_or_chunked_and_reuses_its_connection(url: str) -> None:
     fast = FastPost({"Authorization": "Bearer k"})
     try:
-        first = await fast.post(f"{url}/echo", b"hello", {"content-type": "application/octet-stream"}, TIMEOUT)
-        assert (first.status_code, first.content, first.headers["server-timing"]) == (200, b"hello", "model;dur=1.5, total;dur=2")
+        first = await fast.post(
+            f"{url}/echo", b"hello", {"content-type": "application/octet-stream"}, TIMEOUT
+        )
+        assert (first.status_code, first.content, first.headers["server-timing"]) == (
+            200,
+            b"hello",
+            "model;dur=1.5, total;dur=2",
+        )
         second = await fast.post(f"{url}/echo", b"x" * 100_000, {}, TIMEOUT)
         assert second.content == b"x" * 100_000
         assert sum(len(c) for c in fast._idle.values()) == 1  # one connection, kept and reused
@@ -91,7 +107,9 @@ async def test_failures_keep_their_kinds_through_the_channel(url: str) -> None:
             await channel.exchange(Replica(url, Breaker(3)), "/slow", b"", {}, traffic)
         assert timeout.value.kind == "timeout"
         with pytest.raises(ReplicaFailure) as refused:
-            await channel.exchange(Replica(f"http://127.0.0.1:{free_port()}", Breaker(3)), "/echo", b"", {}, traffic)
+            await channel.exchange(
+                Replica(f"http://127.0.0.1:{free_port()}", Breaker(3)), "/echo", b"", {}, traffic
+            )
         assert refused.value.kind == "connect"
     finally:
         await fast.aclose()
@@ -133,7 +151,8 @@ async def test_a_reused_connection_closed_under_it_is_retried_once_on_a_fresh_on
     try:
         assert (await fast.post(f"{url}/echo", b"again", {}, TIMEOUT)).content == b"again"
         assert handed == ["stale", "fresh"]
-        with pytest.raises(httpx.RemoteProtocolError):  # a fresh connection that closes is a failure, not a retry
+        with pytest.raises(httpx.RemoteProtocolError):
+            # a fresh connection that closes is a failure, not a retry
             await fast._exchange(_ClosedByServer(), b"x", TIMEOUT, may_be_stale=False)  # type: ignore[arg-type]
     finally:
         await fast.aclose()

@@ -27,21 +27,35 @@ from tests.app.fakes import make_engine
 from tests.app.helpers import FULL_STATISTICS, seed_pool
 from tests.app.test_engine import DRAFT, PROMPT, TARGETS, V, _target_joint, pooled_chisquare
 
-SAMPLES = 20_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 2_000  # the shortcut's bias gives p < 1e-15 at 1,000
+# the shortcut's bias gives p < 1e-15 at 1,000
+SAMPLES = 20_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 2_000
 SIGNIFICANCE = 1e-3
-SHAPES = {"nodes 1": TreeShape(ChildRule.FIXED, nodes=1, depth=1, top_k=1), "top-1 chain of 3": TreeShape(ChildRule.FIXED, nodes=3, depth=3, top_k=1)}
+SHAPES = {
+    "nodes 1": TreeShape(ChildRule.FIXED, nodes=1, depth=1, top_k=1),
+    "top-1 chain of 3": TreeShape(ChildRule.FIXED, nodes=3, depth=3, top_k=1),
+}
 WORKERS = {"1 worker": [(TARGETS[0], 1.0)], "2 workers 0.7/0.3": [(TARGETS[0], 0.7), (TARGETS[1], 0.3)]}
 PAYLOADS = {"aggregate k: full": Mode.AGGREGATE, "exact, draft top-3": Mode.EXACT}
 CELLS = [
-    ("nodes 1", "1 worker", "aggregate k: full"), pytest.param("nodes 1", "2 workers 0.7/0.3", "aggregate k: full", marks=FULL_STATISTICS),
-    pytest.param("nodes 1", "1 worker", "exact, draft top-3", marks=FULL_STATISTICS), ("nodes 1", "2 workers 0.7/0.3", "exact, draft top-3"),
+    ("nodes 1", "1 worker", "aggregate k: full"),
+    pytest.param("nodes 1", "2 workers 0.7/0.3", "aggregate k: full", marks=FULL_STATISTICS),
+    pytest.param("nodes 1", "1 worker", "exact, draft top-3", marks=FULL_STATISTICS),
+    ("nodes 1", "2 workers 0.7/0.3", "exact, draft top-3"),
     pytest.param("top-1 chain of 3", "2 workers 0.7/0.3", "exact, draft top-3", marks=FULL_STATISTICS),
 ]
 
 
 def _spec(shape: str, payload: str) -> SpecOptions:
     mode = PAYLOADS[payload]
-    return SpecOptions(Mode.TREE, 1, None, Reconstruction.RENORMALIZE, draft_top_k=3 if mode is Mode.EXACT else 0, tree=SHAPES[shape], tree_payload=mode)
+    return SpecOptions(
+        Mode.TREE,
+        1,
+        None,
+        Reconstruction.RENORMALIZE,
+        draft_top_k=3 if mode is Mode.EXACT else 0,
+        tree=SHAPES[shape],
+        tree_payload=mode,
+    )
 
 
 def _counts(shape: str, workers: str, payload: str, seeds: range, shortcut: bool = False) -> torch.Tensor:
@@ -73,18 +87,27 @@ def processes() -> Iterator[Executor]:
         yield pool
 
 
-def _pvalue(pool: Executor, shape: str, workers: str, payload: str, samples: int, shortcut: bool = False) -> float:
+def _pvalue(
+    pool: Executor, shape: str, workers: str, payload: str, samples: int, shortcut: bool = False
+) -> float:
     halves = [range(samples // 2), range(samples // 2, samples)]
-    counts = sum(pool.map(_counts, [shape] * 2, [workers] * 2, [payload] * 2, halves, [shortcut] * 2), torch.zeros(V, V))
+    counts = sum(
+        pool.map(_counts, [shape] * 2, [workers] * 2, [payload] * 2, halves, [shortcut] * 2),
+        torch.zeros(V, V),
+    )
     return pooled_chisquare(counts.flatten(), _target_joint(WORKERS[workers]).flatten() * samples)
 
 
 @pytest.mark.parametrize("shape, workers, payload", CELLS)
-def test_a_chain_of_fixed_children_follows_the_target(processes: Executor, shape: str, workers: str, payload: str) -> None:
+def test_a_chain_of_fixed_children_follows_the_target(
+    processes: Executor, shape: str, workers: str, payload: str
+) -> None:
     assert _pvalue(processes, shape, workers, payload, SAMPLES) > SIGNIFICANCE
 
 
-@pytest.mark.parametrize("workers", [w if w == "2 workers 0.7/0.3" else pytest.param(w, marks=FULL_STATISTICS) for w in WORKERS])
+@pytest.mark.parametrize(
+    "workers", [w if w == "2 workers 0.7/0.3" else pytest.param(w, marks=FULL_STATISTICS) for w in WORKERS]
+)
 def test_negative_control_the_chain_shortcut_is_rejected(workers: str) -> None:
     """Issue 32's bug put back (in fresh processes, which end with the test): rejected."""
     with seed_pool(fresh=True) as pool:

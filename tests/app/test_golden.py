@@ -49,8 +49,14 @@ def _tables() -> tuple[MarkovRunner, list[MarkovRunner]]:
 def _spec(mode: Mode, overlap: bool, **options: Any) -> SpecOptions:
     top_k = options.pop("draft_top_k", 3 if mode is Mode.EXACT and "draft_top_p" not in options else 0)
     return SpecOptions(
-        mode, options.pop("gamma", 3), options.pop("k", None), Reconstruction(options.pop("reconstruction", "renormalize")),
-        draft_top_k=top_k, draft_top_p=options.pop("draft_top_p", 1.0), overlap=overlap, relaxation=options.pop("relaxation", None),
+        mode,
+        options.pop("gamma", 3),
+        options.pop("k", None),
+        Reconstruction(options.pop("reconstruction", "renormalize")),
+        draft_top_k=top_k,
+        draft_top_p=options.pop("draft_top_p", 1.0),
+        overlap=overlap,
+        relaxation=options.pop("relaxation", None),
     )
 
 
@@ -71,7 +77,11 @@ def _cases() -> dict[str, dict[str, Any]]:
         for temperature in (0.0, 1.0):
             for overlap in (False, True) if mode is not Mode.AUTOREGRESSIVE else (False,):
                 cases[f"{name}, T={temperature:g}, overlap {'on' if overlap else 'off'}"] = {
-                    "mode": mode, "workers": workers, "options": options, "temperature": temperature, "overlap": overlap,
+                    "mode": mode,
+                    "workers": workers,
+                    "options": options,
+                    "temperature": temperature,
+                    "overlap": overlap,
                 }
     extras = {
         "aggregate relaxed": {"mode": Mode.AGGREGATE, "options": {"relaxation": Relaxation(0.5, 1.0)}},
@@ -88,7 +98,12 @@ def _cases() -> dict[str, dict[str, Any]]:
         "split min_tokens 6, T=0": {"mode": Mode.SPLIT, "workers": 1, "min_tokens": 6, "temperature": 0.0},
         "exact ignore_eos": {"mode": Mode.EXACT, "ignore_eos": True},
         "aggregate top_k 4 top_p 0.9, T=0.7": {"mode": Mode.AGGREGATE, "params": SamplingParams(0.7, 4, 0.9)},
-        "exact gamma 5, T=0.7, overlap on": {"mode": Mode.EXACT, "options": {"gamma": 5}, "temperature": 0.7, "overlap": True},
+        "exact gamma 5, T=0.7, overlap on": {
+            "mode": Mode.EXACT,
+            "options": {"gamma": 5},
+            "temperature": 0.7,
+            "overlap": True,
+        },
     }
     for name, case in extras.items():
         cases[name] = {"workers": 3, "options": {}, "temperature": 1.0, "overlap": False, **case}
@@ -104,9 +119,18 @@ async def _run(case: dict[str, Any], seed: int) -> dict[str, Any]:
     engine = make_engine(draft, workers, eos_ids=[EOS])
     params = case.get("params") or SamplingParams(temperature=case["temperature"])
     req = GenerationRequest(
-        f"g{seed}", PROMPT, MAX_TOKENS, params, seed, 0, _spec(case["mode"], case["overlap"], **dict(case["options"])),
-        top_logprobs=case.get("top_logprobs"), seeded=True, prompt_logprobs=case.get("prompt_logprobs"),
-        ignore_eos=case.get("ignore_eos", False), min_tokens=case.get("min_tokens", 0),
+        f"g{seed}",
+        PROMPT,
+        MAX_TOKENS,
+        params,
+        seed,
+        0,
+        _spec(case["mode"], case["overlap"], **dict(case["options"])),
+        top_logprobs=case.get("top_logprobs"),
+        seeded=True,
+        prompt_logprobs=case.get("prompt_logprobs"),
+        ignore_eos=case.get("ignore_eos", False),
+        min_tokens=case.get("min_tokens", 0),
     )
     rounds, logprobs, finish = [], [], None
     async for result in engine.generate(req):
@@ -121,21 +145,25 @@ async def _run(case: dict[str, Any], seed: int) -> dict[str, Any]:
 
 
 def _outputs(name: str) -> list[dict[str, Any]]:
-    return [json.loads(json.dumps(asyncio.run(_run(CASES[name], seed)))) for seed in SEEDS]  # as stored: lists, floats
+    # as stored: lists, floats
+    return [json.loads(json.dumps(asyncio.run(_run(CASES[name], seed)))) for seed in SEEDS]
 
 
 @pytest.fixture(scope="module")
 def golden() -> dict[str, Any]:
     if RECORD:
         GOLDEN.parent.mkdir(exist_ok=True)
-        GOLDEN.write_text(json.dumps({name: _outputs(name) for name in CASES}, indent=None, separators=(",", ":")) + "\n")
+        GOLDEN.write_text(
+            json.dumps({name: _outputs(name) for name in CASES}, indent=None, separators=(",", ":")) + "\n"
+        )
     return dict(json.loads(GOLDEN.read_text()))
 
 
 def test_every_case_is_recorded(golden: dict[str, Any]) -> None:
     assert sorted(golden) == sorted(CASES)
     assert any(o["finish"] == "stop" for outs in golden.values() for o in outs)  # EOS ends some answers
-    assert sum(len(o["rounds"]) for outs in golden.values() for o in outs) > 4 * len(SEEDS) * len(golden)  # many rounds each
+    # many rounds each
+    assert sum(len(o["rounds"]) for outs in golden.values() for o in outs) > 4 * len(SEEDS) * len(golden)
 
 
 @pytest.mark.parametrize("name", CASES)

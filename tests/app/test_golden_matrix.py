@@ -30,7 +30,15 @@ from app.engine import GenerationRequest
 from core.lookup import AcceptanceStats, LookupParams, SuffixIndex
 from core.names import Mode
 from tests.app.test_lossless_matrix import ALL_CELLS as CELLS
-from tests.app.test_lossless_matrix import LOOKUP_TOKENS, LOOKUPS, MAX_TOKENS, TRANSFORMS, Cell, _cancel_the_rest, _engine
+from tests.app.test_lossless_matrix import (
+    LOOKUP_TOKENS,
+    LOOKUPS,
+    MAX_TOKENS,
+    TRANSFORMS,
+    Cell,
+    _cancel_the_rest,
+    _engine,
+)
 from tests.matching import matches
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "matrix.json"
@@ -64,8 +72,17 @@ def _output(cell: Cell) -> dict[str, Any]:
     for output in LOOKUPS[cell.lookup][1] if cell.lookup else ():
         engine.draft.lookup.suffixes.add(list(output))
     req = GenerationRequest(
-        "golden", cell.prompt, MAX_TOKENS, cell.params, SEED, 0, cell.spec, seeded=cell.lookup != "suffix index" or cell.spec.auto_gamma,
-        min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform), draft_after=cell.late,
+        "golden",
+        cell.prompt,
+        MAX_TOKENS,
+        cell.params,
+        SEED,
+        0,
+        cell.spec,
+        seeded=cell.lookup != "suffix index" or cell.spec.auto_gamma,
+        min_tokens=cell.min_tokens,
+        transform=TRANSFORMS.get(cell.transform),
+        draft_after=cell.late,
     )
 
     async def run() -> dict[str, Any]:
@@ -73,7 +90,18 @@ def _output(cell: Cell) -> dict[str, Any]:
         finish = None
         async with aclosing(engine.generate(req)) as answers:
             async for r in answers:
-                results.append([list(r.tokens), r.drafted, r.accepted, r.forced, r.turns, r.rounds_ended, sum(r.bound), sum(r.relaxed_tv)])
+                results.append(
+                    [
+                        list(r.tokens),
+                        r.drafted,
+                        r.accepted,
+                        r.forced,
+                        r.turns,
+                        r.rounds_ended,
+                        sum(r.bound),
+                        sum(r.relaxed_tv),
+                    ]
+                )
                 finish = r.finish_reason or finish
         await _cancel_the_rest()  # a pipeline's segments still in flight
         return {"results": results, "finish": finish}
@@ -89,17 +117,27 @@ def _output(cell: Cell) -> dict[str, Any]:
 def golden() -> dict[str, Any]:
     torch.set_num_threads(1)
     if RECORD:
-        GOLDEN.write_text("{\n" + ",\n".join(f"{json.dumps(name, ensure_ascii=False)}: {json.dumps(_output(c), separators=(',', ':'))}" for name, c in NAMED.items()) + "\n}\n")
+        GOLDEN.write_text(
+            "{\n"
+            + ",\n".join(
+                f"{json.dumps(name, ensure_ascii=False)}: {json.dumps(_output(c), separators=(',', ':'))}"
+                for name, c in NAMED.items()
+            )
+            + "\n}\n"
+        )
     return dict(json.loads(GOLDEN.read_text()))
 
 
 def test_every_cell_is_recorded(golden: dict[str, Any]) -> None:
     assert sorted(golden) == sorted(NAMED)
     assert {o["finish"] for o in golden.values()} == {"stop", "length"}
-    assert sum(len(o["results"]) for o in golden.values()) > 3 * len(golden)  # rounds after the first (EOS is one of the four ids)
+    # rounds after the first (EOS is one of the four ids)
+    assert sum(len(o["results"]) for o in golden.values()) > 3 * len(golden)
 
 
-@pytest.mark.parametrize("mode", sorted({c.mode for c in CELLS}, key=lambda m: m.value), ids=lambda m: m.value)
+@pytest.mark.parametrize(
+    "mode", sorted({c.mode for c in CELLS}, key=lambda m: m.value), ids=lambda m: m.value
+)
 def test_seeded_output_of_every_cell_is_unchanged(golden: dict[str, Any], mode: Mode) -> None:
     changed = [name for name, c in NAMED.items() if c.mode is mode and not matches(_output(c), golden[name])]
     assert not changed, f"{len(changed)} cells changed, e.g. {changed[:5]}"

@@ -1,15 +1,15 @@
-"""A late draft (issue 49, app.engine.late): while the draft prefills a long prompt the rounds carry no draft and
-the targets sample their token; a seeded request takes exactly ``draft_after`` such rounds whatever the timing, an
-unseeded one goes on without the draft until it is ready. Its law, with a draft ready after k rounds, is proven
-exactly by the lossless matrix; here the timing-driven path (unseeded) by a chi-square with its control, and the
-rules by a draft whose prefill is held."""
+"""A late draft (issue 49, app.engine.late): while the draft prefills a long prompt the rounds carry no draft
+and the targets sample their token; a seeded request takes exactly ``draft_after`` such rounds whatever the
+timing, an unseeded one goes on without the draft until it is ready. Its law, with a draft ready after k
+rounds, is proven exactly by the lossless matrix; here the timing-driven path (unseeded) by a chi-square with
+its control, and the rules by a draft whose prefill is held."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from contextlib import aclosing
 from concurrent.futures import Executor
+from contextlib import aclosing
 
 import pytest
 import torch
@@ -37,8 +37,20 @@ WORKERS = list(zip(TARGETS, [0.5, 0.3, 0.2]))
 SPEC = SpecOptions(Mode.EXACT, 3, None, Reconstruction.RENORMALIZE, draft_top_k=3)
 
 
-def _request(seed: int, seeded: bool = False, max_tokens: int = 2, draft_after: int = 1, spec: SpecOptions = SPEC) -> GenerationRequest:
-    return GenerationRequest(f"r{seed}", PROMPT, max_tokens, SamplingParams(temperature=1.0), seed, 0, spec, seeded=seeded, draft_after=draft_after)
+def _request(
+    seed: int, seeded: bool = False, max_tokens: int = 2, draft_after: int = 1, spec: SpecOptions = SPEC
+) -> GenerationRequest:
+    return GenerationRequest(
+        f"r{seed}",
+        PROMPT,
+        max_tokens,
+        SamplingParams(temperature=1.0),
+        seed,
+        0,
+        spec,
+        seeded=seeded,
+        draft_after=draft_after,
+    )
 
 
 async def _results(engine: Engine, req: GenerationRequest) -> list[RoundResult]:
@@ -66,12 +78,17 @@ class _DraftsTheWaitingRound(RoundStrategy):
         if len(rnd.draft):
             return await self.inner.verify(rnd)
         q = DRAFT.next_probs(rnd.sequence[-1])
-        return RoundResult([sample_index(q, uniform(rnd.req.seed, rnd.req.choice, len(rnd.sequence), Purpose.BONUS))], 0, 0, Traffic())
+        return RoundResult(
+            [sample_index(q, uniform(rnd.req.seed, rnd.req.choice, len(rnd.sequence), Purpose.BONUS))],
+            0,
+            0,
+            Traffic(),
+        )
 
 
 def _counts(seeds: range, broken: bool) -> tuple[torch.Tensor, int]:
-    """In a pool process: counts of the first two tokens of unseeded requests whose draft is late, and the rounds
-    that carried no draft."""
+    """In a pool process: counts of the first two tokens of unseeded requests whose draft is late, and the
+    rounds that carried no draft."""
     if broken:
         STRATEGIES[SPEC.verifier] = _DraftsTheWaitingRound(STRATEGIES[SPEC.verifier])  # type: ignore[arg-type]
         loop_module.STRATEGIES[SPEC.verifier] = STRATEGIES[SPEC.verifier]
@@ -141,7 +158,9 @@ def test_an_unseeded_request_goes_on_without_the_draft_until_it_is_ready() -> No
 
 
 @pytest.mark.parametrize(("draft_after", "wait"), [(1, False), (2, False), (1, True)])
-def test_a_seeded_request_takes_its_rounds_without_a_draft_whatever_the_timing(draft_after: int, wait: bool) -> None:
+def test_a_seeded_request_takes_its_rounds_without_a_draft_whatever_the_timing(
+    draft_after: int, wait: bool
+) -> None:
     async def run(delay: float) -> tuple[list[int], list[int]]:
         engine = make_engine(DRAFT, WORKERS)
         engine.prefill_waits = wait
@@ -173,7 +192,11 @@ def test_a_request_that_stops_early_stops_the_prefill() -> None:
     assert not asyncio.run(run())
 
 
-@pytest.mark.parametrize("spec", [SpecOptions(Mode.AUTOREGRESSIVE, 3, None, Reconstruction.RENORMALIZE), SPEC], ids=["autoregressive", "max_tokens 1"])
+@pytest.mark.parametrize(
+    "spec",
+    [SpecOptions(Mode.AUTOREGRESSIVE, 3, None, Reconstruction.RENORMALIZE), SPEC],
+    ids=["autoregressive", "max_tokens 1"],
+)
 def test_nothing_waits_where_nothing_drafts(spec: SpecOptions) -> None:
     engine = make_engine(DRAFT, WORKERS)
     max_tokens = 1 if spec.mode is Mode.EXACT else 6
@@ -181,11 +204,17 @@ def test_nothing_waits_where_nothing_drafts(spec: SpecOptions) -> None:
     assert all(r.without_draft == 0 for r in results)
 
 
-@pytest.mark.parametrize(("wait", "seeded", "started"), [(False, False, [0]), (True, False, [1]), (False, True, [0]), (True, True, [])])
-def test_the_prefill_starts_beside_the_first_round_or_after_it(wait: bool, seeded: bool, started: list[int]) -> None:
-    """``prefill_waits`` (``draft.background_prefill_wait``, set where the draft and the workers share cores): the
-    draft's prefill starts once the first round is done, not beside it — and not at all where the next round drafts
-    anyway (seeded, one round without a draft): that draft prefills in its place."""
+@pytest.mark.parametrize(
+    ("wait", "seeded", "started"),
+    [(False, False, [0]), (True, False, [1]), (False, True, [0]), (True, True, [])],
+)
+def test_the_prefill_starts_beside_the_first_round_or_after_it(
+    wait: bool, seeded: bool, started: list[int]
+) -> None:
+    """``prefill_waits`` (``draft.background_prefill_wait``, set where the draft and the workers share cores):
+    the draft's prefill starts once the first round is done, not beside it — and not at all where the next
+    round drafts anyway (seeded, one round without a draft): that draft prefills in its place."""
+
     async def run() -> list[int]:
         engine = make_engine(DRAFT, WORKERS)
         engine.prefill_waits = wait

@@ -23,7 +23,11 @@ PROMPT = [3, 1, 7, 7, 2]
 DRAFT = MarkovRunner(random_table(V, 100, sharpness=1.0), name="draft")
 TARGETS = [MarkovRunner(random_table(V, 300 + i, sharpness=1.0), name=f"t{i}") for i in range(2)]
 CASES = [  # mode, number of workers
-    (Mode.AUTOREGRESSIVE, 2), (Mode.AGGREGATE, 2), (Mode.SPLIT, 1), (Mode.EXACT, 1), (Mode.EXACT, 2),
+    (Mode.AUTOREGRESSIVE, 2),
+    (Mode.AGGREGATE, 2),
+    (Mode.SPLIT, 1),
+    (Mode.EXACT, 1),
+    (Mode.EXACT, 2),
 ]
 
 
@@ -39,12 +43,32 @@ def _engine(num_workers: int) -> tuple[Engine, list[tuple[MarkovRunner, float]]]
     return make_engine(DRAFT, workers), workers
 
 
-def _request(mode: Mode, temperature: float, seed: int, top: int | None, prompt_logprobs: int | None = None, max_tokens: int = 24) -> GenerationRequest:
+def _request(
+    mode: Mode,
+    temperature: float,
+    seed: int,
+    top: int | None,
+    prompt_logprobs: int | None = None,
+    max_tokens: int = 24,
+) -> GenerationRequest:
     spec = SpecOptions(mode, 3, None, Reconstruction.RENORMALIZE, draft_top_k=6 if mode is Mode.EXACT else 0)
-    return GenerationRequest(f"r{seed}", PROMPT, max_tokens, SamplingParams(temperature=temperature), seed, 0, spec, top, True, prompt_logprobs)
+    return GenerationRequest(
+        f"r{seed}",
+        PROMPT,
+        max_tokens,
+        SamplingParams(temperature=temperature),
+        seed,
+        0,
+        spec,
+        top,
+        True,
+        prompt_logprobs,
+    )
 
 
-async def _run(engine: Engine, req: GenerationRequest) -> tuple[list[int], list[TokenLogprob], list[TokenLogprob] | None]:
+async def _run(
+    engine: Engine, req: GenerationRequest
+) -> tuple[list[int], list[TokenLogprob], list[TokenLogprob] | None]:
     tokens: list[int] = []
     logprobs: list[TokenLogprob] = []
     prompt = None
@@ -62,7 +86,8 @@ def test_each_tokens_logprob_is_the_targets(mode: Mode, num_workers: int, temper
     engine, workers = _engine(num_workers)
     for seed in range(4):
         tokens, logprobs, _ = asyncio.run(_run(engine, _request(mode, temperature, seed, top=3)))
-        if mode is Mode.EXACT and num_workers == 2 and temperature > 0:  # a worker's sample ended some rounds: scored by all
+        if mode is Mode.EXACT and num_workers == 2 and temperature > 0:
+            # a worker's sample ended some rounds: scored by all
             assert any(c.score_ids is not None for c in engine.pool.workers[1].calls)  # type: ignore[attr-defined]
         assert [lp.token for lp in logprobs] == tokens and len(tokens) == 24
         for last, lp in zip([PROMPT[-1], *tokens], logprobs):
@@ -81,9 +106,12 @@ def test_each_tokens_logprob_is_the_targets(mode: Mode, num_workers: int, temper
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_echoed_prompt_logprobs_are_the_targets(num_workers: int, max_tokens: int) -> None:
     engine, workers = _engine(num_workers)
-    tokens, _, prompt = asyncio.run(_run(engine, _request(Mode.EXACT, 1.0, 1, top=2, prompt_logprobs=2, max_tokens=max_tokens)))
+    tokens, _, prompt = asyncio.run(
+        _run(engine, _request(Mode.EXACT, 1.0, 1, top=2, prompt_logprobs=2, max_tokens=max_tokens))
+    )
     assert len(tokens) == max_tokens and prompt is not None and [lp.token for lp in prompt] == PROMPT
-    assert prompt[0].logprob is None and prompt[0].top is None  # nothing predicts the first token (vLLM: null)
+    # nothing predicts the first token (vLLM: null)
+    assert prompt[0].logprob is None and prompt[0].top is None
     for last, lp in zip(PROMPT, prompt[1:]):
         target = _target(workers, last, 1.0)
         assert lp.logprob == pytest.approx(float(torch.log(target[lp.token])), abs=1e-4)
@@ -108,12 +136,40 @@ def test_without_logprobs_no_message_grows(mode: Mode, num_workers: int) -> None
 
 
 def test_a_response_without_logprobs_has_none_of_their_arrays() -> None:
-    worker_req = VerifyRequest.after("s", [], PROMPT, [4, 5], mode=Mode.EXACT.value, support_ids=np.array([4, 9, 5]), support_sizes=np.array([2, 1], dtype=np.int32))
+    worker_req = VerifyRequest.after(
+        "s",
+        [],
+        PROMPT,
+        [4, 5],
+        mode=Mode.EXACT.value,
+        support_ids=np.array([4, 9, 5]),
+        support_sizes=np.array([2, 1], dtype=np.int32),
+    )
     engine, _ = _engine(1)
     state = engine.pool.workers[0].state  # type: ignore[attr-defined]
     plain: VerifyResponse = state.steps.verify(worker_req)
-    asked: VerifyResponse = state.steps.verify(VerifyRequest.after("t", [], PROMPT, [4, 5], mode=Mode.EXACT.value, support_ids=np.array([4, 9, 5]), support_sizes=np.array([2, 1], dtype=np.int32), logprobs=2))
-    extra = ("draft_logprobs", "sample_logprobs", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs", "score_logprobs")
+    asked: VerifyResponse = state.steps.verify(
+        VerifyRequest.after(
+            "t",
+            [],
+            PROMPT,
+            [4, 5],
+            mode=Mode.EXACT.value,
+            support_ids=np.array([4, 9, 5]),
+            support_sizes=np.array([2, 1], dtype=np.int32),
+            logprobs=2,
+        )
+    )
+    extra = (
+        "draft_logprobs",
+        "sample_logprobs",
+        "top_ids",
+        "top_logprobs",
+        "prompt_logprobs",
+        "prompt_top_ids",
+        "prompt_top_logprobs",
+        "score_logprobs",
+    )
     assert all(getattr(plain, name) is None for name in extra)
     assert asked.sample_logprobs is not None and asked.top_ids is not None and asked.top_ids.shape == (3, 2)
     assert len(encode_binary(asked, V)) > len(encode_binary(plain, V))

@@ -41,17 +41,25 @@ from app.engine.round import Round
 from app.engine.strategies import STRATEGIES, RoundStrategy
 from app.engine.strategies import pipeline as pipeline_strategy
 from core.config import TreeParams
+from core.grammar import GrammarKind, GrammarSpec
+from core.lookup import AcceptanceStats, LookupParams, SuffixIndex
+from core.math import walk as tree_math
 from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams, apply_sampling, normalised
-from core.math import walk as tree_math
 from core.math.shapes import ChildRule, SegmentSchedule, TreeShape
 from core.math.tree import TokenTree
 from core.modes import GUARANTEES, MODES, SERVED_MODES, Guarantee, Payload, guarantee
-from core.lookup import AcceptanceStats, LookupParams, SuffixIndex
 from core.names import Mode, Reconstruction
-from core.grammar import GrammarKind, GrammarSpec
 from core.transform import TransformSpec
-from tests.app.fakes import MarkovRunner, TableMatcher, make_engine, pipeline_engine, random_table, split_pipeline, with_table_grammar
+from tests.app.fakes import (
+    MarkovRunner,
+    TableMatcher,
+    make_engine,
+    pipeline_engine,
+    random_table,
+    split_pipeline,
+    with_table_grammar,
+)
 from tests.app.helpers import seed_pool
 from tests.draws import ExactDraws
 from tests.draws import prefix_distance as draws_prefix_distance
@@ -83,8 +91,18 @@ TARGETS = [MarkovRunner(_table(600 + i), eos_ids=[EOS], name=f"t{i}") for i in r
 WORKER_SETS = {"1 worker": [1.0], "2 workers 0.7/0.3": [0.7, 0.3]}
 CHAIN_SHAPES = {"γ=1": 1, "γ=2": 2}
 TREE_SHAPES: dict[ChildRule, dict[str, dict[str, Any]]] = {  # TreeParams as a request gives them
-    ChildRule.SAMPLED: {"⟨1⟩": {"widths": [1]}, "⟨1,1⟩": {"widths": [1, 1]}, "⟨2⟩": {"widths": [2]}, "⟨2,1⟩": {"widths": [2, 1]}},
-    ChildRule.SAMPLED_DISTINCT: {"⟨1⟩": {"widths": [1]}, "⟨1,1⟩": {"widths": [1, 1]}, "⟨2⟩": {"widths": [2]}, "⟨2,1⟩": {"widths": [2, 1]}},
+    ChildRule.SAMPLED: {
+        "⟨1⟩": {"widths": [1]},
+        "⟨1,1⟩": {"widths": [1, 1]},
+        "⟨2⟩": {"widths": [2]},
+        "⟨2,1⟩": {"widths": [2, 1]},
+    },
+    ChildRule.SAMPLED_DISTINCT: {
+        "⟨1⟩": {"widths": [1]},
+        "⟨1,1⟩": {"widths": [1, 1]},
+        "⟨2⟩": {"widths": [2]},
+        "⟨2,1⟩": {"widths": [2, 1]},
+    },
     ChildRule.FIXED: {
         "nodes 1": {"nodes": 1, "depth": 1, "top_k": 1},
         "top-1 chain of 2": {"nodes": 2, "depth": 2, "top_k": 1},
@@ -93,15 +111,26 @@ TREE_SHAPES: dict[ChildRule, dict[str, dict[str, Any]]] = {  # TreeParams as a r
     },
 }
 PIPELINE_SHAPES = {
-    "nodes 1, segments of 1": SegmentSchedule(TreeShape(ChildRule.FIXED, nodes=1, depth=1, top_k=1), segment=1, in_flight=1, expand=False),
-    "top-1 chain of 2, segments of 1": SegmentSchedule(TreeShape(ChildRule.FIXED, nodes=2, depth=2, top_k=1), segment=1, in_flight=2, expand=False),
-    "nodes 3 depth 2 top-2, segments of 2, expanding": SegmentSchedule(TreeShape(ChildRule.FIXED, nodes=3, depth=2, top_k=2), segment=2, in_flight=2),
+    "nodes 1, segments of 1": SegmentSchedule(
+        TreeShape(ChildRule.FIXED, nodes=1, depth=1, top_k=1), segment=1, in_flight=1, expand=False
+    ),
+    "top-1 chain of 2, segments of 1": SegmentSchedule(
+        TreeShape(ChildRule.FIXED, nodes=2, depth=2, top_k=1), segment=1, in_flight=2, expand=False
+    ),
+    "nodes 3 depth 2 top-2, segments of 2, expanding": SegmentSchedule(
+        TreeShape(ChildRule.FIXED, nodes=3, depth=2, top_k=2), segment=2, in_flight=2
+    ),
 }
-TREE_PAYLOADS = {Payload.FULL: ("aggregate", None), Payload.TOP_K: ("aggregate", 2), Payload.SPARSE: ("exact", None)}
+TREE_PAYLOADS = {
+    Payload.FULL: ("aggregate", None),
+    Payload.TOP_K: ("aggregate", 2),
+    Payload.SPARSE: ("exact", None),
+}
 PROFILED = ("T=0", "T=1 top-k 2")  # the samplings ``profile`` (timing on) is crossed with
 TOP_K = 2  # k of the top-k payload: two of the four ids left out
 MIN_P = 0.3  # with min_tokens: EOS leaves before min-p takes its share of the top (issue 46)
-EOS_TOP_PROMPT = (0, 1)  # t0's top token after 1 is EOS (0.68): min-p's threshold there depends on whether EOS went first
+# t0's top token after 1 is EOS (0.68): min-p's threshold there depends on whether EOS went first
+EOS_TOP_PROMPT = (0, 1)
 DRAFT_TOP_K = 2  # exact's truncation: two ids off every draft support (the complement sample is a real draw)
 
 # Transforms (docs/design.md §3.9), each crossed with every mode, payload,
@@ -109,23 +138,35 @@ DRAFT_TOP_K = 2  # exact's truncation: two ids off every draft support (the comp
 _GRAMMAR = GrammarSpec(GrammarKind.REGEX, "the table grammar")
 TRANSFORMS = {
     "logit_bias": TransformSpec(logit_bias=((0, -1.5), (2, 2.0)), prompt_len=len(PROMPT)),
-    "presence + frequency": TransformSpec(presence_penalty=1.2, frequency_penalty=0.7, prompt_len=len(PROMPT)),
+    "presence + frequency": TransformSpec(
+        presence_penalty=1.2, frequency_penalty=0.7, prompt_len=len(PROMPT)
+    ),
     "repetition": TransformSpec(repetition_penalty=1.8, prompt_len=len(PROMPT)),
     "grammar": TransformSpec(grammar=_GRAMMAR, prompt_len=len(PROMPT)),
-    "all": TransformSpec(logit_bias=((2, 0.5),), presence_penalty=0.6, frequency_penalty=0.9, repetition_penalty=1.3, grammar=_GRAMMAR, prompt_len=len(PROMPT)),
+    "all": TransformSpec(
+        logit_bias=((2, 0.5),),
+        presence_penalty=0.6,
+        frequency_penalty=0.9,
+        repetition_penalty=1.3,
+        grammar=_GRAMMAR,
+        prompt_len=len(PROMPT),
+    ),
 }
 
 # What the generator does with each field of ``speculative`` (core.modes): a field it does not
 # know fails test_the_matrix_covers_every_registry.
 PRIMARY_FIELDS = {"mode", "k", "tree", "num_draft_tokens", "overlap", "pipeline"}  # in the full product
-SECONDARY_FIELDS = {"draft_top_k", "draft_top_p", "reconstruction", "relaxation", "profile", "drafter"}  # each value crossed with mode × payload × workers × sampling
+# each value crossed with mode × payload × workers × sampling
+SECONDARY_FIELDS = {"draft_top_k", "draft_top_p", "reconstruction", "relaxation", "profile", "drafter"}
 
 # Lookup drafting (docs/design.md §3.10): (prompt, outputs already in the suffix index). The prompt's last
 # "1 0" recurs at its start, so prompt lookup proposes 0 2 1 0 — the draft model's top-1 after 0
 # is 0, so model+lookup keeps the first and drafts on from there; with no repeat in the prompt,
 # the suffix index's "0" continues as 0 2 1.
 LOOKUPS = {"prompt lookup": ((1, 0, 0, 2, 1, 0), ()), "suffix index": (tuple(PROMPT), ((2, 0, 0, 2, 1),))}
-LOOKUP_TOKENS = 2  # a lookup's chain at most: exact's payload draws a complement sample at each of its δ rows (4 tokens: 1,600–200,000 runs)
+# a lookup's chain at most: exact's payload draws a complement sample at each of its δ rows (4 tokens:
+# 1,600–200,000 runs)
+LOOKUP_TOKENS = 2
 DRAFTER_CELLS = (("lookup", "prompt lookup"), ("lookup", "suffix index"), ("model+lookup", "prompt lookup"))
 
 
@@ -145,7 +186,8 @@ class Cell:
     transform: str = ""  # a key of TRANSFORMS
     rounds: int = 1  # the decided rounds whose tokens are checked
     lookup: str = ""  # a key of LOOKUPS: the prompt and what the suffix index holds
-    late: int = 0  # a late draft (app.engine.late): ready after this many rounds, the targets sampling them alone
+    # a late draft (app.engine.late): ready after this many rounds, the targets sampling them alone
+    late: int = 0
 
     @property
     def prompt(self) -> list[int]:
@@ -156,7 +198,14 @@ class Cell:
     @property
     def name(self) -> str:
         parts = [self.mode.value, self.payload.value, self.rule, self.shape, self.workers, self.sampling]
-        more = [*(["overlap"] if self.overlap else []), *([self.option] if self.option else []), *([self.lookup] if self.lookup else []), *([self.transform] if self.transform else []), *([f"draft ready after {self.late} rounds"] if self.late else []), *([f"{self.rounds} rounds"] if self.rounds > 1 else [])]
+        more = [
+            *(["overlap"] if self.overlap else []),
+            *([self.option] if self.option else []),
+            *([self.lookup] if self.lookup else []),
+            *([self.transform] if self.transform else []),
+            *([f"draft ready after {self.late} rounds"] if self.late else []),
+            *([f"{self.rounds} rounds"] if self.rounds > 1 else []),
+        ]
         return " · ".join([*parts, *more])
 
     @property
@@ -170,12 +219,24 @@ class Cell:
 
 def _spec(mode: Mode, payload: Payload, **options: Any) -> SpecOptions:
     k = TOP_K if payload is Payload.TOP_K else None
-    draft_top_k = options.pop("draft_top_k", DRAFT_TOP_K if payload is Payload.SPARSE and "draft_top_p" not in options else 0)
+    draft_top_k = options.pop(
+        "draft_top_k", DRAFT_TOP_K if payload is Payload.SPARSE and "draft_top_p" not in options else 0
+    )
     return SpecOptions(
-        mode, options.pop("gamma", 2), k, options.pop("reconstruction", Reconstruction.RENORMALIZE), draft_top_k=draft_top_k,
-        draft_top_p=options.pop("draft_top_p", 1.0), overlap=options.pop("overlap", False), relaxation=options.pop("relaxation", None),
-        tree=options.pop("tree", None), tree_payload=options.pop("tree_payload", Mode.AGGREGATE), pipeline=options.pop("pipeline", None),
-        profile=options.pop("profile", False), drafter=options.pop("drafter", "model"), auto_gamma=options.pop("auto_gamma", False),
+        mode,
+        options.pop("gamma", 2),
+        k,
+        options.pop("reconstruction", Reconstruction.RENORMALIZE),
+        draft_top_k=draft_top_k,
+        draft_top_p=options.pop("draft_top_p", 1.0),
+        overlap=options.pop("overlap", False),
+        relaxation=options.pop("relaxation", None),
+        tree=options.pop("tree", None),
+        tree_payload=options.pop("tree_payload", Mode.AGGREGATE),
+        pipeline=options.pop("pipeline", None),
+        profile=options.pop("profile", False),
+        drafter=options.pop("drafter", "model"),
+        auto_gamma=options.pop("auto_gamma", False),
     )
 
 
@@ -219,14 +280,17 @@ def _secondary(mode: Mode, payload: Payload, sampling: str) -> Iterator[tuple[st
 
 
 def _payloads(mode: Mode) -> list[Payload]:
-    return [p for p in Payload if p in MODES[mode].payloads and p is not Payload.ENGINE]  # engines: test_openai_target
+    # engines: test_openai_target
+    return [p for p in Payload if p in MODES[mode].payloads and p is not Payload.ENGINE]
 
 
 def _worker_sets(mode: Mode) -> list[str]:
     return list(WORKER_SETS)[:1] if MODES[mode].one_worker else list(WORKER_SETS)
 
 
-def _affordable(mode: Mode, payload: Payload, workers: str, shapes: list[tuple[str, str, dict[str, Any]]]) -> list[tuple[str, str, dict[str, Any]]]:
+def _affordable(
+    mode: Mode, payload: Payload, workers: str, shapes: list[tuple[str, str, dict[str, Any]]]
+) -> list[tuple[str, str, dict[str, Any]]]:
     """Exact's payload draws a complement sample per row and worker, every one of them enumerated:
     two workers with two ids off each support on a three-node tree is 12,000–17,000 runs (70–90 s)
     a cell. With two workers exact's payload leaves one id off (``_two_workers``: the complement is
@@ -239,7 +303,12 @@ def _affordable(mode: Mode, payload: Payload, workers: str, shapes: list[tuple[s
 
 
 def _two_workers(payload: Payload, workers: str, options: dict[str, Any]) -> dict[str, Any]:
-    if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and "draft_top_k" not in options and "draft_top_p" not in options:
+    if (
+        payload is Payload.SPARSE
+        and len(WORKER_SETS[workers]) > 1
+        and "draft_top_k" not in options
+        and "draft_top_p" not in options
+    ):
         return {**options, "draft_top_k": V - 1}
     return options
 
@@ -250,35 +319,82 @@ def cells() -> list[Cell]:
         for payload in _payloads(mode):
             for workers, sampling in itertools.product(_worker_sets(mode), SAMPLINGS):
                 shapes = _affordable(mode, payload, workers, list(_shapes(mode, payload)))
-                rule_of = (lambda rule: "greedy" if sampling == "T=0" and rule != "none" else rule)
+
+                def rule_of(rule: str, sampling: str = sampling) -> str:
+                    return "greedy" if sampling == "T=0" and rule != "none" else rule
+
                 overlaps = [False, True] if "overlap" in MODES[mode].fields else [False]
                 for (rule, shape, options), overlap in itertools.product(shapes, overlaps):
                     if overlap and options.get("gamma", 1) > 1:
                         continue  # two rounds enumerated: γ = 1 (γ = 2 takes ~9,000 runs a cell)
                     spec = _spec(mode, payload, overlap=overlap, **_two_workers(payload, workers, options))
-                    out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, overlap, spec=spec))
-                rule, shape, options = shapes[0] if mode is Mode.PIPELINE else shapes[-1]  # a pipeline's expanding tree: 1,100 runs, 18 s a cell
+                    out.append(
+                        Cell(mode, payload, rule_of(rule), shape, workers, sampling, overlap, spec=spec)
+                    )
+                # a pipeline's expanding tree: 1,100 runs, 18 s a cell
+                rule, shape, options = shapes[0] if mode is Mode.PIPELINE else shapes[-1]
                 for label, extra, min_tokens in _secondary(mode, payload, sampling):
                     if "draft_top_p" in extra and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
-                        continue  # a complement of two ids per row and worker again (6,000 runs): one worker has it
+                        # a complement of two ids per row and worker again (6,000 runs): one worker has it
+                        continue
                     if "auto_gamma" in extra and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
-                        continue  # two rounds of two workers' complement draws (19,000 runs, 74 s): one worker has it
+                        # two rounds of two workers' complement draws (19,000 runs, 74 s): one worker has it
+                        continue
                     spec = _spec(mode, payload, **_two_workers(payload, workers, {**options, **extra}))
                     min_p = MIN_P if "min_p" in label else 0.0
                     rounds = 2 if spec.auto_gamma else 1
-                    out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option=label, spec=spec, min_tokens=min_tokens, min_p=min_p, rounds=rounds))
+                    out.append(
+                        Cell(
+                            mode,
+                            payload,
+                            rule_of(rule),
+                            shape,
+                            workers,
+                            sampling,
+                            option=label,
+                            spec=spec,
+                            min_tokens=min_tokens,
+                            min_p=min_p,
+                            rounds=rounds,
+                        )
+                    )
                 out += _transform_cells(mode, payload, workers, sampling, shapes, rule_of)
-                if "drafter" in MODES[mode].fields:  # lookup chains: δ rows, alone or before the model's; in trees, a branch of deterministic children
+                if "drafter" in MODES[mode].fields:
+                    # lookup chains: δ rows, alone or before the model's; in trees, a branch of deterministic
+                    # children
                     for drafter, lookup in DRAFTER_CELLS:
-                        if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and ((drafter, lookup) != DRAFTER_CELLS[0] or sampling == "T=1"):
-                            continue  # two workers' complement draws at every δ row: 7,800–9,200 runs a cell at T = 1; one cell, with top-k 2 sampling (96 runs)
+                        if (
+                            payload is Payload.SPARSE
+                            and len(WORKER_SETS[workers]) > 1
+                            and ((drafter, lookup) != DRAFTER_CELLS[0] or sampling == "T=1")
+                        ):
+                            # two workers' complement draws at every δ row: 7,800–9,200 runs a cell at T = 1;
+                            # one cell, with top-k 2 sampling (96 runs)
+                            continue
                         if mode is Mode.PIPELINE and drafter == "lookup":
                             continue  # a pipeline expands its tree with the model (a 400)
                         if mode is Mode.TREE and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
-                            continue  # exact's chain cell has it (7,800 runs here); the lookup branch cells run two workers
-                        at, label, given = shapes[1] if mode is Mode.PIPELINE else (rule, shape, options)  # a pipeline's expanding tree with a branch: 2,000 runs, 22 s
-                        spec = _spec(mode, payload, **_two_workers(payload, workers, {**given, "drafter": drafter}))
-                        out.append(Cell(mode, payload, rule_of(at), label, workers, sampling, option=f"drafter {drafter}", spec=spec, lookup=lookup))
+                            # exact's chain cell has it (7,800 runs here); the lookup branch cells run two
+                            # workers
+                            continue
+                        # a pipeline's expanding tree with a branch: 2,000 runs, 22 s
+                        at, label, given = shapes[1] if mode is Mode.PIPELINE else (rule, shape, options)
+                        spec = _spec(
+                            mode, payload, **_two_workers(payload, workers, {**given, "drafter": drafter})
+                        )
+                        out.append(
+                            Cell(
+                                mode,
+                                payload,
+                                rule_of(at),
+                                label,
+                                workers,
+                                sampling,
+                                option=f"drafter {drafter}",
+                                spec=spec,
+                                lookup=lookup,
+                            )
+                        )
                 if mode is Mode.TREE:
                     out += _lookup_branch_cells(payload, workers, sampling, rule_of)
                 out += _late_cells(mode, payload, workers, sampling, shapes, rule_of)
@@ -288,31 +404,89 @@ def cells() -> list[Cell]:
 LATE_ROUNDS = (1, 2)  # a draft ready after k rounds (k = 0: every other cell)
 
 
-def _late_cells(mode: Mode, payload: Payload, workers: str, sampling: str, shapes: list[tuple[str, str, dict[str, Any]]], rule_of: Any) -> list[Cell]:
-    """A late draft (issue 49) in every mode that drafts: the first k rounds carry none (the targets sample their
-    token), then the mode's own round on the mode's last shape (a pipeline's first): k + 1 rounds checked. k = 1 with
-    every worker set at T = 0 and T = 1 (two workers on exact's payload: top-k 2, each complement draw enumerated);
-    k = 2 with one worker at T = 1, but on exact's payload (each round without a draft multiplies the runs by V: 1,800). With one worker at T = 1
-    also a model+lookup drafter and a sampled tree; at T = 1 with top-k 2, overlap (the round after the first
-    draft verifies one prepared in its flight)."""
+def _late_cells(
+    mode: Mode,
+    payload: Payload,
+    workers: str,
+    sampling: str,
+    shapes: list[tuple[str, str, dict[str, Any]]],
+    rule_of: Any,
+) -> list[Cell]:
+    """A late draft (issue 49) in every mode that drafts: the first k rounds carry none (the targets sample
+    their token), then the mode's own round on the mode's last shape (a pipeline's first): k + 1 rounds
+    checked. k = 1 with every worker set at T = 0 and T = 1 (two workers on exact's payload: top-k 2, each
+    complement draw enumerated); k = 2 with one worker at T = 1, but on exact's payload (each round without a
+    draft multiplies the runs by V: 1,800). With one worker at T = 1 also a model+lookup drafter and a sampled
+    tree; at T = 1 with top-k 2, overlap (the round after the first draft verifies one prepared in its
+    flight)."""
     two = len(WORKER_SETS[workers]) > 1
-    if MODES[mode].drafts and not two and sampling == "T=1 top-k 2" and payload is Payload.FULL and mode is Mode.AGGREGATE:  # T = 1: 32,000 runs
+    if (
+        MODES[mode].drafts
+        and not two
+        and sampling == "T=1 top-k 2"
+        and payload is Payload.FULL
+        and mode is Mode.AGGREGATE
+    ):
+        # T = 1: 32,000 runs
         overlap = _spec(mode, payload, gamma=1, overlap=True)
-        return [Cell(mode, payload, "chain", "γ=1", workers, sampling, spec=overlap, option="overlap", late=1, rounds=3)]
-    if not MODES[mode].drafts or sampling not in ("T=0", "T=1 top-k 2" if two and payload is Payload.SPARSE else "T=1"):
+        return [
+            Cell(
+                mode,
+                payload,
+                "chain",
+                "γ=1",
+                workers,
+                sampling,
+                spec=overlap,
+                option="overlap",
+                late=1,
+                rounds=3,
+            )
+        ]
+    if not MODES[mode].drafts or sampling not in (
+        "T=0",
+        "T=1 top-k 2" if two and payload is Payload.SPARSE else "T=1",
+    ):
         return []
     rule, shape, options = shapes[0] if mode is Mode.PIPELINE else shapes[-1]
     spec = _spec(mode, payload, **_two_workers(payload, workers, options))
     out = [
         Cell(mode, payload, rule_of(rule), shape, workers, sampling, spec=spec, late=late, rounds=late + 1)
-        for late in LATE_ROUNDS if late == 1 or (not two and sampling == "T=1" and payload is not Payload.SPARSE)
+        for late in LATE_ROUNDS
+        if late == 1 or (not two and sampling == "T=1" and payload is not Payload.SPARSE)
     ]
     if not two and sampling == "T=1" and payload is Payload.FULL and mode is Mode.AGGREGATE:
         lookup = _spec(mode, payload, **options, drafter="model+lookup")
-        out.append(Cell(mode, payload, rule, shape, workers, sampling, spec=lookup, option="drafter model+lookup", lookup="prompt lookup", late=1, rounds=2))
+        out.append(
+            Cell(
+                mode,
+                payload,
+                rule,
+                shape,
+                workers,
+                sampling,
+                spec=lookup,
+                option="drafter model+lookup",
+                lookup="prompt lookup",
+                late=1,
+                rounds=2,
+            )
+        )
     if not two and sampling == "T=1" and payload is Payload.FULL and mode is Mode.TREE:
         tree = TreeParams(rule=ChildRule.SAMPLED, widths=[2]).shape()
-        out.append(Cell(mode, payload, ChildRule.SAMPLED.value, "⟨2⟩", workers, sampling, spec=_spec(mode, payload, tree=tree), late=1, rounds=2))
+        out.append(
+            Cell(
+                mode,
+                payload,
+                ChildRule.SAMPLED.value,
+                "⟨2⟩",
+                workers,
+                sampling,
+                spec=_spec(mode, payload, tree=tree),
+                late=1,
+                rounds=2,
+            )
+        )
     return out
 
 
@@ -327,13 +501,41 @@ def _lookup_branch_cells(payload: Payload, workers: str, sampling: str, rule_of:
     for rule in (ChildRule.SAMPLED, ChildRule.SAMPLED_DISTINCT):
         for label, widths in LOOKUP_TREES.items():
             for lookup in LOOKUPS:
-                if label == "⟨2,1⟩" and (payload is not Payload.FULL or len(WORKER_SETS[workers]) > 1 or lookup != "prompt lookup"):
-                    continue  # the two-token branch on one payload and worker set: its law is the walk's, not the payload's
+                if label == "⟨2,1⟩" and (
+                    payload is not Payload.FULL or len(WORKER_SETS[workers]) > 1 or lookup != "prompt lookup"
+                ):
+                    # the two-token branch on one payload and worker set: its law is the walk's, not the
+                    # payload's
+                    continue
                 if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and lookup != "prompt lookup":
                     continue
                 shape = TreeParams(rule=rule, payload=TREE_PAYLOADS[payload][0], widths=widths).shape()
-                spec = _spec(Mode.TREE, payload, **_two_workers(payload, workers, {"tree": shape, "tree_payload": Mode(TREE_PAYLOADS[payload][0]), "drafter": "model+lookup"}))
-                out.append(Cell(Mode.TREE, payload, rule_of(rule.value), label, workers, sampling, option="lookup branch", spec=spec, lookup=lookup))
+                spec = _spec(
+                    Mode.TREE,
+                    payload,
+                    **_two_workers(
+                        payload,
+                        workers,
+                        {
+                            "tree": shape,
+                            "tree_payload": Mode(TREE_PAYLOADS[payload][0]),
+                            "drafter": "model+lookup",
+                        },
+                    ),
+                )
+                out.append(
+                    Cell(
+                        Mode.TREE,
+                        payload,
+                        rule_of(rule.value),
+                        label,
+                        workers,
+                        sampling,
+                        option="lookup branch",
+                        spec=spec,
+                        lookup=lookup,
+                    )
+                )
     return out
 
 
@@ -347,31 +549,77 @@ def _two_rounds_affordable(payload: Payload, workers: str, shape: str, options: 
     ~1,200 runs with one worker; γ = 2 takes 3,700, ⟨2⟩ 500–3,200, ⟨2,1⟩ 12,000–49,000 and
     ⟨1,1⟩ on exact's payload 2,500, and exact's payload with two workers 2,500–81,000 (one
     worker: its chains of two, 850–1,000)."""
-    if payload is Payload.SPARSE and (len(WORKER_SETS[workers]) > 1 or shape not in ("⟨1⟩", "nodes 1") and "tree" in options):
+    if payload is Payload.SPARSE and (
+        len(WORKER_SETS[workers]) > 1 or shape not in ("⟨1⟩", "nodes 1") and "tree" in options
+    ):
         return False
     if "gamma" in options:
         return options["gamma"] == 1
     return "tree" not in options or shape in TWO_ROUND_TREES
 
 
-def _transform_cells(mode: Mode, payload: Payload, workers: str, sampling: str, shapes: list[tuple[str, str, dict[str, Any]]], rule_of: Any) -> list[Cell]:
-    """All the transforms together on every shape (at T = 0 and T = 1; with top-k or top-p
-    sampling, and a tree on exact's payload with two workers at T = 1, on one shape); each one alone on the mode's last shape (a pipeline's first: without
-    the grammar's forced tokens its expanding tree is 1,100 to over 3,000 runs a transform)."""
+def _transform_cells(
+    mode: Mode,
+    payload: Payload,
+    workers: str,
+    sampling: str,
+    shapes: list[tuple[str, str, dict[str, Any]]],
+    rule_of: Any,
+) -> list[Cell]:
+    """All the transforms together on every shape (at T = 0 and T = 1; with top-k or top-p sampling, and a
+    tree on exact's payload with two workers at T = 1, on one shape); each one alone on the mode's last shape
+    (a pipeline's first: without the grammar's forced tokens its expanding tree is 1,100 to over 3,000 runs a
+    transform)."""
     alone = shapes[0] if mode is Mode.PIPELINE else shapes[-1]
-    every_shape = shapes if sampling in ("T=0", "T=1") else [alone]  # with top-k or top-p sampling: the transforms on one shape
-    if mode is Mode.TREE and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and sampling == "T=1":
-        every_shape = [alone]  # two workers' complement draws under each node: 17 s for every shape; one worker, and T = 0, have every shape
-    picked = [(shape, "all") for shape in every_shape] + [(alone, name) for name in TRANSFORMS if name != "all"]
+    # with top-k or top-p sampling: the transforms on one shape
+    every_shape = shapes if sampling in ("T=0", "T=1") else [alone]
+    if (
+        mode is Mode.TREE
+        and payload is Payload.SPARSE
+        and len(WORKER_SETS[workers]) > 1
+        and sampling == "T=1"
+    ):
+        # two workers' complement draws under each node: 17 s for every shape; one worker, and T = 0, have
+        # every shape
+        every_shape = [alone]
+    picked = [(shape, "all") for shape in every_shape] + [
+        (alone, name) for name in TRANSFORMS if name != "all"
+    ]
     out = []
     for (rule, shape, options), name in picked:
         spec = _spec(mode, payload, **_two_workers(payload, workers, options))
         rounds = 2 if name == "all" and _two_rounds_affordable(payload, workers, shape, options) else 1
-        out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, spec=spec, transform=name, rounds=rounds))
-    if payload is Payload.TOP_K and "reconstruction" in MODES[mode].fields:  # σ spread over the grammar's allowed ids only
+        out.append(
+            Cell(
+                mode,
+                payload,
+                rule_of(rule),
+                shape,
+                workers,
+                sampling,
+                spec=spec,
+                transform=name,
+                rounds=rounds,
+            )
+        )
+    if payload is Payload.TOP_K and "reconstruction" in MODES[mode].fields:
+        # σ spread over the grammar's allowed ids only
         rule, shape, options = shapes[0]
         spec = _spec(mode, payload, **options, reconstruction=Reconstruction.RESIDUAL)
-        out.append(Cell(mode, payload, rule_of(rule), shape, workers, sampling, option="residual reconstruction", spec=spec, transform="grammar", rounds=2))
+        out.append(
+            Cell(
+                mode,
+                payload,
+                rule_of(rule),
+                shape,
+                workers,
+                sampling,
+                option="residual reconstruction",
+                spec=spec,
+                transform="grammar",
+                rounds=2,
+            )
+        )
     return out
 
 
@@ -383,19 +631,40 @@ def _in_default_run(cell: Cell) -> bool:
     drafter, a lookup branch, overlap) with two workers is crossed with the truncated samplings (top-k, top-p)
     and T = 0, not with plain T = 1 — the two workers' law under the option is the same check with fewer
     branches there (a third of the matrix's runs), and T = 1 has the option with one worker and every shape
-    with two but the largest sampled trees (those with two workers at top-k and top-p, and with one at T = 1). A pipeline's
-    expanding tree at plain T = 1: with every transform over two rounds (the plain cell, 1,129 runs, with the full run). A late draft: ready after one round in every mode and payload (two workers at T = 0; their sampled
-    law is tests/app/test_late_draft.py's chi-square), after two on aggregate's full rows."""
+    with two but the largest sampled trees (those with two workers at top-k and top-p, and with one at T = 1).
+    A pipeline's expanding tree at plain T = 1: with every transform over two rounds (the plain cell, 1,129
+    runs, with the full run). A late draft: ready after one round in every mode and payload (two workers at T
+    = 0; their sampled law is tests/app/test_late_draft.py's chi-square), after two on aggregate's full
+    rows."""
     two_workers = len(WORKER_SETS[cell.workers]) > 1
-    if cell.late and not FULL:  # a late draft: k = 1 in every mode and payload (two workers greedy), k = 2 on aggregate's full rows
-        return (not two_workers or cell.sampling == "T=0") and (cell.late == 1 or (cell.mode is Mode.AGGREGATE and cell.payload is Payload.FULL))
+    if cell.late and not FULL:
+        # a late draft: k = 1 in every mode and payload (two workers greedy), k = 2 on aggregate's full rows
+        return (not two_workers or cell.sampling == "T=0") and (
+            cell.late == 1 or (cell.mode is Mode.AGGREGATE and cell.payload is Payload.FULL)
+        )
     option = bool(cell.option or cell.transform or cell.lookup or cell.overlap)
     if cell.transform and cell.payload is Payload.SPARSE and cell.shape == "⟨2,1⟩" and cell.sampling == "T=1":
-        return FULL  # 1,700 runs: the transforms on the sampled ⟨2,1⟩ at T = 1 run on the full payload (and top-k), exact's payload on the smaller trees
-    if cell.mode is Mode.PIPELINE and "expanding" in cell.shape and cell.sampling == "T=1" and not (option or cell.late):
-        return FULL  # 1,129 runs, 13 s (12,445 expansions): by default its law at T = 1 is the cell with every transform's, two rounds (68 runs, 187 expansions)
-    if cell.mode is Mode.TREE and two_workers and cell.sampling == "T=1" and (cell.shape == "⟨2,1⟩" or (cell.payload is Payload.SPARSE and cell.shape in ("⟨2⟩", "⟨1,1⟩"))):
-        return FULL  # 6,800 runs: two workers' sampled trees at T = 1 on the smaller shapes (exact's payload: ⟨1⟩ and the fixed ones); these shapes with one worker at T = 1 and with two at top-k and top-p
+        # 1,700 runs: the transforms on the sampled ⟨2,1⟩ at T = 1 run on the full payload (and top-k),
+        # exact's payload on the smaller trees
+        return FULL
+    if (
+        cell.mode is Mode.PIPELINE
+        and "expanding" in cell.shape
+        and cell.sampling == "T=1"
+        and not (option or cell.late)
+    ):
+        # 1,129 runs, 13 s (12,445 expansions): by default its law at T = 1 is the cell with every
+        # transform's, two rounds (68 runs, 187 expansions)
+        return FULL
+    if (
+        cell.mode is Mode.TREE
+        and two_workers
+        and cell.sampling == "T=1"
+        and (cell.shape == "⟨2,1⟩" or (cell.payload is Payload.SPARSE and cell.shape in ("⟨2⟩", "⟨1,1⟩")))
+    ):
+        # 6,800 runs: two workers' sampled trees at T = 1 on the smaller shapes (exact's payload: ⟨1⟩ and the
+        # fixed ones); these shapes with one worker at T = 1 and with two at top-k and top-p
+        return FULL
     return FULL or not (two_workers and option and cell.sampling == "T=1")
 
 
@@ -409,18 +678,22 @@ CELLS = [cell for cell in ALL_CELLS if _in_default_run(cell)]
 def _engine(cell: Cell) -> Engine:
     weights = WORKER_SETS[cell.workers]
     if cell.mode is Mode.PIPELINE:
-        return with_table_grammar(pipeline_engine(DRAFT, split_pipeline(TARGETS[0].table, [1], 2, eos_ids=[EOS]), eos_ids=[EOS]))
+        return with_table_grammar(
+            pipeline_engine(DRAFT, split_pipeline(TARGETS[0].table, [1], 2, eos_ids=[EOS]), eos_ids=[EOS])
+        )
     return with_table_grammar(make_engine(DRAFT, list(zip(TARGETS, weights)), eos_ids=[EOS]))
 
 
-Outcome = tuple[tuple[int, ...], float, Any]  # the tokens checked, the bound reported at the first, the second round's draft (overlap)
+# the tokens checked, the bound reported at the first, the second round's draft (overlap)
+Outcome = tuple[tuple[int, ...], float, Any]
 
 
 class _SecondDraft(Exception):
     """Raised by ``_Recording`` at the second round: what it was to verify."""
 
     def __init__(self, draft: TokenTree) -> None:
-        rows = tuple(tuple(zip(*(t.tolist() for t in draft.support(node)))) for node in range(-1, len(draft)))  # q̂ per row, pads dropped
+        # q̂ per row, pads dropped
+        rows = tuple(tuple(zip(*(t.tolist() for t in draft.support(node)))) for node in range(-1, len(draft)))
         self.signature = (tuple(draft.ids()), tuple(draft.parents.tolist()), draft.rule.value, rows)
 
 
@@ -447,7 +720,12 @@ def cell_law(cell: Cell) -> tuple[dict[Outcome, float], int, float]:
         return law, runs, time.perf_counter() - started
     law, runs = _law(cell, cell.spec, second_draft=True)
     plain, more = _law(cell, replace(cell.spec, overlap=False), second_draft=True)
-    return {("with overlap", *key): mass for key, mass in law.items()} | {("without", *key): mass for key, mass in plain.items()}, runs + more, time.perf_counter() - started
+    return (
+        {("with overlap", *key): mass for key, mass in law.items()}
+        | {("without", *key): mass for key, mass in plain.items()},
+        runs + more,
+        time.perf_counter() - started,
+    )
 
 
 def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcome, float], int]:
@@ -455,17 +733,33 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
     loop = asyncio.new_event_loop()
     count = itertools.count()
     inner = STRATEGIES[cell.spec.verifier]
-    recording = _Recording(inner, stop_at=2 if second_draft else cell.rounds + 1) if isinstance(inner, RoundStrategy) else inner  # a pipeline's own loop: no rounds to record
+    # a pipeline's own loop: no rounds to record
+    recording = (
+        _Recording(inner, stop_at=2 if second_draft else cell.rounds + 1)
+        if isinstance(inner, RoundStrategy)
+        else inner
+    )
 
     async def once() -> Outcome:
         engine.draft.lookup.params = LookupParams(max_tokens=LOOKUP_TOKENS)
-        engine.draft.lookup.suffixes = SuffixIndex(engine.draft.lookup.params)  # what each run's lookup sees: the cell's, not earlier runs' outputs
-        engine.draft.lookup.acceptance = AcceptanceStats()  # and its measured rates: the priors, whatever ran before
+        # what each run's lookup sees: the cell's, not earlier runs' outputs
+        engine.draft.lookup.suffixes = SuffixIndex(engine.draft.lookup.params)
+        # and its measured rates: the priors, whatever ran before
+        engine.draft.lookup.acceptance = AcceptanceStats()
         for output in LOOKUPS[cell.lookup][1] if cell.lookup else ():
             engine.draft.lookup.suffixes.add(list(output))
         req = GenerationRequest(
-            f"m{next(count)}", cell.prompt, MAX_TOKENS, cell.params, SEED, 0, spec, seeded=cell.lookup != "suffix index" and not spec.auto_gamma,
-            min_tokens=cell.min_tokens, transform=TRANSFORMS.get(cell.transform), draft_after=cell.late,
+            f"m{next(count)}",
+            cell.prompt,
+            MAX_TOKENS,
+            cell.params,
+            SEED,
+            0,
+            spec,
+            seeded=cell.lookup != "suffix index" and not spec.auto_gamma,
+            min_tokens=cell.min_tokens,
+            transform=TRANSFORMS.get(cell.transform),
+            draft_after=cell.late,
         )
         tokens: list[int] = []
         bound, seen, drafted = 0.0, 0, None
@@ -477,7 +771,12 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
                     if not tokens and result.tokens:  # τ(1 − β) to p̂, then p̂ to p
                         bound = (result.relaxed_tv or [0.0])[0] + (result.bound or [0.0])[0]
                     tokens += result.tokens
-                    seen += result.rounds_ended if cell.mode is Mode.PIPELINE else int(bool(result.tokens) and not result.forced)  # forced tokens take no round
+                    # forced tokens take no round
+                    seen += (
+                        result.rounds_ended
+                        if cell.mode is Mode.PIPELINE
+                        else int(bool(result.tokens) and not result.forced)
+                    )
                     if (seen >= cell.rounds and not second_draft) or result.finish_reason:
                         break
         except _SecondDraft as second:
@@ -508,7 +807,8 @@ async def _cancel_the_rest() -> None:
     await asyncio.gather(*left, return_exceptions=True)
 
 
-def transformed(logits: torch.Tensor, generated: tuple[int, ...], spec: TransformSpec) -> torch.Tensor:  # [V] fp32
+def transformed(logits: torch.Tensor, generated: tuple[int, ...], spec: TransformSpec) -> torch.Tensor:
+    # [V] fp32
     """docs/design.md §3.9 from its definition, token by token in the workers' fp32 arithmetic: + bias,
     the repetition penalty over prompt and output, presence and frequency over the output, the mask."""
     out = logits.float().clone()
@@ -516,15 +816,22 @@ def transformed(logits: torch.Tensor, generated: tuple[int, ...], spec: Transfor
         out[token] += torch.tensor(bias, dtype=torch.float32)
     if spec.repetition_penalty != 1:
         for token in set(PROMPT) | set(generated):
-            out[token] = out[token] / spec.repetition_penalty if out[token] > 0 else out[token] * spec.repetition_penalty
+            out[token] = (
+                out[token] / spec.repetition_penalty
+                if out[token] > 0
+                else out[token] * spec.repetition_penalty
+            )
     for token in set(generated):
-        out[token] -= torch.tensor(float(generated.count(token))) * spec.frequency_penalty + spec.presence_penalty
+        out[token] -= (
+            torch.tensor(float(generated.count(token))) * spec.frequency_penalty + spec.presence_penalty
+        )
     if spec.grammar is not None:
         out[~TableMatcher.allowed_after(generated)] = float("-inf")
     return out
 
 
-def target_next(cell: Cell, last: int, generated: int, prefix: tuple[int, ...] = ()) -> torch.Tensor:  # [V] float64
+def target_next(cell: Cell, last: int, generated: int, prefix: tuple[int, ...] = ()) -> torch.Tensor:
+    # [V] float64
     """The target after ``last`` with ``generated`` tokens so far (``prefix``: those tokens,
     which a transform reads), from the definitions and not
     the serving code: Σ w_n T(p_n), each T(p_n) the worker's own fp32 row normalised in float64;
@@ -538,7 +845,10 @@ def target_next(cell: Cell, last: int, generated: int, prefix: tuple[int, ...] =
         raw = [row.index_fill(0, torch.tensor([EOS]), float("-inf")) for row in raw]
     logits = [row if spec is None else transformed(row, prefix, spec) for row in raw]
     rows = [apply_sampling(row[None], cell.params)[0] for row in logits]
-    p = sum((w * (row.double() if cell.params.is_greedy else normalised(row)) for w, row in zip(weights, rows)), torch.zeros(V, dtype=torch.float64))
+    p = sum(
+        (w * (row.double() if cell.params.is_greedy else normalised(row)) for w, row in zip(weights, rows)),
+        torch.zeros(V, dtype=torch.float64),
+    )
     if cell.params.is_greedy:
         return torch.nn.functional.one_hot(torch.argmax(p), V).double()  # argmax: the lowest id of the ties
     return p
@@ -592,21 +902,32 @@ def test_cell(cell: Cell, laws: dict[str, tuple[dict[Outcome, float], int, float
     if cell.overlap:  # the same law with overlap as without, the second round's draft included
         with_overlap = {key[1:]: mass for key, mass in law.items() if key[0] == "with overlap"}
         without = {key[1:]: mass for key, mass in law.items() if key[0] == "without"}
-        assert max(abs(with_overlap.get(k, 0.0) - without.get(k, 0.0)) for k in {*with_overlap, *without}) <= TOLERANCE
+        assert (
+            max(abs(with_overlap.get(k, 0.0) - without.get(k, 0.0)) for k in {*with_overlap, *without})
+            <= TOLERANCE
+        )
         return
     assert abs(sum(law.values()) - 1) < TOLERANCE
     tokens = tokens_law(law)
-    if cell.transform and TRANSFORMS[cell.transform].grammar is not None:  # lossy or not, nothing the grammar masks
-        assert all(TableMatcher.allowed_after(t[:i])[t[i]] for t in tokens for i in range(len(t))), "a token the grammar masks"
+    if cell.transform and TRANSFORMS[cell.transform].grammar is not None:
+        # lossy or not, nothing the grammar masks
+        assert all(TableMatcher.allowed_after(t[:i])[t[i]] for t in tokens for i in range(len(t))), (
+            "a token the grammar masks"
+        )
     if cell.claim is Guarantee.LOSSLESS:
         assert prefix_distance(cell, tokens) <= TOLERANCE
         return
     first: dict[tuple[int, ...], float] = {}
     for key, mass in tokens.items():
         first[key[:1]] = first.get(key[:1], 0.0) + mass
-    tv = 0.5 * sum(abs(first.get((t,), 0.0) - float(target_next(cell, cell.prompt[-1], 0)[t])) for t in range(V))
-    bound = sum(mass * b for (_, b, _), mass in law.items())  # σ travels as fp32: equal to the TV up to its rounding
-    assert tv <= bound * (1 + 2**-23) + TOLERANCE, f"TV {tv:.3e} at the first token above the reported bound {bound:.3e}"
+    tv = 0.5 * sum(
+        abs(first.get((t,), 0.0) - float(target_next(cell, cell.prompt[-1], 0)[t])) for t in range(V)
+    )
+    # σ travels as fp32: equal to the TV up to its rounding
+    bound = sum(mass * b for (_, b, _), mass in law.items())
+    assert tv <= bound * (1 + 2**-23) + TOLERANCE, (
+        f"TV {tv:.3e} at the first token above the reported bound {bound:.3e}"
+    )
 
 
 # ----------------------------------------------------------------------------- what the matrix covers
@@ -616,7 +937,11 @@ def _literals(annotation: Any) -> set[str]:
     """The string values of a ``Literal[...] | None`` annotation."""
     out: set[str] = set()
     for arg in get_args(annotation):
-        out |= {a for a in get_args(arg) if isinstance(a, str)} if get_args(arg) else ({arg} if isinstance(arg, str) else set())
+        out |= (
+            {a for a in get_args(arg) if isinstance(a, str)}
+            if get_args(arg)
+            else ({arg} if isinstance(arg, str) else set())
+        )
     return out
 
 
@@ -625,20 +950,31 @@ def test_the_matrix_covers_every_registry() -> None:
     not know fails here: it must be taught to the matrix, not left untested."""
     known = PRIMARY_FIELDS | SECONDARY_FIELDS
     for mode in SERVED_MODES:
-        assert MODES[mode].fields <= known, f"mode {mode.value} takes {sorted(MODES[mode].fields - known)}: enumerate them in the matrix"
+        assert MODES[mode].fields <= known, (
+            f"mode {mode.value} takes {sorted(MODES[mode].fields - known)}: enumerate them in the matrix"
+        )
         for payload in MODES[mode].payloads - {Payload.ENGINE}:
-            assert any(c.mode is mode and c.payload is payload for c in CELLS), f"no cell for {mode.value} on {payload.value}"
+            assert any(c.mode is mode and c.payload is payload for c in CELLS), (
+                f"no cell for {mode.value} on {payload.value}"
+            )
     assert set(GUARANTEES) == set(Payload)
-    assert GUARANTEES[Payload.ENGINE] is Guarantee.BOUNDED  # an engine's rows are a worker's top-k (test_openai_target): the TOP_K cells' bound
+    # an engine's rows are a worker's top-k (test_openai_target): the TOP_K cells' bound
+    assert GUARANTEES[Payload.ENGINE] is Guarantee.BOUNDED
     assert {c.rule for c in CELLS if c.mode is Mode.TREE} == {*(r.value for r in ChildRule), "greedy"}
     assert {c.spec.reconstruction for c in CELLS if c.payload is Payload.TOP_K} == set(Reconstruction)
-    assert {c.spec.tree_payload.value for c in CELLS if c.mode is Mode.TREE} == _literals(TreeParams.model_fields["payload"].annotation)
+    assert {c.spec.tree_payload.value for c in CELLS if c.mode is Mode.TREE} == _literals(
+        TreeParams.model_fields["payload"].annotation
+    )
     assert {c.sampling for c in CELLS} == set(SAMPLINGS) and {c.workers for c in CELLS} == set(WORKER_SETS)
     assert {c.claim for c in CELLS} == set(Guarantee)
     assert any(c.overlap for c in CELLS) and any(c.min_tokens for c in CELLS)
-    assert {c.spec.drafter for c in CELLS} == set(DRAFTERS)  # a drafter registered without cells of its own fails here
-    for cell in CELLS:  # the generator's label is what the engine computes, and the response claims what the table says
-        assert cell.spec.payload is cell.payload and cell.spec.is_lossless == (cell.claim is Guarantee.LOSSLESS)
+    # a drafter registered without cells of its own fails here
+    assert {c.spec.drafter for c in CELLS} == set(DRAFTERS)
+    for cell in CELLS:
+        # the generator's label is what the engine computes, and the response claims what the table says
+        assert cell.spec.payload is cell.payload and cell.spec.is_lossless == (
+            cell.claim is Guarantee.LOSSLESS
+        )
 
 
 def first_draft(cell: Cell) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -675,17 +1011,34 @@ def test_the_degenerate_shapes_are_in_the_matrix() -> None:
     leaf bonus is emitted; a fixed tree that prunes to a chain; a fixed tree that forks."""
     trees = [c.spec.tree for c in CELLS if c.spec.tree is not None]
     fixed = [t for t in trees if t.rule is ChildRule.FIXED]
-    assert any(t.nodes == 1 for t in fixed) and any(t.top_k == 1 and t.nodes > 1 for t in fixed) and any(t.depth == 1 for t in fixed)
+    assert (
+        any(t.nodes == 1 for t in fixed)
+        and any(t.top_k == 1 and t.nodes > 1 for t in fixed)
+        and any(t.depth == 1 for t in fixed)
+    )
     assert {(1,), (1, 1)} <= {t.widths for t in trees if t.rule is not ChildRule.FIXED}
-    exact = {c.shape: c for c in CELLS if c.mode is Mode.TREE and c.payload is Payload.SPARSE and c.rule == "fixed" and c.workers == "1 worker" and c.sampling == "T=1" and not c.option}
+    exact = {
+        c.shape: c
+        for c in CELLS
+        if c.mode is Mode.TREE
+        and c.payload is Payload.SPARSE
+        and c.rule == "fixed"
+        and c.workers == "1 worker"
+        and c.sampling == "T=1"
+        and not c.option
+    }
     assert first_draft(exact["nodes 1"])[1] == (-1,)
     assert first_draft(exact["top-1 chain of 2"])[1] == (-1, 0)
     assert first_draft(exact["nodes 2 depth 2 top-2 (prunes to a chain)"])[1] == (-1, 0)  # pruned to a chain
-    assert first_draft(exact["nodes 3 depth 2 top-2"])[1] in {(-1, 0, -1), (-1, -1, 0), (-1, -1, 1)}  # a fork at the root
+    # a fork at the root
+    assert first_draft(exact["nodes 3 depth 2 top-2"])[1] in {(-1, 0, -1), (-1, -1, 0), (-1, -1, 1)}
     law, _, _ = cell_law(exact["top-1 chain of 2"])
-    assert sum(mass for (tokens, _, _), mass in law.items() if len(tokens) == 3) > 0  # both rows accepted, the leaf's bonus emitted
+    # both rows accepted, the leaf's bonus emitted
+    assert sum(mass for (tokens, _, _), mass in law.items() if len(tokens) == 3) > 0
     schedules = [c.spec.pipeline for c in CELLS if c.spec.pipeline is not None]
-    assert any(s.tree.nodes == 1 for s in schedules) and any(s.tree.top_k == 1 and s.tree.nodes > 1 for s in schedules)
+    assert any(s.tree.nodes == 1 for s in schedules) and any(
+        s.tree.top_k == 1 and s.tree.nodes > 1 for s in schedules
+    )
 
 
 # ----------------------------------------------------------------------------- negative controls
@@ -703,9 +1056,26 @@ def test_negative_control_the_chain_shortcut_is_caught(monkeypatch: pytest.Monke
     """The bug this matrix was built for (issue 32): a chain of fixed children sent to the chain
     verifier under exact's payload. Put back, the matrix rejects it — with one worker and two."""
     monkeypatch.setattr(TokenTree, "is_sampled_chain", property(lambda tree: tree.is_chain))
-    shapes = {c.shape for c in CELLS if c.mode is Mode.TREE and c.rule == "fixed"} if FULL else {"nodes 1", "top-1 chain of 2"}  # the chains it takes
-    caught = [c for c in CELLS if c.mode is Mode.TREE and c.payload is Payload.SPARSE and c.rule == "fixed" and c.shape in shapes and c.sampling == "T=1" and not c.option and _fails(c)]
-    assert {c.shape for c in caught} >= {"nodes 1", "top-1 chain of 2"} and {c.workers for c in caught} == set(WORKER_SETS)
+    # the chains it takes
+    shapes = (
+        {c.shape for c in CELLS if c.mode is Mode.TREE and c.rule == "fixed"}
+        if FULL
+        else {"nodes 1", "top-1 chain of 2"}
+    )
+    caught = [
+        c
+        for c in CELLS
+        if c.mode is Mode.TREE
+        and c.payload is Payload.SPARSE
+        and c.rule == "fixed"
+        and c.shape in shapes
+        and c.sampling == "T=1"
+        and not c.option
+        and _fails(c)
+    ]
+    assert {c.shape for c in caught} >= {"nodes 1", "top-1 chain of 2"} and {
+        c.workers for c in caught
+    } == set(WORKER_SETS)
 
 
 def test_negative_control_algorithm_5_on_fixed_children_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -713,13 +1083,34 @@ def test_negative_control_algorithm_5_on_fixed_children_is_caught(monkeypatch: p
     matrix rejects it on aggregate's payload and on exact's, for chains and trees alike."""
     real = tree_math.try_children
 
-    def sampled_rule(p: torch.Tensor, q: torch.Tensor, candidates: list[int], rule: ChildRule, accept_u: torch.Tensor, deterministic: int = 0) -> Any:
-        return real(p, q, candidates, ChildRule.SAMPLED if rule is ChildRule.FIXED else rule, accept_u, deterministic)
+    def sampled_rule(
+        p: torch.Tensor,
+        q: torch.Tensor,
+        candidates: list[int],
+        rule: ChildRule,
+        accept_u: torch.Tensor,
+        deterministic: int = 0,
+    ) -> Any:
+        return real(
+            p, q, candidates, ChildRule.SAMPLED if rule is ChildRule.FIXED else rule, accept_u, deterministic
+        )
 
     monkeypatch.setattr(tree_math, "try_children", sampled_rule)
-    picked = [c for c in CELLS if c.mode is Mode.TREE and c.rule == "fixed" and c.workers == "1 worker" and c.sampling == "T=1" and not c.option]
+    picked = [
+        c
+        for c in CELLS
+        if c.mode is Mode.TREE
+        and c.rule == "fixed"
+        and c.workers == "1 worker"
+        and c.sampling == "T=1"
+        and not c.option
+    ]
     caught = {(c.payload, c.shape) for c in picked if c.payload is not Payload.TOP_K and _fails(c)}
-    assert {(Payload.FULL, "nodes 3 depth 2 top-2"), (Payload.SPARSE, "nodes 3 depth 2 top-2"), (Payload.FULL, "nodes 1")} <= caught
+    assert {
+        (Payload.FULL, "nodes 3 depth 2 top-2"),
+        (Payload.SPARSE, "nodes 3 depth 2 top-2"),
+        (Payload.FULL, "nodes 1"),
+    } <= caught
 
 
 def _caught(picked: list[Cell]) -> set[str]:
@@ -745,42 +1136,81 @@ def test_negative_control_a_verifier_without_the_residual_is_caught(monkeypatch:
     """The classic bug: at a rejection, resample from p, not norm(max(0, p − q̂)) — caught in
     every sampled chain and tree (fixed children do not use that residual: they zero and renormalise)."""
     monkeypatch.setattr(tree_math, "residual", lambda p, q: p.double() / p.double().sum())
-    picked = [c for c in CELLS if c.mode in (Mode.AGGREGATE, Mode.TREE) and c.payload is Payload.FULL and c.sampling == "T=1" and c.workers == "1 worker" and not c.option and not c.overlap]
+    picked = [
+        c
+        for c in CELLS
+        if c.mode in (Mode.AGGREGATE, Mode.TREE)
+        and c.payload is Payload.FULL
+        and c.sampling == "T=1"
+        and c.workers == "1 worker"
+        and not c.option
+        and not c.overlap
+    ]
     picked = _one_each(picked, lambda c: (c.mode, c.rule, c.transform))
     assert _caught(picked) == {c.name for c in picked if c.rule != "fixed"}
 
 
-def test_split_draws_at_a_rejection_on_the_worker_when_its_draft_is_truncated_and_a_worker_that_skips_the_residual_is_caught(
+def test_split_draws_at_a_rejection_on_the_worker_when_its_draft_is_cut_and_a_skipped_residual_is_caught(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Issue 61: ``split`` on whole rows with a truncated draft sends q̂ on the draft's supports and the worker draws the token
-    at a rejection (no row back): those cells keep the law above; a worker that draws it from p instead of norm(max(0, p − q̂))
-    is caught in each where p is not a point mass at the rejections."""
+    """Issue 61: ``split`` on whole rows with a truncated draft sends q̂ on the draft's supports and the
+    worker draws the token at a rejection (no row back): those cells keep the law above; a worker that draws
+    it from p instead of norm(max(0, p − q̂)) is caught in each where p is not a point mass at the
+    rejections."""
     import workers.scoring as scoring
 
-    monkeypatch.setenv("SPECGATE_WORKER_SCORING", "host")  # the break is the host scorer's (the device's: test_workers_that_score_a_step_on_the_device…)
-    picked = [c for c in CELLS if c.mode is Mode.SPLIT and c.payload is Payload.FULL and c.option.startswith("draft top") and c.sampling != "T=0"]
+    # the break is the host scorer's (the device's: test_workers_that_score_a_step_on_the_device…)
+    monkeypatch.setenv("SPECGATE_WORKER_SCORING", "host")
+    picked = [
+        c
+        for c in CELLS
+        if c.mode is Mode.SPLIT
+        and c.payload is Payload.FULL
+        and c.option.startswith("draft top")
+        and c.sampling != "T=0"
+    ]
     assert len(picked) >= 4
     sent: list[bool] = []
     real = scoring.split_residual_draw
     monkeypatch.setattr(scoring, "split_residual_draw", lambda *args: sent.append(True) or real(*args))
     assert not _caught(picked) and sent  # the worker drew them
     monkeypatch.setattr(scoring, "residual", lambda p, q: p.double() / p.double().sum())
-    spread = {c.name for c in picked if c.sampling != "T=0.8 top-p 0.8"}  # top-p 0.8 leaves t0 a point mass after 0, 2 and 3: residual = p there
+    # top-p 0.8 leaves t0 a point mass after 0, 2 and 3: residual = p there
+    spread = {c.name for c in picked if c.sampling != "T=0.8 top-p 0.8"}
     assert len(spread) >= 4 and _caught(picked) >= spread
 
 
-def test_negative_control_a_lookup_token_tested_as_a_draw_from_a_spread_q_hat_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_a_lookup_token_tested_as_a_draw_from_a_spread_q_hat_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A lookup token is drawn from δ (docs/design.md §3.10). Sent with a row that says it was drawn from
     a spread q̂ (uniform here: min(1, p/q̂) at the test, max(0, p − q̂) at a rejection), the law
     moves — caught in every lossless lookup cell at T = 1 (alone and before the model's tokens)."""
     from app.drafting import chain, lookup, tree
 
     for module in (chain, lookup, tree):  # where a lookup token's row is made
-        monkeypatch.setattr(module, "delta", lambda token, vocab: torch.full((vocab,), 1.0 / vocab, dtype=torch.float64), raising=False)
-        monkeypatch.setattr(module, "delta_support", lambda token: (torch.arange(V), torch.full((V,), 1.0 / V, dtype=torch.float64)), raising=False)
+        monkeypatch.setattr(
+            module,
+            "delta",
+            lambda token, vocab: torch.full((vocab,), 1.0 / vocab, dtype=torch.float64),
+            raising=False,
+        )
+        monkeypatch.setattr(
+            module,
+            "delta_support",
+            lambda token: (torch.arange(V), torch.full((V,), 1.0 / V, dtype=torch.float64)),
+            raising=False,
+        )
     chains = (Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT)
-    picked = [c for c in CELLS if c.lookup and c.sampling == "T=1" and c.claim is Guarantee.LOSSLESS and not c.late and (c.mode in chains or c.option == "drafter lookup")]
+    picked = [
+        c
+        for c in CELLS
+        if c.lookup
+        and c.sampling == "T=1"
+        and c.claim is Guarantee.LOSSLESS
+        and not c.late
+        and (c.mode in chains or c.option == "drafter lookup")
+    ]
     assert len(picked) >= 10 and _caught(picked) == {c.name for c in picked}
 
 
@@ -791,30 +1221,54 @@ def test_lookup_tokens_kept_against_the_models_top_1_keep_the_law(monkeypatch: p
     from app.drafting import lookup
 
     monkeypatch.setattr(lookup, "MODEL_PRIOR", 0.1)
-    picked = [c for c in CELLS if c.option == "drafter model+lookup" and c.mode in (Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT) and c.workers == "1 worker"]
+    picked = [
+        c
+        for c in CELLS
+        if c.option == "drafter model+lookup"
+        and c.mode in (Mode.AGGREGATE, Mode.SPLIT, Mode.EXACT)
+        and c.workers == "1 worker"
+    ]
     assert len(picked) >= 8 and not _caught(picked)
 
 
-def test_negative_control_a_lookup_child_tested_with_min_1_p_over_q_hat_in_a_tree_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_a_lookup_child_tested_with_min_1_p_over_q_hat_in_a_tree_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A tree's lookup child tested as a draw from its parent's q̂ (min(1, p'/q̂), the residual
     after it) instead of the fixed rule: caught in the sampled trees' lookup branch cells at T = 1
     (a fixed tree's children take the fixed rule anyway)."""
     real = tree_math.try_children
 
-    def as_drawn(p: torch.Tensor, q: torch.Tensor, candidates: list[int], rule: ChildRule, accept_u: torch.Tensor, deterministic: int = 0) -> Any:
+    def as_drawn(
+        p: torch.Tensor,
+        q: torch.Tensor,
+        candidates: list[int],
+        rule: ChildRule,
+        accept_u: torch.Tensor,
+        deterministic: int = 0,
+    ) -> Any:
         return real(p, q, candidates, rule, accept_u, 0)
 
     monkeypatch.setattr(tree_math, "try_children", as_drawn)
-    picked = [c for c in CELLS if c.option == "lookup branch" and c.sampling == "T=1" and c.claim is Guarantee.LOSSLESS]
+    picked = [
+        c
+        for c in CELLS
+        if c.option == "lookup branch" and c.sampling == "T=1" and c.claim is Guarantee.LOSSLESS
+    ]
     assert len(picked) >= 8 and _caught(picked) == {c.name for c in picked}
 
 
-def test_negative_control_min_tokens_the_workers_do_not_apply_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_min_tokens_the_workers_do_not_apply_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The transform sent without min_tokens: the draft keeps EOS out, the workers' rows do not.
     Caught in every lossless min_tokens cell at T = 1, in every mode."""
     real = TransformSpec.to_wire
     monkeypatch.setattr(TransformSpec, "to_wire", lambda self: real(replace(self, min_tokens=0)))
-    picked = _one_each([c for c in CELLS if c.min_tokens and c.sampling == "T=1" and not c.min_p], lambda c: (c.mode, c.payload, c.workers))
+    picked = _one_each(
+        [c for c in CELLS if c.min_tokens and c.sampling == "T=1" and not c.min_p],
+        lambda c: (c.mode, c.payload, c.workers),
+    )
     lossless = {c.name for c in picked if c.claim is Guarantee.LOSSLESS}
     assert {c.mode for c in picked} == set(SERVED_MODES) and lossless <= _caught(picked)
 
@@ -828,10 +1282,18 @@ def test_negative_control_eos_removed_after_min_p_is_caught(monkeypatch: pytest.
 
     real_rows, real_sampling, early = transform_module.Transformer.rows, scoring.apply_sampling, set[int]()
 
-    def rows_keeping_eos(self: Any, logits: torch.Tensor, agreed: list[int], paths: list[list[int]]) -> torch.Tensor:
+    def rows_keeping_eos(
+        self: Any, logits: torch.Tensor, agreed: list[int], paths: list[list[int]]
+    ) -> torch.Tensor:
         early.clear()
-        early.update(self._early_rows(agreed, paths) if self.spec.suppresses else ())  # the worker's next sampling zeroes EOS there
-        return real_rows(transform_module.Transformer(replace(self.spec, min_tokens=0), self.vocab_size, self.matcher), logits, agreed, paths)
+        # the worker's next sampling zeroes EOS there
+        early.update(self._early_rows(agreed, paths) if self.spec.suppresses else ())
+        return real_rows(
+            transform_module.Transformer(replace(self.spec, min_tokens=0), self.vocab_size, self.matcher),
+            logits,
+            agreed,
+            paths,
+        )
 
     def sampling_then_eos(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = real_sampling(logits, params)
@@ -847,24 +1309,37 @@ def test_negative_control_eos_removed_after_min_p_is_caught(monkeypatch: pytest.
     assert {c.mode for c in picked} == set(SERVED_MODES) and _caught(picked) == {c.name for c in picked}
 
 
-def test_negative_control_a_pipeline_walk_that_keeps_the_rejected_mass_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_a_pipeline_walk_that_keeps_the_rejected_mass_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The pipeline's walk drawing the recovered token from p, not from p' (the rejected children
     not zeroed)."""
     real = pipeline_strategy.try_children
 
-    def kept_mass(p: torch.Tensor, q: torch.Tensor, candidates: list[int], rule: ChildRule, accept_u: torch.Tensor) -> Any:
+    def kept_mass(
+        p: torch.Tensor, q: torch.Tensor, candidates: list[int], rule: ChildRule, accept_u: torch.Tensor
+    ) -> Any:
         return real(p, q, candidates, rule, accept_u)[0], p.double()
 
     monkeypatch.setattr(pipeline_strategy, "try_children", kept_mass)
-    picked = [c for c in CELLS if c.mode is Mode.PIPELINE and c.sampling == "T=1" and not c.option and not c.transform and "expanding" not in c.shape]  # the expanding tree: 40 s more
+    # the expanding tree: 40 s more
+    picked = [
+        c
+        for c in CELLS
+        if c.mode is Mode.PIPELINE
+        and c.sampling == "T=1"
+        and not c.option
+        and not c.transform
+        and "expanding" not in c.shape
+    ]
     assert _caught(picked) == {c.name for c in picked}
 
 
 def test_negative_control_a_transform_from_the_parents_row_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every scored row transformed as the round's first row (penalty counts not advanced along
-    the path, the grammar's mask taken before the draft's tokens): caught in every drafting
-    lossless cell, with every transform (the penalties and the grammar together; each alone too with
-    SPECGATE_FULL_STATISTICS=1). (Autoregressive scores one row; the top-k cells' check is the first row's bound.)"""
+    """Every scored row transformed as the round's first row (penalty counts not advanced along the path, the
+    grammar's mask taken before the draft's tokens): caught in every drafting lossless cell, with every
+    transform (the penalties and the grammar together; each alone too with SPECGATE_FULL_STATISTICS=1).
+    (Autoregressive scores one row; the top-k cells' check is the first row's bound.)"""
     from workers.stage import StageSide
     from workers.step import Steps
 
@@ -877,8 +1352,11 @@ def test_negative_control_a_transform_from_the_parents_row_is_caught(monkeypatch
 
     monkeypatch.setattr(Steps, "_shaping", parents_row(Steps._shaping))
     monkeypatch.setattr(StageSide, "shaping", parents_row(StageSide.shaping))
-    transforms = ("all", "presence + frequency", "grammar") if FULL else ("all",)  # "all": the penalties and the grammar together
-    picked = [c for c in CELLS if c.transform in transforms and c.workers == "1 worker" and c.sampling == "T=1"]
+    # "all": the penalties and the grammar together
+    transforms = ("all", "presence + frequency", "grammar") if FULL else ("all",)
+    picked = [
+        c for c in CELLS if c.transform in transforms and c.workers == "1 worker" and c.sampling == "T=1"
+    ]
     picked = _one_each(picked, lambda c: (c.mode, c.payload, c.transform, c.rule))
     expected = {c.name for c in picked if c.claim is Guarantee.LOSSLESS and MODES[c.mode].drafts}
     caught = _caught(picked)
@@ -886,7 +1364,9 @@ def test_negative_control_a_transform_from_the_parents_row_is_caught(monkeypatch
     assert caught <= {c.name for c in picked if MODES[c.mode].drafts}
 
 
-def test_negative_control_a_transform_dropped_after_the_first_call_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_negative_control_a_transform_dropped_after_the_first_call_is_caught(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The transform travels once, on the call that starts the session (prefix_len 0): a worker
     that forgets it on the calls after scores the second round untransformed. The cells that
     check two rounds catch it in every drafting mode, on every payload."""
@@ -901,11 +1381,16 @@ def test_negative_control_a_transform_dropped_after_the_first_call_is_caught(mon
 
     monkeypatch.setattr(Steps, "_shaping", forgetful(Steps._shaping))
     monkeypatch.setattr(StageSide, "shaping", forgetful(StageSide.shaping))
-    picked = [c for c in CELLS if c.rounds > 1 and c.transform and c.workers == "1 worker" and c.sampling == "T=1"]  # at T = 0 the table's argmax outlives the transform
+    # at T = 0 the table's argmax outlives the transform
+    picked = [
+        c for c in CELLS if c.rounds > 1 and c.transform and c.workers == "1 worker" and c.sampling == "T=1"
+    ]
     picked = _one_each(picked, lambda c: (c.mode, c.payload, c.option))
     caught = _caught(picked)
     assert {c.name for c in picked if c.claim is Guarantee.LOSSLESS} <= caught
-    assert {(c.mode, c.payload) for c in picked if c.name in caught} == {(c.mode, c.payload) for c in CELLS if c.transform}
+    assert {(c.mode, c.payload) for c in picked if c.name in caught} == {
+        (c.mode, c.payload) for c in CELLS if c.transform
+    }
 
 
 def test_negative_control_a_residual_fill_over_masked_ids_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -913,7 +1398,9 @@ def test_negative_control_a_residual_fill_over_masked_ids_is_caught(monkeypatch:
     a masked id can be drawn at a rejection. Caught at T = 1 (the top-k 2 and top-p samplings
     leave σ = 0)."""
     monkeypatch.setattr(round_module.Round, "allowed", lambda self: None)
-    picked = [c for c in CELLS if c.option == "residual reconstruction" and c.transform and c.sampling == "T=1"]
+    picked = [
+        c for c in CELLS if c.option == "residual reconstruction" and c.transform and c.sampling == "T=1"
+    ]
     assert picked and _caught(picked) == {c.name for c in picked}
 
 
@@ -921,24 +1408,45 @@ def test_every_transform_is_in_the_matrix() -> None:
     """Each transform alone and all together, in every mode that serves them, on every payload."""
     for mode in SERVED_MODES:
         for payload in _payloads(mode):
-            assert {c.transform for c in CELLS if c.mode is mode and c.payload is payload} >= set(TRANSFORMS), (mode, payload)
+            assert {c.transform for c in CELLS if c.mode is mode and c.payload is payload} >= set(
+                TRANSFORMS
+            ), (mode, payload)
 
 
 def test_workers_that_score_a_step_on_the_device_keep_every_law(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Workers on ``--scoring device`` (workers.device_scoring: a step's calls scored together where the logits are) give
-    the cells the same laws: one cell per mode × payload × rule × shape here, with one worker at T = 1 and T = 0, the
-    largest trees with SPECGATE_FULL_STATISTICS=1 (the whole matrix passes with SPECGATE_WORKER_SCORING=device). Their accept test draws through ``count_accepts``, which
-    the enumeration sees; a comparison by hand would escape it and fail here."""
+    """Workers on ``--scoring device`` (workers.device_scoring: a step's calls scored together where the
+    logits are) give the cells the same laws: one cell per mode × payload × rule × shape here, with one worker
+    at T = 1 and T = 0, the largest trees with SPECGATE_FULL_STATISTICS=1 (the whole matrix passes with
+    SPECGATE_WORKER_SCORING=device). Their accept test draws through ``count_accepts``, which the enumeration
+    sees; a comparison by hand would escape it and fail here."""
     import workers.step as step
 
     monkeypatch.setenv("SPECGATE_WORKER_SCORING", "device")
     used: list[int] = []
     real = step.StepScoring.launch
-    monkeypatch.setattr(step.StepScoring, "launch", lambda self, *args: used.append(len(args[1])) or real(self, *args))
+    monkeypatch.setattr(
+        step.StepScoring, "launch", lambda self, *args: used.append(len(args[1])) or real(self, *args)
+    )
     picked = [
-        c for c in CELLS if c.workers == "1 worker" and not c.option and not c.overlap and not c.transform and c.sampling in ("T=1", "T=0")
-        and c.mode is not Mode.PIPELINE and (FULL or not any(big in c.shape for big in ("⟨2,1⟩", "nodes 3")))  # stages score by rows (score_rows)
+        c
+        for c in CELLS
+        if c.workers == "1 worker"
+        and not c.option
+        and not c.overlap
+        and not c.transform
+        and c.sampling in ("T=1", "T=0")
+        # stages score by rows (score_rows)
+        and c.mode is not Mode.PIPELINE
+        and (FULL or not any(big in c.shape for big in ("⟨2,1⟩", "nodes 3")))
     ]
     picked = _one_each(picked, lambda c: (c.mode, c.payload, c.rule, c.shape, c.sampling))
-    picked += [c for c in CELLS if c.mode is Mode.SPLIT and c.payload is Payload.FULL and c.option.startswith("draft top") and c.sampling != "T=0"]  # the token at a rejection drawn on the device
+    # the token at a rejection drawn on the device
+    picked += [
+        c
+        for c in CELLS
+        if c.mode is Mode.SPLIT
+        and c.payload is Payload.FULL
+        and c.option.startswith("draft top")
+        and c.sampling != "T=0"
+    ]
     assert len(picked) >= 40 and used == [] and not _caught(picked) and used

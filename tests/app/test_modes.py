@@ -14,7 +14,9 @@ from core.protocol import VERIFY_MODES as WIRE_MODES
 
 def test_every_served_mode_has_a_strategy_and_nothing_else_does() -> None:
     """A tree is a draft shape: its rows are verified by its payload's strategy (``SpecOptions.verifier``)."""
-    assert set(STRATEGIES) == set(SERVED_MODES) - {Mode.TREE} and {Mode.AGGREGATE, Mode.EXACT} <= set(STRATEGIES)
+    assert set(STRATEGIES) == set(SERVED_MODES) - {Mode.TREE} and {Mode.AGGREGATE, Mode.EXACT} <= set(
+        STRATEGIES
+    )
     assert set(MODES) == set(Mode)
 
 
@@ -24,7 +26,11 @@ def test_the_fields_a_mode_takes_are_request_fields() -> None:
 
 
 def test_config_and_protocol_take_their_lists_from_the_registry() -> None:
-    assert config.SERVED_MODES is SERVED_MODES and config.target_problem is target_problem  # the start-up check is the requests' one
-    assert WIRE_MODES == tuple(m.value for m in SERVED_MODES if m is not Mode.PIPELINE)  # pipeline's stages speak /v1/stage/forward
-    assert ENGINE_MODES == (Mode.AUTOREGRESSIVE, Mode.AGGREGATE) and [m for m in MODES if MODES[m].one_worker] == [Mode.SPLIT, Mode.PIPELINE]
+    # the start-up check is the requests' one
+    assert config.SERVED_MODES is SERVED_MODES and config.target_problem is target_problem
+    # pipeline's stages speak /v1/stage/forward
+    assert WIRE_MODES == tuple(m.value for m in SERVED_MODES if m is not Mode.PIPELINE)
+    assert ENGINE_MODES == (Mode.AUTOREGRESSIVE, Mode.AGGREGATE) and [
+        m for m in MODES if MODES[m].one_worker
+    ] == [Mode.SPLIT, Mode.PIPELINE]
     assert PIPELINE_TARGET_MODES == (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.TREE, Mode.PIPELINE)

@@ -26,13 +26,18 @@ _URI = "urn:openai-openapi"
 @cache
 def _registry() -> Registry:
     spec = yaml.load(load_spec_path("openai", "official").read_text(), Loader=yaml.CSafeLoader)
-    return Registry().with_resource(_URI, Resource.from_contents(_nullable(spec), default_specification=DRAFT202012))
+    return Registry().with_resource(
+        _URI, Resource.from_contents(_nullable(spec), default_specification=DRAFT202012)
+    )
 
 
 @cache
 def event_schemas() -> dict[str, str]:
-    """Each Responses stream event's type → the name of its schema (what ``ResponseStreamEvent`` is the union of)."""
-    schemas = yaml.load(load_spec_path("openai", "official").read_text(), Loader=yaml.CSafeLoader)["components"]["schemas"]
+    """Each Responses stream event's type → the name of its schema (what ``ResponseStreamEvent`` is the union
+    of)."""
+    schemas = yaml.load(load_spec_path("openai", "official").read_text(), Loader=yaml.CSafeLoader)[
+        "components"
+    ]["schemas"]
     names = [ref["$ref"].rpartition("/")[2] for ref in schemas["ResponseStreamEvent"]["anyOf"]]
     return {schemas[name]["properties"]["type"]["enum"][0]: name for name in names}
 
@@ -58,7 +63,9 @@ def _nullable(node: Any) -> Any:
 
 def check(instance: Any, schema: str) -> None:
     """Raises with the path of the first violation of ``components/schemas/<schema>``."""
-    validator = jsonschema.Draft202012Validator({"$ref": f"{_URI}#/components/schemas/{schema}"}, registry=_registry())
+    validator = jsonschema.Draft202012Validator(
+        {"$ref": f"{_URI}#/components/schemas/{schema}"}, registry=_registry()
+    )
     errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
     assert not errors, f"{schema}: {errors[0].message} at {list(errors[0].absolute_path)}"
 
@@ -71,7 +78,11 @@ def check_completion(body: dict[str, Any]) -> None:
     for choice in body["choices"]:
         logprobs = choice.get("logprobs")
         if logprobs and logprobs.get("token_logprobs") and logprobs["token_logprobs"][0] is None:
-            logprobs = {**logprobs, "token_logprobs": [0.0, *logprobs["token_logprobs"][1:]], "top_logprobs": [{}, *(logprobs.get("top_logprobs") or [None])[1:]]}
+            logprobs = {
+                **logprobs,
+                "token_logprobs": [0.0, *logprobs["token_logprobs"][1:]],
+                "top_logprobs": [{}, *(logprobs.get("top_logprobs") or [None])[1:]],
+            }
         choices.append({**choice, "logprobs": logprobs})
     check({**body, "choices": choices}, "CreateCompletionResponse")
 
@@ -82,14 +93,27 @@ def check_completion_chunk(chunk: dict[str, Any]) -> None:
     null until the last chunk (with include_usage), and so do we: only those two nulls pass."""
     assert all("finish_reason" in c for c in chunk["choices"])
     choices = [{**c, "finish_reason": c["finish_reason"] or "stop"} for c in chunk["choices"]]
-    check_completion({k: v for k, v in chunk.items() if not (k == "usage" and v is None)} | {"choices": choices})
+    check_completion(
+        {k: v for k, v in chunk.items() if not (k == "usage" and v is None)} | {"choices": choices}
+    )
 
 
 def test_the_check_rejects_what_the_schema_forbids() -> None:
     """The negative control: a chat message without ``refusal`` (what we sent before) fails."""
-    good = {"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": [
-        {"index": 0, "finish_reason": "stop", "logprobs": None, "message": {"role": "assistant", "content": "hi", "refusal": None}}
-    ]}
+    good = {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "logprobs": None,
+                "message": {"role": "assistant", "content": "hi", "refusal": None},
+            }
+        ],
+    }
     check(good, "CreateChatCompletionResponse")
     del good["choices"][0]["message"]["refusal"]
     with pytest.raises(AssertionError, match="refusal"):
@@ -103,7 +127,9 @@ async def test_chat_responses_follow_the_schema(client: httpx.AsyncClient, logpr
     check(body, "CreateChatCompletionResponse")
     for choice in body["choices"]:
         assert choice["message"]["refusal"] is None
-        assert (choice["logprobs"] is not None) == logprobs and (not logprobs or choice["logprobs"]["refusal"] is None)
+        assert (choice["logprobs"] is not None) == logprobs and (
+            not logprobs or choice["logprobs"]["refusal"] is None
+        )
     stream = {**CHAT, **extra, "stream": True, "stream_options": {"include_usage": True}}
     events = sse_events((await client.post("/v1/chat/completions", json=stream)).text)
     assert events[-1] == "[DONE]"
@@ -115,9 +141,21 @@ async def test_chat_responses_follow_the_schema(client: httpx.AsyncClient, logpr
 
 
 @pytest.mark.parametrize("extra", [{}, {"logprobs": 2}, {"echo": True}])
-async def test_completion_responses_follow_the_schema(client: httpx.AsyncClient, extra: dict[str, Any]) -> None:
-    check((await client.post("/v1/completions", json={**COMPLETION, **extra})).json(), "CreateCompletionResponse")
-    events = sse_events((await client.post("/v1/completions", json={**COMPLETION, **extra, "stream": True, "stream_options": {"include_usage": True}})).text)
+async def test_completion_responses_follow_the_schema(
+    client: httpx.AsyncClient, extra: dict[str, Any]
+) -> None:
+    check(
+        (await client.post("/v1/completions", json={**COMPLETION, **extra})).json(),
+        "CreateCompletionResponse",
+    )
+    events = sse_events(
+        (
+            await client.post(
+                "/v1/completions",
+                json={**COMPLETION, **extra, "stream": True, "stream_options": {"include_usage": True}},
+            )
+        ).text
+    )
     for chunk in events[:-1]:
         assert "usage" in chunk
         check_completion_chunk(chunk)
@@ -128,7 +166,9 @@ async def test_models_and_errors_follow_the_schema(client: httpx.AsyncClient) ->
     for resp in (
         await client.post("/v1/completions", json={**COMPLETION, "model": "nope"}),
         await client.post("/v1/chat/completions", json={**CHAT, "tools": []}),
-        await client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
+        await client.post(
+            "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+        ),
     ):
         assert resp.status_code >= 400
         check(resp.json(), "ErrorResponse")

@@ -10,7 +10,6 @@ control run with SPECGATE_FULL_STATISTICS=1: the default run proves the same law
 from __future__ import annotations
 
 import asyncio
-
 from typing import Any
 
 import pytest
@@ -37,8 +36,12 @@ def _spec(schedule: SegmentSchedule = SCHEDULE) -> SpecOptions:
     return SpecOptions(Mode.PIPELINE, 1, None, Reconstruction.RENORMALIZE, pipeline=schedule)
 
 
-async def _tokens(engine: Engine, seed: int, max_tokens: int, temperature: float = 1.0, schedule: SegmentSchedule = SCHEDULE) -> list[int]:
-    req = GenerationRequest(f"r{seed}", PROMPT, max_tokens, SamplingParams(temperature=temperature), seed, 0, _spec(schedule))
+async def _tokens(
+    engine: Engine, seed: int, max_tokens: int, temperature: float = 1.0, schedule: SegmentSchedule = SCHEDULE
+) -> list[int]:
+    req = GenerationRequest(
+        f"r{seed}", PROMPT, max_tokens, SamplingParams(temperature=temperature), seed, 0, _spec(schedule)
+    )
     return [t async for result in engine.generate(req) for t in result.tokens]
 
 
@@ -61,7 +64,9 @@ def _without_zeroing(seeds: range) -> torch.Tensor:
     it rejected keep their mass)."""
     original = pipeline_strategy.try_children
 
-    def broken(p: torch.Tensor, q: torch.Tensor, candidates: list[int], rule: ChildRule, u: torch.Tensor) -> tuple[int | None, torch.Tensor]:
+    def broken(
+        p: torch.Tensor, q: torch.Tensor, candidates: list[int], rule: ChildRule, u: torch.Tensor
+    ) -> tuple[int | None, torch.Tensor]:
         rank, _ = original(p, q, candidates, rule, u)
         return rank, p.double()
 
@@ -78,7 +83,9 @@ def _pooled(function: object, num: int) -> torch.Tensor:
 @FULL_STATISTICS
 def test_first_two_tokens_follow_the_target() -> None:
     counts = _pooled(_first_two, SAMPLES)
-    assert pooled_chisquare(counts.flatten(), _target_joint([(TARGET, 1.0)]).flatten() * SAMPLES) > SIGNIFICANCE
+    assert (
+        pooled_chisquare(counts.flatten(), _target_joint([(TARGET, 1.0)]).flatten() * SAMPLES) > SIGNIFICANCE
+    )
 
 
 @FULL_STATISTICS
@@ -110,14 +117,17 @@ def test_greedy_asks_the_last_stage_for_the_top_k_only_and_reports_the_full_rows
     req = GenerationRequest("g", PROMPT, 8, SamplingParams(temperature=0.0), 0, 0, _spec(), top_logprobs=2)
 
     async def run() -> list[Any]:
-        return [lp async for result in pipeline_engine(DRAFT, pipe).generate(req) for lp in result.logprobs or []]
+        return [
+            lp async for result in pipeline_engine(DRAFT, pipe).generate(req) for lp in result.logprobs or []
+        ]
 
     logprobs = asyncio.run(run())
     assert [lp.token for lp in logprobs] == _argmax_chain(8)
     assert set(pipe.asked_k) == {2}
     last = PROMPT[-1]
     for lp in logprobs:
-        full = torch.log_softmax(TARGET.table[last].double(), dim=-1)  # T(p) at T = 0: the softmax of the "logits"
+        # T(p) at T = 0: the softmax of the "logits"
+        full = torch.log_softmax(TARGET.table[last].double(), dim=-1)
         assert lp.logprob == pytest.approx(float(full[lp.token]), abs=1e-6)
         top = torch.topk(full, 2)
         assert lp.top is not None and [t for t, _ in lp.top] == top.indices.tolist()
@@ -133,7 +143,8 @@ def test_segments_are_pruned_and_expanded_and_the_stages_free_the_session() -> N
     tokens = asyncio.run(_tokens(pipeline_engine(DRAFT, pipe), 7, 16))
     assert len(tokens) == 16
     assert any(s.keep is not None for s in pipe.segments), "no segment pruned the stages' rows"
-    assert max(len(s.tokens) for s in pipe.segments[1:]) <= SCHEDULE.segment + 1  # a segment: its nodes (+ a new round's token)
+    # a segment: its nodes (+ a new round's token)
+    assert max(len(s.tokens) for s in pipe.segments[1:]) <= SCHEDULE.segment + 1
     assert len(pipe.segments) > 16 // 3, "the tree was not expanded or the rounds were not pipelined"
     assert pipe.freed == ["r7-0"]
     assert all(s.runner.length("r7-0") == 0 for s in pipe.states)
@@ -155,7 +166,11 @@ def test_the_same_seed_gives_the_same_tokens() -> None:
 
 
 def test_the_fake_pipeline_is_built_as_a_real_one() -> None:
-    """Issue 63: FakePipeline gave PipelineTarget a URL per stage where it takes each stage's replicas (a list per stage):
-    each URL's characters became replicas. One replica per stage, at its own URL."""
+    """Issue 63: FakePipeline gave PipelineTarget a URL per stage where it takes each stage's replicas (a list
+    per stage): each URL's characters became replicas. One replica per stage, at its own URL."""
     pipe = split_pipeline(TARGET.table, [1, 2], 3)
-    assert [[replica.url for replica in stage] for stage in pipe.members] == [["http://stage0:1"], ["http://stage1:1"], ["http://stage2:1"]]
+    assert [[replica.url for replica in stage] for stage in pipe.members] == [
+        ["http://stage0:1"],
+        ["http://stage1:1"],
+        ["http://stage2:1"],
+    ]

@@ -1,8 +1,9 @@
-"""Issue 75: where a family's marker is one special token (Mistral's ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``), the
-grammar wrote it as a string: llguidance masked the trained token and made the model spell the marker out of ordinary
-pieces, and the detokenizer skipped special tokens, so the reader never saw it. On the real tokenizers the packages ship
-(tests/tokenizers.py): the grammar allows the marker as its token and never spelled, and the reader reads it by id.
-Mistral's Tekken in the default run; Llama 3's (8 s more to load) with SPECGATE_FULL_STATISTICS."""
+"""Issue 75: where a family's marker is one special token (Mistral's ``[TOOL_CALLS]``, Llama 3's
+``<|python_tag|>``), the grammar wrote it as a string: llguidance masked the trained token and made the model
+spell the marker out of ordinary pieces, and the detokenizer skipped special tokens, so the reader never saw
+it. On the real tokenizers the packages ship (tests/tokenizers.py): the grammar allows the marker as its token
+and never spelled, and the reader reads it by id. Mistral's Tekken in the default run; Llama 3's (8 s more to
+load) with SPECGATE_FULL_STATISTICS."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ from core.grammar import GrammarKind, Grammars, GrammarSpec
 from tests.app.helpers import FULL_RUN
 from tests.tokenizers import llama3, tekken
 
-WEATHER = Tool("get_weather", "The weather in a city.", {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]})
+WEATHER = Tool(
+    "get_weather",
+    "The weather in a city.",
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]},
+)
 CALL = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 
@@ -35,9 +40,15 @@ def _walk(grammars: Grammars, source: str, tokens: list[int]) -> tuple[bool, Any
     return all(matcher.consume(t) for t in tokens), matcher
 
 
-def test_the_marker_is_its_token_in_the_grammar_and_never_spelled(mistral: tuple[Any, Grammars, Markers]) -> None:
+def test_the_marker_is_its_token_in_the_grammar_and_never_spelled(
+    mistral: tuple[Any, Grammars, Markers],
+) -> None:
     tokenizer, grammars, markers = mistral
-    assert markers.ids == {"[TOOL_CALLS]": 9} and 9 not in markers.skipped and tokenizer.eos_token_id in markers.skipped
+    assert (
+        markers.ids == {"[TOOL_CALLS]": 9}
+        and 9 not in markers.skipped
+        and tokenizer.eos_token_id in markers.skipped
+    )
     spelled = tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False, split_special_tokens=True)
     assert 9 not in spelled and len(spelled) > 1  # the marker's text, out of ordinary pieces
     body = tokenizer.encode(CALL, add_special_tokens=False)
@@ -53,36 +64,50 @@ def test_the_marker_is_its_token_in_the_grammar_and_never_spelled(mistral: tuple
     lazy = fmt.grammar([WEATHER], required=False, parallel=True, markers=markers)
     prose = tokenizer.encode("Let me check. ", add_special_tokens=False)
     taken, end = _walk(grammars, lazy, prose)
-    assert taken and end.allowed()[9] and end.allowed()[tokenizer.eos_token_id]  # free text may end, or call by the token
+    # free text may end, or call by the token
+    assert taken and end.allowed()[9] and end.allowed()[tokenizer.eos_token_id]
     assert _walk(grammars, lazy, [*prose, 9, *body])[0]
-    assert not _walk(grammars, lazy, prose + spelled)[0]  # the spelling is not free text either: a reader could take it for a call
-    broken = FORMATS["mistral"].grammar([WEATHER], required=True, parallel=False, markers=Markers())  # the marker as a string: the bug
+    # the spelling is not free text either: a reader could take it for a call
+    assert not _walk(grammars, lazy, prose + spelled)[0]
+    # the marker as a string: the bug
+    broken = FORMATS["mistral"].grammar([WEATHER], required=True, parallel=False, markers=Markers())
     assert not _walk(grammars, broken, [9, *body])[0] and _walk(grammars, broken, spelled + body)[0]
 
 
 def test_the_reader_reads_the_marker_by_its_token(mistral: tuple[Any, Grammars, Markers]) -> None:
     tokenizer, _, markers = mistral
-    tokens = [*tokenizer.encode("Let me check. ", add_special_tokens=False), 9, *tokenizer.encode(CALL, add_special_tokens=False)]
+    tokens = [
+        *tokenizer.encode("Let me check. ", add_special_tokens=False),
+        9,
+        *tokenizer.encode(CALL, add_special_tokens=False),
+    ]
 
     def read(skipped: frozenset[int] | None) -> tuple[dict[str, Any], str]:
-        text = ChoiceText(tokenizer, [], tools=FORMATS["mistral"].reader(markers, {}), grammar=True, skipped=skipped)
+        text = ChoiceText(
+            tokenizer, [], tools=FORMATS["mistral"].reader(markers, {}), grammar=True, skipped=skipped
+        )
         deltas = [d for token in tokens for d in text.push([token])]
         tail, finish = text.finish("stop")
         return message_of(deltas + tail), finish
 
     message, finish = read(markers.skipped)
     assert finish == "tool_calls" and message["content"] == "Let me check. "
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [("get_weather", {"city": "Paris"})]
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]
+    ] == [("get_weather", {"city": "Paris"})]
     skipped, _ = read(None)  # every special token skipped, as before: the call is lost into the text
     assert "tool_calls" not in skipped and '"get_weather"' in skipped["content"]
 
 
 def test_a_lead_marker_that_is_a_special_token_opens_a_call() -> None:
-    """The reader's side of Llama 3's <|python_tag|> (its id given: the real tokenizer is the next test's, in the full run)."""
+    """The reader's side of Llama 3's <|python_tag|> (its id given: the real tokenizer is the next test's, in
+    the full run)."""
     fmt = FORMATS["llama3_json"]
     markers = Markers({"<|python_tag|>": 128010})
     reader = fmt.reader(markers, {})
-    message = message_of(reader.push('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}') + reader.flush())
+    message = message_of(
+        reader.push('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}') + reader.flush()
+    )
     assert not message["content"] and message["tool_calls"][0]["function"]["name"] == "get_weather"
     assert "<[128010]>? call" in fmt.grammar([WEATHER], required=True, parallel=False, markers=markers)
 
@@ -95,32 +120,52 @@ def test_llama3s_python_tag_is_its_token_before_a_call() -> None:
     markers = Markers.of(tokenizer, fmt.markers)
     tag = markers.ids["<|python_tag|>"]
     assert tag == 128010
-    call = tokenizer.encode('{"name": "get_weather", "parameters": {"city": "Paris"}}', add_special_tokens=False)
+    call = tokenizer.encode(
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}', add_special_tokens=False
+    )
     source = fmt.grammar([WEATHER], required=True, parallel=False, markers=markers)
     assert _walk(grammars, source, [tag, *call])[0] and _walk(grammars, source, call)[0]
-    assert not _walk(grammars, source, tokenizer.encode("<|python_tag|>", add_special_tokens=False, split_special_tokens=True) + call)[0]
+    assert not _walk(
+        grammars,
+        source,
+        tokenizer.encode("<|python_tag|>", add_special_tokens=False, split_special_tokens=True) + call,
+    )[0]
     text = ChoiceText(tokenizer, [], tools=fmt.reader(markers, {}), grammar=True, skipped=markers.skipped)
     deltas = [d for token in [tag, *call] for d in text.push([token])]
     tail, finish = text.finish("stop")
     message = message_of(deltas + tail)
-    assert finish == "tool_calls" and not message["content"] and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert (
+        finish == "tool_calls"
+        and not message["content"]
+        and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    )
 
 
-def test_thinking_markers_that_are_special_tokens_are_their_tokens(mistral: tuple[Any, Grammars, Markers]) -> None:
-    """Magistral's [THINK] / [/THINK] are special tokens; the packages ship no tokenizer with them, so two of Tekken's
-    control tokens stand in: the reasoning ends with the closing token (never its spelling), and is read apart."""
+def test_thinking_markers_that_are_special_tokens_are_their_tokens(
+    mistral: tuple[Any, Grammars, Markers],
+) -> None:
+    """Magistral's [THINK] / [/THINK] are special tokens; the packages ship no tokenizer with them, so two of
+    Tekken's control tokens stand in: the reasoning ends with the closing token (never its spelling), and is
+    read apart."""
     tokenizer, grammars, _ = mistral
     thinking = Thinking("[INST]", "[/INST]")
     markers = Markers.of(tokenizer, (thinking.open, thinking.close))
     opened, closed = markers.ids[thinking.open], markers.ids[thinking.close]
-    schema = GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    schema = GrammarSpec.json_schema(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    )
     wrapped = after_reasoning(schema, thinking, markers=markers)
     assert wrapped is not None and f"<[{closed}]>" in wrapped.source
-    thought, reply = tokenizer.encode("I think so.", add_special_tokens=False), tokenizer.encode('\n\n{"a":1}', add_special_tokens=False)
+    thought, reply = (
+        tokenizer.encode("I think so.", add_special_tokens=False),
+        tokenizer.encode('\n\n{"a":1}', add_special_tokens=False),
+    )
     assert _walk(grammars, wrapped.source, [opened, *thought, closed, *reply])[0]
     spelled = tokenizer.encode(thinking.close, add_special_tokens=False, split_special_tokens=True)
     assert not _walk(grammars, wrapped.source, [opened, *thought, *spelled, *reply])[0]
-    text = ChoiceText(tokenizer, [], grammar=True, reasoning=ReasoningSplitter(thinking), skipped=markers.skipped)
+    text = ChoiceText(
+        tokenizer, [], grammar=True, reasoning=ReasoningSplitter(thinking), skipped=markers.skipped
+    )
     deltas = [d for token in [opened, *thought, closed, *reply] for d in text.push([token])]
     tail, _ = text.finish("stop")
     message = message_of(deltas + tail)

@@ -52,7 +52,9 @@ def test_special_tokens_are_not_shown(tokenizer: Any) -> None:
         (["a STO", "P b"], ["STOP", "TOP!"], ["a ", ""], True),
     ],
 )
-def test_stop_strings_never_leak(chunks: list[str], stops: list[str], expected: list[str], stopped: bool) -> None:
+def test_stop_strings_never_leak(
+    chunks: list[str], stops: list[str], expected: list[str], stopped: bool
+) -> None:
     matcher = StopMatcher(stops)
     out = []
     for chunk in chunks:
@@ -83,7 +85,9 @@ def test_a_long_answer_costs_linear_decoding(tokenizer: Any, round_size: int) ->
     assert detok.num_decoded <= 6 * len(ids), detok.num_decoded  # re-decoding everything: ~n²/2 = 2,000,000
 
 
-def _read_all(reader: ChoiceText, tokenizer: Any, text: str, reason: str = "stop") -> tuple[list[dict[str, Any]], str]:
+def _read_all(
+    reader: ChoiceText, tokenizer: Any, text: str, reason: str = "stop"
+) -> tuple[list[dict[str, Any]], str]:
     deltas: list[dict[str, Any]] = []
     for token in tokenizer.encode(text):
         deltas += reader.push([token])
@@ -97,12 +101,22 @@ def test_stop_strings_do_not_cut_a_tool_call(tokenizer: Any) -> None:
     """Issue 46: a stop string matching inside the call's JSON cut it, and the cut call was still
     reported with arguments that do not parse. Stop strings apply to free text only."""
     calls = '{"tool_calls":[{"name":"get_weather","arguments":{"city":"Paris. STOP here"}}]}'
-    deltas, finish = _read_all(ChoiceText(tokenizer, ["STOP", "."], tools=ToolOutput(), grammar=True), tokenizer, calls)
+    deltas, finish = _read_all(
+        ChoiceText(tokenizer, ["STOP", "."], tools=ToolOutput(), grammar=True), tokenizer, calls
+    )
     message = message_of(deltas)
-    assert finish == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris. STOP here"}
+    assert finish == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {
+        "city": "Paris. STOP here"
+    }
     answer = '{"response":"It is sunny. STOP now"}'
-    deltas, finish = _read_all(ChoiceText(tokenizer, ["STOP"], tools=ToolOutput(), grammar=True), tokenizer, answer)
-    assert finish == "stop" and message_of(deltas)["content"] == "It is sunny. " and "tool_calls" not in message_of(deltas)
+    deltas, finish = _read_all(
+        ChoiceText(tokenizer, ["STOP"], tools=ToolOutput(), grammar=True), tokenizer, answer
+    )
+    assert (
+        finish == "stop"
+        and message_of(deltas)["content"] == "It is sunny. "
+        and "tool_calls" not in message_of(deltas)
+    )
 
 
 def test_stop_strings_do_not_cut_what_a_schema_writes(tokenizer: Any) -> None:
@@ -117,7 +131,20 @@ def test_a_call_cut_by_max_tokens_is_reported_as_it_is(tokenizer: Any) -> None:
     """Issue 46: the text of an answer cut inside a call was lost; now the partial call comes
     with finish_reason length. Issue 75: a cut before the call's name is not text either (it was
     its JSON, as content): nothing."""
-    deltas, finish = _read_all(ChoiceText(tokenizer, [], tools=ToolOutput(), grammar=True), tokenizer, '{"tool_calls":[{"name":"get_weather","arguments":{"ci', "length")
-    assert finish == "length" and message_of(deltas)["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
-    deltas, finish = _read_all(ChoiceText(tokenizer, [], tools=ToolOutput(), grammar=True), tokenizer, '{"tool_calls":[{"na', "length")
+    deltas, finish = _read_all(
+        ChoiceText(tokenizer, [], tools=ToolOutput(), grammar=True),
+        tokenizer,
+        '{"tool_calls":[{"name":"get_weather","arguments":{"ci',
+        "length",
+    )
+    assert finish == "length" and message_of(deltas)["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"ci',
+    }
+    deltas, finish = _read_all(
+        ChoiceText(tokenizer, [], tools=ToolOutput(), grammar=True),
+        tokenizer,
+        '{"tool_calls":[{"na',
+        "length",
+    )
     assert finish == "length" and message_of(deltas) == {"role": "assistant", "content": "", "refusal": None}

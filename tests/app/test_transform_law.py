@@ -32,31 +32,54 @@ LENGTH = 3  # tokens checked: the forced first one, then two decided by rounds
 WORKERS = {"1 worker": [1.0], "2 workers 0.7/0.3": [0.7, 0.3]}
 SPECS = {
     "exact chain γ=2": SpecOptions(Mode.EXACT, 2, None, Reconstruction.RENORMALIZE, draft_top_k=2),
-    "tree sampled ⟨2,1⟩, full rows": SpecOptions(Mode.TREE, 1, None, Reconstruction.RENORMALIZE, tree=TreeShape(ChildRule.SAMPLED, widths=(2, 1))),
+    "tree sampled ⟨2,1⟩, full rows": SpecOptions(
+        Mode.TREE, 1, None, Reconstruction.RENORMALIZE, tree=TreeShape(ChildRule.SAMPLED, widths=(2, 1))
+    ),
     "tree fixed 3 nodes, exact payload": SpecOptions(
-        Mode.TREE, 1, None, Reconstruction.RENORMALIZE, draft_top_k=3, tree=TreeShape(ChildRule.FIXED, nodes=3, depth=2, top_k=2), tree_payload=Mode.EXACT,
+        Mode.TREE,
+        1,
+        None,
+        Reconstruction.RENORMALIZE,
+        draft_top_k=3,
+        tree=TreeShape(ChildRule.FIXED, nodes=3, depth=2, top_k=2),
+        tree_payload=Mode.EXACT,
     ),
 }
-CELLS = [  # the trees' cells: the matrix's transforms on every shape prove them exactly (FULL_STATISTICS runs them here too)
+# the trees' cells: the matrix's transforms on every shape prove them exactly (FULL_STATISTICS runs them here
+# too)
+CELLS = [
     ("exact chain γ=2", "2 workers 0.7/0.3"),
     pytest.param("tree sampled ⟨2,1⟩, full rows", "1 worker", marks=FULL_STATISTICS),
     pytest.param("tree fixed 3 nodes, exact payload", "2 workers 0.7/0.3", marks=FULL_STATISTICS),
 ]
 
 
-def _counts(spec_name: str, workers: str, seeds: range, parents_row: bool = False) -> dict[tuple[int, ...], int]:
+def _counts(
+    spec_name: str, workers: str, seeds: range, parents_row: bool = False
+) -> dict[tuple[int, ...], int]:
     """In a pool process: how often each outcome (the first LENGTH tokens, cut at EOS) came."""
     if parents_row:
         from workers.step import Steps
 
         real = Steps._shaping
-        Steps._shaping = lambda self, req: (lambda s: None if s is None else (s[0], s[1], [[] for _ in s[2]]))(real(self, req))  # type: ignore[method-assign]
+        Steps._shaping = lambda self, req: (
+            lambda s: None if s is None else (s[0], s[1], [[] for _ in s[2]])
+        )(real(self, req))  # type: ignore[method-assign]
     engine = with_table_grammar(make_engine(DRAFT, list(zip(TARGETS, WORKERS[workers])), eos_ids=[EOS]))
 
     async def run() -> dict[tuple[int, ...], int]:
         counts: dict[tuple[int, ...], int] = {}
         for seed in seeds:
-            req = GenerationRequest(f"r{seed}", PROMPT, 8, SamplingParams(temperature=1.0), seed, 0, SPECS[spec_name], transform=TRANSFORMS["all"])
+            req = GenerationRequest(
+                f"r{seed}",
+                PROMPT,
+                8,
+                SamplingParams(temperature=1.0),
+                seed,
+                0,
+                SPECS[spec_name],
+                transform=TRANSFORMS["all"],
+            )
             tokens: list[int] = []
             async with aclosing(engine.generate(req)) as rounds:
                 async for result in rounds:
@@ -77,7 +100,15 @@ def _target(workers: str) -> dict[tuple[int, ...], float]:
 
     def p_next(prefix: tuple[int, ...]) -> torch.Tensor:
         last = prefix[-1] if prefix else PROMPT[-1]
-        rows = [normalised(apply_sampling(transformed(t.table[last], prefix, TRANSFORMS["all"])[None], SamplingParams(temperature=1.0))[0]) for t in TARGETS[: len(weights)]]
+        rows = [
+            normalised(
+                apply_sampling(
+                    transformed(t.table[last], prefix, TRANSFORMS["all"])[None],
+                    SamplingParams(temperature=1.0),
+                )[0]
+            )
+            for t in TARGETS[: len(weights)]
+        ]
         return sum((w * row for w, row in zip(weights, rows)), torch.zeros(V, dtype=torch.float64))
 
     law: dict[tuple[int, ...], float] = {}
@@ -86,7 +117,8 @@ def _target(workers: str) -> dict[tuple[int, ...], float]:
         mass = 1.0
         for i in range(len(cut)):
             mass *= float(p_next(cut[:i])[cut[i]])
-        if len(cut) == LENGTH or outcome[len(cut):] == (0,) * (LENGTH - len(cut)):  # each shorter outcome once
+        if len(cut) == LENGTH or outcome[len(cut) :] == (0,) * (LENGTH - len(cut)):
+            # each shorter outcome once
             law[cut] = law.get(cut, 0.0) + mass
     return law
 
@@ -109,7 +141,8 @@ def _pvalue(spec_name: str, workers: str, samples: int, parents_row: bool = Fals
 def test_the_target_law_sums_to_one() -> None:
     for workers in WORKERS:
         law = _target(workers)
-        assert abs(sum(law.values()) - 1) < 1e-9 and all(k[0] == 2 for k, v in law.items() if v > 0)  # the first token is forced
+        # the first token is forced
+        assert abs(sum(law.values()) - 1) < 1e-9 and all(k[0] == 2 for k, v in law.items() if v > 0)
 
 
 @pytest.mark.parametrize("spec_name, workers", CELLS)

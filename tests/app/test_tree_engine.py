@@ -20,7 +20,7 @@ from core.math.shapes import ChildRule, TreeShape
 from core.names import Mode, Reconstruction
 from tests.app.fakes import MarkovRunner, make_engine
 from tests.app.helpers import FULL_STATISTICS, seed_pool
-from tests.app.test_engine import DRAFT, PROMPT, TARGETS, V, WEIGHTS_3, _target_joint, pooled_chisquare
+from tests.app.test_engine import DRAFT, PROMPT, TARGETS, WEIGHTS_3, V, _target_joint, pooled_chisquare
 
 SAMPLES = 20_000
 SIGNIFICANCE = 1e-3  # chi-square rejects below this p-value; seeds are fixed
@@ -33,15 +33,24 @@ SHAPES = {
 WORKERS = {"1 worker": [(TARGETS[0], 1.0)], "3 weighted workers": list(zip(TARGETS, WEIGHTS_3))}
 
 
-PAYLOADS = {"aggregate k: full": Mode.AGGREGATE, "exact, draft top-3": Mode.EXACT}  # exact: q̂ truncated, mass off S_v
+# exact: q̂ truncated, mass off S_v
+PAYLOADS = {"aggregate k: full": Mode.AGGREGATE, "exact, draft top-3": Mode.EXACT}
 
 
 def _spec(shape: TreeShape, payload: Mode = Mode.AGGREGATE) -> SpecOptions:
     top_k = 3 if payload is Mode.EXACT else 0
-    return SpecOptions(Mode.TREE, 1, None, Reconstruction.RENORMALIZE, draft_top_k=top_k, tree=shape, tree_payload=payload)
+    return SpecOptions(
+        Mode.TREE, 1, None, Reconstruction.RENORMALIZE, draft_top_k=top_k, tree=shape, tree_payload=payload
+    )
 
 
-def _first_two(engine: Engine, shape: TreeShape, num: int | range, temperature: float = 1.0, payload: Mode = Mode.AGGREGATE) -> torch.Tensor:
+def _first_two(
+    engine: Engine,
+    shape: TreeShape,
+    num: int | range,
+    temperature: float = 1.0,
+    payload: Mode = Mode.AGGREGATE,
+) -> torch.Tensor:
     """Counts [V, V] of the first two tokens over ``num`` seeds (max_tokens 3: a depth-2 tree)."""
     spec = _spec(shape, payload)
     seeds = range(num) if isinstance(num, int) else num
@@ -49,7 +58,9 @@ def _first_two(engine: Engine, shape: TreeShape, num: int | range, temperature: 
     async def run() -> torch.Tensor:
         counts = torch.zeros(V, V)
         for seed in seeds:
-            req = GenerationRequest(f"r{seed}", PROMPT, 3, SamplingParams(temperature=temperature), seed, 0, spec)
+            req = GenerationRequest(
+                f"r{seed}", PROMPT, 3, SamplingParams(temperature=temperature), seed, 0, spec
+            )
             tokens: list[int] = []
             rounds = engine.generate(req)
             async for result in rounds:
@@ -80,23 +91,33 @@ def processes() -> Iterator[Executor]:
 # at T > 0 (children without replacement): the real random streams, with
 # SPECGATE_FULL_STATISTICS=1. The default run proves every rule, shape and payload exactly
 # (tests/app/test_lossless_matrix.py) and runs fixed chains this way (tests/app/test_fixed_chains.py).
-RUNS = [(shape, workers, "aggregate k: full") for shape in SHAPES for workers in WORKERS] + [("sampled without replacement ⟨3,2⟩", "3 weighted workers", "exact, draft top-3")]
+RUNS = [(shape, workers, "aggregate k: full") for shape in SHAPES for workers in WORKERS] + [
+    ("sampled without replacement ⟨3,2⟩", "3 weighted workers", "exact, draft top-3")
+]
 
 
 @FULL_STATISTICS
 @pytest.mark.parametrize("shape, workers, payload", RUNS)
-def test_first_two_tokens_follow_the_target(shape: str, workers: str, payload: str, processes: Executor) -> None:
+def test_first_two_tokens_follow_the_target(
+    shape: str, workers: str, payload: str, processes: Executor
+) -> None:
     half = SAMPLES // 2
-    parts = processes.map(_counts, [shape, shape], [workers, workers], [range(half), range(half, SAMPLES)], [payload, payload])
+    parts = processes.map(
+        _counts, [shape, shape], [workers, workers], [range(half), range(half, SAMPLES)], [payload, payload]
+    )
     counts = sum(parts, torch.zeros(V, V))
-    assert pooled_chisquare(counts.flatten(), _target_joint(WORKERS[workers]).flatten() * SAMPLES) > SIGNIFICANCE
+    assert (
+        pooled_chisquare(counts.flatten(), _target_joint(WORKERS[workers]).flatten() * SAMPLES) > SIGNIFICANCE
+    )
 
 
 def _algorithm_5_counts(seeds: range) -> torch.Tensor:
     """In a pool process: fixed (top-k) children verified with the sampled rule (TSLT's
     Algorithm 5), through one worker."""
     original = tree_math.try_children
-    tree_math.try_children = lambda p, q, candidates, rule, *rest: original(p, q, candidates, ChildRule.SAMPLED, *rest)  # type: ignore[assignment]
+    tree_math.try_children = lambda p, q, candidates, rule, *rest: original(
+        p, q, candidates, ChildRule.SAMPLED, *rest
+    )  # type: ignore[assignment]
     return _first_two(make_engine(DRAFT, WORKERS["1 worker"]), SHAPES["fixed (EAGLE-2, 5 nodes)"], seeds)
 
 
@@ -106,8 +127,12 @@ def test_negative_control_algorithm_5_on_fixed_children_is_rejected() -> None:
     break dies with them.)"""
     num = SAMPLES // 4
     with seed_pool(fresh=True) as pool:
-        counts = sum(pool.map(_algorithm_5_counts, [range(num // 2), range(num // 2, num)]), torch.zeros(V, V))
-    assert pooled_chisquare(counts.flatten(), _target_joint(WORKERS["1 worker"]).flatten() * num) < SIGNIFICANCE
+        counts = sum(
+            pool.map(_algorithm_5_counts, [range(num // 2), range(num // 2, num)]), torch.zeros(V, V)
+        )
+    assert (
+        pooled_chisquare(counts.flatten(), _target_joint(WORKERS["1 worker"]).flatten() * num) < SIGNIFICANCE
+    )
 
 
 @pytest.mark.parametrize("payload", PAYLOADS)
@@ -122,7 +147,9 @@ def test_greedy_is_the_mixture_argmax(shape: str, payload: str) -> None:
         expected.append(last)
 
     async def run() -> list[int]:
-        req = GenerationRequest("g", PROMPT, 6, SamplingParams(temperature=0.0), 0, 0, _spec(SHAPES[shape], PAYLOADS[payload]))
+        req = GenerationRequest(
+            "g", PROMPT, 6, SamplingParams(temperature=0.0), 0, 0, _spec(SHAPES[shape], PAYLOADS[payload])
+        )
         return [t async for r in engine.generate(req) for t in r.tokens]
 
     assert asyncio.run(run()) == expected
@@ -133,20 +160,28 @@ def test_a_tree_round_tells_workers_the_parents_and_the_next_call_the_path() -> 
     engine = make_engine(DRAFT, [(runner, 1.0)])
 
     async def run() -> list[int]:
-        req = GenerationRequest("p", PROMPT, 12, SamplingParams(temperature=1.0), 5, 0, _spec(SHAPES["sampled ⟨2,2⟩"]))
+        req = GenerationRequest(
+            "p", PROMPT, 12, SamplingParams(temperature=1.0), 5, 0, _spec(SHAPES["sampled ⟨2,2⟩"])
+        )
         return [t async for r in engine.generate(req) for t in r.tokens]
 
     text = asyncio.run(run())
     calls = engine.pool.workers[0].calls  # type: ignore[attr-defined]
-    assert len(calls) >= 3 and all(c.parents is not None and len(c.parents) == len(c.draft) for c in calls[:-1])
+    assert len(calls) >= 3 and all(
+        c.parents is not None and len(c.parents) == len(c.draft) for c in calls[:-1]
+    )
     sequence, paths = PROMPT + text, 0
     for before, after in zip(calls, calls[1:]):
         # v1.1: the accepted nodes end the next call's prefix, named by ``path``: only the
         # recovered or bonus token is sent again
         path = [] if after.path is None else after.path.tolist()
-        assert len(after.tokens) == 1 and after.prefix_len == before.prefix_len + len(before.tokens) + len(path)
+        assert len(after.tokens) == 1 and after.prefix_len == before.prefix_len + len(before.tokens) + len(
+            path
+        )
         assert [before.parents[n] for n in path] == [-1, *path][: len(path)]
-        assert [before.draft[n] for n in path] == sequence[before.prefix_len + len(before.tokens): after.prefix_len]
+        assert [before.draft[n] for n in path] == sequence[
+            before.prefix_len + len(before.tokens) : after.prefix_len
+        ]
         paths += bool(path)
     assert paths >= 2
 
@@ -157,7 +192,9 @@ def test_a_worker_that_lost_the_tree_gets_the_path_as_tokens_and_the_text_is_the
 
     def run(engine: Engine, forget: bool) -> list[int]:
         async def go() -> list[int]:
-            req = GenerationRequest("lost", PROMPT, 12, SamplingParams(temperature=1.0), 5, 0, _spec(SHAPES["sampled ⟨2,2⟩"]))
+            req = GenerationRequest(
+                "lost", PROMPT, 12, SamplingParams(temperature=1.0), 5, 0, _spec(SHAPES["sampled ⟨2,2⟩"])
+            )
             out: list[int] = []
             async for result in engine.generate(req):
                 out += result.tokens

@@ -1,6 +1,6 @@
-"""``specgate bench consistency``'s parts (the run itself is tests/integration/test_long_prompts_real.py's and a
-benchmark's: docs/performance.md has its counts): prompts of the lengths asked that share no more than their task,
-the modes it takes, and how two sets of texts are compared."""
+"""``specgate bench consistency``'s parts (the run itself is tests/integration/test_long_prompts_real.py's and
+a benchmark's: docs/performance.md has its counts): prompts of the lengths asked that share no more than their
+task, the modes it takes, and how two sets of texts are compared."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import argparse
 
 import pytest
 
-from clients.bench.consistency import CONFIGS, agreement, article, chat_ids, gateway_config, lengths, mode_list
+from clients.bench.consistency import (
+    CONFIGS,
+    agreement,
+    article,
+    chat_ids,
+    gateway_config,
+    lengths,
+    mode_list,
+)
 from core.runners import resolve_model
 from core.runners.base import common_prefix
 from core.runners.tokenizer import load_tokenizer
@@ -30,13 +38,27 @@ def test_the_modes_asked_start_with_autoregressive() -> None:
     assert mode_list("tree-exact, autoregressive") == ["autoregressive", "tree-exact"]
     with pytest.raises(argparse.ArgumentTypeError, match="unknown mode 'fast'"):
         mode_list("exact,fast")
-    assert {"autoregressive", "aggregate", "split", "exact", "tree", "tree-exact", "lookup", "model+lookup", "overlap"} == set(CONFIGS)
+    assert {
+        "autoregressive",
+        "aggregate",
+        "split",
+        "exact",
+        "tree",
+        "tree-exact",
+        "lookup",
+        "model+lookup",
+        "overlap",
+    } == set(CONFIGS)
 
 
 def test_agreement_counts_and_shows_where_texts_part() -> None:
     assert agreement(["a b", "c"], ["a b", "c"]) == {"same": 2, "of": 2}
     out = agreement(["same", "the river rose"], ["same", "the river fell"])
-    assert out["same"] == 1 and out["first_difference"]["prompt"] == 1 and out["first_difference"]["at_char"] == 10
+    assert (
+        out["same"] == 1
+        and out["first_difference"]["prompt"] == 1
+        and out["first_difference"]["at_char"] == 10
+    )
 
 
 def test_a_gateway_config_takes_both_replicas_and_the_timing() -> None:

@@ -54,13 +54,37 @@ def test_docker_and_make_share_one_set_up_script() -> None:
 
 @pytest.mark.skipif(shutil.which("docker") is None, reason="docker is not installed here")
 def test_docker_compose_accepts_the_file() -> None:
-    plugin = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True, timeout=60).returncode == 0
+    plugin = (
+        subprocess.run(
+            ["docker", "compose", "version"], capture_output=True, text=True, timeout=60
+        ).returncode
+        == 0
+    )
     command = ["docker", "compose"] if plugin else [shutil.which("docker-compose") or "docker-compose"]
-    assert plugin or shutil.which("docker-compose"), "docker without compose: `make test` installs docker-compose"
-    secrets = {"SPECGATE_WORKER_TOKEN": secrets_token(), "SPECGATE_API_KEY": secrets_token()}  # what its comment has you write to .env
+    assert plugin or shutil.which("docker-compose"), (
+        "docker without compose: `make test` installs docker-compose"
+    )
+    # what its comment has you write to .env
+    secrets = {"SPECGATE_WORKER_TOKEN": secrets_token(), "SPECGATE_API_KEY": secrets_token()}
     base = {k: v for k, v in os.environ.items() if not k.startswith("SPECGATE_")}
-    out = subprocess.run([*command, "-f", str(ROOT / "compose.yaml"), "config", "--quiet"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=base | secrets)
+    out = subprocess.run(
+        [*command, "-f", str(ROOT / "compose.yaml"), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=base | secrets,
+    )
     assert out.returncode == 0, out.stderr
     # fail closed (issue 76): without the secrets no service is configured, and the error names the one to set
-    out = subprocess.run([*command, "-f", str(ROOT / "compose.yaml"), "config", "--quiet"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=base)
-    assert out.returncode != 0 and "set SPECGATE_WORKER_TOKEN (openssl rand -hex 32)" in out.stderr, out.stderr
+    out = subprocess.run(
+        [*command, "-f", str(ROOT / "compose.yaml"), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=base,
+    )
+    assert out.returncode != 0 and "set SPECGATE_WORKER_TOKEN (openssl rand -hex 32)" in out.stderr, (
+        out.stderr
+    )

@@ -40,7 +40,8 @@ def _draw(first: np.ndarray, second: np.ndarray, seed: int, shift: float = 0.0) 
     pairs: Counter[Pair] = Counter()
     for a in rng.choice(len(first), size=SAMPLES, p=first):
         a = int(a)
-        pairs[(ROWS + a, None) if a >= ROWS else (a, int(rng.choice(V, p=second[a])))] += 1  # tail ids have no row
+        # tail ids have no row
+        pairs[(ROWS + a, None) if a >= ROWS else (a, int(rng.choice(V, p=second[a])))] += 1
     return pairs
 
 
@@ -60,7 +61,8 @@ def test_tail_answers_land_in_the_tail_cell() -> None:
     assert any(a >= ROWS for a, _ in observed)  # the tail is drawn …
     statistic, dof, _ = chi_square(observed, expected, SAMPLES)
     tail_only: Counter[Pair] = Counter({(ROWS + 5, None): SAMPLES})
-    assert chi_square(tail_only, expected, SAMPLES)[0] > statistic  # … and counted in (−1, None), not a new cell
+    # … and counted in (−1, None), not a new cell
+    assert chi_square(tail_only, expected, SAMPLES)[0] > statistic
     assert dof == chi_square(tail_only, expected, SAMPLES)[1]  # the cells do not depend on the answers
 
 

@@ -22,7 +22,13 @@ CHOSEN = {"mode", "k", "reconstruction"}  # a config's purpose: free to differ f
 
 
 def test_there_are_shipped_configs() -> None:
-    assert {p.name for p in SHIPPED} >= {"builtin.yaml", "one-worker.yaml", "federated.yaml", "pipeline.yaml", "engine.yaml"}
+    assert {p.name for p in SHIPPED} >= {
+        "builtin.yaml",
+        "one-worker.yaml",
+        "federated.yaml",
+        "pipeline.yaml",
+        "engine.yaml",
+    }
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
@@ -43,29 +49,37 @@ def test_a_shipped_config_overrides_no_default(path: Path) -> None:
     for key in set(written) - CHOSEN:
         value = getattr(config, key)
         if isinstance(value, PipelineParams):
-            assert value.schedule() == SegmentSchedule(), f"{path.name}: pipeline {value} is not the default schedule {SegmentSchedule()}"
+            assert value.schedule() == SegmentSchedule(), (
+                f"{path.name}: pipeline {value} is not the default schedule {SegmentSchedule()}"
+            )
         elif isinstance(value, TreeParams):
             pytest.fail(f"{path.name}: a tree shape {value} overrides the default by temperature")
         elif key == "draft_top_k" and config.mode is Mode.EXACT:
             assert value == 32, f"{path.name}: exact's draft_top_k {value} is not its default 32"
         else:
-            assert value == getattr(default, key), f"{path.name}: speculative.{key} = {value!r}, the default is {getattr(default, key)!r}"
+            assert value == getattr(default, key), (
+                f"{path.name}: speculative.{key} = {value!r}, the default is {getattr(default, key)!r}"
+            )
 
 
 def test_a_config_written_for_another_checkout_names_only_what_differs_from_the_defaults() -> None:
-    """``specgate bench … --baseline``: the earlier checkout's gateway reads our config; a setting added since (``draft.forward``)
-    stops it (pydantic forbids extra keys), so the file names only what differs from the defaults, and reads back the same."""
+    """``specgate bench … --baseline``: the earlier checkout's gateway reads our config; a setting added since
+    (``draft.forward``) stops it (pydantic forbids extra keys), so the file names only what differs from the
+    defaults, and reads back the same."""
     from core.config import builtin_config, dump_config, parse_config
 
     config = builtin_config()
     changed = yaml.safe_load(dump_config(config, changed_only=True))
-    assert "forward" in yaml.safe_load(dump_config(config))["draft"] and "forward" not in changed.get("draft", {})
+    assert "forward" in yaml.safe_load(dump_config(config))["draft"] and "forward" not in changed.get(
+        "draft", {}
+    )
     assert parse_config(changed) == config
 
 
 @pytest.mark.parametrize("weight", [float("inf"), float("nan"), -1.0])
 def test_a_workers_weight_must_be_a_finite_number_at_least_0(weight: float) -> None:
-    """w / Σw must be a number: an infinite weight made it NaN (the old split path failed on it; the worker's draw would not have)."""
+    """w / Σw must be a number: an infinite weight made it NaN (the old split path failed on it; the worker's
+    draw would not have)."""
     from core.config import parse_config
     from core.errors import ConfigError
 

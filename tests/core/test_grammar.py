@@ -26,7 +26,12 @@ def grammars(tokenizer) -> Grammars:  # type: ignore[no-untyped-def]
     return Grammars(tokenizer, V, [EOS], GrammarLimits(max_source_bytes=4096))
 
 
-SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}}, "required": ["a", "b"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 4}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
 
 
 def test_a_schema_walks_to_its_end_and_then_allows_only_eos(grammars: Grammars, tokenizer) -> None:  # type: ignore[no-untyped-def]
@@ -96,13 +101,16 @@ def test_compiled_grammars_are_cached_by_content(grammars: Grammars) -> None:
     assert spec.digest != GrammarSpec(GrammarKind.GRAMMAR, spec.source).digest
 
 
-@pytest.mark.parametrize(("spec", "says"), [
-    (GrammarSpec(GrammarKind.REGEX, "(("), "regex does not compile"),
-    (GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "nope"}'), "json_schema does not compile"),
-    (GrammarSpec(GrammarKind.JSON_SCHEMA, "not json"), "json_schema does not compile"),
-    (GrammarSpec(GrammarKind.GRAMMAR, "start: undefined_rule"), "grammar does not compile"),
-    (GrammarSpec(GrammarKind.REGEX, "a" * 5000), "the limit is 4096"),
-])
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (GrammarSpec(GrammarKind.REGEX, "(("), "regex does not compile"),
+        (GrammarSpec(GrammarKind.JSON_SCHEMA, '{"type": "nope"}'), "json_schema does not compile"),
+        (GrammarSpec(GrammarKind.JSON_SCHEMA, "not json"), "json_schema does not compile"),
+        (GrammarSpec(GrammarKind.GRAMMAR, "start: undefined_rule"), "grammar does not compile"),
+        (GrammarSpec(GrammarKind.REGEX, "a" * 5000), "the limit is 4096"),
+    ],
+)
 def test_a_bad_grammar_says_what_is_wrong(grammars: Grammars, spec: GrammarSpec, says: str) -> None:
     with pytest.raises(GrammarError, match=says):
         grammars.compile(spec)
@@ -132,34 +140,68 @@ def test_rollback_over_eos_and_a_refused_token(grammars: Grammars, tokenizer) ->
     assert torch.equal(matcher.allowed(), before)
 
 
-def test_objects_with_properties_take_no_others_unless_the_schema_says_so(grammars: Grammars, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_objects_with_properties_take_no_others_unless_the_schema_says_so(
+    grammars: Grammars, tokenizer
+) -> None:  # type: ignore[no-untyped-def]
     from core.grammar import strict
 
-    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {"const": {"properties": 1}}}}}, "$defs": {"d": {"properties": {}}}}
-    assert strict(schema) == {
-        "type": "object", "additionalProperties": False, "$defs": {"d": {"properties": {}, "additionalProperties": False}},
-        "properties": {"properties": {"type": "object", "properties": {"x": {"const": {"properties": 1}}}, "additionalProperties": False}},
+    schema = {
+        "type": "object",
+        "properties": {"properties": {"type": "object", "properties": {"x": {"const": {"properties": 1}}}}},
+        "$defs": {"d": {"properties": {}}},
     }
-    assert strict({"type": "object"}) == {"type": "object"} and strict({"properties": {}, "additionalProperties": True})["additionalProperties"] is True
-    matcher = grammars.compile(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})).matcher()
+    assert strict(schema) == {
+        "type": "object",
+        "additionalProperties": False,
+        "$defs": {"d": {"properties": {}, "additionalProperties": False}},
+        "properties": {
+            "properties": {
+                "type": "object",
+                "properties": {"x": {"const": {"properties": 1}}},
+                "additionalProperties": False,
+            }
+        },
+    }
+    assert (
+        strict({"type": "object"}) == {"type": "object"}
+        and strict({"properties": {}, "additionalProperties": True})["additionalProperties"] is True
+    )
+    matcher = grammars.compile(
+        GrammarSpec.json_schema(
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        )
+    ).matcher()
     matcher.sync(tokenizer.encode('{"a":1'))
     assert not matcher.allowed()[tokenizer.encode(",")[0]]  # no second key
 
 
 def test_a_freeform_tools_grammar_holds_the_string_a_call_carries(grammars: Grammars, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """Issue 75: a custom tool's Lark grammar, written out as one regex (core.freeform), is the ``pattern`` of the JSON
-    string its call carries: llguidance holds every decoded character to it (escapes included), and refuses a string
-    the grammar does not make, token by token."""
+    """Issue 75: a custom tool's Lark grammar, written out as one regex (core.freeform), is the ``pattern`` of
+    the JSON string its call carries: llguidance holds every decoded character to it (escapes included), and
+    refuses a string the grammar does not make, token by token."""
     from core.freeform import freeform_pattern
 
-    lark = 'start: "*** Begin Patch" LF ("*** Add File: " /(.+)/ LF ("+" /(.*)/ LF)+)+ "*** End Patch" LF?\n%import common.LF\n'
-    schema = {"type": "object", "properties": {"input": {"type": "string", "x-freeform": {"syntax": "lark", "definition": lark}}}, "required": ["input"]}
-    assert strict(schema)["properties"]["input"] == {"type": "string", "pattern": freeform_pattern("lark", lark)}
+    lark = (
+        'start: "*** Begin Patch" LF ("*** Add File: " /(.+)/ LF ("+" /(.*)/ LF)+)+ "*** End Patch" '
+        "LF?\n%import common.LF\n"
+    )
+    schema = {
+        "type": "object",
+        "properties": {"input": {"type": "string", "x-freeform": {"syntax": "lark", "definition": lark}}},
+        "required": ["input"],
+    }
+    assert strict(schema)["properties"]["input"] == {
+        "type": "string",
+        "pattern": freeform_pattern("lark", lark),
+    }
     compiled = grammars.compile(GrammarSpec.json_schema(schema))
 
     def walk(text: str) -> bool:
         matcher = compiled.matcher()
-        return all(matcher.consume(token) for token in tokenizer.encode(json.dumps({"input": text}, separators=(",", ":")))) and bool(matcher.allowed()[EOS])
+        return all(
+            matcher.consume(token)
+            for token in tokenizer.encode(json.dumps({"input": text}, separators=(",", ":")))
+        ) and bool(matcher.allowed()[EOS])
 
     assert walk('*** Begin Patch\n*** Add File: a "b".txt\n+tab\there \\ ok\n*** End Patch\n')
     assert not walk("*** Begin Patch\n*** End Patch\n")  # no file

@@ -62,7 +62,8 @@ def test_suffix_index_continues_the_longest_suffix_by_frequency() -> None:
     proposal = index.propose([7, 2, 3], 4)
     assert (proposal.tokens, proposal.match) == ([5, 6], 2)  # "2 3" → 5 twice, 4 once; then 6
     proposal = index.propose([1, 2, 3], 4)
-    assert (proposal.tokens, proposal.match) == ([4], 3)  # the longest match first: "1 2 3" → 4 or 5 (tie: the lower id)
+    # the longest match first: "1 2 3" → 4 or 5 (tie: the lower id)
+    assert (proposal.tokens, proposal.match) == ([4], 3)
     assert index.propose([8, 8], 4).tokens == []
     assert index.propose([1, 2, 3], 1).tokens == [4]
 

@@ -160,9 +160,12 @@ def test_the_header_carries_only_what_differs_from_the_defaults() -> None:
     header = orjson.loads(body[8 : len(body) - 4])
     assert header["fields"] == {"held": 51, "model_ms": 7.5} and len(body) < 100
     assert decode(VerifyResponse, body, BINARY_CONTENT_TYPE) == resp
-    req = VerifyRequest.after("s", [1, 2], [3], [], temperature=1.0, mode="autoregressive", return_probs=False)
+    req = VerifyRequest.after(
+        "s", [1, 2], [3], [], temperature=1.0, mode="autoregressive", return_probs=False
+    )
     fields = orjson.loads(encode_binary(req, VOCAB_SMALL)[8:-2])["fields"]
-    assert set(fields) == {"session_id", "prefix_len", "prefix_hash", "mode", "return_probs"}  # temperature 1.0 is the default
+    # temperature 1.0 is the default
+    assert set(fields) == {"session_id", "prefix_len", "prefix_hash", "mode", "return_probs"}
 
 
 def _request_body() -> bytes:
@@ -193,10 +196,19 @@ def test_broken_binary_bodies_are_protocol_errors(body: bytes, message: str) -> 
         (b"{not json", "malformed JSON"),
         (b"[1, 2]", "must be an object"),
         (b'{"session_id": "s"}', "missing field"),
-        (b'{"session_id": "s", "prefix_len": "3", "prefix_hash": "", "tokens": [1], "draft": []}', "must be int"),
-        (b'{"session_id": "s", "prefix_len": 0, "prefix_hash": "", "tokens": [[[1]]], "draft": []}', "dimensions"),
+        (
+            b'{"session_id": "s", "prefix_len": "3", "prefix_hash": "", "tokens": [1], "draft": []}',
+            "must be int",
+        ),
+        (
+            b'{"session_id": "s", "prefix_len": 0, "prefix_hash": "", "tokens": [[[1]]], "draft": []}',
+            "dimensions",
+        ),
         (b'{"session_id": "s", "prefix_len": 0, "prefix_hash": "", "tokens": ["a"], "draft": []}', "tokens"),
-        (b'{"session_id": "s", "prefix_len": 0, "prefix_hash": "", "tokens": [1], "draft": [], "x": 1}', "unknown fields"),
+        (
+            b'{"session_id": "s", "prefix_len": 0, "prefix_hash": "", "tokens": [1], "draft": [], "x": 1}',
+            "unknown fields",
+        ),
     ],
 )
 def test_broken_json_bodies_are_protocol_errors(body: bytes, message: str) -> None:
@@ -225,7 +237,14 @@ def _req(**overrides: object) -> VerifyRequest:
         ({"mode": "pipeline"}, "mode"),
         ({"parents": np.array([0], np.int32)}, "parents"),
         ({"parents": np.array([-1, -1], np.int32)}, "parents"),
-        ({"mode": "split", "parents": np.array([-1], np.int32), "draft_probs": np.array([0.5], np.float32)}, "parents"),
+        (
+            {
+                "mode": "split",
+                "parents": np.array([-1], np.int32),
+                "draft_probs": np.array([0.5], np.float32),
+            },
+            "parents",
+        ),
         ({"prefix_len": 5, "path": np.array([], np.int32)}, "path"),
         ({"prefix_len": 5, "path": np.array([-1], np.int32)}, "path"),
         ({"prefix_len": 5, "path": np.array([2, 1], np.int32)}, "path"),  # a child before its parent
@@ -237,15 +256,60 @@ def _req(**overrides: object) -> VerifyRequest:
         ({"seed": -1}, "seed"),
         ({"mode": "split"}, "draft_probs"),
         ({"mode": "split", "draft_probs": np.array([0.0], np.float32)}, "draft_probs"),
-        ({"mode": "split", "draft_probs": np.array([0.5]), "support_q": np.array([0.5])}, "support_ids"),  # q̂ without its supports
-        ({"mode": "split", "draft_probs": np.array([0.5]), "support_ids": np.array([3, 4]), "support_sizes": np.array([2], np.int32), "support_q": np.array([0.5])}, "support_q"),
-        ({"mode": "split", "draft_probs": np.array([0.5]), "support_ids": np.array([3, 4]), "support_sizes": np.array([2], np.int32), "support_q": np.array([0.5, 0.0])}, "support_q"),
-        ({"mode": "split", "draft_probs": np.array([0.5]), "support_ids": np.array([4, 5]), "support_sizes": np.array([2], np.int32), "support_q": np.array([0.5, 0.5])}, "support_ids"),
-        ({"support_ids": np.array([3]), "support_sizes": np.array([1], np.int32), "support_q": np.array([1.0])}, "support_q"),  # aggregate takes none
+        # q̂ without its supports
+        ({"mode": "split", "draft_probs": np.array([0.5]), "support_q": np.array([0.5])}, "support_ids"),
+        (
+            {
+                "mode": "split",
+                "draft_probs": np.array([0.5]),
+                "support_ids": np.array([3, 4]),
+                "support_sizes": np.array([2], np.int32),
+                "support_q": np.array([0.5]),
+            },
+            "support_q",
+        ),
+        (
+            {
+                "mode": "split",
+                "draft_probs": np.array([0.5]),
+                "support_ids": np.array([3, 4]),
+                "support_sizes": np.array([2], np.int32),
+                "support_q": np.array([0.5, 0.0]),
+            },
+            "support_q",
+        ),
+        (
+            {
+                "mode": "split",
+                "draft_probs": np.array([0.5]),
+                "support_ids": np.array([4, 5]),
+                "support_sizes": np.array([2], np.int32),
+                "support_q": np.array([0.5, 0.5]),
+            },
+            "support_ids",
+        ),
+        # aggregate takes none
+        (
+            {
+                "support_ids": np.array([3]),
+                "support_sizes": np.array([1], np.int32),
+                "support_q": np.array([1.0]),
+            },
+            "support_q",
+        ),
         ({"mode": "exact"}, "support_ids"),
-        ({"mode": "exact", "support_ids": np.array([4, 5]), "support_sizes": np.array([2], np.int32)}, "support_ids"),
-        ({"mode": "exact", "support_ids": np.array([3, 3]), "support_sizes": np.array([2], np.int32)}, "support_ids"),
-        ({"mode": "exact", "support_ids": np.array([3]), "support_sizes": np.array([2], np.int32)}, "support_sizes"),
+        (
+            {"mode": "exact", "support_ids": np.array([4, 5]), "support_sizes": np.array([2], np.int32)},
+            "support_ids",
+        ),
+        (
+            {"mode": "exact", "support_ids": np.array([3, 3]), "support_sizes": np.array([2], np.int32)},
+            "support_ids",
+        ),
+        (
+            {"mode": "exact", "support_ids": np.array([3]), "support_sizes": np.array([2], np.int32)},
+            "support_sizes",
+        ),
     ],
 )
 def test_out_of_range_requests_name_the_field(overrides: dict[str, object], param: str) -> None:
@@ -257,7 +321,9 @@ def test_out_of_range_requests_name_the_field(overrides: dict[str, object], para
 def test_response_check_rejects_garbage() -> None:
     two = VerifyRequest.after("s", [], [1], [2], temperature=0.0)  # aggregate, 2 positions
     three = VerifyRequest.after("s", [], [1], [2, 3])
-    good = VerifyResponse(1, np.full((2, 2), 0.5, np.float32), np.zeros(2, np.float32), np.array([[0, 1], [2, 3]]))
+    good = VerifyResponse(
+        1, np.full((2, 2), 0.5, np.float32), np.zeros(2, np.float32), np.array([[0, 1], [2, 3]])
+    )
     check_verify_response(good, two, VOCAB_SMALL)
     for bad in (
         VerifyResponse(1, np.full((2, 2), np.nan, np.float32), np.zeros(2, np.float32), good.ids),
@@ -276,28 +342,63 @@ def test_response_check_rejects_garbage() -> None:
 def test_sample_check() -> None:
     req = VerifyRequest.after("s", [], [1], [], mode="autoregressive", return_probs=False)
     check_verify_response(VerifyResponse(1, samples=np.array([7], np.int32)), req, VOCAB_SMALL)
-    for samples in (None, np.array([VOCAB_SMALL], np.int32), np.array([-1], np.int32), np.array([1, 2], np.int32)):
+    for samples in (
+        None,
+        np.array([VOCAB_SMALL], np.int32),
+        np.array([-1], np.int32),
+        np.array([1, 2], np.int32),
+    ):
         with pytest.raises(ProtocolError):
             check_verify_response(VerifyResponse(1, samples=samples), req, VOCAB_SMALL)
 
 
 def test_split_and_exact_checks() -> None:
-    split = VerifyRequest.after("s", [], [1], [2, 3], mode="split", draft_probs=np.array([0.5, 0.5], np.float32))
+    split = VerifyRequest.after(
+        "s", [], [1], [2, 3], mode="split", draft_probs=np.array([0.5, 0.5], np.float32)
+    )
     check_verify_response(VerifyResponse(3, num_accepted=2, bonus=9), split, VOCAB_SMALL)
-    check_verify_response(VerifyResponse(3, probs=np.full((1, 2), 0.5, np.float32), tail_mass=np.zeros(1, np.float32), ids=np.array([[4, 5]]), num_accepted=1), split, VOCAB_SMALL)
-    for bad in (VerifyResponse(3, num_accepted=3), VerifyResponse(3, num_accepted=2, bonus=VOCAB_SMALL), VerifyResponse(3, num_accepted=0)):
+    check_verify_response(
+        VerifyResponse(
+            3,
+            probs=np.full((1, 2), 0.5, np.float32),
+            tail_mass=np.zeros(1, np.float32),
+            ids=np.array([[4, 5]]),
+            num_accepted=1,
+        ),
+        split,
+        VOCAB_SMALL,
+    )
+    for bad in (
+        VerifyResponse(3, num_accepted=3),
+        VerifyResponse(3, num_accepted=2, bonus=VOCAB_SMALL),
+        VerifyResponse(3, num_accepted=0),
+    ):
         with pytest.raises(ProtocolError):
             check_verify_response(bad, split, VOCAB_SMALL)
-    drawn = replace(split, support_ids=np.array([2, 4, 3]), support_sizes=np.array([2, 1], np.int32), support_q=np.array([0.5, 0.5, 1.0]))
+    drawn = replace(
+        split,
+        support_ids=np.array([2, 4, 3]),
+        support_sizes=np.array([2, 1], np.int32),
+        support_q=np.array([0.5, 0.5, 1.0]),
+    )
     check_verify_request(drawn, VOCAB_SMALL)
-    check_verify_response(VerifyResponse(3, num_accepted=1, bonus=7), drawn, VOCAB_SMALL)  # the token drawn at the rejection, no row
+    # the token drawn at the rejection, no row
+    check_verify_response(VerifyResponse(3, num_accepted=1, bonus=7), drawn, VOCAB_SMALL)
     with pytest.raises(ProtocolError):
         check_verify_response(VerifyResponse(3, num_accepted=1), drawn, VOCAB_SMALL)
     for as_json in (False, True):
         body, content_type = encode(drawn, VOCAB_SMALL, as_json=as_json)
         assert decode(VerifyRequest, body, content_type) == drawn
-    exact = VerifyRequest.after("s", [], [1], [2], mode="exact", support_ids=np.array([2, 4]), support_sizes=np.array([2], np.int32))
-    good = VerifyResponse(3, support_probs=np.array([0.3, 0.2], np.float32), complement=np.array([0.5], np.float32), complement_samples=np.array([7], np.int32), bonus=1)
+    exact = VerifyRequest.after(
+        "s", [], [1], [2], mode="exact", support_ids=np.array([2, 4]), support_sizes=np.array([2], np.int32)
+    )
+    good = VerifyResponse(
+        3,
+        support_probs=np.array([0.3, 0.2], np.float32),
+        complement=np.array([0.5], np.float32),
+        complement_samples=np.array([7], np.int32),
+        bonus=1,
+    )
     check_verify_response(good, exact, VOCAB_SMALL)
     for bad in (
         replace(good, support_probs=np.array([0.3], np.float32)),

@@ -20,7 +20,14 @@ def test_the_wire_form_round_trips_and_refuses_garbage() -> None:
     spec = TransformSpec(((0, -1.0), (3, 2.5)), 0.5, -0.25, 1.2, None, 7)
     assert TransformSpec.from_wire(spec.to_wire()) == spec
     assert TransformSpec.from_wire({"prompt_len": 3}).is_identity
-    for bad in ({"prompt_len": 1, "colour": 1}, {"logit_bias": [[0, 101]]}, {"presence_penalty": 2.5}, {"repetition_penalty": 0}, "x", {"logit_bias": [["a", 1]]}):
+    for bad in (
+        {"prompt_len": 1, "colour": 1},
+        {"logit_bias": [[0, 101]]},
+        {"presence_penalty": 2.5},
+        {"repetition_penalty": 0},
+        "x",
+        {"logit_bias": [["a", 1]]},
+    ):
         with pytest.raises(ValueError):
             TransformSpec.from_wire(bad)
 
@@ -30,14 +37,17 @@ def test_penalties_follow_their_definitions() -> None:
     prompt, generated = np.array([4]), np.array([0, 0, 2])
     spec = TransformSpec(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0)
     out = penalise(logits, prompt, generated, spec)
-    # repetition over prompt + output (÷ when > 0, × otherwise), then OpenAI's count·f + presence over the output
+    # repetition over prompt + output (÷ when > 0, × otherwise), then OpenAI's count·f + presence over the
+    # output
     expected = torch.tensor([2.0 / 2 - (2 * 0.25 + 0.5), -1.0, 0.5 / 2 - (0.25 + 0.5), 3.0, -2.0 * 2])
     assert torch.allclose(out, expected)
     assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0]))  # not in place
 
 
 def test_each_row_is_transformed_by_its_own_prefix() -> None:
-    spec = TransformSpec(((1, 1.0),), presence_penalty=0.0, frequency_penalty=1.0, grammar=None, prompt_len=len(PROMPT))
+    spec = TransformSpec(
+        ((1, 1.0),), presence_penalty=0.0, frequency_penalty=1.0, grammar=None, prompt_len=len(PROMPT)
+    )
     transformer = Transformer.build(spec, 4, None)
     logits = torch.zeros(3, 4)
     agreed = [*PROMPT, 2]
@@ -48,7 +58,9 @@ def test_each_row_is_transformed_by_its_own_prefix() -> None:
 
 
 def test_the_grammar_masks_each_row_after_its_path_and_forces_single_tokens() -> None:
-    transformer = Transformer.build(TransformSpec(grammar=_grammar(), prompt_len=len(PROMPT)), 4, TableGrammars())  # type: ignore[arg-type]
+    transformer = Transformer.build(
+        TransformSpec(grammar=_grammar(), prompt_len=len(PROMPT)), 4, TableGrammars()
+    )  # type: ignore[arg-type]
     out = transformer.rows(torch.zeros(3, 4), [*PROMPT, 2], [[], [1], [1, 0]])
     allowed = torch.isfinite(out)
     assert torch.equal(allowed[0], TableMatcher.allowed_after((2,)))
@@ -62,7 +74,8 @@ def test_the_grammar_masks_each_row_after_its_path_and_forces_single_tokens() ->
 def test_a_bias_id_off_the_vocabulary_or_named_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="outside"):
         Transformer.build(TransformSpec(((4, 1.0),)), 4, None)
-    with pytest.raises(ValueError, match="twice"):  # which would win is a device's choice (an index_put of repeated ids)
+    with pytest.raises(ValueError, match="twice"):
+        # which would win is a device's choice (an index_put of repeated ids)
         TransformSpec.from_wire({"logit_bias": [[1, 5.0], [1, -3.0]]})
 
 
@@ -88,13 +101,17 @@ def test_the_transform_travels_on_a_sessions_first_call_and_on_a_resend_from_zer
     first = VerifyRequest.after("s", [], [1, 0], [2], transform=wire)
     later = VerifyRequest.after("s", [1, 0, 2], [3], [2], transform=wire)
     assert first.on_wire().transform == wire and later.on_wire().transform is None
-    assert len(encode(later.on_wire(), 4)[0]) == len(encode(VerifyRequest.after("s", [1, 0, 2], [3], [2]), 4)[0])  # per-round bytes unchanged
+    # per-round bytes unchanged
+    assert len(encode(later.on_wire(), 4)[0]) == len(
+        encode(VerifyRequest.after("s", [1, 0, 2], [3], [2]), 4)[0]
+    )
     again = resend(later, [1, 0, 2, 3], 0)  # the worker lost the session: from zero, with the transform
     assert again.on_wire().transform == wire
     assert decode(VerifyRequest, *encode(again.on_wire(), 4)).transform == wire
 
 
-# ----------------------------------------------------------------------------- min_tokens (issue 46: vLLM's order)
+# ----------------------------------------------------------------------------- min_tokens (issue 46: vLLM's
+# order)
 
 A, B, EOS = 0, 1, 2
 
@@ -122,7 +139,9 @@ def test_min_tokens_removes_eos_before_top_k_and_bias() -> None:
     logits = torch.tensor([[1.0, 0.5, 3.0]])
     p = apply_sampling(_min_tokens().rows(logits, PROMPT, [[]]), SamplingParams(temperature=1.0, top_k=1))[0]
     assert p.tolist() == [1.0, 0.0, 0.0]  # top-1 of what is left (EOS first would have left nothing)
-    p = apply_sampling(_min_tokens(logit_bias=((EOS, 100.0),)).rows(logits, PROMPT, [[]]), SamplingParams())[0]
+    p = apply_sampling(_min_tokens(logit_bias=((EOS, 100.0),)).rows(logits, PROMPT, [[]]), SamplingParams())[
+        0
+    ]
     assert p[EOS] == 0  # a bias cannot bring EOS back
 
 
@@ -139,24 +158,36 @@ def test_min_tokens_counts_each_rows_generated_tokens() -> None:
 
 def test_min_tokens_travels_in_the_transform() -> None:
     spec = TransformSpec(prompt_len=4, min_tokens=5, eos_ids=(2, 9))
-    assert TransformSpec.from_wire(spec.to_wire()) == spec and not spec.is_identity and replace(spec, min_tokens=0, eos_ids=()).is_identity
+    assert (
+        TransformSpec.from_wire(spec.to_wire()) == spec
+        and not spec.is_identity
+        and replace(spec, min_tokens=0, eos_ids=()).is_identity
+    )
     assert not TransformSpec(prompt_len=4, min_tokens=5).suppresses  # no EOS to keep out: the identity
-    assert not replace(TransformSpec(((1, 1.0),), prompt_len=4, min_tokens=5, eos_ids=(2,)), min_tokens=0, eos_ids=()).is_identity
+    assert not replace(
+        TransformSpec(((1, 1.0),), prompt_len=4, min_tokens=5, eos_ids=(2,)), min_tokens=0, eos_ids=()
+    ).is_identity
     with pytest.raises(ValueError):
         Transformer.build(TransformSpec(min_tokens=1, eos_ids=(7,)), 4, None)
 
 
 @pytest.mark.parametrize("vocab", [4, 3001])
 def test_a_transform_planned_for_the_device_gives_the_hosts_rows_bit_for_bit(vocab: int) -> None:
-    """``Transformer.device_plan`` (issue 73: what the host knows in the step's one upload, applied where the rows are with
-    nothing read back) against ``Transformer.rows``: min_tokens, bias, all three penalties and a grammar's mask (vocabulary
-    4: the table grammar), each row by its own path — equal bits."""
+    """``Transformer.device_plan`` (issue 73: what the host knows in the step's one upload, applied where the
+    rows are with nothing read back) against ``Transformer.rows``: min_tokens, bias, all three penalties and a
+    grammar's mask (vocabulary 4: the table grammar), each row by its own path — equal bits."""
     from core.runners.step_upload import StepUpload
 
     grammar = _grammar() if vocab == 4 else None
     spec = TransformSpec(
-        logit_bias=((1, 4.0), (3, -2.5)), presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3, grammar=grammar,
-        prompt_len=len(PROMPT), min_tokens=3, eos_ids=(0,),
+        logit_bias=((1, 4.0), (3, -2.5)),
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.3,
+        grammar=grammar,
+        prompt_len=len(PROMPT),
+        min_tokens=3,
+        eos_ids=(0,),
     )
     transformer = Transformer.build(spec, vocab, TableGrammars() if grammar else None)  # type: ignore[arg-type]
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab)) * 3

@@ -1,5 +1,6 @@
-"""Each GPU test leaves the GPU as it found it: what its runners held goes back to the device (a KV budget is a share of
-the GPU's memory less what is in use, and memory PyTorch keeps cached would read as used to the next test's runners)."""
+"""Each GPU test leaves the GPU as it found it: what its runners held goes back to the device (a KV budget is
+a share of the GPU's memory less what is in use, and memory PyTorch keeps cached would read as used to the
+next test's runners)."""
 
 from __future__ import annotations
 

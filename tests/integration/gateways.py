@@ -1,4 +1,5 @@
-"""Gateways in the test process (``gateway_in_process``): a real uvicorn on 127.0.0.1, drafting with the shared built-in draft."""
+"""Gateways in the test process (``gateway_in_process``): a real uvicorn on 127.0.0.1, drafting with the
+shared built-in draft."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from tests.app.helpers import served
 
 
 class SharedDraft:
-    """The built-in draft on one thread (``draft.threads: 1``), a runner per setting ``load_draft`` reads (the context: its KV
-    streams' length; the memory cap, device, dtype, forward)."""
+    """The built-in draft on one thread (``draft.threads: 1``), a runner per setting ``load_draft`` reads (the
+    context: its KV streams' length; the memory cap, device, dtype, forward)."""
 
     def __init__(self) -> None:
         self.thread = ModelThread()
@@ -23,7 +24,9 @@ class SharedDraft:
 
     def runner(self, config: SpecgateConfig) -> ModelRunner:
         draft = config.draft
-        assert (draft.model, draft.backend.value, draft.threads) == ("builtin-draft", "llama.cpp", 1), f"not the shared draft: {draft}"
+        assert (draft.model, draft.backend.value, draft.threads) == ("builtin-draft", "llama.cpp", 1), (
+            f"not the shared draft: {draft}"
+        )
         key = (config.draft_context, draft.memory_cap_mb, draft.device, draft.dtype, draft.forward)
         if key not in self.runners:
             self.runners[key] = self.thread.call(load_draft, config)
@@ -41,5 +44,6 @@ def gateway_app(config: SpecgateConfig, draft: SharedDraft) -> FastAPI:
 
 
 def gateway_in_process(stack: ExitStack, config: SpecgateConfig, draft: SharedDraft) -> str:
-    """The URL of a gateway for ``config`` under a real uvicorn on 127.0.0.1 in this process, drafting with ``draft``."""
+    """The URL of a gateway for ``config`` under a real uvicorn on 127.0.0.1 in this process, drafting with
+    ``draft``."""
     return stack.enter_context(served(gateway_app(config, draft)))

@@ -13,21 +13,35 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import sync_playwright
 
-from tests.integration.gateways import SharedDraft, gateway_in_process
 from core.config import parse_config
+from tests.integration.gateways import SharedDraft, gateway_in_process
 
 pytestmark = pytest.mark.integration
 
 OUTPUT = Path(__file__).resolve().parents[2] / "test-output"
 # what this machine's closed network needs (no background connections, no sandbox as root)
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
 def gateway_url(builtin_workers: list[str], shared_draft: SharedDraft) -> Iterator[str]:
     with ExitStack() as stack:
         worker = builtin_workers[0]
-        config = parse_config({"model": "specgate-page", "draft": {"model": "builtin-draft", "threads": 1}, "workers": [{"url": worker}]})
+        config = parse_config(
+            {
+                "model": "specgate-page",
+                "draft": {"model": "builtin-draft", "threads": 1},
+                "workers": [{"url": worker}],
+            }
+        )
         yield gateway_in_process(stack, config, shared_draft)
 
 

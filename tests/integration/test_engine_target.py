@@ -18,9 +18,9 @@ import openai
 import pytest
 
 from clients.procs import ServerProcess, free_port
-from tests.integration.gateways import SharedDraft, gateway_in_process
 from core.config import parse_config
 from core.runners.models import builtin_gguf
+from tests.integration.gateways import SharedDraft, gateway_in_process
 
 pytestmark = pytest.mark.integration
 
@@ -33,9 +33,25 @@ REQUEST = {"prompt": "The three primary colours are", "max_tokens": 12, "tempera
 def EngineProcess() -> ServerProcess:
     port = free_port()
     command = [
-        sys.executable, "-m", "llama_cpp.server", "--model", str(builtin_gguf()), "--model_alias", "smollm2",
-        "--logits_all", "true", "--flash_attn", "true", "--n_ctx", "1024", "--n_threads", "1",
-        "--host", "127.0.0.1", "--port", str(port),
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(builtin_gguf()),
+        "--model_alias",
+        "smollm2",
+        "--logits_all",
+        "true",
+        "--flash_attn",
+        "true",
+        "--n_ctx",
+        "1024",
+        "--n_threads",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
     ]
     return ServerProcess(command, port, "/v1/models", timeout_s=180)
 
@@ -46,12 +62,27 @@ def servers(builtin_workers: list[str], shared_draft: SharedDraft) -> Iterator[d
         engine = stack.enter_context(EngineProcess())
         builtin, alt = builtin_workers
         gateways = {}
-        for name, first in (("engine", {"type": "openai-logprobs", "url": engine, "model": "smollm2", "logprobs": K, "read_timeout_s": 120}), ("worker", {"url": builtin})):
-            config = parse_config({
-                "model": "specgate", "draft": {"model": "builtin-draft", "threads": 1},
-                "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": K},
-                "workers": [{**first, "weight": 0.5}, {"url": alt, "weight": 0.5}],
-            })
+        for name, first in (
+            (
+                "engine",
+                {
+                    "type": "openai-logprobs",
+                    "url": engine,
+                    "model": "smollm2",
+                    "logprobs": K,
+                    "read_timeout_s": 120,
+                },
+            ),
+            ("worker", {"url": builtin}),
+        ):
+            config = parse_config(
+                {
+                    "model": "specgate",
+                    "draft": {"model": "builtin-draft", "threads": 1},
+                    "speculative": {"mode": "aggregate", "num_draft_tokens": 4, "k": K},
+                    "workers": [{**first, "weight": 0.5}, {"url": alt, "weight": 0.5}],
+                }
+            )
             gateways[name] = gateway_in_process(stack, config, shared_draft)
         yield {"engine_server": engine, **gateways}
 
@@ -71,7 +102,10 @@ def test_the_gateway_checked_the_engine(servers: dict[str, str]) -> None:
 def test_an_engine_federated_with_a_worker_gives_the_workers_text(servers: dict[str, str]) -> None:
     through_engine, through_worker = _complete(servers["engine"]), _complete(servers["worker"])
     assert through_engine.choices[0].text and through_engine.choices[0].text == through_worker.choices[0].text
-    spec, reference = through_engine.usage.model_extra["speculative"], through_worker.usage.model_extra["speculative"]  # type: ignore[union-attr]
+    spec, reference = (
+        through_engine.usage.model_extra["speculative"],
+        through_worker.usage.model_extra["speculative"],
+    )  # type: ignore[union-attr]
     assert spec["lossless"] is False and reference["lossless"] is False
     # the worker sends σ of T(p) itself; the engine only p at T = 1: at T = 0.7 its σ is bounded
     assert reference["bias_bound_mean"] - 1e-4 <= spec["bias_bound_mean"] < 0.5
@@ -81,13 +115,25 @@ def test_an_engine_federated_with_a_worker_gives_the_workers_text(servers: dict[
 def test_streaming_chat_and_autoregressive_through_the_engine(servers: dict[str, str]) -> None:
     client = openai.OpenAI(base_url=f"{servers['engine']}/v1", api_key="unused", max_retries=0, timeout=300)
     stream = client.chat.completions.create(
-        model="specgate", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, seed=3, temperature=0.7, stream=True,
+        model="specgate",
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=8,
+        seed=3,
+        temperature=0.7,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens <= 8
-    plain = client.completions.create(model="specgate", prompt="Water is", max_tokens=4, seed=2, temperature=0.7, extra_body={"speculative": {"mode": "autoregressive"}})
+    plain = client.completions.create(
+        model="specgate",
+        prompt="Water is",
+        max_tokens=4,
+        seed=2,
+        temperature=0.7,
+        extra_body={"speculative": {"mode": "autoregressive"}},
+    )
     spec = plain.usage.model_extra["speculative"]  # type: ignore[union-attr]
     assert plain.choices[0].text and spec["mode"] == "autoregressive" and spec["rounds"] == 4
     assert spec["lossless"] is False and 0 <= spec["bias_bound_mean"] < 1

@@ -1,7 +1,7 @@
-"""Faults with real processes on 127.0.0.1: a worker killed by pid mid-stream with a replica
-beside it (the seeded text does not change) and without one (an SSE error, then [DONE], and
-the gateway serves again when the worker is back). The workers are processes; the gateway runs in this process under a
-real uvicorn (tests/integration/gateways.py). SIGTERM under load: tests/integration/test_shared_workers_real.py."""
+"""Faults with real processes on 127.0.0.1: a worker killed by pid mid-stream with a replica beside it (the
+seeded text does not change) and without one (an SSE error, then [DONE], and the gateway serves again when the
+worker is back). The workers are processes; the gateway runs in this process under a real uvicorn
+(tests/integration/gateways.py). SIGTERM under load: tests/integration/test_shared_workers_real.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,14 @@ from tests.integration.gateways import SharedDraft, gateway_in_process
 pytestmark = pytest.mark.integration
 
 MODEL = "specgate-faults"
-BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the moon."}], "max_tokens": 40, "seed": 11, "temperature": 0.8, "stream": True}
+BODY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell me about the moon."}],
+    "max_tokens": 40,
+    "seed": 11,
+    "temperature": 0.8,
+    "stream": True,
+}
 
 
 def _start(stack: ExitStack, server: ServerProcess) -> ServerProcess:
@@ -31,30 +38,47 @@ def _start(stack: ExitStack, server: ServerProcess) -> ServerProcess:
 
 
 def _gateway(stack: ExitStack, draft: SharedDraft, workers: list[dict[str, Any]], **extra: Any) -> str:
-    config = parse_config({
-        "model": MODEL,
-        "draft": {"model": "builtin-draft", "threads": 1},
-        "workers": workers,
-        "speculative": {"mode": "exact", "num_draft_tokens": 4, "draft_top_k": 32},
-        **extra,
-    })
+    config = parse_config(
+        {
+            "model": MODEL,
+            "draft": {"model": "builtin-draft", "threads": 1},
+            "workers": workers,
+            "speculative": {"mode": "exact", "num_draft_tokens": 4, "draft_top_k": 32},
+            **extra,
+        }
+    )
     return gateway_in_process(stack, config, draft)
 
 
-def _stream(url: str, on_chunk: Callable[[int], None] = lambda n: None, body: dict[str, Any] = BODY) -> tuple[str, list[Any]]:
+def _stream(
+    url: str, on_chunk: Callable[[int], None] = lambda n: None, body: dict[str, Any] = BODY
+) -> tuple[str, list[Any]]:
     """The streamed text and every event; ``on_chunk(n)`` after the n-th chunk with text."""
     text, events = "", []
-    with httpx.Client(timeout=120) as client, client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp,
+    ):
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if not line.startswith("data: "):
                 continue
-            event = line[len("data: "):]
+            event = line[len("data: ") :]
             events.append(event if event == "[DONE]" else orjson.loads(event))
-            content = events[-1]["choices"][0]["delta"].get("content") if event != "[DONE]" and events[-1].get("choices") else None
+            content = (
+                events[-1]["choices"][0]["delta"].get("content")
+                if event != "[DONE]" and events[-1].get("choices")
+                else None
+            )
             if content:
                 text += content
-                on_chunk(sum(1 for e in events if e != "[DONE]" and e.get("choices") and e["choices"][0]["delta"].get("content")))
+                on_chunk(
+                    sum(
+                        1
+                        for e in events
+                        if e != "[DONE]" and e.get("choices") and e["choices"][0]["delta"].get("content")
+                    )
+                )
     return text, events
 
 
@@ -76,7 +100,9 @@ def stack() -> Iterator[ExitStack]:
         yield s
 
 
-def test_killing_the_replica_that_holds_a_stream_changes_nothing(stack: ExitStack, shared_draft: SharedDraft) -> None:
+def test_killing_the_replica_that_holds_a_stream_changes_nothing(
+    stack: ExitStack, shared_draft: SharedDraft
+) -> None:
     replicas = [_start(stack, WorkerProcess("builtin", "llama.cpp", threads=1)) for _ in range(2)]
     gateway = _gateway(stack, shared_draft, [{"urls": [r.url for r in replicas], "weight": 1.0}])
     undisturbed, _ = _stream(gateway)
@@ -98,7 +124,9 @@ def test_killing_the_replica_that_holds_a_stream_changes_nothing(stack: ExitStac
     assert _metric(survivor.url, "specgate:sessions") == 0  # freed at the end
 
 
-def test_without_a_replica_the_stream_ends_with_an_error_and_the_gateway_recovers(stack: ExitStack, shared_draft: SharedDraft) -> None:
+def test_without_a_replica_the_stream_ends_with_an_error_and_the_gateway_recovers(
+    stack: ExitStack, shared_draft: SharedDraft
+) -> None:
     worker = _start(stack, WorkerProcess("builtin", "llama.cpp", threads=1))
     gateway = _gateway(stack, shared_draft, [{"url": worker.url}])
 

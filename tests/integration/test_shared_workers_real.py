@@ -1,6 +1,6 @@
-"""Many gateways on shared workers, and drains on rollout (issue 48), on 127.0.0.1: two worker processes that are replicas
-of one target (two KV places each: ``--memory-cap-mb 128``) and two gateways on them — the first in this process under a
-real uvicorn, the second a process, with small admission limits.
+"""Many gateways on shared workers, and drains on rollout (issue 48), on 127.0.0.1: two worker processes that
+are replicas of one target (two KV places each: ``--memory-cap-mb 128``) and two gateways on them — the first
+in this process under a real uvicorn, the second a process, with small admission limits.
 
 - Concurrent seeded streams through both gateways: each request gets its seed's text — the one it
   gets alone, so no session of one gateway touched another's — or a clean 429/503 in the envelope
@@ -43,7 +43,13 @@ pytestmark = pytest.mark.integration
 MODEL = "specgate-shared"
 MAX_TOKENS = 24
 DRAIN_S = 60  # the gateways' and workers' drain timeout: a drain that ends on its own ends well before it
-BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": MAX_TOKENS, "temperature": 1.0, "stream": True}
+BODY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "Tell me about the sea."}],
+    "max_tokens": MAX_TOKENS,
+    "temperature": 1.0,
+    "stream": True,
+}
 
 
 @dataclass
@@ -58,23 +64,39 @@ class Outcome:
 
     @property
     def whole(self) -> bool:
-        return self.status == 200 and bool(self.events) and self.events[-1] == "[DONE]" and not any("error" in e for e in self.events[:-1])
+        return (
+            self.status == 200
+            and bool(self.events)
+            and self.events[-1] == "[DONE]"
+            and not any("error" in e for e in self.events[:-1])
+        )
 
 
 def _stream(url: str, seed: int, started: threading.Event | None = None) -> Outcome:
-    with httpx.Client(timeout=120) as client, client.stream("POST", f"{url}/v1/chat/completions", json={**BODY, "seed": seed}) as resp:
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", f"{url}/v1/chat/completions", json={**BODY, "seed": seed}) as resp,
+    ):
         if resp.status_code != 200:
-            return Outcome(resp.status_code, error=orjson.loads(resp.read()).get("error"), retry_after=resp.headers.get("retry-after"))
+            return Outcome(
+                resp.status_code,
+                error=orjson.loads(resp.read()).get("error"),
+                retry_after=resp.headers.get("retry-after"),
+            )
         outcome = Outcome(200)
         for line in resp.iter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             event = data if data == "[DONE]" else orjson.loads(data)
             outcome.events.append(event)
             if isinstance(event, dict) and "error" in event:
                 outcome.error = event["error"]
-            content = event["choices"][0]["delta"].get("content") if isinstance(event, dict) and event.get("choices") else None
+            content = (
+                event["choices"][0]["delta"].get("content")
+                if isinstance(event, dict) and event.get("choices")
+                else None
+            )
             if content:
                 outcome.text += content
                 if started is not None:
@@ -84,7 +106,9 @@ def _stream(url: str, seed: int, started: threading.Event | None = None) -> Outc
 
 def _metric(url: str, series: str) -> float:
     """A series' value on ``/metrics`` (0 when absent: a labelled counter not yet counted)."""
-    match = re.search(rf"^{re.escape(series)} (\S+)$", httpx.get(f"{url}/metrics", timeout=10).text, re.MULTILINE)
+    match = re.search(
+        rf"^{re.escape(series)} (\S+)$", httpx.get(f"{url}/metrics", timeout=10).text, re.MULTILINE
+    )
     return float(match.group(1)) if match else 0.0
 
 
@@ -104,8 +128,8 @@ def _proc(server: ServerProcess) -> subprocess.Popen[bytes]:
 
 @dataclass
 class Served:
-    """The first gateway: in this process under a real uvicorn (tests/integration/gateways.py); the second, a process, is the
-    one the last test stops."""
+    """The first gateway: in this process under a real uvicorn (tests/integration/gateways.py); the second, a
+    process, is the one the last test stops."""
 
     url: str
 
@@ -121,14 +145,30 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory, shared_draft: SharedDraft) -> Iterator[Stack]:
     directory = tmp_path_factory.mktemp("shared")
     with ExitStack() as exits:
-        workers = [WorkerProcess("builtin", "llama.cpp", threads=1, extra=["--memory-cap-mb", "128", "--drain-timeout-s", str(DRAIN_S)]) for _ in range(2)]
+        workers = [
+            WorkerProcess(
+                "builtin",
+                "llama.cpp",
+                threads=1,
+                extra=["--memory-cap-mb", "128", "--drain-timeout-s", str(DRAIN_S)],
+            )
+            for _ in range(2)
+        ]
         urls = [exits.enter_context(w) for w in workers]
         gateways = []
-        for name, limits in (("g0", {}), ("g1", {"max_concurrent_requests": 2, "max_queued_requests": 1, "queue_timeout_s": 1.0})):
-            config = parse_config({
-                "model": MODEL, "draft": {"model": "builtin-draft", "threads": 1}, "workers": [{"urls": urls}],
-                "speculative": {"mode": "exact", "num_draft_tokens": 4}, "limits": {"drain_timeout_s": DRAIN_S, **limits},
-            })
+        for name, limits in (
+            ("g0", {}),
+            ("g1", {"max_concurrent_requests": 2, "max_queued_requests": 1, "queue_timeout_s": 1.0}),
+        ):
+            config = parse_config(
+                {
+                    "model": MODEL,
+                    "draft": {"model": "builtin-draft", "threads": 1},
+                    "workers": [{"urls": urls}],
+                    "speculative": {"mode": "exact", "num_draft_tokens": 4},
+                    "limits": {"drain_timeout_s": DRAIN_S, **limits},
+                }
+            )
             if name == "g0":
                 gateways.append(Served(gateway_in_process(exits, config, shared_draft)))
                 continue
@@ -136,7 +176,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, shared_draft: SharedDraft) -
             path.write_text(dump_config(config))
             gateways.append(GatewayProcess(str(path)))
             exits.enter_context(gateways[-1])
-        texts = {seed: _stream(gateways[seed % 2].url, seed).text for seed in range(10)}  # alone, one after another
+        # alone, one after another
+        texts = {seed: _stream(gateways[seed % 2].url, seed).text for seed in range(10)}
         assert all(texts.values())
         yield Stack(workers, gateways, texts)
 
@@ -149,17 +190,28 @@ def test_two_gateways_share_the_workers_under_load(stack: Stack) -> None:
         if outcome.status == 200:
             assert outcome.whole and outcome.text == stack.texts[seed], (seed, outcome)
         else:  # the second gateway's admission: two running, one queued
-            assert outcome.status in (429, 503) and outcome.error is not None and outcome.error["code"] and outcome.retry_after, (seed, outcome)
+            assert (
+                outcome.status in (429, 503)
+                and outcome.error is not None
+                and outcome.error["code"]
+                and outcome.retry_after
+            ), (seed, outcome)
     served = [seed for seed, o in outcomes.items() if o.status == 200]
     assert {seed % 2 for seed in served} == {0, 1}, outcomes  # both gateways served
-    assert sum(_metric(w.url, 'specgate:verify_errors_total{code="worker_full"}') for w in stack.workers) >= 1  # 8 streams, 4 KV places
+    # 8 streams, 4 KV places
+    assert sum(_metric(w.url, 'specgate:verify_errors_total{code="worker_full"}') for w in stack.workers) >= 1
     assert _until(lambda: all(_metric(w.url, "specgate:sessions") == 0 for w in stack.workers))
 
 
 def _new_session_call(url: str) -> httpx.Response:
     req = VerifyRequest.after("new-after-sigterm", [], [1, 2, 3], [])
     body, content_type = encode(req, 49152, as_json=True)
-    return httpx.post(f"{url}/v1/verify", content=body, headers={"content-type": content_type, "accept": JSON_CONTENT_TYPE}, timeout=30)
+    return httpx.post(
+        f"{url}/v1/verify",
+        content=body,
+        headers={"content-type": content_type, "accept": JSON_CONTENT_TYPE},
+        timeout=30,
+    )
 
 
 def test_a_worker_drains_its_sessions_and_refuses_new_ones(stack: Stack) -> None:
@@ -172,10 +224,15 @@ def test_a_worker_drains_its_sessions_and_refuses_new_ones(stack: Stack) -> None
         os.kill(_proc(victim).pid, signal.SIGTERM)
         health = httpx.get(f"{victim.url}/health", timeout=10)
         refused = _new_session_call(victim.url)
-        later = [pool.submit(_stream, stack.gateways[0].url, seed) for seed in (8, 9)]  # new sessions after the signal
+        # new sessions after the signal
+        later = [pool.submit(_stream, stack.gateways[0].url, seed) for seed in (8, 9)]
         outcomes = [f.result() for f in running + later]
     assert health.status_code == 503 and health.json()["status"] == "draining"
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "worker_draining" and refused.headers["retry-after"]
+    assert (
+        refused.status_code == 503
+        and refused.json()["error"]["code"] == "worker_draining"
+        and refused.headers["retry-after"]
+    )
     for seed, outcome in zip([*seeds, 8, 9], outcomes):
         assert outcome.whole and outcome.text == stack.texts[seed], (seed, outcome)
     assert _proc(victim).wait(timeout=30) == 0  # once its sessions ended: long before its drain timeout
@@ -191,10 +248,20 @@ def test_a_gateway_drains_its_streams_and_fails_readiness_at_once(stack: Stack) 
         signalled = time.monotonic()
         os.kill(_proc(gateway).pid, signal.SIGTERM)
         ready = httpx.get(f"{gateway.url}/health/ready", timeout=10)
-        late = httpx.post(f"{gateway.url}/v1/chat/completions", json={**BODY, "stream": False, "seed": 3}, timeout=30)
+        late = httpx.post(
+            f"{gateway.url}/v1/chat/completions", json={**BODY, "stream": False, "seed": 3}, timeout=30
+        )
         outcomes = [f.result() for f in running]
-    assert ready.status_code == 503 and ready.json()["status"] == "draining" and time.monotonic() - signalled < DRAIN_S
-    assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down" and late.headers["retry-after"]
+    assert (
+        ready.status_code == 503
+        and ready.json()["status"] == "draining"
+        and time.monotonic() - signalled < DRAIN_S
+    )
+    assert (
+        late.status_code == 503
+        and late.json()["error"]["code"] == "shutting_down"
+        and late.headers["retry-after"]
+    )
     for seed, outcome in zip((0, 1), outcomes):
         assert outcome.whole and outcome.text == stack.texts[seed], (seed, outcome)
     assert _proc(gateway).wait(timeout=30) == 0

@@ -17,9 +17,9 @@ import openai
 import pydantic
 import pytest
 
-from tests.integration.gateways import SharedDraft, gateway_in_process
 from core.config import parse_config
 from tests.app.helpers import FULL_RUN
+from tests.integration.gateways import SharedDraft, gateway_in_process
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,9 @@ SCHEMA = {
     "additionalProperties": False,
 }
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
-LOSSLESS = {  # every lossless mode the two-worker federation serves (split: one worker; pipeline: tests/integration/test_pipeline_real.py)
+# every lossless mode the two-worker federation serves (split: one worker; pipeline:
+# tests/integration/test_pipeline_real.py)
+LOSSLESS = {
     "autoregressive": {"mode": "autoregressive"},
     "aggregate k=full": {"mode": "aggregate", "k": "full"},
     "exact": {"mode": "exact"},
@@ -46,29 +48,35 @@ LOSSLESS = {  # every lossless mode the two-worker federation serves (split: one
     "exact + overlap": {"mode": "exact", "overlap": True},
 }
 FULL = bool(os.environ.get("SPECGATE_FULL_STATISTICS"))
-# A layer above the engine (the Responses API, a template's tool format, a schema at T = 1) in two modes by default: the
-# reference and the one that runs the most of the draft (a tree, its exact payload, the grammar's masks on its nodes);
-# in every lossless mode with SPECGATE_FULL_STATISTICS. That every mode gives the reference's text is proven in the
-# default run on the real model (test_greedy_answers_equal_autoregressive_in_every_lossless_mode below, with a schema
-# and penalties; tests/integration/test_gateway_e2e.py) and exactly for every cell (tests/app/test_lossless_matrix.py).
+# A layer above the engine (the Responses API, a template's tool format, a schema at T = 1) in two modes by
+# default: the reference and the one that runs the most of the draft (a tree, its exact payload, the grammar's
+# masks on its nodes); in every lossless mode with SPECGATE_FULL_STATISTICS. That every mode gives the
+# reference's text is proven in the default run on the real model
+# (test_greedy_answers_equal_autoregressive_in_every_lossless_mode below, with a schema and penalties;
+# tests/integration/test_gateway_e2e.py) and exactly for every cell (tests/app/test_lossless_matrix.py).
 SOME_MODES = LOSSLESS if FULL else {mode: LOSSLESS[mode] for mode in ("autoregressive", "tree exact")}
-SAMPLES = 200 if FULL else 2  # seeded answers per mode at T = 1 (tests/integration/test_request_surface.py checks schemas across modes under generated requests)
+# seeded answers per mode at T = 1 (tests/integration/test_request_surface.py checks schemas across modes
+# under generated requests)
+SAMPLES = 200 if FULL else 2
 MAX_TOKENS = 64
 
 
 def _gateway(stack: ExitStack, urls: list[str], draft: SharedDraft) -> str:
-    config = parse_config({
-        "model": MODEL, "draft": {"model": "builtin-draft", "threads": 1},
-        "workers": [{"url": url, "weight": w} for url, w in zip(urls, (0.6, 0.4))],
-        "speculative": {"mode": "exact", "num_draft_tokens": 4},
-    })
+    config = parse_config(
+        {
+            "model": MODEL,
+            "draft": {"model": "builtin-draft", "threads": 1},
+            "workers": [{"url": url, "weight": w} for url, w in zip(urls, (0.6, 0.4))],
+            "speculative": {"mode": "exact", "num_draft_tokens": 4},
+        }
+    )
     return gateway_in_process(stack, config, draft)
 
 
 @pytest.fixture(scope="module")
 def base_url(builtin_workers: list[str], shared_draft: SharedDraft) -> Iterator[str]:
-    """One worker: what is checked here is the constraint, not the federation (which the greedy test below and the
-    lossless matrix's transform cells check with two workers)."""
+    """One worker: what is checked here is the constraint, not the federation (which the greedy test below and
+    the lossless matrix's transform cells check with two workers)."""
     with ExitStack() as stack:
         yield _gateway(stack, builtin_workers[:1], shared_draft)
 
@@ -81,15 +89,24 @@ def client(base_url: str) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def pair_client(builtin_workers: list[str], shared_draft: SharedDraft) -> Iterator[openai.OpenAI]:
     with ExitStack() as stack:
-        yield openai.OpenAI(base_url=f"{_gateway(stack, builtin_workers, shared_draft)}/v1", api_key="unused", max_retries=0, timeout=300)
+        yield openai.OpenAI(
+            base_url=f"{_gateway(stack, builtin_workers, shared_draft)}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=300,
+        )
 
 
-def _chat(client: openai.OpenAI, spec: dict, max_tokens: int = MAX_TOKENS, **params: object) -> openai.types.chat.ChatCompletion:  # type: ignore[type-arg]
+def _chat(
+    client: openai.OpenAI, spec: dict, max_tokens: int = MAX_TOKENS, **params: object
+) -> openai.types.chat.ChatCompletion:  # type: ignore[type-arg]
     params.setdefault("extra_body", {"speculative": spec})
     return client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=max_tokens, **params)  # type: ignore[arg-type, call-overload]
 
 
-@pytest.mark.parametrize("mode", [m if m in SOME_MODES else pytest.param(m, marks=FULL_RUN) for m in LOSSLESS])
+@pytest.mark.parametrize(
+    "mode", [m if m in SOME_MODES else pytest.param(m, marks=FULL_RUN) for m in LOSSLESS]
+)
 def test_seeded_answers_follow_the_schema_in_every_lossless_mode(client: openai.OpenAI, mode: str) -> None:
     stopped = 0
     for seed in range(SAMPLES):
@@ -108,8 +125,16 @@ def test_seeded_answers_follow_the_schema_in_every_lossless_mode(client: openai.
 
 def test_greedy_answers_equal_autoregressive_in_every_lossless_mode(pair_client: openai.OpenAI) -> None:
     """Through the two workers' federation."""
-    params = {"temperature": 0.0, "response_format": FORMAT, "frequency_penalty": 0.5, "presence_penalty": 0.3, "logit_bias": {"45": 2.0}}
-    texts = {mode: _chat(pair_client, spec, **params).choices[0].message.content for mode, spec in LOSSLESS.items()}
+    params = {
+        "temperature": 0.0,
+        "response_format": FORMAT,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.3,
+        "logit_bias": {"45": 2.0},
+    }
+    texts = {
+        mode: _chat(pair_client, spec, **params).choices[0].message.content for mode, spec in LOSSLESS.items()
+    }
     assert len(set(texts.values())) == 1, texts
     jsonschema.validate(json.loads(texts["autoregressive"] or ""), SCHEMA)
 
@@ -120,7 +145,9 @@ def test_the_sdk_parses_into_a_pydantic_model(client: openai.OpenAI) -> None:
         age: int
         city: str
 
-    answer = client.chat.completions.parse(model=MODEL, messages=PROMPT, response_format=Person, max_tokens=MAX_TOKENS, temperature=0, seed=3)  # type: ignore[arg-type]
+    answer = client.chat.completions.parse(
+        model=MODEL, messages=PROMPT, response_format=Person, max_tokens=MAX_TOKENS, temperature=0, seed=3
+    )  # type: ignore[arg-type]
     person = answer.choices[0].message.parsed
     assert isinstance(person, Person) and person.name
 
@@ -130,13 +157,30 @@ def test_json_object_regex_and_choice(client: openai.OpenAI) -> None:
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
     answer = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Is the sea blue?"}], max_tokens=8, temperature=1.0, seed=2,
-        extra_body={"structured_outputs": {"choice": ["yes", "no", "sometimes"]}, "speculative": {"mode": "exact"}},
+        model=MODEL,
+        messages=[{"role": "user", "content": "Is the sea blue?"}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=2,
+        extra_body={
+            "structured_outputs": {"choice": ["yes", "no", "sometimes"]},
+            "speculative": {"mode": "exact"},
+        },
     )
-    assert answer.choices[0].message.content in ("yes", "no", "sometimes") and answer.choices[0].finish_reason == "stop"
+    assert (
+        answer.choices[0].message.content in ("yes", "no", "sometimes")
+        and answer.choices[0].finish_reason == "stop"
+    )
     code = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Give me a US phone number."}], max_tokens=16, temperature=1.0, seed=2,
-        extra_body={"structured_outputs": {"regex": r"\+1-[0-9]{3}-[0-9]{4}"}, "speculative": {"mode": "tree"}},
+        model=MODEL,
+        messages=[{"role": "user", "content": "Give me a US phone number."}],
+        max_tokens=16,
+        temperature=1.0,
+        seed=2,
+        extra_body={
+            "structured_outputs": {"regex": r"\+1-[0-9]{3}-[0-9]{4}"},
+            "speculative": {"mode": "tree"},
+        },
     )
     content = code.choices[0].message.content or ""
     assert code.choices[0].finish_reason == "stop" and content.startswith("+1-") and len(content) == 11
@@ -145,7 +189,10 @@ def test_json_object_regex_and_choice(client: openai.OpenAI) -> None:
 
 
 def test_logit_bias_of_100_decides_the_token(client: openai.OpenAI) -> None:
-    completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=1.0, seed=1, logit_bias={"45": 100})  # "="
+    # "="
+    completion = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=1.0, seed=1, logit_bias={"45": 100}
+    )
     assert completion.choices[0].text == "====", completion.choices[0].text
 
 
@@ -155,7 +202,14 @@ def test_max_tokens_inside_a_value_is_length(client: openai.OpenAI) -> None:
 
 
 def test_a_streamed_schema_answer_joins_to_valid_json(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0, response_format=FORMAT, stream=True)  # type: ignore[arg-type, call-overload]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        response_format=FORMAT,
+        stream=True,
+    )  # type: ignore[arg-type, call-overload]
     text, finish = "", None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -166,40 +220,87 @@ def test_a_streamed_schema_answer_joins_to_valid_json(client: openai.OpenAI) -> 
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
-@pytest.mark.parametrize(("body", "param", "says"), [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, "response_format.json_schema", "does not compile"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type", ""),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs json_schema"),
-    ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex", "does not compile"),
-    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
-    ({"structured_outputs": {"regex": "a" * 70000}}, "structured_outputs.regex", "the limit is"),
-    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "not both"),
-    ({"logit_bias": {"a": 1}}, "logit_bias", "token ids"),
-    ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
-    ({"logit_bias": {"99999": 1}}, "logit_bias", "vocabulary"),
-    ({"presence_penalty": 2.5}, "presence_penalty", ""),
-    ({"frequency_penalty": -3}, "frequency_penalty", ""),
-    ({"repetition_penalty": 0}, "repetition_penalty", ""),
-    ({"min_p": 1.5}, "min_p", ""),
-    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "grammar decides"),
-])
-def test_bad_constraints_get_a_400_naming_the_parameter(base_url: str, body: dict, param: str, says: str) -> None:
-    answer = httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": PROMPT, "max_tokens": 4, **body}, timeout=60)
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                }
+            },
+            "response_format.json_schema",
+            "does not compile",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", ""),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs json_schema"),
+        ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex", "does not compile"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"regex": "a" * 70000}}, "structured_outputs.regex", "the limit is"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+            "not both",
+        ),
+        ({"logit_bias": {"a": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias", "vocabulary"),
+        ({"presence_penalty": 2.5}, "presence_penalty", ""),
+        ({"frequency_penalty": -3}, "frequency_penalty", ""),
+        ({"repetition_penalty": 0}, "repetition_penalty", ""),
+        ({"min_p": 1.5}, "min_p", ""),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "grammar decides"),
+    ],
+)
+def test_bad_constraints_get_a_400_naming_the_parameter(
+    base_url: str, body: dict, param: str, says: str
+) -> None:
+    answer = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": PROMPT, "max_tokens": 4, **body},
+        timeout=60,
+    )
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == param and says in error["message"], error
-    ok = httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": PROMPT, "max_tokens": 2}, timeout=60)
+    ok = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": PROMPT, "max_tokens": 2},
+        timeout=60,
+    )
     assert ok.status_code == 200  # the server keeps serving
 
 
 WEATHER = {
     "type": "function",
     "function": {
-        "name": "get_weather", "description": "The current weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"], "additionalProperties": False},
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
     },
 }
-CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone", "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"], "additionalProperties": False}}}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -211,11 +312,23 @@ def _valid_calls(message: openai.types.chat.ChatCompletionMessage, names: set[st
         jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])  # type: ignore[index]
 
 
-@pytest.mark.parametrize("mode", [m if m in SOME_MODES else pytest.param(m, marks=FULL_RUN) for m in ("autoregressive", "exact", "tree exact")])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        m if m in SOME_MODES else pytest.param(m, marks=FULL_RUN)
+        for m in ("autoregressive", "exact", "tree exact")
+    ],
+)
 def test_tool_choice_required_gives_valid_calls(client: openai.OpenAI, mode: str) -> None:
     for seed in range(min(SAMPLES, 3)):
         answer = client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice="required", temperature=1.0, seed=seed, max_tokens=96,  # type: ignore[list-item]
+            model=MODEL,
+            messages=ASK,
+            tools=[WEATHER, CLOCK],
+            tool_choice="required",
+            temperature=1.0,
+            seed=seed,
+            max_tokens=96,  # type: ignore[list-item]
             extra_body={"speculative": LOSSLESS[mode]},
         )
         choice = answer.choices[0]
@@ -227,8 +340,13 @@ def test_tool_choice_required_gives_valid_calls(client: openai.OpenAI, mode: str
 
 def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
     answer = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},  # type: ignore[list-item]
-        temperature=0, max_tokens=96, parallel_tool_calls=False,
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},  # type: ignore[list-item]
+        temperature=0,
+        max_tokens=96,
+        parallel_tool_calls=False,
     )
     assert answer.choices[0].finish_reason == "tool_calls"
     _valid_calls(answer.choices[0].message, {"get_time"})
@@ -236,7 +354,9 @@ def test_a_named_function_is_the_one_called(client: openai.OpenAI) -> None:
 
 
 def test_a_streamed_tool_call_is_reassembled_by_the_sdk(client: openai.OpenAI) -> None:
-    with client.chat.completions.stream(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=96) as stream:  # type: ignore[list-item]
+    with client.chat.completions.stream(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=96
+    ) as stream:  # type: ignore[list-item]
         for _ in stream:
             pass
         final = stream.get_final_completion()
@@ -245,28 +365,74 @@ def test_a_streamed_tool_call_is_reassembled_by_the_sdk(client: openai.OpenAI) -
 
 
 def test_auto_may_answer_in_text_and_a_tool_result_continues_the_conversation(client: openai.OpenAI) -> None:
-    auto = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}], tools=[WEATHER], temperature=0, max_tokens=48)  # type: ignore[list-item]
+    auto = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        tools=[WEATHER],
+        temperature=0,
+        max_tokens=48,
+    )  # type: ignore[list-item]
     choice = auto.choices[0]
-    assert (choice.finish_reason == "tool_calls" and choice.message.tool_calls) or (choice.message.content is not None and not choice.message.tool_calls)
+    assert (choice.finish_reason == "tool_calls" and choice.message.tool_calls) or (
+        choice.message.content is not None and not choice.message.tool_calls
+    )
     history = [
         *ASK,
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"celsius"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_abc", "content": "18 degrees and sunny"},
     ]
-    answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=24)  # type: ignore[arg-type, list-item]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", temperature=0, max_tokens=24
+    )  # type: ignore[arg-type, list-item]
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "absent"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]}, "tools.0.function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools.0.function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
-    ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages.1.tool_call_id"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "absent"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}},
+                        },
+                    }
+                ]
+            },
+            "tools.0.function.parameters",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools.0.function.parameters",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+        ({"messages": [*ASK, {"role": "tool", "content": "x"}]}, "messages.1.tool_call_id"),
+    ],
+)
 def test_bad_tools_get_a_400_naming_the_parameter(base_url: str, body: dict, param: str) -> None:
-    answer = httpx.post(f"{base_url}/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body}, timeout=60)
+    answer = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body},
+        timeout=60,
+    )
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param, answer.json()
 
@@ -276,7 +442,14 @@ def test_tool_call_responses_follow_openais_published_schema(base_url: str) -> N
     from tests.app.helpers import sse_events
     from tests.app.test_openai_schema import check
 
-    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER, CLOCK], "tool_choice": "required", "temperature": 0, "max_tokens": 96}
+    body = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": [WEATHER, CLOCK],
+        "tool_choice": "required",
+        "temperature": 0,
+        "max_tokens": 96,
+    }
     answer = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).json()
     assert answer["choices"][0]["finish_reason"] == "tool_calls"
     check(answer, "CreateChatCompletionResponse")
@@ -285,7 +458,11 @@ def test_tool_call_responses_follow_openais_published_schema(base_url: str) -> N
     for chunk in chunks:
         check(chunk, "CreateChatCompletionStreamResponse")
     pieces = [p for c in chunks for p in (c["choices"][0]["delta"].get("tool_calls") or [])]
-    assert pieces[0]["id"].startswith("call_") and pieces[0]["type"] == "function" and all("index" in p for p in pieces)
+    assert (
+        pieces[0]["id"].startswith("call_")
+        and pieces[0]["type"] == "function"
+        and all("index" in p for p in pieces)
+    )
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
@@ -294,7 +471,13 @@ def test_a_grammar_that_allows_nothing_more_ends_the_answer_cleanly(client: open
     The built-in model has two (0 and 2), so nothing is forced: one round decides which, as each
     target weighs them."""
     for spec in LOSSLESS.values():
-        answer = _chat(client, spec, temperature=1.0, seed=1, extra_body={"structured_outputs": {"regex": ""}, "speculative": spec})
+        answer = _chat(
+            client,
+            spec,
+            temperature=1.0,
+            seed=1,
+            extra_body={"structured_outputs": {"regex": ""}, "speculative": spec},
+        )
         assert answer.choices[0].message.content == "" and answer.choices[0].finish_reason == "stop"
         assert answer.usage.completion_tokens == 1  # type: ignore[union-attr]
         assert answer.usage.model_extra["speculative"].get("forced_tokens", 0) == 0  # type: ignore[union-attr, index]
@@ -313,34 +496,72 @@ def test_langchain_with_structured_output_and_bind_tools(base_url: str) -> None:
 
         city: str = pydantic.Field(max_length=20)
 
-    llm = ChatOpenAI(base_url=f"{base_url}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=64, max_retries=0)  # type: ignore[arg-type]
+    llm = ChatOpenAI(
+        base_url=f"{base_url}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=64, max_retries=0
+    )  # type: ignore[arg-type]
     city = llm.with_structured_output(City).invoke("Name a big city in Europe.")
     assert isinstance(city, City) and city.name
-    message = llm.bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False).invoke("What is the weather in Paris?")  # greedy, this model repeats a call
-    assert message.tool_calls and message.tool_calls[0]["name"] == "get_weather" and isinstance(message.tool_calls[0]["args"]["city"], str)  # type: ignore[attr-defined]
+    # greedy, this model repeats a call
+    message = llm.bind_tools([get_weather], tool_choice="required", parallel_tool_calls=False).invoke(
+        "What is the weather in Paris?"
+    )
+    assert (
+        message.tool_calls
+        and message.tool_calls[0]["name"] == "get_weather"
+        and isinstance(message.tool_calls[0]["args"]["city"], str)
+    )  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("max_tokens", [6, 14])
-def test_a_call_cut_by_max_tokens_carries_what_was_generated_streamed_and_whole(base_url: str, max_tokens: int) -> None:
+def test_a_call_cut_by_max_tokens_carries_what_was_generated_streamed_and_whole(
+    base_url: str, max_tokens: int
+) -> None:
     """Issue 46: past the call's name the stream sent pieces the whole answer dropped. Now both carry the
     partial call, with finish_reason length, and the whole answer is what the stream adds up to. Issue 75:
     no piece of a call is ever content (before its name the cut call is dropped)."""
-    body = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "temperature": 1.0, "seed": 5, "max_tokens": max_tokens}
+    body = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "temperature": 1.0,
+        "seed": 5,
+        "max_tokens": max_tokens,
+    }
     whole = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=60).json()
-    events = [json.loads(line[6:]) for line in httpx.post(f"{base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=60).text.splitlines() if line.startswith("data: {")]
+    events = [
+        json.loads(line[6:])
+        for line in httpx.post(
+            f"{base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=60
+        ).text.splitlines()
+        if line.startswith("data: {")
+    ]
     message, choice = whole["choices"][0]["message"], whole["choices"][0]
     assert choice["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == max_tokens
     assert not message["content"], message  # never the call's JSON as text
     content = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
-    arguments = "".join(t["function"].get("arguments", "") for e in events for c in e["choices"] for t in c["delta"].get("tool_calls") or [])
-    assert content == (message["content"] or "") and arguments == "".join(t["function"]["arguments"] for t in message.get("tool_calls") or [])
+    arguments = "".join(
+        t["function"].get("arguments", "")
+        for e in events
+        for c in e["choices"]
+        for t in c["delta"].get("tool_calls") or []
+    )
+    assert content == (message["content"] or "") and arguments == "".join(
+        t["function"]["arguments"] for t in message.get("tool_calls") or []
+    )
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["length"]
 
 
 def test_a_stop_string_inside_a_call_does_not_cut_it(client: openai.OpenAI) -> None:
     """Issue 46: stop strings apply to free text only; a call the grammar writes ends whole."""
     answer = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=96, stop=['"', ",", "city"],  # type: ignore[list-item]
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        temperature=0,
+        max_tokens=96,
+        stop=['"', ",", "city"],  # type: ignore[list-item]
     )
     assert answer.choices[0].finish_reason == "tool_calls"
     _valid_calls(answer.choices[0].message, {"get_weather"})

@@ -75,12 +75,15 @@ async def test_info_describes_the_model(client: httpx.AsyncClient, tiny_runner: 
     info = decode(InfoResponse, resp.content, resp.headers["content-type"])
     assert (info.protocol_version, info.vocab_size, info.backend) == (1, V, "transformers")
     assert info.tokenizer_fingerprint == tiny_runner.fingerprint and len(info.tokenizer_fingerprint) == 64
-    assert 2 in info.eos_ids and info.modes == ["autoregressive", "aggregate", "split", "exact", "tree"]  # core.modes, in its order
+    # core.modes, in its order
+    assert 2 in info.eos_ids and info.modes == ["autoregressive", "aggregate", "split", "exact", "tree"]
     health = (await client.get("/health")).json()
     assert health["status"] == "ok" and health["instance_id"]
 
 
-async def test_scores_equal_a_direct_forward_pass(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+async def test_scores_equal_a_direct_forward_pass(
+    client: httpx.AsyncClient, tiny_runner: ModelRunner
+) -> None:
     draft = [11, 22, 33]
     resp = await _scores(client, _request("a", [], PROMPT, draft))
     assert resp.held == len(PROMPT) + 3 and resp.ids is None
@@ -89,7 +92,9 @@ async def test_scores_equal_a_direct_forward_pass(client: httpx.AsyncClient, tin
     assert np.all(resp.tail_mass == 0)
 
 
-async def test_top_k_and_sampling_params_are_applied(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+async def test_top_k_and_sampling_params_are_applied(
+    client: httpx.AsyncClient, tiny_runner: ModelRunner
+) -> None:
     resp = await _scores(client, _request("a", [], PROMPT, [7], k=8, temperature=0.7, probs_dtype="fp16"))
     logits = tiny_runner.forward_full(PROMPT + [7], 2) / 0.7
     top = compress_top_k(torch.softmax(logits, -1), 8)
@@ -98,17 +103,27 @@ async def test_top_k_and_sampling_params_are_applied(client: httpx.AsyncClient, 
     np.testing.assert_allclose(resp.tail_mass, top.tail_mass.numpy(), atol=1e-6)
 
 
-async def test_recon_error_is_tv_of_the_asked_reconstruction(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+async def test_recon_error_is_tv_of_the_asked_reconstruction(
+    client: httpx.AsyncClient, tiny_runner: ModelRunner
+) -> None:
     probs = _reference(tiny_runner, PROMPT + [7], 2)
     for method in ("renormalize", "residual"):
         resp = await _scores(client, _request(f"r-{method}", [], PROMPT, [7], k=16, reconstruction=method))
         assert resp.ids is not None and resp.recon_error is not None and resp.tail_mass is not None
-        rebuilt = reconstruct(torch.tensor(resp.ids), torch.tensor(resp.probs), V, Reconstruction(method), torch.tensor(resp.tail_mass))
+        rebuilt = reconstruct(
+            torch.tensor(resp.ids),
+            torch.tensor(resp.probs),
+            V,
+            Reconstruction(method),
+            torch.tensor(resp.tail_mass),
+        )
         np.testing.assert_allclose(resp.recon_error, tv_distance(rebuilt, probs).numpy(), atol=1e-5)
     assert np.all(resp.recon_error <= resp.tail_mass + 1e-6)
 
 
-async def test_autoregressive_sample_follows_its_stream(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+async def test_autoregressive_sample_follows_its_stream(
+    client: httpx.AsyncClient, tiny_runner: ModelRunner
+) -> None:
     params = dict(mode="autoregressive", temperature=0.8, seed=1234, choice=1, worker=2, return_probs=False)
     resp = await _scores(client, _request("ar", [], PROMPT, [], **params))
     assert resp.probs is None and resp.samples is not None and resp.samples.shape == (1,)
@@ -116,7 +131,8 @@ async def test_autoregressive_sample_follows_its_stream(client: httpx.AsyncClien
     u = uniform(1234, 1, len(PROMPT), Purpose.WORKER_SAMPLE, 2)
     assert int(resp.samples[0]) == sample_index(probs, u)
     again = await _scores(client, _request("ar", PROMPT[:-2], PROMPT[-2:], [], **params))
-    assert again.samples is not None and int(again.samples[0]) == int(resp.samples[0])  # a retried round draws the same
+    # a retried round draws the same
+    assert again.samples is not None and int(again.samples[0]) == int(resp.samples[0])
     body, _ = encode(_request("ar2", [], PROMPT, [], **params), V)
     assert len((await _verify(client, _request("ar2", [], PROMPT, [], **params))).content) < 150
 
@@ -128,7 +144,9 @@ async def test_json_encoding_both_ways(client: httpx.AsyncClient, tiny_runner: M
     assert len(body["ids"]) == 3 and len(body["probs"][0]) == 4
 
 
-async def test_crop_and_append_equal_a_fresh_prefill(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+async def test_crop_and_append_equal_a_fresh_prefill(
+    client: httpx.AsyncClient, tiny_runner: ModelRunner
+) -> None:
     await _scores(client, _request("s", [], PROMPT, [100, 101, 102]))
     # the draft was rejected after one token: keep PROMPT + [100], append a recovered token
     agreed = PROMPT + [100]
@@ -138,13 +156,17 @@ async def test_crop_and_append_equal_a_fresh_prefill(client: httpx.AsyncClient, 
     np.testing.assert_allclose(resp.probs, expected.numpy(), atol=1e-5)
 
 
-async def test_empty_tokens_rescore_the_last_agreed_position(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+async def test_empty_tokens_rescore_the_last_agreed_position(
+    client: httpx.AsyncClient, tiny_runner: ModelRunner
+) -> None:
     await _scores(client, _request("e", [], PROMPT, [1, 2]))
     resp = await _scores(client, _request("e", PROMPT, [], [3]))
     np.testing.assert_allclose(resp.probs, _reference(tiny_runner, PROMPT + [3], 2).numpy(), atol=1e-5)
 
 
-async def test_nothing_new_rescores_the_last_position(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+async def test_nothing_new_rescores_the_last_position(
+    client: httpx.AsyncClient, tiny_runner: ModelRunner
+) -> None:
     """What a greedy autoregressive step asks again with a larger k."""
     first = await _scores(client, _request("again", [], PROMPT, [], k=4))
     again = await _scores(client, _request("again", PROMPT, [], [], k=64))
@@ -178,7 +200,9 @@ async def _tree(client: httpx.AsyncClient, session: str) -> None:
     await _scores(client, _request(session, [], PROMPT, [t for t, _ in TREE], parents=parents))
 
 
-async def test_a_path_keeps_the_accepted_nodes_of_the_last_tree(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+async def test_a_path_keeps_the_accepted_nodes_of_the_last_tree(
+    client: httpx.AsyncClient, tiny_runner: ModelRunner
+) -> None:
     """Protocol v1.1: ``path`` names the accepted nodes; they end the agreed prefix and the
     call goes on from them as from a plain sequence (no resend of their tokens)."""
     await _tree(client, "p")
@@ -192,13 +216,20 @@ async def test_a_path_keeps_the_accepted_nodes_of_the_last_tree(client: httpx.As
     np.testing.assert_allclose(resp.probs, _reference(tiny_runner, agreed + [9], 1).numpy(), atol=1e-5)
 
 
-@pytest.mark.parametrize("path", [[2], [0, 3], [1, 4], [0, 2, 9]], ids=["not-the-roots-child", "not-a-child", "another-branch", "no-such-node"])
-async def test_a_path_that_is_no_root_to_node_path_gets_a_400_and_the_tree_stays(client: httpx.AsyncClient, path: list[int]) -> None:
+@pytest.mark.parametrize(
+    "path",
+    [[2], [0, 3], [1, 4], [0, 2, 9]],
+    ids=["not-the-roots-child", "not-a-child", "another-branch", "no-such-node"],
+)
+async def test_a_path_that_is_no_root_to_node_path_gets_a_400_and_the_tree_stays(
+    client: httpx.AsyncClient, path: list[int]
+) -> None:
     await _tree(client, "bad")
     agreed = PROMPT + [TREE[n][0] if n < len(TREE) else 5 for n in path]
     resp = await _verify(client, _request("bad", agreed, [7], [], path=np.array(path, dtype=np.int32)))
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "path", resp.text
-    await _scores(client, _request("bad", PROMPT + [504], [7], [], path=np.array([0], dtype=np.int32)))  # the tree is still there
+    # the tree is still there
+    await _scores(client, _request("bad", PROMPT + [504], [7], [], path=np.array([0], dtype=np.int32)))
 
 
 async def test_a_path_without_its_tree_gets_a_409_then_the_resend_serves(client: httpx.AsyncClient) -> None:
@@ -208,9 +239,13 @@ async def test_a_path_without_its_tree_gets_a_409_then_the_resend_serves(client:
     resp = await _verify(client, _request("lost", PROMPT + [5], [7], [], path=np.array([0], dtype=np.int32)))
     assert resp.status_code == 409 and resp.json()["held"] == len(PROMPT)
     await _tree(client, "other")
-    resp = await _verify(client, _request("other", PROMPT + [3458], [7], [], path=np.array([0], dtype=np.int32)))  # node 0 is 504
+    # node 0 is 504
+    resp = await _verify(
+        client, _request("other", PROMPT + [3458], [7], [], path=np.array([0], dtype=np.int32))
+    )
     assert resp.status_code == 409 and resp.json()["held"] == len(PROMPT)
-    await _scores(client, _request("other", PROMPT, [3458, 7], []))  # the gateway's resend: the path's tokens as tokens
+    # the gateway's resend: the path's tokens as tokens
+    await _scores(client, _request("other", PROMPT, [3458, 7], []))
 
 
 async def test_delete_frees_the_session(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
@@ -260,7 +295,9 @@ def _raw(body: bytes, content_type: str = BINARY_CONTENT_TYPE) -> dict[str, str]
         (lambda b: b"", 400, None),
     ],
 )
-async def test_malformed_bodies_get_400(client: httpx.AsyncClient, mutate: Any, status: int, param: str | None) -> None:
+async def test_malformed_bodies_get_400(
+    client: httpx.AsyncClient, mutate: Any, status: int, param: str | None
+) -> None:
     body, _ = encode(_request("x", [], PROMPT, [1]), V)
     resp = await client.post("/v1/verify", **_raw(mutate(body)))
     assert resp.status_code == status
@@ -279,7 +316,9 @@ async def test_malformed_bodies_get_400(client: httpx.AsyncClient, mutate: Any, 
         ({"tokens": [], "draft": [1]}, "tokens"),
     ],
 )
-async def test_bad_values_get_400_naming_the_field(client: httpx.AsyncClient, fields: dict[str, Any], param: str) -> None:
+async def test_bad_values_get_400_naming_the_field(
+    client: httpx.AsyncClient, fields: dict[str, Any], param: str
+) -> None:
     body = {"session_id": "x", "prefix_len": 0, "prefix_hash": "", **fields}
     resp = await client.post("/v1/verify", **_raw(orjson.dumps(body), JSON_CONTENT_TYPE))
     assert resp.status_code == 400, resp.text
@@ -301,7 +340,9 @@ async def test_oversize_bodies_get_413(tiny_runner: ModelRunner) -> None:
         await _scores(client, _request("small", [], PROMPT[:4], [1]))
 
 
-async def test_every_bad_input_leaves_other_sessions_served(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+async def test_every_bad_input_leaves_other_sessions_served(
+    client: httpx.AsyncClient, tiny_runner: ModelRunner
+) -> None:
     await _scores(client, _request("keep", [], PROMPT, [1]))
     for body in (b"junk", orjson.dumps({"session_id": "keep", "prefix_len": 0})):
         await client.post("/v1/verify", **_raw(body, JSON_CONTENT_TYPE))
@@ -325,11 +366,22 @@ async def test_health_answers_while_a_verify_runs(tiny_runner: ModelRunner) -> N
         assert (await pending).held == len(PROMPT) + 1
 
 
-async def test_exact_answers_on_the_supports_within_the_payload_bound(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
+async def test_exact_answers_on_the_supports_within_the_payload_bound(
+    client: httpx.AsyncClient, tiny_runner: ModelRunner
+) -> None:
     draft, size = [11, 22, 33, 44], 32
     supports = [np.array([x] + [t for t in range(100, 100 + size) if t != x][: size - 1]) for x in draft]
-    req = _request("x", [], PROMPT, draft, mode="exact", temperature=0.9, seed=5,
-                   support_ids=np.concatenate(supports), support_sizes=np.full(4, size, np.int32))
+    req = _request(
+        "x",
+        [],
+        PROMPT,
+        draft,
+        mode="exact",
+        temperature=0.9,
+        seed=5,
+        support_ids=np.concatenate(supports),
+        support_sizes=np.full(4, size, np.int32),
+    )
     body, content_type = encode(req, V)
     raw = await client.post("/v1/verify", content=body, headers={"content-type": content_type})
     assert raw.status_code == 200, raw.text
@@ -337,15 +389,21 @@ async def test_exact_answers_on_the_supports_within_the_payload_bound(client: ht
     assert len(raw.content) - 8 - header_len <= len(draft) * size * 8  # ≤ γ·|S|·8 plus its header
     resp = decode(VerifyResponse, raw.content, raw.headers["content-type"])
     probs = torch.softmax(tiny_runner.forward_full(PROMPT + draft, 5) / 0.9, -1)
-    assert resp.support_probs is not None and resp.complement is not None and resp.complement_samples is not None
+    assert (
+        resp.support_probs is not None and resp.complement is not None and resp.complement_samples is not None
+    )
     for j, support in enumerate(supports):
-        np.testing.assert_allclose(resp.support_probs[j * size : (j + 1) * size], probs[j, support].numpy(), atol=1e-6)
+        np.testing.assert_allclose(
+            resp.support_probs[j * size : (j + 1) * size], probs[j, support].numpy(), atol=1e-6
+        )
         assert resp.complement[j] == pytest.approx(1 - float(probs[j, support].sum()), abs=1e-5)
         assert int(resp.complement_samples[j]) not in support.tolist()
     assert 0 <= resp.bonus < V
 
 
-async def test_a_worker_token_is_required_when_set(tiny_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_worker_token_is_required_when_set(
+    tiny_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("SPECGATE_WORKER_TOKEN", "wt-secret")  # how serve and compose hand it over
     app = create_app(WorkerSettings(model="tiny-random", backend="transformers"), runner=tiny_runner)
     req = _request("s-token", [], PROMPT, [5, 6])
@@ -360,25 +418,39 @@ async def test_a_worker_token_is_required_when_set(tiny_runner: ModelRunner, mon
         assert (await client.get("/v1/info")).status_code == 200
 
 
-async def test_a_draining_worker_serves_its_sessions_and_refuses_new_ones(client: httpx.AsyncClient, tiny_runner: ModelRunner) -> None:
-    """SIGTERM (issue 48): a session it holds goes on, a new one gets 503 worker_draining with Retry-After (the
-    gateway takes another replica), /health answers 503 (readiness fails), /v1/info and freeing still answer."""
+async def test_a_draining_worker_serves_its_sessions_and_refuses_new_ones(
+    client: httpx.AsyncClient, tiny_runner: ModelRunner
+) -> None:
+    """SIGTERM (issue 48): a session it holds goes on, a new one gets 503 worker_draining with Retry-After
+    (the gateway takes another replica), /health answers 503 (readiness fails), /v1/info and freeing still
+    answer."""
     app = create_app(_settings(), runner=tiny_runner)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://worker") as draining:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://worker"
+    ) as draining:
         assert (await _verify(draining, _request("s-held", [], PROMPT, [5]))).status_code == 200
         app.state.start_drain()
         held = await _verify(draining, _request("s-held", PROMPT + [5], [6], [7]))
         assert held.status_code == 200, held.text
         resp = await _verify(draining, _request("s-new", [], PROMPT, [5]))
-        assert resp.status_code == 503 and resp.json()["error"]["code"] == "worker_draining" and int(resp.headers["retry-after"]) > 0
+        assert (
+            resp.status_code == 503
+            and resp.json()["error"]["code"] == "worker_draining"
+            and int(resp.headers["retry-after"]) > 0
+        )
         health = await draining.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "draining"
         assert (await draining.get("/v1/info")).status_code == 200
         assert (await draining.delete("/v1/sessions/s-held")).status_code == 204
-        assert 'specgate:verify_errors_total{code="worker_draining"} 1.0' in (await draining.get("/metrics")).text
+        assert (
+            'specgate:verify_errors_total{code="worker_draining"} 1.0'
+            in (await draining.get("/metrics")).text
+        )
 
 
-async def test_a_draining_worker_is_idle_only_with_no_call_in_flight_and_no_session(tiny_runner: ModelRunner) -> None:
+async def test_a_draining_worker_is_idle_only_with_no_call_in_flight_and_no_session(
+    tiny_runner: ModelRunner,
+) -> None:
     """A session's first call that arrived before SIGTERM is held in the model before its session exists: the
     worker is not idle until that call is answered and the session freed (else it would leave mid-round)."""
     blocking = GatedRunner(tiny_runner)
@@ -408,7 +480,11 @@ async def test_metrics_count_what_was_served(client: httpx.AsyncClient) -> None:
     answer = await _verify(client, req)
     await client.post("/v1/verify", content=b"junk", headers={"content-type": BINARY_CONTENT_TYPE})
     text = (await client.get("/metrics")).text
-    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    values = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
     assert values[("specgate:verify_requests_total", ())] == 1
     assert values[("specgate:verify_positions_scored_total", ())] == 4  # γ + 1
     assert values[("specgate:verify_bytes_in_total", ())] == len(body)
@@ -416,14 +492,20 @@ async def test_metrics_count_what_was_served(client: httpx.AsyncClient) -> None:
     assert values[("specgate:verify_errors_total", (("code", "invalid_request"),))] == 1
     assert values[("specgate:sessions", ())] == 1
     slots = values[("specgate:session_slots", ())]  # the autoscaling signals (issue 48)
-    assert slots >= 1 and values[("specgate:sessions_ratio", ())] == 1 / slots and values[("specgate:queue_length", ())] == 0
+    assert (
+        slots >= 1
+        and values[("specgate:sessions_ratio", ())] == 1 / slots
+        and values[("specgate:queue_length", ())] == 0
+    )
 
 
-async def test_grammars_compile_off_the_model_thread_once_per_content(tiny_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_grammars_compile_off_the_model_thread_once_per_content(
+    tiny_runner: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 46: a grammar compiled on the model thread stalled every session batched with it.
     It compiles on another thread, once per content; the worker's limit is its setting, and
     /v1/info reports it with the grammar engine (what the gateway checks)."""
-    from core.grammar import GrammarSpec, Grammars, engine_version
+    from core.grammar import Grammars, GrammarSpec, engine_version
 
     threads: list[str] = []
     build = Grammars._build
@@ -436,10 +518,19 @@ async def test_grammars_compile_off_the_model_thread_once_per_content(tiny_runne
     async with await _client(tiny_runner, max_grammar_bytes=200) as client:
         info = decode(InfoResponse, (await client.get("/v1/info")).content, JSON_CONTENT_TYPE)
         assert (info.grammar_engine, info.max_grammar_bytes) == (engine_version(), 200)
-        transform = {"prompt_len": len(PROMPT), "grammar": GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}).to_wire()}
+        transform = {
+            "prompt_len": len(PROMPT),
+            "grammar": GrammarSpec.json_schema(
+                {"type": "object", "properties": {"a": {"type": "integer"}}}
+            ).to_wire(),
+        }
         for session in ("s1", "s2"):
             await _scores(client, _request(session, [], PROMPT, [], transform=transform))
-        assert len(threads) == 1 and not threads[0].startswith("model")  # once for both sessions, not on the model thread
-        too_long = {"prompt_len": len(PROMPT), "grammar": GrammarSpec.json_schema({"enum": ["x" * 300]}).to_wire()}
+        # once for both sessions, not on the model thread
+        assert len(threads) == 1 and not threads[0].startswith("model")
+        too_long = {
+            "prompt_len": len(PROMPT),
+            "grammar": GrammarSpec.json_schema({"enum": ["x" * 300]}).to_wire(),
+        }
         resp = await _verify(client, _request("s3", [], PROMPT, [], transform=too_long))
         assert resp.status_code == 400 and "limit is 200" in resp.text

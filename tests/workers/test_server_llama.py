@@ -23,8 +23,15 @@ async def test_one_position_alone_equals_it_among_others(builtin_llama: ModelRun
     tokens = list(builtin_llama.tokenizer.encode("A batch of one must not change the scores of a position."))
     app = create_app(WorkerSettings(model="builtin"), runner=builtin_llama)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as client:
-        together = await _verify(client, VerifyRequest("t", 0, "", np.array(tokens[:-3]), np.array(tokens[-3:])))
+        together = await _verify(
+            client, VerifyRequest("t", 0, "", np.array(tokens[:-3]), np.array(tokens[-3:]))
+        )
         prefix = tokens[:-1]
         await _verify(client, VerifyRequest("a", 0, "", np.array(prefix[:-1]), np.array([prefix[-1]])))
-        alone = await _verify(client, VerifyRequest("a", len(prefix), prefix_hash(prefix), np.array([tokens[-1]]), np.array([], dtype=np.int64)))
+        alone = await _verify(
+            client,
+            VerifyRequest(
+                "a", len(prefix), prefix_hash(prefix), np.array([tokens[-1]]), np.array([], dtype=np.int64)
+            ),
+        )
     assert np.array_equal(alone.probs[0], together.probs[-1])

@@ -43,8 +43,16 @@ def stages(whole: TransformersRunner) -> Iterator[list[str]]:
     with ExitStack() as stack:
         urls = []
         for first, end in SPLIT:
-            runner = TransformersRunner(resolve_model("builtin"), whole.tokenizer, model=whole.model, memory_cap_mb=256, layers=(first, end))
-            settings = WorkerSettings(model="builtin", backend="transformers", layers=f"{first}:{end}", stage_wait_s=2.0)
+            runner = TransformersRunner(
+                resolve_model("builtin"),
+                whole.tokenizer,
+                model=whole.model,
+                memory_cap_mb=256,
+                layers=(first, end),
+            )
+            settings = WorkerSettings(
+                model="builtin", backend="transformers", layers=f"{first}:{end}", stage_wait_s=2.0
+            )
             urls.append(stack.enter_context(served(create_app(settings, runner=runner))))
         yield urls
 
@@ -64,21 +72,48 @@ def _reference(whole: TransformersRunner, session: str, item: ForwardItem) -> to
     return torch.softmax(whole.forward([item])[0].double(), dim=-1)
 
 
-def test_three_stages_answer_the_whole_models_distributions_at_every_node(whole: TransformersRunner, stages: list[str]) -> None:
+def test_three_stages_answer_the_whole_models_distributions_at_every_node(
+    whole: TransformersRunner, stages: list[str]
+) -> None:
     tokens, parents = PROMPT + TREE, list(range(-1, len(PROMPT) - 1)) + TREE_PARENTS
-    req = StageRequest("a", 0, 0, np.array(tokens), parents=np.array(parents, np.int32), hidden_dtype="f32", score_from=len(PROMPT) - 1, next=stages[1:])
+    req = StageRequest(
+        "a",
+        0,
+        0,
+        np.array(tokens),
+        parents=np.array(parents, np.int32),
+        hidden_dtype="f32",
+        score_from=len(PROMPT) - 1,
+        next=stages[1:],
+    )
     resp = _answer(_post(stages[0], req))
-    expected = _reference(whole, "a", ForwardItem("ref-a", 0, tokens, parents, list(range(len(PROMPT) - 1, len(tokens)))))
+    expected = _reference(
+        whole, "a", ForwardItem("ref-a", 0, tokens, parents, list(range(len(PROMPT) - 1, len(tokens))))
+    )
     assert resp.probs is not None and resp.probs.shape == (len(TREE) + 1, V)
     assert float(np.abs(resp.probs - expected.numpy()).max()) <= 1e-4
     assert resp.held == len(tokens)
     assert resp.stage_ms is not None and len(resp.stage_ms) == 3 and (resp.stage_ms > 0).all()
-    assert resp.hop_bytes is not None and all(h > len(tokens) * 576 * 4 for h in resp.hop_bytes) and len(resp.hop_bytes) == 2  # f32 states, twice
+    # f32 states, twice
+    assert (
+        resp.hop_bytes is not None
+        and all(h > len(tokens) * 576 * 4 for h in resp.hop_bytes)
+        and len(resp.hop_bytes) == 2
+    )
     f32_hops = list(resp.hop_bytes)
 
     # the verdict took node 10: keep the prompt, it and its subtree, then a segment below them
     kept = list(range(len(PROMPT))) + [10, 12, 13]
-    seg = StageRequest("a", 1, len(kept), np.array([9, 640]), parents=np.array([11, 12], np.int32), keep=np.array(kept, np.int32), hidden_dtype="f32", next=stages[1:])
+    seg = StageRequest(
+        "a",
+        1,
+        len(kept),
+        np.array([9, 640]),
+        parents=np.array([11, 12], np.int32),
+        keep=np.array(kept, np.int32),
+        hidden_dtype="f32",
+        next=stages[1:],
+    )
     resp = _answer(_post(stages[0], seg))
     fresh_tokens = PROMPT + [12, 260, 31, 9, 640]
     fresh_parents = list(range(-1, len(PROMPT) - 1)) + [9, 10, 10, 11, 12]
@@ -87,46 +122,98 @@ def test_three_stages_answer_the_whole_models_distributions_at_every_node(whole:
     assert resp.held == len(fresh_tokens)
 
     # fp16 frames (the default: 1,152 B a row for the built-in model) move the answer by little
-    half = StageRequest("h", 0, 0, np.array(tokens), parents=np.array(parents, np.int32), score_from=len(PROMPT) - 1, next=stages[1:])
+    half = StageRequest(
+        "h",
+        0,
+        0,
+        np.array(tokens),
+        parents=np.array(parents, np.int32),
+        score_from=len(PROMPT) - 1,
+        next=stages[1:],
+    )
     resp16 = _answer(_post(stages[0], half))
-    assert resp16.hop_bytes is not None and all(h16 < 0.6 * h32 for h16, h32 in zip(resp16.hop_bytes, f32_hops))
-    tv = 0.5 * np.abs(resp16.probs - _reference(whole, "h", ForwardItem("ref-c", 0, tokens, parents, list(range(len(PROMPT) - 1, len(tokens))))).numpy()).sum(-1)
+    assert resp16.hop_bytes is not None and all(
+        h16 < 0.6 * h32 for h16, h32 in zip(resp16.hop_bytes, f32_hops)
+    )
+    tv = 0.5 * np.abs(
+        resp16.probs
+        - _reference(
+            whole, "h", ForwardItem("ref-c", 0, tokens, parents, list(range(len(PROMPT) - 1, len(tokens))))
+        ).numpy()
+    ).sum(-1)
     assert float(tv.max()) < 5e-3
     for url in stages:
         for session in ("a", "h"):
             assert httpx.delete(f"{url}/v1/sessions/{session}").status_code == 204
 
 
-def test_the_last_stage_transforms_each_row_by_its_ancestors(whole: TransformersRunner, stages: list[str]) -> None:
+def test_the_last_stage_transforms_each_row_by_its_ancestors(
+    whole: TransformersRunner, stages: list[str]
+) -> None:
     """docs/design.md §3.9 at the last stage: the transform rides on the message that starts the session
     and is kept; each scored row is transformed by its own prefix (its ancestors' tokens), on
     the later messages too. A bad transform or min_p is a 400 naming it; the stages serve on."""
-    spec = TransformSpec(logit_bias=((12, 12.0), (260, -2.0)), presence_penalty=0.8, frequency_penalty=1.1, prompt_len=len(PROMPT))
+    spec = TransformSpec(
+        logit_bias=((12, 12.0), (260, -2.0)),
+        presence_penalty=0.8,
+        frequency_penalty=1.1,
+        prompt_len=len(PROMPT),
+    )
     transformer = Transformer.build(spec, V, None)
     tokens, parents = PROMPT + TREE, list(range(-1, len(PROMPT) - 1)) + TREE_PARENTS
     req = StageRequest(
-        "t", 0, 0, np.array(tokens), parents=np.array(parents, np.int32), hidden_dtype="f32", score_from=len(PROMPT) - 1, next=stages[1:],
+        "t",
+        0,
+        0,
+        np.array(tokens),
+        parents=np.array(parents, np.int32),
+        hidden_dtype="f32",
+        score_from=len(PROMPT) - 1,
+        next=stages[1:],
         transform=spec.to_wire(),
     )
     resp = _answer(_post(stages[0], req))
-    logits = whole.forward([ForwardItem("ref-t", 0, tokens, parents, list(range(len(PROMPT) - 1, len(tokens))))])[0]
+    logits = whole.forward(
+        [ForwardItem("ref-t", 0, tokens, parents, list(range(len(PROMPT) - 1, len(tokens))))]
+    )[0]
     paths = [[], [12], [907], [12, 260], [12, 31], [907, 4000]]
     expected = torch.softmax(transformer.rows(logits, PROMPT, paths).double(), dim=-1)
     assert resp.probs is not None and float(np.abs(resp.probs - expected.numpy()).max()) <= 1e-4
-    assert float(np.abs(resp.probs - torch.softmax(logits.double(), -1).numpy()).max()) > 0.01  # it did change them
+    # it did change them
+    assert float(np.abs(resp.probs - torch.softmax(logits.double(), -1).numpy()).max()) > 0.01
 
     kept = list(range(len(PROMPT))) + [10, 12, 13]  # node 12 (…, 12, 260) and 13 (…, 12, 31) get a child each
-    seg = StageRequest("t", 1, len(kept), np.array([9, 640]), parents=np.array([11, 12], np.int32), keep=np.array(kept, np.int32), hidden_dtype="f32", next=stages[1:])
+    seg = StageRequest(
+        "t",
+        1,
+        len(kept),
+        np.array([9, 640]),
+        parents=np.array([11, 12], np.int32),
+        keep=np.array(kept, np.int32),
+        hidden_dtype="f32",
+        next=stages[1:],
+    )
     resp = _answer(_post(stages[0], seg))
-    fresh_tokens, fresh_parents = PROMPT + [12, 260, 31, 9, 640], list(range(-1, len(PROMPT) - 1)) + [9, 10, 10, 11, 12]
+    fresh_tokens, fresh_parents = (
+        PROMPT + [12, 260, 31, 9, 640],
+        list(range(-1, len(PROMPT) - 1)) + [9, 10, 10, 11, 12],
+    )
     logits = whole.forward([ForwardItem("ref-t2", 0, fresh_tokens, fresh_parents, [13, 14])])[0]
     expected = torch.softmax(transformer.rows(logits, [*PROMPT, 12], [[260, 9], [31, 640]]).double(), dim=-1)
     assert resp.probs is not None and float(np.abs(resp.probs - expected.numpy()).max()) <= 1e-4
 
-    bad = StageRequest("t-bad", 0, 0, np.array(PROMPT), next=stages[1:], transform={"logit_bias": [[V + 5, 1.0]]})
+    bad = StageRequest(
+        "t-bad", 0, 0, np.array(PROMPT), next=stages[1:], transform={"logit_bias": [[V + 5, 1.0]]}
+    )
     assert_error(_post(stages[0], bad), 400, param="transform")
-    assert_error(_post(stages[0], StageRequest("t-bad2", 0, 0, np.array(PROMPT), next=stages[1:], min_p=1.5)), 400, param="min_p")
-    assert _answer(_post(stages[0], StageRequest("t-ok", 0, 0, np.array(PROMPT), next=stages[1:]))).held == len(PROMPT)
+    assert_error(
+        _post(stages[0], StageRequest("t-bad2", 0, 0, np.array(PROMPT), next=stages[1:], min_p=1.5)),
+        400,
+        param="min_p",
+    )
+    assert _answer(
+        _post(stages[0], StageRequest("t-ok", 0, 0, np.array(PROMPT), next=stages[1:]))
+    ).held == len(PROMPT)
     for url in stages:
         for session in ("t", "t-bad", "t-bad2", "t-ok"):
             httpx.delete(f"{url}/v1/sessions/{session}")
@@ -138,10 +225,14 @@ def test_a_sessions_messages_are_taken_in_seq_order(stages: list[str]) -> None:
 
     async def both() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=30) as client:
+
             async def post(req: StageRequest, delay: float) -> httpx.Response:
                 await asyncio.sleep(delay)
                 payload, content_type = encode(req, V)
-                return await client.post(f"{stages[0]}/v1/stage/forward", content=payload, headers={"content-type": content_type})
+                return await client.post(
+                    f"{stages[0]}/v1/stage/forward", content=payload, headers={"content-type": content_type}
+                )
+
             return await asyncio.gather(post(second, 0.0), post(first, 0.3))  # the second arrives first
 
     answers = asyncio.run(both())
@@ -151,7 +242,9 @@ def test_a_sessions_messages_are_taken_in_seq_order(stages: list[str]) -> None:
     assert_error(_post(stages[0], late), 409, code="session_short", contains="waited")  # 2..4 never come
     # a prune alone, at every stage (the gateway's broadcast): message 2, the one the stages wait for
     for url in stages:
-        keep = StageRequest("o", 2, len(PROMPT), np.zeros(0, np.int64), keep=np.arange(len(PROMPT), dtype=np.int32))
+        keep = StageRequest(
+            "o", 2, len(PROMPT), np.zeros(0, np.int64), keep=np.arange(len(PROMPT), dtype=np.int32)
+        )
         resp = _answer(_post(url, keep, "/v1/stage/keep"))
         assert resp.held == len(PROMPT)
         httpx.delete(f"{url}/v1/sessions/o")
@@ -160,7 +253,10 @@ def test_a_sessions_messages_are_taken_in_seq_order(stages: list[str]) -> None:
 def test_what_a_stage_refuses(stages: list[str]) -> None:
     info = httpx.get(f"{stages[1]}/v1/info").json()
     assert info["layer_range"] == [9, 21]
-    verify = httpx.post(f"{stages[0]}/v1/verify", json={"session_id": "v", "prefix_len": 0, "prefix_hash": "", "tokens": [1], "draft": []})
+    verify = httpx.post(
+        f"{stages[0]}/v1/verify",
+        json={"session_id": "v", "prefix_len": 0, "prefix_hash": "", "tokens": [1], "draft": []},
+    )
     assert_error(verify, 400, contains="pipeline stage")
     no_states = StageRequest("x", 0, 0, np.array(PROMPT))
     assert_error(_post(stages[1], no_states), 400, param="hidden")
@@ -182,16 +278,29 @@ def test_what_a_stage_refuses(stages: list[str]) -> None:
             httpx.delete(f"{url}/v1/sessions/{session}")
 
 
-def test_a_draining_first_stage_keeps_its_sessions_and_refuses_new_ones(whole: TransformersRunner, stages: list[str]) -> None:
-    """SIGTERM to the first stage (where a session starts): a session it holds goes on through the pipeline, a new
-    one gets 503 worker_draining with Retry-After (the later stages only take sessions the first sent them)."""
+def test_a_draining_first_stage_keeps_its_sessions_and_refuses_new_ones(
+    whole: TransformersRunner, stages: list[str]
+) -> None:
+    """SIGTERM to the first stage (where a session starts): a session it holds goes on through the pipeline, a
+    new one gets 503 worker_draining with Retry-After (the later stages only take sessions the first sent
+    them)."""
     first, end = SPLIT[0]
-    runner = TransformersRunner(resolve_model("builtin"), whole.tokenizer, model=whole.model, memory_cap_mb=256, layers=(first, end))
-    app = create_app(WorkerSettings(model="builtin", backend="transformers", layers=f"{first}:{end}", stage_wait_s=2.0), runner=runner)
+    runner = TransformersRunner(
+        resolve_model("builtin"), whole.tokenizer, model=whole.model, memory_cap_mb=256, layers=(first, end)
+    )
+    app = create_app(
+        WorkerSettings(model="builtin", backend="transformers", layers=f"{first}:{end}", stage_wait_s=2.0),
+        runner=runner,
+    )
     with served(app) as url:
-        assert _answer(_post(url, StageRequest("held", 0, 0, np.array(PROMPT), next=stages[1:]))).held == len(PROMPT)
+        assert _answer(_post(url, StageRequest("held", 0, 0, np.array(PROMPT), next=stages[1:]))).held == len(
+            PROMPT
+        )
         app.state.start_drain()
-        assert _answer(_post(url, StageRequest("held", 1, len(PROMPT), np.array([5]), next=stages[1:]))).held == len(PROMPT) + 1
+        assert (
+            _answer(_post(url, StageRequest("held", 1, len(PROMPT), np.array([5]), next=stages[1:]))).held
+            == len(PROMPT) + 1
+        )
         refused = _post(url, StageRequest("new", 0, 0, np.array(PROMPT), next=stages[1:]))
         assert_error(refused, 503, code="worker_draining")
         assert int(refused.headers["retry-after"]) > 0 and not app.state.worker.is_idle()
@@ -218,6 +327,11 @@ def test_specgate_worker_refuses_a_llama_cpp_stage() -> None:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "workers", "--model", "builtin", "--layers", "0:15"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "workers", "--model", "builtin", "--layers", "0:15"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "cannot run a slice" in done.stderr and "--backend transformers" in done.stderr

@@ -1,4 +1,5 @@
-"""The strategies, one per mode whose rows they verify; a tree is verified on its payload's (``SpecOptions.verifier``)."""
+"""The strategies, one per mode whose rows they verify; a tree is verified on its payload's
+(``SpecOptions.verifier``)."""
 
 from app.engine.strategies.aggregate import AggregateStrategy
 from app.engine.strategies.autoregressive import AutoregressiveStrategy
@@ -13,7 +14,8 @@ STRATEGIES: dict[Mode, RoundStrategy | LoopStrategy] = {
     Mode.AGGREGATE: AggregateStrategy(),  # chains and trees on full or top-k rows
     Mode.SPLIT: SplitStrategy(),
     Mode.EXACT: ExactStrategy(),  # chains and trees on sparse rows
-    Mode.PIPELINE: PipelineStrategy(),  # owns its loop: segments of a tree through stage workers (docs/design.md §3.7)
+    # owns its loop: segments of a tree through stage workers (docs/design.md §3.7)
+    Mode.PIPELINE: PipelineStrategy(),
 }
 
 

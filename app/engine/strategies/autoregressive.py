@@ -26,17 +26,25 @@ class AutoregressiveStrategy(RoundStrategy):
         if req.params.is_greedy:
             token, target = await self._greedy(rnd, want_logprobs)
         else:
-            ahead = {"ahead": True} if len(rnd.weights) == 1 and _more_follow(rnd) else {}  # its sample is the token: decoded ahead
+            # its sample is the token: decoded ahead
+            ahead = {"ahead": True} if len(rnd.weights) == 1 and _more_follow(rnd) else {}
             responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs, **ahead)
             chosen = 0  # one worker: its sample (the draw over one weight picks it whatever u is)
             if len(rnd.weights) > 1:
-                chosen = sample_index(normalise_weights(rnd.weights), uniform(req.seed, req.choice, rnd.positions[0], Purpose.WORKER_CHOICE))
+                chosen = sample_index(
+                    normalise_weights(rnd.weights),
+                    uniform(req.seed, req.choice, rnd.positions[0], Purpose.WORKER_CHOICE),
+                )
             token = int(array(responses[chosen].samples)[0])
             target = mixture(responses, rnd.vocab_size, rnd.weights) if want_logprobs else None
-        logprobs = token_logprobs(normalised(target[:1]), [token], req.top_logprobs) if target is not None else None
+        logprobs = (
+            token_logprobs(normalised(target[:1]), [token], req.top_logprobs) if target is not None else None
+        )
         result = RoundResult([token], drafted=0, accepted=0, traffic=rnd.traffic, logprobs=logprobs)
         if not req.spec.is_lossless:  # engine targets: z_n came from a top-k of p_n
-            sigma = torch.tensor([[float(array(r.tail_mass)[0]) if r.tail_mass is not None else 0.0] for r in rnd.responses])
+            sigma = torch.tensor(
+                [[float(array(r.tail_mass)[0]) if r.tail_mass is not None else 0.0] for r in rnd.responses]
+            )
             result.bound = result.error = bias_bound(sigma, rnd.weights).tolist()
         return result
 
@@ -52,10 +60,18 @@ class AutoregressiveStrategy(RoundStrategy):
             token = certified_argmax(rnd, responses, 0)
             return (token, None) if token is not None else None
 
-        ahead = {"ahead": True} if single and _more_follow(rnd) else {}  # its top-1 is the token: the worker may decode it ahead
-        return await growing_k(rnd, Mode.AUTOREGRESSIVE, None if want_logprobs else 1 if single else min(CERTIFY_K, vocab), decide, **ahead)
+        # its top-1 is the token: the worker may decode it ahead
+        ahead = {"ahead": True} if single and _more_follow(rnd) else {}
+        return await growing_k(
+            rnd,
+            Mode.AUTOREGRESSIVE,
+            None if want_logprobs else 1 if single else min(CERTIFY_K, vocab),
+            decide,
+            **ahead,
+        )
 
 
 def _more_follow(rnd: Round) -> bool:
-    """Whether a token may follow this round's (its max_tokens not reached by it): else a decode ahead is wasted."""
+    """Whether a token may follow this round's (its max_tokens not reached by it): else a decode ahead is
+    wasted."""
     return rnd.req.max_tokens - (len(rnd.sequence) - len(rnd.req.prompt)) > 1

@@ -1,5 +1,6 @@
-"""How a mode runs a choice (docs/design.md §3): round by round in the engine's loop, which calls its ``RoundStrategy``'s
-``verify``; or, for a mode driven by something else than rounds (a pipeline's segment arrivals), its own loop (``LoopStrategy``)."""
+"""How a mode runs a choice (docs/design.md §3): round by round in the engine's loop, which calls its
+``RoundStrategy``'s ``verify``; or, for a mode driven by something else than rounds (a pipeline's segment
+arrivals), its own loop (``LoopStrategy``)."""
 
 from __future__ import annotations
 

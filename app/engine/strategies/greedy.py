@@ -1,4 +1,5 @@
-"""T = 0 over top-k payloads: certify the mixture's argmax (docs/design.md §3.2), asking again with a larger k."""
+"""T = 0 over top-k payloads: certify the mixture's argmax (docs/design.md §3.2), asking again with a larger
+k."""
 
 from __future__ import annotations
 
@@ -24,17 +25,32 @@ async def certified_greedy(rnd: Round) -> RoundResult:
     """Accept while x_j is the certified argmax of the mixture (whole rows when logprobs are asked)."""
     draft = rnd.draft
     if rnd.req.top_logprobs is not None:
-        target = mixture(await rnd.call(mode=Mode.EXACT.value, k=None), rnd.vocab_size, rnd.weights, normalise=False)
+        target = mixture(
+            await rnd.call(mode=Mode.EXACT.value, k=None), rnd.vocab_size, rnd.weights, normalise=False
+        )
         verdict = verify_tree_greedy(target, draft)
         tokens = verdict.output(draft)
-        logprobs = token_logprobs(normalised(target[[0, *(node + 1 for node in verdict.path)]]), tokens, rnd.req.top_logprobs)
-        return RoundResult(tokens, drafted=len(draft), accepted=verdict.num_accepted, traffic=rnd.traffic, logprobs=logprobs, path=_kept(draft, verdict.path))
+        logprobs = token_logprobs(
+            normalised(target[[0, *(node + 1 for node in verdict.path)]]), tokens, rnd.req.top_logprobs
+        )
+        return RoundResult(
+            tokens,
+            drafted=len(draft),
+            accepted=verdict.num_accepted,
+            traffic=rnd.traffic,
+            logprobs=logprobs,
+            path=_kept(draft, verdict.path),
+        )
 
     def walk(responses: list[VerifyResponse], k: int | None) -> RoundResult | None:
         node, path, target = -1, list[int](), None
         while True:  # down the tree (a chain's row j is node j − 1's) while the argmax is a child
             target = certified_argmax(rnd, responses, node + 1)
-            match = next((c for c in draft.children(node) if int(draft.tokens[c]) == target), None) if target is not None else None
+            match = (
+                next((c for c in draft.children(node) if int(draft.tokens[c]) == target), None)
+                if target is not None
+                else None
+            )
             if match is None:
                 break
             node = match
@@ -42,13 +58,22 @@ async def certified_greedy(rnd: Round) -> RoundResult:
         if target is None:
             return None
         tokens = [*(int(draft.tokens[n]) for n in path), int(target)]
-        return RoundResult(tokens, drafted=len(draft), accepted=len(path), traffic=rnd.traffic, path=_kept(draft, path))
+        return RoundResult(
+            tokens, drafted=len(draft), accepted=len(path), traffic=rnd.traffic, path=_kept(draft, path)
+        )
 
     return await growing_k(rnd, Mode.EXACT, min(CERTIFY_K, rnd.vocab_size), walk)
 
 
-async def growing_k(rnd: Round, mode: Mode, k: int | None, decide: Callable[[list[VerifyResponse], int | None], T | None], **wire: object) -> T:
-    """Ask every target for its top-``k`` rows, then 8× as many, …, then whole rows, until ``decide`` can tell."""
+async def growing_k(
+    rnd: Round,
+    mode: Mode,
+    k: int | None,
+    decide: Callable[[list[VerifyResponse], int | None], T | None],
+    **wire: object,
+) -> T:
+    """Ask every target for its top-``k`` rows, then 8× as many, …, then whole rows, until ``decide`` can
+    tell."""
     while True:
         decided = decide(await rnd.call(mode=mode.value, k=k, **wire), k)
         if decided is not None:

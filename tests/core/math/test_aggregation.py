@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.math.aggregation import Reconstruction, aggregate, bias_bound, normalise_weights, reconstruct, tv_distance
+from core.math.aggregation import (
+    Reconstruction,
+    aggregate,
+    bias_bound,
+    normalise_weights,
+    reconstruct,
+    tv_distance,
+)
 from core.math.compression import compress_top_k
 from core.math.greedy import certify_argmax
 from core.math.speculative import argmax_lowest, beta
@@ -35,10 +42,13 @@ def test_residual_under_a_grammar_fills_the_allowed_ids_only() -> None:
     allowed = torch.tensor([[True, True, False, True, True, False], [True, True, False, False, False, False]])
     top = compress_top_k(p, 2)
     p_hat = reconstruct(top.ids, top.probs, 6, Reconstruction.RESIDUAL, top.tail_mass, allowed)
-    expected = torch.tensor([[0.5, 0.3, 0.0, 0.1, 0.1, 0.0], [0.6, 0.4, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    expected = torch.tensor(
+        [[0.5, 0.3, 0.0, 0.1, 0.1, 0.0], [0.6, 0.4, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64
+    )
     assert torch.allclose(p_hat, expected, atol=1e-7)
     assert (tv_distance(p_hat, p.double()) <= top.tail_mass.double() + 1e-7).all()
-    assert reconstruct(top.ids, top.probs, 6, Reconstruction.RESIDUAL, top.tail_mass)[0, 2] > 0  # without it: masked ids filled
+    # without it: masked ids filled
+    assert reconstruct(top.ids, top.probs, 6, Reconstruction.RESIDUAL, top.tail_mass)[0, 2] > 0
 
 
 def test_full_k_reconstructs_exactly() -> None:
@@ -52,7 +62,9 @@ def test_aggregate_is_the_weighted_mixture() -> None:
     dists = _dists(3, 20, 1)[:, None, :]  # 3 workers, 1 position
     w = torch.tensor([0.7, 0.2, 0.1])
     assert torch.allclose(aggregate(dists, w)[0], 0.7 * dists[0, 0] + 0.2 * dists[1, 0] + 0.1 * dists[2, 0])
-    assert torch.allclose(normalise_weights(torch.tensor([7.0, 3.0])), torch.tensor([0.7, 0.3], dtype=torch.float64))
+    assert torch.allclose(
+        normalise_weights(torch.tensor([7.0, 3.0])), torch.tensor([0.7, 0.3], dtype=torch.float64)
+    )
     with pytest.raises(ValueError):
         normalise_weights(torch.tensor([0.0, 0.0]))
 
@@ -111,7 +123,9 @@ def test_an_uncertifiable_top_1_asks_for_more() -> None:
     assert certify_argmax(ids, probs, torch.ones(2), 10) is None
 
 
-def _certify_dense(ids: list[torch.Tensor], probs: list[torch.Tensor], weights: torch.Tensor, vocab_size: int) -> int | None:
+def _certify_dense(
+    ids: list[torch.Tensor], probs: list[torch.Tensor], weights: torch.Tensor, vocab_size: int
+) -> int | None:
     """The certificate computed over the whole vocabulary, as docs/design.md §3.5 states it."""
     w = weights.double() / weights.double().sum()
     seen = torch.zeros(len(ids), vocab_size, dtype=torch.bool)
@@ -119,7 +133,9 @@ def _certify_dense(ids: list[torch.Tensor], probs: list[torch.Tensor], weights: 
     for n, (i, p) in enumerate(zip(ids, probs)):
         seen[n, i] = True
         dense[n, i] = p.double()
-    kth = torch.tensor([float(p.min()) if p.numel() < vocab_size else 0.0 for p in probs], dtype=torch.float64)
+    kth = torch.tensor(
+        [float(p.min()) if p.numel() < vocab_size else 0.0 for p in probs], dtype=torch.float64
+    )
     lower = (w[:, None] * dense).sum(0)
     upper = lower + (w[:, None] * kth[:, None] * ~seen).sum(0)
     best = int(torch.argmax(lower))

@@ -1,6 +1,7 @@
-"""``apply_sampling_rows`` (issue 60's device scoring, its first part) against ``apply_sampling`` row by row: every mix of
-temperature, min-p, top-k and top-p in one batch, on logits with ties and ``-inf`` (a grammar's mask), gives each row's
-law — the same support, probabilities within 1e-6 — and a row's law does not depend on the rows beside it."""
+"""``apply_sampling_rows`` (issue 60's device scoring, its first part) against ``apply_sampling`` row by row:
+every mix of temperature, min-p, top-k and top-p in one batch, on logits with ties and ``-inf`` (a grammar's
+mask), gives each row's law — the same support, probabilities within 1e-6 — and a row's law does not depend on
+the rows beside it."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def test_a_broken_variant_is_caught() -> None:
     logits = _logits(len(PARAMS), 3)
 
     def wrong(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-        swapped = SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=0.0)
+        swapped = SamplingParams(
+            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=0.0
+        )
         out = apply_sampling(row[None], swapped)[0]
         if params.min_p > 0 and not params.is_greedy:
             out = out.masked_fill(out < params.min_p * out.max(), 0.0)
@@ -60,5 +63,10 @@ def test_a_broken_variant_is_caught() -> None:
         return out
 
     batched = apply_sampling_rows(logits, RowParams.of(PARAMS))
-    differ = [p for row, p in enumerate(PARAMS) if not torch.equal(batched[row] > 0, wrong(logits[row], p) > 0) or (batched[row] - wrong(logits[row], p)).abs().max() > 1e-6]
+    differ = [
+        p
+        for row, p in enumerate(PARAMS)
+        if not torch.equal(batched[row] > 0, wrong(logits[row], p) > 0)
+        or (batched[row] - wrong(logits[row], p)).abs().max() > 1e-6
+    ]
     assert differ

@@ -27,8 +27,17 @@ def throughput(costs: RoundCosts, gamma: int) -> float:
     return expected_tokens(costs, gamma) / costs.round_s(gamma)
 
 
-def _brute_force(alpha: float | list[float], draft_s: float, v0: float, v1: float, rtt_s: float, mbps: float | None,
-                 down_per_position: float, overlap: bool, used: float) -> int:
+def _brute_force(
+    alpha: float | list[float],
+    draft_s: float,
+    v0: float,
+    v1: float,
+    rtt_s: float,
+    mbps: float | None,
+    down_per_position: float,
+    overlap: bool,
+    used: float,
+) -> int:
     def alpha_at(j: int) -> float:
         return alpha if isinstance(alpha, float) else alpha[min(j, len(alpha) - 1)]
 
@@ -50,32 +59,58 @@ def _brute_force(alpha: float | list[float], draft_s: float, v0: float, v1: floa
     return next(g for g, r in zip(range(1, MAX_GAMMA + 1), rates) if r >= best * (1 - 1e-12))
 
 
-ALPHAS: list[float | list[float]] = [0.3, 0.6, 0.75, 0.9, 0.97, [0.9, 0.8, 0.6, 0.4]]  # α, or α_j falling with j
-GRID = list(itertools.product(
-    ALPHAS,
-    [0.001, 0.006, 0.025],  # t_d
-    [(0.005, 0.002), (0.030, 0.0005), (0.002, 0.012)],  # t_v(m) = v0 + v1·m
-    [0.0, 0.020, 0.050, 0.100],  # RTT
-    [(None, 4.0), (10.0, 4.0), (10.0, 196_608.0), (1.0, 400.0)],  # (Mbps, bytes down per position)
-    [(False, 0.0), (True, 0.3), (True, 0.8)],  # overlap, share of prepared drafts used
-))
+# α, or α_j falling with j
+ALPHAS: list[float | list[float]] = [0.3, 0.6, 0.75, 0.9, 0.97, [0.9, 0.8, 0.6, 0.4]]
+GRID = list(
+    itertools.product(
+        ALPHAS,
+        [0.001, 0.006, 0.025],  # t_d
+        [(0.005, 0.002), (0.030, 0.0005), (0.002, 0.012)],  # t_v(m) = v0 + v1·m
+        [0.0, 0.020, 0.050, 0.100],  # RTT
+        [(None, 4.0), (10.0, 4.0), (10.0, 196_608.0), (1.0, 400.0)],  # (Mbps, bytes down per position)
+        [(False, 0.0), (True, 0.3), (True, 0.8)],  # overlap, share of prepared drafts used
+    )
+)
 
 
-def _costs(alpha: float | list[float], draft_s: float, verify: tuple[float, float], rtt_s: float, mbps: float | None,
-           per_position: float, overlap: bool, used: float) -> RoundCosts:
+def _costs(
+    alpha: float | list[float],
+    draft_s: float,
+    verify: tuple[float, float],
+    rtt_s: float,
+    mbps: float | None,
+    per_position: float,
+    overlap: bool,
+    used: float,
+) -> RoundCosts:
     return RoundCosts(
-        alphas=tuple(alpha) if isinstance(alpha, list) else (alpha,), draft_s=draft_s, verify_s=verify, rtt_s=rtt_s,
-        up_bytes=(200, 4), down_bytes=(60, per_position),
-        up_bits_per_s=mbps * 1e6 if mbps else None, down_bits_per_s=mbps * 1e6 if mbps else None,
-        overlap=overlap, prepared_used=used,
+        alphas=tuple(alpha) if isinstance(alpha, list) else (alpha,),
+        draft_s=draft_s,
+        verify_s=verify,
+        rtt_s=rtt_s,
+        up_bytes=(200, 4),
+        down_bytes=(60, per_position),
+        up_bits_per_s=mbps * 1e6 if mbps else None,
+        down_bits_per_s=mbps * 1e6 if mbps else None,
+        overlap=overlap,
+        prepared_used=used,
     )
 
 
 def test_the_choice_is_the_argmax_of_the_analytic_throughput_over_the_grid() -> None:
     chosen = set()
     for alpha, draft_s, verify, rtt_s, (mbps, per_position), (overlap, used) in GRID:
-        gamma = choose_gamma(_costs(alpha, draft_s, verify, rtt_s, mbps, per_position, overlap, used), MAX_GAMMA)
-        assert gamma == _brute_force(alpha, draft_s, *verify, rtt_s, mbps, per_position, overlap, used), (alpha, draft_s, verify, rtt_s, mbps, overlap)
+        gamma = choose_gamma(
+            _costs(alpha, draft_s, verify, rtt_s, mbps, per_position, overlap, used), MAX_GAMMA
+        )
+        assert gamma == _brute_force(alpha, draft_s, *verify, rtt_s, mbps, per_position, overlap, used), (
+            alpha,
+            draft_s,
+            verify,
+            rtt_s,
+            mbps,
+            overlap,
+        )
         chosen.add(gamma)
     assert len(chosen) >= 8  # the grid exercises many answers, not one
 

@@ -11,9 +11,9 @@ from scipy import stats
 
 from core.math import exact
 from core.math.exact import ExactPosition, verify_exact
-from tests.oracles import exact_output_law
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import truncate
+from tests.oracles import exact_output_law
 
 V = 12
 SIGNIFICANCE = 1e-3
@@ -35,7 +35,9 @@ def test_closed_form_output_law_is_the_mixture(num_workers: int, truncation: str
     p_n = _dists(num_workers, 7)
     q_hat = truncate(Q, *TRUNCATIONS[truncation])
     target = WEIGHTS[num_workers] @ p_n / WEIGHTS[num_workers].sum()
-    assert torch.allclose(exact_output_law(p_n, WEIGHTS[num_workers], q_hat), target.double(), atol=1e-9, rtol=0)
+    assert torch.allclose(
+        exact_output_law(p_n, WEIGHTS[num_workers], q_hat), target.double(), atol=1e-9, rtol=0
+    )
 
 
 def test_truncation_renormalises_to_the_support() -> None:
@@ -53,20 +55,27 @@ def _round(p_n: torch.Tensor, w: torch.Tensor, q_hat: torch.Tensor, seed: int) -
     x = sample_index(q_hat, uniform(seed, 0, 0, Purpose.DRAFT_SAMPLE))
     complement = (p_n * outside).sum(dim=-1)
     samples = [
-        sample_index(p_n[n] * outside, uniform(seed, 0, 0, Purpose.WORKER_COMPLEMENT, n)) if complement[n] > 0 else -1
+        sample_index(p_n[n] * outside, uniform(seed, 0, 0, Purpose.WORKER_COMPLEMENT, n))
+        if complement[n] > 0
+        else -1
         for n in range(p_n.shape[0])
     ]
     bonus = [sample_index(p_n[n], uniform(seed, 0, 1, Purpose.WORKER_BONUS, n)) for n in range(p_n.shape[0])]
     position = ExactPosition(support, p_n[:, support], complement, samples, q_hat[support])
     verdict = verify_exact(
-        [position], [int((support == x).nonzero()[0, 0])], bonus, w,
-        uniforms(seed, 0, [0], Purpose.ACCEPT), uniforms(seed, 0, [0], Purpose.RESIDUAL),
+        [position],
+        [int((support == x).nonzero()[0, 0])],
+        bonus,
+        w,
+        uniforms(seed, 0, [0], Purpose.ACCEPT),
+        uniforms(seed, 0, [0], Purpose.RESIDUAL),
         uniform(seed, 0, 1, Purpose.WORKER_CHOICE),
     )
     return verdict.output([x])[0]
 
 
-SAMPLES = 20_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 8_000  # ignoring the complement: p below double precision at 8,000
+# ignoring the complement: p below double precision at 8,000
+SAMPLES = 20_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 8_000
 
 
 def _chi_square(num_workers: int, truncation: str, num: int = SAMPLES) -> float:
@@ -77,7 +86,8 @@ def _chi_square(num_workers: int, truncation: str, num: int = SAMPLES) -> float:
     return float(stats.chisquare(counts.numpy(), (target * num).numpy()).pvalue)
 
 
-@pytest.mark.parametrize("num_workers, truncation", [(1, "top_k 4"), (3, "top_p 0.6")])  # N = 3, top-k: tests/app/test_engine.py
+# N = 3, top-k: tests/app/test_engine.py
+@pytest.mark.parametrize("num_workers, truncation", [(1, "top_k 4"), (3, "top_p 0.6")])
 def test_chi_square_first_token_follows_the_mixture(num_workers: int, truncation: str) -> None:
     assert _chi_square(num_workers, truncation) > SIGNIFICANCE
 

@@ -8,13 +8,25 @@ import pytest
 import torch
 
 from core.math.random import sample_index, sample_rows
-from core.math.sampling import TOP_BLOCK, SamplingParams, apply_sampling, mask_top_k, mask_top_p, top_ids, truncate, truncated_support, truncated_supports
+from core.math.sampling import (
+    TOP_BLOCK,
+    SamplingParams,
+    apply_sampling,
+    mask_top_k,
+    mask_top_p,
+    top_ids,
+    truncate,
+    truncated_support,
+    truncated_supports,
+)
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
 
 
 def test_temperature_one_is_softmax() -> None:
-    torch.testing.assert_close(apply_sampling(LOGITS, SamplingParams()), torch.tensor([[0.5, 0.25, 0.125, 0.125]]))
+    torch.testing.assert_close(
+        apply_sampling(LOGITS, SamplingParams()), torch.tensor([[0.5, 0.25, 0.125, 0.125]])
+    )
 
 
 def test_greedy_is_untruncated_softmax() -> None:
@@ -73,7 +85,9 @@ def test_rows_sum_to_one_on_random_logits() -> None:
         assert torch.allclose(sums, torch.ones(7), atol=1e-5)
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_k": -1}, {"top_p": 0}, {"top_p": 1.5}, {"temperature": math.nan}])
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": -1}, {"top_k": -1}, {"top_p": 0}, {"top_p": 1.5}, {"temperature": math.nan}]
+)
 def test_bad_params_raise(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
@@ -91,8 +105,9 @@ def test_sample_rows_draws_what_sample_index_draws_row_by_row() -> None:
 
 
 def test_a_short_rows_draw_in_python_is_the_tensors_draw() -> None:
-    """``sample_index`` sums a row of at most SHORT_ROW entries in Python floats: the index ``sample_rows`` (tensors) gives,
-    on rows with zeros, ties, float32 and float64, draws at 0, just below 1 (rounded up to the total) and on a boundary."""
+    """``sample_index`` sums a row of at most SHORT_ROW entries in Python floats: the index ``sample_rows``
+    (tensors) gives, on rows with zeros, ties, float32 and float64, draws at 0, just below 1 (rounded up to
+    the total) and on a boundary."""
     from core.math.random import SHORT_ROW
 
     g = torch.Generator().manual_seed(61)
@@ -105,7 +120,9 @@ def test_a_short_rows_draw_in_python_is_the_tensors_draw() -> None:
             probs[width // 2] = 1.0
         boundary = float(torch.cumsum(probs.double(), 0)[width // 2] / torch.cumsum(probs.double(), 0)[-1])
         for u in (0.0, 1.0 - 2**-53, boundary, float(torch.rand(1, generator=g, dtype=torch.float64))):
-            assert sample_index(probs, u) == int(sample_rows(probs[None], torch.tensor([u], dtype=torch.float64))[0]), (case, u)
+            assert sample_index(probs, u) == int(
+                sample_rows(probs[None], torch.tensor([u], dtype=torch.float64))[0]
+            ), (case, u)
     with pytest.raises(ValueError, match="no mass"):
         sample_index(torch.zeros(5), 0.5)
 
@@ -131,21 +148,24 @@ def test_the_truncated_support_equals_truncate_on_its_support(top_k: int, top_p:
 
 
 def _top_rows(generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
-    """Rows of 64 blocks that take each of ``top_ids``' ways: a spread row, its k best in a few blocks, a tie at the k-th,
-    a block left out holding an entry as large as the k-th (a tie across blocks), fewer than k entries with mass."""
+    """Rows of 64 blocks that take each of ``top_ids``' ways: a spread row, its k best in a few blocks, a tie
+    at the k-th, a block left out holding an entry as large as the k-th (a tie across blocks), fewer than k
+    entries with mass."""
     width, k = 64 * TOP_BLOCK, 8
     rows, kinds = [], []
     spread = torch.softmax(torch.randn(width, generator=generator) * 3, -1)
     rows.append(spread), kinds.append("spread")
     few = torch.full((width,), 1e-7)
-    few[TOP_BLOCK * 5 : TOP_BLOCK * 5 + k + 3] = torch.rand(k + 3, generator=generator) + 1  # the k best in one block
+    # the k best in one block
+    few[TOP_BLOCK * 5 : TOP_BLOCK * 5 + k + 3] = torch.rand(k + 3, generator=generator) + 1
     rows.append(few / few.sum()), kinds.append("one block")
     tie = spread.clone()
     order = torch.topk(tie, k + 4).indices
     tie[order[k - 2 : k + 2]] = float(tie[order[k - 1]])  # four entries equal to the k-th: all kept
     rows.append(tie), kinds.append("tie at the k-th")
     across = torch.full((width,), 1e-7)
-    across[torch.arange(k + 1) * TOP_BLOCK] = torch.tensor([9.0, 8, 7, 6, 5, 4, 3, 2, 2])  # block k's maximum equals the k-th
+    # block k's maximum equals the k-th
+    across[torch.arange(k + 1) * TOP_BLOCK] = torch.tensor([9.0, 8, 7, 6, 5, 4, 3, 2, 2])
     rows.append(across), kinds.append("tie across blocks")
     sparse = torch.zeros(width)
     sparse[torch.randperm(width, generator=generator)[: k - 3]] = 1.0
@@ -154,8 +174,9 @@ def _top_rows(generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
 
 
 def test_top_ids_keeps_what_mask_top_k_keeps_in_each_of_its_ways() -> None:
-    """The blocks' shortcut (``top_ids``) against the whole row's top-k, on rows built to take each branch, and on
-    random rows alone and together; a broken shortcut (the k-th block left out) loses the k-th entry of a row."""
+    """The blocks' shortcut (``top_ids``) against the whole row's top-k, on rows built to take each branch,
+    and on random rows alone and together; a broken shortcut (the k-th block left out) loses the k-th entry of
+    a row."""
     generator = torch.Generator().manual_seed(61)
     k = 8
     rows, kinds = _top_rows(generator)
@@ -167,7 +188,9 @@ def test_top_ids_keeps_what_mask_top_k_keeps_in_each_of_its_ways() -> None:
     for case in range(40):
         row = torch.softmax(torch.randn(1, 48 * TOP_BLOCK, generator=generator) * (1 + case % 5), -1)
         for top in (1, 4, 32, 47):
-            assert torch.equal(top_ids(row, top)[0], (row[0] >= torch.topk(row[0], top).values[-1]).nonzero()[:, 0])
+            assert torch.equal(
+                top_ids(row, top)[0], (row[0] >= torch.topk(row[0], top).values[-1]).nonzero()[:, 0]
+            )
     across = rows[3].view(64, TOP_BLOCK)  # its k best each in a block of its own
     broken = across[torch.topk(across.amax(dim=-1), k - 1).indices]  # the shortcut with k − 1 blocks
     assert torch.topk(broken.flatten(), k).values[-1] != torch.topk(rows[3], k).values[-1]
@@ -175,7 +198,8 @@ def test_top_ids_keeps_what_mask_top_k_keeps_in_each_of_its_ways() -> None:
 
 @pytest.mark.parametrize("top_k, top_p", [(32, 1.0), (8, 0.5), (0, 0.9), (32, 0.95)])
 def test_truncated_supports_together_are_each_rows_alone_bit_for_bit(top_k: int, top_p: float) -> None:
-    """A tree's depth truncates its rows together: each row's ids and probabilities are the very ones alone."""
+    """A tree's depth truncates its rows together: each row's ids and probabilities are the very ones
+    alone."""
     generator = torch.Generator().manual_seed(7)
     probs = torch.softmax(torch.randn(4, 96 * TOP_BLOCK, generator=generator) * 3, -1)
     probs[2, : 90 * TOP_BLOCK] = 0  # a row of another support size: the rows then go one by one

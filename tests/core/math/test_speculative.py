@@ -32,8 +32,10 @@ CASES = {
     "one-hot q": (t(0.2, 0.5, 0.3), t(0.0, 1.0, 0.0)),
     "zeros in q": (t(0.25, 0.25, 0.25, 0.25), t(0.5, 0.0, 0.5, 0.0)),
     "q wider than p": (t(0.9, 0.1, 0.0), t(0.4, 0.3, 0.3)),
-    "random": (torch.softmax(torch.randn(7, generator=torch.Generator().manual_seed(0), dtype=torch.float64), 0),
-               torch.softmax(torch.randn(7, generator=torch.Generator().manual_seed(1), dtype=torch.float64), 0)),
+    "random": (
+        torch.softmax(torch.randn(7, generator=torch.Generator().manual_seed(0), dtype=torch.float64), 0),
+        torch.softmax(torch.randn(7, generator=torch.Generator().manual_seed(1), dtype=torch.float64), 0),
+    ),
 }
 
 
@@ -66,8 +68,13 @@ def test_sample_index_is_the_inverse_cdf() -> None:
 def test_streams_are_deterministic_and_distinct() -> None:
     a = uniform(7, 0, 12, Purpose.ACCEPT)
     assert a == uniform(7, 0, 12, Purpose.ACCEPT)
-    others = [uniform(8, 0, 12, Purpose.ACCEPT), uniform(7, 1, 12, Purpose.ACCEPT), uniform(7, 0, 13, Purpose.ACCEPT),
-              uniform(7, 0, 12, Purpose.RESIDUAL), uniform(7, 0, 12, Purpose.ACCEPT, worker=1)]
+    others = [
+        uniform(8, 0, 12, Purpose.ACCEPT),
+        uniform(7, 1, 12, Purpose.ACCEPT),
+        uniform(7, 0, 13, Purpose.ACCEPT),
+        uniform(7, 0, 12, Purpose.RESIDUAL),
+        uniform(7, 0, 12, Purpose.ACCEPT, worker=1),
+    ]
     assert len({a, *others}) == 6
     assert torch.equal(uniforms(7, 0, [12, 13], Purpose.ACCEPT), t(a, others[2]))
 
@@ -78,7 +85,10 @@ def test_lanes_are_distinct_streams_and_lane_zero_is_the_chains() -> None:
     assert uniform(7, 0, 12, Purpose.ACCEPT, lane=0) == uniform(7, 0, 12, Purpose.ACCEPT) == 0.588418131330483
     lanes = [uniform(7, 0, 12, Purpose.ACCEPT, lane=lane) for lane in range(8)]
     assert len(set(lanes)) == 8
-    assert torch.equal(uniforms(7, 0, [12, 13], Purpose.ACCEPT, lane=3), t(lanes[3], uniform(7, 0, 13, Purpose.ACCEPT, lane=3)))
+    assert torch.equal(
+        uniforms(7, 0, [12, 13], Purpose.ACCEPT, lane=3),
+        t(lanes[3], uniform(7, 0, 13, Purpose.ACCEPT, lane=3)),
+    )
     across = torch.tensor([uniform(1, 0, 5, Purpose.ACCEPT, lane=lane) for lane in range(5_000)]).numpy()
     assert stats.kstest(across, "uniform").pvalue > SIGNIFICANCE
     with pytest.raises(ValueError, match="lane"):
@@ -104,6 +114,7 @@ def test_verdict_output() -> None:
 
 
 # ----------------------------------------------------------------------------- statistical
+
 
 def _first_tokens(p: torch.Tensor, q: torch.Tensor, num_samples: int) -> tuple[torch.Tensor, float]:
     """First emitted token of γ = 1 rounds over seeds, and the acceptance rate, drawn with the
@@ -132,7 +143,8 @@ def test_chi_square_first_token_follows_p(name: str) -> None:
 
 def test_negative_control_skipping_the_residual_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
     p, q = CASES["random"]
-    monkeypatch.setattr(oracles, "residual", lambda p, q: p.double() / p.double().sum())  # the reference chain verifier's
+    # the reference chain verifier's
+    monkeypatch.setattr(oracles, "residual", lambda p, q: p.double() / p.double().sum())
     counts, _ = _first_tokens(p, q, 20_000)
     assert stats.chisquare(counts.numpy(), (p * 20_000).numpy()).pvalue < SIGNIFICANCE
 
@@ -142,10 +154,16 @@ def test_negative_control_skipping_the_residual_is_rejected(monkeypatch: pytest.
     [  # Random123's known-answer vectors for Philox-4x32-10
         ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
         ((0xFFFFFFFF,) * 4, (0xFFFFFFFF, 0xFFFFFFFF), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0), (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+        (
+            (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344),
+            (0xA4093822, 0x299F31D0),
+            (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1),
+        ),
     ],
 )
-def test_philox_known_answers(counter: tuple[int, int, int, int], key: tuple[int, int], expected: tuple[int, ...]) -> None:
+def test_philox_known_answers(
+    counter: tuple[int, int, int, int], key: tuple[int, int], expected: tuple[int, ...]
+) -> None:
     assert philox4x32(counter, key) == expected
 
 

@@ -15,16 +15,16 @@ from scipy import stats
 
 from core.math.random import Purpose, sample_index, uniform, uniforms
 from core.math.sampling import truncate
-from core.math.speculative import verify_greedy
-from tests.oracles import verify_sampled
 from core.math.shapes import ChildRule
+from core.math.speculative import verify_greedy
 from core.math.tree import TokenTree, sparse_rows
 from core.math.walk import verify_tree, verify_tree_greedy
-from tests.oracles import tree_step_law
+from tests.oracles import tree_step_law, verify_sampled
 
 V = 5
 SIGNIFICANCE = 1e-3
-SAMPLES = 10_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 5_000  # Algorithm 5 on fixed children: p below double precision at 5,000
+# Algorithm 5 on fixed children: p below double precision at 5,000
+SAMPLES = 10_000 if os.environ.get("SPECGATE_FULL_STATISTICS") else 5_000
 
 
 def _dist(seed: int, sharpness: float = 1.5) -> torch.Tensor:
@@ -37,7 +37,11 @@ Q_CASES = {"full q": Q, "q top-3": truncate(Q, 3), "q one-hot": truncate(Q, 1), 
 
 
 def _with_replacement(q: torch.Tensor, k: int) -> list[tuple[list[int], float]]:
-    return [(list(c), float(torch.prod(q[list(c)]))) for c in itertools.product(range(V), repeat=k) if float(torch.prod(q[list(c)])) > 0]
+    return [
+        (list(c), float(torch.prod(q[list(c)])))
+        for c in itertools.product(range(V), repeat=k)
+        if float(torch.prod(q[list(c)])) > 0
+    ]
 
 
 def _without_replacement(q: torch.Tensor, k: int) -> list[tuple[list[int], float]]:
@@ -84,7 +88,9 @@ def test_fixed_children_give_p_whatever_they_are(children: list[int]) -> None:
 def test_negative_control_algorithm_5_on_fixed_children_is_biased() -> None:
     """docs/design.md §3.6's example: p = q = (½, ½), children {a, b}: a is always accepted."""
     half = torch.tensor([0.5, 0.5], dtype=torch.float64)
-    assert torch.allclose(tree_step_law(half, half, [0, 1], ChildRule.SAMPLED), torch.tensor([1.0, 0.0], dtype=torch.float64))
+    assert torch.allclose(
+        tree_step_law(half, half, [0, 1], ChildRule.SAMPLED), torch.tensor([1.0, 0.0], dtype=torch.float64)
+    )
     top2 = torch.topk(Q, 2).indices.tolist()
     assert float((tree_step_law(P, Q, top2, ChildRule.SAMPLED) - P).abs().max()) > 1e-3
     assert torch.allclose(tree_step_law(P, Q, top2, ChildRule.FIXED), P, atol=1e-9, rtol=0)
@@ -109,15 +115,28 @@ def test_a_chain_tree_verifies_to_the_chain_verifiers_numbers() -> None:
             q = truncate(q, 3)
         draft = [sample_index(q[j], uniform(seed, 0, j, Purpose.DRAFT_SAMPLE)) for j in range(gamma)]
         accept_u = uniforms(seed, 0, list(range(gamma)), Purpose.ACCEPT)
-        final_u = torch.cat([uniforms(seed, 0, list(range(gamma)), Purpose.RESIDUAL), uniforms(seed, 0, [gamma], Purpose.BONUS)])
+        final_u = torch.cat(
+            [
+                uniforms(seed, 0, list(range(gamma)), Purpose.RESIDUAL),
+                uniforms(seed, 0, [gamma], Purpose.BONUS),
+            ]
+        )
         chain = verify_sampled(p, q, draft, accept_u, final_u)
         tree = TokenTree.chain(draft, q)
         verdict = verify_tree(p, tree, accept_u[:, None], final_u)
-        assert (verdict.num_accepted, verdict.token, verdict.is_bonus) == (chain.num_accepted, chain.token, chain.is_bonus)
+        assert (verdict.num_accepted, verdict.token, verdict.is_bonus) == (
+            chain.num_accepted,
+            chain.token,
+            chain.is_bonus,
+        )
         assert verdict.output(tree) == chain.output(draft) and verdict.path == list(range(chain.num_accepted))
         greedy = verify_greedy(p, draft)
         tree_greedy = verify_tree_greedy(p, tree)
-        assert (tree_greedy.num_accepted, tree_greedy.token, tree_greedy.is_bonus) == (greedy.num_accepted, greedy.token, greedy.is_bonus)
+        assert (tree_greedy.num_accepted, tree_greedy.token, tree_greedy.is_bonus) == (
+            greedy.num_accepted,
+            greedy.token,
+            greedy.is_bonus,
+        )
 
 
 def test_tree_shape() -> None:
@@ -132,7 +151,13 @@ def test_tree_shape() -> None:
     assert tree.children(-1) == [0, 1] and tree.children(0) == [2, 3] and tree.children(4) == []
     assert tree.path_to(3) == [0, 3] and tree.max_width() == 2
     mask = ancestor_mask(tree)
-    assert mask[3].tolist() == [True, False, False, True, False] and mask[4].tolist() == [False, True, False, False, True]
+    assert mask[3].tolist() == [True, False, False, True, False] and mask[4].tolist() == [
+        False,
+        True,
+        False,
+        False,
+        True,
+    ]
     assert torch.allclose(tree.q_row(2, V), Q.double())
     with pytest.raises(ValueError, match="parent"):
         TokenTree(torch.tensor([1, 2]), torch.tensor([1, -1]), ids[:3], probs[:3])
@@ -141,7 +166,9 @@ def test_tree_shape() -> None:
 
 
 def test_greedy_follows_the_argmax_through_the_tree() -> None:
-    p = torch.tensor([[0.1, 0.6, 0.3], [0.2, 0.2, 0.6], [0.5, 0.3, 0.2], [0.1, 0.1, 0.8]], dtype=torch.float64)
+    p = torch.tensor(
+        [[0.1, 0.6, 0.3], [0.2, 0.2, 0.6], [0.5, 0.3, 0.2], [0.1, 0.1, 0.8]], dtype=torch.float64
+    )
     ids, probs = sparse_rows([torch.full((3,), 1 / 3)] * 4)
     tree = TokenTree(torch.tensor([0, 1, 2]), torch.tensor([-1, -1, 1]), ids, probs, ChildRule.FIXED)
     verdict = verify_tree_greedy(p, tree)  # argmax 1 at the root: node 1; argmax 0 there, node 2 is token 2
@@ -168,14 +195,19 @@ def _children(q: torch.Tensor, k: int, rule: ChildRule, seed: int, position: int
         return torch.topk(q, k).indices.tolist()
     out, left = [], q.clone()
     for lane in range(k):
-        token = sample_index(left if rule is ChildRule.SAMPLED_DISTINCT else q, uniform(seed, 0, position, Purpose.DRAFT_SAMPLE, lane=lane))
+        token = sample_index(
+            left if rule is ChildRule.SAMPLED_DISTINCT else q,
+            uniform(seed, 0, position, Purpose.DRAFT_SAMPLE, lane=lane),
+        )
         out.append(token)
         if rule is ChildRule.SAMPLED_DISTINCT:
             left[token] = 0.0
     return out
 
 
-def _walk_first_two(seed: int, chosen: ChildRule, widths: tuple[int, int], verified: ChildRule | None = None) -> tuple[int, int]:
+def _walk_first_two(
+    seed: int, chosen: ChildRule, widths: tuple[int, int], verified: ChildRule | None = None
+) -> tuple[int, int]:
     """A depth-2 tree with widths[0] children at the root and widths[1] under each, chosen by
     ``chosen`` and verified by ``verified`` (the same unless a test breaks it); its first two
     emitted tokens (a second round after a one-token answer)."""
@@ -193,7 +225,9 @@ def _walk_first_two(seed: int, chosen: ChildRule, widths: tuple[int, int], verif
     tree = TokenTree(torch.tensor(tokens), torch.tensor(parents), ids, probs, verified or chosen)
     p = torch.stack([_target(None)] + [_target(t) for t in tokens])
     width = tree.max_width()
-    accept_u = torch.stack([torch.tensor([uniform(seed, 0, d, Purpose.ACCEPT, lane=r) for r in range(width)]) for d in range(2)])
+    accept_u = torch.stack(
+        [torch.tensor([uniform(seed, 0, d, Purpose.ACCEPT, lane=r) for r in range(width)]) for d in range(2)]
+    )
     final_u = uniforms(seed, 0, [0, 1, 2], Purpose.RESIDUAL)
     out = verify_tree(p, tree, accept_u, final_u).output(tree)
     if len(out) == 1:
@@ -210,7 +244,10 @@ def _pvalue(chosen: ChildRule, widths: tuple[int, int], verified: ChildRule | No
     return float(stats.chisquare(counts.flatten().numpy(), (joint.flatten() * SAMPLES).numpy()).pvalue)
 
 
-@pytest.mark.parametrize("rule, widths", [(ChildRule.SAMPLED, (3, 2)), (ChildRule.SAMPLED_DISTINCT, (3, 2)), (ChildRule.FIXED, (2, 2))])
+@pytest.mark.parametrize(
+    "rule, widths",
+    [(ChildRule.SAMPLED, (3, 2)), (ChildRule.SAMPLED_DISTINCT, (3, 2)), (ChildRule.FIXED, (2, 2))],
+)
 def test_the_walk_emits_the_target_chi_square(rule: ChildRule, widths: tuple[int, int]) -> None:
     assert _pvalue(rule, widths) > SIGNIFICANCE
 
@@ -232,12 +269,18 @@ def test_q_values_are_q_of_each_node_in_chains_and_trees() -> None:
     tree = TokenTree.chain([int(sparse[0].argmax()), outside, int(sparse[2].argmax())], sparse)
     assert tree.q_values().tolist() == [float(sparse[0].max()), 0.0, float(sparse[2].max())]
     ids, probs = sparse_rows([sparse[0], sparse[1], sparse[2]])
-    branched = TokenTree(torch.tensor([3, 7, 8]), torch.tensor([-1, -1, 0]), torch.cat([ids, torch.full((1, ids.shape[1]), -1)]), torch.cat([probs, torch.zeros(1, probs.shape[1], dtype=probs.dtype)]))
+    branched = TokenTree(
+        torch.tensor([3, 7, 8]),
+        torch.tensor([-1, -1, 0]),
+        torch.cat([ids, torch.full((1, ids.shape[1]), -1)]),
+        torch.cat([probs, torch.zeros(1, probs.shape[1], dtype=probs.dtype)]),
+    )
     expected = [float(sparse[0][3]), float(sparse[0][7]), float(sparse[1][8])]
     assert branched.q_values().tolist() == expected == [q_of(branched, n) for n in range(3)]
 
 
-def ancestor_mask(tree: TokenTree) -> torch.Tensor:  # [n, n] bool: node i attends to node j (j an ancestor of i, or i itself)
+def ancestor_mask(tree: TokenTree) -> torch.Tensor:
+    # [n, n] bool: node i attends to node j (j an ancestor of i, or i itself)
     mask = torch.eye(len(tree), dtype=torch.bool)
     for i, parent in enumerate(tree.parents.tolist()):
         if parent >= 0:
@@ -246,7 +289,8 @@ def ancestor_mask(tree: TokenTree) -> torch.Tensor:  # [n, n] bool: node i atten
 
 
 def q_of(tree: TokenTree, node: int) -> float:
-    """q̂(x) of ``node``'s token x under its parent's q̂, one row at a time: what ``q_values`` computes at once."""
+    """q̂(x) of ``node``'s token x under its parent's q̂, one row at a time: what ``q_values`` computes at
+    once."""
     row = int(tree.parents[node]) + 1
     hits = (tree.q_ids[row] == tree.tokens[node]).nonzero()
     return float(tree.q_probs[row, hits[0, 0]]) if len(hits) else 0.0

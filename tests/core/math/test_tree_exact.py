@@ -32,7 +32,10 @@ def _dist(seed: int, sharpness: float = 1.5) -> torch.Tensor:
     return torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * sharpness, dim=-1)
 
 
-WORKERS = {"1 worker": (torch.stack([_dist(1)]), torch.tensor([1.0])), "3 weighted workers": (torch.stack([_dist(1), _dist(3), _dist(4)]), torch.tensor([0.5, 0.3, 0.2]))}
+WORKERS = {
+    "1 worker": (torch.stack([_dist(1)]), torch.tensor([1.0])),
+    "3 weighted workers": (torch.stack([_dist(1), _dist(3), _dist(4)]), torch.tensor([0.5, 0.3, 0.2])),
+}
 Q = _dist(2)
 Q_CASES = {"full q": Q, "q top-3": truncate(Q, 3), "q top-2": truncate(Q, 2)}
 
@@ -46,7 +49,11 @@ def _draws(q: torch.Tensor, k: int, rule: ChildRule) -> list[tuple[list[int], fl
     if rule is ChildRule.FIXED:
         return [(torch.topk(q, k).indices.tolist(), 1.0)]
     if rule is ChildRule.SAMPLED:
-        return [(list(c), float(torch.prod(q[list(c)]))) for c in itertools.product(range(V), repeat=k) if float(torch.prod(q[list(c)])) > 0]
+        return [
+            (list(c), float(torch.prod(q[list(c)])))
+            for c in itertools.product(range(V), repeat=k)
+            if float(torch.prod(q[list(c)])) > 0
+        ]
     out = []
     for c in itertools.permutations(range(V), k):
         weight, left = 1.0, 1.0
@@ -66,8 +73,19 @@ def _law(p_n: torch.Tensor, weights: torch.Tensor, q: torch.Tensor, k: int, rule
 
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("q_case", Q_CASES)
-@pytest.mark.parametrize("rule, k", [(ChildRule.SAMPLED, 1), (ChildRule.SAMPLED, 3), (ChildRule.SAMPLED_DISTINCT, 2), (ChildRule.FIXED, 2), (ChildRule.FIXED, 1)])
-def test_one_node_under_exacts_payload_gives_the_mixture(workers: str, q_case: str, rule: ChildRule, k: int) -> None:
+@pytest.mark.parametrize(
+    "rule, k",
+    [
+        (ChildRule.SAMPLED, 1),
+        (ChildRule.SAMPLED, 3),
+        (ChildRule.SAMPLED_DISTINCT, 2),
+        (ChildRule.FIXED, 2),
+        (ChildRule.FIXED, 1),
+    ],
+)
+def test_one_node_under_exacts_payload_gives_the_mixture(
+    workers: str, q_case: str, rule: ChildRule, k: int
+) -> None:
     p_n, weights = WORKERS[workers]
     q = Q_CASES[q_case]
     if rule is ChildRule.SAMPLED_DISTINCT and k > int((q > 0).sum()):
@@ -85,7 +103,8 @@ def test_negative_control_algorithm_5_on_fixed_children_is_biased_here_too() -> 
 # ----------------------------------------------------------------------------- the walk, statistically
 
 
-TARGETS = [torch.stack([_dist(100 + t), _dist(300 + t), _dist(500 + t)]) for t in range(V + 1)]  # [N, V] after token t (V: the prompt)
+# [N, V] after token t (V: the prompt)
+TARGETS = [torch.stack([_dist(100 + t), _dist(300 + t), _dist(500 + t)]) for t in range(V + 1)]
 WEIGHTS = torch.tensor([0.5, 0.3, 0.2])
 DRAFTS = [truncate(_dist(200 + t), 3) for t in range(V + 1)]
 
@@ -119,8 +138,12 @@ def _walk_first(seed: int, rule: ChildRule, honest: bool = True) -> int:
     tree = TokenTree(torch.tensor(tokens), torch.tensor(parents), ids, probs, rule)
     targets = [TARGETS[V]] + [TARGETS[t] for t in tokens]
     payload = [_payload(p, s, seed, r, honest) for r, (p, s) in enumerate(zip(targets, node_supports(tree)))]
-    accept_u = torch.stack([torch.tensor([uniform(seed, 0, d, Purpose.ACCEPT, lane=r) for r in range(2)]) for d in range(2)])
-    return verify_tree_exact(payload, tree, WEIGHTS, accept_u, uniforms(seed, 0, [0, 1, 2], Purpose.RESIDUAL)).output(tree)[0]
+    accept_u = torch.stack(
+        [torch.tensor([uniform(seed, 0, d, Purpose.ACCEPT, lane=r) for r in range(2)]) for d in range(2)]
+    )
+    return verify_tree_exact(
+        payload, tree, WEIGHTS, accept_u, uniforms(seed, 0, [0, 1, 2], Purpose.RESIDUAL)
+    ).output(tree)[0]
 
 
 def _pvalue(rule: ChildRule, honest: bool = True) -> float:
@@ -140,8 +163,13 @@ def test_negative_control_a_worker_sample_that_ignores_the_support_is_rejected()
 
 
 def test_node_supports_hold_q_and_the_children_and_leaves_are_empty() -> None:
-    ids, probs = sparse_rows([truncate(Q, 2), torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)])
+    ids, probs = sparse_rows(
+        [truncate(Q, 2), torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)]
+    )
     top = torch.topk(Q, 3).indices
-    tree = TokenTree(top[[0, 2]], torch.tensor([-1, -1]), ids, probs, ChildRule.FIXED)  # a child outside q̂'s top-2
+    # a child outside q̂'s top-2
+    tree = TokenTree(top[[0, 2]], torch.tensor([-1, -1]), ids, probs, ChildRule.FIXED)
     supports = node_supports(tree)
-    assert supports[0].tolist() == sorted(top.tolist()) and supports[1].numel() == 0 and supports[2].numel() == 0
+    assert (
+        supports[0].tolist() == sorted(top.tolist()) and supports[1].numel() == 0 and supports[2].numel() == 0
+    )

@@ -22,8 +22,8 @@ from core.math.sampling import truncate
 from core.math.shapes import ChildRule
 from core.math.tree import TokenTree, sparse_rows
 from core.math.walk import verify_tree
-from tests.oracles import exact_tree_step_law, tree_step_law
 from tests.core.math.test_tree_exact import _draws as exact_draws
+from tests.oracles import exact_tree_step_law, tree_step_law
 
 V = 5
 SIGNIFICANCE = 1e-3
@@ -46,7 +46,10 @@ LOOKUPS = {  # the deterministic children, first among the siblings
     "two lookups": [TOP[1], TOP[4]],
     "a duplicate lookup": [TOP[2], TOP[2]],
 }
-WORKERS = {"1 worker": (torch.stack([P]), torch.tensor([1.0])), "3 weighted workers": (torch.stack([P, _dist(3), _dist(4)]), torch.tensor([0.5, 0.3, 0.2]))}
+WORKERS = {
+    "1 worker": (torch.stack([P]), torch.tensor([1.0])),
+    "3 weighted workers": (torch.stack([P, _dist(3), _dist(4)]), torch.tensor([0.5, 0.3, 0.2])),
+}
 
 
 def _without(q: torch.Tensor, lookups: list[int]) -> torch.Tensor:
@@ -73,43 +76,67 @@ def _mixed_law(q: torch.Tensor, lookups: list[int], k: int, rule: ChildRule, law
     return sum(w * law([*lookups, *c], len(lookups)) for c, w in draws) / total  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("rule, k", [(ChildRule.SAMPLED, 1), (ChildRule.SAMPLED, 2), (ChildRule.SAMPLED_DISTINCT, 2), (ChildRule.FIXED, 2)])
+@pytest.mark.parametrize(
+    "rule, k",
+    [(ChildRule.SAMPLED, 1), (ChildRule.SAMPLED, 2), (ChildRule.SAMPLED_DISTINCT, 2), (ChildRule.FIXED, 2)],
+)
 @pytest.mark.parametrize("lookups", LOOKUPS)
 @pytest.mark.parametrize("q_case", Q_CASES)
 def test_lookup_children_then_drawn_ones_give_p(q_case: str, lookups: str, rule: ChildRule, k: int) -> None:
     q = Q_CASES[q_case]
-    law = _mixed_law(q, LOOKUPS[lookups], k, rule, lambda children, m: tree_step_law(P, q, children, rule, deterministic=m))
+    law = _mixed_law(
+        q, LOOKUPS[lookups], k, rule, lambda children, m: tree_step_law(P, q, children, rule, deterministic=m)
+    )
     assert torch.allclose(law, P, atol=1e-9, rtol=0)
 
 
-@pytest.mark.parametrize("rule, k", [(ChildRule.SAMPLED, 2), (ChildRule.SAMPLED_DISTINCT, 2), (ChildRule.FIXED, 3)])
+@pytest.mark.parametrize(
+    "rule, k", [(ChildRule.SAMPLED, 2), (ChildRule.SAMPLED_DISTINCT, 2), (ChildRule.FIXED, 3)]
+)
 @pytest.mark.parametrize("lookups", LOOKUPS)
 @pytest.mark.parametrize("q_case", ["full q", "q top-3"])
 @pytest.mark.parametrize("workers", WORKERS)
-def test_lookup_children_under_exacts_payload_give_the_mixture(workers: str, q_case: str, lookups: str, rule: ChildRule, k: int) -> None:
+def test_lookup_children_under_exacts_payload_give_the_mixture(
+    workers: str, q_case: str, lookups: str, rule: ChildRule, k: int
+) -> None:
     """S_v holds q̂'s support and every child, the lookups included; a worker's complement
     sample stands for what lies off it."""
     p_n, weights = WORKERS[workers]
     q = Q_CASES[q_case]
-    law = _mixed_law(q, LOOKUPS[lookups], k, rule, lambda children, m: exact_tree_step_law(p_n, weights, q, children, rule, deterministic=m))
+    law = _mixed_law(
+        q,
+        LOOKUPS[lookups],
+        k,
+        rule,
+        lambda children, m: exact_tree_step_law(p_n, weights, q, children, rule, deterministic=m),
+    )
     assert torch.allclose(law, normalise_weights(weights) @ p_n.double(), atol=1e-9, rtol=0)
 
 
 def test_only_lookup_children_give_p() -> None:
     for lookups in ([0], [3, 1], [2, 2, 4], list(range(V))):
         for rule in ChildRule:
-            assert torch.allclose(tree_step_law(P, Q, lookups, rule, deterministic=len(lookups)), P, atol=1e-9, rtol=0)
+            assert torch.allclose(
+                tree_step_law(P, Q, lookups, rule, deterministic=len(lookups)), P, atol=1e-9, rtol=0
+            )
 
 
 @pytest.mark.parametrize("rule", [ChildRule.SAMPLED, ChildRule.SAMPLED_DISTINCT])
-def test_negative_controls_a_lookup_child_tested_as_drawn_or_siblings_drawn_with_it_are_biased(rule: ChildRule) -> None:
+def test_negative_controls_a_lookup_child_tested_as_drawn_or_siblings_drawn_with_it_are_biased(
+    rule: ChildRule,
+) -> None:
     lookups = LOOKUPS["a token off q̂'s top-3"]
     q = Q_CASES["q top-3"]
-    as_drawn = _mixed_law(q, lookups, 2, rule, lambda children, m: tree_step_law(P, q, children, rule, deterministic=0))
+    as_drawn = _mixed_law(
+        q, lookups, 2, rule, lambda children, m: tree_step_law(P, q, children, rule, deterministic=0)
+    )
     assert float((as_drawn - P).abs().max()) > 1e-3  # min(1, p'/q̂) on a token q̂ never drew: never accepted
     lookups = LOOKUPS["q's top token"]
     q = Q
-    with_it = sum(w * tree_step_law(P, q, [*lookups, *c], rule, deterministic=1) for c, w in _draws(q, 2, rule))  # siblings drawn from all of q̂
+    # siblings drawn from all of q̂
+    with_it = sum(
+        w * tree_step_law(P, q, [*lookups, *c], rule, deterministic=1) for c, w in _draws(q, 2, rule)
+    )
     assert float((with_it / sum(w for _, w in _draws(q, 2, rule)) - P).abs().max()) > 1e-3
 
 
@@ -117,11 +144,31 @@ def test_a_tree_lists_lookup_children_first() -> None:
     ids, probs = sparse_rows([Q] * 4)
     flags = torch.tensor([True, False, True])
     tree = TokenTree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 0]), ids, probs, ChildRule.SAMPLED, flags)
-    assert tree.num_deterministic(-1) == 1 and tree.num_deterministic(0) == 1 and tree.num_deterministic(1) == 0
+    assert (
+        tree.num_deterministic(-1) == 1 and tree.num_deterministic(0) == 1 and tree.num_deterministic(1) == 0
+    )
     with pytest.raises(ValueError, match="deterministic children come before"):
-        TokenTree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 0]), ids, probs, ChildRule.SAMPLED, torch.tensor([False, True, False]))
-    chain = TokenTree(torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 1]), ids, probs, ChildRule.SAMPLED, torch.tensor([True, True, False]))
-    assert chain.head(2).num_deterministic(0) == 1 and chain.tail(1).num_deterministic(-1) == 1 and chain.tail(2).num_deterministic(-1) == 0
+        TokenTree(
+            torch.tensor([1, 2, 3]),
+            torch.tensor([-1, -1, 0]),
+            ids,
+            probs,
+            ChildRule.SAMPLED,
+            torch.tensor([False, True, False]),
+        )
+    chain = TokenTree(
+        torch.tensor([1, 2, 3]),
+        torch.tensor([-1, 0, 1]),
+        ids,
+        probs,
+        ChildRule.SAMPLED,
+        torch.tensor([True, True, False]),
+    )
+    assert (
+        chain.head(2).num_deterministic(0) == 1
+        and chain.tail(1).num_deterministic(-1) == 1
+        and chain.tail(2).num_deterministic(-1) == 0
+    )
 
 
 # ----------------------------------------------------------------------------- the walk, statistically
@@ -129,7 +176,8 @@ def test_a_tree_lists_lookup_children_first() -> None:
 
 TARGETS = [_dist(100 + t) for t in range(V + 1)]  # p after token t (V: after the prompt)
 DRAFTS = [truncate(_dist(200 + t), 3) for t in range(V + 1)]  # q̂ there (top-3: lookups fall off it too)
-LOOKUP_AFTER = {V: [4, 0], 1: [3]}  # the lookup's run after the prompt (V) and after token 1: deterministic, a function of the context
+# the lookup's run after the prompt (V) and after token 1: deterministic, a function of the context
+LOOKUP_AFTER = {V: [4, 0], 1: [3]}
 
 
 def _drawn(q: torch.Tensor, k: int, rule: ChildRule, seed: int, position: int, skip: list[int]) -> list[int]:
@@ -175,10 +223,14 @@ def _walk_first_two(seed: int, rule: ChildRule, honest: bool = True) -> tuple[in
             flags.append(False)
             rows.append(torch.zeros(V, dtype=torch.float64))
     ids, probs = sparse_rows(rows)
-    tree = TokenTree(torch.tensor(tokens), torch.tensor(parents), ids, probs, rule, torch.tensor(flags) if honest else None)
+    tree = TokenTree(
+        torch.tensor(tokens), torch.tensor(parents), ids, probs, rule, torch.tensor(flags) if honest else None
+    )
     p = torch.stack([TARGETS[V]] + [TARGETS[t] for t in tokens])
     width = tree.max_width()
-    accept_u = torch.stack([torch.tensor([uniform(seed, 0, d, Purpose.ACCEPT, lane=r) for r in range(width)]) for d in range(2)])
+    accept_u = torch.stack(
+        [torch.tensor([uniform(seed, 0, d, Purpose.ACCEPT, lane=r) for r in range(width)]) for d in range(2)]
+    )
     out = verify_tree(p, tree, accept_u, uniforms(seed, 0, [0, 1, 2], Purpose.RESIDUAL)).output(tree)
     if len(out) == 1:
         out.append(sample_index(TARGETS[out[0]], uniform(seed, 0, 1, Purpose.BONUS)))

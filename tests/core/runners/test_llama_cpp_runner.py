@@ -17,7 +17,10 @@ from core.runners import ModelRunner, load_runner
 from core.runners.base import ForwardItem, held_by
 from core.runners.llama_cpp_runner import DECODE_TOKENS, LlamaCppRunner
 
-TEXT = "The history of the city begins in the early middle ages, when a small settlement grew around a river crossing."
+TEXT = (
+    "The history of the city begins in the early middle ages, when a small settlement grew around a "
+    "river crossing."
+)
 
 # a tree after the prompt: (token, parent) with parent an index into this list, −1 = the last prompt row
 TREE = [(504, -1), (3458, -1), (28, 0), (638, 0), (359, 1), (346, 2), (1485, 2), (47, 3), (378, 6)]
@@ -30,13 +33,24 @@ def tokens(builtin_llama: ModelRunner) -> list[int]:
 
 def tree_item(session: str, prefix: int, nodes: list[tuple[int, int]]) -> ForwardItem:
     parents = [prefix - 1 if p < 0 else prefix + p for _, p in nodes]
-    return ForwardItem(session, prefix, [t for t, _ in nodes], parents=parents, logits_at=list(range(len(nodes))))
+    return ForwardItem(
+        session, prefix, [t for t, _ in nodes], parents=parents, logits_at=list(range(len(nodes)))
+    )
 
 
 def prompt_and_tree(session: str, prompt: list[int], nodes: list[tuple[int, int]]) -> ForwardItem:
     """A session's first call: its prompt and a tree after it, every row's logits."""
-    parents = [*range(-1, len(prompt) - 1), *(len(prompt) - 1 if p < 0 else len(prompt) + p for _, p in nodes)]
-    return ForwardItem(session, 0, prompt + [t for t, _ in nodes], parents=parents, logits_at=list(range(len(prompt) - 1, len(prompt) + len(nodes))))
+    parents = [
+        *range(-1, len(prompt) - 1),
+        *(len(prompt) - 1 if p < 0 else len(prompt) + p for _, p in nodes),
+    ]
+    return ForwardItem(
+        session,
+        0,
+        prompt + [t for t, _ in nodes],
+        parents=parents,
+        logits_at=list(range(len(prompt) - 1, len(prompt) + len(nodes))),
+    )
 
 
 def path_to(nodes: list[tuple[int, int]], node: int) -> list[int]:
@@ -47,7 +61,9 @@ def path_to(nodes: list[tuple[int, int]], node: int) -> list[int]:
     return path[::-1]
 
 
-def test_token_by_token_prefill_and_rebuild_score_alike(builtin_llama: ModelRunner, tokens: list[int]) -> None:
+def test_token_by_token_prefill_and_rebuild_score_alike(
+    builtin_llama: ModelRunner, tokens: list[int]
+) -> None:
     """chain == re-prefill: why the last-token re-evaluation of the first version could go."""
     long = (tokens * 4)[:90]  # more than 64 positions: one big ubatch would differ here
     stepwise = [builtin_llama.prefill("s", long[:1], 1)[0]]
@@ -59,7 +75,9 @@ def test_token_by_token_prefill_and_rebuild_score_alike(builtin_llama: ModelRunn
     assert isinstance(builtin_llama, LlamaCppRunner) and builtin_llama.max_decode_tokens <= DECODE_TOKENS
 
 
-def test_a_tree_in_one_decode_equals_each_path_as_a_chain(builtin_llama: ModelRunner, tokens: list[int]) -> None:
+def test_a_tree_in_one_decode_equals_each_path_as_a_chain(
+    builtin_llama: ModelRunner, tokens: list[int]
+) -> None:
     builtin_llama.prefill("t", tokens, 1)
     tree = builtin_llama.forward([tree_item("t", len(tokens), TREE)])[0]
     for node in range(len(TREE)):
@@ -80,13 +98,17 @@ def test_a_tree_grown_depth_by_depth_equals_one_decode(builtin_llama: ModelRunne
         row_of = {i: len(tokens) + i for i in range(len(TREE))}  # nodes come in index order
         parents = [len(tokens) - 1 if TREE[i][1] < 0 else row_of[TREE[i][1]] for i in nodes]
         assert held == len(tokens) + min(nodes)
-        out = builtin_llama.forward([ForwardItem("g", held, [TREE[i][0] for i in nodes], parents, list(range(len(nodes))))])[0]
+        out = builtin_llama.forward(
+            [ForwardItem("g", held, [TREE[i][0] for i in nodes], parents, list(range(len(nodes))))]
+        )[0]
         grown.update(zip(nodes, out))
     assert all(torch.equal(grown[i], whole[i]) for i in range(len(TREE)))
 
 
 @pytest.mark.parametrize("leaf, cells_kept", [(5, 3), (6, 2)])  # 0 → 2 → 5 are first children; 6 is not
-def test_keep_a_path_then_go_on_like_a_plain_sequence(builtin_llama: ModelRunner, tokens: list[int], leaf: int, cells_kept: int) -> None:
+def test_keep_a_path_then_go_on_like_a_plain_sequence(
+    builtin_llama: ModelRunner, tokens: list[int], leaf: int, cells_kept: int
+) -> None:
     builtin_llama.prefill("k", tokens, 1)
     builtin_llama.forward([tree_item("k", len(tokens), TREE)])
     path = path_to(TREE, leaf)
@@ -106,7 +128,8 @@ def test_keep_rejects_what_is_not_a_path(builtin_llama: ModelRunner, tokens: lis
     builtin_llama.prefill("b", tokens, 1)
     builtin_llama.forward([tree_item("b", len(tokens), TREE)])
     n = len(tokens)
-    for rows in ([*range(n), n, n + 1], [*range(n), n + 2], [*range(1, n)]):  # siblings, a skipped parent, no row 0
+    for rows in ([*range(n), n, n + 1], [*range(n), n + 2], [*range(1, n)]):
+        # siblings, a skipped parent, no row 0
         with pytest.raises(ValueError):
             builtin_llama.keep("b", rows)
     with pytest.raises(ValueError):
@@ -135,17 +158,22 @@ def test_more_sessions_than_contexts_rebuild_from_their_rows(tokens: list[int]) 
         runner.close()
 
 
-def test_sessions_batched_in_shared_decodes_score_as_alone(builtin_llama: ModelRunner, tokens: list[int]) -> None:
+def test_sessions_batched_in_shared_decodes_score_as_alone(
+    builtin_llama: ModelRunner, tokens: list[int]
+) -> None:
     """The worker's scheduler step (docs/design.md §9): chain sessions of mixed lengths share decodes —
     one session's rows split across two decodes, batch-mates of every size — and a tree session
     rides in the same call; each scores bit for bit what it scores alone."""
     assert isinstance(builtin_llama, LlamaCppRunner)
-    prompts = [(tokens * 3)[k:k + n] for k, n in enumerate([20, 7, 31, 12, 25, 5, 16, 9])]
+    prompts = [(tokens * 3)[k : k + n] for k, n in enumerate([20, 7, 31, 12, 25, 5, 16, 9])]
     news = [[300 + k, 301 + k, 302 + k, 303 + k][: 1 + k % 4] for k in range(8)]
     for k, prompt in enumerate(prompts):
         builtin_llama.prefill(f"s{k}", prompt, 1)
     builtin_llama.prefill("tree", tokens, 1)
-    items = [ForwardItem(f"s{k}", len(p) - 2, p[-2:] + new, logits_at=list(range(len(new) + 2))) for k, (p, new) in enumerate(zip(prompts, news))]
+    items = [
+        ForwardItem(f"s{k}", len(p) - 2, p[-2:] + new, logits_at=list(range(len(new) + 2)))
+        for k, (p, new) in enumerate(zip(prompts, news))
+    ]
     items.append(tree_item("tree", len(tokens), TREE))
     builtin_llama.max_decode_tokens = 0
     out = builtin_llama.forward_each(items)
@@ -199,12 +227,14 @@ def test_a_new_session_takes_the_cells_of_an_ended_one_that_starts_the_same(toke
         assert runner.reused_rows - before == len(system)
         assert torch.equal(chain, runner.forward_full(system + [13, 14, 15], 3))
         runner.free("second")
-        whole = runner.prefill("third", system, 2)  # all of it cached: the rows that return logits are decoded again
+        # all of it cached: the rows that return logits are decoded again
+        whole = runner.prefill("third", system, 2)
         assert runner.reused_rows - before == 2 * len(system) - 2
         assert torch.equal(whole, runner.forward_full(system, 2))
         runner.free("third")
 
-        runner.forward([prompt_and_tree("tree", system + [21], TREE[:3])])  # tree sessions: a context of their own
+        # tree sessions: a context of their own
+        runner.forward([prompt_and_tree("tree", system + [21], TREE[:3])])
         runner.keep("tree", [*range(len(system) + 1), len(system) + 1])  # a round's path kept
         runner.free("tree")
         before = runner.reused_rows
@@ -215,20 +245,30 @@ def test_a_new_session_takes_the_cells_of_an_ended_one_that_starts_the_same(toke
             assert torch.equal(out[1 + node], runner.forward_full(system + [22] + path, 1)[0]), node
         runner.free("again")
 
-        # the gateway's draft: a tree session's prompt is a chain first (a stream), then its tree (a context); the stream
-        # it leaves keeps the prompt's cells, and the next request with that prompt decodes only its own rows there
+        # the gateway's draft: a tree session's prompt is a chain first (a stream), then its tree (a context);
+        # the stream it leaves keeps the prompt's cells, and the next request with that prompt decodes only
+        # its own rows there
         prompt = system + [31]
         runner.prefill("drafted", prompt, 1)
         parents = [len(prompt) - 1 if p < 0 else len(prompt) + p for _, p in TREE[:3]]
-        runner.forward([ForwardItem("drafted", len(prompt), [t for t, _ in TREE[:3]], parents=parents, logits_at=[0, 1, 2])])
+        runner.forward(
+            [
+                ForwardItem(
+                    "drafted", len(prompt), [t for t, _ in TREE[:3]], parents=parents, logits_at=[0, 1, 2]
+                )
+            ]
+        )
         assert "drafted" in runner._tree_sessions
         runner.free("drafted")
         before = runner.reused_rows
-        assert torch.equal(runner.prefill("drafted again", system + [32], 1), runner.forward_full(system + [32], 1))
+        assert torch.equal(
+            runner.prefill("drafted again", system + [32], 1), runner.forward_full(system + [32], 1)
+        )
         assert runner.reused_rows - before == len(system)
         runner.free("drafted again")
 
-        # a session that shares only a short start (a chat template's first line) takes an empty place, not a long prompt's cells
+        # a session that shares only a short start (a chat template's first line) takes an empty place, not a
+        # long prompt's cells
         runner.prefill("short", system[:3] + [40, 41], 1)
         runner.free("short")
         before = runner.reused_rows
@@ -245,7 +285,9 @@ def test_a_new_session_takes_the_cells_of_an_ended_one_that_starts_the_same(toke
 
         cold = load_runner("builtin", "llama.cpp")
         try:
-            assert torch.equal(runner.prefill("fourth", system + [9], 1), cold.prefill("fourth", system + [9], 1))
+            assert torch.equal(
+                runner.prefill("fourth", system + [9], 1), cold.prefill("fourth", system + [9], 1)
+            )
         finally:
             cold.close()
     finally:

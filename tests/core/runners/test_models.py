@@ -71,7 +71,9 @@ def test_requantization_is_safe_under_two_processes(tmp_path: Path) -> None:
     env = {**os.environ, "SPECGATE_CACHE_DIR": str(tmp_path)}
     code = "from core.runners.models import requantized; print(requantized('builtin-draft'))"
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=300) for p in procs]
@@ -80,7 +82,8 @@ def test_requantization_is_safe_under_two_processes(tmp_path: Path) -> None:
     assert len(paths) == 1
     made = Path(paths.pop())
     assert made.is_file() and list(tmp_path.glob("*.tmp")) == []
-    assert made.stat().st_size == requantized(BUILTIN_DRAFT).stat().st_size  # the same file as the user cache's
+    # the same file as the user cache's
+    assert made.stat().st_size == requantized(BUILTIN_DRAFT).stat().st_size
 
 
 def test_cache_keys_follow_the_content_not_the_path(tmp_path: Path) -> None:
@@ -106,15 +109,18 @@ def test_a_cache_entry_is_made_once_by_processes_that_start_together(tmp_path: P
         "    if not entry.exists():\n"
         "        time.sleep(0.5); entry.mkdir(); (entry / sys.argv[2]).touch()\n"
     )
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"maker{i}"], cwd=ROOT) for i in range(3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"maker{i}"], cwd=ROOT) for i in range(3)
+    ]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
     assert len(list((tmp_path / "entry").iterdir())) == 1
 
 
 def test_made_caches_load_without_writing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 59: an image's cache is read-only at run time (readOnlyRootFilesystem, another uid): the transformers runner
-    opened its dequantization lock for writing even with the weights made, and the gpu and pipeline pods crash-looped. A
-    made entry (set-up makes it) loads without the lock, as the tokenizer's and the requantizations already did."""
+    """Issue 59: an image's cache is read-only at run time (readOnlyRootFilesystem, another uid): the
+    transformers runner opened its dequantization lock for writing even with the weights made, and the gpu and
+    pipeline pods crash-looped. A made entry (set-up makes it) loads without the lock, as the tokenizer's and
+    the requantizations already did."""
     from core.runners import transformers_runner
     from core.runners.tokenizer import load_tokenizer
 

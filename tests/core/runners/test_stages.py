@@ -30,14 +30,21 @@ def whole() -> Iterator[ModelRunner]:
 
 def _stages(whole: ModelRunner, split: list[tuple[int, int]]) -> list[TransformersRunner]:
     assert isinstance(whole, TransformersRunner)
-    return [TransformersRunner(resolve_model("builtin"), whole.tokenizer, model=whole.model, memory_cap_mb=64, layers=layers) for layers in split]
+    return [
+        TransformersRunner(
+            resolve_model("builtin"), whole.tokenizer, model=whole.model, memory_cap_mb=64, layers=layers
+        )
+        for layers in split
+    ]
 
 
 def _through(stages: list[TransformersRunner], item: ForwardItem) -> torch.Tensor:
     """One item through every stage, each passing its new rows' states to the next."""
     hidden = None
     for stage in stages:
-        out = stage.forward([ForwardItem(item.session_id, item.prefix_len, item.tokens, item.parents, item.logits_at, hidden)])[0]
+        out = stage.forward(
+            [ForwardItem(item.session_id, item.prefix_len, item.tokens, item.parents, item.logits_at, hidden)]
+        )[0]
         hidden = out
     assert hidden is not None
     return hidden
@@ -48,10 +55,14 @@ def _probs(logits: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("split", SPLITS)
-def test_a_split_gives_the_whole_models_distributions_before_and_after_a_prune(whole: ModelRunner, split: str) -> None:
+def test_a_split_gives_the_whole_models_distributions_before_and_after_a_prune(
+    whole: ModelRunner, split: str
+) -> None:
     stages = _stages(whole, SPLITS[split])
     everything = list(range(len(PROMPT) - 1, len(PROMPT) + len(TREE)))
-    first = ForwardItem("s", 0, PROMPT + TREE, list(range(-1, len(PROMPT) - 1)) + TREE_PARENTS, [i for i in everything])
+    first = ForwardItem(
+        "s", 0, PROMPT + TREE, list(range(-1, len(PROMPT) - 1)) + TREE_PARENTS, [i for i in everything]
+    )
     expected = whole.forward([first])[0]
     got = _through(stages, first)
     assert got.shape == expected.shape == (len(TREE) + 1, 49152)
@@ -80,7 +91,8 @@ def test_a_split_gives_the_whole_models_distributions_before_and_after_a_prune(w
 def test_a_later_stage_that_lost_its_rows_is_short(whole: ModelRunner) -> None:
     first, second = _stages(whole, SPLITS["2 stages"])
     states = first.forward([ForwardItem("t", 0, PROMPT)])[0]
-    assert states.shape == (len(PROMPT), 576)  # every new row's states (the next stage needs them all), whatever logits_at says
+    # every new row's states (the next stage needs them all), whatever logits_at says
+    assert states.shape == (len(PROMPT), 576)
     second.forward([ForwardItem("t", 0, PROMPT, hidden=states)])
     second._free_cache("t")  # its slot lent to another session (LRU): the rows stay, their states are gone
     with pytest.raises(SessionShort):
@@ -94,13 +106,19 @@ def test_a_loaded_stage_keeps_only_its_layers_and_matches_the_whole_model() -> N
     first = load_runner("tiny-random", "transformers", layers=(0, 1))
     last = load_runner("tiny-random", "transformers", layers=(1, 2))
     assert first.layer_range == (0, 1) and last.layer_range == (1, 2)
-    assert isinstance(first, TransformersRunner) and isinstance(first.model.get_decoder().layers[1], torch.nn.Identity)
+    assert isinstance(first, TransformersRunner) and isinstance(
+        first.model.get_decoder().layers[1], torch.nn.Identity
+    )
     assert first.kv_bytes_per_token() * 2 == whole.kv_bytes_per_token()
     states = first.forward([ForwardItem("s", 0, PROMPT, logits_at=list(range(len(PROMPT))))])[0]
     logits = last.forward([ForwardItem("s", 0, PROMPT, logits_at=[7, 8, 9], hidden=states)])[0]
-    torch.testing.assert_close(logits, whole.forward([ForwardItem("s", 0, PROMPT, logits_at=[7, 8, 9])])[0], atol=1e-4, rtol=1e-4)
-    assert load_runner("tiny-random", "transformers", layers=(0, 2)).layer_range is None  # all of them: the whole model
-    for runner in (first, last, whole):  # a stage's warm-up does nothing (it takes hidden states); the whole model's forgets its session
+    torch.testing.assert_close(
+        logits, whole.forward([ForwardItem("s", 0, PROMPT, logits_at=[7, 8, 9])])[0], atol=1e-4, rtol=1e-4
+    )
+    # all of them: the whole model
+    assert load_runner("tiny-random", "transformers", layers=(0, 2)).layer_range is None
+    for runner in (first, last, whole):
+        # a stage's warm-up does nothing (it takes hidden states); the whole model's forgets its session
         runner.warm_up()
         assert "__warm_up__" not in runner.session_ids()
 
@@ -126,4 +144,6 @@ def test_a_forward_warns_of_nothing(whole: ModelRunner) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _through(stages, item)
-        whole.forward([ForwardItem("quiet-whole", 0, PROMPT, list(range(-1, len(PROMPT) - 1)), [len(PROMPT) - 1])])
+        whole.forward(
+            [ForwardItem("quiet-whole", 0, PROMPT, list(range(-1, len(PROMPT) - 1)), [len(PROMPT) - 1])]
+        )
