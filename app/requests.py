@@ -119,7 +119,7 @@ class Requests:
         if body.max_tokens == 0 and not body.echo:
             raise ApiError(400, "max_tokens: 0 needs echo: true (the prompt's logprobs alone)", "max_tokens")
         prompt_logprobs = body.logprobs if body.echo else None
-        if prompt_logprobs is not None and any(w.is_engine for w in self.pool.workers):
+        if prompt_logprobs is not None and any(w.is_openai_logprobs for w in self.pool.workers):
             raise ApiError(
                 400,
                 "echo with logprobs needs specgate workers: an openai-logprobs engine does not "
@@ -495,7 +495,7 @@ class Requests:
         ]
         if not asked:
             return None
-        engines = [w.name for w in self.pool.workers if w.is_engine]
+        engines = [w.name for w in self.pool.workers if w.is_openai_logprobs]
         if engines:
             raise ApiError(
                 400,
@@ -569,7 +569,7 @@ class Requests:
         extra = sorted(set(given) - takes.fields)
         if extra:
             raise ApiError(400, f"mode {mode.value!r} does not take {extra}", f"speculative.{extra[0]}")
-        engines = [w.name for w in self.pool.workers if w.is_engine]
+        engines = [w.name for w in self.pool.workers if w.is_openai_logprobs]
         pipelines = [w.name for w in self.pool.workers if isinstance(w, PipelineTarget)]
         problem = target_problem(mode, len(self.pool.workers), engines, pipelines)
         if problem is not None:

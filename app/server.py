@@ -1,5 +1,5 @@
 """The gateway's FastAPI app (docs/design.md §5): OpenAI routes, SSE streaming, errors in the envelope. Route
-handlers parse, call the service, return."""
+handlers parse, call the Gateway (app.gateway), return."""
 
 from __future__ import annotations
 
@@ -26,11 +26,7 @@ from starlette.exceptions import HTTPException
 
 from app.adaptive import MAX_AUTO_GAMMA
 from app.admission import Admission, Release
-from app.drafting import DraftModel
-from app.errors import ApiError
-from app.metrics import GatewayMetrics
-from app.requests import Job
-from app.responses import (
+from app.bodies import (
     Logprobs,
     chat_body,
     chat_chunks,
@@ -39,13 +35,17 @@ from app.responses import (
     envelope,
     usage,
 )
+from app.drafting import DraftModel
+from app.errors import ApiError
+from app.gateway import ChoiceEvent, Gateway
+from app.metrics import GatewayMetrics
+from app.requests import Job
 from app.responses_api.output import ResponseBuilder, item_page
 from app.responses_api.request import renamed, to_chat
 from app.responses_api.schemas import ResponsesRequest
 from app.responses_api.store import NONE as NO_STORE
 from app.responses_api.store import ResponseStore
 from app.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from app.service import ChoiceEvent, Gateway
 from app.targets.channel import Expected
 from app.targets.failures import WorkerError
 from app.targets.pool import TargetSet

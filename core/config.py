@@ -412,14 +412,14 @@ class WorkerEntry(BaseModel):
             raise ValueError("discovery_interval_s needs url: the name whose addresses are the replicas")
         remote = (self.url is not None) + (self.urls is not None)
         if self.pipeline is not None:
-            if self.is_engine or remote or self.model is not None:
+            if self.is_openai_logprobs or remote or self.model is not None:
                 raise ValueError(
                     "a pipeline target lists its stages under pipeline: no url, urls, model or type"
                 )
             if len(self.pipeline) < 2:
                 raise ValueError("a pipeline needs at least two stages")
             return self
-        if self.is_engine:
+        if self.is_openai_logprobs:
             if remote != 1 or not self.model:
                 raise ValueError(
                     "an openai-logprobs target needs url (or urls) and model (the name the engine serves)"
@@ -429,12 +429,12 @@ class WorkerEntry(BaseModel):
         return self
 
     @property
-    def is_engine(self) -> bool:
+    def is_openai_logprobs(self) -> bool:
         return self.type is TargetType.OPENAI_LOGPROBS
 
     @property
     def is_local(self) -> bool:
-        return self.model is not None and not self.is_engine
+        return self.model is not None and not self.is_openai_logprobs
 
 
 class LimitsConfig(BaseModel):
@@ -582,7 +582,7 @@ class SpecgateConfig(BaseSettings):
         if len(set(names)) != len(names):
             raise ValueError(f"workers: names must be unique, got {names}")
         pipelines = [str(w.name) for w in self.workers if w.pipeline is not None]
-        engines = [str(w.name) for w in self.workers if w.is_engine]
+        engines = [str(w.name) for w in self.workers if w.is_openai_logprobs]
         if self.metrics_port is not None and self.metrics_port == self.port:
             raise ValueError(
                 f"metrics_port: {self.metrics_port} is the API's port too: give the metrics a "

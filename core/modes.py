@@ -18,7 +18,7 @@ class Payload(StrEnum):
     FULL = "full"  # the whole T(p_n) (k: full; split's p at the rejection; a pipeline's last stage)
     TOP_K = "top_k"  # the top-k of T(p_n), reconstructed at the gateway (SpecFed)
     SPARSE = "sparse"  # exact's: p_n on the draft's supports, the mass off them, one sample from off them
-    ENGINE = "engine"  # an openai-logprobs engine's top-k log-probabilities (docs/design.md §8)
+    LOGPROBS = "logprobs"  # an openai-logprobs engine's top-k log-probabilities (docs/design.md §8)
 
 
 class Guarantee(StrEnum):
@@ -35,7 +35,7 @@ GUARANTEES: dict[Payload, Guarantee] = {
     Payload.FULL: Guarantee.LOSSLESS,
     Payload.SPARSE: Guarantee.LOSSLESS,
     Payload.TOP_K: Guarantee.BOUNDED,
-    Payload.ENGINE: Guarantee.BOUNDED,
+    Payload.LOGPROBS: Guarantee.BOUNDED,
 }
 
 
@@ -56,7 +56,7 @@ class ModeSpec:
     payloads: frozenset[Payload]  # what its targets may answer with (``SpecOptions.payload``)
     drafts: bool = True  # the gateway drafts (autoregressive: no)
     one_worker: bool = False  # verifies on exactly one worker (split)
-    engines: bool = False  # openai-logprobs engines may be among the targets (docs/design.md §8)
+    openai_logprobs: bool = False  # openai-logprobs engines may be among the targets (docs/design.md §8)
     pipelines: bool = False  # pipeline targets (stage workers, docs/design.md §3.7) may be among the targets
 
     @property
@@ -69,16 +69,16 @@ MODES: dict[Mode, ModeSpec] = {
     Mode.AUTOREGRESSIVE: ModeSpec(
         Mode.AUTOREGRESSIVE,
         _EVERY,
-        frozenset({Payload.SAMPLES, Payload.ENGINE}),
+        frozenset({Payload.SAMPLES, Payload.LOGPROBS}),
         drafts=False,
-        engines=True,
+        openai_logprobs=True,
         pipelines=True,
     ),
     Mode.AGGREGATE: ModeSpec(
         Mode.AGGREGATE,
         _DRAFTING | {"k", "reconstruction", "relaxation"},
-        frozenset({Payload.FULL, Payload.TOP_K, Payload.ENGINE}),
-        engines=True,
+        frozenset({Payload.FULL, Payload.TOP_K, Payload.LOGPROBS}),
+        openai_logprobs=True,
         pipelines=True,
     ),
     Mode.SPLIT: ModeSpec(
@@ -102,7 +102,7 @@ MODES: dict[Mode, ModeSpec] = {
 }
 
 SERVED_MODES = tuple(MODES)
-ENGINE_MODES = tuple(m for m in SERVED_MODES if MODES[m].engines)
+OPENAI_LOGPROBS_MODES = tuple(m for m in SERVED_MODES if MODES[m].openai_logprobs)
 PIPELINE_TARGET_MODES = tuple(m for m in SERVED_MODES if MODES[m].pipelines)
 
 
@@ -112,10 +112,10 @@ def target_problem(
     """Why ``mode`` cannot verify on these targets (``engines``, ``pipelines``: those among them), or None;
     checked at start-up and per request."""
     spec = MODES[mode]
-    if engines and not spec.engines:
+    if engines and not spec.openai_logprobs:
         return (
             f"mode {mode.value!r} needs specgate workers; {engines[0]} is an openai-logprobs engine "
-            f"(use {' or '.join(m.value for m in ENGINE_MODES)})"
+            f"(use {' or '.join(m.value for m in OPENAI_LOGPROBS_MODES)})"
         )
     if mode is Mode.PIPELINE and not pipelines:
         return (

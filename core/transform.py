@@ -1,6 +1,6 @@
 """Transforms (docs/design.md §3.9), one definition for the draft and every worker: per row, min_tokens →
 logit_bias → penalties → grammar mask, then ``core.math.sampling``. ``TransformSpec``: what a request asks;
-``Transformer``: one session's state."""
+``LogitsTransform``: one session's state."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def unpack_bits(packed: torch.Tensor, width: int) -> torch.Tensor:
 
 
 @dataclass
-class Transformer:
+class LogitsTransform:
     """One session's transform: the spec, and a grammar matcher kept at the agreed tokens."""
 
     spec: TransformSpec
@@ -156,7 +156,7 @@ class Transformer:
     matcher: Matcher | None = None
 
     @classmethod
-    def build(cls, spec: TransformSpec, vocab_size: int, grammars: Grammars | None) -> Transformer:
+    def build(cls, spec: TransformSpec, vocab_size: int, grammars: Grammars | None) -> LogitsTransform:
         """GrammarError when the grammar does not compile; ValueError for a bias id off the vocabulary."""
         if any(not 0 <= t < vocab_size for t, _ in spec.logit_bias):
             raise ValueError(f"logit_bias names a token id outside [0, {vocab_size})")
@@ -323,8 +323,8 @@ class Transformer:
 
 @dataclass
 class DeviceTransform:
-    """A call's transform as numbers in its step's upload (``Transformer.device_plan``); ``apply`` after the
-    upload is sent."""
+    """A call's transform as numbers in its step's upload (``LogitsTransform.device_plan``); ``apply`` after
+    the upload is sent."""
 
     spec: TransformSpec
     rows: int
@@ -336,8 +336,8 @@ class DeviceTransform:
     grammar: Segment | None = None  # [rows, ⌈V / 8⌉] packed allowed ids
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:  # [rows, V] -> [rows, V] fp32, transformed
-        """``Transformer.rows`` where ``logits`` are, in its order: min_tokens, bias, penalties, the grammar's
-        mask."""
+        """``LogitsTransform.rows`` where ``logits`` are, in its order: min_tokens, bias, penalties, the
+        grammar's mask."""
         view, spec = self.upload.view, self.spec
         out = logits.float().clone()
         if self.eos is not None:

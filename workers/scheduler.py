@@ -14,8 +14,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from core.batching import take_within
 from core.protocol import StageRequest, VerifyRequest
-from core.runners.model_thread import ModelThread, take_within
+from core.runners.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

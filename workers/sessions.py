@@ -17,7 +17,7 @@ from core.errors import InvalidRequest, SessionShort, WorkerFull
 from core.grammar import GrammarLimits, Grammars, GrammarSpec
 from core.protocol import prefix_hash
 from core.runners.base import ModelRunner
-from core.transform import Transformer, TransformSpec
+from core.transform import LogitsTransform, TransformSpec
 from workers.settings import WorkerSettings
 
 RETRY_AFTER_S = 1  # what a WorkerFull answer's Retry-After says: a round frees a session in about that
@@ -35,7 +35,7 @@ class SessionStore:
     _last_used: OrderedDict[str, float] = field(default_factory=OrderedDict)
     _trees: set[str] = field(default_factory=set)  # sessions that sent tree calls
     # a session's transform (docs/design.md §3.9), from the call that started it
-    transforms: dict[str, Transformer] = field(default_factory=dict)
+    transforms: dict[str, LogitsTransform] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._last_used)
@@ -140,7 +140,7 @@ class SessionStore:
 
 
 # a call's transform, its agreed tokens, each scored row's path after them
-Shaping = tuple[Transformer, list[int], list[list[int]]]
+Shaping = tuple[LogitsTransform, list[int], list[list[int]]]
 
 
 def shaped(rows: torch.Tensor, shaping: Shaping | None) -> torch.Tensor:
@@ -158,10 +158,10 @@ class Transforms:
         self.settings, self.runner, self.sessions = settings, runner, sessions
         self._grammars: Grammars | None = None
 
-    def transformer(self, wire: dict[str, Any]) -> Transformer:
+    def transformer(self, wire: dict[str, Any]) -> LogitsTransform:
         try:
             spec = TransformSpec.from_wire(wire)
-            return Transformer.build(
+            return LogitsTransform.build(
                 spec, self.runner.info.vocab_size, self.grammars() if spec.grammar is not None else None
             )
         except ValueError as exc:  # GrammarError included

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.batching import take_within
 from core.math.tree import TokenTree
 from core.runners import ModelRunner
 from core.runners.base import ForwardItem, common_prefix
-from core.runners.model_thread import ModelThread, take_within
+from core.runners.model_thread import ModelThread
 
 DEFAULT_BATCH_TOKENS = 128  # a draft step's new rows, all requests together (DraftConfig.max_batch_tokens)
 # steps in a row a background prefill may be left out of while drafts wait: then it goes beside them

@@ -9,13 +9,13 @@ import torch
 
 from app.drafting.request import DraftNodes
 from core.math.tree import TokenTree, depths_of, path_of
-from core.transform import Transformer
+from core.transform import LogitsTransform
 
 
 def forced_below(
     node: int,
     nodes: DraftNodes,
-    transformer: Transformer | None,
+    transformer: LogitsTransform | None,
     sequence: list[int],
     depth_limit: int,
     left: list[int] | None,
@@ -43,7 +43,7 @@ def forced_below(
 
 def with_forced_runs(
     tree: TokenTree,
-    transformer: Transformer,
+    transformer: LogitsTransform,
     sequence: list[int],
     depth_limit: int,
     extra: int,

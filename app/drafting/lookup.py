@@ -14,7 +14,7 @@ from core.lookup import NO_PROPOSAL, AcceptanceStats, LookupParams, PromptLookup
 from core.math.rerank import drafted_above
 from core.math.shapes import TreeShape
 from core.math.tree import NO_ROW, TokenTree, pad_rows
-from core.transform import Transformer
+from core.transform import LogitsTransform
 
 # a lookup token's acceptance, given the one before it was accepted, before any is measured
 LOOKUP_PRIOR = 0.5
@@ -67,7 +67,7 @@ class LookupDrafter:
         session_id: str,
         sequence: list[int],
         count: int,
-        transformer: Transformer | None,
+        transformer: LogitsTransform | None,
         shared: bool = True,
     ) -> Proposal:
         """Prompt lookup in the session's context, else the suffix index; cut after an EOS and before a token

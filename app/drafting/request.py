@@ -8,7 +8,7 @@ import torch
 
 from core.math.sampling import SamplingParams, apply_sampling, normalised, top_ids, truncated_supports
 from core.math.tree import SparseRow, path_of
-from core.transform import Transformer
+from core.transform import LogitsTransform
 
 GREEDY_ROW = 32  # a greedy tree's row: q̂'s most likely tokens kept (≥ any top_k or width a tree takes, 16)
 
@@ -26,7 +26,7 @@ class DraftRequest:
     seed: int
     choice: int
     truncation: tuple[int, float] = (0, 1.0)
-    transformer: Transformer | None = None
+    transformer: LogitsTransform | None = None
     drafter: str = "model"  # a name in app.drafting.drafters.DRAFTERS
     shared: bool = True
 

@@ -28,7 +28,7 @@ from core.math.shapes import TreeShape
 from core.math.tree import TokenTree
 from core.modes import MODES
 from core.names import Mode
-from core.transform import Transformer, TransformSpec
+from core.transform import LogitsTransform, TransformSpec
 
 __all__ = ["STRATEGIES", "Engine"]
 
@@ -48,7 +48,7 @@ class Engine:
         self.max_context = max_context
         self.vocab_size = draft.vocab_size
         self.weights = torch.tensor(pool.weights, dtype=torch.float64)
-        # the gateway's grammar engine (set by the service on first use)
+        # the grammars over the draft's tokenizer (set by the Gateway on first use)
         self.grammars: Grammars | None = None
         # a late draft's prefill starts after the first round (app.engine.late): the targets share its cores
         self.prefill_waits = False
@@ -128,11 +128,11 @@ class Engine:
             if late is not None:
                 await asyncio.shield(late.close())
 
-    def transformer(self, req: GenerationRequest) -> Transformer | None:
+    def transformer(self, req: GenerationRequest) -> LogitsTransform | None:
         """The gateway's side of the request's transform: the draft's, and the forced tokens'."""
         if req.transform is None:
             return None
-        return Transformer.build(req.transform, self.vocab_size, self.grammars)
+        return LogitsTransform.build(req.transform, self.vocab_size, self.grammars)
 
     def _round(self, session: Session, req: GenerationRequest, draft: TokenTree) -> Round:
         return Round(

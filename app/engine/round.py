@@ -21,7 +21,7 @@ from core.math.sampling import normalised
 from core.math.tree import TokenTree
 from core.names import Mode, Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
-from core.transform import Transformer
+from core.transform import LogitsTransform
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Round:
     traffic: Traffic
     path: list[int] | None = None  # the previous round's accepted tree path, the first call's ``path`` (v1.1)
     # the request's masks (grammar, min_tokens), the gateway's own matcher (not the draft's): ``allowed``
-    transformer: Transformer | None = None
+    transformer: LogitsTransform | None = None
     model_s: float = 0.0  # per call the slowest worker's model seconds, summed (the round's latency)
     busy_s: float = 0.0  # every worker's model seconds, summed over workers and calls (the targets' cost)
     responses: list[VerifyResponse] = field(default_factory=list)  # of the last call

@@ -9,7 +9,7 @@ from app.adaptive import GammaController
 from app.engine.spec import GenerationRequest, RoundResult
 from core.math.random import round_seed
 from core.math.tree import TokenTree
-from core.transform import Transformer
+from core.transform import LogitsTransform
 
 
 @dataclass
@@ -25,8 +25,8 @@ class Session:
     agreed: list[int]
     max_context: int
     eos_ids: set[int]
-    transformer: Transformer | None = None
-    verifier: Transformer | None = None
+    transformer: LogitsTransform | None = None
+    verifier: LogitsTransform | None = None
     auto: GammaController | None = None
     path: list[int] | None = None
     rounds: int = 0  # verified so far

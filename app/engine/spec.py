@@ -11,7 +11,7 @@ from core.math.sampling import SamplingParams
 from core.math.shapes import SegmentSchedule, TreeShape
 from core.modes import MODES, Guarantee, Payload, guarantee
 from core.names import Mode, Reconstruction
-from core.transform import Transformer, TransformSpec
+from core.transform import LogitsTransform, TransformSpec
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class SpecOptions:
     def payload(self) -> Payload:
         """What the targets answer with for each row (``core.modes``)."""
         if self.engine_targets:
-            return Payload.ENGINE
+            return Payload.LOGPROBS
         if self.mode is Mode.AUTOREGRESSIVE:
             return Payload.SAMPLES
         if self.sparse:
@@ -139,7 +139,7 @@ class GenerationRequest:
         self,
         session_id: str,
         sequence: list[int],
-        transformer: Transformer | None,
+        transformer: LogitsTransform | None,
         drafter: str | None = None,
     ) -> DraftRequest:
         """What the draft is asked after ``sequence`` (``drafter``: the request's, unless given)."""

@@ -16,7 +16,7 @@ class Dialect(Protocol):
     """How one kind of target is spoken to, replica by replica (``ReplicaSet`` does the rest)."""
 
     health_path: str | None  # probed before ``info`` when a breaker is open; None: straight to ``info``
-    is_engine: bool  # an OpenAI-compatible engine (docs/design.md §8), not a specgate worker
+    is_openai_logprobs: bool  # an OpenAI-compatible engine (docs/design.md §8), not a specgate worker
 
     # checked against Expected (ReplicaFailure otherwise)
     async def info(self, replica: Replica) -> InfoResponse: ...

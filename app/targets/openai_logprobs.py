@@ -22,7 +22,7 @@ from core.errors import ProtocolError
 from core.math.random import Purpose, sample_index, uniform
 from core.math.sampling import SamplingParams
 from core.math.tempering import temper_top_k
-from core.modes import ENGINE_MODES
+from core.modes import OPENAI_LOGPROBS_MODES
 from core.names import Mode
 from core.protocol import PROTOCOL_VERSION, InfoResponse, VerifyRequest, VerifyResponse, check_verify_response
 from core.runners.tokenizer import per_tokenizer
@@ -42,7 +42,7 @@ class EngineDialect:
     ``/v1/info``."""
 
     health_path: str | None = None  # not every engine has /health: the check itself is the probe
-    is_engine = True
+    is_openai_logprobs = True
 
     def __init__(self, name: str, channel: Channel, expected: Expected, entry: WorkerEntry) -> None:
         assert entry.model is not None and expected.tokenizer is not None
@@ -97,7 +97,7 @@ class EngineDialect:
             )
         return InfoResponse(
             protocol_version=PROTOCOL_VERSION,
-            modes=[m.value for m in ENGINE_MODES],
+            modes=[m.value for m in OPENAI_LOGPROBS_MODES],
             model_id=f"{self.model} (openai-logprobs)",
             vocab_size=self.vocab_size,
             tokenizer_fingerprint=self.expected.fingerprint,
@@ -229,7 +229,7 @@ class EngineDialect:
     async def verify(
         self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic
     ) -> VerifyResponse:
-        if req.mode not in [m.value for m in ENGINE_MODES]:
+        if req.mode not in [m.value for m in OPENAI_LOGPROBS_MODES]:
             raise WorkerError(self.name, f"an openai-logprobs engine cannot verify in mode {req.mode!r}", 400)
         if replica.url not in self.formats:  # checked before any call; a probe reset it since
             await self.info(replica)

@@ -59,7 +59,7 @@ class StageDown(WorkerError):
 class PipelineTarget(Target):
     """One weighted member of the federation whose model runs on stage workers, in order."""
 
-    is_engine = False
+    is_openai_logprobs = False
 
     def __init__(
         self,

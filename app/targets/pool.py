@@ -51,7 +51,7 @@ class TargetSet:
         for w in config.workers:
             name = w.name or ""
             # an engine's /health says nothing of its progress: its read timeout is a deadline
-            health = None if w.is_engine else "/health"
+            health = None if w.is_openai_logprobs else "/health"
             channel = Channel(
                 name,
                 client,
@@ -75,7 +75,7 @@ class TargetSet:
                 continue
             dialect: Dialect = (
                 EngineDialect(name, channel, expected, w)
-                if w.is_engine
+                if w.is_openai_logprobs
                 else SpecgateDialect(name, channel, expected)
             )
             target = ReplicaSet(

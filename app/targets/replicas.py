@@ -55,7 +55,11 @@ class ReplicaSet(Target):
             threshold,
         )
         self.replicas = [] if discovered else [Replica(url.rstrip("/"), Breaker(threshold)) for url in urls]
-        self.url, self.is_engine, self.discovered = urls[0].rstrip("/"), dialect.is_engine, discovered
+        self.url, self.is_openai_logprobs, self.discovered = (
+            urls[0].rstrip("/"),
+            dialect.is_openai_logprobs,
+            discovered,
+        )
         self.sessions: dict[str, Replica] = {}  # the replica that holds each session now
         self.held: dict[str, set[str]] = {}  # every replica a session was sent to (freed at the end)
         self.failures: Counter[str] = Counter()  # by kind

@@ -27,7 +27,7 @@ _HEADERS = {"content-type": BINARY_CONTENT_TYPE, "accept": BINARY_CONTENT_TYPE}
 
 class SpecgateDialect:
     health_path: str | None = "/health"
-    is_engine = False
+    is_openai_logprobs = False
 
     def __init__(self, name: str, channel: Channel, expected: Expected) -> None:
         self.name, self.channel, self.expected = name, channel, expected

@@ -24,5 +24,5 @@ class Generic(ToolFormat):
         )
 
     def reader(self, markers: Markers, tools: dict[str, dict[str, Any]]) -> ToolOutput:
-        # with a response_format beside the tools: ToolOutput(raw_response=True) (app.service)
+        # with a response_format beside the tools: ToolOutput(raw_response=True) (app.gateway)
         return ToolOutput()

@@ -122,7 +122,7 @@ def gateway_beside(
             **{
                 k: v
                 for k, v in w.model_dump(mode="json", exclude_none=True).items()
-                if k not in local or (k == "model" and w.is_engine)
+                if k not in local or (k == "model" and w.is_openai_logprobs)
             },
             "name": name,
             "urls": urls[name],

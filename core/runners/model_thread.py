@@ -6,30 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-
-
-def take_within(
-    waiting: Iterable[T], rows: Callable[[T], int], budget: int, key: Callable[[T], Hashable]
-) -> list[T]:
-    """What waits, oldest first, one entry per ``key``, within ``budget`` rows (the first always goes), up to
-    the first misfit: none waits long."""
-    taken: list[T] = []
-    keys: set[Hashable] = set()
-    used = 0
-    for entry in waiting:
-        if key(entry) in keys:
-            continue
-        if taken and used + rows(entry) > budget:
-            break
-        taken.append(entry)
-        keys.add(key(entry))
-        used += rows(entry)
-    return taken
 
 
 class ModelThread:

@@ -16,7 +16,7 @@ from core.math.shapes import ChildRule, TreeShape
 from core.math.tree import TokenTree
 from core.runners.base import ForwardItem, ModelRunner, Rows
 from core.runners.model_thread import ModelThread
-from core.transform import Transformer
+from core.transform import LogitsTransform
 from tests.app.fakes import MarkovRunner, random_table
 
 TEXTS = [
@@ -41,7 +41,7 @@ async def propose(
     choice: int,
     truncation: tuple[int, float] = (0, 1.0),
     *,
-    transformer: Transformer | None = None,
+    transformer: LogitsTransform | None = None,
     limit: int | None = None,
     drafter: str = "model",
     shared: bool = True,
@@ -64,7 +64,7 @@ async def propose_tree(
     choice: int,
     truncation: tuple[int, float] = (0, 1.0),
     *,
-    transformer: Transformer | None = None,
+    transformer: LogitsTransform | None = None,
     depth_limit: int | None = None,
     extra: int = 0,
     drafter: str = "model",
@@ -260,7 +260,7 @@ async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
     """docs/design.md §3.9: a run of forced tokens takes no draft step of its own and does not count in
     γ; its q̂ rows are point masses; ``limit`` caps the chain (the room left)."""
     from core.grammar import GrammarKind, GrammarSpec
-    from core.transform import Transformer, TransformSpec
+    from core.transform import LogitsTransform, TransformSpec
     from tests.app.fakes import TableGrammars
 
     table = torch.full((4, 4), -5.0, dtype=torch.float64)
@@ -272,8 +272,8 @@ async def test_tokens_a_grammar_forces_ride_free_in_a_chain() -> None:
     spec = TransformSpec(grammar=GrammarSpec(GrammarKind.REGEX, "the table grammar"), prompt_len=1)
     greedy = SamplingParams(temperature=0.0)
 
-    def transformer() -> Transformer:
-        return Transformer.build(spec, 4, TableGrammars())  # type: ignore[arg-type]
+    def transformer() -> LogitsTransform:
+        return LogitsTransform.build(spec, 4, TableGrammars())  # type: ignore[arg-type]
 
     appended: list[list[int]] = []
     real = runner.append_item

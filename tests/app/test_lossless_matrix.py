@@ -281,7 +281,7 @@ def _secondary(mode: Mode, payload: Payload, sampling: str) -> Iterator[tuple[st
 
 def _payloads(mode: Mode) -> list[Payload]:
     # engines: test_openai_target
-    return [p for p in Payload if p in MODES[mode].payloads and p is not Payload.ENGINE]
+    return [p for p in Payload if p in MODES[mode].payloads and p is not Payload.LOGPROBS]
 
 
 def _worker_sets(mode: Mode) -> list[str]:
@@ -953,13 +953,13 @@ def test_the_matrix_covers_every_registry() -> None:
         assert MODES[mode].fields <= known, (
             f"mode {mode.value} takes {sorted(MODES[mode].fields - known)}: enumerate them in the matrix"
         )
-        for payload in MODES[mode].payloads - {Payload.ENGINE}:
+        for payload in MODES[mode].payloads - {Payload.LOGPROBS}:
             assert any(c.mode is mode and c.payload is payload for c in CELLS), (
                 f"no cell for {mode.value} on {payload.value}"
             )
     assert set(GUARANTEES) == set(Payload)
     # an engine's rows are a worker's top-k (test_openai_target): the TOP_K cells' bound
-    assert GUARANTEES[Payload.ENGINE] is Guarantee.BOUNDED
+    assert GUARANTEES[Payload.LOGPROBS] is Guarantee.BOUNDED
     assert {c.rule for c in CELLS if c.mode is Mode.TREE} == {*(r.value for r in ChildRule), "greedy"}
     assert {c.spec.reconstruction for c in CELLS if c.payload is Payload.TOP_K} == set(Reconstruction)
     assert {c.spec.tree_payload.value for c in CELLS if c.mode is Mode.TREE} == _literals(
@@ -1280,7 +1280,11 @@ def test_negative_control_eos_removed_after_min_p_is_caught(monkeypatch: pytest.
     from core import transform as transform_module
     from workers import scoring
 
-    real_rows, real_sampling, early = transform_module.Transformer.rows, scoring.apply_sampling, set[int]()
+    real_rows, real_sampling, early = (
+        transform_module.LogitsTransform.rows,
+        scoring.apply_sampling,
+        set[int](),
+    )
 
     def rows_keeping_eos(
         self: Any, logits: torch.Tensor, agreed: list[int], paths: list[list[int]]
@@ -1289,7 +1293,7 @@ def test_negative_control_eos_removed_after_min_p_is_caught(monkeypatch: pytest.
         # the worker's next sampling zeroes EOS there
         early.update(self._early_rows(agreed, paths) if self.spec.suppresses else ())
         return real_rows(
-            transform_module.Transformer(replace(self.spec, min_tokens=0), self.vocab_size, self.matcher),
+            transform_module.LogitsTransform(replace(self.spec, min_tokens=0), self.vocab_size, self.matcher),
             logits,
             agreed,
             paths,
@@ -1303,7 +1307,7 @@ def test_negative_control_eos_removed_after_min_p_is_caught(monkeypatch: pytest.
         return probs
 
     monkeypatch.setenv("SPECGATE_WORKER_SCORING", "host")  # the break is in the host's transform and sampling
-    monkeypatch.setattr(transform_module.Transformer, "rows", rows_keeping_eos)
+    monkeypatch.setattr(transform_module.LogitsTransform, "rows", rows_keeping_eos)
     monkeypatch.setattr(scoring, "apply_sampling", sampling_then_eos)
     picked = [c for c in CELLS if c.min_p and c.claim is Guarantee.LOSSLESS and c.workers == "1 worker"]
     assert {c.mode for c in picked} == set(SERVED_MODES) and _caught(picked) == {c.name for c in picked}

@@ -7,7 +7,7 @@ from __future__ import annotations
 from app.engine.strategies import STRATEGIES
 from app.schemas import SpeculativeParams
 from core import config
-from core.modes import ENGINE_MODES, MODES, PIPELINE_TARGET_MODES, SERVED_MODES, target_problem
+from core.modes import MODES, OPENAI_LOGPROBS_MODES, PIPELINE_TARGET_MODES, SERVED_MODES, target_problem
 from core.names import Mode
 from core.protocol import VERIFY_MODES as WIRE_MODES
 
@@ -30,7 +30,7 @@ def test_config_and_protocol_take_their_lists_from_the_registry() -> None:
     assert config.SERVED_MODES is SERVED_MODES and config.target_problem is target_problem
     # pipeline's stages speak /v1/stage/forward
     assert WIRE_MODES == tuple(m.value for m in SERVED_MODES if m is not Mode.PIPELINE)
-    assert ENGINE_MODES == (Mode.AUTOREGRESSIVE, Mode.AGGREGATE) and [
+    assert OPENAI_LOGPROBS_MODES == (Mode.AUTOREGRESSIVE, Mode.AGGREGATE) and [
         m for m in MODES if MODES[m].one_worker
     ] == [Mode.SPLIT, Mode.PIPELINE]
     assert PIPELINE_TARGET_MODES == (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.TREE, Mode.PIPELINE)

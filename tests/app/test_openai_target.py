@@ -23,7 +23,7 @@ from core.config import parse_config
 from core.errors import ConfigError
 from core.protocol import VerifyRequest
 from core.runners import ModelRunner, load_runner
-from core.transform import Transformer, TransformSpec
+from core.transform import LogitsTransform, TransformSpec
 from tests.app.conftest import Gateway
 from tests.app.fake_engine import FakeEngine, Listing, Router
 from tests.app.helpers import assert_error
@@ -88,7 +88,7 @@ async def _verify_both(
     logits = worker_runner.forward_full(sequence, len(req.draft) + 1)
     if req.transform is not None:  # as a worker applies it: each row by its prefix
         draft = req.draft.tolist()
-        logits = Transformer.build(TransformSpec.from_wire(req.transform), logits.shape[-1], None).rows(
+        logits = LogitsTransform.build(TransformSpec.from_wire(req.transform), logits.shape[-1], None).rows(
             logits, agreed, [draft[:j] for j in range(len(draft) + 1)]
         )
     return got, score(logits, req, held=len(sequence), model_ms=0.0)
@@ -425,5 +425,5 @@ def test_the_example_config_parses() -> None:
     from core.config import load_config
 
     config = load_config(Path(__file__).parents[2] / "config" / "engine.yaml")
-    assert [w.is_engine for w in config.workers] == [True, False]
+    assert [w.is_openai_logprobs for w in config.workers] == [True, False]
     assert [w.is_local for w in config.workers] == [False, True]

@@ -50,12 +50,14 @@ def test_only_a_single_allowed_token_is_forced(tokenizer) -> None:  # type: igno
     """At a complete answer the grammar allows only EOS: one EOS id is forced; with two (the
     built-in model's 0 and 2) none is — each target weighs them its own way, and the token id
     and its log-probability show which (a round decides)."""
-    from core.transform import Transformer, TransformSpec
+    from core.transform import LogitsTransform, TransformSpec
 
     done = tokenizer.encode('{"a":1,"b":""}')
     for eos_ids, forced in (([EOS], EOS), ([0, EOS], None)):
         grammars = Grammars(tokenizer, V, eos_ids, GrammarLimits(max_source_bytes=4096))
-        transformer = Transformer.build(TransformSpec(grammar=GrammarSpec.json_schema(SCHEMA)), V, grammars)
+        transformer = LogitsTransform.build(
+            TransformSpec(grammar=GrammarSpec.json_schema(SCHEMA)), V, grammars
+        )
         assert transformer.forced(done) == forced
         assert transformer.forced_run(done, 4, set(eos_ids)) == ([] if forced is None else [EOS])
 

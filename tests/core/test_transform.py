@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from core.math.sampling import SamplingParams, apply_sampling
-from core.transform import Transformer, TransformSpec, penalise
+from core.transform import LogitsTransform, TransformSpec, penalise
 from tests.app.fakes import TableGrammars, TableMatcher
 
 PROMPT = [1, 0]
@@ -48,7 +48,7 @@ def test_each_row_is_transformed_by_its_own_prefix() -> None:
     spec = TransformSpec(
         ((1, 1.0),), presence_penalty=0.0, frequency_penalty=1.0, grammar=None, prompt_len=len(PROMPT)
     )
-    transformer = Transformer.build(spec, 4, None)
+    transformer = LogitsTransform.build(spec, 4, None)
     logits = torch.zeros(3, 4)
     agreed = [*PROMPT, 2]
     out = transformer.rows(logits, agreed, [[], [1], [1, 1]])
@@ -58,7 +58,7 @@ def test_each_row_is_transformed_by_its_own_prefix() -> None:
 
 
 def test_the_grammar_masks_each_row_after_its_path_and_forces_single_tokens() -> None:
-    transformer = Transformer.build(
+    transformer = LogitsTransform.build(
         TransformSpec(grammar=_grammar(), prompt_len=len(PROMPT)), 4, TableGrammars()
     )  # type: ignore[arg-type]
     out = transformer.rows(torch.zeros(3, 4), [*PROMPT, 2], [[], [1], [1, 0]])
@@ -73,7 +73,7 @@ def test_the_grammar_masks_each_row_after_its_path_and_forces_single_tokens() ->
 
 def test_a_bias_id_off_the_vocabulary_or_named_twice_is_refused() -> None:
     with pytest.raises(ValueError, match="outside"):
-        Transformer.build(TransformSpec(((4, 1.0),)), 4, None)
+        LogitsTransform.build(TransformSpec(((4, 1.0),)), 4, None)
     with pytest.raises(ValueError, match="twice"):
         # which would win is a device's choice (an index_put of repeated ids)
         TransformSpec.from_wire({"logit_bias": [[1, 5.0], [1, -3.0]]})
@@ -116,9 +116,9 @@ def test_the_transform_travels_on_a_sessions_first_call_and_on_a_resend_from_zer
 A, B, EOS = 0, 1, 2
 
 
-def _min_tokens(min_tokens: int = 1, **more: object) -> Transformer:
+def _min_tokens(min_tokens: int = 1, **more: object) -> LogitsTransform:
     spec = TransformSpec(prompt_len=len(PROMPT), min_tokens=min_tokens, eos_ids=(EOS,), **more)  # type: ignore[arg-type]
-    return Transformer.build(spec, 3, None)
+    return LogitsTransform.build(spec, 3, None)
 
 
 def test_min_tokens_removes_eos_before_min_p_as_vllm_does() -> None:
@@ -168,14 +168,15 @@ def test_min_tokens_travels_in_the_transform() -> None:
         TransformSpec(((1, 1.0),), prompt_len=4, min_tokens=5, eos_ids=(2,)), min_tokens=0, eos_ids=()
     ).is_identity
     with pytest.raises(ValueError):
-        Transformer.build(TransformSpec(min_tokens=1, eos_ids=(7,)), 4, None)
+        LogitsTransform.build(TransformSpec(min_tokens=1, eos_ids=(7,)), 4, None)
 
 
 @pytest.mark.parametrize("vocab", [4, 3001])
 def test_a_transform_planned_for_the_device_gives_the_hosts_rows_bit_for_bit(vocab: int) -> None:
-    """``Transformer.device_plan`` (issue 73: what the host knows in the step's one upload, applied where the
-    rows are with nothing read back) against ``Transformer.rows``: min_tokens, bias, all three penalties and a
-    grammar's mask (vocabulary 4: the table grammar), each row by its own path — equal bits."""
+    """``LogitsTransform.device_plan`` (issue 73: what the host knows in the step's one upload, applied where
+    the rows are with nothing read back) against ``LogitsTransform.rows``: min_tokens, bias, all three
+    penalties and a grammar's mask (vocabulary 4: the table grammar), each row by its own path — equal
+    bits."""
     from core.runners.step_upload import StepUpload
 
     grammar = _grammar() if vocab == 4 else None
@@ -189,7 +190,7 @@ def test_a_transform_planned_for_the_device_gives_the_hosts_rows_bit_for_bit(voc
         min_tokens=3,
         eos_ids=(0,),
     )
-    transformer = Transformer.build(spec, vocab, TableGrammars() if grammar else None)  # type: ignore[arg-type]
+    transformer = LogitsTransform.build(spec, vocab, TableGrammars() if grammar else None)  # type: ignore[arg-type]
     logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(vocab)) * 3
     agreed, paths = [*PROMPT, 2], [[], [1], [1, 0], [2]]
     upload = StepUpload(torch.device("cpu"), words=8)  # grows as the plan needs

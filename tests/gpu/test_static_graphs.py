@@ -179,7 +179,7 @@ def test_a_transform_on_the_gpu_transforms_as_on_the_host() -> None:
     on the host's."""
     import numpy as np
 
-    from core.transform import Transformer, TransformSpec, on_device
+    from core.transform import LogitsTransform, TransformSpec, on_device
 
     spec = TransformSpec(
         logit_bias=((9, 4.0), (70, -2.5)),
@@ -190,7 +190,7 @@ def test_a_transform_on_the_gpu_transforms_as_on_the_host() -> None:
         min_tokens=4,
         eos_ids=(2,),
     )
-    transformer = Transformer.build(spec, 3001, None)
+    transformer = LogitsTransform.build(spec, 3001, None)
     logits = torch.randn(4, 3001, generator=torch.Generator().manual_seed(2))
     agreed, paths = [5, 6, 7, 9, 9], [[], [9], [9, 70], [1]]
     assert torch.equal(
@@ -256,13 +256,13 @@ def test_a_worker_step_on_the_gpu_waits_for_the_device_once() -> None:
 
 
 def test_the_devices_philox_and_transforms_are_the_hosts_bit_for_bit() -> None:
-    """core.math.random.philox_uniforms on CUDA = the host's Philox; Transformer.device_plan applied to CUDA
-    rows = rows() on the host."""
+    """core.math.random.philox_uniforms on CUDA = the host's Philox; LogitsTransform.device_plan applied to
+    CUDA rows = rows() on the host."""
     import numpy as np
 
     from core.math.random import Purpose, _uniform, philox_uniforms, stream_key
     from core.runners.step_upload import StepUpload
-    from core.transform import Transformer, TransformSpec
+    from core.transform import LogitsTransform, TransformSpec
 
     keys = [stream_key(s, s % 3, list(Purpose)[s % len(Purpose)], s % 2) for s in range(500)]
     positions = [s * 7919 + (2**32 if s % 5 == 0 else 0) for s in range(500)]
@@ -279,7 +279,7 @@ def test_the_devices_philox_and_transforms_are_the_hosts_bit_for_bit() -> None:
         min_tokens=4,
         eos_ids=(2,),
     )
-    transformer = Transformer.build(spec, 3001, None)
+    transformer = LogitsTransform.build(spec, 3001, None)
     logits = torch.randn(4, 3001, generator=torch.Generator().manual_seed(3))
     agreed, paths = [5, 6, 7, 9, 9], [[], [9], [9, 70], [1]]
     upload = StepUpload(torch.device("cuda"))

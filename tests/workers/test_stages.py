@@ -17,7 +17,7 @@ from core.protocol import BINARY_CONTENT_TYPE, StageRequest, StageResponse, deco
 from core.runners import load_runner, resolve_model
 from core.runners.base import ForwardItem
 from core.runners.transformers_runner import TransformersRunner
-from core.transform import Transformer, TransformSpec
+from core.transform import LogitsTransform, TransformSpec
 from tests.app.helpers import assert_error, served
 from workers.server import create_app
 from workers.settings import WorkerSettings
@@ -159,7 +159,7 @@ def test_the_last_stage_transforms_each_row_by_its_ancestors(
         frequency_penalty=1.1,
         prompt_len=len(PROMPT),
     )
-    transformer = Transformer.build(spec, V, None)
+    transformer = LogitsTransform.build(spec, V, None)
     tokens, parents = PROMPT + TREE, list(range(-1, len(PROMPT) - 1)) + TREE_PARENTS
     req = StageRequest(
         "t",

@@ -13,10 +13,10 @@ from app.engine.round import Round
 from app.engine.session import Session
 from app.engine.spec import GenerationRequest, RoundResult
 from app.targets.pool import TargetSet
-from core.transform import Transformer
+from core.transform import LogitsTransform
 
 
-class Engine(Protocol):
+class EngineView(Protocol):
     """What a strategy uses of the engine (``app.engine.loop.Engine``)."""
 
     draft: DraftModel
@@ -24,12 +24,12 @@ class Engine(Protocol):
     vocab_size: int
     prefill_waits: bool
 
-    def transformer(self, req: GenerationRequest) -> Transformer | None: ...
+    def transformer(self, req: GenerationRequest) -> LogitsTransform | None: ...
 
 
 class LoopStrategy(ABC):
     @abstractmethod
-    def run(self, engine: Engine, session: Session) -> AsyncGenerator[RoundResult, None]:
+    def run(self, engine: EngineView, session: Session) -> AsyncGenerator[RoundResult, None]:
         """The results of one choice, until one carries a finish reason."""
 
 

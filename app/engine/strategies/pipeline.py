@@ -20,7 +20,7 @@ from app.engine.late import LateDraft
 from app.engine.round import token_logprobs
 from app.engine.session import Session, finish_reason
 from app.engine.spec import RoundResult, TokenLogprob
-from app.engine.strategies.base import Engine, LoopStrategy
+from app.engine.strategies.base import EngineView, LoopStrategy
 from app.targets.channel import Traffic
 from app.targets.failures import WorkerError
 from app.targets.pipeline import PipelineTarget, Segment, StageDown, StageShort
@@ -59,7 +59,7 @@ class PipelineStrategy(LoopStrategy):
     """Mode ``pipeline`` (docs/design.md §3.7): its own loop (``PipelineRun``) over the one pipeline
     target."""
 
-    def run(self, engine: Engine, session: Session) -> AsyncGenerator[RoundResult, None]:
+    def run(self, engine: EngineView, session: Session) -> AsyncGenerator[RoundResult, None]:
         target = engine.pool.workers[0]
         if not isinstance(target, PipelineTarget) or len(engine.pool.workers) != 1:
             raise WorkerError(
@@ -74,7 +74,7 @@ class PipelineRun:
     """One choice through a pipeline target: walk what arrives (§3.6's fixed-children rule), prune, send,
     expand (docs/modes.md)."""
 
-    def __init__(self, engine: Engine, target: PipelineTarget, session: Session) -> None:
+    def __init__(self, engine: EngineView, target: PipelineTarget, session: Session) -> None:
         req = self.req = session.req
         self.draft, self.target, self.session_id, self.vocab_size = (
             engine.draft,

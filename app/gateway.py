@@ -1,6 +1,6 @@
-"""The gateway's service (docs/design.md §5): the targets' readiness, a job's grammar compiled off the event
+"""The gateway (docs/design.md §5): the targets' readiness, a job's grammar compiled off the event
 loop, its choices run from rounds to text events, counted in usage and metrics (requests become jobs in
-app.requests, events bodies in app.responses)."""
+app.requests, events bodies in app.bodies)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ from dataclasses import asdict
 from typing import Any
 
 from app.engine import TokenLogprob
+from app.gateway import ChoiceEvent
 from app.requests import Job
-from app.service import ChoiceEvent
 from app.tools import message_of
 
 
