@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(config, draft_runner=draft, instance_id=args.instance_id, model_thread=thread)
     print(
         f"specgate gateway: {config.model} on http://{config.host}:{config.port} (draft "
-        f"{config.draft.model}, mode {config.speculative.mode.value})",
+        f"{config.draft.model}, mode {config.speculative.mode})",
         flush=True,
     )
     drain_s = config.limits.drain_timeout_s

@@ -204,7 +204,7 @@ class Gateway:
             reasoning=splitter,
             skipped=skipped,
         )
-        mode, last, is_first = choice.spec.mode.value, job.arrived, True
+        mode, last, is_first = str(choice.spec.mode), job.arrived, True
         if choice.choice == 0:
             self.metrics.prompt_tokens.inc(len(choice.prompt))
         async with aclosing(self.engine.generate(choice)) as rounds:

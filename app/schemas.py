@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from core.config import PipelineParams, TreeParams, in_range
 from core.grammar import MAX_JSON_DEPTH, json_depth
-from core.names import Mode, Reconstruction
+from core.names import Reconstruction
 
 # ASCII digits only: str.isdigit takes "²", which int() refuses
 _TOKEN_ID = re.compile(r"\s*([0-9]{1,10})\s*")
@@ -43,7 +43,7 @@ class RelaxationParams(_Strict):
 class SpeculativeParams(_Strict):
     """``"speculative": {...}`` in a request: overrides the configured decoding for it."""
 
-    mode: Mode | None = None
+    mode: str | None = None
     num_draft_tokens: int | Literal["auto"] | None = None
     k: int | Literal["full"] | None = None
     reconstruction: Reconstruction | None = None
@@ -58,7 +58,7 @@ class SpeculativeParams(_Strict):
     drafter: str | None = None
 
     # the config's checks (mode: a 400 of its own, app.requests)
-    _in_range = field_validator("k", "num_draft_tokens")(in_range)
+    _in_range = field_validator("k", "num_draft_tokens", "mode")(in_range)
 
 
 class StreamOptions(_Strict):

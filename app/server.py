@@ -145,9 +145,7 @@ def create_app(
     )
     metrics = app.state.metrics = GatewayMetrics(admission)
     gamma = config.speculative.num_draft_tokens
-    metrics.open_series(
-        config.speculative.mode.value, gamma if isinstance(gamma, int) else MAX_AUTO_GAMMA + 1
-    )
+    metrics.open_series(str(config.speculative.mode), gamma if isinstance(gamma, int) else MAX_AUTO_GAMMA + 1)
     app.add_middleware(
         Guard,
         token=config.api_key,

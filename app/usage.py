@@ -134,7 +134,7 @@ class Usage:
     def to_dict(self) -> dict[str, Any]:
         spec = self.spec
         block: dict[str, Any] = {
-            "mode": spec.mode.value,
+            "mode": str(spec.mode),
             "num_draft_tokens": 0
             if not MODES[spec.mode].drafts
             else "auto"

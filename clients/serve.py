@@ -226,7 +226,7 @@ def ready_message(config: SpecgateConfig) -> str:
         for w in config.workers
     )
     return (
-        f"specgate: ready on {base} — model {config.model!r}, mode {config.speculative.mode.value}, "
+        f"specgate: ready on {base} — model {config.model!r}, mode {config.speculative.mode}, "
         f"draft {config.draft.model}, workers {workers}\n"
         f"  Try: curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
         f'-d \'{{"model": "{config.model}", "messages": [{{"role": "user", "content": "Say '

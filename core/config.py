@@ -26,7 +26,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from core.errors import ConfigError
 from core.math.shapes import ChildRule, SegmentSchedule, TreeShape
-from core.modes import SERVED_MODES, target_problem
+from core.modes import mode_named, target_problem
 from core.names import Backend, Mode, Reconstruction, TargetType
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}  # hosts on this machine (late_prefill_waits)
@@ -214,10 +214,8 @@ def in_range(value: Any, info: ValidationInfo) -> Any:
         raise ValueError("k must be ≥ 1 or 'full'")
     if info.field_name == "num_draft_tokens" and isinstance(value, int) and not 1 <= value <= 32:
         raise ValueError("num_draft_tokens must lie in [1, 32] or be 'auto'")
-    if info.field_name == "mode" and value not in SERVED_MODES:
-        raise ValueError(
-            f"mode {value.value!r} is not available yet: use one of {[m.value for m in SERVED_MODES]}"
-        )
+    if info.field_name == "mode" and value is not None:
+        return mode_named(value)  # a built-in Mode, or a registered mode (core.modes.register)
     return value
 
 
@@ -226,9 +224,10 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Mode = Field(
+    mode: str = Field(
         default=Mode.AGGREGATE,
-        description="served: autoregressive, aggregate, split, exact, tree (the built-in config: exact)",
+        description="autoregressive, aggregate, split, exact, tree, pipeline, or a mode registered by a "
+        "plug-in (core.modes.register; the built-in config: exact)",
     )
     num_draft_tokens: int | Literal["auto"] = Field(
         default=4, description="γ in [1, 32], or auto: chosen each round (fixed 4 with a seed)"

@@ -49,12 +49,28 @@ _EVERY = frozenset({"mode", "profile"})
 _DRAFTING = _EVERY | {"num_draft_tokens", "draft_top_k", "draft_top_p", "overlap", "drafter"}
 
 
+# What a worker's answer to a verify call carries, by which its scoring (workers.scoring.SCORINGS) and its
+# checks (core.protocol.checks.ANSWERS) are found: T(p) rows (whole or top-k); one sample z ~ T(p); split's
+# verdict (accepted, bonus, or p at the rejection); exact's sparse rows on the draft's supports
+ROWS, SAMPLE, VERDICT, SPARSE = "rows", "sample", "verdict", "sparse"
+
+
 @dataclass(frozen=True)
 class ModeSpec:
-    mode: Mode
+    """A decoding mode, whole: what a request may set in it, what its targets answer with, the gateway's
+    strategy that verifies it and how a worker scores its calls. ``register`` adds one (docs/design.md, "How
+    to add a mode")."""
+
+    mode: str  # a Mode, or a registered mode's name
     fields: frozenset[str]  # the fields of ``speculative`` a request may set in this mode
     payloads: frozenset[Payload]  # what its targets may answer with (``SpecOptions.payload``)
-    drafts: bool = True  # the gateway drafts (autoregressive: no)
+    # its strategy's name in app.engine.strategies.STRATEGIES; None: its payload's verifies it (tree)
+    strategy: str | None
+    # what a worker's answer to its verify call carries at T = 0 and at T > 0 (ROWS, SAMPLE, VERDICT,
+    # SPARSE or a registered one); None: it makes no verify call (pipeline: /v1/stage/forward)
+    scoring: tuple[str, str] | None
+    drafts: bool = True  # the gateway drafts (autoregressive: no; its calls score one position)
+    trees: bool = False  # its verify calls may carry a tree (protocol v1.1 ``parents``)
     one_worker: bool = False  # verifies on exactly one worker (split)
     openai_logprobs: bool = False  # openai-logprobs engines may be among the targets (docs/design.md §8)
     pipelines: bool = False  # pipeline targets (stage workers, docs/design.md §3.7) may be among the targets
@@ -65,11 +81,14 @@ class ModeSpec:
         return "k" in self.fields
 
 
-MODES: dict[Mode, ModeSpec] = {
+_ROWS = (ROWS, ROWS)
+MODES: dict[str, ModeSpec] = {
     Mode.AUTOREGRESSIVE: ModeSpec(
         Mode.AUTOREGRESSIVE,
         _EVERY,
         frozenset({Payload.SAMPLES, Payload.LOGPROBS}),
+        Mode.AUTOREGRESSIVE,
+        (ROWS, SAMPLE),
         drafts=False,
         openai_logprobs=True,
         pipelines=True,
@@ -78,17 +97,35 @@ MODES: dict[Mode, ModeSpec] = {
         Mode.AGGREGATE,
         _DRAFTING | {"k", "reconstruction", "relaxation"},
         frozenset({Payload.FULL, Payload.TOP_K, Payload.LOGPROBS}),
+        Mode.AGGREGATE,
+        _ROWS,
+        trees=True,
         openai_logprobs=True,
         pipelines=True,
     ),
     Mode.SPLIT: ModeSpec(
-        Mode.SPLIT, _DRAFTING | {"k"}, frozenset({Payload.FULL, Payload.TOP_K}), one_worker=True
+        Mode.SPLIT,
+        _DRAFTING | {"k"},
+        frozenset({Payload.FULL, Payload.TOP_K}),
+        Mode.SPLIT,
+        (VERDICT, VERDICT),
+        one_worker=True,
     ),
-    Mode.EXACT: ModeSpec(Mode.EXACT, _DRAFTING | {"relaxation"}, frozenset({Payload.SPARSE})),
+    Mode.EXACT: ModeSpec(
+        Mode.EXACT,
+        _DRAFTING | {"relaxation"},
+        frozenset({Payload.SPARSE}),
+        Mode.EXACT,
+        (ROWS, SPARSE),
+        trees=True,
+    ),
     Mode.TREE: ModeSpec(
         Mode.TREE,
         _EVERY | {"tree", "k", "reconstruction", "draft_top_k", "draft_top_p", "drafter"},
         frozenset({Payload.FULL, Payload.TOP_K, Payload.SPARSE}),
+        None,
+        _ROWS,
+        trees=True,
         pipelines=True,
     ),
     # one pipeline target, full distributions
@@ -96,37 +133,69 @@ MODES: dict[Mode, ModeSpec] = {
         Mode.PIPELINE,
         _EVERY | {"pipeline", "drafter"},
         frozenset({Payload.FULL}),
+        Mode.PIPELINE,
+        None,
         one_worker=True,
         pipelines=True,
     ),
 }
 
-SERVED_MODES = tuple(MODES)
-OPENAI_LOGPROBS_MODES = tuple(m for m in SERVED_MODES if MODES[m].openai_logprobs)
-PIPELINE_TARGET_MODES = tuple(m for m in SERVED_MODES if MODES[m].pipelines)
+
+def register(spec: ModeSpec) -> ModeSpec:
+    """``spec`` served under its name: a request, the config and a worker's ``/v1/verify`` then take it. A
+    name taken is refused."""
+    if not spec.mode or spec.mode in MODES:
+        raise ValueError(f"a mode needs a name of its own, got {spec.mode!r}")
+    MODES[spec.mode] = spec
+    return spec
+
+
+def mode_named(name: str) -> str:
+    """The mode ``name`` names (a Mode where it is built in), or a ValueError listing the served ones."""
+    if name not in MODES:
+        raise ValueError(f"mode {name!r} is not available: use one of {list(MODES)}")
+    return next(m for m in MODES if m == name)
+
+
+def modes_where(flag: str) -> list[str]:
+    """The served modes whose ModeSpec has ``flag`` set (``openai_logprobs``, ``pipelines``, ...)."""
+    return [m for m, spec in MODES.items() if getattr(spec, flag)]
+
+
+def verify_modes() -> list[str]:
+    """The modes ``/v1/verify`` answers (a pipeline's calls are ``/v1/stage/forward``)."""
+    return [m for m, spec in MODES.items() if spec.scoring is not None]
+
+
+def scoring_of(mode: str, sampled: bool) -> str:
+    """What a worker's answer to a verify call of ``mode`` carries (ROWS, SAMPLE, ...), at T > 0 if
+    ``sampled``."""
+    scoring = MODES[mode].scoring
+    assert scoring is not None, f"mode {mode} makes no verify call"
+    return scoring[sampled]
 
 
 def target_problem(
-    mode: Mode, num_targets: int, engines: Sequence[str], pipelines: Sequence[str]
+    mode: str, num_targets: int, engines: Sequence[str], pipelines: Sequence[str]
 ) -> str | None:
     """Why ``mode`` cannot verify on these targets (``engines``, ``pipelines``: those among them), or None;
     checked at start-up and per request."""
     spec = MODES[mode]
     if engines and not spec.openai_logprobs:
         return (
-            f"mode {mode.value!r} needs specgate workers; {engines[0]} is an openai-logprobs engine "
-            f"(use {' or '.join(m.value for m in OPENAI_LOGPROBS_MODES)})"
+            f"mode {str(mode)!r} needs specgate workers; {engines[0]} is an openai-logprobs engine "
+            f"(use {' or '.join(modes_where('openai_logprobs'))})"
         )
-    if mode is Mode.PIPELINE and not pipelines:
+    if spec.scoring is None and not pipelines:
         return (
-            "mode 'pipeline' needs one pipeline target (workers: [{pipeline: [stage URLs]}]); these "
+            f"mode {str(mode)!r} needs one pipeline target (workers: [{{pipeline: [stage URLs]}}]); these "
             "workers are whole models"
         )
     if spec.one_worker and num_targets != 1:
-        return f"mode {mode.value} verifies on one worker; there are {num_targets}"
+        return f"mode {mode} verifies on one worker; there are {num_targets}"
     if pipelines and not spec.pipelines:
         return (
-            f"mode {mode.value!r} cannot verify on the pipeline target {pipelines[0]}: use one of "
-            f"{[m.value for m in PIPELINE_TARGET_MODES]}"
+            f"mode {str(mode)!r} cannot verify on the pipeline target {pipelines[0]}: use one of "
+            f"{[str(m) for m in modes_where('pipelines')]}"
         )
     return None

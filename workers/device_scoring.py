@@ -25,7 +25,8 @@ from core.math.random import Purpose, count_accepts, philox_uniforms, sample_row
 from core.math.sampling import normalised
 from core.math.speculative import acceptance_probs
 from core.math.tree import depths_of
-from core.names import Mode, Reconstruction
+from core.modes import ROWS, SAMPLE, SPARSE, VERDICT, scoring_of
+from core.names import Reconstruction
 from core.protocol import VerifyRequest, VerifyResponse
 from core.runners.step_upload import Segment, StepUpload
 from workers.scoring import sampling_params
@@ -177,7 +178,7 @@ class StepScoring:
             numbers.add([v for req, n in zip(reqs, self.sizes) for v in [getattr(req, name)] * n])
             for name in ("temperature", "top_k", "top_p", "min_p")
         ]
-        self._needs = [_host_numbers(req, numbers) for req in reqs]
+        self._needs = [_kind(req).numbers(req, numbers) for req in reqs]
         numbers.queue()
 
     def score(
@@ -231,7 +232,7 @@ class StepScoring:
             part = slice(start, start + n)
             pick = lambda t, part=part: None if t is None else t[part]  # noqa: E731
             call = _Rows(probs[part], pick(finite), pick(ordered), pick(order), (totals, start))
-            finishes.append(_score_call(call, req, held, model_ms, numbers, self._needs[i], pack))
+            finishes.append(_kind(req).score(call, req, held, model_ms, numbers, self._needs[i], pack))
             start += n
         # the step's results in one buffer, made now: the copy back waits for nothing else queued later
         chunks = pack.chunks()
@@ -276,17 +277,23 @@ def top_entries(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 _ID_MASK = 0xFFFFFFFF
 
 
-def _host_numbers(req: VerifyRequest, numbers: _Numbers) -> dict[str, slice]:
-    """What ``score`` would read or draw on the host for ``req``, queued for the step's one upload (its draws
-    as stream keys)."""
+def _no_numbers(req: VerifyRequest, numbers: _Numbers) -> dict[str, slice]:
+    return {}
+
+
+def _sample_numbers(req: VerifyRequest, numbers: _Numbers) -> dict[str, slice]:
+    """The draw autoregressive's sample takes (``workers.scoring._sample``), as a stream key."""
+    base = req.prefix_len + len(req.tokens)
+    return {"u": numbers.draws(req.seed, req.choice, [base], Purpose.WORKER_SAMPLE, req.worker)}
+
+
+def _verdict_numbers(req: VerifyRequest, numbers: _Numbers) -> dict[str, slice]:
+    """What split's accept test reads or draws on the host (``workers.scoring._split``), queued for the
+    step's one upload (its draws as stream keys)."""
     gamma, base, sampled = len(req.draft), req.prefix_len + len(req.tokens), req.temperature > 0
-    out: dict[str, slice] = {}
     seed, choice, worker = req.seed, req.choice, req.worker
-    if req.mode == Mode.SPLIT.value or (req.mode == Mode.EXACT.value and sampled):
-        out["draft"] = numbers.add(req.draft.astype(np.int64))
-    if req.mode == Mode.AUTOREGRESSIVE.value and sampled:
-        out["u"] = numbers.draws(seed, choice, [base], Purpose.WORKER_SAMPLE, worker)
-    elif req.mode == Mode.SPLIT.value and sampled:
+    out = {"draft": numbers.add(req.draft.astype(np.int64))}
+    if sampled:
         out["q"] = numbers.add(np.array(req.draft_probs, dtype=np.float64))
         out["u"] = numbers.draws(seed, choice, list(range(base, base + gamma)), Purpose.ACCEPT, worker)
         out["bonus_u"] = numbers.draws(seed, choice, [base + gamma], Purpose.BONUS, worker)
@@ -298,20 +305,27 @@ def _host_numbers(req: VerifyRequest, numbers: _Numbers) -> dict[str, slice]:
             )
             out["support_q"] = numbers.add(np.asarray(req.support_q, dtype=np.float64))
             out["residual_u"] = numbers.draws(seed, choice, list(range(base, base + gamma)), Purpose.RESIDUAL)
-    elif req.mode == Mode.EXACT.value and sampled:
-        sizes = np.asarray(req.support_sizes, dtype=np.int64)
-        depths = [0, *depths_of(req.parents.tolist())] if req.parents is not None else list(range(gamma))
-        out["ids"] = numbers.add(np.asarray(req.support_ids, dtype=np.int64))
-        out["row_of"] = numbers.add(np.repeat(np.arange(len(sizes)), sizes))
-        out["u"] = numbers.draws(
-            seed, choice, [base + d for d in depths[: len(sizes)]], Purpose.WORKER_COMPLEMENT, worker
-        )
-        if req.parents is None:
-            out["bonus_u"] = numbers.draws(seed, choice, [base + gamma], Purpose.WORKER_BONUS, worker)
     return out
 
 
-def _score_call(
+def _sparse_numbers(req: VerifyRequest, numbers: _Numbers) -> dict[str, slice]:
+    """What exact's sparse rows read or draw on the host (``workers.scoring._exact``)."""
+    gamma, base = len(req.draft), req.prefix_len + len(req.tokens)
+    seed, choice, worker = req.seed, req.choice, req.worker
+    sizes = np.asarray(req.support_sizes, dtype=np.int64)
+    depths = [0, *depths_of(req.parents.tolist())] if req.parents is not None else list(range(gamma))
+    out = {"draft": numbers.add(req.draft.astype(np.int64))}
+    out["ids"] = numbers.add(np.asarray(req.support_ids, dtype=np.int64))
+    out["row_of"] = numbers.add(np.repeat(np.arange(len(sizes)), sizes))
+    out["u"] = numbers.draws(
+        seed, choice, [base + d for d in depths[: len(sizes)]], Purpose.WORKER_COMPLEMENT, worker
+    )
+    if req.parents is None:
+        out["bonus_u"] = numbers.draws(seed, choice, [base + gamma], Purpose.WORKER_BONUS, worker)
+    return out
+
+
+def _rows_call(
     rows: _Rows,
     req: VerifyRequest,
     held: int,
@@ -320,14 +334,10 @@ def _score_call(
     need: dict[str, slice],
     pack: _Pack,
 ) -> Finish:
-    """One call's device work, queued into ``pack``; what builds its answer once the pack is on the host."""
-    sampled = req.temperature > 0
-    if req.mode == Mode.SPLIT.value:
-        return _split(rows, req, held, model_ms, numbers, need, pack)
-    if req.mode == Mode.EXACT.value and sampled:
-        return _exact(rows, req, held, model_ms, numbers, need, pack)
+    """One call's device work, queued into ``pack``; what builds its answer once the pack is on the host:
+    T(p) rows as asked (and autoregressive's sample, where ``need`` holds its draw)."""
     sample = None
-    if req.mode == Mode.AUTOREGRESSIVE.value and sampled:
+    if "u" in need:  # autoregressive at T > 0 (_sample_numbers)
         sample = pack.add(sample_rows(rows.probs[:1], numbers.u(need["u"])))
     payload = (
         None if sample is not None and not req.return_probs else _distributions(rows, req, pack, rows.finite)
@@ -569,3 +579,26 @@ def _top(probs: torch.Tensor, norm: torch.Tensor, n: int, pack: _Pack) -> tuple[
     to the lowest id."""
     _, ids = top_entries(probs, n)
     return pack.add(ids), pack.add(_logs(norm.gather(1, ids)))
+
+
+@dataclass(frozen=True)
+class DeviceScoring:
+    """A kind of answer (workers.scoring.SCORINGS) scored where the logits are: ``numbers`` queues what the
+    host reads or draws for a call into the step's one upload; ``score`` queues the call's device work and
+    returns what builds its answer once the pack is on the host."""
+
+    numbers: Callable[[VerifyRequest, _Numbers], dict[str, slice]]
+    score: Callable[[_Rows, VerifyRequest, int, float, _Numbers, dict[str, slice], _Pack], Finish]
+
+
+# by kind of answer, as workers.scoring.SCORINGS; a mode with a kind of its own adds its scoring here
+DEVICE_SCORINGS: dict[str, DeviceScoring] = {
+    ROWS: DeviceScoring(_no_numbers, _rows_call),
+    SAMPLE: DeviceScoring(_sample_numbers, _rows_call),
+    VERDICT: DeviceScoring(_verdict_numbers, _split),
+    SPARSE: DeviceScoring(_sparse_numbers, _exact),
+}
+
+
+def _kind(req: VerifyRequest) -> DeviceScoring:
+    return DEVICE_SCORINGS[scoring_of(req.mode, req.temperature > 0)]

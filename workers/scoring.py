@@ -4,6 +4,7 @@ The math is core's: the gateway reconstructs with the very functions used here f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,7 +17,8 @@ from core.math.random import Purpose, sample_index, sample_rows, uniform, unifor
 from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.math.speculative import count_accepted, residual, verify_greedy
 from core.math.tree import depths_of
-from core.names import Mode, Reconstruction
+from core.modes import ROWS, SAMPLE, SPARSE, VERDICT, scoring_of
+from core.names import Reconstruction
 from core.protocol import StageRequest, VerifyRequest, VerifyResponse
 from core.runners.base import ForwardItem
 
@@ -88,16 +90,23 @@ def _answer(
 ) -> VerifyResponse:
     """``allowed``: a grammar's ids per row, where the gateway's residual reconstruction spreads σ (e_n is
     measured on what it rebuilds)."""
-    if req.mode == Mode.SPLIT.value:
-        return _split(probs, req, held, model_ms)
-    if req.mode == Mode.EXACT.value and not params.is_greedy:
-        return _exact(probs, req, held, model_ms)
-    samples = None
-    if req.mode == Mode.AUTOREGRESSIVE.value and not params.is_greedy:
-        u = uniform(req.seed, req.choice, _first_position(req), Purpose.WORKER_SAMPLE, req.worker)
-        samples = np.array([sample_index(probs[0], u)], dtype=np.int32)
-        if not req.return_probs:
-            return VerifyResponse(held=held, samples=samples, model_ms=model_ms)
+    return SCORINGS[scoring_of(req.mode, not params.is_greedy)].answer(probs, req, held, model_ms, allowed)
+
+
+def _rows(
+    probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float, allowed: torch.Tensor | None
+) -> VerifyResponse:
+    return _distributions(probs, req, held, model_ms, None, allowed)
+
+
+def _sample(
+    probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float, allowed: torch.Tensor | None
+) -> VerifyResponse:
+    """autoregressive at T > 0: the worker's own z ~ T(p) at its one position (and the row, if asked)."""
+    u = uniform(req.seed, req.choice, _first_position(req), Purpose.WORKER_SAMPLE, req.worker)
+    samples = np.array([sample_index(probs[0], u)], dtype=np.int32)
+    if not req.return_probs:
+        return VerifyResponse(held=held, samples=samples, model_ms=model_ms)
     return _distributions(probs, req, held, model_ms, samples, allowed)
 
 
@@ -105,7 +114,9 @@ def _first_position(req: VerifyRequest) -> int:  # the absolute index of the tok
     return req.prefix_len + len(req.tokens)
 
 
-def _split(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float) -> VerifyResponse:
+def _split(
+    probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float, allowed: torch.Tensor | None = None
+) -> VerifyResponse:
     # probs: [γ+1, V]
     """DSSD's worker half: the accept test with its own stream; the bonus, or p at the rejection."""
     gamma, base = len(req.draft), _first_position(req)
@@ -156,7 +167,9 @@ def split_residual_draw(p: torch.Tensor, req: VerifyRequest, accepted: int) -> i
     return sample_index(residual(p_row, q_row), u)
 
 
-def _exact(probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float) -> VerifyResponse:
+def _exact(
+    probs: torch.Tensor, req: VerifyRequest, held: int, model_ms: float, allowed: torch.Tensor | None = None
+) -> VerifyResponse:
     # probs: [γ+1, V]
     """Per row p_n on S_j, the mass off it, a sample from off it; a bonus sample (a tree: none; a leaf's empty
     S samples all of p_n)."""
@@ -244,30 +257,54 @@ def _asked_logprobs(probs: torch.Tensor, req: VerifyRequest, resp: VerifyRespons
     # probs: [γ+1, V], T(p_n)
     """What only this worker knows of the emitted tokens' log-probabilities (split: the draft tokens
     and the bonus; exact: its own samples), and its top-n; only in modes whose answer lacks the rows."""
-    split, sampled = req.mode == Mode.SPLIT.value, req.temperature > 0
-    if req.logprobs is None or not (split or (req.mode == Mode.EXACT.value and sampled)):
+    logprobs = SCORINGS[scoring_of(req.mode, req.temperature > 0)].logprobs
+    if req.logprobs is None or logprobs is None:
         return {}
     probs = normalised(probs)  # the distributions the gateway verifies with (an fp32 row sums to 1 ± 3e-5)
-    gamma = len(req.draft)
-    out: dict[str, Any] = {}
-    if split:
-        out["draft_logprobs"] = _logs(
-            probs[torch.arange(gamma), torch.from_numpy(req.draft.astype(np.int64))]
-        )
-        if resp.num_accepted == gamma or not sampled or req.support_q is not None:
-            # the bonus, or the token drawn at the rejection
-            out["sample_logprobs"] = _logs(probs[resp.num_accepted, resp.bonus : resp.bonus + 1])
-    else:
-        samples = np.asarray(resp.complement_samples, dtype=np.int64)
-        own = [
-            probs[j, y] if y >= 0 else torch.tensor(1.0, dtype=probs.dtype)
-            for j, y in enumerate(samples.tolist())
-        ]
-        bonus = [probs[gamma, resp.bonus]] if req.parents is None else []  # a tree's leaves hold theirs
-        out["sample_logprobs"] = _logs(torch.stack([*own, *bonus]))
+    out = logprobs(probs, req, resp)
     if req.logprobs:
         out["top_ids"], out["top_logprobs"] = _top(probs, req.logprobs)
     return out
+
+
+def _verdict_logprobs(probs: torch.Tensor, req: VerifyRequest, resp: VerifyResponse) -> dict[str, Any]:
+    """split's: the draft tokens', and the bonus's or the token's drawn at the rejection."""
+    gamma = len(req.draft)
+    out = {"draft_logprobs": _logs(probs[torch.arange(gamma), torch.from_numpy(req.draft.astype(np.int64))])}
+    if resp.num_accepted == gamma or req.temperature == 0 or req.support_q is not None:
+        out["sample_logprobs"] = _logs(probs[resp.num_accepted, resp.bonus : resp.bonus + 1])
+    return out
+
+
+def _sparse_logprobs(probs: torch.Tensor, req: VerifyRequest, resp: VerifyResponse) -> dict[str, Any]:
+    """exact's: the worker's own samples', and the bonus's (a tree's leaves hold theirs)."""
+    samples = np.asarray(resp.complement_samples, dtype=np.int64)
+    own = [
+        probs[j, y] if y >= 0 else torch.tensor(1.0, dtype=probs.dtype)
+        for j, y in enumerate(samples.tolist())
+    ]
+    bonus = [probs[len(req.draft), resp.bonus]] if req.parents is None else []
+    return {"sample_logprobs": _logs(torch.stack([*own, *bonus]))}
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How a worker answers a verify call of one kind of answer (``core.modes.ModeSpec.scoring``) on the
+    host: ``answer`` from the call's T(p) rows; ``logprobs``: what the answer adds for ``logprobs`` (None:
+    the gateway reads them off the rows). workers.device_scoring.DEVICE_SCORINGS scores the same kinds where
+    the logits are, bit for bit (tests/workers/test_device_scoring.py)."""
+
+    answer: Callable[[torch.Tensor, VerifyRequest, int, float, torch.Tensor | None], VerifyResponse]
+    logprobs: Callable[[torch.Tensor, VerifyRequest, VerifyResponse], dict[str, Any]] | None = None
+
+
+# by kind of answer; a mode with a kind of its own adds its scoring here (and to DEVICE_SCORINGS)
+SCORINGS: dict[str, Scoring] = {
+    ROWS: Scoring(_rows),
+    SAMPLE: Scoring(_sample),
+    VERDICT: Scoring(_split, _verdict_logprobs),
+    SPARSE: Scoring(_exact, _sparse_logprobs),
+}
 
 
 def _prompt_logprobs(probs: torch.Tensor, req: VerifyRequest) -> dict[str, Any]:

@@ -7,7 +7,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from core.grammar import engine_version
-from core.protocol import PROTOCOL_VERSION, VERIFY_MODES, InfoResponse
+from core.modes import verify_modes
+from core.protocol import PROTOCOL_VERSION, InfoResponse
 from core.runners import ModelRunner
 from core.runners.model_thread import ModelThread
 from workers.link import StageLink
@@ -74,7 +75,7 @@ class WorkerState:
         info = self.runner.info
         return InfoResponse(
             protocol_version=PROTOCOL_VERSION,
-            modes=list(VERIFY_MODES),
+            modes=[str(m) for m in verify_modes()],
             model_id=info.model_id,
             vocab_size=info.vocab_size,
             tokenizer_fingerprint=self.runner.fingerprint,

@@ -14,7 +14,7 @@ import torch
 
 from core.errors import ContextOverflow, InvalidRequest, SessionShort
 from core.math.tree import path_of
-from core.names import Mode
+from core.modes import MODES
 from core.protocol import StageRequest, VerifyRequest, VerifyResponse, check_verify_request
 from core.runners import ModelRunner
 from core.runners.base import ForwardItem
@@ -336,7 +336,7 @@ class Steps:
         self.counters["positions_scored"] += len(req.draft) + 1
         rows = shaped(logits[scored_tokens:], shaping)
         resp = score(rows, req, held, model_ms, logits[:scored_tokens] if req.score_tokens else None)
-        if self.looks_ahead and req.ahead and req.mode == Mode.AUTOREGRESSIVE.value and req.score_ids is None:
+        if self.looks_ahead and req.ahead and not MODES[req.mode].drafts and req.score_ids is None:
             token = (
                 resp.samples[0]
                 if resp.samples is not None

@@ -18,7 +18,7 @@ from core.transform import LogitsTransform, TransformSpec
 class SpecOptions:
     """The speculative settings of one request (config defaults, overridden per request)."""
 
-    mode: Mode
+    mode: str  # a Mode, or a registered mode (core.modes.register)
     num_draft_tokens: int
     k: int | None  # None = full distributions
     reconstruction: Reconstruction
@@ -58,17 +58,17 @@ class SpecOptions:
             ),
             (
                 self.payload not in MODES[self.mode].payloads,
-                f"mode {self.mode.value} does not verify {self.payload.value} rows",
+                f"mode {self.mode} does not verify {self.payload} rows",
             ),
         ):
             if broken:
                 raise ValueError(message)
 
     @property
-    def verifier(self) -> Mode:
-        """The mode whose strategy verifies a round: a tree's payload's (a tree is a draft shape), else the
-        mode's own."""
-        return self.tree_payload if self.mode is Mode.TREE else self.mode
+    def verifier(self) -> str:
+        """The strategy that verifies a round (its name in app.engine.strategies.STRATEGIES): the mode's,
+        or where it names none, its payload's (a tree is a draft shape)."""
+        return MODES[self.mode].strategy or self.tree_payload
 
     @property
     def sparse(self) -> bool:

@@ -22,8 +22,7 @@ from core.errors import ProtocolError
 from core.math.random import Purpose, sample_index, uniform
 from core.math.sampling import SamplingParams
 from core.math.tempering import temper_top_k
-from core.modes import OPENAI_LOGPROBS_MODES
-from core.names import Mode
+from core.modes import SAMPLE, modes_where, scoring_of
 from core.protocol import PROTOCOL_VERSION, InfoResponse, VerifyRequest, VerifyResponse, check_verify_response
 from core.runners.tokenizer import per_tokenizer
 from core.transform import TransformSpec
@@ -97,7 +96,7 @@ class EngineDialect:
             )
         return InfoResponse(
             protocol_version=PROTOCOL_VERSION,
-            modes=[m.value for m in OPENAI_LOGPROBS_MODES],
+            modes=[str(m) for m in modes_where("openai_logprobs")],
             model_id=f"{self.model} (openai-logprobs)",
             vocab_size=self.vocab_size,
             tokenizer_fingerprint=self.expected.fingerprint,
@@ -229,7 +228,7 @@ class EngineDialect:
     async def verify(
         self, replica: Replica, req: VerifyRequest, agreed: list[int], traffic: Traffic
     ) -> VerifyResponse:
-        if req.mode not in [m.value for m in OPENAI_LOGPROBS_MODES]:
+        if req.mode not in modes_where("openai_logprobs"):
             raise WorkerError(self.name, f"an openai-logprobs engine cannot verify in mode {req.mode!r}", 400)
         if replica.url not in self.formats:  # checked before any call; a probe reset it since
             await self.info(replica)
@@ -371,7 +370,7 @@ class EngineDialect:
             probs.append((tempered.probs * (1 - tempered.tail_bound)).numpy())
             tails.append(tempered.tail_bound)
         tail, samples = np.asarray(tails, dtype=np.float32), None  # model_ms stays 0: the engine does not say
-        if req.mode == Mode.AUTOREGRESSIVE.value and req.temperature > 0:
+        if scoring_of(req.mode, req.temperature > 0) == SAMPLE:
             u = uniform(req.seed, req.choice, first, Purpose.WORKER_SAMPLE, req.worker)
             samples = np.array([ids[0][sample_index(torch.from_numpy(probs[0]).double(), u)]], dtype=np.int32)
             if not req.return_probs:

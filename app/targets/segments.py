@@ -11,7 +11,7 @@ import torch
 
 from app.targets.failures import WorkerError
 from core.math.random import Purpose, sample_index, uniform
-from core.names import Mode
+from core.modes import MODES, SAMPLE, scoring_of
 from core.protocol import StageRequest, StageResponse, VerifyRequest, VerifyResponse
 
 
@@ -103,7 +103,7 @@ def as_verify(resp: StageResponse, req: VerifyRequest, held_until: int) -> Verif
         probs_dtype=resp.probs_dtype,
         model_ms=float(np.asarray(resp.stage_ms).sum()) if resp.stage_ms is not None else 0.0,
     )
-    if req.mode != Mode.AUTOREGRESSIVE.value or req.temperature <= 0:
+    if scoring_of(req.mode, req.temperature > 0) != SAMPLE:
         return out
     # the worker's own draw, as a whole worker makes it
     u = uniform(req.seed, req.choice, req.prefix_len + len(req.tokens), Purpose.WORKER_SAMPLE, req.worker)
@@ -119,7 +119,7 @@ def as_verify(resp: StageResponse, req: VerifyRequest, held_until: int) -> Verif
 
 def unserved(req: VerifyRequest) -> str | None:
     """What of a verify call a pipeline cannot do (its stages speak segments: T(p) rows only)."""
-    if req.mode in (Mode.SPLIT.value, Mode.EXACT.value):
+    if not MODES[req.mode].pipelines:
         return f"mode {req.mode} (use autoregressive, aggregate, tree with aggregate's payload, or pipeline)"
     if req.score_ids is not None or req.score_tokens:
         return "scoring given tokens (echo with logprobs)"
@@ -129,7 +129,7 @@ def unserved(req: VerifyRequest) -> str | None:
 
 
 def sampling(req: VerifyRequest) -> dict[str, Any]:
-    full = req.mode == Mode.AUTOREGRESSIVE.value and req.temperature > 0  # the sample is drawn here, from p
+    full = scoring_of(req.mode, req.temperature > 0) == SAMPLE  # the sample is drawn here, from p
     return {
         "temperature": req.temperature,
         "top_k": req.top_k,

@@ -19,7 +19,6 @@ from core.protocol.frame import (
 from core.protocol.messages import (
     MAX_LOGPROBS,
     RECONSTRUCTIONS,
-    VERIFY_MODES,
     ErrorBody,
     InfoResponse,
     StageRequest,
@@ -35,7 +34,6 @@ __all__ = [
     "MAX_LOGPROBS",
     "PROTOCOL_VERSION",
     "RECONSTRUCTIONS",
-    "VERIFY_MODES",
     "ErrorBody",
     "InfoResponse",
     "Message",

@@ -3,16 +3,19 @@ a response answering its request (``ProtocolError``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 
 from core.errors import InvalidRequest, ProtocolError
 from core.math.sampling import MIN_TEMPERATURE
 from core.math.shapes import MAX_TREE_NODES
-from core.names import Mode, ProbsDtype
+from core.modes import MODES, ROWS, SAMPLE, SPARSE, VERDICT, scoring_of, verify_modes
+from core.names import ProbsDtype
 from core.protocol.messages import (
     MAX_LOGPROBS,
     RECONSTRUCTIONS,
-    VERIFY_MODES,
     StageRequest,
     VerifyRequest,
     VerifyResponse,
@@ -75,18 +78,15 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
     """Range checks of a decoded VerifyRequest against a vocabulary of ``vocab_size``."""
     _check_tokens(req.tokens, vocab_size, "tokens")
     _check_tokens(req.draft, vocab_size, "draft")
+    served, row = [str(m) for m in verify_modes()], MODES.get(req.mode)
     _first_broken(
         [
             (req.prefix_len < 0, f"prefix_len must be ≥ 0, got {req.prefix_len}", "prefix_len"),
             *_sampling_rules(req, vocab_size),
+            (req.mode not in served, f"mode {req.mode!r} is not served: use one of {served}", "mode"),
             (
-                req.mode not in VERIFY_MODES,
-                f"mode {req.mode!r} is not served: use one of {list(VERIFY_MODES)}",
-                "mode",
-            ),
-            (
-                req.mode == Mode.AUTOREGRESSIVE.value and req.draft.size > 0,
-                "autoregressive scores one position: the draft must be empty",
+                row is not None and not row.drafts and req.draft.size > 0,
+                f"{req.mode} scores one position: the draft must be empty",
                 "draft",
             ),
             (
@@ -117,18 +117,7 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         _check_parents(req)
     if req.path is not None:
         _check_path(req)
-    if req.mode == Mode.SPLIT.value:
-        _check_draft_probs(req)
-        if req.support_q is not None:
-            _check_supports(req, vocab_size, "split with support_q")
-            _check_support_q(req)
-    elif req.support_q is not None:
-        raise InvalidRequest(
-            f"support_q is split's (q̂ on the draft's supports): mode {req.mode!r} takes none",
-            param="support_q",
-        )
-    if req.mode == Mode.EXACT.value and req.temperature > 0:
-        _check_supports(req, vocab_size)
+    ANSWERS[scoring_of(req.mode, req.temperature > 0)].request(req, vocab_size)
 
 
 def _check_parents(req: VerifyRequest) -> None:
@@ -157,7 +146,7 @@ def _check_parents(req: VerifyRequest) -> None:
                 "parents",
             ),
             (
-                req.mode not in (Mode.AGGREGATE.value, Mode.TREE.value, Mode.EXACT.value),
+                not MODES[req.mode].trees,
                 f"trees ride on aggregate's or exact's payload; mode {req.mode!r} verifies chains",
                 "parents",
             ),
@@ -247,23 +236,28 @@ def _check_supports(req: VerifyRequest, vocab_size: int, who: str = "exact") -> 
 
 def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
     """Raise ProtocolError unless ``resp`` is a well-formed answer to ``req``."""
-    gamma, sampled = len(req.draft), req.temperature > 0
+    sampled = req.temperature > 0
     if req.score_ids is not None:
         _check_logprobs("score_logprobs", resp.score_logprobs, (len(req.score_ids),))
         return
-    _check_asked_logprobs(resp, req, vocab_size)
-    if req.mode == Mode.AUTOREGRESSIVE.value and sampled:
-        if resp.samples is None or resp.samples.shape != (1,):
-            raise ProtocolError("samples missing or of the wrong shape, expected (1,)")
-        check_ids(np.asarray(resp.samples), vocab_size, "samples")
-        if req.return_probs:
-            _check_probs(resp, vocab_size, 1)
-    elif req.mode == Mode.SPLIT.value:
-        _check_split(resp, vocab_size, gamma, greedy=not sampled, drawn=req.support_q is not None)
-    elif req.mode == Mode.EXACT.value and sampled:
-        _check_exact(resp, req, vocab_size)
-    else:
-        _check_probs(resp, vocab_size, gamma + 1)
+    _check_prompt_logprobs(resp, req, vocab_size)
+    answer = ANSWERS[scoring_of(req.mode, sampled)]
+    if req.logprobs is not None:
+        answer.logprobs(resp, req, vocab_size)
+    answer.response(resp, req, vocab_size)
+
+
+def _check_sample(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    if resp.samples is None or resp.samples.shape != (1,):
+        raise ProtocolError("samples missing or of the wrong shape, expected (1,)")
+    check_ids(np.asarray(resp.samples), vocab_size, "samples")
+    if req.return_probs:
+        _check_probs(resp, vocab_size, 1)
+
+
+def _check_verdict(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    greedy = req.temperature == 0
+    _check_split(resp, vocab_size, len(req.draft), greedy=greedy, drawn=req.support_q is not None)
 
 
 def _check_split(
@@ -328,24 +322,82 @@ def _check_probs(resp: VerifyResponse, vocab_size: int, num_positions: int) -> N
         raise ProtocolError("probs: a position sums to more than 1")
 
 
-def _check_asked_logprobs(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
-    """What ``logprobs`` / ``score_tokens`` added to an answer: present, shaped, log-probabilities."""
-    gamma, top = len(req.draft), req.logprobs
+def _check_prompt_logprobs(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    """What ``score_tokens`` added to an answer: present, shaped, log-probabilities."""
+    top = req.logprobs
     if req.score_tokens:
         rows = max(len(req.tokens) - 1, 0)
         _check_logprobs("prompt_logprobs", resp.prompt_logprobs, (rows,))
         if top:
             _check_top(resp.prompt_top_ids, resp.prompt_top_logprobs, (rows, top), vocab_size, "prompt_top")
-    if top is None:
-        return
-    if req.mode == Mode.SPLIT.value:
-        _check_logprobs("draft_logprobs", resp.draft_logprobs, (gamma,))
-        if resp.num_accepted == gamma or req.temperature == 0 or req.support_q is not None:  # of ``bonus``
-            _check_logprobs("sample_logprobs", resp.sample_logprobs, (1,))
-    if req.mode == Mode.EXACT.value and req.temperature > 0:
-        _check_logprobs("sample_logprobs", resp.sample_logprobs, (gamma + 1,))
-    if top and req.mode in (Mode.SPLIT.value, Mode.EXACT.value):
-        _check_top(resp.top_ids, resp.top_logprobs, (gamma + 1, top), vocab_size, "top")
+
+
+def _verdict_logprobs(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    """What ``logprobs`` adds to split's verdict: the draft tokens', the bonus's, the top-n."""
+    gamma = len(req.draft)
+    _check_logprobs("draft_logprobs", resp.draft_logprobs, (gamma,))
+    if resp.num_accepted == gamma or req.temperature == 0 or req.support_q is not None:  # of ``bonus``
+        _check_logprobs("sample_logprobs", resp.sample_logprobs, (1,))
+    _top_logprobs(resp, req, vocab_size)
+
+
+def _sparse_logprobs(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    """What ``logprobs`` adds to exact's sparse rows: the worker's own samples', the top-n."""
+    _check_logprobs("sample_logprobs", resp.sample_logprobs, (len(req.draft) + 1,))
+    _top_logprobs(resp, req, vocab_size)
+
+
+def _top_logprobs(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    if req.logprobs:
+        shape = (len(req.draft) + 1, req.logprobs)
+        _check_top(resp.top_ids, resp.top_logprobs, shape, vocab_size, "top")
+
+
+def _no_logprobs(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    """The gateway reads the logprobs off the rows or the sample's row: the answer adds none."""
+
+
+def _no_support_q(req: VerifyRequest, vocab_size: int) -> None:
+    if req.support_q is not None:
+        raise InvalidRequest(
+            f"support_q is split's (q̂ on the draft's supports): mode {req.mode!r} takes none",
+            param="support_q",
+        )
+
+
+def _verdict_request(req: VerifyRequest, vocab_size: int) -> None:
+    _check_draft_probs(req)
+    if req.support_q is not None:
+        _check_supports(req, vocab_size, "split with support_q")
+        _check_support_q(req)
+
+
+def _sparse_request(req: VerifyRequest, vocab_size: int) -> None:
+    _no_support_q(req, vocab_size)
+    _check_supports(req, vocab_size)
+
+
+@dataclass(frozen=True)
+class AnswerChecks:
+    """The checks of one kind of answer (``core.modes.ModeSpec.scoring``): the request fields it needs, the
+    answer, and what ``logprobs`` adds to it."""
+
+    request: Callable[[VerifyRequest, int], None]
+    response: Callable[[VerifyResponse, VerifyRequest, int], None]
+    logprobs: Callable[[VerifyResponse, VerifyRequest, int], None] = _no_logprobs
+
+
+def _check_rows(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> None:
+    _check_probs(resp, vocab_size, len(req.draft) + 1)
+
+
+# by kind of answer; a mode with a kind of its own adds its checks here
+ANSWERS: dict[str, AnswerChecks] = {
+    ROWS: AnswerChecks(_no_support_q, _check_rows),
+    SAMPLE: AnswerChecks(_no_support_q, _check_sample),
+    VERDICT: AnswerChecks(_verdict_request, _check_verdict, _verdict_logprobs),
+    SPARSE: AnswerChecks(_sparse_request, _check_exact, _sparse_logprobs),
+}
 
 
 def _check_logprobs(name: str, values: np.ndarray | None, shape: tuple[int, ...]) -> None:

@@ -17,12 +17,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from core.errors import ProtocolError
-from core.modes import SERVED_MODES as MODES_SERVED
 from core.names import Mode, ProbsDtype, Reconstruction
 from core.protocol.frame import Message, loads, prefix_hash
 
-# what /v1/verify answers (core.modes; pipeline speaks /v1/stage/forward)
-VERIFY_MODES = tuple(m.value for m in MODES_SERVED if m is not Mode.PIPELINE)
 RECONSTRUCTIONS = tuple(r.value for r in Reconstruction)
 MAX_LOGPROBS = 20  # top-n alternatives per position, as OpenAI's API caps them
 
@@ -83,7 +80,7 @@ class VerifyRequest(Message):
     top_p: float = 1.0  # (0, 1]; 1 = no nucleus truncation
     k: int | None = None  # entries per position to return; None = the full distribution
     probs_dtype: str = ProbsDtype.FP32.value  # wire dtype of the returned probabilities
-    # a Mode value that /v1/verify answers (VERIFY_MODES above): what the answer carries
+    # a mode /v1/verify answers (core.modes.verify_modes): what the answer carries
     mode: str = Mode.AGGREGATE.value
     # how the gateway rebuilds p̂_n from top-k: e_n depends on it
     reconstruction: str = Reconstruction.RENORMALIZE.value

@@ -48,7 +48,7 @@ from core.math.relaxed import Relaxation
 from core.math.sampling import SamplingParams, apply_sampling, normalised
 from core.math.shapes import ChildRule, SegmentSchedule, TreeShape
 from core.math.tree import TokenTree
-from core.modes import GUARANTEES, MODES, SERVED_MODES, Guarantee, Payload, guarantee
+from core.modes import GUARANTEES, MODES, Guarantee, Payload, guarantee
 from core.names import Mode, Reconstruction
 from core.transform import TransformSpec
 from tests.app.fakes import (
@@ -315,7 +315,7 @@ def _two_workers(payload: Payload, workers: str, options: dict[str, Any]) -> dic
 
 def cells() -> list[Cell]:
     out = []
-    for mode in SERVED_MODES:
+    for mode in MODES:
         for payload in _payloads(mode):
             for workers, sampling in itertools.product(_worker_sets(mode), SAMPLINGS):
                 shapes = _affordable(mode, payload, workers, list(_shapes(mode, payload)))
@@ -949,7 +949,7 @@ def test_the_matrix_covers_every_registry() -> None:
     """A mode, field, payload, child rule, reconstruction or tree payload that the generator does
     not know fails here: it must be taught to the matrix, not left untested."""
     known = PRIMARY_FIELDS | SECONDARY_FIELDS
-    for mode in SERVED_MODES:
+    for mode in MODES:
         assert MODES[mode].fields <= known, (
             f"mode {mode.value} takes {sorted(MODES[mode].fields - known)}: enumerate them in the matrix"
         )
@@ -1270,7 +1270,7 @@ def test_negative_control_min_tokens_the_workers_do_not_apply_is_caught(
         lambda c: (c.mode, c.payload, c.workers),
     )
     lossless = {c.name for c in picked if c.claim is Guarantee.LOSSLESS}
-    assert {c.mode for c in picked} == set(SERVED_MODES) and lossless <= _caught(picked)
+    assert {c.mode for c in picked} == set(MODES) and lossless <= _caught(picked)
 
 
 def test_negative_control_eos_removed_after_min_p_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1310,7 +1310,7 @@ def test_negative_control_eos_removed_after_min_p_is_caught(monkeypatch: pytest.
     monkeypatch.setattr(transform_module.LogitsTransform, "rows", rows_keeping_eos)
     monkeypatch.setattr(scoring, "apply_sampling", sampling_then_eos)
     picked = [c for c in CELLS if c.min_p and c.claim is Guarantee.LOSSLESS and c.workers == "1 worker"]
-    assert {c.mode for c in picked} == set(SERVED_MODES) and _caught(picked) == {c.name for c in picked}
+    assert {c.mode for c in picked} == set(MODES) and _caught(picked) == {c.name for c in picked}
 
 
 def test_negative_control_a_pipeline_walk_that_keeps_the_rejected_mass_is_caught(
@@ -1410,7 +1410,7 @@ def test_negative_control_a_residual_fill_over_masked_ids_is_caught(monkeypatch:
 
 def test_every_transform_is_in_the_matrix() -> None:
     """Each transform alone and all together, in every mode that serves them, on every payload."""
-    for mode in SERVED_MODES:
+    for mode in MODES:
         for payload in _payloads(mode):
             assert {c.transform for c in CELLS if c.mode is mode and c.payload is payload} >= set(
                 TRANSFORMS

@@ -7,16 +7,14 @@ from __future__ import annotations
 from app.engine.strategies import STRATEGIES
 from app.schemas import SpeculativeParams
 from core import config
-from core.modes import MODES, OPENAI_LOGPROBS_MODES, PIPELINE_TARGET_MODES, SERVED_MODES, target_problem
+from core.modes import MODES, modes_where, target_problem, verify_modes
 from core.names import Mode
-from core.protocol import VERIFY_MODES as WIRE_MODES
 
 
-def test_every_served_mode_has_a_strategy_and_nothing_else_does() -> None:
+def test_every_served_mode_names_a_strategy_and_nothing_else_is_one() -> None:
     """A tree is a draft shape: its rows are verified by its payload's strategy (``SpecOptions.verifier``)."""
-    assert set(STRATEGIES) == set(SERVED_MODES) - {Mode.TREE} and {Mode.AGGREGATE, Mode.EXACT} <= set(
-        STRATEGIES
-    )
+    assert set(STRATEGIES) == {spec.strategy for spec in MODES.values()} - {None}
+    assert MODES[Mode.TREE].strategy is None and {Mode.AGGREGATE, Mode.EXACT} <= set(STRATEGIES)
     assert set(MODES) == set(Mode)
 
 
@@ -27,10 +25,9 @@ def test_the_fields_a_mode_takes_are_request_fields() -> None:
 
 def test_config_and_protocol_take_their_lists_from_the_registry() -> None:
     # the start-up check is the requests' one
-    assert config.SERVED_MODES is SERVED_MODES and config.target_problem is target_problem
+    assert config.target_problem is target_problem
     # pipeline's stages speak /v1/stage/forward
-    assert WIRE_MODES == tuple(m.value for m in SERVED_MODES if m is not Mode.PIPELINE)
-    assert OPENAI_LOGPROBS_MODES == (Mode.AUTOREGRESSIVE, Mode.AGGREGATE) and [
-        m for m in MODES if MODES[m].one_worker
-    ] == [Mode.SPLIT, Mode.PIPELINE]
-    assert PIPELINE_TARGET_MODES == (Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.TREE, Mode.PIPELINE)
+    assert verify_modes() == [m for m in MODES if m is not Mode.PIPELINE]
+    assert modes_where("openai_logprobs") == [Mode.AUTOREGRESSIVE, Mode.AGGREGATE]
+    assert modes_where("one_worker") == [Mode.SPLIT, Mode.PIPELINE]
+    assert modes_where("pipelines") == [Mode.AUTOREGRESSIVE, Mode.AGGREGATE, Mode.TREE, Mode.PIPELINE]

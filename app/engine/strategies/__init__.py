@@ -1,5 +1,6 @@
-"""The strategies, one per mode whose rows they verify; a tree is verified on its payload's
-(``SpecOptions.verifier``)."""
+"""The strategies by name, the name a mode's row gives (``core.modes.ModeSpec.strategy``): one per mode whose
+rows they verify; a tree is verified on its payload's (``SpecOptions.verifier``). A mode registered elsewhere
+adds its own here."""
 
 from app.engine.strategies.aggregate import AggregateStrategy
 from app.engine.strategies.autoregressive import AutoregressiveStrategy
@@ -9,7 +10,7 @@ from app.engine.strategies.pipeline import PipelineStrategy
 from app.engine.strategies.split import SplitStrategy
 from core.names import Mode
 
-STRATEGIES: dict[Mode, RoundStrategy | LoopStrategy] = {
+STRATEGIES: dict[str, RoundStrategy | LoopStrategy] = {
     Mode.AUTOREGRESSIVE: AutoregressiveStrategy(),
     Mode.AGGREGATE: AggregateStrategy(),  # chains and trees on full or top-k rows
     Mode.SPLIT: SplitStrategy(),
