@@ -1,8 +1,8 @@
-"""A mode is one plug-in (core.modes.register): a mode a test defines, its row and its strategy and nothing
-else, is served end to end. A request names it in ``speculative.mode``, its strategy verifies each round on a
-real worker's ``/v1/verify`` (which takes it from the same registry), usage reports it, and at T = 0 its text
-is autoregressive's. Every kind of answer a row names is scored on the host and on the device and checked by
-the protocol; a name taken, or not registered, is refused by name."""
+"""A mode is one plug-in (core.modes.register), as a tool format is (app.tool_formats): a mode a test defines,
+its row and its strategy and nothing else, is served end to end. A request names it in ``speculative.mode``,
+its strategy verifies each round on a real worker's ``/v1/verify`` (which takes it from the same registry),
+usage reports it, and at T = 0 its text is autoregressive's. Every kind of answer a row names is scored on the
+host and on the device and checked by the protocol; a name taken, or not registered, is refused by name."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import pytest
 from app.engine.round import Round, array
 from app.engine.spec import RoundResult
 from app.engine.strategies import STRATEGIES, RoundStrategy
+from app.tool_formats import FORMATS, CallStyle
+from app.tool_formats.base import register as register_format
+from app.tool_formats.json_calls import JsonCallFormat
 from core.modes import MODES, ROWS, ModeSpec, Payload, register
 from core.protocol.checks import ANSWERS
 from core.runners import ModelRunner, load_runner
@@ -94,3 +97,39 @@ def test_every_kind_of_answer_a_row_names_is_scored_on_both_sides_and_checked() 
     tests/workers/test_device_scoring.py; here, that each kind has all three."""
     named = {kind for spec in MODES.values() if spec.scoring for kind in spec.scoring}
     assert named <= set(SCORINGS) == set(DEVICE_SCORINGS) == set(ANSWERS)
+
+
+class Bracketed(JsonCallFormat):
+    """The toy tool format: ``[[call]]{"name": …, "args": …}[[/call]]``, one call an answer."""
+
+    name = "bracketed"
+    style = CallStyle("[[call]]", ("",), "args", None, "[[/call]]")
+
+    def detects(self, template: str) -> bool:
+        return False
+
+
+@pytest.fixture
+def bracketed() -> Iterator[None]:
+    register_format(Bracketed)
+    try:
+        yield
+    finally:
+        FORMATS.pop(Bracketed.name)
+
+
+async def test_a_tool_format_registered_by_a_test_is_served_end_to_end(
+    gateway: Gateway, worker_runner: ModelRunner, bracketed: None
+) -> None:
+    """A format is one file too (app.tool_formats, one registered class): named by ``draft.tool_format``,
+    its grammar holds a required call and its reader reads it back."""
+    worker = create_worker(WorkerSettings(model="tiny-random", backend="transformers"), runner=worker_runner)
+    config = {"workers": [{"url": "http://w0:1"}], "draft": {"tool_format": Bracketed.name}}
+    tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
+    body = {**CHAT, "max_tokens": 40, "temperature": 0, "tools": [tool], "tool_choice": "required"}
+    async with gateway(transport=httpx.ASGITransport(app=worker), **config) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["ping"]
