@@ -39,7 +39,7 @@ from core.errors import ConfigError
 from core.grammar import GrammarError, GrammarKind, GrammarSpec, engine_version, load_schema
 from core.math.relaxed import Relaxation
 from core.math.sampling import MIN_TEMPERATURE, SamplingParams
-from core.modes import MODES, target_problem
+from core.modes import MODES, mode_named, target_problem
 from core.names import Mode
 from core.protocol import InfoResponse
 from core.transform import TransformSpec
@@ -557,7 +557,7 @@ class Requests:
     def _spec(self, override: SpeculativeParams | None) -> SpecOptions:
         base = self.config.speculative
         given = override.model_dump(exclude_none=True) if override else {}
-        mode = given.get("mode", base.mode)
+        mode = mode_named(given.get("mode", base.mode))  # the registry's key: a Mode where built in
         takes = MODES[mode]
         extra = sorted(set(given) - takes.fields)
         if extra:
