@@ -36,6 +36,7 @@ from app.bodies import (
     usage,
 )
 from app.drafting import DraftModel
+from app.engine.strategies import check_strategies
 from app.errors import ApiError
 from app.gateway import ChoiceEvent, Gateway
 from app.metrics import GatewayMetrics
@@ -137,6 +138,7 @@ def create_app(
         if model_thread is None:
             thread.close()
 
+    check_strategies()
     app = FastAPI(title="specgate", lifespan=lifespan)
     app.state.instance_id = instance_id or uuid.uuid4().hex
     limits = config.limits

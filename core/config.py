@@ -28,6 +28,7 @@ from core.errors import ConfigError
 from core.math.shapes import ChildRule, SegmentSchedule, TreeShape
 from core.modes import mode_named, target_problem
 from core.names import Backend, Mode, Reconstruction, TargetType
+from core.plugins import load_plugins
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}  # hosts on this machine (late_prefill_waits)
 # what Kubernetes puts in <SERVICE>_PORT
@@ -733,7 +734,9 @@ def builtin_config() -> SpecgateConfig:
 
 
 def load_config(path: str | Path | None) -> SpecgateConfig:
-    """Read (or take the built-in default), merge with the environment, validate."""
+    """Read (or take the built-in default), merge with the environment, validate; the plug-ins first
+    (core.plugins: a mode they register is a mode the config may name)."""
+    load_plugins()
     if path is None:
         return builtin_config()
     path = Path(path)

@@ -143,17 +143,38 @@ MODES: dict[str, ModeSpec] = {
 
 def register(spec: ModeSpec) -> ModeSpec:
     """``spec`` served under its name: a request, the config and a worker's ``/v1/verify`` then take it. A
-    name taken is refused."""
+    name taken, or a row that contradicts itself (``problems``), is refused."""
     if not spec.mode or spec.mode in MODES:
         raise ValueError(f"a mode needs a name of its own, got {spec.mode!r}")
+    if found := problems(spec):
+        raise ValueError(f"mode {spec.mode!r}: " + "; ".join(found))
     MODES[spec.mode] = spec
     return spec
+
+
+def problems(spec: ModeSpec) -> list[str]:
+    """What in a row cannot work: a request field or a kind of answer its other settings rule out."""
+    kinds = set(spec.scoring or ())
+    return [
+        message
+        for broken, message in (
+            ("mode" not in spec.fields, "its fields must hold 'mode' (a request names it)"),
+            (spec.takes_k and Payload.TOP_K not in spec.payloads, "a 'k' field needs top_k payloads"),
+            (SAMPLE in kinds and spec.drafts, "a sample answers one position: its calls carry no draft"),
+            (VERDICT in kinds and spec.trees, "a verdict is split's on a chain: no trees"),
+            (
+                (spec.pipelines or spec.openai_logprobs) and not kinds <= {ROWS, SAMPLE},
+                "pipelines and openai-logprobs engines answer rows or a sample only",
+            ),
+        )
+        if broken
+    ]
 
 
 def mode_named(name: str) -> str:
     """The mode ``name`` names (a Mode where it is built in), or a ValueError listing the served ones."""
     if name not in MODES:
-        raise ValueError(f"mode {name!r} is not available: use one of {list(MODES)}")
+        raise ValueError(f"mode {name!r} is not available: use one of {[str(m) for m in MODES]}")
     return next(m for m in MODES if m == name)
 
 
@@ -171,7 +192,8 @@ def scoring_of(mode: str, sampled: bool) -> str:
     """What a worker's answer to a verify call of ``mode`` carries (ROWS, SAMPLE, ...), at T > 0 if
     ``sampled``."""
     scoring = MODES[mode].scoring
-    assert scoring is not None, f"mode {mode} makes no verify call"
+    if scoring is None:
+        raise ValueError(f"mode {mode} makes no verify call")
     return scoring[sampled]
 
 

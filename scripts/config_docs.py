@@ -28,6 +28,10 @@ environment: `SPECGATE_<KEY>` for a top-level key, `SPECGATE_<SECTION>__<KEY>` i
 (e.g. `SPECGATE_SPECULATIVE__MODE=autoregressive`), JSON for lists (`SPECGATE_WORKERS='[…]'`).
 The environment wins over the file. Without `--config` the built-in default is used
 (`config/builtin.yaml`). A bad key or value stops start-up with a message naming it.
+
+`SPECGATE_PLUGINS` (comma-separated module names) is imported by the gateway and every worker before
+anything else is read: a mode, a drafter or a tool format it registers may then be named here
+(docs/design.md §3, "How to add a mode").
 """
 
 

@@ -119,12 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     from pydantic import ValidationError
 
+    from core.plugins import load_plugins
     from core.runners.model_thread import ModelThread
     from core.serving import run_server
     from workers.server import create_app
     from workers.settings import WorkerSettings, ready_target
 
     try:
+        load_plugins()  # what they register (a mode's kind of answer) before the first call
         settings = WorkerSettings(
             **{f: v for f, v in vars(args).items() if f != "log_level" and v is not None}
         )

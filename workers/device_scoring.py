@@ -335,9 +335,35 @@ def _rows_call(
     pack: _Pack,
 ) -> Finish:
     """One call's device work, queued into ``pack``; what builds its answer once the pack is on the host:
-    T(p) rows as asked (and autoregressive's sample, where ``need`` holds its draw)."""
+    T(p) rows as asked."""
+    return _rows_and_sample(rows, req, held, model_ms, numbers, need, pack, sampled=False)
+
+
+def _sample_call(
+    rows: _Rows,
+    req: VerifyRequest,
+    held: int,
+    model_ms: float,
+    numbers: _Numbers,
+    need: dict[str, slice],
+    pack: _Pack,
+) -> Finish:
+    """autoregressive at T > 0: the worker's own z ~ T(p) at its one position (and the row, if asked)."""
+    return _rows_and_sample(rows, req, held, model_ms, numbers, need, pack, sampled=True)
+
+
+def _rows_and_sample(
+    rows: _Rows,
+    req: VerifyRequest,
+    held: int,
+    model_ms: float,
+    numbers: _Numbers,
+    need: dict[str, slice],
+    pack: _Pack,
+    sampled: bool,
+) -> Finish:
     sample = None
-    if "u" in need:  # autoregressive at T > 0 (_sample_numbers)
+    if sampled:
         sample = pack.add(sample_rows(rows.probs[:1], numbers.u(need["u"])))
     payload = (
         None if sample is not None and not req.return_probs else _distributions(rows, req, pack, rows.finite)
@@ -594,7 +620,7 @@ class DeviceScoring:
 # by kind of answer, as workers.scoring.SCORINGS; a mode with a kind of its own adds its scoring here
 DEVICE_SCORINGS: dict[str, DeviceScoring] = {
     ROWS: DeviceScoring(_no_numbers, _rows_call),
-    SAMPLE: DeviceScoring(_sample_numbers, _rows_call),
+    SAMPLE: DeviceScoring(_sample_numbers, _sample_call),
     VERDICT: DeviceScoring(_verdict_numbers, _split),
     SPARSE: DeviceScoring(_sparse_numbers, _exact),
 }

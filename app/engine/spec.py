@@ -77,13 +77,15 @@ class SpecOptions:
 
     @property
     def payload(self) -> Payload:
-        """What the targets answer with for each row (``core.modes``)."""
+        """What the targets answer with for each row (``core.modes``): an engine's log-probabilities, exact's
+        sparse rows, the mode's one payload where it has one, else whole rows or a top-k by ``k``."""
+        own = MODES[self.mode].payloads - {Payload.LOGPROBS}
         if self.engine_targets:
             return Payload.LOGPROBS
-        if self.mode is Mode.AUTOREGRESSIVE:
-            return Payload.SAMPLES
         if self.sparse:
             return Payload.SPARSE
+        if len(own) == 1:
+            return next(iter(own))
         return Payload.FULL if self.k is None else Payload.TOP_K
 
     @property

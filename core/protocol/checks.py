@@ -117,7 +117,7 @@ def check_verify_request(req: VerifyRequest, vocab_size: int) -> None:
         _check_parents(req)
     if req.path is not None:
         _check_path(req)
-    ANSWERS[scoring_of(req.mode, req.temperature > 0)].request(req, vocab_size)
+    ANSWER_CHECKS[scoring_of(req.mode, req.temperature > 0)].request(req, vocab_size)
 
 
 def _check_parents(req: VerifyRequest) -> None:
@@ -241,7 +241,7 @@ def check_verify_response(resp: VerifyResponse, req: VerifyRequest, vocab_size: 
         _check_logprobs("score_logprobs", resp.score_logprobs, (len(req.score_ids),))
         return
     _check_prompt_logprobs(resp, req, vocab_size)
-    answer = ANSWERS[scoring_of(req.mode, sampled)]
+    answer = ANSWER_CHECKS[scoring_of(req.mode, sampled)]
     if req.logprobs is not None:
         answer.logprobs(resp, req, vocab_size)
     answer.response(resp, req, vocab_size)
@@ -392,7 +392,7 @@ def _check_rows(resp: VerifyResponse, req: VerifyRequest, vocab_size: int) -> No
 
 
 # by kind of answer; a mode with a kind of its own adds its checks here
-ANSWERS: dict[str, AnswerChecks] = {
+ANSWER_CHECKS: dict[str, AnswerChecks] = {
     ROWS: AnswerChecks(_no_support_q, _check_rows),
     SAMPLE: AnswerChecks(_no_support_q, _check_sample),
     VERDICT: AnswerChecks(_verdict_request, _check_verdict, _verdict_logprobs),

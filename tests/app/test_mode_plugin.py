@@ -1,24 +1,25 @@
-"""A mode is one plug-in (core.modes.register), as a tool format is (app.tool_formats): a mode a test defines,
-its row and its strategy and nothing else, is served end to end. A request names it in ``speculative.mode``,
-its strategy verifies each round on a real worker's ``/v1/verify`` (which takes it from the same registry),
-usage reports it, and at T = 0 its text is autoregressive's. Every kind of answer a row names is scored on the
-host and on the device and checked by the protocol; a name taken, or not registered, is refused by name."""
+"""A mode is one plug-in (core.modes.register), as a tool format is (app.tool_formats): one file,
+tests/app/toy_plugin.py, loaded as ``SPECGATE_PLUGINS`` loads it, holds a mode (its row and its strategy) and
+a tool format, and nothing else is needed to serve them end to end. A request names the mode in
+``speculative.mode``, its strategy verifies each round on a real worker's ``/v1/verify`` (which takes it from
+the same registry), usage reports it, and at T = 0 its text is autoregressive's. Every kind of answer a row
+names is scored on the host and on the device and checked by the protocol; a name taken or not registered, a
+row that contradicts itself, a strategy missing and a plug-in that does not import are refused by name."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from app.engine.round import Round, array
-from app.engine.spec import RoundResult
-from app.engine.strategies import STRATEGIES, RoundStrategy
-from app.tool_formats import FORMATS, CallStyle
-from app.tool_formats.base import register as register_format
-from app.tool_formats.json_calls import JsonCallFormat
-from core.modes import MODES, ROWS, ModeSpec, Payload, register
-from core.protocol.checks import ANSWERS
+from app.engine.strategies import STRATEGIES, check_strategies
+from app.tool_formats import FORMATS
+from core.errors import ConfigError
+from core.modes import MODES, ROWS, SAMPLE, VERDICT, ModeSpec, Payload, problems, register
+from core.plugins import load_plugins
+from core.protocol.checks import ANSWER_CHECKS
 from core.runners import ModelRunner, load_runner
 from tests.app.conftest import Gateway
 from tests.app.helpers import assert_error
@@ -27,33 +28,18 @@ from workers.scoring import SCORINGS
 from workers.server import create_app as create_worker
 from workers.settings import WorkerSettings
 
-TOY = "first-choice"
+PLUGIN, TOY = "tests.app.toy_plugin", "first-choice"
 CHAT = {"model": "test-model", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12}
-
-
-class FirstChoice(RoundStrategy):
-    """The toy mode: the draft kept while it is the worker's top-1 at each position, then the worker's top-1
-    (one worker, T = 0: greedy decoding's tokens, on a one-id row a position)."""
-
-    async def verify(self, rnd: Round) -> RoundResult:
-        (resp,) = await rnd.call(mode=TOY, k=1)
-        top = array(resp.ids)[:, 0].tolist()
-        draft = rnd.draft.ids()
-        accepted = next((j for j, token in enumerate(draft) if token != top[j]), len(draft))
-        return RoundResult(
-            [*draft[:accepted], top[accepted]], drafted=len(draft), accepted=accepted, traffic=rnd.traffic
-        )
 
 
 @pytest.fixture
 def toy() -> Iterator[ModeSpec]:
-    fields = frozenset({"mode", "profile", "num_draft_tokens", "drafter"})
-    spec = register(ModeSpec(TOY, fields, frozenset({Payload.FULL}), strategy=TOY, scoring=(ROWS, ROWS)))
-    STRATEGIES[TOY] = FirstChoice()
+    """The plug-in, loaded as a process loads it at start-up (``SPECGATE_PLUGINS``), and taken out after."""
+    assert load_plugins({"SPECGATE_PLUGINS": f" {PLUGIN} ,"}) == [PLUGIN]
     try:
-        yield spec
+        yield MODES[TOY]
     finally:
-        MODES.pop(TOY), STRATEGIES.pop(TOY)
+        MODES.pop(TOY), STRATEGIES.pop(TOY), FORMATS.pop("bracketed"), sys.modules.pop(PLUGIN)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +47,7 @@ def worker_runner() -> ModelRunner:
     return load_runner("tiny-random", "transformers")  # its own: the draft's sessions stay apart
 
 
-async def test_a_mode_registered_by_a_test_is_served_end_to_end_and_keeps_greedy_text(
+async def test_a_mode_registered_by_a_plug_in_is_served_end_to_end_and_keeps_greedy_text(
     gateway: Gateway, worker_runner: ModelRunner, toy: ModeSpec
 ) -> None:
     worker = create_worker(WorkerSettings(model="tiny-random", backend="transformers"), runner=worker_runner)
@@ -76,6 +62,7 @@ async def test_a_mode_registered_by_a_test_is_served_end_to_end_and_keeps_greedy
             answers[mode] = resp.json()
     speculative = answers[TOY]["usage"]["speculative"]
     assert speculative["mode"] == TOY and speculative["draft_tokens"] > 0, speculative
+    assert speculative["lossless"] is False  # its row's one payload: a top-k
     text = {mode: answer["choices"][0]["message"]["content"] for mode, answer in answers.items()}
     assert text[TOY] == text["autoregressive"] and text[TOY], (text, info)
 
@@ -96,35 +83,16 @@ def test_every_kind_of_answer_a_row_names_is_scored_on_both_sides_and_checked() 
     """Host and device scoring of each kind are held equal bit for bit by
     tests/workers/test_device_scoring.py; here, that each kind has all three."""
     named = {kind for spec in MODES.values() if spec.scoring for kind in spec.scoring}
-    assert named <= set(SCORINGS) == set(DEVICE_SCORINGS) == set(ANSWERS)
+    assert named <= set(SCORINGS) == set(DEVICE_SCORINGS) == set(ANSWER_CHECKS)
 
 
-class Bracketed(JsonCallFormat):
-    """The toy tool format: ``[[call]]{"name": …, "args": …}[[/call]]``, one call an answer."""
-
-    name = "bracketed"
-    style = CallStyle("[[call]]", ("",), "args", None, "[[/call]]")
-
-    def detects(self, template: str) -> bool:
-        return False
-
-
-@pytest.fixture
-def bracketed() -> Iterator[None]:
-    register_format(Bracketed)
-    try:
-        yield
-    finally:
-        FORMATS.pop(Bracketed.name)
-
-
-async def test_a_tool_format_registered_by_a_test_is_served_end_to_end(
-    gateway: Gateway, worker_runner: ModelRunner, bracketed: None
+async def test_a_tool_format_registered_by_a_plug_in_is_served_end_to_end(
+    gateway: Gateway, worker_runner: ModelRunner, toy: ModeSpec
 ) -> None:
     """A format is one file too (app.tool_formats, one registered class): named by ``draft.tool_format``,
     its grammar holds a required call and its reader reads it back."""
     worker = create_worker(WorkerSettings(model="tiny-random", backend="transformers"), runner=worker_runner)
-    config = {"workers": [{"url": "http://w0:1"}], "draft": {"tool_format": Bracketed.name}}
+    config = {"workers": [{"url": "http://w0:1"}], "draft": {"tool_format": "bracketed"}}
     tool = {"type": "function", "function": {"name": "ping", "parameters": {"type": "object"}}}
     body = {**CHAT, "max_tokens": 40, "temperature": 0, "tools": [tool], "tool_choice": "required"}
     async with gateway(transport=httpx.ASGITransport(app=worker), **config) as client:
@@ -133,3 +101,21 @@ async def test_a_tool_format_registered_by_a_test_is_served_end_to_end(
     choice = resp.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls", choice
     assert [call["function"]["name"] for call in choice["message"]["tool_calls"]] == ["ping"]
+
+
+def test_a_row_that_contradicts_itself_a_missing_strategy_or_plug_in_is_refused_at_start() -> None:
+    fields, rows = frozenset({"mode", "k"}), frozenset({Payload.FULL})
+    assert problems(ModeSpec("m", fields, rows, "m", (ROWS, ROWS))) == ["a 'k' field needs top_k payloads"]
+    with pytest.raises(ValueError, match="its calls carry no draft"):
+        register(ModeSpec("m", frozenset({"mode"}), rows, "m", (ROWS, SAMPLE)))
+    with pytest.raises(ValueError, match="no trees"):
+        register(ModeSpec("m", frozenset({"mode"}), rows, "m", (VERDICT, VERDICT), trees=True))
+    assert "m" not in MODES and not any(problems(spec) for spec in MODES.values())
+    register(ModeSpec("m", frozenset({"mode"}), rows, "nowhere", (ROWS, ROWS)))
+    try:
+        with pytest.raises(ConfigError, match="'nowhere', which app.engine.strategies.STRATEGIES lacks"):
+            check_strategies()
+    finally:
+        MODES.pop("m")
+    with pytest.raises(ConfigError, match="SPECGATE_PLUGINS: 'tests.app.nowhere' does not import"):
+        load_plugins({"SPECGATE_PLUGINS": "tests.app.nowhere"})

@@ -8,6 +8,8 @@ from app.engine.strategies.base import LoopStrategy, RoundStrategy
 from app.engine.strategies.exact import ExactStrategy
 from app.engine.strategies.pipeline import PipelineStrategy
 from app.engine.strategies.split import SplitStrategy
+from core.errors import ConfigError
+from core.modes import MODES
 from core.names import Mode
 
 STRATEGIES: dict[str, RoundStrategy | LoopStrategy] = {
@@ -20,4 +22,15 @@ STRATEGIES: dict[str, RoundStrategy | LoopStrategy] = {
 }
 
 
-__all__ = ["STRATEGIES", "LoopStrategy", "RoundStrategy"]
+def check_strategies() -> None:
+    """Every served mode's strategy is here (a plug-in registers both): else a ConfigError at start-up, not a
+    500 at its first request."""
+    for mode, spec in MODES.items():
+        if spec.strategy is not None and spec.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"mode {str(mode)!r} names the strategy {spec.strategy!r}, which app.engine.strategies."
+                "STRATEGIES lacks: register both"
+            )
+
+
+__all__ = ["STRATEGIES", "LoopStrategy", "RoundStrategy", "check_strategies"]
