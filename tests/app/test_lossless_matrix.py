@@ -22,6 +22,7 @@ one must report a bound at the first position no smaller than the exact distance
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import time
@@ -240,43 +241,59 @@ def _spec(mode: Mode, payload: Payload, **options: Any) -> SpecOptions:
     )
 
 
-def _shapes(mode: Mode, payload: Payload) -> Iterator[tuple[str, str, dict[str, Any]]]:
-    """(rule, shape, SpecOptions fields) of every draft shape the mode takes."""
+# ----------------------------------------------------------------------------- the table of cells
+
+Shape = tuple[str, str, dict[str, Any]]  # a draft shape: its child rule, its label, its SpecOptions fields
+LATE_ROUNDS = (1, 2)  # a draft ready after k rounds (k = 0: every other cell)
+# A lookup branch in a sampled tree (docs/design.md §3.10): with the priors, ⟨2⟩ becomes the lookup's
+# first token and one child drawn from q̂ without it; ⟨2,1⟩ the lookup's two tokens (the second
+# under the first, a row with no draft) and the first drawn child with its own.
+LOOKUP_TREES = ("⟨2⟩", "⟨2,1⟩")
+
+
+@functools.cache
+def _shapes(mode: Mode, payload: Payload) -> tuple[Shape, ...]:
+    """Every draft shape the mode takes."""
     takes = MODES[mode].fields
     if "tree" in takes:
-        for rule in ChildRule:
-            for label, given in TREE_SHAPES[rule].items():
-                shape = TreeParams(rule=rule, payload=TREE_PAYLOADS[payload][0], **given).shape()
-                yield rule.value, label, {"tree": shape, "tree_payload": Mode(TREE_PAYLOADS[payload][0])}
-    elif "pipeline" in takes:
-        for label, schedule in PIPELINE_SHAPES.items():
-            yield ChildRule.FIXED.value, label, {"pipeline": schedule}
-    elif "num_draft_tokens" in takes:
-        for label, gamma in CHAIN_SHAPES.items():
-            yield "chain", label, {"gamma": gamma}
-    else:
-        yield "none", "one token a round", {}
+        given = TREE_PAYLOADS[payload][0]
+        return tuple(
+            (
+                rule.value,
+                label,
+                {"tree": TreeParams(rule=rule, payload=given, **shape).shape(), "tree_payload": Mode(given)},
+            )
+            for rule in ChildRule
+            for label, shape in TREE_SHAPES[rule].items()
+        )
+    if "pipeline" in takes:
+        return tuple((ChildRule.FIXED.value, label, {"pipeline": s}) for label, s in PIPELINE_SHAPES.items())
+    if "num_draft_tokens" in takes:
+        return tuple(("chain", label, {"gamma": gamma}) for label, gamma in CHAIN_SHAPES.items())
+    return (("none", "one token a round", {}),)
 
 
-def _secondary(mode: Mode, payload: Payload, sampling: str) -> Iterator[tuple[str, dict[str, Any], int]]:
-    """(label, SpecOptions fields, min_tokens) of each further option the mode takes; min_tokens
-    in every mode (with min_p at T = 1: the order of the two is vLLM's, EOS first)."""
+def _options(
+    mode: Mode, payload: Payload, sampling: str
+) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(label, SpecOptions fields, Cell fields) of each further option the mode takes; min_tokens in every
+    mode (with min_p at T = 1: the order of the two is vLLM's, EOS first)."""
     takes = MODES[mode].fields
-    if "draft_top_k" in takes and payload is not Payload.SPARSE:
-        yield "draft top-k 2", {"draft_top_k": 2}, 0
+    if "draft_top_k" in takes and payload is not Payload.SPARSE:  # exact's payload truncates so already
+        yield "draft top-k 2", {"draft_top_k": 2}, {}
     if "draft_top_p" in takes:
-        yield "draft top-p 0.7", {"draft_top_p": 0.7, "draft_top_k": 0}, 0
+        yield "draft top-p 0.7", {"draft_top_p": 0.7, "draft_top_k": 0}, {}
     if "reconstruction" in takes and payload is Payload.TOP_K:
-        yield "residual reconstruction", {"reconstruction": Reconstruction.RESIDUAL}, 0
+        yield "residual reconstruction", {"reconstruction": Reconstruction.RESIDUAL}, {}
     if "relaxation" in takes and sampling != "T=0":
-        yield "relaxed τ_max 0.5", {"relaxation": Relaxation(0.5, 1.0)}, 0
+        yield "relaxed τ_max 0.5", {"relaxation": Relaxation(0.5, 1.0)}, {}
     if "profile" in takes and sampling in PROFILED:  # timing only: the law must not move, greedy or sampled
-        yield "profile", {"profile": True}, 0
+        yield "profile", {"profile": True}, {}
     if "num_draft_tokens" in takes:  # two unseeded rounds, each drawing from its own seed (issue 46)
-        yield "num_draft_tokens auto from γ 1", {"auto_gamma": True, "gamma": 1}, 0
-    yield "min_tokens 2", {}, 2
+        yield "num_draft_tokens auto from γ 1", {"auto_gamma": True, "gamma": 1}, {"rounds": 2}
+    yield "min_tokens 2", {}, {"min_tokens": 2}
     if sampling == "T=1":
-        yield f"min_tokens 2, min_p {MIN_P}", {}, 2
+        yield f"min_tokens 2, min_p {MIN_P}", {}, {"min_tokens": 2, "min_p": MIN_P}
 
 
 def _payloads(mode: Mode) -> list[Payload]:
@@ -288,339 +305,152 @@ def _worker_sets(mode: Mode) -> list[str]:
     return list(WORKER_SETS)[:1] if MODES[mode].one_worker else list(WORKER_SETS)
 
 
-def _affordable(
-    mode: Mode, payload: Payload, workers: str, shapes: list[tuple[str, str, dict[str, Any]]]
-) -> list[tuple[str, str, dict[str, Any]]]:
-    """Exact's payload draws a complement sample per row and worker, every one of them enumerated:
-    two workers with two ids off each support on a three-node tree is 12,000–17,000 runs (70–90 s)
-    a cell. With two workers exact's payload leaves one id off (``_two_workers``: the complement is
-    a draw at the leaves only — one worker keeps two off) and a tree has one or two nodes there
-    (⟨1⟩, ⟨1,1⟩, the fork ⟨2⟩, one fixed node, the top-1 chain, the tree that prunes to a chain);
-    the three-node trees run with one worker, and with two on the other payloads."""
-    if mode is Mode.TREE and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
-        return [shape for shape in shapes if shape[1] not in ("⟨2,1⟩", "nodes 3 depth 2 top-2")]
-    return shapes
-
-
-def _two_workers(payload: Payload, workers: str, options: dict[str, Any]) -> dict[str, Any]:
-    if (
-        payload is Payload.SPARSE
-        and len(WORKER_SETS[workers]) > 1
-        and "draft_top_k" not in options
-        and "draft_top_p" not in options
-    ):
-        return {**options, "draft_top_k": V - 1}
-    return options
-
-
-def cells() -> list[Cell]:
-    out = []
-    for mode in MODES:
-        for payload in _payloads(mode):
-            for workers, sampling in itertools.product(_worker_sets(mode), SAMPLINGS):
-                shapes = _affordable(mode, payload, workers, list(_shapes(mode, payload)))
-
-                def rule_of(rule: str, sampling: str = sampling) -> str:
-                    return "greedy" if sampling == "T=0" and rule != "none" else rule
-
-                overlaps = [False, True] if "overlap" in MODES[mode].fields else [False]
-                for (rule, shape, options), overlap in itertools.product(shapes, overlaps):
-                    if overlap and options.get("gamma", 1) > 1:
-                        continue  # two rounds enumerated: γ = 1 (γ = 2 takes ~9,000 runs a cell)
-                    spec = _spec(mode, payload, overlap=overlap, **_two_workers(payload, workers, options))
-                    out.append(
-                        Cell(mode, payload, rule_of(rule), shape, workers, sampling, overlap, spec=spec)
-                    )
-                # a pipeline's expanding tree: 1,100 runs, 18 s a cell
-                rule, shape, options = shapes[0] if mode is Mode.PIPELINE else shapes[-1]
-                for label, extra, min_tokens in _secondary(mode, payload, sampling):
-                    if "draft_top_p" in extra and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
-                        # a complement of two ids per row and worker again (6,000 runs): one worker has it
-                        continue
-                    if "auto_gamma" in extra and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
-                        # two rounds of two workers' complement draws (19,000 runs, 74 s): one worker has it
-                        continue
-                    spec = _spec(mode, payload, **_two_workers(payload, workers, {**options, **extra}))
-                    min_p = MIN_P if "min_p" in label else 0.0
-                    rounds = 2 if spec.auto_gamma else 1
-                    out.append(
-                        Cell(
-                            mode,
-                            payload,
-                            rule_of(rule),
-                            shape,
-                            workers,
-                            sampling,
-                            option=label,
-                            spec=spec,
-                            min_tokens=min_tokens,
-                            min_p=min_p,
-                            rounds=rounds,
-                        )
-                    )
-                out += _transform_cells(mode, payload, workers, sampling, shapes, rule_of)
-                if "drafter" in MODES[mode].fields:
-                    # lookup chains: δ rows, alone or before the model's; in trees, a branch of deterministic
-                    # children
-                    for drafter, lookup in DRAFTER_CELLS:
-                        if (
-                            payload is Payload.SPARSE
-                            and len(WORKER_SETS[workers]) > 1
-                            and ((drafter, lookup) != DRAFTER_CELLS[0] or sampling == "T=1")
-                        ):
-                            # two workers' complement draws at every δ row: 7,800–9,200 runs a cell at T = 1;
-                            # one cell, with top-k 2 sampling (96 runs)
-                            continue
-                        if mode is Mode.PIPELINE and drafter == "lookup":
-                            continue  # a pipeline expands its tree with the model (a 400)
-                        if mode is Mode.TREE and payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1:
-                            # exact's chain cell has it (7,800 runs here); the lookup branch cells run two
-                            # workers
-                            continue
-                        # a pipeline's expanding tree with a branch: 2,000 runs, 22 s
-                        at, label, given = shapes[1] if mode is Mode.PIPELINE else (rule, shape, options)
-                        spec = _spec(
-                            mode, payload, **_two_workers(payload, workers, {**given, "drafter": drafter})
-                        )
-                        out.append(
-                            Cell(
-                                mode,
-                                payload,
-                                rule_of(at),
-                                label,
-                                workers,
-                                sampling,
-                                option=f"drafter {drafter}",
-                                spec=spec,
-                                lookup=lookup,
-                            )
-                        )
-                if mode is Mode.TREE:
-                    out += _lookup_branch_cells(payload, workers, sampling, rule_of)
-                out += _late_cells(mode, payload, workers, sampling, shapes, rule_of)
-    return out
-
-
-LATE_ROUNDS = (1, 2)  # a draft ready after k rounds (k = 0: every other cell)
-
-
-def _late_cells(
+def _cell(
     mode: Mode,
     payload: Payload,
     workers: str,
     sampling: str,
-    shapes: list[tuple[str, str, dict[str, Any]]],
-    rule_of: Any,
-) -> list[Cell]:
-    """A late draft (issue 49) in every mode that drafts: the first k rounds carry none (the targets sample
-    their token), then the mode's own round on the mode's last shape (a pipeline's first): k + 1 rounds
-    checked. k = 1 with every worker set at T = 0 and T = 1 (two workers on exact's payload: top-k 2, each
-    complement draw enumerated); k = 2 with one worker at T = 1, but on exact's payload (each round without a
-    draft multiplies the runs by V: 1,800). With one worker at T = 1 also a model+lookup drafter and a sampled
-    tree; at T = 1 with top-k 2, overlap (the round after the first draft verifies one prepared in its
-    flight)."""
-    two = len(WORKER_SETS[workers]) > 1
-    if (
-        MODES[mode].drafts
-        and not two
-        and sampling == "T=1 top-k 2"
-        and payload is Payload.FULL
-        and mode is Mode.AGGREGATE
-    ):
-        # T = 1: 32,000 runs
-        overlap = _spec(mode, payload, gamma=1, overlap=True)
-        return [
-            Cell(
-                mode,
-                payload,
-                "chain",
-                "γ=1",
-                workers,
-                sampling,
-                spec=overlap,
-                option="overlap",
-                late=1,
-                rounds=3,
+    shape: Shape,
+    sets: dict[str, Any] | None = None,
+    **fields: Any,
+) -> Cell:
+    """The cell on ``shape`` with these Cell ``fields``: its SpecOptions the shape's, with its overlap and
+    ``sets``."""
+    rule, label, options = shape
+    spec = _spec(mode, payload, **{**options, "overlap": fields.get("overlap", False), **(sets or {})})
+    rule = "greedy" if sampling == "T=0" and rule != "none" else rule
+    return Cell(mode, payload, rule, label, workers, sampling, spec=spec, **fields)
+
+
+def _rows(mode: Mode, payload: Payload, workers: str, sampling: str) -> Iterator[Cell]:
+    """What the matrix proves in one mode × payload × worker set × sampling, before ``_sized`` trims it: each
+    row below crossed with every draft shape the mode takes."""
+    shapes, takes = _shapes(mode, payload), MODES[mode].fields
+    at = functools.partial(_cell, mode, payload, workers, sampling)
+    # the shapes, with DSD's overlap where the mode takes it (two rounds: the second's draft compared)
+    for shape, overlap in itertools.product(shapes, (False, True) if "overlap" in takes else (False,)):
+        yield at(shape, overlap=overlap)
+    for (label, sets, fields), shape in itertools.product(_options(mode, payload, sampling), shapes):
+        yield at(shape, sets, option=label, **fields)
+    # the transforms (docs/design.md §3.9): all together over two rounds (the second round checks the
+    # session's stored transform, past the call that carried it), then each alone
+    for name, shape in itertools.product(["all", *(name for name in TRANSFORMS if name != "all")], shapes):
+        yield at(shape, transform=name, rounds=2 if name == "all" else 1)
+    if payload is Payload.TOP_K and "reconstruction" in takes:  # σ spread over the grammar's allowed ids only
+        residual = {"reconstruction": Reconstruction.RESIDUAL}
+        for shape in shapes:
+            yield at(shape, residual, option="residual reconstruction", transform="grammar", rounds=2)
+    # the drafters (docs/design.md §3.10): lookup chains, δ rows alone or before the model's (a pipeline
+    # expands its tree with the model: lookup alone is a 400); in trees, a branch of deterministic children
+    if "drafter" in takes:
+        for (drafter, lookup), shape in itertools.product(DRAFTER_CELLS, shapes):
+            if not (mode is Mode.PIPELINE and drafter == "lookup"):
+                yield at(shape, {"drafter": drafter}, option=f"drafter {drafter}", lookup=lookup)
+    if mode is Mode.TREE:  # a lookup branch in each sampled tree that forks
+        for shape, lookup in itertools.product(shapes, LOOKUPS):
+            if shape[0] != ChildRule.FIXED.value and shape[1] in LOOKUP_TREES:
+                yield at(shape, {"drafter": "model+lookup"}, option="lookup branch", lookup=lookup)
+    # a late draft (issue 49): k rounds without one (the targets sample their token), then the mode's own
+    # round, k + 1 checked — on each shape (the mode's last first), with model+lookup's drafter, with overlap
+    # (the round after the first draft verifies one prepared in its flight)
+    if MODES[mode].drafts:
+        for shape, late in itertools.product(shapes[::-1], LATE_ROUNDS):
+            yield at(shape, late=late, rounds=late + 1)
+        model_lookup = {"drafter": "model+lookup"}
+        for shape in shapes if "drafter" in takes else ():
+            yield at(
+                shape, model_lookup, option="drafter model+lookup", lookup="prompt lookup", late=1, rounds=2
             )
-        ]
-    if not MODES[mode].drafts or sampling not in (
-        "T=0",
-        "T=1 top-k 2" if two and payload is Payload.SPARSE else "T=1",
-    ):
-        return []
-    rule, shape, options = shapes[0] if mode is Mode.PIPELINE else shapes[-1]
-    spec = _spec(mode, payload, **_two_workers(payload, workers, options))
-    out = [
-        Cell(mode, payload, rule_of(rule), shape, workers, sampling, spec=spec, late=late, rounds=late + 1)
-        for late in LATE_ROUNDS
-        if late == 1 or (not two and sampling == "T=1" and payload is not Payload.SPARSE)
-    ]
-    if not two and sampling == "T=1" and payload is Payload.FULL and mode is Mode.AGGREGATE:
-        lookup = _spec(mode, payload, **options, drafter="model+lookup")
-        out.append(
-            Cell(
-                mode,
-                payload,
-                rule,
-                shape,
-                workers,
-                sampling,
-                spec=lookup,
-                option="drafter model+lookup",
-                lookup="prompt lookup",
-                late=1,
-                rounds=2,
-            )
-        )
-    if not two and sampling == "T=1" and payload is Payload.FULL and mode is Mode.TREE:
-        tree = TreeParams(rule=ChildRule.SAMPLED, widths=[2]).shape()
-        out.append(
-            Cell(
-                mode,
-                payload,
-                ChildRule.SAMPLED.value,
-                "⟨2⟩",
-                workers,
-                sampling,
-                spec=_spec(mode, payload, tree=tree),
-                late=1,
-                rounds=2,
-            )
-        )
-    return out
+        for shape in shapes if "overlap" in takes else ():
+            yield at(shape, {"overlap": True}, option="overlap", late=1, rounds=3)
 
 
-# A lookup branch in a sampled tree (docs/design.md §3.10): with the priors, ⟨2⟩ becomes the lookup's
-# first token and one child drawn from q̂ without it; ⟨2,1⟩ the lookup's two tokens (the second
-# under the first, a row with no draft) and the first drawn child with its own.
-LOOKUP_TREES = {"⟨2⟩": [2], "⟨2,1⟩": [2, 1]}
-
-
-def _lookup_branch_cells(payload: Payload, workers: str, sampling: str, rule_of: Any) -> list[Cell]:
-    out = []
-    for rule in (ChildRule.SAMPLED, ChildRule.SAMPLED_DISTINCT):
-        for label, widths in LOOKUP_TREES.items():
-            for lookup in LOOKUPS:
-                if label == "⟨2,1⟩" and (
-                    payload is not Payload.FULL or len(WORKER_SETS[workers]) > 1 or lookup != "prompt lookup"
-                ):
-                    # the two-token branch on one payload and worker set: its law is the walk's, not the
-                    # payload's
-                    continue
-                if payload is Payload.SPARSE and len(WORKER_SETS[workers]) > 1 and lookup != "prompt lookup":
-                    continue
-                shape = TreeParams(rule=rule, payload=TREE_PAYLOADS[payload][0], widths=widths).shape()
-                spec = _spec(
-                    Mode.TREE,
-                    payload,
-                    **_two_workers(
-                        payload,
-                        workers,
-                        {
-                            "tree": shape,
-                            "tree_payload": Mode(TREE_PAYLOADS[payload][0]),
-                            "drafter": "model+lookup",
-                        },
-                    ),
-                )
-                out.append(
-                    Cell(
-                        Mode.TREE,
-                        payload,
-                        rule_of(rule.value),
-                        label,
-                        workers,
-                        sampling,
-                        option="lookup branch",
-                        spec=spec,
-                        lookup=lookup,
-                    )
-                )
-    return out
-
-
+BIG_TREES = ("⟨2,1⟩", "nodes 3 depth 2 top-2")  # the trees of three nodes
+# the trees whose two rounds with every transform stay under ~1,200 runs with one worker (``_sized``)
 TWO_ROUND_TREES = ("⟨1⟩", "nodes 1", "top-1 chain of 2", "nodes 2 depth 2 top-2 (prunes to a chain)")
 
 
-def _two_rounds_affordable(payload: Payload, workers: str, shape: str, options: dict[str, Any]) -> bool:
-    """The second round checks the session's stored transform, past the call that carried it.
-    Enumerating two rounds multiplies the runs (the grammar's forced runs hang below a tree's
-    leaves too): a chain of γ = 1 and the trees of one node or one chain of two stay under
-    ~1,200 runs with one worker; γ = 2 takes 3,700, ⟨2⟩ 500–3,200, ⟨2,1⟩ 12,000–49,000 and
-    ⟨1,1⟩ on exact's payload 2,500, and exact's payload with two workers 2,500–81,000 (one
-    worker: its chains of two, 850–1,000)."""
-    if payload is Payload.SPARSE and (
-        len(WORKER_SETS[workers]) > 1 or shape not in ("⟨1⟩", "nodes 1") and "tree" in options
-    ):
-        return False
-    if "gamma" in options:
-        return options["gamma"] == 1
-    return "tree" not in options or shape in TWO_ROUND_TREES
+def _sized(cell: Cell) -> Cell | None:
+    """The cell as the matrix runs it, or None where cheaper cells prove its law: every trim, with what it
+    saves. Exact's payload draws a complement sample per row and worker, every one enumerated: with two
+    workers it keeps to trees of one or two nodes and leaves one id off (the complement is then a draw at the
+    leaves only; one worker keeps two off)."""
+    two, tree = len(WORKER_SETS[cell.workers]) > 1, cell.mode is Mode.TREE
+    exact_two = two and cell.payload is Payload.SPARSE
+    one_t1 = (cell.payload, cell.workers, cell.sampling) == (Payload.FULL, "1 worker", "T=1")
+    drafter = cell.option.startswith("drafter") and not cell.late
+    shapes = [s for s in _shapes(cell.mode, cell.payload) if not (tree and exact_two and s[1] in BIG_TREES)]
+    # the one shape of an option, a transform alone, a drafter, a late draft: the mode's last (a pipeline's
+    # first: its expanding tree is 1,100 runs, 18 s a cell, and 1,100 to over 3,000 a transform)
+    rides: Shape | None = shapes[0] if cell.mode is Mode.PIPELINE else shapes[-1]
+    if not (cell.option or cell.transform or cell.late) or cell.option in ("lookup branch", "overlap"):
+        rides = None  # every shape: the plain cells, the lookup branches, a late draft with overlap (γ = 1)
+    elif cell.option == "residual reconstruction" and cell.transform:
+        rides = shapes[0]  # the residual fill under the grammar: the mode's first shape
+    elif drafter and cell.mode is Mode.PIPELINE:
+        rides = shapes[1]  # not its expanding tree with a branch: 2,000 runs, 22 s
+    elif cell.transform == "all" and not cell.option and cell.sampling in ("T=0", "T=1"):
+        # every shape, but a tree's on exact's payload with two workers at T = 1 (their complement draws under
+        # each node: 17 s for every shape)
+        rides = rides if tree and exact_two and cell.sampling == "T=1" else None
+    elif tree and one_t1 and (cell.rule, cell.shape, cell.late, cell.option) == ("sampled", "⟨2⟩", 1, ""):
+        rides = None  # a late draft in a sampled tree too
+    dropped = (
+        tree and exact_two and cell.shape in BIG_TREES,  # 12,000–17,000 runs (70–90 s) a cell
+        # off the shape it rides (both sampled rules have a ⟨1⟩: the tree tells them apart)
+        rides is not None and (cell.shape, cell.spec.tree) != (rides[1], rides[2].get("tree")),
+        # two rounds enumerated: γ = 1 (γ = 2 takes ~9,000 runs a cell)
+        cell.spec.overlap and cell.spec.num_draft_tokens > 1,
+        # two workers' complement of two ids per row (6,000 runs); with auto γ, over two rounds (19,000 runs,
+        # 74 s): one worker has them
+        exact_two and (cell.spec.draft_top_p < 1 or cell.spec.auto_gamma),
+        # two workers' complement draws at every δ row (7,800–9,200 runs a cell at T = 1): lookup alone, from
+        # the prompt, with T = 0 and the truncated samplings (top-k 2: 96 runs); none in a tree (exact's chain
+        # cell has it, 7,800 runs there; the lookup branch cells run two workers)
+        drafter and exact_two and (cell.option, cell.lookup) != ("drafter lookup", "prompt lookup"),
+        drafter and exact_two and (tree or cell.sampling == "T=1"),
+        # the two-token branch on one payload and worker set: its law is the walk's, not the payload's
+        cell.option == "lookup branch"
+        and cell.shape == "⟨2,1⟩"
+        and (cell.payload, cell.workers, cell.lookup) != (Payload.FULL, "1 worker", "prompt lookup"),
+        cell.option == "lookup branch" and exact_two and cell.lookup != "prompt lookup",
+        # a late draft: ready after one round at T = 0 and T = 1 (two workers on exact's payload: T = 0 and
+        # top-k 2, each complement draw enumerated), after two with one worker at T = 1 but on exact's payload
+        # (each round without a draft multiplies the runs by V: 1,800); model+lookup's on aggregate's rows
+        cell.late
+        and cell.option != "overlap"
+        and cell.sampling not in ("T=0", "T=1 top-k 2" if exact_two else "T=1"),
+        cell.late > 1 and (two or cell.sampling != "T=1" or cell.payload is Payload.SPARSE),
+        cell.late and cell.option == "drafter model+lookup" and not (cell.mode is Mode.AGGREGATE and one_t1),
+        # with overlap (three rounds), one cell: at T = 1 it is 32,000 runs
+        cell.option == "overlap"
+        and (cell.mode, cell.payload, cell.workers, cell.sampling)
+        != (Mode.AGGREGATE, Payload.FULL, "1 worker", "T=1 top-k 2"),
+    )
+    if any(dropped):
+        return None
+    if exact_two and cell.spec.draft_top_k == DRAFT_TOP_K:
+        cell = replace(cell, spec=replace(cell.spec, draft_top_k=V - 1))
+    # every transform over two rounds: the grammar's forced runs hang below a tree's leaves too, so a chain of
+    # γ = 1 and the trees of one node or one chain of two stay under ~1,200 runs with one worker; γ = 2 takes
+    # 3,700, ⟨2⟩ 500–3,200, ⟨2,1⟩ 12,000–49,000 and ⟨1,1⟩ on exact's payload 2,500, and exact's payload with
+    # two workers 2,500–81,000 (one worker: its chains of two, 850–1,000)
+    nodes = cell.spec.tree is not None and cell.shape not in ("⟨1⟩", "nodes 1")  # a tree past one node
+    small = cell.shape in ("γ=1", *TWO_ROUND_TREES) or not (cell.spec.tree or cell.shape in CHAIN_SHAPES)
+    one_round = cell.payload is Payload.SPARSE and (two or nodes) or not small
+    return replace(cell, rounds=1) if cell.transform == "all" and one_round else cell
 
 
-def _transform_cells(
-    mode: Mode,
-    payload: Payload,
-    workers: str,
-    sampling: str,
-    shapes: list[tuple[str, str, dict[str, Any]]],
-    rule_of: Any,
-) -> list[Cell]:
-    """All the transforms together on every shape (at T = 0 and T = 1; with top-k or top-p sampling, and a
-    tree on exact's payload with two workers at T = 1, on one shape); each one alone on the mode's last shape
-    (a pipeline's first: without the grammar's forced tokens its expanding tree is 1,100 to over 3,000 runs a
-    transform)."""
-    alone = shapes[0] if mode is Mode.PIPELINE else shapes[-1]
-    # with top-k or top-p sampling: the transforms on one shape
-    every_shape = shapes if sampling in ("T=0", "T=1") else [alone]
-    if (
-        mode is Mode.TREE
-        and payload is Payload.SPARSE
-        and len(WORKER_SETS[workers]) > 1
-        and sampling == "T=1"
-    ):
-        # two workers' complement draws under each node: 17 s for every shape; one worker, and T = 0, have
-        # every shape
-        every_shape = [alone]
-    picked = [(shape, "all") for shape in every_shape] + [
-        (alone, name) for name in TRANSFORMS if name != "all"
-    ]
-    out = []
-    for (rule, shape, options), name in picked:
-        spec = _spec(mode, payload, **_two_workers(payload, workers, options))
-        rounds = 2 if name == "all" and _two_rounds_affordable(payload, workers, shape, options) else 1
-        out.append(
-            Cell(
-                mode,
-                payload,
-                rule_of(rule),
-                shape,
-                workers,
-                sampling,
-                spec=spec,
-                transform=name,
-                rounds=rounds,
-            )
-        )
-    if payload is Payload.TOP_K and "reconstruction" in MODES[mode].fields:
-        # σ spread over the grammar's allowed ids only
-        rule, shape, options = shapes[0]
-        spec = _spec(mode, payload, **options, reconstruction=Reconstruction.RESIDUAL)
-        out.append(
-            Cell(
-                mode,
-                payload,
-                rule_of(rule),
-                shape,
-                workers,
-                sampling,
-                option="residual reconstruction",
-                spec=spec,
-                transform="grammar",
-                rounds=2,
-            )
-        )
-    return out
+def cells() -> list[Cell]:
+    """Every cell of the matrix, in the table's order: each mode × payload × worker set × sampling's rows
+    (``_rows``), as ``_sized`` runs them."""
+    table = (
+        _rows(mode, payload, workers, sampling)
+        for mode in MODES
+        for payload in _payloads(mode)
+        for workers, sampling in itertools.product(_worker_sets(mode), SAMPLINGS)
+    )
+    return [sized for cell in itertools.chain.from_iterable(table) if (sized := _sized(cell)) is not None]
 
 
 FULL = bool(os.environ.get("SPECGATE_FULL_STATISTICS"))
