@@ -422,21 +422,21 @@ class Requests:
         request_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         choices = [
             GenerationRequest(
-                request_id,
-                prompt,
-                max_tokens,
-                params,
-                seed,
-                index,
-                spec,
-                top_logprobs,
-                body.seed is not None,
-                prompt_logprobs,
-                body.ignore_eos,
+                request_id=request_id,
+                prompt=prompt,
+                max_tokens=max_tokens,
+                params=params,
+                seed=seed,
+                choice=index,
+                spec=spec,
+                top_logprobs=top_logprobs,
+                seeded=body.seed is not None,
+                prompt_logprobs=prompt_logprobs,
+                ignore_eos=body.ignore_eos,
                 # no answer is longer than max_tokens
-                min(body.min_tokens, max_tokens),
-                transform,
-                self._draft_after(spec, len(prompt)),
+                min_tokens=min(body.min_tokens, max_tokens),
+                transform=transform,
+                draft_after=self._draft_after(spec, len(prompt)),
             )
             for index in range(body.n)
         ]

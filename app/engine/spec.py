@@ -14,7 +14,7 @@ from core.names import Mode, Reconstruction
 from core.transform import LogitsTransform, TransformSpec
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SpecOptions:
     """The speculative settings of one request (config defaults, overridden per request)."""
 
@@ -102,7 +102,7 @@ class SpecOptions:
         return self.draft_top_k, self.draft_top_p
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
     request_id: str
     prompt: list[int]

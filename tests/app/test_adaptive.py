@@ -124,10 +124,25 @@ TARGET = MarkovRunner(random_table(V, 200), name="t0")
 
 def test_the_engine_chooses_gamma_unless_the_request_is_seeded() -> None:
     engine = make_engine(DRAFT, [(TARGET, 1.0)])
-    spec = SpecOptions(Mode.AGGREGATE, DEFAULT_GAMMA, None, Reconstruction.RENORMALIZE, auto_gamma=True)
+    spec = SpecOptions(
+        mode=Mode.AGGREGATE,
+        num_draft_tokens=DEFAULT_GAMMA,
+        k=None,
+        reconstruction=Reconstruction.RENORMALIZE,
+        auto_gamma=True,
+    )
 
     async def rounds(seeded: bool) -> list[tuple[int | None, int]]:
-        req = GenerationRequest("r", [3, 1], 40, SamplingParams(), 7, 0, spec, seeded=seeded)
+        req = GenerationRequest(
+            request_id="r",
+            prompt=[3, 1],
+            max_tokens=40,
+            params=SamplingParams(),
+            seed=7,
+            choice=0,
+            spec=spec,
+            seeded=seeded,
+        )
         return [(r.gamma, r.drafted) async for r in engine.generate(req)]
 
     auto = asyncio.run(rounds(seeded=False))
@@ -196,11 +211,25 @@ def _two_rounds_distance(monkeypatch: pytest.MonkeyPatch) -> float:
     """The exact law (every draw enumerated) of two unseeded auto rounds, against the target."""
     monkeypatch.setattr(loop_module, "GammaController", _LengthWatcher)
     engine = make_engine(_DRAFT, [(_TARGET, 1.0)], eos_ids=[_EOS])
-    spec = SpecOptions(Mode.AGGREGATE, DEFAULT_GAMMA, None, Reconstruction.RENORMALIZE, auto_gamma=True)
+    spec = SpecOptions(
+        mode=Mode.AGGREGATE,
+        num_draft_tokens=DEFAULT_GAMMA,
+        k=None,
+        reconstruction=Reconstruction.RENORMALIZE,
+        auto_gamma=True,
+    )
     loop, count = asyncio.new_event_loop(), itertools.count()
 
     async def once() -> tuple[int, ...]:
-        req = GenerationRequest(f"a{next(count)}", [1, 0], 16, _TOP2, 11, 0, spec)
+        req = GenerationRequest(
+            request_id=f"a{next(count)}",
+            prompt=[1, 0],
+            max_tokens=16,
+            params=_TOP2,
+            seed=11,
+            choice=0,
+            spec=spec,
+        )
         tokens, rounds = list[int](), 0
         async with aclosing(engine.generate(req)) as results:
             async for result in results:

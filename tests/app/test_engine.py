@@ -43,14 +43,27 @@ def _spec(
 ) -> SpecOptions:
     if mode is Mode.EXACT and not draft_top_k and draft_top_p == 1:
         draft_top_k = 3
-    return SpecOptions(mode, gamma, k, Reconstruction.RENORMALIZE, draft_top_k, draft_top_p)
+    return SpecOptions(
+        mode=mode,
+        num_draft_tokens=gamma,
+        k=k,
+        reconstruction=Reconstruction.RENORMALIZE,
+        draft_top_k=draft_top_k,
+        draft_top_p=draft_top_p,
+    )
 
 
 def _request(
     seed: int, spec: SpecOptions, max_tokens: int = 2, temperature: float = 1.0, choice: int = 0
 ) -> GenerationRequest:
     return GenerationRequest(
-        f"r{seed}", PROMPT, max_tokens, SamplingParams(temperature=temperature), seed, choice, spec
+        request_id=f"r{seed}",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        params=SamplingParams(temperature=temperature),
+        seed=seed,
+        choice=choice,
+        spec=spec,
     )
 
 
@@ -273,13 +286,13 @@ def test_ignore_eos_generates_past_a_sampled_eos(mode: Mode) -> None:
         engine = make_engine(DRAFT, workers, eos_ids=[4])
         base = _request(seed, _spec(mode, 3), max_tokens=12)
         req = GenerationRequest(
-            base.request_id,
-            base.prompt,
-            base.max_tokens,
-            base.params,
-            seed,
-            0,
-            base.spec,
+            request_id=base.request_id,
+            prompt=base.prompt,
+            max_tokens=base.max_tokens,
+            params=base.params,
+            seed=seed,
+            choice=0,
+            spec=base.spec,
             ignore_eos=ignore_eos,
         )
         results = [r async for r in engine.generate(req)]
@@ -316,13 +329,13 @@ def _min_tokens_request(
     ignore_eos: bool = False,
 ) -> GenerationRequest:
     return GenerationRequest(
-        f"r{seed}",
-        PROMPT,
-        max_tokens,
-        SamplingParams(temperature=temperature),
-        seed,
-        0,
-        spec,
+        request_id=f"r{seed}",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        params=SamplingParams(temperature=temperature),
+        seed=seed,
+        choice=0,
+        spec=spec,
         ignore_eos=ignore_eos,
         min_tokens=min_tokens,
     )
@@ -552,12 +565,12 @@ OVERLAP_CASES = {
 
 def _overlapped(spec: SpecOptions) -> SpecOptions:
     return SpecOptions(
-        spec.mode,
-        spec.num_draft_tokens,
-        spec.k,
-        spec.reconstruction,
-        spec.draft_top_k,
-        spec.draft_top_p,
+        mode=spec.mode,
+        num_draft_tokens=spec.num_draft_tokens,
+        k=spec.k,
+        reconstruction=spec.reconstruction,
+        draft_top_k=spec.draft_top_k,
+        draft_top_p=spec.draft_top_p,
         overlap=True,
     )
 
@@ -584,11 +597,26 @@ def test_overlap_gives_the_same_tokens_for_every_seed(case: str, temperature: fl
         prepared = used = 0
         for seed in range(40):
             req = GenerationRequest(
-                f"r{seed}", PROMPT, 12, SamplingParams(temperature=temperature), seed, 0, spec
+                request_id=f"r{seed}",
+                prompt=PROMPT,
+                max_tokens=12,
+                params=SamplingParams(temperature=temperature),
+                seed=seed,
+                choice=0,
+                spec=spec,
             )
             plain, _, _ = await _rounds(engine, req)
             overlapped, p, u = await _rounds(
-                engine, GenerationRequest(f"o{seed}", PROMPT, 12, req.params, seed, 0, _overlapped(spec))
+                engine,
+                GenerationRequest(
+                    request_id=f"o{seed}",
+                    prompt=PROMPT,
+                    max_tokens=12,
+                    params=req.params,
+                    seed=seed,
+                    choice=0,
+                    spec=_overlapped(spec),
+                ),
             )
             assert overlapped == plain, seed
             prepared, used = prepared + p, used + u
@@ -628,7 +656,16 @@ def _overlapped_counts(case: str, seeds: range) -> tuple[torch.Tensor, int]:
         counts, used = torch.zeros(V, V), 0
         for seed in seeds:
             tokens, _, u = await _rounds(
-                engine, GenerationRequest(f"r{seed}", PROMPT, 4, SamplingParams(), seed, 0, spec)
+                engine,
+                GenerationRequest(
+                    request_id=f"r{seed}",
+                    prompt=PROMPT,
+                    max_tokens=4,
+                    params=SamplingParams(),
+                    seed=seed,
+                    choice=0,
+                    spec=spec,
+                ),
             )
             counts[tokens[2], tokens[3]] += 1
             used += u
@@ -659,11 +696,11 @@ def test_overlapped_rounds_follow_the_target(case: str, processes: Executor) -> 
 def _relaxed(tau_max: float, mode: Mode = Mode.AGGREGATE) -> SpecOptions:
     # exact: a wide draft support, so that p's top token can be certified on it (τ needs that)
     return SpecOptions(
-        mode,
-        3,
-        None,
-        Reconstruction.RENORMALIZE,
-        5 if mode is Mode.EXACT else 0,
+        mode=mode,
+        num_draft_tokens=3,
+        k=None,
+        reconstruction=Reconstruction.RENORMALIZE,
+        draft_top_k=5 if mode is Mode.EXACT else 0,
         relaxation=Relaxation(tau_max=tau_max, kl_scale=2.0),
     )
 
@@ -678,7 +715,15 @@ def test_relaxation_with_tau_zero_is_strict_and_above_it_accepts_more(mode: Mode
         for seed in range(120):
             tokens = []
             async for r in engine.generate(
-                GenerationRequest(f"r{seed}", PROMPT, 8, SamplingParams(), seed, 0, spec)
+                GenerationRequest(
+                    request_id=f"r{seed}",
+                    prompt=PROMPT,
+                    max_tokens=8,
+                    params=SamplingParams(),
+                    seed=seed,
+                    choice=0,
+                    spec=spec,
+                )
             ):
                 tokens += r.tokens
                 drafted, accepted, tvs, taus = (

@@ -48,10 +48,10 @@ CELLS = [
 def _spec(shape: str, payload: str) -> SpecOptions:
     mode = PAYLOADS[payload]
     return SpecOptions(
-        Mode.TREE,
-        1,
-        None,
-        Reconstruction.RENORMALIZE,
+        mode=Mode.TREE,
+        num_draft_tokens=1,
+        k=None,
+        reconstruction=Reconstruction.RENORMALIZE,
         draft_top_k=3 if mode is Mode.EXACT else 0,
         tree=SHAPES[shape],
         tree_payload=mode,
@@ -68,7 +68,15 @@ def _counts(shape: str, workers: str, payload: str, seeds: range, shortcut: bool
     async def run() -> torch.Tensor:
         counts = torch.zeros(V, V)
         for seed in seeds:
-            req = GenerationRequest(f"r{seed}", PROMPT, 3, SamplingParams(temperature=1.0), seed, 0, spec)
+            req = GenerationRequest(
+                request_id=f"r{seed}",
+                prompt=PROMPT,
+                max_tokens=3,
+                params=SamplingParams(temperature=1.0),
+                seed=seed,
+                choice=0,
+                spec=spec,
+            )
             tokens: list[int] = []
             async with aclosing(engine.generate(req)) as rounds:
                 async for result in rounds:

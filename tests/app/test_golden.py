@@ -49,10 +49,10 @@ def _tables() -> tuple[MarkovRunner, list[MarkovRunner]]:
 def _spec(mode: Mode, overlap: bool, **options: Any) -> SpecOptions:
     top_k = options.pop("draft_top_k", 3 if mode is Mode.EXACT and "draft_top_p" not in options else 0)
     return SpecOptions(
-        mode,
-        options.pop("gamma", 3),
-        options.pop("k", None),
-        Reconstruction(options.pop("reconstruction", "renormalize")),
+        mode=mode,
+        num_draft_tokens=options.pop("gamma", 3),
+        k=options.pop("k", None),
+        reconstruction=Reconstruction(options.pop("reconstruction", "renormalize")),
         draft_top_k=top_k,
         draft_top_p=options.pop("draft_top_p", 1.0),
         overlap=overlap,
@@ -119,13 +119,13 @@ async def _run(case: dict[str, Any], seed: int) -> dict[str, Any]:
     engine = make_engine(draft, workers, eos_ids=[EOS])
     params = case.get("params") or SamplingParams(temperature=case["temperature"])
     req = GenerationRequest(
-        f"g{seed}",
-        PROMPT,
-        MAX_TOKENS,
-        params,
-        seed,
-        0,
-        _spec(case["mode"], case["overlap"], **dict(case["options"])),
+        request_id=f"g{seed}",
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        params=params,
+        seed=seed,
+        choice=0,
+        spec=_spec(case["mode"], case["overlap"], **dict(case["options"])),
         top_logprobs=case.get("top_logprobs"),
         seeded=True,
         prompt_logprobs=case.get("prompt_logprobs"),

@@ -72,13 +72,13 @@ def _output(cell: Cell) -> dict[str, Any]:
     for output in LOOKUPS[cell.lookup][1] if cell.lookup else ():
         engine.draft.lookup.suffixes.add(list(output))
     req = GenerationRequest(
-        "golden",
-        cell.prompt,
-        MAX_TOKENS,
-        cell.params,
-        SEED,
-        0,
-        cell.spec,
+        request_id="golden",
+        prompt=cell.prompt,
+        max_tokens=MAX_TOKENS,
+        params=cell.params,
+        seed=SEED,
+        choice=0,
+        spec=cell.spec,
         seeded=cell.lookup != "suffix index" or cell.spec.auto_gamma,
         min_tokens=cell.min_tokens,
         transform=TRANSFORMS.get(cell.transform),

@@ -34,20 +34,22 @@ SIGNIFICANCE = 1e-3
 DRAFT = MarkovRunner(random_table(V, 100), name="draft")
 TARGETS = [MarkovRunner(random_table(V, 200 + i), name=f"t{i}") for i in range(3)]
 WORKERS = list(zip(TARGETS, [0.5, 0.3, 0.2]))
-SPEC = SpecOptions(Mode.EXACT, 3, None, Reconstruction.RENORMALIZE, draft_top_k=3)
+SPEC = SpecOptions(
+    mode=Mode.EXACT, num_draft_tokens=3, k=None, reconstruction=Reconstruction.RENORMALIZE, draft_top_k=3
+)
 
 
 def _request(
     seed: int, seeded: bool = False, max_tokens: int = 2, draft_after: int = 1, spec: SpecOptions = SPEC
 ) -> GenerationRequest:
     return GenerationRequest(
-        f"r{seed}",
-        PROMPT,
-        max_tokens,
-        SamplingParams(temperature=1.0),
-        seed,
-        0,
-        spec,
+        request_id=f"r{seed}",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        params=SamplingParams(temperature=1.0),
+        seed=seed,
+        choice=0,
+        spec=spec,
         seeded=seeded,
         draft_after=draft_after,
     )
@@ -194,7 +196,12 @@ def test_a_request_that_stops_early_stops_the_prefill() -> None:
 
 @pytest.mark.parametrize(
     "spec",
-    [SpecOptions(Mode.AUTOREGRESSIVE, 3, None, Reconstruction.RENORMALIZE), SPEC],
+    [
+        SpecOptions(
+            mode=Mode.AUTOREGRESSIVE, num_draft_tokens=3, k=None, reconstruction=Reconstruction.RENORMALIZE
+        ),
+        SPEC,
+    ],
     ids=["autoregressive", "max_tokens 1"],
 )
 def test_nothing_waits_where_nothing_drafts(spec: SpecOptions) -> None:

@@ -51,18 +51,24 @@ def _request(
     prompt_logprobs: int | None = None,
     max_tokens: int = 24,
 ) -> GenerationRequest:
-    spec = SpecOptions(mode, 3, None, Reconstruction.RENORMALIZE, draft_top_k=6 if mode is Mode.EXACT else 0)
+    spec = SpecOptions(
+        mode=mode,
+        num_draft_tokens=3,
+        k=None,
+        reconstruction=Reconstruction.RENORMALIZE,
+        draft_top_k=6 if mode is Mode.EXACT else 0,
+    )
     return GenerationRequest(
-        f"r{seed}",
-        PROMPT,
-        max_tokens,
-        SamplingParams(temperature=temperature),
-        seed,
-        0,
-        spec,
-        top,
-        True,
-        prompt_logprobs,
+        request_id=f"r{seed}",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        params=SamplingParams(temperature=temperature),
+        seed=seed,
+        choice=0,
+        spec=spec,
+        top_logprobs=top,
+        seeded=True,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -224,10 +224,10 @@ def _spec(mode: Mode, payload: Payload, **options: Any) -> SpecOptions:
         "draft_top_k", DRAFT_TOP_K if payload is Payload.SPARSE and "draft_top_p" not in options else 0
     )
     return SpecOptions(
-        mode,
-        options.pop("gamma", 2),
-        k,
-        options.pop("reconstruction", Reconstruction.RENORMALIZE),
+        mode=mode,
+        num_draft_tokens=options.pop("gamma", 2),
+        k=k,
+        reconstruction=options.pop("reconstruction", Reconstruction.RENORMALIZE),
         draft_top_k=draft_top_k,
         draft_top_p=options.pop("draft_top_p", 1.0),
         overlap=options.pop("overlap", False),
@@ -579,13 +579,13 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
         for output in LOOKUPS[cell.lookup][1] if cell.lookup else ():
             engine.draft.lookup.suffixes.add(list(output))
         req = GenerationRequest(
-            f"m{next(count)}",
-            cell.prompt,
-            MAX_TOKENS,
-            cell.params,
-            SEED,
-            0,
-            spec,
+            request_id=f"m{next(count)}",
+            prompt=cell.prompt,
+            max_tokens=MAX_TOKENS,
+            params=cell.params,
+            seed=SEED,
+            choice=0,
+            spec=spec,
             seeded=cell.lookup != "suffix index" and not spec.auto_gamma,
             min_tokens=cell.min_tokens,
             transform=TRANSFORMS.get(cell.transform),
@@ -818,7 +818,16 @@ def first_draft(cell: Cell) -> tuple[tuple[int, ...], tuple[int, ...]]:
     loop_module.STRATEGIES[cell.spec.verifier] = recording
 
     async def once() -> Any:
-        req = GenerationRequest("m", PROMPT, MAX_TOKENS, cell.params, SEED, 0, cell.spec, seeded=True)
+        req = GenerationRequest(
+            request_id="m",
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            params=cell.params,
+            seed=SEED,
+            choice=0,
+            spec=cell.spec,
+            seeded=True,
+        )
         try:
             async with aclosing(_engine(cell).generate(req)) as results:
                 async for _ in results:

@@ -33,14 +33,26 @@ SCHEDULE = SegmentSchedule(TreeShape(ChildRule.FIXED, nodes=3, depth=2, top_k=2)
 
 
 def _spec(schedule: SegmentSchedule = SCHEDULE) -> SpecOptions:
-    return SpecOptions(Mode.PIPELINE, 1, None, Reconstruction.RENORMALIZE, pipeline=schedule)
+    return SpecOptions(
+        mode=Mode.PIPELINE,
+        num_draft_tokens=1,
+        k=None,
+        reconstruction=Reconstruction.RENORMALIZE,
+        pipeline=schedule,
+    )
 
 
 async def _tokens(
     engine: Engine, seed: int, max_tokens: int, temperature: float = 1.0, schedule: SegmentSchedule = SCHEDULE
 ) -> list[int]:
     req = GenerationRequest(
-        f"r{seed}", PROMPT, max_tokens, SamplingParams(temperature=temperature), seed, 0, _spec(schedule)
+        request_id=f"r{seed}",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        params=SamplingParams(temperature=temperature),
+        seed=seed,
+        choice=0,
+        spec=_spec(schedule),
     )
     return [t async for result in engine.generate(req) for t in result.tokens]
 
@@ -114,7 +126,16 @@ def test_greedy_asks_the_last_stage_for_the_top_k_only_and_reports_the_full_rows
     max(1, n) of each row, not the whole vocabulary, and the tokens and logprobs are those of the
     full rows. Sampling (T > 0) needs the whole row (the residual) and asks for it."""
     pipe = split_pipeline(TARGET.table, [1, 2], 3)
-    req = GenerationRequest("g", PROMPT, 8, SamplingParams(temperature=0.0), 0, 0, _spec(), top_logprobs=2)
+    req = GenerationRequest(
+        request_id="g",
+        prompt=PROMPT,
+        max_tokens=8,
+        params=SamplingParams(temperature=0.0),
+        seed=0,
+        choice=0,
+        spec=_spec(),
+        top_logprobs=2,
+    )
 
     async def run() -> list[Any]:
         return [

@@ -162,7 +162,12 @@ def test_calls_make_function_call_items_and_their_events_in_openais_shapes() -> 
             "test-model",
             [],
             [],
-            Usage(SpecOptions(Mode.AGGREGATE, 3, None, Reconstruction.RENORMALIZE), 4),
+            Usage(
+                SpecOptions(
+                    mode=Mode.AGGREGATE, num_draft_tokens=3, k=None, reconstruction=Reconstruction.RENORMALIZE
+                ),
+                4,
+            ),
         ),
         store=False,
     )
@@ -688,7 +693,12 @@ def _built(
             "test-model",
             [],
             [],
-            Usage(SpecOptions(Mode.AGGREGATE, 3, None, Reconstruction.RENORMALIZE), 4),
+            Usage(
+                SpecOptions(
+                    mode=Mode.AGGREGATE, num_draft_tokens=3, k=None, reconstruction=Reconstruction.RENORMALIZE
+                ),
+                4,
+            ),
         ),
         store=False,
     )

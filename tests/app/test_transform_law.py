@@ -31,15 +31,21 @@ SIGNIFICANCE = 1e-3
 LENGTH = 3  # tokens checked: the forced first one, then two decided by rounds
 WORKERS = {"1 worker": [1.0], "2 workers 0.7/0.3": [0.7, 0.3]}
 SPECS = {
-    "exact chain γ=2": SpecOptions(Mode.EXACT, 2, None, Reconstruction.RENORMALIZE, draft_top_k=2),
+    "exact chain γ=2": SpecOptions(
+        mode=Mode.EXACT, num_draft_tokens=2, k=None, reconstruction=Reconstruction.RENORMALIZE, draft_top_k=2
+    ),
     "tree sampled ⟨2,1⟩, full rows": SpecOptions(
-        Mode.TREE, 1, None, Reconstruction.RENORMALIZE, tree=TreeShape(ChildRule.SAMPLED, widths=(2, 1))
+        mode=Mode.TREE,
+        num_draft_tokens=1,
+        k=None,
+        reconstruction=Reconstruction.RENORMALIZE,
+        tree=TreeShape(ChildRule.SAMPLED, widths=(2, 1)),
     ),
     "tree fixed 3 nodes, exact payload": SpecOptions(
-        Mode.TREE,
-        1,
-        None,
-        Reconstruction.RENORMALIZE,
+        mode=Mode.TREE,
+        num_draft_tokens=1,
+        k=None,
+        reconstruction=Reconstruction.RENORMALIZE,
         draft_top_k=3,
         tree=TreeShape(ChildRule.FIXED, nodes=3, depth=2, top_k=2),
         tree_payload=Mode.EXACT,
@@ -71,13 +77,13 @@ def _counts(
         counts: dict[tuple[int, ...], int] = {}
         for seed in seeds:
             req = GenerationRequest(
-                f"r{seed}",
-                PROMPT,
-                8,
-                SamplingParams(temperature=1.0),
-                seed,
-                0,
-                SPECS[spec_name],
+                request_id=f"r{seed}",
+                prompt=PROMPT,
+                max_tokens=8,
+                params=SamplingParams(temperature=1.0),
+                seed=seed,
+                choice=0,
+                spec=SPECS[spec_name],
                 transform=TRANSFORMS["all"],
             )
             tokens: list[int] = []

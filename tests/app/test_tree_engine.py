@@ -40,7 +40,13 @@ PAYLOADS = {"aggregate k: full": Mode.AGGREGATE, "exact, draft top-3": Mode.EXAC
 def _spec(shape: TreeShape, payload: Mode = Mode.AGGREGATE) -> SpecOptions:
     top_k = 3 if payload is Mode.EXACT else 0
     return SpecOptions(
-        Mode.TREE, 1, None, Reconstruction.RENORMALIZE, draft_top_k=top_k, tree=shape, tree_payload=payload
+        mode=Mode.TREE,
+        num_draft_tokens=1,
+        k=None,
+        reconstruction=Reconstruction.RENORMALIZE,
+        draft_top_k=top_k,
+        tree=shape,
+        tree_payload=payload,
     )
 
 
@@ -59,7 +65,13 @@ def _first_two(
         counts = torch.zeros(V, V)
         for seed in seeds:
             req = GenerationRequest(
-                f"r{seed}", PROMPT, 3, SamplingParams(temperature=temperature), seed, 0, spec
+                request_id=f"r{seed}",
+                prompt=PROMPT,
+                max_tokens=3,
+                params=SamplingParams(temperature=temperature),
+                seed=seed,
+                choice=0,
+                spec=spec,
             )
             tokens: list[int] = []
             rounds = engine.generate(req)
@@ -148,7 +160,13 @@ def test_greedy_is_the_mixture_argmax(shape: str, payload: str) -> None:
 
     async def run() -> list[int]:
         req = GenerationRequest(
-            "g", PROMPT, 6, SamplingParams(temperature=0.0), 0, 0, _spec(SHAPES[shape], PAYLOADS[payload])
+            request_id="g",
+            prompt=PROMPT,
+            max_tokens=6,
+            params=SamplingParams(temperature=0.0),
+            seed=0,
+            choice=0,
+            spec=_spec(SHAPES[shape], PAYLOADS[payload]),
         )
         return [t async for r in engine.generate(req) for t in r.tokens]
 
@@ -161,7 +179,13 @@ def test_a_tree_round_tells_workers_the_parents_and_the_next_call_the_path() -> 
 
     async def run() -> list[int]:
         req = GenerationRequest(
-            "p", PROMPT, 12, SamplingParams(temperature=1.0), 5, 0, _spec(SHAPES["sampled ⟨2,2⟩"])
+            request_id="p",
+            prompt=PROMPT,
+            max_tokens=12,
+            params=SamplingParams(temperature=1.0),
+            seed=5,
+            choice=0,
+            spec=_spec(SHAPES["sampled ⟨2,2⟩"]),
         )
         return [t async for r in engine.generate(req) for t in r.tokens]
 
@@ -193,7 +217,13 @@ def test_a_worker_that_lost_the_tree_gets_the_path_as_tokens_and_the_text_is_the
     def run(engine: Engine, forget: bool) -> list[int]:
         async def go() -> list[int]:
             req = GenerationRequest(
-                "lost", PROMPT, 12, SamplingParams(temperature=1.0), 5, 0, _spec(SHAPES["sampled ⟨2,2⟩"])
+                request_id="lost",
+                prompt=PROMPT,
+                max_tokens=12,
+                params=SamplingParams(temperature=1.0),
+                seed=5,
+                choice=0,
+                spec=_spec(SHAPES["sampled ⟨2,2⟩"]),
             )
             out: list[int] = []
             async for result in engine.generate(req):
