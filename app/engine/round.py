@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Unpack
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ from core.math.random import Purpose, uniforms
 from core.math.sampling import normalised
 from core.math.tree import TokenTree
 from core.names import Mode, Reconstruction
-from core.protocol import VerifyRequest, VerifyResponse
+from core.protocol import AskFields, VerifyRequest, VerifyResponse
 from core.transform import LogitsTransform
 
 
@@ -62,19 +63,17 @@ class Round:
         paths = [[], *([ids[n] for n in self.draft.path_to(node)] for node in range(len(self.draft)))]
         return self.transformer.masks(self.sequence, paths)
 
-    async def call(self, **wire: object) -> list[VerifyResponse]:
+    async def call(self, **ask: Unpack[AskFields]) -> list[VerifyResponse]:
         """Every worker at once; after it, each holds ``sequence`` + draft (a tree's rows too).
         The first call carries the previous tree's accepted path, which ends the agreed prefix."""
-        kept = {"path": np.array(self.path, dtype=np.int32)} if self.path else {}
-        # protocol v1.1
-        parents = {} if self.draft.is_chain else {"parents": self.draft.parents.numpy().astype(np.int32)}
-        self.path = None
+        path, self.path = self.path, None
         self.responses = await self._all(
             self.sequence,
             lambda n: (self.sequence[: self.agreed[n]], self.sequence[self.agreed[n] :], self.draft.ids()),
-            **parents,
-            **kept,
-            **wire,
+            # protocol v1.1
+            parents=None if self.draft.is_chain else self.draft.parents.numpy().astype(np.int32),
+            path=np.array(path, dtype=np.int32) if path else None,
+            **ask,
         )
         self.agreed[:] = [len(self.sequence)] * len(self.agreed)
         return self.responses
@@ -95,21 +94,25 @@ class Round:
         self,
         agreed: list[int],
         lists: Callable[[int], tuple[list[int], list[int], list[int]]],
-        **wire: object,
+        parents: np.ndarray | None = None,
+        path: np.ndarray | None = None,
+        **ask: Unpack[AskFields],
     ) -> list[VerifyResponse]:
         """One call per worker n (prefix, tokens, draft: ``lists(n)``); its wall time, where the slowest
         worker's call spent it, the model seconds and the bytes count in the round."""
         req = self.req
         requests = [
-            VerifyRequest.after(  # type: ignore[misc]
+            VerifyRequest.after(
                 self.session_id,
                 *lists(n),
-                **req.sampling_wire(),  # type: ignore[arg-type]
+                **req.sampling_wire(),
                 seed=req.seed,
                 choice=req.choice,
                 worker=n,
                 seeded=req.seeded,
-                **wire,  # type: ignore[arg-type]
+                parents=parents,
+                path=path,
+                **ask,
             )
             for n in range(len(self.targets.workers))
         ]

@@ -11,6 +11,7 @@ from core.math.sampling import SamplingParams
 from core.math.shapes import SegmentSchedule, TreeShape
 from core.modes import MODES, Guarantee, Payload, guarantee
 from core.names import Mode, Reconstruction
+from core.protocol import SamplingFields
 from core.transform import LogitsTransform, TransformSpec
 
 
@@ -123,16 +124,13 @@ class GenerationRequest:
     # unseeded goes on until it is ready
     draft_after: int = 0
 
-    def sampling_wire(self) -> dict[str, object]:
+    def sampling_wire(self) -> SamplingFields:
         """The request's sampling on a target's call; min-p and the transform where set (docs/design.md
         §3.9)."""
-        out: dict[str, object] = {
-            "temperature": self.params.temperature,
-            "top_k": self.params.top_k,
-            "top_p": self.params.top_p,
-        }
-        if self.params.min_p:
-            out["min_p"] = self.params.min_p
+        params = self.params
+        out = SamplingFields(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        if params.min_p:
+            out["min_p"] = params.min_p
         if self.transform is not None:
             out["transform"] = self.transform.to_wire()
         return out

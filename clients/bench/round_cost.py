@@ -150,10 +150,10 @@ def _round(
 ) -> Callable[[], None]:
     """One verify round as the worker runs it: crop to the prefix, forward, score (k: full)."""
     runner.prefill(session, prompt)
-    tree = {"parents": np.array(parents, dtype=np.int32)} if parents is not None else {}
+    tree = np.array(parents, dtype=np.int32) if parents is not None else None
     req = VerifyRequest.after(
-        session, prompt, [7], draft, mode="tree" if parents is not None else "aggregate", **tree
-    )  # type: ignore[arg-type]
+        session, prompt, [7], draft, mode="tree" if parents is not None else "aggregate", parents=tree
+    )
 
     def run() -> None:
         runner.crop(session, len(prompt))

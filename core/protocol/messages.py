@@ -12,7 +12,7 @@ Paths (all under the worker's base URL):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict, Unpack
 
 import numpy as np
 
@@ -47,6 +47,45 @@ class InfoResponse(Message):
     # how a step runs: {"forward": "static" | "hf" | …, "scoring": "device" | "host"}, and a static forward's
     # CUDA graphs ("graphs", "capture_s", "graph_mb")
     step: dict[str, Any] | None = None
+
+
+class SamplingFields(TypedDict, total=False):
+    """A request's sampling on a call (docs/design.md §3.2, §3.9), each field as ``VerifyRequest``'s."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    transform: dict[str, Any] | None
+
+
+class AskFields(TypedDict, total=False):
+    """What a call asks of the workers' answers (a strategy's choice), each field as ``VerifyRequest``'s."""
+
+    mode: str
+    k: int | None
+    probs_dtype: str
+    reconstruction: str
+    return_probs: bool
+    draft_probs: np.ndarray | None
+    support_ids: np.ndarray | None
+    support_sizes: np.ndarray | None
+    support_q: np.ndarray | None
+    logprobs: int | None
+    score_tokens: bool
+    score_ids: np.ndarray | None
+    ahead: bool
+
+
+class CallFields(SamplingFields, AskFields, total=False):
+    """Every field of a ``VerifyRequest`` after ``draft``, by name (``VerifyRequest.after``)."""
+
+    seed: int
+    choice: int
+    worker: int
+    parents: np.ndarray | None
+    path: np.ndarray | None
+    seeded: bool
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,7 +167,12 @@ class VerifyRequest(Message):
 
     @classmethod
     def after(
-        cls, session_id: str, agreed: list[int], tokens: list[int], draft: list[int], **params: Any
+        cls,
+        session_id: str,
+        agreed: list[int],
+        tokens: list[int],
+        draft: list[int],
+        **fields: Unpack[CallFields],
     ) -> VerifyRequest:
         """The request that appends ``tokens`` + ``draft`` to a session holding ``agreed``."""
         return cls(
@@ -137,7 +181,7 @@ class VerifyRequest(Message):
             prefix_hash=prefix_hash(agreed),
             tokens=np.asarray(tokens, dtype=np.int64),
             draft=np.asarray(draft, dtype=np.int64),
-            **params,
+            **fields,
         )
 
     @property

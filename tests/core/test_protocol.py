@@ -27,6 +27,7 @@ from core.protocol import (
     encode_binary,
     prefix_hash,
 )
+from core.protocol.messages import CallFields
 from core.transform import TransformSpec
 
 VOCAB_SMALL, VOCAB_LARGE = 49152, 100_000
@@ -166,6 +167,12 @@ def test_the_header_carries_only_what_differs_from_the_defaults() -> None:
     fields = orjson.loads(encode_binary(req, VOCAB_SMALL)[8:-2])["fields"]
     # temperature 1.0 is the default
     assert set(fields) == {"session_id", "prefix_len", "prefix_hash", "mode", "return_probs"}
+
+
+def test_verify_request_after_names_every_field_after_the_draft() -> None:
+    """``VerifyRequest.after``'s typed keywords (``CallFields``) are the message's own fields, none missed."""
+    names = list(VerifyRequest.__dataclass_fields__)
+    assert set(CallFields.__annotations__) == set(names[names.index("draft") + 1 :])
 
 
 def _request_body() -> bytes:

@@ -26,9 +26,10 @@ class AutoregressiveStrategy(RoundStrategy):
         if req.params.is_greedy:
             token, target = await self._greedy(rnd, want_logprobs)
         else:
-            # its sample is the token: decoded ahead
-            ahead = {"ahead": True} if len(rnd.weights) == 1 and _more_follow(rnd) else {}
-            responses = await rnd.call(mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs, **ahead)
+            ahead = len(rnd.weights) == 1 and _more_follow(rnd)  # its sample is the token: decoded ahead
+            responses = await rnd.call(
+                mode=Mode.AUTOREGRESSIVE.value, return_probs=want_logprobs, ahead=ahead
+            )
             chosen = 0  # one worker: its sample (the draw over one weight picks it whatever u is)
             if len(rnd.weights) > 1:
                 chosen = sample_index(
@@ -61,13 +62,13 @@ class AutoregressiveStrategy(RoundStrategy):
             return (token, None) if token is not None else None
 
         # its top-1 is the token: the worker may decode it ahead
-        ahead = {"ahead": True} if single and _more_follow(rnd) else {}
+        ahead = single and _more_follow(rnd)
         return await growing_k(
             rnd,
             Mode.AUTOREGRESSIVE,
             None if want_logprobs else 1 if single else min(CERTIFY_K, vocab),
             decide,
-            **ahead,
+            ahead,
         )
 
 

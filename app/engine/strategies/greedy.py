@@ -70,12 +70,12 @@ async def growing_k(
     mode: Mode,
     k: int | None,
     decide: Callable[[list[VerifyResponse], int | None], T | None],
-    **wire: object,
+    ahead: bool = False,
 ) -> T:
     """Ask every target for its top-``k`` rows, then 8× as many, …, then whole rows, until ``decide`` can
     tell."""
     while True:
-        decided = decide(await rnd.call(mode=mode.value, k=k, **wire), k)
+        decided = decide(await rnd.call(mode=mode.value, k=k, ahead=ahead), k)
         if decided is not None:
             return decided
         k = None if k is None or k * 8 >= rnd.vocab_size else k * 8

@@ -12,6 +12,7 @@ from core.math.random import Purpose, sample_index, uniform
 from core.math.speculative import residual
 from core.math.tree import TokenTree
 from core.names import Mode
+from core.protocol import AskFields
 
 
 class SplitStrategy(RoundStrategy):
@@ -25,15 +26,8 @@ class SplitStrategy(RoundStrategy):
         # f64: the worker tests with the very q̂ the residual uses
         q_draft = draft.q_values().double().numpy()
         drawn = _drawn_at_worker(rnd)
-        resp = (
-            await rnd.call(
-                mode=Mode.SPLIT.value,
-                k=spec.k,
-                draft_probs=q_draft,
-                logprobs=req.top_logprobs,
-                **(_supports(draft) if drawn else {}),
-            )
-        )[0]
+        ask = AskFields(mode=Mode.SPLIT.value, k=spec.k, draft_probs=q_draft, logprobs=req.top_logprobs)
+        resp = (await rnd.call(**(ask | _supports(draft) if drawn else ask)))[0]
         accepted, result_bound = resp.num_accepted, []
         if accepted == gamma or req.params.is_greedy or drawn:
             # the bonus, or the token the worker drew at the rejection
@@ -74,14 +68,14 @@ def _drawn_at_worker(rnd: Round) -> bool:
     )
 
 
-def _supports(draft: TokenTree) -> dict[str, np.ndarray]:
+def _supports(draft: TokenTree) -> AskFields:
     """S_j and q̂_j on it for each draft position (a chain: row j is node j − 1's)."""
     rows = [draft.support(j - 1) for j in range(len(draft))]
-    return {
-        "support_ids": torch.cat([ids for ids, _ in rows]).numpy(),
-        "support_sizes": np.array([len(ids) for ids, _ in rows], dtype=np.int32),
-        "support_q": torch.cat([q.double() for _, q in rows]).numpy(),
-    }
+    return AskFields(
+        support_ids=torch.cat([ids for ids, _ in rows]).numpy(),
+        support_sizes=np.array([len(ids) for ids, _ in rows], dtype=np.int32),
+        support_q=torch.cat([q.double() for _, q in rows]).numpy(),
+    )
 
 
 def _residual_bound(sigma: float, p_hat: torch.Tensor, q: torch.Tensor) -> float:
