@@ -11,7 +11,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
 from core.batching import take_within
@@ -55,9 +55,26 @@ def chunkable(req: VerifyRequest | StageRequest) -> bool:
 
 
 @dataclass
+class Timing:
+    """A call's time: when it ``arrived`` at the scheduler (perf_counter seconds), then its Server-Timing in
+    ms (a verify call's): the step's ``model`` and ``score``, the route's ``codec``, ``queue``, ``total``."""
+
+    arrived: float | None = None
+    model: float = 0.0
+    score: float = 0.0
+    codec: float = 0.0
+    queue: float = 0.0
+    total: float = 0.0
+
+    def header(self) -> str:
+        """The W3C ``Server-Timing`` header: ``name;dur=ms`` for every part, in the order above."""
+        return ", ".join(f"{f.name};dur={getattr(self, f.name):.3f}" for f in fields(self)[1:])
+
+
+@dataclass
 class _Call:
     req: VerifyRequest | StageRequest
-    timing: dict[str, float]
+    timing: Timing
     done: asyncio.Future[Any]
     fed: int = 0  # its first tokens already in the session, fed by pieces
     passed_over: int = 0  # pieces of other long calls that went before its next one
@@ -88,12 +105,12 @@ class StepHost(Protocol):
 
     thread: ModelThread
 
-    def verify_batch(self, reqs: list[Work], timings: list[dict[str, float]]) -> list[Any]: ...
+    def verify_batch(self, reqs: list[Work], timings: list[Timing]) -> list[Any]: ...
 
     @property
     def overlaps(self) -> bool: ...
 
-    def launch(self, reqs: list[Work], timings: list[dict[str, float]]) -> Any: ...
+    def launch(self, reqs: list[Work], timings: list[Timing]) -> Any: ...
 
     def finish(self, pending: Any) -> list[Any]: ...
 
@@ -118,11 +135,11 @@ class VerifyScheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    async def verify(self, req: VerifyRequest | StageRequest, timing: dict[str, float]) -> Any:
+    async def verify(self, req: VerifyRequest | StageRequest, timing: Timing) -> Any:
         """Queue a call (a verify call, or a pipeline stage's segment); its answer once its step has run.
-        ``timing`` gets ``arrived`` (the step takes it: a call answered from a decode done ahead counts the
-        part it waited for)."""
-        timing["arrived"] = time.perf_counter()
+        ``timing`` gets ``arrived`` (a call answered from a decode done ahead counts the part it waited for),
+        then its step's parts."""
+        timing.arrived = time.perf_counter()
         return await self._enqueue(_Call(req, timing, asyncio.get_running_loop().create_future()))
 
     async def exclusive(self, fn: Callable[..., T], *args: Any) -> T:

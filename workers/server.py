@@ -42,6 +42,7 @@ from core.runners import ModelRunner
 from core.runners.model_thread import ModelThread
 from core.serving import Guard
 from workers.link import StageFailed
+from workers.scheduler import Timing
 from workers.sessions import RETRY_AFTER_S
 from workers.settings import WorkerSettings, ready_target
 from workers.stage import StageStates
@@ -187,17 +188,16 @@ async def _verified(
         )
     await state.steps.transforms.precompile(req.transform, req.prefix_len == 0)
     decoded = time.perf_counter()
-    timing: dict[str, float] = {}
+    timing = Timing()
     resp = await state.scheduler.verify(req, timing)
     encoding = time.perf_counter()
     payload, answer_type = _encoded(state, resp, JSON_CONTENT_TYPE in accept, len(body))
     done = time.perf_counter()
     # waiting for its step, and the batch-mates' scoring
-    queue = (encoding - decoded) * 1e3 - timing.get("model", 0.0) - timing.get("score", 0.0)
-    timing.update(
-        codec=(decoded - started + done - encoding) * 1e3, queue=max(queue, 0.0), total=(done - started) * 1e3
-    )
-    return payload, answer_type, server_timing(timing)
+    queue = (encoding - decoded) * 1e3 - timing.model - timing.score
+    timing.codec, timing.queue = (decoded - started + done - encoding) * 1e3, max(queue, 0.0)
+    timing.total = (done - started) * 1e3
+    return payload, answer_type, timing.header()
 
 
 async def _fast_verify(app: FastAPI, scope: Scope, receive: Receive, send: Send) -> None:
@@ -301,7 +301,7 @@ def _add_routes(app: FastAPI, settings: WorkerSettings) -> None:
             req.transform, req.prefix_len == 0 and state.runner.is_last_stage
         )
         async with state.order.turn(req.session_id, req.seq, state.settings.stage_wait_s):
-            out = await state.scheduler.verify(req, {})
+            out = await state.scheduler.verify(req, Timing())
         resp = await state.link.send_on(req, out) if isinstance(out, StageStates) else out
         payload, content_type = _encode(state, request, resp, len(body))
         return Response(payload, media_type=content_type)
@@ -416,12 +416,6 @@ class _WorkerCollector(Collector):
             "Memory the sessions' caches take.",
             value=state.runner.memory_bytes(),
         )
-
-
-def server_timing(timing: dict[str, float]) -> str:
-    """The W3C ``Server-Timing`` header of a verify call: where its milliseconds went (codec, queue, model,
-    score, total)."""
-    return ", ".join(f"{name};dur={ms:.3f}" for name, ms in timing.items())
 
 
 def _error(status: int, body: ErrorBody) -> Response:

@@ -22,7 +22,7 @@ from core.runners.model_thread import ModelThread
 from core.runners.step_upload import StepUpload
 from core.transform import DeviceTransform
 from workers.device_scoring import StepScoring, handles
-from workers.scheduler import Piece, Work
+from workers.scheduler import Piece, Timing, Work
 from workers.scoring import score, tree_item
 from workers.sessions import SessionStore, Shaping, Transforms, shaped
 from workers.settings import WorkerSettings
@@ -37,7 +37,7 @@ class PendingStep:
     (``Steps.finish``)."""
 
     answers: list[Any]
-    timings: list[dict[str, float]]
+    timings: list[Timing]
     sessions: set[str]  # the step's sessions: their next calls wait for its answers
     batch: int = 0
     # device-scored: index, call, rows, transform, held
@@ -95,14 +95,14 @@ class Steps:
         # session -> (rows before it, its token, its logits [1, V], when its decode ran)
         self._ahead: dict[str, tuple[int, int, torch.Tensor, tuple[float, float]]] = {}
 
-    def verify(self, req: VerifyRequest, timing: dict[str, float] | None = None) -> Any:
+    def verify(self, req: VerifyRequest, timing: Timing | None = None) -> Any:
         """``POST /v1/verify`` for one call alone; ``timing`` gets the model's and the scoring's ms."""
-        answer = self.verify_batch([req], [timing if timing is not None else {}])[0]
+        answer = self.verify_batch([req], [timing or Timing()])[0]
         if isinstance(answer, Exception):
             raise answer
         return answer
 
-    def verify_batch(self, reqs: list[Work], timings: list[dict[str, float]]) -> list[Any]:
+    def verify_batch(self, reqs: list[Work], timings: list[Timing]) -> list[Any]:
         """One scheduler step: per call its answer (None for a piece of a long call) or the exception it alone
         fails with; every ``model_ms`` is the step's forward (a call fed in pieces: theirs, summed).
         ``launch`` then ``finish``."""
@@ -117,7 +117,7 @@ class Steps:
             self.upload is not None and self.scores_on_device and device is not None and device.type == "cuda"
         )
 
-    def launch(self, reqs: list[Work], timings: list[dict[str, float]]) -> PendingStep:
+    def launch(self, reqs: list[Work], timings: list[Timing]) -> PendingStep:
         """The step's host work and its device work queued: calls checked, the forward, the device's scoring.
         Where the runner has a step upload (the static forward), everything the host brings goes in it — cache
         moves, the forward's inputs, and for the calls scored on the device their transforms and the scorer's
@@ -133,9 +133,7 @@ class Steps:
                     upload.send()
                 upload.end()
 
-    def _launch(
-        self, reqs: list[Work], timings: list[dict[str, float]], upload: StepUpload | None
-    ) -> PendingStep:
+    def _launch(self, reqs: list[Work], timings: list[Timing], upload: StepUpload | None) -> PendingStep:
         pending = PendingStep([None] * len(reqs), timings, {r.session_id for r in reqs})
         if self._ahead:  # head starts of sessions freed or evicted since: their logits let go
             self._ahead = {s: kept for s, kept in self._ahead.items() if s in self.sessions}
@@ -146,7 +144,7 @@ class Steps:
         scored_calls: list[VerifyRequest] = []
         # calls whose decode was done ahead
         ahead: list[tuple[int, VerifyRequest, torch.Tensor, tuple[float, float], Shaping | None]] = []
-        arrived = [timing.pop("arrived", None) for timing in timings]  # when each call reached the scheduler
+        arrived = [timing.arrived for timing in timings]  # when each call reached the scheduler
         for i, req in enumerate(reqs):
             try:
                 if isinstance(req, VerifyRequest) and (taken := self._taken_ahead(req)) is not None:
@@ -211,7 +209,7 @@ class Steps:
                 answers[i] = logits
                 continue
             req, scored = reqs[i], time.perf_counter()
-            timings[i]["model"] = timings[i].get("model", 0.0) + model_ms
+            timings[i].model += model_ms
             if isinstance(req, Piece) and req.end is not None:
                 answers[i] = scored_tokens  # a piece of a prompt: the tokens the session holds now
                 continue
@@ -234,7 +232,7 @@ class Steps:
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
             if not isinstance(req, StageRequest):
-                timings[i]["score"] = (time.perf_counter() - scored) * 1e3
+                timings[i].score = (time.perf_counter() - scored) * 1e3
         if together:
             assert scoring is not None
             self._launch_scoring(pending, scoring, [device[i][0] for i, *_ in together], together)
@@ -243,7 +241,7 @@ class Steps:
             came = arrived[i]
             # its model time: the part of its decode it waited for
             since = began if came is None else max(began, came)
-            timings[i]["model"] = max(0.0, ended - since) * 1e3
+            timings[i].model = max(0.0, ended - since) * 1e3
             pending.on_host.append((i, call, logits, 0, shaping, self.runner.length(call.session_id)))
         return pending
 
@@ -305,20 +303,20 @@ class Steps:
                 if not isinstance(answer, Exception):
                     answer = replace(
                         answer,
-                        model_ms=timings[i]["model"],
+                        model_ms=timings[i].model,
                         **({"batch_sessions": pending.batch} if pending.batch > 1 else {}),
                     )
                 answers[i] = answer
-                timings[i]["score"] = score_ms  # every call waited for the step's scoring
+                timings[i].score = score_ms  # every call waited for the step's scoring
         for i, call, logits, scored_tokens, shaping, held in pending.on_host:
             scored = time.perf_counter()
             try:
                 answers[i] = self._verify_answer(
-                    call, logits.cpu(), scored_tokens, shaping, timings[i]["model"], pending.batch, held
+                    call, logits.cpu(), scored_tokens, shaping, timings[i].model, pending.batch, held
                 )
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
-            timings[i]["score"] = (time.perf_counter() - scored) * 1e3
+            timings[i].score = (time.perf_counter() - scored) * 1e3
         return answers
 
     def _verify_answer(

@@ -24,6 +24,7 @@ DEFAULT_BATCH_TOKENS = 128  # a draft step's new rows, all requests together (Dr
 BACKGROUND_PASSES = 3
 
 DraftSteps = Generator[ForwardItem, torch.Tensor, TokenTree]  # a draft: yields items, gets their logits
+DraftSeconds = dict[str, float]  # a round's drafting seconds by part (``DraftClock.parts``), summed
 
 
 @dataclass
@@ -33,7 +34,7 @@ class DraftClock:
     model_s: float = 0.0
     total_s: float = 0.0
 
-    def parts(self) -> dict[str, float]:
+    def parts(self) -> DraftSeconds:
         return {"draft_model": self.model_s, "draft_sampling": max(self.total_s - self.model_s, 0.0)}
 
 
@@ -124,7 +125,7 @@ class StepBatcher:
             await asyncio.wait([busy])
 
     async def run(
-        self, session_id: str, steps: DraftSteps, timing: dict[str, float] | None, background: bool = False
+        self, session_id: str, steps: DraftSteps, timing: DraftSeconds | None, background: bool = False
     ) -> TokenTree:
         """The draft ``steps`` to its end, its seconds added to ``timing`` (``DraftClock``); ``background``: a
         prefill the drafts waiting go before (``_step``)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from app.drafting.batcher import DEFAULT_BATCH_TOKENS, StepBatcher
+from app.drafting.batcher import DEFAULT_BATCH_TOKENS, DraftSeconds, StepBatcher
 from app.drafting.chain import chain_steps
 from app.drafting.forced import with_forced_runs
 from app.drafting.lookup import LookupDrafter, Record
@@ -18,8 +18,6 @@ from core.math.shapes import ChildRule, TreeShape
 from core.math.tree import TokenTree
 from core.runners import ModelRunner
 from core.runners.model_thread import ModelThread
-
-Timing = dict[str, float] | None
 
 
 class Drafter:
@@ -43,7 +41,7 @@ class Drafter:
         gamma: int,
         limit: int | None,
         cancel: threading.Event | None,
-        timing: Timing,
+        timing: DraftSeconds | None,
     ) -> TokenTree:
         raise NotImplementedError
 
@@ -54,7 +52,7 @@ class Drafter:
         shape: TreeShape,
         room: int,
         extra: int,
-        timing: Timing,
+        timing: DraftSeconds | None,
     ) -> TokenTree:
         return await self.chain(draft, request, room, None, None, timing)
 
@@ -90,7 +88,7 @@ class ModelDrafter(Drafter):
         gamma: int,
         limit: int | None,
         cancel: threading.Event | None,
-        timing: Timing,
+        timing: DraftSeconds | None,
     ) -> TokenTree:
         branch = draft.lookup.branch(request, max(gamma, limit or gamma)) if self.with_lookup else None
         record = Record() if branch is not None else None
@@ -109,7 +107,7 @@ class ModelDrafter(Drafter):
         shape: TreeShape,
         room: int,
         extra: int,
-        timing: Timing,
+        timing: DraftSeconds | None,
     ) -> TokenTree:
         """A tree of ``shape`` (``tree_steps``); with a grammar, its forced runs free up to ``extra`` nodes,
         no deeper than ``room`` (``with_forced_runs``); with the lookup, its proposal joins as a branch."""
@@ -150,7 +148,7 @@ class LookupOnly(Drafter):
         gamma: int,
         limit: int | None,
         cancel: threading.Event | None,
-        timing: Timing,
+        timing: DraftSeconds | None,
     ) -> TokenTree:
         return draft.lookup.chain(request, max(gamma, limit or gamma), timing)
 
@@ -184,7 +182,7 @@ class DraftModel:
         gamma: int,
         limit: int | None = None,
         cancel: threading.Event | None = None,
-        timing: dict[str, float] | None = None,
+        timing: DraftSeconds | None = None,
     ) -> TokenTree:
         """A chain of ``gamma`` drafted tokens from the request's drafter (``DRAFTERS``), a grammar's forced
         ones free up to ``limit`` in all; ``cancel`` stops it after the token in progress."""
@@ -199,7 +197,7 @@ class DraftModel:
         shape: TreeShape,
         depth_limit: int | None = None,
         extra: int = 0,
-        timing: dict[str, float] | None = None,
+        timing: DraftSeconds | None = None,
     ) -> TokenTree:
         """A tree of ``shape`` from the request's drafter, no deeper than ``depth_limit``; with a grammar, its
         forced runs free up to ``extra`` nodes."""

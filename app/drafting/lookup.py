@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from app.drafting.batcher import DraftSeconds
 from app.drafting.request import DraftNodes, DraftRequest, delta_support
 from core.lookup import NO_PROPOSAL, AcceptanceStats, LookupParams, PromptLookup, Proposal, SuffixIndex
 from core.math.rerank import drafted_above
@@ -90,7 +91,7 @@ class LookupDrafter:
         self.num_lookup_tokens += len(tokens)
         return Proposal(tokens, proposal.match if tokens else 0)
 
-    def chain(self, request: DraftRequest, count: int, timing: dict[str, float] | None) -> TokenTree:
+    def chain(self, request: DraftRequest, count: int, timing: DraftSeconds | None) -> TokenTree:
         """The lookup's proposal alone: a chain of δ rows, no model step (its time is the draft's
         sampling)."""
         started = time.perf_counter()

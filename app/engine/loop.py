@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from app.adaptive import GammaController
+from app.drafting.batcher import DraftSeconds
 from app.drafting.drafters import DRAFTERS, DraftModel
 from app.engine.echo import score_prompt
 from app.engine.late import LateDraft
@@ -94,7 +95,7 @@ class Engine:
                 wanted, keyed, timing, started = (
                     session.gamma(),
                     session.keyed(),
-                    dict[str, float](),
+                    DraftSeconds(),
                     time.perf_counter(),
                 )
                 if late is not None and late.skips():
@@ -220,7 +221,7 @@ class Engine:
 
 
 def _timed(
-    result: RoundResult, rnd: Round, started: float, drafted: float, timing: dict[str, float], used: bool
+    result: RoundResult, rnd: Round, started: float, drafted: float, timing: DraftSeconds, used: bool
 ) -> RoundResult:
     """The round's seconds, by part: drafting (from ``started``), verifying (from ``drafted``)."""
     result.draft_s, result.verify_s, result.model_s, result.busy_s = (
@@ -257,7 +258,7 @@ async def propose(
     room: int,
     gamma: int,
     keyed: GenerationRequest,
-    timing: dict[str, float],
+    timing: DraftSeconds,
     prepared: TokenTree | None = None,
 ) -> TokenTree:
     """The round's draft (``keyed``: the request as this round draws): its tree, else a chain of ``gamma``

@@ -35,6 +35,7 @@ from core.protocol import (
 )
 from core.runners.base import ModelRunner, Rows, RunnerInfo, Staged
 from core.runners.model_thread import CallingThread
+from workers.scheduler import Timing
 from workers.scoring import score
 from workers.settings import WorkerSettings
 from workers.stage import StageStates
@@ -157,7 +158,7 @@ class FakePipeline(PipelineTarget):
             raise StageShort(f"message {seq} lost")
         req: StageRequest | Any = stage_request(stage, seq, segment, sampling, hidden_dtype="f32")
         for state in self.states:
-            answer = state.steps.verify_batch([req], [{}])[0]
+            answer = state.steps.verify_batch([req], [Timing()])[0]
             if isinstance(answer, SessionShort):
                 raise StageShort(str(answer))
             if isinstance(answer, Exception):

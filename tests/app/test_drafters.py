@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from app.drafting.batcher import DraftSeconds
 from app.drafting.drafters import DRAFTERS, Drafter, DraftModel, register
 from app.drafting.request import DraftRequest, delta_support
 from core.math.tree import TokenTree
@@ -41,7 +42,7 @@ class RepeatLast(Drafter):
         gamma: int,
         limit: int | None,
         cancel: threading.Event | None,
-        timing: dict[str, float] | None,
+        timing: DraftSeconds | None,
     ) -> TokenTree:
         self.calls += 1
         tokens = [request.sequence[-1]] * gamma

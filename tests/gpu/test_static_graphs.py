@@ -211,6 +211,7 @@ def test_a_worker_step_on_the_gpu_waits_for_the_device_once() -> None:
     from core.runners.models import resolve_model
     from core.runners.tokenizer import load_tokenizer
     from tests.workers.test_step_syncs import _all_calls
+    from workers.scheduler import Timing
     from workers.settings import WorkerSettings
     from workers.state import WorkerState
 
@@ -235,14 +236,16 @@ def test_a_worker_step_on_the_gpu_waits_for_the_device_once() -> None:
         if c.transform is None or "grammar" not in c.transform or importlib.util.find_spec("llguidance")
     ]
     chunks = [calls[i : i + 16] for i in range(0, len(calls), 16)]
-    worker.steps.verify_batch(chunks[0], [{} for _ in chunks[0]])  # warm: kernels chosen, buffers allocated
+    worker.steps.verify_batch(
+        chunks[0], [Timing() for _ in chunks[0]]
+    )  # warm: kernels chosen, buffers allocated
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
             answers = [
-                a for chunk in chunks[1:] for a in worker.steps.verify_batch(chunk, [{} for _ in chunk])
+                a for chunk in chunks[1:] for a in worker.steps.verify_batch(chunk, [Timing() for _ in chunk])
             ]
         finally:
             torch.cuda.set_sync_debug_mode("default")

@@ -13,6 +13,7 @@ import numpy as np
 
 from core.protocol import VerifyRequest, VerifyResponse, decode, encode
 from core.runners import ModelRunner
+from workers.scheduler import Timing
 from workers.server import create_app
 from workers.settings import WorkerSettings
 
@@ -149,7 +150,7 @@ def test_a_session_answered_from_its_head_start_is_not_the_one_evicted(builtin_l
             VerifyRequest.after("A", PROMPT, agreed[-1:], [], **params),
             VerifyRequest.after("C", [], PROMPT[:6], [], **params),
         ],
-        [{}, {}],
+        [Timing(), Timing()],
     )
     assert (
         isinstance(out[0], VerifyResponse)

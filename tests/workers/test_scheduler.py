@@ -17,7 +17,7 @@ from core.protocol import VerifyRequest, VerifyResponse, decode, encode
 from core.runners import ModelRunner
 from core.runners.model_thread import ModelThread
 from tests.workers.gated import GatedRunner
-from workers.scheduler import AGE_PASSES, Piece, VerifyScheduler
+from workers.scheduler import AGE_PASSES, Piece, Timing, VerifyScheduler
 from workers.server import create_app
 from workers.settings import WorkerSettings
 
@@ -366,7 +366,7 @@ class _Recorder:
         self.thread = ModelThread()
         self.steps: list[list[tuple[str, bool]]] = []
 
-    def verify_batch(self, reqs: list[Any], timings: list[dict[str, float]]) -> list[Any]:
+    def verify_batch(self, reqs: list[Any], timings: list[Timing]) -> list[Any]:
         self.steps.append([(r.session_id, isinstance(r, Piece) and r.end is not None) for r in reqs])
         return ["answer"] * len(reqs)
 
@@ -377,9 +377,11 @@ async def test_a_long_calls_pieces_go_in_free_steps_and_one_in_four_beside_the_o
     answer comes last."""
     host = _Recorder()
     scheduler = VerifyScheduler(host, max_batch_tokens=8, prefill_chunk=4)
-    long = asyncio.create_task(scheduler.verify(VerifyRequest.after("long", [], list(range(1, 25)), [1]), {}))
+    long = asyncio.create_task(
+        scheduler.verify(VerifyRequest.after("long", [], list(range(1, 25)), [1]), Timing())
+    )
     short = [
-        asyncio.create_task(scheduler.verify(VerifyRequest.after(f"s{i}", [], [1, 2], [3]), {}))
+        asyncio.create_task(scheduler.verify(VerifyRequest.after(f"s{i}", [], [1, 2], [3]), Timing()))
         for i in range(12)
     ]
     assert await asyncio.gather(long, *short) == ["answer"] * 13
@@ -398,7 +400,7 @@ async def test_of_two_long_calls_the_one_with_fewer_tokens_left_goes_first() -> 
     host = _Recorder()
     scheduler = VerifyScheduler(host, max_batch_tokens=8, prefill_chunk=4)
     calls = [
-        scheduler.verify(VerifyRequest.after(name, [], list(range(1, n + 1)), [1]), {})
+        scheduler.verify(VerifyRequest.after(name, [], list(range(1, n + 1)), [1]), Timing())
         for name, n in (("long", 40), ("again", 20))
     ]
     assert await asyncio.gather(*calls) == ["answer", "answer"]
@@ -414,9 +416,10 @@ async def test_shorter_long_calls_arriving_all_the_time_do_not_starve_a_long_one
     times goes next."""
     host = _Recorder()
     scheduler = VerifyScheduler(host, max_batch_tokens=8, prefill_chunk=4)
-    calls = [scheduler.verify(VerifyRequest.after("long", [], list(range(1, 101)), [1]), {})]
+    calls = [scheduler.verify(VerifyRequest.after("long", [], list(range(1, 101)), [1]), Timing())]
     calls += [
-        scheduler.verify(VerifyRequest.after(f"again{i}", [], list(range(1, 13)), [1]), {}) for i in range(20)
+        scheduler.verify(VerifyRequest.after(f"again{i}", [], list(range(1, 13)), [1]), Timing())
+        for i in range(20)
     ]
     assert await asyncio.gather(*calls) == ["answer"] * 21
     await scheduler.close()
@@ -526,7 +529,7 @@ class _Pipelined(_Recorder):
         self.most = 0
         self.exclusive_beside: list[int] = []
 
-    def launch(self, reqs: list[Any], timings: list[dict[str, float]]) -> Any:
+    def launch(self, reqs: list[Any], timings: list[Timing]) -> Any:
         sessions = {r.session_id for r in reqs}
         # a session's next call waits for its answer
         assert not any(sessions & other for other in self.in_flight), (sessions, self.in_flight)
@@ -551,9 +554,11 @@ async def test_on_a_device_that_runs_on_the_next_step_is_launched_before_the_las
     answered."""
     host = _Pipelined()
     scheduler = VerifyScheduler(host, max_batch_tokens=8, prefill_chunk=4)
-    long = asyncio.create_task(scheduler.verify(VerifyRequest.after("long", [], list(range(1, 25)), [1]), {}))
+    long = asyncio.create_task(
+        scheduler.verify(VerifyRequest.after("long", [], list(range(1, 25)), [1]), Timing())
+    )
     short = [
-        asyncio.create_task(scheduler.verify(VerifyRequest.after(f"s{i}", [], [1, 2], [3]), {}))
+        asyncio.create_task(scheduler.verify(VerifyRequest.after(f"s{i}", [], [1, 2], [3]), Timing()))
         for i in range(12)
     ]
     await asyncio.sleep(0)

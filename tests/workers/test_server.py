@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -142,6 +143,13 @@ async def test_json_encoding_both_ways(client: httpx.AsyncClient, tiny_runner: M
     assert resp.headers["content-type"].startswith(JSON_CONTENT_TYPE)
     body = orjson.loads(resp.content)
     assert len(body["ids"]) == 3 and len(body["probs"][0]) == 4
+
+
+async def test_a_verify_answer_tells_where_its_milliseconds_went(client: httpx.AsyncClient) -> None:
+    """``Server-Timing``: the step's model and score, the route's codec, queue and total, in that order."""
+    timing = (await _verify(client, _request("t", [], PROMPT, [5]))).headers["server-timing"]
+    parts = ("model", "score", "codec", "queue", "total")
+    assert re.fullmatch(", ".join(rf"{name};dur=\d+\.\d{{3}}" for name in parts), timing), timing
 
 
 async def test_crop_and_append_equal_a_fresh_prefill(

@@ -26,6 +26,7 @@ from core.runners.transformers_runner import TransformersRunner, tiny_random_mod
 from core.transform import TransformSpec
 from tests.syncs import host_syncs
 from tests.workers.test_device_scoring import _calls
+from workers.scheduler import Timing
 from workers.scoring import score
 from workers.settings import WorkerSettings
 from workers.state import WorkerState
@@ -98,7 +99,7 @@ def _steps(worker: WorkerState, calls: list[VerifyRequest], size: int = 16) -> l
     answers = []
     for start in range(0, len(calls), size):
         chunk = calls[start : start + size]
-        answers += worker.steps.verify_batch(chunk, [{} for _ in chunk])
+        answers += worker.steps.verify_batch(chunk, [Timing() for _ in chunk])
     return answers
 
 
@@ -132,7 +133,7 @@ def test_nothing_in_a_worker_step_waits_for_the_device(tokenizer: Any) -> None:
     # a tree's accepted path kept on the next call: its cells moved in the step's upload, no sync either
     tree = next(req for req in calls if req.parents is not None and len(req.draft) >= 3)
     worker = _worker(tokenizer)
-    worker.steps.verify_batch([tree], [{}])
+    worker.steps.verify_batch([tree], [Timing()])
     held = [*tree.tokens.tolist()]
     path = [0, 2]  # node 2 hangs under node 0: rows that are not contiguous, so the cells move
     agreed = held + [int(tree.draft[n]) for n in path]
@@ -144,7 +145,7 @@ def test_nothing_in_a_worker_step_waits_for_the_device(tokenizer: Any) -> None:
     real = worker.runner._move_cells
     worker.runner._move_cells = lambda slot, index: moves.append(index.numel()) or real(slot, index)  # type: ignore[method-assign]
     with host_syncs(worker.runner) as syncs:
-        (answer,) = worker.steps.verify_batch([after], [{}])
+        (answer,) = worker.steps.verify_batch([after], [Timing()])
     assert moves == [len(held) + len(path)]
     assert (
         syncs.found == [] and (syncs.sends, syncs.downloads) == (1, 1) and isinstance(answer, VerifyResponse)
