@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from app.engine import RoundResult, SpecOptions
@@ -14,22 +15,22 @@ from core.modes import MODES
 from core.names import Mode
 
 _SUMS = {  # what Usage.add sums over rounds: its field ← the RoundResult field
-    "forced_tokens": "forced",
+    "forced_tokens": "drafting.forced",
     "draft_tokens": "drafted",
     "accepted_tokens": "accepted",
-    "bound": "bound",
-    "error": "error",
-    "draft_s": "draft_s",
-    "verify_s": "verify_s",
-    "model_s": "model_s",
-    "busy_s": "busy_s",
-    "prepared": "prepared",
-    "prepared_used": "prepared_used",
-    "relaxed_tv": "relaxed_tv",
-    "taus": "taus",
-    "turns": "turns",
-    "trees": "rounds_ended",
-    "rounds_without_draft": "without_draft",
+    "bound": "lossy.bound",
+    "error": "lossy.error",
+    "draft_s": "cost.draft_s",
+    "verify_s": "cost.verify_s",
+    "model_s": "cost.model_s",
+    "busy_s": "cost.busy_s",
+    "prepared": "drafting.prepared",
+    "prepared_used": "drafting.prepared_used",
+    "relaxed_tv": "lossy.relaxed_tv",
+    "taus": "lossy.taus",
+    "turns": "pipeline.turns",
+    "trees": "pipeline.rounds_ended",
+    "rounds_without_draft": "drafting.without_draft",
 }
 
 
@@ -59,7 +60,7 @@ class Usage:
     # [a]: rounds with a draft that accepted exactly a tokens
     acceptance_histogram: list[int] = field(default_factory=list)
     tree: TreeShape | None = None  # mode tree: the shape drafted
-    seconds: dict[str, float] = field(default_factory=dict)  # the rounds' time by part (RoundResult.seconds)
+    seconds: dict[str, float] = field(default_factory=dict)  # the rounds' time by part (RoundCost.seconds)
     round_s: float = 0.0  # the rounds' time: draft + verify
     profile: list[dict[str, Any]] = field(default_factory=list)  # speculative.profile: one entry per round
     turns: int = 0  # mode pipeline: segments answered
@@ -74,27 +75,27 @@ class Usage:
 
     def add(self, result: RoundResult) -> None:
         for mine, theirs in _SUMS.items():
-            setattr(self, mine, getattr(self, mine) + getattr(result, theirs))
+            setattr(self, mine, getattr(self, mine) + attrgetter(theirs)(result))
         # forced tokens take no round (docs/design.md §3.9)
-        is_round = bool(result.tokens) and not result.forced
+        is_round = bool(result.tokens) and not result.drafting.forced
         self.completion_tokens += len(result.tokens)
         self.rounds += is_round
         self.bytes_sent += result.traffic.sent
         self.bytes_received += result.traffic.received
-        self.round_s += result.draft_s + result.verify_s
-        for name, seconds in result.seconds.items():
+        self.round_s += result.cost.draft_s + result.cost.verify_s
+        for name, seconds in result.cost.seconds.items():
             self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         if self.spec.profile and is_round:
             self.profile.append(round_profile(result))
-        if result.gamma is not None:
-            self.gammas.append(result.gamma)
+        if result.drafting.gamma is not None:
+            self.gammas.append(result.drafting.gamma)
         if result.drafted:  # a pipeline's expanded tree can accept more than one draft's depth
             self.acceptance_histogram += [0] * (
                 max(result.drafted, result.accepted) + 1 - len(self.acceptance_histogram)
             )
             self.acceptance_histogram[result.accepted] += 1
-        self.hop_bytes += [0] * (len(result.hop_bytes) - len(self.hop_bytes))
-        for hop, size in enumerate(result.hop_bytes):
+        self.hop_bytes += [0] * (len(result.pipeline.hop_bytes) - len(self.hop_bytes))
+        for hop, size in enumerate(result.pipeline.hop_bytes):
             self.hop_bytes[hop] += size
 
     def timing_ms(self) -> dict[str, float]:
@@ -219,7 +220,7 @@ class Usage:
 
 def round_profile(result: RoundResult) -> dict[str, Any]:
     """One round of ``speculative.profile``: tokens, bytes, and its milliseconds (draft + verify) by part."""
-    total = result.draft_s + result.verify_s
+    total = result.cost.draft_s + result.cost.verify_s
     return {
         "tokens": len(result.tokens),
         "drafted": result.drafted,
@@ -228,7 +229,7 @@ def round_profile(result: RoundResult) -> dict[str, Any]:
         "bytes_up": result.traffic.sent,
         "bytes_down": result.traffic.received,
         "round_ms": _ms(total),
-        "parts_ms": _parts_ms(result.seconds, total),
+        "parts_ms": _parts_ms(result.cost.seconds, total),
     }
 
 

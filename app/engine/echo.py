@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from app.engine.round import Round, array
-from app.engine.spec import RoundResult, TokenLogprob
+from app.engine.spec import RoundCost, RoundResult, TokenLogprob
 from core.math.aggregation import merge_top_logprobs, mixed_logprob
 from core.names import Mode
 
@@ -30,6 +30,5 @@ async def score_prompt(rnd: Round) -> RoundResult:
         )
         for i, token in enumerate(prompt[1:])
     ]
-    result = RoundResult([], drafted=0, accepted=0, traffic=rnd.traffic, prompt_logprobs=logprobs)
-    result.verify_s, result.model_s, result.busy_s = time.perf_counter() - started, rnd.model_s, rnd.busy_s
-    return result
+    cost = RoundCost(verify_s=time.perf_counter() - started, model_s=rnd.model_s, busy_s=rnd.busy_s)
+    return RoundResult([], drafted=0, accepted=0, traffic=rnd.traffic, prompt_logprobs=logprobs, cost=cost)

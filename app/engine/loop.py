@@ -20,7 +20,7 @@ from app.engine.late import LateDraft
 from app.engine.overlap import Overlap
 from app.engine.round import Round
 from app.engine.session import Session
-from app.engine.spec import GenerationRequest, RoundResult, TokenLogprob
+from app.engine.spec import GenerationRequest, RoundCost, RoundResult, TokenLogprob
 from app.engine.strategies import STRATEGIES, RoundStrategy
 from app.targets.channel import Traffic
 from app.targets.pool import TargetSet
@@ -102,7 +102,7 @@ class Engine:
                     # the targets sample the round's token, as autoregressive's
                     rnd = self._round(session, keyed, NO_DRAFT)
                     result = _timed(await strategy.verify(rnd), rnd, started, started, timing, False)
-                    result.without_draft = 1
+                    result.drafting.without_draft = 1
                     yield session.commit(result, rnd.draft)
                     continue
                 prepared = overlap.take() if overlap is not None else None
@@ -202,13 +202,13 @@ class Engine:
             session.auto.observe(
                 result.drafted,
                 result.accepted,
-                result.draft_s,
-                result.verify_s,
-                result.model_s,
-                result.prepared,
-                result.prepared_used,
+                result.cost.draft_s,
+                result.cost.verify_s,
+                result.cost.model_s,
+                result.drafting.prepared,
+                result.drafting.prepared_used,
             )
-            result.gamma = wanted
+            result.drafting.gamma = wanted
         if DRAFTERS[session.req.spec.drafter].learns:
             # e.g. model+lookup: what its lookup tokens, model tokens and places got
             path = result.path if not draft.is_chain else None
@@ -224,14 +224,10 @@ def _timed(
     result: RoundResult, rnd: Round, started: float, drafted: float, timing: DraftSeconds, used: bool
 ) -> RoundResult:
     """The round's seconds, by part: drafting (from ``started``), verifying (from ``drafted``)."""
-    result.draft_s, result.verify_s, result.model_s, result.busy_s = (
-        drafted - started,
-        time.perf_counter() - drafted,
-        rnd.model_s,
-        rnd.busy_s,
-    )
-    result.seconds = {**timing, **rnd.seconds, "gateway_math": max(result.verify_s - rnd.calls_s, 0.0)}
-    result.prepared_used = int(used)
+    verify_s = time.perf_counter() - drafted
+    seconds = {**timing, **rnd.seconds, "gateway_math": max(verify_s - rnd.calls_s, 0.0)}
+    result.cost = RoundCost(drafted - started, verify_s, rnd.model_s, rnd.busy_s, seconds)
+    result.drafting.prepared_used = int(used)
     return result
 
 
@@ -245,10 +241,11 @@ def forced(session: Session, room: int) -> RoundResult | None:
     tokens = transformer.forced_run(session.sequence, room, session.eos_ids)
     if not tokens:
         return None
-    result = RoundResult(tokens, drafted=0, accepted=0, traffic=Traffic(), forced=len(tokens))
+    result = RoundResult(tokens, drafted=0, accepted=0, traffic=Traffic())
+    result.drafting.forced = len(tokens)
     if req.top_logprobs is not None:
         result.logprobs = [TokenLogprob(t, 0.0, [(t, 0.0)] if req.top_logprobs else []) for t in tokens]
-    result.seconds = {"gateway_math": time.perf_counter() - started}
+    result.cost.seconds = {"gateway_math": time.perf_counter() - started}
     return result
 
 

@@ -56,7 +56,7 @@ class Overlap:
             return
         task, cancel = self._preparing
         self._preparing = None
-        result.prepared = 1
+        result.drafting.prepared = 1
         if result.accepted < len(draft):
             cancel.set()  # its assumption failed: stop it now
         try:

@@ -181,8 +181,50 @@ ROUND_PARTS = (  # a round's seconds, by part (usage ``timing_ms``; ``specgate b
 
 
 @dataclass
+class RoundCost:
+    """What a round cost, in seconds."""
+
+    draft_s: float = 0.0  # the draft took this round (waiting for it, with overlap)
+    verify_s: float = 0.0  # from sending to the workers to the verdict (network included)
+    model_s: float = 0.0  # the slowest worker spent in its model, per call, summed
+    busy_s: float = 0.0  # every worker (every stage) spent in its model, summed: the targets' cost
+    seconds: dict[str, float] = field(default_factory=dict)  # where the round's time went, by ROUND_PARTS
+
+
+@dataclass
+class LossyBounds:
+    """What a lossy round owes the target's law, per position; empty when lossless (docs/design.md §10)."""
+
+    bound: list[float] = field(default_factory=list)  # Σ w_n σ_n per consumed position
+    error: list[float] = field(default_factory=list)  # Σ w_n e_n per consumed position
+    relaxed_tv: list[float] = field(default_factory=list)  # τ_j (1 − β_j) per emitted position (relaxation)
+    taus: list[float] = field(default_factory=list)  # τ_j per emitted draft position (relaxation)
+
+
+@dataclass
+class DraftTally:
+    """How a round's draft came: prepared ahead (overlap), its γ (auto), tokens a grammar forced, or none."""
+
+    prepared: int = 0  # 1 when the next round's draft was prepared during this round's flight
+    prepared_used: int = 0  # 1 when this round's draft is one prepared during the previous round
+    gamma: int | None = None  # the γ num_draft_tokens: auto chose for this round
+    forced: int = 0  # tokens a grammar forced (docs/design.md §3.9): emitted with no draft and no call
+    without_draft: int = 0  # 1: a round that carried no draft, the draft still prefilling (app.engine.late)
+
+
+@dataclass
+class PipelineTally:
+    """What mode pipeline counts in a result (docs/design.md §3.7)."""
+
+    turns: int = 0  # segments answered (pipeline turns)
+    rounds_ended: int = 0  # trees whose walk ended (a recovered or bonus token drawn)
+    hop_bytes: list[int] = field(default_factory=list)  # the answered segment's bytes per stage-to-stage hop
+
+
+@dataclass
 class RoundResult:
-    """What one round emitted, and what it cost."""
+    """What one round emitted — its tokens, their logprobs, why the answer ends — and by concern: what it
+    cost, what it owes when lossy, how its draft came, what a pipeline counts."""
 
     tokens: list[int]
     drafted: int
@@ -190,27 +232,9 @@ class RoundResult:
     traffic: Traffic
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop" (EOS) or "length"; None while generating
-    bound: list[float] = field(default_factory=list)  # Σ w_n σ_n per consumed position (lossy only)
-    error: list[float] = field(default_factory=list)  # Σ w_n e_n per consumed position (lossy only)
-    draft_s: float = 0.0  # seconds the draft took this round (waiting for it, with overlap)
-    prepared: int = 0  # 1 when the next round's draft was prepared during this round's flight
-    prepared_used: int = 0  # 1 when this round's draft is one prepared during the previous round
-    gamma: int | None = None  # the γ num_draft_tokens: auto chose for this round
-    # τ_j (1 − β_j) per emitted position (relaxation only)
-    relaxed_tv: list[float] = field(default_factory=list)
-    taus: list[float] = field(default_factory=list)  # τ_j per emitted draft position (relaxation only)
-    verify_s: float = 0.0  # seconds from sending to the workers to the verdict (network included)
-    model_s: float = 0.0  # seconds the slowest worker spent in its model, per call, summed
-    busy_s: float = 0.0  # seconds every worker (every stage) spent in its model, summed: the targets' cost
     prompt_logprobs: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's, before any round
     path: list[int] | None = None  # a tree round: the accepted nodes, root to leaf (the next call's ``path``)
-    # where the round's time went, by part (``ROUND_PARTS``)
-    seconds: dict[str, float] = field(default_factory=dict)
-    turns: int = 0  # mode pipeline: segments answered (pipeline turns) in this result
-    rounds_ended: int = 0  # mode pipeline: trees whose walk ended (a recovered or bonus token drawn)
-    # mode pipeline: the answered segment's bytes per stage-to-stage hop
-    hop_bytes: list[int] = field(default_factory=list)
-    # tokens the grammar forced (docs/design.md §3.9): emitted by the gateway with no draft and no call
-    forced: int = 0
-    # 1: a drafting mode's round that carried no draft, the draft still prefilling (app.engine.late)
-    without_draft: int = 0
+    cost: RoundCost = field(default_factory=RoundCost)
+    lossy: LossyBounds = field(default_factory=LossyBounds)
+    drafting: DraftTally = field(default_factory=DraftTally)
+    pipeline: PipelineTally = field(default_factory=PipelineTally)

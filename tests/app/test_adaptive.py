@@ -143,7 +143,7 @@ def test_the_engine_chooses_gamma_unless_the_request_is_seeded() -> None:
             spec=spec,
             seeded=seeded,
         )
-        return [(r.gamma, r.drafted) async for r in engine.generate(req)]
+        return [(r.drafting.gamma, r.drafted) async for r in engine.generate(req)]
 
     auto = asyncio.run(rounds(seeded=False))
     assert all(g is not None and 1 <= g <= 12 and d <= g for g, d in auto) and auto[0][0] == DEFAULT_GAMMA

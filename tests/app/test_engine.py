@@ -523,7 +523,7 @@ def test_top_k_reports_a_bound_that_covers_the_error() -> None:
 
     async def run() -> list[tuple[list[float], list[float]]]:
         return [
-            (r.bound, r.error)
+            (r.lossy.bound, r.lossy.error)
             async for r in engine.generate(_request(2, _spec(Mode.AGGREGATE, 3, k=2), max_tokens=20))
         ]
 
@@ -579,8 +579,8 @@ async def _rounds(engine: Engine, req: GenerationRequest) -> tuple[list[int], in
     tokens, prepared, used = [], 0, 0
     async for result in engine.generate(req):
         tokens += result.tokens
-        prepared += result.prepared
-        used += result.prepared_used
+        prepared += result.drafting.prepared
+        used += result.drafting.prepared_used
     return tokens, prepared, used
 
 
@@ -729,8 +729,8 @@ def test_relaxation_with_tau_zero_is_strict_and_above_it_accepts_more(mode: Mode
                 drafted, accepted, tvs, taus = (
                     drafted + r.drafted,
                     accepted + r.accepted,
-                    tvs + r.relaxed_tv,
-                    taus + r.taus,
+                    tvs + r.lossy.relaxed_tv,
+                    taus + r.lossy.taus,
                 )
             texts.append(tokens)
         return texts, drafted, accepted, tvs, taus

@@ -95,11 +95,11 @@ def _output(cell: Cell) -> dict[str, Any]:
                         list(r.tokens),
                         r.drafted,
                         r.accepted,
-                        r.forced,
-                        r.turns,
-                        r.rounds_ended,
-                        sum(r.bound),
-                        sum(r.relaxed_tv),
+                        r.drafting.forced,
+                        r.pipeline.turns,
+                        r.pipeline.rounds_ended,
+                        sum(r.lossy.bound),
+                        sum(r.lossy.relaxed_tv),
                     ]
                 )
                 finish = r.finish_reason or finish

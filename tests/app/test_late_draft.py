@@ -17,6 +17,7 @@ import torch
 from app.engine import Engine, GenerationRequest, RoundResult, SpecOptions
 from app.engine import loop as loop_module
 from app.engine.round import Round
+from app.engine.spec import DraftTally
 from app.engine.strategies import STRATEGIES, RoundStrategy
 from app.targets.channel import Traffic
 from app.usage import Usage
@@ -103,7 +104,7 @@ def _counts(seeds: range, broken: bool) -> tuple[torch.Tensor, int]:
     for results in asyncio.run(run()):
         tokens = [t for r in results for t in r.tokens]
         counts[tokens[0], tokens[1]] += 1
-        waited += sum(r.without_draft for r in results)
+        waited += sum(r.drafting.without_draft for r in results)
     return counts, waited
 
 
@@ -149,7 +150,7 @@ def test_an_unseeded_request_goes_on_without_the_draft_until_it_is_ready() -> No
         engine = make_engine(DRAFT, WORKERS)
         held, flags = _Held(engine), []
         async for result in engine.generate(_request(1, max_tokens=40)):
-            flags.append(result.without_draft)
+            flags.append(result.drafting.without_draft)
             if len(flags) == 3:
                 held.ready.set()
         return flags
@@ -169,14 +170,14 @@ def test_a_seeded_request_takes_its_rounds_without_a_draft_whatever_the_timing(
         held = _Held(engine)
         asyncio.get_running_loop().call_later(delay, held.ready.set)
         results = await _results(engine, _request(7, seeded=True, max_tokens=24, draft_after=draft_after))
-        return [t for r in results for t in r.tokens], [r.without_draft for r in results]
+        return [t for r in results for t in r.tokens], [r.drafting.without_draft for r in results]
 
     prompt_ready, late = asyncio.run(run(0.0)), asyncio.run(run(0.2))
     assert prompt_ready == late  # the text, and which rounds drafted
     assert late[1][:draft_after] == [1] * draft_after and 1 not in late[1][draft_after:]
     usage = Usage(SPEC, len(PROMPT))
     for flag in late[1]:
-        usage.add(RoundResult([0], 0, 0, Traffic(), without_draft=flag))
+        usage.add(RoundResult([0], 0, 0, Traffic(), drafting=DraftTally(without_draft=flag)))
     assert usage.to_dict()["speculative"]["rounds_without_draft"] == draft_after
 
 
@@ -208,7 +209,7 @@ def test_nothing_waits_where_nothing_drafts(spec: SpecOptions) -> None:
     engine = make_engine(DRAFT, WORKERS)
     max_tokens = 1 if spec.mode is Mode.EXACT else 6
     results = asyncio.run(_results(engine, _request(5, seeded=True, max_tokens=max_tokens, spec=spec)))
-    assert all(r.without_draft == 0 for r in results)
+    assert all(r.drafting.without_draft == 0 for r in results)
 
 
 @pytest.mark.parametrize(
@@ -236,7 +237,9 @@ def test_the_prefill_starts_beside_the_first_round_or_after_it(
         engine.draft.prefill = spy  # type: ignore[method-assign]
         async for result in engine.generate(_request(2, seeded=seeded, max_tokens=12)):
             results.append(result)
-        assert results[0].without_draft == 1 and (not seeded or sum(r.without_draft for r in results) == 1)
+        assert results[0].drafting.without_draft == 1 and (
+            not seeded or sum(r.drafting.without_draft for r in results) == 1
+        )
         return calls
 
     assert asyncio.run(run()) == started

@@ -599,13 +599,13 @@ def _law(cell: Cell, spec: SpecOptions, second_draft: bool) -> tuple[dict[Outcom
             async with aclosing(engine.generate(req)) as results:
                 async for result in results:
                     if not tokens and result.tokens:  # τ(1 − β) to p̂, then p̂ to p
-                        bound = (result.relaxed_tv or [0.0])[0] + (result.bound or [0.0])[0]
+                        bound = (result.lossy.relaxed_tv or [0.0])[0] + (result.lossy.bound or [0.0])[0]
                     tokens += result.tokens
                     # forced tokens take no round
                     seen += (
-                        result.rounds_ended
+                        result.pipeline.rounds_ended
                         if cell.mode is Mode.PIPELINE
-                        else int(bool(result.tokens) and not result.forced)
+                        else int(bool(result.tokens) and not result.drafting.forced)
                     )
                     if (seen >= cell.rounds and not second_draft) or result.finish_reason:
                         break

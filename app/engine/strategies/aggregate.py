@@ -64,13 +64,13 @@ class AggregateStrategy(RoundStrategy):
             result.path = list(verdict.path)
         if relaxed:  # the emitted draft positions follow τ q + (1 − τ) p; the bonus position p itself
             at = min(used, len(tree))
-            result.taus = taus[:at].tolist()
-            result.relaxed_tv = relaxed_distance(target[:at], q[:at], taus[:at]).tolist() + [0.0] * (
+            result.lossy.taus = taus[:at].tolist()
+            result.lossy.relaxed_tv = relaxed_distance(target[:at], q[:at], taus[:at]).tolist() + [0.0] * (
                 used - at
             )
         if not spec.is_lossless:
             sigma = torch.stack([torch.tensor(array(r.tail_mass)) for r in responses])[:, rows]
             error = torch.stack([torch.tensor(array(r.recon_error)) for r in responses])[:, rows]
-            result.bound = bias_bound(sigma, rnd.weights).tolist()
-            result.error = bias_bound(error, rnd.weights).tolist()
+            result.lossy.bound = bias_bound(sigma, rnd.weights).tolist()
+            result.lossy.error = bias_bound(error, rnd.weights).tolist()
         return result

@@ -46,7 +46,7 @@ class AutoregressiveStrategy(RoundStrategy):
             sigma = torch.tensor(
                 [[float(array(r.tail_mass)[0]) if r.tail_mass is not None else 0.0] for r in rnd.responses]
             )
-            result.bound = result.error = bias_bound(sigma, rnd.weights).tolist()
+            result.lossy.bound = result.lossy.error = bias_bound(sigma, rnd.weights).tolist()
         return result
 
     async def _greedy(self, rnd: Round, want_logprobs: bool) -> tuple[int, torch.Tensor | None]:

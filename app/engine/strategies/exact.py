@@ -75,8 +75,8 @@ class ExactStrategy(RoundStrategy):
         if taus is not None:
             # the emitted draft positions follow τ q̂ + (1 − τ) p; the bonus position p itself
             at = min(len(tokens), len(positions))
-            result.taus = taus[:at].tolist()
-            result.relaxed_tv = [
+            result.lossy.taus = taus[:at].tolist()
+            result.lossy.relaxed_tv = [
                 float(relaxed_distance(w @ pos.p.double(), pos.q, taus[j]))
                 for j, pos in enumerate(positions[:at])
             ] + [0.0] * (len(tokens) - at)

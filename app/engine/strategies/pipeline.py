@@ -19,7 +19,7 @@ from app.drafting.request import delta
 from app.engine.late import LateDraft
 from app.engine.round import token_logprobs
 from app.engine.session import Session, finish_reason
-from app.engine.spec import RoundResult, TokenLogprob
+from app.engine.spec import PipelineTally, RoundCost, RoundResult, TokenLogprob
 from app.engine.strategies.base import EngineView, LoopStrategy
 from app.targets.channel import Traffic
 from app.targets.failures import WorkerError
@@ -144,13 +144,13 @@ class PipelineRun:
                     0,
                     traffic,
                     [] if self.req.top_logprobs is not None else None,
-                    verify_s=time.perf_counter() - waited,
-                    model_s=model_s,
-                    busy_s=model_s,
-                    hop_bytes=[
-                        int(b) for b in np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [])
-                    ],
-                    turns=1,
+                    cost=RoundCost(verify_s=time.perf_counter() - waited, model_s=model_s, busy_s=model_s),
+                    pipeline=PipelineTally(
+                        turns=1,
+                        hop_bytes=[
+                            int(b) for b in np.asarray(resp.hop_bytes if resp.hop_bytes is not None else [])
+                        ],
+                    ),
                 )
                 if flight.round == self.round:
                     self._store(flight.scored, resp)
@@ -166,14 +166,14 @@ class PipelineRun:
                 started = time.perf_counter()
                 if ended or result.finish_reason:
                     # a walk that ended, or the last tree cut short by EOS or the length
-                    result.drafted, result.accepted, result.rounds_ended = self.round_nodes, len(self.path), 1
-                    result.without_draft = int(self.bare)
+                    result.drafted, result.accepted = self.round_nodes, len(self.path)
+                    result.pipeline.rounds_ended, result.drafting.without_draft = 1, int(self.bare)
                 if not result.finish_reason:
                     if ended:
                         await self._new_round(timing)
                     self._fill()
-                result.draft_s = draft_s + time.perf_counter() - started
-                result.seconds = {
+                result.cost.draft_s = draft_s + time.perf_counter() - started
+                result.cost.seconds = {
                     "draft_model": timing.pop("draft_model", 0.0),
                     "draft_sampling": timing.pop("draft_sampling", 0.0),
                 }

@@ -51,9 +51,9 @@ class SplitStrategy(RoundStrategy):
             values = [*array(resp.draft_logprobs)[:accepted].tolist(), final]
             result.logprobs = worker_logprobs(rnd, tokens, values)
         if not spec.is_lossless:
-            result.bound = result_bound + [0.0] * (len(tokens) - len(result_bound))
+            result.lossy.bound = result_bound + [0.0] * (len(tokens) - len(result_bound))
             # the one position p̂ decided: its residual's bound (_residual_bound)
-            result.error = list(result.bound)
+            result.lossy.error = list(result.lossy.bound)
         return result
 
 
