@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
 from core.batching import take_within
-from core.protocol import StageRequest, VerifyRequest
+from core.protocol import StageRequest, StageResponse, VerifyRequest, VerifyResponse
 from core.runners.model_thread import ModelThread
+from workers.stage import StageStates
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,6 +46,9 @@ class Piece:
 
 
 Work = VerifyRequest | StageRequest | Piece  # what a step runs for one call
+StepAnswer = VerifyResponse | StageResponse | StageStates | int | Exception
+"""A step's answer to one call: a verify call's ``VerifyResponse``; a stage's ``StageResponse`` (the last) or
+``StageStates`` (to send on); a piece's, how many of its call's tokens are held; or the call's exception."""
 
 
 def chunkable(req: VerifyRequest | StageRequest) -> bool:
@@ -105,14 +109,14 @@ class StepHost(Protocol):
 
     thread: ModelThread
 
-    def verify_batch(self, reqs: list[Work], timings: list[Timing]) -> list[Any]: ...
+    def verify_batch(self, reqs: list[Work], timings: list[Timing]) -> list[StepAnswer]: ...
 
     @property
     def overlaps(self) -> bool: ...
 
     def launch(self, reqs: list[Work], timings: list[Timing]) -> Any: ...
 
-    def finish(self, pending: Any) -> list[Any]: ...
+    def finish(self, pending: Any) -> list[StepAnswer]: ...
 
 
 class VerifyScheduler:
@@ -254,7 +258,7 @@ class VerifyScheduler:
     async def _settle_pending(self, pending: tuple[list[tuple[_Call, Work]], Any, set[str]]) -> None:
         work, launched, _ = pending
         if isinstance(launched, Exception):
-            answers: list[Any] = [launched] * len(work)
+            answers: list[StepAnswer] = [launched] * len(work)
         else:
             try:
                 answers = await self.state.thread.run(self.state.finish, launched)
@@ -320,7 +324,7 @@ class VerifyScheduler:
             answers = [exc] * len(work)
         self._answer(work, answers)
 
-    def _answer(self, work: list[tuple[_Call, Work]], answers: list[Any]) -> None:
+    def _answer(self, work: list[tuple[_Call, Work]], answers: list[StepAnswer]) -> None:
         self.progress_at = time.monotonic()
         for (call, piece), answer in zip(work, answers):
             if isinstance(piece, Piece) and piece.end is not None and not isinstance(answer, BaseException):

@@ -22,7 +22,7 @@ from core.runners.model_thread import ModelThread
 from core.runners.step_upload import StepUpload
 from core.transform import DeviceTransform
 from workers.device_scoring import StepScoring, handles
-from workers.scheduler import Piece, Timing, Work
+from workers.scheduler import Piece, StepAnswer, Timing, Work
 from workers.scoring import score, tree_item
 from workers.sessions import SessionStore, Shaping, Transforms, shaped
 from workers.settings import WorkerSettings
@@ -36,7 +36,7 @@ class PendingStep:
     """A step launched — its host work done, its device work queued — and not yet answered
     (``Steps.finish``)."""
 
-    answers: list[Any]
+    answers: dict[int, StepAnswer]  # call index -> its answer, as each is known
     timings: list[Timing]
     sessions: set[str]  # the step's sessions: their next calls wait for its answers
     batch: int = 0
@@ -95,17 +95,17 @@ class Steps:
         # session -> (rows before it, its token, its logits [1, V], when its decode ran)
         self._ahead: dict[str, tuple[int, int, torch.Tensor, tuple[float, float]]] = {}
 
-    def verify(self, req: VerifyRequest, timing: Timing | None = None) -> Any:
+    def verify(self, req: VerifyRequest, timing: Timing | None = None) -> VerifyResponse:
         """``POST /v1/verify`` for one call alone; ``timing`` gets the model's and the scoring's ms."""
         answer = self.verify_batch([req], [timing or Timing()])[0]
         if isinstance(answer, Exception):
             raise answer
+        assert isinstance(answer, VerifyResponse)  # a verify call's answer
         return answer
 
-    def verify_batch(self, reqs: list[Work], timings: list[Timing]) -> list[Any]:
-        """One scheduler step: per call its answer (None for a piece of a long call) or the exception it alone
-        fails with; every ``model_ms`` is the step's forward (a call fed in pieces: theirs, summed).
-        ``launch`` then ``finish``."""
+    def verify_batch(self, reqs: list[Work], timings: list[Timing]) -> list[StepAnswer]:
+        """One scheduler step: per call its answer (``StepAnswer``); every ``model_ms`` is the step's forward
+        (a call fed in pieces: theirs, summed). ``launch`` then ``finish``."""
         return self.finish(self.launch(reqs, timings))
 
     @property
@@ -134,7 +134,7 @@ class Steps:
                 upload.end()
 
     def _launch(self, reqs: list[Work], timings: list[Timing], upload: StepUpload | None) -> PendingStep:
-        pending = PendingStep([None] * len(reqs), timings, {r.session_id for r in reqs})
+        pending = PendingStep({}, timings, {r.session_id for r in reqs})
         if self._ahead:  # head starts of sessions freed or evicted since: their logits let go
             self._ahead = {s: kept for s, kept in self._ahead.items() if s in self.sessions}
         answers = pending.answers
@@ -271,7 +271,7 @@ class Steps:
                 exc_info=True,
             )
 
-    def finish(self, pending: PendingStep) -> list[Any]:
+    def finish(self, pending: PendingStep) -> list[StepAnswer]:
         """The step's answers: the device's results copied back (the step's one copy), then the calls scored
         on the host."""
         answers, timings = pending.answers, pending.timings
@@ -317,7 +317,7 @@ class Steps:
             except Exception as exc:  # noqa: BLE001 - this call's answer
                 answers[i] = exc
             timings[i].score = (time.perf_counter() - scored) * 1e3
-        return answers
+        return [answers[i] for i in range(len(timings))]
 
     def _verify_answer(
         self,
