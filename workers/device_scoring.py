@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -333,35 +334,11 @@ def _rows_call(
     numbers: _Numbers,
     need: dict[str, slice],
     pack: _Pack,
+    sampled: bool = False,
 ) -> Finish:
     """One call's device work, queued into ``pack``; what builds its answer once the pack is on the host:
-    T(p) rows as asked."""
-    return _rows_and_sample(rows, req, held, model_ms, numbers, need, pack, sampled=False)
-
-
-def _sample_call(
-    rows: _Rows,
-    req: VerifyRequest,
-    held: int,
-    model_ms: float,
-    numbers: _Numbers,
-    need: dict[str, slice],
-    pack: _Pack,
-) -> Finish:
-    """autoregressive at T > 0: the worker's own z ~ T(p) at its one position (and the row, if asked)."""
-    return _rows_and_sample(rows, req, held, model_ms, numbers, need, pack, sampled=True)
-
-
-def _rows_and_sample(
-    rows: _Rows,
-    req: VerifyRequest,
-    held: int,
-    model_ms: float,
-    numbers: _Numbers,
-    need: dict[str, slice],
-    pack: _Pack,
-    sampled: bool,
-) -> Finish:
+    T(p) rows as asked; ``sampled`` (autoregressive at T > 0): first the worker's own z ~ T(p) at its one
+    position, and the row only if asked."""
     sample = None
     if sampled:
         sample = pack.add(sample_rows(rows.probs[:1], numbers.u(need["u"])))
@@ -620,7 +597,7 @@ class DeviceScoring:
 # by kind of answer, as workers.scoring.SCORINGS; a mode with a kind of its own adds its scoring here
 DEVICE_SCORINGS: dict[str, DeviceScoring] = {
     ROWS: DeviceScoring(_no_numbers, _rows_call),
-    SAMPLE: DeviceScoring(_sample_numbers, _sample_call),
+    SAMPLE: DeviceScoring(_sample_numbers, partial(_rows_call, sampled=True)),
     VERDICT: DeviceScoring(_verdict_numbers, _split),
     SPARSE: DeviceScoring(_sparse_numbers, _exact),
 }
