@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, given, seed, settings
 
 from core.config import parse_config
 from tests.app.helpers import sse_events
@@ -46,6 +46,10 @@ pytestmark = pytest.mark.integration
 _FULL = bool(os.environ.get("SPECGATE_FULL_STATISTICS"))
 EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_EXAMPLES") or (2000 if _FULL else 30))
 STRUCTURED_EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_STRUCTURED") or (500 if _FULL else 2))
+# one draw, the same whatever this file's source says (a derandomised run seeds from the source: any edit
+# drew other requests, and took other time); seed 1's 30: 21 reach the model (text, grammar and tools), 9 are
+# refused by name
+SEED = int(os.environ.get("SPECGATE_SURFACE_SEED") or 1)
 RESPONSES_EXAMPLES = int(os.environ.get("SPECGATE_SURFACE_RESPONSES") or (500 if _FULL else 2))
 STATS: Counter[str] = Counter()
 # a long run: every failing example reported at the end, not the first alone
@@ -149,10 +153,10 @@ def _run(base_url: str, examples: int, **strategy: bool) -> None:
     STATS.clear()
     with httpx.Client(base_url=base_url, timeout=120) as client:
 
+        @seed(SEED)
         @settings(
             max_examples=examples,
             deadline=None,
-            derandomize=True,
             database=None,
             suppress_health_check=list(HealthCheck),
         )
